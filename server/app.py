@@ -1,0 +1,111 @@
+"""The grpc.aio server and what it owns: JobService, health, reflection."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import structlog
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1._async import HealthServicer
+from grpc_reflection.v1alpha import reflection
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from jobplane.faults import NO_FAULTS, FaultPoints
+from jobplane.server.service import JobService
+from jobplane.server.servicer import JobServiceServicer
+from jobplane.store.jobs import JobStore
+from jobplane.store.keys import KeyStore
+from jobplane.store.listen import Listener
+from jobplane.store.rows import EVENTS_CHANNEL
+from jobplane.topology import Topology
+from jobplane.v1 import jobs_pb2, jobs_pb2_grpc
+
+log = structlog.get_logger("jobplane.server")
+
+SERVICE_NAME = jobs_pb2.DESCRIPTOR.services_by_name["JobService"].full_name
+
+
+class JobplaneServer:
+    """One server process: ``await start()``, then ``await stop()``.
+
+    The engine belongs to the caller; the server owns its LISTEN connection
+    and the gRPC server.
+    """
+
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        database_url: str,
+        topology: Topology,
+        *,
+        listen: str = "127.0.0.1:50051",
+        max_payload_bytes: int = 256 * 1024,
+        faults: FaultPoints = NO_FAULTS,
+        recheck_seconds: float = 5.0,
+    ) -> None:
+        self._listen = listen
+        self.hub = Listener(database_url, EVENTS_CHANNEL)
+        self.keys = KeyStore(engine)
+        self.service = JobService(
+            JobStore(engine, faults=faults),
+            self.hub,
+            topology,
+            max_payload_bytes=max_payload_bytes,
+            recheck_seconds=recheck_seconds,
+        )
+        self.health = HealthServicer()
+        self._server: grpc.aio.Server | None = None
+        self.port: int = 0
+
+    @property
+    def address(self) -> str:
+        """host:port the server listens on (the real port, once started)."""
+        host = self._listen.rsplit(":", 1)[0]
+        return f"{host}:{self.port}"
+
+    async def start(self) -> None:
+        """Bind, start serving and report SERVING."""
+        await self.hub.start()
+        server = grpc.aio.server(
+            options=[
+                ("grpc.so_reuseport", 0),
+                ("grpc.max_receive_message_length", 8 * 1024 * 1024),
+                ("grpc.keepalive_time_ms", 30_000),
+                ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+            ]
+        )
+        jobs_pb2_grpc.add_JobServiceServicer_to_server(
+            JobServiceServicer(self.service, self.keys), server
+        )
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        reflection.enable_server_reflection(
+            (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+             reflection.SERVICE_NAME),
+            server,
+        )
+        self.port = server.add_insecure_port(self._listen)
+        if self.port == 0:
+            raise OSError(f"cannot listen on {self._listen}")
+        await server.start()
+        self._server = server
+        for service in ("", SERVICE_NAME):
+            await self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
+        log.info("server.started", address=self.address)
+
+    async def stop(self, grace: float = 5.0) -> None:
+        """Report NOT_SERVING, end streams, stop."""
+        for service in ("", SERVICE_NAME):
+            await self.health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
+        if self._server is not None:
+            await self._server.stop(grace)
+            self._server = None
+        await self.hub.stop()
+        log.info("server.stopped")
+
+    async def wait(self) -> None:
+        """Until the server terminates."""
+        if self._server is not None:
+            await self._server.wait_for_termination()
+        else:  # pragma: no cover - only before start
+            await asyncio.Event().wait()

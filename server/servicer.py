@@ -1,0 +1,123 @@
+"""JobService over gRPC: thin adapters between protobuf and :class:`JobService`."""
+
+from __future__ import annotations
+
+import functools
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
+
+import grpc
+import structlog
+
+from jobplane.convert import dict_from_struct, event_to_pb, job_to_pb, state_from_pb
+from jobplane.errors import InternalError, JobplaneError, Unauthenticated
+from jobplane.server.service import JobService, SubmitRequest
+from jobplane.server.status import to_grpc_status
+from jobplane.store.keys import KeyStore
+from jobplane.v1 import jobs_pb2, jobs_pb2_grpc
+
+log = structlog.get_logger("jobplane.server")
+
+Req = TypeVar("Req")
+Resp = TypeVar("Resp")
+Context = grpc.aio.ServicerContext[Any, Any]
+
+
+async def _abort(context: Context, error: JobplaneError) -> None:
+    await context.abort_with_status(to_grpc_status(error))
+
+
+def _unary(
+    method: Callable[[JobServiceServicer, uuid.UUID, Req], Awaitable[Resp]],
+) -> Callable[[JobServiceServicer, Req, Context], Awaitable[Resp]]:
+    """Authenticate, then run; JobplaneError becomes its rich status."""
+
+    @functools.wraps(method)
+    async def wrapper(self: JobServiceServicer, request: Req, context: Context) -> Resp:
+        try:
+            tenant = await self.authenticate(context)
+            return await method(self, tenant, request)
+        except JobplaneError as error:
+            await _abort(context, error)
+        except Exception:
+            log.exception("rpc.failed", rpc=method.__name__)
+            await _abort(context, InternalError())
+        raise AssertionError("unreachable: abort raises")
+
+    return wrapper
+
+
+class JobServiceServicer(jobs_pb2_grpc.JobServiceServicer):
+    """The JobService RPCs."""
+
+    def __init__(self, service: JobService, keys: KeyStore) -> None:
+        self._service = service
+        self._keys = keys
+
+    async def authenticate(self, context: Context) -> uuid.UUID:
+        """The tenant of the call's bearer key; UNAUTHENTICATED otherwise."""
+        for key, value in context.invocation_metadata() or ():
+            if key == "authorization" and isinstance(value, str):
+                scheme, _, token = value.partition(" ")
+                if scheme.lower() == "bearer" and token.strip():
+                    tenant = await self._keys.resolve(token.strip())
+                    if tenant is not None:
+                        return tenant
+                raise Unauthenticated("the API key is not valid")
+        raise Unauthenticated("missing 'authorization: Bearer <key>' metadata")
+
+    @_unary
+    async def SubmitJob(self, tenant: uuid.UUID, request: jobs_pb2.SubmitJobRequest) -> jobs_pb2.Job:
+        job = await self._service.submit(
+            tenant,
+            SubmitRequest(
+                type=request.type,
+                payload=dict_from_struct(request.payload),
+                request_id=request.request_id,
+                correlation_id=request.correlation_id,
+                max_attempts=request.max_attempts,
+                labels=dict(request.labels),
+            ),
+        )
+        return job_to_pb(job)
+
+    @_unary
+    async def GetJob(self, tenant: uuid.UUID, request: jobs_pb2.GetJobRequest) -> jobs_pb2.Job:
+        return job_to_pb(await self._service.get(tenant, request.name))
+
+    @_unary
+    async def ListJobs(
+        self, tenant: uuid.UUID, request: jobs_pb2.ListJobsRequest
+    ) -> jobs_pb2.ListJobsResponse:
+        page = await self._service.list(
+            tenant,
+            page_size=request.page_size,
+            page_token=request.page_token,
+            state=state_from_pb(request.state),
+            job_type=request.type,
+        )
+        return jobs_pb2.ListJobsResponse(
+            jobs=[job_to_pb(j) for j in page.jobs], next_page_token=page.next_page_token
+        )
+
+    @_unary
+    async def CancelJob(self, tenant: uuid.UUID, request: jobs_pb2.CancelJobRequest) -> jobs_pb2.Job:
+        return job_to_pb(await self._service.cancel(tenant, request.name, request.reason))
+
+    @_unary
+    async def RetryJob(self, tenant: uuid.UUID, request: jobs_pb2.RetryJobRequest) -> jobs_pb2.Job:
+        return job_to_pb(await self._service.retry(tenant, request.name))
+
+    async def WatchJob(  # type: ignore[override]
+        self, request: jobs_pb2.WatchJobRequest, context: Context
+    ) -> AsyncIterator[jobs_pb2.WatchJobResponse]:
+        try:
+            tenant = await self.authenticate(context)
+            async for event in self._service.watch(tenant, request.name, request.after_seq):
+                yield event_to_pb(event)
+        except JobplaneError as error:
+            await _abort(context, error)
+        except Exception:
+            log.exception("rpc.failed", rpc="WatchJob")
+            await _abort(context, InternalError())

@@ -1,0 +1,298 @@
+"""The ``jobplane`` command: processes (migrate, serve, relay, worker, dev), keys,
+topology, and the client commands (submit, watch, get, list, cancel, retry)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import signal
+import sys
+from collections.abc import Awaitable, Callable, Coroutine
+from contextlib import AsyncExitStack
+from typing import Any
+
+from jobplane.config import ConfigError, Settings
+from jobplane.faults import FaultPoints
+from jobplane.logs import configure
+from jobplane.topology import Topology, TopologyError, load_topology
+
+
+def _run(coro: Coroutine[Any, Any, int]) -> int:
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvloop is a dependency on POSIX
+        return asyncio.run(coro)
+    return uvloop.run(coro)
+
+
+async def _until_signal() -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+
+
+def _settings_and_topology() -> tuple[Settings, Topology]:
+    settings = Settings.from_env()
+    configure(settings.log_level, settings.log_format)
+    return settings, load_topology(settings.topology_path)
+
+
+async def _started(
+    stack: AsyncExitStack, start: Callable[[], Awaitable[None]], stop: Callable[[], Awaitable[None]]
+) -> None:
+    await start()
+    stack.push_async_callback(stop)
+
+
+async def _migrate(_args: argparse.Namespace) -> int:
+    from jobplane.store.engine import migrate
+
+    settings = Settings.from_env()
+    configure(settings.log_level, settings.log_format)
+    await migrate(settings.database_url)
+    print("database is at the latest migration", file=sys.stderr)
+    return 0
+
+
+async def _serve(_args: argparse.Namespace) -> int:
+    from jobplane.server import JobplaneServer
+    from jobplane.store.engine import create_engine
+
+    settings, topology = _settings_and_topology()
+    engine = create_engine(settings.database_url)
+    async with AsyncExitStack() as stack:
+        stack.push_async_callback(engine.dispose)
+        server = JobplaneServer(
+            engine,
+            settings.database_url,
+            topology,
+            listen=settings.listen,
+            max_payload_bytes=settings.max_payload_bytes,
+            faults=FaultPoints(settings.faults),
+        )
+        await _started(stack, server.start, server.stop)
+        print(f"jobplane serving on {server.address}", file=sys.stderr)
+        await _until_signal()
+    return 0
+
+
+async def _relay(_args: argparse.Namespace) -> int:
+    from jobplane.store.engine import create_engine
+    from jobplane.workers.relay import Relay
+
+    settings, topology = _settings_and_topology()
+    engine = create_engine(settings.database_url, pool_size=4)
+    async with AsyncExitStack() as stack:
+        stack.push_async_callback(engine.dispose)
+        relay = Relay(
+            engine,
+            settings.database_url,
+            settings.amqp_url,
+            topology,
+            faults=FaultPoints(settings.faults),
+        )
+        await _started(stack, relay.start, relay.stop)
+        await _until_signal()
+    return 0
+
+
+def _registry(spec: str | None, *, demo: bool) -> Any:
+    from jobplane.workers.demo import registry as demo_registry
+    from jobplane.workers.handlers import Registry, load_registry
+
+    registry = Registry()
+    if demo:
+        registry = registry.merge(demo_registry)
+    if spec:
+        registry = registry.merge(load_registry(spec))
+    return registry
+
+
+async def _worker(args: argparse.Namespace) -> int:
+    from jobplane.store.engine import create_engine
+    from jobplane.workers.runtime import Worker
+
+    settings, topology = _settings_and_topology()
+    registry = _registry(args.handlers, demo=args.demo or not args.handlers)
+    engine = create_engine(settings.database_url, pool_size=max(4, args.concurrency))
+    async with AsyncExitStack() as stack:
+        stack.push_async_callback(engine.dispose)
+        worker = Worker(
+            engine,
+            settings.database_url,
+            settings.amqp_url,
+            topology,
+            registry,
+            concurrency=args.concurrency,
+            prefetch=args.prefetch,
+            queues=args.queue or None,
+        )
+        await _started(stack, worker.start, lambda: worker.stop(args.grace))
+        await _until_signal()
+    return 0
+
+
+async def _dev(args: argparse.Namespace) -> int:
+    from jobplane.server import JobplaneServer
+    from jobplane.store.engine import create_engine, migrate
+    from jobplane.workers.relay import Relay
+    from jobplane.workers.runtime import Worker
+
+    settings, topology = _settings_and_topology()
+    await migrate(settings.database_url)
+    engine = create_engine(settings.database_url)
+    async with AsyncExitStack() as stack:
+        stack.push_async_callback(engine.dispose)
+        server = JobplaneServer(
+            engine,
+            settings.database_url,
+            topology,
+            listen=settings.listen,
+            max_payload_bytes=settings.max_payload_bytes,
+        )
+        relay = Relay(engine, settings.database_url, settings.amqp_url, topology)
+        worker = Worker(
+            engine,
+            settings.database_url,
+            settings.amqp_url,
+            topology,
+            _registry(args.handlers, demo=True),
+            concurrency=args.concurrency,
+        )
+        await _started(stack, server.start, server.stop)
+        await _started(stack, relay.start, relay.stop)
+        await _started(stack, worker.start, lambda: worker.stop(5.0))
+        key, _tenant = await server.keys.create_key(args.tenant)
+        print(
+            f"\njobplane dev is up.\n"
+            f"  address:  {server.address}\n"
+            f"  api key:  {key}   (tenant {args.tenant!r})\n\n"
+            f"  export JOBPLANE_ADDRESS={server.address} JOBPLANE_API_KEY={key}\n"
+            f"  jobplane submit demo.progress --payload '{{\"steps\": 20, \"interval_ms\": 150}}'"
+            " --watch\n",
+            flush=True,
+        )
+        if args.demo:
+            from jobplane.client import AsyncClient
+            from jobplane.client.cli import render_watch
+
+            async with AsyncClient(server.address, key) as client:
+                job = await client.submit(
+                    "demo.progress", {"steps": args.demo_steps, "interval_ms": 150}
+                )
+                print(f"submitted {job.name} (demo.progress); its live progress:", flush=True)
+                await render_watch(client, job.name)
+        print("serving; Ctrl-C to stop", flush=True)
+        await _until_signal()
+    return 0
+
+
+async def _keys_create(args: argparse.Namespace) -> int:
+    from jobplane.store.engine import create_engine
+    from jobplane.store.keys import KeyStore
+
+    settings = Settings.from_env()
+    configure(settings.log_level, settings.log_format)
+    engine = create_engine(settings.database_url, pool_size=1)
+    try:
+        key, _tenant = await KeyStore(engine).create_key(args.tenant)
+    finally:
+        await engine.dispose()
+    print(key)
+    return 0
+
+
+async def _topology_apply(_args: argparse.Namespace) -> int:
+    import aio_pika
+
+    from jobplane.topology import declare
+
+    settings, topology = _settings_and_topology()
+    connection = await aio_pika.connect(settings.amqp_url)
+    async with connection:
+        channel = await connection.channel()
+        await declare(channel, topology)
+    names = ", ".join(q.name for q in topology.queues)
+    print(f"declared exchange {topology.exchange} and queues {names}", file=sys.stderr)
+    return 0
+
+
+def _async(fn: Callable[[argparse.Namespace], Coroutine[Any, Any, int]]) -> Callable[..., int]:
+    def call(args: argparse.Namespace) -> int:
+        return _run(fn(args))
+
+    return call
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of the ``jobplane`` command."""
+    parser = argparse.ArgumentParser(
+        prog="jobplane",
+        description="jobplane: durable jobs with live progress over gRPC.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    sub.add_parser("migrate", help="create the database if needed and migrate it").set_defaults(
+        func=_async(_migrate)
+    )
+    sub.add_parser("serve", help="run the gRPC server").set_defaults(func=_async(_serve))
+    sub.add_parser("relay", help="publish the outbox to RabbitMQ").set_defaults(
+        func=_async(_relay)
+    )
+
+    worker = sub.add_parser("worker", help="run job handlers")
+    worker.add_argument("--handlers", help="package.module:registry to load")
+    worker.add_argument("--demo", action="store_true", help="also load the demo handlers")
+    worker.add_argument("--concurrency", type=int, default=8, help="handlers run at once")
+    worker.add_argument("--prefetch", type=int, default=None, help="unacked messages held")
+    worker.add_argument("--queue", action="append", help="consume only this queue (repeatable)")
+    worker.add_argument("--grace", type=float, default=10.0, help="seconds to finish on stop")
+    worker.set_defaults(func=_async(_worker))
+
+    dev = sub.add_parser("dev", help="migrate, then serve + relay + worker in one process")
+    dev.add_argument("--tenant", default="dev", help="tenant of the printed API key")
+    dev.add_argument("--handlers", help="package.module:registry to load besides the demos")
+    dev.add_argument("--concurrency", type=int, default=8)
+    dev.add_argument("--demo", action="store_true", help="submit a demo job and show it live")
+    dev.add_argument("--demo-steps", type=int, default=20)
+    dev.set_defaults(func=_async(_dev))
+
+    keys = sub.add_parser("keys", help="API keys").add_subparsers(dest="keys", required=True)
+    create = keys.add_parser("create", help="create a key (and the tenant); prints the key")
+    create.add_argument("--tenant", required=True)
+    create.set_defaults(func=_async(_keys_create))
+
+    topology = sub.add_parser("topology", help="RabbitMQ topology").add_subparsers(
+        dest="topology", required=True
+    )
+    topology.add_parser("apply", help="declare exchanges and queues").set_defaults(
+        func=_async(_topology_apply)
+    )
+
+    from jobplane.client.cli import register
+
+    register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point of the ``jobplane`` console script."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        code = args.func(args)
+    except (ConfigError, TopologyError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        code = 2
+    except KeyboardInterrupt:
+        code = 130
+    with contextlib.suppress(Exception):
+        sys.stdout.flush()
+    raise SystemExit(code)

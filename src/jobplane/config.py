@@ -1,0 +1,60 @@
+"""Configuration: one frozen object, built once from the environment."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+DEFAULT_DATABASE_URL = "postgresql://postgres@127.0.0.1:5432/jobplane"
+DEFAULT_AMQP_URL = "amqp://guest:guest@127.0.0.1:5672/"
+DEFAULT_LISTEN = "127.0.0.1:50051"
+
+
+class ConfigError(ValueError):
+    """A JOBPLANE_* setting has a value that cannot be used."""
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    """Everything a jobplane process reads from its environment."""
+
+    database_url: str = DEFAULT_DATABASE_URL
+    amqp_url: str = DEFAULT_AMQP_URL
+    listen: str = DEFAULT_LISTEN
+    address: str = DEFAULT_LISTEN
+    api_key: str | None = None
+    topology_path: Path | None = None
+    max_payload_bytes: int = 256 * 1024
+    log_level: str = "info"
+    log_format: str = "console"
+    # Named fault points (see jobplane.faults); empty in production.
+    faults: frozenset[str] = field(default_factory=frozenset)
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
+        """Read the JOBPLANE_* variables; unset ones keep their defaults."""
+        env = os.environ if env is None else env
+        base = cls()
+        topology = env.get("JOBPLANE_TOPOLOGY")
+        try:
+            max_payload = int(env.get("JOBPLANE_MAX_PAYLOAD_BYTES", base.max_payload_bytes))
+        except ValueError as exc:
+            raise ConfigError("JOBPLANE_MAX_PAYLOAD_BYTES must be an integer") from exc
+        if max_payload <= 0:
+            raise ConfigError("JOBPLANE_MAX_PAYLOAD_BYTES must be positive")
+        faults = frozenset(p for p in env.get("JOBPLANE_FAULTS", "").split(",") if p.strip())
+        return replace(
+            base,
+            database_url=env.get("JOBPLANE_DATABASE_URL", base.database_url),
+            amqp_url=env.get("JOBPLANE_AMQP_URL", base.amqp_url),
+            listen=env.get("JOBPLANE_LISTEN", base.listen),
+            address=env.get("JOBPLANE_ADDRESS", base.address),
+            api_key=env.get("JOBPLANE_API_KEY") or None,
+            topology_path=Path(topology) if topology else None,
+            max_payload_bytes=max_payload,
+            log_level=env.get("JOBPLANE_LOG_LEVEL", base.log_level).lower(),
+            log_format=env.get("JOBPLANE_LOG_FORMAT", base.log_format).lower(),
+            faults=frozenset(f.strip() for f in faults),
+        )

@@ -1,0 +1,139 @@
+"""One exception tree for server, workers and SDK.
+
+Each error has a canonical gRPC code and a stable ``google.rpc.ErrorInfo``
+reason. The server turns an error into a status with :data:`ERROR_DOMAIN`; the
+SDK turns the status back into the same class (see :func:`error_for_reason`).
+"""
+
+from __future__ import annotations
+
+import grpc
+
+ERROR_DOMAIN = "jobplane.dev"
+
+
+class JobplaneError(Exception):
+    """A jobplane call failed."""
+
+    code: grpc.StatusCode = grpc.StatusCode.UNKNOWN
+    reason: str = "UNKNOWN"
+
+    def __init__(
+        self,
+        message: str | None = None,
+        *,
+        field: str | None = None,
+        metadata: dict[str, str] | None = None,
+    ) -> None:
+        self.message = message or (type(self).__doc__ or type(self).__name__).strip()
+        self.field = field
+        self.metadata = dict(metadata or {})
+        super().__init__(self.message)
+
+
+class InvalidArgument(JobplaneError):
+    """The request is not valid."""
+
+    code = grpc.StatusCode.INVALID_ARGUMENT
+    reason = "INVALID_ARGUMENT"
+
+
+class PayloadTooLarge(InvalidArgument):
+    """The job payload is larger than the server accepts."""
+
+    reason = "PAYLOAD_TOO_LARGE"
+
+
+class UnroutableJobType(InvalidArgument):
+    """No queue of the topology takes this job type."""
+
+    reason = "JOB_TYPE_UNROUTABLE"
+
+
+class Unauthenticated(JobplaneError):
+    """The call has no valid API key."""
+
+    code = grpc.StatusCode.UNAUTHENTICATED
+    reason = "UNAUTHENTICATED"
+
+
+class JobNotFound(JobplaneError):
+    """No job with this name."""
+
+    code = grpc.StatusCode.NOT_FOUND
+    reason = "JOB_NOT_FOUND"
+
+
+class RequestIdReused(JobplaneError):
+    """This request_id was already used for a different request."""
+
+    code = grpc.StatusCode.ALREADY_EXISTS
+    reason = "REQUEST_ID_REUSED"
+
+
+class FailedPrecondition(JobplaneError):
+    """The job is not in a state that allows this call."""
+
+    code = grpc.StatusCode.FAILED_PRECONDITION
+    reason = "FAILED_PRECONDITION"
+
+
+class JobAlreadyTerminal(FailedPrecondition):
+    """The job has already ended."""
+
+    reason = "JOB_TERMINAL"
+
+
+class JobNotRetryable(FailedPrecondition):
+    """Only FAILED or CANCELLED jobs can be retried."""
+
+    reason = "JOB_NOT_RETRYABLE"
+
+
+class Unavailable(JobplaneError):
+    """The service is not available right now; the call may be retried."""
+
+    code = grpc.StatusCode.UNAVAILABLE
+    reason = "UNAVAILABLE"
+
+
+class InternalError(JobplaneError):
+    """The server failed to handle the call."""
+
+    code = grpc.StatusCode.INTERNAL
+    reason = "INTERNAL"
+
+
+_BY_REASON: dict[str, type[JobplaneError]] = {
+    cls.reason: cls
+    for cls in (
+        InvalidArgument,
+        PayloadTooLarge,
+        UnroutableJobType,
+        Unauthenticated,
+        JobNotFound,
+        RequestIdReused,
+        FailedPrecondition,
+        JobAlreadyTerminal,
+        JobNotRetryable,
+        Unavailable,
+        InternalError,
+    )
+}
+
+_BY_CODE: dict[grpc.StatusCode, type[JobplaneError]] = {
+    grpc.StatusCode.INVALID_ARGUMENT: InvalidArgument,
+    grpc.StatusCode.UNAUTHENTICATED: Unauthenticated,
+    grpc.StatusCode.NOT_FOUND: JobNotFound,
+    grpc.StatusCode.ALREADY_EXISTS: RequestIdReused,
+    grpc.StatusCode.FAILED_PRECONDITION: FailedPrecondition,
+    grpc.StatusCode.UNAVAILABLE: Unavailable,
+    grpc.StatusCode.INTERNAL: InternalError,
+}
+
+
+def error_for_reason(reason: str | None, code: grpc.StatusCode) -> type[JobplaneError]:
+    """The exception class for an ErrorInfo reason, else for the status code."""
+    if reason and reason in _BY_REASON:
+        return _BY_REASON[reason]
+    return _BY_CODE.get(code, JobplaneError)

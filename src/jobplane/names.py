@@ -1,0 +1,48 @@
+"""Resource names and identifiers: parsing and validation."""
+
+from __future__ import annotations
+
+import re
+import uuid
+
+from jobplane.errors import InvalidArgument
+
+JOB_TYPE_MAX_LENGTH = 128
+_JOB_TYPE = re.compile(r"^[a-z0-9][a-z0-9_-]*(\.[a-z0-9][a-z0-9_-]*)*$")
+_NAME_PREFIX = "jobs/"
+
+
+def job_name(job_id: uuid.UUID | str) -> str:
+    """``jobs/{id}`` for a job id."""
+    return f"{_NAME_PREFIX}{job_id}"
+
+
+def parse_job_name(name: str, *, field: str = "name") -> uuid.UUID:
+    """The job id in ``jobs/{id}``; INVALID_ARGUMENT when malformed."""
+    if not name.startswith(_NAME_PREFIX):
+        raise InvalidArgument(f"{field} must look like jobs/{{id}}, got {name!r}", field=field)
+    raw = name[len(_NAME_PREFIX) :]
+    try:
+        parsed = uuid.UUID(raw)
+    except ValueError:
+        raise InvalidArgument(f"{field} has a malformed job id {raw!r}", field=field) from None
+    if str(parsed) != raw.lower():
+        raise InvalidArgument(f"{field} has a malformed job id {raw!r}", field=field)
+    return parsed
+
+
+def validate_job_type(job_type: str, *, field: str = "type") -> str:
+    """Check the job type grammar: lowercase dotted, letters, digits, '.', '_', '-'."""
+    if not job_type:
+        raise InvalidArgument(f"{field} is required", field=field)
+    if len(job_type) > JOB_TYPE_MAX_LENGTH:
+        raise InvalidArgument(
+            f"{field} is longer than {JOB_TYPE_MAX_LENGTH} characters", field=field
+        )
+    if not _JOB_TYPE.match(job_type):
+        raise InvalidArgument(
+            f"{field} {job_type!r} must be lowercase dotted words of letters, digits, '_' "
+            "and '-' (e.g. 'reports.render')",
+            field=field,
+        )
+    return job_type

@@ -1,0 +1,78 @@
+"""Engines, connections, database creation and migrations."""
+
+from __future__ import annotations
+
+import asyncio
+from importlib import resources
+from typing import Any
+
+import asyncpg
+from sqlalchemy.engine import make_url
+from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
+
+
+def sqlalchemy_url(url: str) -> str:
+    """``postgresql://…`` as SQLAlchemy's asyncpg URL."""
+    parsed = make_url(url)
+    return parsed.set(drivername="postgresql+asyncpg").render_as_string(hide_password=False)
+
+
+def asyncpg_dsn(url: str) -> str:
+    """``postgresql+asyncpg://…`` as a plain libpq-style DSN for asyncpg."""
+    parsed = make_url(url)
+    return parsed.set(drivername="postgresql").render_as_string(hide_password=False)
+
+
+def create_engine(url: str, *, pool_size: int = 10, **kwargs: Any) -> AsyncEngine:
+    """The SQLAlchemy async engine every jobplane process uses for its SQL."""
+    return create_async_engine(
+        sqlalchemy_url(url),
+        pool_size=pool_size,
+        max_overflow=pool_size,
+        pool_pre_ping=True,
+        **kwargs,
+    )
+
+
+async def connect_raw(url: str) -> asyncpg.Connection:
+    """A dedicated asyncpg connection (for LISTEN), outside the pool."""
+    conn: asyncpg.Connection = await asyncpg.connect(asyncpg_dsn(url))
+    return conn
+
+
+async def ensure_database(url: str) -> bool:
+    """Create the database named in ``url`` when it is missing; True if created."""
+    parsed = make_url(url)
+    name = parsed.database
+    if not name:
+        raise ValueError("the database URL names no database")
+    admin = await asyncpg.connect(asyncpg_dsn(parsed.set(database="postgres").render_as_string(False)))
+    try:
+        exists = await admin.fetchval("SELECT 1 FROM pg_database WHERE datname = $1", name)
+        if exists:
+            return False
+        try:
+            await admin.execute(f'CREATE DATABASE "{name}"')
+        except asyncpg.DuplicateDatabaseError:
+            return False
+        return True
+    finally:
+        await admin.close()
+
+
+def _alembic_upgrade(url: str, revision: str) -> None:
+    from alembic import command
+    from alembic.config import Config
+
+    config = Config()
+    config.set_main_option("script_location", str(resources.files("jobplane.migrations")))
+    config.set_main_option("sqlalchemy.url", url.replace("%", "%%"))
+    command.upgrade(config, revision)
+
+
+async def migrate(url: str, *, revision: str = "head", create: bool = True) -> None:
+    """Create the database if asked, then run the Alembic migrations to ``revision``."""
+    if create:
+        await ensure_database(url)
+    # Alembic's env.py runs its own event loop; keep it off ours.
+    await asyncio.to_thread(_alembic_upgrade, url, revision)

@@ -1,0 +1,350 @@
+"""The API side of the job table: submit, read, list, cancel, retry, events.
+
+Every statement is scoped by tenant: another tenant's job is simply not found.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import uuid
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import text
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
+
+from jobplane.errors import JobAlreadyTerminal, JobNotFound, JobNotRetryable, RequestIdReused
+from jobplane.faults import NO_FAULTS, FaultPoints
+from jobplane.store.rows import (
+    CANCEL_CHANNEL,
+    JOB_COLUMNS,
+    OUTBOX_CHANNEL,
+    dumps,
+    event_from_row,
+    job_from_row,
+    transition_sql,
+)
+from jobplane.types import Job, JobEvent, JobState
+
+
+@dataclass(frozen=True, slots=True)
+class NewJob:
+    """A validated SubmitJob request."""
+
+    type: str
+    queue: str
+    payload: dict[str, Any]
+    request_id: str
+    max_attempts: int
+    correlation_id: str = ""
+    labels: dict[str, str] = field(default_factory=dict)
+
+    def fingerprint(self) -> bytes:
+        """What makes two submits with one request_id 'the same request'."""
+        canonical = dumps(
+            {
+                "type": self.type,
+                "payload": self.payload,
+                "max_attempts": self.max_attempts,
+                "correlation_id": self.correlation_id,
+                "labels": self.labels,
+            }
+        )
+        return hashlib.sha256(canonical.encode()).digest()
+
+
+@dataclass(frozen=True, slots=True)
+class ListCursor:
+    """Keyset position: the last job of the previous page."""
+
+    create_time: datetime
+    job_id: uuid.UUID
+
+
+_INSERT_JOB = text(
+    """
+    INSERT INTO jobs (id, tenant_id, type, queue, state, payload, max_attempts, request_id,
+                      request_hash, correlation_id, labels, dispatch_id, last_seq)
+    VALUES (:id, :tenant_id, :type, :queue, 'queued', CAST(:payload AS jsonb), :max_attempts,
+            :request_id, :request_hash, :correlation_id, CAST(:labels AS jsonb), :dispatch_id, 1)
+    ON CONFLICT (tenant_id, request_id) DO NOTHING
+    RETURNING id
+    """
+)
+
+# The first event and the dispatch intent, written after the job row in the
+# same transaction: a job exists iff its outbox row does.
+_INSERT_FIRST_EVENT_AND_OUTBOX = text(
+    f"""
+    WITH e AS (
+        INSERT INTO job_events (job_id, seq, tenant_id, type, state, progress, message, attempt)
+        VALUES (:id, 1, :tenant_id, 'queued', 'queued', 0, 'queued', 0)
+    ), o AS (
+        INSERT INTO outbox (id, tenant_id, job_id, routing_key, correlation_id)
+        VALUES (:dispatch_id, :tenant_id, :id, :type, :correlation_id)
+    )
+    SELECT pg_notify('{OUTBOX_CHANNEL}', '')
+    """
+)
+
+_SELECT_JOB = text(f"SELECT {JOB_COLUMNS} FROM jobs WHERE id = :id AND tenant_id = :tenant_id")
+_SELECT_JOB_FOR_UPDATE = text(
+    f"SELECT {JOB_COLUMNS} FROM jobs WHERE id = :id AND tenant_id = :tenant_id FOR UPDATE"
+)
+_SELECT_BY_REQUEST = text(
+    f"SELECT {JOB_COLUMNS}, request_hash FROM jobs "
+    "WHERE tenant_id = :tenant_id AND request_id = :request_id"
+)
+
+_CANCEL_QUEUED = text(
+    transition_sql(
+        "state = 'cancelled', end_time = now(), error_code = 'CANCELLED', "
+        "error_message = :reason, error_retryable = false, dispatch_id = NULL, "
+        "next_attempt_time = NULL",
+        "id = :id AND tenant_id = :tenant_id AND state = 'queued'",
+    )
+)
+_DROP_PENDING_DISPATCH = text(
+    "DELETE FROM outbox WHERE job_id = :id AND tenant_id = :tenant_id AND published_at IS NULL"
+)
+_REQUEST_CANCEL = text(
+    transition_sql(
+        "cancel_requested_at = now(), cancel_reason = :reason",
+        "id = :id AND tenant_id = :tenant_id AND state = 'running'",
+    )
+)
+_NOTIFY_CANCEL = text(f"SELECT pg_notify('{CANCEL_CHANNEL}', CAST(:id AS text))")
+
+_RETRY = text(
+    transition_sql(
+        "state = 'queued', retry_base = attempt, dispatch_id = :dispatch_id, result = NULL, "
+        "error_code = NULL, error_message = NULL, error_retryable = false, progress = 0, "
+        "progress_message = '', cancel_requested_at = NULL, cancel_reason = NULL, "
+        "lease_token = NULL, lease_expires_at = NULL, next_attempt_time = NULL, "
+        "start_time = NULL, end_time = NULL",
+        "id = :id AND tenant_id = :tenant_id AND state IN ('failed', 'cancelled')",
+    )
+)
+_INSERT_OUTBOX = text(
+    f"""
+    WITH o AS (
+        INSERT INTO outbox (id, tenant_id, job_id, routing_key, correlation_id, available_at)
+        VALUES (:dispatch_id, :tenant_id, :id, :routing_key, :correlation_id,
+                now() + make_interval(secs => :delay))
+    )
+    SELECT pg_notify('{OUTBOX_CHANNEL}', '')
+    """
+)
+
+_EVENTS_AFTER = text(
+    """
+    SELECT job_id, seq, type, state, progress, message, data, attempt, event_time
+    FROM job_events
+    WHERE job_id = :id AND tenant_id = :tenant_id AND seq > :after_seq
+    ORDER BY seq
+    LIMIT :limit
+    """
+)
+
+
+class JobStore:
+    """Job reads and writes for the API, one short transaction each."""
+
+    def __init__(self, engine: AsyncEngine, *, faults: FaultPoints = NO_FAULTS) -> None:
+        self._engine = engine
+        self._faults = faults
+
+    async def submit(self, tenant_id: uuid.UUID, new: NewJob) -> tuple[Job, bool]:
+        """Create the job, its first event and its outbox row in one transaction.
+
+        Returns the job and whether it was created now. A replay with the same
+        request_id and the same request returns the stored job; a different
+        request with that request_id raises :class:`RequestIdReused`.
+        """
+        job_id = uuid.uuid4()
+        dispatch_id = uuid.uuid4()
+        fingerprint = new.fingerprint()
+        params = {
+            "id": job_id,
+            "tenant_id": tenant_id,
+            "type": new.type,
+            "queue": new.queue,
+            "payload": dumps(new.payload),
+            "max_attempts": new.max_attempts,
+            "request_id": new.request_id,
+            "request_hash": fingerprint,
+            "correlation_id": new.correlation_id,
+            "labels": dumps(new.labels),
+            "dispatch_id": dispatch_id,
+        }
+        async with self._engine.begin() as conn:
+            inserted = (await conn.execute(_INSERT_JOB, params)).first()
+            if inserted is not None:
+                self._faults.hit("submit.after_job_insert")
+                await conn.execute(_INSERT_FIRST_EVENT_AND_OUTBOX, params)
+                row = (await conn.execute(_SELECT_JOB, params)).mappings().one()
+                return job_from_row(row), True
+        # A job with this request_id exists (ON CONFLICT waited for its insert
+        # to commit, so it is visible now).
+        async with self._engine.connect() as conn:
+            existing = (
+                (
+                    await conn.execute(
+                        _SELECT_BY_REQUEST,
+                        {"tenant_id": tenant_id, "request_id": new.request_id},
+                    )
+                )
+                .mappings()
+                .one()
+            )
+        if bytes(existing["request_hash"]) != fingerprint:
+            raise RequestIdReused(
+                f"request_id {new.request_id!r} was used for a different request",
+                field="request_id",
+            )
+        return job_from_row(existing), False
+
+    async def get(self, tenant_id: uuid.UUID, job_id: uuid.UUID) -> Job:
+        """One job of the tenant; :class:`JobNotFound` otherwise."""
+        async with self._engine.connect() as conn:
+            row = (
+                (await conn.execute(_SELECT_JOB, {"id": job_id, "tenant_id": tenant_id}))
+                .mappings()
+                .first()
+            )
+        if row is None:
+            raise JobNotFound(f"jobs/{job_id} not found")
+        return job_from_row(row)
+
+    async def list(
+        self,
+        tenant_id: uuid.UUID,
+        *,
+        limit: int,
+        after: ListCursor | None = None,
+        state: JobState | None = None,
+        job_type: str | None = None,
+    ) -> list[Job]:
+        """Up to ``limit`` jobs, newest first, strictly after ``after``."""
+        where = ["tenant_id = :tenant_id"]
+        params: dict[str, Any] = {"tenant_id": tenant_id, "limit": limit}
+        if state is not None:
+            where.append("state = :state")
+            params["state"] = state.value
+        if job_type is not None:
+            where.append("type = :type")
+            params["type"] = job_type
+        if after is not None:
+            where.append("(create_time, id) < (:after_time, :after_id)")
+            params["after_time"] = after.create_time
+            params["after_id"] = after.job_id
+        sql = text(
+            f"SELECT {JOB_COLUMNS} FROM jobs WHERE {' AND '.join(where)} "
+            "ORDER BY create_time DESC, id DESC LIMIT :limit"
+        )
+        async with self._engine.connect() as conn:
+            rows = (await conn.execute(sql, params)).mappings().all()
+        return [job_from_row(r) for r in rows]
+
+    async def cancel(self, tenant_id: uuid.UUID, job_id: uuid.UUID, reason: str) -> Job:
+        """QUEUED → CANCELLED now; RUNNING → cancellation requested; terminal → error."""
+        params = {
+            "id": job_id,
+            "tenant_id": tenant_id,
+            "reason": reason or "cancelled by request",
+        }
+        async with self._engine.begin() as conn:
+            current = await self._lock(conn, tenant_id, job_id)
+            if current.state is JobState.QUEUED:
+                row = await _transition(
+                    conn, _CANCEL_QUEUED, params, "cancelled", params["reason"]
+                )
+                # A pending (re)dispatch is a row: drop it so nothing is published.
+                await conn.execute(_DROP_PENDING_DISPATCH, params)
+                return job_from_row(row)
+            if current.state is JobState.RUNNING:
+                if current.cancel_requested:
+                    return current
+                row = await _transition(
+                    conn, _REQUEST_CANCEL, params, "cancel_requested", params["reason"]
+                )
+                await conn.execute(_NOTIFY_CANCEL, {"id": str(job_id)})
+                return job_from_row(row)
+        raise JobAlreadyTerminal(f"jobs/{job_id} is already {current.state.name}")
+
+    async def retry(self, tenant_id: uuid.UUID, job_id: uuid.UUID) -> Job:
+        """A FAILED or CANCELLED job → QUEUED for a new attempt, through the outbox."""
+        dispatch_id = uuid.uuid4()
+        async with self._engine.begin() as conn:
+            current = await self._lock(conn, tenant_id, job_id)
+            if current.state not in (JobState.FAILED, JobState.CANCELLED):
+                raise JobNotRetryable(
+                    f"jobs/{job_id} is {current.state.name}; only FAILED or CANCELLED "
+                    "jobs can be retried"
+                )
+            params = {"id": job_id, "tenant_id": tenant_id, "dispatch_id": dispatch_id}
+            row = await _transition(conn, _RETRY, params, "queued", "retry requested")
+            await conn.execute(
+                _INSERT_OUTBOX,
+                {
+                    **params,
+                    "routing_key": current.type,
+                    "correlation_id": current.correlation_id,
+                    "delay": 0.0,
+                },
+            )
+            return job_from_row(row)
+
+    async def events_after(
+        self, tenant_id: uuid.UUID, job_id: uuid.UUID, after_seq: int, limit: int = 500
+    ) -> list[JobEvent]:
+        """Stored events with seq > ``after_seq``, in order, at most ``limit``."""
+        async with self._engine.connect() as conn:
+            rows = (
+                (
+                    await conn.execute(
+                        _EVENTS_AFTER,
+                        {
+                            "id": job_id,
+                            "tenant_id": tenant_id,
+                            "after_seq": after_seq,
+                            "limit": limit,
+                        },
+                    )
+                )
+                .mappings()
+                .all()
+            )
+        return [event_from_row(r) for r in rows]
+
+    async def _lock(self, conn: AsyncConnection, tenant_id: uuid.UUID, job_id: uuid.UUID) -> Job:
+        row = (
+            (await conn.execute(_SELECT_JOB_FOR_UPDATE, {"id": job_id, "tenant_id": tenant_id}))
+            .mappings()
+            .first()
+        )
+        if row is None:
+            raise JobNotFound(f"jobs/{job_id} not found")
+        return job_from_row(row)
+
+
+async def _transition(
+    conn: AsyncConnection,
+    statement: Any,
+    params: dict[str, Any],
+    event_type: str,
+    message: str,
+    data: dict[str, Any] | None = None,
+) -> Any:
+    """Run a :func:`transition_sql` statement; the updated row (it must match)."""
+    result = await conn.execute(
+        statement,
+        {
+            **params,
+            "event_type": event_type,
+            "event_message": message,
+            "event_data": dumps(data or {}),
+        },
+    )
+    return result.mappings().one()

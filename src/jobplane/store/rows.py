@@ -1,0 +1,108 @@
+"""Rows to public types, and the SQL shared by every writer of job events."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any
+
+from jobplane.names import job_name
+from jobplane.types import EventType, Job, JobError, JobEvent, JobState
+
+EVENTS_CHANNEL = "jobplane_events"
+CANCEL_CHANNEL = "jobplane_cancel"
+OUTBOX_CHANNEL = "jobplane_outbox"
+
+JOB_COLUMNS = """
+    id, tenant_id, type, queue, state, payload, result, error_code, error_message,
+    error_retryable, progress, progress_message, attempt, max_attempts, retry_base,
+    request_id, correlation_id, labels, dispatch_id, lease_token, lease_expires_at,
+    cancel_requested_at, next_attempt_time, last_seq, create_time, update_time,
+    start_time, end_time
+"""
+
+
+def transition_sql(set_clause: str, where_clause: str) -> str:
+    """One statement that updates a job and appends one event under its row lock.
+
+    The UPDATE takes the row lock and bumps ``last_seq``; the event gets that
+    seq, so seqs are gap-free and in commit order for each job. The NOTIFY is a
+    hint for watchers, sent at commit. Binds: ``:event_type``,
+    ``:event_message``, ``:event_data`` (JSON text) plus the clauses' own.
+    """
+    return f"""
+    WITH j AS (
+        UPDATE jobs SET {set_clause}, last_seq = last_seq + 1, update_time = now()
+        WHERE {where_clause}
+        RETURNING {JOB_COLUMNS}
+    ), e AS (
+        INSERT INTO job_events
+            (job_id, seq, tenant_id, type, state, progress, message, data, attempt)
+        SELECT id, last_seq, tenant_id, :event_type, state, progress, :event_message,
+               CAST(:event_data AS jsonb), attempt
+        FROM j
+    )
+    SELECT j.*, pg_notify('{EVENTS_CHANNEL}', j.id::text) AS notified FROM j
+    """
+
+
+def dumps(value: Any) -> str:
+    """Compact JSON for a jsonb bind."""
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
+
+
+def _json(value: Any) -> Any:
+    # asyncpg hands jsonb back as text unless a codec is set; accept both.
+    if isinstance(value, str):
+        return json.loads(value)
+    return value
+
+
+def job_from_row(row: Mapping[str, Any]) -> Job:
+    """A :class:`Job` from a ``jobs`` row."""
+    state = JobState(row["state"])
+    error = None
+    if row["error_code"]:
+        error = JobError(
+            code=row["error_code"],
+            message=row["error_message"] or "",
+            retryable=bool(row["error_retryable"]),
+        )
+    result = _json(row["result"])
+    return Job(
+        name=job_name(row["id"]),
+        type=row["type"],
+        state=state,
+        payload=_json(row["payload"]),
+        result=result if state is JobState.SUCCEEDED else None,
+        error=error,
+        progress=float(row["progress"]),
+        progress_message=row["progress_message"],
+        attempt=int(row["attempt"]),
+        max_attempts=int(row["max_attempts"]),
+        request_id=row["request_id"],
+        correlation_id=row["correlation_id"],
+        labels=dict(_json(row["labels"])),
+        create_time=row["create_time"],
+        update_time=row["update_time"],
+        start_time=row["start_time"],
+        end_time=row["end_time"],
+        next_attempt_time=row["next_attempt_time"] if state is JobState.QUEUED else None,
+        cancel_requested=row["cancel_requested_at"] is not None,
+        last_seq=int(row["last_seq"]),
+    )
+
+
+def event_from_row(row: Mapping[str, Any]) -> JobEvent:
+    """A :class:`JobEvent` from a ``job_events`` row."""
+    return JobEvent(
+        name=job_name(row["job_id"]),
+        seq=int(row["seq"]),
+        type=EventType(row["type"]),
+        state=JobState(row["state"]),
+        progress=float(row["progress"]),
+        message=row["message"],
+        data=_json(row["data"]),
+        event_time=row["event_time"],
+        attempt=int(row["attempt"]),
+    )

@@ -1,0 +1,114 @@
+"""The public data types of jobplane: plain Python, no protobuf."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+JSONObject = dict[str, Any]
+
+
+class JobState(enum.Enum):
+    """Lifecycle of a job."""
+
+    QUEUED = "queued"
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+    @property
+    def terminal(self) -> bool:
+        """True for SUCCEEDED, FAILED and CANCELLED."""
+        return self in TERMINAL_STATES
+
+
+TERMINAL_STATES = frozenset({JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED})
+
+
+class EventType(enum.Enum):
+    """What a job event records."""
+
+    QUEUED = "queued"
+    STARTED = "started"
+    PROGRESS = "progress"
+    RETRY_SCHEDULED = "retry_scheduled"
+    CANCEL_REQUESTED = "cancel_requested"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+    @property
+    def terminal(self) -> bool:
+        """True for the events that end a job."""
+        return self in (EventType.SUCCEEDED, EventType.FAILED, EventType.CANCELLED)
+
+
+@dataclass(frozen=True, slots=True)
+class JobError:
+    """Why a job failed or was cancelled."""
+
+    code: str
+    message: str
+    retryable: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Job:
+    """A job as the server last stored it."""
+
+    name: str
+    type: str
+    state: JobState
+    payload: JSONObject
+    result: JSONObject | None
+    error: JobError | None
+    progress: float
+    progress_message: str
+    attempt: int
+    max_attempts: int
+    request_id: str
+    correlation_id: str
+    labels: dict[str, str]
+    create_time: datetime
+    update_time: datetime
+    start_time: datetime | None = None
+    end_time: datetime | None = None
+    next_attempt_time: datetime | None = None
+    cancel_requested: bool = False
+    last_seq: int = 0
+
+    @property
+    def id(self) -> str:
+        """The id part of ``name`` (``jobs/{id}``)."""
+        return self.name.partition("/")[2]
+
+
+@dataclass(frozen=True, slots=True)
+class JobEvent:
+    """One event of a job's stream, in seq order."""
+
+    name: str
+    seq: int
+    type: EventType
+    state: JobState
+    progress: float
+    message: str
+    event_time: datetime
+    attempt: int = 0
+    data: JSONObject = field(default_factory=dict)
+
+    @property
+    def terminal(self) -> bool:
+        """True for the event that ended the job."""
+        return self.type.terminal
+
+
+@dataclass(frozen=True, slots=True)
+class JobPage:
+    """One page of :meth:`list`; ``next_page_token`` is empty on the last."""
+
+    jobs: list[Job]
+    next_page_token: str

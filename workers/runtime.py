@@ -1,0 +1,439 @@
+"""The worker runtime: consume, claim (fenced), run the handler, commit, then ack.
+
+A message is acked only after the outcome of its attempt is committed, so a
+worker that dies at any point leaves the message to be redelivered; the claim
+decides what a redelivery does (run, wait, or ack a duplicate).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import json
+import random
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+import aio_pika
+import structlog
+from aio_pika.abc import AbstractIncomingMessage, AbstractRobustConnection
+from sqlalchemy.exc import DBAPIError
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from jobplane.envelope import Envelope, EnvelopeError
+from jobplane.names import job_name
+from jobplane.store.attempts import (
+    Attempt,
+    AttemptStore,
+    ClaimResult,
+    ClaimStatus,
+    LeaseLost,
+    ProgressUpdate,
+)
+from jobplane.store.listen import Listener
+from jobplane.store.rows import CANCEL_CHANNEL
+from jobplane.topology import Topology, declare
+from jobplane.workers.handlers import JobContext, PermanentError, Registry, RetryableError
+
+log = structlog.get_logger("jobplane.worker")
+
+T = TypeVar("T")
+
+
+class StopCause(enum.Enum):
+    """Why the runtime cancelled a handler's task."""
+
+    CANCEL_REQUESTED = "cancel_requested"
+    LEASE_LOST = "lease_lost"
+    SHUTDOWN = "shutdown"
+
+
+class ProgressWriter:
+    """Coalesces one attempt's progress reports into few transactions.
+
+    Reports are queued and written by a background flush ``window`` seconds
+    after the first unwritten one, all in one transaction with one NOTIFY.
+    The outcome commit takes what is still queued into its own transaction.
+    """
+
+    def __init__(
+        self,
+        store: AttemptStore,
+        attempt: Attempt,
+        *,
+        window: float = 0.02,
+        high_water: int = 500,
+        on_cancel_requested: Callable[[], None] = lambda: None,
+    ) -> None:
+        self._store = store
+        self._attempt = attempt
+        self._window = window
+        self._high_water = high_water
+        self._on_cancel_requested = on_cancel_requested
+        self._pending: list[ProgressUpdate] = []
+        self._lock = asyncio.Lock()
+        self._timer: asyncio.Task[None] | None = None
+        self._error: BaseException | None = None
+
+    async def add(self, update: ProgressUpdate) -> None:
+        """Queue ``update``; raise what the last flush raised (e.g. LeaseLost)."""
+        if self._error is not None:
+            raise self._error
+        self._pending.append(update)
+        if len(self._pending) >= self._high_water:
+            await self.flush()
+        elif self._timer is None:
+            self._timer = asyncio.create_task(self._flush_later())
+
+    async def _flush_later(self) -> None:
+        await asyncio.sleep(self._window)
+        self._timer = None
+        with contextlib.suppress(Exception):
+            await self.flush()
+
+    async def flush(self) -> None:
+        """Write everything queued now, in order."""
+        async with self._lock:
+            if not self._pending or self._error is not None:
+                return
+            batch, self._pending = self._pending, []
+            try:
+                cancel = await self._store.write_progress(self._attempt, batch)
+            except LeaseLost as exc:
+                self._error = exc
+                raise
+            except DBAPIError:
+                # Keep the reports; the next flush (or the outcome) writes them.
+                self._pending[:0] = batch
+                raise
+        if cancel:
+            self._on_cancel_requested()
+
+    async def drain(self) -> list[ProgressUpdate]:
+        """Stop the timer and hand over what is still queued, for the outcome commit."""
+        if self._timer is not None:
+            self._timer.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._timer
+            self._timer = None
+        async with self._lock:
+            batch, self._pending = self._pending, []
+        return batch
+
+
+class _Running:
+    """A handler task and why (if at all) the runtime stopped it."""
+
+    def __init__(self, task: asyncio.Task[dict[str, Any]]) -> None:
+        self.task = task
+        self.cause: StopCause | None = None
+
+    def stop(self, cause: StopCause) -> None:
+        if self.cause is None and not self.task.done():
+            self.cause = cause
+            self.task.cancel()
+
+
+def backoff(attempt: int, *, base: float = 1.0, cap: float = 300.0) -> float:
+    """Exponential backoff with jitter: up to base·2^(attempt-1), at least half of it."""
+    ceiling = min(cap, base * 2 ** max(0, attempt - 1))
+    return random.uniform(ceiling / 2, ceiling)
+
+
+class Worker:
+    """Consumes the topology's queues and runs the registry's handlers."""
+
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        database_url: str,
+        amqp_url: str,
+        topology: Topology,
+        registry: Registry,
+        *,
+        concurrency: int = 8,
+        prefetch: int | None = None,
+        lease_seconds: float = 30.0,
+        queues: list[str] | None = None,
+        progress_window: float = 0.02,
+        retry_base_delay: float = 1.0,
+    ) -> None:
+        if concurrency < 1:
+            raise ValueError("concurrency must be at least 1")
+        self._store = AttemptStore(engine, lease_seconds=lease_seconds)
+        self._amqp_url = amqp_url
+        self._topology = topology
+        self._registry = registry
+        self._concurrency = concurrency
+        self._prefetch = prefetch if prefetch is not None else concurrency
+        self._queues = queues or [q.name for q in topology.queues]
+        self._progress_window = progress_window
+        self._retry_base_delay = retry_base_delay
+        self._cancels = Listener(database_url, CANCEL_CHANNEL)
+        self._cancels.on_notify(self._on_cancel_notification)
+        self._connection: AbstractRobustConnection | None = None
+        self._consumers: list[tuple[aio_pika.abc.AbstractQueue, str]] = []
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._running: dict[str, _Running] = {}
+        self._stopping = False
+
+    @property
+    def running_jobs(self) -> list[str]:
+        """Names of the jobs whose handlers run now."""
+        return [job_name(k) for k in self._running]
+
+    async def start(self) -> None:
+        """Declare the topology and start consuming."""
+        for name in self._queues:
+            self._topology.queue(name)  # unknown queue names fail here, not later
+        await self._cancels.start()
+        self._connection = await aio_pika.connect_robust(self._amqp_url)
+        channel = await self._connection.channel()
+        await channel.set_qos(prefetch_count=self._prefetch)
+        await declare(channel, self._topology)
+        for name in self._queues:
+            queue = await channel.get_queue(name)
+            tag = await queue.consume(self._on_message, no_ack=False)
+            self._consumers.append((queue, tag))
+        log.info(
+            "worker.started",
+            queues=self._queues,
+            handlers=list(self._registry),
+            concurrency=self._concurrency,
+            prefetch=self._prefetch,
+        )
+
+    async def stop(self, grace: float = 10.0) -> None:
+        """Stop consuming; give running handlers ``grace`` seconds, then cancel them."""
+        self._stopping = True
+        for queue, tag in self._consumers:
+            with contextlib.suppress(Exception):
+                await queue.cancel(tag)
+        self._consumers.clear()
+        if self._tasks:
+            _done, pending = await asyncio.wait(set(self._tasks), timeout=grace)
+            if pending:
+                for running in list(self._running.values()):
+                    running.stop(StopCause.SHUTDOWN)
+                await asyncio.wait(pending, timeout=10)
+        if self._connection is not None:
+            with contextlib.suppress(Exception):
+                await self._connection.close()
+            self._connection = None
+        await self._cancels.stop()
+        log.info("worker.stopped")
+
+    async def _on_message(self, message: AbstractIncomingMessage) -> None:
+        # Our own task, not aiormq's: a channel that closes must not cancel a
+        # handler mid-run (its outcome is still committed; only the ack is lost).
+        task = asyncio.create_task(self._handle(message))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _on_cancel_notification(self, payload: str) -> None:
+        running = self._running.get(payload)
+        if running is not None:
+            running.stop(StopCause.CANCEL_REQUESTED)
+
+    async def _handle(self, message: AbstractIncomingMessage) -> None:
+        try:
+            envelope = Envelope.decode(message.body)
+        except EnvelopeError as exc:
+            log.error("job.message.rejected", reason=str(exc), message_id=message.message_id)
+            await _settle(message.reject(requeue=False))
+            return
+        bound = log.bind(job=job_name(envelope.job_id), event_id=str(envelope.event_id))
+        try:
+            claim = await self._claim(envelope)
+        except _Stopping:
+            await _settle(message.nack(requeue=True))
+            return
+        if claim.status is ClaimStatus.CLAIMED and claim.attempt is not None:
+            bound.info("job.received", attempt=claim.attempt.attempt, type=envelope.job_type)
+            try:
+                await self._run(claim.attempt, bound)
+            except _Stopping:
+                # Outcome not committed: the redelivery finds the lease and waits it out.
+                await _settle(message.nack(requeue=True))
+                return
+            await _settle(message.ack())
+            return
+        if claim.status is ClaimStatus.NOT_FOUND:
+            bound.error("job.message.unknown_job")
+            await _settle(message.reject(requeue=False))
+            return
+        bound.info("job.message.duplicate", status=claim.status.value)
+        await _settle(message.ack())
+
+    async def _claim(self, envelope: Envelope) -> ClaimResult:
+        """Claim, waiting while another attempt holds a live lease.
+
+        A redelivery of a message whose worker died finds the job RUNNING under
+        that worker's lease; it waits for the lease to run out (or the job to
+        end) instead of dropping the only message that can restart the job.
+        """
+        while True:
+            claim = await self._with_db_retry(lambda: self._store.claim(envelope))
+            if claim.status is not ClaimStatus.IN_FLIGHT:
+                return claim
+            if self._stopping:
+                raise _Stopping
+            # Lease times are the database's clock: poll at a fraction of the lease.
+            await asyncio.sleep(min(self._store.lease_seconds / 3, 5.0))
+
+    async def _with_db_retry(self, op: Callable[[], Awaitable[T]]) -> T:
+        delay = 0.2
+        while True:
+            try:
+                return await op()
+            except (DBAPIError, OSError) as exc:
+                if self._stopping:
+                    raise _Stopping from exc
+                log.warning("worker.db.retry", error=str(exc).splitlines()[0], delay=delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 10.0)
+
+    async def _run(self, attempt: Attempt, bound: Any) -> None:
+        key = str(attempt.job_id)
+        handler = self._registry.get(attempt.type)
+        if handler is None:
+            await self._outcome(
+                bound,
+                lambda: self._store.fail(
+                    attempt,
+                    "NO_HANDLER",
+                    f"no handler is registered for job type {attempt.type!r} on this worker",
+                    retryable=False,
+                ),
+            )
+            bound.error("job.failed", reason="no_handler", type=attempt.type)
+            return
+        holder: list[_Running] = []
+
+        def cancel_requested() -> None:
+            if holder:
+                holder[0].stop(StopCause.CANCEL_REQUESTED)
+
+        writer = ProgressWriter(
+            self._store,
+            attempt,
+            window=self._progress_window,
+            on_cancel_requested=cancel_requested,
+        )
+        ctx = JobContext(attempt, writer)
+        running = _Running(asyncio.create_task(handler(ctx), name=f"job-{key}"))
+        holder.append(running)
+        self._running[key] = running
+        heartbeat = asyncio.create_task(self._heartbeat(attempt, running))
+        try:
+            # A cancel requested before we listened is in the row; look once.
+            if await self._with_db_retry(lambda: self._store.heartbeat(attempt)):
+                running.stop(StopCause.CANCEL_REQUESTED)
+        except LeaseLost:
+            running.stop(StopCause.LEASE_LOST)
+        try:
+            result: dict[str, Any] | None = None
+            error: BaseException | None = None
+            try:
+                result = await running.task
+            except asyncio.CancelledError:
+                if running.cause is None:
+                    raise  # we are being cancelled ourselves
+            except Exception as exc:
+                error = exc
+        finally:
+            heartbeat.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await heartbeat
+            self._running.pop(key, None)
+        pending = await writer.drain()
+        await self._record(attempt, running, result, error, pending, bound)
+
+    async def _record(
+        self,
+        attempt: Attempt,
+        running: _Running,
+        result: dict[str, Any] | None,
+        error: BaseException | None,
+        pending: list[ProgressUpdate],
+        bound: Any,
+    ) -> None:
+        store = self._store
+        if running.cause is StopCause.LEASE_LOST or isinstance(error, LeaseLost):
+            bound.warning("job.lease_lost", attempt=attempt.attempt)
+            return
+        if running.cause is StopCause.CANCEL_REQUESTED and result is None:
+            await self._outcome(bound, lambda: store.cancelled(attempt, pending))
+            bound.info("job.cancelled", attempt=attempt.attempt)
+            return
+        if running.cause is StopCause.SHUTDOWN and result is None:
+            error = RetryableError("the worker shut down during the attempt", delay=0)
+        if error is None:
+            checked = _check_result(result)
+            if isinstance(checked, dict):
+                await self._outcome(bound, lambda: store.succeed(attempt, checked, pending))
+                bound.info("job.succeeded", attempt=attempt.attempt)
+                return
+            error = PermanentError(checked, code="BAD_RESULT")
+        code = getattr(error, "code", "HANDLER_ERROR")
+        if not isinstance(error, PermanentError | RetryableError):
+            code = "HANDLER_ERROR"
+        message = f"{type(error).__name__}: {error}"[:4096]
+        retryable = not isinstance(error, PermanentError)
+        if retryable and attempt.attempts_left > 0:
+            delay = getattr(error, "delay", None)
+            if delay is None:
+                delay = backoff(attempt.attempt, base=self._retry_base_delay)
+            await self._outcome(
+                bound,
+                lambda: store.schedule_retry(attempt, code, message, delay=delay, pending=pending),
+            )
+            bound.warning("job.retry_scheduled", attempt=attempt.attempt, delay=delay, error=message)
+            return
+        await self._outcome(
+            bound, lambda: store.fail(attempt, code, message, retryable=retryable, pending=pending)
+        )
+        bound.warning("job.failed", attempt=attempt.attempt, error=message)
+
+    async def _outcome(self, bound: Any, write: Callable[[], Awaitable[None]]) -> None:
+        try:
+            await self._with_db_retry(write)
+        except LeaseLost:
+            bound.warning("job.outcome.fenced_out")
+
+    async def _heartbeat(self, attempt: Attempt, running: _Running) -> None:
+        interval = self._store.lease_seconds / 3
+        while not running.task.done():
+            await asyncio.sleep(interval)
+            try:
+                if await self._store.heartbeat(attempt):
+                    running.stop(StopCause.CANCEL_REQUESTED)
+            except LeaseLost:
+                running.stop(StopCause.LEASE_LOST)
+                return
+            except (DBAPIError, OSError) as exc:
+                log.warning("job.heartbeat.failed", error=str(exc).splitlines()[0])
+
+
+class _Stopping(Exception):
+    """The worker is stopping; give the message back."""
+
+
+def _check_result(result: Any) -> dict[str, Any] | str:
+    if not isinstance(result, dict):
+        return f"the handler returned {type(result).__name__}, not a JSON object"
+    try:
+        json.dumps(result, allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        return f"the handler's result is not JSON: {exc}"
+    return result
+
+
+async def _settle(settle: Awaitable[Any]) -> None:
+    """Ack, nack or reject; a closed channel means the broker redelivers anyway."""
+    try:
+        await settle
+    except Exception as exc:
+        log.warning("job.message.settle_failed", error=str(exc))
+
