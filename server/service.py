@@ -17,8 +17,8 @@ from typing import Any
 
 from jobplane.errors import InvalidArgument, PayloadTooLarge, UnroutableJobType
 from jobplane.names import parse_job_name, validate_job_type
-from jobplane.store.listen import Listener
 from jobplane.store.jobs import JobStore, ListCursor, NewJob
+from jobplane.store.listen import Listener
 from jobplane.store.rows import dumps
 from jobplane.topology import Topology
 from jobplane.types import Job, JobEvent, JobPage, JobState
@@ -119,7 +119,7 @@ class JobService:
             validate_job_type(job_type)
         filters = _filter_key(state, job_type)
         cursor = _decode_token(page_token, filters) if page_token else None
-        jobs = await self._store.list(
+        jobs = await self._store.list_jobs(
             tenant, limit=limit + 1, after=cursor, state=state, job_type=job_type or None
         )
         next_token = ""

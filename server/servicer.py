@@ -68,7 +68,9 @@ class JobServiceServicer(jobs_pb2_grpc.JobServiceServicer):
         raise Unauthenticated("missing 'authorization: Bearer <key>' metadata")
 
     @_unary
-    async def SubmitJob(self, tenant: uuid.UUID, request: jobs_pb2.SubmitJobRequest) -> jobs_pb2.Job:
+    async def SubmitJob(
+        self, tenant: uuid.UUID, request: jobs_pb2.SubmitJobRequest
+    ) -> jobs_pb2.Job:
         job = await self._service.submit(
             tenant,
             SubmitRequest(
@@ -102,14 +104,16 @@ class JobServiceServicer(jobs_pb2_grpc.JobServiceServicer):
         )
 
     @_unary
-    async def CancelJob(self, tenant: uuid.UUID, request: jobs_pb2.CancelJobRequest) -> jobs_pb2.Job:
+    async def CancelJob(
+        self, tenant: uuid.UUID, request: jobs_pb2.CancelJobRequest
+    ) -> jobs_pb2.Job:
         return job_to_pb(await self._service.cancel(tenant, request.name, request.reason))
 
     @_unary
     async def RetryJob(self, tenant: uuid.UUID, request: jobs_pb2.RetryJobRequest) -> jobs_pb2.Job:
         return job_to_pb(await self._service.retry(tenant, request.name))
 
-    async def WatchJob(  # type: ignore[override]
+    async def WatchJob(
         self, request: jobs_pb2.WatchJobRequest, context: Context
     ) -> AsyncIterator[jobs_pb2.WatchJobResponse]:
         try:

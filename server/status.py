@@ -33,7 +33,5 @@ def to_grpc_status(error: JobplaneError) -> grpc.Status:
             )
         )
         details.append(bad)
-    message = status_pb2.Status(
-        code=error.code.value[0], message=error.message, details=details
-    )
+    message = status_pb2.Status(code=error.code.value[0], message=error.message, details=details)
     return rpc_status.to_status(message)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import importlib
 import math
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Callable, Coroutine, Iterator
 from typing import Any, Protocol
 
 from jobplane.names import job_name, validate_job_type
@@ -122,7 +122,7 @@ class JobContext:
         )
 
 
-Handler = Callable[[JobContext], Awaitable[dict[str, Any]]]
+Handler = Callable[[JobContext], Coroutine[Any, Any, dict[str, Any]]]
 
 
 class Registry:

@@ -116,9 +116,7 @@ class Relay:
                 *(self._publish(exchange, row) for row in batch.rows), return_exceptions=True
             )
             confirmed = [row.id for row, r in zip(batch.rows, results, strict=True) if r is None]
-            failed = [
-                (row, r) for row, r in zip(batch.rows, results, strict=True) if r is not None
-            ]
+            failed = [(row, r) for row, r in zip(batch.rows, results, strict=True) if r is not None]
             self._faults.hit("relay.after_confirm")
             await batch.mark_published(confirmed)
             if failed:

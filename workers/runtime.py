@@ -179,6 +179,11 @@ class Worker:
         self._stopping = False
 
     @property
+    def busy(self) -> bool:
+        """True while any delivered message is still being handled."""
+        return bool(self._tasks)
+
+    @property
     def running_jobs(self) -> list[str]:
         """Names of the jobs whose handlers run now."""
         return [job_name(k) for k in self._running]
@@ -389,7 +394,9 @@ class Worker:
                 bound,
                 lambda: store.schedule_retry(attempt, code, message, delay=delay, pending=pending),
             )
-            bound.warning("job.retry_scheduled", attempt=attempt.attempt, delay=delay, error=message)
+            bound.warning(
+                "job.retry_scheduled", attempt=attempt.attempt, delay=delay, error=message
+            )
             return
         await self._outcome(
             bound, lambda: store.fail(attempt, code, message, retryable=retryable, pending=pending)
@@ -436,4 +443,3 @@ async def _settle(settle: Awaitable[Any]) -> None:
         await settle
     except Exception as exc:
         log.warning("job.message.settle_failed", error=str(exc))
-

@@ -175,7 +175,7 @@ async def _dev(args: argparse.Namespace) -> int:
             f"  address:  {server.address}\n"
             f"  api key:  {key}   (tenant {args.tenant!r})\n\n"
             f"  export JOBPLANE_ADDRESS={server.address} JOBPLANE_API_KEY={key}\n"
-            f"  jobplane submit demo.progress --payload '{{\"steps\": 20, \"interval_ms\": 150}}'"
+            f'  jobplane submit demo.progress --payload \'{{"steps": 20, "interval_ms": 150}}\''
             " --watch\n",
             flush=True,
         )
@@ -243,9 +243,7 @@ def build_parser() -> argparse.ArgumentParser:
         func=_async(_migrate)
     )
     sub.add_parser("serve", help="run the gRPC server").set_defaults(func=_async(_serve))
-    sub.add_parser("relay", help="publish the outbox to RabbitMQ").set_defaults(
-        func=_async(_relay)
-    )
+    sub.add_parser("relay", help="publish the outbox to RabbitMQ").set_defaults(func=_async(_relay))
 
     worker = sub.add_parser("worker", help="run job handlers")
     worker.add_argument("--handlers", help="package.module:registry to load")

@@ -17,7 +17,7 @@ _STATE_TO_PB = {
     JobState.FAILED: jobs_pb2.Job.STATE_FAILED,
     JobState.CANCELLED: jobs_pb2.Job.STATE_CANCELLED,
 }
-_STATE_FROM_PB = {v: k for k, v in _STATE_TO_PB.items()}
+_STATE_FROM_PB: dict[int, JobState] = {int(v): k for k, v in _STATE_TO_PB.items()}
 
 _EVENT_TO_PB = {
     EventType.QUEUED: jobs_pb2.WatchJobResponse.EVENT_TYPE_QUEUED,
@@ -29,7 +29,7 @@ _EVENT_TO_PB = {
     EventType.FAILED: jobs_pb2.WatchJobResponse.EVENT_TYPE_FAILED,
     EventType.CANCELLED: jobs_pb2.WatchJobResponse.EVENT_TYPE_CANCELLED,
 }
-_EVENT_FROM_PB = {v: k for k, v in _EVENT_TO_PB.items()}
+_EVENT_FROM_PB: dict[int, EventType] = {int(v): k for k, v in _EVENT_TO_PB.items()}
 
 
 def state_to_pb(state: JobState) -> jobs_pb2.Job.State.ValueType:
@@ -39,7 +39,7 @@ def state_to_pb(state: JobState) -> jobs_pb2.Job.State.ValueType:
 
 def state_from_pb(value: int) -> JobState | None:
     """The state of a proto enum value; None for STATE_UNSPECIFIED or unknown."""
-    return _STATE_FROM_PB.get(value)  # type: ignore[call-overload]
+    return _STATE_FROM_PB.get(value)
 
 
 def struct_from_dict(value: dict[str, Any] | None) -> struct_pb2.Struct:
@@ -146,9 +146,7 @@ def job_from_pb(message: jobs_pb2.Job) -> Job:
         labels=dict(message.labels),
         create_time=from_timestamp(message.create_time),
         update_time=from_timestamp(message.update_time),
-        start_time=(
-            from_timestamp(message.start_time) if message.HasField("start_time") else None
-        ),
+        start_time=(from_timestamp(message.start_time) if message.HasField("start_time") else None),
         end_time=from_timestamp(message.end_time) if message.HasField("end_time") else None,
         next_attempt_time=(
             from_timestamp(message.next_attempt_time)

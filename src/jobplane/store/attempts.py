@@ -141,9 +141,7 @@ _PROGRESS = text(
     FROM j
     """
 )
-_END = (
-    "lease_token = NULL, lease_expires_at = NULL, next_attempt_time = NULL, end_time = now()"
-)
+_END = "lease_token = NULL, lease_expires_at = NULL, next_attempt_time = NULL, end_time = now()"
 _SUCCEED = text(
     transition_sql(
         f"state = 'succeeded', result = CAST(:result AS jsonb), progress = 1, "

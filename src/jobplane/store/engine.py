@@ -46,7 +46,9 @@ async def ensure_database(url: str) -> bool:
     name = parsed.database
     if not name:
         raise ValueError("the database URL names no database")
-    admin = await asyncpg.connect(asyncpg_dsn(parsed.set(database="postgres").render_as_string(False)))
+    admin = await asyncpg.connect(
+        asyncpg_dsn(parsed.set(database="postgres").render_as_string(False))
+    )
     try:
         exists = await admin.fetchval("SELECT 1 FROM pg_database WHERE datname = $1", name)
         if exists:

@@ -217,7 +217,7 @@ class JobStore:
             raise JobNotFound(f"jobs/{job_id} not found")
         return job_from_row(row)
 
-    async def list(
+    async def list_jobs(
         self,
         tenant_id: uuid.UUID,
         *,
@@ -249,17 +249,12 @@ class JobStore:
 
     async def cancel(self, tenant_id: uuid.UUID, job_id: uuid.UUID, reason: str) -> Job:
         """QUEUED → CANCELLED now; RUNNING → cancellation requested; terminal → error."""
-        params = {
-            "id": job_id,
-            "tenant_id": tenant_id,
-            "reason": reason or "cancelled by request",
-        }
+        reason = reason or "cancelled by request"
+        params = {"id": job_id, "tenant_id": tenant_id, "reason": reason}
         async with self._engine.begin() as conn:
             current = await self._lock(conn, tenant_id, job_id)
             if current.state is JobState.QUEUED:
-                row = await _transition(
-                    conn, _CANCEL_QUEUED, params, "cancelled", params["reason"]
-                )
+                row = await _transition(conn, _CANCEL_QUEUED, params, "cancelled", reason)
                 # A pending (re)dispatch is a row: drop it so nothing is published.
                 await conn.execute(_DROP_PENDING_DISPATCH, params)
                 return job_from_row(row)
@@ -267,7 +262,7 @@ class JobStore:
                 if current.cancel_requested:
                     return current
                 row = await _transition(
-                    conn, _REQUEST_CANCEL, params, "cancel_requested", params["reason"]
+                    conn, _REQUEST_CANCEL, params, "cancel_requested", reason
                 )
                 await conn.execute(_NOTIFY_CANCEL, {"id": str(job_id)})
                 return job_from_row(row)

@@ -26,9 +26,7 @@ _UPSERT_TENANT = text(
 _INSERT_KEY = text(
     "INSERT INTO api_keys (tenant_id, key_hash, prefix) VALUES (:tenant_id, :key_hash, :prefix)"
 )
-_RESOLVE = text(
-    "SELECT tenant_id FROM api_keys WHERE key_hash = :key_hash AND revoke_time IS NULL"
-)
+_RESOLVE = text("SELECT tenant_id FROM api_keys WHERE key_hash = :key_hash AND revoke_time IS NULL")
 
 
 def hash_key(key: str) -> bytes:

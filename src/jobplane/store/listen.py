@@ -95,7 +95,8 @@ class Listener:
         """Subscribers registered now."""
         return sum(len(s) for s in self._subs.values())
 
-    def _on_notify(self, _conn: Any, _pid: int, _channel: str, payload: str) -> None:
+    def _on_notify(self, _conn: object, _pid: int, _channel: str, payload: object) -> None:
+        payload = str(payload)
         for sub in self._subs.get(payload, ()):
             sub.wake()
         for sub in self._subs.get(None, ()):
@@ -114,7 +115,7 @@ class Listener:
             try:
                 conn = await connect_raw(self._url)
                 lost = asyncio.Event()
-                conn.add_termination_listener(lambda _c: lost.set())
+                conn.add_termination_listener(lambda _c, lost=lost: lost.set())
                 await conn.add_listener(self._channel, self._on_notify)
                 log.info("listen.connected", channel=self._channel)
                 self._connected.set()

@@ -32,7 +32,8 @@ _MARK_PUBLISHED = text(
 _MARK_FAILED = text(
     """
     UPDATE outbox SET publish_attempts = publish_attempts + 1, last_error = :error,
-        available_at = now() + make_interval(secs => least(30, 0.5 * 2 ^ least(publish_attempts, 6)))
+        available_at = now()
+            + make_interval(secs => least(30, 0.5 * 2 ^ least(publish_attempts, 6)))
     WHERE id = ANY(CAST(:ids AS uuid[]))
     """
 )

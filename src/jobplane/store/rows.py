@@ -58,7 +58,7 @@ def _json(value: Any) -> Any:
     return value
 
 
-def job_from_row(row: Mapping[str, Any]) -> Job:
+def job_from_row(row: Mapping[Any, Any]) -> Job:
     """A :class:`Job` from a ``jobs`` row."""
     state = JobState(row["state"])
     error = None
@@ -93,7 +93,7 @@ def job_from_row(row: Mapping[str, Any]) -> Job:
     )
 
 
-def event_from_row(row: Mapping[str, Any]) -> JobEvent:
+def event_from_row(row: Mapping[Any, Any]) -> JobEvent:
     """A :class:`JobEvent` from a ``job_events`` row."""
     return JobEvent(
         name=job_name(row["job_id"]),

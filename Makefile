@@ -1,0 +1,53 @@
+# The one source of truth for building, checking and running jobplane.
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+PYTEST_ARGS ?=
+
+.PHONY: all dev test unit lint format typecheck proto migrate services bench clean
+
+all: lint typecheck test
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+services:
+	@scripts/services.sh
+
+## Run jobplane against the local services and show one demo job live.
+dev: $(STAMP) services
+	$(BIN)/jobplane dev --demo
+
+## Everything CI runs: lint, types, unit + integration tests on real services.
+test: $(STAMP) services lint typecheck
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+unit: $(STAMP)
+	$(BIN)/python -m pytest tests/unit $(PYTEST_ARGS)
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+format: $(STAMP)
+	$(BIN)/ruff check --fix .
+	$(BIN)/ruff format .
+
+typecheck: $(STAMP)
+	$(BIN)/mypy
+
+## Regenerate the gRPC stubs (a test fails when they are stale).
+proto: $(STAMP)
+	$(BIN)/python scripts/protogen.py src
+
+migrate: $(STAMP) services
+	$(BIN)/jobplane migrate
+
+clean:
+	rm -rf $(VENV) build dist .mypy_cache .ruff_cache .pytest_cache

@@ -1,0 +1,82 @@
+"""Fixtures: this run's template database and vhost; a database per test."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import AsyncIterator, Iterator
+
+import pytest
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from jobplane.logs import configure
+from jobplane.store.engine import create_engine, migrate
+from jobplane.topology import Topology, load_topology
+from tests.support import services
+from tests.support.stack import Stack, start_stack
+
+_counter = itertools.count(1)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Everything outside tests/unit talks to the real services."""
+    for item in items:
+        if "tests/unit" not in str(item.path):
+            item.add_marker(pytest.mark.integration)
+
+
+@pytest.fixture(scope="session")
+def run_id() -> str:
+    """Names this run's databases and vhost."""
+    configure("warning")
+    return services.run_id()
+
+
+@pytest.fixture(scope="session")
+async def template_db(run_id: str) -> AsyncIterator[str]:
+    """A database migrated once per run; each test clones it."""
+    name = f"jp_{run_id}_tpl"
+    await migrate(services.pg_url(name))
+    yield name
+    await services.drop_database(name)
+
+
+@pytest.fixture(scope="session")
+def amqp_url(run_id: str) -> Iterator[str]:
+    """This run's own vhost."""
+    vhost = f"jp_{run_id}"
+    url = services.create_vhost(vhost)
+    yield url
+    services.delete_vhost(vhost)
+
+
+@pytest.fixture
+async def database_url(template_db: str, run_id: str) -> AsyncIterator[str]:
+    """A fresh, migrated database for one test."""
+    name = f"jp_{run_id}_{next(_counter)}"
+    await services.create_database(name, template=template_db)
+    yield services.pg_url(name)
+    await services.drop_database(name)
+
+
+@pytest.fixture
+async def engine(database_url: str) -> AsyncIterator[AsyncEngine]:
+    """The test database's engine."""
+    engine = create_engine(database_url, pool_size=10)
+    yield engine
+    await engine.dispose()
+
+
+@pytest.fixture
+def topology() -> Topology:
+    """The default topology under names no other test uses."""
+    return load_topology().prefixed(f"t{next(_counter)}.")
+
+
+@pytest.fixture
+async def stack(
+    engine: AsyncEngine, database_url: str, amqp_url: str, topology: Topology
+) -> AsyncIterator[Stack]:
+    """Server + relay + worker with the demo handlers."""
+    running = await start_stack(engine, database_url, amqp_url, topology)
+    yield running
+    await running.close()

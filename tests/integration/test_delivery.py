@@ -1,0 +1,248 @@
+"""Cancellation, duplicate deliveries, broker outages and server restarts."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+import uuid
+from typing import Any
+
+import aio_pika
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from jobplane.client import JobEvent, JobState
+from jobplane.envelope import Envelope
+from jobplane.topology import Topology
+from jobplane.types import EventType
+from jobplane.workers.handlers import JobContext, Registry
+from tests.support.proxy import CuttableProxy
+from tests.support.stack import Stack, eventually, start_stack
+
+
+async def test_cancel_queued_job_is_immediate_and_never_runs(
+    engine: AsyncEngine, database_url: str, amqp_url: str, topology: Topology
+) -> None:
+    ran: list[str] = []
+    registry = Registry()
+
+    @registry.handler("demo.echo")
+    async def echo(ctx: JobContext) -> dict[str, Any]:
+        ran.append(ctx.name)
+        return {}
+
+    # No worker yet: the job stays QUEUED (its message may already be in the queue).
+    stack = await start_stack(engine, database_url, amqp_url, topology, worker=False)
+    try:
+        client = stack.client()
+        job = await client.submit("demo.echo", {})
+        await eventually(
+            lambda: stack.scalar("SELECT count(*) = 1 FROM outbox WHERE published_at IS NOT NULL")
+        )
+        cancelled = await client.cancel(job.name, reason="changed my mind")
+        assert cancelled.state is JobState.CANCELLED
+        assert cancelled.error is not None and cancelled.error.message == "changed my mind"
+
+        # The worker now receives the message and must do nothing with it.
+        await stack.start_worker(registry)
+        probe = await client.submit("demo.echo", {})
+        await asyncio.wait_for(client.wait(probe.name), timeout=20)
+        await eventually(lambda: _queue_drained(stack))
+        assert ran == [probe.name]
+        final = await client.get(job.name)
+        assert final.state is JobState.CANCELLED
+        events = [e async for e in client.watch(job.name)]
+        assert [e.type for e in events] == [EventType.QUEUED, EventType.CANCELLED]
+    finally:
+        await stack.close()
+
+
+async def test_cancel_pending_dispatch_drops_the_outbox_row(
+    engine: AsyncEngine, database_url: str, amqp_url: str, topology: Topology
+) -> None:
+    stack = await start_stack(engine, database_url, amqp_url, topology, relay=False, worker=False)
+    try:
+        client = stack.client()
+        job = await client.submit("demo.echo", {})
+        assert await stack.scalar("SELECT count(*) FROM outbox WHERE published_at IS NULL") == 1
+        await client.cancel(job.name)
+        assert await stack.scalar("SELECT count(*) FROM outbox") == 0
+    finally:
+        await stack.close()
+
+
+async def test_cancel_running_job_stops_the_handler_within_two_seconds(stack: Stack) -> None:
+    client = stack.client()
+    job = await client.submit("demo.progress", {"steps": 1000, "interval_ms": 20})
+    seen: list[JobEvent] = []
+
+    async def watch() -> None:
+        async for event in client.watch(job.name):
+            seen.append(event)
+
+    watcher = asyncio.create_task(watch())
+    await eventually(lambda: _async(sum(e.type is EventType.PROGRESS for e in seen) >= 3))
+
+    started = time.monotonic()
+    requested = await client.cancel(job.name, reason="stop")
+    assert requested.state in (JobState.RUNNING, JobState.CANCELLED)
+    await asyncio.wait_for(watcher, timeout=5)
+    elapsed = time.monotonic() - started
+    final = await client.get(job.name)
+    assert final.state is JobState.CANCELLED
+    assert elapsed < 2.0, f"cancelled after {elapsed:.2f}s"
+    assert seen[-1].type is EventType.CANCELLED
+    assert any(e.type is EventType.CANCEL_REQUESTED for e in seen)
+
+    # The handler stopped emitting: no event is stored after the terminal one.
+    last_seq = final.last_seq
+    await asyncio.sleep(0.5)
+    assert (
+        await stack.scalar(
+            "SELECT max(seq) FROM job_events WHERE job_id = :id", id=uuid.UUID(final.id)
+        )
+        == last_seq
+    )
+    assert stack.worker is not None and stack.worker.running_jobs == []
+
+
+async def test_same_message_delivered_twice_runs_the_handler_once(
+    engine: AsyncEngine, database_url: str, amqp_url: str, topology: Topology
+) -> None:
+    runs: dict[str, int] = {}
+    registry = Registry()
+
+    @registry.handler("count.me")
+    async def count(ctx: JobContext) -> dict[str, Any]:
+        runs[ctx.name] = runs.get(ctx.name, 0) + 1
+        await asyncio.sleep(0.3)  # long enough for the twin to arrive mid-run
+        return {"runs": runs[ctx.name]}
+
+    stack = await start_stack(engine, database_url, amqp_url, topology, worker=False)
+    try:
+        client = stack.client()
+        job = await client.submit("count.me", {})
+        await eventually(
+            lambda: stack.scalar("SELECT count(*) = 1 FROM outbox WHERE published_at IS NOT NULL")
+        )
+        # Publish the very same dispatch again, as a relay crash after the
+        # confirm would: both copies now wait in the queue.
+        await _publish_copy(stack, uuid.UUID(job.id))
+        await stack.start_worker(registry, concurrency=4)
+        done = await asyncio.wait_for(client.wait(job.name), timeout=20)
+        assert done.state is JobState.SUCCEEDED
+        await eventually(lambda: _queue_drained(stack))
+
+        # And once more after it finished: acked without running.
+        await _publish_copy(stack, uuid.UUID(job.id))
+        await eventually(lambda: _queue_drained(stack))
+        assert runs == {job.name: 1}
+        assert (await client.get(job.name)).attempt == 1
+    finally:
+        await stack.close()
+
+
+async def test_relay_keeps_rows_while_broker_is_unreachable(
+    engine: AsyncEngine, database_url: str, amqp_url: str, topology: Topology
+) -> None:
+    from urllib.parse import urlsplit
+
+    target = urlsplit(amqp_url)
+    proxy = CuttableProxy(target.hostname or "127.0.0.1", target.port or 5672)
+    await proxy.start()
+    await proxy.cut()  # the broker is unreachable from the start
+    proxied = amqp_url.replace(f"{target.hostname}:{target.port}", f"127.0.0.1:{proxy.port}")
+
+    stack = await start_stack(engine, database_url, amqp_url, topology, relay=False)
+    try:
+        await stack.start_relay(proxied)
+        client = stack.client()
+        jobs = [await client.submit("demo.echo", {"i": i}) for i in range(5)]
+        await asyncio.sleep(1.5)
+        assert await stack.scalar("SELECT count(*) FROM outbox WHERE published_at IS NULL") == 5
+        states = [(await client.get(j.name)).state for j in jobs]
+        assert states == [JobState.QUEUED] * 5
+
+        await proxy.start()  # the broker is back
+        for job in jobs:
+            done = await asyncio.wait_for(client.wait(job.name), timeout=30)
+            assert done.state is JobState.SUCCEEDED
+        assert await stack.scalar("SELECT count(*) FROM outbox WHERE published_at IS NULL") == 0
+    finally:
+        await stack.close()
+        await proxy.cut()
+
+
+async def test_sdk_watch_survives_a_server_restart(
+    engine: AsyncEngine, database_url: str, amqp_url: str, topology: Topology
+) -> None:
+    port = _free_port()
+    stack = await start_stack(engine, database_url, amqp_url, topology, listen=f"127.0.0.1:{port}")
+    try:
+        client = stack.client()
+        job = await client.submit("demo.progress", {"steps": 40, "interval_ms": 50})
+        seen: list[JobEvent] = []
+
+        async def watch() -> None:
+            async for event in client.watch(job.name):
+                seen.append(event)
+
+        watcher = asyncio.create_task(watch())
+        await eventually(lambda: _async(len(seen) >= 5))
+
+        # Restart the server mid-stream; the worker keeps writing events.
+        await stack.server.stop(grace=0)
+        await asyncio.sleep(0.7)
+        await stack.server.start()
+        await asyncio.wait_for(watcher, timeout=30)
+
+        seqs = [e.seq for e in seen]
+        assert seqs == list(range(1, len(seen) + 1)), seqs
+        assert seen[-1].type is EventType.SUCCEEDED
+        assert (await client.get(job.name)).last_seq == len(seen)
+    finally:
+        await stack.close()
+
+
+async def _publish_copy(stack: Stack, job_id: uuid.UUID) -> None:
+    row = await stack.scalar(
+        "SELECT row_to_json(o)::text FROM outbox o WHERE job_id = :id ORDER BY create_time LIMIT 1",
+        id=job_id,
+    )
+    import json
+
+    data = json.loads(row)
+    envelope = Envelope(
+        event_id=uuid.UUID(data["id"]),
+        job_id=uuid.UUID(data["job_id"]),
+        tenant_id=uuid.UUID(data["tenant_id"]),
+        job_type=data["routing_key"],
+    )
+    connection = await aio_pika.connect(stack.amqp_url)
+    async with connection:
+        channel = await connection.channel()
+        exchange = await channel.get_exchange(stack.topology.exchange)
+        await exchange.publish(
+            aio_pika.Message(envelope.encode(), message_id=str(envelope.event_id)),
+            routing_key=envelope.job_type,
+        )
+
+
+async def _queue_drained(stack: Stack) -> bool:
+    connection = await aio_pika.connect(stack.amqp_url)
+    async with connection:
+        channel = await connection.channel()
+        queue = await channel.declare_queue(stack.topology.queues[0].name, passive=True)
+        ready = queue.declaration_result.message_count
+    worker_idle = stack.worker is not None and not stack.worker.busy
+    return ready == 0 and worker_idle
+
+
+async def _async(value: bool) -> bool:
+    return value
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])

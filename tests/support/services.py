@@ -1,0 +1,60 @@
+"""Isolation on the real services: a database per test, a vhost per run."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import uuid
+
+import asyncpg
+
+PG_ADMIN_URL = os.environ.get("JOBPLANE_TEST_PG", "postgresql://postgres@127.0.0.1:5432/postgres")
+AMQP_BASE = os.environ.get("JOBPLANE_TEST_AMQP", "amqp://guest:guest@127.0.0.1:5672")
+
+
+def pg_url(database: str) -> str:
+    """The test server's URL for ``database``."""
+    base = PG_ADMIN_URL.rsplit("/", 1)[0]
+    return f"{base}/{database}"
+
+
+async def create_database(name: str, template: str | None = None) -> None:
+    """CREATE DATABASE ``name`` (from ``template`` when given)."""
+    conn = await asyncpg.connect(PG_ADMIN_URL)
+    try:
+        suffix = f' TEMPLATE "{template}"' if template else ""
+        await conn.execute(f'CREATE DATABASE "{name}"{suffix}')
+    finally:
+        await conn.close()
+
+
+async def drop_database(name: str) -> None:
+    """DROP DATABASE ``name``, ending its sessions first."""
+    conn = await asyncpg.connect(PG_ADMIN_URL)
+    try:
+        await conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    finally:
+        await conn.close()
+
+
+def _rabbitmqctl(*args: str) -> None:
+    ctl = shutil.which("rabbitmqctl") or "/usr/sbin/rabbitmqctl"
+    subprocess.run([ctl, "-q", *args], check=True, capture_output=True, timeout=60)
+
+
+def create_vhost(name: str) -> str:
+    """A fresh vhost the guest user may use; returns its AMQP URL."""
+    _rabbitmqctl("add_vhost", name)
+    _rabbitmqctl("set_permissions", "-p", name, "guest", ".*", ".*", ".*")
+    return f"{AMQP_BASE}/{name}"
+
+
+def delete_vhost(name: str) -> None:
+    """Remove a vhost and everything in it."""
+    _rabbitmqctl("delete_vhost", name)
+
+
+def run_id() -> str:
+    """A short id that names this run's databases and vhost."""
+    return uuid.uuid4().hex[:10]

@@ -1,0 +1,122 @@
+"""Pure parts: names, job types, topic routing, topology files, envelopes, config."""
+
+from __future__ import annotations
+
+import uuid
+from pathlib import Path
+
+import pytest
+
+from jobplane.config import ConfigError, Settings
+from jobplane.envelope import Envelope, EnvelopeError
+from jobplane.errors import InvalidArgument
+from jobplane.names import job_name, parse_job_name, validate_job_type
+from jobplane.topology import TopologyError, load_topology, parse_topology, topic_matches
+from jobplane.workers.demo import registry as demo_registry
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "topologies"
+
+
+def test_job_names_round_trip() -> None:
+    job_id = uuid.uuid4()
+    assert parse_job_name(job_name(job_id)) == job_id
+
+
+@pytest.mark.parametrize(
+    "name", ["", "jobs/", "jobs/x", "job/" + str(uuid.UUID(int=1)), "jobs/" + "0" * 32]
+)
+def test_malformed_names(name: str) -> None:
+    with pytest.raises(InvalidArgument) as info:
+        parse_job_name(name)
+    assert info.value.field == "name"
+
+
+@pytest.mark.parametrize("job_type", ["a", "demo.echo", "ai.interactive.chat-v2", "x_1.y-2"])
+def test_valid_job_types(job_type: str) -> None:
+    assert validate_job_type(job_type) == job_type
+
+
+@pytest.mark.parametrize("job_type", ["", "A", "a.", ".a", "a..b", "a b", "a/b", "-a", "x" * 129])
+def test_invalid_job_types(job_type: str) -> None:
+    with pytest.raises(InvalidArgument):
+        validate_job_type(job_type)
+
+
+@pytest.mark.parametrize(
+    ("pattern", "key", "matches"),
+    [
+        ("#", "anything.at.all", True),
+        ("#", "one", True),
+        ("demo.*", "demo.echo", True),
+        ("demo.*", "demo.echo.more", False),
+        ("demo.#", "demo", True),
+        ("demo.#", "demo.a.b", True),
+        ("*.index", "music.index", True),
+        ("*.index", "index", False),
+        ("ai.*.chat", "ai.fast.chat", True),
+        ("a.#.z", "a.z", True),
+        ("a.#.z", "a.b.c.z", True),
+        ("a.#.z", "a.b.c", False),
+    ],
+)
+def test_topic_matching(pattern: str, key: str, matches: bool) -> None:
+    assert topic_matches(pattern, key) is matches
+
+
+def test_default_topology_routes_everything_to_one_queue() -> None:
+    topology = load_topology()
+    assert [q.name for q in topology.queues] == ["jobplane.default"]
+    assert topology.route("anything.at.all") is topology.queues[0]
+
+
+def test_example_topologies_load() -> None:
+    paths = sorted(EXAMPLES.glob("*.toml"))
+    assert len(paths) >= 3
+    for path in paths:
+        topology = load_topology(path)
+        assert topology.queues
+
+
+def test_topology_validation() -> None:
+    with pytest.raises(TopologyError):
+        parse_topology({"queues": []})
+    with pytest.raises(TopologyError):
+        parse_topology({"queues": [{"name": "q", "bindings": ["Bad Pattern"]}]})
+    with pytest.raises(TopologyError):
+        parse_topology({"queues": [{"name": "q"}, {"name": "q"}]})
+    with pytest.raises(TopologyError):
+        parse_topology({"queues": [{"name": "q", "max_attempts": 0}]})
+    narrow = parse_topology({"queues": [{"name": "reports", "bindings": ["reports.*"]}]})
+    assert narrow.route("reports.render") is not None
+    assert narrow.route("billing.charge") is None
+
+
+def test_envelope_round_trip_and_rejects_garbage() -> None:
+    envelope = Envelope(uuid.uuid4(), uuid.uuid4(), uuid.uuid4(), "demo.echo", "corr-1")
+    assert Envelope.decode(envelope.encode()) == envelope
+    assert len(envelope.encode()) < 1024
+    for body in (b"", b"not json", b"[]", b'{"v": 2}', b'{"v":1,"kind":"jobplane.job.dispatch"}'):
+        with pytest.raises(EnvelopeError):
+            Envelope.decode(body)
+
+
+def test_settings_from_env() -> None:
+    settings = Settings.from_env(
+        {
+            "JOBPLANE_DATABASE_URL": "postgresql://u@h/db",
+            "JOBPLANE_LISTEN": "0.0.0.0:6000",
+            "JOBPLANE_MAX_PAYLOAD_BYTES": "1024",
+            "JOBPLANE_FAULTS": "a, b",
+        }
+    )
+    assert settings.database_url == "postgresql://u@h/db"
+    assert settings.listen == "0.0.0.0:6000"
+    assert settings.max_payload_bytes == 1024
+    assert settings.faults == frozenset({"a", "b"})
+    assert Settings.from_env({}).listen == "127.0.0.1:50051"
+    with pytest.raises(ConfigError):
+        Settings.from_env({"JOBPLANE_MAX_PAYLOAD_BYTES": "lots"})
+
+
+def test_demo_registry_has_the_documented_handlers() -> None:
+    assert list(demo_registry) == ["demo.echo", "demo.fail", "demo.progress"]
