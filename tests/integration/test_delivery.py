@@ -246,3 +246,27 @@ def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+async def test_relay_does_not_mark_a_returned_publish(
+    engine: AsyncEngine, database_url: str, amqp_url: str, topology: Topology
+) -> None:
+    from dataclasses import replace
+
+    from jobplane.workers.relay import Relay
+
+    # The server accepts the type, but the exchange the relay declared has no
+    # binding for it: the broker returns the mandatory message.
+    stack = await start_stack(engine, database_url, amqp_url, topology, relay=False, worker=False)
+    narrow = replace(topology, queues=(replace(topology.queues[0], bindings=("reports.*",)),))
+    relay = Relay(engine, database_url, amqp_url, narrow, poll_seconds=0.1)
+    await relay.start()
+    try:
+        await stack.client().submit("demo.echo", {})
+        await eventually(lambda: stack.scalar("SELECT publish_attempts >= 1 FROM outbox"))
+        assert await stack.scalar("SELECT published_at IS NULL FROM outbox")
+        assert "not confirmed" in await stack.scalar("SELECT last_error FROM outbox")
+        assert relay.published == 0
+    finally:
+        await relay.stop()
+        await stack.close()

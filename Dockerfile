@@ -1,0 +1,16 @@
+# jobplane: one image for every process (serve, relay, worker, migrate).
+FROM python:3.11-slim
+WORKDIR /app
+COPY pyproject.toml README.md ./
+COPY proto ./proto
+COPY src ./src
+COPY server ./server
+COPY workers ./workers
+COPY client ./client
+COPY migrations ./migrations
+# src/jobplane/{server,workers,client,migrations} are symlinks into the
+# top-level folders copied above, so the build sees one package tree.
+RUN pip install --no-cache-dir . && useradd --system jobplane
+USER jobplane
+ENTRYPOINT ["jobplane"]
+CMD ["serve"]
