@@ -384,7 +384,12 @@ class Worker:
         code = getattr(error, "code", "HANDLER_ERROR")
         if not isinstance(error, PermanentError | RetryableError):
             code = "HANDLER_ERROR"
-        message = f"{type(error).__name__}: {error}"[:4096]
+        # Our own errors carry a message meant for people; anything else is
+        # named by its type, which is what tells a developer where to look.
+        if isinstance(error, PermanentError | RetryableError):
+            message = str(error)[:4096]
+        else:
+            message = f"{type(error).__name__}: {error}"[:4096]
         retryable = not isinstance(error, PermanentError)
         if retryable and attempt.attempts_left > 0:
             delay = getattr(error, "delay", None)

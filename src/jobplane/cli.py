@@ -38,9 +38,9 @@ async def _until_signal() -> None:
             loop.remove_signal_handler(sig)
 
 
-def _settings_and_topology() -> tuple[Settings, Topology]:
+def _settings_and_topology(log_level: str = "info") -> tuple[Settings, Topology]:
     settings = Settings.from_env()
-    configure(settings.log_level, settings.log_format)
+    configure(settings.log_level or log_level, settings.log_format)
     return settings, load_topology(settings.topology_path)
 
 
@@ -55,7 +55,7 @@ async def _migrate(_args: argparse.Namespace) -> int:
     from jobplane.store.engine import migrate
 
     settings = Settings.from_env()
-    configure(settings.log_level, settings.log_format)
+    configure(settings.log_level or "info", settings.log_format)
     await migrate(settings.database_url)
     print("database is at the latest migration", file=sys.stderr)
     return 0
@@ -145,7 +145,7 @@ async def _dev(args: argparse.Namespace) -> int:
     from jobplane.workers.relay import Relay
     from jobplane.workers.runtime import Worker
 
-    settings, topology = _settings_and_topology()
+    settings, topology = _settings_and_topology(log_level="warning")
     await migrate(settings.database_url)
     engine = create_engine(settings.database_url)
     async with AsyncExitStack() as stack:
@@ -199,7 +199,7 @@ async def _keys_create(args: argparse.Namespace) -> int:
     from jobplane.store.keys import KeyStore
 
     settings = Settings.from_env()
-    configure(settings.log_level, settings.log_format)
+    configure(settings.log_level or "info", settings.log_format)
     engine = create_engine(settings.database_url, pool_size=1)
     try:
         key, _tenant = await KeyStore(engine).create_key(args.tenant)

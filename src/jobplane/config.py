@@ -27,7 +27,9 @@ class Settings:
     api_key: str | None = None
     topology_path: Path | None = None
     max_payload_bytes: int = 256 * 1024
-    log_level: str = "info"
+    # None: the process decides (info; warning for `jobplane dev`, whose
+    # terminal shows the demo's progress bar).
+    log_level: str | None = None
     log_format: str = "console"
     # Named fault points (see jobplane.faults); empty in production.
     faults: frozenset[str] = field(default_factory=frozenset)
@@ -54,7 +56,7 @@ class Settings:
             api_key=env.get("JOBPLANE_API_KEY") or None,
             topology_path=Path(topology) if topology else None,
             max_payload_bytes=max_payload,
-            log_level=env.get("JOBPLANE_LOG_LEVEL", base.log_level).lower(),
+            log_level=(env.get("JOBPLANE_LOG_LEVEL") or "").lower() or None,
             log_format=env.get("JOBPLANE_LOG_FORMAT", base.log_format).lower(),
             faults=frozenset(f.strip() for f in faults),
         )

@@ -270,3 +270,23 @@ async def test_relay_does_not_mark_a_returned_publish(
     finally:
         await relay.stop()
         await stack.close()
+
+
+async def test_unreadable_and_unknown_messages_go_to_the_failed_queue(stack: Stack) -> None:
+    unknown = Envelope(uuid.uuid4(), uuid.uuid4(), stack.tenant_id, "demo.echo")
+    connection = await aio_pika.connect(stack.amqp_url)
+    async with connection:
+        channel = await connection.channel()
+        exchange = await channel.get_exchange(stack.topology.exchange)
+        for body in (b"\x00not an envelope", unknown.encode()):
+            await exchange.publish(aio_pika.Message(body), routing_key="demo.echo")
+
+        async def failed_count() -> bool:
+            queue = await channel.declare_queue(stack.topology.failed_queue, passive=True)
+            return queue.declaration_result.message_count == 2
+
+        await eventually(failed_count)
+    # Jobs keep flowing.
+    client = stack.client()
+    done = await asyncio.wait_for(client.wait((await client.submit("demo.echo", {})).name), 20)
+    assert done.state is JobState.SUCCEEDED

@@ -261,9 +261,7 @@ class JobStore:
             if current.state is JobState.RUNNING:
                 if current.cancel_requested:
                     return current
-                row = await _transition(
-                    conn, _REQUEST_CANCEL, params, "cancel_requested", reason
-                )
+                row = await _transition(conn, _REQUEST_CANCEL, params, "cancel_requested", reason)
                 await conn.execute(_NOTIFY_CANCEL, {"id": str(job_id)})
                 return job_from_row(row)
         raise JobAlreadyTerminal(f"jobs/{job_id} is already {current.state.name}")

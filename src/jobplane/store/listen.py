@@ -13,7 +13,6 @@ import contextlib
 import uuid
 from collections import defaultdict
 from collections.abc import Callable, Iterator
-from typing import Any
 
 import asyncpg
 import structlog

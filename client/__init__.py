@@ -1,0 +1,66 @@
+"""The Python SDK of jobplane: submit jobs, read them back, follow their progress.
+
+:class:`Client` blocks, :class:`AsyncClient` is for asyncio; both have the
+same methods. ``from_env()`` reads ``JOBPLANE_ADDRESS`` and ``JOBPLANE_API_KEY``.
+
+Example::
+
+    from jobplane.client import Client, JobState
+
+    with Client("127.0.0.1:50051", api_key="...") as client:
+        job = client.submit("reports.render", {"report": 42}, labels={"team": "bi"})
+        for event in client.watch(job):  # resumes across server restarts
+            print(f"{event.seq} {event.type.value} {event.progress:.0%} {event.message}")
+        job = client.get(job)
+        if job.state is JobState.SUCCEEDED:
+            print(job.result)
+
+Failed calls raise subclasses of :class:`JobplaneError`, e.g. :class:`JobNotFound`.
+"""
+
+from __future__ import annotations
+
+from jobplane.client._errors import WatchSequenceError
+from jobplane.client._retry import RetryPolicy
+from jobplane.client.aio import AsyncClient
+from jobplane.client.sync import Client
+from jobplane.errors import (
+    FailedPrecondition,
+    InternalError,
+    InvalidArgument,
+    JobAlreadyTerminal,
+    JobNotFound,
+    JobNotRetryable,
+    JobplaneError,
+    PayloadTooLarge,
+    RequestIdReused,
+    Unauthenticated,
+    Unavailable,
+    UnroutableJobType,
+)
+from jobplane.types import EventType, Job, JobError, JobEvent, JobPage, JobState
+
+__all__ = [
+    "AsyncClient",
+    "Client",
+    "EventType",
+    "FailedPrecondition",
+    "InternalError",
+    "InvalidArgument",
+    "Job",
+    "JobAlreadyTerminal",
+    "JobError",
+    "JobEvent",
+    "JobNotFound",
+    "JobNotRetryable",
+    "JobPage",
+    "JobState",
+    "JobplaneError",
+    "PayloadTooLarge",
+    "RequestIdReused",
+    "RetryPolicy",
+    "Unauthenticated",
+    "Unavailable",
+    "UnroutableJobType",
+    "WatchSequenceError",
+]

@@ -1,0 +1,120 @@
+"""Reconnect policy and stream position for :meth:`AsyncClient.watch`.
+
+Both classes are pure (no I/O, injectable clock and randomness), so the resume
+rules can be tested without a server.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from jobplane.client._errors import WatchSequenceError
+
+
+@dataclass(frozen=True, slots=True)
+class RetryPolicy:
+    """How a watch reconnects after losing its stream.
+
+    The delay before reconnect *n* is ``initial_delay * multiplier**n``, capped
+    at ``max_delay`` and shortened by up to ``jitter`` (a fraction) so that many
+    clients do not reconnect in lockstep after a server restart. The watch gives
+    up with :class:`~jobplane.errors.Unavailable` once it has failed for
+    ``max_elapsed`` seconds in a row; ``None`` retries forever.
+
+    A connection that delivers an event, or stays open for at least
+    ``max_delay`` seconds, ends the run of failures.
+    """
+
+    initial_delay: float = 0.05
+    max_delay: float = 2.0
+    multiplier: float = 2.0
+    max_elapsed: float | None = 60.0
+    jitter: float = 0.2
+
+    def __post_init__(self) -> None:
+        if self.initial_delay <= 0 or self.max_delay < self.initial_delay:
+            raise ValueError("need 0 < initial_delay <= max_delay")
+        if self.multiplier < 1:
+            raise ValueError("multiplier must be at least 1")
+        if self.max_elapsed is not None and self.max_elapsed < 0:
+            raise ValueError("max_elapsed must not be negative")
+        if not 0 <= self.jitter < 1:
+            raise ValueError("jitter must be in [0, 1)")
+
+
+class Backoff:
+    """The delays of one run of consecutive failures under a :class:`RetryPolicy`."""
+
+    def __init__(
+        self,
+        policy: RetryPolicy,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        rand: Callable[[], float] = random.random,
+    ) -> None:
+        self._policy = policy
+        self._clock = clock
+        self._rand = rand
+        self._failing_since: float | None = None
+        self._next = policy.initial_delay
+
+    @property
+    def failing(self) -> bool:
+        """True while a run of failures has not been ended by :meth:`reset`."""
+        return self._failing_since is not None
+
+    def reset(self) -> None:
+        """A connection worked: the next failure starts a new run."""
+        self._failing_since = None
+        self._next = self._policy.initial_delay
+
+    def failure(self) -> float | None:
+        """Record a failure; the seconds to wait before retrying, or None to give up."""
+        now = self._clock()
+        if self._failing_since is None:
+            self._failing_since = now
+        delay = self._next
+        self._next = min(self._next * self._policy.multiplier, self._policy.max_delay)
+        delay *= 1 - self._policy.jitter * self._rand()
+        if self._policy.max_elapsed is None:
+            return delay
+        remaining = self._failing_since + self._policy.max_elapsed - now
+        if remaining <= 0:
+            return None
+        # The last attempt happens at the deadline rather than a full delay after it.
+        return min(delay, remaining)
+
+
+class EventCursor:
+    """Where a watch stands in a job's event stream.
+
+    Seqs of one job are 1, 2, 3 ... without gaps. After a reconnect the server
+    resends from ``last``; anything at or before it was already yielded and is
+    dropped, and a seq past ``last + 1`` means an event was lost.
+    """
+
+    def __init__(self, after_seq: int = 0) -> None:
+        if after_seq < 0:
+            raise ValueError("after_seq must not be negative")
+        self.last = after_seq
+        self.at_terminal = False
+
+    def accept(self, seq: int, *, terminal: bool) -> bool:
+        """True to yield the event with ``seq``; False to drop a repeat.
+
+        Raises :class:`WatchSequenceError` when events are missing before it.
+        """
+        if seq <= self.last:
+            return False
+        if seq != self.last + 1:
+            raise WatchSequenceError(
+                f"event seq {seq} arrived after seq {self.last}; "
+                f"seq {self.last + 1} to {seq - 1} are missing",
+                metadata={"last_seq": str(self.last), "seq": str(seq)},
+            )
+        self.last = seq
+        self.at_terminal = terminal
+        return True

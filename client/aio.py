@@ -1,0 +1,338 @@
+"""The asyncio client of the JobService API."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import uuid
+from collections.abc import AsyncGenerator, Mapping
+from types import TracebackType
+from typing import Any, Self, TypeVar
+
+import grpc
+
+from jobplane.client._errors import error_from_rpc, is_transient
+from jobplane.client._retry import Backoff, EventCursor, RetryPolicy
+from jobplane.convert import event_from_pb, job_from_pb, state_to_pb, struct_from_dict
+from jobplane.errors import Unavailable
+from jobplane.types import Job, JobEvent, JobPage, JobState
+from jobplane.v1 import jobs_pb2, jobs_pb2_grpc
+
+DEFAULT_ADDRESS = "127.0.0.1:50051"
+
+Req = TypeVar("Req")
+Resp = TypeVar("Resp")
+
+# Pauses between attempts of a call that is safe to repeat (reads, and submit
+# with its request_id) when the server could not be reached.
+_UNARY_RETRY_DELAYS = (0.1, 0.2, 0.4)
+
+# grpc waits up to two minutes between reconnects of a broken channel by
+# default, and calls fail at once in between; a restarted server should be
+# found again within the watch backoff instead.
+_CHANNEL_OPTIONS = (
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 2000),
+)
+
+
+def job_name_of(job: str | Job) -> str:
+    """The resource name of a job given as a name or a :class:`Job`."""
+    return job.name if isinstance(job, Job) else job
+
+
+class AsyncClient:
+    """An asyncio client of one jobplane server.
+
+    Use it as an async context manager, or call :meth:`close` when done. The
+    channel opens on first use, on the event loop that makes the call; use one
+    client from one event loop.
+    """
+
+    def __init__(
+        self,
+        address: str = DEFAULT_ADDRESS,
+        api_key: str | None = None,
+        *,
+        timeout: float | None = 30.0,
+        watch_retry: RetryPolicy | None = None,
+    ) -> None:
+        self._address = address
+        self._api_key = api_key
+        self._timeout = timeout
+        self._watch_retry = watch_retry or RetryPolicy()
+        self._metadata: tuple[tuple[str, str], ...] = (
+            (("authorization", f"Bearer {api_key}"),) if api_key else ()
+        )
+        self._channel: grpc.aio.Channel | None = None
+        self._stub: jobs_pb2_grpc.JobServiceAsyncStub | None = None
+        self._closed = False
+
+    @classmethod
+    def from_env(
+        cls,
+        *,
+        address: str | None = None,
+        api_key: str | None = None,
+        timeout: float | None = 30.0,
+        watch_retry: RetryPolicy | None = None,
+    ) -> Self:
+        """A client for ``JOBPLANE_ADDRESS`` with key ``JOBPLANE_API_KEY``.
+
+        ``address`` and ``api_key``, when given, win over the environment.
+        """
+        return cls(
+            address or os.environ.get("JOBPLANE_ADDRESS") or DEFAULT_ADDRESS,
+            api_key or os.environ.get("JOBPLANE_API_KEY") or None,
+            timeout=timeout,
+            watch_retry=watch_retry,
+        )
+
+    @property
+    def address(self) -> str:
+        """The ``host:port`` of the server."""
+        return self._address
+
+    @property
+    def api_key(self) -> str | None:
+        """The API key sent with every call."""
+        return self._api_key
+
+    @property
+    def timeout(self) -> float | None:
+        """Deadline in seconds of each unary call (watch streams have none)."""
+        return self._timeout
+
+    @property
+    def watch_retry(self) -> RetryPolicy:
+        """How :meth:`watch` reconnects."""
+        return self._watch_retry
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(address={self._address!r})"
+
+    async def __aenter__(self) -> Self:
+        self._get_stub()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        """Close the channel; calls still running fail. Safe to call twice."""
+        self._closed = True
+        channel, self._channel, self._stub = self._channel, None, None
+        if channel is not None:
+            await channel.close()
+
+    def _get_stub(self) -> jobs_pb2_grpc.JobServiceAsyncStub:
+        if self._closed:
+            raise RuntimeError("the client has been closed")
+        if self._stub is None:
+            self._channel = grpc.aio.insecure_channel(self._address, options=_CHANNEL_OPTIONS)
+            self._stub = jobs_pb2_grpc.JobServiceStub(self._channel)
+        return self._stub
+
+    async def _call(
+        self,
+        method: grpc.aio.UnaryUnaryMultiCallable[Req, Resp],
+        request: Req,
+        *,
+        repeatable: bool = False,
+    ) -> Resp:
+        """One unary call; a ``repeatable`` one is retried while UNAVAILABLE."""
+        for delay in (*_UNARY_RETRY_DELAYS, None):
+            try:
+                return await method(request, timeout=self._timeout, metadata=self._metadata)
+            except grpc.aio.AioRpcError as exc:
+                if (
+                    not repeatable
+                    or delay is None
+                    or self._closed
+                    or exc.code() != grpc.StatusCode.UNAVAILABLE
+                ):
+                    raise error_from_rpc(exc) from exc
+            await asyncio.sleep(delay)
+        raise AssertionError("unreachable: the last attempt returns or raises")
+
+    async def submit(
+        self,
+        type: str,
+        payload: dict[str, Any] | None = None,
+        *,
+        request_id: str | None = None,
+        correlation_id: str = "",
+        max_attempts: int = 0,
+        labels: Mapping[str, str] | None = None,
+    ) -> Job:
+        """Create a job of ``type`` and return it (normally QUEUED).
+
+        ``request_id`` is the idempotency key: submitting again with the same
+        one returns the original job. When None, a fresh UUID is used, which
+        still makes the call's own retries safe. ``max_attempts`` 0 means the
+        queue's default.
+        """
+        request_id = str(uuid.uuid4()) if request_id is None else request_id
+        request = jobs_pb2.SubmitJobRequest(
+            type=type,
+            payload=struct_from_dict(payload),
+            request_id=request_id,
+            correlation_id=correlation_id,
+            max_attempts=max_attempts,
+            labels=dict(labels or {}),
+        )
+        # Without a request_id a repeated call could create a second job.
+        job = await self._call(self._get_stub().SubmitJob, request, repeatable=bool(request_id))
+        return job_from_pb(job)
+
+    async def get(self, name: str | Job) -> Job:
+        """The job as the server stores it now."""
+        request = jobs_pb2.GetJobRequest(name=job_name_of(name))
+        return job_from_pb(await self._call(self._get_stub().GetJob, request, repeatable=True))
+
+    async def list(
+        self,
+        *,
+        page_size: int = 0,
+        page_token: str = "",
+        state: JobState | None = None,
+        type: str | None = None,
+    ) -> JobPage:
+        """One page of the caller's jobs, newest first.
+
+        ``page_size`` 0 means the server default (50). Pass the page's
+        ``next_page_token`` with the same filters to get the next page.
+        """
+        request = jobs_pb2.ListJobsRequest(
+            page_size=page_size,
+            page_token=page_token,
+            state=state_to_pb(state) if state is not None else jobs_pb2.Job.STATE_UNSPECIFIED,
+            type=type or "",
+        )
+        response = await self._call(self._get_stub().ListJobs, request, repeatable=True)
+        return JobPage(
+            jobs=[job_from_pb(j) for j in response.jobs],
+            next_page_token=response.next_page_token,
+        )
+
+    async def iter_jobs(
+        self,
+        *,
+        page_size: int = 0,
+        page_token: str = "",
+        state: JobState | None = None,
+        type: str | None = None,
+    ) -> AsyncGenerator[Job, None]:
+        """Every job matching the filters, fetching page after page."""
+        while True:
+            page = await self.list(
+                page_size=page_size, page_token=page_token, state=state, type=type
+            )
+            for job in page.jobs:
+                yield job
+            if not page.next_page_token:
+                return
+            page_token = page.next_page_token
+
+    async def cancel(self, name: str | Job, reason: str = "") -> Job:
+        """Cancel a queued job, or ask a running one to stop.
+
+        A running job comes back with ``cancel_requested`` set; it becomes
+        CANCELLED when its handler stops.
+        """
+        request = jobs_pb2.CancelJobRequest(name=job_name_of(name), reason=reason)
+        return job_from_pb(await self._call(self._get_stub().CancelJob, request))
+
+    async def retry(self, name: str | Job) -> Job:
+        """Start a new attempt of a FAILED or CANCELLED job."""
+        request = jobs_pb2.RetryJobRequest(name=job_name_of(name))
+        return job_from_pb(await self._call(self._get_stub().RetryJob, request))
+
+    def _open_watch(
+        self, name: str, after_seq: int
+    ) -> grpc.aio.UnaryStreamCall[jobs_pb2.WatchJobRequest, jobs_pb2.WatchJobResponse]:
+        return self._get_stub().WatchJob(
+            jobs_pb2.WatchJobRequest(name=name, after_seq=after_seq), metadata=self._metadata
+        )
+
+    async def watch(self, name: str | Job, after_seq: int = 0) -> AsyncGenerator[JobEvent, None]:
+        """The job's events with seq > ``after_seq``, then live ones, in seq order.
+
+        The iterator ends when the server ends the stream, which it does after
+        the job's terminal event (at once if that is at or before
+        ``after_seq``). When the connection is lost (e.g. the server restarts)
+        it reconnects as :attr:`watch_retry` says and resumes after the last
+        event it yielded, so no event is repeated or skipped; it raises
+        :class:`~jobplane.errors.Unavailable` when it cannot reconnect in time.
+        Events the server resends are dropped; a missing seq raises
+        :class:`WatchSequenceError`.
+        """
+        job_name = job_name_of(name)
+        cursor = EventCursor(after_seq)
+        backoff = Backoff(self._watch_retry)
+        loop = asyncio.get_running_loop()
+        while True:
+            failure: BaseException | None = None
+            opened = loop.time()
+            call = self._open_watch(job_name, cursor.last)
+            try:
+                async for message in call:
+                    event = event_from_pb(message)
+                    if cursor.accept(event.seq, terminal=event.terminal):
+                        # Only a new event counts as recovery: a server that
+                        # resends old ones and fails again is still failing.
+                        backoff.reset()
+                        yield event
+            except grpc.aio.AioRpcError as exc:
+                if self._closed or not is_transient(exc):
+                    raise error_from_rpc(exc) from exc
+                failure = exc
+            else:
+                if cursor.at_terminal:
+                    return
+                # The stream ended without a terminal event: fine if the job
+                # ended at or before after_seq, otherwise resume.
+                try:
+                    job = await self.get(job_name)
+                except Unavailable as exc:
+                    failure = exc
+                else:
+                    if job.state.terminal and job.last_seq <= cursor.last:
+                        return
+            finally:
+                call.cancel()
+            if loop.time() - opened >= self._watch_retry.max_delay:
+                backoff.reset()
+            delay = backoff.failure()
+            if delay is None:
+                raise Unavailable(
+                    f"lost the event stream of {job_name} after seq {cursor.last} and "
+                    f"could not resume it within {self._watch_retry.max_elapsed:g}s"
+                ) from failure
+            await asyncio.sleep(delay)
+
+    async def wait(self, name: str | Job, timeout: float | None = None) -> Job:
+        """Wait until the job ends and return it.
+
+        Raises :class:`TimeoutError` when it has not ended after ``timeout``
+        seconds (None waits for ever).
+        """
+        job_name = job_name_of(name)
+        async with asyncio.timeout(timeout):
+            job = await self.get(job_name)
+            if job.state.terminal:
+                return job
+            async with contextlib.aclosing(self.watch(job_name, job.last_seq)) as events:
+                async for _ in events:
+                    pass
+            return await self.get(job_name)
+
+
+__all__ = ["DEFAULT_ADDRESS", "AsyncClient", "job_name_of"]

@@ -1,0 +1,510 @@
+"""The client commands of ``jobplane``: submit, watch, get, list, cancel, retry.
+
+:func:`register` adds them to the top-level parser. Each command talks to the
+server named by ``--address`` / ``JOBPLANE_ADDRESS`` with the key from
+``--api-key`` / ``JOBPLANE_API_KEY``, and returns the process exit code: 0 on
+success, 1 when the call failed or the watched job did not succeed, 2 for bad
+usage (a missing API key, a payload that is not a JSON object, ...).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import dataclasses
+import enum
+import json
+import os
+import sys
+from collections.abc import AsyncIterator, Awaitable, Callable
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.markup import escape
+from rich.progress import (
+    BarColumn,
+    Progress,
+    SpinnerColumn,
+    TaskID,
+    TaskProgressColumn,
+    TextColumn,
+    TimeElapsedColumn,
+)
+from rich.table import Table
+
+from jobplane.client.aio import AsyncClient, job_name_of
+from jobplane.errors import JobplaneError
+from jobplane.types import EventType, Job, JobEvent, JobState
+
+Command = Callable[[AsyncClient, argparse.Namespace], Awaitable[int]]
+
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+
+
+class UsageError(Exception):
+    """A command line the command cannot act on; exit code 2."""
+
+
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Add the client commands to ``subparsers``; each sets ``func`` (args -> exit code)."""
+    connection = argparse.ArgumentParser(add_help=False)
+    group = connection.add_argument_group("connection")
+    group.add_argument(
+        "--address",
+        metavar="HOST:PORT",
+        help="server address (default: $JOBPLANE_ADDRESS, else 127.0.0.1:50051)",
+    )
+    group.add_argument("--api-key", metavar="KEY", help="API key (default: $JOBPLANE_API_KEY)")
+    json_flag = argparse.ArgumentParser(add_help=False)
+    json_flag.add_argument("--json", action="store_true", help="print JSON instead of text")
+    parents = [connection, json_flag]
+
+    submit = subparsers.add_parser(
+        "submit",
+        parents=parents,
+        help="submit a job",
+        description="Submit a job and print it; with --watch, follow it until it ends "
+        "(exit code 0 if it succeeded, 1 if it failed or was cancelled).",
+    )
+    submit.add_argument("type", metavar="TYPE", help="job type, e.g. reports.render")
+    payload = submit.add_mutually_exclusive_group()
+    payload.add_argument("--payload", metavar="JSON", help="the payload, a JSON object")
+    payload.add_argument(
+        "--payload-file", metavar="PATH", help="read the JSON payload from PATH ('-' for stdin)"
+    )
+    submit.add_argument("--request-id", metavar="ID", help="idempotency key (default: a new UUID)")
+    submit.add_argument("--correlation-id", metavar="ID", default="")
+    submit.add_argument(
+        "--max-attempts", metavar="N", type=int, default=0, help="0: the queue's default"
+    )
+    submit.add_argument(
+        "--label",
+        metavar="KEY=VALUE",
+        action="append",
+        default=[],
+        help="a label of the job (repeatable)",
+    )
+    submit.add_argument("--watch", action="store_true", help="follow the job until it ends")
+    submit.set_defaults(func=command(_submit))
+
+    watch = subparsers.add_parser(
+        "watch",
+        parents=parents,
+        help="follow a job's progress until it ends",
+        description="Show a job's events until it ends (exit code 0 if it succeeded, "
+        "1 if it failed or was cancelled). --json prints one JSON object per event, "
+        "then the final job.",
+    )
+    watch.add_argument("name", metavar="NAME", help="jobs/{id}, or just the id")
+    watch.add_argument(
+        "--after-seq", metavar="N", type=int, default=0, help="show only events after seq N"
+    )
+    watch.set_defaults(func=command(_watch))
+
+    get = subparsers.add_parser("get", parents=parents, help="show a job")
+    get.add_argument("name", metavar="NAME", help="jobs/{id}, or just the id")
+    get.set_defaults(func=command(_get))
+
+    list_ = subparsers.add_parser("list", parents=parents, help="list jobs, newest first")
+    list_.add_argument(
+        "--state", type=str.lower, choices=[s.value for s in JobState], help="only this state"
+    )
+    list_.add_argument("--type", metavar="TYPE", help="only this job type")
+    list_.add_argument(
+        "--page-size", metavar="N", type=int, default=0, help="jobs per page (server default 50)"
+    )
+    list_.add_argument("--page-token", metavar="TOKEN", default="", help="start at this page")
+    list_.add_argument("--all", action="store_true", help="fetch every page")
+    list_.set_defaults(func=command(_list))
+
+    cancel = subparsers.add_parser("cancel", parents=parents, help="cancel a job")
+    cancel.add_argument("name", metavar="NAME", help="jobs/{id}, or just the id")
+    cancel.add_argument("--reason", default="", help="why, kept with the job")
+    cancel.set_defaults(func=command(_cancel))
+
+    retry = subparsers.add_parser(
+        "retry", parents=parents, help="start a new attempt of a failed or cancelled job"
+    )
+    retry.add_argument("name", metavar="NAME", help="jobs/{id}, or just the id")
+    retry.set_defaults(func=command(_retry))
+
+
+def command(fn: Command) -> Callable[[argparse.Namespace], int]:
+    """Wrap ``fn`` as an argparse ``func``: client from flags/env, errors as exit codes."""
+
+    def run(args: argparse.Namespace) -> int:
+        client = AsyncClient.from_env(address=args.address, api_key=args.api_key)
+        if client.api_key is None:
+            _error("no API key: set JOBPLANE_API_KEY or pass --api-key")
+            return EXIT_USAGE
+        try:
+            return asyncio.run(_with_client(client, fn, args))
+        except UsageError as exc:
+            _error(str(exc))
+            return EXIT_USAGE
+        except JobplaneError as exc:
+            _error(f"{exc.reason}: {exc.message}")
+            return EXIT_FAILED
+        except BrokenPipeError:
+            # The reader went away (``| head``); point stdout at /dev/null so
+            # the flush at exit does not fail a second time.
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+            return EXIT_FAILED
+
+    return run
+
+
+async def _with_client(client: AsyncClient, fn: Command, args: argparse.Namespace) -> int:
+    async with client:
+        return await fn(client, args)
+
+
+def _error(message: str) -> None:
+    print(f"error: {message}", file=sys.stderr, flush=True)
+
+
+# -- commands ----------------------------------------------------------------
+
+
+async def _submit(client: AsyncClient, args: argparse.Namespace) -> int:
+    payload = parse_payload(args.payload, args.payload_file)
+    labels = parse_labels(args.label)
+    job = await client.submit(
+        args.type,
+        payload,
+        request_id=args.request_id,
+        correlation_id=args.correlation_id,
+        max_attempts=args.max_attempts,
+        labels=labels,
+    )
+    if args.json:
+        print_json(job_to_json(job))
+    else:
+        print(job_line(job), flush=True)
+    if not args.watch:
+        return EXIT_OK
+    return await render_watch(client, job.name, as_json=args.json)
+
+
+async def _watch(client: AsyncClient, args: argparse.Namespace) -> int:
+    if args.after_seq < 0:
+        raise UsageError("--after-seq must not be negative")
+    return await render_watch(
+        client, full_name(args.name), after_seq=args.after_seq, as_json=args.json
+    )
+
+
+async def _get(client: AsyncClient, args: argparse.Namespace) -> int:
+    job = await client.get(full_name(args.name))
+    if args.json:
+        print_json(job_to_json(job))
+    else:
+        print(job_details(job), flush=True)
+    return EXIT_OK
+
+
+async def _list(client: AsyncClient, args: argparse.Namespace) -> int:
+    state = JobState(args.state) if args.state else None
+    if args.all:
+        jobs = [
+            job
+            async for job in client.iter_jobs(
+                page_size=args.page_size, page_token=args.page_token, state=state, type=args.type
+            )
+        ]
+        next_token = ""
+    else:
+        page = await client.list(
+            page_size=args.page_size, page_token=args.page_token, state=state, type=args.type
+        )
+        jobs, next_token = page.jobs, page.next_page_token
+    if args.json:
+        print_json({"jobs": [job_to_json(j) for j in jobs], "next_page_token": next_token})
+        return EXIT_OK
+    if sys.stdout.isatty():
+        table = Table("NAME", "TYPE", "STATE", "PROGRESS", "ATTEMPT", "CREATED", box=None)
+        for job in jobs:
+            table.add_row(
+                job.name,
+                escape(job.type),
+                _state_text(job),
+                f"{job.progress:.0%}",
+                f"{job.attempt}/{job.max_attempts}",
+                _time(job.create_time),
+            )
+        Console().print(table)
+    else:
+        for job in jobs:
+            print(
+                "\t".join(
+                    (
+                        job.name,
+                        job.type,
+                        job.state.value,
+                        f"{job.progress:.0%}",
+                        f"{job.attempt}/{job.max_attempts}",
+                        _time(job.create_time),
+                    )
+                )
+            )
+    if next_token:
+        print(f"more jobs: --page-token {next_token}", file=sys.stderr)
+    return EXIT_OK
+
+
+async def _cancel(client: AsyncClient, args: argparse.Namespace) -> int:
+    job = await client.cancel(full_name(args.name), args.reason)
+    if args.json:
+        print_json(job_to_json(job))
+    else:
+        print(job_line(job), flush=True)
+    return EXIT_OK
+
+
+async def _retry(client: AsyncClient, args: argparse.Namespace) -> int:
+    job = await client.retry(full_name(args.name))
+    if args.json:
+        print_json(job_to_json(job))
+    else:
+        print(job_line(job), flush=True)
+    return EXIT_OK
+
+
+# -- watching ----------------------------------------------------------------
+
+
+async def render_watch(
+    client: AsyncClient, name: str | Job, *, after_seq: int = 0, as_json: bool = False
+) -> int:
+    """Show a job's events until it ends, then its outcome; the exit code.
+
+    A live progress bar on a terminal, one line per event otherwise, one JSON
+    object per event with ``as_json`` (then the final job as JSON). Returns 0
+    when the job SUCCEEDED, 1 otherwise.
+    """
+    job_name = job_name_of(name)
+    async with contextlib.aclosing(client.watch(job_name, after_seq)) as events:
+        if as_json:
+            async for event in events:
+                print_json(event_to_json(event))
+        elif sys.stdout.isatty():
+            await _progress_bar(job_name, events)
+        else:
+            async for event in events:
+                print(event_line(event), flush=True)
+    job = await client.get(job_name)
+    if as_json:
+        print_json(job_to_json(job))
+    else:
+        print(outcome(job), flush=True)
+    return EXIT_OK if job.state is JobState.SUCCEEDED else EXIT_FAILED
+
+
+async def _progress_bar(job_name: str, events: AsyncIterator[JobEvent]) -> None:
+    with Progress(
+        SpinnerColumn(finished_text="•"),
+        TextColumn("{task.description}"),
+        BarColumn(),
+        TaskProgressColumn(),
+        TimeElapsedColumn(),
+    ) as progress:
+        task: TaskID = progress.add_task(escape(job_name), total=1.0)
+        async for event in events:
+            progress.update(task, description=describe(event))
+            completed = bar_position(event)
+            if completed is not None:
+                progress.update(task, completed=completed)
+        progress.stop_task(task)
+
+
+def bar_position(event: JobEvent) -> float | None:
+    """Where the bar goes for ``event``; None leaves it where it is.
+
+    Only progress reports and attempt starts carry a meaningful fraction; the
+    other events would otherwise pull the bar back to 0.
+    """
+    if event.type in (EventType.PROGRESS, EventType.STARTED):
+        return min(max(event.progress, 0.0), 1.0)
+    if event.type is EventType.SUCCEEDED:
+        return 1.0
+    return None
+
+
+def describe(event: JobEvent) -> str:
+    """The progress bar label of ``event`` (rich markup)."""
+    text = f"[bold]{event.state.value}[/bold] {escape(event.message or event.type.value)}"
+    if event.attempt > 1:
+        text += f" [dim](attempt {event.attempt})[/dim]"
+    return text
+
+
+def event_line(event: JobEvent) -> str:
+    """One plain-text line for ``event``."""
+    line = (
+        f"{_time(event.event_time)}  #{event.seq:<4} {event.type.value:<16} "
+        f"{event.state.value:<9} {event.progress:>4.0%}"
+    )
+    if event.message:
+        line += f"  {event.message}"
+    return line
+
+
+def outcome(job: Job) -> str:
+    """The last words on a job: its state, then its result or error."""
+    lines = [job_line(job)]
+    if job.result is not None:
+        lines.append(f"result: {json.dumps(job.result, sort_keys=True)}")
+    if job.error is not None:
+        lines.append(f"error: {job.error.code}: {job.error.message}")
+    return "\n".join(lines)
+
+
+# -- formatting --------------------------------------------------------------
+
+
+def job_line(job: Job) -> str:
+    """``jobs/{id} state`` and a note when cancellation is pending."""
+    line = f"{job.name} {job.state.value}"
+    if job.cancel_requested and not job.state.terminal:
+        line += " (cancel requested)"
+    return line
+
+
+def job_details(job: Job) -> str:
+    """A multi-line description of ``job`` for ``get``."""
+    rows: list[tuple[str, str]] = [
+        ("name", job.name),
+        ("type", job.type),
+        ("state", job.state.value + (" (cancel requested)" if job.cancel_requested else "")),
+        ("progress", f"{job.progress:.0%} {job.progress_message}".rstrip()),
+        ("attempt", f"{job.attempt} of {job.max_attempts}"),
+        ("created", _time(job.create_time)),
+        ("updated", _time(job.update_time)),
+    ]
+    if job.start_time:
+        rows.append(("started", _time(job.start_time)))
+    if job.end_time:
+        rows.append(("ended", _time(job.end_time)))
+    if job.next_attempt_time:
+        rows.append(("next attempt", _time(job.next_attempt_time)))
+    rows.append(("request id", job.request_id))
+    if job.correlation_id:
+        rows.append(("correlation id", job.correlation_id))
+    if job.labels:
+        rows.append(("labels", ", ".join(f"{k}={v}" for k, v in sorted(job.labels.items()))))
+    rows.append(("payload", json.dumps(job.payload, sort_keys=True)))
+    if job.result is not None:
+        rows.append(("result", json.dumps(job.result, sort_keys=True)))
+    if job.error is not None:
+        retryable = " (retryable)" if job.error.retryable else ""
+        rows.append(("error", f"{job.error.code}: {job.error.message}{retryable}"))
+    rows.append(("last seq", str(job.last_seq)))
+    width = max(len(k) for k, _ in rows) + 1
+    return "\n".join(f"{k + ':':<{width}} {v}" for k, v in rows)
+
+
+def job_to_json(job: Job) -> dict[str, Any]:
+    """``job`` as a JSON-ready dict (enums by value, times in ISO 8601)."""
+    result: dict[str, Any] = _jsonable(dataclasses.asdict(job))
+    return result
+
+
+def event_to_json(event: JobEvent) -> dict[str, Any]:
+    """``event`` as a JSON-ready dict."""
+    return {
+        "name": event.name,
+        "seq": event.seq,
+        "type": event.type.value,
+        "state": event.state.value,
+        "progress": event.progress,
+        "message": event.message,
+        "data": event.data,
+        "event_time": event.event_time.isoformat(),
+        "attempt": event.attempt,
+    }
+
+
+def print_json(value: dict[str, Any]) -> None:
+    """``value`` as one line of JSON on stdout."""
+    print(json.dumps(value, sort_keys=True), flush=True)
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, enum.Enum):
+        return value.value
+    if isinstance(value, datetime):
+        return value.isoformat()
+    if isinstance(value, dict):
+        return {k: _jsonable(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_jsonable(v) for v in value]
+    return value
+
+
+def _state_text(job: Job) -> str:
+    style = {
+        JobState.SUCCEEDED: "green",
+        JobState.FAILED: "red",
+        JobState.CANCELLED: "yellow",
+        JobState.RUNNING: "cyan",
+    }.get(job.state)
+    return f"[{style}]{job.state.value}[/{style}]" if style else job.state.value
+
+
+def _time(value: datetime) -> str:
+    return value.isoformat(timespec="seconds")
+
+
+# -- parsing -----------------------------------------------------------------
+
+
+def full_name(raw: str) -> str:
+    """``jobs/{id}`` for a name or a bare id."""
+    return raw if "/" in raw else f"jobs/{raw}"
+
+
+def parse_payload(text: str | None, path: str | None) -> dict[str, Any]:
+    """The payload of ``--payload`` or ``--payload-file``; must be a JSON object."""
+    source = "--payload"
+    if path is not None:
+        source = "--payload-file"
+        try:
+            text = sys.stdin.read() if path == "-" else Path(path).read_text(encoding="utf-8")
+        except OSError as exc:
+            raise UsageError(f"cannot read {path}: {exc.strerror or exc}") from exc
+    if text is None:
+        return {}
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise UsageError(f"{source} is not valid JSON: {exc}") from exc
+    if not isinstance(value, dict):
+        raise UsageError(f"{source} must be a JSON object, got {_JSON_KINDS[type(value)]}")
+    return value
+
+
+_JSON_KINDS: dict[type, str] = {
+    list: "an array",
+    str: "a string",
+    int: "a number",
+    float: "a number",
+    bool: "a boolean",
+    type(None): "null",
+}
+
+
+def parse_labels(items: list[str]) -> dict[str, str]:
+    """``--label KEY=VALUE`` options as a dict."""
+    labels: dict[str, str] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise UsageError(f"--label must look like KEY=VALUE, got {item!r}")
+        labels[key] = value
+    return labels

@@ -1,0 +1,307 @@
+"""The blocking client: an :class:`AsyncClient` driven on a private event loop."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import threading
+from collections.abc import AsyncGenerator, Coroutine, Generator, Mapping
+from types import TracebackType
+from typing import Any, Self, TypeVar
+
+from jobplane.client._retry import RetryPolicy
+from jobplane.client.aio import DEFAULT_ADDRESS, AsyncClient
+from jobplane.types import Job, JobEvent, JobPage, JobState
+
+T = TypeVar("T")
+
+# How long an interrupted call may take to wind down on the loop.
+_CANCEL_GRACE = 5.0
+# Longest uninterruptible wait for a result.
+_POLL = 0.25
+
+
+class _End(enum.Enum):
+    END = enum.auto()
+
+
+async def _next(agen: AsyncGenerator[T, None]) -> T | _End:
+    # StopAsyncIteration must not cross the thread boundary as an exception:
+    # the future would report it, but it is not a failure.
+    try:
+        return await anext(agen)
+    except StopAsyncIteration:
+        return _End.END
+
+
+class _LoopThread:
+    """An event loop running in a daemon thread, started on first use."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._stopped = False
+
+    @property
+    def running(self) -> bool:
+        """True between the first :meth:`run` and :meth:`stop`."""
+        return self._loop is not None and not self._stopped
+
+    @property
+    def in_loop_thread(self) -> bool:
+        """True when called from the loop's own thread."""
+        return self._thread is not None and threading.current_thread() is self._thread
+
+    def _ensure(self) -> asyncio.AbstractEventLoop:
+        with self._lock:
+            if self._stopped:
+                raise RuntimeError("the client has been closed")
+            if self._loop is None:
+                loop = asyncio.new_event_loop()
+                ready = threading.Event()
+                thread = threading.Thread(
+                    target=self._main, args=(loop, ready), name="jobplane-client", daemon=True
+                )
+                thread.start()
+                ready.wait()
+                self._loop, self._thread = loop, thread
+            return self._loop
+
+    @staticmethod
+    def _main(loop: asyncio.AbstractEventLoop, ready: threading.Event) -> None:
+        asyncio.set_event_loop(loop)
+        loop.call_soon(ready.set)
+        try:
+            loop.run_forever()
+        finally:
+            # Whatever is still pending (e.g. a watch the caller abandoned)
+            # is cancelled and finalised here, not by the garbage collector.
+            pending = asyncio.all_tasks(loop)
+            for task in pending:
+                task.cancel()
+            loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+            loop.run_until_complete(loop.shutdown_asyncgens())
+            loop.run_until_complete(loop.shutdown_default_executor())
+            loop.close()
+
+    def run(self, coro: Coroutine[Any, Any, T]) -> T:
+        """Run ``coro`` on the loop and return its result in the calling thread."""
+        if self.in_loop_thread:
+            coro.close()
+            raise RuntimeError("a blocking client call was made from its own event loop")
+        try:
+            loop = self._ensure()
+        except RuntimeError:
+            coro.close()
+            raise
+        finished = threading.Event()
+
+        async def guarded() -> T:
+            try:
+                return await coro
+            finally:
+                finished.set()
+
+        future = asyncio.run_coroutine_threadsafe(guarded(), loop)
+        try:
+            # Waiting in slices keeps Ctrl-C working where a lock wait cannot
+            # be interrupted (Windows, or a signal taken by another thread).
+            while True:
+                try:
+                    return future.result(timeout=_POLL)
+                except TimeoutError:
+                    # Also what a coroutine that timed out raises: tell the two apart.
+                    if future.done():
+                        return future.result()
+        except BaseException:
+            if not future.done():
+                # Interrupted while waiting (KeyboardInterrupt): cancel the
+                # call and let it unwind before the caller goes on.
+                future.cancel()
+                finished.wait(_CANCEL_GRACE)
+            raise
+
+    def stop(self) -> None:
+        """Stop the loop and join its thread. Safe to call twice."""
+        with self._lock:
+            if self._stopped:
+                return
+            self._stopped = True
+            loop, thread = self._loop, self._thread
+        if loop is None or thread is None:
+            return
+        loop.call_soon_threadsafe(loop.stop)
+        if not self.in_loop_thread:
+            thread.join()
+
+
+class Client:
+    """A blocking client of one jobplane server; the twin of :class:`AsyncClient`.
+
+    Calls run on a private event loop in a background thread, so the client is
+    safe to share between threads. Use it as a context manager, or call
+    :meth:`close` when done.
+    """
+
+    def __init__(
+        self,
+        address: str = DEFAULT_ADDRESS,
+        api_key: str | None = None,
+        *,
+        timeout: float | None = 30.0,
+        watch_retry: RetryPolicy | None = None,
+    ) -> None:
+        self._async = AsyncClient(address, api_key, timeout=timeout, watch_retry=watch_retry)
+        self._loop = _LoopThread()
+
+    @classmethod
+    def from_env(
+        cls,
+        *,
+        address: str | None = None,
+        api_key: str | None = None,
+        timeout: float | None = 30.0,
+        watch_retry: RetryPolicy | None = None,
+    ) -> Self:
+        """A client for ``JOBPLANE_ADDRESS`` with key ``JOBPLANE_API_KEY``.
+
+        ``address`` and ``api_key``, when given, win over the environment.
+        """
+        config = AsyncClient.from_env(
+            address=address, api_key=api_key, timeout=timeout, watch_retry=watch_retry
+        )
+        return cls(config.address, config.api_key, timeout=timeout, watch_retry=watch_retry)
+
+    @property
+    def address(self) -> str:
+        """The ``host:port`` of the server."""
+        return self._async.address
+
+    @property
+    def api_key(self) -> str | None:
+        """The API key sent with every call."""
+        return self._async.api_key
+
+    @property
+    def timeout(self) -> float | None:
+        """Deadline in seconds of each unary call (watch streams have none)."""
+        return self._async.timeout
+
+    @property
+    def watch_retry(self) -> RetryPolicy:
+        """How :meth:`watch` reconnects."""
+        return self._async.watch_retry
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(address={self.address!r})"
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Close the channel, stop the loop and join its thread. Safe to call twice."""
+        if self._loop.running:
+            with contextlib.suppress(RuntimeError):
+                self._loop.run(self._async.close())
+        self._loop.stop()
+
+    def submit(
+        self,
+        type: str,
+        payload: dict[str, Any] | None = None,
+        *,
+        request_id: str | None = None,
+        correlation_id: str = "",
+        max_attempts: int = 0,
+        labels: Mapping[str, str] | None = None,
+    ) -> Job:
+        """Create a job of ``type`` and return it; see :meth:`AsyncClient.submit`."""
+        return self._loop.run(
+            self._async.submit(
+                type,
+                payload,
+                request_id=request_id,
+                correlation_id=correlation_id,
+                max_attempts=max_attempts,
+                labels=labels,
+            )
+        )
+
+    def get(self, name: str | Job) -> Job:
+        """The job as the server stores it now."""
+        return self._loop.run(self._async.get(name))
+
+    def list(
+        self,
+        *,
+        page_size: int = 0,
+        page_token: str = "",
+        state: JobState | None = None,
+        type: str | None = None,
+    ) -> JobPage:
+        """One page of the caller's jobs, newest first; see :meth:`AsyncClient.list`."""
+        return self._loop.run(
+            self._async.list(page_size=page_size, page_token=page_token, state=state, type=type)
+        )
+
+    def iter_jobs(
+        self,
+        *,
+        page_size: int = 0,
+        page_token: str = "",
+        state: JobState | None = None,
+        type: str | None = None,
+    ) -> Generator[Job, None, None]:
+        """Every job matching the filters, fetching page after page."""
+        return self._pull(
+            self._async.iter_jobs(
+                page_size=page_size, page_token=page_token, state=state, type=type
+            )
+        )
+
+    def cancel(self, name: str | Job, reason: str = "") -> Job:
+        """Cancel a queued job, or ask a running one to stop."""
+        return self._loop.run(self._async.cancel(name, reason))
+
+    def retry(self, name: str | Job) -> Job:
+        """Start a new attempt of a FAILED or CANCELLED job."""
+        return self._loop.run(self._async.retry(name))
+
+    def watch(self, name: str | Job, after_seq: int = 0) -> Generator[JobEvent, None, None]:
+        """The job's events after ``after_seq``; see :meth:`AsyncClient.watch`.
+
+        Stopping early (``break``, or closing the generator) ends the stream.
+        """
+        return self._pull(self._async.watch(name, after_seq))
+
+    def wait(self, name: str | Job, timeout: float | None = None) -> Job:
+        """Wait until the job ends and return it; :class:`TimeoutError` after ``timeout``."""
+        return self._loop.run(self._async.wait(name, timeout))
+
+    def _pull(self, agen: AsyncGenerator[T, None]) -> Generator[T, None, None]:
+        """A plain generator over ``agen``, each step run on the loop."""
+        try:
+            while True:
+                item = self._loop.run(_next(agen))
+                if item is _End.END:
+                    return
+                yield item
+        finally:
+            # Closing runs the async generator's cleanup (it cancels the
+            # stream) now rather than at loop shutdown.
+            if self._loop.running and not self._loop.in_loop_thread:
+                with contextlib.suppress(RuntimeError):
+                    self._loop.run(agen.aclose())
+
+
+__all__ = ["Client"]

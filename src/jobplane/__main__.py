@@ -1,0 +1,7 @@
+"""``python -m jobplane`` is the ``jobplane`` command."""
+
+from __future__ import annotations
+
+from jobplane.cli import main
+
+main()

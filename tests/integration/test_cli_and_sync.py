@@ -1,0 +1,106 @@
+"""The `jobplane` command and the synchronous SDK, against a running stack."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+
+from jobplane.client import Client, JobNotFound, JobState
+from jobplane.types import EventType
+from tests.support.stack import Stack
+
+
+async def jobplane(stack: Stack, *args: str, key: str | None = None) -> tuple[int, str, str]:
+    env = {
+        **os.environ,
+        "JOBPLANE_DATABASE_URL": stack.database_url,
+        "JOBPLANE_ADDRESS": stack.server.address,
+        "JOBPLANE_API_KEY": key or stack.key,
+    }
+    process = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "jobplane",
+        *args,
+        env=env,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    out, err = await asyncio.wait_for(process.communicate(), timeout=60)
+    assert process.returncode is not None
+    return process.returncode, out.decode(), err.decode()
+
+
+async def test_keys_create_prints_only_the_key(stack: Stack) -> None:
+    code, out, _err = await jobplane(stack, "keys", "create", "--tenant", "initech")
+    assert code == 0
+    key = out.strip()
+    assert out == key + "\n"
+    assert key.startswith("jp_") and len(key) >= 40
+    # The key works, for a new tenant that sees none of acme's jobs.
+    await stack.client().submit("demo.echo", {})
+    assert (await stack.client(key).list()).jobs == []
+    raw = await stack.scalar("SELECT count(*) FROM api_keys WHERE prefix = :p", p=key[:8])
+    assert raw == 1
+    # Stored as a hash only: the key's bytes are nowhere in the table.
+    stored = await stack.scalar(
+        "SELECT bool_and(position(convert_to(:k, 'UTF8') in key_hash) = 0) FROM api_keys", k=key
+    )
+    assert stored is True
+
+
+async def test_submit_watch_and_json_output(stack: Stack) -> None:
+    code, out, _err = await jobplane(
+        stack, "submit", "demo.progress", "--payload", '{"steps": 3, "interval_ms": 10}', "--watch"
+    )
+    assert code == 0, out
+    assert "succeeded" in out
+
+    code, out, _err = await jobplane(stack, "submit", "demo.fail", "--watch")
+    assert code == 1
+
+    code, out, _err = await jobplane(stack, "list", "--json")
+    assert code == 0
+    listed = json.loads(out)
+    assert sorted(j["type"] for j in listed["jobs"]) == ["demo.fail", "demo.progress"]
+
+    name = (await stack.client().list(type="demo.progress")).jobs[0].name
+    code, out, _err = await jobplane(stack, "watch", name, "--json")
+    assert code == 0
+    lines = [json.loads(line) for line in out.splitlines() if line.strip()]
+    seqs = [line["seq"] for line in lines if "seq" in line]
+    assert seqs == list(range(1, len(seqs) + 1))
+
+
+async def test_cli_errors_are_clear(stack: Stack) -> None:
+    code, _out, err = await jobplane(stack, "submit", "Not A Type")
+    assert code == 1
+    assert "INVALID_ARGUMENT" in err
+    code, _out, err = await jobplane(stack, "submit", "demo.echo", "--payload", "[1, 2]")
+    assert code == 2
+    code, _out, err = await jobplane(stack, "get", "jobs/x", key="jp_wrong")
+    assert code == 1
+    assert "UNAUTHENTICATED" in err
+    assert (await stack.counts())["jobs"] == 0
+
+
+async def test_sync_client(stack: Stack) -> None:
+    def use() -> None:
+        with Client(stack.server.address, stack.key) as client:
+            job = client.submit("demo.progress", {"steps": 3, "interval_ms": 10})
+            events = list(client.watch(job.name))
+            assert [e.seq for e in events] == list(range(1, len(events) + 1))
+            assert events[-1].type is EventType.SUCCEEDED
+            done = client.wait(job.name, timeout=20)
+            assert done.state is JobState.SUCCEEDED
+            assert client.get(job.name).result == {"steps": 3}
+            try:
+                client.get("jobs/0d2b1b7e-9c1f-4c39-8f3a-1ad1e5f1c111")
+            except JobNotFound:
+                pass
+            else:
+                raise AssertionError("expected JobNotFound")
+
+    await asyncio.to_thread(use)
