@@ -7,6 +7,7 @@ import contextlib
 import os
 import uuid
 from collections.abc import AsyncGenerator, Mapping
+from datetime import timedelta
 from types import TracebackType
 from typing import Any, Self, TypeVar
 
@@ -171,13 +172,15 @@ class AsyncClient:
         correlation_id: str = "",
         max_attempts: int = 0,
         labels: Mapping[str, str] | None = None,
+        attempt_timeout: float | timedelta | None = None,
     ) -> Job:
         """Create a job of ``type`` and return it (normally QUEUED).
 
         ``request_id`` is the idempotency key: submitting again with the same
         one returns the original job. When None, a fresh UUID is used, which
         still makes the call's own retries safe. ``max_attempts`` 0 means the
-        queue's default.
+        queue's default. ``attempt_timeout`` (seconds or a timedelta) bounds
+        each attempt's run time; None means the queue's default.
         """
         request_id = str(uuid.uuid4()) if request_id is None else request_id
         request = jobs_pb2.SubmitJobRequest(
@@ -188,6 +191,10 @@ class AsyncClient:
             max_attempts=max_attempts,
             labels=dict(labels or {}),
         )
+        if attempt_timeout is not None:
+            if not isinstance(attempt_timeout, timedelta):
+                attempt_timeout = timedelta(seconds=attempt_timeout)
+            request.timeout.FromTimedelta(attempt_timeout)
         # Without a request_id a repeated call could create a second job.
         job = await self._call(self._get_stub().SubmitJob, request, repeatable=bool(request_id))
         return job_from_pb(job)

@@ -18,7 +18,7 @@ import json
 import os
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
-from datetime import datetime
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -81,6 +81,13 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     submit.add_argument("--correlation-id", metavar="ID", default="")
     submit.add_argument(
         "--max-attempts", metavar="N", type=int, default=0, help="0: the queue's default"
+    )
+    submit.add_argument(
+        "--timeout",
+        metavar="SECONDS",
+        type=float,
+        default=None,
+        help="how long one attempt may run (default: the queue's)",
     )
     submit.add_argument(
         "--label",
@@ -181,6 +188,7 @@ async def _submit(client: AsyncClient, args: argparse.Namespace) -> int:
         request_id=args.request_id,
         correlation_id=args.correlation_id,
         max_attempts=args.max_attempts,
+        attempt_timeout=args.timeout,
         labels=labels,
     )
     if args.json:
@@ -404,6 +412,7 @@ def job_details(job: Job) -> str:
     if job.error is not None:
         retryable = " (retryable)" if job.error.retryable else ""
         rows.append(("error", f"{job.error.code}: {job.error.message}{retryable}"))
+    rows.append(("timeout", f"{job.timeout.total_seconds():g}s per attempt"))
     rows.append(("last seq", str(job.last_seq)))
     width = max(len(k) for k, _ in rows) + 1
     return "\n".join(f"{k + ':':<{width}} {v}" for k, v in rows)
@@ -440,6 +449,8 @@ def _jsonable(value: Any) -> Any:
         return value.value
     if isinstance(value, datetime):
         return value.isoformat()
+    if isinstance(value, timedelta):
+        return value.total_seconds()
     if isinstance(value, dict):
         return {k: _jsonable(v) for k, v in value.items()}
     if isinstance(value, list | tuple):

@@ -7,6 +7,7 @@ import contextlib
 import enum
 import threading
 from collections.abc import AsyncGenerator, Coroutine, Generator, Mapping
+from datetime import timedelta
 from types import TracebackType
 from typing import Any, Self, TypeVar
 
@@ -224,6 +225,7 @@ class Client:
         correlation_id: str = "",
         max_attempts: int = 0,
         labels: Mapping[str, str] | None = None,
+        attempt_timeout: float | timedelta | None = None,
     ) -> Job:
         """Create a job of ``type`` and return it; see :meth:`AsyncClient.submit`."""
         return self._loop.run(
@@ -234,6 +236,7 @@ class Client:
                 correlation_id=correlation_id,
                 max_attempts=max_attempts,
                 labels=labels,
+                attempt_timeout=attempt_timeout,
             )
         )
 

@@ -66,6 +66,7 @@ class JobplaneServer:
 
     async def start(self) -> None:
         """Bind, start serving and report SERVING."""
+        self.service.open()
         await self.hub.start()
         server = grpc.aio.server(
             options=[
@@ -97,9 +98,10 @@ class JobplaneServer:
         log.info("server.started", address=self.address)
 
     async def stop(self, grace: float = 5.0) -> None:
-        """Report NOT_SERVING, end streams, stop."""
+        """Report NOT_SERVING, end watch streams (clients resume elsewhere), stop."""
         for service in ("", SERVICE_NAME):
             await self.health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
+        self.service.close_streams()
         if self._server is not None:
             await self._server.stop(grace)
             self._server = None

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-from jobplane.errors import InvalidArgument, PayloadTooLarge, UnroutableJobType
+from jobplane.errors import InvalidArgument, PayloadTooLarge, Unavailable, UnroutableJobType
 from jobplane.names import parse_job_name, validate_job_type
 from jobplane.store.jobs import JobStore, ListCursor, NewJob
 from jobplane.store.listen import Listener
@@ -31,6 +31,7 @@ MAX_LABELS = 64
 _LABEL_KEY = re.compile(r"^[a-z0-9]([a-z0-9._/-]{0,61}[a-z0-9])?$")
 MAX_LABEL_VALUE = 256
 EVENT_BATCH = 500
+MAX_TIMEOUT_SECONDS = 7 * 24 * 3600.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,6 +44,7 @@ class SubmitRequest:
     correlation_id: str = ""
     max_attempts: int = 0
     labels: dict[str, str] = field(default_factory=dict)
+    timeout_seconds: float | None = None
 
 
 class JobService:
@@ -62,6 +64,16 @@ class JobService:
         self._topology = topology
         self._max_payload_bytes = max_payload_bytes
         self._recheck_seconds = recheck_seconds
+        self._closing = False
+
+    def open(self) -> None:
+        """Accept watch streams (again)."""
+        self._closing = False
+
+    def close_streams(self) -> None:
+        """End every watch stream with UNAVAILABLE, so clients resume elsewhere."""
+        self._closing = True
+        self._hub.wake_all()
 
     async def submit(self, tenant: uuid.UUID, request: SubmitRequest) -> Job:
         """Validate whole, then write job + first event + outbox row at once."""
@@ -86,6 +98,14 @@ class JobService:
         _check_id(request.request_id, "request_id")
         _check_id(request.correlation_id, "correlation_id")
         _check_labels(request.labels)
+        timeout = queue.timeout_seconds
+        if request.timeout_seconds is not None:
+            if not 0 < request.timeout_seconds <= MAX_TIMEOUT_SECONDS:
+                raise InvalidArgument(
+                    f"timeout must be more than 0 and at most {MAX_TIMEOUT_SECONDS:g} seconds",
+                    field="timeout",
+                )
+            timeout = request.timeout_seconds
         new = NewJob(
             type=job_type,
             queue=queue.name,
@@ -94,6 +114,7 @@ class JobService:
             max_attempts=request.max_attempts or queue.max_attempts,
             correlation_id=request.correlation_id,
             labels=dict(request.labels),
+            timeout_seconds=timeout,
         )
         job, _created = await self._store.submit(tenant, new)
         return job
@@ -165,6 +186,10 @@ class JobService:
                     job = await self._store.get(tenant, job_id)
                     if job.state.terminal and cursor >= job.last_seq:
                         return
+                if self._closing:
+                    raise Unavailable(
+                        f"the server is shutting down; resume with after_seq={cursor}"
+                    )
                 await wakeup.wait(self._recheck_seconds)
 
 

@@ -80,6 +80,11 @@ class JobServiceServicer(jobs_pb2_grpc.JobServiceServicer):
                 correlation_id=request.correlation_id,
                 max_attempts=request.max_attempts,
                 labels=dict(request.labels),
+                timeout_seconds=(
+                    request.timeout.ToTimedelta().total_seconds()
+                    if request.HasField("timeout")
+                    else None
+                ),
             ),
         )
         return job_to_pb(job)

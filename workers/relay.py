@@ -25,6 +25,7 @@ from jobplane.store.listen import Listener
 from jobplane.store.outbox import OutboxRow, OutboxStore
 from jobplane.store.rows import OUTBOX_CHANNEL
 from jobplane.topology import Topology, declare
+from jobplane.workers.sweeper import Sweeper
 
 log = structlog.get_logger("jobplane.relay")
 
@@ -47,6 +48,8 @@ class Relay:
         poll_seconds: float = 1.0,
         publish_timeout: float = 10.0,
         faults: FaultPoints = NO_FAULTS,
+        sweeper: Sweeper | None = None,
+        sweep_interval: float = 5.0,
     ) -> None:
         self._store = OutboxStore(engine)
         self._amqp_url = amqp_url
@@ -57,15 +60,21 @@ class Relay:
         self._faults = faults
         self._wakeups = Listener(database_url, OUTBOX_CHANNEL)
         self._task: asyncio.Task[None] | None = None
+        self._sweeper = sweeper
+        self._sweep_interval = sweep_interval
         self.published = 0
 
     async def start(self) -> None:
         """Start relaying in the background."""
         await self._wakeups.start()
         self._task = asyncio.create_task(self._run(), name="jobplane-relay")
+        if self._sweeper is not None:
+            self._sweeper.start(self._sweep_interval)
 
     async def stop(self) -> None:
         """Stop; a batch in flight is rolled back and stays due."""
+        if self._sweeper is not None:
+            await self._sweeper.stop()
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -100,6 +109,19 @@ class Relay:
                             await connection.close()
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 10.0)
+
+    async def drain_once(self) -> int:
+        """Connect, publish every row due now, disconnect; returns rows taken."""
+        connection = await aio_pika.connect(self._amqp_url, timeout=10)
+        async with connection:
+            channel = await connection.channel(publisher_confirms=True)
+            exchange = await declare(channel, self._topology)
+            total = 0
+            while (moved := await self.relay_once(exchange)) > 0:
+                total += moved
+                if moved < self._batch_size:
+                    break
+            return total
 
     async def _idle_seconds(self) -> float:
         due = await self._store.seconds_until_due()

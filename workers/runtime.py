@@ -33,7 +33,7 @@ from jobplane.store.attempts import (
 )
 from jobplane.store.listen import Listener
 from jobplane.store.rows import CANCEL_CHANNEL
-from jobplane.topology import Topology, declare
+from jobplane.topology import Topology, TopologyError, declare
 from jobplane.workers.handlers import JobContext, PermanentError, Registry, RetryableError
 
 log = structlog.get_logger("jobplane.worker")
@@ -47,6 +47,7 @@ class StopCause(enum.Enum):
     CANCEL_REQUESTED = "cancel_requested"
     LEASE_LOST = "lease_lost"
     SHUTDOWN = "shutdown"
+    TIMEOUT = "timeout"
 
 
 class ProgressWriter:
@@ -157,7 +158,7 @@ class Worker:
         lease_seconds: float = 30.0,
         queues: list[str] | None = None,
         progress_window: float = 0.02,
-        retry_base_delay: float = 1.0,
+        retry_base_delay: float | None = None,
     ) -> None:
         if concurrency < 1:
             raise ValueError("concurrency must be at least 1")
@@ -341,6 +342,9 @@ class Worker:
             result: dict[str, Any] | None = None
             error: BaseException | None = None
             try:
+                done, _ = await asyncio.wait({running.task}, timeout=attempt.timeout_seconds)
+                if not done:
+                    running.stop(StopCause.TIMEOUT)
                 result = await running.task
             except asyncio.CancelledError:
                 if running.cause is None:
@@ -372,8 +376,17 @@ class Worker:
             await self._outcome(bound, lambda: store.cancelled(attempt, pending))
             bound.info("job.cancelled", attempt=attempt.attempt)
             return
+        refund = False
         if running.cause is StopCause.SHUTDOWN and result is None:
-            error = RetryableError("the worker shut down during the attempt", delay=0)
+            error = RetryableError(
+                "the worker shut down during the attempt", delay=0, code="WORKER_SHUTDOWN"
+            )
+            refund = True
+        if running.cause is StopCause.TIMEOUT and result is None:
+            error = RetryableError(
+                f"the attempt ran longer than its timeout of {attempt.timeout_seconds:g}s",
+                code="TIMEOUT",
+            )
         if error is None:
             checked = _check_result(result)
             if isinstance(checked, dict):
@@ -391,13 +404,15 @@ class Worker:
         else:
             message = f"{type(error).__name__}: {error}"[:4096]
         retryable = not isinstance(error, PermanentError)
-        if retryable and attempt.attempts_left > 0:
+        if retryable and (attempt.attempts_left > 0 or refund):
             delay = getattr(error, "delay", None)
             if delay is None:
-                delay = backoff(attempt.attempt, base=self._retry_base_delay)
+                delay = self._backoff(attempt)
             await self._outcome(
                 bound,
-                lambda: store.schedule_retry(attempt, code, message, delay=delay, pending=pending),
+                lambda: store.schedule_retry(
+                    attempt, code, message, delay=delay, pending=pending, refund=refund
+                ),
             )
             bound.warning(
                 "job.retry_scheduled", attempt=attempt.attempt, delay=delay, error=message
@@ -407,6 +422,14 @@ class Worker:
             bound, lambda: store.fail(attempt, code, message, retryable=retryable, pending=pending)
         )
         bound.warning("job.failed", attempt=attempt.attempt, error=message)
+
+    def _backoff(self, attempt: Attempt) -> float:
+        try:
+            queue = self._topology.queue(attempt.queue)
+        except TopologyError:  # the job's queue left the topology: plain defaults
+            return backoff(attempt.attempt, base=self._retry_base_delay or 1.0)
+        base = queue.retry_base_delay if self._retry_base_delay is None else self._retry_base_delay
+        return backoff(attempt.attempt, base=base, cap=queue.retry_max_delay)
 
     async def _outcome(self, bound: Any, write: Callable[[], Awaitable[None]]) -> None:
         try:

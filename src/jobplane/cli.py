@@ -83,9 +83,10 @@ async def _serve(_args: argparse.Namespace) -> int:
     return 0
 
 
-async def _relay(_args: argparse.Namespace) -> int:
+async def _relay(args: argparse.Namespace) -> int:
     from jobplane.store.engine import create_engine
     from jobplane.workers.relay import Relay
+    from jobplane.workers.sweeper import Sweeper
 
     settings, topology = _settings_and_topology()
     engine = create_engine(settings.database_url, pool_size=4)
@@ -97,10 +98,36 @@ async def _relay(_args: argparse.Namespace) -> int:
             settings.amqp_url,
             topology,
             faults=FaultPoints(settings.faults),
+            sweeper=None if args.no_sweep else Sweeper(engine),
         )
         await _started(stack, relay.start, relay.stop)
         await _until_signal()
     return 0
+
+
+async def _sweep(args: argparse.Namespace) -> int:
+    from jobplane.store.engine import create_engine
+    from jobplane.workers.relay import Relay
+    from jobplane.workers.sweeper import Sweeper
+
+    settings, topology = _settings_and_topology()
+    engine = create_engine(settings.database_url, pool_size=2)
+    try:
+        sweeper = Sweeper(engine, lease_grace=args.lease_grace)
+        relay = Relay(engine, settings.database_url, settings.amqp_url, topology)
+        while True:
+            report = await sweeper.sweep_once()
+            published = await relay.drain_once()
+            print(
+                f"leases: {report.requeued} requeued, {report.failed} failed; "
+                f"outbox: {published} published, {report.stuck_outbox} were stuck",
+                file=sys.stderr,
+            )
+            if args.once:
+                return 0
+            await asyncio.sleep(args.interval)
+    finally:
+        await engine.dispose()
 
 
 def _registry(spec: str | None, *, demo: bool) -> Any:
@@ -144,6 +171,7 @@ async def _dev(args: argparse.Namespace) -> int:
     from jobplane.store.engine import create_engine, migrate
     from jobplane.workers.relay import Relay
     from jobplane.workers.runtime import Worker
+    from jobplane.workers.sweeper import Sweeper
 
     settings, topology = _settings_and_topology(log_level="warning")
     await migrate(settings.database_url)
@@ -157,7 +185,9 @@ async def _dev(args: argparse.Namespace) -> int:
             listen=settings.listen,
             max_payload_bytes=settings.max_payload_bytes,
         )
-        relay = Relay(engine, settings.database_url, settings.amqp_url, topology)
+        relay = Relay(
+            engine, settings.database_url, settings.amqp_url, topology, sweeper=Sweeper(engine)
+        )
         worker = Worker(
             engine,
             settings.database_url,
@@ -191,6 +221,43 @@ async def _dev(args: argparse.Namespace) -> int:
                 await render_watch(client, job.name)
         print("serving; Ctrl-C to stop", flush=True)
         await _until_signal()
+    return 0
+
+
+async def _dlq(args: argparse.Namespace) -> int:
+    import json
+
+    from jobplane.store.engine import create_engine
+    from jobplane.workers.dlq import FailedQueue
+
+    settings, topology = _settings_and_topology(log_level="warning")
+    failed = FailedQueue(settings.amqp_url, topology)
+    if args.dlq == "list":
+        for message in await failed.list(args.limit):
+            if args.json:
+                print(json.dumps(message.as_dict(), sort_keys=True))
+            else:
+                env = message.envelope
+                what = f"jobs/{env.job_id} ({env.job_type})" if env else message.problem
+                print(f"{message.reason or '-':<16} {message.source_queue or '-':<28} {what}")
+        return 0
+    if args.dlq == "replay":
+        engine = create_engine(settings.database_url, pool_size=2)
+        try:
+            report = await failed.replay(engine, args.limit)
+        finally:
+            await engine.dispose()
+        for name in report.replayed:
+            print(f"replayed  {name}")
+        for name in report.finished:
+            print(f"finished  {name} (already ended; message dropped)")
+        for name in report.kept:
+            print(f"kept      {name} (no job to re-dispatch, or a live attempt holds it)")
+        return 0
+    if not args.yes:
+        print("error: purge drops every failed message; add --yes", file=sys.stderr)
+        return 2
+    print(f"purged {await failed.purge()} messages", file=sys.stderr)
     return 0
 
 
@@ -243,7 +310,17 @@ def build_parser() -> argparse.ArgumentParser:
         func=_async(_migrate)
     )
     sub.add_parser("serve", help="run the gRPC server").set_defaults(func=_async(_serve))
-    sub.add_parser("relay", help="publish the outbox to RabbitMQ").set_defaults(func=_async(_relay))
+    relay = sub.add_parser("relay", help="publish the outbox to RabbitMQ (and sweep)")
+    relay.add_argument("--no-sweep", action="store_true", help="do not run the sweeper loop")
+    relay.set_defaults(func=_async(_relay))
+
+    sweep = sub.add_parser("sweep", help="repair expired leases and stuck outbox rows")
+    sweep.add_argument("--once", action="store_true", help="one pass, then exit")
+    sweep.add_argument("--interval", type=float, default=5.0, help="seconds between passes")
+    sweep.add_argument(
+        "--lease-grace", type=float, default=5.0, help="seconds past a lease before repair"
+    )
+    sweep.set_defaults(func=_async(_sweep))
 
     worker = sub.add_parser("worker", help="run job handlers")
     worker.add_argument("--handlers", help="package.module:registry to load")
@@ -261,6 +338,19 @@ def build_parser() -> argparse.ArgumentParser:
     dev.add_argument("--demo", action="store_true", help="submit a demo job and show it live")
     dev.add_argument("--demo-steps", type=int, default=20)
     dev.set_defaults(func=_async(_dev))
+
+    dlq = sub.add_parser("dlq", help="the failed (dead-letter) queue").add_subparsers(
+        dest="dlq", required=True
+    )
+    dlq_list = dlq.add_parser("list", help="show failed messages (they stay queued)")
+    dlq_list.add_argument("--limit", type=int, default=100)
+    dlq_list.add_argument("--json", action="store_true")
+    dlq_replay = dlq.add_parser("replay", help="re-dispatch their jobs through the outbox")
+    dlq_replay.add_argument("--limit", type=int, default=100)
+    dlq_purge = dlq.add_parser("purge", help="drop every failed message")
+    dlq_purge.add_argument("--yes", action="store_true", help="really drop them")
+    for parser_ in (dlq_list, dlq_replay, dlq_purge):
+        parser_.set_defaults(func=_async(_dlq))
 
     keys = sub.add_parser("keys", help="API keys").add_subparsers(dest="keys", required=True)
     create = keys.add_parser("create", help="create a key (and the tenant); prints the key")

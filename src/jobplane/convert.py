@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from google.protobuf import json_format, struct_pb2, timestamp_pb2
+from google.protobuf import duration_pb2, json_format, struct_pb2, timestamp_pb2
 
 from jobplane.types import EventType, Job, JobError, JobEvent, JobState
 from jobplane.v1 import jobs_pb2
@@ -79,6 +79,13 @@ def timestamp(value: datetime | None) -> timestamp_pb2.Timestamp | None:
     return message
 
 
+def duration(value: timedelta) -> duration_pb2.Duration:
+    """A Duration."""
+    message = duration_pb2.Duration()
+    message.FromTimedelta(value)
+    return message
+
+
 def from_timestamp(message: timestamp_pb2.Timestamp) -> datetime:
     """An aware UTC datetime."""
     return message.ToDatetime(tzinfo=UTC)
@@ -105,6 +112,7 @@ def job_to_pb(job: Job) -> jobs_pb2.Job:
         next_attempt_time=timestamp(job.next_attempt_time),
         cancel_requested=job.cancel_requested,
         last_seq=job.last_seq,
+        timeout=duration(job.timeout),
     )
     if job.result is not None:
         message.result.CopyFrom(struct_from_dict(job.result))
@@ -155,6 +163,7 @@ def job_from_pb(message: jobs_pb2.Job) -> Job:
         ),
         cancel_requested=message.cancel_requested,
         last_seq=message.last_seq,
+        timeout=message.timeout.ToTimedelta(),
     )
 
 

@@ -34,6 +34,11 @@ class QueueSpec:
     delivery_limit: int = 5
     max_attempts: int = 3
     priority: str = "normal"
+    # Defaults for jobs of this queue: attempt timeout, and the backoff of
+    # retries (exponential from retry_base_delay, capped, with jitter).
+    timeout_seconds: float = 3600.0
+    retry_base_delay: float = 1.0
+    retry_max_delay: float = 300.0
 
     def takes(self, routing_key: str) -> bool:
         """True when one of the bindings matches ``routing_key``."""
@@ -104,6 +109,9 @@ def parse_topology(data: dict[str, Any], *, source: str = "topology") -> Topolog
                 delivery_limit=int(q.get("delivery_limit", 5)),
                 max_attempts=int(q.get("max_attempts", 3)),
                 priority=str(q.get("priority", "normal")),
+                timeout_seconds=float(q.get("timeout_seconds", 3600.0)),
+                retry_base_delay=float(q.get("retry_base_delay", 1.0)),
+                retry_max_delay=float(q.get("retry_max_delay", 300.0)),
             )
             for q in data.get("queues", [])
         )
@@ -138,6 +146,12 @@ def _check(topology: Topology, source: str) -> None:
         if queue.max_attempts < 1 or queue.delivery_limit < 1:
             raise TopologyError(
                 f"{source}: queue {queue.name!r} needs max_attempts and delivery_limit >= 1"
+            )
+        if queue.timeout_seconds <= 0 or queue.retry_base_delay < 0:
+            raise TopologyError(f"{source}: queue {queue.name!r} needs timeout_seconds > 0")
+        if queue.retry_max_delay < queue.retry_base_delay:
+            raise TopologyError(
+                f"{source}: queue {queue.name!r} has retry_max_delay < retry_base_delay"
             )
 
 

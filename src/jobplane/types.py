@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any
 
 JSONObject = dict[str, Any]
@@ -79,6 +79,7 @@ class Job:
     next_attempt_time: datetime | None = None
     cancel_requested: bool = False
     last_seq: int = 0
+    timeout: timedelta = timedelta(hours=1)
 
     @property
     def id(self) -> str:

@@ -20,7 +20,7 @@ from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from jobplane.envelope import Envelope
-from jobplane.store.rows import EVENTS_CHANNEL, OUTBOX_CHANNEL, dumps, transition_sql
+from jobplane.store.rows import EVENTS_CHANNEL, OUTBOX_FOR_JOB_SQL, dumps, transition_sql
 from jobplane.types import JobState
 
 
@@ -53,6 +53,8 @@ class Attempt:
     lease_token: uuid.UUID
     correlation_id: str
     request_id: str
+    timeout_seconds: float = 3600.0
+    queue: str = ""
 
     @property
     def attempts_left(self) -> int:
@@ -167,21 +169,12 @@ _SCHEDULE_RETRY = text(
     transition_sql(
         "state = 'queued', error_code = :error_code, error_message = :error_message, "
         "error_retryable = true, lease_token = NULL, lease_expires_at = NULL, "
-        "dispatch_id = :dispatch_id, "
+        "dispatch_id = :dispatch_id, retry_base = retry_base + :refund, "
         "next_attempt_time = now() + make_interval(secs => :delay)",
         _FENCE,
     )
 )
-_INSERT_RETRY_OUTBOX = text(
-    f"""
-    WITH o AS (
-        INSERT INTO outbox (id, tenant_id, job_id, routing_key, correlation_id, available_at)
-        SELECT :dispatch_id, tenant_id, id, type, correlation_id, next_attempt_time
-        FROM jobs WHERE id = :id
-    )
-    SELECT pg_notify('{OUTBOX_CHANNEL}', '')
-    """
-)
+_INSERT_RETRY_OUTBOX = text(OUTBOX_FOR_JOB_SQL)
 
 
 class AttemptStore:
@@ -221,6 +214,8 @@ class AttemptStore:
                         lease_token=token,
                         correlation_id=row["correlation_id"],
                         request_id=row["request_id"],
+                        timeout_seconds=float(row["timeout_seconds"]),
+                        queue=row["queue"],
                     ),
                 )
             found = (await conn.execute(_INSPECT, params)).mappings().first()
@@ -301,14 +296,20 @@ class AttemptStore:
         *,
         delay: float,
         pending: Sequence[ProgressUpdate] = (),
+        refund: bool = False,
     ) -> None:
-        """Back to QUEUED with a new dispatch due after ``delay`` seconds, via the outbox."""
+        """Back to QUEUED with a new dispatch due after ``delay`` seconds, via the outbox.
+
+        ``refund``: the attempt does not count against max_attempts (it was
+        interrupted by a shutdown, not failed by the job).
+        """
         dispatch_id = uuid.uuid4()
         extra = {
             "error_code": code,
             "error_message": message,
             "dispatch_id": dispatch_id,
             "delay": float(delay),
+            "refund": 1 if refund else 0,
         }
         data = {
             "error": {"code": code, "message": message, "retryable": True},

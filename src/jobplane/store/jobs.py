@@ -39,6 +39,7 @@ class NewJob:
     max_attempts: int
     correlation_id: str = ""
     labels: dict[str, str] = field(default_factory=dict)
+    timeout_seconds: float = 3600.0
 
     def fingerprint(self) -> bytes:
         """What makes two submits with one request_id 'the same request'."""
@@ -49,6 +50,7 @@ class NewJob:
                 "max_attempts": self.max_attempts,
                 "correlation_id": self.correlation_id,
                 "labels": self.labels,
+                "timeout_seconds": self.timeout_seconds,
             }
         )
         return hashlib.sha256(canonical.encode()).digest()
@@ -65,9 +67,10 @@ class ListCursor:
 _INSERT_JOB = text(
     """
     INSERT INTO jobs (id, tenant_id, type, queue, state, payload, max_attempts, request_id,
-                      request_hash, correlation_id, labels, dispatch_id, last_seq)
+                      request_hash, correlation_id, labels, dispatch_id, last_seq, timeout_seconds)
     VALUES (:id, :tenant_id, :type, :queue, 'queued', CAST(:payload AS jsonb), :max_attempts,
-            :request_id, :request_hash, :correlation_id, CAST(:labels AS jsonb), :dispatch_id, 1)
+            :request_id, :request_hash, :correlation_id, CAST(:labels AS jsonb), :dispatch_id, 1,
+            :timeout_seconds)
     ON CONFLICT (tenant_id, request_id) DO NOTHING
     RETURNING id
     """
@@ -177,6 +180,7 @@ class JobStore:
             "correlation_id": new.correlation_id,
             "labels": dumps(new.labels),
             "dispatch_id": dispatch_id,
+            "timeout_seconds": new.timeout_seconds,
         }
         async with self._engine.begin() as conn:
             inserted = (await conn.execute(_INSERT_JOB, params)).first()

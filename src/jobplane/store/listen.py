@@ -103,6 +103,10 @@ class Listener:
         for callback in self._callbacks:
             callback(payload)
 
+    def wake_all(self) -> None:
+        """Wake every subscriber (they re-read, and see whatever changed)."""
+        self._wake_all()
+
     def _wake_all(self) -> None:
         for subs in self._subs.values():
             for sub in subs:

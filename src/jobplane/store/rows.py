@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
+from datetime import timedelta
 from typing import Any
 
 from jobplane.names import job_name
@@ -18,7 +19,7 @@ JOB_COLUMNS = """
     error_retryable, progress, progress_message, attempt, max_attempts, retry_base,
     request_id, correlation_id, labels, dispatch_id, lease_token, lease_expires_at,
     cancel_requested_at, next_attempt_time, last_seq, create_time, update_time,
-    start_time, end_time
+    start_time, end_time, timeout_seconds
 """
 
 
@@ -44,6 +45,18 @@ def transition_sql(set_clause: str, where_clause: str) -> str:
     )
     SELECT j.*, pg_notify('{EVENTS_CHANNEL}', j.id::text) AS notified FROM j
     """
+
+
+# A job's next dispatch, due at its next_attempt_time (now when unset): the
+# outbox row whose id the job's dispatch_id names. Binds: :id, :dispatch_id.
+OUTBOX_FOR_JOB_SQL = f"""
+    WITH o AS (
+        INSERT INTO outbox (id, tenant_id, job_id, routing_key, correlation_id, available_at)
+        SELECT :dispatch_id, tenant_id, id, type, correlation_id, coalesce(next_attempt_time, now())
+        FROM jobs WHERE id = :id
+    )
+    SELECT pg_notify('{OUTBOX_CHANNEL}', '')
+"""
 
 
 def dumps(value: Any) -> str:
@@ -90,6 +103,7 @@ def job_from_row(row: Mapping[Any, Any]) -> Job:
         next_attempt_time=row["next_attempt_time"] if state is JobState.QUEUED else None,
         cancel_requested=row["cancel_requested_at"] is not None,
         last_seq=int(row["last_seq"]),
+        timeout=timedelta(seconds=float(row["timeout_seconds"])),
     )
 
 

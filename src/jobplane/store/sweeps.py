@@ -1,0 +1,167 @@
+"""Repairs: expired leases, stuck outbox rows, and re-dispatch by job id.
+
+Every statement locks the rows it repairs with SKIP LOCKED and re-checks the
+condition under the lock, so any number of sweepers may run at once.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import text
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from jobplane.store.rows import OUTBOX_FOR_JOB_SQL, dumps, job_from_row, transition_sql
+from jobplane.types import Job
+
+_EXPIRED = text(
+    """
+    SELECT id, attempt, retry_base, max_attempts
+    FROM jobs
+    WHERE state = 'running' AND lease_expires_at < now() - make_interval(secs => :grace)
+    ORDER BY lease_expires_at
+    LIMIT :limit
+    FOR UPDATE SKIP LOCKED
+    """
+)
+_LEASE_WHERE = "id = :id AND state = 'running' AND attempt = :attempt"
+_REQUEUE = text(
+    transition_sql(
+        "state = 'queued', error_code = 'LEASE_EXPIRED', error_message = :message, "
+        "error_retryable = true, lease_token = NULL, lease_expires_at = NULL, "
+        "dispatch_id = :dispatch_id, next_attempt_time = now() + make_interval(secs => :delay)",
+        _LEASE_WHERE,
+    )
+)
+_FAIL_EXPIRED = text(
+    transition_sql(
+        "state = 'failed', error_code = 'LEASE_EXPIRED', error_message = :message, "
+        "error_retryable = true, lease_token = NULL, lease_expires_at = NULL, "
+        "dispatch_id = NULL, next_attempt_time = NULL, end_time = now()",
+        _LEASE_WHERE,
+    )
+)
+_OUTBOX_FOR_JOB = text(OUTBOX_FOR_JOB_SQL)
+_STATE = text("SELECT state FROM jobs WHERE id = :id AND tenant_id = :tenant_id")
+_STUCK_OUTBOX = text(
+    """
+    SELECT count(*) FROM outbox
+    WHERE published_at IS NULL AND available_at < now() - make_interval(secs => :older_than)
+    """
+)
+_REDISPATCH = text(
+    transition_sql(
+        "state = 'queued', dispatch_id = :dispatch_id, lease_token = NULL, "
+        "lease_expires_at = NULL, next_attempt_time = NULL",
+        "id = :id AND tenant_id = :tenant_id "
+        "AND (state = 'queued' OR (state = 'running' AND lease_expires_at < now()))",
+    )
+)
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseRepair:
+    """What one pass over expired leases did."""
+
+    requeued: int = 0
+    failed: int = 0
+
+
+class SweepStore:
+    """SQL of the sweeper and of operator re-dispatch."""
+
+    def __init__(self, engine: AsyncEngine) -> None:
+        self._engine = engine
+
+    async def expire_leases(
+        self, *, grace: float, limit: int, delay: Callable[[int], float]
+    ) -> LeaseRepair:
+        """Jobs whose worker stopped heartbeating: a new attempt, or FAILED when none is left.
+
+        The lost attempt counts: a job that kills its worker every time ends
+        FAILED after max_attempts instead of looping.
+        """
+        requeued = failed = 0
+        async with self._engine.begin() as conn:
+            rows = (await conn.execute(_EXPIRED, {"grace": grace, "limit": limit})).all()
+            for row in rows:
+                params: dict[str, Any] = {
+                    "id": row.id,
+                    "attempt": row.attempt,
+                    "event_data": dumps({"error": {"code": "LEASE_EXPIRED", "retryable": True}}),
+                }
+                message = f"attempt {row.attempt} stopped heartbeating (its worker died or hung)"
+                if row.attempt - row.retry_base < row.max_attempts:
+                    dispatch_id = uuid.uuid4()
+                    await conn.execute(
+                        _REQUEUE,
+                        {
+                            **params,
+                            "message": message,
+                            "dispatch_id": dispatch_id,
+                            "delay": delay(int(row.attempt)),
+                            "event_type": "retry_scheduled",
+                            "event_message": message,
+                        },
+                    )
+                    await conn.execute(_OUTBOX_FOR_JOB, {"id": row.id, "dispatch_id": dispatch_id})
+                    requeued += 1
+                else:
+                    final = f"{message}; no attempts left"
+                    await conn.execute(
+                        _FAIL_EXPIRED,
+                        {
+                            **params,
+                            "message": final,
+                            "event_type": "failed",
+                            "event_message": final,
+                        },
+                    )
+                    failed += 1
+        return LeaseRepair(requeued=requeued, failed=failed)
+
+    async def state_of(self, tenant_id: uuid.UUID, job_id: uuid.UUID) -> str | None:
+        """The job's state, or None when there is no such job."""
+        async with self._engine.connect() as conn:
+            state = (
+                await conn.execute(_STATE, {"id": job_id, "tenant_id": tenant_id})
+            ).scalar_one_or_none()
+        return None if state is None else str(state)
+
+    async def stuck_outbox(self, *, older_than: float) -> int:
+        """Outbox rows due for longer than ``older_than`` seconds and still unpublished."""
+        async with self._engine.connect() as conn:
+            count = (await conn.execute(_STUCK_OUTBOX, {"older_than": older_than})).scalar_one()
+        return int(count)
+
+    async def redispatch(self, tenant_id: uuid.UUID, job_id: uuid.UUID, reason: str) -> Job | None:
+        """A fresh dispatch of a QUEUED job (or a RUNNING one whose lease ran out).
+
+        None when the job is unknown, finished, or held by a live attempt.
+        """
+        dispatch_id = uuid.uuid4()
+        async with self._engine.begin() as conn:
+            row = (
+                (
+                    await conn.execute(
+                        _REDISPATCH,
+                        {
+                            "id": job_id,
+                            "tenant_id": tenant_id,
+                            "dispatch_id": dispatch_id,
+                            "event_type": "queued",
+                            "event_message": reason,
+                            "event_data": "{}",
+                        },
+                    )
+                )
+                .mappings()
+                .first()
+            )
+            if row is None:
+                return None
+            await conn.execute(_OUTBOX_FOR_JOB, {"id": job_id, "dispatch_id": dispatch_id})
+            return job_from_row(row)

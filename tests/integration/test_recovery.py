@@ -1,0 +1,244 @@
+"""Timeouts, graceful shutdown, the sweeper and the failed queue."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from dataclasses import replace
+from typing import Any
+
+import aio_pika
+import grpc
+from grpc_health.v1 import health_pb2
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from jobplane.client import JobState
+from jobplane.envelope import Envelope
+from jobplane.store.attempts import AttemptStore, ClaimStatus
+from jobplane.topology import Topology
+from jobplane.types import EventType
+from jobplane.workers.dlq import FailedQueue
+from jobplane.workers.handlers import JobContext, Registry
+from jobplane.workers.sweeper import Sweeper
+from tests.support.stack import Stack, eventually, start_stack
+
+
+async def test_attempt_timeout_cancels_and_retries_then_fails(
+    engine: AsyncEngine, database_url: str, amqp_url: str, topology: Topology
+) -> None:
+    started: list[int] = []
+    registry = Registry()
+
+    @registry.handler("slow.op")
+    async def slow(ctx: JobContext) -> dict[str, Any]:
+        started.append(ctx.attempt)
+        await asyncio.sleep(30)
+        return {}
+
+    stack = await start_stack(engine, database_url, amqp_url, topology, registry=registry)
+    try:
+        client = stack.client()
+        job = await client.submit("slow.op", {}, max_attempts=2, attempt_timeout=0.3)
+        assert job.timeout.total_seconds() == 0.3
+        done = await asyncio.wait_for(client.wait(job.name), timeout=20)
+        assert done.state is JobState.FAILED
+        assert done.error is not None and done.error.code == "TIMEOUT"
+        assert started == [1, 2]
+    finally:
+        await stack.close()
+
+
+async def test_queue_default_timeout_applies(stack: Stack) -> None:
+    job = await stack.client().submit("demo.echo", {})
+    assert job.timeout.total_seconds() == stack.topology.queues[0].timeout_seconds
+
+
+async def test_shutdown_gives_grace_then_requeues_without_spending_an_attempt(
+    stack: Stack,
+) -> None:
+    client = stack.client()
+    job = await client.submit("demo.progress", {"steps": 200, "interval_ms": 20}, max_attempts=1)
+    await eventually(lambda: _state_is(stack, job.name, JobState.RUNNING))
+    assert stack.worker is not None
+    await stack.worker.stop(grace=0.2)
+    stack.worker = None
+
+    interrupted = await client.get(job.name)
+    assert interrupted.state is JobState.QUEUED
+    assert interrupted.error is not None and interrupted.error.code == "WORKER_SHUTDOWN"
+
+    # max_attempts is 1, yet the job runs again: the interrupted attempt was refunded.
+    await stack.start_worker()
+    done = await asyncio.wait_for(client.wait(job.name), timeout=30)
+    assert done.state is JobState.SUCCEEDED
+    assert done.attempt == 2
+
+
+async def test_server_stop_reports_not_serving_and_ends_streams(stack: Stack) -> None:
+    client = stack.client()
+    job = await client.submit("demo.progress", {"steps": 500, "interval_ms": 20})
+    async with grpc.aio.insecure_channel(stack.server.address) as channel:
+        from jobplane.v1 import jobs_pb2, jobs_pb2_grpc
+
+        stub = jobs_pb2_grpc.JobServiceStub(channel)
+        stream = stub.WatchJob(
+            jobs_pb2.WatchJobRequest(name=job.name),
+            metadata=(("authorization", f"Bearer {stack.key}"),),
+        )
+        first = await stream.read()
+        assert isinstance(first, jobs_pb2.WatchJobResponse) and first.seq == 1
+        stopping = asyncio.create_task(stack.server.stop(grace=5))
+        codes = set()
+        try:
+            while True:
+                message = await stream.read()
+                if message is grpc.aio.EOF:
+                    break
+        except grpc.aio.AioRpcError as exc:
+            codes.add(exc.code())
+        await stopping
+        # Ended by the server with UNAVAILABLE: the SDK resumes it elsewhere.
+        assert codes == {grpc.StatusCode.UNAVAILABLE}
+    status = await stack.server.health.Check(health_pb2.HealthCheckRequest(), None)  # type: ignore[arg-type]
+    assert status.status == health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+async def test_sweeper_requeues_an_expired_lease_and_fails_when_none_left(
+    engine: AsyncEngine, database_url: str, amqp_url: str, topology: Topology
+) -> None:
+    stack = await start_stack(engine, database_url, amqp_url, topology, relay=False, worker=False)
+    try:
+        client = stack.client()
+        again = await client.submit("demo.echo", {"n": 1}, max_attempts=2)
+        doomed = await client.submit("demo.echo", {"n": 2}, max_attempts=1)
+        # A worker claims both, then dies: its messages are gone, its leases run out.
+        attempts = AttemptStore(engine, lease_seconds=0.2)
+        for job in (again, doomed):
+            claim = await attempts.claim(await _envelope(stack, job.id))
+            assert claim.status is ClaimStatus.CLAIMED
+        await stack.scalar("UPDATE outbox SET published_at = now() RETURNING 1")
+        await asyncio.sleep(0.4)
+
+        sweepers = [Sweeper(engine, lease_grace=0.0, retry_base_delay=0.01) for _ in range(3)]
+        reports = await asyncio.gather(*(s.sweep_once() for s in sweepers))
+        assert sum(r.requeued for r in reports) == 1  # several sweepers, each job once
+        assert sum(r.failed for r in reports) == 1
+
+        lost = await client.get(doomed.name)
+        assert lost.state is JobState.FAILED
+        assert lost.error is not None and lost.error.code == "LEASE_EXPIRED"
+
+        requeued = await client.get(again.name)
+        assert requeued.state is JobState.QUEUED
+        await stack.start_relay()
+        await stack.start_worker()
+        done = await asyncio.wait_for(client.wait(again.name), timeout=20)
+        assert done.state is JobState.SUCCEEDED
+        assert done.attempt == 2
+        events = [e async for e in client.watch(again.name)]
+        assert [e.seq for e in events] == list(range(1, len(events) + 1))
+        assert EventType.RETRY_SCHEDULED in [e.type for e in events]
+    finally:
+        await stack.close()
+
+
+async def test_redelivery_of_a_dead_workers_message_waits_out_the_lease(
+    engine: AsyncEngine, database_url: str, amqp_url: str, topology: Topology
+) -> None:
+    stack = await start_stack(engine, database_url, amqp_url, topology, relay=False, worker=False)
+    try:
+        client = stack.client()
+        job = await client.submit("demo.echo", {"x": 1})
+        # Claimed by a worker that then died; its message is redelivered.
+        attempts = AttemptStore(engine, lease_seconds=1.0)
+        assert (await attempts.claim(await _envelope(stack, job.id))).status is (
+            ClaimStatus.CLAIMED
+        )
+        await stack.start_relay()
+        await stack.start_worker(lease_seconds=1.0)
+        done = await asyncio.wait_for(client.wait(job.name), timeout=20)
+        assert done.state is JobState.SUCCEEDED
+        assert done.attempt == 2
+    finally:
+        await stack.close()
+
+
+async def test_failed_queue_list_replay_purge(
+    engine: AsyncEngine, database_url: str, amqp_url: str, topology: Topology
+) -> None:
+    stack = await start_stack(engine, database_url, amqp_url, topology, relay=False, worker=False)
+    try:
+        client = stack.client()
+        job = await client.submit("demo.echo", {"from": "dlq"})
+        await stack.scalar("UPDATE outbox SET published_at = now() RETURNING 1")
+        stray = Envelope(uuid.uuid4(), uuid.uuid4(), stack.tenant_id, "demo.echo")
+        connection = await aio_pika.connect(amqp_url)
+        async with connection:
+            channel = await connection.channel()
+            failed = FailedQueue(amqp_url, stack.topology)
+            await failed.list()  # declares the topology
+            dlx = await channel.get_exchange(stack.topology.dead_letter_exchange)
+            for envelope in (await _envelope(stack, job.id), stray):
+                await dlx.publish(
+                    aio_pika.Message(envelope.encode(), message_id=str(envelope.event_id)), ""
+                )
+
+        listed = await failed.list()
+        assert sorted(m.envelope.job_id for m in listed if m.envelope) == sorted(
+            [uuid.UUID(job.id), stray.job_id]
+        )
+        assert len(await failed.list()) == 2  # listing leaves them queued
+
+        report = await failed.replay(engine)
+        assert report.replayed == [job.name]
+        assert report.kept == [f"jobs/{stray.job_id}"]
+
+        await stack.start_relay()
+        await stack.start_worker()
+        done = await asyncio.wait_for(client.wait(job.name), timeout=20)
+        assert done.state is JobState.SUCCEEDED
+        assert await failed.purge() == 1
+        assert await failed.list() == []
+    finally:
+        await stack.close()
+
+
+async def test_delivery_limit_dead_letters_a_crash_looping_message(
+    stack: Stack, topology: Topology
+) -> None:
+    limited = replace(
+        topology,
+        queues=(
+            replace(
+                topology.queues[0],
+                name=topology.queues[0].name + ".limited",
+                bindings=("loop.#",),
+                delivery_limit=2,
+            ),
+        ),
+    )
+    connection = await aio_pika.connect(stack.amqp_url)
+    async with connection:
+        channel = await connection.channel()
+        from jobplane.topology import declare
+
+        exchange = await declare(channel, limited)
+        await exchange.publish(aio_pika.Message(b"poison", message_id="p1"), "loop.x")
+        queue = await channel.get_queue(limited.queues[0].name)
+        for _ in range(5):
+            message = await queue.get(no_ack=False, fail=False, timeout=5)
+            if message is None:
+                break
+            await message.nack(requeue=True)
+        failed = await channel.declare_queue(limited.failed_queue, passive=True)
+        assert failed.declaration_result.message_count == 1
+
+
+async def _envelope(stack: Stack, job_id: str) -> Envelope:
+    dispatch = await stack.scalar("SELECT dispatch_id FROM jobs WHERE id = :id", id=job_id)
+    job_type = await stack.scalar("SELECT type FROM jobs WHERE id = :id", id=job_id)
+    return Envelope(uuid.UUID(str(dispatch)), uuid.UUID(job_id), stack.tenant_id, job_type)
+
+
+async def _state_is(stack: Stack, name: str, state: JobState) -> bool:
+    return (await stack.client().get(name)).state is state

@@ -1,0 +1,96 @@
+"""The sweeper: repair for what did not advance. It is not the main path.
+
+- Jobs RUNNING under a lease that ran out (their worker died or hung): a new
+  attempt through the outbox, or FAILED when none is left.
+- Outbox rows due for too long and still unpublished: reported; the relay
+  that runs the sweeper publishes them (``jobplane sweep --once`` does one
+  relay pass itself).
+
+Safe to run in many processes at once: rows are taken with SKIP LOCKED and
+re-checked under the lock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from dataclasses import dataclass
+
+import structlog
+from sqlalchemy.exc import DBAPIError
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from jobplane.store.sweeps import SweepStore
+from jobplane.workers.runtime import backoff
+
+log = structlog.get_logger("jobplane.sweeper")
+
+
+@dataclass(frozen=True, slots=True)
+class SweepReport:
+    """What one sweep found and did."""
+
+    requeued: int
+    failed: int
+    stuck_outbox: int
+
+
+class Sweeper:
+    """Finds expired leases and stuck outbox rows."""
+
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        *,
+        lease_grace: float = 5.0,
+        stuck_after: float = 60.0,
+        batch_size: int = 100,
+        retry_base_delay: float = 1.0,
+    ) -> None:
+        self._store = SweepStore(engine)
+        self._lease_grace = lease_grace
+        self._stuck_after = stuck_after
+        self._batch_size = batch_size
+        self._retry_base_delay = retry_base_delay
+        self._task: asyncio.Task[None] | None = None
+
+    async def sweep_once(self) -> SweepReport:
+        """One pass; repeats the lease repair while whole batches come back."""
+        requeued = failed = 0
+        while True:
+            repair = await self._store.expire_leases(
+                grace=self._lease_grace,
+                limit=self._batch_size,
+                delay=lambda attempt: backoff(attempt, base=self._retry_base_delay),
+            )
+            requeued += repair.requeued
+            failed += repair.failed
+            if repair.requeued + repair.failed < self._batch_size:
+                break
+        stuck = await self._store.stuck_outbox(older_than=self._stuck_after)
+        report = SweepReport(requeued=requeued, failed=failed, stuck_outbox=stuck)
+        if requeued or failed:
+            log.warning("sweeper.leases.expired", requeued=requeued, failed=failed)
+        if stuck:
+            log.warning("sweeper.outbox.stuck", rows=stuck, older_than=self._stuck_after)
+        return report
+
+    def start(self, interval: float) -> None:
+        """Sweep every ``interval`` seconds in the background."""
+        self._task = asyncio.create_task(self._loop(interval), name="jobplane-sweeper")
+
+    async def stop(self) -> None:
+        """Stop the background loop."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+
+    async def _loop(self, interval: float) -> None:
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                await self.sweep_once()
+            except (DBAPIError, OSError) as exc:
+                log.warning("sweeper.error", error=str(exc).splitlines()[0])
