@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: all dev test unit lint format typecheck proto migrate services bench clean
+.PHONY: all dev test unit faults soak lint format typecheck proto migrate services bench clean
 
 all: lint typecheck test
 
@@ -27,6 +27,14 @@ dev: $(STAMP) services
 ## Everything CI runs: lint, types, unit + integration tests on real services.
 test: $(STAMP) services lint typecheck
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+## Only the fault-injection suite (part of `make test` too).
+faults: $(STAMP) services
+	$(BIN)/python -m pytest tests/faults $(PYTEST_ARGS)
+
+## 5,000 jobs with workers killed and a broker restart; prints L/D/O counts.
+soak: $(STAMP) services
+	$(BIN)/python -m pytest -m soak -s tests/faults/test_soak.py $(PYTEST_ARGS)
 
 unit: $(STAMP)
 	$(BIN)/python -m pytest tests/unit $(PYTEST_ARGS)

@@ -7,11 +7,13 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
+import asyncpg
 import grpc
 import structlog
+from sqlalchemy.exc import InterfaceError, OperationalError
 
 from jobplane.convert import dict_from_struct, event_to_pb, job_to_pb, state_from_pb
-from jobplane.errors import InternalError, JobplaneError, Unauthenticated
+from jobplane.errors import InternalError, JobplaneError, Unauthenticated, Unavailable
 from jobplane.server.service import JobService, SubmitRequest
 from jobplane.server.status import to_grpc_status
 from jobplane.store.keys import KeyStore
@@ -22,6 +24,23 @@ log = structlog.get_logger("jobplane.server")
 Req = TypeVar("Req")
 Resp = TypeVar("Resp")
 Context = grpc.aio.ServicerContext[Any, Any]
+
+
+# Lost database connections are UNAVAILABLE, not INTERNAL: the call may be
+# repeated (submit is idempotent by request_id; watch resumes by seq).
+_DATABASE_DOWN = (
+    OperationalError,
+    InterfaceError,
+    OSError,
+    asyncpg.InterfaceError,
+    asyncpg.PostgresConnectionError,
+    asyncpg.AdminShutdownError,
+)
+_DB_UNAVAILABLE = Unavailable("the database is not reachable right now; retry")
+
+
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).splitlines() or [type(exc).__name__])[0]
 
 
 async def _abort(context: Context, error: JobplaneError) -> None:
@@ -40,6 +59,9 @@ def _unary(
             return await method(self, tenant, request)
         except JobplaneError as error:
             await _abort(context, error)
+        except _DATABASE_DOWN as exc:
+            log.warning("rpc.database_unavailable", rpc=method.__name__, error=_first_line(exc))
+            await _abort(context, _DB_UNAVAILABLE)
         except Exception:
             log.exception("rpc.failed", rpc=method.__name__)
             await _abort(context, InternalError())
@@ -127,6 +149,9 @@ class JobServiceServicer(jobs_pb2_grpc.JobServiceServicer):
                 yield event_to_pb(event)
         except JobplaneError as error:
             await _abort(context, error)
+        except _DATABASE_DOWN as exc:
+            log.warning("rpc.database_unavailable", rpc="WatchJob", error=_first_line(exc))
+            await _abort(context, _DB_UNAVAILABLE)
         except Exception:
             log.exception("rpc.failed", rpc="WatchJob")
             await _abort(context, InternalError())

@@ -22,6 +22,7 @@ from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from jobplane.envelope import Envelope, EnvelopeError
+from jobplane.faults import NO_FAULTS, FaultPoints
 from jobplane.names import job_name
 from jobplane.store.attempts import (
     Attempt,
@@ -159,6 +160,7 @@ class Worker:
         queues: list[str] | None = None,
         progress_window: float = 0.02,
         retry_base_delay: float | None = None,
+        faults: FaultPoints = NO_FAULTS,
     ) -> None:
         if concurrency < 1:
             raise ValueError("concurrency must be at least 1")
@@ -171,6 +173,7 @@ class Worker:
         self._queues = queues or [q.name for q in topology.queues]
         self._progress_window = progress_window
         self._retry_base_delay = retry_base_delay
+        self._faults = faults
         self._cancels = Listener(database_url, CANCEL_CHANNEL)
         self._cancels.on_notify(self._on_cancel_notification)
         self._connection: AbstractRobustConnection | None = None
@@ -263,6 +266,7 @@ class Worker:
                 # Outcome not committed: the redelivery finds the lease and waits it out.
                 await _settle(message.nack(requeue=True))
                 return
+            self._faults.hit("worker.after_outcome")
             await _settle(message.ack())
             return
         if claim.status is ClaimStatus.NOT_FOUND:

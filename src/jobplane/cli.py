@@ -98,7 +98,8 @@ async def _relay(args: argparse.Namespace) -> int:
             settings.amqp_url,
             topology,
             faults=FaultPoints(settings.faults),
-            sweeper=None if args.no_sweep else Sweeper(engine),
+            sweeper=None if args.no_sweep else Sweeper(engine, lease_grace=args.lease_grace),
+            sweep_interval=args.sweep_interval,
         )
         await _started(stack, relay.start, relay.stop)
         await _until_signal()
@@ -160,6 +161,8 @@ async def _worker(args: argparse.Namespace) -> int:
             concurrency=args.concurrency,
             prefetch=args.prefetch,
             queues=args.queue or None,
+            lease_seconds=args.lease_seconds,
+            faults=FaultPoints(settings.faults),
         )
         await _started(stack, worker.start, lambda: worker.stop(args.grace))
         await _until_signal()
@@ -312,6 +315,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("serve", help="run the gRPC server").set_defaults(func=_async(_serve))
     relay = sub.add_parser("relay", help="publish the outbox to RabbitMQ (and sweep)")
     relay.add_argument("--no-sweep", action="store_true", help="do not run the sweeper loop")
+    relay.add_argument("--sweep-interval", type=float, default=5.0, help="seconds between sweeps")
+    relay.add_argument(
+        "--lease-grace", type=float, default=5.0, help="seconds past a lease before repair"
+    )
     relay.set_defaults(func=_async(_relay))
 
     sweep = sub.add_parser("sweep", help="repair expired leases and stuck outbox rows")
@@ -329,6 +336,9 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--prefetch", type=int, default=None, help="unacked messages held")
     worker.add_argument("--queue", action="append", help="consume only this queue (repeatable)")
     worker.add_argument("--grace", type=float, default=10.0, help="seconds to finish on stop")
+    worker.add_argument(
+        "--lease-seconds", type=float, default=30.0, help="lease of an attempt; heartbeats at 1/3"
+    )
     worker.set_defaults(func=_async(_worker))
 
     dev = sub.add_parser("dev", help="migrate, then serve + relay + worker in one process")

@@ -120,3 +120,51 @@ def test_settings_from_env() -> None:
 
 def test_demo_registry_has_the_documented_handlers() -> None:
     assert list(demo_registry) == ["demo.echo", "demo.fail", "demo.progress"]
+
+
+def test_fault_points_raise_and_crash_on_the_nth_hit() -> None:
+    import subprocess
+    import sys
+
+    from jobplane.faults import FaultPoints, InjectedFault
+
+    FaultPoints().hit("anything")  # unarmed: nothing happens
+    armed = FaultPoints({"submit.after_job_insert"})
+    with pytest.raises(InjectedFault):
+        armed.hit("submit.after_job_insert")
+    armed.hit("other.point")
+
+    script = (
+        "from jobplane.faults import FaultPoints\n"
+        "f = FaultPoints({'crash:p@3'})\n"
+        "for i in range(1, 5):\n"
+        "    print(i, flush=True)\n"
+        "    f.hit('p')\n"
+    )
+    run = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, check=False
+    )
+    assert run.returncode == 137
+    assert run.stdout.split() == ["1", "2", "3"]
+
+
+def test_queue_defaults_and_their_checks() -> None:
+    queue = parse_topology(
+        {"queues": [{"name": "q", "timeout_seconds": 5, "retry_base_delay": 0.5}]}
+    ).queues[0]
+    assert queue.timeout_seconds == 5.0
+    assert queue.retry_base_delay == 0.5
+    with pytest.raises(TopologyError):
+        parse_topology({"queues": [{"name": "q", "timeout_seconds": 0}]})
+    with pytest.raises(TopologyError):
+        parse_topology({"queues": [{"name": "q", "retry_base_delay": 10, "retry_max_delay": 1}]})
+
+
+def test_backoff_grows_with_jitter_and_is_capped() -> None:
+    from jobplane.workers.runtime import backoff
+
+    for attempt in range(1, 12):
+        ceiling = min(30.0, 1.0 * 2 ** (attempt - 1))
+        delays = [backoff(attempt, base=1.0, cap=30.0) for _ in range(50)]
+        assert all(ceiling / 2 <= d <= ceiling for d in delays)
+        assert len(set(delays)) > 1  # jittered

@@ -1,0 +1,350 @@
+"""Real jobplane processes for fault tests: spawn, SIGKILL, restart, and check.
+
+A :class:`Cluster` runs `jobplane serve`, `relay` and `worker` as separate OS
+processes on the test's own database and vhost (and a topology under names of
+its own), and judges a run by three properties:
+
+- **L** every job reached exactly one terminal state (one terminal event);
+- **D** each succeeded job has exactly one side-effect row, written last by the
+  winning attempt, whose attempt is also the stored result's; and no attempt
+  completed after its job had ended;
+- **O** every watcher saw seqs 1..n in order without a gap or a repeat.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import sys
+import time
+import tomllib
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import asyncpg
+
+from jobplane.client import AsyncClient, JobEvent
+from jobplane.store.engine import asyncpg_dsn
+from jobplane.topology import Topology
+from tests.faults.handlers import SCHEMA
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    """A TCP port nothing listens on now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def topology_toml(topology: Topology) -> str:
+    """``topology`` as a TOML file the processes can load."""
+    lines = [
+        f'[exchange]\nname = "{topology.exchange}"\n',
+        f'[dead_letter]\nexchange = "{topology.dead_letter_exchange}"\n'
+        f'queue = "{topology.failed_queue}"\n',
+    ]
+    for q in topology.queues:
+        bindings = ", ".join(f'"{b}"' for b in q.bindings)
+        lines.append(
+            f'[[queues]]\nname = "{q.name}"\nbindings = [{bindings}]\n'
+            f"delivery_limit = {q.delivery_limit}\nmax_attempts = {q.max_attempts}\n"
+            f"timeout_seconds = {q.timeout_seconds}\nretry_base_delay = 0.05\n"
+            f"retry_max_delay = 0.5\n"
+        )
+    text = "\n".join(lines)
+    tomllib.loads(text)  # fail here, not in a child process
+    return text
+
+
+class Proc:
+    """One `jobplane …` child process and its log."""
+
+    def __init__(self, cluster: Cluster, args: Sequence[str], faults: str = "") -> None:
+        self.cluster = cluster
+        self.args = list(args)
+        self.faults = faults
+        self.process: asyncio.subprocess.Process | None = None
+        self.log = cluster.workdir / f"{args[0]}-{uuid.uuid4().hex[:6]}.log"
+        self.starts = 0
+
+    @property
+    def alive(self) -> bool:
+        """Running now."""
+        return self.process is not None and self.process.returncode is None
+
+    async def start(self, *, ready: str | None = None) -> Proc:
+        """Start (again) and wait until its log shows ``ready``."""
+        env = {**self.cluster.env, "JOBPLANE_FAULTS": self.faults}
+        self.starts += 1
+        offset = self.log.stat().st_size if self.log.exists() else 0
+        with self.log.open("ab") as log:
+            self.process = await asyncio.create_subprocess_exec(
+                sys.executable,
+                "-m",
+                "jobplane",
+                *self.args,
+                env=env,
+                cwd=ROOT,
+                stdout=log,
+                stderr=log,
+            )
+        if ready:
+            await self.wait_for_log(ready, offset=offset)
+        return self
+
+    async def wait_for_log(self, text: str, *, offset: int = 0, timeout: float = 30) -> None:
+        """Until ``text`` appears in the log after ``offset``."""
+        await self.wait_for_any((text,), offset=offset, timeout=timeout)
+
+    async def wait_for_any(
+        self, texts: Sequence[str], *, offset: int = 0, timeout: float = 30
+    ) -> str:
+        """Until one of ``texts`` appears in the log after ``offset``; returns it."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            log = self.log.read_text(errors="replace")[offset:] if self.log.exists() else ""
+            for text in texts:
+                if text in log:
+                    return text
+            if not self.alive:
+                break
+            await asyncio.sleep(0.05)
+        tail = self.log.read_text(errors="replace")[-3000:] if self.log.exists() else ""
+        raise AssertionError(f"{self.args[0]}: none of {texts} in its log; tail:\n{tail}")
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        """Send ``sig`` (SIGKILL: no cleanup, no acks)."""
+        if self.alive and self.process is not None:
+            self.process.send_signal(sig)
+
+    async def wait(self, timeout: float = 30) -> int:
+        """Its exit code."""
+        assert self.process is not None
+        return await asyncio.wait_for(self.process.wait(), timeout)
+
+
+@dataclass
+class Cluster:
+    """The processes of one fault test and the means to judge the run."""
+
+    database_url: str
+    amqp_url: str
+    topology: Topology
+    workdir: Path
+    key: str = ""
+    port: int = field(default_factory=free_port)
+    procs: list[Proc] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        path = self.workdir / "topology.toml"
+        path.write_text(topology_toml(self.topology))
+        self.env = {
+            **os.environ,
+            "JOBPLANE_DATABASE_URL": self.database_url,
+            "JOBPLANE_AMQP_URL": self.amqp_url,
+            "JOBPLANE_TOPOLOGY": str(path),
+            "JOBPLANE_LISTEN": f"127.0.0.1:{self.port}",
+            "JOBPLANE_LOG_LEVEL": "info",
+            "PYTHONPATH": str(ROOT),
+        }
+
+    @property
+    def address(self) -> str:
+        """The server's address."""
+        return f"127.0.0.1:{self.port}"
+
+    async def prepare(self) -> None:
+        """Side-effect tables and an API key."""
+        conn = await asyncpg.connect(asyncpg_dsn(self.database_url))
+        try:
+            await conn.execute(SCHEMA)
+        finally:
+            await conn.close()
+        process = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "jobplane",
+            "keys",
+            "create",
+            "--tenant",
+            "faults",
+            env=self.env,
+            cwd=ROOT,
+            stdout=asyncio.subprocess.PIPE,
+        )
+        out, _ = await process.communicate()
+        self.key = out.decode().strip()
+        assert self.key.startswith("jp_"), out
+
+    def client(self) -> AsyncClient:
+        """An SDK client of the cluster's server."""
+        return AsyncClient(self.address, self.key)
+
+    async def server(self) -> Proc:
+        """Start `jobplane serve`."""
+        return await self._spawn(["serve"], "server.started")
+
+    async def relay(self, *args: str, faults: str = "") -> Proc:
+        """Start `jobplane relay` (with a fast sweeper)."""
+        base = ["relay", "--sweep-interval", "0.5", "--lease-grace", "0.5", *args]
+        return await self._spawn(base, "relay.connected", faults)
+
+    async def worker(self, *args: str, faults: str = "", lease: float = 2.0) -> Proc:
+        """Start `jobplane worker` with the fault handlers."""
+        base = [
+            "worker",
+            "--handlers",
+            "tests.faults.handlers:registry",
+            "--lease-seconds",
+            str(lease),
+            "--grace",
+            "1",
+            *args,
+        ]
+        return await self._spawn(base, "worker.started", faults)
+
+    async def _spawn(self, args: list[str], ready: str, faults: str = "") -> Proc:
+        proc = Proc(self, args, faults)
+        self.procs.append(proc)
+        await proc.start(ready=ready)
+        return proc
+
+    async def close(self) -> None:
+        """SIGKILL whatever still runs."""
+        for proc in self.procs:
+            proc.kill()
+        for proc in self.procs:
+            if proc.process is not None:
+                await proc.wait()
+
+    async def query(self, sql: str, *args: Any) -> list[asyncpg.Record]:
+        """Rows from the test database."""
+        conn = await asyncpg.connect(asyncpg_dsn(self.database_url))
+        try:
+            return list(await conn.fetch(sql, *args))
+        finally:
+            await conn.close()
+
+    async def submit_many(
+        self, client: AsyncClient, count: int, job_type: str = "fault.work", **payload: Any
+    ) -> list[str]:
+        """Submit ``count`` jobs, repeating a call that failed (same request_id)."""
+        names = []
+        for i in range(count):
+            request_id = f"{job_type}-{i}-{uuid.uuid4().hex[:8]}"
+            for attempt in range(50):
+                try:
+                    job = await client.submit(job_type, {**payload, "i": i}, request_id=request_id)
+                    names.append(job.name)
+                    break
+                except Exception:
+                    if attempt == 49:
+                        raise
+                    await asyncio.sleep(0.1)
+        return names
+
+    async def wait_all_terminal(self, names: Sequence[str], timeout: float = 60) -> None:
+        """Until every job has ended (**L** is then judged by :meth:`check`)."""
+        ids = [uuid.UUID(n.partition("/")[2]) for n in names]
+        deadline = time.monotonic() + timeout
+        while True:
+            rows = await self.query(
+                "SELECT count(*) AS open FROM jobs WHERE id = ANY($1::uuid[]) "
+                "AND state NOT IN ('succeeded', 'failed', 'cancelled')",
+                ids,
+            )
+            if rows[0]["open"] == 0:
+                return
+            if time.monotonic() > deadline:
+                stuck = await self.query(
+                    "SELECT id, state, attempt, lease_expires_at, dispatch_id FROM jobs "
+                    "WHERE id = ANY($1::uuid[]) AND state NOT IN "
+                    "('succeeded', 'failed', 'cancelled') LIMIT 5",
+                    ids,
+                )
+                raise AssertionError(f"{rows[0]['open']} jobs never ended, e.g. {stuck}")
+            await asyncio.sleep(0.2)
+
+    async def check(
+        self, names: Sequence[str], *, expect: str = "succeeded", strict: bool = True
+    ) -> dict[str, int]:
+        """Judge L and D over ``names`` and fail on any violation; returns counts."""
+        counts, problems = await self.judge(names, expect=expect, strict=strict)
+        assert not problems, "\n".join(problems[:20])
+        return counts
+
+    async def judge(
+        self, names: Sequence[str], *, expect: str = "succeeded", strict: bool = True
+    ) -> tuple[dict[str, int], list[str]]:
+        """Judge L and D over ``names``: the counts checked, and every violation.
+
+        ``strict``: also require that the side effect was written last by the
+        winning attempt and that no attempt completed after its job ended —
+        true unless the test stalls a handler past its lease on purpose.
+        """
+        ids = [uuid.UUID(n.partition("/")[2]) for n in names]
+        jobs = await self.query(
+            """
+            SELECT j.id, j.state, j.attempt, (j.result->>'attempt')::int AS result_attempt,
+                   j.end_time,
+                   (SELECT count(*) FROM job_events e WHERE e.job_id = j.id
+                      AND e.type IN ('succeeded', 'failed', 'cancelled')) AS terminal_events,
+                   (SELECT count(*) FROM job_events e WHERE e.job_id = j.id) AS events,
+                   j.last_seq
+            FROM jobs j WHERE j.id = ANY($1::uuid[])
+            """,
+            ids,
+        )
+        assert len(jobs) == len(ids)
+        effects = {
+            r["job_id"]: r
+            for r in await self.query(
+                "SELECT job_id, attempt FROM fault_effects WHERE job_id = ANY($1::uuid[])", ids
+            )
+        }
+        late = await self.query(
+            """
+            SELECT c.job_id, c.attempt FROM fault_completions c JOIN jobs j ON j.id = c.job_id
+            WHERE c.job_id = ANY($1::uuid[])
+              AND (($2 AND c.at > j.end_time) OR c.attempt > j.attempt)
+            """,
+            ids,
+            strict,
+        )
+        problems = []
+        for job in jobs:
+            if job["terminal_events"] != 1:  # L
+                problems.append(f"L: {job['id']} has {job['terminal_events']} terminal events")
+            if job["events"] != job["last_seq"]:  # gap-free storage
+                problems.append(f"O: {job['id']} stores {job['events']} of {job['last_seq']}")
+            if expect and job["state"] != expect:
+                problems.append(f"L: {job['id']} ended {job['state']}, expected {expect}")
+            if job["state"] == "succeeded":  # D
+                effect = effects.get(job["id"])
+                if effect is None:
+                    problems.append(f"D: {job['id']} succeeded without its side effect")
+                elif job["result_attempt"] != job["attempt"] or (
+                    strict and effect["attempt"] != job["attempt"]
+                ):
+                    problems.append(
+                        f"D: {job['id']} effect by attempt {effect['attempt']}, result of "
+                        f"{job['result_attempt']}, winner {job['attempt']}"
+                    )
+        problems += [f"D: attempt {r['attempt']} of {r['job_id']} completed late" for r in late]
+        return {"jobs": len(jobs), "effects": len(effects)}, problems
+
+
+def check_stream(events: Sequence[JobEvent], last_seq: int) -> None:
+    """**O**: seqs 1..last_seq, in order, ending with the one terminal event."""
+    seqs = [e.seq for e in events]
+    assert seqs == list(range(1, last_seq + 1)), seqs
+    assert events[-1].terminal
+    assert sum(e.terminal for e in events) == 1

@@ -1,0 +1,22 @@
+"""A cluster of real jobplane processes per fault test."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from jobplane.topology import Topology
+from tests.faults.cluster import Cluster
+
+
+@pytest.fixture
+async def cluster(
+    database_url: str, amqp_url: str, topology: Topology, tmp_path: Path
+) -> AsyncIterator[Cluster]:
+    """Processes on this test's database and vhost; all killed at the end."""
+    running = Cluster(database_url, amqp_url, topology, tmp_path)
+    await running.prepare()
+    yield running
+    await running.close()

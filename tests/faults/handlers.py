@@ -1,0 +1,107 @@
+"""Handlers of the fault suite, run inside real `jobplane worker` processes.
+
+Each writes an idempotent side effect (one row per job, the attempt that wrote
+it last) and a completion record per attempt that returned, so the tests can
+see exactly which attempts ran to the end and when.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from typing import Any
+
+import asyncpg
+
+from jobplane.workers.handlers import JobContext, Registry
+
+registry = Registry()
+_pools: dict[str, asyncpg.Pool] = {}
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS fault_effects (
+    job_id  uuid PRIMARY KEY,
+    attempt integer NOT NULL,
+    writes  integer NOT NULL DEFAULT 1
+);
+CREATE TABLE IF NOT EXISTS fault_completions (
+    job_id  uuid NOT NULL,
+    attempt integer NOT NULL,
+    pid     integer NOT NULL,
+    at      timestamptz NOT NULL DEFAULT clock_timestamp()
+);
+"""
+
+
+async def _db() -> asyncpg.Pool:
+    url = os.environ["JOBPLANE_DATABASE_URL"].replace("postgresql+asyncpg", "postgresql")
+    if url not in _pools:
+        _pools[url] = await asyncpg.create_pool(url, min_size=1, max_size=4)
+    return _pools[url]
+
+
+async def _execute(sql: str, *args: Any) -> None:
+    for _ in range(50):
+        try:
+            pool = await _db()
+            await pool.execute(sql, *args)
+        except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError):
+            await asyncio.sleep(0.2)  # the database is being disrupted; try again
+        else:
+            return
+    raise RuntimeError("the database stayed unreachable")
+
+
+async def _effect(ctx: JobContext) -> None:
+    await _execute(
+        """
+        INSERT INTO fault_effects (job_id, attempt) VALUES ($1, $2)
+        ON CONFLICT (job_id) DO UPDATE
+        SET attempt = EXCLUDED.attempt, writes = fault_effects.writes + 1
+        """,
+        ctx.id,
+        ctx.attempt,
+    )
+
+
+async def _completed(ctx: JobContext) -> None:
+    await _execute(
+        "INSERT INTO fault_completions (job_id, attempt, pid) VALUES ($1, $2, $3)",
+        ctx.id,
+        ctx.attempt,
+        os.getpid(),
+    )
+
+
+@registry.handler("fault.work")
+async def work(ctx: JobContext) -> dict[str, Any]:
+    """Sleeps ``ms``, reports progress twice, writes its side effect."""
+    ms = float(ctx.payload.get("ms", 100))
+    await ctx.progress(0.3, "started")
+    await asyncio.sleep(ms / 2000)
+    await ctx.progress(0.6, "half way")
+    await asyncio.sleep(ms / 2000)
+    await _effect(ctx)
+    await _completed(ctx)
+    return {"attempt": ctx.attempt}
+
+
+@registry.handler("fault.poison")
+async def poison(ctx: JobContext) -> dict[str, Any]:
+    """Kills its own worker process, every time."""
+    await ctx.progress(0.1, "about to die")
+    await asyncio.sleep(0.05)
+    os.kill(os.getpid(), signal.SIGKILL)
+    return {}
+
+
+@registry.handler("fault.stall")
+async def stall(ctx: JobContext) -> dict[str, Any]:
+    """The first attempt blocks its event loop (no heartbeats) for ``seconds``."""
+    if ctx.attempt == 1:
+        time.sleep(float(ctx.payload.get("seconds", 5)))  # noqa: ASYNC251 - the point of it
+    await _effect(ctx)
+    await _completed(ctx)
+    return {"attempt": ctx.attempt}
