@@ -24,6 +24,7 @@ from jobplane.faults import NO_FAULTS, FaultPoints
 from jobplane.store.listen import Listener
 from jobplane.store.outbox import OutboxRow, OutboxStore
 from jobplane.store.rows import OUTBOX_CHANNEL
+from jobplane.tasks import cancel_and_wait
 from jobplane.topology import Topology, declare
 from jobplane.workers.sweeper import Sweeper
 
@@ -75,11 +76,8 @@ class Relay:
         """Stop; a batch in flight is rolled back and stays due."""
         if self._sweeper is not None:
             await self._sweeper.stop()
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await cancel_and_wait(self._task)
+        self._task = None
         await self._wakeups.stop()
 
     async def _run(self) -> None:

@@ -34,6 +34,7 @@ from jobplane.store.attempts import (
 )
 from jobplane.store.listen import Listener
 from jobplane.store.rows import CANCEL_CHANNEL
+from jobplane.tasks import cancel_and_wait
 from jobplane.topology import Topology, TopologyError, declare
 from jobplane.workers.handlers import JobContext, PermanentError, Registry, RetryableError
 
@@ -114,11 +115,8 @@ class ProgressWriter:
 
     async def drain(self) -> list[ProgressUpdate]:
         """Stop the timer and hand over what is still queued, for the outcome commit."""
-        if self._timer is not None:
-            self._timer.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._timer
-            self._timer = None
+        await cancel_and_wait(self._timer)
+        self._timer = None
         async with self._lock:
             batch, self._pending = self._pending, []
         return batch
@@ -356,9 +354,7 @@ class Worker:
             except Exception as exc:
                 error = exc
         finally:
-            heartbeat.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await heartbeat
+            await cancel_and_wait(heartbeat)
             self._running.pop(key, None)
         pending = await writer.drain()
         await self._record(attempt, running, result, error, pending, bound)

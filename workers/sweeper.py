@@ -13,7 +13,6 @@ re-checked under the lock.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from dataclasses import dataclass
 
 import structlog
@@ -21,6 +20,7 @@ from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from jobplane.store.sweeps import SweepStore
+from jobplane.tasks import cancel_and_wait
 from jobplane.workers.runtime import backoff
 
 log = structlog.get_logger("jobplane.sweeper")
@@ -81,11 +81,8 @@ class Sweeper:
 
     async def stop(self) -> None:
         """Stop the background loop."""
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await cancel_and_wait(self._task)
+        self._task = None
 
     async def _loop(self, interval: float) -> None:
         while True:

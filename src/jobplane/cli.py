@@ -10,12 +10,17 @@ import signal
 import sys
 from collections.abc import Awaitable, Callable, Coroutine
 from contextlib import AsyncExitStack
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from jobplane.config import ConfigError, Settings
 from jobplane.faults import FaultPoints
 from jobplane.logs import configure
 from jobplane.topology import Topology, TopologyError, load_topology
+
+if TYPE_CHECKING:
+    from sqlalchemy.ext.asyncio import AsyncEngine
+
+    from jobplane.server import JobplaneServer
 
 
 def _run(coro: Coroutine[Any, Any, int]) -> int:
@@ -61,22 +66,27 @@ async def _migrate(_args: argparse.Namespace) -> int:
     return 0
 
 
-async def _serve(_args: argparse.Namespace) -> int:
+def _server(settings: Settings, topology: Topology, engine: AsyncEngine) -> JobplaneServer:
     from jobplane.server import JobplaneServer
+
+    return JobplaneServer(
+        engine,
+        settings.database_url,
+        topology,
+        listen=settings.listen,
+        max_payload_bytes=settings.max_payload_bytes,
+        faults=FaultPoints(settings.faults),
+    )
+
+
+async def _serve(_args: argparse.Namespace) -> int:
     from jobplane.store.engine import create_engine
 
     settings, topology = _settings_and_topology()
     engine = create_engine(settings.database_url)
     async with AsyncExitStack() as stack:
         stack.push_async_callback(engine.dispose)
-        server = JobplaneServer(
-            engine,
-            settings.database_url,
-            topology,
-            listen=settings.listen,
-            max_payload_bytes=settings.max_payload_bytes,
-            faults=FaultPoints(settings.faults),
-        )
+        server = _server(settings, topology, engine)
         await _started(stack, server.start, server.stop)
         print(f"jobplane serving on {server.address}", file=sys.stderr)
         await _until_signal()
@@ -170,7 +180,6 @@ async def _worker(args: argparse.Namespace) -> int:
 
 
 async def _dev(args: argparse.Namespace) -> int:
-    from jobplane.server import JobplaneServer
     from jobplane.store.engine import create_engine, migrate
     from jobplane.workers.relay import Relay
     from jobplane.workers.runtime import Worker
@@ -181,13 +190,7 @@ async def _dev(args: argparse.Namespace) -> int:
     engine = create_engine(settings.database_url)
     async with AsyncExitStack() as stack:
         stack.push_async_callback(engine.dispose)
-        server = JobplaneServer(
-            engine,
-            settings.database_url,
-            topology,
-            listen=settings.listen,
-            max_payload_bytes=settings.max_payload_bytes,
-        )
+        server = _server(settings, topology, engine)
         relay = Relay(
             engine, settings.database_url, settings.amqp_url, topology, sweeper=Sweeper(engine)
         )

@@ -18,6 +18,7 @@ import asyncpg
 import structlog
 
 from jobplane.store.engine import connect_raw
+from jobplane.tasks import cancel_and_wait
 
 log = structlog.get_logger("jobplane.listen")
 
@@ -63,11 +64,8 @@ class Listener:
 
     async def stop(self) -> None:
         """Stop listening and wake every subscriber."""
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await cancel_and_wait(self._task)
+        self._task = None
         self._wake_all()
 
     @contextlib.contextmanager
