@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import random
 import shutil
+import signal
 import subprocess
 import uuid
 from urllib.parse import urlsplit
@@ -280,3 +281,33 @@ async def test_watcher_connection_drop_resumes_without_gap_or_repeat(cluster: Cl
     finally:
         with contextlib.suppress(Exception):
             await proxy.cut()
+
+
+async def test_sigterm_drains_a_worker_and_its_job_runs_elsewhere(cluster: Cluster) -> None:
+    server = await cluster.server()
+    await cluster.relay()
+    first = await cluster.worker("--concurrency", "2")
+    async with cluster.client() as client:
+        job = await client.submit("fault.work", {"ms": 20000}, max_attempts=1)
+        await first.wait_for_log("job.received")
+        first.kill(signal.SIGTERM)
+        assert await first.wait(timeout=30) == 0  # a clean exit after its grace period
+        interrupted = await client.get(job.name)
+        assert interrupted.state is JobState.QUEUED
+        assert interrupted.error is not None and interrupted.error.code == "WORKER_SHUTDOWN"
+
+        await cluster.worker("--concurrency", "2")
+        short = await client.submit("fault.work", {"ms": 20})
+        await cluster.wait_all_terminal([short.name])
+        await cluster.check([short.name])
+        for _ in range(100):  # it runs again despite max_attempts=1: the attempt was refunded
+            if (await client.get(job.name)).state is JobState.RUNNING:
+                break
+            await asyncio.sleep(0.1)
+        await client.cancel(job.name)
+        done = await client.wait(job.name, timeout=10)
+        assert done.state is JobState.CANCELLED
+        assert done.attempt == 2
+
+    server.kill(signal.SIGTERM)
+    assert await server.wait(timeout=30) == 0

@@ -6,18 +6,23 @@ import asyncio
 import json
 import os
 import sys
+import uuid
+from pathlib import Path
 
 from jobplane.client import Client, JobNotFound, JobState
 from jobplane.types import EventType
 from tests.support.stack import Stack
 
 
-async def jobplane(stack: Stack, *args: str, key: str | None = None) -> tuple[int, str, str]:
+async def jobplane(
+    stack: Stack, *args: str, key: str | None = None, env: dict[str, str] | None = None
+) -> tuple[int, str, str]:
     env = {
         **os.environ,
         "JOBPLANE_DATABASE_URL": stack.database_url,
         "JOBPLANE_ADDRESS": stack.server.address,
         "JOBPLANE_API_KEY": key or stack.key,
+        **(env or {}),
     }
     process = await asyncio.create_subprocess_exec(
         sys.executable,
@@ -104,3 +109,33 @@ async def test_sync_client(stack: Stack) -> None:
                 raise AssertionError("expected JobNotFound")
 
     await asyncio.to_thread(use)
+
+
+async def test_sweep_and_dlq_commands(stack: Stack, tmp_path: Path) -> None:
+    import aio_pika
+
+    from jobplane.envelope import Envelope
+    from tests.faults.cluster import topology_toml
+
+    path = tmp_path / "topology.toml"
+    path.write_text(topology_toml(stack.topology))
+    env = {"JOBPLANE_AMQP_URL": stack.amqp_url, "JOBPLANE_TOPOLOGY": str(path)}
+
+    code, _out, err = await jobplane(stack, "sweep", "--once", env=env)
+    assert code == 0
+    assert "leases: 0 requeued, 0 failed" in err
+
+    stray = Envelope(uuid.uuid4(), uuid.uuid4(), stack.tenant_id, "demo.echo")
+    connection = await aio_pika.connect(stack.amqp_url)
+    async with connection:
+        channel = await connection.channel()
+        dlx = await channel.get_exchange(stack.topology.dead_letter_exchange)
+        await dlx.publish(aio_pika.Message(stray.encode(), message_id="m1"), "")
+    code, out, _err = await jobplane(stack, "dlq", "list", "--json", env=env)
+    assert code == 0
+    listed = [json.loads(line) for line in out.splitlines()]
+    assert [m["job"] for m in listed] == [f"jobs/{stray.job_id}"]
+    code, _out, _err = await jobplane(stack, "dlq", "purge", env=env)
+    assert code == 2  # refuses without --yes
+    code, _out, err = await jobplane(stack, "dlq", "purge", "--yes", env=env)
+    assert code == 0 and "purged 1" in err

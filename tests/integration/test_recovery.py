@@ -242,3 +242,78 @@ async def _envelope(stack: Stack, job_id: str) -> Envelope:
 
 async def _state_is(stack: Stack, name: str, state: JobState) -> bool:
     return (await stack.client().get(name)).state is state
+
+
+async def test_cancel_stops_a_waiting_retry(
+    engine: AsyncEngine, database_url: str, amqp_url: str, topology: Topology
+) -> None:
+    from jobplane.workers.handlers import RetryableError
+
+    registry = Registry()
+
+    @registry.handler("later.op")
+    async def later(ctx: JobContext) -> dict[str, Any]:
+        raise RetryableError("come back later", delay=60)
+
+    stack = await start_stack(engine, database_url, amqp_url, topology, registry=registry)
+    try:
+        client = stack.client()
+        job = await client.submit("later.op", {})
+        await eventually(lambda: _has_next_attempt(stack, job.name))
+        waiting = await client.get(job.name)
+        assert waiting.state is JobState.QUEUED
+        assert waiting.next_attempt_time is not None
+        assert waiting.error is not None and waiting.error.message == "come back later"
+        pending = "SELECT count(*) FROM outbox WHERE published_at IS NULL"
+        assert await stack.scalar(pending) == 1
+
+        cancelled = await client.cancel(job.name)
+        assert cancelled.state is JobState.CANCELLED
+        assert cancelled.next_attempt_time is None
+        assert await stack.scalar(pending) == 0  # the retry was a row, and it is gone
+    finally:
+        await stack.close()
+
+
+async def test_a_fenced_out_attempt_cannot_write(
+    engine: AsyncEngine, database_url: str, amqp_url: str, topology: Topology
+) -> None:
+    from jobplane.store.attempts import LeaseLost, ProgressUpdate
+
+    stack = await start_stack(engine, database_url, amqp_url, topology, relay=False, worker=False)
+    try:
+        client = stack.client()
+        job = await client.submit("demo.echo", {})
+        envelope = await _envelope(stack, job.id)
+        attempts = AttemptStore(engine, lease_seconds=0.1)
+        stale = (await attempts.claim(envelope)).attempt
+        assert stale is not None
+        await asyncio.sleep(0.3)
+        winner = (await attempts.claim(envelope)).attempt  # the lease ran out: a new attempt
+        assert winner is not None and winner.attempt == stale.attempt + 1
+        before = await client.get(job.name)
+
+        update = ProgressUpdate(0.5, "stale", {})
+        for write in (
+            lambda: attempts.write_progress(stale, [update]),
+            lambda: attempts.heartbeat(stale),
+            lambda: attempts.succeed(stale, {"stale": True}),
+            lambda: attempts.fail(stale, "X", "stale", retryable=False),
+        ):
+            try:
+                await write()
+            except LeaseLost:
+                pass
+            else:
+                raise AssertionError("a stale attempt wrote")
+        after = await client.get(job.name)
+        assert after == before
+
+        await attempts.succeed(winner, {"winner": True})
+        assert (await client.get(job.name)).result == {"winner": True}
+    finally:
+        await stack.close()
+
+
+async def _has_next_attempt(stack: Stack, name: str) -> bool:
+    return (await stack.client().get(name)).next_attempt_time is not None
