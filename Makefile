@@ -57,5 +57,9 @@ proto: $(STAMP)
 migrate: $(STAMP) services
 	$(BIN)/jobplane migrate
 
+## Throughput, latency, streams and relay figures with their floors (not a test).
+bench: $(STAMP) services
+	$(BIN)/python -m bench.run $(BENCH_ARGS)
+
 clean:
 	rm -rf $(VENV) build dist .mypy_cache .ruff_cache .pytest_cache

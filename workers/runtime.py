@@ -335,12 +335,6 @@ class Worker:
         self._running[key] = running
         heartbeat = asyncio.create_task(self._heartbeat(attempt, running))
         try:
-            # A cancel requested before we listened is in the row; look once.
-            if await self._with_db_retry(lambda: self._store.heartbeat(attempt)):
-                running.stop(StopCause.CANCEL_REQUESTED)
-        except LeaseLost:
-            running.stop(StopCause.LEASE_LOST)
-        try:
             result: dict[str, Any] | None = None
             error: BaseException | None = None
             try:
@@ -439,8 +433,13 @@ class Worker:
 
     async def _heartbeat(self, attempt: Attempt, running: _Running) -> None:
         interval = self._store.lease_seconds / 3
+        # The first beat comes early: a cancel that landed between our claim
+        # and the running-job registration missed the LISTEN path, and the
+        # row is where it waits. Short jobs end before it and pay nothing.
+        delay = min(interval, 1.0)
         while not running.task.done():
-            await asyncio.sleep(interval)
+            await asyncio.sleep(delay)
+            delay = interval
             try:
                 if await self._store.heartbeat(attempt):
                     running.stop(StopCause.CANCEL_REQUESTED)

@@ -204,34 +204,35 @@ async def test_failed_queue_list_replay_purge(
 
 
 async def test_delivery_limit_dead_letters_a_crash_looping_message(
-    stack: Stack, topology: Topology
+    amqp_url: str, topology: Topology
 ) -> None:
-    limited = replace(
-        topology,
-        queues=(
-            replace(
-                topology.queues[0],
-                name=topology.queues[0].name + ".limited",
-                bindings=("loop.#",),
-                delivery_limit=2,
-            ),
-        ),
-    )
-    connection = await aio_pika.connect(stack.amqp_url)
+    from jobplane.topology import declare
+
+    # Its own exchange and failed queue: no worker of another test sees these.
+    base = topology.prefixed("limit.")
+    limited = replace(base, queues=(replace(base.queues[0], delivery_limit=2),))
+    connection = await aio_pika.connect(amqp_url)
     async with connection:
         channel = await connection.channel()
-        from jobplane.topology import declare
-
         exchange = await declare(channel, limited)
         await exchange.publish(aio_pika.Message(b"poison", message_id="p1"), "loop.x")
         queue = await channel.get_queue(limited.queues[0].name)
+        deliveries = 0
         for _ in range(5):
             message = await queue.get(no_ack=False, fail=False, timeout=5)
             if message is None:
                 break
+            deliveries += 1
             await message.nack(requeue=True)
-        failed = await channel.declare_queue(limited.failed_queue, passive=True)
-        assert failed.declaration_result.message_count == 1
+
+        async def dead_lettered() -> bool:
+            failed = await channel.declare_queue(limited.failed_queue, passive=True)
+            return failed.declaration_result.message_count == 1
+
+        await eventually(dead_lettered)
+        # Dead-lettered once delivered unsuccessfully more than the limit:
+        # three deliveries, not the five tries we would have made.
+        assert deliveries == 3
 
 
 async def _envelope(stack: Stack, job_id: str) -> Envelope:

@@ -29,7 +29,7 @@ def create_engine(url: str, *, pool_size: int = 10, **kwargs: Any) -> AsyncEngin
         sqlalchemy_url(url),
         pool_size=pool_size,
         max_overflow=pool_size,
-        pool_pre_ping=True,
+        pool_pre_ping=False,
         **kwargs,
     )
 

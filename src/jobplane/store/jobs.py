@@ -65,14 +65,14 @@ class ListCursor:
 
 
 _INSERT_JOB = text(
-    """
+    f"""
     INSERT INTO jobs (id, tenant_id, type, queue, state, payload, max_attempts, request_id,
                       request_hash, correlation_id, labels, dispatch_id, last_seq, timeout_seconds)
     VALUES (:id, :tenant_id, :type, :queue, 'queued', CAST(:payload AS jsonb), :max_attempts,
             :request_id, :request_hash, :correlation_id, CAST(:labels AS jsonb), :dispatch_id, 1,
             :timeout_seconds)
     ON CONFLICT (tenant_id, request_id) DO NOTHING
-    RETURNING id
+    RETURNING {JOB_COLUMNS}
     """
 )
 
@@ -183,12 +183,11 @@ class JobStore:
             "timeout_seconds": new.timeout_seconds,
         }
         async with self._engine.begin() as conn:
-            inserted = (await conn.execute(_INSERT_JOB, params)).first()
+            inserted = (await conn.execute(_INSERT_JOB, params)).mappings().first()
             if inserted is not None:
                 self._faults.hit("submit.after_job_insert")
                 await conn.execute(_INSERT_FIRST_EVENT_AND_OUTBOX, params)
-                row = (await conn.execute(_SELECT_JOB, params)).mappings().one()
-                return job_from_row(row), True
+                return job_from_row(inserted), True
         # A job with this request_id exists (ON CONFLICT waited for its insert
         # to commit, so it is visible now).
         async with self._engine.connect() as conn:

@@ -1,0 +1,28 @@
+"""Handlers for the benchmarks: no work at all, or stamped progress events."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+from jobplane.workers.handlers import JobContext, Registry
+
+registry = Registry()
+
+
+@registry.handler("bench.noop")
+async def noop(ctx: JobContext) -> dict[str, Any]:
+    """Does nothing: what is left is jobplane's own cost per job."""
+    return {}
+
+
+@registry.handler("bench.progress")
+async def progress(ctx: JobContext) -> dict[str, Any]:
+    """Payload ``{steps, interval_ms}``: progress events stamped with the wall clock."""
+    steps = int(ctx.payload.get("steps", 100))
+    interval = float(ctx.payload.get("interval_ms", 10)) / 1000
+    for step in range(1, steps + 1):
+        await ctx.progress(step / steps, "", {"t": time.time()})
+        await asyncio.sleep(interval)
+    return {"steps": steps}

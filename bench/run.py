@@ -1,0 +1,573 @@
+"""`make bench`: jobplane's figures against real Postgres and RabbitMQ, with floors.
+
+Runs `jobplane serve`, `relay` and `worker` as separate processes on a fresh
+database and vhost, drives them from this process through the SDK, and
+prints a table plus one JSON line per figure. Every figure is also given as a
+ratio to its floor (what Postgres or RabbitMQ alone does here), since the
+machines are shared and absolute numbers drift. Nothing here fails on a slow
+machine: these are measurements, not tests.
+
+    python -m bench.run [--jobs N] [--clients C] [--workers W] [--concurrency K]
+                        [--watchers N] [--seconds S] [--only NAME ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aio_pika
+import asyncpg
+
+from jobplane.client import AsyncClient
+from jobplane.store.engine import asyncpg_dsn, create_engine, migrate
+from jobplane.store.keys import KeyStore
+from tests.faults.cluster import free_port
+from tests.support import services
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass
+class Figure:
+    """One measured number, the configuration it ran under, and its floor."""
+
+    name: str
+    value: float
+    unit: str
+    config: dict[str, Any] = field(default_factory=dict)
+    floor: str | None = None
+    ratio: float | None = None
+
+    def line(self) -> str:
+        """The JSON line of the figure."""
+        return json.dumps(
+            {
+                "figure": self.name,
+                "value": round(float(self.value), 3),
+                "unit": self.unit,
+                "floor": self.floor,
+                "ratio_to_floor": None if self.ratio is None else round(self.ratio, 3),
+                "config": self.config,
+            },
+            sort_keys=True,
+        )
+
+
+def percentile(values: list[float], p: float) -> float:
+    """The p-th percentile (nearest rank) of ``values``."""
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    rank = max(0, min(len(ordered) - 1, round(p / 100 * len(ordered)) - 1))
+    return ordered[rank]
+
+
+class Bench:
+    """A fresh database, vhost and jobplane processes for one benchmark run."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.run = services.run_id()
+        self.database = f"jp_bench_{self.run}"
+        self.vhost = f"jp_bench_{self.run}"
+        self.database_url = services.pg_url(self.database)
+        self.amqp_url = ""
+        self.port = free_port()
+        self.address = f"127.0.0.1:{self.port}"
+        self.key = ""
+        self.workdir = Path(tempfile.mkdtemp(prefix="jobplane-bench-"))
+        self.procs: dict[str, asyncio.subprocess.Process] = {}
+        self.figures: list[Figure] = []
+
+    async def __aenter__(self) -> Bench:
+        await migrate(self.database_url)
+        self.amqp_url = await asyncio.to_thread(services.create_vhost, self.vhost)
+        engine = create_engine(self.database_url, pool_size=1)
+        try:
+            self.key, _ = await KeyStore(engine).create_key("bench")
+        finally:
+            await engine.dispose()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        for proc in self.procs.values():
+            if proc.returncode is None:
+                proc.kill()
+                await proc.wait()
+        await services.drop_database(self.database)
+        await asyncio.to_thread(services.delete_vhost, self.vhost)
+
+    @property
+    def env(self) -> dict[str, str]:
+        return {
+            **os.environ,
+            "JOBPLANE_DATABASE_URL": self.database_url,
+            "JOBPLANE_AMQP_URL": self.amqp_url,
+            "JOBPLANE_LISTEN": self.address,
+            "JOBPLANE_LOG_LEVEL": "warning",
+            "PYTHONPATH": str(ROOT),
+        }
+
+    async def start(self, name: str, *args: str) -> asyncio.subprocess.Process:
+        """Start `jobplane ARGS` as process ``name``."""
+        log = (self.workdir / f"{name}.log").open("ab")
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "jobplane",
+            *args,
+            env=self.env,
+            cwd=ROOT,
+            stdout=log,
+            stderr=log,
+        )
+        self.procs[name] = proc
+        return proc
+
+    async def stop(self, name: str) -> None:
+        """SIGTERM process ``name`` and wait for it."""
+        proc = self.procs.pop(name)
+        proc.terminate()
+        await proc.wait()
+
+    async def start_all(self) -> None:
+        """Server, relay and the workers; returns when the server answers."""
+        await self.start("server", "serve")
+        await self.start("relay", "relay")
+        for i in range(self.args.workers):
+            await self.start(
+                f"worker{i}",
+                "worker",
+                "--handlers",
+                "bench.handlers:registry",
+                "--concurrency",
+                str(self.args.concurrency),
+            )
+        async with AsyncClient(self.address, self.key) as client:
+            for _ in range(200):
+                try:
+                    await client.list(page_size=1)
+                    break
+                except Exception:
+                    await asyncio.sleep(0.05)
+        await asyncio.sleep(1.0)  # workers declare and consume
+
+    async def sql(self, query: str, *params: Any) -> list[asyncpg.Record]:
+        conn = await asyncpg.connect(asyncpg_dsn(self.database_url))
+        try:
+            return list(await conn.fetch(query, *params))
+        finally:
+            await conn.close()
+
+    async def wait_done(self, count: int, job_type: str, timeout: float = 600) -> None:
+        """Until ``count`` jobs of ``job_type`` have ended."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            rows = await self.sql(
+                "SELECT count(*) AS n FROM jobs WHERE type = $1 AND end_time IS NOT NULL",
+                job_type,
+            )
+            if rows[0]["n"] >= count:
+                return
+            await asyncio.sleep(0.1)
+        raise TimeoutError(f"{job_type}: not all {count} jobs ended")
+
+    def add(self, figure: Figure) -> None:
+        self.figures.append(figure)
+        print(figure.line(), flush=True)
+
+
+async def submit_closed_loop(
+    address: str, key: str, job_type: str, count: int, clients: int, payload: dict[str, Any]
+) -> float:
+    """Submit ``count`` jobs from ``clients`` concurrent callers; seconds taken."""
+    channels = [AsyncClient(address, key) for _ in range(max(1, clients // 16))]
+
+    async def caller(i: int) -> None:
+        client = channels[i % len(channels)]
+        for _ in range(count // clients + (1 if i < count % clients else 0)):
+            await client.submit(job_type, payload)
+
+    started = time.perf_counter()
+    await asyncio.gather(*(caller(i) for i in range(clients)))
+    elapsed = time.perf_counter() - started
+    for client in channels:
+        await client.close()
+    return elapsed
+
+
+async def fig_throughput(bench: Bench) -> float:
+    """Figure 1 (closed loop): jobs/s from the first create to the last end."""
+    n, clients = bench.args.jobs, bench.args.clients
+    await submit_closed_loop(bench.address, bench.key, "bench.noop", n, clients, {})
+    await bench.wait_done(n, "bench.noop")
+    rows = await bench.sql(
+        "SELECT extract(epoch FROM max(end_time) - min(create_time)) AS span, count(*) AS n "
+        "FROM jobs WHERE type = 'bench.noop'"
+    )
+    rate = float(rows[0]["n"]) / float(rows[0]["span"])
+    bench.add(
+        Figure(
+            "e2e_throughput_closed_loop",
+            rate,
+            "jobs/s",
+            {"jobs": n, "clients": clients, **_procs(bench)},
+        )
+    )
+    lag = await bench.sql(
+        "SELECT extract(epoch FROM o.published_at - o.create_time) * 1000 AS ms "
+        "FROM outbox o JOIN jobs j ON j.id = o.job_id WHERE j.type = 'bench.noop'"
+    )
+    bench.add(
+        Figure(
+            "relay_commit_to_confirm_p99",
+            percentile([float(r["ms"]) for r in lag], 99),
+            "ms",
+            {"jobs": n, **_procs(bench)},
+        )
+    )
+    return float(rate)
+
+
+async def fig_open_loop(bench: Bench, rate: float) -> None:
+    """Figures 1 (open loop) and 2: a fixed submit rate; submit → start latency."""
+    seconds = bench.args.seconds
+    total = int(rate * seconds)
+    job_type = "bench.noop"
+    async with AsyncClient(bench.address, bench.key) as client:
+        before = (await bench.sql("SELECT count(*) AS n FROM jobs WHERE type = $1", job_type))[0][
+            "n"
+        ]
+        marker = time.time()
+        tasks = []
+        started = time.perf_counter()
+        for i in range(total):
+            due = started + i / rate
+            delay = due - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.create_task(client.submit(job_type, {"open": True})))
+        await asyncio.gather(*tasks)
+    await bench.wait_done(before + total, job_type)
+    rows = await bench.sql(
+        """
+        SELECT extract(epoch FROM start_time - create_time) * 1000 AS start_ms,
+               end_time, create_time
+        FROM jobs WHERE type = $1 AND create_time >= to_timestamp($2)
+        """,
+        job_type,
+        marker,
+    )
+    start = [float(r["start_ms"]) for r in rows]
+    span = (max(r["end_time"] for r in rows) - min(r["create_time"] for r in rows)).total_seconds()
+    config = {"rate": round(rate, 1), "seconds": seconds, **_procs(bench)}
+    bench.add(Figure("e2e_throughput_open_loop", len(rows) / span, "jobs/s", config))
+    bench.add(Figure("submit_to_start_p50", percentile(start, 50), "ms", config))
+    bench.add(Figure("submit_to_start_p99", percentile(start, 99), "ms", config))
+
+
+async def fig_progress(bench: Bench) -> None:
+    """Figure 3: progress event → watcher latency, and progress events/s stored."""
+    jobs, steps = 20, 100
+    latencies: list[float] = []
+    async with AsyncClient(bench.address, bench.key) as client:
+        submitted = [
+            await client.submit("bench.progress", {"steps": steps, "interval_ms": 10})
+            for _ in range(jobs)
+        ]
+
+        async def watch(name: str) -> None:
+            async for event in client.watch(name):
+                stamp = event.data.get("t")
+                if isinstance(stamp, float | int):
+                    latencies.append((time.time() - stamp) * 1000)
+
+        await asyncio.gather(*(watch(j.name) for j in submitted))
+    rows = await bench.sql(
+        """
+        SELECT count(*) AS n, extract(epoch FROM max(event_time) - min(event_time)) AS span
+        FROM job_events e JOIN jobs j ON j.id = e.job_id
+        WHERE j.type = 'bench.progress' AND e.type = 'progress'
+        """
+    )
+    config = {"jobs": jobs, "steps": steps, "interval_ms": 10, **_procs(bench)}
+    bench.add(Figure("progress_to_watcher_p50", percentile(latencies, 50), "ms", config))
+    bench.add(Figure("progress_to_watcher_p99", percentile(latencies, 99), "ms", config))
+    bench.add(
+        Figure(
+            "progress_events_stored",
+            float(rows[0]["n"]) / float(rows[0]["span"]),
+            "events/s",
+            config,
+        )
+    )
+
+
+async def fig_relay(bench: Bench) -> None:
+    """Figure 5: confirmed publishes/s of one relay process over a backlog."""
+    n = bench.args.jobs
+    await bench.stop("relay")
+    await submit_closed_loop(bench.address, bench.key, "bench.relay", n, bench.args.clients, {})
+    started = time.perf_counter()
+    await bench.start("relay", "relay")
+    while True:
+        rows = await bench.sql("SELECT count(*) AS n FROM outbox WHERE published_at IS NULL")
+        if rows[0]["n"] == 0:
+            break
+        await asyncio.sleep(0.02)
+    elapsed = time.perf_counter() - started
+    bench.add(
+        Figure(
+            "relay_publishes",
+            n / elapsed,
+            "msgs/s",
+            {"backlog": n, "relays": 1},
+            floor="rabbitmq_confirmed_publish",
+        )
+    )
+    await bench.wait_done(n, "bench.relay")
+
+
+async def fig_watchers(bench: Bench) -> None:
+    """Figure 4: idle watch streams on one server process; RSS and delivery p99.
+
+    The jobs wait (relay stopped) while every stream opens and goes idle; then
+    the relay starts, each job emits one stamped event, and every stream must
+    deliver it.
+    """
+    count = bench.args.watchers
+    server = bench.procs["server"]
+    rss_empty = _rss_kib(server.pid)
+    await bench.stop("relay")
+    async with AsyncClient(bench.address, bench.key) as control:
+        jobs = [
+            await control.submit("bench.progress", {"steps": 1, "interval_ms": 10})
+            for _ in range(50)
+        ]
+    received: list[float] = []
+    opened = 0
+    all_open = asyncio.Event()
+    clients = [AsyncClient(bench.address, bench.key) for _ in range(max(1, count // 500))]
+
+    async def watch(i: int) -> None:
+        nonlocal opened
+        client = clients[i % len(clients)]
+        first = True
+        async for event in client.watch(jobs[i % len(jobs)].name):
+            if first:
+                first = False
+                opened += 1
+                if opened == count:
+                    all_open.set()
+            stamp = event.data.get("t")
+            if isinstance(stamp, float | int):
+                received.append((time.time() - stamp) * 1000)
+
+    tasks = [asyncio.create_task(watch(i)) for i in range(count)]
+    await asyncio.wait_for(all_open.wait(), timeout=300)
+    await asyncio.sleep(1.0)
+    rss_idle = _rss_kib(server.pid)
+    await bench.start("relay", "relay")
+    await asyncio.wait_for(asyncio.gather(*tasks), timeout=300)
+    for client in clients:
+        await client.close()
+    config = {
+        "watchers": count,
+        "jobs": len(jobs),
+        "server_rss_before_mib": round(rss_empty / 1024, 1),
+        **_procs(bench),
+    }
+    bench.add(Figure("watch_idle_server_rss", rss_idle / 1024, "MiB", config))
+    bench.add(Figure("watch_delivery_p50", percentile(received, 50), "ms", config))
+    bench.add(Figure("watch_delivery_p99", percentile(received, 99), "ms", config))
+    bench.add(Figure("watch_events_delivered", len(received), "events", config))
+
+
+async def floors(bench: Bench) -> dict[str, float]:
+    """Figure 6: Postgres and RabbitMQ alone, from Python, on this machine."""
+    result: dict[str, float] = {}
+    dsn = asyncpg_dsn(bench.database_url)
+    tenant = (await bench.sql("SELECT id FROM tenants LIMIT 1"))[0]["id"]
+    seconds = 5.0
+    conns = [await asyncpg.connect(dsn) for _ in range(8)]
+    count = 0
+
+    async def insert_loop(conn: asyncpg.Connection) -> None:
+        nonlocal count
+        deadline = time.perf_counter() + seconds
+        while time.perf_counter() < deadline:
+            job_id, dispatch = uuid.uuid4(), uuid.uuid4()
+            async with conn.transaction():
+                await conn.execute(
+                    "INSERT INTO jobs (id, tenant_id, type, queue, state, payload, max_attempts,"
+                    " request_id, request_hash, dispatch_id, last_seq) VALUES"
+                    " ($1, $2, 'floor.x', 'q', 'queued', '{}', 3, $3, '\\x00', $4, 1)",
+                    job_id,
+                    tenant,
+                    str(job_id),
+                    dispatch,
+                )
+                await conn.execute(
+                    "INSERT INTO job_events (job_id, seq, tenant_id, type, state, progress,"
+                    " attempt) VALUES ($1, 1, $2, 'queued', 'queued', 0, 0)",
+                    job_id,
+                    tenant,
+                )
+                await conn.execute(
+                    "INSERT INTO outbox (id, tenant_id, job_id, routing_key)"
+                    " VALUES ($1, $2, $3, 'x')",
+                    dispatch,
+                    tenant,
+                    job_id,
+                )
+            count += 1
+
+    await asyncio.gather(*(insert_loop(c) for c in conns))
+    for conn in conns:
+        await conn.close()
+    await bench.sql("DELETE FROM jobs WHERE type = 'floor.x'")
+    result["postgres_submit_tx"] = count / seconds
+    bench.add(Figure("floor_postgres_submit_tx", count / seconds, "tx/s", {"connections": 8}))
+
+    connection = await aio_pika.connect(bench.amqp_url)
+    async with connection:
+        channel = await connection.channel(publisher_confirms=True)
+        queue = await channel.declare_queue(
+            f"floor-{bench.run}", durable=True, arguments={"x-queue-type": "quorum"}
+        )
+        n = 5000
+        body = b'{"v":1}' * 20
+        started = time.perf_counter()
+        for start in range(0, n, 200):
+            await asyncio.gather(
+                *(
+                    channel.default_exchange.publish(
+                        aio_pika.Message(body, delivery_mode=aio_pika.DeliveryMode.PERSISTENT),
+                        routing_key=queue.name,
+                    )
+                    for _ in range(min(200, n - start))
+                )
+            )
+        rate = n / (time.perf_counter() - started)
+        result["rabbitmq_confirmed_publish"] = rate
+        bench.add(
+            Figure(
+                "floor_rabbitmq_confirmed_publish",
+                rate,
+                "msgs/s",
+                {"messages": n, "in_flight": 200, "queue": "quorum"},
+            )
+        )
+
+        consume_channel = await connection.channel()
+        await consume_channel.set_qos(prefetch_count=200)
+        consume_queue = await consume_channel.get_queue(queue.name)
+        done = asyncio.Event()
+        got = 0
+
+        async def on_message(message: aio_pika.abc.AbstractIncomingMessage) -> None:
+            nonlocal got
+            await message.ack()
+            got += 1
+            if got == n:
+                done.set()
+
+        started = time.perf_counter()
+        await consume_queue.consume(on_message)
+        await asyncio.wait_for(done.wait(), timeout=120)
+        rate = n / (time.perf_counter() - started)
+        result["rabbitmq_consume_ack"] = rate
+        bench.add(
+            Figure("floor_rabbitmq_consume_ack", rate, "msgs/s", {"messages": n, "prefetch": 200})
+        )
+        await consume_queue.delete(if_unused=False, if_empty=False)
+    return result
+
+
+def _procs(bench: Bench) -> dict[str, Any]:
+    return {
+        "servers": 1,
+        "relays": 1,
+        "workers": bench.args.workers,
+        "worker_concurrency": bench.args.concurrency,
+        "prefetch": bench.args.concurrency,
+        "relay_batch": 100,
+        "progress_window_ms": 20,
+    }
+
+
+def _rss_kib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return float(line.split()[1])
+    return float("nan")
+
+
+def table(figures: list[Figure]) -> str:
+    """The human-readable summary."""
+    rows = [("figure", "value", "unit", "x floor")]
+    for f in figures:
+        ratio = "" if f.ratio is None else f"{f.ratio:.2f} of {f.floor}"
+        rows.append((f.name, f"{f.value:,.1f}", f.unit, ratio))
+    width = [max(len(r[i]) for r in rows) for i in range(4)]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, width, strict=True)) for r in rows)
+
+
+async def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="bench", description=__doc__.splitlines()[0])
+    parser.add_argument("--jobs", type=int, default=5000)
+    parser.add_argument("--clients", type=int, default=64)
+    parser.add_argument("--workers", type=int, default=1)
+    parser.add_argument("--concurrency", type=int, default=64)
+    parser.add_argument("--seconds", type=float, default=10.0)
+    parser.add_argument("--watchers", type=int, default=10_000)
+    parser.add_argument(
+        "--only",
+        nargs="*",
+        default=[],
+        choices=["floors", "throughput", "open", "progress", "relay", "watchers"],
+    )
+    args = parser.parse_args(argv)
+    want: Callable[[str], bool] = lambda name: not args.only or name in args.only  # noqa: E731
+    async with Bench(args) as bench:
+        floor: dict[str, float] = {}
+        if want("floors"):
+            floor = await floors(bench)
+        await bench.start_all()
+        rate = 0.0
+        if want("throughput") or want("open"):
+            rate = await fig_throughput(bench)
+        if want("open"):
+            await fig_open_loop(bench, rate / 2)
+        if want("progress"):
+            await fig_progress(bench)
+        if want("relay"):
+            await fig_relay(bench)
+        if want("watchers"):
+            await fig_watchers(bench)
+        for figure in bench.figures:
+            if figure.name.startswith("e2e_throughput") and "postgres_submit_tx" in floor:
+                figure.floor, figure.ratio = (
+                    "postgres_submit_tx",
+                    figure.value / floor["postgres_submit_tx"],
+                )
+            if figure.name == "relay_publishes" and "rabbitmq_confirmed_publish" in floor:
+                figure.ratio = figure.value / floor["rabbitmq_confirmed_publish"]
+        print()
+        print(table(bench.figures))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(asyncio.run(main()))
