@@ -185,7 +185,7 @@ class Bench:
 
     def add(self, figure: Figure) -> None:
         self.figures.append(figure)
-        print(figure.line(), flush=True)
+        print(f"measured {figure.name}: {figure.value:,.1f} {figure.unit}", file=sys.stderr)
 
 
 async def submit_closed_loop(
@@ -564,6 +564,8 @@ async def main(argv: list[str] | None = None) -> int:
                 )
             if figure.name == "relay_publishes" and "rabbitmq_confirmed_publish" in floor:
                 figure.ratio = figure.value / floor["rabbitmq_confirmed_publish"]
+        for figure in bench.figures:
+            print(figure.line())
         print()
         print(table(bench.figures))
     return 0

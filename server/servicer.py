@@ -11,6 +11,7 @@ import asyncpg
 import grpc
 import structlog
 from sqlalchemy.exc import InterfaceError, OperationalError
+from sqlalchemy.exc import TimeoutError as PoolTimeout
 
 from jobplane.convert import dict_from_struct, event_to_pb, job_to_pb, state_from_pb
 from jobplane.errors import InternalError, JobplaneError, Unauthenticated, Unavailable
@@ -26,9 +27,11 @@ Resp = TypeVar("Resp")
 Context = grpc.aio.ServicerContext[Any, Any]
 
 
-# Lost database connections are UNAVAILABLE, not INTERNAL: the call may be
-# repeated (submit is idempotent by request_id; watch resumes by seq).
+# A lost database connection, or no pooled connection free in time, is
+# UNAVAILABLE, not INTERNAL: the call may be repeated (submit is idempotent by
+# request_id; watch resumes by seq).
 _DATABASE_DOWN = (
+    PoolTimeout,
     OperationalError,
     InterfaceError,
     OSError,
@@ -36,7 +39,7 @@ _DATABASE_DOWN = (
     asyncpg.PostgresConnectionError,
     asyncpg.AdminShutdownError,
 )
-_DB_UNAVAILABLE = Unavailable("the database is not reachable right now; retry")
+_DB_UNAVAILABLE = Unavailable("the database is busy or unreachable right now; retry")
 
 
 def _first_line(exc: BaseException) -> str:
