@@ -346,7 +346,10 @@ def bar_position(event: JobEvent) -> float | None:
 
 def describe(event: JobEvent) -> str:
     """The progress bar label of ``event`` (rich markup)."""
-    text = f"[bold]{event.state.value}[/bold] {escape(event.message or event.type.value)}"
+    detail = event.message or event.type.value
+    text = f"[bold]{event.state.value}[/bold]"
+    if detail != event.state.value:
+        text += f" {escape(detail)}"
     if event.attempt > 1:
         text += f" [dim](attempt {event.attempt})[/dim]"
     return text
