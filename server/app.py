@@ -42,7 +42,7 @@ class JobplaneServer:
         listen: str = "127.0.0.1:50051",
         max_payload_bytes: int = 256 * 1024,
         faults: FaultPoints = NO_FAULTS,
-        recheck_seconds: float = 5.0,
+        recheck_seconds: float = 10.0,
     ) -> None:
         self._listen = listen
         self.hub = Listener(database_url, EVENTS_CHANNEL)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
+import random
 import re
 import uuid
 from collections.abc import AsyncIterator
@@ -57,7 +58,7 @@ class JobService:
         topology: Topology,
         *,
         max_payload_bytes: int = 256 * 1024,
-        recheck_seconds: float = 5.0,
+        recheck_seconds: float = 10.0,
     ) -> None:
         self._store = store
         self._hub = hub
@@ -169,28 +170,25 @@ class JobService:
         job_id = parse_job_name(name)
         if after_seq < 0:
             raise InvalidArgument("after_seq must not be negative", field="after_seq")
-        await self._store.get(tenant, job_id)  # NOT_FOUND before anything is sent
         cursor = after_seq
+        # Subscribed before the first read: a commit after that read wakes us.
         with self._hub.subscribe(job_id) as wakeup:
             while True:
-                events = await self._store.events_after(tenant, job_id, cursor, EVENT_BATCH)
-                for event in events:
+                read = await self._store.read_stream(tenant, job_id, cursor, EVENT_BATCH)
+                for event in read.events:
                     yield event
                     cursor = event.seq
-                if events:
-                    if events[-1].terminal and len(events) < EVENT_BATCH:
-                        return
-                    if len(events) == EVENT_BATCH:
-                        continue
-                else:
-                    job = await self._store.get(tenant, job_id)
-                    if job.state.terminal and cursor >= job.last_seq:
-                        return
+                if read.ended:
+                    return
+                if len(read.events) == EVENT_BATCH:
+                    continue
                 if self._closing:
                     raise Unavailable(
                         f"the server is shutting down; resume with after_seq={cursor}"
                     )
-                await wakeup.wait(self._recheck_seconds)
+                # The re-read on a timer only covers lost notifications; jitter
+                # keeps thousands of idle watchers from reading in step.
+                await wakeup.wait(self._recheck_seconds * random.uniform(0.75, 1.25))
 
 
 def _check_id(value: str, field_name: str) -> None:

@@ -140,15 +140,32 @@ _INSERT_OUTBOX = text(
     """
 )
 
-_EVENTS_AFTER = text(
+# The next events of a job and, from the same snapshot, whether the job has
+# ended: one statement per watcher read. No row at all: no such job here.
+_READ_STREAM = text(
     """
-    SELECT job_id, seq, type, state, progress, message, data, attempt, event_time
-    FROM job_events
-    WHERE job_id = :id AND tenant_id = :tenant_id AND seq > :after_seq
-    ORDER BY seq
-    LIMIT :limit
+    SELECT j.state AS job_state, j.last_seq AS job_last_seq,
+           e.job_id, e.seq, e.type, e.state, e.progress, e.message, e.data, e.attempt,
+           e.event_time
+    FROM jobs j
+    LEFT JOIN LATERAL (
+        SELECT * FROM job_events
+        WHERE job_id = j.id AND seq > :after_seq
+        ORDER BY seq
+        LIMIT :limit
+    ) e ON true
+    WHERE j.id = :id AND j.tenant_id = :tenant_id
+    ORDER BY e.seq
     """
 )
+
+
+@dataclass(frozen=True, slots=True)
+class StreamRead:
+    """A watcher's read: the next events, and whether nothing will follow them."""
+
+    events: list[JobEvent]
+    ended: bool
 
 
 class JobStore:
@@ -292,15 +309,16 @@ class JobStore:
             )
             return job_from_row(row)
 
-    async def events_after(
+    async def read_stream(
         self, tenant_id: uuid.UUID, job_id: uuid.UUID, after_seq: int, limit: int = 500
-    ) -> list[JobEvent]:
-        """Stored events with seq > ``after_seq``, in order, at most ``limit``."""
+    ) -> StreamRead:
+        """Events with seq > ``after_seq`` (at most ``limit``), and whether the job
+        has ended with them; :class:`JobNotFound` when there is no such job."""
         async with self._engine.connect() as conn:
             rows = (
                 (
                     await conn.execute(
-                        _EVENTS_AFTER,
+                        _READ_STREAM,
                         {
                             "id": job_id,
                             "tenant_id": tenant_id,
@@ -312,7 +330,12 @@ class JobStore:
                 .mappings()
                 .all()
             )
-        return [event_from_row(r) for r in rows]
+        if not rows:
+            raise JobNotFound(f"jobs/{job_id} not found")
+        events = [event_from_row(r) for r in rows if r["seq"] is not None]
+        last_sent = events[-1].seq if events else after_seq
+        ended = JobState(rows[0]["job_state"]).terminal and last_sent >= rows[0]["job_last_seq"]
+        return StreamRead(events=events, ended=ended)
 
     async def _lock(self, conn: AsyncConnection, tenant_id: uuid.UUID, job_id: uuid.UUID) -> Job:
         row = (
