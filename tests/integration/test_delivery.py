@@ -205,19 +205,7 @@ async def test_sdk_watch_survives_a_server_restart(
 
 
 async def _publish_copy(stack: Stack, job_id: uuid.UUID) -> None:
-    row = await stack.scalar(
-        "SELECT row_to_json(o)::text FROM outbox o WHERE job_id = :id ORDER BY create_time LIMIT 1",
-        id=job_id,
-    )
-    import json
-
-    data = json.loads(row)
-    envelope = Envelope(
-        event_id=uuid.UUID(data["id"]),
-        job_id=uuid.UUID(data["job_id"]),
-        tenant_id=uuid.UUID(data["tenant_id"]),
-        job_type=data["routing_key"],
-    )
+    envelope = await stack.envelope(str(job_id))
     connection = await aio_pika.connect(stack.amqp_url)
     async with connection:
         channel = await connection.channel()

@@ -114,7 +114,7 @@ async def test_sweeper_requeues_an_expired_lease_and_fails_when_none_left(
         # A worker claims both, then dies: its messages are gone, its leases run out.
         attempts = AttemptStore(engine, lease_seconds=0.2)
         for job in (again, doomed):
-            claim = await attempts.claim(await _envelope(stack, job.id))
+            claim = await attempts.claim(await stack.envelope(job.id))
             assert claim.status is ClaimStatus.CLAIMED
         await stack.scalar("UPDATE outbox SET published_at = now() RETURNING 1")
         await asyncio.sleep(0.4)
@@ -151,9 +151,7 @@ async def test_redelivery_of_a_dead_workers_message_waits_out_the_lease(
         job = await client.submit("demo.echo", {"x": 1})
         # Claimed by a worker that then died; its message is redelivered.
         attempts = AttemptStore(engine, lease_seconds=1.0)
-        assert (await attempts.claim(await _envelope(stack, job.id))).status is (
-            ClaimStatus.CLAIMED
-        )
+        assert (await attempts.claim(await stack.envelope(job.id))).status is (ClaimStatus.CLAIMED)
         await stack.start_relay()
         await stack.start_worker(lease_seconds=1.0)
         done = await asyncio.wait_for(client.wait(job.name), timeout=20)
@@ -178,7 +176,7 @@ async def test_failed_queue_list_replay_purge(
             failed = FailedQueue(amqp_url, stack.topology)
             await failed.list()  # declares the topology
             dlx = await channel.get_exchange(stack.topology.dead_letter_exchange)
-            for envelope in (await _envelope(stack, job.id), stray):
+            for envelope in (await stack.envelope(job.id), stray):
                 await dlx.publish(
                     aio_pika.Message(envelope.encode(), message_id=str(envelope.event_id)), ""
                 )
@@ -235,12 +233,6 @@ async def test_delivery_limit_dead_letters_a_crash_looping_message(
         assert deliveries == 3
 
 
-async def _envelope(stack: Stack, job_id: str) -> Envelope:
-    dispatch = await stack.scalar("SELECT dispatch_id FROM jobs WHERE id = :id", id=job_id)
-    job_type = await stack.scalar("SELECT type FROM jobs WHERE id = :id", id=job_id)
-    return Envelope(uuid.UUID(str(dispatch)), uuid.UUID(job_id), stack.tenant_id, job_type)
-
-
 async def _state_is(stack: Stack, name: str, state: JobState) -> bool:
     return (await stack.client().get(name)).state is state
 
@@ -285,7 +277,7 @@ async def test_a_fenced_out_attempt_cannot_write(
     try:
         client = stack.client()
         job = await client.submit("demo.echo", {})
-        envelope = await _envelope(stack, job.id)
+        envelope = await stack.envelope(job.id)
         attempts = AttemptStore(engine, lease_seconds=0.1)
         stale = (await attempts.claim(envelope)).attempt
         assert stale is not None

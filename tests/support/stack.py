@@ -13,6 +13,7 @@ from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from jobplane.client import AsyncClient
+from jobplane.envelope import Envelope
 from jobplane.faults import NO_FAULTS, FaultPoints
 from jobplane.server import JobplaneServer
 from jobplane.topology import Topology
@@ -81,6 +82,12 @@ class Stack:
         """One value from the test database."""
         async with self.engine.connect() as conn:
             return (await conn.execute(text(sql), params)).scalar()
+
+    async def envelope(self, job_id: str) -> Envelope:
+        """The dispatch message the job's current outbox row stands for."""
+        dispatch = await self.scalar("SELECT dispatch_id FROM jobs WHERE id = :id", id=job_id)
+        job_type = await self.scalar("SELECT type FROM jobs WHERE id = :id", id=job_id)
+        return Envelope(uuid.UUID(str(dispatch)), uuid.UUID(job_id), self.tenant_id, job_type)
 
     async def counts(self) -> dict[str, int]:
         """Rows in jobs, job_events and outbox."""

@@ -66,7 +66,7 @@ class Listener:
         """Stop listening and wake every subscriber."""
         await cancel_and_wait(self._task)
         self._task = None
-        self._wake_all()
+        self.wake_all()
 
     @contextlib.contextmanager
     def subscribe(self, key: uuid.UUID | str | None = None) -> Iterator[Subscription]:
@@ -103,9 +103,6 @@ class Listener:
 
     def wake_all(self) -> None:
         """Wake every subscriber (they re-read, and see whatever changed)."""
-        self._wake_all()
-
-    def _wake_all(self) -> None:
         for subs in self._subs.values():
             for sub in subs:
                 sub.wake()
@@ -121,7 +118,7 @@ class Listener:
                 log.info("listen.connected", channel=self._channel)
                 self._connected.set()
                 # Anything committed while we were not listening: read again.
-                self._wake_all()
+                self.wake_all()
                 while not lost.is_set():
                     with contextlib.suppress(TimeoutError):
                         await asyncio.wait_for(lost.wait(), timeout=5)
@@ -137,5 +134,5 @@ class Listener:
                 if conn is not None and not conn.is_closed():
                     with contextlib.suppress(Exception):
                         await asyncio.wait_for(conn.close(), timeout=2)
-            self._wake_all()
+            self.wake_all()
             await asyncio.sleep(self._reconnect_delay)
