@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import json
 import os
 import sys
@@ -356,23 +357,31 @@ async def fig_watchers(bench: Bench) -> None:
             for _ in range(50)
         ]
     received: list[float] = []
+    failures: collections.Counter[str] = collections.Counter()
     opened = 0
     all_open = asyncio.Event()
-    clients = [AsyncClient(bench.address, bench.key) for _ in range(max(1, count // 500))]
+    clients = [
+        AsyncClient(bench.address, bench.key)
+        for _ in range(max(1, count // bench.args.streams_per_channel))
+    ]
 
     async def watch(i: int) -> None:
         nonlocal opened
         client = clients[i % len(clients)]
         first = True
-        async for event in client.watch(jobs[i % len(jobs)].name):
-            if first:
-                first = False
-                opened += 1
-                if opened == count:
-                    all_open.set()
-            stamp = event.data.get("t")
-            if isinstance(stamp, float | int):
-                received.append((time.time() - stamp) * 1000)
+        try:
+            async for event in client.watch(jobs[i % len(jobs)].name):
+                if first:
+                    first = False
+                    opened += 1
+                    if opened == count:
+                        all_open.set()
+                stamp = event.data.get("t")
+                if isinstance(stamp, float | int):
+                    received.append((time.time() - stamp) * 1000)
+        except Exception as exc:
+            failures[f"{type(exc).__name__}: {str(exc)[:120]} (opened: {not first})"] += 1
+            raise
 
     tasks = [asyncio.create_task(watch(i)) for i in range(count)]
     config = {
@@ -386,6 +395,8 @@ async def fig_watchers(bench: Bench) -> None:
     except TimeoutError:
         # Report how far it got instead of nothing: that is the finding.
         bench.add(Figure("watch_streams_open_at_timeout", opened, "streams", config))
+        for reason, times in failures.most_common(5):
+            print(f"watch failed {times}x: {reason}", file=sys.stderr)
         bench.add(Figure("watch_server_rss_at_timeout", _rss_kib(server.pid) / 1024, "MiB", config))
         for task in tasks:
             task.cancel()
@@ -543,6 +554,9 @@ async def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--seconds", type=float, default=10.0)
     parser.add_argument("--watchers", type=int, default=10_000)
+    parser.add_argument(
+        "--streams-per-channel", type=int, default=100, help="watch streams per gRPC channel"
+    )
     parser.add_argument(
         "--open-timeout", type=float, default=300.0, help="seconds for all watchers to open"
     )

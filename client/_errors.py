@@ -108,6 +108,18 @@ def is_transient(error: grpc.aio.AioRpcError) -> bool:
     return bool(_TRANSPORT_DETAILS.search(error.details() or ""))
 
 
+def is_retryable(error: grpc.aio.AioRpcError) -> bool:
+    """True when a call that is safe to repeat should be repeated after ``error``.
+
+    That is a lost connection (:func:`is_transient`) or a CANCELLED the caller
+    did not ask for: cancelling the caller's task raises
+    :class:`asyncio.CancelledError`, so a CANCELLED *status* comes from the
+    other side — gRPC servers shed calls with it when more arrive at once than
+    the application has picked up.
+    """
+    return is_transient(error) or error.code() == grpc.StatusCode.CANCELLED
+
+
 def _has_error_info(error: grpc.aio.AioRpcError) -> bool:
     status = rich_status(error)
     return status is not None and any(

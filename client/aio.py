@@ -13,7 +13,7 @@ from typing import Any, Self, TypeVar
 
 import grpc
 
-from jobplane.client._errors import error_from_rpc, is_transient
+from jobplane.client._errors import error_from_rpc, is_retryable
 from jobplane.client._retry import Backoff, EventCursor, RetryPolicy
 from jobplane.convert import event_from_pb, job_from_pb, state_to_pb, struct_from_dict
 from jobplane.errors import Unavailable
@@ -148,17 +148,16 @@ class AsyncClient:
         *,
         repeatable: bool = False,
     ) -> Resp:
-        """One unary call; a ``repeatable`` one is retried while UNAVAILABLE."""
+        """One unary call; a ``repeatable`` one is retried while it is refused.
+
+        Refused means UNAVAILABLE, a lost connection or a call the server shed
+        (:func:`is_retryable`).
+        """
         for delay in (*_UNARY_RETRY_DELAYS, None):
             try:
                 return await method(request, timeout=self._timeout, metadata=self._metadata)
             except grpc.aio.AioRpcError as exc:
-                if (
-                    not repeatable
-                    or delay is None
-                    or self._closed
-                    or exc.code() != grpc.StatusCode.UNAVAILABLE
-                ):
+                if not repeatable or delay is None or self._closed or not is_retryable(exc):
                     raise error_from_rpc(exc) from exc
             await asyncio.sleep(delay)
         raise AssertionError("unreachable: the last attempt returns or raises")
@@ -298,7 +297,7 @@ class AsyncClient:
                         backoff.reset()
                         yield event
             except grpc.aio.AioRpcError as exc:
-                if self._closed or not is_transient(exc):
+                if self._closed or not is_retryable(exc):
                     raise error_from_rpc(exc) from exc
                 failure = exc
             else:

@@ -23,6 +23,10 @@ from jobplane.v1 import jobs_pb2, jobs_pb2_grpc
 
 log = structlog.get_logger("jobplane.server")
 
+# Calls received but not yet picked up by the event loop, before gRPC sheds
+# new ones with CANCELLED (which the SDK retries).
+MAX_PENDING_CALLS = 20_000
+
 SERVICE_NAME = jobs_pb2.DESCRIPTOR.services_by_name["JobService"].full_name
 
 
@@ -74,6 +78,11 @@ class JobplaneServer:
                 ("grpc.max_receive_message_length", 8 * 1024 * 1024),
                 ("grpc.keepalive_time_ms", 30_000),
                 ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+                # gRPC core cancels calls that arrive faster than the process
+                # picks them up once 1,000 wait (3,000 at once); thousands of
+                # watchers reconnecting after a restart arrive together.
+                ("grpc.server.max_pending_requests", MAX_PENDING_CALLS),
+                ("grpc.server.max_pending_requests_hard_limit", 2 * MAX_PENDING_CALLS),
             ]
         )
         jobs_pb2_grpc.add_JobServiceServicer_to_server(

@@ -30,7 +30,7 @@ from jobplane.client import (
     WatchSequenceError,
     cli,
 )
-from jobplane.client._errors import error_from_rpc, is_transient
+from jobplane.client._errors import error_from_rpc, is_retryable, is_transient
 from jobplane.client._retry import Backoff, EventCursor
 from jobplane.convert import event_to_pb
 from jobplane.errors import ERROR_DOMAIN, InvalidArgument
@@ -682,3 +682,19 @@ def test_bar_position_only_moves_on_progress() -> None:
     assert cli.bar_position(event(4, EventType.SUCCEEDED, progress=0.0)) == 1.0
     assert "[bold]" in cli.describe(event(1, message="[not markup]"))
     assert "\\[not markup]" in cli.describe(event(1, message="[not markup]"))
+
+
+@pytest.mark.parametrize(
+    ("code", "details", "retryable"),
+    [
+        (grpc.StatusCode.UNAVAILABLE, "failed to connect", True),
+        (grpc.StatusCode.UNKNOWN, "Connection reset by peer", True),
+        # A CANCELLED status the caller did not cause: the server shed the call.
+        (grpc.StatusCode.CANCELLED, "CANCELLED", True),
+        (grpc.StatusCode.NOT_FOUND, "connection", False),
+        (grpc.StatusCode.INTERNAL, "boom", False),
+        (grpc.StatusCode.INVALID_ARGUMENT, "bad", False),
+    ],
+)
+def test_retryable_errors(code: grpc.StatusCode, details: str, retryable: bool) -> None:
+    assert is_retryable(rpc_error(code, details)) is retryable
