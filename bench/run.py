@@ -211,8 +211,10 @@ async def submit_closed_loop(
 async def fig_throughput(bench: Bench) -> float:
     """Figure 1 (closed loop): jobs/s from the first create to the last end."""
     n, clients = bench.args.jobs, bench.args.clients
+    cpu_before = cpu_seconds(bench)
     await submit_closed_loop(bench.address, bench.key, "bench.noop", n, clients, {})
     await bench.wait_done(n, "bench.noop")
+    cpu_after = cpu_seconds(bench)
     rows = await bench.sql(
         "SELECT extract(epoch FROM max(end_time) - min(create_time)) AS span, count(*) AS n "
         "FROM jobs WHERE type = 'bench.noop'"
@@ -226,6 +228,10 @@ async def fig_throughput(bench: Bench) -> float:
             {"jobs": n, "clients": clients, **_procs(bench)},
         )
     )
+    # Where the CPU went: milliseconds of CPU per job, by component.
+    for component in sorted(cpu_after):
+        used = cpu_after[component] - cpu_before.get(component, 0.0)
+        bench.add(Figure(f"cpu_per_job_{component.replace(' ', '_')}", used * 1000 / n, "ms", {}))
     lag = await bench.sql(
         "SELECT extract(epoch FROM o.published_at - o.create_time) * 1000 AS ms "
         "FROM outbox o JOIN jobs j ON j.id = o.job_id WHERE j.type = 'bench.noop'"
@@ -406,8 +412,14 @@ async def fig_watchers(bench: Bench) -> None:
         return
     await asyncio.sleep(1.0)
     rss_idle = _rss_kib(server.pid)
+    cpu_before = cpu_seconds(bench)
     await bench.start("relay", "relay")
     await asyncio.wait_for(asyncio.gather(*tasks), timeout=300)
+    cpu_after = cpu_seconds(bench)
+    # Who was busy while the events went out (the relay's start-up included).
+    for component in ("server", "bench client", "worker", "postgres"):
+        used = cpu_after.get(component, 0.0) - cpu_before.get(component, 0.0)
+        bench.add(Figure(f"watch_delivery_cpu_{component.replace(' ', '_')}", used, "s", config))
     for client in clients:
         await client.close()
     bench.add(Figure("watch_idle_server_rss", rss_idle / 1024, "MiB", config))
@@ -527,6 +539,36 @@ def _procs(bench: Bench) -> dict[str, Any]:
         "relay_batch": 100,
         "progress_window_ms": 20,
     }
+
+
+def cpu_seconds(bench: Bench) -> dict[str, float]:
+    """CPU seconds used so far, by component: our processes, Postgres, RabbitMQ.
+
+    Postgres backends that exit take their time with them; the benchmark keeps
+    its connections open while measuring, so that loss is small.
+    """
+    ours = {proc.pid: name.rstrip("0123456789") for name, proc in bench.procs.items()}
+    ours[os.getpid()] = "bench client"
+    tick = os.sysconf("SC_CLK_TCK")
+    totals: dict[str, float] = collections.defaultdict(float)
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        comm = stat[stat.index("(") + 1 : stat.rindex(")")]
+        fields = stat[stat.rindex(")") + 2 :].split()
+        used = (int(fields[11]) + int(fields[12])) / tick
+        pid = int(entry.name)
+        if pid in ours:
+            totals[ours[pid]] += used
+        elif comm == "postgres":
+            totals["postgres"] += used
+        elif comm in ("beam.smp", "erl_child_setup", "epmd"):
+            totals["rabbitmq"] += used
+    return dict(totals)
 
 
 def _rss_kib(pid: int) -> float:

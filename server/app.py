@@ -46,7 +46,7 @@ class JobplaneServer:
         listen: str = "127.0.0.1:50051",
         max_payload_bytes: int = 256 * 1024,
         faults: FaultPoints = NO_FAULTS,
-        recheck_seconds: float = 10.0,
+        recheck_seconds: float = 30.0,
     ) -> None:
         self._listen = listen
         self.hub = Listener(database_url, EVENTS_CHANNEL)
@@ -114,6 +114,7 @@ class JobplaneServer:
         if self._server is not None:
             await self._server.stop(grace)
             self._server = None
+        await self.service.feeds.stop()
         await self.hub.stop()
         log.info("server.stopped")
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
-import random
 import re
 import uuid
 from collections.abc import AsyncIterator
@@ -16,8 +15,9 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-from jobplane.errors import InvalidArgument, PayloadTooLarge, Unavailable, UnroutableJobType
+from jobplane.errors import InvalidArgument, PayloadTooLarge, UnroutableJobType
 from jobplane.names import parse_job_name, validate_job_type
+from jobplane.server.feeds import FeedHub
 from jobplane.store.jobs import JobStore, ListCursor, NewJob
 from jobplane.store.listen import Listener
 from jobplane.store.rows import dumps
@@ -31,7 +31,6 @@ MAX_ID_LENGTH = 256
 MAX_LABELS = 64
 _LABEL_KEY = re.compile(r"^[a-z0-9]([a-z0-9._/-]{0,61}[a-z0-9])?$")
 MAX_LABEL_VALUE = 256
-EVENT_BATCH = 500
 MAX_TIMEOUT_SECONDS = 7 * 24 * 3600.0
 
 
@@ -58,23 +57,20 @@ class JobService:
         topology: Topology,
         *,
         max_payload_bytes: int = 256 * 1024,
-        recheck_seconds: float = 10.0,
+        recheck_seconds: float = 30.0,
     ) -> None:
         self._store = store
-        self._hub = hub
         self._topology = topology
         self._max_payload_bytes = max_payload_bytes
-        self._recheck_seconds = recheck_seconds
-        self._closing = False
+        self.feeds = FeedHub(store.read_stream, hub, recheck_seconds=recheck_seconds)
 
     def open(self) -> None:
         """Accept watch streams (again)."""
-        self._closing = False
+        self.feeds.open()
 
     def close_streams(self) -> None:
         """End every watch stream with UNAVAILABLE, so clients resume elsewhere."""
-        self._closing = True
-        self._hub.wake_all()
+        self.feeds.close()
 
     async def submit(self, tenant: uuid.UUID, request: SubmitRequest) -> Job:
         """Validate whole, then write job + first event + outbox row at once."""
@@ -170,25 +166,8 @@ class JobService:
         job_id = parse_job_name(name)
         if after_seq < 0:
             raise InvalidArgument("after_seq must not be negative", field="after_seq")
-        cursor = after_seq
-        # Subscribed before the first read: a commit after that read wakes us.
-        with self._hub.subscribe(job_id) as wakeup:
-            while True:
-                read = await self._store.read_stream(tenant, job_id, cursor, EVENT_BATCH)
-                for event in read.events:
-                    yield event
-                    cursor = event.seq
-                if read.ended:
-                    return
-                if len(read.events) == EVENT_BATCH:
-                    continue
-                if self._closing:
-                    raise Unavailable(
-                        f"the server is shutting down; resume with after_seq={cursor}"
-                    )
-                # The re-read on a timer only covers lost notifications; jitter
-                # keeps thousands of idle watchers from reading in step.
-                await wakeup.wait(self._recheck_seconds * random.uniform(0.75, 1.25))
+        async for event in self.feeds.watch(tenant, job_id, after_seq):
+            yield event
 
 
 def _check_id(value: str, field_name: str) -> None:

@@ -166,6 +166,7 @@ class StreamRead:
 
     events: list[JobEvent]
     ended: bool
+    last_seq: int = 0  # the job's last seq when read
 
 
 class JobStore:
@@ -334,8 +335,9 @@ class JobStore:
             raise JobNotFound(f"jobs/{job_id} not found")
         events = [event_from_row(r) for r in rows if r["seq"] is not None]
         last_sent = events[-1].seq if events else after_seq
-        ended = JobState(rows[0]["job_state"]).terminal and last_sent >= rows[0]["job_last_seq"]
-        return StreamRead(events=events, ended=ended)
+        last_seq = int(rows[0]["job_last_seq"])
+        ended = JobState(rows[0]["job_state"]).terminal and last_sent >= last_seq
+        return StreamRead(events=events, ended=ended, last_seq=last_seq)
 
     async def _lock(self, conn: AsyncConnection, tenant_id: uuid.UUID, job_id: uuid.UUID) -> Job:
         row = (

@@ -1,0 +1,271 @@
+"""The per-job feed that fans one reader out to every watcher of a job.
+
+A fake event log stands in for the table (these are unit tests); the listener
+is the real class, never started, notified by hand.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator
+from datetime import UTC, datetime
+
+import pytest
+
+from jobplane.errors import JobNotFound, Unavailable
+from jobplane.names import job_name
+from jobplane.server.feeds import FeedHub
+from jobplane.store.jobs import StreamRead
+from jobplane.store.listen import Listener
+from jobplane.types import EventType, JobEvent, JobState
+
+TENANT = uuid.uuid4()
+
+
+class Log:
+    """Jobs' events in memory, read the way JobStore.read_stream reads them."""
+
+    def __init__(self) -> None:
+        self.events: dict[uuid.UUID, list[JobEvent]] = {}
+        self.reads = 0
+        self.fail: Exception | None = None
+
+    def add(self, job_id: uuid.UUID, event_type: EventType = EventType.PROGRESS) -> None:
+        events = self.events.setdefault(job_id, [])
+        state = {
+            EventType.SUCCEEDED: JobState.SUCCEEDED,
+            EventType.QUEUED: JobState.QUEUED,
+        }.get(event_type, JobState.RUNNING)
+        events.append(
+            JobEvent(
+                name=job_name(job_id),
+                seq=len(events) + 1,
+                type=event_type,
+                state=state,
+                progress=0.0,
+                message="",
+                event_time=datetime.now(UTC),
+            )
+        )
+
+    async def read(
+        self, tenant: uuid.UUID, job_id: uuid.UUID, after_seq: int, limit: int
+    ) -> StreamRead:
+        self.reads += 1
+        await asyncio.sleep(0)  # a real read yields to the loop
+        if self.fail is not None:
+            raise self.fail
+        if tenant != TENANT or job_id not in self.events:
+            raise JobNotFound(f"jobs/{job_id} not found")
+        events = self.events[job_id]
+        batch = [e for e in events if e.seq > after_seq][:limit]
+        last_sent = batch[-1].seq if batch else after_seq
+        ended = bool(events) and events[-1].terminal and last_sent >= len(events)
+        return StreamRead(events=batch, ended=ended, last_seq=len(events))
+
+
+def notify(listener: Listener, job_id: uuid.UUID) -> None:
+    listener._on_notify(None, 0, "jobplane_events", str(job_id))
+
+
+async def settle() -> None:
+    for _ in range(20):
+        await asyncio.sleep(0)
+
+
+async def collect(stream: AsyncIterator[JobEvent], into: list[int]) -> None:
+    async for event in stream:
+        into.append(event.seq)
+
+
+@pytest.fixture
+def log() -> Log:
+    return Log()
+
+
+@pytest.fixture
+def listener() -> Listener:
+    return Listener("postgresql://unused", "jobplane_events")
+
+
+async def test_one_read_per_wakeup_for_all_watchers_of_a_job(log: Log, listener: Listener) -> None:
+    hub = FeedHub(log.read, listener, recheck_seconds=60)
+    job = uuid.uuid4()
+    log.add(job, EventType.QUEUED)
+    seen: list[list[int]] = [[] for _ in range(50)]
+    tasks = [asyncio.create_task(collect(hub.watch(TENANT, job, 0), s)) for s in seen]
+    await settle()
+    assert log.reads == 1
+    assert hub.feed_count == 1
+    assert all(s == [1] for s in seen)
+
+    log.add(job)
+    log.add(job)
+    notify(listener, job)
+    await settle()
+    assert log.reads == 2
+    assert all(s == [1, 2, 3] for s in seen)
+
+    # Watchers arriving later are served from the feed's buffer, without a read.
+    late: list[list[int]] = [[] for _ in range(10)]
+    tasks += [asyncio.create_task(collect(hub.watch(TENANT, job, 0), s)) for s in late]
+    await settle()
+    assert log.reads == 2
+    seen += late
+
+    log.add(job, EventType.SUCCEEDED)
+    notify(listener, job)
+    await asyncio.wait_for(asyncio.gather(*tasks), 5)
+    assert all(s == [1, 2, 3, 4] for s in seen)
+    assert log.reads == 3
+    assert hub.feed_count == 0
+
+
+async def test_a_watcher_behind_the_buffer_reads_the_table_without_gaps(
+    log: Log, listener: Listener
+) -> None:
+    hub = FeedHub(log.read, listener, recheck_seconds=60, buffer=3)
+    job = uuid.uuid4()
+    for _ in range(10):
+        log.add(job)
+    ahead: list[int] = []
+    first = asyncio.create_task(collect(hub.watch(TENANT, job, 8), ahead))
+    await settle()
+    behind: list[int] = []
+    second = asyncio.create_task(collect(hub.watch(TENANT, job, 0), behind))
+    await settle()
+    for _ in range(5):
+        log.add(job)
+    notify(listener, job)
+    await settle()
+    log.add(job, EventType.SUCCEEDED)
+    notify(listener, job)
+    await asyncio.wait_for(asyncio.gather(first, second), 5)
+    assert ahead == list(range(9, 17))
+    assert behind == list(range(1, 17))
+
+
+async def test_a_cursor_past_the_last_event_waits_for_it(log: Log, listener: Listener) -> None:
+    hub = FeedHub(log.read, listener, recheck_seconds=60)
+    job = uuid.uuid4()
+    log.add(job)
+    early: list[int] = []
+    late: list[int] = []
+    a = asyncio.create_task(collect(hub.watch(TENANT, job, 3), late))
+    await settle()
+    b = asyncio.create_task(collect(hub.watch(TENANT, job, 0), early))
+    await settle()
+    for _ in range(3):
+        log.add(job)
+    log.add(job, EventType.SUCCEEDED)
+    notify(listener, job)
+    await asyncio.wait_for(asyncio.gather(a, b), 5)
+    assert late == [4, 5]
+    assert early == [1, 2, 3, 4, 5]
+
+
+async def test_an_ended_job_ends_the_stream_at_once(log: Log, listener: Listener) -> None:
+    hub = FeedHub(log.read, listener, recheck_seconds=60)
+    job = uuid.uuid4()
+    log.add(job)
+    log.add(job, EventType.SUCCEEDED)
+    got: list[int] = []
+    await asyncio.wait_for(collect(hub.watch(TENANT, job, 0), got), 5)
+    assert got == [1, 2]
+    got.clear()
+    await asyncio.wait_for(collect(hub.watch(TENANT, job, 2), got), 5)
+    assert got == []
+    await settle()
+    assert hub.feed_count == 0
+
+
+async def test_unknown_job_and_other_tenants_get_not_found(log: Log, listener: Listener) -> None:
+    hub = FeedHub(log.read, listener, recheck_seconds=60)
+    job = uuid.uuid4()
+    log.add(job)
+    waiting = [asyncio.create_task(collect(hub.watch(uuid.uuid4(), job, 0), [])) for _ in range(3)]
+    results = await asyncio.gather(*waiting, return_exceptions=True)
+    assert all(isinstance(r, JobNotFound) for r in results)
+    assert hub.feed_count == 0
+
+
+async def test_a_failed_read_ends_every_watcher_and_the_next_one_starts_afresh(
+    log: Log, listener: Listener
+) -> None:
+    hub = FeedHub(log.read, listener, recheck_seconds=60)
+    job = uuid.uuid4()
+    log.add(job)
+    tasks = [asyncio.create_task(collect(hub.watch(TENANT, job, 0), [])) for _ in range(5)]
+    await settle()
+    log.fail = ConnectionResetError("database went away")
+    notify(listener, job)
+    results = await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 5)
+    assert all(isinstance(r, ConnectionResetError) for r in results)
+    assert hub.feed_count == 0
+
+    log.fail = None
+    log.add(job, EventType.SUCCEEDED)
+    got: list[int] = []
+    await asyncio.wait_for(collect(hub.watch(TENANT, job, 1), got), 5)
+    assert got == [2]
+
+
+async def test_the_last_watcher_leaving_stops_the_feed(log: Log, listener: Listener) -> None:
+    hub = FeedHub(log.read, listener, recheck_seconds=60)
+    job = uuid.uuid4()
+    log.add(job)
+    tasks = [asyncio.create_task(collect(hub.watch(TENANT, job, 0), [])) for _ in range(3)]
+    await settle()
+    assert hub.feed_count == 1
+    assert listener.subscriber_count == 1
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    await settle()
+    assert hub.feed_count == 0
+    assert listener.subscriber_count == 0
+
+
+async def test_a_new_watcher_right_after_the_last_left_gets_a_live_feed(
+    log: Log, listener: Listener
+) -> None:
+    hub = FeedHub(log.read, listener, recheck_seconds=60)
+    job = uuid.uuid4()
+    log.add(job)
+    first = asyncio.create_task(collect(hub.watch(TENANT, job, 0), []))
+    await settle()
+    first.cancel()
+    await asyncio.gather(first, return_exceptions=True)
+    got: list[int] = []
+    second = asyncio.create_task(collect(hub.watch(TENANT, job, 1), got))
+    await settle()
+    log.add(job, EventType.SUCCEEDED)
+    notify(listener, job)
+    await asyncio.wait_for(second, 5)
+    assert got == [2]
+
+
+async def test_close_ends_watchers_with_unavailable(log: Log, listener: Listener) -> None:
+    hub = FeedHub(log.read, listener, recheck_seconds=60)
+    job = uuid.uuid4()
+    log.add(job)
+    tasks = [asyncio.create_task(collect(hub.watch(TENANT, job, 0), [])) for _ in range(3)]
+    await settle()
+    hub.close()
+    results = await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 5)
+    assert all(isinstance(r, Unavailable) for r in results)
+    await hub.stop()
+    assert hub.feed_count == 0
+
+
+async def test_the_timer_rereads_when_a_notification_was_lost(log: Log, listener: Listener) -> None:
+    hub = FeedHub(log.read, listener, recheck_seconds=0.05)
+    job = uuid.uuid4()
+    log.add(job)
+    got: list[int] = []
+    task = asyncio.create_task(collect(hub.watch(TENANT, job, 0), got))
+    await settle()
+    log.add(job, EventType.SUCCEEDED)  # no notification
+    await asyncio.wait_for(task, 5)
+    assert got == [1, 2]
