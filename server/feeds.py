@@ -1,37 +1,40 @@
-"""One reader per watched job, fanned out to every watch stream of it.
+"""Watch streams fed by one batched reader per server process.
 
 Without this, each watch stream reads the job's events itself on every
-wake-up, so N watchers of one job cost N queries per event. A :class:`JobFeed`
-reads each job's new events once per wake-up into a bounded buffer that all of
-its watchers in this process take from; a watcher further behind than the
-buffer reaches reads the table itself until it has caught up.
+wake-up, so N watchers of a job cost N queries per event, and M jobs changing
+together cost M queries. Here each watched job has a :class:`JobFeed`: a
+bounded buffer of its newest events that all of its watchers in this process
+take from. Notifications mark feeds due; one reader task reads every due
+feed's new events in one statement (up to ``batch`` feeds at a time) and wakes
+their watchers. A watcher further behind than the buffer reaches reads the
+table itself until it has caught up.
 
-A feed's task is the only thing that waits for the job's notifications and
-re-reads on the slow timer. Feeds exist only while someone watches: the last
-watcher to leave stops the feed.
+A feed exists while someone watches its job and the job has not ended; a
+slow timer marks every feed due, for notifications lost while the LISTEN
+connection was down (the listener also marks all due when it reconnects).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import random
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import TypeAlias
 
 import structlog
 
-from jobplane.errors import JobplaneError, Unavailable
+from jobplane.errors import JobNotFound, Unavailable
 from jobplane.store.jobs import StreamRead
-from jobplane.store.listen import Listener, Subscription
+from jobplane.store.listen import Listener
 from jobplane.tasks import cancel_and_wait
 from jobplane.types import JobEvent
 
 log = structlog.get_logger("jobplane.server")
 
-Reader: TypeAlias = Callable[[uuid.UUID, uuid.UUID, int, int], Awaitable[StreamRead]]
-FeedKey: TypeAlias = tuple[uuid.UUID, uuid.UUID]
+ReadMany: TypeAlias = Callable[
+    [Sequence[tuple[uuid.UUID, uuid.UUID, int]], int], Awaitable[list[StreamRead | None]]
+]
 
 EVENT_BATCH = 500
 
@@ -43,8 +46,10 @@ class JobFeed:
     job is terminal and ``head`` is its last event: nothing will follow.
     """
 
-    def __init__(self, key: FeedKey, *, buffer: int) -> None:
-        self.key = key
+    def __init__(self, tenant: uuid.UUID, job_id: uuid.UUID, *, buffer: int) -> None:
+        self.tenant = tenant
+        self.job_id = job_id
+        self.key = str(job_id)
         self.events: list[JobEvent] = []
         self.base = 0
         self.ended = False
@@ -52,8 +57,10 @@ class JobFeed:
         self.watchers = 0
         self._buffer = buffer
         self._changed = asyncio.Event()
-        self.task: asyncio.Task[None] | None = None
-        self.wakeup: Subscription | None = None
+        # Done once the first read is in; a notification before then is
+        # remembered and read after it.
+        self.started: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.missed = False
 
     @property
     def head(self) -> int:
@@ -92,28 +99,35 @@ class JobFeed:
 
 
 class FeedHub:
-    """The process's feeds, keyed by (tenant, job)."""
+    """The process's feeds and the one reader that fills them."""
 
     def __init__(
         self,
-        read: Reader,
+        read_many: ReadMany,
         listener: Listener,
         *,
         recheck_seconds: float = 30.0,
         buffer: int = 1000,
+        batch: int = 500,
     ) -> None:
-        self._read = read
-        self._listener = listener
+        self._read_many = read_many
         self._recheck_seconds = recheck_seconds
         self._buffer = buffer
-        self._feeds: dict[FeedKey, JobFeed] = {}
-        self._starting: dict[FeedKey, asyncio.Future[JobFeed]] = {}
+        self._batch = batch
+        # job id (as in notifications) -> tenant -> feed; the tenant is part
+        # of every read, so a caller of another tenant never shares a feed.
+        self._feeds: dict[str, dict[uuid.UUID, JobFeed]] = {}
+        self._due: dict[int, JobFeed] = {}
+        self._wake = asyncio.Event()
+        self._tasks: list[asyncio.Task[None]] = []
         self._closing = False
+        listener.on_notify(self._on_notify)
+        listener.on_reset(self._mark_all)
 
     @property
     def feed_count(self) -> int:
-        """Feeds running now (jobs watched in this process)."""
-        return len(self._feeds)
+        """Feeds open now (jobs watched in this process)."""
+        return sum(len(by_tenant) for by_tenant in self._feeds.values())
 
     def open(self) -> None:
         """Accept watchers (again)."""
@@ -122,26 +136,28 @@ class FeedHub:
     def close(self) -> None:
         """End every watcher with UNAVAILABLE (they resume elsewhere)."""
         self._closing = True
-        for feed in list(self._feeds.values()):
-            feed.poke()
+        for by_tenant in list(self._feeds.values()):
+            for feed in list(by_tenant.values()):
+                feed.poke()
 
     async def stop(self) -> None:
-        """Stop every feed; their watchers end as after :meth:`close`."""
+        """Close, and stop the reader."""
         self.close()
-        for feed in list(self._feeds.values()):
-            await cancel_and_wait(feed.task)
+        tasks, self._tasks = self._tasks, []
+        for task in tasks:
+            await cancel_and_wait(task)
 
     async def watch(
         self, tenant: uuid.UUID, job_id: uuid.UUID, after_seq: int
     ) -> AsyncIterator[JobEvent]:
         """The job's events after ``after_seq``, then live ones, until it ends."""
         cursor = after_seq
-        feed = await self._join((tenant, job_id), after_seq)
+        feed = await self._join(tenant, job_id, after_seq)
         try:
             while True:
                 if cursor < feed.base:
                     # Further behind than the buffer reaches: read the table.
-                    read = await self._read(tenant, job_id, cursor, EVENT_BATCH)
+                    read = await self._read_one(tenant, job_id, cursor)
                     for event in read.events:
                         yield event
                         cursor = event.seq
@@ -168,89 +184,135 @@ class FeedHub:
         finally:
             self._leave(feed)
 
-    async def _join(self, key: FeedKey, after_seq: int) -> JobFeed:
+    async def _read_one(self, tenant: uuid.UUID, job_id: uuid.UUID, after_seq: int) -> StreamRead:
+        read = (await self._read_many([(tenant, job_id, after_seq)], EVENT_BATCH))[0]
+        if read is None:
+            raise JobNotFound(f"jobs/{job_id} not found")
+        return read
+
+    async def _join(self, tenant: uuid.UUID, job_id: uuid.UUID, after_seq: int) -> JobFeed:
+        key = str(job_id)
         while True:
-            feed = self._feeds.get(key)
-            if feed is None or feed.error is not None:
-                starting = self._starting.get(key)
-                if starting is None:
-                    feed = await self._start(key, after_seq)
-                else:
-                    # Another watcher is reading the job right now: share it.
-                    try:
-                        feed = await asyncio.shield(starting)
-                    except asyncio.CancelledError:
-                        current = asyncio.current_task()
-                        if starting.cancelled() and not (current and current.cancelling()):
-                            continue  # that watcher left before its read ended
-                        raise
-            task = feed.task
-            if task is not None and task.done() and feed.error is None and not feed.ended:
-                continue  # stopped for want of watchers just before we came
+            feed = self._feeds.get(key, {}).get(tenant)
+            if feed is None:
+                return await self._start(tenant, job_id, after_seq)
+            if not feed.started.done():
+                # Another watcher is reading the job right now: share its read.
+                try:
+                    await asyncio.shield(feed.started)
+                except asyncio.CancelledError:
+                    current = asyncio.current_task()
+                    if feed.started.cancelled() and not (current and current.cancelling()):
+                        continue  # that watcher left before its read ended
+                    raise
             feed.watchers += 1
             return feed
 
-    async def _start(self, key: FeedKey, after_seq: int) -> JobFeed:
-        starting = asyncio.get_running_loop().create_future()
-        self._starting[key] = starting
+    async def _start(self, tenant: uuid.UUID, job_id: uuid.UUID, after_seq: int) -> JobFeed:
+        if not self._tasks:
+            self._tasks = [
+                asyncio.create_task(self._read_loop(), name="watch-reader"),
+                asyncio.create_task(self._recheck_loop(), name="watch-recheck"),
+            ]
+        feed = JobFeed(tenant, job_id, buffer=self._buffer)
+        # Registered before the first read: a notification from then on is
+        # not lost (it is read right after).
+        self._feeds.setdefault(feed.key, {})[tenant] = feed
         try:
-            feed = JobFeed(key, buffer=self._buffer)
-            with contextlib.ExitStack() as stack:
-                # Subscribed before the first read: a commit after it wakes us.
-                feed.wakeup = stack.enter_context(self._listener.subscribe(key[1]))
-                first = await self._read(key[0], key[1], after_seq, EVENT_BATCH)
-                feed.start_at(first, after_seq)
-                feed.task = asyncio.create_task(
-                    self._follow(feed, stack.pop_all(), more=len(first.events) == EVENT_BATCH),
-                    name=f"feed-{key[1]}",
-                )
-            self._feeds[key] = feed
+            feed.start_at(await self._read_one(tenant, job_id, after_seq), after_seq)
         except BaseException as exc:
+            self._drop(feed)
             if isinstance(exc, asyncio.CancelledError):
-                starting.cancel()
+                feed.started.cancel()
             else:
-                starting.set_exception(exc)
-                starting.exception()  # retrieved: joiners re-raise it, if any
+                feed.started.set_exception(exc)
+                feed.started.exception()  # retrieved: joiners re-raise it, if any
             raise
-        else:
-            starting.set_result(feed)
-        finally:
-            del self._starting[key]
+        feed.started.set_result(None)
+        feed.watchers += 1
+        if feed.ended:
+            self._drop(feed)
+        elif feed.missed or len(feed.events) == EVENT_BATCH:
+            self._mark(feed)
         return feed
 
-    async def _follow(
-        self, feed: JobFeed, subscription: contextlib.ExitStack, *, more: bool
-    ) -> None:
-        """Read the job's new events on every wake-up until it ends or nobody watches."""
-        tenant, job_id = feed.key
+    def _on_notify(self, payload: str) -> None:
+        for feed in self._feeds.get(payload, {}).values():
+            if feed.started.done():
+                self._mark(feed)
+            else:
+                feed.missed = True
+
+    def _mark(self, feed: JobFeed) -> None:
+        self._due[id(feed)] = feed
+        self._wake.set()
+
+    def _mark_all(self) -> None:
+        for by_tenant in self._feeds.values():
+            for feed in by_tenant.values():
+                if feed.started.done():
+                    self._mark(feed)
+                else:
+                    feed.missed = True
+
+    async def _recheck_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self._recheck_seconds * random.uniform(0.75, 1.25))
+            self._mark_all()
+
+    async def _read_loop(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            while self._due:
+                due = list(self._due.values())[: self._batch]
+                for feed in due:
+                    del self._due[id(feed)]
+                due = [f for f in due if self._is_open(f)]
+                if due:
+                    await self._read_due(due)
+
+    async def _read_due(self, due: list[JobFeed]) -> None:
         try:
-            with subscription:
-                while not feed.ended:
-                    if not more:
-                        assert feed.wakeup is not None
-                        # The timer only covers notifications lost while the
-                        # LISTEN connection was down; jitter spreads re-reads.
-                        await feed.wakeup.wait(self._recheck_seconds * random.uniform(0.75, 1.25))
-                    if feed.watchers == 0:
-                        return
-                    read = await self._read(tenant, job_id, feed.head, EVENT_BATCH)
-                    feed.extend(read)
-                    feed.poke()
-                    more = not read.ended and len(read.events) == EVENT_BATCH
+            reads = await self._read_many([(f.tenant, f.job_id, f.head) for f in due], EVENT_BATCH)
         except asyncio.CancelledError:
             raise
         except Exception as exc:
-            # Every watcher ends with this; the servicer maps a lost database
-            # to UNAVAILABLE and clients resume.
-            if not isinstance(exc, JobplaneError):
-                log.warning("watch.feed_failed", job=str(job_id), error=repr(exc)[:200])
-            feed.error = exc
-        finally:
-            if self._feeds.get(feed.key) is feed:
-                del self._feeds[feed.key]
+            # Every watcher of these jobs ends with this; the servicer maps a
+            # lost database to UNAVAILABLE and clients resume.
+            log.warning("watch.read_failed", jobs=len(due), error=repr(exc)[:200])
+            for feed in due:
+                self._fail(feed, exc)
+            return
+        for feed, read in zip(due, reads, strict=True):
+            if read is None:
+                self._fail(feed, JobNotFound(f"jobs/{feed.job_id} not found"))
+                continue
+            feed.extend(read)
             feed.poke()
+            if feed.ended:
+                self._drop(feed)
+            elif len(read.events) == EVENT_BATCH:
+                self._mark(feed)  # more to read
+
+    def _is_open(self, feed: JobFeed) -> bool:
+        return self._feeds.get(feed.key, {}).get(feed.tenant) is feed
+
+    def _fail(self, feed: JobFeed, error: BaseException) -> None:
+        feed.error = error
+        self._drop(feed)
+        feed.poke()
+
+    def _drop(self, feed: JobFeed) -> None:
+        """No new watchers join ``feed``; its current ones finish with it."""
+        self._due.pop(id(feed), None)
+        by_tenant = self._feeds.get(feed.key)
+        if by_tenant is not None and by_tenant.get(feed.tenant) is feed:
+            del by_tenant[feed.tenant]
+            if not by_tenant:
+                del self._feeds[feed.key]
 
     def _leave(self, feed: JobFeed) -> None:
         feed.watchers -= 1
-        if feed.watchers == 0 and feed.wakeup is not None:
-            feed.wakeup.wake()  # the feed stops at once, not at its next read
+        if feed.watchers == 0:
+            self._drop(feed)

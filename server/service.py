@@ -62,7 +62,7 @@ class JobService:
         self._store = store
         self._topology = topology
         self._max_payload_bytes = max_payload_bytes
-        self.feeds = FeedHub(store.read_stream, hub, recheck_seconds=recheck_seconds)
+        self.feeds = FeedHub(store.read_streams, hub, recheck_seconds=recheck_seconds)
 
     def open(self) -> None:
         """Accept watch streams (again)."""

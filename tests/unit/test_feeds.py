@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from datetime import UTC, datetime
 
 import pytest
@@ -29,6 +29,7 @@ class Log:
     def __init__(self) -> None:
         self.events: dict[uuid.UUID, list[JobEvent]] = {}
         self.reads = 0
+        self.jobs_read = 0
         self.fail: Exception | None = None
 
     def add(self, job_id: uuid.UUID, event_type: EventType = EventType.PROGRESS) -> None:
@@ -50,14 +51,20 @@ class Log:
         )
 
     async def read(
-        self, tenant: uuid.UUID, job_id: uuid.UUID, after_seq: int, limit: int
-    ) -> StreamRead:
+        self, wanted: Sequence[tuple[uuid.UUID, uuid.UUID, int]], limit: int
+    ) -> list[StreamRead | None]:
         self.reads += 1
+        self.jobs_read += len(wanted)
         await asyncio.sleep(0)  # a real read yields to the loop
         if self.fail is not None:
             raise self.fail
+        return [self._one(tenant, job_id, after, limit) for tenant, job_id, after in wanted]
+
+    def _one(
+        self, tenant: uuid.UUID, job_id: uuid.UUID, after_seq: int, limit: int
+    ) -> StreamRead | None:
         if tenant != TENANT or job_id not in self.events:
-            raise JobNotFound(f"jobs/{job_id} not found")
+            return None
         events = self.events[job_id]
         batch = [e for e in events if e.seq > after_seq][:limit]
         last_sent = batch[-1].seq if batch else after_seq
@@ -218,13 +225,16 @@ async def test_the_last_watcher_leaving_stops_the_feed(log: Log, listener: Liste
     tasks = [asyncio.create_task(collect(hub.watch(TENANT, job, 0), [])) for _ in range(3)]
     await settle()
     assert hub.feed_count == 1
-    assert listener.subscriber_count == 1
     for task in tasks:
         task.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
     await settle()
     assert hub.feed_count == 0
-    assert listener.subscriber_count == 0
+    # A notification for a job nobody watches any more reads nothing.
+    reads = log.reads
+    notify(listener, job)
+    await settle()
+    assert log.reads == reads
 
 
 async def test_a_new_watcher_right_after_the_last_left_gets_a_live_feed(
@@ -267,5 +277,37 @@ async def test_the_timer_rereads_when_a_notification_was_lost(log: Log, listener
     task = asyncio.create_task(collect(hub.watch(TENANT, job, 0), got))
     await settle()
     log.add(job, EventType.SUCCEEDED)  # no notification
+    await asyncio.wait_for(task, 5)
+    assert got == [1, 2]
+
+
+async def test_jobs_changing_together_are_read_in_one_statement(
+    log: Log, listener: Listener
+) -> None:
+    hub = FeedHub(log.read, listener, recheck_seconds=60)
+    jobs = [uuid.uuid4() for _ in range(20)]
+    seen: dict[uuid.UUID, list[int]] = {job: [] for job in jobs}
+    for job in jobs:
+        log.add(job)
+    tasks = [asyncio.create_task(collect(hub.watch(TENANT, job, 0), seen[job])) for job in jobs]
+    await settle()
+    reads = log.reads
+    for job in jobs:
+        log.add(job, EventType.SUCCEEDED)
+        notify(listener, job)
+    await asyncio.wait_for(asyncio.gather(*tasks), 5)
+    assert log.reads == reads + 1
+    assert all(s == [1, 2] for s in seen.values())
+
+
+async def test_a_reconnect_of_the_listener_rereads_every_feed(log: Log, listener: Listener) -> None:
+    hub = FeedHub(log.read, listener, recheck_seconds=60)
+    job = uuid.uuid4()
+    log.add(job)
+    got: list[int] = []
+    task = asyncio.create_task(collect(hub.watch(TENANT, job, 0), got))
+    await settle()
+    log.add(job, EventType.SUCCEEDED)  # its notification was lost
+    listener.wake_all()  # what the listener does when it reconnects
     await asyncio.wait_for(task, 5)
     assert got == [1, 2]

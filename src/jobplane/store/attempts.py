@@ -123,22 +123,44 @@ _HEARTBEAT = text(
     RETURNING cancel_requested_at IS NOT NULL AS cancel_requested
     """
 )
+# The queued progress of many attempts in one statement: each attempt's row is
+# updated under its fence (locked in id order, so two batches never deadlock)
+# and its events get the seqs after the row's last_seq. Attempts fenced out
+# are missing from the result. Binds: per attempt (index k) :ids, :attempts,
+# :tokens, :ns, :last_progress, :last_message; per event :ks, :ords,
+# :progresses, :messages, :datas.
 _PROGRESS = text(
     f"""
-    WITH j AS (
-        UPDATE jobs SET progress = :last_progress, progress_message = :last_message,
-                        last_seq = last_seq + :n, update_time = now()
-        WHERE {_FENCE}
-        RETURNING id, tenant_id, last_seq, state, attempt, cancel_requested_at
+    WITH i AS (
+        SELECT * FROM unnest(CAST(:ids AS uuid[]), CAST(:attempts AS int[]),
+                             CAST(:tokens AS uuid[]), CAST(:ns AS int[]),
+                             CAST(:last_progress AS float8[]), CAST(:last_message AS text[]))
+            WITH ORDINALITY AS i(id, attempt, lease_token, n, last_progress, last_message, k)
+    ), locked AS (
+        SELECT jobs.id FROM jobs JOIN i USING (id)
+        WHERE jobs.attempt = i.attempt AND jobs.lease_token = i.lease_token
+          AND jobs.state = 'running'
+        ORDER BY jobs.id
+        FOR UPDATE OF jobs
+    ), j AS (
+        UPDATE jobs SET progress = i.last_progress, progress_message = i.last_message,
+                        last_seq = jobs.last_seq + i.n, update_time = now()
+        FROM i, locked
+        WHERE jobs.id = locked.id AND jobs.id = i.id AND jobs.attempt = i.attempt
+          AND jobs.lease_token = i.lease_token AND jobs.state = 'running'
+        RETURNING jobs.id, jobs.tenant_id, jobs.last_seq, jobs.state, jobs.attempt,
+                  jobs.cancel_requested_at, i.n, i.k
     ), e AS (
         INSERT INTO job_events
             (job_id, seq, tenant_id, type, state, progress, message, data, attempt)
-        SELECT j.id, j.last_seq - :n + p.ord, j.tenant_id, 'progress', j.state, p.progress,
+        SELECT j.id, j.last_seq - j.n + p.ord, j.tenant_id, 'progress', j.state, p.progress,
                p.message, CAST(p.data AS jsonb), j.attempt
-        FROM j, unnest(CAST(:progresses AS float8[]), CAST(:messages AS text[]),
-                       CAST(:datas AS text[])) WITH ORDINALITY AS p(progress, message, data, ord)
+        FROM unnest(CAST(:ks AS bigint[]), CAST(:ords AS int[]), CAST(:progresses AS float8[]),
+                    CAST(:messages AS text[]), CAST(:datas AS text[]))
+            AS p(k, ord, progress, message, data)
+        JOIN j ON j.k = p.k
     )
-    SELECT j.cancel_requested_at IS NOT NULL AS cancel_requested,
+    SELECT j.k, j.cancel_requested_at IS NOT NULL AS cancel_requested,
            pg_notify('{EVENTS_CHANNEL}', j.id::text) AS notified
     FROM j
     """
@@ -253,8 +275,22 @@ class AttemptStore:
 
     async def write_progress(self, attempt: Attempt, updates: Sequence[ProgressUpdate]) -> bool:
         """Store progress events in one transaction; returns whether cancel was requested."""
+        written = await self.write_progress_many([(attempt, updates)])
+        if written[0] is None:
+            raise LeaseLost(f"jobs/{attempt.job_id} attempt {attempt.attempt} was fenced out")
+        return written[0]
+
+    async def write_progress_many(
+        self, batches: Sequence[tuple[Attempt, Sequence[ProgressUpdate]]]
+    ) -> list[bool | None]:
+        """Store the progress of many attempts in one transaction.
+
+        For each batch, in order: whether cancellation of its job was
+        requested, or None when the attempt was fenced out (nothing of it was
+        written).
+        """
         async with self._engine.begin() as conn:
-            return await self._progress(conn, attempt, updates)
+            return await self._progress_many(conn, batches)
 
     async def succeed(
         self, attempt: Attempt, result: dict[str, Any], pending: Sequence[ProgressUpdate] = ()
@@ -355,24 +391,36 @@ class AttemptStore:
     async def _progress(
         self, conn: AsyncConnection, attempt: Attempt, updates: Sequence[ProgressUpdate]
     ) -> bool:
-        last = updates[-1]
-        row = (
-            await conn.execute(
-                _PROGRESS,
-                {
-                    **attempt.fence(),
-                    "n": len(updates),
-                    "last_progress": last.progress,
-                    "last_message": last.message,
-                    "progresses": [u.progress for u in updates],
-                    "messages": [u.message for u in updates],
-                    "datas": [dumps(u.data) for u in updates],
-                },
-            )
-        ).first()
-        if row is None:
+        written = await self._progress_many(conn, [(attempt, updates)])
+        if written[0] is None:
             raise LeaseLost(f"jobs/{attempt.job_id} attempt {attempt.attempt} was fenced out")
-        return bool(row[0])
+        return written[0]
+
+    async def _progress_many(
+        self, conn: AsyncConnection, batches: Sequence[tuple[Attempt, Sequence[ProgressUpdate]]]
+    ) -> list[bool | None]:
+        names = (
+            "ids attempts tokens ns last_progress last_message ks ords progresses messages datas"
+        )
+        params: dict[str, list[Any]] = {name: [] for name in names.split(" ")}
+        for k, (attempt, updates) in enumerate(batches, start=1):
+            params["ids"].append(attempt.job_id)
+            params["attempts"].append(attempt.attempt)
+            params["tokens"].append(attempt.lease_token)
+            params["ns"].append(len(updates))
+            params["last_progress"].append(updates[-1].progress)
+            params["last_message"].append(updates[-1].message)
+            for ord_, update in enumerate(updates, start=1):
+                params["ks"].append(k)
+                params["ords"].append(ord_)
+                params["progresses"].append(update.progress)
+                params["messages"].append(update.message)
+                params["datas"].append(dumps(update.data))
+        rows = (await conn.execute(_PROGRESS, params)).all()
+        written: list[bool | None] = [None] * len(batches)
+        for row in rows:
+            written[int(row[0]) - 1] = bool(row[1])
+        return written
 
 
 def _event(

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
@@ -142,20 +143,24 @@ _INSERT_OUTBOX = text(
 
 # The next events of a job and, from the same snapshot, whether the job has
 # ended: one statement per watcher read. No row at all: no such job here.
-_READ_STREAM = text(
+# Many watchers' reads in one statement: for each (job, tenant, after_seq) the
+# next events and the job's state, all from one snapshot. A job missing from
+# the result (no row with its k) does not exist for that tenant.
+_READ_STREAMS = text(
     """
-    SELECT j.state AS job_state, j.last_seq AS job_last_seq,
+    SELECT w.k, j.state AS job_state, j.last_seq AS job_last_seq,
            e.job_id, e.seq, e.type, e.state, e.progress, e.message, e.data, e.attempt,
            e.event_time
-    FROM jobs j
+    FROM unnest(CAST(:ids AS uuid[]), CAST(:tenants AS uuid[]), CAST(:afters AS bigint[]))
+        WITH ORDINALITY AS w(id, tenant_id, after_seq, k)
+    JOIN jobs j ON j.id = w.id AND j.tenant_id = w.tenant_id
     LEFT JOIN LATERAL (
         SELECT * FROM job_events
-        WHERE job_id = j.id AND seq > :after_seq
+        WHERE job_id = j.id AND seq > w.after_seq
         ORDER BY seq
         LIMIT :limit
     ) e ON true
-    WHERE j.id = :id AND j.tenant_id = :tenant_id
-    ORDER BY e.seq
+    ORDER BY w.k, e.seq
     """
 )
 
@@ -315,29 +320,43 @@ class JobStore:
     ) -> StreamRead:
         """Events with seq > ``after_seq`` (at most ``limit``), and whether the job
         has ended with them; :class:`JobNotFound` when there is no such job."""
+        read = (await self.read_streams([(tenant_id, job_id, after_seq)], limit))[0]
+        if read is None:
+            raise JobNotFound(f"jobs/{job_id} not found")
+        return read
+
+    async def read_streams(
+        self, wanted: Sequence[tuple[uuid.UUID, uuid.UUID, int]], limit: int = 500
+    ) -> list[StreamRead | None]:
+        """:meth:`read_stream` for many (tenant, job, after_seq) at once, in one
+        statement; None for a job that does not exist (for that tenant)."""
         async with self._engine.connect() as conn:
             rows = (
-                (
-                    await conn.execute(
-                        _READ_STREAM,
-                        {
-                            "id": job_id,
-                            "tenant_id": tenant_id,
-                            "after_seq": after_seq,
-                            "limit": limit,
-                        },
-                    )
+                await conn.execute(
+                    _READ_STREAMS,
+                    {
+                        "ids": [job_id for _, job_id, _ in wanted],
+                        "tenants": [tenant for tenant, _, _ in wanted],
+                        "afters": [after for _, _, after in wanted],
+                        "limit": limit,
+                    },
                 )
-                .mappings()
-                .all()
-            )
-        if not rows:
-            raise JobNotFound(f"jobs/{job_id} not found")
-        events = [event_from_row(r) for r in rows if r["seq"] is not None]
-        last_sent = events[-1].seq if events else after_seq
-        last_seq = int(rows[0]["job_last_seq"])
-        ended = JobState(rows[0]["job_state"]).terminal and last_sent >= last_seq
-        return StreamRead(events=events, ended=ended, last_seq=last_seq)
+            ).mappings()
+            by_k: dict[int, list[Any]] = {}
+            for row in rows:
+                by_k.setdefault(int(row["k"]), []).append(row)
+        reads: list[StreamRead | None] = []
+        for k, (_, _, after_seq) in enumerate(wanted, start=1):
+            found = by_k.get(k)
+            if not found:
+                reads.append(None)
+                continue
+            events = [event_from_row(r) for r in found if r["seq"] is not None]
+            last_sent = events[-1].seq if events else after_seq
+            last_seq = int(found[0]["job_last_seq"])
+            ended = JobState(found[0]["job_state"]).terminal and last_sent >= last_seq
+            reads.append(StreamRead(events=events, ended=ended, last_seq=last_seq))
+        return reads
 
     async def _lock(self, conn: AsyncConnection, tenant_id: uuid.UUID, job_id: uuid.UUID) -> Job:
         row = (

@@ -54,6 +54,7 @@ class Listener:
         self._reconnect_delay = reconnect_delay
         self._subs: defaultdict[str | None, set[Subscription]] = defaultdict(set)
         self._callbacks: list[Callable[[str], None]] = []
+        self._reset_callbacks: list[Callable[[], None]] = []
         self._task: asyncio.Task[None] | None = None
         self._connected = asyncio.Event()
 
@@ -87,6 +88,10 @@ class Listener:
         """Also call ``callback(payload)`` for every notification."""
         self._callbacks.append(callback)
 
+    def on_reset(self, callback: Callable[[], None]) -> None:
+        """Also call ``callback()`` whenever every subscriber is woken (e.g. on reconnect)."""
+        self._reset_callbacks.append(callback)
+
     @property
     def subscriber_count(self) -> int:
         """Subscribers registered now."""
@@ -106,6 +111,8 @@ class Listener:
         for subs in self._subs.values():
             for sub in subs:
                 sub.wake()
+        for callback in self._reset_callbacks:
+            callback()
 
     async def _run(self) -> None:
         while True:

@@ -1,0 +1,132 @@
+"""The worker's shared progress flusher, against a fake store (unit tests)."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import Sequence
+
+import pytest
+
+from jobplane.store.attempts import Attempt, AttemptStore, LeaseLost, ProgressUpdate
+from jobplane.workers.runtime import ProgressFlusher, ProgressWriter
+
+Batch = tuple[Attempt, Sequence[ProgressUpdate]]
+
+
+class FakeStore:
+    """Records each many-job write; answers per attempt as told."""
+
+    def __init__(self) -> None:
+        self.writes: list[list[tuple[uuid.UUID, list[float]]]] = []
+        self.fenced: set[uuid.UUID] = set()
+        self.cancel: set[uuid.UUID] = set()
+        self.fail: Exception | None = None
+        self.gate: asyncio.Event | None = None
+
+    async def write_progress_many(self, batches: Sequence[Batch]) -> list[bool | None]:
+        if self.gate is not None:
+            await self.gate.wait()
+        if self.fail is not None:
+            raise self.fail
+        self.writes.append([(a.job_id, [u.progress for u in b]) for a, b in batches])
+        return [None if a.job_id in self.fenced else a.job_id in self.cancel for a, _ in batches]
+
+
+def attempt() -> Attempt:
+    return Attempt(
+        job_id=uuid.uuid4(),
+        tenant_id=uuid.uuid4(),
+        type="t",
+        payload={},
+        attempt=1,
+        max_attempts=3,
+        retry_base=0,
+        lease_token=uuid.uuid4(),
+        correlation_id="",
+        request_id="r",
+    )
+
+
+def update(progress: float) -> ProgressUpdate:
+    return ProgressUpdate(progress=progress, message="", data={})
+
+
+def flusher(store: FakeStore, window: float = 0.01) -> ProgressFlusher:
+    return ProgressFlusher(store, window=window)  # type: ignore[arg-type]
+
+
+async def test_reports_of_many_attempts_go_out_in_one_write() -> None:
+    store = FakeStore()
+    shared = flusher(store)
+    writers = [ProgressWriter(shared, attempt()) for _ in range(3)]
+    for step in (0.1, 0.2):
+        for writer in writers:
+            await writer.add(update(step))
+    await asyncio.sleep(0.05)
+    assert len(store.writes) == 1
+    assert store.writes[0] == [(w.attempt.job_id, [0.1, 0.2]) for w in writers]
+    assert [await w.drain() for w in writers] == [[], [], []]
+
+
+async def test_a_fenced_attempt_gets_lease_lost_and_others_are_unaffected() -> None:
+    store = FakeStore()
+    shared = flusher(store)
+    lost, kept = ProgressWriter(shared, attempt()), ProgressWriter(shared, attempt())
+    store.fenced.add(lost.attempt.job_id)
+    await lost.add(update(0.1))
+    await kept.add(update(0.1))
+    await asyncio.sleep(0.05)
+    with pytest.raises(LeaseLost):
+        await lost.add(update(0.2))
+    await kept.add(update(0.2))
+    await asyncio.sleep(0.05)
+    assert store.writes[-1] == [(kept.attempt.job_id, [0.2])]
+
+
+async def test_cancel_requested_calls_back_the_writer() -> None:
+    store = FakeStore()
+    called: list[bool] = []
+    writer = ProgressWriter(
+        flusher(store), attempt(), on_cancel_requested=lambda: called.append(True)
+    )
+    store.cancel.add(writer.attempt.job_id)
+    await writer.add(update(0.5))
+    await asyncio.sleep(0.05)
+    assert called == [True]
+
+
+async def test_a_failed_write_keeps_the_reports_in_order_for_the_outcome() -> None:
+    store = FakeStore()
+    store.fail = ConnectionResetError("gone")
+    shared = flusher(store)
+    writer = ProgressWriter(shared, attempt())
+    await writer.add(update(0.1))
+    await asyncio.sleep(0.05)
+    await writer.add(update(0.2))
+    pending = await writer.drain()
+    assert [u.progress for u in pending] == [0.1, 0.2]
+    await shared.stop()
+
+
+async def test_drain_waits_for_a_write_in_flight() -> None:
+    store = FakeStore()
+    store.gate = asyncio.Event()
+    shared = flusher(store, window=0.0)
+    writer = ProgressWriter(shared, attempt())
+    await writer.add(update(0.1))
+    await asyncio.sleep(0.01)  # the flush has taken 0.1 and waits at the gate
+    await writer.add(update(0.2))
+    draining = asyncio.create_task(writer.drain())
+    await asyncio.sleep(0.01)
+    assert not draining.done()
+    store.gate.set()
+    pending = await asyncio.wait_for(draining, 1)
+    assert store.writes[0] == [(writer.attempt.job_id, [0.1])]
+    # 0.2 went out with a later flush that drain also waited for, or is handed over.
+    written = [p for write in store.writes for _, batch in write for p in batch]
+    assert written + [u.progress for u in pending] == [0.1, 0.2]
+
+
+def test_the_fake_has_the_store_method() -> None:
+    assert callable(AttemptStore.write_progress_many)
