@@ -19,9 +19,11 @@ async def noop(ctx: JobContext) -> dict[str, Any]:
 
 @registry.handler("bench.progress")
 async def progress(ctx: JobContext) -> dict[str, Any]:
-    """Payload ``{steps, interval_ms}``: progress events stamped with the wall clock."""
+    """Payload ``{steps, interval_ms, start_delay_ms}``: progress events stamped
+    with the wall clock, after a pause that lets every watcher connect first."""
     steps = int(ctx.payload.get("steps", 100))
     interval = float(ctx.payload.get("interval_ms", 10)) / 1000
+    await asyncio.sleep(float(ctx.payload.get("start_delay_ms", 0)) / 1000)
     for step in range(1, steps + 1):
         await ctx.progress(step / steps, "", {"t": time.time()})
         await asyncio.sleep(interval)

@@ -295,8 +295,12 @@ async def fig_progress(bench: Bench) -> None:
     from_write: list[float] = []
     cpu_before = cpu_seconds(bench)
     async with AsyncClient(bench.address, bench.key) as client:
+        # Every stream is open before the first step (start_delay_ms), so no
+        # event is read as history instead of live.
         submitted = [
-            await client.submit("bench.progress", {"steps": steps, "interval_ms": 10})
+            await client.submit(
+                "bench.progress", {"steps": steps, "interval_ms": 10, "start_delay_ms": 1000}
+            )
             for _ in range(jobs)
         ]
 
@@ -327,6 +331,8 @@ async def fig_progress(bench: Bench) -> None:
     bench.add(Figure("progress_to_watcher_p99", percentile(latencies, 99), "ms", config))
     bench.add(Figure("progress_stamp_to_write_p50", percentile(to_write, 50), "ms", config))
     bench.add(Figure("progress_write_to_watcher_p50", percentile(from_write, 50), "ms", config))
+    bench.add(Figure("progress_stamp_to_write_p99", percentile(to_write, 99), "ms", config))
+    bench.add(Figure("progress_write_to_watcher_p99", percentile(from_write, 99), "ms", config))
     bench.add(
         Figure(
             "progress_events_stored",

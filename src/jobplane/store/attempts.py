@@ -20,6 +20,7 @@ from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from jobplane.envelope import Envelope
+from jobplane.store.engine import autocommit
 from jobplane.store.rows import EVENTS_CHANNEL, OUTBOX_FOR_JOB_SQL, dumps, transition_sql
 from jobplane.types import JobState
 
@@ -204,6 +205,9 @@ class AttemptStore:
 
     def __init__(self, engine: AsyncEngine, *, lease_seconds: float = 30.0) -> None:
         self._engine = engine
+        # Claims, heartbeats, progress and most outcomes are one statement
+        # each: atomic alone, without BEGIN/COMMIT round trips.
+        self._auto = autocommit(engine)
         self.lease_seconds = lease_seconds
 
     async def claim(self, envelope: Envelope) -> ClaimResult:
@@ -216,7 +220,7 @@ class AttemptStore:
             "lease_token": token,
             "lease_seconds": self.lease_seconds,
         }
-        async with self._engine.begin() as conn:
+        async with self._auto.connect() as conn:
             row = (
                 (await conn.execute(_CLAIM, _event(params, "started", "attempt started")))
                 .mappings()
@@ -263,7 +267,7 @@ class AttemptStore:
 
     async def heartbeat(self, attempt: Attempt) -> bool:
         """Extend the lease; returns whether cancellation was requested."""
-        async with self._engine.begin() as conn:
+        async with self._auto.connect() as conn:
             row = (
                 await conn.execute(
                     _HEARTBEAT, {**attempt.fence(), "lease_seconds": self.lease_seconds}
@@ -289,7 +293,7 @@ class AttemptStore:
         requested, or None when the attempt was fenced out (nothing of it was
         written).
         """
-        async with self._engine.begin() as conn:
+        async with self._auto.connect() as conn:
             return await self._progress_many(conn, batches)
 
     async def succeed(
@@ -377,7 +381,10 @@ class AttemptStore:
         message: str,
         data: dict[str, Any] | None = None,
     ) -> None:
-        async with self._engine.begin() as conn:
+        # Pending progress and the outcome commit together; the outcome alone
+        # is one statement.
+        scope = self._engine.begin() if pending else self._auto.connect()
+        async with scope as conn:
             if pending:
                 await self._progress(conn, attempt, pending)
             row = (

@@ -78,3 +78,12 @@ async def migrate(url: str, *, revision: str = "head", create: bool = True) -> N
         await ensure_database(url)
     # Alembic's env.py runs its own event loop; keep it off ours.
     await asyncio.to_thread(_alembic_upgrade, url, revision)
+
+
+def autocommit(engine: AsyncEngine) -> AsyncEngine:
+    """``engine`` (same pool) running each statement in a transaction of its own.
+
+    For work that is one statement: it saves the BEGIN and COMMIT (or
+    ROLLBACK) round trips an explicit transaction costs.
+    """
+    return engine.execution_options(isolation_level="AUTOCOMMIT")

@@ -17,6 +17,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from jobplane.errors import JobAlreadyTerminal, JobNotFound, JobNotRetryable, RequestIdReused
 from jobplane.faults import NO_FAULTS, FaultPoints
+from jobplane.store.engine import autocommit
 from jobplane.store.rows import (
     CANCEL_CHANNEL,
     JOB_COLUMNS,
@@ -179,6 +180,8 @@ class JobStore:
 
     def __init__(self, engine: AsyncEngine, *, faults: FaultPoints = NO_FAULTS) -> None:
         self._engine = engine
+        # Single statements need no BEGIN/COMMIT round trips of their own.
+        self._auto = autocommit(engine)
         self._faults = faults
 
     async def submit(self, tenant_id: uuid.UUID, new: NewJob) -> tuple[Job, bool]:
@@ -213,7 +216,7 @@ class JobStore:
                 return job_from_row(inserted), True
         # A job with this request_id exists (ON CONFLICT waited for its insert
         # to commit, so it is visible now).
-        async with self._engine.connect() as conn:
+        async with self._auto.connect() as conn:
             existing = (
                 (
                     await conn.execute(
@@ -233,7 +236,7 @@ class JobStore:
 
     async def get(self, tenant_id: uuid.UUID, job_id: uuid.UUID) -> Job:
         """One job of the tenant; :class:`JobNotFound` otherwise."""
-        async with self._engine.connect() as conn:
+        async with self._auto.connect() as conn:
             row = (
                 (await conn.execute(_SELECT_JOB, {"id": job_id, "tenant_id": tenant_id}))
                 .mappings()
@@ -269,7 +272,7 @@ class JobStore:
             f"SELECT {JOB_COLUMNS} FROM jobs WHERE {' AND '.join(where)} "
             "ORDER BY create_time DESC, id DESC LIMIT :limit"
         )
-        async with self._engine.connect() as conn:
+        async with self._auto.connect() as conn:
             rows = (await conn.execute(sql, params)).mappings().all()
         return [job_from_row(r) for r in rows]
 
@@ -330,7 +333,7 @@ class JobStore:
     ) -> list[StreamRead | None]:
         """:meth:`read_stream` for many (tenant, job, after_seq) at once, in one
         statement; None for a job that does not exist (for that tenant)."""
-        async with self._engine.connect() as conn:
+        async with self._auto.connect() as conn:
             rows = (
                 await conn.execute(
                     _READ_STREAMS,

@@ -14,6 +14,8 @@ import uuid
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from jobplane.store.engine import autocommit
+
 KEY_PREFIX = "jp_"
 
 _UPSERT_TENANT = text(
@@ -39,6 +41,7 @@ class KeyStore:
 
     def __init__(self, engine: AsyncEngine, *, cache_seconds: float = 30.0) -> None:
         self._engine = engine
+        self._auto = autocommit(engine)
         self._cache_seconds = cache_seconds
         self._cache: dict[bytes, tuple[uuid.UUID, float]] = {}
 
@@ -64,7 +67,7 @@ class KeyStore:
         cached = self._cache.get(digest)
         if cached is not None and cached[1] > now:
             return cached[0]
-        async with self._engine.connect() as conn:
+        async with self._auto.connect() as conn:
             tenant_id = (await conn.execute(_RESOLVE, {"key_hash": digest})).scalar_one_or_none()
         if tenant_id is None:
             self._cache.pop(digest, None)
