@@ -87,6 +87,7 @@ class Bench:
         self.port = free_port()
         self.address = f"127.0.0.1:{self.port}"
         self.key = ""
+        self.tenant = uuid.UUID(int=0)
         self.workdir = Path(tempfile.mkdtemp(prefix="jobplane-bench-"))
         self.procs: dict[str, asyncio.subprocess.Process] = {}
         self.figures: list[Figure] = []
@@ -96,7 +97,7 @@ class Bench:
         self.amqp_url = await asyncio.to_thread(services.create_vhost, self.vhost)
         engine = create_engine(self.database_url, pool_size=1)
         try:
-            self.key, _ = await KeyStore(engine).create_key("bench")
+            self.key, self.tenant = await KeyStore(engine).create_key("bench")
         finally:
             await engine.dispose()
         return self
@@ -175,8 +176,11 @@ class Bench:
         """Until ``count`` jobs of ``job_type`` have ended."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
+            # By tenant and type: an index range, not a scan of preloaded history.
             rows = await self.sql(
-                "SELECT count(*) AS n FROM jobs WHERE type = $1 AND end_time IS NOT NULL",
+                "SELECT count(*) AS n FROM jobs"
+                " WHERE tenant_id = $1 AND type = $2 AND end_time IS NOT NULL",
+                self.tenant,
                 job_type,
             )
             if rows[0]["n"] >= count:
@@ -459,39 +463,49 @@ async def floors(bench: Bench) -> dict[str, float]:
     conns = [await asyncpg.connect(dsn) for _ in range(8)]
     count = 0
 
+    async def submit_tx(conn: asyncpg.Connection) -> None:
+        job_id, dispatch = uuid.uuid4(), uuid.uuid4()
+        async with conn.transaction():
+            await conn.execute(
+                "INSERT INTO jobs (id, tenant_id, type, queue, state, payload, max_attempts,"
+                " request_id, request_hash, dispatch_id, last_seq) VALUES"
+                " ($1, $2, 'floor.x', 'q', 'queued', '{}', 3, $3, '\\x00', $4, 1)",
+                job_id,
+                tenant,
+                str(job_id),
+                dispatch,
+            )
+            await conn.execute(
+                "INSERT INTO job_events (job_id, seq, tenant_id, type, state, progress,"
+                " attempt) VALUES ($1, 1, $2, 'queued', 'queued', 0, 0)",
+                job_id,
+                tenant,
+            )
+            await conn.execute(
+                "INSERT INTO outbox (id, tenant_id, job_id, routing_key) VALUES ($1, $2, $3, 'x')",
+                dispatch,
+                tenant,
+                job_id,
+            )
+
     async def insert_loop(conn: asyncpg.Connection) -> None:
         nonlocal count
         deadline = time.perf_counter() + seconds
         while time.perf_counter() < deadline:
-            job_id, dispatch = uuid.uuid4(), uuid.uuid4()
-            async with conn.transaction():
-                await conn.execute(
-                    "INSERT INTO jobs (id, tenant_id, type, queue, state, payload, max_attempts,"
-                    " request_id, request_hash, dispatch_id, last_seq) VALUES"
-                    " ($1, $2, 'floor.x', 'q', 'queued', '{}', 3, $3, '\\x00', $4, 1)",
-                    job_id,
-                    tenant,
-                    str(job_id),
-                    dispatch,
-                )
-                await conn.execute(
-                    "INSERT INTO job_events (job_id, seq, tenant_id, type, state, progress,"
-                    " attempt) VALUES ($1, 1, $2, 'queued', 'queued', 0, 0)",
-                    job_id,
-                    tenant,
-                )
-                await conn.execute(
-                    "INSERT INTO outbox (id, tenant_id, job_id, routing_key)"
-                    " VALUES ($1, $2, $3, 'x')",
-                    dispatch,
-                    tenant,
-                    job_id,
-                )
+            await submit_tx(conn)
             count += 1
 
     await asyncio.gather(*(insert_loop(c) for c in conns))
+    # The latency floor: the same transaction, one at a time.
+    one_by_one: list[float] = []
+    for _ in range(300):
+        began = time.perf_counter()
+        await submit_tx(conns[0])
+        one_by_one.append((time.perf_counter() - began) * 1000)
     for conn in conns:
         await conn.close()
+    result["postgres_tx_ms"] = percentile(one_by_one, 50)
+    bench.add(Figure("floor_postgres_submit_tx_latency_p50", result["postgres_tx_ms"], "ms"))
     await bench.sql("DELETE FROM jobs WHERE type = 'floor.x'")
     result["postgres_submit_tx"] = count / seconds
     bench.add(Figure("floor_postgres_submit_tx", count / seconds, "tx/s", {"connections": 8}))
@@ -540,15 +554,115 @@ async def floors(bench: Bench) -> dict[str, float]:
                 done.set()
 
         started = time.perf_counter()
-        await consume_queue.consume(on_message)
+        consume_queue_tag = await consume_queue.consume(on_message)
         await asyncio.wait_for(done.wait(), timeout=120)
         rate = n / (time.perf_counter() - started)
         result["rabbitmq_consume_ack"] = rate
         bench.add(
             Figure("floor_rabbitmq_consume_ack", rate, "msgs/s", {"messages": n, "prefetch": 200})
         )
+        # The latency floor: publish (confirmed) → delivered to a consumer, one at a time.
+        arrived: asyncio.Queue[float] = asyncio.Queue()
+
+        async def on_timed(message: aio_pika.abc.AbstractIncomingMessage) -> None:
+            await message.ack()
+            arrived.put_nowait(time.perf_counter())
+
+        await consume_queue.cancel(consume_queue_tag)
+        await consume_queue.consume(on_timed)
+        round_trips: list[float] = []
+        for _ in range(300):
+            began = time.perf_counter()
+            await channel.default_exchange.publish(
+                aio_pika.Message(body, delivery_mode=aio_pika.DeliveryMode.PERSISTENT),
+                routing_key=queue.name,
+            )
+            round_trips.append((await arrived.get() - began) * 1000)
+        result["rabbitmq_round_trip_ms"] = percentile(round_trips, 50)
+        bench.add(
+            Figure(
+                "floor_rabbitmq_publish_to_consumer_p50", result["rabbitmq_round_trip_ms"], "ms", {}
+            )
+        )
         await consume_queue.delete(if_unused=False, if_empty=False)
     return result
+
+
+# Each figure's floor: what Postgres or RabbitMQ alone does on this machine in
+# the same run. Figures with no such floor (memory, CPU) get none.
+FLOORS = {
+    "e2e_throughput_closed_loop": ("postgres_submit_tx",),
+    "e2e_throughput_open_loop": ("postgres_submit_tx",),
+    "progress_events_stored": ("postgres_submit_tx",),
+    "relay_publishes": ("rabbitmq_confirmed_publish",),
+    # A job's path to its handler: one submit transaction, then one publish
+    # delivered to a consumer.
+    "submit_to_start_p50": ("postgres_tx_ms", "rabbitmq_round_trip_ms"),
+    "submit_to_start_p99": ("postgres_tx_ms", "rabbitmq_round_trip_ms"),
+    # A progress event's path: one write transaction, then the stream.
+    "progress_to_watcher_p50": ("postgres_tx_ms",),
+    "progress_to_watcher_p99": ("postgres_tx_ms",),
+    "relay_commit_to_confirm_p99": ("rabbitmq_round_trip_ms",),
+}
+
+
+def apply_floors(figures: list[Figure], floor: dict[str, float]) -> None:
+    """Set each figure's floor and its ratio to it (value / floor)."""
+    for figure in figures:
+        names = FLOORS.get(figure.name)
+        if names and all(name in floor for name in names):
+            figure.floor = " + ".join(names)
+            figure.ratio = figure.value / sum(floor[name] for name in names)
+
+
+async def preload(bench: Bench, count: int, chunk: int = 50_000) -> None:
+    """``count`` finished jobs of the bench's tenant, with their three events
+    and published outbox rows, as a long-running installation would have."""
+    started = time.perf_counter()
+    conn = await asyncpg.connect(asyncpg_dsn(bench.database_url))
+    try:
+        for first in range(0, count, chunk):
+            await conn.execute(
+                """
+                WITH j AS (
+                    INSERT INTO jobs (id, tenant_id, type, queue, state, payload, result,
+                                      progress, attempt, max_attempts, request_id,
+                                      request_hash, last_seq, create_time, update_time,
+                                      start_time, end_time)
+                    SELECT gen_random_uuid(), $1, 'bench.history', 'default', 'succeeded',
+                           '{"n": 1}', '{}', 1, 1, 3, 'history-' || g, '\\x00', 3, t, t, t, t
+                    FROM generate_series($2::int, $3::int) g,
+                         LATERAL (SELECT now() - interval '30 days' + g * interval '1 s') AS s(t)
+                    RETURNING id, create_time
+                ), e AS (
+                    INSERT INTO job_events (job_id, seq, tenant_id, type, state, progress,
+                                            attempt, event_time)
+                    SELECT j.id, v.seq, $1, v.type, v.state, v.progress, v.attempt,
+                           j.create_time
+                    FROM j, (VALUES (1, 'queued', 'queued', 0.0, 0),
+                                    (2, 'started', 'running', 0.0, 1),
+                                    (3, 'succeeded', 'succeeded', 1.0, 1))
+                            AS v(seq, type, state, progress, attempt)
+                )
+                INSERT INTO outbox (id, tenant_id, job_id, routing_key, create_time,
+                                    available_at, published_at)
+                SELECT gen_random_uuid(), $1, j.id, 'bench.history', j.create_time,
+                       j.create_time, j.create_time
+                FROM j
+                """,
+                bench.tenant,
+                first + 1,
+                min(count, first + chunk),
+            )
+        await conn.execute("VACUUM ANALYZE jobs")
+        await conn.execute("VACUUM ANALYZE job_events")
+        await conn.execute("VACUUM ANALYZE outbox")
+    finally:
+        await conn.close()
+    print(
+        f"preloaded {count:,} finished jobs in {time.perf_counter() - started:.0f}s",
+        file=sys.stderr,
+    )
 
 
 def _procs(bench: Bench) -> dict[str, Any]:
@@ -560,6 +674,7 @@ def _procs(bench: Bench) -> dict[str, Any]:
         "prefetch": bench.args.concurrency,
         "relay_batch": 100,
         "progress_window_ms": 5,
+        "finished_jobs_preloaded": bench.args.preload,
     }
 
 
@@ -630,12 +745,20 @@ async def main(argv: list[str] | None = None) -> int:
         default=[],
         choices=["floors", "throughput", "open", "progress", "relay", "watchers"],
     )
+    parser.add_argument(
+        "--preload",
+        type=int,
+        default=0,
+        help="finished jobs (with events and outbox rows) already in the tables",
+    )
     args = parser.parse_args(argv)
     want: Callable[[str], bool] = lambda name: not args.only or name in args.only  # noqa: E731
     async with Bench(args) as bench:
         floor: dict[str, float] = {}
         if want("floors"):
             floor = await floors(bench)
+        if args.preload:
+            await preload(bench, args.preload)
         await bench.start_all()
         rate = 0.0
         if want("throughput") or want("open"):
@@ -648,14 +771,7 @@ async def main(argv: list[str] | None = None) -> int:
             await fig_relay(bench)
         if want("watchers"):
             await fig_watchers(bench)
-        for figure in bench.figures:
-            if figure.name.startswith("e2e_throughput") and "postgres_submit_tx" in floor:
-                figure.floor, figure.ratio = (
-                    "postgres_submit_tx",
-                    figure.value / floor["postgres_submit_tx"],
-                )
-            if figure.name == "relay_publishes" and "rabbitmq_confirmed_publish" in floor:
-                figure.ratio = figure.value / floor["rabbitmq_confirmed_publish"]
+        apply_floors(bench.figures, floor)
         for figure in bench.figures:
             print(figure.line())
         print()
