@@ -29,8 +29,11 @@ from typing import Any
 
 import aio_pika
 import asyncpg
+from sqlalchemy import text
 
 from jobplane.client import AsyncClient
+from jobplane.store import attempts, outbox, sweeps
+from jobplane.store import jobs as job_store
 from jobplane.store.engine import asyncpg_dsn, create_engine, migrate
 from jobplane.store.keys import KeyStore
 from tests.faults.cluster import free_port
@@ -657,12 +660,76 @@ async def preload(bench: Bench, count: int, chunk: int = 50_000) -> None:
         await conn.execute("VACUUM ANALYZE jobs")
         await conn.execute("VACUUM ANALYZE job_events")
         await conn.execute("VACUUM ANALYZE outbox")
+        # Flush the preload's dirty pages now, not in a checkpoint mid-figure.
+        await conn.execute("CHECKPOINT")
     finally:
         await conn.close()
     print(
         f"preloaded {count:,} finished jobs in {time.perf_counter() - started:.0f}s",
         file=sys.stderr,
     )
+
+
+async def check_plans(bench: Bench) -> None:
+    """EXPLAIN the statements that run all the time, on the tables as they are
+    now, and report any sequential scan of jobs, job_events or outbox."""
+    some = await bench.sql("SELECT id, tenant_id FROM jobs LIMIT 1")
+    job_id, tenant = some[0]["id"], some[0]["tenant_id"]
+    event = {"event_type": "started", "event_message": "", "event_data": "{}"}
+    statements: dict[str, tuple[Any, dict[str, Any]]] = {
+        "relay claim": (outbox._CLAIM_DUE, {"limit": 100}),
+        "relay next due": (outbox._NEXT_DUE, {}),
+        "sweeper expired leases": (sweeps._EXPIRED, {"grace": 5.0, "limit": 100}),
+        "sweeper stuck outbox": (sweeps._STUCK_OUTBOX, {"older_than": 60.0}),
+        "watch read": (
+            job_store._READ_STREAMS,
+            {"ids": [job_id], "tenants": [tenant], "afters": [0], "limit": 500},
+        ),
+        "worker claim": (
+            attempts._CLAIM,
+            {
+                "id": job_id,
+                "tenant_id": tenant,
+                "dispatch_id": uuid.uuid4(),
+                "lease_token": uuid.uuid4(),
+                "lease_seconds": 30.0,
+                **event,
+            },
+        ),
+    }
+    engine = create_engine(bench.database_url, pool_size=1)
+    seq_scans = 0
+    try:
+        async with engine.connect() as conn:
+            for name, (statement, params) in statements.items():
+                explain = text("EXPLAIN (FORMAT JSON) " + statement.text)
+                plan = (await conn.execute(explain, params)).scalar_one()
+                scans = sorted(_scans(plan[0]["Plan"] if isinstance(plan, list) else plan))
+                seq = [s for s in scans if s.startswith("Seq Scan on ")]
+                seq_scans += len(seq)
+                print(f"plan of {name}: {', '.join(scans) or 'no table scans'}", file=sys.stderr)
+            await conn.rollback()
+    finally:
+        await engine.dispose()
+    bench.add(
+        Figure(
+            "seq_scans_in_hot_plans",
+            seq_scans,
+            "scans",
+            {"statements": len(statements), "finished_jobs_preloaded": bench.args.preload},
+        )
+    )
+
+
+def _scans(node: dict[str, Any]) -> set[str]:
+    found: set[str] = set()
+    relation = node.get("Relation Name")
+    if relation in ("jobs", "job_events", "outbox"):
+        index = node.get("Index Name")
+        found.add(f"{node['Node Type']} on {relation}" + (f" ({index})" if index else ""))
+    for child in node.get("Plans", []):
+        found |= _scans(child)
+    return found
 
 
 def _procs(bench: Bench) -> dict[str, Any]:
@@ -759,6 +826,7 @@ async def main(argv: list[str] | None = None) -> int:
             floor = await floors(bench)
         if args.preload:
             await preload(bench, args.preload)
+            await check_plans(bench)
         await bench.start_all()
         rate = 0.0
         if want("throughput") or want("open"):
