@@ -18,7 +18,7 @@ class InjectedFault(RuntimeError):
 
 
 class FaultPoints:
-    """The set of armed points, e.g. ``{"submit.after_job_insert"}``."""
+    """The set of armed points, e.g. ``{"submit.after_commit"}``."""
 
     __slots__ = ("_armed", "_crash_at", "_hits")
 

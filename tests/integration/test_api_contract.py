@@ -7,6 +7,7 @@ from typing import Any
 
 import grpc
 import pytest
+from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from jobplane.client import (
@@ -183,7 +184,36 @@ async def test_unroutable_type_is_refused(
         await stack.close()
 
 
-async def test_failure_between_job_and_outbox_insert_leaves_neither(
+async def test_failure_at_the_outbox_insert_leaves_no_job_and_no_event(
+    engine: AsyncEngine, database_url: str, amqp_url: str, topology: Topology
+) -> None:
+    # The database refuses the last insert of the submit (the outbox row): the
+    # job row and its first event, written just before, must go with it.
+    async with engine.begin() as conn:
+        await conn.execute(
+            text(
+                "CREATE FUNCTION refuse() RETURNS trigger LANGUAGE plpgsql AS "
+                "$$ BEGIN RAISE EXCEPTION 'outbox refused'; END $$"
+            )
+        )
+        await conn.execute(
+            text(
+                "CREATE TRIGGER refuse BEFORE INSERT ON outbox "
+                "FOR EACH ROW EXECUTE FUNCTION refuse()"
+            )
+        )
+    stack = await start_stack(engine, database_url, amqp_url, topology, relay=False, worker=False)
+    try:
+        with pytest.raises(InternalError):
+            await stack.client().submit("demo.echo", {"x": 1})
+        assert await stack.counts() == {"jobs": 0, "job_events": 0, "outbox": 0}
+    finally:
+        await stack.close()
+        async with engine.begin() as conn:
+            await conn.execute(text("DROP TRIGGER refuse ON outbox"))
+
+
+async def test_a_submit_whose_reply_is_lost_is_found_again_by_its_request_id(
     engine: AsyncEngine, database_url: str, amqp_url: str, topology: Topology
 ) -> None:
     stack = await start_stack(
@@ -193,11 +223,16 @@ async def test_failure_between_job_and_outbox_insert_leaves_neither(
         topology,
         relay=False,
         worker=False,
-        faults=FaultPoints({"submit.after_job_insert"}),
+        faults=FaultPoints({"submit.after_commit"}),
     )
     try:
+        client = stack.client()
         with pytest.raises(InternalError):
-            await stack.client().submit("demo.echo", {"x": 1})
-        assert await stack.counts() == {"jobs": 0, "job_events": 0, "outbox": 0}
+            await client.submit("demo.echo", {"x": 1}, request_id="lost-reply")
+        assert await stack.counts() == {"jobs": 1, "job_events": 1, "outbox": 1}
+        # The same request again finds the committed job instead of a second one.
+        again = await client.submit("demo.echo", {"x": 1}, request_id="lost-reply")
+        assert again.request_id == "lost-reply"
+        assert await stack.counts() == {"jobs": 1, "job_events": 1, "outbox": 1}
     finally:
         await stack.close()

@@ -129,9 +129,9 @@ def test_fault_points_raise_and_crash_on_the_nth_hit() -> None:
     from jobplane.faults import FaultPoints, InjectedFault
 
     FaultPoints().hit("anything")  # unarmed: nothing happens
-    armed = FaultPoints({"submit.after_job_insert"})
+    armed = FaultPoints({"submit.after_commit"})
     with pytest.raises(InjectedFault):
-        armed.hit("submit.after_job_insert")
+        armed.hit("submit.after_commit")
     armed.hit("other.point")
 
     script = (

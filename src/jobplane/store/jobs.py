@@ -66,30 +66,28 @@ class ListCursor:
     job_id: uuid.UUID
 
 
-_INSERT_JOB = text(
+# Job, first event and dispatch intent (the outbox row) in one statement, so
+# one implicit transaction: a job exists iff its outbox row does. On a
+# request_id conflict nothing is written and no row comes back.
+_SUBMIT = text(
     f"""
-    INSERT INTO jobs (id, tenant_id, type, queue, state, payload, max_attempts, request_id,
-                      request_hash, correlation_id, labels, dispatch_id, last_seq, timeout_seconds)
-    VALUES (:id, :tenant_id, :type, :queue, 'queued', CAST(:payload AS jsonb), :max_attempts,
-            :request_id, :request_hash, :correlation_id, CAST(:labels AS jsonb), :dispatch_id, 1,
-            :timeout_seconds)
-    ON CONFLICT (tenant_id, request_id) DO NOTHING
-    RETURNING {JOB_COLUMNS}
-    """
-)
-
-# The first event and the dispatch intent, written after the job row in the
-# same transaction: a job exists iff its outbox row does.
-_INSERT_FIRST_EVENT_AND_OUTBOX = text(
-    f"""
-    WITH e AS (
+    WITH j AS (
+        INSERT INTO jobs (id, tenant_id, type, queue, state, payload, max_attempts, request_id,
+                          request_hash, correlation_id, labels, dispatch_id, last_seq,
+                          timeout_seconds)
+        VALUES (:id, :tenant_id, :type, :queue, 'queued', CAST(:payload AS jsonb),
+                :max_attempts, :request_id, :request_hash, :correlation_id,
+                CAST(:labels AS jsonb), :dispatch_id, 1, :timeout_seconds)
+        ON CONFLICT (tenant_id, request_id) DO NOTHING
+        RETURNING {JOB_COLUMNS}
+    ), e AS (
         INSERT INTO job_events (job_id, seq, tenant_id, type, state, progress, message, attempt)
-        VALUES (:id, 1, :tenant_id, 'queued', 'queued', 0, 'queued', 0)
+        SELECT id, 1, tenant_id, 'queued', 'queued', 0, 'queued', 0 FROM j
     ), o AS (
         INSERT INTO outbox (id, tenant_id, job_id, routing_key, correlation_id)
-        VALUES (:dispatch_id, :tenant_id, :id, :type, :correlation_id)
+        SELECT dispatch_id, tenant_id, id, type, correlation_id FROM j
     )
-    SELECT pg_notify('{OUTBOX_CHANNEL}', '')
+    SELECT j.*, pg_notify('{OUTBOX_CHANNEL}', '') AS notified FROM j
     """
 )
 
@@ -185,7 +183,7 @@ class JobStore:
         self._faults = faults
 
     async def submit(self, tenant_id: uuid.UUID, new: NewJob) -> tuple[Job, bool]:
-        """Create the job, its first event and its outbox row in one transaction.
+        """Create the job, its first event and its outbox row in one statement.
 
         Returns the job and whether it was created now. A replay with the same
         request_id and the same request returns the stored job; a different
@@ -208,12 +206,13 @@ class JobStore:
             "dispatch_id": dispatch_id,
             "timeout_seconds": new.timeout_seconds,
         }
-        async with self._engine.begin() as conn:
-            inserted = (await conn.execute(_INSERT_JOB, params)).mappings().first()
-            if inserted is not None:
-                self._faults.hit("submit.after_job_insert")
-                await conn.execute(_INSERT_FIRST_EVENT_AND_OUTBOX, params)
-                return job_from_row(inserted), True
+        async with self._auto.connect() as conn:
+            inserted = (await conn.execute(_SUBMIT, params)).mappings().first()
+        if inserted is not None:
+            # Committed; a failure here loses only the reply (the caller's
+            # retry with the same request_id gets this job).
+            self._faults.hit("submit.after_commit")
+            return job_from_row(inserted), True
         # A job with this request_id exists (ON CONFLICT waited for its insert
         # to commit, so it is visible now).
         async with self._auto.connect() as conn:
