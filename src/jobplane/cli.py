@@ -83,7 +83,7 @@ async def _serve(_args: argparse.Namespace) -> int:
     from jobplane.store.engine import create_engine
 
     settings, topology = _settings_and_topology()
-    engine = create_engine(settings.database_url)
+    engine = create_engine(settings.database_url, pool_size=settings.db_pool_size)
     async with AsyncExitStack() as stack:
         stack.push_async_callback(engine.dispose)
         server = _server(settings, topology, engine)
@@ -159,7 +159,9 @@ async def _worker(args: argparse.Namespace) -> int:
 
     settings, topology = _settings_and_topology()
     registry = _registry(args.handlers, demo=args.demo or not args.handlers)
-    engine = create_engine(settings.database_url, pool_size=max(4, args.concurrency))
+    engine = create_engine(
+        settings.database_url, pool_size=min(settings.db_pool_size, max(4, args.concurrency))
+    )
     async with AsyncExitStack() as stack:
         stack.push_async_callback(engine.dispose)
         worker = Worker(

@@ -27,6 +27,9 @@ class Settings:
     api_key: str | None = None
     topology_path: Path | None = None
     max_payload_bytes: int = 256 * 1024
+    # Postgres connections per process (a fixed pool: opening and closing
+    # connections under load costs Postgres a process each time).
+    db_pool_size: int = 20
     # None: the process decides (info; warning for `jobplane dev`, whose
     # terminal shows the demo's progress bar).
     log_level: str | None = None
@@ -46,6 +49,12 @@ class Settings:
             raise ConfigError("JOBPLANE_MAX_PAYLOAD_BYTES must be an integer") from exc
         if max_payload <= 0:
             raise ConfigError("JOBPLANE_MAX_PAYLOAD_BYTES must be positive")
+        try:
+            pool = int(env.get("JOBPLANE_DB_POOL_SIZE", base.db_pool_size))
+        except ValueError as exc:
+            raise ConfigError("JOBPLANE_DB_POOL_SIZE must be an integer") from exc
+        if pool <= 0:
+            raise ConfigError("JOBPLANE_DB_POOL_SIZE must be positive")
         faults = frozenset(p for p in env.get("JOBPLANE_FAULTS", "").split(",") if p.strip())
         return replace(
             base,
@@ -56,6 +65,7 @@ class Settings:
             api_key=env.get("JOBPLANE_API_KEY") or None,
             topology_path=Path(topology) if topology else None,
             max_payload_bytes=max_payload,
+            db_pool_size=pool,
             log_level=(env.get("JOBPLANE_LOG_LEVEL") or "").lower() or None,
             log_format=env.get("JOBPLANE_LOG_FORMAT", base.log_format).lower(),
             faults=frozenset(f.strip() for f in faults),

@@ -107,15 +107,20 @@ def test_settings_from_env() -> None:
             "JOBPLANE_LISTEN": "0.0.0.0:6000",
             "JOBPLANE_MAX_PAYLOAD_BYTES": "1024",
             "JOBPLANE_FAULTS": "a, b",
+            "JOBPLANE_DB_POOL_SIZE": "7",
         }
     )
     assert settings.database_url == "postgresql://u@h/db"
     assert settings.listen == "0.0.0.0:6000"
     assert settings.max_payload_bytes == 1024
     assert settings.faults == frozenset({"a", "b"})
+    assert settings.db_pool_size == 7
     assert Settings.from_env({}).listen == "127.0.0.1:50051"
     with pytest.raises(ConfigError):
         Settings.from_env({"JOBPLANE_MAX_PAYLOAD_BYTES": "lots"})
+    for bad in ("0", "-1", "many"):
+        with pytest.raises(ConfigError):
+            Settings.from_env({"JOBPLANE_DB_POOL_SIZE": bad})
 
 
 def test_demo_registry_has_the_documented_handlers() -> None:

@@ -24,11 +24,16 @@ def asyncpg_dsn(url: str) -> str:
 
 
 def create_engine(url: str, *, pool_size: int = 10, **kwargs: Any) -> AsyncEngine:
-    """The SQLAlchemy async engine every jobplane process uses for its SQL."""
+    """The SQLAlchemy async engine every jobplane process uses for its SQL.
+
+    The pool has a fixed size: under load, callers wait for a pooled
+    connection instead of opening (and closing) overflow ones, each of which
+    costs Postgres a new backend process.
+    """
     return create_async_engine(
         sqlalchemy_url(url),
         pool_size=pool_size,
-        max_overflow=pool_size,
+        max_overflow=0,
         pool_pre_ping=False,
         **kwargs,
     )
