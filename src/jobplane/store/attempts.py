@@ -97,6 +97,8 @@ _CLAIM = text(
         "id = :id AND tenant_id = :tenant_id AND dispatch_id = :dispatch_id "
         "AND attempt - retry_base < max_attempts "
         "AND (state = 'queued' OR (state = 'running' AND lease_expires_at < now()))",
+        "type, payload, attempt, max_attempts, retry_base, correlation_id, request_id, "
+        "timeout_seconds, queue",
     )
 )
 _INSPECT = text(
@@ -115,6 +117,7 @@ _EXHAUST = text(
         "id = :id AND tenant_id = :tenant_id AND dispatch_id = :dispatch_id "
         "AND attempt - retry_base >= max_attempts "
         "AND (state = 'queued' OR (state = 'running' AND lease_expires_at < now()))",
+        "id",
     )
 )
 _HEARTBEAT = text(
@@ -172,6 +175,7 @@ _SUCCEED = text(
         f"state = 'succeeded', result = CAST(:result AS jsonb), progress = 1, "
         f"error_code = NULL, error_message = NULL, error_retryable = false, {_END}",
         _FENCE,
+        "id",
     )
 )
 _FAIL = text(
@@ -179,6 +183,7 @@ _FAIL = text(
         f"state = 'failed', error_code = :error_code, error_message = :error_message, "
         f"error_retryable = :retryable, {_END}",
         _FENCE,
+        "id",
     )
 )
 _CANCELLED = text(
@@ -186,6 +191,7 @@ _CANCELLED = text(
         f"state = 'cancelled', error_code = 'CANCELLED', "
         f"error_message = coalesce(cancel_reason, 'cancelled'), error_retryable = false, {_END}",
         _FENCE,
+        "id",
     )
 )
 _SCHEDULE_RETRY = text(
@@ -195,6 +201,7 @@ _SCHEDULE_RETRY = text(
         "dispatch_id = :dispatch_id, retry_base = retry_base + :refund, "
         "next_attempt_time = now() + make_interval(secs => :delay)",
         _FENCE,
+        "id",
     )
 )
 _INSERT_RETRY_OUTBOX = text(OUTBOX_FOR_JOB_SQL)

@@ -23,19 +23,32 @@ JOB_COLUMNS = """
 """
 
 
-def transition_sql(set_clause: str, where_clause: str) -> str:
+# What the event of a transition is made of; every transition returns these.
+_EVENT_SOURCE = "id, tenant_id, state, progress, attempt, last_seq"
+
+
+def transition_sql(set_clause: str, where_clause: str, returning: str = JOB_COLUMNS) -> str:
     """One statement that updates a job and appends one event under its row lock.
 
     The UPDATE takes the row lock and bumps ``last_seq``; the event gets that
     seq, so seqs are gap-free and in commit order for each job. The NOTIFY is a
     hint for watchers, sent at commit. Binds: ``:event_type``,
     ``:event_message``, ``:event_data`` (JSON text) plus the clauses' own.
+    The statement returns the ``returning`` columns of the updated row (all of
+    them by default; decoding fewer is cheaper) — no row when none matched.
     """
+    if returning == JOB_COLUMNS:
+        columns, selected = JOB_COLUMNS, "j.*"
+    else:
+        wanted = [c.strip() for c in returning.split(",")]
+        source = [c.strip() for c in _EVENT_SOURCE.split(",")]
+        columns = ", ".join(source + [c for c in wanted if c not in source])
+        selected = ", ".join(f"j.{c}" for c in wanted)
     return f"""
     WITH j AS (
         UPDATE jobs SET {set_clause}, last_seq = last_seq + 1, update_time = now()
         WHERE {where_clause}
-        RETURNING {JOB_COLUMNS}
+        RETURNING {columns}
     ), e AS (
         INSERT INTO job_events
             (job_id, seq, tenant_id, type, state, progress, message, data, attempt)
@@ -43,7 +56,7 @@ def transition_sql(set_clause: str, where_clause: str) -> str:
                CAST(:event_data AS jsonb), attempt
         FROM j
     )
-    SELECT j.*, pg_notify('{EVENTS_CHANNEL}', j.id::text) AS notified FROM j
+    SELECT {selected}, pg_notify('{EVENTS_CHANNEL}', j.id::text) AS notified FROM j
     """
 
 
