@@ -10,6 +10,7 @@ import pytest
 from jobplane.config import ConfigError, Settings
 from jobplane.envelope import Envelope, EnvelopeError
 from jobplane.errors import InvalidArgument
+from jobplane.ids import new_id
 from jobplane.names import job_name, parse_job_name, validate_job_type
 from jobplane.topology import TopologyError, load_topology, parse_topology, topic_matches
 from jobplane.workers.demo import registry as demo_registry
@@ -173,3 +174,10 @@ def test_backoff_grows_with_jitter_and_is_capped() -> None:
         delays = [backoff(attempt, base=1.0, cap=30.0) for _ in range(50)]
         assert all(ceiling / 2 <= d <= ceiling for d in delays)
         assert len(set(delays)) > 1  # jittered
+
+
+def test_new_ids_are_version_7_and_ordered_by_creation() -> None:
+    ids = [new_id() for _ in range(10_000)]
+    assert all(type(i) is uuid.UUID and i.version == 7 for i in ids)
+    assert ids == sorted(ids)
+    assert len(set(ids)) == len(ids)

@@ -20,6 +20,7 @@ from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from jobplane.envelope import Envelope
+from jobplane.ids import new_id
 from jobplane.store.engine import autocommit
 from jobplane.store.rows import EVENTS_CHANNEL, OUTBOX_FOR_JOB_SQL, dumps, transition_sql
 from jobplane.types import JobState
@@ -350,7 +351,7 @@ class AttemptStore:
         ``refund``: the attempt does not count against max_attempts (it was
         interrupted by a shutdown, not failed by the job).
         """
-        dispatch_id = uuid.uuid4()
+        dispatch_id = new_id()
         extra = {
             "error_code": code,
             "error_message": message,

@@ -17,6 +17,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from jobplane.errors import JobAlreadyTerminal, JobNotFound, JobNotRetryable, RequestIdReused
 from jobplane.faults import NO_FAULTS, FaultPoints
+from jobplane.ids import new_id
 from jobplane.store.engine import autocommit
 from jobplane.store.rows import (
     CANCEL_CHANNEL,
@@ -189,8 +190,8 @@ class JobStore:
         request_id and the same request returns the stored job; a different
         request with that request_id raises :class:`RequestIdReused`.
         """
-        job_id = uuid.uuid4()
-        dispatch_id = uuid.uuid4()
+        job_id = new_id()
+        dispatch_id = new_id()
         fingerprint = new.fingerprint()
         params = {
             "id": job_id,
@@ -296,7 +297,7 @@ class JobStore:
 
     async def retry(self, tenant_id: uuid.UUID, job_id: uuid.UUID) -> Job:
         """A FAILED or CANCELLED job → QUEUED for a new attempt, through the outbox."""
-        dispatch_id = uuid.uuid4()
+        dispatch_id = new_id()
         async with self._engine.begin() as conn:
             current = await self._lock(conn, tenant_id, job_id)
             if current.state not in (JobState.FAILED, JobState.CANCELLED):

@@ -14,6 +14,7 @@ from typing import Any
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from jobplane.ids import new_id
 from jobplane.store.rows import OUTBOX_FOR_JOB_SQL, dumps, job_from_row, transition_sql
 from jobplane.types import Job
 
@@ -95,7 +96,7 @@ class SweepStore:
                 }
                 message = f"attempt {row.attempt} stopped heartbeating (its worker died or hung)"
                 if row.attempt - row.retry_base < row.max_attempts:
-                    dispatch_id = uuid.uuid4()
+                    dispatch_id = new_id()
                     await conn.execute(
                         _REQUEUE,
                         {
@@ -142,7 +143,7 @@ class SweepStore:
 
         None when the job is unknown, finished, or held by a live attempt.
         """
-        dispatch_id = uuid.uuid4()
+        dispatch_id = new_id()
         async with self._engine.begin() as conn:
             row = (
                 (
