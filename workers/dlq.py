@@ -11,10 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-import aio_pika
 from aio_pika.abc import AbstractIncomingMessage
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from jobplane import broker
 from jobplane.envelope import Envelope, EnvelopeError
 from jobplane.store.sweeps import SweepStore
 from jobplane.topology import Topology, declare
@@ -86,7 +86,7 @@ class FailedQueue:
 
     async def list(self, limit: int = 100) -> list[FailedMessage]:
         """Up to ``limit`` messages; they stay in the queue."""
-        connection = await aio_pika.connect(self._amqp_url)
+        connection = await broker.connect(self._amqp_url)
         async with connection:
             channel = await connection.channel()
             await declare(channel, self._topology)
@@ -109,7 +109,7 @@ class FailedQueue:
         """
         store = SweepStore(engine)
         report = ReplayReport()
-        connection = await aio_pika.connect(self._amqp_url)
+        connection = await broker.connect(self._amqp_url)
         async with connection:
             channel = await connection.channel()
             await declare(channel, self._topology)
@@ -142,7 +142,7 @@ class FailedQueue:
 
     async def purge(self) -> int:
         """Drop every message; returns how many there were."""
-        connection = await aio_pika.connect(self._amqp_url)
+        connection = await broker.connect(self._amqp_url)
         async with connection:
             channel = await connection.channel()
             await declare(channel, self._topology)

@@ -20,6 +20,7 @@ from aio_pika.abc import AbstractConnection, AbstractExchange
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from jobplane import broker
 from jobplane.faults import NO_FAULTS, FaultPoints
 from jobplane.store.listen import Listener
 from jobplane.store.outbox import OutboxRow, OutboxStore
@@ -86,7 +87,7 @@ class Relay:
             while True:
                 connection: AbstractConnection | None = None
                 try:
-                    connection = await aio_pika.connect(self._amqp_url, timeout=10)
+                    connection = await broker.connect(self._amqp_url)
                     channel = await connection.channel(publisher_confirms=True)
                     exchange = await declare(channel, self._topology)
                     log.info("relay.connected")
@@ -110,7 +111,7 @@ class Relay:
 
     async def drain_once(self) -> int:
         """Connect, publish every row due now, disconnect; returns rows taken."""
-        connection = await aio_pika.connect(self._amqp_url, timeout=10)
+        connection = await broker.connect(self._amqp_url)
         async with connection:
             channel = await connection.channel(publisher_confirms=True)
             exchange = await declare(channel, self._topology)

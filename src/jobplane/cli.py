@@ -285,12 +285,11 @@ async def _keys_create(args: argparse.Namespace) -> int:
 
 
 async def _topology_apply(_args: argparse.Namespace) -> int:
-    import aio_pika
-
+    from jobplane import broker
     from jobplane.topology import declare
 
     settings, topology = _settings_and_topology()
-    connection = await aio_pika.connect(settings.amqp_url)
+    connection = await broker.connect(settings.amqp_url)
     async with connection:
         channel = await connection.channel()
         await declare(channel, topology)
