@@ -234,7 +234,13 @@ class Cluster:
             await conn.close()
 
     async def submit_many(
-        self, client: AsyncClient, count: int, job_type: str = "fault.work", **payload: Any
+        self,
+        client: AsyncClient,
+        count: int,
+        job_type: str = "fault.work",
+        *,
+        max_attempts: int = 0,
+        **payload: Any,
     ) -> list[str]:
         """Submit ``count`` jobs, repeating a call that failed (same request_id)."""
         names = []
@@ -242,7 +248,12 @@ class Cluster:
             request_id = f"{job_type}-{i}-{uuid.uuid4().hex[:8]}"
             for attempt in range(50):
                 try:
-                    job = await client.submit(job_type, {**payload, "i": i}, request_id=request_id)
+                    job = await client.submit(
+                        job_type,
+                        {**payload, "i": i},
+                        request_id=request_id,
+                        max_attempts=max_attempts,
+                    )
                     names.append(job.name)
                     break
                 except Exception:
