@@ -269,8 +269,16 @@ class FeedHub:
                 for feed in due:
                     del self._due[id(feed)]
                 due = [f for f in due if self._is_open(f)]
-                if due:
+                if not due:
+                    continue
+                try:
                     await self._read_due(due)
+                except Exception as exc:
+                    # A bug, not the database (_read_due handles that): end
+                    # these streams (clients resume) rather than leave them hanging.
+                    log.exception("watch.reader_failed", jobs=len(due))
+                    for feed in due:
+                        self._fail(feed, exc)
 
     async def _read_due(self, due: list[JobFeed]) -> None:
         try:

@@ -311,3 +311,23 @@ async def test_a_reconnect_of_the_listener_rereads_every_feed(log: Log, listener
     listener.wake_all()  # what the listener does when it reconnects
     await asyncio.wait_for(task, 5)
     assert got == [1, 2]
+
+
+async def test_a_broken_read_ends_the_streams_instead_of_hanging_them(
+    log: Log, listener: Listener
+) -> None:
+    async def short_read(
+        wanted: Sequence[tuple[uuid.UUID, uuid.UUID, int]], limit: int
+    ) -> list[StreamRead | None]:
+        reads = await log.read(wanted, limit)
+        return reads if len(wanted) == 1 and log.reads == 1 else []  # later: one short
+
+    hub = FeedHub(short_read, listener, recheck_seconds=60)
+    job = uuid.uuid4()
+    log.add(job)
+    task = asyncio.create_task(collect(hub.watch(TENANT, job, 0), []))
+    await settle()
+    notify(listener, job)
+    with pytest.raises(ValueError, match="zip"):
+        await asyncio.wait_for(task, 5)
+    assert hub.feed_count == 0
