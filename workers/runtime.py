@@ -17,10 +17,11 @@ from typing import Any, TypeVar
 
 import aio_pika
 import structlog
-from aio_pika.abc import AbstractIncomingMessage, AbstractRobustConnection
+from aio_pika.abc import AbstractConnection, AbstractIncomingMessage
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from jobplane import broker
 from jobplane.envelope import Envelope, EnvelopeError
 from jobplane.faults import NO_FAULTS, FaultPoints
 from jobplane.names import job_name
@@ -243,7 +244,7 @@ class Worker:
         self._faults = faults
         self._cancels = Listener(database_url, CANCEL_CHANNEL)
         self._cancels.on_notify(self._on_cancel_notification)
-        self._connection: AbstractRobustConnection | None = None
+        self._connection: AbstractConnection | None = None
         self._consumers: list[tuple[aio_pika.abc.AbstractQueue, str]] = []
         self._tasks: set[asyncio.Task[None]] = set()
         self._running: dict[str, _Running] = {}
@@ -264,7 +265,7 @@ class Worker:
         for name in self._queues:
             self._topology.queue(name)  # unknown queue names fail here, not later
         await self._cancels.start()
-        self._connection = await aio_pika.connect_robust(self._amqp_url)
+        self._connection = await broker.connect(self._amqp_url, robust=True)
         channel = await self._connection.channel()
         await channel.set_qos(prefetch_count=self._prefetch)
         await declare(channel, self._topology)

@@ -13,9 +13,14 @@ from aio_pika.abc import AbstractConnection
 from aio_pika.connection import make_url
 
 
-async def connect(url: str, *, timeout: float = 10.0) -> AbstractConnection:
-    """An open connection to ``url``, or the error (nothing left behind)."""
-    connection = aio_pika.Connection(make_url(url))
+async def connect(url: str, *, timeout: float = 10.0, robust: bool = False) -> AbstractConnection:
+    """An open connection to ``url``, or the error (nothing left behind).
+
+    ``robust``: a :class:`aio_pika.RobustConnection`, which reconnects (and
+    restores its channels and consumers) once it has been opened.
+    """
+    factory = aio_pika.RobustConnection if robust else aio_pika.Connection
+    connection = factory(make_url(url))
     try:
         await connection.connect(timeout=timeout)
     except BaseException:

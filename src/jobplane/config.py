@@ -43,18 +43,8 @@ class Settings:
         env = os.environ if env is None else env
         base = cls()
         topology = env.get("JOBPLANE_TOPOLOGY")
-        try:
-            max_payload = int(env.get("JOBPLANE_MAX_PAYLOAD_BYTES", base.max_payload_bytes))
-        except ValueError as exc:
-            raise ConfigError("JOBPLANE_MAX_PAYLOAD_BYTES must be an integer") from exc
-        if max_payload <= 0:
-            raise ConfigError("JOBPLANE_MAX_PAYLOAD_BYTES must be positive")
-        try:
-            pool = int(env.get("JOBPLANE_DB_POOL_SIZE", base.db_pool_size))
-        except ValueError as exc:
-            raise ConfigError("JOBPLANE_DB_POOL_SIZE must be an integer") from exc
-        if pool <= 0:
-            raise ConfigError("JOBPLANE_DB_POOL_SIZE must be positive")
+        max_payload = _positive_int(env, "JOBPLANE_MAX_PAYLOAD_BYTES", base.max_payload_bytes)
+        pool = _positive_int(env, "JOBPLANE_DB_POOL_SIZE", base.db_pool_size)
         faults = frozenset(p for p in env.get("JOBPLANE_FAULTS", "").split(",") if p.strip())
         return replace(
             base,
@@ -70,3 +60,13 @@ class Settings:
             log_format=env.get("JOBPLANE_LOG_FORMAT", base.log_format).lower(),
             faults=frozenset(f.strip() for f in faults),
         )
+
+
+def _positive_int(env: Mapping[str, str], name: str, default: int) -> int:
+    try:
+        value = int(env.get(name, default))
+    except ValueError as exc:
+        raise ConfigError(f"{name} must be an integer") from exc
+    if value <= 0:
+        raise ConfigError(f"{name} must be positive")
+    return value

@@ -286,16 +286,14 @@ class AttemptStore:
         return bool(row[0])
 
     async def write_progress(self, attempt: Attempt, updates: Sequence[ProgressUpdate]) -> bool:
-        """Store progress events in one transaction; returns whether cancel was requested."""
-        written = await self.write_progress_many([(attempt, updates)])
-        if written[0] is None:
-            raise LeaseLost(f"jobs/{attempt.job_id} attempt {attempt.attempt} was fenced out")
-        return written[0]
+        """Store progress events in one statement; returns whether cancel was requested."""
+        async with self._auto.connect() as conn:
+            return await self._progress(conn, attempt, updates)
 
     async def write_progress_many(
         self, batches: Sequence[tuple[Attempt, Sequence[ProgressUpdate]]]
     ) -> list[bool | None]:
-        """Store the progress of many attempts in one transaction.
+        """Store the progress of many attempts in one statement.
 
         For each batch, in order: whether cancellation of its job was
         requested, or None when the attempt was fenced out (nothing of it was

@@ -141,8 +141,6 @@ _INSERT_OUTBOX = text(
     """
 )
 
-# The next events of a job and, from the same snapshot, whether the job has
-# ended: one statement per watcher read. No row at all: no such job here.
 # Many watchers' reads in one statement: for each (job, tenant, after_seq) the
 # next events and the job's state, all from one snapshot. A job missing from
 # the result (no row with its k) does not exist for that tenant.
@@ -171,7 +169,7 @@ class StreamRead:
 
     events: list[JobEvent]
     ended: bool
-    last_seq: int = 0  # the job's last seq when read
+    last_seq: int  # the job's last seq when read
 
 
 class JobStore:
