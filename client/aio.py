@@ -25,9 +25,12 @@ DEFAULT_ADDRESS = "127.0.0.1:50051"
 Req = TypeVar("Req")
 Resp = TypeVar("Resp")
 
-# Pauses between attempts of a call that is safe to repeat (reads, and submit
-# with its request_id) when the server could not be reached.
-_UNARY_RETRY_DELAYS = (0.1, 0.2, 0.4)
+# A call that is safe to repeat (reads, and submit with its request_id) is
+# repeated while the server cannot be reached or its database is down, with
+# these pauses, until the call's deadline (the client's ``timeout``) passes.
+_UNARY_RETRY = RetryPolicy(initial_delay=0.05, max_delay=1.0, max_elapsed=None, jitter=0.2)
+# The deadline of repeated calls of a client created with ``timeout=None``.
+_UNBOUNDED_CALL_BUDGET = 60.0
 
 # grpc waits up to two minutes between reconnects of a broken channel by
 # default, and calls fail at once in between; a restarted server should be
@@ -150,17 +153,32 @@ class AsyncClient:
     ) -> Resp:
         """One unary call; a ``repeatable`` one is retried while it is refused.
 
-        Refused means UNAVAILABLE, a lost connection or a call the server shed
-        (:func:`is_retryable`).
+        Refused means UNAVAILABLE (the server or its database is down), a lost
+        connection or a call the server shed (:func:`is_retryable`). The
+        client's ``timeout`` is the deadline of the call with all its repeats.
         """
-        for delay in (*_UNARY_RETRY_DELAYS, None):
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + (self._timeout or _UNBOUNDED_CALL_BUDGET)
+        backoff = Backoff(_UNARY_RETRY)
+        while True:
+            remaining = deadline - loop.time()
             try:
-                return await method(request, timeout=self._timeout, metadata=self._metadata)
+                return await method(
+                    request,
+                    timeout=remaining if self._timeout is not None else None,
+                    metadata=self._metadata,
+                )
             except grpc.aio.AioRpcError as exc:
-                if not repeatable or delay is None or self._closed or not is_retryable(exc):
+                delay = backoff.failure()
+                if (
+                    not repeatable
+                    or self._closed
+                    or not is_retryable(exc)
+                    or delay is None
+                    or loop.time() + delay >= deadline
+                ):
                     raise error_from_rpc(exc) from exc
             await asyncio.sleep(delay)
-        raise AssertionError("unreachable: the last attempt returns or raises")
 
     async def submit(
         self,

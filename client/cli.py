@@ -60,6 +60,14 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help="server address (default: $JOBPLANE_ADDRESS, else 127.0.0.1:50051)",
     )
     group.add_argument("--api-key", metavar="KEY", help="API key (default: $JOBPLANE_API_KEY)")
+    group.add_argument(
+        "--call-timeout",
+        metavar="SECONDS",
+        type=float,
+        default=10.0,
+        help="give up on a call (and its repeats while the server is unreachable) after "
+        "this long (default 10)",
+    )
     json_flag = argparse.ArgumentParser(add_help=False)
     json_flag.add_argument("--json", action="store_true", help="print JSON instead of text")
     parents = [connection, json_flag]
@@ -145,7 +153,9 @@ def command(fn: Command) -> Callable[[argparse.Namespace], int]:
     """Wrap ``fn`` as an argparse ``func``: client from flags/env, errors as exit codes."""
 
     def run(args: argparse.Namespace) -> int:
-        client = AsyncClient.from_env(address=args.address, api_key=args.api_key)
+        client = AsyncClient.from_env(
+            address=args.address, api_key=args.api_key, timeout=args.call_timeout
+        )
         if client.api_key is None:
             _error("no API key: set JOBPLANE_API_KEY or pass --api-key")
             return EXIT_USAGE

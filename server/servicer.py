@@ -7,16 +7,14 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
-import asyncpg
 import grpc
 import structlog
-from sqlalchemy.exc import InterfaceError, OperationalError
-from sqlalchemy.exc import TimeoutError as PoolTimeout
 
 from jobplane.convert import dict_from_struct, event_to_pb, job_to_pb, state_from_pb
-from jobplane.errors import InternalError, JobplaneError, Unauthenticated, Unavailable
+from jobplane.errors import InternalError, JobplaneError, Unauthenticated
 from jobplane.server.service import JobService, SubmitRequest
 from jobplane.server.status import to_grpc_status
+from jobplane.store.down import DatabaseUnavailable, database_down
 from jobplane.store.keys import KeyStore
 from jobplane.v1 import jobs_pb2, jobs_pb2_grpc
 
@@ -30,20 +28,22 @@ Context = grpc.aio.ServicerContext[Any, Any]
 # A lost database connection, or no pooled connection free in time, is
 # UNAVAILABLE, not INTERNAL: the call may be repeated (submit is idempotent by
 # request_id; watch resumes by seq).
-_DATABASE_DOWN = (
-    PoolTimeout,
-    OperationalError,
-    InterfaceError,
-    OSError,
-    asyncpg.InterfaceError,
-    asyncpg.PostgresConnectionError,
-    asyncpg.AdminShutdownError,
-)
-_DB_UNAVAILABLE = Unavailable("the database is busy or unreachable right now; retry")
+_DB_UNAVAILABLE = DatabaseUnavailable("the database is busy or unreachable right now; retry")
 
 
 def _first_line(exc: BaseException) -> str:
     return (str(exc).splitlines() or [type(exc).__name__])[0]
+
+
+def _error_of(exc: Exception, rpc: str) -> JobplaneError:
+    """What the caller is told about ``exc``; anything unexpected is logged."""
+    if isinstance(exc, JobplaneError):
+        return exc
+    if database_down(exc):
+        log.warning("rpc.database_unavailable", rpc=rpc, error=_first_line(exc))
+        return _DB_UNAVAILABLE
+    log.exception("rpc.failed", rpc=rpc)
+    return InternalError()
 
 
 async def _abort(context: Context, error: JobplaneError) -> None:
@@ -60,14 +60,8 @@ def _unary(
         try:
             tenant = await self.authenticate(context)
             return await method(self, tenant, request)
-        except JobplaneError as error:
-            await _abort(context, error)
-        except _DATABASE_DOWN as exc:
-            log.warning("rpc.database_unavailable", rpc=method.__name__, error=_first_line(exc))
-            await _abort(context, _DB_UNAVAILABLE)
-        except Exception:
-            log.exception("rpc.failed", rpc=method.__name__)
-            await _abort(context, InternalError())
+        except Exception as exc:
+            await _abort(context, _error_of(exc, method.__name__))
         raise AssertionError("unreachable: abort raises")
 
     return wrapper
@@ -150,11 +144,5 @@ class JobServiceServicer(jobs_pb2_grpc.JobServiceServicer):
             tenant = await self.authenticate(context)
             async for event in self._service.watch(tenant, request.name, request.after_seq):
                 yield event_to_pb(event)
-        except JobplaneError as error:
-            await _abort(context, error)
-        except _DATABASE_DOWN as exc:
-            log.warning("rpc.database_unavailable", rpc="WatchJob", error=_first_line(exc))
-            await _abort(context, _DB_UNAVAILABLE)
-        except Exception:
-            log.exception("rpc.failed", rpc="WatchJob")
-            await _abort(context, InternalError())
+        except Exception as exc:
+            await _abort(context, _error_of(exc, "WatchJob"))

@@ -567,8 +567,9 @@ def test_sync_wait_timeout_is_not_mistaken_for_polling(monkeypatch: pytest.Monke
 
 
 def test_sync_call_raises_typed_errors() -> None:
-    # Nothing listens on port 1: the call fails fast with UNAVAILABLE.
-    with Client("127.0.0.1:1", "key", timeout=5) as client:
+    # Nothing listens on port 1: the call is repeated until its deadline, then
+    # fails with UNAVAILABLE.
+    with Client("127.0.0.1:1", "key", timeout=0.5) as client:
         with pytest.raises(Unavailable) as info:
             client.get("jobs/1")
         assert isinstance(info.value.__cause__, grpc.aio.AioRpcError)
@@ -638,7 +639,9 @@ def test_cli_exit_codes(
     assert args.func(args) == 2
     assert "must be a JSON object" in capsys.readouterr().err
 
-    args = parser().parse_args(["get", "x", "--api-key", "k", "--address", "127.0.0.1:1"])
+    args = parser().parse_args(
+        ["get", "x", "--api-key", "k", "--address", "127.0.0.1:1", "--call-timeout", "0.5"]
+    )
     assert args.func(args) == 1
     assert capsys.readouterr().err.startswith("error: UNAVAILABLE: ")
 
@@ -698,3 +701,58 @@ def test_bar_position_only_moves_on_progress() -> None:
 )
 def test_retryable_errors(code: grpc.StatusCode, details: str, retryable: bool) -> None:
     assert is_retryable(rpc_error(code, details)) is retryable
+
+
+class Flaky:
+    """A unary method that fails with ``error`` ``failures`` times, then answers."""
+
+    def __init__(self, failures: int, error: grpc.aio.AioRpcError) -> None:
+        self.failures = failures
+        self.error = error
+        self.calls = 0
+        self.timeouts: list[float | None] = []
+
+    async def __call__(self, request: Any, *, timeout: float | None, metadata: Any) -> str:
+        self.calls += 1
+        self.timeouts.append(timeout)
+        if self.calls <= self.failures:
+            raise self.error
+        return "answer"
+
+
+async def test_a_repeatable_call_is_repeated_until_its_deadline(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A database failover makes the server answer UNAVAILABLE for seconds,
+    # not for three quick repeats.
+    monkeypatch.setattr(
+        "jobplane.client.aio._UNARY_RETRY",
+        RetryPolicy(initial_delay=0.001, max_delay=0.02, max_elapsed=None, jitter=0),
+    )
+    client = AsyncClient("127.0.0.1:1", "key", timeout=5.0)
+    method = Flaky(12, rpc_error(grpc.StatusCode.UNAVAILABLE, "database down"))
+    assert await client._call(method, object(), repeatable=True) == "answer"  # type: ignore[arg-type]
+    assert method.calls == 13
+    # Each repeat gets what is left of the one deadline.
+    timeouts = [t for t in method.timeouts if t is not None]
+    assert len(timeouts) == 13
+    assert all(t <= 5.0 for t in timeouts)
+    assert timeouts == sorted(timeouts, reverse=True)
+
+
+async def test_repeats_stop_at_the_deadline_and_not_for_final_errors() -> None:
+    client = AsyncClient("127.0.0.1:1", "key", timeout=0.3)
+    down = Flaky(10_000, rpc_error(grpc.StatusCode.UNAVAILABLE, "down"))
+    with pytest.raises(Unavailable):
+        await client._call(down, object(), repeatable=True)  # type: ignore[arg-type]
+    assert 1 < down.calls < 100
+
+    refused = Flaky(10_000, rpc_error(grpc.StatusCode.INVALID_ARGUMENT, "bad"))
+    with pytest.raises(InvalidArgument):
+        await client._call(refused, object(), repeatable=True)  # type: ignore[arg-type]
+    assert refused.calls == 1
+
+    once = Flaky(10_000, rpc_error(grpc.StatusCode.UNAVAILABLE, "down"))
+    with pytest.raises(Unavailable):
+        await client._call(once, object(), repeatable=False)  # type: ignore[arg-type]
+    assert once.calls == 1

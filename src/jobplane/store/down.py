@@ -1,0 +1,67 @@
+"""One definition of "the database is down", for every process.
+
+A statement can fail because Postgres refused *it* (a constraint, a bug: the
+same statement fails again) or because the database could not be reached or
+dropped the session (a restart, a failover, ``pg_terminate_backend``, no
+pooled connection free in time: the same statement works later). Callers
+treat the second kind alike everywhere — the server answers UNAVAILABLE so
+clients repeat the call; workers, relays and sweepers wait and try again —
+so it is decided here, once.
+"""
+
+from __future__ import annotations
+
+import asyncpg
+from sqlalchemy.exc import DBAPIError
+from sqlalchemy.exc import TimeoutError as PoolTimeout
+
+from jobplane.errors import Unavailable
+
+# SQLSTATEs of a session the server ended or would not start. Class 08 is
+# "connection exception"; 57P01-57P03 are shutdowns and "cannot connect now";
+# 53300 is too_many_connections; 25006 (read-only transaction) is what a
+# demoted primary answers after a failover until clients reconnect.
+_DOWN_CLASSES = frozenset({"08"})
+_DOWN_STATES = frozenset({"57P01", "57P02", "57P03", "53300", "25006"})
+
+_DOWN_TYPES: tuple[type[BaseException], ...] = (
+    PoolTimeout,
+    OSError,  # includes ConnectionError and TimeoutError
+    asyncpg.PostgresConnectionError,
+    asyncpg.ConnectionDoesNotExistError,
+)
+
+
+class DatabaseUnavailable(Unavailable):
+    """The database is unreachable or busy right now; the call may be repeated."""
+
+
+def database_down(exc: BaseException) -> bool:
+    """True when ``exc`` means the database (not the statement) failed.
+
+    Looks through SQLAlchemy's wrapper and the exception chain, since drivers
+    wrap the socket error that says what happened.
+    """
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, DBAPIError):
+            if current.connection_invalidated:
+                return True
+            if isinstance(current.orig, BaseException) and _down(current.orig):
+                return True
+        elif _down(current):
+            return True
+        current = current.__cause__ or current.__context__
+    return False
+
+
+def _down(exc: BaseException) -> bool:
+    if isinstance(exc, _DOWN_TYPES):
+        return True
+    state = getattr(exc, "sqlstate", None) or getattr(exc, "pgcode", None)
+    if isinstance(state, str) and (state[:2] in _DOWN_CLASSES or state in _DOWN_STATES):
+        return True
+    cause = exc.__cause__
+    return cause is not None and cause is not exc and isinstance(cause, _DOWN_TYPES)
