@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import logging
 import signal
 import sys
 from collections.abc import Awaitable, Callable, Coroutine
@@ -305,12 +306,22 @@ def _async(fn: Callable[[argparse.Namespace], Coroutine[Any, Any, int]]) -> Call
     return call
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("jobplane")
+    except PackageNotFoundError:  # run from a source tree without an install
+        return "unknown"
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``jobplane`` command."""
     parser = argparse.ArgumentParser(
         prog="jobplane",
         description="jobplane: durable jobs with live progress over gRPC.",
     )
+    parser.add_argument("--version", action="version", version=f"jobplane {_version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     sub.add_parser("migrate", help="create the database if needed and migrate it").set_defaults(
@@ -384,10 +395,87 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+_OPERATOR_COMMANDS = frozenset({"migrate", "keys", "dlq", "topology", "sweep"})
+
+
+def _service_of(exc: BaseException) -> str | None:
+    """ "database" or "broker": whose driver raised ``exc`` (None: neither)."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        tb = current.__traceback__
+        modules = []
+        while tb is not None:
+            modules.append(str(tb.tb_frame.f_globals.get("__name__", "")))
+            tb = tb.tb_next
+        for module in reversed(modules):  # the innermost frame decides
+            if module.startswith(("asyncpg", "sqlalchemy", "alembic")):
+                return "database"
+            if module.startswith(("aiormq", "aio_pika", "pamqp")):
+                return "broker"
+        current = current.__cause__ or current.__context__
+    return None
+
+
+def _fatal_message(exc: Exception) -> str | None:
+    """One line for an operator when a service is down or refuses; None: a bug."""
+    from jobplane.store.down import database_down
+
+    settings = Settings.from_env()
+    first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+    service = _service_of(exc)
+    if service == "database":
+        where = _without_password(settings.database_url)
+        if database_down(exc):
+            return f"cannot reach Postgres at {where}: {first}"
+        state = _sqlstate(exc)
+        if state == "42P01":
+            return f"the database at {where} has no jobplane tables: run `jobplane migrate`"
+        if state == "3D000":
+            return f"the database at {where} does not exist: run `jobplane migrate`"
+        return f"Postgres at {where} refused: {first}"
+    if service == "broker":
+        where = _without_password(settings.amqp_url)
+        import aiormq
+
+        if isinstance(exc, aiormq.exceptions.ProbableAuthenticationError):
+            return f"RabbitMQ at {where} refused the login: {first}"
+        if isinstance(exc, OSError | aiormq.exceptions.AMQPConnectionError | TimeoutError):
+            return f"cannot reach RabbitMQ at {where}: {first}"
+        return f"RabbitMQ at {where} refused: {first}"
+    return None
+
+
+def _sqlstate(exc: BaseException) -> str | None:
+    current: BaseException | None = exc
+    for _ in range(5):
+        if current is None:
+            return None
+        state = getattr(current, "sqlstate", None) or getattr(current, "pgcode", None)
+        if isinstance(state, str):
+            return state
+        current = getattr(current, "orig", None) or current.__cause__
+    return None
+
+
+def _without_password(url: str) -> str:
+    from sqlalchemy.engine import make_url
+
+    try:
+        return make_url(url).render_as_string(hide_password=True)
+    except Exception:  # an AMQP URL SQLAlchemy cannot parse: say only the scheme
+        return url.rsplit("@", maxsplit=1)[-1] if "@" in url else url
+
+
 def main(argv: list[str] | None = None) -> None:
     """Entry point of the ``jobplane`` console script."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command in _OPERATOR_COMMANDS:
+        # The drivers log a failed connect themselves; the command says it
+        # once, in its own line.
+        logging.getLogger("aiormq").setLevel(logging.CRITICAL)
     try:
         code = args.func(args)
     except (ConfigError, TopologyError) as exc:
@@ -395,6 +483,12 @@ def main(argv: list[str] | None = None) -> None:
         code = 2
     except KeyboardInterrupt:
         code = 130
+    except Exception as exc:
+        message = _fatal_message(exc)
+        if message is None:
+            raise
+        print(f"error: {message}", file=sys.stderr)
+        code = 1
     with contextlib.suppress(Exception):
         sys.stdout.flush()
     raise SystemExit(code)
