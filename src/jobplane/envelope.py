@@ -1,4 +1,10 @@
-"""The broker message: a small, versioned envelope of ids (never payloads)."""
+"""The broker message: a small, versioned envelope of ids (never payloads).
+
+The version changes only when a reader of the previous one would misread a
+message. Fields are added as optional keys within a version: readers ignore
+keys they do not know, and a message without the new key is still read (a
+v1 message without ``deployment`` is one of this deployment's).
+"""
 
 from __future__ import annotations
 
@@ -10,6 +16,9 @@ from typing import Any
 ENVELOPE_VERSION = 1
 MESSAGE_TYPE = "jobplane.job.dispatch"
 MAX_ENVELOPE_BYTES = 64 * 1024
+# The AMQP header carrying the publishing deployment's id, besides the body,
+# so operators (and `jobplane dlq list`) see it without decoding.
+DEPLOYMENT_HEADER = "deployment"
 
 
 class EnvelopeError(ValueError):
@@ -25,21 +34,24 @@ class Envelope:
     tenant_id: uuid.UUID
     job_type: str
     correlation_id: str = ""
+    # The deployment that published it (see jobplane.store.deployment); None
+    # in messages of releases before it was carried.
+    deployment: str | None = None
 
     def encode(self) -> bytes:
         """The JSON body of the message."""
-        return json.dumps(
-            {
-                "v": ENVELOPE_VERSION,
-                "kind": MESSAGE_TYPE,
-                "event_id": str(self.event_id),
-                "job_id": str(self.job_id),
-                "tenant_id": str(self.tenant_id),
-                "type": self.job_type,
-                "correlation_id": self.correlation_id,
-            },
-            separators=(",", ":"),
-        ).encode()
+        data: dict[str, Any] = {
+            "v": ENVELOPE_VERSION,
+            "kind": MESSAGE_TYPE,
+            "event_id": str(self.event_id),
+            "job_id": str(self.job_id),
+            "tenant_id": str(self.tenant_id),
+            "type": self.job_type,
+            "correlation_id": self.correlation_id,
+        }
+        if self.deployment is not None:
+            data["deployment"] = self.deployment
+        return json.dumps(data, separators=(",", ":")).encode()
 
     @classmethod
     def decode(cls, body: bytes) -> Envelope:
@@ -54,6 +66,11 @@ class Envelope:
             raise EnvelopeError("not a JSON object")
         if data.get("v") != ENVELOPE_VERSION or data.get("kind") != MESSAGE_TYPE:
             raise EnvelopeError(f"unsupported envelope v={data.get('v')!r}")
+        deployment = data.get("deployment")
+        if deployment is not None and not (
+            isinstance(deployment, str) and 0 < len(deployment) <= 64
+        ):
+            raise EnvelopeError("bad field: deployment")
         try:
             return cls(
                 event_id=uuid.UUID(str(data["event_id"])),
@@ -61,6 +78,7 @@ class Envelope:
                 tenant_id=uuid.UUID(str(data["tenant_id"])),
                 job_type=str(data["type"]),
                 correlation_id=str(data.get("correlation_id") or ""),
+                deployment=deployment,
             )
         except (KeyError, ValueError) as exc:
             raise EnvelopeError(f"bad field: {exc}") from exc

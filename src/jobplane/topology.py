@@ -2,20 +2,45 @@
 
 A topology is a TOML file (``JOBPLANE_TOPOLOGY``; ``topologies/default.toml``
 when unset). The server uses it to refuse job types that no queue takes; the
-relay publishes to its exchange; workers declare it and consume its queues.
+relay publishes to its exchange; workers consume its queues.
+
+``jobplane topology apply`` declares it (:func:`declare`, which needs the
+RabbitMQ *configure* permission). Relays and workers only check it
+(:func:`ensure`): passive declares, which need no permission at all, and a
+declaration of what is missing, which works for an account that may
+configure (``jobplane dev`` on a fresh vhost) and otherwise ends in one
+:class:`TopologyMissing` line. Their accounts need no configure rights.
+
+The topology also records its owner: a small classic queue (``<exchange>.owner``)
+holding one message with the id of the deployment that declared it first.
+Relays and workers of another deployment (another database) find a stranger's
+id there and report the collision at start.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import json
 import re
 import tomllib
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aio_pika
-from aio_pika.abc import AbstractChannel, AbstractExchange
+import aiormq
+import structlog
+from aio_pika.abc import AbstractChannel, AbstractConnection, AbstractExchange
+
+from jobplane.broker import access_refused
+
+if TYPE_CHECKING:
+    from jobplane.store.deployment import Deployment
+
+log = structlog.get_logger("jobplane.topology")
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,200}$")
 _PATTERN = re.compile(r"^(\*|#|[a-z0-9_-]+)(\.(\*|#|[a-z0-9_-]+))*$")
@@ -23,6 +48,10 @@ _PATTERN = re.compile(r"^(\*|#|[a-z0-9_-]+)(\.(\*|#|[a-z0-9_-]+))*$")
 
 class TopologyError(ValueError):
     """The topology file is not valid."""
+
+
+class TopologyMissing(TopologyError):
+    """Part of the topology is missing on the broker and this account may not declare it."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +96,11 @@ class Topology:
             if queue.name == name:
                 return queue
         raise TopologyError(f"no queue named {name!r} in the topology")
+
+    @property
+    def owner_queue(self) -> str:
+        """The queue that records which deployment owns this topology."""
+        return f"{self.exchange}.owner"
 
     def prefixed(self, prefix: str) -> Topology:
         """The same topology with every exchange and queue name prefixed."""
@@ -191,6 +225,7 @@ async def declare(channel: AbstractChannel, topology: Topology) -> AbstractExcha
         topology.failed_queue, durable=True, arguments={"x-queue-type": "quorum"}
     )
     await failed.bind(dlx, routing_key="")
+    await _declare_owner_queue(channel, topology.owner_queue)
     for spec in topology.queues:
         queue = await channel.declare_queue(
             spec.name,
@@ -206,3 +241,190 @@ async def declare(channel: AbstractChannel, topology: Topology) -> AbstractExcha
         for pattern in spec.bindings:
             await queue.bind(exchange, routing_key=pattern)
     return exchange
+
+
+@dataclass(frozen=True, slots=True)
+class Ownership:
+    """Which deployment owns a topology, as recorded on the broker, and who asked."""
+
+    ours: Deployment
+    # The owner's id and database as recorded; None when nothing is recorded
+    # (the owner queue is missing and this account may not create it).
+    owner_id: str | None
+    owner_database: str | None = None
+
+    @property
+    def conflict(self) -> bool:
+        """True when another deployment owns the topology (it shares our queues)."""
+        return self.owner_id is not None and self.owner_id != self.ours.id
+
+    def describe_owner(self) -> str:
+        """The owner, for people: its id and database."""
+        return f"{self.owner_id} (database {self.owner_database or '?'!r})"
+
+
+async def ensure(
+    connection: AbstractConnection, topology: Topology, deployment: Deployment
+) -> Ownership:
+    """Check the topology on the broker; declare only what is missing.
+
+    Each check is a passive declare on a channel of its own (a missing entity
+    closes the channel). Passive declares need no permission, so an account
+    without configure rights passes when the topology is there; when a part
+    is missing and the account may not declare it, :class:`TopologyMissing`
+    names what is missing. Bindings of existing queues are the operator's
+    (``jobplane topology apply``) and are left alone.
+
+    Then the owner queue is read; see :func:`claim_ownership`.
+    """
+    checks = [
+        (f"exchange {topology.exchange!r}", "exchange", topology.exchange),
+        (f"exchange {topology.dead_letter_exchange!r}", "exchange", topology.dead_letter_exchange),
+        (f"queue {topology.failed_queue!r}", "queue", topology.failed_queue),
+        *((f"queue {q.name!r}", "queue", q.name) for q in topology.queues),
+    ]
+    missing = [label for label, kind, name in checks if not await _exists(connection, kind, name)]
+    if missing:
+        try:
+            async with _channel(connection) as channel:
+                await declare(channel, topology)
+        except aiormq.exceptions.AMQPError as exc:
+            if not access_refused(exc):
+                raise
+            raise TopologyMissing(
+                f"the RabbitMQ topology is incomplete (missing {', '.join(missing)}) and this "
+                "account may not declare it: run `jobplane topology apply` with an account "
+                "that may configure"
+            ) from exc
+        log.info("topology.declared", missing=missing)
+    return await claim_ownership(connection, topology, deployment)
+
+
+async def claim_ownership(
+    connection: AbstractConnection,
+    topology: Topology,
+    deployment: Deployment,
+    *,
+    take_over: bool = False,
+) -> Ownership:
+    """Read the topology's owner; record ``deployment`` when there is none.
+
+    The owner queue holds one persistent message naming the deployment that
+    declared the topology first. It is read with basic.get and put back with
+    nack(requeue), which needs only read permission; recording needs write
+    permission (publishing to it). Creating the queue needs configure: an
+    account without it leaves an absent owner queue absent (nothing recorded,
+    a warning), because the owner is a diagnosis, not a condition of working.
+
+    ``take_over``: replace the recorded owner with ``deployment`` (for an
+    operator whose previous deployment is gone).
+    """
+    name = topology.owner_queue
+    if not await _exists(connection, "queue", name):
+        try:
+            async with _channel(connection) as channel:
+                await _declare_owner_queue(channel, name)
+        except aiormq.exceptions.AMQPError as exc:
+            if not access_refused(exc):
+                raise
+            log.warning(
+                "topology.owner.unrecorded",
+                queue=name,
+                reason="the owner queue is missing and this account may not declare it; "
+                "`jobplane topology apply` creates it",
+            )
+            return Ownership(deployment, None)
+    async with _channel(connection) as channel:
+        queue = await channel.get_queue(name, ensure=False)
+        if take_over:
+            await queue.purge()
+        recorded = None
+        for _ in range(3):  # more than one round only when a record races ours
+            recorded = await _peek(queue) or await _record(channel, name, deployment)
+            if recorded is not None:
+                break
+    if recorded is None:
+        return Ownership(deployment, None)
+    ownership = Ownership(deployment, *recorded)
+    if ownership.conflict:
+        log.error(
+            "topology.owner.conflict",
+            exchange=topology.exchange,
+            owner=ownership.describe_owner(),
+            this=str(deployment),
+            consequence="both deployments consume these queues; each hands the other's "
+            "messages back, which costs latency. Give each deployment its own vhost or "
+            "topology names (JOBPLANE_TOPOLOGY)",
+        )
+    return ownership
+
+
+async def _peek(queue: aio_pika.abc.AbstractQueue) -> tuple[str, str | None] | None:
+    """The recorded owner, left in the queue; None when nothing is recorded."""
+    # An empty answer may be another process peeking at this moment (its
+    # message is unacked, not ready): ask again before concluding.
+    for delay in (0.0, 0.05, 0.2):
+        await asyncio.sleep(delay)
+        message = await queue.get(no_ack=False, fail=False)
+        if message is not None:
+            await message.nack(requeue=True)
+            return _parse_owner(message.body)
+    return None
+
+
+async def _record(
+    channel: AbstractChannel, name: str, deployment: Deployment
+) -> tuple[str, str | None] | None:
+    """Record ``deployment`` as the owner; None if another record won the race."""
+    body = json.dumps({"deployment": deployment.id, "database": deployment.database}).encode()
+    try:
+        await channel.default_exchange.publish(
+            aio_pika.Message(body, delivery_mode=aio_pika.DeliveryMode.PERSISTENT),
+            routing_key=name,
+        )
+    except aio_pika.exceptions.DeliveryError:
+        return None  # the queue holds one message already (x-overflow reject-publish)
+    return deployment.id, deployment.database
+
+
+def _parse_owner(body: bytes) -> tuple[str, str | None]:
+    try:
+        data = json.loads(body)
+        return str(data["deployment"]), str(data.get("database") or "") or None
+    except (ValueError, KeyError, TypeError):
+        return "unreadable", None
+
+
+async def _declare_owner_queue(channel: AbstractChannel, name: str) -> None:
+    # Classic, not quorum: a quorum queue counts every nack(requeue) of the
+    # peek towards a delivery limit (RabbitMQ 4 sets one by default) and would
+    # drop the record. One message at most; a second record is refused.
+    await channel.declare_queue(
+        name,
+        durable=True,
+        arguments={"x-queue-type": "classic", "x-max-length": 1, "x-overflow": "reject-publish"},
+    )
+
+
+async def _exists(connection: AbstractConnection, kind: str, name: str) -> bool:
+    try:
+        async with _channel(connection) as channel:
+            if kind == "exchange":
+                await channel.get_exchange(name, ensure=True)
+            else:
+                await channel.get_queue(name, ensure=True)
+    except aiormq.exceptions.ChannelNotFoundEntity:
+        return False
+    return True
+
+
+@contextlib.asynccontextmanager
+async def _channel(connection: AbstractConnection) -> AsyncIterator[AbstractChannel]:
+    """A channel for one step; closed after it (if the broker has not closed it)."""
+    channel = await connection.channel()
+    try:
+        yield channel
+    finally:
+        if not channel.is_closed:
+            with contextlib.suppress(aiormq.exceptions.AMQPError, OSError):
+                await channel.close()
