@@ -1,7 +1,15 @@
-"""The relay side of the outbox: claim due rows, then mark what was confirmed."""
+"""The relay side of the outbox: claim due rows, then mark what the broker did.
+
+A row ends in one of three ways: published (a broker ack), due again after a
+backoff (a transient failure: the connection, a nack, a return), or failed
+(``failed_at``: the broker can never take it, or it came back unroutable for
+too long) — in which case its job is failed in the same transaction, fenced
+on the job's current dispatch, with a FAILED event.
+"""
 
 from __future__ import annotations
 
+import enum
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
@@ -11,6 +19,7 @@ from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from jobplane.envelope import Envelope
+from jobplane.store.rows import dumps, transition_sql
 
 # SKIP LOCKED lets any number of relays share the table: each takes rows no
 # other relay holds, and a relay that dies releases its rows with its
@@ -19,7 +28,7 @@ _CLAIM_DUE = text(
     """
     SELECT id, tenant_id, job_id, routing_key, correlation_id
     FROM outbox
-    WHERE published_at IS NULL AND available_at <= now()
+    WHERE published_at IS NULL AND failed_at IS NULL AND available_at <= now()
     ORDER BY available_at
     LIMIT :limit
     FOR UPDATE SKIP LOCKED
@@ -29,17 +38,61 @@ _MARK_PUBLISHED = text(
     "UPDATE outbox SET published_at = now(), publish_attempts = publish_attempts + 1 "
     "WHERE id = ANY(CAST(:ids AS uuid[]))"
 )
-_MARK_FAILED = text(
-    """
+_BACKOFF = "now() + make_interval(secs => least(30, 0.5 * 2 ^ least(publish_attempts, 6)))"
+_MARK_RETRY = text(
+    f"""
     UPDATE outbox SET publish_attempts = publish_attempts + 1, last_error = :error,
-        available_at = now()
-            + make_interval(secs => least(30, 0.5 * 2 ^ least(publish_attempts, 6)))
+        available_at = {_BACKOFF}
     WHERE id = ANY(CAST(:ids AS uuid[]))
     """
 )
-_NEXT_DUE = text(
-    "SELECT extract(epoch FROM min(available_at) - now()) FROM outbox WHERE published_at IS NULL"
+# A return counts towards giving up only with both enough returns and enough
+# time since the first: a topology being re-applied returns a few publishes
+# within seconds, and must not fail jobs.
+_MARK_RETURNED = text(
+    f"""
+    UPDATE outbox SET publish_attempts = publish_attempts + 1, last_error = :error,
+        returns = returns + 1, first_returned_at = coalesce(first_returned_at, now()),
+        available_at = {_BACKOFF}
+    WHERE id = ANY(CAST(:ids AS uuid[]))
+    RETURNING id, returns >= :min_returns
+        AND now() - first_returned_at >= make_interval(secs => :after) AS give_up
+    """
 )
+_MARK_FAILED = text(
+    "UPDATE outbox SET publish_attempts = publish_attempts + 1, last_error = :error, "
+    "failed_at = now() WHERE id = :id"
+)
+# The batch already holds its outbox rows; a cancel locks the job and then
+# its pending outbox rows. Waiting for the job here could deadlock with it,
+# so the job is taken only if free (else the row is simply tried again).
+# Fenced on the dispatch: a job that moved on (cancelled, re-dispatched,
+# claimed from an earlier copy) is not this row's to fail.
+_LOCK_JOB = text(
+    "SELECT dispatch_id = :dispatch_id AND state = 'queued' AS current FROM jobs "
+    "WHERE id = :job_id FOR UPDATE SKIP LOCKED"
+)
+_FAIL_JOB = text(
+    transition_sql(
+        "state = 'failed', error_code = :code, error_message = :message, "
+        "error_retryable = false, dispatch_id = NULL, next_attempt_time = NULL, "
+        "lease_token = NULL, lease_expires_at = NULL, end_time = now()",
+        "id = :job_id AND dispatch_id = :dispatch_id AND state = 'queued'",
+        "id",
+    )
+)
+_NEXT_DUE = text(
+    "SELECT extract(epoch FROM min(available_at) - now()) FROM outbox "
+    "WHERE published_at IS NULL AND failed_at IS NULL"
+)
+
+
+class GiveUp(enum.Enum):
+    """What giving up on an outbox row did."""
+
+    JOB_FAILED = "job_failed"  # the row is failed, and its job with it
+    MOVED_ON = "moved_on"  # the row is failed; its job had another dispatch or state
+    BUSY = "busy"  # nothing: the job row was locked; try again later
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,12 +119,60 @@ class OutboxBatch:
         if ids:
             await self._conn.execute(_MARK_PUBLISHED, {"ids": [str(i) for i in ids]})
 
-    async def mark_failed(self, ids: Sequence[uuid.UUID], error: str) -> None:
+    async def mark_retry(self, ids: Sequence[uuid.UUID], error: str) -> None:
         """Leave these rows unpublished, due again after a backoff."""
         if ids:
             await self._conn.execute(
-                _MARK_FAILED, {"ids": [str(i) for i in ids], "error": error[:1000]}
+                _MARK_RETRY, {"ids": [str(i) for i in ids], "error": error[:1000]}
             )
+
+    async def mark_returned(
+        self, ids: Sequence[uuid.UUID], error: str, *, give_up_after: float, give_up_returns: int
+    ) -> list[uuid.UUID]:
+        """Rows the broker returned as unroutable: due again after a backoff.
+
+        Returns the ids of those returned at least ``give_up_returns`` times
+        over at least ``give_up_after`` seconds: the caller fails them.
+        """
+        if not ids:
+            return []
+        result = await self._conn.execute(
+            _MARK_RETURNED,
+            {
+                "ids": [str(i) for i in ids],
+                "error": error[:1000],
+                "min_returns": give_up_returns,
+                "after": give_up_after,
+            },
+        )
+        return [uuid.UUID(str(r.id)) for r in result if r.give_up]
+
+    async def fail(self, row: OutboxRow, code: str, message: str) -> GiveUp:
+        """Give up on ``row``: no longer due, and its job FAILED with ``code``.
+
+        :attr:`GiveUp.BUSY` (nothing written): the job row is locked by
+        another transaction; the caller leaves the row due and tries later.
+        """
+        message = message[:1000]
+        ids = {"job_id": row.envelope.job_id, "dispatch_id": row.id}
+        current = (await self._conn.execute(_LOCK_JOB, ids)).scalar_one_or_none()
+        if current is None:
+            return GiveUp.BUSY
+        await self._conn.execute(_MARK_FAILED, {"id": row.id, "error": message})
+        if not current:
+            return GiveUp.MOVED_ON
+        await self._conn.execute(
+            _FAIL_JOB,
+            {
+                **ids,
+                "code": code,
+                "message": message,
+                "event_type": "failed",
+                "event_message": message,
+                "event_data": dumps({"error": {"code": code, "retryable": False}}),
+            },
+        )
+        return GiveUp.JOB_FAILED
 
 
 class OutboxStore:
