@@ -5,6 +5,10 @@
 - Outbox rows due for too long and still unpublished: reported; the relay
   that runs the sweeper publishes them (``jobplane sweep --once`` does one
   relay pass itself).
+- Dispatches the broker lost: a QUEUED job whose current dispatch was
+  published more than ``republish_after`` seconds ago (doubling with each
+  re-publish of that dispatch) gets it published again. A copy of a message
+  that was not lost after all is harmless: the claim admits one.
 
 Safe to run in many processes at once: rows are taken with SKIP LOCKED and
 re-checked under the lock.
@@ -19,6 +23,7 @@ import structlog
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from jobplane.names import job_name
 from jobplane.store.sweeps import SweepStore
 from jobplane.tasks import cancel_and_wait
 from jobplane.workers.runtime import backoff
@@ -33,6 +38,7 @@ class SweepReport:
     requeued: int
     failed: int
     stuck_outbox: int
+    republished: int = 0
 
 
 class Sweeper:
@@ -46,12 +52,14 @@ class Sweeper:
         stuck_after: float = 60.0,
         batch_size: int = 100,
         retry_base_delay: float = 1.0,
+        republish_after: float = 600.0,
     ) -> None:
         self._store = SweepStore(engine)
         self._lease_grace = lease_grace
         self._stuck_after = stuck_after
         self._batch_size = batch_size
         self._retry_base_delay = retry_base_delay
+        self._republish_after = republish_after
         self._task: asyncio.Task[None] | None = None
 
     async def sweep_once(self) -> SweepReport:
@@ -67,8 +75,26 @@ class Sweeper:
             failed += repair.failed
             if repair.requeued + repair.failed < self._batch_size:
                 break
+        republished = 0
+        while True:
+            again = await self._store.republish_unclaimed(
+                after=self._republish_after, limit=self._batch_size
+            )
+            for dispatch in again:
+                log.warning(
+                    "sweeper.dispatch.republished",
+                    job=job_name(dispatch.job_id),
+                    event_id=str(dispatch.dispatch_id),
+                    republish=dispatch.count,
+                    next_after=self._republish_after * 2**dispatch.count,
+                )
+            republished += len(again)
+            if len(again) < self._batch_size:
+                break
         stuck = await self._store.stuck_outbox(older_than=self._stuck_after)
-        report = SweepReport(requeued=requeued, failed=failed, stuck_outbox=stuck)
+        report = SweepReport(
+            requeued=requeued, failed=failed, stuck_outbox=stuck, republished=republished
+        )
         if requeued or failed:
             log.warning("sweeper.leases.expired", requeued=requeued, failed=failed)
         if stuck:

@@ -1,4 +1,4 @@
-"""Repairs: expired leases, stuck outbox rows, and re-dispatch by job id.
+"""Repairs: expired leases, stuck outbox rows, lost dispatches, and re-dispatch by job id.
 
 Every statement locks the rows it repairs with SKIP LOCKED and re-checks the
 condition under the lock, so any number of sweepers may run at once.
@@ -15,7 +15,13 @@ from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from jobplane.ids import new_id
-from jobplane.store.rows import OUTBOX_FOR_JOB_SQL, dumps, job_from_row, transition_sql
+from jobplane.store.rows import (
+    OUTBOX_CHANNEL,
+    OUTBOX_FOR_JOB_SQL,
+    dumps,
+    job_from_row,
+    transition_sql,
+)
 from jobplane.types import Job
 
 _EXPIRED = text(
@@ -50,7 +56,35 @@ _STATE = text("SELECT state FROM jobs WHERE id = :id AND tenant_id = :tenant_id"
 _STUCK_OUTBOX = text(
     """
     SELECT count(*) FROM outbox
-    WHERE published_at IS NULL AND available_at < now() - make_interval(secs => :older_than)
+    WHERE published_at IS NULL AND failed_at IS NULL
+        AND available_at < now() - make_interval(secs => :older_than)
+    """
+)
+# A QUEUED job whose current dispatch was published long ago and never
+# claimed: its message was lost (a purged queue, a dead letter not replayed).
+# The same row is made due again, so the copy carries the same dispatch id and
+# whichever copy arrives first claims; the other finds the claim taken. The
+# wait doubles with each re-publish of the row: a deep backlog legitimately
+# holds messages for long, and must not be flooded with copies. Both rows are
+# locked (SKIP LOCKED): a job being claimed right now is left alone.
+_REPUBLISH = text(
+    f"""
+    WITH due AS (
+        SELECT o.id
+        FROM jobs j JOIN outbox o ON o.id = j.dispatch_id
+        WHERE j.state = 'queued' AND o.published_at IS NOT NULL
+            AND o.published_at < now()
+                - make_interval(secs => :after * power(2, least(o.republish_count, 20)))
+        ORDER BY o.published_at
+        LIMIT :limit
+        FOR UPDATE OF j, o SKIP LOCKED
+    ), r AS (
+        UPDATE outbox o SET published_at = NULL, available_at = now(),
+            republish_count = o.republish_count + 1
+        FROM due WHERE o.id = due.id
+        RETURNING o.id, o.job_id, o.republish_count
+    )
+    SELECT r.*, pg_notify('{OUTBOX_CHANNEL}', '') AS notified FROM r
     """
 )
 _REDISPATCH = text(
@@ -61,6 +95,15 @@ _REDISPATCH = text(
         "AND (state = 'queued' OR (state = 'running' AND lease_expires_at < now()))",
     )
 )
+
+
+@dataclass(frozen=True, slots=True)
+class Republished:
+    """A dispatch made due again: its job, and how often that row was re-published."""
+
+    job_id: uuid.UUID
+    dispatch_id: uuid.UUID
+    count: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,6 +180,19 @@ class SweepStore:
         async with self._engine.connect() as conn:
             count = (await conn.execute(_STUCK_OUTBOX, {"older_than": older_than})).scalar_one()
         return int(count)
+
+    async def republish_unclaimed(self, *, after: float, limit: int) -> list[Republished]:
+        """Make due again the dispatches of QUEUED jobs published long ago and never claimed.
+
+        "Long ago" is ``after`` seconds for a row's first re-publish, doubling
+        with each one after it.
+        """
+        async with self._engine.begin() as conn:
+            rows = (await conn.execute(_REPUBLISH, {"after": after, "limit": limit})).all()
+        return [
+            Republished(uuid.UUID(str(r.job_id)), uuid.UUID(str(r.id)), int(r.republish_count))
+            for r in rows
+        ]
 
     async def redispatch(self, tenant_id: uuid.UUID, job_id: uuid.UUID, reason: str) -> Job | None:
         """A fresh dispatch of a QUEUED job (or a RUNNING one whose lease ran out).
