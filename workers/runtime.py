@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 
 import aio_pika
 import structlog
-from aio_pika.abc import AbstractConnection, AbstractIncomingMessage
+from aio_pika.abc import AbstractChannel, AbstractConnection, AbstractIncomingMessage
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
@@ -33,10 +33,12 @@ from jobplane.store.attempts import (
     LeaseLost,
     ProgressUpdate,
 )
+from jobplane.store.deployment import Deployment, this_deployment
 from jobplane.store.listen import Listener
 from jobplane.store.rows import CANCEL_CHANNEL
 from jobplane.tasks import cancel_and_wait
-from jobplane.topology import Topology, TopologyError, declare
+from jobplane.topology import Ownership, Topology, TopologyError, ensure
+from jobplane.workers.handback import hand_back
 from jobplane.workers.handlers import JobContext, PermanentError, Registry, RetryableError
 
 log = structlog.get_logger("jobplane.worker")
@@ -232,6 +234,7 @@ class Worker:
     ) -> None:
         if concurrency < 1:
             raise ValueError("concurrency must be at least 1")
+        self._engine = engine
         self._store = AttemptStore(engine, lease_seconds=lease_seconds)
         self._amqp_url = amqp_url
         self._topology = topology
@@ -245,6 +248,10 @@ class Worker:
         self._cancels = Listener(database_url, CANCEL_CHANNEL)
         self._cancels.on_notify(self._on_cancel_notification)
         self._connection: AbstractConnection | None = None
+        self._handback: AbstractChannel | None = None
+        self._deployment: Deployment | None = None
+        self.ownership: Ownership | None = None
+        self.handed_back = 0
         self._consumers: list[tuple[aio_pika.abc.AbstractQueue, str]] = []
         self._tasks: set[asyncio.Task[None]] = set()
         self._running: dict[str, _Running] = {}
@@ -261,25 +268,49 @@ class Worker:
         return [job_name(k) for k in self._running]
 
     async def start(self) -> None:
-        """Declare the topology and start consuming."""
+        """Check the topology (declaring only what is missing) and start consuming.
+
+        Waits while the broker is down; raises :class:`TopologyMissing` when
+        part of the topology is missing and this account may not declare it.
+        """
         for name in self._queues:
             self._topology.queue(name)  # unknown queue names fail here, not later
+        self._deployment = await this_deployment(self._engine)
         await self._cancels.start()
-        self._connection = await broker.connect(self._amqp_url, robust=True)
-        channel = await self._connection.channel()
-        await channel.set_qos(prefetch_count=self._prefetch)
-        await declare(channel, self._topology)
-        for name in self._queues:
-            queue = await channel.get_queue(name)
-            tag = await queue.consume(self._on_message, no_ack=False)
-            self._consumers.append((queue, tag))
+        try:
+            self.ownership = await broker.until_up(self._check_topology, log)
+            self._connection = await broker.until_up(
+                lambda: broker.connect(self._amqp_url, robust=True), log
+            )
+            channel = await self._connection.channel()
+            await channel.set_qos(prefetch_count=self._prefetch)
+            self._handback = await self._connection.channel(publisher_confirms=True)
+            for name in self._queues:
+                # Passive: the robust channel restores it passively on reconnect too.
+                queue = await channel.get_queue(name)
+                tag = await queue.consume(self._on_message, no_ack=False)
+                self._consumers.append((queue, tag))
+        except BaseException:
+            if self._connection is not None:
+                with contextlib.suppress(Exception):
+                    await self._connection.close()
+                self._connection = None
+            await self._cancels.stop()
+            raise
         log.info(
             "worker.started",
             queues=self._queues,
             handlers=list(self._registry),
             concurrency=self._concurrency,
             prefetch=self._prefetch,
+            deployment=self._deployment.id,
         )
+
+    async def _check_topology(self) -> Ownership:
+        assert self._deployment is not None
+        connection = await broker.connect(self._amqp_url)
+        async with connection:
+            return await ensure(connection, self._topology, self._deployment)
 
     async def stop(self, grace: float = 10.0) -> None:
         """Stop consuming; give running handlers ``grace`` seconds, then cancel them."""
@@ -339,11 +370,40 @@ class Worker:
             await _settle(message.ack())
             return
         if claim.status is ClaimStatus.NOT_FOUND:
+            # Decided after the lookup, not before: a deployment whose identity
+            # changed (its database restored elsewhere) still runs its own jobs.
+            if envelope.deployment not in (None, self._deployment_id):
+                await self._hand_back(message, envelope, bound)
+                return
             bound.error("job.message.unknown_job")
             await _settle(message.reject(requeue=False))
             return
         bound.info("job.message.duplicate", status=claim.status.value)
         await _settle(message.ack())
+
+    @property
+    def _deployment_id(self) -> str | None:
+        return self._deployment.id if self._deployment is not None else None
+
+    async def _hand_back(
+        self, message: AbstractIncomingMessage, envelope: Envelope, bound: Any
+    ) -> None:
+        """A message of another deployment (no such job here): back to its queue."""
+        assert self._handback is not None
+        try:
+            hops = await hand_back(self._handback, message)
+        except Exception as exc:
+            bound.warning("job.message.hand_back_failed", error=repr(exc))
+            await _settle(message.nack(requeue=True))
+            return
+        await _settle(message.ack())
+        self.handed_back += 1
+        bound.info(
+            "job.message.handed_back",
+            owner=envelope.deployment,
+            this=self._deployment_id,
+            hops=hops,
+        )
 
     async def _claim(self, envelope: Envelope) -> ClaimResult:
         """Claim, waiting while another attempt holds a live lease.
