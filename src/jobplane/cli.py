@@ -109,8 +109,13 @@ async def _relay(args: argparse.Namespace) -> int:
             settings.amqp_url,
             topology,
             faults=FaultPoints(settings.faults),
-            sweeper=None if args.no_sweep else Sweeper(engine, lease_grace=args.lease_grace),
+            sweeper=None
+            if args.no_sweep
+            else Sweeper(
+                engine, lease_grace=args.lease_grace, republish_after=args.republish_after
+            ),
             sweep_interval=args.sweep_interval,
+            unroutable_after=args.unroutable_after,
         )
         await _started(stack, relay.start, relay.stop)
         await _until_signal()
@@ -118,6 +123,7 @@ async def _relay(args: argparse.Namespace) -> int:
 
 
 async def _sweep(args: argparse.Namespace) -> int:
+    from jobplane import broker
     from jobplane.store.engine import create_engine
     from jobplane.workers.relay import Relay
     from jobplane.workers.sweeper import Sweeper
@@ -125,13 +131,29 @@ async def _sweep(args: argparse.Namespace) -> int:
     settings, topology = _settings_and_topology()
     engine = create_engine(settings.database_url, pool_size=2)
     try:
-        sweeper = Sweeper(engine, lease_grace=args.lease_grace)
-        relay = Relay(engine, settings.database_url, settings.amqp_url, topology)
+        sweeper = Sweeper(
+            engine, lease_grace=args.lease_grace, republish_after=args.republish_after
+        )
+        relay = Relay(
+            engine,
+            settings.database_url,
+            settings.amqp_url,
+            topology,
+            unroutable_after=args.unroutable_after,
+        )
         while True:
             report = await sweeper.sweep_once()
-            published = await relay.drain_once()
+            try:
+                published = await relay.drain_once()
+            except Exception as exc:
+                # A loop outlives a broker restart; a single pass reports it (main).
+                if args.once or not broker.broker_down(exc):
+                    raise
+                print(f"broker unavailable, outbox not drained: {exc!r}", file=sys.stderr)
+                published = 0
             print(
                 f"leases: {report.requeued} requeued, {report.failed} failed; "
+                f"dispatches: {report.republished} re-published; "
                 f"outbox: {published} published, {report.stuck_outbox} were stuck",
                 file=sys.stderr,
             )
@@ -285,17 +307,49 @@ async def _keys_create(args: argparse.Namespace) -> int:
     return 0
 
 
-async def _topology_apply(_args: argparse.Namespace) -> int:
-    from jobplane import broker
-    from jobplane.topology import declare
+async def _topology_apply(args: argparse.Namespace) -> int:
+    from sqlalchemy.exc import DBAPIError
 
-    settings, topology = _settings_and_topology()
+    from jobplane import broker
+    from jobplane.store.deployment import this_deployment
+    from jobplane.store.engine import create_engine
+    from jobplane.topology import claim_ownership, declare
+
+    settings, topology = _settings_and_topology(log_level="warning")
     connection = await broker.connect(settings.amqp_url)
     async with connection:
         channel = await connection.channel()
         await declare(channel, topology)
-    names = ", ".join(q.name for q in topology.queues)
-    print(f"declared exchange {topology.exchange} and queues {names}", file=sys.stderr)
+        names = ", ".join(q.name for q in topology.queues)
+        print(f"declared exchange {topology.exchange} and queues {names}", file=sys.stderr)
+        # The owner is this deployment's database; an operator applying the
+        # topology from where Postgres is out of reach leaves the record to
+        # the first relay or worker.
+        engine = create_engine(settings.database_url, pool_size=1)
+        try:
+            deployment = await this_deployment(engine)
+        except (DBAPIError, OSError) as exc:
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+            print(
+                f"owner not recorded (Postgres: {first}); the first relay or worker records it",
+                file=sys.stderr,
+            )
+            return 0
+        finally:
+            await engine.dispose()
+        ownership = await claim_ownership(
+            connection, topology, deployment, take_over=args.take_ownership
+        )
+    if ownership.conflict:
+        print(
+            f"error: this topology is owned by deployment {ownership.describe_owner()}, not by "
+            f"this one, {deployment}: both would consume the same queues. Give each its own "
+            "vhost or topology names, or run `jobplane topology apply --take-ownership` if the "
+            "other deployment is gone",
+            file=sys.stderr,
+        )
+        return 1
+    print(f"owner: deployment {deployment}", file=sys.stderr)
     return 0
 
 
@@ -313,6 +367,23 @@ def _version() -> str:
         return version("jobplane")
     except PackageNotFoundError:  # run from a source tree without an install
         return "unknown"
+
+
+def _dispatch_repair_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--republish-after",
+        type=float,
+        default=600.0,
+        help="seconds a QUEUED job's published dispatch may go unclaimed before it is "
+        "published again (doubling with each re-publish)",
+    )
+    parser.add_argument(
+        "--unroutable-after",
+        type=float,
+        default=300.0,
+        help="seconds of returned (unroutable) publishes, at least 5, before a job fails "
+        "with JOB_TYPE_UNROUTABLE",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -334,6 +405,7 @@ def build_parser() -> argparse.ArgumentParser:
     relay.add_argument(
         "--lease-grace", type=float, default=5.0, help="seconds past a lease before repair"
     )
+    _dispatch_repair_options(relay)
     relay.set_defaults(func=_async(_relay))
 
     sweep = sub.add_parser("sweep", help="repair expired leases and stuck outbox rows")
@@ -342,6 +414,7 @@ def build_parser() -> argparse.ArgumentParser:
     sweep.add_argument(
         "--lease-grace", type=float, default=5.0, help="seconds past a lease before repair"
     )
+    _dispatch_repair_options(sweep)
     sweep.set_defaults(func=_async(_sweep))
 
     worker = sub.add_parser("worker", help="run job handlers")
@@ -385,9 +458,15 @@ def build_parser() -> argparse.ArgumentParser:
     topology = sub.add_parser("topology", help="RabbitMQ topology").add_subparsers(
         dest="topology", required=True
     )
-    topology.add_parser("apply", help="declare exchanges and queues").set_defaults(
-        func=_async(_topology_apply)
+    apply = topology.add_parser(
+        "apply", help="declare exchanges and queues (needs an account that may configure)"
     )
+    apply.add_argument(
+        "--take-ownership",
+        action="store_true",
+        help="record this deployment as the topology's owner, replacing another",
+    )
+    apply.set_defaults(func=_async(_topology_apply))
 
     from jobplane.client.cli import register
 
