@@ -55,6 +55,37 @@ def delete_vhost(name: str) -> None:
     _rabbitmqctl("delete_vhost", name)
 
 
+def create_user(
+    name: str, password: str, vhost: str, *, configure: str, write: str, read: str
+) -> str:
+    """A RabbitMQ user with these permissions on ``vhost``; returns its AMQP URL."""
+    _rabbitmqctl("add_user", name, password)
+    _rabbitmqctl("set_permissions", "-p", vhost, name, configure, write, read)
+    host = AMQP_BASE.rsplit("@", 1)[-1]
+    return f"amqp://{name}:{password}@{host}/{vhost}"
+
+
+def close_connections_of(user: str) -> int:
+    """Close every broker connection of ``user``; returns how many there were."""
+    ctl = shutil.which("rabbitmqctl") or "/usr/sbin/rabbitmqctl"
+    listing = subprocess.run(
+        [ctl, "-q", "list_connections", "user", "pid"],
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    ).stdout
+    pids = [line.split()[1] for line in listing.splitlines() if line.split()[:1] == [user]]
+    for pid in pids:
+        _rabbitmqctl("close_connection", pid, "closed by a test")
+    return len(pids)
+
+
+def delete_user(name: str) -> None:
+    """Remove a RabbitMQ user."""
+    _rabbitmqctl("delete_user", name)
+
+
 def run_id() -> str:
     """A short id that names this run's databases and vhost."""
     return uuid.uuid4().hex[:10]

@@ -1,14 +1,19 @@
-"""Opening a broker connection that cannot open leaves nothing behind."""
+"""Broker connections, the definition of "down", and what AMQP can carry."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import aio_pika
 import aiormq
 import pytest
+import structlog
 
 from jobplane import broker
+from jobplane.envelope import MAX_ENVELOPE_BYTES
+from jobplane.workers.handback import handback_delay
+from jobplane.workers.relay import Unpublishable, check_publishable
 
 
 @pytest.mark.parametrize("robust", [False, True])
@@ -29,3 +34,89 @@ async def test_a_connection_that_cannot_open_is_closed_not_left_to_the_gc(
         await broker.connect("amqp://guest:guest@127.0.0.1:1/", timeout=2, robust=robust)
     assert len(closed) == 1
     assert closed[0].is_closed
+
+
+@pytest.mark.parametrize(
+    ("error", "down"),
+    [
+        (ConnectionRefusedError(111, "refused"), True),
+        (TimeoutError(), True),
+        (aiormq.exceptions.ConnectionClosed(320, "CONNECTION_FORCED"), True),
+        (aiormq.exceptions.ChannelInvalidStateError("closed"), True),
+        (aiormq.exceptions.ChannelAccessRefused("ACCESS_REFUSED"), False),
+        (aiormq.exceptions.ChannelNotFoundEntity("NOT_FOUND"), False),
+        (aiormq.exceptions.ProbableAuthenticationError("login refused"), False),
+        (RuntimeError("a bug of ours"), False),
+        (ValueError("routing key too long"), False),
+    ],
+)
+def test_broker_down_tells_an_outage_from_a_refusal(error: BaseException, down: bool) -> None:
+    assert broker.broker_down(error) is down
+
+
+def test_access_refused() -> None:
+    assert broker.access_refused(aiormq.exceptions.ChannelAccessRefused("ACCESS_REFUSED"))
+    assert not broker.access_refused(aiormq.exceptions.ChannelNotFoundEntity("NOT_FOUND"))
+
+
+async def test_until_up_waits_out_an_outage_and_passes_a_refusal(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    calls: list[int] = []
+
+    async def flaky() -> str:
+        calls.append(1)
+        if len(calls) < 3:
+            raise ConnectionRefusedError(111, "refused")
+        return "up"
+
+    async def no_sleep(_seconds: float) -> None:
+        return None
+
+    monkeypatch.setattr(asyncio, "sleep", no_sleep)
+    log = structlog.get_logger("test")
+    assert await broker.until_up(flaky, log) == "up"
+    assert len(calls) == 3
+
+    async def refused() -> str:
+        raise aiormq.exceptions.ChannelAccessRefused("ACCESS_REFUSED")
+
+    with pytest.raises(aiormq.exceptions.ChannelAccessRefused):
+        await broker.until_up(refused, log)
+
+
+def _message(**kwargs: Any) -> aio_pika.Message:
+    kwargs.setdefault("headers", {"job_id": "j"})
+    return aio_pika.Message(b"{}", message_id="m", **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "routing_key", "says"),
+    [
+        ({"correlation_id": "c" * 256}, "demo.echo", "correlation id is 256 bytes"),
+        ({"correlation_id": "é" * 128}, "demo.echo", "correlation id is 256 bytes"),
+        ({}, "k" * 256, "routing key (job type) is 256 bytes"),
+        ({"headers": {"x": object()}}, "demo.echo", ""),
+        ({"headers": {"x": "h" * 5000}}, "demo.echo", "exceed one frame"),
+    ],
+)
+def test_a_message_amqp_cannot_carry_is_unpublishable(
+    kwargs: dict[str, Any], routing_key: str, says: str
+) -> None:
+    with pytest.raises(Unpublishable) as refused:
+        check_publishable(_message(**kwargs), "jobplane.jobs", routing_key)
+    assert says in str(refused.value)
+
+
+def test_the_longest_short_strings_are_publishable() -> None:
+    check_publishable(_message(correlation_id="c" * 255), "jobplane.jobs", "k" * 255)
+    big = aio_pika.Message(b"x" * MAX_ENVELOPE_BYTES, message_id="m")
+    check_publishable(big, "jobplane.jobs", "demo.echo")
+    with pytest.raises(Unpublishable):
+        check_publishable(aio_pika.Message(big.body + b"x"), "jobplane.jobs", "demo.echo")
+
+
+def test_hand_back_delay_grows_and_is_bounded() -> None:
+    delays = [handback_delay(hops) for hops in range(20)]
+    assert delays[0] < 0.05 and delays == sorted(delays)
+    assert max(delays) == 1.0
