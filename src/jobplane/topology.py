@@ -275,7 +275,8 @@ async def ensure(
     names what is missing. Bindings of existing queues are the operator's
     (``jobplane topology apply``) and are left alone.
 
-    Then the owner queue is read; see :func:`claim_ownership`.
+    Then the owner queue is read (see :func:`claim_ownership`); a topology
+    owned by another deployment is logged as an error (``topology.owner.conflict``).
     """
     checks = [
         (f"exchange {topology.exchange!r}", "exchange", topology.exchange),
@@ -297,7 +298,18 @@ async def ensure(
                 "that may configure"
             ) from exc
         log.info("topology.declared", missing=missing)
-    return await claim_ownership(connection, topology, deployment)
+    ownership = await claim_ownership(connection, topology, deployment)
+    if ownership.conflict:
+        log.error(
+            "topology.owner.conflict",
+            exchange=topology.exchange,
+            owner=ownership.describe_owner(),
+            this=str(deployment),
+            consequence="both deployments consume these queues; each hands the other's "
+            "messages back, which costs latency. Give each deployment its own vhost or "
+            "topology names (JOBPLANE_TOPOLOGY)",
+        )
+    return ownership
 
 
 async def claim_ownership(
@@ -345,18 +357,7 @@ async def claim_ownership(
                 break
     if recorded is None:
         return Ownership(deployment, None)
-    ownership = Ownership(deployment, *recorded)
-    if ownership.conflict:
-        log.error(
-            "topology.owner.conflict",
-            exchange=topology.exchange,
-            owner=ownership.describe_owner(),
-            this=str(deployment),
-            consequence="both deployments consume these queues; each hands the other's "
-            "messages back, which costs latency. Give each deployment its own vhost or "
-            "topology names (JOBPLANE_TOPOLOGY)",
-        )
-    return ownership
+    return Ownership(deployment, *recorded)
 
 
 async def _peek(queue: aio_pika.abc.AbstractQueue) -> tuple[str, str | None] | None:
