@@ -4,8 +4,8 @@ When two deployments (two databases) share a vhost and queue names, a worker
 of one receives the other's messages. Rejecting one would dead-letter it; a
 nack with requeue would count towards the quorum queue's delivery limit and
 end in the dead-letter exchange all the same. Instead the worker publishes an
-unchanged copy (with publisher confirms) to where the message was published,
-and only then acks the original: the copy starts with a fresh delivery count.
+unchanged copy (with publisher confirms) to the queue it came from, and only
+then acks the original: the copy starts with a fresh delivery count.
 
 A copy carries how many times it was handed back. When the other deployment
 has no worker running, its messages would circle between ours as fast as the
@@ -46,10 +46,18 @@ def hops_of(message: AbstractIncomingMessage) -> int:
 
 
 async def hand_back(
-    channel: AbstractChannel, message: AbstractIncomingMessage, *, timeout: float = 10.0
+    channel: AbstractChannel,
+    message: AbstractIncomingMessage,
+    queue: str | None,
+    *,
+    timeout: float = 10.0,
 ) -> int:
-    """Publish a copy of ``message`` where it came from; returns its hand-back count.
+    """Publish a copy of ``message`` to ``queue``; returns its hand-back count.
 
+    The copy goes straight to the queue the message was consumed from (through
+    the default exchange), not through the jobs exchange again: with
+    overlapping bindings that would put a copy in every matching queue at every
+    hand-back. Without a ``queue`` it goes where the original was published.
     The caller acks the original after this returns (and leaves it unacked if
     it raises: the broker then redelivers the original).
     """
@@ -70,12 +78,15 @@ async def hand_back(
         app_id=message.app_id,
         # user_id is left out: the broker checks it against our own login.
     )
-    if message.exchange:
+    if queue is not None:
+        exchange, routing_key = channel.default_exchange, queue
+    elif message.exchange:
         exchange = await channel.get_exchange(message.exchange, ensure=False)
+        routing_key = message.routing_key or ""
     else:
-        exchange = channel.default_exchange
+        exchange, routing_key = channel.default_exchange, message.routing_key or ""
     confirmation = await exchange.publish(
-        copy, routing_key=message.routing_key or "", mandatory=True, timeout=timeout
+        copy, routing_key=routing_key, mandatory=True, timeout=timeout
     )
     if not isinstance(confirmation, aiormq.spec.Basic.Ack):
         raise HandBackFailed(f"not confirmed: {type(confirmation).__name__}")

@@ -390,8 +390,9 @@ class Worker:
     ) -> None:
         """A message of another deployment (no such job here): back to its queue."""
         assert self._handback is not None
+        queue = next((q.name for q, tag in self._consumers if tag == message.consumer_tag), None)
         try:
-            hops = await hand_back(self._handback, message)
+            hops = await hand_back(self._handback, message, queue)
         except Exception as exc:
             bound.warning("job.message.hand_back_failed", error=repr(exc))
             await _settle(message.nack(requeue=True))
