@@ -31,6 +31,7 @@ import aio_pika
 import asyncpg
 from sqlalchemy import text
 
+from jobplane import broker
 from jobplane.client import AsyncClient
 from jobplane.store import attempts, outbox, sweeps
 from jobplane.store import jobs as job_store
@@ -513,7 +514,7 @@ async def floors(bench: Bench) -> dict[str, float]:
     result["postgres_submit_tx"] = count / seconds
     bench.add(Figure("floor_postgres_submit_tx", count / seconds, "tx/s", {"connections": 8}))
 
-    connection = await aio_pika.connect(bench.amqp_url)
+    connection = await broker.connect(bench.amqp_url)
     async with connection:
         channel = await connection.channel(publisher_confirms=True)
         queue = await channel.declare_queue(
