@@ -11,7 +11,6 @@ import asyncio
 import contextlib
 import enum
 import json
-import random
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -38,6 +37,8 @@ from jobplane.store.rows import CANCEL_CHANNEL
 from jobplane.tasks import cancel_and_wait
 from jobplane.topology import Topology, TopologyError, declare
 from jobplane.workers.handlers import JobContext, PermanentError, Registry, RetryableError
+from jobplane.workers.progress import ProgressFlusher, ProgressWriter
+from jobplane.workers.retry import backoff
 
 log = structlog.get_logger("jobplane.worker")
 
@@ -53,145 +54,6 @@ class StopCause(enum.Enum):
     TIMEOUT = "timeout"
 
 
-class ProgressFlusher:
-    """Writes the queued progress of all of a worker's attempts together.
-
-    At most ``window`` seconds after the first unwritten report, everything
-    queued by every running attempt goes out in one statement and one
-    transaction (one NOTIFY per job): the number of transactions per second
-    no longer grows with the number of jobs reporting progress.
-    """
-
-    def __init__(self, store: AttemptStore, *, window: float = 0.005) -> None:
-        self._store = store
-        self._window = window
-        self._dirty: dict[int, ProgressWriter] = {}
-        self._lock = asyncio.Lock()
-        self._timer: asyncio.Task[None] | None = None
-        self._stopped = False
-
-    def mark(self, writer: ProgressWriter) -> None:
-        """``writer`` has reports to write: flush within the window."""
-        self._dirty[id(writer)] = writer
-        if self._timer is None and not self._stopped:
-            self._timer = asyncio.create_task(self._flush_later())
-
-    def forget(self, writer: ProgressWriter) -> None:
-        """``writer`` hands its reports over itself (to its outcome)."""
-        self._dirty.pop(id(writer), None)
-
-    async def _flush_later(self) -> None:
-        await asyncio.sleep(self._window)
-        self._timer = None
-        try:
-            await self.flush()
-        except DBAPIError as exc:
-            # The reports stay queued; the next flush or the outcome writes them.
-            log.warning("worker.progress.retry", error=str(exc).splitlines()[0])
-
-    async def flush(self) -> None:
-        """Write what every attempt has queued now, in one transaction."""
-        async with self._lock:
-            writers = list(self._dirty.values())
-            self._dirty.clear()
-            batches = [(w, w.take()) for w in writers]
-            batches = [(w, b) for w, b in batches if b]
-            if not batches:
-                return
-            done = asyncio.get_running_loop().create_future()
-            for writer, _ in batches:
-                writer.inflight = done
-            try:
-                written = await self._store.write_progress_many(
-                    [(w.attempt, b) for w, b in batches]
-                )
-            except BaseException:
-                for writer, batch in batches:
-                    writer.put_back(batch)
-                    self.mark(writer)
-                raise
-            else:
-                for (writer, _), cancel in zip(batches, written, strict=True):
-                    writer.written(cancel)
-            finally:
-                for writer, _ in batches:
-                    writer.inflight = None
-                done.set_result(None)
-
-    async def stop(self) -> None:
-        """Stop the timer (attempts still running write with their outcome)."""
-        self._stopped = True
-        await cancel_and_wait(self._timer)
-        self._timer = None
-
-
-class ProgressWriter:
-    """One attempt's queued progress reports, written by a :class:`ProgressFlusher`.
-
-    A report is queued and written with the next flush; the outcome commit
-    takes what is still queued into its own transaction.
-    """
-
-    def __init__(
-        self,
-        flusher: ProgressFlusher,
-        attempt: Attempt,
-        *,
-        high_water: int = 500,
-        on_cancel_requested: Callable[[], None] = lambda: None,
-    ) -> None:
-        self._flusher = flusher
-        self.attempt = attempt
-        self._high_water = high_water
-        self._on_cancel_requested = on_cancel_requested
-        self._pending: list[ProgressUpdate] = []
-        self._error: BaseException | None = None
-        self.inflight: asyncio.Future[None] | None = None
-
-    async def add(self, update: ProgressUpdate) -> None:
-        """Queue ``update``; raise what the last flush found (e.g. LeaseLost)."""
-        if self._error is not None:
-            raise self._error
-        self._pending.append(update)
-        self._flusher.mark(self)
-        if len(self._pending) >= self._high_water:
-            # Back-pressure on a handler reporting faster than we write.
-            await self._flusher.flush()
-            if self._error is not None:
-                raise self._error
-
-    def take(self) -> list[ProgressUpdate]:
-        """Hand the queued reports to a flush (none after a fence-out)."""
-        if self._error is not None:
-            return []
-        batch, self._pending = self._pending, []
-        return batch
-
-    def put_back(self, batch: list[ProgressUpdate]) -> None:
-        """A flush failed: its reports come first again."""
-        self._pending[:0] = batch
-
-    def written(self, cancel_requested: bool | None) -> None:
-        """The result of a flush for this attempt (None: fenced out)."""
-        if cancel_requested is None:
-            self._error = LeaseLost(
-                f"jobs/{self.attempt.job_id} attempt {self.attempt.attempt} was fenced out"
-            )
-            self._pending.clear()
-        elif cancel_requested:
-            self._on_cancel_requested()
-
-    async def drain(self) -> list[ProgressUpdate]:
-        """Wait for a flush carrying our reports, then hand over what is still queued."""
-        while self.inflight is not None:
-            with contextlib.suppress(Exception):
-                await asyncio.shield(self.inflight)
-        # No await from here on: no flush can take reports in between.
-        self._flusher.forget(self)
-        batch, self._pending = self._pending, []
-        return batch
-
-
 class _Running:
     """A handler task and why (if at all) the runtime stopped it."""
 
@@ -203,12 +65,6 @@ class _Running:
         if self.cause is None and not self.task.done():
             self.cause = cause
             self.task.cancel()
-
-
-def backoff(attempt: int, *, base: float = 1.0, cap: float = 300.0) -> float:
-    """Exponential backoff with jitter: up to base·2^(attempt-1), at least half of it."""
-    ceiling = min(cap, base * 2 ** max(0, attempt - 1))
-    return random.uniform(ceiling / 2, ceiling)
 
 
 class Worker:

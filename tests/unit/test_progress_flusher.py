@@ -9,7 +9,7 @@ from collections.abc import Sequence
 import pytest
 
 from jobplane.store.attempts import Attempt, AttemptStore, LeaseLost, ProgressUpdate
-from jobplane.workers.runtime import ProgressFlusher, ProgressWriter
+from jobplane.workers.progress import ProgressFlusher, ProgressWriter
 
 Batch = tuple[Attempt, Sequence[ProgressUpdate]]
 
