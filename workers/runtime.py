@@ -2,7 +2,10 @@
 
 A message is acked only after the outcome of its attempt is committed, so a
 worker that dies at any point leaves the message to be redelivered; the claim
-decides what a redelivery does (run, wait, or ack a duplicate).
+decides what a redelivery does (run, wait, or ack a duplicate). A message of a
+type this worker has no handler for is not claimed: the job is handed back
+through the outbox, or parked when no live worker handles it (ADR-0007).
+Whatever goes wrong while a message is handled, it ends acked or nacked.
 """
 
 from __future__ import annotations
@@ -10,8 +13,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
-import json
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import aio_pika
@@ -29,6 +32,7 @@ from jobplane.store.attempts import (
     AttemptStore,
     ClaimResult,
     ClaimStatus,
+    HandBack,
     LeaseLost,
     ProgressUpdate,
 )
@@ -36,7 +40,9 @@ from jobplane.store.listen import Listener
 from jobplane.store.rows import CANCEL_CHANNEL
 from jobplane.tasks import cancel_and_wait
 from jobplane.topology import Topology, TopologyError, declare
-from jobplane.workers.handlers import JobContext, PermanentError, Registry, RetryableError
+from jobplane.workers.handlers import JobContext, Registry
+from jobplane.workers.outcome import Escaped, Failure, check_result, describe, invoke
+from jobplane.workers.presence import Presence
 from jobplane.workers.progress import ProgressFlusher, ProgressWriter
 from jobplane.workers.retry import backoff
 
@@ -57,13 +63,15 @@ class StopCause(enum.Enum):
 class _Running:
     """A handler task and why (if at all) the runtime stopped it."""
 
-    def __init__(self, task: asyncio.Task[dict[str, Any]]) -> None:
+    def __init__(self, task: asyncio.Task[Any]) -> None:
         self.task = task
         self.cause: StopCause | None = None
+        self.stopped = asyncio.Event()
 
     def stop(self, cause: StopCause) -> None:
         if self.cause is None and not self.task.done():
             self.cause = cause
+            self.stopped.set()
             self.task.cancel()
 
 
@@ -85,6 +93,11 @@ class Worker:
         progress_window: float = 0.005,
         retry_base_delay: float | None = None,
         faults: FaultPoints = NO_FAULTS,
+        presence_interval: float = 5.0,
+        handback_delay: float = 0.5,
+        handback_max_delay: float = 10.0,
+        cancel_grace: float = 10.0,
+        max_result_bytes: int = 256 * 1024,
     ) -> None:
         if concurrency < 1:
             raise ValueError("concurrency must be at least 1")
@@ -105,6 +118,23 @@ class Worker:
         self._tasks: set[asyncio.Task[None]] = set()
         self._running: dict[str, _Running] = {}
         self._stopping = False
+        self._presence = Presence(
+            engine,
+            self._store,
+            types=list(registry),
+            queues=self._queues,
+            concurrency=concurrency,
+            interval=presence_interval,
+        )
+        self._handback_delay = handback_delay
+        self._handback_max_delay = handback_max_delay
+        self._cancel_grace = cancel_grace
+        self._max_result_bytes = max_result_bytes
+
+    @property
+    def id(self) -> str:
+        """This worker's id in the ``workers`` table."""
+        return str(self._presence.id)
 
     @property
     def busy(self) -> bool:
@@ -129,8 +159,10 @@ class Worker:
             queue = await channel.get_queue(name)
             tag = await queue.consume(self._on_message, no_ack=False)
             self._consumers.append((queue, tag))
+        await self._presence.start()
         log.info(
             "worker.started",
+            worker=self.id,
             queues=self._queues,
             handlers=list(self._registry),
             concurrency=self._concurrency,
@@ -144,6 +176,7 @@ class Worker:
             with contextlib.suppress(Exception):
                 await queue.cancel(tag)
         self._consumers.clear()
+        await self._presence.stop()
         if self._tasks:
             _done, pending = await asyncio.wait(set(self._tasks), timeout=grace)
             if pending:
@@ -161,9 +194,40 @@ class Worker:
     async def _on_message(self, message: AbstractIncomingMessage) -> None:
         # Our own task, not aiormq's: a channel that closes must not cancel a
         # handler mid-run (its outcome is still committed; only the ack is lost).
-        task = asyncio.create_task(self._handle(message))
+        task = asyncio.create_task(self._handle_settled(message))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+
+    async def _handle_settled(self, message: AbstractIncomingMessage) -> None:
+        """:meth:`_handle`, and a nack for a message it left unsettled, whatever happened.
+
+        An unsettled delivery holds a prefetch slot for the life of the
+        channel; enough of them and the worker takes nothing more. The nack
+        requeues: a claimed job's redelivery waits out our lease, and a crash
+        that repeats ends in the dead-letter queue at the delivery limit.
+        """
+        try:
+            await self._handle(message)
+        except asyncio.CancelledError:
+            if not message.processed:
+                await _settle(message.nack(requeue=True))
+            raise
+        except Exception as exc:
+            # A database error's text can quote the statement's values: its
+            # class and SQLSTATE only. Anything else is a bug: its traceback.
+            database = isinstance(exc, DBAPIError)
+            log.error(
+                "job.message.crashed",
+                message_id=message.message_id,
+                error=_db_error_name(exc) if isinstance(exc, DBAPIError) else _first_line(exc),
+                exc_info=None if database else exc,
+            )
+            if not message.processed:
+                await _settle(message.nack(requeue=True))
+            return
+        if not message.processed:
+            log.error("job.message.unsettled", message_id=message.message_id)
+            await _settle(message.nack(requeue=True))
 
     def _on_cancel_notification(self, payload: str) -> None:
         running = self._running.get(payload)
@@ -178,6 +242,9 @@ class Worker:
             await _settle(message.reject(requeue=False))
             return
         bound = log.bind(job=job_name(envelope.job_id), event_id=str(envelope.event_id))
+        if self._registry.get(envelope.job_type) is None:
+            await self._hand_back(envelope, message, bound)
+            return
         try:
             claim = await self._claim(envelope)
         except _Stopping:
@@ -217,15 +284,44 @@ class Worker:
             # Lease times are the database's clock: poll at a fraction of the lease.
             await asyncio.sleep(min(self._store.lease_seconds / 3, 5.0))
 
+    async def _hand_back(
+        self, envelope: Envelope, message: AbstractIncomingMessage, bound: Any
+    ) -> None:
+        """Give the job back unclaimed: this worker has no handler for its type."""
+        try:
+            status, reason = await self._with_db_retry(
+                lambda: self._store.hand_back(
+                    envelope, base_delay=self._handback_delay, max_delay=self._handback_max_delay
+                )
+            )
+        except _Stopping:
+            await _settle(message.nack(requeue=True))
+            return
+        if status is HandBack.NOT_FOUND:
+            bound.error("job.message.unknown_job")
+            await _settle(message.reject(requeue=False))
+            return
+        if status is HandBack.PARKED:
+            bound.warning("job.parked", type=envelope.job_type, reason=reason)
+        elif status is HandBack.HANDED_BACK:
+            bound.info("job.handed_back", type=envelope.job_type)
+        else:
+            # Finished, stale, or running: a worker that has the handler owns
+            # it (a lease that runs out is the sweeper's to repair).
+            bound.info("job.message.duplicate", status=status.value)
+        await _settle(message.ack())
+
     async def _with_db_retry(self, op: Callable[[], Awaitable[T]]) -> T:
         delay = 0.2
         while True:
             try:
                 return await op()
             except (DBAPIError, OSError) as exc:
+                if not _transient(exc):
+                    raise
                 if self._stopping:
                     raise _Stopping from exc
-                log.warning("worker.db.retry", error=str(exc).splitlines()[0], delay=delay)
+                log.warning("worker.db.retry", error=_first_line(exc), delay=delay)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 10.0)
 
@@ -233,16 +329,20 @@ class Worker:
         key = str(attempt.job_id)
         handler = self._registry.get(attempt.type)
         if handler is None:
+            # The message named a type we handle but the job is of another (it
+            # was not written by our relay): give the attempt back uncounted.
             await self._outcome(
+                attempt,
                 bound,
-                lambda: self._store.fail(
+                lambda: self._store.schedule_retry(
                     attempt,
                     "NO_HANDLER",
-                    f"no handler is registered for job type {attempt.type!r} on this worker",
-                    retryable=False,
+                    f"the worker that received it has no handler for job type {attempt.type!r}",
+                    delay=self._handback_delay,
+                    refund=True,
                 ),
             )
-            bound.error("job.failed", reason="no_handler", type=attempt.type)
+            bound.warning("job.handed_back", type=attempt.type, reason="message type mismatch")
             return
         holder: list[_Running] = []
 
@@ -252,92 +352,149 @@ class Worker:
 
         writer = ProgressWriter(self._progress, attempt, on_cancel_requested=cancel_requested)
         ctx = JobContext(attempt, writer)
-        running = _Running(asyncio.create_task(handler(ctx), name=f"job-{key}"))
+        running = _Running(asyncio.create_task(invoke(handler, ctx), name=f"job-{key}"))
         holder.append(running)
         self._running[key] = running
         heartbeat = asyncio.create_task(self._heartbeat(attempt, running))
         try:
-            result: dict[str, Any] | None = None
-            error: BaseException | None = None
-            try:
-                done, _ = await asyncio.wait({running.task}, timeout=attempt.timeout_seconds)
-                if not done:
-                    running.stop(StopCause.TIMEOUT)
-                result = await running.task
-            except asyncio.CancelledError:
-                if running.cause is None:
-                    raise  # we are being cancelled ourselves
-            except Exception as exc:
-                error = exc
+            ended = await self._wait(running, attempt, bound)
+        except BaseException:
+            running.stop(StopCause.SHUTDOWN)  # never leave a handler running unowned
+            raise
         finally:
             await cancel_and_wait(heartbeat)
             self._running.pop(key, None)
         pending = await writer.drain()
-        await self._record(attempt, running, result, error, pending, bound)
+        await self._record(attempt, running, ended, pending, bound)
+
+    async def _wait(self, running: _Running, attempt: Attempt, bound: Any) -> _Ended:
+        """How the handler ended; stops it at its timeout.
+
+        A handler that ignores being stopped (it swallows the cancellation) is
+        given up on after the grace period: the attempt's outcome is recorded
+        as its stop cause says and the message settled, while the task runs on
+        unowned (its writes are fenced out).
+        """
+        task = running.task
+        stopped = asyncio.create_task(running.stopped.wait())
+        try:
+            done, _ = await asyncio.wait(
+                {task, stopped},
+                timeout=attempt.timeout_seconds,
+                return_when=asyncio.FIRST_COMPLETED,
+            )
+        finally:
+            stopped.cancel()
+        if task not in done:
+            running.stop(StopCause.TIMEOUT)
+            finished, _ = await asyncio.wait({task}, timeout=self._cancel_grace)
+            if not finished:
+                bound.error(
+                    "job.handler.unresponsive",
+                    attempt=attempt.attempt,
+                    cause=running.cause.value if running.cause else None,
+                    grace=self._cancel_grace,
+                )
+                task.add_done_callback(_retrieve)
+                return _Ended()
+        if task.cancelled():
+            if running.cause is None:
+                stray = RuntimeError("the handler's task was cancelled, not by the worker")
+                return _Ended(error=stray)
+            return _Ended()
+        error = task.exception()
+        if error is not None:
+            return _Ended(error=error)
+        return _Ended(returned=True, result=task.result())
 
     async def _record(
         self,
         attempt: Attempt,
         running: _Running,
-        result: dict[str, Any] | None,
-        error: BaseException | None,
+        ended: _Ended,
         pending: list[ProgressUpdate],
         bound: Any,
     ) -> None:
         store = self._store
-        if running.cause is StopCause.LEASE_LOST or isinstance(error, LeaseLost):
+        if running.cause is StopCause.LEASE_LOST:
             bound.warning("job.lease_lost", attempt=attempt.attempt)
             return
-        if running.cause is StopCause.CANCEL_REQUESTED and result is None:
-            await self._outcome(bound, lambda: store.cancelled(attempt, pending))
+        if running.cause is StopCause.CANCEL_REQUESTED and not ended.returned:
+            await self._outcome(attempt, bound, lambda: store.cancelled(attempt, pending))
             bound.info("job.cancelled", attempt=attempt.attempt)
             return
         refund = False
-        if running.cause is StopCause.SHUTDOWN and result is None:
-            error = RetryableError(
-                "the worker shut down during the attempt", delay=0, code="WORKER_SHUTDOWN"
+        if running.cause is StopCause.SHUTDOWN and not ended.returned:
+            failure = Failure(
+                "WORKER_SHUTDOWN", "the worker shut down during the attempt", True, delay=0
             )
             refund = True
-        if running.cause is StopCause.TIMEOUT and result is None:
-            error = RetryableError(
+        elif running.cause is StopCause.TIMEOUT and not ended.returned:
+            failure = Failure(
+                "TIMEOUT",
                 f"the attempt ran longer than its timeout of {attempt.timeout_seconds:g}s",
-                code="TIMEOUT",
+                retryable=True,
             )
-        if error is None:
-            checked = _check_result(result)
+        elif ended.returned:
+            checked = check_result(ended.result, max_bytes=self._max_result_bytes)
             if isinstance(checked, dict):
-                await self._outcome(bound, lambda: store.succeed(attempt, checked, pending))
+                result = checked
+                await self._outcome(attempt, bound, lambda: store.succeed(attempt, result, pending))
                 bound.info("job.succeeded", attempt=attempt.attempt)
                 return
-            error = PermanentError(checked, code="BAD_RESULT")
-        code = getattr(error, "code", "HANDLER_ERROR")
-        if not isinstance(error, PermanentError | RetryableError):
-            code = "HANDLER_ERROR"
-        # Our own errors carry a message meant for people; anything else is
-        # named by its type, which is what tells a developer where to look.
-        if isinstance(error, PermanentError | RetryableError):
-            message = str(error)[:4096]
+            failure = describe(checked)
+            failure = Failure(failure.code, failure.message, retryable=False)
         else:
-            message = f"{type(error).__name__}: {error}"[:4096]
-        retryable = not isinstance(error, PermanentError)
-        if retryable and (attempt.attempts_left > 0 or refund):
-            delay = getattr(error, "delay", None)
-            if delay is None:
-                delay = self._backoff(attempt)
+            failure = describe(ended.error or RuntimeError("the handler ended without a result"))
+        details: dict[str, Any] = {"traceback": failure.traceback} if failure.traceback else {}
+        # The traceback goes to the log once, with the event that ends the attempt.
+        exc_info = _loggable(ended.error)
+        if failure.retryable and (attempt.attempts_left > 0 or refund):
+            delay = failure.delay if failure.delay is not None else self._backoff(attempt)
             await self._outcome(
+                attempt,
                 bound,
                 lambda: store.schedule_retry(
-                    attempt, code, message, delay=delay, pending=pending, refund=refund
+                    attempt,
+                    failure.code,
+                    failure.message,
+                    delay=delay,
+                    pending=pending,
+                    refund=refund,
+                    details=details,
                 ),
             )
             bound.warning(
-                "job.retry_scheduled", attempt=attempt.attempt, delay=delay, error=message
+                "job.retry_scheduled",
+                attempt=attempt.attempt,
+                delay=delay,
+                code=failure.code,
+                error=failure.message,
+                exc_info=exc_info,
             )
             return
+        if failure.retryable:
+            # The error was retryable, the job is not: no attempts are left.
+            details["attempts_exhausted"] = True
         await self._outcome(
-            bound, lambda: store.fail(attempt, code, message, retryable=retryable, pending=pending)
+            attempt,
+            bound,
+            lambda: store.fail(
+                attempt,
+                failure.code,
+                failure.message,
+                retryable=False,
+                pending=pending,
+                details=details,
+            ),
         )
-        bound.warning("job.failed", attempt=attempt.attempt, error=message)
+        bound.warning(
+            "job.failed",
+            attempt=attempt.attempt,
+            code=failure.code,
+            error=failure.message,
+            exc_info=exc_info,
+        )
 
     def _backoff(self, attempt: Attempt) -> float:
         try:
@@ -347,11 +504,29 @@ class Worker:
         base = queue.retry_base_delay if self._retry_base_delay is None else self._retry_base_delay
         return backoff(attempt.attempt, base=base, cap=queue.retry_max_delay)
 
-    async def _outcome(self, bound: Any, write: Callable[[], Awaitable[None]]) -> None:
+    async def _outcome(
+        self, attempt: Attempt, bound: Any, write: Callable[[], Awaitable[None]]
+    ) -> None:
         try:
             await self._with_db_retry(write)
         except LeaseLost:
             bound.warning("job.outcome.fenced_out")
+        except DBAPIError as exc:
+            # Refused for what it holds, not because the database is down: the
+            # same write would fail on every try. End the attempt in our words.
+            refused = _db_error_name(exc)
+            bound.error("job.outcome.refused", attempt=attempt.attempt, error=refused)
+            try:
+                await self._with_db_retry(
+                    lambda: self._store.fail(
+                        attempt,
+                        "OUTCOME_REFUSED",
+                        f"the database refused the attempt's outcome ({refused})",
+                        retryable=False,
+                    )
+                )
+            except LeaseLost:
+                bound.warning("job.outcome.fenced_out")
 
     async def _heartbeat(self, attempt: Attempt, running: _Running) -> None:
         interval = self._store.lease_seconds / 3
@@ -368,22 +543,64 @@ class Worker:
             except LeaseLost:
                 running.stop(StopCause.LEASE_LOST)
                 return
-            except (DBAPIError, OSError) as exc:
-                log.warning("job.heartbeat.failed", error=str(exc).splitlines()[0])
+            except Exception as exc:
+                # Beat again next time; the lease outlives a few missed beats.
+                log.warning("job.heartbeat.failed", error=_first_line(exc))
 
 
 class _Stopping(Exception):
     """The worker is stopping; give the message back."""
 
 
-def _check_result(result: Any) -> dict[str, Any] | str:
-    if not isinstance(result, dict):
-        return f"the handler returned {type(result).__name__}, not a JSON object"
-    try:
-        json.dumps(result, allow_nan=False)
-    except (TypeError, ValueError) as exc:
-        return f"the handler's result is not JSON: {exc}"
-    return result
+@dataclass(frozen=True, slots=True)
+class _Ended:
+    """How a handler's task ended: it returned ``result``, raised ``error``, or
+    neither (it was stopped, or given up on)."""
+
+    returned: bool = False
+    result: Any = None
+    error: BaseException | None = None
+
+
+# SQLSTATE classes worth another try: connection exception, insufficient
+# resources, operator intervention (admin shutdown, cancel), system error,
+# transaction rollback (serialization failure, deadlock). Anything else is
+# about the statement and would fail the same way again.
+_TRANSIENT_SQLSTATE_CLASSES = frozenset({"08", "53", "57", "58", "40"})
+
+
+def _transient(exc: BaseException) -> bool:
+    if not isinstance(exc, DBAPIError):
+        return True  # OSError: the network
+    if exc.connection_invalidated:
+        return True
+    sqlstate = getattr(exc.orig, "sqlstate", None)
+    return not sqlstate or str(sqlstate)[:2] in _TRANSIENT_SQLSTATE_CLASSES
+
+
+def _db_error_name(exc: DBAPIError) -> str:
+    # The driver's class and SQLSTATE, never its message: that may quote values.
+    sqlstate = getattr(exc.orig, "sqlstate", None) or "?"
+    cause = exc.orig.__cause__ if exc.orig is not None else None
+    name = type(cause).__name__ if cause is not None else type(exc.orig).__name__
+    return f"{name}, SQLSTATE {sqlstate}"
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = str(exc).splitlines()
+    return lines[0] if lines else type(exc).__name__
+
+
+def _loggable(error: BaseException | None) -> BaseException | None:
+    if error is None:
+        return None
+    return error.original if isinstance(error, Escaped) else error
+
+
+def _retrieve(task: asyncio.Task[Any]) -> None:
+    # A handler given up on ends some time later; what it raised then is moot.
+    if not task.cancelled():
+        task.exception()
 
 
 async def _settle(settle: Awaitable[Any]) -> None:

@@ -92,24 +92,6 @@ async def test_failing_handler_fails_the_job_with_its_error(stack: Stack) -> Non
     assert done.attempt == 1  # permanent: no second attempt
 
 
-async def test_job_type_without_handler_fails_clearly(
-    engine: Any, database_url: str, amqp_url: str, topology: Any
-) -> None:
-    from tests.support.stack import start_stack
-
-    empty = Registry()
-    stack = await start_stack(engine, database_url, amqp_url, topology, registry=empty)
-    try:
-        client = stack.client()
-        job = await client.submit("nobody.handles.this", {})
-        done = await asyncio.wait_for(client.wait(job.name), timeout=20)
-        assert done.state is JobState.FAILED
-        assert done.error is not None and done.error.code == "NO_HANDLER"
-        assert done.attempt == 1
-    finally:
-        await stack.close()
-
-
 async def test_retryable_errors_use_more_attempts_then_succeed(
     engine: Any, database_url: str, amqp_url: str, topology: Any
 ) -> None:
