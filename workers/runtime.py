@@ -215,13 +215,16 @@ class Worker:
         except Exception as exc:
             # A database error's text can quote the statement's values: its
             # class and SQLSTATE only. Anything else is a bug: its traceback.
-            database = isinstance(exc, DBAPIError)
-            log.error(
-                "job.message.crashed",
-                message_id=message.message_id,
-                error=_db_error_name(exc) if isinstance(exc, DBAPIError) else _first_line(exc),
-                exc_info=None if database else exc,
-            )
+            if isinstance(exc, DBAPIError):
+                error = _db_error_name(exc)
+                log.error("job.message.crashed", message_id=message.message_id, error=error)
+            else:
+                log.error(
+                    "job.message.crashed",
+                    message_id=message.message_id,
+                    error=_first_line(exc),
+                    exc_info=exc,
+                )
             if not message.processed:
                 await _settle(message.nack(requeue=True))
             return

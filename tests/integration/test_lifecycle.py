@@ -119,13 +119,15 @@ async def test_retryable_errors_use_more_attempts_then_succeed(
         assert [e.seq for e in events] == list(range(1, len(events) + 1))
         assert sum(e.type is EventType.RETRY_SCHEDULED for e in events) == 2
 
-        # Out of attempts: FAILED with the last error.
+        # Out of attempts: FAILED with the last error, which no longer says
+        # retryable (nothing will retry the job).
         calls.clear()
         job2 = await client.submit("flaky.op", {}, max_attempts=2)
         done2 = await asyncio.wait_for(client.wait(job2.name), timeout=20)
         assert done2.state is JobState.FAILED
         assert calls == [1, 2]
-        assert done2.error is not None and done2.error.retryable
+        assert done2.error is not None and not done2.error.retryable
+        assert done2.error.code == "HANDLER_RETRYABLE"
         assert "not yet" in done2.error.message
     finally:
         await stack.close()
