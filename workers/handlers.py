@@ -262,7 +262,14 @@ def _one_line(exc: BaseException) -> str:
     text = f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
     if isinstance(exc, SyntaxError) and exc.filename:
         return f"{text} ({exc.filename}, line {exc.lineno})"
-    frames = traceback.extract_tb(exc.__traceback__)
+    # The user's line, not ours or importlib's (e.g. the decorator that
+    # refused a plain function).
+    ours = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    frames = [
+        f
+        for f in traceback.extract_tb(exc.__traceback__)
+        if not f.filename.startswith(("<frozen", ours))
+    ]
     if frames:
         return f"{text} (at {frames[-1].filename}:{frames[-1].lineno})"
     return text
