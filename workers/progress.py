@@ -12,8 +12,13 @@ from sqlalchemy.exc import DBAPIError
 
 from jobplane.store.attempts import Attempt, AttemptStore, LeaseLost, ProgressUpdate
 from jobplane.tasks import cancel_and_wait
+from jobplane.workers.retry import db_error_name, transient_db_error
 
 log = structlog.get_logger("jobplane.worker")
+
+
+class ProgressRefused(Exception):
+    """The database refused this attempt's progress reports for what they hold."""
 
 
 class ProgressFlusher:
@@ -48,9 +53,10 @@ class ProgressFlusher:
         self._timer = None
         try:
             await self.flush()
-        except DBAPIError as exc:
+        except Exception as exc:
             # The reports stay queued; the next flush or the outcome writes them.
-            log.warning("worker.progress.retry", error=str(exc).splitlines()[0])
+            lines = str(exc).splitlines()
+            log.warning("worker.progress.retry", error=lines[0] if lines else type(exc).__name__)
 
     async def flush(self) -> None:
         """Write what every attempt has queued now, in one transaction."""
@@ -68,10 +74,15 @@ class ProgressFlusher:
                 written = await self._store.write_progress_many(
                     [(w.attempt, b) for w, b in batches]
                 )
+            except DBAPIError as exc:
+                if transient_db_error(exc):
+                    self._put_back(batches)
+                    raise
+                # Refused for what it holds: find whose reports, so that one
+                # attempt's bad value does not hold up everyone's progress.
+                await self._one_by_one(batches)
             except BaseException:
-                for writer, batch in batches:
-                    writer.put_back(batch)
-                    self.mark(writer)
+                self._put_back(batches)
                 raise
             else:
                 for (writer, _), cancel in zip(batches, written, strict=True):
@@ -80,6 +91,32 @@ class ProgressFlusher:
                 for writer, _ in batches:
                     writer.inflight = None
                 done.set_result(None)
+
+    async def _one_by_one(self, batches: list[tuple[ProgressWriter, list[ProgressUpdate]]]) -> None:
+        for index, (writer, batch) in enumerate(batches):
+            try:
+                [cancel] = await self._store.write_progress_many([(writer.attempt, batch)])
+            except DBAPIError as exc:
+                if transient_db_error(exc):
+                    self._put_back(batches[index:])
+                    raise
+                log.error(
+                    "worker.progress.refused",
+                    job=f"jobs/{writer.attempt.job_id}",
+                    attempt=writer.attempt.attempt,
+                    error=db_error_name(exc),
+                )
+                writer.refused(db_error_name(exc))
+            except BaseException:
+                self._put_back(batches[index:])
+                raise
+            else:
+                writer.written(cancel)
+
+    def _put_back(self, batches: list[tuple[ProgressWriter, list[ProgressUpdate]]]) -> None:
+        for writer, batch in batches:
+            writer.put_back(batch)
+            self.mark(writer)
 
     async def stop(self) -> None:
         """Stop the timer (attempts still running write with their outcome)."""
@@ -133,6 +170,14 @@ class ProgressWriter:
     def put_back(self, batch: list[ProgressUpdate]) -> None:
         """A flush failed: its reports come first again."""
         self._pending[:0] = batch
+
+    def refused(self, why: str) -> None:
+        """The database refused our reports: the handler learns it at its next one."""
+        self._error = ProgressRefused(
+            f"jobs/{self.attempt.job_id} attempt {self.attempt.attempt}: the database refused "
+            f"its progress reports ({why})"
+        )
+        self._pending.clear()
 
     def written(self, cancel_requested: bool | None) -> None:
         """The result of a flush for this attempt (None: fenced out)."""

@@ -44,7 +44,7 @@ from jobplane.workers.handlers import JobContext, Registry
 from jobplane.workers.outcome import Escaped, Failure, check_result, describe, invoke
 from jobplane.workers.presence import Presence
 from jobplane.workers.progress import ProgressFlusher, ProgressWriter
-from jobplane.workers.retry import backoff
+from jobplane.workers.retry import backoff, db_error_name, transient_db_error
 
 log = structlog.get_logger("jobplane.worker")
 
@@ -216,7 +216,7 @@ class Worker:
             # A database error's text can quote the statement's values: its
             # class and SQLSTATE only. Anything else is a bug: its traceback.
             if isinstance(exc, DBAPIError):
-                error = _db_error_name(exc)
+                error = db_error_name(exc)
                 log.error("job.message.crashed", message_id=message.message_id, error=error)
             else:
                 log.error(
@@ -320,7 +320,7 @@ class Worker:
             try:
                 return await op()
             except (DBAPIError, OSError) as exc:
-                if not _transient(exc):
+                if not transient_db_error(exc):
                     raise
                 if self._stopping:
                     raise _Stopping from exc
@@ -517,7 +517,7 @@ class Worker:
         except DBAPIError as exc:
             # Refused for what it holds, not because the database is down: the
             # same write would fail on every try. End the attempt in our words.
-            refused = _db_error_name(exc)
+            refused = db_error_name(exc)
             bound.error("job.outcome.refused", attempt=attempt.attempt, error=refused)
             try:
                 await self._with_db_retry(
@@ -563,30 +563,6 @@ class _Ended:
     returned: bool = False
     result: Any = None
     error: BaseException | None = None
-
-
-# SQLSTATE classes worth another try: connection exception, insufficient
-# resources, operator intervention (admin shutdown, cancel), system error,
-# transaction rollback (serialization failure, deadlock). Anything else is
-# about the statement and would fail the same way again.
-_TRANSIENT_SQLSTATE_CLASSES = frozenset({"08", "53", "57", "58", "40"})
-
-
-def _transient(exc: BaseException) -> bool:
-    if not isinstance(exc, DBAPIError):
-        return True  # OSError: the network
-    if exc.connection_invalidated:
-        return True
-    sqlstate = getattr(exc.orig, "sqlstate", None)
-    return not sqlstate or str(sqlstate)[:2] in _TRANSIENT_SQLSTATE_CLASSES
-
-
-def _db_error_name(exc: DBAPIError) -> str:
-    # The driver's class and SQLSTATE, never its message: that may quote values.
-    sqlstate = getattr(exc.orig, "sqlstate", None) or "?"
-    cause = exc.orig.__cause__ if exc.orig is not None else None
-    name = type(cause).__name__ if cause is not None else type(exc.orig).__name__
-    return f"{name}, SQLSTATE {sqlstate}"
 
 
 def _first_line(exc: BaseException) -> str:
