@@ -183,8 +183,9 @@ async def nul_progress(ctx: JobContext) -> dict[str, Any]:
 
 @broken.handler("break.swallows_cancellation")
 async def stubborn(ctx: JobContext) -> dict[str, Any]:
-    # Ignores the timeout's cancellation for ~1.5 s, past the worker's grace.
-    deadline = time.monotonic() + 1.5
+    # Ignores the timeout's cancellation for 2.5 s, well past the worker's grace
+    # (0.5 s), then ends by itself.
+    deadline = time.monotonic() + 2.5
     while time.monotonic() < deadline:
         with contextlib.suppress(asyncio.CancelledError):
             await asyncio.sleep(0.1)

@@ -144,33 +144,35 @@ async def test_drain_waits_for_a_write_in_flight() -> None:
 
 async def test_reports_the_database_refuses_fail_only_their_attempt() -> None:
     store = FakeStore()
-    shared = flusher(store)
+    shared = flusher(store, window=60)  # flushed by hand below
     bad, good = ProgressWriter(shared, attempt()), ProgressWriter(shared, attempt())
     store.refuse.add(bad.attempt.job_id)
     await bad.add(update(0.1))
     await good.add(update(0.1))
-    await asyncio.sleep(0.05)
+    await shared.flush()
     # The batch of both was refused; written one by one, only the bad one is.
     assert store.writes == [[(good.attempt.job_id, [0.1])]]
     with pytest.raises(ProgressRefused, match="SQLSTATE 22P05"):
         await bad.add(update(0.2))
     await good.add(update(0.2))
-    await asyncio.sleep(0.05)
+    await shared.flush()
     assert store.writes[-1] == [(good.attempt.job_id, [0.2])]
     assert await bad.drain() == []
+    await shared.stop()
 
 
 async def test_a_database_that_is_down_keeps_every_report() -> None:
     store = FakeStore()
     store.fail = db_error("08006")  # connection failure: try again later
-    shared = flusher(store)
+    shared = flusher(store, window=60)
     writer = ProgressWriter(shared, attempt())
     await writer.add(update(0.1))
-    await asyncio.sleep(0.05)
+    with pytest.raises(DBAPIError):
+        await shared.flush()
     store.fail = None
     await writer.add(update(0.2))
-    await asyncio.sleep(0.05)
-    assert [p for w in store.writes for _, batch in w for p in batch] == [0.1, 0.2]
+    await shared.flush()
+    assert store.writes == [[(writer.attempt.job_id, [0.1, 0.2])]]
     await shared.stop()
 
 
