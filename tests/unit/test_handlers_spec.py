@@ -57,7 +57,9 @@ def project(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
         (tmp_path / f"{name}.py").write_text(textwrap.dedent(source))
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
-    monkeypatch.setenv("JOBPLANE_LOG_LEVEL", "warning")
+    # main() would point the process's logging at the captured stderr of this
+    # test, closed after it: later tests' log lines would fail to print.
+    monkeypatch.setattr("jobplane.cli.configure", lambda *args, **kwargs: None)
     yield tmp_path
     for name in MODULES:
         sys.modules.pop(name, None)
