@@ -68,7 +68,7 @@ class Presence:
             await self._store.stop(self.id)
         except (DBAPIError, OSError) as exc:
             # We expire by ourselves after the lifetime we registered with.
-            log.warning("worker.presence.stop_failed", error=str(exc).splitlines()[0])
+            log.warning("worker.presence.stop_failed", error=_first_line(exc))
 
     async def _register(self) -> None:
         await self._store.register(
@@ -105,4 +105,9 @@ class Presence:
             except Exception as exc:
                 # A beat that fails is retried at the next one; the loop must
                 # not die, or we would look dead to the others for good.
-                log.warning("worker.presence.beat_failed", error=str(exc).splitlines()[0])
+                log.warning("worker.presence.beat_failed", error=_first_line(exc))
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = str(exc).splitlines()
+    return lines[0] if lines else type(exc).__name__
