@@ -23,6 +23,7 @@ from __future__ import annotations
 from jobplane.client._errors import WatchSequenceError
 from jobplane.client._retry import RetryPolicy
 from jobplane.client.aio import AsyncClient
+from jobplane.client.progress import ProgressTracker
 from jobplane.client.sync import Client
 from jobplane.errors import (
     FailedPrecondition,
@@ -57,6 +58,7 @@ __all__ = [
     "JobState",
     "JobplaneError",
     "PayloadTooLarge",
+    "ProgressTracker",
     "RequestIdReused",
     "RetryPolicy",
     "Unauthenticated",

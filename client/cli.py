@@ -36,8 +36,9 @@ from rich.progress import (
 from rich.table import Table
 
 from jobplane.client.aio import AsyncClient, job_name_of
+from jobplane.client.progress import ProgressTracker
 from jobplane.errors import JobplaneError
-from jobplane.types import EventType, Job, JobEvent, JobState
+from jobplane.types import Job, JobEvent, JobState
 
 Command = Callable[[AsyncClient, argparse.Namespace], Awaitable[int]]
 
@@ -253,7 +254,7 @@ async def _list(client: AsyncClient, args: argparse.Namespace) -> int:
                 escape(job.type),
                 _state_text(job),
                 f"{job.progress:.0%}",
-                f"{job.attempt}/{job.max_attempts}",
+                f"{job.attempts_used}/{job.max_attempts}",
                 _time(job.create_time),
             )
         Console().print(table)
@@ -266,7 +267,7 @@ async def _list(client: AsyncClient, args: argparse.Namespace) -> int:
                         job.type,
                         job.state.value,
                         f"{job.progress:.0%}",
-                        f"{job.attempt}/{job.max_attempts}",
+                        f"{job.attempts_used}/{job.max_attempts}",
                         _time(job.create_time),
                     )
                 )
@@ -333,25 +334,13 @@ async def _progress_bar(job_name: str, events: AsyncIterator[JobEvent]) -> None:
         TimeElapsedColumn(),
     ) as progress:
         task: TaskID = progress.add_task(escape(job_name), total=1.0)
+        tracker = ProgressTracker()
         async for event in events:
             progress.update(task, description=describe(event))
-            completed = bar_position(event)
+            completed = tracker.update(event)
             if completed is not None:
                 progress.update(task, completed=completed)
         progress.stop_task(task)
-
-
-def bar_position(event: JobEvent) -> float | None:
-    """Where the bar goes for ``event``; None leaves it where it is.
-
-    Only progress reports and attempt starts carry a meaningful fraction; the
-    other events would otherwise pull the bar back to 0.
-    """
-    if event.type in (EventType.PROGRESS, EventType.STARTED):
-        return min(max(event.progress, 0.0), 1.0)
-    if event.type is EventType.SUCCEEDED:
-        return 1.0
-    return None
 
 
 def describe(event: JobEvent) -> str:
@@ -404,7 +393,7 @@ def job_details(job: Job) -> str:
         ("type", job.type),
         ("state", job.state.value + (" (cancel requested)" if job.cancel_requested else "")),
         ("progress", f"{job.progress:.0%} {job.progress_message}".rstrip()),
-        ("attempt", f"{job.attempt} of {job.max_attempts}"),
+        ("attempts", attempts_text(job)),
         ("created", _time(job.create_time)),
         ("updated", _time(job.update_time)),
     ]
@@ -414,6 +403,8 @@ def job_details(job: Job) -> str:
         rows.append(("ended", _time(job.end_time)))
     if job.next_attempt_time:
         rows.append(("next attempt", _time(job.next_attempt_time)))
+    if job.waiting_reason:
+        rows.append(("waiting", job.waiting_reason))
     rows.append(("request id", job.request_id))
     if job.correlation_id:
         rows.append(("correlation id", job.correlation_id))
@@ -423,12 +414,22 @@ def job_details(job: Job) -> str:
     if job.result is not None:
         rows.append(("result", json.dumps(job.result, sort_keys=True)))
     if job.error is not None:
-        retryable = " (retryable)" if job.error.retryable else ""
-        rows.append(("error", f"{job.error.code}: {job.error.message}{retryable}"))
+        # A finished job is not retried, whatever its last error was.
+        retrying = " (will be retried)" if job.error.retryable and not job.state.terminal else ""
+        rows.append(("error", f"{job.error.code}: {job.error.message}{retrying}"))
     rows.append(("timeout", f"{job.timeout.total_seconds():g}s per attempt"))
     rows.append(("last seq", str(job.last_seq)))
     width = max(len(k) for k, _ in rows) + 1
     return "\n".join(f"{k + ':':<{width}} {v}" for k, v in rows)
+
+
+def attempts_text(job: Job) -> str:
+    """``used of max``, and every attempt ever started when RetryJob (or a refund) made
+    them differ: never "attempt 4 of 3"."""
+    text = f"{job.attempts_used} of {job.max_attempts} used"
+    if job.attempt != job.attempts_used:
+        text += f" ({job.attempt} started in all)"
+    return text
 
 
 def job_to_json(job: Job) -> dict[str, Any]:

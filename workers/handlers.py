@@ -9,20 +9,31 @@
         await ctx.progress(0.5, "half way")
         return {"url": "..."}
 
-A handler returns a JSON object (the result) or raises. :class:`PermanentError`
-fails the job at once; :class:`RetryableError` (or any other exception) uses
-another attempt while the job has any left.
+A handler is an ``async def``: the registry refuses a plain function (run
+blocking code with ``await asyncio.to_thread(...)``). It returns a JSON object
+(the result; None means ``{}``) or raises. :class:`PermanentError` fails the
+job at once; :class:`RetryableError` (or any other exception) uses another
+attempt while the job has any left.
 """
 
 from __future__ import annotations
 
 import importlib
+import inspect
 import math
+import os
+import sys
+import traceback
 from collections.abc import Callable, Coroutine, Iterator
 from typing import Any, Protocol
 
 from jobplane.names import job_name, validate_job_type
 from jobplane.store.attempts import Attempt, ProgressUpdate
+from jobplane.workers.values import clean_text, json_problem, json_size, safe_str
+
+#: Bytes of one progress report's ``data``, as stored.
+MAX_PROGRESS_DATA_BYTES = 64 * 1024
+MAX_PROGRESS_MESSAGE = 4096
 
 
 class PermanentError(Exception):
@@ -108,16 +119,26 @@ class JobContext:
         """Report progress (0..1) with a message and optional JSON data.
 
         Reports are written in order, a few milliseconds later, many in one
-        transaction. Raises :class:`~jobplane.store.attempts.LeaseLost` when
-        this attempt no longer owns the job.
+        transaction. The message is cut at 4096 characters; ``data`` must be
+        JSON (finite numbers, no NUL characters, at most 64 KiB), else
+        :class:`ValueError`. Raises :class:`~jobplane.store.attempts.LeaseLost`
+        when this attempt no longer owns the job.
         """
         if not isinstance(fraction, int | float) or not math.isfinite(fraction):
-            raise ValueError("progress fraction must be a finite number")
+            raise ValueError(f"progress fraction must be a finite number, got {fraction!r}")
+        if data is not None and not isinstance(data, dict):
+            raise TypeError(f"progress data must be a dict, got {type(data).__name__}")
+        data = dict(data or {})
+        problem = json_problem(data, max_bytes=MAX_PROGRESS_DATA_BYTES)
+        if problem is None and json_size(data) > MAX_PROGRESS_DATA_BYTES:
+            problem = f"larger than {MAX_PROGRESS_DATA_BYTES} bytes"
+        if problem is not None:
+            raise ValueError(f"progress data cannot be stored: {problem}")
         await self._sink.add(
             ProgressUpdate(
                 progress=min(1.0, max(0.0, float(fraction))),
-                message=str(message)[:4096],
-                data=dict(data or {}),
+                message=clean_text(safe_str(message), MAX_PROGRESS_MESSAGE),
+                data=data,
             )
         )
 
@@ -141,8 +162,14 @@ class Registry:
         return register
 
     def add(self, job_type: str, fn: Handler) -> None:
-        """Register ``fn`` for ``job_type``."""
+        """Register ``fn`` for ``job_type``; it must be an ``async def`` (else TypeError)."""
         validate_job_type(job_type)
+        if not _is_async(fn):
+            what = "not callable" if not callable(fn) else "not an async function"
+            raise TypeError(
+                f"the handler for {job_type!r} ({_qualname(fn)}) is {what}: handlers must be "
+                "`async def` (run blocking code with `await asyncio.to_thread(...)`)"
+            )
         if job_type in self._handlers:
             raise ValueError(f"a handler for {job_type!r} is already registered")
         self._handlers[job_type] = fn
@@ -165,13 +192,84 @@ class Registry:
         return len(self._handlers)
 
 
+class HandlersError(ValueError):
+    """A ``--handlers`` spec that cannot be loaded; the message is one line for people."""
+
+
 def load_registry(spec: str) -> Registry:
-    """Import ``package.module:attribute`` and check it is a :class:`Registry`."""
+    """Import ``package.module:attribute`` and check it is a :class:`Registry`.
+
+    The current directory comes first on the import path, as with
+    ``celery -A``: ``jobplane worker --handlers jobs:registry`` finds
+    ``./jobs.py``. Every way this can go wrong raises :class:`HandlersError`
+    with a one-line message.
+    """
     module_name, sep, attribute = spec.partition(":")
     if not sep or not module_name or not attribute:
-        raise ValueError(f"handlers must look like package.module:registry, got {spec!r}")
-    module = importlib.import_module(module_name)
-    registry = getattr(module, attribute, None)
-    if not isinstance(registry, Registry):
-        raise TypeError(f"{spec} is not a jobplane.workers.Registry")
-    return registry
+        raise HandlersError(
+            f"--handlers must look like module:registry (e.g. myapp.jobs:registry), got {spec!r}"
+        )
+    cwd = os.getcwd()
+    if cwd not in sys.path:
+        sys.path.insert(0, cwd)
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if exc.name and (module_name == exc.name or module_name.startswith(exc.name + ".")):
+            raise HandlersError(
+                f"no module named {exc.name!r} (--handlers {spec}; looked in {cwd} "
+                "and on the Python path)"
+            ) from None
+        raise HandlersError(f"importing {module_name!r} failed: {_one_line(exc)}") from None
+    except KeyboardInterrupt:
+        raise
+    except BaseException as exc:  # whatever the module raises at import, even SystemExit
+        raise HandlersError(f"importing {module_name!r} failed: {_one_line(exc)}") from None
+    found: Any = module
+    for part in attribute.split("."):
+        try:
+            found = getattr(found, part)
+        except Exception:
+            registries = sorted(n for n, v in vars(module).items() if isinstance(v, Registry))
+            hint = f"; its registries: {', '.join(registries)}" if registries else ""
+            raise HandlersError(
+                f"module {module_name!r} has no attribute {attribute!r}{hint}"
+            ) from None
+    if not isinstance(found, Registry):
+        raise HandlersError(f"{spec} is a {type(found).__name__}, not a jobplane.workers.Registry")
+    if not len(found):
+        raise HandlersError(f"{spec} has no handlers registered")
+    return found
+
+
+def _is_async(fn: object) -> bool:
+    if inspect.iscoroutinefunction(fn):
+        return True
+    # An instance whose __call__ is an async def (a class itself is not).
+    if inspect.isclass(fn) or not callable(fn):
+        return False
+    return inspect.iscoroutinefunction(type(fn).__call__)
+
+
+def _qualname(fn: object) -> str:
+    name = getattr(fn, "__qualname__", None) or type(fn).__qualname__
+    return f"{getattr(fn, '__module__', None) or '?'}.{name}"
+
+
+def _one_line(exc: BaseException) -> str:
+    """``Type: first line of the message`` and where it was raised."""
+    lines = safe_str(exc).strip().splitlines()
+    text = f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
+    if isinstance(exc, SyntaxError) and exc.filename:
+        return f"{text} ({exc.filename}, line {exc.lineno})"
+    # The user's line, not ours or importlib's (e.g. the decorator that
+    # refused a plain function).
+    ours = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    frames = [
+        f
+        for f in traceback.extract_tb(exc.__traceback__)
+        if not f.filename.startswith(("<frozen", ours))
+    ]
+    if frames:
+        return f"{text} (at {frames[-1].filename}:{frames[-1].lineno})"
+    return text

@@ -2,7 +2,10 @@
 
 A message is acked only after the outcome of its attempt is committed, so a
 worker that dies at any point leaves the message to be redelivered; the claim
-decides what a redelivery does (run, wait, or ack a duplicate).
+decides what a redelivery does (run, wait, or ack a duplicate). A message of a
+type this worker has no handler for is not claimed: the job is handed back
+through the outbox, or parked when no live worker handles it (ADR-0007).
+Whatever goes wrong while a message is handled, it ends acked or nacked.
 """
 
 from __future__ import annotations
@@ -10,9 +13,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
-import json
-import random
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import aio_pika
@@ -30,6 +32,7 @@ from jobplane.store.attempts import (
     AttemptStore,
     ClaimResult,
     ClaimStatus,
+    HandBack,
     LeaseLost,
     ProgressUpdate,
 )
@@ -39,7 +42,11 @@ from jobplane.store.rows import CANCEL_CHANNEL
 from jobplane.tasks import cancel_and_wait
 from jobplane.topology import Ownership, Topology, TopologyError, ensure
 from jobplane.workers.handback import hand_back
-from jobplane.workers.handlers import JobContext, PermanentError, Registry, RetryableError
+from jobplane.workers.handlers import JobContext, Registry
+from jobplane.workers.outcome import Escaped, Failure, check_result, describe, invoke
+from jobplane.workers.presence import Presence
+from jobplane.workers.progress import ProgressFlusher, ProgressWriter
+from jobplane.workers.retry import backoff, db_error_name, transient_db_error
 
 log = structlog.get_logger("jobplane.worker")
 
@@ -55,162 +62,19 @@ class StopCause(enum.Enum):
     TIMEOUT = "timeout"
 
 
-class ProgressFlusher:
-    """Writes the queued progress of all of a worker's attempts together.
-
-    At most ``window`` seconds after the first unwritten report, everything
-    queued by every running attempt goes out in one statement and one
-    transaction (one NOTIFY per job): the number of transactions per second
-    no longer grows with the number of jobs reporting progress.
-    """
-
-    def __init__(self, store: AttemptStore, *, window: float = 0.005) -> None:
-        self._store = store
-        self._window = window
-        self._dirty: dict[int, ProgressWriter] = {}
-        self._lock = asyncio.Lock()
-        self._timer: asyncio.Task[None] | None = None
-        self._stopped = False
-
-    def mark(self, writer: ProgressWriter) -> None:
-        """``writer`` has reports to write: flush within the window."""
-        self._dirty[id(writer)] = writer
-        if self._timer is None and not self._stopped:
-            self._timer = asyncio.create_task(self._flush_later())
-
-    def forget(self, writer: ProgressWriter) -> None:
-        """``writer`` hands its reports over itself (to its outcome)."""
-        self._dirty.pop(id(writer), None)
-
-    async def _flush_later(self) -> None:
-        await asyncio.sleep(self._window)
-        self._timer = None
-        try:
-            await self.flush()
-        except DBAPIError as exc:
-            # The reports stay queued; the next flush or the outcome writes them.
-            log.warning("worker.progress.retry", error=str(exc).splitlines()[0])
-
-    async def flush(self) -> None:
-        """Write what every attempt has queued now, in one transaction."""
-        async with self._lock:
-            writers = list(self._dirty.values())
-            self._dirty.clear()
-            batches = [(w, w.take()) for w in writers]
-            batches = [(w, b) for w, b in batches if b]
-            if not batches:
-                return
-            done = asyncio.get_running_loop().create_future()
-            for writer, _ in batches:
-                writer.inflight = done
-            try:
-                written = await self._store.write_progress_many(
-                    [(w.attempt, b) for w, b in batches]
-                )
-            except BaseException:
-                for writer, batch in batches:
-                    writer.put_back(batch)
-                    self.mark(writer)
-                raise
-            else:
-                for (writer, _), cancel in zip(batches, written, strict=True):
-                    writer.written(cancel)
-            finally:
-                for writer, _ in batches:
-                    writer.inflight = None
-                done.set_result(None)
-
-    async def stop(self) -> None:
-        """Stop the timer (attempts still running write with their outcome)."""
-        self._stopped = True
-        await cancel_and_wait(self._timer)
-        self._timer = None
-
-
-class ProgressWriter:
-    """One attempt's queued progress reports, written by a :class:`ProgressFlusher`.
-
-    A report is queued and written with the next flush; the outcome commit
-    takes what is still queued into its own transaction.
-    """
-
-    def __init__(
-        self,
-        flusher: ProgressFlusher,
-        attempt: Attempt,
-        *,
-        high_water: int = 500,
-        on_cancel_requested: Callable[[], None] = lambda: None,
-    ) -> None:
-        self._flusher = flusher
-        self.attempt = attempt
-        self._high_water = high_water
-        self._on_cancel_requested = on_cancel_requested
-        self._pending: list[ProgressUpdate] = []
-        self._error: BaseException | None = None
-        self.inflight: asyncio.Future[None] | None = None
-
-    async def add(self, update: ProgressUpdate) -> None:
-        """Queue ``update``; raise what the last flush found (e.g. LeaseLost)."""
-        if self._error is not None:
-            raise self._error
-        self._pending.append(update)
-        self._flusher.mark(self)
-        if len(self._pending) >= self._high_water:
-            # Back-pressure on a handler reporting faster than we write.
-            await self._flusher.flush()
-            if self._error is not None:
-                raise self._error
-
-    def take(self) -> list[ProgressUpdate]:
-        """Hand the queued reports to a flush (none after a fence-out)."""
-        if self._error is not None:
-            return []
-        batch, self._pending = self._pending, []
-        return batch
-
-    def put_back(self, batch: list[ProgressUpdate]) -> None:
-        """A flush failed: its reports come first again."""
-        self._pending[:0] = batch
-
-    def written(self, cancel_requested: bool | None) -> None:
-        """The result of a flush for this attempt (None: fenced out)."""
-        if cancel_requested is None:
-            self._error = LeaseLost(
-                f"jobs/{self.attempt.job_id} attempt {self.attempt.attempt} was fenced out"
-            )
-            self._pending.clear()
-        elif cancel_requested:
-            self._on_cancel_requested()
-
-    async def drain(self) -> list[ProgressUpdate]:
-        """Wait for a flush carrying our reports, then hand over what is still queued."""
-        while self.inflight is not None:
-            with contextlib.suppress(Exception):
-                await asyncio.shield(self.inflight)
-        # No await from here on: no flush can take reports in between.
-        self._flusher.forget(self)
-        batch, self._pending = self._pending, []
-        return batch
-
-
 class _Running:
     """A handler task and why (if at all) the runtime stopped it."""
 
-    def __init__(self, task: asyncio.Task[dict[str, Any]]) -> None:
+    def __init__(self, task: asyncio.Task[Any]) -> None:
         self.task = task
         self.cause: StopCause | None = None
+        self.stopped = asyncio.Event()
 
     def stop(self, cause: StopCause) -> None:
         if self.cause is None and not self.task.done():
             self.cause = cause
+            self.stopped.set()
             self.task.cancel()
-
-
-def backoff(attempt: int, *, base: float = 1.0, cap: float = 300.0) -> float:
-    """Exponential backoff with jitter: up to base·2^(attempt-1), at least half of it."""
-    ceiling = min(cap, base * 2 ** max(0, attempt - 1))
-    return random.uniform(ceiling / 2, ceiling)
 
 
 class Worker:
@@ -231,6 +95,11 @@ class Worker:
         progress_window: float = 0.005,
         retry_base_delay: float | None = None,
         faults: FaultPoints = NO_FAULTS,
+        presence_interval: float = 5.0,
+        handback_delay: float = 0.5,
+        handback_max_delay: float = 10.0,
+        cancel_grace: float = 10.0,
+        max_result_bytes: int = 256 * 1024,
     ) -> None:
         if concurrency < 1:
             raise ValueError("concurrency must be at least 1")
@@ -256,6 +125,23 @@ class Worker:
         self._tasks: set[asyncio.Task[None]] = set()
         self._running: dict[str, _Running] = {}
         self._stopping = False
+        self._presence = Presence(
+            engine,
+            self._store,
+            types=list(registry),
+            queues=self._queues,
+            concurrency=concurrency,
+            interval=presence_interval,
+        )
+        self._handback_delay = handback_delay
+        self._handback_max_delay = handback_max_delay
+        self._cancel_grace = cancel_grace
+        self._max_result_bytes = max_result_bytes
+
+    @property
+    def id(self) -> str:
+        """This worker's id in the ``workers`` table."""
+        return str(self._presence.id)
 
     @property
     def busy(self) -> bool:
@@ -297,8 +183,10 @@ class Worker:
                 self._connection = None
             await self._cancels.stop()
             raise
+        await self._presence.start()
         log.info(
             "worker.started",
+            worker=self.id,
             queues=self._queues,
             handlers=list(self._registry),
             concurrency=self._concurrency,
@@ -319,6 +207,7 @@ class Worker:
             with contextlib.suppress(Exception):
                 await queue.cancel(tag)
         self._consumers.clear()
+        await self._presence.stop()
         if self._tasks:
             _done, pending = await asyncio.wait(set(self._tasks), timeout=grace)
             if pending:
@@ -336,9 +225,43 @@ class Worker:
     async def _on_message(self, message: AbstractIncomingMessage) -> None:
         # Our own task, not aiormq's: a channel that closes must not cancel a
         # handler mid-run (its outcome is still committed; only the ack is lost).
-        task = asyncio.create_task(self._handle(message))
+        task = asyncio.create_task(self._handle_settled(message))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+
+    async def _handle_settled(self, message: AbstractIncomingMessage) -> None:
+        """:meth:`_handle`, and a nack for a message it left unsettled, whatever happened.
+
+        An unsettled delivery holds a prefetch slot for the life of the
+        channel; enough of them and the worker takes nothing more. The nack
+        requeues: a claimed job's redelivery waits out our lease, and a crash
+        that repeats ends in the dead-letter queue at the delivery limit.
+        """
+        try:
+            await self._handle(message)
+        except asyncio.CancelledError:
+            if not message.processed:
+                await _settle(message.nack(requeue=True))
+            raise
+        except Exception as exc:
+            # A database error's text can quote the statement's values: its
+            # class and SQLSTATE only. Anything else is a bug: its traceback.
+            if isinstance(exc, DBAPIError):
+                error = db_error_name(exc)
+                log.error("job.message.crashed", message_id=message.message_id, error=error)
+            else:
+                log.error(
+                    "job.message.crashed",
+                    message_id=message.message_id,
+                    error=_first_line(exc),
+                    exc_info=exc,
+                )
+            if not message.processed:
+                await _settle(message.nack(requeue=True))
+            return
+        if not message.processed:
+            log.error("job.message.unsettled", message_id=message.message_id)
+            await _settle(message.nack(requeue=True))
 
     def _on_cancel_notification(self, payload: str) -> None:
         running = self._running.get(payload)
@@ -353,6 +276,9 @@ class Worker:
             await _settle(message.reject(requeue=False))
             return
         bound = log.bind(job=job_name(envelope.job_id), event_id=str(envelope.event_id))
+        if self._registry.get(envelope.job_type) is None:
+            await self._hand_back_job(envelope, message, bound)
+            return
         try:
             claim = await self._claim(envelope)
         except _Stopping:
@@ -372,8 +298,8 @@ class Worker:
         if claim.status is ClaimStatus.NOT_FOUND:
             # Decided after the lookup, not before: a deployment whose identity
             # changed (its database restored elsewhere) still runs its own jobs.
-            if envelope.deployment not in (None, self._deployment_id):
-                await self._hand_back(message, envelope, bound)
+            if self._foreign(envelope):
+                await self._return_to_queue(message, envelope, bound)
                 return
             bound.error("job.message.unknown_job")
             await _settle(message.reject(requeue=False))
@@ -385,7 +311,11 @@ class Worker:
     def _deployment_id(self) -> str | None:
         return self._deployment.id if self._deployment is not None else None
 
-    async def _hand_back(
+    def _foreign(self, envelope: Envelope) -> bool:
+        """True for a message of another deployment sharing these queues."""
+        return envelope.deployment not in (None, self._deployment_id)
+
+    async def _return_to_queue(
         self, message: AbstractIncomingMessage, envelope: Envelope, bound: Any
     ) -> None:
         """A message of another deployment (no such job here): back to its queue."""
@@ -422,15 +352,47 @@ class Worker:
             # Lease times are the database's clock: poll at a fraction of the lease.
             await asyncio.sleep(min(self._store.lease_seconds / 3, 5.0))
 
+    async def _hand_back_job(
+        self, envelope: Envelope, message: AbstractIncomingMessage, bound: Any
+    ) -> None:
+        """Give the job back unclaimed: this worker has no handler for its type."""
+        try:
+            status, reason = await self._with_db_retry(
+                lambda: self._store.hand_back(
+                    envelope, base_delay=self._handback_delay, max_delay=self._handback_max_delay
+                )
+            )
+        except _Stopping:
+            await _settle(message.nack(requeue=True))
+            return
+        if status is HandBack.NOT_FOUND:
+            if self._foreign(envelope):
+                await self._return_to_queue(message, envelope, bound)
+                return
+            bound.error("job.message.unknown_job")
+            await _settle(message.reject(requeue=False))
+            return
+        if status is HandBack.PARKED:
+            bound.warning("job.parked", type=envelope.job_type, reason=reason)
+        elif status is HandBack.HANDED_BACK:
+            bound.info("job.handed_back", type=envelope.job_type)
+        else:
+            # Finished, stale, or running: a worker that has the handler owns
+            # it (a lease that runs out is the sweeper's to repair).
+            bound.info("job.message.duplicate", status=status.value)
+        await _settle(message.ack())
+
     async def _with_db_retry(self, op: Callable[[], Awaitable[T]]) -> T:
         delay = 0.2
         while True:
             try:
                 return await op()
             except (DBAPIError, OSError) as exc:
+                if not transient_db_error(exc):
+                    raise
                 if self._stopping:
                     raise _Stopping from exc
-                log.warning("worker.db.retry", error=str(exc).splitlines()[0], delay=delay)
+                log.warning("worker.db.retry", error=_first_line(exc), delay=delay)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 10.0)
 
@@ -438,16 +400,20 @@ class Worker:
         key = str(attempt.job_id)
         handler = self._registry.get(attempt.type)
         if handler is None:
+            # The message named a type we handle but the job is of another (it
+            # was not written by our relay): give the attempt back uncounted.
             await self._outcome(
+                attempt,
                 bound,
-                lambda: self._store.fail(
+                lambda: self._store.schedule_retry(
                     attempt,
                     "NO_HANDLER",
-                    f"no handler is registered for job type {attempt.type!r} on this worker",
-                    retryable=False,
+                    f"the worker that received it has no handler for job type {attempt.type!r}",
+                    delay=self._handback_delay,
+                    refund=True,
                 ),
             )
-            bound.error("job.failed", reason="no_handler", type=attempt.type)
+            bound.warning("job.handed_back", type=attempt.type, reason="message type mismatch")
             return
         holder: list[_Running] = []
 
@@ -457,92 +423,149 @@ class Worker:
 
         writer = ProgressWriter(self._progress, attempt, on_cancel_requested=cancel_requested)
         ctx = JobContext(attempt, writer)
-        running = _Running(asyncio.create_task(handler(ctx), name=f"job-{key}"))
+        running = _Running(asyncio.create_task(invoke(handler, ctx), name=f"job-{key}"))
         holder.append(running)
         self._running[key] = running
         heartbeat = asyncio.create_task(self._heartbeat(attempt, running))
         try:
-            result: dict[str, Any] | None = None
-            error: BaseException | None = None
-            try:
-                done, _ = await asyncio.wait({running.task}, timeout=attempt.timeout_seconds)
-                if not done:
-                    running.stop(StopCause.TIMEOUT)
-                result = await running.task
-            except asyncio.CancelledError:
-                if running.cause is None:
-                    raise  # we are being cancelled ourselves
-            except Exception as exc:
-                error = exc
+            ended = await self._wait(running, attempt, bound)
+        except BaseException:
+            running.stop(StopCause.SHUTDOWN)  # never leave a handler running unowned
+            raise
         finally:
             await cancel_and_wait(heartbeat)
             self._running.pop(key, None)
         pending = await writer.drain()
-        await self._record(attempt, running, result, error, pending, bound)
+        await self._record(attempt, running, ended, pending, bound)
+
+    async def _wait(self, running: _Running, attempt: Attempt, bound: Any) -> _Ended:
+        """How the handler ended; stops it at its timeout.
+
+        A handler that ignores being stopped (it swallows the cancellation) is
+        given up on after the grace period: the attempt's outcome is recorded
+        as its stop cause says and the message settled, while the task runs on
+        unowned (its writes are fenced out).
+        """
+        task = running.task
+        stopped = asyncio.create_task(running.stopped.wait())
+        try:
+            done, _ = await asyncio.wait(
+                {task, stopped},
+                timeout=attempt.timeout_seconds,
+                return_when=asyncio.FIRST_COMPLETED,
+            )
+        finally:
+            stopped.cancel()
+        if task not in done:
+            running.stop(StopCause.TIMEOUT)
+            finished, _ = await asyncio.wait({task}, timeout=self._cancel_grace)
+            if not finished:
+                bound.error(
+                    "job.handler.unresponsive",
+                    attempt=attempt.attempt,
+                    cause=running.cause.value if running.cause else None,
+                    grace=self._cancel_grace,
+                )
+                task.add_done_callback(_retrieve)
+                return _Ended()
+        if task.cancelled():
+            if running.cause is None:
+                stray = RuntimeError("the handler's task was cancelled, not by the worker")
+                return _Ended(error=stray)
+            return _Ended()
+        error = task.exception()
+        if error is not None:
+            return _Ended(error=error)
+        return _Ended(returned=True, result=task.result())
 
     async def _record(
         self,
         attempt: Attempt,
         running: _Running,
-        result: dict[str, Any] | None,
-        error: BaseException | None,
+        ended: _Ended,
         pending: list[ProgressUpdate],
         bound: Any,
     ) -> None:
         store = self._store
-        if running.cause is StopCause.LEASE_LOST or isinstance(error, LeaseLost):
+        if running.cause is StopCause.LEASE_LOST:
             bound.warning("job.lease_lost", attempt=attempt.attempt)
             return
-        if running.cause is StopCause.CANCEL_REQUESTED and result is None:
-            await self._outcome(bound, lambda: store.cancelled(attempt, pending))
+        if running.cause is StopCause.CANCEL_REQUESTED and not ended.returned:
+            await self._outcome(attempt, bound, lambda: store.cancelled(attempt, pending))
             bound.info("job.cancelled", attempt=attempt.attempt)
             return
         refund = False
-        if running.cause is StopCause.SHUTDOWN and result is None:
-            error = RetryableError(
-                "the worker shut down during the attempt", delay=0, code="WORKER_SHUTDOWN"
+        if running.cause is StopCause.SHUTDOWN and not ended.returned:
+            failure = Failure(
+                "WORKER_SHUTDOWN", "the worker shut down during the attempt", True, delay=0
             )
             refund = True
-        if running.cause is StopCause.TIMEOUT and result is None:
-            error = RetryableError(
+        elif running.cause is StopCause.TIMEOUT and not ended.returned:
+            failure = Failure(
+                "TIMEOUT",
                 f"the attempt ran longer than its timeout of {attempt.timeout_seconds:g}s",
-                code="TIMEOUT",
+                retryable=True,
             )
-        if error is None:
-            checked = _check_result(result)
+        elif ended.returned:
+            checked = check_result(ended.result, max_bytes=self._max_result_bytes)
             if isinstance(checked, dict):
-                await self._outcome(bound, lambda: store.succeed(attempt, checked, pending))
+                result = checked
+                await self._outcome(attempt, bound, lambda: store.succeed(attempt, result, pending))
                 bound.info("job.succeeded", attempt=attempt.attempt)
                 return
-            error = PermanentError(checked, code="BAD_RESULT")
-        code = getattr(error, "code", "HANDLER_ERROR")
-        if not isinstance(error, PermanentError | RetryableError):
-            code = "HANDLER_ERROR"
-        # Our own errors carry a message meant for people; anything else is
-        # named by its type, which is what tells a developer where to look.
-        if isinstance(error, PermanentError | RetryableError):
-            message = str(error)[:4096]
+            failure = describe(checked)
+            failure = Failure(failure.code, failure.message, retryable=False)
         else:
-            message = f"{type(error).__name__}: {error}"[:4096]
-        retryable = not isinstance(error, PermanentError)
-        if retryable and (attempt.attempts_left > 0 or refund):
-            delay = getattr(error, "delay", None)
-            if delay is None:
-                delay = self._backoff(attempt)
+            failure = describe(ended.error or RuntimeError("the handler ended without a result"))
+        details: dict[str, Any] = {"traceback": failure.traceback} if failure.traceback else {}
+        # The traceback goes to the log once, with the event that ends the attempt.
+        exc_info = _loggable(ended.error)
+        if failure.retryable and (attempt.attempts_left > 0 or refund):
+            delay = failure.delay if failure.delay is not None else self._backoff(attempt)
             await self._outcome(
+                attempt,
                 bound,
                 lambda: store.schedule_retry(
-                    attempt, code, message, delay=delay, pending=pending, refund=refund
+                    attempt,
+                    failure.code,
+                    failure.message,
+                    delay=delay,
+                    pending=pending,
+                    refund=refund,
+                    details=details,
                 ),
             )
             bound.warning(
-                "job.retry_scheduled", attempt=attempt.attempt, delay=delay, error=message
+                "job.retry_scheduled",
+                attempt=attempt.attempt,
+                delay=delay,
+                code=failure.code,
+                error=failure.message,
+                exc_info=exc_info,
             )
             return
+        if failure.retryable:
+            # The error was retryable, the job is not: no attempts are left.
+            details["attempts_exhausted"] = True
         await self._outcome(
-            bound, lambda: store.fail(attempt, code, message, retryable=retryable, pending=pending)
+            attempt,
+            bound,
+            lambda: store.fail(
+                attempt,
+                failure.code,
+                failure.message,
+                retryable=False,
+                pending=pending,
+                details=details,
+            ),
         )
-        bound.warning("job.failed", attempt=attempt.attempt, error=message)
+        bound.warning(
+            "job.failed",
+            attempt=attempt.attempt,
+            code=failure.code,
+            error=failure.message,
+            exc_info=exc_info,
+        )
 
     def _backoff(self, attempt: Attempt) -> float:
         try:
@@ -552,11 +575,29 @@ class Worker:
         base = queue.retry_base_delay if self._retry_base_delay is None else self._retry_base_delay
         return backoff(attempt.attempt, base=base, cap=queue.retry_max_delay)
 
-    async def _outcome(self, bound: Any, write: Callable[[], Awaitable[None]]) -> None:
+    async def _outcome(
+        self, attempt: Attempt, bound: Any, write: Callable[[], Awaitable[None]]
+    ) -> None:
         try:
             await self._with_db_retry(write)
         except LeaseLost:
             bound.warning("job.outcome.fenced_out")
+        except DBAPIError as exc:
+            # Refused for what it holds, not because the database is down: the
+            # same write would fail on every try. End the attempt in our words.
+            refused = db_error_name(exc)
+            bound.error("job.outcome.refused", attempt=attempt.attempt, error=refused)
+            try:
+                await self._with_db_retry(
+                    lambda: self._store.fail(
+                        attempt,
+                        "OUTCOME_REFUSED",
+                        f"the database refused the attempt's outcome ({refused})",
+                        retryable=False,
+                    )
+                )
+            except LeaseLost:
+                bound.warning("job.outcome.fenced_out")
 
     async def _heartbeat(self, attempt: Attempt, running: _Running) -> None:
         interval = self._store.lease_seconds / 3
@@ -573,22 +614,40 @@ class Worker:
             except LeaseLost:
                 running.stop(StopCause.LEASE_LOST)
                 return
-            except (DBAPIError, OSError) as exc:
-                log.warning("job.heartbeat.failed", error=str(exc).splitlines()[0])
+            except Exception as exc:
+                # Beat again next time; the lease outlives a few missed beats.
+                log.warning("job.heartbeat.failed", error=_first_line(exc))
 
 
 class _Stopping(Exception):
     """The worker is stopping; give the message back."""
 
 
-def _check_result(result: Any) -> dict[str, Any] | str:
-    if not isinstance(result, dict):
-        return f"the handler returned {type(result).__name__}, not a JSON object"
-    try:
-        json.dumps(result, allow_nan=False)
-    except (TypeError, ValueError) as exc:
-        return f"the handler's result is not JSON: {exc}"
-    return result
+@dataclass(frozen=True, slots=True)
+class _Ended:
+    """How a handler's task ended: it returned ``result``, raised ``error``, or
+    neither (it was stopped, or given up on)."""
+
+    returned: bool = False
+    result: Any = None
+    error: BaseException | None = None
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = str(exc).splitlines()
+    return lines[0] if lines else type(exc).__name__
+
+
+def _loggable(error: BaseException | None) -> BaseException | None:
+    if error is None:
+        return None
+    return error.original if isinstance(error, Escaped) else error
+
+
+def _retrieve(task: asyncio.Task[Any]) -> None:
+    # A handler given up on ends some time later; what it raised then is moot.
+    if not task.cancelled():
+        task.exception()
 
 
 async def _settle(settle: Awaitable[Any]) -> None:

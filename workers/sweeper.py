@@ -26,7 +26,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from jobplane.names import job_name
 from jobplane.store.sweeps import SweepStore
 from jobplane.tasks import cancel_and_wait
-from jobplane.workers.runtime import backoff
+from jobplane.workers.retry import backoff
 
 log = structlog.get_logger("jobplane.sweeper")
 

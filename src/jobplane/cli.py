@@ -1,5 +1,5 @@
 """The ``jobplane`` command: processes (migrate, serve, relay, worker, dev), keys,
-topology, and the client commands (submit, watch, get, list, cancel, retry)."""
+topology, workers, and the client commands (submit, watch, get, list, cancel, retry)."""
 
 from __future__ import annotations
 
@@ -176,12 +176,23 @@ def _registry(spec: str | None, *, demo: bool) -> Any:
     return registry
 
 
+def _registry_or_none(spec: str | None, *, demo: bool) -> Any:
+    """The registry, or None after saying in one line why it cannot be loaded."""
+    try:
+        return _registry(spec, demo=demo)
+    except (ValueError, TypeError) as exc:  # HandlersError, or two handlers for one type
+        print(f"error: {exc}", file=sys.stderr)
+        return None
+
+
 async def _worker(args: argparse.Namespace) -> int:
     from jobplane.store.engine import create_engine
     from jobplane.workers.runtime import Worker
 
     settings, topology = _settings_and_topology()
-    registry = _registry(args.handlers, demo=args.demo or not args.handlers)
+    registry = _registry_or_none(args.handlers, demo=args.demo or not args.handlers)
+    if registry is None:
+        return 2
     engine = create_engine(
         settings.database_url, pool_size=min(settings.db_pool_size, max(4, args.concurrency))
     )
@@ -198,6 +209,7 @@ async def _worker(args: argparse.Namespace) -> int:
             queues=args.queue or None,
             lease_seconds=args.lease_seconds,
             faults=FaultPoints(settings.faults),
+            max_result_bytes=settings.max_payload_bytes,
         )
         await _started(stack, worker.start, lambda: worker.stop(args.grace))
         await _until_signal()
@@ -211,6 +223,9 @@ async def _dev(args: argparse.Namespace) -> int:
     from jobplane.workers.sweeper import Sweeper
 
     settings, topology = _settings_and_topology(log_level="warning")
+    registry = _registry_or_none(args.handlers, demo=True)
+    if registry is None:
+        return 2
     await migrate(settings.database_url)
     engine = create_engine(settings.database_url)
     async with AsyncExitStack() as stack:
@@ -224,8 +239,9 @@ async def _dev(args: argparse.Namespace) -> int:
             settings.database_url,
             settings.amqp_url,
             topology,
-            _registry(args.handlers, demo=True),
+            registry,
             concurrency=args.concurrency,
+            max_result_bytes=settings.max_payload_bytes,
         )
         await _started(stack, server.start, server.stop)
         await _started(stack, relay.start, relay.stop)
@@ -305,6 +321,64 @@ async def _keys_create(args: argparse.Namespace) -> int:
         await engine.dispose()
     print(key)
     return 0
+
+
+async def _workers(args: argparse.Namespace) -> int:
+    import json
+
+    from sqlalchemy.exc import DBAPIError
+
+    from jobplane.store.engine import create_engine
+    from jobplane.store.workers import WorkerStore
+
+    settings = Settings.from_env()
+    configure(settings.log_level or "warning", settings.log_format)
+    engine = create_engine(settings.database_url, pool_size=1)
+    try:
+        workers = await WorkerStore(engine).list(dead_for=args.dead_for)
+    except (DBAPIError, OSError) as exc:
+        print(f"error: cannot read the workers from Postgres: {_first_line(exc)}", file=sys.stderr)
+        return 1
+    finally:
+        await engine.dispose()
+    if args.json:
+        for w in workers:
+            print(
+                json.dumps(
+                    {
+                        "id": str(w.id),
+                        "status": w.status,
+                        "host": w.host,
+                        "pid": w.pid,
+                        "types": list(w.types),
+                        "queues": list(w.queues),
+                        "concurrency": w.concurrency,
+                        "version": w.version,
+                        "start_time": w.start_time.isoformat(),
+                        "heartbeat_time": w.heartbeat_time.isoformat(),
+                        "stop_time": w.stop_time.isoformat() if w.stop_time else None,
+                    },
+                    sort_keys=True,
+                )
+            )
+        return 0
+    if not workers:
+        print("no live workers", file=sys.stderr)
+        return 0
+    print(f"{'ID':<36}  {'STATUS':<7}  {'HOST:PID':<24}  {'CONC':>4}  {'LAST BEAT':<20}  TYPES")
+    for w in workers:
+        where = f"{w.host}:{w.pid}"
+        beat = w.heartbeat_time.isoformat(timespec="seconds").replace("+00:00", "Z")
+        print(
+            f"{w.id!s:<36}  {w.status:<7}  {where:<24}  {w.concurrency:>4}  {beat:<20}  "
+            f"{', '.join(w.types) or '-'}  (queues: {', '.join(w.queues)})"
+        )
+    return 0
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = str(exc).splitlines()
+    return lines[0] if lines else type(exc).__name__
 
 
 async def _topology_apply(args: argparse.Namespace) -> int:
@@ -454,6 +528,22 @@ def build_parser() -> argparse.ArgumentParser:
     create = keys.add_parser("create", help="create a key (and the tenant); prints the key")
     create.add_argument("--tenant", required=True)
     create.set_defaults(func=_async(_keys_create))
+
+    workers = sub.add_parser(
+        "workers",
+        help="list live workers (and those that stopped recently)",
+        description="Workers register in Postgres: what they run, where, and when they last "
+        "beat. 'stopped' ones said so; 'lost' ones stopped beating (killed, hung, cut off).",
+    )
+    workers.add_argument(
+        "--dead-for",
+        type=float,
+        default=3600.0,
+        metavar="SECONDS",
+        help="also list workers stopped or lost this recently (default 3600)",
+    )
+    workers.add_argument("--json", action="store_true", help="one JSON object per worker")
+    workers.set_defaults(func=_async(_workers))
 
     topology = sub.add_parser("topology", help="RabbitMQ topology").add_subparsers(
         dest="topology", required=True

@@ -113,6 +113,8 @@ def job_to_pb(job: Job) -> jobs_pb2.Job:
         cancel_requested=job.cancel_requested,
         last_seq=job.last_seq,
         timeout=duration(job.timeout),
+        waiting_reason=job.waiting_reason,
+        attempts_used=job.attempts_used,
     )
     if job.result is not None:
         message.result.CopyFrom(struct_from_dict(job.result))
@@ -164,6 +166,8 @@ def job_from_pb(message: jobs_pb2.Job) -> Job:
         cancel_requested=message.cancel_requested,
         last_seq=message.last_seq,
         timeout=message.timeout.ToTimedelta(),
+        waiting_reason=message.waiting_reason,
+        attempts_used=message.attempts_used,
     )
 
 

@@ -80,6 +80,12 @@ class Job:
     cancel_requested: bool = False
     last_seq: int = 0
     timeout: timedelta = timedelta(hours=1)
+    #: Why a QUEUED job has not started yet, when known (e.g. no live worker
+    #: handles its type); empty otherwise.
+    waiting_reason: str = ""
+    #: Attempts counted against ``max_attempts`` since submit or the last
+    #: retry (``attempt`` counts every attempt ever started).
+    attempts_used: int = 0
 
     @property
     def id(self) -> str:

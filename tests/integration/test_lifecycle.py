@@ -92,24 +92,6 @@ async def test_failing_handler_fails_the_job_with_its_error(stack: Stack) -> Non
     assert done.attempt == 1  # permanent: no second attempt
 
 
-async def test_job_type_without_handler_fails_clearly(
-    engine: Any, database_url: str, amqp_url: str, topology: Any
-) -> None:
-    from tests.support.stack import start_stack
-
-    empty = Registry()
-    stack = await start_stack(engine, database_url, amqp_url, topology, registry=empty)
-    try:
-        client = stack.client()
-        job = await client.submit("nobody.handles.this", {})
-        done = await asyncio.wait_for(client.wait(job.name), timeout=20)
-        assert done.state is JobState.FAILED
-        assert done.error is not None and done.error.code == "NO_HANDLER"
-        assert done.attempt == 1
-    finally:
-        await stack.close()
-
-
 async def test_retryable_errors_use_more_attempts_then_succeed(
     engine: Any, database_url: str, amqp_url: str, topology: Any
 ) -> None:
@@ -137,13 +119,15 @@ async def test_retryable_errors_use_more_attempts_then_succeed(
         assert [e.seq for e in events] == list(range(1, len(events) + 1))
         assert sum(e.type is EventType.RETRY_SCHEDULED for e in events) == 2
 
-        # Out of attempts: FAILED with the last error.
+        # Out of attempts: FAILED with the last error, which no longer says
+        # retryable (nothing will retry the job).
         calls.clear()
         job2 = await client.submit("flaky.op", {}, max_attempts=2)
         done2 = await asyncio.wait_for(client.wait(job2.name), timeout=20)
         assert done2.state is JobState.FAILED
         assert calls == [1, 2]
-        assert done2.error is not None and done2.error.retryable
+        assert done2.error is not None and not done2.error.retryable
+        assert done2.error.code == "HANDLER_RETRYABLE"
         assert "not yet" in done2.error.message
     finally:
         await stack.close()

@@ -127,6 +127,8 @@ async def test_sweeper_requeues_an_expired_lease_and_fails_when_none_left(
         lost = await client.get(doomed.name)
         assert lost.state is JobState.FAILED
         assert lost.error is not None and lost.error.code == "LEASE_EXPIRED"
+        # No attempts are left: the final error does not say it is retryable.
+        assert lost.error.retryable is False
 
         requeued = await client.get(again.name)
         assert requeued.state is JobState.QUEUED

@@ -37,6 +37,7 @@ class Stack:
     relay: Relay | None = None
     worker: Worker | None = None
     clients: list[AsyncClient] = field(default_factory=list)
+    workers: list[Worker] = field(default_factory=list)
 
     def client(self, key: str | None = None, **kwargs: Any) -> AsyncClient:
         """An SDK client of this stack's server (closed with the stack)."""
@@ -63,9 +64,12 @@ class Stack:
         return relay
 
     async def start_worker(self, registry: Registry | None = None, **kwargs: Any) -> Worker:
-        """Start a worker with ``registry`` (default: the demo handlers)."""
+        """Start a worker with ``registry`` (default: the demo handlers); ``worker`` is the last."""
         kwargs.setdefault("lease_seconds", 5.0)
         kwargs.setdefault("retry_base_delay", 0.05)
+        kwargs.setdefault("presence_interval", 0.5)
+        kwargs.setdefault("handback_delay", 0.05)
+        kwargs.setdefault("handback_max_delay", 0.5)
         worker = Worker(
             self.engine,
             self.database_url,
@@ -76,6 +80,7 @@ class Stack:
         )
         await worker.start()
         self.worker = worker
+        self.workers.append(worker)
         return worker
 
     async def scalar(self, sql: str, **params: Any) -> Any:
@@ -100,8 +105,8 @@ class Stack:
         """Stop everything that was started."""
         for client in self.clients:
             await client.close()
-        if self.worker is not None:
-            await self.worker.stop(grace=2.0)
+        for worker in self.workers:
+            await worker.stop(grace=2.0)
         if self.relay is not None:
             await self.relay.stop()
         await self.server.stop(grace=0.5)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 from collections.abc import AsyncGenerator, AsyncIterator, Iterable
 from datetime import UTC, datetime
@@ -20,11 +21,13 @@ from jobplane.client import (
     Client,
     EventType,
     Job,
+    JobError,
     JobEvent,
     JobNotFound,
     JobplaneError,
     JobState,
     PayloadTooLarge,
+    ProgressTracker,
     RetryPolicy,
     Unavailable,
     WatchSequenceError,
@@ -679,12 +682,62 @@ async def test_render_watch_plain_and_json(
     assert lines[2]["create_time"] == NOW.isoformat()
 
 
-def test_bar_position_only_moves_on_progress() -> None:
-    assert cli.bar_position(event(2)) == pytest.approx(0.2)
-    assert cli.bar_position(event(3, EventType.QUEUED)) is None
-    assert cli.bar_position(event(4, EventType.SUCCEEDED, progress=0.0)) == 1.0
+def test_bar_only_moves_on_progress() -> None:
+    tracker = ProgressTracker()
+    assert tracker.update(event(2)) == pytest.approx(0.2)
+    assert tracker.update(event(3, EventType.QUEUED)) is None
+    assert tracker.update(event(4, EventType.SUCCEEDED, progress=0.0)) == 1.0
     assert "[bold]" in cli.describe(event(1, message="[not markup]"))
     assert "\\[not markup]" in cli.describe(event(1, message="[not markup]"))
+
+
+def test_bar_never_runs_backwards_within_an_attempt_and_restarts_with_the_next() -> None:
+    tracker = ProgressTracker()
+    seen = [
+        tracker.update(e)
+        for e in [
+            event(1, EventType.QUEUED, progress=0.0, attempt=0),
+            event(2, EventType.STARTED, progress=0.0),
+            event(3, progress=0.4),
+            event(4, progress=0.3),  # behind the bar: it stays at 0.4
+            event(5, EventType.RETRY_SCHEDULED, progress=0.4),
+            # The next attempt starts again from 0, then reports its own progress.
+            event(6, EventType.STARTED, progress=0.0, attempt=2),
+            event(7, progress=0.2, attempt=2),
+            event(8, progress=0.1, attempt=2),
+            event(9, progress=0.9, attempt=2),
+            event(10, EventType.SUCCEEDED, progress=1.0, attempt=2),
+        ]
+    ]
+    assert seen == [None, 0.0, 0.4, None, None, 0.0, 0.2, None, 0.9, 1.0]
+    # A stale attempt's report (or a STARTED that kept an old attempt's progress)
+    # never moves the bar of a later attempt.
+    assert tracker.update(event(11, progress=0.5, attempt=1)) is None
+    assert tracker.update(event(12, progress=float("nan"), attempt=3)) is None
+    assert tracker.position == 1.0
+
+
+def test_get_never_shows_more_attempts_than_allowed_nor_a_final_retryable() -> None:
+    retried = dataclasses.replace(
+        job(JobState.FAILED),
+        attempt=4,
+        attempts_used=1,
+        max_attempts=3,
+        error=JobError("HANDLER_ERROR", "boom", retryable=True),
+    )
+    shown = _fields(cli.job_details(retried))
+    assert shown["attempts"] == "1 of 3 used (4 started in all)"
+    # Whatever an older row says, a FAILED job is not going to be retried.
+    assert shown["error"] == "HANDLER_ERROR: boom"
+    pending = dataclasses.replace(retried, state=JobState.QUEUED, waiting_reason="no live worker")
+    shown = _fields(cli.job_details(pending))
+    assert shown["error"] == "HANDLER_ERROR: boom (will be retried)"
+    assert shown["waiting"] == "no live worker"
+    assert "waiting" not in _fields(cli.job_details(job()))
+
+
+def _fields(text: str) -> dict[str, str]:
+    return {k: v.strip() for k, _, v in (line.partition(":") for line in text.splitlines())}
 
 
 @pytest.mark.parametrize(

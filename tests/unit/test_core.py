@@ -167,7 +167,7 @@ def test_queue_defaults_and_their_checks() -> None:
 
 
 def test_backoff_grows_with_jitter_and_is_capped() -> None:
-    from jobplane.workers.runtime import backoff
+    from jobplane.workers.retry import backoff
 
     for attempt in range(1, 12):
         ceiling = min(30.0, 1.0 * 2 ** (attempt - 1))

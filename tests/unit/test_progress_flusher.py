@@ -7,9 +7,10 @@ import uuid
 from collections.abc import Sequence
 
 import pytest
+from sqlalchemy.exc import DBAPIError
 
 from jobplane.store.attempts import Attempt, AttemptStore, LeaseLost, ProgressUpdate
-from jobplane.workers.runtime import ProgressFlusher, ProgressWriter
+from jobplane.workers.progress import ProgressFlusher, ProgressRefused, ProgressWriter
 
 Batch = tuple[Attempt, Sequence[ProgressUpdate]]
 
@@ -23,12 +24,15 @@ class FakeStore:
         self.cancel: set[uuid.UUID] = set()
         self.fail: Exception | None = None
         self.gate: asyncio.Event | None = None
+        self.refuse: set[uuid.UUID] = set()
 
     async def write_progress_many(self, batches: Sequence[Batch]) -> list[bool | None]:
         if self.gate is not None:
             await self.gate.wait()
         if self.fail is not None:
             raise self.fail
+        if any(a.job_id in self.refuse for a, _ in batches):
+            raise db_error("22P05")  # untranslatable character: the same every time
         self.writes.append([(a.job_id, [u.progress for u in b]) for a, b in batches])
         return [None if a.job_id in self.fenced else a.job_id in self.cancel for a, _ in batches]
 
@@ -46,6 +50,16 @@ def attempt() -> Attempt:
         correlation_id="",
         request_id="r",
     )
+
+
+class DriverError(Exception):
+    def __init__(self, sqlstate: str) -> None:
+        super().__init__(f"driver error {sqlstate}")
+        self.sqlstate = sqlstate
+
+
+def db_error(sqlstate: str) -> DBAPIError:
+    return DBAPIError("UPDATE jobs ...", {}, DriverError(sqlstate))
 
 
 def update(progress: float) -> ProgressUpdate:
@@ -126,6 +140,40 @@ async def test_drain_waits_for_a_write_in_flight() -> None:
     # 0.2 went out with a later flush that drain also waited for, or is handed over.
     written = [p for write in store.writes for _, batch in write for p in batch]
     assert written + [u.progress for u in pending] == [0.1, 0.2]
+
+
+async def test_reports_the_database_refuses_fail_only_their_attempt() -> None:
+    store = FakeStore()
+    shared = flusher(store, window=60)  # flushed by hand below
+    bad, good = ProgressWriter(shared, attempt()), ProgressWriter(shared, attempt())
+    store.refuse.add(bad.attempt.job_id)
+    await bad.add(update(0.1))
+    await good.add(update(0.1))
+    await shared.flush()
+    # The batch of both was refused; written one by one, only the bad one is.
+    assert store.writes == [[(good.attempt.job_id, [0.1])]]
+    with pytest.raises(ProgressRefused, match="SQLSTATE 22P05"):
+        await bad.add(update(0.2))
+    await good.add(update(0.2))
+    await shared.flush()
+    assert store.writes[-1] == [(good.attempt.job_id, [0.2])]
+    assert await bad.drain() == []
+    await shared.stop()
+
+
+async def test_a_database_that_is_down_keeps_every_report() -> None:
+    store = FakeStore()
+    store.fail = db_error("08006")  # connection failure: try again later
+    shared = flusher(store, window=60)
+    writer = ProgressWriter(shared, attempt())
+    await writer.add(update(0.1))
+    with pytest.raises(DBAPIError):
+        await shared.flush()
+    store.fail = None
+    await writer.add(update(0.2))
+    await shared.flush()
+    assert store.writes == [[(writer.attempt.job_id, [0.1, 0.2])]]
+    await shared.stop()
 
 
 def test_the_fake_has_the_store_method() -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import enum
 import json
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -22,7 +22,13 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 from jobplane.envelope import Envelope
 from jobplane.ids import new_id
 from jobplane.store.engine import autocommit
-from jobplane.store.rows import EVENTS_CHANNEL, OUTBOX_FOR_JOB_SQL, dumps, transition_sql
+from jobplane.store.rows import (
+    EVENTS_CHANNEL,
+    OUTBOX_CHANNEL,
+    OUTBOX_FOR_JOB_SQL,
+    dumps,
+    transition_sql,
+)
 from jobplane.types import JobState
 
 
@@ -39,6 +45,15 @@ class ClaimStatus(enum.Enum):
     STALE = "stale"  # the message is for an older dispatch: ack it
     IN_FLIGHT = "in_flight"  # another attempt holds a live lease
     EXHAUSTED = "exhausted"  # no attempts left; the job was failed now
+
+
+class HandBack(enum.Enum):
+    """What became of a job a worker without its handler gave back."""
+
+    HANDED_BACK = "handed_back"  # a new dispatch is due shortly, for another worker
+    PARKED = "parked"  # no live worker handles it: no dispatch until one starts
+    NOT_QUEUED = "not_queued"  # finished, running, or the message is stale: ack it
+    NOT_FOUND = "not_found"  # no such job for that tenant: dead-letter the message
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,7 +109,10 @@ _CLAIM = text(
         "state = 'running', attempt = attempt + 1, lease_token = :lease_token, "
         "lease_expires_at = now() + make_interval(secs => :lease_seconds), "
         "start_time = now(), next_attempt_time = NULL, cancel_requested_at = NULL, "
-        "cancel_reason = NULL",
+        # A new attempt starts from nothing: its STARTED event must not carry
+        # the last attempt's progress.
+        "cancel_reason = NULL, progress = 0, progress_message = '', waiting_reason = NULL, "
+        "handbacks = 0",
         "id = :id AND tenant_id = :tenant_id AND dispatch_id = :dispatch_id "
         "AND attempt - retry_base < max_attempts "
         "AND (state = 'queued' OR (state = 'running' AND lease_expires_at < now()))",
@@ -207,6 +225,102 @@ _SCHEDULE_RETRY = text(
 )
 _INSERT_RETRY_OUTBOX = text(OUTBOX_FOR_JOB_SQL)
 
+# A worker without the job's handler gives the job back without claiming it,
+# in one statement fenced on the message's dispatch: when a live worker
+# handles the job's type on its queue, a new dispatch is due after a jittered
+# delay that doubles with each hand-back (no event: hand-backs are noise);
+# otherwise the job is parked (no dispatch at all) with one event saying why.
+# Neither counts as an attempt.
+_HAND_BACK = text(
+    f"""
+    WITH cur AS (
+        SELECT id, type, queue, handbacks FROM jobs
+        WHERE id = :id AND tenant_id = :tenant_id AND state = 'queued'
+          AND dispatch_id = :dispatch_id
+        FOR UPDATE
+    ), live AS (
+        SELECT cur.id,
+               EXISTS (
+                   SELECT 1 FROM workers w
+                   WHERE w.stop_time IS NULL AND w.expire_time > now()
+                     AND cur.type = ANY (w.types) AND cur.queue = ANY (w.queues)
+               ) AS handled,
+               least(CAST(:max_delay AS float8),
+                     CAST(:base_delay AS float8) * power(2, least(cur.handbacks, 30)))
+                   * (0.5 + random()) AS delay
+        FROM cur
+    ), j AS (
+        UPDATE jobs SET
+            dispatch_id = CASE WHEN live.handled THEN CAST(:new_dispatch_id AS uuid) END,
+            next_attempt_time = CASE WHEN live.handled
+                THEN now() + make_interval(secs => live.delay) END,
+            handbacks = jobs.handbacks + 1,
+            waiting_reason = CASE WHEN live.handled
+                THEN format('waiting for a worker that handles %s (handed back %s times by '
+                            'workers without its handler)', jobs.type, jobs.handbacks + 1)
+                ELSE format('no live worker handles type %s on queue %s', jobs.type, jobs.queue)
+                END,
+            last_seq = jobs.last_seq + CASE WHEN live.handled THEN 0 ELSE 1 END,
+            update_time = now()
+        FROM live
+        WHERE jobs.id = live.id
+        RETURNING jobs.id, jobs.tenant_id, jobs.type, jobs.correlation_id, jobs.state,
+                  jobs.progress, jobs.attempt, jobs.last_seq, jobs.next_attempt_time,
+                  jobs.waiting_reason, live.handled
+    ), e AS (
+        INSERT INTO job_events
+            (job_id, seq, tenant_id, type, state, progress, message, data, attempt)
+        SELECT id, last_seq, tenant_id, 'queued', state, progress, waiting_reason,
+               jsonb_build_object('waiting_reason', waiting_reason), attempt
+        FROM j WHERE NOT handled
+    ), o AS (
+        INSERT INTO outbox (id, tenant_id, job_id, routing_key, correlation_id, available_at)
+        SELECT CAST(:new_dispatch_id AS uuid), tenant_id, id, type, correlation_id,
+               next_attempt_time
+        FROM j WHERE handled
+    )
+    SELECT handled, waiting_reason,
+           pg_notify(CASE WHEN handled THEN '{OUTBOX_CHANNEL}' ELSE '{EVENTS_CHANNEL}' END,
+                     CASE WHEN handled THEN '' ELSE id::text END) AS notified
+    FROM j
+    """
+)
+# Parked jobs of the given types and queues get a new dispatch (a worker that
+# runs them is live now), with one event each.
+_UNPARK = text(
+    f"""
+    WITH p AS (
+        SELECT id FROM jobs
+        WHERE state = 'queued' AND dispatch_id IS NULL
+          AND type = ANY (CAST(:types AS text[])) AND queue = ANY (CAST(:queues AS text[]))
+        ORDER BY id
+        LIMIT :limit
+        FOR UPDATE SKIP LOCKED
+    ), j AS (
+        UPDATE jobs SET dispatch_id = gen_random_uuid(), waiting_reason = NULL, handbacks = 0,
+                        next_attempt_time = NULL, last_seq = jobs.last_seq + 1,
+                        update_time = now()
+        FROM p
+        WHERE jobs.id = p.id AND jobs.state = 'queued' AND jobs.dispatch_id IS NULL
+        RETURNING jobs.id, jobs.tenant_id, jobs.type, jobs.correlation_id, jobs.dispatch_id,
+                  jobs.state, jobs.progress, jobs.attempt, jobs.last_seq
+    ), e AS (
+        INSERT INTO job_events
+            (job_id, seq, tenant_id, type, state, progress, message, data, attempt)
+        SELECT id, last_seq, tenant_id, 'queued', state, progress,
+               format('dispatched again: a worker that handles %s is live', type),
+               '{{}}'::jsonb, attempt
+        FROM j
+    ), o AS (
+        INSERT INTO outbox (id, tenant_id, job_id, routing_key, correlation_id)
+        SELECT dispatch_id, tenant_id, id, type, correlation_id FROM j
+    )
+    SELECT id, pg_notify('{EVENTS_CHANNEL}', id::text) AS notified,
+           pg_notify('{OUTBOX_CHANNEL}', '') AS woke_relay
+    FROM j
+    """
+)
+
 
 class AttemptStore:
     """Claims attempts and writes their progress and outcome, fenced."""
@@ -273,6 +387,37 @@ class AttemptStore:
             # Changed between the two statements; the caller looks again.
             return ClaimResult(ClaimStatus.IN_FLIGHT, state=state)
 
+    async def hand_back(
+        self, envelope: Envelope, *, base_delay: float, max_delay: float
+    ) -> tuple[HandBack, str]:
+        """Give back a delivered job this worker has no handler for, without claiming it.
+
+        Returns what became of it and the waiting reason now on the job.
+        """
+        params = {
+            "id": envelope.job_id,
+            "tenant_id": envelope.tenant_id,
+            "dispatch_id": envelope.event_id,
+            "new_dispatch_id": new_id(),
+            "base_delay": base_delay,
+            "max_delay": max_delay,
+        }
+        async with self._auto.connect() as conn:
+            row = (await conn.execute(_HAND_BACK, params)).mappings().first()
+            if row is not None:
+                status = HandBack.HANDED_BACK if row["handled"] else HandBack.PARKED
+                return status, str(row["waiting_reason"])
+            found = (await conn.execute(_INSPECT, params)).first()
+        return (HandBack.NOT_FOUND if found is None else HandBack.NOT_QUEUED), ""
+
+    async def unpark(self, types: Sequence[str], queues: Sequence[str], *, limit: int = 500) -> int:
+        """Dispatch parked jobs of ``types`` on ``queues`` again; how many were."""
+        if not types or not queues:
+            return 0
+        params = {"types": list(types), "queues": list(queues), "limit": limit}
+        async with self._auto.connect() as conn:
+            return len((await conn.execute(_UNPARK, params)).all())
+
     async def heartbeat(self, attempt: Attempt) -> bool:
         """Extend the lease; returns whether cancellation was requested."""
         async with self._auto.connect() as conn:
@@ -318,8 +463,14 @@ class AttemptStore:
         *,
         retryable: bool,
         pending: Sequence[ProgressUpdate] = (),
+        details: Mapping[str, Any] | None = None,
     ) -> None:
-        """Commit FAILED with the error, or raise :class:`LeaseLost`."""
+        """Commit FAILED with the error, or raise :class:`LeaseLost`.
+
+        ``details`` (e.g. the traceback) go into the failed event's
+        ``data.error``, not the job row.
+        """
+        error = {**(details or {}), "code": code, "message": message, "retryable": retryable}
         await self._finish(
             attempt,
             pending,
@@ -327,7 +478,7 @@ class AttemptStore:
             {"error_code": code, "error_message": message, "retryable": retryable},
             "failed",
             message,
-            {"error": {"code": code, "message": message, "retryable": retryable}},
+            {"error": error},
         )
 
     async def cancelled(self, attempt: Attempt, pending: Sequence[ProgressUpdate] = ()) -> None:
@@ -343,11 +494,13 @@ class AttemptStore:
         delay: float,
         pending: Sequence[ProgressUpdate] = (),
         refund: bool = False,
+        details: Mapping[str, Any] | None = None,
     ) -> None:
         """Back to QUEUED with a new dispatch due after ``delay`` seconds, via the outbox.
 
         ``refund``: the attempt does not count against max_attempts (it was
-        interrupted by a shutdown, not failed by the job).
+        interrupted by a shutdown, not failed by the job). ``details`` go into
+        the event's ``data.error``.
         """
         dispatch_id = new_id()
         extra = {
@@ -358,7 +511,7 @@ class AttemptStore:
             "refund": 1 if refund else 0,
         }
         data = {
-            "error": {"code": code, "message": message, "retryable": True},
+            "error": {**(details or {}), "code": code, "message": message, "retryable": True},
             "delay_seconds": round(delay, 3),
             "next_attempt": attempt.attempt + 1,
         }

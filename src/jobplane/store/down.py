@@ -65,3 +65,22 @@ def _down(exc: BaseException) -> bool:
         return True
     cause = exc.__cause__
     return cause is not None and cause is not exc and isinstance(cause, _DOWN_TYPES)
+
+
+# Besides a database that is down, what may pass when the same statement is
+# tried again: a serialization failure or deadlock (class 40), insufficient
+# resources (53), operator intervention such as a cancelled statement (57) and
+# a system error (58). Anything else is about the statement itself.
+_TRANSIENT_CLASSES = frozenset({"40", "53", "57", "58"})
+
+
+def database_transient(exc: BaseException) -> bool:
+    """True when trying the same statement again may work (:func:`database_down` or a
+    transient refusal); False when Postgres refused the statement for what it is."""
+    if database_down(exc):
+        return True
+    if isinstance(exc, DBAPIError):
+        state = getattr(exc.orig, "sqlstate", None) or getattr(exc.orig, "pgcode", None)
+        # No SQLSTATE: the driver failed, not the statement.
+        return not state or str(state)[:2] in _TRANSIENT_CLASSES
+    return False

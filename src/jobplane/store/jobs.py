@@ -126,7 +126,7 @@ _RETRY = text(
         "error_code = NULL, error_message = NULL, error_retryable = false, progress = 0, "
         "progress_message = '', cancel_requested_at = NULL, cancel_reason = NULL, "
         "lease_token = NULL, lease_expires_at = NULL, next_attempt_time = NULL, "
-        "start_time = NULL, end_time = NULL",
+        "start_time = NULL, end_time = NULL, waiting_reason = NULL, handbacks = 0",
         "id = :id AND tenant_id = :tenant_id AND state IN ('failed', 'cancelled')",
     )
 )

@@ -19,7 +19,7 @@ JOB_COLUMNS = """
     error_retryable, progress, progress_message, attempt, max_attempts, retry_base,
     request_id, correlation_id, labels, dispatch_id, lease_token, lease_expires_at,
     cancel_requested_at, next_attempt_time, last_seq, create_time, update_time,
-    start_time, end_time, timeout_seconds
+    start_time, end_time, timeout_seconds, waiting_reason
 """
 
 
@@ -117,6 +117,8 @@ def job_from_row(row: Mapping[Any, Any]) -> Job:
         cancel_requested=row["cancel_requested_at"] is not None,
         last_seq=int(row["last_seq"]),
         timeout=timedelta(seconds=float(row["timeout_seconds"])),
+        waiting_reason=(row["waiting_reason"] or "") if state is JobState.QUEUED else "",
+        attempts_used=int(row["attempt"]) - int(row["retry_base"]),
     )
 
 

@@ -45,8 +45,9 @@ _REQUEUE = text(
 )
 _FAIL_EXPIRED = text(
     transition_sql(
+        # No attempts are left: the job is not going to be retried.
         "state = 'failed', error_code = 'LEASE_EXPIRED', error_message = :message, "
-        "error_retryable = true, lease_token = NULL, lease_expires_at = NULL, "
+        "error_retryable = false, lease_token = NULL, lease_expires_at = NULL, "
         "dispatch_id = NULL, next_attempt_time = NULL, end_time = now()",
         _LEASE_WHERE,
     )
@@ -155,10 +156,16 @@ class SweepStore:
                     requeued += 1
                 else:
                     final = f"{message}; no attempts left"
+                    error = {
+                        "code": "LEASE_EXPIRED",
+                        "retryable": False,
+                        "attempts_exhausted": True,
+                    }
                     await conn.execute(
                         _FAIL_EXPIRED,
                         {
                             **params,
+                            "event_data": dumps({"error": error}),
                             "message": final,
                             "event_type": "failed",
                             "event_message": final,

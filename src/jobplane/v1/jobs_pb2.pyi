@@ -94,6 +94,8 @@ class Job(_message.Message):
     CANCEL_REQUESTED_FIELD_NUMBER: _builtins.int
     LAST_SEQ_FIELD_NUMBER: _builtins.int
     TIMEOUT_FIELD_NUMBER: _builtins.int
+    WAITING_REASON_FIELD_NUMBER: _builtins.int
+    ATTEMPTS_USED_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """Resource name, `jobs/{job}`."""
     type: _builtins.str
@@ -103,7 +105,9 @@ class Job(_message.Message):
     """0..1, the last progress the handler reported."""
     progress_message: _builtins.str
     attempt: _builtins.int
-    """Number of attempts started so far (0 while the first is queued)."""
+    """Number of the newest attempt, counting every attempt ever started (0
+    while the first is queued); see attempts_used for the current budget.
+    """
     max_attempts: _builtins.int
     request_id: _builtins.str
     correlation_id: _builtins.str
@@ -112,6 +116,14 @@ class Job(_message.Message):
     last_seq: _builtins.int
     """Seq of the newest event of the job; watch with after_seq = this to see
     only what happens next.
+    """
+    waiting_reason: _builtins.str
+    """Why a QUEUED job has not started yet, when the workers know: e.g. no
+    live worker handles its type. Empty otherwise.
+    """
+    attempts_used: _builtins.int
+    """Attempts counted against max_attempts since the job was submitted or
+    last retried with RetryJob (`attempt` counts every attempt ever started).
     """
     @_builtins.property
     def payload(self) -> _struct_pb2.Struct: ...
@@ -169,10 +181,12 @@ class Job(_message.Message):
         cancel_requested: _builtins.bool = ...,
         last_seq: _builtins.int = ...,
         timeout: _duration_pb2.Duration | None = ...,
+        waiting_reason: _builtins.str = ...,
+        attempts_used: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["create_time", b"create_time", "end_time", b"end_time", "error", b"error", "next_attempt_time", b"next_attempt_time", "payload", b"payload", "result", b"result", "start_time", b"start_time", "timeout", b"timeout", "update_time", b"update_time"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "cancel_requested", b"cancel_requested", "correlation_id", b"correlation_id", "create_time", b"create_time", "end_time", b"end_time", "error", b"error", "labels", b"labels", "last_seq", b"last_seq", "max_attempts", b"max_attempts", "name", b"name", "next_attempt_time", b"next_attempt_time", "payload", b"payload", "progress", b"progress", "progress_message", b"progress_message", "request_id", b"request_id", "result", b"result", "start_time", b"start_time", "state", b"state", "timeout", b"timeout", "type", b"type", "update_time", b"update_time"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "attempts_used", b"attempts_used", "cancel_requested", b"cancel_requested", "correlation_id", b"correlation_id", "create_time", b"create_time", "end_time", b"end_time", "error", b"error", "labels", b"labels", "last_seq", b"last_seq", "max_attempts", b"max_attempts", "name", b"name", "next_attempt_time", b"next_attempt_time", "payload", b"payload", "progress", b"progress", "progress_message", b"progress_message", "request_id", b"request_id", "result", b"result", "start_time", b"start_time", "state", b"state", "timeout", b"timeout", "type", b"type", "update_time", b"update_time", "waiting_reason", b"waiting_reason"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -188,10 +202,10 @@ class JobError(_message.Message):
     MESSAGE_FIELD_NUMBER: _builtins.int
     RETRYABLE_FIELD_NUMBER: _builtins.int
     code: _builtins.str
-    """Stable, machine-readable code, e.g. HANDLER_ERROR, NO_HANDLER, CANCELLED."""
+    """Stable, machine-readable code, e.g. HANDLER_ERROR, TIMEOUT, BAD_RESULT, CANCELLED."""
     message: _builtins.str
     retryable: _builtins.bool
-    """True when the failure was retryable (a later attempt could succeed)."""
+    """True while a later attempt will be made; false on a job that ended."""
     def __init__(
         self,
         *,
