@@ -1,11 +1,100 @@
-"""structlog set-up: console lines for people, JSON lines for machines."""
+"""structlog set-up: console lines for people, JSON lines for machines.
+
+What must never reach a log line, whichever library writes it: API keys and
+bearer tokens (:func:`scrub`), and tenants' data. The database drivers put
+the values of a failing statement into their error messages (Postgres echoes
+an invalid value, a unique violation's key, a RAISE's arguments; SQLAlchemy
+adds the bound parameters unless the engine hides them), so a traceback shows
+a database error by its class and SQLSTATE only (:func:`format_exception`).
+"""
 
 from __future__ import annotations
 
 import logging
+import re
 import sys
+import traceback
+from typing import Any
 
 import structlog
+from structlog.typing import EventDict, ExcInfo, WrappedLogger
+
+_SECRETS = re.compile(r"\bjp_[A-Za-z0-9_-]{32,}|(?i:\bbearer\s+)[^\s'\",]+")
+_DATABASE_MODULES = ("asyncpg", "sqlalchemy")
+# Attributes of a Postgres error that name the schema, never a value.
+_SAFE_FIELDS = ("sqlstate", "table_name", "column_name", "constraint_name")
+_CAUSE = "\nThe above exception was the direct cause of the following exception:\n\n"
+_CONTEXT = "\nDuring handling of the above exception, another exception occurred:\n\n"
+
+
+def scrub(text: str) -> str:
+    """``text`` with API keys and bearer tokens replaced."""
+    return _SECRETS.sub(_mask, text)
+
+
+def _mask(match: re.Match[str]) -> str:
+    found = match.group(0)
+    return "jp_[REDACTED]" if found.startswith("jp_") else found.split()[0] + " [REDACTED]"
+
+
+def _from_database(exc: BaseException) -> bool:
+    return type(exc).__module__.split(".", 1)[0] in _DATABASE_MODULES
+
+
+def _exception_only(exc: BaseException) -> list[str]:
+    if not _from_database(exc):
+        return traceback.format_exception_only(type(exc), exc)
+    fields = " ".join(
+        f"{name}={value}"
+        for name in _SAFE_FIELDS
+        if (value := getattr(exc, name, None)) and isinstance(value, str)
+    )
+    name = f"{type(exc).__module__}.{type(exc).__qualname__}"
+    return [f"{name}: [message withheld{': ' + fields if fields else ''}]\n"]
+
+
+def format_exception(exc_info: ExcInfo) -> str:
+    """A traceback like Python's, without database error messages or secrets."""
+    chain: list[tuple[BaseException, str]] = []
+    seen: set[int] = set()
+    exc: BaseException | None = exc_info[1]
+    link = ""
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        chain.append((exc, link))
+        if exc.__cause__ is not None:
+            exc, link = exc.__cause__, _CAUSE
+        elif exc.__context__ is not None and not exc.__suppress_context__:
+            exc, link = exc.__context__, _CONTEXT
+        else:
+            exc = None
+    lines: list[str] = []
+    following = ""
+    for exc, link in reversed(chain):
+        lines.append(following)
+        if exc.__traceback__ is not None:
+            lines.append("Traceback (most recent call last):\n")
+            lines.extend(traceback.format_tb(exc.__traceback__))
+        lines.extend(_exception_only(exc))
+        following = link
+    return scrub("".join(lines)).rstrip("\n")
+
+
+def _scrub_event(_logger: WrappedLogger, _name: str, event_dict: EventDict) -> EventDict:
+    for key, value in event_dict.items():
+        if isinstance(value, str):
+            event_dict[key] = scrub(value)
+    return event_dict
+
+
+class _ScrubbingFormatter(logging.Formatter):
+    """Standard-library records (grpc, asyncio, ...) under the same rules."""
+
+    def formatException(self, ei: Any) -> str:
+        return format_exception(ei)
+
+    def format(self, record: logging.LogRecord) -> str:
+        return scrub(super().format(record))
 
 
 def configure(level: str = "info", fmt: str = "console") -> None:
@@ -21,7 +110,8 @@ def configure(level: str = "info", fmt: str = "console") -> None:
             structlog.contextvars.merge_contextvars,
             structlog.processors.add_log_level,
             structlog.processors.TimeStamper(fmt="iso", utc=True),
-            structlog.processors.format_exc_info,
+            structlog.processors.ExceptionRenderer(format_exception),
+            _scrub_event,
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(numeric),
@@ -29,3 +119,5 @@ def configure(level: str = "info", fmt: str = "console") -> None:
         cache_logger_on_first_use=True,
     )
     logging.basicConfig(level=max(numeric, logging.WARNING), stream=sys.stderr)
+    for handler in logging.getLogger().handlers:
+        handler.setFormatter(_ScrubbingFormatter(logging.BASIC_FORMAT))
