@@ -156,7 +156,6 @@ _BY_CODE: dict[grpc.StatusCode, type[JobplaneError]] = {
     grpc.StatusCode.NOT_FOUND: JobNotFound,
     grpc.StatusCode.ALREADY_EXISTS: RequestIdReused,
     grpc.StatusCode.FAILED_PRECONDITION: FailedPrecondition,
-    grpc.StatusCode.RESOURCE_EXHAUSTED: ResourceExhausted,
     grpc.StatusCode.UNAVAILABLE: Unavailable,
     grpc.StatusCode.INTERNAL: InternalError,
 }
