@@ -2,13 +2,7 @@
 
 from __future__ import annotations
 
-import asyncio
-import json
-import os
-import signal
-import sys
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 
 import pytest
 from sqlalchemy import text
@@ -17,59 +11,17 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from jobplane.client import AsyncClient, InternalError, Unauthenticated
 from jobplane.store.keys import KeyStore
+from tests.support.serve import Serve, serve_process
 
 MARKER = "tenant-secret-marker-5f1c"
 
 
-@dataclass
-class Serve:
-    """A `jobplane serve` process and every line it wrote to stderr."""
-
-    process: asyncio.subprocess.Process
-    lines: list[str] = field(default_factory=list)
-    address: str = ""
-
-    async def read(self, started: asyncio.Event) -> None:
-        assert self.process.stderr is not None
-        async for raw in self.process.stderr:
-            line = raw.decode(errors="replace").rstrip("\n")
-            self.lines.append(line)
-            if line.startswith("jobplane serving on "):
-                self.address = line.split()[3]
-                started.set()
-
-    def records(self) -> list[dict[str, object]]:
-        """The JSON log records among the lines."""
-        found = []
-        for line in self.lines:
-            if line.startswith("{"):
-                found.append(json.loads(line))
-        return found
-
-
 @pytest.fixture
 async def serve(database_url: str) -> AsyncIterator[Serve]:
-    env = {
-        **os.environ,
-        "JOBPLANE_DATABASE_URL": database_url,
-        "JOBPLANE_LISTEN": "127.0.0.1:0",
-        "JOBPLANE_LOG_LEVEL": "debug",
-        "JOBPLANE_LOG_FORMAT": "json",
-    }
-    process = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "jobplane", "serve", env=env, stderr=asyncio.subprocess.PIPE
-    )
-    running = Serve(process)
-    started = asyncio.Event()
-    reader = asyncio.create_task(running.read(started))
-    try:
-        await asyncio.wait_for(started.wait(), timeout=30)
+    async with serve_process(
+        database_url, JOBPLANE_LOG_LEVEL="debug", JOBPLANE_LOG_FORMAT="json"
+    ) as running:
         yield running
-    finally:
-        if process.returncode is None:
-            process.send_signal(signal.SIGTERM)
-            await asyncio.wait_for(process.wait(), timeout=30)
-        await asyncio.wait_for(reader, timeout=10)
 
 
 async def test_payloads_and_keys_never_reach_the_server_log(
@@ -104,9 +56,7 @@ async def test_payloads_and_keys_never_reach_the_server_log(
         with pytest.raises(Unauthenticated):
             await stranger.list()
 
-    serve.process.send_signal(signal.SIGTERM)
-    await asyncio.wait_for(serve.process.wait(), timeout=30)
-    await asyncio.sleep(0)  # let the reader take the last lines
+    await serve.stop()
 
     records = serve.records()
     failed = [r for r in records if r.get("event") == "rpc.failed"]

@@ -6,7 +6,11 @@ Health and reflection answering without a key: test_lifecycle.py.
 from __future__ import annotations
 
 import asyncio
+import json
+import os
+import sys
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -19,7 +23,9 @@ from jobplane.client import AsyncClient, Client, JobState, Unauthenticated, Unav
 from jobplane.client._errors import rich_status
 from jobplane.server import JobplaneServer
 from jobplane.server.app import ServerTLS
+from jobplane.store.keys import KeyStore
 from jobplane.topology import Topology
+from tests.support.serve import serve_process
 from tests.support.servers import Servers
 
 SUBMIT = "/jobplane.v1.JobService/SubmitJob"
@@ -177,3 +183,65 @@ async def _count_jobs(servers: Servers) -> int:
 
     async with servers.engine.connect() as conn:
         return int((await conn.execute(text("SELECT count(*) FROM jobs"))).scalar_one())
+
+
+async def test_serve_and_the_cli_speak_mutual_tls(
+    database_url: str, engine: AsyncEngine, ca: trustme.CA, client_ca: trustme.CA, tmp_path: Path
+) -> None:
+    server_cert = ca.issue_cert("localhost")
+    client_cert = client_ca.issue_cert("cli@example.test")
+    files = {
+        "server.pem": server_cert.cert_chain_pems[0].bytes(),
+        "server.key": server_cert.private_key_pem.bytes(),
+        "clients-ca.pem": client_ca.cert_pem.bytes(),
+        "ca.pem": ca.cert_pem.bytes(),
+        "client.pem": client_cert.cert_chain_pems[0].bytes(),
+        "client.key": client_cert.private_key_pem.bytes(),
+    }
+    for name, data in files.items():
+        (tmp_path / name).write_bytes(data)
+    key, _tenant = await KeyStore(engine).create_key("acme")
+    tls_env = {
+        "JOBPLANE_TLS_CERT": str(tmp_path / "server.pem"),
+        "JOBPLANE_TLS_KEY": str(tmp_path / "server.key"),
+        "JOBPLANE_TLS_CLIENT_CA": str(tmp_path / "clients-ca.pem"),
+    }
+    async with serve_process(database_url, **tls_env) as serve:
+        assert "(mutual TLS)" in "\n".join(serve.lines)
+        # The certificate names localhost; the CLI connects to 127.0.0.1.
+        flags = ["--tls-ca", str(tmp_path / "ca.pem"), "--tls-server-name", "localhost"]
+        identity = [
+            "--tls-client-cert",
+            str(tmp_path / "client.pem"),
+            "--tls-client-key",
+            str(tmp_path / "client.key"),
+        ]
+        code, out, err = await cli(serve.address, key, "submit", "demo.echo", *flags, *identity)
+        assert code == 0, err
+        assert out.startswith("jobs/")
+        code, out, err = await cli(serve.address, key, "list", "--json", *flags, *identity)
+        assert code == 0, err
+        assert len(json.loads(out)["jobs"]) == 1
+        # No client certificate: refused by the handshake.
+        code, out, err = await cli(serve.address, key, "list", *flags)
+        assert code == 1
+        assert "UNAVAILABLE" in err
+    # A bad certificate path is one line and a usage error.
+    code, _out, err = await cli("127.0.0.1:1", key, "list", "--tls-ca", str(tmp_path / "nope"))
+    assert code == 2 and err.count("\n") == 1 and "nope" in err
+
+
+async def cli(address: str, key: str, *args: str) -> tuple[int, str, str]:
+    """Run a client command of `jobplane`."""
+    process = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "jobplane",
+        *args,
+        env={**os.environ, "JOBPLANE_ADDRESS": address, "JOBPLANE_API_KEY": key},
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    out, err = await asyncio.wait_for(process.communicate(), timeout=60)
+    assert process.returncode is not None
+    return process.returncode, out.decode(), err.decode()
