@@ -25,6 +25,7 @@ from typing import TypeAlias
 import structlog
 
 from jobplane.errors import JobNotFound, Unavailable
+from jobplane.logs import describe_error
 from jobplane.store.jobs import StreamRead
 from jobplane.store.listen import Listener
 from jobplane.tasks import cancel_and_wait
@@ -288,7 +289,7 @@ class FeedHub:
         except Exception as exc:
             # Every watcher of these jobs ends with this; the servicer maps a
             # lost database to UNAVAILABLE and clients resume.
-            log.warning("watch.read_failed", jobs=len(due), error=repr(exc)[:200])
+            log.warning("watch.read_failed", jobs=len(due), error=describe_error(exc))
             for feed in due:
                 self._fail(feed, exc)
             return

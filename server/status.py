@@ -17,6 +17,7 @@ from sqlalchemy.exc import InterfaceError, OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 
 from jobplane.errors import ERROR_DOMAIN, InternalError, JobplaneError, Unavailable
+from jobplane.logs import describe_error
 
 log = structlog.get_logger("jobplane.server")
 
@@ -35,16 +36,12 @@ DATABASE_DOWN = (
 DB_UNAVAILABLE = Unavailable("the database is busy or unreachable right now; retry")
 
 
-def _first_line(exc: BaseException) -> str:
-    return (str(exc).splitlines() or [type(exc).__name__])[0]
-
-
 def error_for(exc: Exception, rpc: str) -> JobplaneError:
     """What to answer for ``exc``, raised while serving ``rpc``; logs the unexpected."""
     if isinstance(exc, JobplaneError):
         return exc
     if isinstance(exc, DATABASE_DOWN):
-        log.warning("rpc.database_unavailable", rpc=rpc, error=_first_line(exc))
+        log.warning("rpc.database_unavailable", rpc=rpc, error=describe_error(exc))
         return DB_UNAVAILABLE
     log.error("rpc.failed", rpc=rpc, exc_info=exc)
     return InternalError()

@@ -16,6 +16,7 @@ import sys
 import traceback
 from typing import Any
 
+import asyncpg
 import structlog
 from structlog.typing import EventDict, ExcInfo, WrappedLogger
 
@@ -37,20 +38,52 @@ def _mask(match: re.Match[str]) -> str:
     return "jp_[REDACTED]" if found.startswith("jp_") else found.split()[0] + " [REDACTED]"
 
 
-def _from_database(exc: BaseException) -> bool:
+# Errors of the connection itself, whose messages never hold a value of a
+# statement ("connection is closed", "terminating connection due to
+# administrator command"): they stay readable.
+_CONNECTION_ERRORS = (
+    asyncpg.InterfaceError,
+    asyncpg.PostgresConnectionError,
+    asyncpg.exceptions.OperatorInterventionError,
+)
+
+
+def _withheld(exc: BaseException) -> bool:
+    if isinstance(exc, _CONNECTION_ERRORS):
+        return False
     return type(exc).__module__.split(".", 1)[0] in _DATABASE_MODULES
 
 
+def describe_error(exc: BaseException) -> str:
+    """One line naming ``exc`` that is safe to log (see :func:`format_exception`).
+
+    A SQLAlchemy error is named with the driver's error it wraps.
+    """
+    inner: BaseException | None = exc
+    while inner is not None and _from_sqlalchemy(inner):
+        orig = getattr(inner, "orig", None)
+        inner = orig if isinstance(orig, BaseException) else inner.__cause__
+    line = _exception_only(inner or exc)[-1].strip().splitlines()[0]
+    return line if inner is None or inner is exc else f"{_qualname(exc)} from {line}"
+
+
+def _from_sqlalchemy(exc: BaseException) -> bool:
+    return type(exc).__module__.startswith("sqlalchemy")
+
+
+def _qualname(exc: BaseException) -> str:
+    return f"{type(exc).__module__}.{type(exc).__qualname__}"
+
+
 def _exception_only(exc: BaseException) -> list[str]:
-    if not _from_database(exc):
-        return traceback.format_exception_only(type(exc), exc)
+    if not _withheld(exc):
+        return [scrub(line) for line in traceback.format_exception_only(type(exc), exc)]
     fields = " ".join(
         f"{name}={value}"
         for name in _SAFE_FIELDS
         if (value := getattr(exc, name, None)) and isinstance(value, str)
     )
-    name = f"{type(exc).__module__}.{type(exc).__qualname__}"
-    return [f"{name}: [message withheld{': ' + fields if fields else ''}]\n"]
+    return [f"{_qualname(exc)}: [message withheld{': ' + fields if fields else ''}]\n"]
 
 
 def format_exception(exc_info: ExcInfo) -> str:

@@ -14,7 +14,7 @@ from sqlalchemy.exc import DBAPIError
 from jobplane.client._errors import error_from_rpc
 from jobplane.config import ConfigError, Settings
 from jobplane.errors import TenantLimitExceeded, Unauthenticated
-from jobplane.logs import _ScrubbingFormatter, format_exception, scrub
+from jobplane.logs import _ScrubbingFormatter, describe_error, format_exception, scrub
 from jobplane.server.auth import bearer_token
 from jobplane.server.limits import TenantLimiter, TenantLimits
 from jobplane.server.status import to_grpc_status
@@ -59,6 +59,21 @@ def test_tracebacks_withhold_database_messages_but_keep_the_rest() -> None:
     assert "The above exception was the direct cause" in text
     assert "in _insert" in text
     assert text.index("RaiseError") < text.index("DBAPIError") < text.index("RuntimeError")
+
+
+def test_one_line_descriptions_withhold_database_messages() -> None:
+    exc = _database_failure().__cause__
+    assert isinstance(exc, DBAPIError)
+    line = describe_error(exc)
+    assert MARKER not in line
+    assert line == (
+        "sqlalchemy.exc.DBAPIError from asyncpg.exceptions.RaiseError: "
+        "[message withheld: sqlstate=P0001]"
+    )
+    # Connection failures say what happened: they hold no values.
+    closed = asyncpg.exceptions.ConnectionDoesNotExistError("connection was closed")
+    assert describe_error(closed).endswith("connection was closed")
+    assert describe_error(ValueError(f"bad {KEY}\nmore")) == "ValueError: bad jp_[REDACTED]"
 
 
 def test_keys_and_bearer_tokens_are_scrubbed() -> None:
