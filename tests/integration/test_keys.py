@@ -6,17 +6,15 @@ import asyncio
 import json
 import os
 import sys
-import time
 from collections.abc import AsyncIterator
 
 import pytest
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from jobplane.client import AsyncClient, Unauthenticated
 from jobplane.store.keys import KeyNotFound, KeyRevoked, KeyStore
 from jobplane.topology import Topology
-from tests.support.servers import Servers
+from tests.support.servers import Servers, refused_within
 
 # How soon a revocation must reach every server.
 REVOCATION_BOUND = 1.0
@@ -29,19 +27,6 @@ async def servers(
     running = Servers(engine, database_url, topology)
     yield running
     await running.close()
-
-
-async def refused_within(client: AsyncClient, seconds: float) -> bool:
-    """True once a call of ``client`` is UNAUTHENTICATED, polling for ``seconds``."""
-    deadline = time.monotonic() + seconds
-    while True:
-        try:
-            await client.list()
-        except Unauthenticated:
-            return True
-        if time.monotonic() >= deadline:
-            return False
-        await asyncio.sleep(0.02)
 
 
 async def jobplane(database_url: str, *args: str) -> tuple[int, str, str]:

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
+import time
 from typing import Any
 
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from jobplane.client import AsyncClient
+from jobplane.client import AsyncClient, Unauthenticated
 from jobplane.server import JobplaneServer
 from jobplane.topology import Topology
 
@@ -42,3 +44,16 @@ class Servers:
             await client.close()
         for server in self._servers:
             await server.stop(grace=0.5)
+
+
+async def refused_within(client: AsyncClient, seconds: float) -> bool:
+    """True once a call of ``client`` is UNAUTHENTICATED, polling for ``seconds``."""
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            await client.list()
+        except Unauthenticated:
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        await asyncio.sleep(0.02)
