@@ -228,3 +228,32 @@ def test_client_tls_options_are_checked() -> None:
         AsyncClient("h:1", tls=False, root_certificates=b"x")
     assert AsyncClient("h:1", root_certificates=b"x").tls
     assert not AsyncClient("h:1").tls
+
+
+def test_keys_list_prints_ids_never_keys(capsys: pytest.CaptureFixture[str]) -> None:
+    from datetime import UTC, datetime, timedelta
+
+    from jobplane.cli import _print_keys
+    from jobplane.store.keys import KeyInfo
+
+    now = datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC)
+    tenant = uuid.uuid4()
+    _print_keys(
+        [
+            KeyInfo("key_a", "acme", tenant, "jp_abcde", now, None, now, True),
+            KeyInfo("key_b", "acme", tenant, "jp_fghij", now, now + timedelta(hours=1), None, True),
+        ]
+    )
+    out, err = capsys.readouterr()
+    header, first, second = out.splitlines()
+    assert header.split() == ["KEY", "ID", "TENANT", "PREFIX", "CREATED", "REVOKED", "LAST", "USED"]
+    assert first.split() == [
+        "key_a",
+        "acme",
+        "jp_abcde",
+        now.isoformat(timespec="seconds"),
+        "-",
+        now.isoformat(timespec="seconds"),
+    ]
+    assert second.split()[4].endswith("*")  # ends later: rotated with a grace period
+    assert "grace" in err
