@@ -303,6 +303,9 @@ async def _keys(args: argparse.Namespace) -> int:
     except (KeyNotFound, KeyRevoked) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
+    except ValueError as exc:  # a tenant name or grace out of range
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     finally:
         await engine.dispose()
 
