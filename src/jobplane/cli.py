@@ -312,10 +312,10 @@ async def _keys(args: argparse.Namespace) -> int:
 
 async def _keys_command(keys: KeyStore, args: argparse.Namespace) -> int:
     if args.keys == "create":
-        issued = await keys.issue(args.tenant)
+        created = await keys.create(args.tenant)
         # stdout carries the secret alone, for `$(jobplane keys create ...)`.
-        print(issued.key)
-        print(f"created {issued.key_id} for tenant {issued.tenant!r}", file=sys.stderr)
+        print(created.key)
+        print(f"created {created.key_id} for tenant {created.tenant!r}", file=sys.stderr)
         return 0
     if args.keys == "list":
         listed = await keys.list_keys(args.tenant)
@@ -329,11 +329,11 @@ async def _keys_command(keys: KeyStore, args: argparse.Namespace) -> int:
         info = await keys.revoke(args.key_id)
         print(f"revoked {info.key_id} (tenant {info.tenant!r})", file=sys.stderr)
         return 0
-    issued, old = await keys.rotate(args.key_id, grace=args.grace)
-    print(issued.key)
+    created, old = await keys.rotate(args.key_id, grace=args.grace)
+    print(created.key)
     ends = old.revoke_time.isoformat(timespec="seconds") if old.revoke_time else "-"
     print(
-        f"created {issued.key_id} for tenant {issued.tenant!r}; {old.key_id} ends at {ends}",
+        f"created {created.key_id} for tenant {created.tenant!r}; {old.key_id} ends at {ends}",
         file=sys.stderr,
     )
     return 0

@@ -60,10 +60,10 @@ async def test_the_processes_run_with_a_dml_only_role(
             assert done.state is JobState.SUCCEEDED
             # Key administration too: revoke notifies the server.
             keys = KeyStore(engine)
-            issued = await keys.issue("other")
-            await stack.client(issued.key).list()
-            await keys.revoke(issued.key_id)
-            assert await refused_within(stack.client(issued.key), 1.0)
+            created = await keys.create("other")
+            await stack.client(created.key).list()
+            await keys.revoke(created.key_id)
+            assert await refused_within(stack.client(created.key), 1.0)
         finally:
             await stack.close()
     finally:

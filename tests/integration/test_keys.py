@@ -48,31 +48,31 @@ async def jobplane(database_url: str, *args: str) -> tuple[int, str, str]:
 async def test_a_revocation_reaches_another_server_within_a_second(servers: Servers) -> None:
     first = await servers.start()
     second = await servers.start()
-    issued = await first.keys.issue("acme")
+    created = await first.keys.create("acme")
     other_key, _tenant = await first.keys.create_key("acme")
-    on_second = servers.client(second, issued.key)
+    on_second = servers.client(second, created.key)
     await on_second.list()
     assert second.keys.cached == 1  # the key is in the second server's cache
 
-    await first.keys.revoke(issued.key_id)
+    await first.keys.revoke(created.key_id)
 
     assert await refused_within(on_second, REVOCATION_BOUND)
-    assert await refused_within(servers.client(first, issued.key), REVOCATION_BOUND)
+    assert await refused_within(servers.client(first, created.key), REVOCATION_BOUND)
     # Only that key: the tenant's other key still works everywhere.
     await servers.client(second, other_key).list()
 
 
 async def test_a_listener_reconnect_drops_the_key_cache(servers: Servers) -> None:
     server = await servers.start(key_cache_seconds=300)
-    issued = await server.keys.issue("acme")
-    client = servers.client(server, issued.key)
+    created = await server.keys.create("acme")
+    client = servers.client(server, created.key)
     await client.list()
     # Revoked without a notification (as if it were lost): the cache still
     # trusts the key.
     async with servers.engine.begin() as conn:
         await conn.execute(
             text("UPDATE api_keys SET revoke_time = now() WHERE key_id = :k"),
-            {"k": issued.key_id},
+            {"k": created.key_id},
         )
     await client.list()
     # The listener's connection dies; when it is back the cache is dropped.
@@ -92,7 +92,7 @@ async def test_a_listener_reconnect_drops_the_key_cache(servers: Servers) -> Non
 
 async def test_rotation_with_a_grace_period(servers: Servers) -> None:
     server = await servers.start()
-    old = await server.keys.issue("acme")
+    old = await server.keys.create("acme")
     new, ended = await server.keys.rotate(old.key_id, grace=300)
     assert new.tenant_id == old.tenant_id and new.key_id != old.key_id
     assert ended.active and ended.revoke_time is not None
@@ -158,8 +158,8 @@ def reported_key_id(stderr: str) -> str:
 
 async def test_every_key_has_an_id_and_is_stored_as_a_hash(engine: AsyncEngine) -> None:
     keys = KeyStore(engine)
-    a = await keys.issue("acme")
-    b = await keys.issue("acme")
+    a = await keys.create("acme")
+    b = await keys.create("acme")
     assert a.key_id != b.key_id and a.key_id.startswith("key_")
     assert a.key_id not in a.key and a.key[3:] not in a.key_id
     async with engine.connect() as conn:

@@ -27,7 +27,7 @@ async def serve(database_url: str) -> AsyncIterator[Serve]:
 async def test_payloads_and_keys_never_reach_the_server_log(
     serve: Serve, engine: AsyncEngine
 ) -> None:
-    issued = await KeyStore(engine).issue("acme")
+    created = await KeyStore(engine).create("acme")
     async with engine.begin() as conn:
         # A database error that echoes the payload in its own message, for
         # the one request that asks for it; its statement's parameters
@@ -44,7 +44,7 @@ async def test_payloads_and_keys_never_reach_the_server_log(
                 "CREATE TRIGGER refuse BEFORE INSERT ON jobs FOR EACH ROW EXECUTE FUNCTION refuse()"
             )
         )
-    async with AsyncClient(serve.address, issued.key) as client:
+    async with AsyncClient(serve.address, created.key) as client:
         job = await client.submit(
             "demo.echo", {"note": MARKER}, labels={"tag": MARKER}, correlation_id=MARKER
         )
@@ -62,17 +62,17 @@ async def test_payloads_and_keys_never_reach_the_server_log(
     failed = [r for r in records if r.get("event") == "rpc.failed"]
     assert len(failed) == 1, serve.lines
     # The failure is logged, with its traceback and who called: by key id.
-    assert failed[0]["api_key_id"] == issued.key_id
-    assert failed[0]["tenant_id"] == str(issued.tenant_id)
+    assert failed[0]["api_key_id"] == created.key_id
+    assert failed[0]["tenant_id"] == str(created.tenant_id)
     assert failed[0]["rpc"] == "SubmitJob"
     assert "RaiseError" in str(failed[0]["exception"])
     finished = [r for r in records if r.get("event") == "rpc.finished"]
-    assert {r["api_key_id"] for r in finished} == {issued.key_id}
+    assert {r["api_key_id"] for r in finished} == {created.key_id}
     assert any(r.get("event") == "auth.refused" for r in records)
     for line in serve.lines:
         assert MARKER not in line
-        assert issued.key not in line
-        assert issued.key[8:] not in line
+        assert created.key not in line
+        assert created.key[8:] not in line
         assert forged not in line
 
 

@@ -115,7 +115,7 @@ class KeyIdentity:
 
 
 @dataclass(frozen=True, slots=True)
-class IssuedKey:
+class NewKey:
     """A key just created. ``key`` is the secret: it is shown once, never stored."""
 
     key: str
@@ -163,19 +163,19 @@ class KeyStore:
 
     # -- administration ------------------------------------------------------
 
-    async def issue(self, tenant: str) -> IssuedKey:
+    async def create(self, tenant: str) -> NewKey:
         """A new key for ``tenant`` (created if needed); the secret is in the result only."""
         if not tenant or len(tenant) > MAX_TENANT_NAME:
             raise ValueError(f"tenant name must be 1..{MAX_TENANT_NAME} characters")
         async with self._engine.begin() as conn:
             tenant_id = (await conn.execute(_UPSERT_TENANT, {"name": tenant})).scalar_one()
             key, key_id = await self._insert_key(conn, tenant_id)
-        return IssuedKey(key, key_id, tenant, uuid.UUID(str(tenant_id)))
+        return NewKey(key, key_id, tenant, uuid.UUID(str(tenant_id)))
 
     async def create_key(self, tenant: str) -> tuple[str, uuid.UUID]:
         """A new key for ``tenant`` (created if needed) and the tenant's id."""
-        issued = await self.issue(tenant)
-        return issued.key, issued.tenant_id
+        created = await self.create(tenant)
+        return created.key, created.tenant_id
 
     async def list_keys(self, tenant: str | None = None) -> list[KeyInfo]:
         """Every key (of ``tenant``, when given), revoked ones included."""
@@ -210,7 +210,7 @@ class KeyStore:
         self.forget(key_id)
         return await self.get_key(key_id)
 
-    async def rotate(self, key_id: str, *, grace: float = 0.0) -> tuple[IssuedKey, KeyInfo]:
+    async def rotate(self, key_id: str, *, grace: float = 0.0) -> tuple[NewKey, KeyInfo]:
         """A new key for the tenant of ``key_id``, which ends after ``grace`` seconds.
 
         Both happen in one transaction. Returns the new key and the old one's
@@ -228,8 +228,8 @@ class KeyStore:
             await conn.execute(_REVOKE, {"key_id": key_id, "after": grace})
             await conn.execute(_NOTIFY, {"key_id": key_id})
         self.forget(key_id)
-        issued = IssuedKey(key, new_id, str(tenant), uuid.UUID(str(tenant_id)))
-        return issued, await self.get_key(key_id)
+        created = NewKey(key, new_id, str(tenant), uuid.UUID(str(tenant_id)))
+        return created, await self.get_key(key_id)
 
     @staticmethod
     async def _insert_key(conn: AsyncConnection, tenant_id: object) -> tuple[str, str]:
