@@ -122,6 +122,10 @@ class Bench:
             "JOBPLANE_AMQP_URL": self.amqp_url,
             "JOBPLANE_LISTEN": self.address,
             "JOBPLANE_LOG_LEVEL": "warning",
+            # The bench measures capacity, not the per-tenant limits: its one
+            # tenant opens 10,000 streams and submits as fast as it can.
+            "JOBPLANE_TENANT_MAX_STREAMS": "0",
+            "JOBPLANE_TENANT_SUBMITS_PER_SECOND": "0",
             "PYTHONPATH": str(ROOT),
         }
 

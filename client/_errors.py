@@ -36,7 +36,8 @@ def error_from_rpc(error: grpc.aio.AioRpcError) -> JobplaneError:
 
     The class comes from the ``google.rpc.ErrorInfo`` reason when the server
     sent one in domain ``jobplane.dev``, else from the status code. ``field``
-    comes from the ErrorInfo metadata or the first BadRequest field violation.
+    comes from the ErrorInfo metadata or the first BadRequest field violation,
+    ``retry_delay`` from ``google.rpc.RetryInfo``.
     A reason or code without a class of its own gives a plain
     :class:`JobplaneError` whose ``reason`` and ``code`` still say what happened.
     """
@@ -44,6 +45,7 @@ def error_from_rpc(error: grpc.aio.AioRpcError) -> JobplaneError:
     message = error.details() or code.name
     reason: str | None = None
     field: str | None = None
+    retry_delay: float | None = None
     metadata: dict[str, str] = {}
     status = rich_status(error)
     if status is not None:
@@ -61,11 +63,15 @@ def error_from_rpc(error: grpc.aio.AioRpcError) -> JobplaneError:
                 detail.Unpack(bad)
                 if bad.field_violations:
                     field = bad.field_violations[0].field
+            elif detail.Is(error_details_pb2.RetryInfo.DESCRIPTOR) and retry_delay is None:
+                retry = error_details_pb2.RetryInfo()
+                detail.Unpack(retry)
+                retry_delay = retry.retry_delay.ToNanoseconds() / 1e9
     # The server adds the field to the ErrorInfo metadata; hand back the
     # metadata the error was raised with.
     field = metadata.pop("field", None) or field
     cls = error_for_reason(reason, code)
-    result = cls(message, field=field, metadata=metadata)
+    result = cls(message, field=field, metadata=metadata, retry_delay=retry_delay)
     if cls is JobplaneError:
         result.code = code
         result.reason = reason or code.name

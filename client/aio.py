@@ -8,6 +8,7 @@ import os
 import uuid
 from collections.abc import AsyncGenerator, Mapping
 from datetime import timedelta
+from pathlib import Path
 from types import TracebackType
 from typing import Any, Self, TypeVar
 
@@ -16,7 +17,7 @@ import grpc
 from jobplane.client._errors import error_from_rpc, is_retryable
 from jobplane.client._retry import Backoff, EventCursor, RetryPolicy
 from jobplane.convert import event_from_pb, job_from_pb, state_to_pb, struct_from_dict
-from jobplane.errors import Unavailable
+from jobplane.errors import TenantLimitExceeded, Unavailable
 from jobplane.types import Job, JobEvent, JobPage, JobState
 from jobplane.v1 import jobs_pb2, jobs_pb2_grpc
 
@@ -31,6 +32,13 @@ Resp = TypeVar("Resp")
 _UNARY_RETRY = RetryPolicy(initial_delay=0.05, max_delay=1.0, max_elapsed=None, jitter=0.2)
 # The deadline of repeated calls of a client created with ``timeout=None``.
 _UNBOUNDED_CALL_BUDGET = 60.0
+
+# A submit refused by the tenant's rate limit is repeated after the delay the
+# server asks for, when that is this short, at most _LIMIT_RETRIES times;
+# otherwise the caller gets TenantLimitExceeded with its retry_delay.
+_LIMIT_WAIT_MAX = 2.0
+_LIMIT_RETRIES = 3
+_TRUE = frozenset({"1", "true", "yes", "on"})
 
 # grpc waits up to two minutes between reconnects of a broken channel by
 # default, and calls fail at once in between; a restarted server should be
@@ -47,12 +55,23 @@ def job_name_of(job: str | Job) -> str:
     return job.name if isinstance(job, Job) else job
 
 
+def _read(path: str | Path | None) -> bytes | None:
+    return Path(path).read_bytes() if path else None
+
+
 class AsyncClient:
     """An asyncio client of one jobplane server.
 
     Use it as an async context manager, or call :meth:`close` when done. The
     channel opens on first use, on the event loop that makes the call; use one
     client from one event loop.
+
+    TLS: ``tls=True`` verifies the server against the system's roots, or
+    against ``root_certificates`` (PEM) when given; ``client_cert`` and
+    ``client_key`` (PEM) are presented to a server that asks for them (mutual
+    TLS); ``tls_server_name`` is the name expected in the server's
+    certificate when it differs from the host of ``address``. Giving any of
+    them turns TLS on.
     """
 
     def __init__(
@@ -62,11 +81,26 @@ class AsyncClient:
         *,
         timeout: float | None = 30.0,
         watch_retry: RetryPolicy | None = None,
+        tls: bool | None = None,
+        root_certificates: bytes | None = None,
+        client_cert: bytes | None = None,
+        client_key: bytes | None = None,
+        tls_server_name: str | None = None,
     ) -> None:
+        if (client_cert is None) != (client_key is None):
+            raise ValueError("client_cert and client_key go together")
+        wants_tls = any(v is not None for v in (root_certificates, client_cert, tls_server_name))
+        if tls is False and wants_tls:
+            raise ValueError("TLS options were given with tls=False")
         self._address = address
         self._api_key = api_key
         self._timeout = timeout
         self._watch_retry = watch_retry or RetryPolicy()
+        self._tls = bool(tls) or wants_tls
+        self._root_certificates = root_certificates
+        self._client_cert = client_cert
+        self._client_key = client_key
+        self._tls_server_name = tls_server_name
         self._metadata: tuple[tuple[str, str], ...] = (
             (("authorization", f"Bearer {api_key}"),) if api_key else ()
         )
@@ -82,16 +116,32 @@ class AsyncClient:
         api_key: str | None = None,
         timeout: float | None = 30.0,
         watch_retry: RetryPolicy | None = None,
+        tls: bool | None = None,
+        tls_ca_file: str | Path | None = None,
+        tls_client_cert_file: str | Path | None = None,
+        tls_client_key_file: str | Path | None = None,
+        tls_server_name: str | None = None,
     ) -> Self:
         """A client for ``JOBPLANE_ADDRESS`` with key ``JOBPLANE_API_KEY``.
 
-        ``address`` and ``api_key``, when given, win over the environment.
+        TLS from ``JOBPLANE_TLS`` (1/true), ``JOBPLANE_TLS_CA``,
+        ``JOBPLANE_TLS_CLIENT_CERT``, ``JOBPLANE_TLS_CLIENT_KEY`` (PEM file
+        paths) and ``JOBPLANE_TLS_SERVER_NAME``. Arguments, when given, win
+        over the environment.
         """
+        env = os.environ
+        if tls is None and env.get("JOBPLANE_TLS"):
+            tls = env["JOBPLANE_TLS"].strip().lower() in _TRUE
         return cls(
-            address or os.environ.get("JOBPLANE_ADDRESS") or DEFAULT_ADDRESS,
-            api_key or os.environ.get("JOBPLANE_API_KEY") or None,
+            address or env.get("JOBPLANE_ADDRESS") or DEFAULT_ADDRESS,
+            api_key or env.get("JOBPLANE_API_KEY") or None,
             timeout=timeout,
             watch_retry=watch_retry,
+            tls=tls,
+            root_certificates=_read(tls_ca_file or env.get("JOBPLANE_TLS_CA")),
+            client_cert=_read(tls_client_cert_file or env.get("JOBPLANE_TLS_CLIENT_CERT")),
+            client_key=_read(tls_client_key_file or env.get("JOBPLANE_TLS_CLIENT_KEY")),
+            tls_server_name=tls_server_name or env.get("JOBPLANE_TLS_SERVER_NAME") or None,
         )
 
     @property
@@ -103,6 +153,11 @@ class AsyncClient:
     def api_key(self) -> str | None:
         """The API key sent with every call."""
         return self._api_key
+
+    @property
+    def tls(self) -> bool:
+        """True when the channel uses TLS."""
+        return self._tls
 
     @property
     def timeout(self) -> float | None:
@@ -140,9 +195,22 @@ class AsyncClient:
         if self._closed:
             raise RuntimeError("the client has been closed")
         if self._stub is None:
-            self._channel = grpc.aio.insecure_channel(self._address, options=_CHANNEL_OPTIONS)
+            self._channel = self._open_channel()
             self._stub = jobs_pb2_grpc.JobServiceStub(self._channel)
         return self._stub
+
+    def _open_channel(self) -> grpc.aio.Channel:
+        if not self._tls:
+            return grpc.aio.insecure_channel(self._address, options=_CHANNEL_OPTIONS)
+        credentials = grpc.ssl_channel_credentials(
+            root_certificates=self._root_certificates,
+            private_key=self._client_key,
+            certificate_chain=self._client_cert,
+        )
+        options: tuple[tuple[str, str | int], ...] = _CHANNEL_OPTIONS
+        if self._tls_server_name:
+            options = (*options, ("grpc.ssl_target_name_override", self._tls_server_name))
+        return grpc.aio.secure_channel(self._address, credentials, options=options)
 
     async def _call(
         self,
@@ -154,12 +222,15 @@ class AsyncClient:
         """One unary call; a ``repeatable`` one is retried while it is refused.
 
         Refused means UNAVAILABLE (the server or its database is down), a lost
-        connection or a call the server shed (:func:`is_retryable`). The
-        client's ``timeout`` is the deadline of the call with all its repeats.
+        connection or a call the server shed (:func:`is_retryable`); also a
+        tenant limit whose ``retry_delay`` is short (at most
+        ``_LIMIT_WAIT_MAX``), after that delay. The client's ``timeout`` is
+        the deadline of the call with all its repeats.
         """
         loop = asyncio.get_running_loop()
         deadline = loop.time() + (self._timeout or _UNBOUNDED_CALL_BUDGET)
         backoff = Backoff(_UNARY_RETRY)
+        limited = 0
         while True:
             remaining = deadline - loop.time()
             try:
@@ -169,14 +240,23 @@ class AsyncClient:
                     metadata=self._metadata,
                 )
             except grpc.aio.AioRpcError as exc:
-                delay = backoff.failure()
-                if (
-                    not repeatable
-                    or self._closed
-                    or not is_retryable(exc)
-                    or delay is None
-                    or loop.time() + delay >= deadline
-                ):
+                if not repeatable or self._closed:
+                    raise error_from_rpc(exc) from exc
+                delay: float | None
+                if is_retryable(exc):
+                    delay = backoff.failure()
+                else:
+                    error = error_from_rpc(exc)
+                    delay = error.retry_delay
+                    if (
+                        not isinstance(error, TenantLimitExceeded)
+                        or delay is None
+                        or delay > _LIMIT_WAIT_MAX
+                        or limited >= _LIMIT_RETRIES
+                    ):
+                        raise error from exc
+                    limited += 1
+                if delay is None or loop.time() + delay >= deadline:
                     raise error_from_rpc(exc) from exc
             await asyncio.sleep(delay)
 

@@ -2,7 +2,8 @@
 
 :func:`register` adds them to the top-level parser. Each command talks to the
 server named by ``--address`` / ``JOBPLANE_ADDRESS`` with the key from
-``--api-key`` / ``JOBPLANE_API_KEY``, and returns the process exit code: 0 on
+``--api-key`` / ``JOBPLANE_API_KEY`` (over TLS with ``--tls`` and its
+options, or their ``JOBPLANE_TLS*`` variables), and returns the process exit code: 0 on
 success, 1 when the call failed or the watched job did not succeed, 2 for bad
 usage (a missing API key, a payload that is not a JSON object, ...).
 """
@@ -68,6 +69,30 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         default=10.0,
         help="give up on a call (and its repeats while the server is unreachable) after "
         "this long (default 10)",
+    )
+    group.add_argument(
+        "--tls",
+        action="store_true",
+        default=None,
+        help="connect with TLS (default: $JOBPLANE_TLS; implied by the options below)",
+    )
+    group.add_argument(
+        "--tls-ca", metavar="PEM", help="CA that signed the server's certificate ($JOBPLANE_TLS_CA)"
+    )
+    group.add_argument(
+        "--tls-client-cert",
+        metavar="PEM",
+        help="certificate for mutual TLS ($JOBPLANE_TLS_CLIENT_CERT)",
+    )
+    group.add_argument(
+        "--tls-client-key",
+        metavar="PEM",
+        help="key of --tls-client-cert ($JOBPLANE_TLS_CLIENT_KEY)",
+    )
+    group.add_argument(
+        "--tls-server-name",
+        metavar="NAME",
+        help="name in the server's certificate, if not the host of --address",
     )
     json_flag = argparse.ArgumentParser(add_help=False)
     json_flag.add_argument("--json", action="store_true", help="print JSON instead of text")
@@ -154,9 +179,23 @@ def command(fn: Command) -> Callable[[argparse.Namespace], int]:
     """Wrap ``fn`` as an argparse ``func``: client from flags/env, errors as exit codes."""
 
     def run(args: argparse.Namespace) -> int:
-        client = AsyncClient.from_env(
-            address=args.address, api_key=args.api_key, timeout=args.call_timeout
-        )
+        try:
+            client = AsyncClient.from_env(
+                address=args.address,
+                api_key=args.api_key,
+                timeout=args.call_timeout,
+                tls=args.tls,
+                tls_ca_file=args.tls_ca,
+                tls_client_cert_file=args.tls_client_cert,
+                tls_client_key_file=args.tls_client_key,
+                tls_server_name=args.tls_server_name,
+            )
+        except OSError as exc:
+            _error(f"cannot read {exc.filename}: {exc.strerror or exc}")
+            return EXIT_USAGE
+        except ValueError as exc:
+            _error(str(exc))
+            return EXIT_USAGE
         if client.api_key is None:
             _error("no API key: set JOBPLANE_API_KEY or pass --api-key")
             return EXIT_USAGE

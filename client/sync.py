@@ -8,6 +8,7 @@ import enum
 import threading
 from collections.abc import AsyncGenerator, Coroutine, Generator, Mapping
 from datetime import timedelta
+from pathlib import Path
 from types import TracebackType
 from typing import Any, Self, TypeVar
 
@@ -143,7 +144,7 @@ class Client:
 
     Calls run on a private event loop in a background thread, so the client is
     safe to share between threads. Use it as a context manager, or call
-    :meth:`close` when done.
+    :meth:`close` when done. The TLS options are :class:`AsyncClient`'s.
     """
 
     def __init__(
@@ -153,8 +154,23 @@ class Client:
         *,
         timeout: float | None = 30.0,
         watch_retry: RetryPolicy | None = None,
+        tls: bool | None = None,
+        root_certificates: bytes | None = None,
+        client_cert: bytes | None = None,
+        client_key: bytes | None = None,
+        tls_server_name: str | None = None,
     ) -> None:
-        self._async = AsyncClient(address, api_key, timeout=timeout, watch_retry=watch_retry)
+        self._async = AsyncClient(
+            address,
+            api_key,
+            timeout=timeout,
+            watch_retry=watch_retry,
+            tls=tls,
+            root_certificates=root_certificates,
+            client_cert=client_cert,
+            client_key=client_key,
+            tls_server_name=tls_server_name,
+        )
         self._loop = _LoopThread()
 
     @classmethod
@@ -165,15 +181,27 @@ class Client:
         api_key: str | None = None,
         timeout: float | None = 30.0,
         watch_retry: RetryPolicy | None = None,
+        tls: bool | None = None,
+        tls_ca_file: str | Path | None = None,
+        tls_client_cert_file: str | Path | None = None,
+        tls_client_key_file: str | Path | None = None,
+        tls_server_name: str | None = None,
     ) -> Self:
-        """A client for ``JOBPLANE_ADDRESS`` with key ``JOBPLANE_API_KEY``.
-
-        ``address`` and ``api_key``, when given, win over the environment.
-        """
-        config = AsyncClient.from_env(
-            address=address, api_key=api_key, timeout=timeout, watch_retry=watch_retry
+        """A client configured as :meth:`AsyncClient.from_env` says."""
+        client = cls.__new__(cls)
+        client._async = AsyncClient.from_env(
+            address=address,
+            api_key=api_key,
+            timeout=timeout,
+            watch_retry=watch_retry,
+            tls=tls,
+            tls_ca_file=tls_ca_file,
+            tls_client_cert_file=tls_client_cert_file,
+            tls_client_key_file=tls_client_key_file,
+            tls_server_name=tls_server_name,
         )
-        return cls(config.address, config.api_key, timeout=timeout, watch_retry=watch_retry)
+        client._loop = _LoopThread()
+        return client
 
     @property
     def address(self) -> str:
@@ -184,6 +212,11 @@ class Client:
     def api_key(self) -> str | None:
         """The API key sent with every call."""
         return self._async.api_key
+
+    @property
+    def tls(self) -> bool:
+        """True when the channel uses TLS."""
+        return self._async.tls
 
     @property
     def timeout(self) -> float | None:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 import structlog
@@ -12,10 +14,12 @@ from grpc_reflection.v1alpha import reflection
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from jobplane.faults import NO_FAULTS, FaultPoints
+from jobplane.server.auth import CallGate
+from jobplane.server.limits import TenantLimiter, TenantLimits
 from jobplane.server.service import JobService
 from jobplane.server.servicer import JobServiceServicer
 from jobplane.store.jobs import JobStore
-from jobplane.store.keys import KeyStore
+from jobplane.store.keys import KEYS_CHANNEL, KeyStore
 from jobplane.store.listen import Listener
 from jobplane.store.rows import EVENTS_CHANNEL
 from jobplane.topology import Topology
@@ -30,11 +34,45 @@ MAX_PENDING_CALLS = 20_000
 SERVICE_NAME = jobs_pb2.DESCRIPTOR.services_by_name["JobService"].full_name
 
 
+@dataclass(frozen=True, slots=True)
+class ServerTLS:
+    """The server's certificate chain and key (PEM); with ``client_ca``, mutual TLS.
+
+    When ``client_ca`` is set every client must present a certificate signed
+    by it.
+    """
+
+    cert_chain: bytes
+    private_key: bytes
+    client_ca: bytes | None = None
+
+    @classmethod
+    def from_files(cls, cert: Path, key: Path, client_ca: Path | None = None) -> ServerTLS:
+        """Read the PEM files."""
+        return cls(
+            cert.read_bytes(), key.read_bytes(), client_ca.read_bytes() if client_ca else None
+        )
+
+    def credentials(self) -> grpc.ServerCredentials:
+        """The gRPC server credentials."""
+        return grpc.ssl_server_credentials(
+            [(self.private_key, self.cert_chain)],
+            root_certificates=self.client_ca,
+            require_client_auth=self.client_ca is not None,
+        )
+
+    @property
+    def mode(self) -> str:
+        """``tls`` or ``mtls``."""
+        return "mtls" if self.client_ca is not None else "tls"
+
+
 class JobplaneServer:
     """One server process: ``await start()``, then ``await stop()``.
 
-    The engine belongs to the caller; the server owns its LISTEN connection
-    and the gRPC server.
+    The engine belongs to the caller; the server owns its LISTEN connections
+    (job events, and key revocations) and the gRPC server. ``tls`` serves
+    TLS (mutual TLS when it has a client CA) instead of plaintext.
     """
 
     def __init__(
@@ -47,10 +85,20 @@ class JobplaneServer:
         max_payload_bytes: int = 256 * 1024,
         faults: FaultPoints = NO_FAULTS,
         recheck_seconds: float = 30.0,
+        tls: ServerTLS | None = None,
+        limits: TenantLimits | None = None,
+        key_cache_seconds: float = 30.0,
     ) -> None:
         self._listen = listen
+        self._tls = tls
         self.hub = Listener(database_url, EVENTS_CHANNEL)
-        self.keys = KeyStore(engine)
+        self.keys = KeyStore(engine, cache_seconds=key_cache_seconds)
+        # Revocations reach this process's key cache by notification; a
+        # reconnect of the listener (notifications lost) drops the cache.
+        self.key_events = Listener(database_url, KEYS_CHANNEL)
+        self.key_events.on_notify(self.keys.forget)
+        self.key_events.on_reset(self.keys.clear_cache)
+        self.limiter = TenantLimiter(limits or TenantLimits())
         self.service = JobService(
             JobStore(engine, faults=faults),
             self.hub,
@@ -72,7 +120,9 @@ class JobplaneServer:
         """Bind, start serving and report SERVING."""
         self.service.open()
         await self.hub.start()
+        await self.key_events.start()
         server = grpc.aio.server(
+            interceptors=[CallGate(SERVICE_NAME, self.keys, self.limiter)],
             options=[
                 ("grpc.so_reuseport", 0),
                 ("grpc.max_receive_message_length", 8 * 1024 * 1024),
@@ -83,11 +133,9 @@ class JobplaneServer:
                 # watchers reconnecting after a restart arrive together.
                 ("grpc.server.max_pending_requests", MAX_PENDING_CALLS),
                 ("grpc.server.max_pending_requests_hard_limit", 2 * MAX_PENDING_CALLS),
-            ]
+            ],
         )
-        jobs_pb2_grpc.add_JobServiceServicer_to_server(
-            JobServiceServicer(self.service, self.keys), server
-        )
+        jobs_pb2_grpc.add_JobServiceServicer_to_server(JobServiceServicer(self.service), server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection(
             (
@@ -97,14 +145,21 @@ class JobplaneServer:
             ),
             server,
         )
-        self.port = server.add_insecure_port(self._listen)
+        if self._tls is None:
+            self.port = server.add_insecure_port(self._listen)
+        else:
+            self.port = server.add_secure_port(self._listen, self._tls.credentials())
         if self.port == 0:
             raise OSError(f"cannot listen on {self._listen}")
         await server.start()
         self._server = server
         for service in ("", SERVICE_NAME):
             await self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
-        log.info("server.started", address=self.address)
+        log.info(
+            "server.started",
+            address=self.address,
+            transport=self._tls.mode if self._tls else "plaintext",
+        )
 
     async def stop(self, grace: float = 5.0) -> None:
         """Report NOT_SERVING, end watch streams (clients resume elsewhere), stop."""
@@ -116,6 +171,7 @@ class JobplaneServer:
             self._server = None
         await self.service.feeds.stop()
         await self.hub.stop()
+        await self.key_events.stop()
         log.info("server.stopped")
 
     async def wait(self) -> None:

@@ -17,6 +17,7 @@ connection was down (the listener also marks all due when it reconnects).
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import random
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -25,6 +26,7 @@ from typing import TypeAlias
 import structlog
 
 from jobplane.errors import JobNotFound, Unavailable
+from jobplane.logs import describe_error
 from jobplane.store.jobs import StreamRead
 from jobplane.store.listen import Listener
 from jobplane.tasks import cancel_and_wait
@@ -210,9 +212,15 @@ class FeedHub:
 
     async def _start(self, tenant: uuid.UUID, job_id: uuid.UUID, after_seq: int) -> JobFeed:
         if not self._tasks:
+            # Started by the first watcher's call, but serving every call: an
+            # empty context, not that call's identity and log bindings.
             self._tasks = [
-                asyncio.create_task(self._read_loop(), name="watch-reader"),
-                asyncio.create_task(self._recheck_loop(), name="watch-recheck"),
+                asyncio.create_task(
+                    self._read_loop(), name="watch-reader", context=contextvars.Context()
+                ),
+                asyncio.create_task(
+                    self._recheck_loop(), name="watch-recheck", context=contextvars.Context()
+                ),
             ]
         feed = JobFeed(tenant, job_id, buffer=self._buffer)
         # Registered before the first read: a notification from then on is
@@ -288,7 +296,7 @@ class FeedHub:
         except Exception as exc:
             # Every watcher of these jobs ends with this; the servicer maps a
             # lost database to UNAVAILABLE and clients resume.
-            log.warning("watch.read_failed", jobs=len(due), error=repr(exc)[:200])
+            log.warning("watch.read_failed", jobs=len(due), error=describe_error(exc))
             for feed in due:
                 self._fail(feed, exc)
             return

@@ -209,19 +209,19 @@ def _encode_token(cursor: ListCursor, filters: str) -> str:
 
 
 def _decode_token(token: str, filters: str) -> ListCursor:
-    bad = InvalidArgument("page_token is not a token this server issued", field="page_token")
+    bad = InvalidArgument("page_token is not a token this server created", field="page_token")
     try:
         raw = base64.urlsafe_b64decode(token + "=" * (-len(token) % 4))
         data = json.loads(raw)
         cursor = ListCursor(datetime.fromisoformat(data["t"]), uuid.UUID(data["i"]))
-        issued_for = data["f"]
+        created_for = data["f"]
     except (ValueError, KeyError, TypeError):
         raise bad from None
     if cursor.create_time.tzinfo is None:
         raise bad
-    if issued_for != filters:
+    if created_for != filters:
         raise InvalidArgument(
-            "page_token was issued for other filters; keep state and type the same",
+            "page_token was created for other filters; keep state and type the same",
             field="page_token",
         )
     return cursor

@@ -8,42 +8,17 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 import grpc
-import structlog
 
 from jobplane.convert import dict_from_struct, event_to_pb, job_to_pb, state_from_pb
-from jobplane.errors import InternalError, JobplaneError, Unauthenticated
+from jobplane.errors import JobplaneError
+from jobplane.server.auth import current_identity
 from jobplane.server.service import JobService, SubmitRequest
-from jobplane.server.status import to_grpc_status
-from jobplane.store.down import DatabaseUnavailable, database_down
-from jobplane.store.keys import KeyStore
+from jobplane.server.status import error_for, to_grpc_status
 from jobplane.v1 import jobs_pb2, jobs_pb2_grpc
-
-log = structlog.get_logger("jobplane.server")
 
 Req = TypeVar("Req")
 Resp = TypeVar("Resp")
 Context = grpc.aio.ServicerContext[Any, Any]
-
-
-# A lost database connection, or no pooled connection free in time, is
-# UNAVAILABLE, not INTERNAL: the call may be repeated (submit is idempotent by
-# request_id; watch resumes by seq).
-_DB_UNAVAILABLE = DatabaseUnavailable("the database is busy or unreachable right now; retry")
-
-
-def _first_line(exc: BaseException) -> str:
-    return (str(exc).splitlines() or [type(exc).__name__])[0]
-
-
-def _error_of(exc: Exception, rpc: str) -> JobplaneError:
-    """What the caller is told about ``exc``; anything unexpected is logged."""
-    if isinstance(exc, JobplaneError):
-        return exc
-    if database_down(exc):
-        log.warning("rpc.database_unavailable", rpc=rpc, error=_first_line(exc))
-        return _DB_UNAVAILABLE
-    log.exception("rpc.failed", rpc=rpc)
-    return InternalError()
 
 
 async def _abort(context: Context, error: JobplaneError) -> None:
@@ -53,38 +28,24 @@ async def _abort(context: Context, error: JobplaneError) -> None:
 def _unary(
     method: Callable[[JobServiceServicer, uuid.UUID, Req], Awaitable[Resp]],
 ) -> Callable[[JobServiceServicer, Req, Context], Awaitable[Resp]]:
-    """Authenticate, then run; JobplaneError becomes its rich status."""
+    """Run for the caller's tenant; any failure becomes its rich status."""
 
     @functools.wraps(method)
     async def wrapper(self: JobServiceServicer, request: Req, context: Context) -> Resp:
         try:
-            tenant = await self.authenticate(context)
-            return await method(self, tenant, request)
+            return await method(self, current_identity().tenant_id, request)
         except Exception as exc:
-            await _abort(context, _error_of(exc, method.__name__))
+            await _abort(context, error_for(exc, method.__name__))
         raise AssertionError("unreachable: abort raises")
 
     return wrapper
 
 
 class JobServiceServicer(jobs_pb2_grpc.JobServiceServicer):
-    """The JobService RPCs."""
+    """The JobService RPCs, for callers :class:`~jobplane.server.auth.CallGate` admitted."""
 
-    def __init__(self, service: JobService, keys: KeyStore) -> None:
+    def __init__(self, service: JobService) -> None:
         self._service = service
-        self._keys = keys
-
-    async def authenticate(self, context: Context) -> uuid.UUID:
-        """The tenant of the call's bearer key; UNAUTHENTICATED otherwise."""
-        for key, value in context.invocation_metadata() or ():
-            if key == "authorization" and isinstance(value, str):
-                scheme, _, token = value.partition(" ")
-                if scheme.lower() == "bearer" and token.strip():
-                    tenant = await self._keys.resolve(token.strip())
-                    if tenant is not None:
-                        return tenant
-                raise Unauthenticated("the API key is not valid")
-        raise Unauthenticated("missing 'authorization: Bearer <key>' metadata")
 
     @_unary
     async def SubmitJob(
@@ -141,8 +102,8 @@ class JobServiceServicer(jobs_pb2_grpc.JobServiceServicer):
         self, request: jobs_pb2.WatchJobRequest, context: Context
     ) -> AsyncIterator[jobs_pb2.WatchJobResponse]:
         try:
-            tenant = await self.authenticate(context)
+            tenant = current_identity().tenant_id
             async for event in self._service.watch(tenant, request.name, request.after_seq):
                 yield event_to_pb(event)
         except Exception as exc:
-            await _abort(context, _error_of(exc, "WatchJob"))
+            await _abort(context, error_for(exc, "WatchJob"))

@@ -1,17 +1,43 @@
-"""JobplaneError → gRPC status with ErrorInfo (and BadRequest for a field)."""
+"""Failures → what the caller is told.
+
+:func:`error_for` classifies an exception raised while serving a call;
+:func:`to_grpc_status` turns a :class:`JobplaneError` into the rich status:
+code, message, ErrorInfo, BadRequest for a field and RetryInfo for a delay.
+"""
 
 from __future__ import annotations
 
 import grpc
-from google.protobuf import any_pb2
+import structlog
+from google.protobuf import any_pb2, duration_pb2
 from google.rpc import error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
-from jobplane.errors import ERROR_DOMAIN, JobplaneError
+from jobplane.errors import ERROR_DOMAIN, InternalError, JobplaneError
+from jobplane.logs import describe_error
+from jobplane.store.down import DatabaseUnavailable, database_down
+
+log = structlog.get_logger("jobplane.server")
+
+# A lost database connection, or no pooled connection free in time, is
+# UNAVAILABLE, not INTERNAL: the call may be repeated (submit is idempotent by
+# request_id; watch resumes by seq).
+DB_UNAVAILABLE = DatabaseUnavailable("the database is busy or unreachable right now; retry")
+
+
+def error_for(exc: Exception, rpc: str) -> JobplaneError:
+    """What to answer for ``exc``, raised while serving ``rpc``; logs the unexpected."""
+    if isinstance(exc, JobplaneError):
+        return exc
+    if database_down(exc):
+        log.warning("rpc.database_unavailable", rpc=rpc, error=describe_error(exc))
+        return DB_UNAVAILABLE
+    log.error("rpc.failed", rpc=rpc, exc_info=exc)
+    return InternalError()
 
 
 def to_grpc_status(error: JobplaneError) -> grpc.Status:
-    """The rich status for ``error``: code, message, ErrorInfo, field violation."""
+    """The rich status for ``error``: code, message, ErrorInfo, field violation, retry delay."""
     info = any_pb2.Any()
     info.Pack(
         error_details_pb2.ErrorInfo(
@@ -33,5 +59,11 @@ def to_grpc_status(error: JobplaneError) -> grpc.Status:
             )
         )
         details.append(bad)
+    if error.retry_delay is not None:
+        delay = duration_pb2.Duration()
+        delay.FromNanoseconds(max(0, round(error.retry_delay * 1e9)))
+        retry = any_pb2.Any()
+        retry.Pack(error_details_pb2.RetryInfo(retry_delay=delay))
+        details.append(retry)
     message = status_pb2.Status(code=error.code.value[0], message=error.message, details=details)
     return rpc_status.to_status(message)

@@ -6,11 +6,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import logging
 import signal
 import sys
 from collections.abc import Awaitable, Callable, Coroutine
 from contextlib import AsyncExitStack
+from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
 from jobplane.config import ConfigError, Settings
@@ -22,6 +24,7 @@ if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncEngine
 
     from jobplane.server import JobplaneServer
+    from jobplane.store.keys import KeyInfo, KeyStore
 
 
 def _run(coro: Coroutine[Any, Any, int]) -> int:
@@ -67,9 +70,21 @@ async def _migrate(_args: argparse.Namespace) -> int:
     return 0
 
 
-def _server(settings: Settings, topology: Topology, engine: AsyncEngine) -> JobplaneServer:
+def _server(
+    settings: Settings, topology: Topology, engine: AsyncEngine, *, tls: bool = False
+) -> JobplaneServer:
     from jobplane.server import JobplaneServer
+    from jobplane.server.app import ServerTLS
+    from jobplane.server.limits import TenantLimits
 
+    server_tls: ServerTLS | None = None
+    if tls and settings.tls_cert is not None and settings.tls_key is not None:
+        try:
+            server_tls = ServerTLS.from_files(
+                settings.tls_cert, settings.tls_key, settings.tls_client_ca
+            )
+        except OSError as exc:
+            raise ConfigError(f"cannot read {exc.filename}: {exc.strerror or exc}") from exc
     return JobplaneServer(
         engine,
         settings.database_url,
@@ -77,6 +92,12 @@ def _server(settings: Settings, topology: Topology, engine: AsyncEngine) -> Jobp
         listen=settings.listen,
         max_payload_bytes=settings.max_payload_bytes,
         faults=FaultPoints(settings.faults),
+        tls=server_tls,
+        limits=TenantLimits(
+            max_streams=settings.tenant_max_streams,
+            submits_per_second=settings.tenant_submits_per_second,
+            submit_burst=settings.tenant_submit_burst,
+        ),
     )
 
 
@@ -87,9 +108,12 @@ async def _serve(_args: argparse.Namespace) -> int:
     engine = create_engine(settings.database_url, pool_size=settings.db_pool_size)
     async with AsyncExitStack() as stack:
         stack.push_async_callback(engine.dispose)
-        server = _server(settings, topology, engine)
+        server = _server(settings, topology, engine, tls=True)
         await _started(stack, server.start, server.stop)
-        print(f"jobplane serving on {server.address}", file=sys.stderr)
+        transport = "plaintext"
+        if settings.tls_cert is not None:
+            transport = "mutual TLS" if settings.tls_client_ca is not None else "TLS"
+        print(f"jobplane serving on {server.address} ({transport})", file=sys.stderr)
         await _until_signal()
     return 0
 
@@ -272,8 +296,6 @@ async def _dev(args: argparse.Namespace) -> int:
 
 
 async def _dlq(args: argparse.Namespace) -> int:
-    import json
-
     from jobplane.store.engine import create_engine
     from jobplane.workers.dlq import FailedQueue
 
@@ -308,23 +330,97 @@ async def _dlq(args: argparse.Namespace) -> int:
     return 0
 
 
-async def _keys_create(args: argparse.Namespace) -> int:
+async def _keys(args: argparse.Namespace) -> int:
     from jobplane.store.engine import create_engine
-    from jobplane.store.keys import KeyStore
+    from jobplane.store.keys import KeyNotFound, KeyRevoked, KeyStore
 
     settings = Settings.from_env()
-    configure(settings.log_level or "info", settings.log_format)
+    configure(settings.log_level or "warning", settings.log_format)
     engine = create_engine(settings.database_url, pool_size=1)
     try:
-        key, _tenant = await KeyStore(engine).create_key(args.tenant)
+        return await _keys_command(KeyStore(engine), args)
+    except (KeyNotFound, KeyRevoked) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    except ValueError as exc:  # a tenant name or grace out of range
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     finally:
         await engine.dispose()
-    print(key)
+
+
+async def _keys_command(keys: KeyStore, args: argparse.Namespace) -> int:
+    if args.keys == "create":
+        created = await keys.create(args.tenant)
+        # stdout carries the secret alone, for `$(jobplane keys create ...)`.
+        print(created.key)
+        print(f"created {created.key_id} for tenant {created.tenant!r}", file=sys.stderr)
+        return 0
+    if args.keys == "list":
+        listed = await keys.list_keys(args.tenant)
+        if args.json:
+            for info in listed:
+                print(json.dumps(_key_json(info), sort_keys=True))
+        else:
+            _print_keys(listed)
+        return 0
+    if args.keys == "revoke":
+        info = await keys.revoke(args.key_id)
+        print(f"revoked {info.key_id} (tenant {info.tenant!r})", file=sys.stderr)
+        return 0
+    created, old = await keys.rotate(args.key_id, grace=args.grace)
+    print(created.key)
+    ends = old.revoke_time.isoformat(timespec="seconds") if old.revoke_time else "-"
+    print(
+        f"created {created.key_id} for tenant {created.tenant!r}; {old.key_id} ends at {ends}",
+        file=sys.stderr,
+    )
     return 0
 
 
+def _key_json(info: KeyInfo) -> dict[str, Any]:
+    def when(value: datetime | None) -> str | None:
+        return value.isoformat() if value else None
+
+    return {
+        "key_id": info.key_id,
+        "tenant": info.tenant,
+        "tenant_id": str(info.tenant_id),
+        "prefix": info.prefix,
+        "create_time": when(info.create_time),
+        "revoke_time": when(info.revoke_time),
+        "last_used_time": when(info.last_used_time),
+        "active": info.active,
+    }
+
+
+def _print_keys(listed: list[KeyInfo]) -> None:
+    def when(value: datetime | None) -> str:
+        return value.isoformat(timespec="seconds") if value else "-"
+
+    rows = [("KEY ID", "TENANT", "PREFIX", "CREATED", "REVOKED", "LAST USED")]
+    for info in listed:
+        revoked = when(info.revoke_time) + ("" if not info.active or not info.revoke_time else "*")
+        rows.append(
+            (
+                info.key_id,
+                info.tenant,
+                info.prefix,
+                when(info.create_time),
+                revoked,
+                when(info.last_used_time),
+            )
+        )
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    for row in rows:
+        print(
+            "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
+        )
+    if any(info.active and info.revoke_time for info in listed):
+        print("* still valid until then (rotated with a grace period)", file=sys.stderr)
+
+
 async def _workers(args: argparse.Namespace) -> int:
-    import json
 
     from sqlalchemy.exc import DBAPIError
 
@@ -527,7 +623,24 @@ def build_parser() -> argparse.ArgumentParser:
     keys = sub.add_parser("keys", help="API keys").add_subparsers(dest="keys", required=True)
     create = keys.add_parser("create", help="create a key (and the tenant); prints the key")
     create.add_argument("--tenant", required=True)
-    create.set_defaults(func=_async(_keys_create))
+    keys_list = keys.add_parser("list", help="list keys by id (never the keys themselves)")
+    keys_list.add_argument("--tenant", help="only this tenant's keys")
+    keys_list.add_argument("--json", action="store_true", help="one JSON object per key")
+    revoke = keys.add_parser("revoke", help="revoke a key now, on every server")
+    revoke.add_argument("key_id", metavar="KEY_ID", help="the key's id (key_...)")
+    rotate = keys.add_parser(
+        "rotate", help="create a new key for the key's tenant and revoke the old one"
+    )
+    rotate.add_argument("key_id", metavar="KEY_ID", help="the key's id (key_...)")
+    rotate.add_argument(
+        "--grace",
+        metavar="SECONDS",
+        type=float,
+        default=0.0,
+        help="the old key keeps working this long (default: revoked at once)",
+    )
+    for parser_ in (create, keys_list, revoke, rotate):
+        parser_.set_defaults(func=_async(_keys))
 
     workers = sub.add_parser(
         "workers",

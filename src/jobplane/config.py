@@ -36,6 +36,15 @@ class Settings:
     log_format: str = "console"
     # Named fault points (see jobplane.faults); empty in production.
     faults: frozenset[str] = field(default_factory=frozenset)
+    # `jobplane serve` speaks TLS with this certificate chain and key (PEM
+    # files); with a client CA, every client must present a certificate it signed.
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    tls_client_ca: Path | None = None
+    # Per tenant and per server process; 0 turns a limit off.
+    tenant_max_streams: int = 1000
+    tenant_submits_per_second: float = 500.0
+    tenant_submit_burst: int = 1000
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
@@ -46,6 +55,12 @@ class Settings:
         max_payload = _positive_int(env, "JOBPLANE_MAX_PAYLOAD_BYTES", base.max_payload_bytes)
         pool = _positive_int(env, "JOBPLANE_DB_POOL_SIZE", base.db_pool_size)
         faults = frozenset(p for p in env.get("JOBPLANE_FAULTS", "").split(",") if p.strip())
+        tls_cert, tls_key = _path(env, "JOBPLANE_TLS_CERT"), _path(env, "JOBPLANE_TLS_KEY")
+        tls_client_ca = _path(env, "JOBPLANE_TLS_CLIENT_CA")
+        if (tls_cert is None) != (tls_key is None):
+            raise ConfigError("JOBPLANE_TLS_CERT and JOBPLANE_TLS_KEY go together")
+        if tls_client_ca is not None and tls_cert is None:
+            raise ConfigError("JOBPLANE_TLS_CLIENT_CA needs JOBPLANE_TLS_CERT and JOBPLANE_TLS_KEY")
         return replace(
             base,
             database_url=env.get("JOBPLANE_DATABASE_URL", base.database_url),
@@ -59,6 +74,18 @@ class Settings:
             log_level=(env.get("JOBPLANE_LOG_LEVEL") or "").lower() or None,
             log_format=env.get("JOBPLANE_LOG_FORMAT", base.log_format).lower(),
             faults=frozenset(f.strip() for f in faults),
+            tls_cert=tls_cert,
+            tls_key=tls_key,
+            tls_client_ca=tls_client_ca,
+            tenant_max_streams=_non_negative_int(
+                env, "JOBPLANE_TENANT_MAX_STREAMS", base.tenant_max_streams
+            ),
+            tenant_submits_per_second=_non_negative(
+                env, "JOBPLANE_TENANT_SUBMITS_PER_SECOND", base.tenant_submits_per_second
+            ),
+            tenant_submit_burst=_non_negative_int(
+                env, "JOBPLANE_TENANT_SUBMIT_BURST", base.tenant_submit_burst
+            ),
         )
 
 
@@ -70,3 +97,31 @@ def _positive_int(env: Mapping[str, str], name: str, default: int) -> int:
     if value <= 0:
         raise ConfigError(f"{name} must be positive")
     return value
+
+
+def _non_negative(env: Mapping[str, str], name: str, default: float) -> float:
+    raw = env.get(name)
+    if raw is None or not raw.strip():
+        return default
+    try:
+        value = float(raw)
+    except ValueError as exc:
+        raise ConfigError(f"{name} must be a number") from exc
+    if not value >= 0 or value == float("inf"):
+        raise ConfigError(f"{name} must be 0 (no limit) or more")
+    return value
+
+
+def _non_negative_int(env: Mapping[str, str], name: str, default: int) -> int:
+    try:
+        value = int(env.get(name) or default)
+    except ValueError as exc:
+        raise ConfigError(f"{name} must be an integer") from exc
+    if value < 0:
+        raise ConfigError(f"{name} must be 0 (no limit) or more")
+    return value
+
+
+def _path(env: Mapping[str, str], name: str) -> Path | None:
+    raw = env.get(name, "").strip()
+    return Path(raw) if raw else None

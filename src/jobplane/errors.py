@@ -3,6 +3,7 @@
 Each error has a canonical gRPC code and a stable ``google.rpc.ErrorInfo``
 reason. The server turns an error into a status with :data:`ERROR_DOMAIN`; the
 SDK turns the status back into the same class (see :func:`error_for_reason`).
+An error with a ``retry_delay`` also carries ``google.rpc.RetryInfo``.
 """
 
 from __future__ import annotations
@@ -24,10 +25,14 @@ class JobplaneError(Exception):
         *,
         field: str | None = None,
         metadata: dict[str, str] | None = None,
+        retry_delay: float | None = None,
     ) -> None:
         self.message = message or (type(self).__doc__ or type(self).__name__).strip()
         self.field = field
         self.metadata = dict(metadata or {})
+        #: Seconds the server asks the caller to wait before trying again
+        #: (``google.rpc.RetryInfo``); None when it said nothing.
+        self.retry_delay = retry_delay
         super().__init__(self.message)
 
 
@@ -90,6 +95,28 @@ class JobNotRetryable(FailedPrecondition):
     reason = "JOB_NOT_RETRYABLE"
 
 
+class ResourceExhausted(JobplaneError):
+    """A limit was reached; the call may succeed later."""
+
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+    reason = "RESOURCE_EXHAUSTED"
+
+
+class TenantLimitExceeded(ResourceExhausted):
+    """The tenant is over one of its limits; retry after ``retry_delay`` seconds.
+
+    ``metadata["limit"]`` names the limit (``watch_streams`` or
+    ``submits_per_second``) and ``metadata["max"]`` its value.
+    """
+
+    reason = "TENANT_LIMIT_EXCEEDED"
+
+    @property
+    def limit(self) -> str:
+        """Which limit was reached."""
+        return self.metadata.get("limit", "")
+
+
 class Unavailable(JobplaneError):
     """The service is not available right now; the call may be retried."""
 
@@ -116,6 +143,8 @@ _BY_REASON: dict[str, type[JobplaneError]] = {
         FailedPrecondition,
         JobAlreadyTerminal,
         JobNotRetryable,
+        ResourceExhausted,
+        TenantLimitExceeded,
         Unavailable,
         InternalError,
     )

@@ -28,13 +28,15 @@ def create_engine(url: str, *, pool_size: int = 10, **kwargs: Any) -> AsyncEngin
 
     The pool has a fixed size: under load, callers wait for a pooled
     connection instead of opening (and closing) overflow ones, each of which
-    costs Postgres a new backend process.
+    costs Postgres a new backend process. A failing statement's error never
+    carries its parameters (tenants' payloads) into a message or a log.
     """
     return create_async_engine(
         sqlalchemy_url(url),
         pool_size=pool_size,
         max_overflow=0,
         pool_pre_ping=False,
+        hide_parameters=True,
         **kwargs,
     )
 

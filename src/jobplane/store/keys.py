@@ -2,21 +2,37 @@
 
 A key is 256 random bits, so a fast hash is enough: there is nothing to
 brute-force that a slow hash would protect.
+
+Each key also has a non-secret id (``key_…``) by which operators list, revoke
+and rotate it and by which logs name the caller. A server caches resolved keys
+for a short while; revoking or rotating a key sends a notification on
+:data:`KEYS_CHANNEL` in the same transaction, and every server drops that key
+from its cache when it hears it (:meth:`KeyStore.forget`), and its whole cache
+when its LISTEN connection comes back (:meth:`KeyStore.clear_cache`), since
+notifications sent meanwhile are lost.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import secrets
 import time
 import uuid
+from dataclasses import dataclass
+from datetime import datetime
 
 from sqlalchemy import text
-from sqlalchemy.ext.asyncio import AsyncEngine
+from sqlalchemy.engine import RowMapping
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from jobplane.store.engine import autocommit
 
 KEY_PREFIX = "jp_"
+KEYS_CHANNEL = "jobplane_keys"
+MAX_TENANT_NAME = 200
+# Bounds the cache of one server process; past it the cache starts over.
+_CACHE_ENTRIES = 10_000
 
 _UPSERT_TENANT = text(
     """
@@ -26,9 +42,63 @@ _UPSERT_TENANT = text(
     """
 )
 _INSERT_KEY = text(
-    "INSERT INTO api_keys (tenant_id, key_hash, prefix) VALUES (:tenant_id, :key_hash, :prefix)"
+    """
+    INSERT INTO api_keys (tenant_id, key_hash, prefix) VALUES (:tenant_id, :key_hash, :prefix)
+    RETURNING key_id
+    """
 )
-_RESOLVE = text("SELECT tenant_id FROM api_keys WHERE key_hash = :key_hash AND revoke_time IS NULL")
+# last_used_time is written at most once a minute per key, and only on a cache
+# miss: a write per call would cost more than the call.
+_RESOLVE = text(
+    """
+    WITH k AS (
+        SELECT id, tenant_id, key_id, revoke_time, last_used_time FROM api_keys
+        WHERE key_hash = :key_hash AND (revoke_time IS NULL OR revoke_time > now())
+    ), touched AS (
+        UPDATE api_keys a SET last_used_time = now() FROM k
+        WHERE a.id = k.id
+          AND (k.last_used_time IS NULL OR k.last_used_time < now() - interval '60 seconds')
+    )
+    SELECT tenant_id, key_id, extract(epoch FROM revoke_time - now())::float8 AS remaining
+    FROM k
+    """
+)
+_SELECT_KEYS = """
+    SELECT k.key_id, t.name AS tenant, k.tenant_id, k.prefix, k.create_time, k.revoke_time,
+           k.last_used_time, (k.revoke_time IS NULL OR k.revoke_time > now()) AS active
+    FROM api_keys k JOIN tenants t ON t.id = k.tenant_id
+"""
+_LIST = text(_SELECT_KEYS + " ORDER BY t.name, k.create_time, k.key_id")
+_LIST_TENANT = text(
+    _SELECT_KEYS + " WHERE t.name = :tenant ORDER BY t.name, k.create_time, k.key_id"
+)
+_ONE = text(_SELECT_KEYS + " WHERE k.key_id = :key_id")
+_LOCK_ACTIVE = text(
+    """
+    SELECT k.tenant_id, t.name FROM api_keys k JOIN tenants t ON t.id = k.tenant_id
+    WHERE k.key_id = :key_id AND (k.revoke_time IS NULL OR k.revoke_time > now())
+    FOR UPDATE OF k
+    """
+)
+# A revocation only ever moves revoke_time earlier.
+_REVOKE = text(
+    """
+    UPDATE api_keys
+    SET revoke_time =
+        LEAST(COALESCE(revoke_time, 'infinity'), now() + make_interval(secs => :after))
+    WHERE key_id = :key_id
+    RETURNING key_id
+    """
+)
+_NOTIFY = text(f"SELECT pg_notify('{KEYS_CHANNEL}', :key_id)")
+
+
+class KeyNotFound(LookupError):
+    """No API key with this id."""
+
+
+class KeyRevoked(ValueError):
+    """The API key is already revoked."""
 
 
 def hash_key(key: str) -> bytes:
@@ -36,44 +106,211 @@ def hash_key(key: str) -> bytes:
     return hashlib.sha256(key.encode()).digest()
 
 
+@dataclass(frozen=True, slots=True)
+class KeyIdentity:
+    """Who a call's key stands for: its tenant and the key's non-secret id."""
+
+    tenant_id: uuid.UUID
+    key_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class NewKey:
+    """A key just created. ``key`` is the secret: it is shown once, never stored."""
+
+    key: str
+    key_id: str
+    tenant: str
+    tenant_id: uuid.UUID
+
+
+@dataclass(frozen=True, slots=True)
+class KeyInfo:
+    """What is known about a key, without its secret."""
+
+    key_id: str
+    tenant: str
+    tenant_id: uuid.UUID
+    prefix: str
+    create_time: datetime
+    revoke_time: datetime | None
+    last_used_time: datetime | None
+    active: bool
+
+
+@dataclass(slots=True)
+class _Cached:
+    identity: KeyIdentity
+    expires: float
+
+
 class KeyStore:
-    """Creates keys and resolves them to tenants, with a short positive cache."""
+    """Creates, lists, revokes and rotates keys; resolves them to tenants, cached.
+
+    ``cache_seconds`` bounds how long a resolved key is trusted without asking
+    the database again when no notification says otherwise.
+    """
 
     def __init__(self, engine: AsyncEngine, *, cache_seconds: float = 30.0) -> None:
         self._engine = engine
         self._auto = autocommit(engine)
         self._cache_seconds = cache_seconds
-        self._cache: dict[bytes, tuple[uuid.UUID, float]] = {}
+        self._cache: dict[bytes, _Cached] = {}
+        self._inflight: dict[bytes, asyncio.Future[KeyIdentity | None]] = {}
+        # Bumped by every invalidation: a lookup that started before one may
+        # have read a key that is revoked now, so its answer is not cached.
+        self._generation = 0
 
-    async def create_key(self, tenant: str) -> tuple[str, uuid.UUID]:
-        """A new key for ``tenant`` (created if needed); the key is shown once."""
-        if not tenant or len(tenant) > 200:
-            raise ValueError("tenant name must be 1..200 characters")
-        key = KEY_PREFIX + secrets.token_urlsafe(32)
+    # -- administration ------------------------------------------------------
+
+    async def create(self, tenant: str) -> NewKey:
+        """A new key for ``tenant`` (created if needed); the secret is in the result only."""
+        if not tenant or len(tenant) > MAX_TENANT_NAME:
+            raise ValueError(f"tenant name must be 1..{MAX_TENANT_NAME} characters")
         async with self._engine.begin() as conn:
             tenant_id = (await conn.execute(_UPSERT_TENANT, {"name": tenant})).scalar_one()
+            key, key_id = await self._insert_key(conn, tenant_id)
+        return NewKey(key, key_id, tenant, uuid.UUID(str(tenant_id)))
+
+    async def create_key(self, tenant: str) -> tuple[str, uuid.UUID]:
+        """A new key for ``tenant`` (created if needed) and the tenant's id."""
+        created = await self.create(tenant)
+        return created.key, created.tenant_id
+
+    async def list_keys(self, tenant: str | None = None) -> list[KeyInfo]:
+        """Every key (of ``tenant``, when given), revoked ones included."""
+        async with self._auto.connect() as conn:
+            if tenant is None:
+                rows = (await conn.execute(_LIST)).mappings().all()
+            else:
+                rows = (await conn.execute(_LIST_TENANT, {"tenant": tenant})).mappings().all()
+        return [_info(row) for row in rows]
+
+    async def get_key(self, key_id: str) -> KeyInfo:
+        """One key by id; :class:`KeyNotFound` when there is none."""
+        async with self._auto.connect() as conn:
+            row = (await conn.execute(_ONE, {"key_id": key_id})).mappings().one_or_none()
+        if row is None:
+            raise KeyNotFound(f"no API key {key_id!r}")
+        return _info(row)
+
+    async def revoke(self, key_id: str, *, after: float = 0.0) -> KeyInfo:
+        """Revoke a key now (or ``after`` seconds from now); every server hears of it.
+
+        Revoking an already revoked key changes nothing; a revocation only ever
+        moves the key's end earlier.
+        """
+        if after < 0:
+            raise ValueError("after must not be negative")
+        async with self._engine.begin() as conn:
+            found = (await conn.execute(_REVOKE, {"key_id": key_id, "after": after})).first()
+            if found is None:
+                raise KeyNotFound(f"no API key {key_id!r}")
+            await conn.execute(_NOTIFY, {"key_id": key_id})
+        self.forget(key_id)
+        return await self.get_key(key_id)
+
+    async def rotate(self, key_id: str, *, grace: float = 0.0) -> tuple[NewKey, KeyInfo]:
+        """A new key for the tenant of ``key_id``, which ends after ``grace`` seconds.
+
+        Both happen in one transaction. Returns the new key and the old one's
+        state. A revoked key cannot be rotated (:class:`KeyRevoked`).
+        """
+        if grace < 0:
+            raise ValueError("grace must not be negative")
+        async with self._engine.begin() as conn:
+            row = (await conn.execute(_LOCK_ACTIVE, {"key_id": key_id})).first()
+            if row is None:
+                await self.get_key(key_id)  # KeyNotFound when there is no such key
+                raise KeyRevoked(f"API key {key_id!r} is already revoked")
+            tenant_id, tenant = row
+            key, new_id = await self._insert_key(conn, tenant_id)
+            await conn.execute(_REVOKE, {"key_id": key_id, "after": grace})
+            await conn.execute(_NOTIFY, {"key_id": key_id})
+        self.forget(key_id)
+        created = NewKey(key, new_id, str(tenant), uuid.UUID(str(tenant_id)))
+        return created, await self.get_key(key_id)
+
+    @staticmethod
+    async def _insert_key(conn: AsyncConnection, tenant_id: object) -> tuple[str, str]:
+        key = KEY_PREFIX + secrets.token_urlsafe(32)
+        key_id = (
             await conn.execute(
                 _INSERT_KEY,
                 {"tenant_id": tenant_id, "key_hash": hash_key(key), "prefix": key[:8]},
             )
-        return key, uuid.UUID(str(tenant_id))
+        ).scalar_one()
+        return key, str(key_id)
 
-    async def resolve(self, key: str) -> uuid.UUID | None:
-        """The tenant of ``key``, or None when the key is unknown or revoked."""
+    # -- resolution ----------------------------------------------------------
+
+    async def resolve(self, key: str) -> KeyIdentity | None:
+        """Tenant and key id of ``key``; None when it is unknown, revoked or malformed."""
         if not key.startswith(KEY_PREFIX) or len(key) > 200:
             return None
         digest = hash_key(key)
-        now = time.monotonic()
         cached = self._cache.get(digest)
-        if cached is not None and cached[1] > now:
-            return cached[0]
+        if cached is not None:
+            if cached.expires > time.monotonic():
+                return cached.identity
+            del self._cache[digest]
+        # Many calls with one key arriving together (watchers reconnecting
+        # after a restart) share one lookup, which a cancelled caller does
+        # not cancel for the others.
+        lookup = self._inflight.get(digest)
+        if lookup is None:
+            lookup = asyncio.ensure_future(self._lookup(digest))
+            self._inflight[digest] = lookup
+            lookup.add_done_callback(lambda done: self._settled(digest, done))
+        return await asyncio.shield(lookup)
+
+    def _settled(self, digest: bytes, lookup: asyncio.Future[KeyIdentity | None]) -> None:
+        self._inflight.pop(digest, None)
+        # Its callers may all be gone; the failure was theirs to see, not the loop's.
+        if not lookup.cancelled():
+            lookup.exception()
+
+    async def _lookup(self, digest: bytes) -> KeyIdentity | None:
+        generation = self._generation
+        started = time.monotonic()
         async with self._auto.connect() as conn:
-            tenant_id = (await conn.execute(_RESOLVE, {"key_hash": digest})).scalar_one_or_none()
-        if tenant_id is None:
-            self._cache.pop(digest, None)
+            row = (await conn.execute(_RESOLVE, {"key_hash": digest})).first()
+        if row is None:
             return None
-        resolved = uuid.UUID(str(tenant_id))
-        if len(self._cache) > 10_000:
-            self._cache.clear()
-        self._cache[digest] = (resolved, now + self._cache_seconds)
-        return resolved
+        tenant_id, key_id, remaining = row
+        identity = KeyIdentity(uuid.UUID(str(tenant_id)), str(key_id))
+        if generation == self._generation:
+            ttl = self._cache_seconds if remaining is None else min(self._cache_seconds, remaining)
+            if len(self._cache) >= _CACHE_ENTRIES:
+                self._cache.clear()
+            self._cache[digest] = _Cached(identity, started + ttl)
+        return identity
+
+    def forget(self, key_id: str) -> None:
+        """Drop ``key_id`` from the cache (it was revoked or rotated somewhere)."""
+        self._generation += 1
+        for digest in [d for d, c in self._cache.items() if c.identity.key_id == key_id]:
+            del self._cache[digest]
+
+    def clear_cache(self) -> None:
+        """Drop every cached key (notifications may have been missed)."""
+        self._generation += 1
+        self._cache.clear()
+
+    @property
+    def cached(self) -> int:
+        """Keys cached now."""
+        return len(self._cache)
+
+
+def _info(row: RowMapping) -> KeyInfo:
+    return KeyInfo(
+        key_id=row["key_id"],
+        tenant=row["tenant"],
+        tenant_id=uuid.UUID(str(row["tenant_id"])),
+        prefix=row["prefix"],
+        create_time=row["create_time"],
+        revoke_time=row["revoke_time"],
+        last_used_time=row["last_used_time"],
+        active=bool(row["active"]),
+    )

@@ -1,0 +1,178 @@
+"""Who is calling, decided before the request body is read.
+
+:class:`CallGate` is a server interceptor: from a JobService call's metadata
+alone it resolves the bearer key to a tenant and spends a submit token. A call
+it refuses is answered by a handler without a request deserializer, so the
+body of an unauthenticated call is never parsed and the servicer never runs.
+An admitted call runs with its :class:`KeyIdentity` in a contextvar
+(:func:`current_identity`) and bound to the structlog context (``tenant_id``,
+``api_key_id``, ``rpc``), and a watch holds one of its tenant's stream slots
+for its life. Health and reflection stay open.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeAlias
+
+import grpc
+import structlog
+
+from jobplane.errors import JobplaneError, Unauthenticated
+from jobplane.server.limits import TenantLimiter
+from jobplane.server.status import error_for, to_grpc_status
+from jobplane.store.keys import KeyIdentity, KeyStore
+
+log = structlog.get_logger("jobplane.server")
+
+Handler: TypeAlias = "grpc.RpcMethodHandler[Any, Any]"
+Context: TypeAlias = "grpc.aio.ServicerContext[Any, Any]"
+
+_IDENTITY: contextvars.ContextVar[KeyIdentity | None] = contextvars.ContextVar(
+    "jobplane_identity", default=None
+)
+
+# The calls the gate counts against a tenant's limits.
+SUBMIT_RPC = "SubmitJob"
+STREAM_RPCS = frozenset({"WatchJob"})
+
+
+def current_identity() -> KeyIdentity:
+    """The caller of the call being served; :class:`Unauthenticated` outside one."""
+    identity = _IDENTITY.get()
+    if identity is None:
+        # Only reachable if a servicer is served without the gate: fail closed.
+        raise Unauthenticated("the call was not authenticated")
+    return identity
+
+
+def bearer_token(metadata: Any) -> str:
+    """The token of the first ``authorization: Bearer …``; :class:`Unauthenticated` if none."""
+    for key, value in metadata or ():
+        if key == "authorization":
+            scheme, _, token = value.partition(" ") if isinstance(value, str) else ("", "", "")
+            if scheme.lower() == "bearer" and token.strip():
+                return token.strip()
+            raise Unauthenticated("the API key is not valid")
+    raise Unauthenticated("missing 'authorization: Bearer <key>' metadata")
+
+
+class CallGate(grpc.aio.ServerInterceptor):
+    """Authenticates and admits the calls of one service; others pass untouched."""
+
+    def __init__(self, service: str, keys: KeyStore, limiter: TenantLimiter) -> None:
+        self._prefix = f"/{service}/"
+        self._keys = keys
+        self._limiter = limiter
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[Handler | None]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> Handler | None:
+        """Admit the call with its identity, or answer it with a refusal."""
+        handler = await continuation(handler_call_details)
+        method = handler_call_details.method
+        if handler is None or not method.startswith(self._prefix):
+            return handler
+        rpc = method[len(self._prefix) :]
+        try:
+            identity = await self._admit(rpc, handler_call_details.invocation_metadata)
+        except Exception as exc:
+            error = error_for(exc, rpc)
+            if isinstance(error, Unauthenticated):
+                # The reason only: the metadata may hold a real key mistyped.
+                log.info("auth.refused", rpc=rpc, reason=error.message)
+            return _refusal(handler, error)
+        return self._admitted(handler, identity, rpc)
+
+    async def _admit(self, rpc: str, metadata: Any) -> KeyIdentity:
+        identity = await self._keys.resolve(bearer_token(metadata))
+        if identity is None:
+            raise Unauthenticated("the API key is not valid")
+        if rpc == SUBMIT_RPC:
+            try:
+                self._limiter.take_submit(identity.tenant_id)
+            except JobplaneError as error:
+                log.debug(
+                    "tenant.limit_exceeded",
+                    rpc=rpc,
+                    tenant_id=str(identity.tenant_id),
+                    api_key_id=identity.key_id,
+                    limit=error.metadata.get("limit"),
+                )
+                raise
+        return identity
+
+    def _admitted(self, handler: Handler, identity: KeyIdentity, rpc: str) -> Handler:
+        def enter() -> None:
+            # Each call runs in a contextvars.Context of its own (grpc.aio
+            # makes one per call for the interceptors and the handler).
+            _IDENTITY.set(identity)
+            structlog.contextvars.bind_contextvars(
+                tenant_id=str(identity.tenant_id), api_key_id=identity.key_id, rpc=rpc
+            )
+
+        if handler.unary_unary is not None:
+            # The stubs type behaviours as synchronous; under grpc.aio they are async.
+            unary: Any = handler.unary_unary
+
+            async def call(request: Any, context: Context) -> Any:
+                enter()
+                started = time.monotonic()
+                try:
+                    return await unary(request, context)
+                finally:
+                    log.debug("rpc.finished", seconds=round(time.monotonic() - started, 6))
+
+            return grpc.unary_unary_rpc_method_handler(
+                call, handler.request_deserializer, handler.response_serializer
+            )
+        if handler.unary_stream is not None:
+            streamed: Any = handler.unary_stream
+            limited = rpc in STREAM_RPCS
+            limiter = self._limiter
+
+            async def stream(request: Any, context: Context) -> AsyncIterator[Any]:
+                enter()
+                started = time.monotonic()
+                try:
+                    if limited:
+                        try:
+                            limiter.acquire_stream(identity.tenant_id)
+                        except JobplaneError as error:
+                            log.debug("tenant.limit_exceeded", limit=error.metadata.get("limit"))
+                            await context.abort_with_status(to_grpc_status(error))
+                    try:
+                        async for response in streamed(request, context):
+                            yield response
+                    finally:
+                        if limited:
+                            limiter.release_stream(identity.tenant_id)
+                finally:
+                    log.debug("rpc.finished", seconds=round(time.monotonic() - started, 6))
+
+            return grpc.unary_stream_rpc_method_handler(
+                stream, handler.request_deserializer, handler.response_serializer
+            )
+        # JobService has no client-streaming calls; refuse rather than run
+        # one unauthenticated should one be added without a gate for it.
+        return _refusal(handler, Unauthenticated("this call cannot be authenticated"))
+
+
+def _refusal(handler: Handler, error: JobplaneError) -> Handler:
+    """A handler of the same shape that answers ``error`` without reading the body."""
+    status = to_grpc_status(error)
+
+    async def refuse(_request: Any, context: Context) -> None:
+        await context.abort_with_status(status)
+
+    if handler.request_streaming and handler.response_streaming:
+        return grpc.stream_stream_rpc_method_handler(refuse)
+    if handler.request_streaming:
+        return grpc.stream_unary_rpc_method_handler(refuse)
+    if handler.response_streaming:
+        return grpc.unary_stream_rpc_method_handler(refuse)
+    return grpc.unary_unary_rpc_method_handler(refuse)

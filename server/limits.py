@@ -1,0 +1,111 @@
+"""Per-tenant limits of one server process: watch streams held, submits per second.
+
+The counts live in the process, not in the database: with N server processes
+behind a balancer a tenant may hold N x ``max_streams`` streams and submit at
+N x ``submits_per_second``. That is enough for what the limits are for, that
+one tenant cannot take a process's memory or event loop from the others;
+checking them costs no round trip.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from jobplane.errors import TenantLimitExceeded
+
+# What a refused watch is told to wait: a slot frees when one of the
+# tenant's streams ends, which nobody can predict.
+STREAM_RETRY_SECONDS = 2.0
+# Past this many tenants with a bucket, full buckets (those that are the same
+# as a new one) are dropped.
+_PRUNE_AT = 10_000
+
+
+@dataclass(frozen=True, slots=True)
+class TenantLimits:
+    """The limits of each tenant in one server process; 0 turns a limit off."""
+
+    max_streams: int = 1000
+    submits_per_second: float = 500.0
+    submit_burst: int = 1000
+
+
+@dataclass(slots=True)
+class _Bucket:
+    tokens: float
+    stamp: float
+
+
+class TenantLimiter:
+    """Counts each tenant's open watch streams and submits, and refuses the excess."""
+
+    def __init__(
+        self, limits: TenantLimits, *, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.limits = limits
+        self._clock = clock
+        self._streams: dict[uuid.UUID, int] = {}
+        self._buckets: dict[uuid.UUID, _Bucket] = {}
+
+    def take_submit(self, tenant: uuid.UUID) -> None:
+        """Spend one of the tenant's submit tokens; :class:`TenantLimitExceeded` if none.
+
+        A token bucket: ``submit_burst`` tokens at most, refilled at
+        ``submits_per_second``. The error's ``retry_delay`` is when the next
+        token comes.
+        """
+        rate, burst = self.limits.submits_per_second, max(1, self.limits.submit_burst)
+        if rate <= 0:
+            return
+        now = self._clock()
+        bucket = self._buckets.get(tenant)
+        if bucket is None:
+            if len(self._buckets) >= _PRUNE_AT:
+                self._prune(now, rate, burst)
+            bucket = self._buckets[tenant] = _Bucket(float(burst), now)
+        bucket.tokens = min(float(burst), bucket.tokens + (now - bucket.stamp) * rate)
+        bucket.stamp = now
+        if bucket.tokens >= 1.0:
+            bucket.tokens -= 1.0
+            return
+        raise TenantLimitExceeded(
+            f"more than {rate:g} submits per second (burst {burst}) from this tenant; slow down",
+            metadata={"limit": "submits_per_second", "max": f"{rate:g}", "burst": str(burst)},
+            retry_delay=(1.0 - bucket.tokens) / rate,
+        )
+
+    def _prune(self, now: float, rate: float, burst: int) -> None:
+        full = [t for t, b in self._buckets.items() if b.tokens + (now - b.stamp) * rate >= burst]
+        for tenant in full:
+            del self._buckets[tenant]
+
+    def acquire_stream(self, tenant: uuid.UUID) -> None:
+        """Take one of the tenant's watch-stream slots; give it back with :meth:`release_stream`.
+
+        :class:`TenantLimitExceeded` when the tenant holds ``max_streams``.
+        """
+        limit = self.limits.max_streams
+        held = self._streams.get(tenant, 0)
+        if limit > 0 and held >= limit:
+            raise TenantLimitExceeded(
+                f"this tenant already has {held} watch streams open on this server; "
+                "close some first",
+                metadata={"limit": "watch_streams", "max": str(limit)},
+                retry_delay=STREAM_RETRY_SECONDS,
+            )
+        self._streams[tenant] = held + 1
+
+    def release_stream(self, tenant: uuid.UUID) -> None:
+        """Give back a slot taken by :meth:`acquire_stream`."""
+        left = self._streams.get(tenant, 0) - 1
+        if left > 0:
+            self._streams[tenant] = left
+        else:
+            self._streams.pop(tenant, None)
+
+    def streams(self, tenant: uuid.UUID) -> int:
+        """Watch streams the tenant holds now."""
+        return self._streams.get(tenant, 0)

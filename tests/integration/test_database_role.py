@@ -1,0 +1,70 @@
+"""serve, relay, worker and `keys` need only DML on jobplane's tables (docs/security.md)."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator
+
+import asyncpg
+import pytest
+from sqlalchemy import text
+from sqlalchemy.engine import make_url
+from sqlalchemy.exc import ProgrammingError
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from jobplane.client import JobState
+from jobplane.store.engine import asyncpg_dsn, create_engine
+from jobplane.store.keys import KeyStore
+from jobplane.topology import Topology
+from tests.support.servers import refused_within
+from tests.support.stack import start_stack
+
+
+@pytest.fixture
+async def dml_url(database_url: str) -> AsyncIterator[str]:
+    """The test database as a login role that may only read and write jobplane's rows."""
+    role = f"jp_dml_{uuid.uuid4().hex[:10]}"
+    admin = await asyncpg.connect(asyncpg_dsn(database_url))
+    try:
+        await admin.execute(f'CREATE ROLE "{role}" LOGIN')
+        await admin.execute(f'GRANT USAGE ON SCHEMA public TO "{role}"')
+        # What docs/security.md tells operators to run.
+        await admin.execute(
+            f'GRANT SELECT, INSERT, UPDATE, DELETE ON ALL TABLES IN SCHEMA public TO "{role}"'
+        )
+        await admin.execute(f'REVOKE ALL ON alembic_version FROM "{role}"')
+        yield make_url(database_url).set(username=role).render_as_string(hide_password=False)
+    finally:
+        await admin.execute(f'DROP OWNED BY "{role}"')
+        await admin.execute(f'DROP ROLE "{role}"')
+        await admin.close()
+
+
+async def test_the_processes_run_with_a_dml_only_role(
+    dml_url: str, amqp_url: str, topology: Topology
+) -> None:
+    engine: AsyncEngine = create_engine(dml_url, pool_size=4)
+    try:
+        # The role really is limited: no DDL.
+        async with engine.connect() as conn:
+            with pytest.raises(ProgrammingError, match="permission denied"):
+                await conn.execute(text("CREATE TABLE intruder (id int)"))
+        stack = await start_stack(engine, dml_url, amqp_url, topology)
+        try:
+            client = stack.client()
+            job = await client.submit("demo.progress", {"steps": 2, "interval_ms": 10})
+            events = [e async for e in client.watch(job.name)]
+            assert events[-1].state is JobState.SUCCEEDED
+            done = await asyncio.wait_for(client.wait(job.name), timeout=20)
+            assert done.state is JobState.SUCCEEDED
+            # Key administration too: revoke notifies the server.
+            keys = KeyStore(engine)
+            created = await keys.create("other")
+            await stack.client(created.key).list()
+            await keys.revoke(created.key_id)
+            assert await refused_within(stack.client(created.key), 1.0)
+        finally:
+            await stack.close()
+    finally:
+        await engine.dispose()

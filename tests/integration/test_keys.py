@@ -1,0 +1,176 @@
+"""API keys: ids, revocation reaching every server, rotation, and the `keys` commands."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+from collections.abc import AsyncIterator
+
+import pytest
+from sqlalchemy import text
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from jobplane.store.keys import KeyNotFound, KeyRevoked, KeyStore
+from jobplane.topology import Topology
+from tests.support.servers import Servers, refused_within
+
+# How soon a revocation must reach every server.
+REVOCATION_BOUND = 1.0
+
+
+@pytest.fixture
+async def servers(
+    engine: AsyncEngine, database_url: str, topology: Topology
+) -> AsyncIterator[Servers]:
+    running = Servers(engine, database_url, topology)
+    yield running
+    await running.close()
+
+
+async def jobplane(database_url: str, *args: str) -> tuple[int, str, str]:
+    """Run the `jobplane` command against ``database_url``."""
+    process = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "jobplane",
+        *args,
+        env={**os.environ, "JOBPLANE_DATABASE_URL": database_url},
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    out, err = await asyncio.wait_for(process.communicate(), timeout=60)
+    assert process.returncode is not None
+    return process.returncode, out.decode(), err.decode()
+
+
+async def test_a_revocation_reaches_another_server_within_a_second(servers: Servers) -> None:
+    first = await servers.start()
+    second = await servers.start()
+    created = await first.keys.create("acme")
+    other_key, _tenant = await first.keys.create_key("acme")
+    on_second = servers.client(second, created.key)
+    await on_second.list()
+    assert second.keys.cached == 1  # the key is in the second server's cache
+
+    await first.keys.revoke(created.key_id)
+
+    assert await refused_within(on_second, REVOCATION_BOUND)
+    assert await refused_within(servers.client(first, created.key), REVOCATION_BOUND)
+    # Only that key: the tenant's other key still works everywhere.
+    await servers.client(second, other_key).list()
+
+
+async def test_a_listener_reconnect_drops_the_key_cache(servers: Servers) -> None:
+    server = await servers.start(key_cache_seconds=300)
+    created = await server.keys.create("acme")
+    client = servers.client(server, created.key)
+    await client.list()
+    # Revoked without a notification (as if it were lost): the cache still
+    # trusts the key.
+    async with servers.engine.begin() as conn:
+        await conn.execute(
+            text("UPDATE api_keys SET revoke_time = now() WHERE key_id = :k"),
+            {"k": created.key_id},
+        )
+    await client.list()
+    # The listener's connection dies; when it is back the cache is dropped.
+    async with servers.engine.begin() as conn:
+        killed = (
+            await conn.execute(
+                text(
+                    "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
+                    "WHERE datname = current_database() AND pid <> pg_backend_pid() "
+                    "AND (query LIKE 'LISTEN %' OR query = 'SELECT 1')"
+                )
+            )
+        ).scalar_one()
+    assert killed >= 1
+    assert await refused_within(client, 10.0)
+
+
+async def test_rotation_with_a_grace_period(servers: Servers) -> None:
+    server = await servers.start()
+    old = await server.keys.create("acme")
+    new, ended = await server.keys.rotate(old.key_id, grace=300)
+    assert new.tenant_id == old.tenant_id and new.key_id != old.key_id
+    assert ended.active and ended.revoke_time is not None
+    # Both keys work for the same tenant during the grace period.
+    job = await servers.client(server, old.key).submit("demo.echo", {})
+    assert (await servers.client(server, new.key).get(job.name)).name == job.name
+    # Revoking now ends the grace period at once.
+    await server.keys.revoke(old.key_id)
+    assert await refused_within(servers.client(server, old.key), REVOCATION_BOUND)
+    with pytest.raises(KeyRevoked):
+        await server.keys.rotate(old.key_id)
+    with pytest.raises(KeyNotFound):
+        await server.keys.revoke("key_doesnotexist")
+
+
+async def test_keys_commands(servers: Servers) -> None:
+    server = await servers.start()
+    url = servers.database_url
+
+    code, out, err = await jobplane(url, "keys", "create", "--tenant", "initech")
+    assert code == 0, err
+    first = out.strip()
+    assert out == first + "\n"
+    first_id = reported_key_id(err)
+    await servers.client(server, first).list()
+
+    code, out, _err = await jobplane(url, "keys", "list", "--json")
+    assert code == 0
+    assert first not in out  # never the secret
+    listed = [json.loads(line) for line in out.splitlines()]
+    assert [(k["key_id"], k["tenant"], k["active"]) for k in listed] == [
+        (first_id, "initech", True)
+    ]
+    assert listed[0]["prefix"] == first[:8]
+    assert listed[0]["last_used_time"] is not None
+
+    # Rotate: a new key, and the old one is refused on a running server.
+    code, out, err = await jobplane(url, "keys", "rotate", first_id)
+    assert code == 0, err
+    second = out.strip()
+    assert second.startswith("jp_") and second != first
+    assert await refused_within(servers.client(server, first), REVOCATION_BOUND)
+    await servers.client(server, second).list()
+
+    second_id = next(k.key_id for k in await server.keys.list_keys("initech") if k.active)
+    code, _out, err = await jobplane(url, "keys", "revoke", second_id)
+    assert code == 0, err
+    assert await refused_within(servers.client(server, second), REVOCATION_BOUND)
+
+    assert [k.active for k in await server.keys.list_keys("initech")] == [False, False]
+
+    code, out, err = await jobplane(url, "keys", "revoke", "key_nosuchkey")
+    assert code == 1
+    assert err.strip().count("\n") == 0 and "key_nosuchkey" in err
+
+
+def reported_key_id(stderr: str) -> str:
+    """The key id `keys create` reports on stderr."""
+    words = [w for w in stderr.split() if w.startswith("key_")]
+    assert words, stderr
+    return words[0]
+
+
+async def test_every_key_has_an_id_and_is_stored_as_a_hash(engine: AsyncEngine) -> None:
+    keys = KeyStore(engine)
+    a = await keys.create("acme")
+    b = await keys.create("acme")
+    assert a.key_id != b.key_id and a.key_id.startswith("key_")
+    assert a.key_id not in a.key and a.key[3:] not in a.key_id
+    async with engine.connect() as conn:
+        stored = (
+            await conn.execute(
+                text(
+                    "SELECT bool_and(position(convert_to(:k, 'UTF8') in key_hash) = 0) "
+                    "AND bool_and(key_id <> :k) FROM api_keys"
+                ),
+                {"k": a.key},
+            )
+        ).scalar_one()
+    assert stored is True
+    assert [k.key_id for k in await keys.list_keys("acme")] == [a.key_id, b.key_id]

@@ -1,0 +1,75 @@
+"""`jobplane serve` as a process of its own, with everything it writes to stderr."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import sys
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Serve:
+    """A `jobplane serve` process and every line it wrote to stderr."""
+
+    process: asyncio.subprocess.Process
+    lines: list[str] = field(default_factory=list)
+    address: str = ""
+    reader: asyncio.Task[None] | None = None
+
+    async def read(self, started: asyncio.Event) -> None:
+        """Collect stderr lines; set ``started`` at the "serving on" line."""
+        assert self.process.stderr is not None
+        async for raw in self.process.stderr:
+            line = raw.decode(errors="replace").rstrip("\n")
+            self.lines.append(line)
+            if line.startswith("jobplane serving on "):
+                self.address = line.split()[3]
+                started.set()
+
+    def records(self) -> list[dict[str, object]]:
+        """The JSON log records among the lines."""
+        return [json.loads(line) for line in self.lines if line.startswith("{")]
+
+    async def stop(self) -> None:
+        """SIGTERM; wait for the process to exit and its last lines to be read."""
+        if self.process.returncode is None:
+            self.process.send_signal(signal.SIGTERM)
+            await asyncio.wait_for(self.process.wait(), timeout=30)
+        if self.reader is not None:
+            await asyncio.wait_for(self.reader, timeout=10)
+
+
+@contextlib.asynccontextmanager
+async def serve_process(database_url: str, **env: str) -> AsyncIterator[Serve]:
+    """Run `jobplane serve` on a free port of loopback with ``env`` added."""
+    process = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "jobplane",
+        "serve",
+        env={
+            **os.environ,
+            "JOBPLANE_DATABASE_URL": database_url,
+            "JOBPLANE_LISTEN": "127.0.0.1:0",
+            **env,
+        },
+        stderr=asyncio.subprocess.PIPE,
+    )
+    running = Serve(process)
+    started = asyncio.Event()
+    reader = running.reader = asyncio.create_task(running.read(started))
+    waiting = asyncio.create_task(started.wait())
+    try:
+        # The reader ends first if the process exits before it serves.
+        await asyncio.wait([reader, waiting], timeout=30, return_when=asyncio.FIRST_COMPLETED)
+        if not started.is_set():
+            raise AssertionError("jobplane serve did not start:\n" + "\n".join(running.lines))
+        yield running
+    finally:
+        waiting.cancel()
+        await running.stop()

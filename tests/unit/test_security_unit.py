@@ -1,0 +1,259 @@
+"""Without services: log redaction, the limiter, settings, the rich error contract."""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from pathlib import Path
+
+import asyncpg
+import grpc
+import pytest
+from sqlalchemy.exc import DBAPIError
+
+from jobplane.client._errors import error_from_rpc
+from jobplane.config import ConfigError, Settings
+from jobplane.errors import TenantLimitExceeded, Unauthenticated
+from jobplane.logs import _ScrubbingFormatter, describe_error, format_exception, scrub
+from jobplane.server.auth import bearer_token
+from jobplane.server.limits import TenantLimiter, TenantLimits
+from jobplane.server.status import to_grpc_status
+
+MARKER = "payload-marker-93ab"
+KEY = "jp_" + "x" * 43
+
+
+def _insert() -> None:
+    raise asyncpg.exceptions.RaiseError(f"refused {MARKER}")
+
+
+def _execute() -> None:
+    try:
+        _insert()
+    except asyncpg.PostgresError as exc:
+        raise DBAPIError("INSERT INTO jobs VALUES ($1)", (MARKER,), exc) from exc
+
+
+def _submit() -> None:
+    try:
+        _execute()
+    except DBAPIError as exc:
+        raise RuntimeError("while submitting") from exc
+
+
+def _database_failure() -> BaseException:
+    """RuntimeError <- SQLAlchemy error with parameters <- Postgres RAISE echoing the payload."""
+    with pytest.raises(RuntimeError) as info:
+        _submit()
+    return info.value
+
+
+def test_tracebacks_withhold_database_messages_but_keep_the_rest() -> None:
+    exc = _database_failure()
+    text = format_exception((type(exc), exc, exc.__traceback__))
+    assert MARKER not in text
+    assert "asyncpg.exceptions.RaiseError: [message withheld: sqlstate=P0001]" in text
+    assert "sqlalchemy.exc.DBAPIError: [message withheld" in text
+    # Everything else of a traceback is there: frames, chain, other messages.
+    assert "RuntimeError: while submitting" in text
+    assert "The above exception was the direct cause" in text
+    assert "in _insert" in text
+    assert text.index("RaiseError") < text.index("DBAPIError") < text.index("RuntimeError")
+
+
+def test_one_line_descriptions_withhold_database_messages() -> None:
+    exc = _database_failure().__cause__
+    assert isinstance(exc, DBAPIError)
+    line = describe_error(exc)
+    assert MARKER not in line
+    assert line == (
+        "sqlalchemy.exc.DBAPIError from asyncpg.exceptions.RaiseError: "
+        "[message withheld: sqlstate=P0001]"
+    )
+    # Connection failures say what happened: they hold no values.
+    closed = asyncpg.exceptions.ConnectionDoesNotExistError("connection was closed")
+    assert describe_error(closed).endswith("connection was closed")
+    assert describe_error(ValueError(f"bad {KEY}\nmore")) == "ValueError: bad jp_[REDACTED]"
+
+
+def test_keys_and_bearer_tokens_are_scrubbed() -> None:
+    line = f"metadata=(('authorization', 'Bearer {KEY}'),) key={KEY} prefix=jp_abcde"
+    cleaned = scrub(line)
+    assert KEY not in cleaned and KEY[3:] not in cleaned
+    # A non-secret prefix stays readable.
+    assert "prefix=jp_abcde" in cleaned
+    assert scrub("authorization: bearer abc.def") == "authorization: bearer [REDACTED]"
+
+
+def test_stdlib_records_follow_the_same_rules() -> None:
+    exc = _database_failure()
+    record = logging.LogRecord(
+        "grpc", logging.ERROR, __file__, 1, "call with %s", (KEY,), (type(exc), exc, None)
+    )
+    text = _ScrubbingFormatter(logging.BASIC_FORMAT).format(record)
+    assert KEY not in text and MARKER not in text
+    assert "RuntimeError: while submitting" in text
+
+
+def test_token_bucket() -> None:
+    now = [100.0]
+    tenant, other = uuid.uuid4(), uuid.uuid4()
+    limiter = TenantLimiter(
+        TenantLimits(submits_per_second=2, submit_burst=3), clock=lambda: now[0]
+    )
+    for _ in range(3):
+        limiter.take_submit(tenant)
+    with pytest.raises(TenantLimitExceeded) as info:
+        limiter.take_submit(tenant)
+    assert info.value.retry_delay == pytest.approx(0.5)
+    assert info.value.metadata == {"limit": "submits_per_second", "max": "2", "burst": "3"}
+    limiter.take_submit(other)  # a bucket of its own
+    now[0] += 0.5
+    limiter.take_submit(tenant)  # refilled one
+    with pytest.raises(TenantLimitExceeded):
+        limiter.take_submit(tenant)
+    now[0] += 60
+    for _ in range(3):  # never more than the burst
+        limiter.take_submit(tenant)
+    with pytest.raises(TenantLimitExceeded):
+        limiter.take_submit(tenant)
+
+
+def test_stream_slots() -> None:
+    tenant = uuid.uuid4()
+    limiter = TenantLimiter(TenantLimits(max_streams=2))
+    limiter.acquire_stream(tenant)
+    limiter.acquire_stream(tenant)
+    with pytest.raises(TenantLimitExceeded) as info:
+        limiter.acquire_stream(tenant)
+    assert info.value.limit == "watch_streams"
+    assert limiter.streams(tenant) == 2
+    limiter.release_stream(tenant)
+    limiter.acquire_stream(tenant)
+    limiter.release_stream(tenant)
+    limiter.release_stream(tenant)
+    assert limiter.streams(tenant) == 0
+
+
+def test_zero_turns_a_limit_off() -> None:
+    tenant = uuid.uuid4()
+    limiter = TenantLimiter(TenantLimits(max_streams=0, submits_per_second=0))
+    for _ in range(5000):
+        limiter.take_submit(tenant)
+        limiter.acquire_stream(tenant)
+    assert limiter.streams(tenant) == 5000
+
+
+def test_retry_info_survives_the_wire() -> None:
+    error = TenantLimitExceeded(
+        "slow down", metadata={"limit": "submits_per_second", "max": "5"}, retry_delay=0.25
+    )
+    status = to_grpc_status(error)
+    rpc_error = grpc.aio.AioRpcError(
+        status.code,
+        grpc.aio.Metadata(),
+        grpc.aio.Metadata(*status.trailing_metadata),
+        details=status.details,
+    )
+    back = error_from_rpc(rpc_error)
+    assert type(back) is TenantLimitExceeded
+    assert back.retry_delay == pytest.approx(0.25)
+    assert back.limit == "submits_per_second"
+    assert back.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+@pytest.mark.parametrize(
+    ("metadata", "token"),
+    [
+        ((("authorization", "Bearer jp_abc"),), "jp_abc"),
+        ((("x-other", "1"), ("authorization", "bearer  jp_abc ")), "jp_abc"),
+    ],
+)
+def test_bearer_token(metadata: tuple[tuple[str, str], ...], token: str) -> None:
+    assert bearer_token(metadata) == token
+
+
+@pytest.mark.parametrize(
+    "metadata", [(), (("authorization", "Basic abc"),), (("authorization", "Bearer "),)]
+)
+def test_bearer_token_missing_or_malformed(metadata: tuple[tuple[str, str], ...]) -> None:
+    with pytest.raises(Unauthenticated):
+        bearer_token(metadata)
+
+
+def test_tls_and_limit_settings(tmp_path: Path) -> None:
+    cert, key, ca = (tmp_path / n for n in ("cert.pem", "key.pem", "ca.pem"))
+    settings = Settings.from_env(
+        {
+            "JOBPLANE_TLS_CERT": str(cert),
+            "JOBPLANE_TLS_KEY": str(key),
+            "JOBPLANE_TLS_CLIENT_CA": str(ca),
+            "JOBPLANE_TENANT_MAX_STREAMS": "0",
+            "JOBPLANE_TENANT_SUBMITS_PER_SECOND": "2.5",
+            "JOBPLANE_TENANT_SUBMIT_BURST": "10",
+        }
+    )
+    assert (settings.tls_cert, settings.tls_key, settings.tls_client_ca) == (cert, key, ca)
+    assert settings.tenant_max_streams == 0
+    assert settings.tenant_submits_per_second == 2.5
+    assert settings.tenant_submit_burst == 10
+    defaults = Settings.from_env({})
+    assert defaults.tls_cert is None
+    assert defaults.tenant_max_streams > 0 and defaults.tenant_submits_per_second > 0
+
+
+@pytest.mark.parametrize(
+    "env",
+    [
+        {"JOBPLANE_TLS_CERT": "cert.pem"},
+        {"JOBPLANE_TLS_KEY": "key.pem"},
+        {"JOBPLANE_TLS_CLIENT_CA": "ca.pem"},
+        {"JOBPLANE_TENANT_MAX_STREAMS": "-1"},
+        {"JOBPLANE_TENANT_MAX_STREAMS": "1.5"},
+        {"JOBPLANE_TENANT_SUBMITS_PER_SECOND": "nan"},
+        {"JOBPLANE_TENANT_SUBMITS_PER_SECOND": "fast"},
+    ],
+)
+def test_bad_security_settings(env: dict[str, str]) -> None:
+    with pytest.raises(ConfigError):
+        Settings.from_env(env)
+
+
+def test_client_tls_options_are_checked() -> None:
+    from jobplane.client import AsyncClient
+
+    with pytest.raises(ValueError, match="together"):
+        AsyncClient("h:1", client_cert=b"x")
+    with pytest.raises(ValueError, match="tls=False"):
+        AsyncClient("h:1", tls=False, root_certificates=b"x")
+    assert AsyncClient("h:1", root_certificates=b"x").tls
+    assert not AsyncClient("h:1").tls
+
+
+def test_keys_list_prints_ids_never_keys(capsys: pytest.CaptureFixture[str]) -> None:
+    from datetime import UTC, datetime, timedelta
+
+    from jobplane.cli import _print_keys
+    from jobplane.store.keys import KeyInfo
+
+    now = datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC)
+    tenant = uuid.uuid4()
+    _print_keys(
+        [
+            KeyInfo("key_a", "acme", tenant, "jp_abcde", now, None, now, True),
+            KeyInfo("key_b", "acme", tenant, "jp_fghij", now, now + timedelta(hours=1), None, True),
+        ]
+    )
+    out, err = capsys.readouterr()
+    header, first, second = out.splitlines()
+    assert header.split() == ["KEY", "ID", "TENANT", "PREFIX", "CREATED", "REVOKED", "LAST", "USED"]
+    assert first.split() == [
+        "key_a",
+        "acme",
+        "jp_abcde",
+        now.isoformat(timespec="seconds"),
+        "-",
+        now.isoformat(timespec="seconds"),
+    ]
+    assert second.split()[4].endswith("*")  # ends later: rotated with a grace period
+    assert "grace" in err
