@@ -12,7 +12,8 @@ from grpc_reflection.v1alpha import reflection
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from jobplane.faults import NO_FAULTS, FaultPoints
-from jobplane.server.service import JobService
+from jobplane.server.decode import RefuseUndecodable
+from jobplane.server.service import JobService, max_request_bytes
 from jobplane.server.servicer import JobServiceServicer
 from jobplane.store.jobs import JobStore
 from jobplane.store.keys import KeyStore
@@ -58,6 +59,9 @@ class JobplaneServer:
             max_payload_bytes=max_payload_bytes,
             recheck_seconds=recheck_seconds,
         )
+        # gRPC refuses a larger body (RESOURCE_EXHAUSTED) before reading it
+        # whole: no valid request needs more.
+        self.max_receive_bytes = max_request_bytes(max_payload_bytes)
         self.health = HealthServicer()
         self._server: grpc.aio.Server | None = None
         self.port: int = 0
@@ -73,9 +77,10 @@ class JobplaneServer:
         self.service.open()
         await self.hub.start()
         server = grpc.aio.server(
+            interceptors=[RefuseUndecodable(f"/{SERVICE_NAME}/")],
             options=[
                 ("grpc.so_reuseport", 0),
-                ("grpc.max_receive_message_length", 8 * 1024 * 1024),
+                ("grpc.max_receive_message_length", self.max_receive_bytes),
                 ("grpc.keepalive_time_ms", 30_000),
                 ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
                 # gRPC core cancels calls that arrive faster than the process
@@ -83,7 +88,7 @@ class JobplaneServer:
                 # watchers reconnecting after a restart arrive together.
                 ("grpc.server.max_pending_requests", MAX_PENDING_CALLS),
                 ("grpc.server.max_pending_requests_hard_limit", 2 * MAX_PENDING_CALLS),
-            ]
+            ],
         )
         jobs_pb2_grpc.add_JobServiceServicer_to_server(
             JobServiceServicer(self.service, self.keys), server
