@@ -107,7 +107,6 @@ class JobService:
             raise UnroutableJobType(
                 f"no queue of the topology takes job type {job_type!r}", field="type"
             )
-        _check_payload(request.payload)
         size = len(dumps(request.payload).encode())
         if size > self._max_payload_bytes:
             raise PayloadTooLarge(
@@ -115,6 +114,7 @@ class JobService:
                 field="payload",
                 metadata={"limit": str(self._max_payload_bytes), "size": str(size)},
             )
+        _check_payload(request.payload)
         if request.max_attempts < 0 or request.max_attempts > MAX_ATTEMPTS_LIMIT:
             raise InvalidArgument(
                 f"max_attempts must be 0 (queue default) .. {MAX_ATTEMPTS_LIMIT}",
@@ -253,13 +253,16 @@ def _check_payload(payload: dict[str, Any]) -> None:
     Infinity, and a payload nested deeper than :data:`MAX_PAYLOAD_DEPTH` could
     be stored and read alone but not inside a list of jobs.
     """
-    # Iterative, so no payload can exhaust the interpreter's stack here.
-    pending: list[tuple[str, Any, int]] = [("payload", payload, 1)]
+    # Iterative, so no payload can exhaust the interpreter's stack here; each
+    # entry keeps its parent's trail rather than a path string, which would
+    # copy every ancestor's key for every value.
+    pending: list[tuple[Any, int, _Trail]] = [(payload, 1, None)]
     while pending:
-        path, value, depth = pending.pop()
+        value, depth, trail = pending.pop()
         if isinstance(value, dict | list) and depth > MAX_PAYLOAD_DEPTH:
             raise InvalidArgument(
-                f"payload is nested more than {MAX_PAYLOAD_DEPTH} objects or arrays deep",
+                f"payload is nested more than {MAX_PAYLOAD_DEPTH} objects or arrays deep "
+                f"at {_path(trail)}",
                 field="payload",
                 metadata={"limit": str(MAX_PAYLOAD_DEPTH)},
             )
@@ -267,19 +270,31 @@ def _check_payload(payload: dict[str, Any]) -> None:
             for key, item in value.items():
                 if "\x00" in key:
                     raise InvalidArgument(
-                        f"payload has a key with a NUL character in {shown(path)}",
+                        f"payload has a key with a NUL character at {_path((trail, key))}",
                         field="payload",
                     )
-                pending.append((f"{path}.{key}", item, depth + 1))
+                pending.append((item, depth + 1, (trail, key)))
         elif isinstance(value, list):
-            pending.extend((f"{path}[{i}]", item, depth + 1) for i, item in enumerate(value))
+            pending.extend((item, depth + 1, (trail, i)) for i, item in enumerate(value))
         elif isinstance(value, str) and "\x00" in value:
-            raise InvalidArgument(f"payload has a NUL character at {shown(path)}", field="payload")
+            raise InvalidArgument(f"payload has a NUL character at {_path(trail)}", field="payload")
         elif isinstance(value, float) and not math.isfinite(value):
             raise InvalidArgument(
-                f"payload has {value} at {shown(path)}; JSON numbers are finite",
+                f"payload has {value} at {_path(trail)}; JSON numbers are finite",
                 field="payload",
             )
+
+
+# Where a value sits in a payload: (the parent's trail, key or index), None at the top.
+_Trail = tuple[Any, str | int] | None
+
+
+def _path(trail: _Trail) -> str:
+    steps: list[str] = []
+    while trail is not None:
+        trail, step = trail
+        steps.append(f"[{step}]" if isinstance(step, int) else f".{step}")
+    return shown("payload" + "".join(reversed(steps)))
 
 
 def _filter_key(state: JobState | None, job_type: str) -> str:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
+import re
 from collections import Counter
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -89,7 +90,9 @@ class Oracle:
         except grpc.aio.AioRpcError as error:
             refusal = check_refusal(error)
             self.codes[method, refusal.code.name] += 1
-            self._count(f"{method}: {refusal.code.name} {refusal.reason} {refusal.field or ''}")
+            # One line per field, not per label key.
+            field_name = re.sub(r"\[.*\]$", "[…]", refusal.field or "")
+            self._count(f"{method}: {refusal.code.name} {refusal.reason} {field_name}")
             after = await self.stack.counts()
             assert after == before, f"refused {method} wrote rows: {before} -> {after}"
         else:
