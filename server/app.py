@@ -15,8 +15,9 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from jobplane.faults import NO_FAULTS, FaultPoints
 from jobplane.server.auth import CallGate
+from jobplane.server.decode import RefuseUndecodable
 from jobplane.server.limits import TenantLimiter, TenantLimits
-from jobplane.server.service import JobService
+from jobplane.server.service import JobService, max_request_bytes
 from jobplane.server.servicer import JobServiceServicer
 from jobplane.store.jobs import JobStore
 from jobplane.store.keys import KEYS_CHANNEL, KeyStore
@@ -106,6 +107,9 @@ class JobplaneServer:
             max_payload_bytes=max_payload_bytes,
             recheck_seconds=recheck_seconds,
         )
+        # gRPC refuses a larger body (RESOURCE_EXHAUSTED) before reading it
+        # whole: no valid request needs more.
+        self.max_receive_bytes = max_request_bytes(max_payload_bytes)
         self.health = HealthServicer()
         self._server: grpc.aio.Server | None = None
         self.port: int = 0
@@ -122,10 +126,15 @@ class JobplaneServer:
         await self.hub.start()
         await self.key_events.start()
         server = grpc.aio.server(
-            interceptors=[CallGate(SERVICE_NAME, self.keys, self.limiter)],
+            # Authentication first: a call without a valid key is refused
+            # before its body is read, decodable or not.
+            interceptors=[
+                CallGate(SERVICE_NAME, self.keys, self.limiter),
+                RefuseUndecodable(f"/{SERVICE_NAME}/"),
+            ],
             options=[
                 ("grpc.so_reuseport", 0),
-                ("grpc.max_receive_message_length", 8 * 1024 * 1024),
+                ("grpc.max_receive_message_length", self.max_receive_bytes),
                 ("grpc.keepalive_time_ms", 30_000),
                 ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
                 # gRPC core cancels calls that arrive faster than the process

@@ -6,16 +6,18 @@ Servicers translate protobuf to these calls and back; nothing here knows gRPC.
 from __future__ import annotations
 
 import base64
+import binascii
 import hashlib
 import json
+import math
 import re
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any
 
-from jobplane.errors import InvalidArgument, PayloadTooLarge, UnroutableJobType
+from jobplane.errors import InvalidArgument, PayloadTooLarge, UnroutableJobType, shown
 from jobplane.names import parse_job_name, validate_job_type
 from jobplane.server.feeds import FeedHub
 from jobplane.store.jobs import JobStore, ListCursor, NewJob
@@ -27,11 +29,36 @@ from jobplane.types import Job, JobEvent, JobPage, JobState
 DEFAULT_PAGE_SIZE = 50
 MAX_PAGE_SIZE = 1000
 MAX_ATTEMPTS_LIMIT = 100
-MAX_ID_LENGTH = 256
+MAX_REQUEST_ID_LENGTH = 256
+# The relay sends correlation_id as the AMQP correlation-id property, a short
+# string of at most 255 bytes: a longer one could never be published.
+MAX_CORRELATION_ID_BYTES = 255
 MAX_LABELS = 64
-_LABEL_KEY = re.compile(r"^[a-z0-9]([a-z0-9._/-]{0,61}[a-z0-9])?$")
+_LABEL_KEY = re.compile(r"[a-z0-9]([a-z0-9._/-]{0,61}[a-z0-9])?")
 MAX_LABEL_VALUE = 256
+MAX_REASON_LENGTH = 1024
 MAX_TIMEOUT_SECONDS = 7 * 24 * 3600.0
+# Objects and arrays on the deepest path of a payload, the payload itself
+# counted. protobuf refuses to decode messages nested more than 100 deep, and
+# every object level of a Struct costs three of those (Struct, map entry,
+# Value): a Job inside a ListJobsResponse holds 33 object levels at most, so
+# 32 leaves one to spare, for the client that decodes the list.
+MAX_PAYLOAD_DEPTH = 32
+# Tokens this server issues are about 150 characters.
+MAX_PAGE_TOKEN_LENGTH = 512
+
+# The Struct encoding of a payload is at most 5.5 times its JSON: a list of
+# one-digit numbers costs 2 bytes a number in JSON ("0,") and 11 in a Struct
+# (a Value of a tag and 8 bytes, framed as a list element). Everything else a
+# SubmitJobRequest holds at its limits (64 labels of 256 four-byte characters,
+# the ids, the type) takes less than 72 KiB.
+STRUCT_BYTES_PER_JSON_BYTE = 5.5
+REQUEST_OVERHEAD_BYTES = 128 * 1024
+
+
+def max_request_bytes(max_payload_bytes: int) -> int:
+    """The largest body a valid request can need, for the server's receive limit."""
+    return math.ceil(max_payload_bytes * STRUCT_BYTES_PER_JSON_BYTE) + REQUEST_OVERHEAD_BYTES
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,13 +114,14 @@ class JobService:
                 field="payload",
                 metadata={"limit": str(self._max_payload_bytes), "size": str(size)},
             )
+        _check_payload(request.payload)
         if request.max_attempts < 0 or request.max_attempts > MAX_ATTEMPTS_LIMIT:
             raise InvalidArgument(
                 f"max_attempts must be 0 (queue default) .. {MAX_ATTEMPTS_LIMIT}",
                 field="max_attempts",
             )
-        _check_id(request.request_id, "request_id")
-        _check_id(request.correlation_id, "correlation_id")
+        _check_id(request.request_id, "request_id", max_chars=MAX_REQUEST_ID_LENGTH)
+        _check_id(request.correlation_id, "correlation_id", max_bytes=MAX_CORRELATION_ID_BYTES)
         _check_labels(request.labels)
         timeout = queue.timeout_seconds
         if request.timeout_seconds is not None:
@@ -143,14 +171,26 @@ class JobService:
         next_token = ""
         if len(jobs) > limit:
             jobs = jobs[:limit]
-            last = jobs[-1]
-            next_token = _encode_token(ListCursor(last.create_time, uuid.UUID(last.id)), filters)
+            next_token = self.page_token_after(jobs[-1], state=state, job_type=job_type)
         return JobPage(jobs=jobs, next_page_token=next_token)
+
+    def page_token_after(self, job: Job, *, state: JobState | None, job_type: str) -> str:
+        """The token of the page that follows ``job`` in a list with these filters.
+
+        For a caller that sends fewer jobs than a page held (e.g. to keep a
+        reply under a size), and lets the client continue after the last one.
+        """
+        cursor = ListCursor(job.create_time, uuid.UUID(job.id))
+        return _encode_token(cursor, _filter_key(state, job_type))
 
     async def cancel(self, tenant: uuid.UUID, name: str, reason: str) -> Job:
         """Cancel a queued job, or ask a running one to stop."""
-        if len(reason) > 1024:
-            raise InvalidArgument("reason is longer than 1024 characters", field="reason")
+        if len(reason) > MAX_REASON_LENGTH:
+            raise InvalidArgument(
+                f"reason is longer than {MAX_REASON_LENGTH} characters", field="reason"
+            )
+        if "\x00" in reason:
+            raise InvalidArgument("reason has a NUL character", field="reason")
         return await self._store.cancel(tenant, parse_job_name(name), reason)
 
     async def retry(self, tenant: uuid.UUID, name: str) -> Job:
@@ -170,10 +210,16 @@ class JobService:
             yield event
 
 
-def _check_id(value: str, field_name: str) -> None:
-    if len(value) > MAX_ID_LENGTH:
+def _check_id(
+    value: str, field_name: str, *, max_chars: int | None = None, max_bytes: int | None = None
+) -> None:
+    if max_chars is not None and len(value) > max_chars:
         raise InvalidArgument(
-            f"{field_name} is longer than {MAX_ID_LENGTH} characters", field=field_name
+            f"{field_name} is longer than {max_chars} characters", field=field_name
+        )
+    if max_bytes is not None and len(value.encode()) > max_bytes:
+        raise InvalidArgument(
+            f"{field_name} is longer than {max_bytes} bytes in UTF-8", field=field_name
         )
     if any(ord(c) < 32 for c in value):
         raise InvalidArgument(f"{field_name} has control characters", field=field_name)
@@ -183,16 +229,72 @@ def _check_labels(labels: dict[str, str]) -> None:
     if len(labels) > MAX_LABELS:
         raise InvalidArgument(f"at most {MAX_LABELS} labels", field="labels")
     for key, value in labels.items():
-        if not _LABEL_KEY.match(key):
+        if not _LABEL_KEY.fullmatch(key):
+            # The field names the map, not the key: the key is what is wrong,
+            # and it may be of any length.
             raise InvalidArgument(
-                f"label key {key!r} must be 1..63 lowercase letters, digits, '.', '_', '-', '/'",
-                field=f"labels[{key}]",
+                f"label key {shown(key)} must be 1..63 lowercase letters, digits, "
+                "'.', '_', '-', '/'",
+                field="labels",
             )
         if len(value) > MAX_LABEL_VALUE:
             raise InvalidArgument(
                 f"label {key!r} is longer than {MAX_LABEL_VALUE} characters",
                 field=f"labels[{key}]",
             )
+        if "\x00" in value:
+            raise InvalidArgument(f"label {key!r} has a NUL character", field=f"labels[{key}]")
+
+
+def _check_payload(payload: dict[str, Any]) -> None:
+    """Refuse what JSON, Postgres' jsonb or a client's decoder cannot carry.
+
+    Postgres refuses NUL in jsonb strings and keys, JSON has no NaN or
+    Infinity, and a payload nested deeper than :data:`MAX_PAYLOAD_DEPTH` could
+    be stored and read alone but not inside a list of jobs.
+    """
+    # Iterative, so no payload can exhaust the interpreter's stack here; each
+    # entry keeps its parent's trail rather than a path string, which would
+    # copy every ancestor's key for every value.
+    pending: list[tuple[Any, int, _Trail]] = [(payload, 1, None)]
+    while pending:
+        value, depth, trail = pending.pop()
+        if isinstance(value, dict | list) and depth > MAX_PAYLOAD_DEPTH:
+            raise InvalidArgument(
+                f"payload is nested more than {MAX_PAYLOAD_DEPTH} objects or arrays deep "
+                f"at {_path(trail)}",
+                field="payload",
+                metadata={"limit": str(MAX_PAYLOAD_DEPTH)},
+            )
+        if isinstance(value, dict):
+            for key, item in value.items():
+                if "\x00" in key:
+                    raise InvalidArgument(
+                        f"payload has a key with a NUL character at {_path((trail, key))}",
+                        field="payload",
+                    )
+                pending.append((item, depth + 1, (trail, key)))
+        elif isinstance(value, list):
+            pending.extend((item, depth + 1, (trail, i)) for i, item in enumerate(value))
+        elif isinstance(value, str) and "\x00" in value:
+            raise InvalidArgument(f"payload has a NUL character at {_path(trail)}", field="payload")
+        elif isinstance(value, float) and not math.isfinite(value):
+            raise InvalidArgument(
+                f"payload has {value} at {_path(trail)}; JSON numbers are finite",
+                field="payload",
+            )
+
+
+# Where a value sits in a payload: (the parent's trail, key or index), None at the top.
+_Trail = tuple[Any, str | int] | None
+
+
+def _path(trail: _Trail) -> str:
+    steps: list[str] = []
+    while trail is not None:
+        trail, step = trail
+        steps.append(f"[{step}]" if isinstance(step, int) else f".{step}")
+    return shown("payload" + "".join(reversed(steps)))
 
 
 def _filter_key(state: JobState | None, job_type: str) -> str:
@@ -210,18 +312,26 @@ def _encode_token(cursor: ListCursor, filters: str) -> str:
 
 def _decode_token(token: str, filters: str) -> ListCursor:
     bad = InvalidArgument("page_token is not a token this server created", field="page_token")
-    try:
-        raw = base64.urlsafe_b64decode(token + "=" * (-len(token) % 4))
-        data = json.loads(raw)
-        cursor = ListCursor(datetime.fromisoformat(data["t"]), uuid.UUID(data["i"]))
-        created_for = data["f"]
-    except (ValueError, KeyError, TypeError):
-        raise bad from None
-    if cursor.create_time.tzinfo is None:
+    if len(token) > MAX_PAGE_TOKEN_LENGTH:
         raise bad
-    if created_for != filters:
+    try:
+        data = json.loads(base64.urlsafe_b64decode(token + "=" * (-len(token) % 4)))
+    except (ValueError, binascii.Error, RecursionError):
+        raise bad from None
+    if not isinstance(data, dict) or not all(isinstance(data.get(k), str) for k in ("t", "i", "f")):
+        raise bad
+    try:
+        create_time = datetime.fromisoformat(data["t"])
+        job_id = uuid.UUID(data["i"])
+        if create_time.tzinfo is None:
+            raise bad
+        # Postgres compares in UTC; a time with no UTC equivalent is no cursor.
+        utc_time = create_time.astimezone(UTC)
+    except (ValueError, OverflowError):
+        raise bad from None
+    if data["f"] != filters:
         raise InvalidArgument(
             "page_token was created for other filters; keep state and type the same",
             field="page_token",
         )
-    return cursor
+    return ListCursor(utc_time, job_id)

@@ -9,7 +9,13 @@ from typing import Any, TypeVar
 
 import grpc
 
-from jobplane.convert import dict_from_struct, event_to_pb, job_to_pb, state_from_pb
+from jobplane.convert import (
+    dict_from_struct,
+    event_to_pb,
+    job_to_pb,
+    seconds_from_duration,
+    state_filter_from_pb,
+)
 from jobplane.errors import JobplaneError
 from jobplane.server.auth import current_identity
 from jobplane.server.service import JobService, SubmitRequest
@@ -19,6 +25,11 @@ from jobplane.v1 import jobs_pb2, jobs_pb2_grpc
 Req = TypeVar("Req")
 Resp = TypeVar("Resp")
 Context = grpc.aio.ServicerContext[Any, Any]
+
+
+# Clients refuse replies over 4 MiB unless told otherwise: a page of large
+# jobs is cut short (with a token for the rest) before it gets there.
+MAX_LIST_REPLY_BYTES = 3 * 1024 * 1024
 
 
 async def _abort(context: Context, error: JobplaneError) -> None:
@@ -61,7 +72,7 @@ class JobServiceServicer(jobs_pb2_grpc.JobServiceServicer):
                 max_attempts=request.max_attempts,
                 labels=dict(request.labels),
                 timeout_seconds=(
-                    request.timeout.ToTimedelta().total_seconds()
+                    seconds_from_duration(request.timeout, field="timeout")
                     if request.HasField("timeout")
                     else None
                 ),
@@ -77,16 +88,28 @@ class JobServiceServicer(jobs_pb2_grpc.JobServiceServicer):
     async def ListJobs(
         self, tenant: uuid.UUID, request: jobs_pb2.ListJobsRequest
     ) -> jobs_pb2.ListJobsResponse:
+        state = state_filter_from_pb(request.state)
         page = await self._service.list(
             tenant,
             page_size=request.page_size,
             page_token=request.page_token,
-            state=state_from_pb(request.state),
+            state=state,
             job_type=request.type,
         )
-        return jobs_pb2.ListJobsResponse(
-            jobs=[job_to_pb(j) for j in page.jobs], next_page_token=page.next_page_token
-        )
+        reply = jobs_pb2.ListJobsResponse(next_page_token=page.next_page_token)
+        size = 0
+        for job in page.jobs:
+            message = job_to_pb(job)
+            size += message.ByteSize()
+            if reply.jobs and size > MAX_LIST_REPLY_BYTES:
+                # The rest of the page follows on the next one.
+                last = page.jobs[len(reply.jobs) - 1]
+                reply.next_page_token = self._service.page_token_after(
+                    last, state=state, job_type=request.type
+                )
+                break
+            reply.jobs.append(message)
+        return reply
 
     @_unary
     async def CancelJob(

@@ -5,8 +5,9 @@ from __future__ import annotations
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from google.protobuf import duration_pb2, json_format, struct_pb2, timestamp_pb2
+from google.protobuf import duration_pb2, struct_pb2, timestamp_pb2
 
+from jobplane.errors import InvalidArgument
 from jobplane.types import EventType, Job, JobError, JobEvent, JobState
 from jobplane.v1 import jobs_pb2
 
@@ -51,23 +52,69 @@ def struct_from_dict(value: dict[str, Any] | None) -> struct_pb2.Struct:
 
 
 def dict_from_struct(message: struct_pb2.Struct) -> dict[str, Any]:
-    """A plain dict from a Struct.
+    """A plain dict from a Struct, whatever the Struct holds.
 
     Struct numbers are doubles; whole numbers that a double holds exactly come
-    back as ``int``, so ``{"steps": 5}`` round-trips as it was sent.
+    back as ``int``, so ``{"steps": 5}`` round-trips as it was sent. NaN and
+    ±Infinity come back as floats (JSON has no spelling for them, so the
+    service refuses them with a field-level reason instead of failing here).
     """
-    result: dict[str, Any] = _ints(json_format.MessageToDict(message))
-    return result
+    return {key: _from_value(value) for key, value in message.fields.items()}
 
 
-def _ints(value: Any) -> Any:
-    if isinstance(value, float) and value.is_integer() and abs(value) <= 2**53:
-        return int(value)
-    if isinstance(value, dict):
-        return {k: _ints(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_ints(v) for v in value]
-    return value
+def _from_value(value: struct_pb2.Value) -> Any:
+    # Recursion is bounded: protobuf refuses to parse messages nested more
+    # than 100 deep, before any of this runs.
+    kind = value.WhichOneof("kind")
+    if kind == "struct_value":
+        return dict_from_struct(value.struct_value)
+    if kind == "list_value":
+        return [_from_value(v) for v in value.list_value.values]
+    if kind == "number_value":
+        number = value.number_value
+        if number.is_integer() and abs(number) <= 2**53:
+            return int(number)
+        return number
+    if kind == "string_value":
+        return value.string_value
+    if kind == "bool_value":
+        return value.bool_value
+    # null_value, or a Value with no kind set (JSON has only null for it).
+    return None
+
+
+def state_filter_from_pb(value: int, *, field: str = "state") -> JobState | None:
+    """The state a request filters by: None for STATE_UNSPECIFIED.
+
+    An enum value this server does not know is INVALID_ARGUMENT rather than
+    "no filter": a newer client's filter must not silently list everything.
+    """
+    if value == jobs_pb2.Job.STATE_UNSPECIFIED:
+        return None
+    state = _STATE_FROM_PB.get(value)
+    if state is None:
+        raise InvalidArgument(f"{field} {value} is not a known job state", field=field)
+    return state
+
+
+# protobuf's own range of a Duration: about ±10,000 years, nanos of the same sign.
+MAX_DURATION_SECONDS = 315_576_000_000
+_MAX_NANOS = 999_999_999
+
+
+def seconds_from_duration(message: duration_pb2.Duration, *, field: str) -> float:
+    """The seconds of a Duration; INVALID_ARGUMENT when it is not a valid one."""
+    seconds, nanos = message.seconds, message.nanos
+    if (
+        abs(seconds) > MAX_DURATION_SECONDS
+        or abs(nanos) > _MAX_NANOS
+        or (seconds > 0 and nanos < 0)
+        or (seconds < 0 and nanos > 0)
+    ):
+        raise InvalidArgument(
+            f"{field} is not a valid Duration (seconds={seconds}, nanos={nanos})", field=field
+        )
+    return seconds + nanos / 1e9
 
 
 def timestamp(value: datetime | None) -> timestamp_pb2.Timestamp | None:

@@ -12,6 +12,19 @@ import grpc
 
 ERROR_DOMAIN = "jobplane.dev"
 
+# How much of a caller's value an error message repeats: enough to recognise
+# it, never enough to push the reply past the client's metadata limit (8 KiB
+# by default, and grpc-message is percent-encoded).
+SHOWN_CHARACTERS = 64
+
+
+def shown(value: object, limit: int = SHOWN_CHARACTERS) -> str:
+    """``repr(value)`` for an error message, cut to about ``limit`` characters."""
+    text = repr(value)
+    if len(text) <= limit:
+        return text
+    return f"{text[: limit - 1]}…({len(str(value))} characters)"
+
 
 class JobplaneError(Exception):
     """A jobplane call failed."""
@@ -41,6 +54,12 @@ class InvalidArgument(JobplaneError):
 
     code = grpc.StatusCode.INVALID_ARGUMENT
     reason = "INVALID_ARGUMENT"
+
+
+class MalformedRequest(InvalidArgument):
+    """The request body is not a valid message of the call."""
+
+    reason = "MALFORMED_REQUEST"
 
 
 class PayloadTooLarge(InvalidArgument):
@@ -135,6 +154,7 @@ _BY_REASON: dict[str, type[JobplaneError]] = {
     cls.reason: cls
     for cls in (
         InvalidArgument,
+        MalformedRequest,
         PayloadTooLarge,
         UnroutableJobType,
         Unauthenticated,

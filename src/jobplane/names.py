@@ -5,10 +5,10 @@ from __future__ import annotations
 import re
 import uuid
 
-from jobplane.errors import InvalidArgument
+from jobplane.errors import InvalidArgument, shown
 
 JOB_TYPE_MAX_LENGTH = 128
-_JOB_TYPE = re.compile(r"^[a-z0-9][a-z0-9_-]*(\.[a-z0-9][a-z0-9_-]*)*$")
+_JOB_TYPE = re.compile(r"[a-z0-9][a-z0-9_-]*(\.[a-z0-9][a-z0-9_-]*)*")
 _NAME_PREFIX = "jobs/"
 
 
@@ -20,14 +20,14 @@ def job_name(job_id: uuid.UUID | str) -> str:
 def parse_job_name(name: str, *, field: str = "name") -> uuid.UUID:
     """The job id in ``jobs/{id}``; INVALID_ARGUMENT when malformed."""
     if not name.startswith(_NAME_PREFIX):
-        raise InvalidArgument(f"{field} must look like jobs/{{id}}, got {name!r}", field=field)
+        raise InvalidArgument(f"{field} must look like jobs/{{id}}, got {shown(name)}", field=field)
     raw = name[len(_NAME_PREFIX) :]
     try:
         parsed = uuid.UUID(raw)
     except ValueError:
-        raise InvalidArgument(f"{field} has a malformed job id {raw!r}", field=field) from None
+        raise InvalidArgument(f"{field} has a malformed job id {shown(raw)}", field=field) from None
     if str(parsed) != raw.lower():
-        raise InvalidArgument(f"{field} has a malformed job id {raw!r}", field=field)
+        raise InvalidArgument(f"{field} has a malformed job id {shown(raw)}", field=field)
     return parsed
 
 
@@ -39,9 +39,10 @@ def validate_job_type(job_type: str, *, field: str = "type") -> str:
         raise InvalidArgument(
             f"{field} is longer than {JOB_TYPE_MAX_LENGTH} characters", field=field
         )
-    if not _JOB_TYPE.match(job_type):
+    # fullmatch: `$` would also match before a trailing newline.
+    if not _JOB_TYPE.fullmatch(job_type):
         raise InvalidArgument(
-            f"{field} {job_type!r} must be lowercase dotted words of letters, digits, '_' "
+            f"{field} {shown(job_type)} must be lowercase dotted words of letters, digits, '_' "
             "and '-' (e.g. 'reports.render')",
             field=field,
         )
