@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: all dev test unit faults soak lint format typecheck proto migrate services bench clean
+.PHONY: all dev test unit faults soak mutate lint format typecheck proto migrate services bench clean
 
 all: lint typecheck test
 
@@ -36,6 +36,14 @@ faults: $(STAMP) services
 soak: $(STAMP) services
 	$(BIN)/python -m pytest -m soak -s tests/faults/test_soak.py $(PYTEST_ARGS)
 
+## Mutation testing of store/, workers/ and server/feeds.py (not part of `make test`).
+## Narrow it with a mutant glob: make mutate MUTATE='jobplane.store.attempts.*'
+MUTATE ?=
+MUTATE_JOBS ?= 2
+mutate: $(STAMP) services
+	$(BIN)/mutmut run --max-children $(MUTATE_JOBS) $(MUTATE)
+	$(BIN)/python scripts/mutation_report.py $(MUTATE)
+
 unit: $(STAMP)
 	$(BIN)/python -m pytest tests/unit $(PYTEST_ARGS)
 
@@ -62,4 +70,4 @@ bench: $(STAMP) services
 	$(BIN)/python -m bench.run $(BENCH_ARGS)
 
 clean:
-	rm -rf $(VENV) build dist .mypy_cache .ruff_cache .pytest_cache
+	rm -rf $(VENV) build dist .mypy_cache .ruff_cache .pytest_cache mutants

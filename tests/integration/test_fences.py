@@ -215,3 +215,37 @@ async def test_a_worker_acks_an_old_dispatch_without_starting_the_retry_early(
 async def _retry_pending(stack: Stack, name: str) -> bool:
     job = await stack.client().get(name)
     return job.state is JobState.QUEUED and job.next_attempt_time is not None
+
+
+async def test_an_outcome_commits_the_progress_still_pending_before_it(bare: Stack) -> None:
+    client = bare.client()
+    store = AttemptStore(bare.engine, lease_seconds=30.0)
+    pending = [ProgressUpdate(0.25, "quarter", {"n": 1}), ProgressUpdate(0.75, "most", {"n": 2})]
+    endings: dict[str, tuple[Callable[[Attempt], Awaitable[None]], JobState]] = {
+        "succeeded": (lambda a: store.succeed(a, {"ok": True}, pending), JobState.SUCCEEDED),
+        "failed": (
+            lambda a: store.fail(a, "BROKEN", "broken", retryable=False, pending=pending),
+            JobState.FAILED,
+        ),
+        "cancelled": (lambda a: store.cancelled(a, pending), JobState.CANCELLED),
+        "retry_scheduled": (
+            lambda a: store.schedule_retry(a, "AGAIN", "again", delay=60, pending=pending),
+            JobState.QUEUED,
+        ),
+    }
+    for event_type, (ending, state) in endings.items():
+        job = await client.submit("demo.echo", {})
+        attempt = (await store.claim(await bare.envelope(job.id))).attempt
+        assert attempt is not None
+        await ending(attempt)
+        events = [e async for e in client.watch(job.name)] if state.terminal else []
+        rows = await bare.scalar(
+            "SELECT jsonb_agg(jsonb_build_array(type, message, progress) ORDER BY seq) "
+            "FROM job_events WHERE job_id = :id",
+            id=uuid.UUID(job.id),
+        )
+        assert [r[0] for r in rows] == ["queued", "started", "progress", "progress", event_type]
+        assert [r[1] for r in rows[2:4]] == ["quarter", "most"]
+        assert (await client.get(job.name)).state is state
+        if events:
+            assert [e.seq for e in events] == [1, 2, 3, 4, 5]
