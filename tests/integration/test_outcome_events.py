@@ -49,7 +49,7 @@ async def test_a_retry_event_says_why_when_and_which_attempt_comes_next(bare: St
     store = AttemptStore(bare.engine)
     attempt = (await store.claim(await bare.envelope(job.id))).attempt
     assert attempt is not None
-    await store.schedule_retry(attempt, "FLAKY", "try again", delay=42.5)
+    await store.schedule_retry(attempt, "FLAKY", "try again", delay=42.1234)
 
     # The job waits for its retry, so its stream has not ended: read the table.
     event = await bare.scalar(
@@ -62,7 +62,7 @@ async def test_a_retry_event_says_why_when_and_which_attempt_comes_next(bare: St
         "message": "try again",
         "data": {
             "error": {"code": "FLAKY", "message": "try again", "retryable": True},
-            "delay_seconds": 42.5,
+            "delay_seconds": 42.123,
             "next_attempt": 2,
         },
     }
