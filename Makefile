@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: all dev test unit faults soak fuzz lint format typecheck proto migrate services bench clean
+.PHONY: all dev test unit faults soak fuzz mutate lint format typecheck proto migrate services bench clean
 
 all: lint typecheck test
 
@@ -41,6 +41,14 @@ soak: $(STAMP) services
 fuzz: $(STAMP) services
 	HYPOTHESIS_PROFILE=deep $(BIN)/python -m pytest -s tests/fuzz $(PYTEST_ARGS)
 
+## Mutation testing of store/, workers/ and server/feeds.py (not part of `make test`).
+## Narrow it with a mutant glob: make mutate MUTATE='jobplane.store.attempts.*'
+MUTATE ?=
+MUTATE_JOBS ?= 2
+mutate: $(STAMP) services
+	$(BIN)/mutmut run --max-children $(MUTATE_JOBS) $(MUTATE)
+	$(BIN)/python scripts/mutation_report.py $(MUTATE)
+
 unit: $(STAMP)
 	$(BIN)/python -m pytest tests/unit $(PYTEST_ARGS)
 
@@ -67,4 +75,4 @@ bench: $(STAMP) services
 	$(BIN)/python -m bench.run $(BENCH_ARGS)
 
 clean:
-	rm -rf $(VENV) build dist .mypy_cache .ruff_cache .pytest_cache .hypothesis
+	rm -rf $(VENV) build dist .mypy_cache .ruff_cache .pytest_cache .hypothesis mutants

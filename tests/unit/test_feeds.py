@@ -331,3 +331,25 @@ async def test_a_broken_read_ends_the_streams_instead_of_hanging_them(
     with pytest.raises(ValueError, match="zip"):
         await asyncio.wait_for(task, 5)
     assert hub.feed_count == 0
+
+
+async def test_another_tenant_never_joins_a_live_feed(log: Log, listener: Listener) -> None:
+    hub = FeedHub(log.read, listener, recheck_seconds=60)
+    job = uuid.uuid4()
+    log.add(job)
+    owner: list[int] = []
+    watching = asyncio.create_task(collect(hub.watch(TENANT, job, 0), owner))
+    await settle()
+    assert owner == [1] and hub.feed_count == 1
+
+    intruder: list[int] = []
+    with pytest.raises(JobNotFound):
+        # Bounded: a watcher that joined the feed would wait for the job's end.
+        await asyncio.wait_for(collect(hub.watch(uuid.uuid4(), job, 0), intruder), timeout=5)
+    log.add(job)
+    notify(listener, job)
+    await settle()
+    assert intruder == []
+    assert owner == [1, 2]
+    watching.cancel()
+    await asyncio.gather(watching, return_exceptions=True)
