@@ -20,6 +20,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from jobplane import __version__
 from jobplane.ids import new_id
+from jobplane.logs import describe_error
 from jobplane.store.attempts import AttemptStore
 from jobplane.store.workers import WorkerStore
 from jobplane.tasks import cancel_and_wait
@@ -68,7 +69,7 @@ class Presence:
             await self._store.stop(self.id)
         except (DBAPIError, OSError) as exc:
             # We expire by ourselves after the lifetime we registered with.
-            log.warning("worker.presence.stop_failed", error=_first_line(exc))
+            log.warning("worker.presence.stop_failed", error=describe_error(exc))
 
     async def _register(self) -> None:
         await self._store.register(
@@ -105,9 +106,4 @@ class Presence:
             except Exception as exc:
                 # A beat that fails is retried at the next one; the loop must
                 # not die, or we would look dead to the others for good.
-                log.warning("worker.presence.beat_failed", error=_first_line(exc))
-
-
-def _first_line(exc: BaseException) -> str:
-    lines = str(exc).splitlines()
-    return lines[0] if lines else type(exc).__name__
+                log.warning("worker.presence.beat_failed", error=describe_error(exc))

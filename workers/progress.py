@@ -10,11 +10,15 @@ from collections.abc import Callable
 import structlog
 from sqlalchemy.exc import DBAPIError
 
+from jobplane.logs import describe_error
 from jobplane.store.attempts import Attempt, AttemptStore, LeaseLost, ProgressUpdate
 from jobplane.tasks import cancel_and_wait
 from jobplane.workers.retry import db_error_name, transient_db_error
 
 log = structlog.get_logger("jobplane.worker")
+
+# The longest wait before writing progress again after failed flushes.
+_MAX_RETRY_DELAY = 2.0
 
 
 class ProgressRefused(Exception):
@@ -37,6 +41,9 @@ class ProgressFlusher:
         self._lock = asyncio.Lock()
         self._timer: asyncio.Task[None] | None = None
         self._stopped = False
+        # Flushes that failed in a row: while the database is down the next
+        # try waits longer each time instead of every window.
+        self._failures = 0
 
     def mark(self, writer: ProgressWriter) -> None:
         """``writer`` has reports to write: flush within the window."""
@@ -49,14 +56,16 @@ class ProgressFlusher:
         self._dirty.pop(id(writer), None)
 
     async def _flush_later(self) -> None:
-        await asyncio.sleep(self._window)
+        await asyncio.sleep(min(self._window * 2**self._failures, _MAX_RETRY_DELAY))
         self._timer = None
         try:
             await self.flush()
         except Exception as exc:
             # The reports stay queued; the next flush or the outcome writes them.
-            lines = str(exc).splitlines()
-            log.warning("worker.progress.retry", error=lines[0] if lines else type(exc).__name__)
+            self._failures = min(self._failures + 1, 16)
+            log.warning("worker.progress.retry", error=describe_error(exc))
+        else:
+            self._failures = 0
 
     async def flush(self) -> None:
         """Write what every attempt has queued now, in one transaction."""

@@ -42,6 +42,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from jobplane import broker
 from jobplane.envelope import DEPLOYMENT_HEADER, MAX_ENVELOPE_BYTES
 from jobplane.faults import NO_FAULTS, FaultPoints
+from jobplane.logs import describe_error
 from jobplane.names import job_name
 from jobplane.store.deployment import Deployment, this_deployment
 from jobplane.store.listen import Listener
@@ -195,7 +196,7 @@ class Relay:
                 except asyncio.CancelledError:
                     raise
                 except DBAPIError as exc:
-                    log.warning("relay.db.error", error=str(exc).splitlines()[0], retry_in=delay)
+                    log.warning("relay.db.error", error=describe_error(exc), retry_in=delay)
                 except TopologyMissing as exc:
                     # Removed under a running relay; an operator may apply it again.
                     log.error("relay.topology.missing", error=str(exc), retry_in=delay)

@@ -26,6 +26,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from jobplane import broker
 from jobplane.envelope import Envelope, EnvelopeError
 from jobplane.faults import NO_FAULTS, FaultPoints
+from jobplane.logs import describe_error
 from jobplane.names import job_name
 from jobplane.store.attempts import (
     Attempt,
@@ -253,7 +254,7 @@ class Worker:
                 log.error(
                     "job.message.crashed",
                     message_id=message.message_id,
-                    error=_first_line(exc),
+                    error=describe_error(exc),
                     exc_info=exc,
                 )
             if not message.processed:
@@ -392,7 +393,7 @@ class Worker:
                     raise
                 if self._stopping:
                     raise _Stopping from exc
-                log.warning("worker.db.retry", error=_first_line(exc), delay=delay)
+                log.warning("worker.db.retry", error=describe_error(exc), delay=delay)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 10.0)
 
@@ -616,7 +617,7 @@ class Worker:
                 return
             except Exception as exc:
                 # Beat again next time; the lease outlives a few missed beats.
-                log.warning("job.heartbeat.failed", error=_first_line(exc))
+                log.warning("job.heartbeat.failed", error=describe_error(exc))
 
 
 class _Stopping(Exception):
@@ -631,11 +632,6 @@ class _Ended:
     returned: bool = False
     result: Any = None
     error: BaseException | None = None
-
-
-def _first_line(exc: BaseException) -> str:
-    lines = str(exc).splitlines()
-    return lines[0] if lines else type(exc).__name__
 
 
 def _loggable(error: BaseException | None) -> BaseException | None:

@@ -23,6 +23,7 @@ import structlog
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from jobplane.logs import describe_error
 from jobplane.names import job_name
 from jobplane.store.sweeps import SweepStore
 from jobplane.tasks import cancel_and_wait
@@ -116,4 +117,4 @@ class Sweeper:
             try:
                 await self.sweep_once()
             except (DBAPIError, OSError) as exc:
-                log.warning("sweeper.error", error=str(exc).splitlines()[0])
+                log.warning("sweeper.error", error=describe_error(exc))

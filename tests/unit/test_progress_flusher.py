@@ -176,5 +176,33 @@ async def test_a_database_that_is_down_keeps_every_report() -> None:
     await shared.stop()
 
 
+async def test_while_the_database_is_down_flushes_back_off() -> None:
+    # A fixed 5 ms window would try (and log) 200 times a second for the
+    # whole outage.
+    store = FakeStore()
+    store.fail = db_error("08006")
+    tries: list[float] = []
+    original = store.write_progress_many
+
+    async def counting(batches: Sequence[Batch]) -> list[bool | None]:
+        tries.append(asyncio.get_running_loop().time())
+        return await original(batches)
+
+    store.write_progress_many = counting  # type: ignore[method-assign]
+    shared = flusher(store, window=0.005)
+    writer = ProgressWriter(shared, attempt())
+    await writer.add(update(0.1))
+    await asyncio.sleep(0.5)
+    # 5, 10, 20, 40, 80, 160 ms ... : about seven tries in half a second, not 100.
+    assert 2 <= len(tries) <= 10, len(tries)
+    store.fail = None
+    for _ in range(100):
+        if store.writes:
+            break
+        await asyncio.sleep(0.05)
+    assert store.writes == [[(writer.attempt.job_id, [0.1])]]
+    await shared.stop()
+
+
 def test_the_fake_has_the_store_method() -> None:
     assert callable(AttemptStore.write_progress_many)

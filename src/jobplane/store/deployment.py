@@ -23,6 +23,8 @@ from sqlalchemy import text
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from jobplane.logs import describe_error
+
 log = structlog.get_logger("jobplane.deployment")
 
 _IDENTITY = text(
@@ -63,7 +65,7 @@ async def this_deployment(engine: AsyncEngine) -> Deployment:
     except DBAPIError as exc:
         if "permission denied" not in str(exc):
             raise
-        log.warning("deployment.id.fallback", reason=str(exc).splitlines()[0])
+        log.warning("deployment.id.fallback", reason=describe_error(exc))
         async with engine.connect() as conn:
             cluster, database = (await conn.execute(_FALLBACK)).one()
     return Deployment(identity_of(str(cluster), str(database)), str(database))
