@@ -37,6 +37,9 @@ MAX_LABELS = 64
 _LABEL_KEY = re.compile(r"[a-z0-9]([a-z0-9._/-]{0,61}[a-z0-9])?")
 MAX_LABEL_VALUE = 256
 MAX_REASON_LENGTH = 1024
+# A job's timeout is read back in whole milliseconds or finer; anything
+# shorter would read back as no time at all.
+MIN_TIMEOUT_SECONDS = 0.001
 MAX_TIMEOUT_SECONDS = 7 * 24 * 3600.0
 # Objects and arrays on the deepest path of a payload, the payload itself
 # counted. protobuf refuses to decode messages nested more than 100 deep, and
@@ -125,9 +128,10 @@ class JobService:
         _check_labels(request.labels)
         timeout = queue.timeout_seconds
         if request.timeout_seconds is not None:
-            if not 0 < request.timeout_seconds <= MAX_TIMEOUT_SECONDS:
+            if not MIN_TIMEOUT_SECONDS <= request.timeout_seconds <= MAX_TIMEOUT_SECONDS:
                 raise InvalidArgument(
-                    f"timeout must be more than 0 and at most {MAX_TIMEOUT_SECONDS:g} seconds",
+                    f"timeout must be at least {MIN_TIMEOUT_SECONDS:g} and at most "
+                    f"{MAX_TIMEOUT_SECONDS:g} seconds",
                     field="timeout",
                 )
             timeout = request.timeout_seconds

@@ -146,6 +146,8 @@ async def test_non_finite_number_in_payload_is_refused(
         pytest.param(1, -1, id="mixed-signs"),
         pytest.param(0, 10**9, id="nanos-overflow"),
         pytest.param(0, 0, id="zero"),
+        # Would read back as a timeout of no time at all.
+        pytest.param(0, 1, id="one-nanosecond"),
     ],
 )
 async def test_timeout_outside_the_duration_range_is_refused(

@@ -7,7 +7,9 @@ import os
 import sys
 
 import pytest
+from sqlalchemy.ext.asyncio import AsyncEngine
 
+from jobplane.store.keys import KeyStore
 from tests.support import services
 
 # Nothing listens on port 1 of loopback.
@@ -75,3 +77,29 @@ async def test_version() -> None:
     code, out, _err = await run("--version", env={})
     assert code == 0
     assert out.strip() == f"jobplane {version('jobplane')}"
+
+
+async def test_a_reader_that_goes_away_is_no_traceback(
+    database_url: str, engine: AsyncEngine
+) -> None:
+    keys = KeyStore(engine)
+    for n in range(3):
+        await keys.create_key(f"tenant-{n}")
+    read, write = os.pipe()
+    os.close(read)  # `| head` that has already exited
+    try:
+        process = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "jobplane",
+            "keys",
+            "list",
+            env={**os.environ, "JOBPLANE_DATABASE_URL": database_url},
+            stdout=write,
+            stderr=asyncio.subprocess.PIPE,
+        )
+    finally:
+        os.close(write)
+    _out, err = await asyncio.wait_for(process.communicate(), timeout=60)
+    assert process.returncode == 1
+    assert "Traceback" not in err.decode(), err.decode()
