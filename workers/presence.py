@@ -15,7 +15,6 @@ import uuid
 from collections.abc import Sequence
 
 import structlog
-from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from jobplane import __version__
@@ -67,7 +66,7 @@ class Presence:
         self._task = None
         try:
             await self._store.stop(self.id)
-        except (DBAPIError, OSError) as exc:
+        except Exception as exc:
             # We expire by ourselves after the lifetime we registered with.
             log.warning("worker.presence.stop_failed", error=describe_error(exc))
 

@@ -12,8 +12,8 @@ from sqlalchemy.exc import DBAPIError
 
 from jobplane.logs import describe_error
 from jobplane.store.attempts import Attempt, AttemptStore, LeaseLost, ProgressUpdate
+from jobplane.store.down import database_error_name, database_transient
 from jobplane.tasks import cancel_and_wait
-from jobplane.workers.retry import db_error_name, transient_db_error
 
 log = structlog.get_logger("jobplane.worker")
 
@@ -84,7 +84,7 @@ class ProgressFlusher:
                     [(w.attempt, b) for w, b in batches]
                 )
             except DBAPIError as exc:
-                if transient_db_error(exc):
+                if database_transient(exc):
                     self._put_back(batches)
                     raise
                 # Refused for what it holds: find whose reports, so that one
@@ -106,16 +106,16 @@ class ProgressFlusher:
             try:
                 [cancel] = await self._store.write_progress_many([(writer.attempt, batch)])
             except DBAPIError as exc:
-                if transient_db_error(exc):
+                if database_transient(exc):
                     self._put_back(batches[index:])
                     raise
                 log.error(
                     "worker.progress.refused",
                     job=f"jobs/{writer.attempt.job_id}",
                     attempt=writer.attempt.attempt,
-                    error=db_error_name(exc),
+                    error=database_error_name(exc),
                 )
-                writer.refused(db_error_name(exc))
+                writer.refused(database_error_name(exc))
             except BaseException:
                 self._put_back(batches[index:])
                 raise

@@ -38,6 +38,7 @@ from jobplane.store.attempts import (
     ProgressUpdate,
 )
 from jobplane.store.deployment import Deployment, this_deployment
+from jobplane.store.down import database_error_name, database_transient, until_database_up
 from jobplane.store.listen import Listener
 from jobplane.store.rows import CANCEL_CHANNEL
 from jobplane.tasks import cancel_and_wait
@@ -47,7 +48,7 @@ from jobplane.workers.handlers import JobContext, Registry
 from jobplane.workers.outcome import Escaped, Failure, check_result, describe, invoke
 from jobplane.workers.presence import Presence
 from jobplane.workers.progress import ProgressFlusher, ProgressWriter
-from jobplane.workers.retry import backoff, db_error_name, transient_db_error
+from jobplane.workers.retry import backoff
 
 log = structlog.get_logger("jobplane.worker")
 
@@ -157,12 +158,13 @@ class Worker:
     async def start(self) -> None:
         """Check the topology (declaring only what is missing) and start consuming.
 
-        Waits while the broker is down; raises :class:`TopologyMissing` when
-        part of the topology is missing and this account may not declare it.
+        Waits while the broker or the database is down; raises
+        :class:`TopologyMissing` when part of the topology is missing and this
+        account may not declare it.
         """
         for name in self._queues:
             self._topology.queue(name)  # unknown queue names fail here, not later
-        self._deployment = await this_deployment(self._engine)
+        self._deployment = await until_database_up(lambda: this_deployment(self._engine), log)
         await self._cancels.start()
         try:
             self.ownership = await broker.until_up(self._check_topology, log)
@@ -172,19 +174,28 @@ class Worker:
             channel = await self._connection.channel()
             await channel.set_qos(prefetch_count=self._prefetch)
             self._handback = await self._connection.channel(publisher_confirms=True)
+            # Registered before consuming: others park a job only when no live
+            # worker handles its type, so a worker that consumes must be seen.
+            await until_database_up(self._presence.start, log)
             for name in self._queues:
                 # Passive: the robust channel restores it passively on reconnect too.
                 queue = await channel.get_queue(name)
                 tag = await queue.consume(self._on_message, no_ack=False)
                 self._consumers.append((queue, tag))
         except BaseException:
+            # Whatever started is stopped: a failed start leaves nothing running.
+            for queue, tag in self._consumers:
+                with contextlib.suppress(Exception):
+                    await queue.cancel(tag)
+            self._consumers.clear()
+            with contextlib.suppress(Exception):
+                await self._presence.stop()
             if self._connection is not None:
                 with contextlib.suppress(Exception):
                     await self._connection.close()
                 self._connection = None
             await self._cancels.stop()
             raise
-        await self._presence.start()
         log.info(
             "worker.started",
             worker=self.id,
@@ -245,18 +256,14 @@ class Worker:
                 await _settle(message.nack(requeue=True))
             raise
         except Exception as exc:
-            # A database error's text can quote the statement's values: its
-            # class and SQLSTATE only. Anything else is a bug: its traceback.
-            if isinstance(exc, DBAPIError):
-                error = db_error_name(exc)
-                log.error("job.message.crashed", message_id=message.message_id, error=error)
-            else:
-                log.error(
-                    "job.message.crashed",
-                    message_id=message.message_id,
-                    error=describe_error(exc),
-                    exc_info=exc,
-                )
+            # The log's renderer withholds database messages (they can quote
+            # a statement's values) from the line and the traceback alike.
+            log.error(
+                "job.message.crashed",
+                message_id=message.message_id,
+                error=describe_error(exc),
+                exc_info=exc,
+            )
             if not message.processed:
                 await _settle(message.nack(requeue=True))
             return
@@ -281,7 +288,7 @@ class Worker:
             await self._hand_back_job(envelope, message, bound)
             return
         try:
-            claim = await self._claim(envelope)
+            claim = await self._claim(envelope, redelivered=bool(message.redelivered))
         except _Stopping:
             await _settle(message.nack(requeue=True))
             return
@@ -297,13 +304,7 @@ class Worker:
             await _settle(message.ack())
             return
         if claim.status is ClaimStatus.NOT_FOUND:
-            # Decided after the lookup, not before: a deployment whose identity
-            # changed (its database restored elsewhere) still runs its own jobs.
-            if self._foreign(envelope):
-                await self._return_to_queue(message, envelope, bound)
-                return
-            bound.error("job.message.unknown_job")
-            await _settle(message.reject(requeue=False))
+            await self._unknown_job(message, envelope, bound)
             return
         bound.info("job.message.duplicate", status=claim.status.value)
         await _settle(message.ack())
@@ -311,6 +312,18 @@ class Worker:
     @property
     def _deployment_id(self) -> str | None:
         return self._deployment.id if self._deployment is not None else None
+
+    async def _unknown_job(
+        self, message: AbstractIncomingMessage, envelope: Envelope, bound: Any
+    ) -> None:
+        """No such job in our database: another deployment's message, or a stray."""
+        # Decided after the lookup, not before: a deployment whose identity
+        # changed (its database restored elsewhere) still runs its own jobs.
+        if self._foreign(envelope):
+            await self._return_to_queue(message, envelope, bound)
+            return
+        bound.error("job.message.unknown_job")
+        await _settle(message.reject(requeue=False))
 
     def _foreign(self, envelope: Envelope) -> bool:
         """True for a message of another deployment sharing these queues."""
@@ -337,16 +350,21 @@ class Worker:
             hops=hops,
         )
 
-    async def _claim(self, envelope: Envelope) -> ClaimResult:
+    async def _claim(self, envelope: Envelope, *, redelivered: bool) -> ClaimResult:
         """Claim, waiting while another attempt holds a live lease.
 
         A redelivery of a message whose worker died finds the job RUNNING under
         that worker's lease; it waits for the lease to run out (or the job to
         end) instead of dropping the only message that can restart the job.
+        A first delivery that finds a live lease is a copy (a relay that
+        published twice, a re-published dispatch): the message that claimed
+        the job is held by the worker running it, and comes back if that
+        worker dies, so the copy is acked rather than holding a slot for the
+        whole run.
         """
         while True:
             claim = await self._with_db_retry(lambda: self._store.claim(envelope))
-            if claim.status is not ClaimStatus.IN_FLIGHT:
+            if claim.status is not ClaimStatus.IN_FLIGHT or not redelivered:
                 return claim
             if self._stopping:
                 raise _Stopping
@@ -367,11 +385,7 @@ class Worker:
             await _settle(message.nack(requeue=True))
             return
         if status is HandBack.NOT_FOUND:
-            if self._foreign(envelope):
-                await self._return_to_queue(message, envelope, bound)
-                return
-            bound.error("job.message.unknown_job")
-            await _settle(message.reject(requeue=False))
+            await self._unknown_job(message, envelope, bound)
             return
         if status is HandBack.PARKED:
             bound.warning("job.parked", type=envelope.job_type, reason=reason)
@@ -388,8 +402,8 @@ class Worker:
         while True:
             try:
                 return await op()
-            except (DBAPIError, OSError) as exc:
-                if not transient_db_error(exc):
+            except Exception as exc:
+                if not database_transient(exc):
                     raise
                 if self._stopping:
                     raise _Stopping from exc
@@ -400,22 +414,8 @@ class Worker:
     async def _run(self, attempt: Attempt, bound: Any) -> None:
         key = str(attempt.job_id)
         handler = self._registry.get(attempt.type)
-        if handler is None:
-            # The message named a type we handle but the job is of another (it
-            # was not written by our relay): give the attempt back uncounted.
-            await self._outcome(
-                attempt,
-                bound,
-                lambda: self._store.schedule_retry(
-                    attempt,
-                    "NO_HANDLER",
-                    f"the worker that received it has no handler for job type {attempt.type!r}",
-                    delay=self._handback_delay,
-                    refund=True,
-                ),
-            )
-            bound.warning("job.handed_back", type=attempt.type, reason="message type mismatch")
-            return
+        if handler is None:  # pragma: no cover - the claim matched the message's type
+            raise RuntimeError(f"claimed jobs/{key} of type {attempt.type!r} without its handler")
         holder: list[_Running] = []
 
         def cancel_requested() -> None:
@@ -586,7 +586,7 @@ class Worker:
         except DBAPIError as exc:
             # Refused for what it holds, not because the database is down: the
             # same write would fail on every try. End the attempt in our words.
-            refused = db_error_name(exc)
+            refused = database_error_name(exc)
             bound.error("job.outcome.refused", attempt=attempt.attempt, error=refused)
             try:
                 await self._with_db_retry(

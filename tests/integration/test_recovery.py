@@ -144,21 +144,57 @@ async def test_sweeper_requeues_an_expired_lease_and_fails_when_none_left(
         await stack.close()
 
 
+async def _redeliver(amqp_url: str, queue: str) -> None:
+    """Take the waiting message and die holding it: the broker redelivers it."""
+    connection = await aio_pika.connect(amqp_url)
+    async with connection:
+        channel = await connection.channel()
+        held = await (await channel.get_queue(queue)).get(timeout=10, no_ack=False)
+        assert held is not None and not held.redelivered
+    # Closed without an ack: the message is back, marked redelivered.
+
+
 async def test_redelivery_of_a_dead_workers_message_waits_out_the_lease(
     engine: AsyncEngine, database_url: str, amqp_url: str, topology: Topology
 ) -> None:
-    stack = await start_stack(engine, database_url, amqp_url, topology, relay=False, worker=False)
+    stack = await start_stack(engine, database_url, amqp_url, topology, worker=False)
     try:
         client = stack.client()
         job = await client.submit("demo.echo", {"x": 1})
-        # Claimed by a worker that then died; its message is redelivered.
+        await eventually(
+            lambda: stack.scalar("SELECT count(*) = 1 FROM outbox WHERE published_at IS NOT NULL")
+        )
+        # Claimed by a worker that then died holding its message.
         attempts = AttemptStore(engine, lease_seconds=1.0)
         assert (await attempts.claim(await stack.envelope(job.id))).status is (ClaimStatus.CLAIMED)
-        await stack.start_relay()
+        await _redeliver(amqp_url, stack.topology.queues[0].name)
         await stack.start_worker(lease_seconds=1.0)
         done = await asyncio.wait_for(client.wait(job.name), timeout=20)
         assert done.state is JobState.SUCCEEDED
         assert done.attempt == 2
+    finally:
+        await stack.close()
+
+
+async def test_a_first_delivery_of_a_running_job_is_a_copy_and_frees_its_slot(
+    engine: AsyncEngine, database_url: str, amqp_url: str, topology: Topology
+) -> None:
+    stack = await start_stack(engine, database_url, amqp_url, topology, worker=False)
+    try:
+        client = stack.client()
+        job = await client.submit("demo.echo", {"x": 1})
+        # Another worker runs it under a long lease; this message is a copy
+        # (a relay that published twice), not the one that worker holds.
+        attempts = AttemptStore(engine, lease_seconds=600.0)
+        assert (await attempts.claim(await stack.envelope(job.id))).status is (ClaimStatus.CLAIMED)
+        await stack.start_worker(prefetch=1, concurrency=1)
+        # With one slot, a copy waiting out a ten-minute lease would hold it.
+        other = await client.submit("demo.echo", {"y": 2})
+        assert (await asyncio.wait_for(client.wait(other.name), timeout=20)).state is (
+            JobState.SUCCEEDED
+        )
+        running = await client.get(job.name)
+        assert running.state is JobState.RUNNING and running.attempt == 1
     finally:
         await stack.close()
 

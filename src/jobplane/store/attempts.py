@@ -113,7 +113,9 @@ _CLAIM = text(
         # the last attempt's progress.
         "cancel_reason = NULL, progress = 0, progress_message = '', waiting_reason = NULL, "
         "handbacks = 0",
-        "id = :id AND tenant_id = :tenant_id AND dispatch_id = :dispatch_id "
+        # The message's type must be the job's: the worker chose its handler
+        # by the message before it read the job.
+        "id = :id AND tenant_id = :tenant_id AND dispatch_id = :dispatch_id AND type = :type "
         "AND attempt - retry_base < max_attempts "
         "AND (state = 'queued' OR (state = 'running' AND lease_expires_at < now()))",
         "type, payload, attempt, max_attempts, retry_base, correlation_id, request_id, "
@@ -122,7 +124,7 @@ _CLAIM = text(
 )
 _INSPECT = text(
     """
-    SELECT state, dispatch_id, lease_expires_at, lease_expires_at < now() AS lease_expired,
+    SELECT state, dispatch_id, type, lease_expires_at, lease_expires_at < now() AS lease_expired,
            attempt - retry_base >= max_attempts AS exhausted
     FROM jobs WHERE id = :id AND tenant_id = :tenant_id
     """
@@ -339,6 +341,7 @@ class AttemptStore:
             "id": envelope.job_id,
             "tenant_id": envelope.tenant_id,
             "dispatch_id": envelope.event_id,
+            "type": envelope.job_type,
             "lease_token": token,
             "lease_seconds": self.lease_seconds,
         }
@@ -372,7 +375,12 @@ class AttemptStore:
             state = JobState(found["state"])
             if state.terminal:
                 return ClaimResult(ClaimStatus.FINISHED, state=state)
-            if str(found["dispatch_id"]) != str(envelope.event_id):
+            if (
+                str(found["dispatch_id"]) != str(envelope.event_id)
+                or found["type"] != envelope.job_type
+            ):
+                # Not this job's current dispatch (or not a message our relay
+                # wrote): the job's own message is elsewhere.
                 return ClaimResult(ClaimStatus.STALE, state=state)
             if state is JobState.RUNNING and not found["lease_expired"]:
                 return ClaimResult(

@@ -24,8 +24,11 @@ from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from jobplane.logs import describe_error
+from jobplane.store.down import sqlstate
 
 log = structlog.get_logger("jobplane.deployment")
+
+_INSUFFICIENT_PRIVILEGE = "42501"
 
 _IDENTITY = text(
     "SELECT (SELECT system_identifier FROM pg_control_system())::text, current_database()"
@@ -63,7 +66,7 @@ async def this_deployment(engine: AsyncEngine) -> Deployment:
         async with engine.connect() as conn:
             cluster, database = (await conn.execute(_IDENTITY)).one()
     except DBAPIError as exc:
-        if "permission denied" not in str(exc):
+        if sqlstate(exc) != _INSUFFICIENT_PRIVILEGE:
             raise
         log.warning("deployment.id.fallback", reason=describe_error(exc))
         async with engine.connect() as conn:

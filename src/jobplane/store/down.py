@@ -11,11 +11,16 @@ so it is decided here, once.
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
 import asyncpg
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 
 from jobplane.errors import Unavailable
+from jobplane.logs import describe_error
 
 # SQLSTATEs of a session the server ended or would not start. Class 08 is
 # "connection exception"; 57P01-57P03 are shutdowns and "cannot connect now";
@@ -61,7 +66,7 @@ def _down(exc: BaseException) -> bool:
     if isinstance(exc, _DOWN_TYPES):
         return True
     state = getattr(exc, "sqlstate", None) or getattr(exc, "pgcode", None)
-    if isinstance(state, str) and (state[:2] in _DOWN_CLASSES or state in _DOWN_STATES):
+    if isinstance(state, str) and state and (state[:2] in _DOWN_CLASSES or state in _DOWN_STATES):
         return True
     cause = exc.__cause__
     return cause is not None and cause is not exc and isinstance(cause, _DOWN_TYPES)
@@ -76,11 +81,51 @@ _TRANSIENT_CLASSES = frozenset({"40", "53", "57", "58"})
 
 def database_transient(exc: BaseException) -> bool:
     """True when trying the same statement again may work (:func:`database_down` or a
-    transient refusal); False when Postgres refused the statement for what it is."""
+    transient refusal); False when Postgres or the driver refused the statement for
+    what it is (an error without a SQLSTATE that is not a lost connection is the
+    driver refusing a value: it would refuse it again)."""
     if database_down(exc):
         return True
-    if isinstance(exc, DBAPIError):
-        state = getattr(exc.orig, "sqlstate", None) or getattr(exc.orig, "pgcode", None)
-        # No SQLSTATE: the driver failed, not the statement.
-        return not state or str(state)[:2] in _TRANSIENT_CLASSES
-    return False
+    state = sqlstate(exc)
+    return state is not None and state[:2] in _TRANSIENT_CLASSES
+
+
+def sqlstate(exc: BaseException) -> str | None:
+    """The SQLSTATE Postgres answered with, looking through wrappers; None if none."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        state = getattr(current, "sqlstate", None) or getattr(current, "pgcode", None)
+        if isinstance(state, str) and state:
+            return state
+        orig = getattr(current, "orig", None)
+        current = orig if isinstance(orig, BaseException) else current.__cause__
+    return None
+
+
+def database_error_name(exc: BaseException) -> str:
+    """The driver's error class and SQLSTATE, never its message (that may quote values)."""
+    inner: BaseException = exc
+    while isinstance(inner, DBAPIError) and isinstance(inner.orig, BaseException):
+        inner = inner.orig.__cause__ or inner.orig
+    return f"{type(inner).__name__}, SQLSTATE {sqlstate(exc) or '?'}"
+
+
+T = TypeVar("T")
+
+
+async def until_database_up(
+    op: Callable[[], Awaitable[T]], log: Any, *, max_delay: float = 10.0
+) -> T:
+    """``op()``, repeated with a growing backoff while the database is down."""
+    delay = 0.5
+    while True:
+        try:
+            return await op()
+        except Exception as exc:
+            if not database_down(exc):
+                raise
+            log.warning("database.unavailable", error=describe_error(exc), retry_in=delay)
+        await asyncio.sleep(delay)
+        delay = min(delay * 2, max_delay)

@@ -17,6 +17,8 @@ from collections.abc import Callable, Iterator
 import asyncpg
 import structlog
 
+from jobplane.logs import describe_error
+from jobplane.store.down import database_down, sqlstate
 from jobplane.store.engine import connect_raw
 from jobplane.tasks import cancel_and_wait
 
@@ -135,8 +137,13 @@ class Listener:
                 log.warning("listen.lost", channel=self._channel)
             except asyncio.CancelledError:
                 raise
-            except (OSError, TimeoutError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
-                log.warning("listen.error", channel=self._channel, error=str(exc))
+            except Exception as exc:
+                # Whatever went wrong, the listener reconnects: the processes
+                # that rely on it have no other way to hear of changes.
+                if database_down(exc) or sqlstate(exc) is not None:
+                    log.warning("listen.error", channel=self._channel, error=describe_error(exc))
+                else:
+                    log.error("listen.error", channel=self._channel, exc_info=exc)
             finally:
                 if conn is not None and not conn.is_closed():
                     with contextlib.suppress(Exception):
