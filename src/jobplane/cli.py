@@ -423,8 +423,6 @@ def _print_keys(listed: list[KeyInfo]) -> None:
 
 async def _workers(args: argparse.Namespace) -> int:
 
-    from sqlalchemy.exc import DBAPIError
-
     from jobplane.store.engine import create_engine
     from jobplane.store.workers import WorkerStore
 
@@ -433,9 +431,6 @@ async def _workers(args: argparse.Namespace) -> int:
     engine = create_engine(settings.database_url, pool_size=1)
     try:
         workers = await WorkerStore(engine).list(dead_for=args.dead_for)
-    except (DBAPIError, OSError) as exc:
-        print(f"error: cannot read the workers from Postgres: {_first_line(exc)}", file=sys.stderr)
-        return 1
     finally:
         await engine.dispose()
     if args.json:
@@ -474,8 +469,9 @@ async def _workers(args: argparse.Namespace) -> int:
 
 
 def _first_line(exc: BaseException) -> str:
-    lines = str(exc).splitlines()
-    return lines[0] if lines else type(exc).__name__
+    """The first line of ``exc``'s message, for an operator's terminal (not a log)."""
+    lines = str(exc).strip().splitlines()
+    return (lines[0] if lines else type(exc).__name__)[:300]
 
 
 async def _topology_apply(args: argparse.Namespace) -> int:
@@ -500,9 +496,9 @@ async def _topology_apply(args: argparse.Namespace) -> int:
         try:
             deployment = await this_deployment(engine)
         except (DBAPIError, OSError) as exc:
-            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
             print(
-                f"owner not recorded (Postgres: {first}); the first relay or worker records it",
+                f"owner not recorded (Postgres: {_first_line(exc)}); "
+                "the first relay or worker records it",
                 file=sys.stderr,
             )
             return 0
@@ -703,16 +699,16 @@ def _service_of(exc: BaseException) -> str | None:
 
 def _fatal_message(exc: Exception) -> str | None:
     """One line for an operator when a service is down or refuses; None: a bug."""
-    from jobplane.store.down import database_down
+    from jobplane.store.down import database_down, sqlstate
 
     settings = Settings.from_env()
-    first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+    first = _first_line(exc)
     service = _service_of(exc)
     if service == "database":
         where = _without_password(settings.database_url)
         if database_down(exc):
             return f"cannot reach Postgres at {where}: {first}"
-        state = _sqlstate(exc)
+        state = sqlstate(exc)
         if state == "42P01":
             return f"the database at {where} has no jobplane tables: run `jobplane migrate`"
         if state == "3D000":
@@ -727,18 +723,6 @@ def _fatal_message(exc: Exception) -> str | None:
         if isinstance(exc, OSError | aiormq.exceptions.AMQPConnectionError | TimeoutError):
             return f"cannot reach RabbitMQ at {where}: {first}"
         return f"RabbitMQ at {where} refused: {first}"
-    return None
-
-
-def _sqlstate(exc: BaseException) -> str | None:
-    current: BaseException | None = exc
-    for _ in range(5):
-        if current is None:
-            return None
-        state = getattr(current, "sqlstate", None) or getattr(current, "pgcode", None)
-        if isinstance(state, str):
-            return state
-        current = getattr(current, "orig", None) or current.__cause__
     return None
 
 
