@@ -15,6 +15,7 @@ number held back since.
 from __future__ import annotations
 
 import contextvars
+import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeAlias
@@ -105,6 +106,9 @@ class CallGate(grpc.aio.ServerInterceptor):
         # the messages are a few fixed ones.
         self._unauthenticated: dict[tuple[str, str], Handler] = {}
         self._refusals_logged = LogSampler(clock=clock)
+        # Read once: the level is set before a server starts. Below debug
+        # nothing times a call, and a unary call needs no wrapper at all.
+        self._timed = log.is_enabled_for(logging.DEBUG)
 
     async def intercept_service(
         self,
@@ -167,8 +171,11 @@ class CallGate(grpc.aio.ServerInterceptor):
         return made
 
     def _admitting(self, handler: Handler, rpc: str) -> Handler:
-        """``handler`` wrapped for admitted calls of ``rpc``: timing, and a watch's stream slot."""
+        """``handler`` for admitted calls of ``rpc``: with timing, and a watch's stream slot."""
+        timed = self._timed
         if handler.unary_unary is not None:
+            if not timed:
+                return handler
             # The stubs type behaviours as synchronous; under grpc.aio they are async.
             unary: Any = handler.unary_unary
 
@@ -183,8 +190,10 @@ class CallGate(grpc.aio.ServerInterceptor):
                 call, handler.request_deserializer, handler.response_serializer
             )
         if handler.unary_stream is not None:
-            streamed: Any = handler.unary_stream
             limited = rpc in STREAM_RPCS
+            if not (timed or limited):
+                return handler
+            streamed: Any = handler.unary_stream
             limiter = self._limiter
 
             async def stream(request: Any, context: Context) -> AsyncIterator[Any]:
@@ -204,7 +213,8 @@ class CallGate(grpc.aio.ServerInterceptor):
                         if tenant is not None:
                             limiter.release_stream(tenant)
                 finally:
-                    log.debug("rpc.finished", seconds=round(time.monotonic() - started, 6))
+                    if timed:
+                        log.debug("rpc.finished", seconds=round(time.monotonic() - started, 6))
 
             return grpc.unary_stream_rpc_method_handler(
                 stream, handler.request_deserializer, handler.response_serializer

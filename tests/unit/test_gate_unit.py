@@ -98,6 +98,9 @@ class Log:
     def debug(self, event: str, **kw: Any) -> None:
         pass
 
+    def is_enabled_for(self, level: int) -> bool:
+        return False
+
 
 async def _servicer(request: Any, context: Any) -> Any:
     return ("served", current_identity())
@@ -160,3 +163,15 @@ async def test_refusals_are_logged_once_a_second_per_reason(
     await gate.intercept_service(_continuation, Details("GetJob", "jp_short"))
     assert log.lines[-1][1]["suppressed"] == 99
     assert len(log.lines) == 3
+
+
+async def test_below_debug_a_unary_call_runs_the_servicers_own_handler(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(auth, "log", Log())
+    gate = _gate(Keys())
+    admitted = await gate.intercept_service(_continuation, Details("GetJob", GOOD))
+    assert admitted is HANDLERS["GetJob"]
+    # A watch still takes a stream slot, so it keeps its wrapper.
+    watch = await gate.intercept_service(_continuation, Details("WatchJob", GOOD))
+    assert watch is not HANDLERS["WatchJob"]
