@@ -361,13 +361,13 @@ class KeyStore:
                     self._inflight.pop(digest, None)
                     if lookup.done():
                         continue
-                    if isinstance(exc, asyncio.CancelledError):
-                        lookup.cancel()
-                    else:
+                    if isinstance(exc, Exception):
                         lookup.set_exception(exc)
                         # Its callers may all be gone; the failure was theirs
                         # to see, not the loop's.
                         lookup.exception()
+                    else:
+                        lookup.cancel()
                 if not isinstance(exc, Exception):
                     raise
             # Holding the slot for the rest of the interval is what bounds the
