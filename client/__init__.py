@@ -25,6 +25,7 @@ from jobplane.client._retry import RetryPolicy
 from jobplane.client.aio import AsyncClient
 from jobplane.client.progress import ProgressTracker
 from jobplane.client.sync import Client
+from jobplane.client.tls import ClientTLS
 from jobplane.errors import (
     FailedPrecondition,
     InternalError,
@@ -47,6 +48,7 @@ from jobplane.types import EventType, Job, JobError, JobEvent, JobPage, JobState
 __all__ = [
     "AsyncClient",
     "Client",
+    "ClientTLS",
     "EventType",
     "FailedPrecondition",
     "InternalError",

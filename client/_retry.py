@@ -71,6 +71,14 @@ class Backoff:
         self._failing_since = None
         self._next = self._policy.initial_delay
 
+    def remaining(self) -> float | None:
+        """Seconds before this run of failures gives up; None when it never does."""
+        if self._policy.max_elapsed is None:
+            return None
+        if self._failing_since is None:
+            return self._policy.max_elapsed
+        return self._failing_since + self._policy.max_elapsed - self._clock()
+
     def failure(self) -> float | None:
         """Record a failure; the seconds to wait before retrying, or None to give up."""
         now = self._clock()

@@ -8,7 +8,6 @@ import os
 import uuid
 from collections.abc import AsyncGenerator, Mapping
 from datetime import timedelta
-from pathlib import Path
 from types import TracebackType
 from typing import Any, Self, TypeVar
 
@@ -16,6 +15,7 @@ import grpc
 
 from jobplane.client._errors import error_from_rpc, is_retryable
 from jobplane.client._retry import Backoff, EventCursor, RetryPolicy
+from jobplane.client.tls import ClientTLS
 from jobplane.convert import event_from_pb, job_from_pb, state_to_pb, struct_from_dict
 from jobplane.errors import TenantLimitExceeded, Unavailable
 from jobplane.types import Job, JobEvent, JobPage, JobState
@@ -38,15 +38,22 @@ _UNBOUNDED_CALL_BUDGET = 60.0
 # otherwise the caller gets TenantLimitExceeded with its retry_delay.
 _LIMIT_WAIT_MAX = 2.0
 _LIMIT_RETRIES = 3
-_TRUE = frozenset({"1", "true", "yes", "on"})
+
+# The largest reply the SDK reads. A Job holds a payload and a result, each at
+# most 5.5 times its JSON size as a protobuf Struct, and the server bounds
+# that JSON size at 4 MiB (jobplane.config.MAX_PAYLOAD_BYTES_LIMIT): at most
+# 44 MiB and the rest of the Job, which this leaves room for. gRPC's default
+# of 4 MiB would refuse the reply of a job the server accepted.
+MAX_RECEIVE_BYTES = 64 * 1024 * 1024
 
 # grpc waits up to two minutes between reconnects of a broken channel by
 # default, and calls fail at once in between; a restarted server should be
 # found again within the watch backoff instead.
-_CHANNEL_OPTIONS = (
+_CHANNEL_OPTIONS: tuple[tuple[str, int | str], ...] = (
     ("grpc.initial_reconnect_backoff_ms", 100),
     ("grpc.min_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 2000),
+    ("grpc.max_receive_message_length", MAX_RECEIVE_BYTES),
 )
 
 
@@ -55,8 +62,28 @@ def job_name_of(job: str | Job) -> str:
     return job.name if isinstance(job, Job) else job
 
 
-def _read(path: str | Path | None) -> bytes | None:
-    return Path(path).read_bytes() if path else None
+def _tls_of(tls: ClientTLS | bool | None) -> ClientTLS | None:
+    if isinstance(tls, ClientTLS):
+        return tls
+    return ClientTLS() if tls else None
+
+
+def connection_from_env(
+    address: str | None = None,
+    api_key: str | None = None,
+    tls: ClientTLS | bool | None = None,
+    env: Mapping[str, str] | None = None,
+) -> tuple[str, str | None, ClientTLS | None]:
+    """Address, API key and TLS settings: the arguments given, else ``env``'s ``JOBPLANE_*``.
+
+    ``env`` defaults to the process's environment; see :meth:`AsyncClient.from_env`.
+    """
+    env = os.environ if env is None else env
+    return (
+        address or env.get("JOBPLANE_ADDRESS") or DEFAULT_ADDRESS,
+        api_key or env.get("JOBPLANE_API_KEY") or None,
+        ClientTLS.from_env(env) if tls is None else _tls_of(tls),
+    )
 
 
 class AsyncClient:
@@ -66,12 +93,9 @@ class AsyncClient:
     channel opens on first use, on the event loop that makes the call; use one
     client from one event loop.
 
-    TLS: ``tls=True`` verifies the server against the system's roots, or
-    against ``root_certificates`` (PEM) when given; ``client_cert`` and
-    ``client_key`` (PEM) are presented to a server that asks for them (mutual
-    TLS); ``tls_server_name`` is the name expected in the server's
-    certificate when it differs from the host of ``address``. Giving any of
-    them turns TLS on.
+    ``tls`` is a :class:`ClientTLS` (certificates, mutual TLS, the expected
+    server name), or True for TLS that trusts the system's roots; None or
+    False speak plaintext.
     """
 
     def __init__(
@@ -81,26 +105,13 @@ class AsyncClient:
         *,
         timeout: float | None = 30.0,
         watch_retry: RetryPolicy | None = None,
-        tls: bool | None = None,
-        root_certificates: bytes | None = None,
-        client_cert: bytes | None = None,
-        client_key: bytes | None = None,
-        tls_server_name: str | None = None,
+        tls: ClientTLS | bool | None = None,
     ) -> None:
-        if (client_cert is None) != (client_key is None):
-            raise ValueError("client_cert and client_key go together")
-        wants_tls = any(v is not None for v in (root_certificates, client_cert, tls_server_name))
-        if tls is False and wants_tls:
-            raise ValueError("TLS options were given with tls=False")
         self._address = address
         self._api_key = api_key
         self._timeout = timeout
         self._watch_retry = watch_retry or RetryPolicy()
-        self._tls = bool(tls) or wants_tls
-        self._root_certificates = root_certificates
-        self._client_cert = client_cert
-        self._client_key = client_key
-        self._tls_server_name = tls_server_name
+        self._tls = _tls_of(tls)
         self._metadata: tuple[tuple[str, str], ...] = (
             (("authorization", f"Bearer {api_key}"),) if api_key else ()
         )
@@ -116,33 +127,19 @@ class AsyncClient:
         api_key: str | None = None,
         timeout: float | None = 30.0,
         watch_retry: RetryPolicy | None = None,
-        tls: bool | None = None,
-        tls_ca_file: str | Path | None = None,
-        tls_client_cert_file: str | Path | None = None,
-        tls_client_key_file: str | Path | None = None,
-        tls_server_name: str | None = None,
+        tls: ClientTLS | bool | None = None,
+        env: Mapping[str, str] | None = None,
     ) -> Self:
         """A client for ``JOBPLANE_ADDRESS`` with key ``JOBPLANE_API_KEY``.
 
-        TLS from ``JOBPLANE_TLS`` (1/true), ``JOBPLANE_TLS_CA``,
-        ``JOBPLANE_TLS_CLIENT_CERT``, ``JOBPLANE_TLS_CLIENT_KEY`` (PEM file
-        paths) and ``JOBPLANE_TLS_SERVER_NAME``. Arguments, when given, win
-        over the environment.
+        TLS as :meth:`ClientTLS.from_env` reads it from ``JOBPLANE_TLS``,
+        ``JOBPLANE_TLS_CA``, ``JOBPLANE_TLS_CLIENT_CERT``,
+        ``JOBPLANE_TLS_CLIENT_KEY`` (PEM file paths) and
+        ``JOBPLANE_TLS_SERVER_NAME``. Arguments, when given, win over the
+        environment; ``env`` stands in for the process's environment.
         """
-        env = os.environ
-        if tls is None and env.get("JOBPLANE_TLS"):
-            tls = env["JOBPLANE_TLS"].strip().lower() in _TRUE
-        return cls(
-            address or env.get("JOBPLANE_ADDRESS") or DEFAULT_ADDRESS,
-            api_key or env.get("JOBPLANE_API_KEY") or None,
-            timeout=timeout,
-            watch_retry=watch_retry,
-            tls=tls,
-            root_certificates=_read(tls_ca_file or env.get("JOBPLANE_TLS_CA")),
-            client_cert=_read(tls_client_cert_file or env.get("JOBPLANE_TLS_CLIENT_CERT")),
-            client_key=_read(tls_client_key_file or env.get("JOBPLANE_TLS_CLIENT_KEY")),
-            tls_server_name=tls_server_name or env.get("JOBPLANE_TLS_SERVER_NAME") or None,
-        )
+        address, api_key, tls = connection_from_env(address, api_key, tls, env)
+        return cls(address, api_key, timeout=timeout, watch_retry=watch_retry, tls=tls)
 
     @property
     def address(self) -> str:
@@ -155,8 +152,8 @@ class AsyncClient:
         return self._api_key
 
     @property
-    def tls(self) -> bool:
-        """True when the channel uses TLS."""
+    def tls(self) -> ClientTLS | None:
+        """The channel's TLS settings; None when it speaks plaintext."""
         return self._tls
 
     @property
@@ -200,17 +197,13 @@ class AsyncClient:
         return self._stub
 
     def _open_channel(self) -> grpc.aio.Channel:
-        if not self._tls:
+        if self._tls is None:
             return grpc.aio.insecure_channel(self._address, options=_CHANNEL_OPTIONS)
-        credentials = grpc.ssl_channel_credentials(
-            root_certificates=self._root_certificates,
-            private_key=self._client_key,
-            certificate_chain=self._client_cert,
+        return grpc.aio.secure_channel(
+            self._address,
+            self._tls.credentials(),
+            options=(*_CHANNEL_OPTIONS, *self._tls.channel_options()),
         )
-        options: tuple[tuple[str, str | int], ...] = _CHANNEL_OPTIONS
-        if self._tls_server_name:
-            options = (*options, ("grpc.ssl_target_name_override", self._tls_server_name))
-        return grpc.aio.secure_channel(self._address, credentials, options=options)
 
     async def _call(
         self,
@@ -375,6 +368,10 @@ class AsyncClient:
         it reconnects as :attr:`watch_retry` says and resumes after the last
         event it yielded, so no event is repeated or skipped; it raises
         :class:`~jobplane.errors.Unavailable` when it cannot reconnect in time.
+        A server that refuses the stream because the tenant holds its limit of
+        streams there is asked again after the delay it names (at least the
+        backoff's), within the same budget; past it the watch raises
+        :class:`~jobplane.errors.TenantLimitExceeded` with that delay.
         Events the server resends are dropped; a missing seq raises
         :class:`WatchSequenceError`.
         """
@@ -384,6 +381,7 @@ class AsyncClient:
         loop = asyncio.get_running_loop()
         while True:
             failure: BaseException | None = None
+            limited: TenantLimitExceeded | None = None
             opened = loop.time()
             call = self._open_watch(job_name, cursor.last)
             try:
@@ -395,8 +393,16 @@ class AsyncClient:
                         backoff.reset()
                         yield event
             except grpc.aio.AioRpcError as exc:
-                if self._closed or not is_retryable(exc):
+                if self._closed:
                     raise error_from_rpc(exc) from exc
+                if not is_retryable(exc):
+                    error = error_from_rpc(exc)
+                    # A server at the tenant's stream limit is no reason to
+                    # stop: the watchers of a server that went away come to
+                    # the others, and slots free as streams end.
+                    if not isinstance(error, TenantLimitExceeded):
+                        raise error from exc
+                    limited = error
                 failure = exc
             else:
                 if cursor.at_terminal:
@@ -415,6 +421,13 @@ class AsyncClient:
             if loop.time() - opened >= self._watch_retry.max_delay:
                 backoff.reset()
             delay = backoff.failure()
+            if limited is not None:
+                # Never sooner than the server asked, and never past the budget.
+                wait = max(delay or 0.0, limited.retry_delay or 0.0)
+                left = backoff.remaining()
+                if delay is None or (left is not None and wait > left):
+                    raise limited from failure
+                delay = wait
             if delay is None:
                 raise Unavailable(
                     f"lost the event stream of {job_name} after seq {cursor.last} and "
@@ -439,4 +452,4 @@ class AsyncClient:
             return await self.get(job_name)
 
 
-__all__ = ["DEFAULT_ADDRESS", "AsyncClient", "job_name_of"]
+__all__ = ["DEFAULT_ADDRESS", "MAX_RECEIVE_BYTES", "AsyncClient", "ClientTLS", "job_name_of"]

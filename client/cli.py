@@ -38,6 +38,7 @@ from rich.table import Table
 
 from jobplane.client.aio import AsyncClient, job_name_of
 from jobplane.client.progress import ProgressTracker
+from jobplane.client.tls import ENV_CA, ENV_CLIENT_CERT, ENV_CLIENT_KEY, ENV_SERVER_NAME, ENV_SWITCH
 from jobplane.errors import JobplaneError
 from jobplane.types import Job, JobEvent, JobState
 
@@ -184,11 +185,7 @@ def command(fn: Command) -> Callable[[argparse.Namespace], int]:
                 address=args.address,
                 api_key=args.api_key,
                 timeout=args.call_timeout,
-                tls=args.tls,
-                tls_ca_file=args.tls_ca,
-                tls_client_cert_file=args.tls_client_cert,
-                tls_client_key_file=args.tls_client_key,
-                tls_server_name=args.tls_server_name,
+                env=_with_tls_flags(args),
             )
         except OSError as exc:
             _error(f"cannot read {exc.filename}: {exc.strerror or exc}")
@@ -215,6 +212,18 @@ def command(fn: Command) -> Callable[[argparse.Namespace], int]:
             return EXIT_FAILED
 
     return run
+
+
+def _with_tls_flags(args: argparse.Namespace) -> dict[str, str]:
+    """The environment with each TLS flag given in place of its variable."""
+    flags = {
+        ENV_SWITCH: "1" if args.tls else None,
+        ENV_CA: args.tls_ca,
+        ENV_CLIENT_CERT: args.tls_client_cert,
+        ENV_CLIENT_KEY: args.tls_client_key,
+        ENV_SERVER_NAME: args.tls_server_name,
+    }
+    return {**os.environ, **{name: value for name, value in flags.items() if value}}
 
 
 async def _with_client(client: AsyncClient, fn: Command, args: argparse.Namespace) -> int:

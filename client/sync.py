@@ -8,12 +8,12 @@ import enum
 import threading
 from collections.abc import AsyncGenerator, Coroutine, Generator, Mapping
 from datetime import timedelta
-from pathlib import Path
 from types import TracebackType
 from typing import Any, Self, TypeVar
 
 from jobplane.client._retry import RetryPolicy
-from jobplane.client.aio import DEFAULT_ADDRESS, AsyncClient
+from jobplane.client.aio import DEFAULT_ADDRESS, AsyncClient, connection_from_env
+from jobplane.client.tls import ClientTLS
 from jobplane.types import Job, JobEvent, JobPage, JobState
 
 T = TypeVar("T")
@@ -144,7 +144,7 @@ class Client:
 
     Calls run on a private event loop in a background thread, so the client is
     safe to share between threads. Use it as a context manager, or call
-    :meth:`close` when done. The TLS options are :class:`AsyncClient`'s.
+    :meth:`close` when done. ``tls`` is as for :class:`AsyncClient`.
     """
 
     def __init__(
@@ -154,22 +154,10 @@ class Client:
         *,
         timeout: float | None = 30.0,
         watch_retry: RetryPolicy | None = None,
-        tls: bool | None = None,
-        root_certificates: bytes | None = None,
-        client_cert: bytes | None = None,
-        client_key: bytes | None = None,
-        tls_server_name: str | None = None,
+        tls: ClientTLS | bool | None = None,
     ) -> None:
         self._async = AsyncClient(
-            address,
-            api_key,
-            timeout=timeout,
-            watch_retry=watch_retry,
-            tls=tls,
-            root_certificates=root_certificates,
-            client_cert=client_cert,
-            client_key=client_key,
-            tls_server_name=tls_server_name,
+            address, api_key, timeout=timeout, watch_retry=watch_retry, tls=tls
         )
         self._loop = _LoopThread()
 
@@ -181,27 +169,12 @@ class Client:
         api_key: str | None = None,
         timeout: float | None = 30.0,
         watch_retry: RetryPolicy | None = None,
-        tls: bool | None = None,
-        tls_ca_file: str | Path | None = None,
-        tls_client_cert_file: str | Path | None = None,
-        tls_client_key_file: str | Path | None = None,
-        tls_server_name: str | None = None,
+        tls: ClientTLS | bool | None = None,
+        env: Mapping[str, str] | None = None,
     ) -> Self:
         """A client configured as :meth:`AsyncClient.from_env` says."""
-        client = cls.__new__(cls)
-        client._async = AsyncClient.from_env(
-            address=address,
-            api_key=api_key,
-            timeout=timeout,
-            watch_retry=watch_retry,
-            tls=tls,
-            tls_ca_file=tls_ca_file,
-            tls_client_cert_file=tls_client_cert_file,
-            tls_client_key_file=tls_client_key_file,
-            tls_server_name=tls_server_name,
-        )
-        client._loop = _LoopThread()
-        return client
+        address, api_key, tls = connection_from_env(address, api_key, tls, env)
+        return cls(address, api_key, timeout=timeout, watch_retry=watch_retry, tls=tls)
 
     @property
     def address(self) -> str:
@@ -214,8 +187,8 @@ class Client:
         return self._async.api_key
 
     @property
-    def tls(self) -> bool:
-        """True when the channel uses TLS."""
+    def tls(self) -> ClientTLS | None:
+        """The channel's TLS settings; None when it speaks plaintext."""
         return self._async.tls
 
     @property

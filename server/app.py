@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
@@ -13,6 +13,7 @@ from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from jobplane.config import MAX_PAYLOAD_BYTES_LIMIT
 from jobplane.faults import NO_FAULTS, FaultPoints
 from jobplane.server.auth import CallGate
 from jobplane.server.decode import RefuseUndecodable
@@ -44,7 +45,7 @@ class ServerTLS:
     """
 
     cert_chain: bytes
-    private_key: bytes
+    private_key: bytes = field(repr=False)
     client_ca: bytes | None = None
 
     @classmethod
@@ -90,6 +91,9 @@ class JobplaneServer:
         limits: TenantLimits | None = None,
         key_cache_seconds: float = 30.0,
     ) -> None:
+        if not 0 < max_payload_bytes <= MAX_PAYLOAD_BYTES_LIMIT:
+            # Past it, a job could be too large for the SDK to read back.
+            raise ValueError(f"max_payload_bytes must be 1..{MAX_PAYLOAD_BYTES_LIMIT}")
         self._listen = listen
         self._tls = tls
         self.hub = Listener(database_url, EVENTS_CHANNEL)
@@ -127,7 +131,8 @@ class JobplaneServer:
         await self.key_events.start()
         server = grpc.aio.server(
             # Authentication first: a call without a valid key is refused
-            # before its body is read, decodable or not.
+            # before its body is read, decodable or not. RefuseUndecodable
+            # must stay last (it wraps the servicer's handlers once each).
             interceptors=[
                 CallGate(SERVICE_NAME, self.keys, self.limiter),
                 RefuseUndecodable(f"/{SERVICE_NAME}/"),
@@ -181,6 +186,7 @@ class JobplaneServer:
         await self.service.feeds.stop()
         await self.hub.stop()
         await self.key_events.stop()
+        await self.keys.close()
         log.info("server.stopped")
 
     async def wait(self) -> None:

@@ -7,12 +7,15 @@ body of an unauthenticated call is never parsed and the servicer never runs.
 An admitted call runs with its :class:`KeyIdentity` in a contextvar
 (:func:`current_identity`) and bound to the structlog context (``tenant_id``,
 ``api_key_id``, ``rpc``), and a watch holds one of its tenant's stream slots
-for its life. Health and reflection stay open.
+for its life. Health and reflection stay open. Refusals for a missing or bad
+key are logged (``auth.refused``) at most once a second per reason, with the
+number held back since.
 """
 
 from __future__ import annotations
 
 import contextvars
+import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeAlias
@@ -59,13 +62,53 @@ def bearer_token(metadata: Any) -> str:
     raise Unauthenticated("missing 'authorization: Bearer <key>' metadata")
 
 
+class LogSampler:
+    """Lets through one line a second (``every``) per key, and counts the rest.
+
+    A flood of refused calls would otherwise write a line per call.
+    """
+
+    def __init__(self, every: float = 1.0, *, clock: Callable[[], float] = time.monotonic) -> None:
+        self._every = every
+        self._clock = clock
+        # key -> [when its last line was let through, lines held back since]
+        self._last: dict[str, list[float]] = {}
+
+    def take(self, key: str) -> int | None:
+        """None to hold this line back; else how many of ``key`` were held back before it."""
+        now = self._clock()
+        last = self._last.get(key)
+        if last is None or now - last[0] >= self._every:
+            self._last[key] = [now, 0]
+            return 0 if last is None else int(last[1])
+        last[1] += 1
+        return None
+
+
 class CallGate(grpc.aio.ServerInterceptor):
     """Authenticates and admits the calls of one service; others pass untouched."""
 
-    def __init__(self, service: str, keys: KeyStore, limiter: TenantLimiter) -> None:
+    def __init__(
+        self,
+        service: str,
+        keys: KeyStore,
+        limiter: TenantLimiter,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self._prefix = f"/{service}/"
         self._keys = keys
         self._limiter = limiter
+        # The handlers of admitted calls, made once per method: who the caller
+        # is travels in contextvars, not in the handler.
+        self._admitted: dict[str, Handler] = {}
+        # (method, message) -> the handler answering an unauthenticated call;
+        # the messages are a few fixed ones.
+        self._unauthenticated: dict[tuple[str, str], Handler] = {}
+        self._refusals_logged = LogSampler(clock=clock)
+        # Read once: the level is set before a server starts. Below debug
+        # nothing times a call, and a unary call needs no wrapper at all.
+        self._timed = log.is_enabled_for(logging.DEBUG)
 
     async def intercept_service(
         self,
@@ -83,10 +126,23 @@ class CallGate(grpc.aio.ServerInterceptor):
         except Exception as exc:
             error = error_for(exc, rpc)
             if isinstance(error, Unauthenticated):
-                # The reason only: the metadata may hold a real key mistyped.
-                log.info("auth.refused", rpc=rpc, reason=error.message)
+                held_back = self._refusals_logged.take(error.message)
+                if held_back is not None:
+                    # The reason only: the metadata may hold a real key mistyped.
+                    log.info("auth.refused", rpc=rpc, reason=error.message, suppressed=held_back)
+                return self._unauthenticated_handler(method, handler, error)
             return _refusal(handler, error)
-        return self._admitted(handler, identity, rpc)
+        # grpc.aio runs the interceptors and then the handler in one task per
+        # call, so what is set here is what the servicer sees, and no other
+        # call sees it (tests/integration/test_auth_door.py checks both).
+        _IDENTITY.set(identity)
+        structlog.contextvars.bind_contextvars(
+            tenant_id=str(identity.tenant_id), api_key_id=identity.key_id, rpc=rpc
+        )
+        admitted = self._admitted.get(method)
+        if admitted is None:
+            admitted = self._admitted[method] = self._admitting(handler, rpc)
+        return admitted
 
     async def _admit(self, rpc: str, metadata: Any) -> KeyIdentity:
         identity = await self._keys.resolve(bearer_token(metadata))
@@ -106,21 +162,24 @@ class CallGate(grpc.aio.ServerInterceptor):
                 raise
         return identity
 
-    def _admitted(self, handler: Handler, identity: KeyIdentity, rpc: str) -> Handler:
-        def enter() -> None:
-            # Each call runs in a contextvars.Context of its own (grpc.aio
-            # makes one per call for the interceptors and the handler).
-            _IDENTITY.set(identity)
-            structlog.contextvars.bind_contextvars(
-                tenant_id=str(identity.tenant_id), api_key_id=identity.key_id, rpc=rpc
-            )
+    def _unauthenticated_handler(
+        self, method: str, handler: Handler, error: Unauthenticated
+    ) -> Handler:
+        made = self._unauthenticated.get((method, error.message))
+        if made is None:
+            made = self._unauthenticated[(method, error.message)] = _refusal(handler, error)
+        return made
 
+    def _admitting(self, handler: Handler, rpc: str) -> Handler:
+        """``handler`` for admitted calls of ``rpc``: with timing, and a watch's stream slot."""
+        timed = self._timed
         if handler.unary_unary is not None:
+            if not timed:
+                return handler
             # The stubs type behaviours as synchronous; under grpc.aio they are async.
             unary: Any = handler.unary_unary
 
             async def call(request: Any, context: Context) -> Any:
-                enter()
                 started = time.monotonic()
                 try:
                     return await unary(request, context)
@@ -131,17 +190,19 @@ class CallGate(grpc.aio.ServerInterceptor):
                 call, handler.request_deserializer, handler.response_serializer
             )
         if handler.unary_stream is not None:
-            streamed: Any = handler.unary_stream
             limited = rpc in STREAM_RPCS
+            if not (timed or limited):
+                return handler
+            streamed: Any = handler.unary_stream
             limiter = self._limiter
 
             async def stream(request: Any, context: Context) -> AsyncIterator[Any]:
-                enter()
                 started = time.monotonic()
+                tenant = current_identity().tenant_id if limited else None
                 try:
-                    if limited:
+                    if tenant is not None:
                         try:
-                            limiter.acquire_stream(identity.tenant_id)
+                            limiter.acquire_stream(tenant)
                         except JobplaneError as error:
                             log.debug("tenant.limit_exceeded", limit=error.metadata.get("limit"))
                             await context.abort_with_status(to_grpc_status(error))
@@ -149,10 +210,11 @@ class CallGate(grpc.aio.ServerInterceptor):
                         async for response in streamed(request, context):
                             yield response
                     finally:
-                        if limited:
-                            limiter.release_stream(identity.tenant_id)
+                        if tenant is not None:
+                            limiter.release_stream(tenant)
                 finally:
-                    log.debug("rpc.finished", seconds=round(time.monotonic() - started, 6))
+                    if timed:
+                        log.debug("rpc.finished", seconds=round(time.monotonic() - started, 6))
 
             return grpc.unary_stream_rpc_method_handler(
                 stream, handler.request_deserializer, handler.response_serializer

@@ -38,12 +38,15 @@ class _Undecodable:
 
 
 class RefuseUndecodable(grpc.aio.ServerInterceptor):
-    """Refuse undecodable bodies of the unary-request methods under ``prefix``."""
+    """Refuse undecodable bodies of the unary-request methods under ``prefix``.
+
+    It must be the last interceptor of the server (nearest the servicer): it
+    makes its handler once per method from the first one it is handed.
+    """
 
     def __init__(self, prefix: str) -> None:
         self._prefix = prefix
-        # method → (the handler we were given, the one we made of it)
-        self._made: dict[str, tuple[Handler, Handler]] = {}
+        self._guarded: dict[str, Handler] = {}
 
     async def intercept_service(
         self,
@@ -54,12 +57,11 @@ class RefuseUndecodable(grpc.aio.ServerInterceptor):
         method = handler_call_details.method
         if handler is None or not method.startswith(self._prefix):
             return handler
-        made = self._made.get(method)
-        # Another interceptor may hand out a handler of its own for one call.
-        if made is not None and made[0] is handler:
-            return made[1]
-        guarded = _guard(handler, method.rsplit("/", 1)[-1])
-        self._made[method] = (handler, guarded)
+        # Last in the server's chain, this interceptor is handed the servicer's
+        # own handler, which is the same for every call of a method.
+        guarded = self._guarded.get(method)
+        if guarded is None:
+            guarded = self._guarded[method] = _guard(handler, method.rsplit("/", 1)[-1])
         return guarded
 
 

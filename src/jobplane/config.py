@@ -10,6 +10,12 @@ from pathlib import Path
 DEFAULT_DATABASE_URL = "postgresql://postgres@127.0.0.1:5432/jobplane"
 DEFAULT_AMQP_URL = "amqp://guest:guest@127.0.0.1:5672/"
 DEFAULT_LISTEN = "127.0.0.1:50051"
+# The largest JOBPLANE_MAX_PAYLOAD_BYTES (which bounds results too). A job
+# carries a payload and a result, each up to 5.5 times its JSON size as a
+# protobuf Struct: at this bound one Job message stays under 45 MiB, which
+# the SDK accepts (jobplane.client.aio.MAX_RECEIVE_BYTES). Large data goes
+# by reference to object storage, not in a payload.
+MAX_PAYLOAD_BYTES_LIMIT = 4 * 1024 * 1024
 
 
 class ConfigError(ValueError):
@@ -53,6 +59,11 @@ class Settings:
         base = cls()
         topology = env.get("JOBPLANE_TOPOLOGY")
         max_payload = _positive_int(env, "JOBPLANE_MAX_PAYLOAD_BYTES", base.max_payload_bytes)
+        if max_payload > MAX_PAYLOAD_BYTES_LIMIT:
+            raise ConfigError(
+                f"JOBPLANE_MAX_PAYLOAD_BYTES must be at most {MAX_PAYLOAD_BYTES_LIMIT} "
+                "(4 MiB); pass larger data by reference"
+            )
         pool = _positive_int(env, "JOBPLANE_DB_POOL_SIZE", base.db_pool_size)
         faults = frozenset(p for p in env.get("JOBPLANE_FAULTS", "").split(",") if p.strip())
         tls_cert, tls_key = _path(env, "JOBPLANE_TLS_CERT"), _path(env, "JOBPLANE_TLS_KEY")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import secrets
 import sys
 from collections.abc import AsyncIterator
 
@@ -15,6 +16,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from jobplane.store.keys import KeyNotFound, KeyRevoked, KeyStore
 from jobplane.topology import Topology
 from tests.support.servers import Servers, refused_within
+from tests.support.statements import counting
 
 # How soon a revocation must reach every server.
 REVOCATION_BOUND = 1.0
@@ -174,3 +176,84 @@ async def test_every_key_has_an_id_and_is_stored_as_a_hash(engine: AsyncEngine) 
         ).scalar_one()
     assert stored is True
     assert [k.key_id for k in await keys.list_keys("acme")] == [a.key_id, b.key_id]
+
+
+# -- resolving under a flood of made-up keys ------------------------------------
+
+# In the resolve statement, and in nothing else the store sends.
+RESOLVE = "SET last_used_time = now()"
+
+
+def made_up_key() -> str:
+    """A key shaped like a real one that no tenant has."""
+    return "jp_" + secrets.token_urlsafe(32)
+
+
+async def test_keys_of_any_other_shape_cost_no_statement(engine: AsyncEngine) -> None:
+    keys = KeyStore(engine)
+    created = await keys.create("acme")
+    malformed = [
+        "jp_not-a-key",
+        created.key[:-1],
+        created.key + "A",
+        "xx_" + created.key[3:],
+        created.key[:-1] + "B",
+        created.key + "\n",
+        "jp_" + "A" * 500,
+    ]
+    with counting(engine, RESOLVE) as statements:
+        assert [await keys.resolve(key) for key in malformed] == [None] * len(malformed)
+    assert statements.sent == 0
+    with counting(engine, RESOLVE) as statements:
+        assert await keys.resolve(created.key) is not None
+    assert statements.sent == 1
+
+
+async def test_a_flood_of_unknown_keys_costs_a_few_statements(engine: AsyncEngine) -> None:
+    keys = KeyStore(engine)  # two lookups at most at once
+    created = await keys.create("acme")
+    flood = [made_up_key() for _ in range(3000)]
+    # A real key that is not cached yet arrives in the middle of the flood.
+    calls = [*flood[:1500], created.key, *flood[1500:]]
+    with counting(engine, RESOLVE) as statements:
+        answers = await asyncio.gather(*(keys.resolve(key) for key in calls))
+    assert answers[1500] is not None and answers[1500].key_id == created.key_id
+    assert answers[:1500] + answers[1501:] == [None] * len(flood)
+    # Batches of 500, in at most two statements at a time.
+    assert statements.sent <= len(calls) // 500 + 2
+    assert statements.most_at_once <= 2
+
+    # The same keys again, one at a time: remembered as unknown.
+    with counting(engine, RESOLVE) as statements:
+        for key in flood[:200]:
+            assert await keys.resolve(key) is None
+    assert statements.sent == 0
+
+
+async def test_keys_looked_up_one_by_one_share_statements(engine: AsyncEngine) -> None:
+    # Made-up keys arriving one after another, faster than a lookup slot
+    # frees (each is held for lookup_interval): they wait and share one.
+    keys = KeyStore(engine, max_lookups=1, lookup_interval=1.0)
+    resolving = []
+    with counting(engine, RESOLVE) as statements:
+        for _ in range(30):
+            resolving.append(asyncio.ensure_future(keys.resolve(made_up_key())))
+            await asyncio.sleep(0.002)
+        assert await asyncio.gather(*resolving) == [None] * 30
+    # The first alone, the rest (however they spread over the second) in the
+    # statement after it.
+    assert statements.sent <= 2
+    await keys.close()
+
+
+async def test_unknown_keys_are_forgotten_after_a_while(engine: AsyncEngine) -> None:
+    keys = KeyStore(engine, unknown_seconds=0.2)
+    key = made_up_key()
+    with counting(engine, RESOLVE) as statements:
+        assert await keys.resolve(key) is None
+        assert await keys.resolve(key) is None
+        assert statements.sent == 1
+        await asyncio.sleep(0.25)
+        assert await keys.resolve(key) is None
+        assert statements.sent == 2
+    assert keys.remembered_unknown == 1

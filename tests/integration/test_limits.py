@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator
 
 import grpc
@@ -11,13 +12,18 @@ from google.rpc import error_details_pb2
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from jobplane.client import AsyncClient, JobEvent, TenantLimitExceeded
+from jobplane.client import AsyncClient, JobEvent, RetryPolicy, TenantLimitExceeded
 from jobplane.client._errors import rich_status
+from jobplane.config import MAX_PAYLOAD_BYTES_LIMIT
 from jobplane.server.limits import TenantLimits
 from jobplane.topology import Topology
 from jobplane.v1 import jobs_pb2, jobs_pb2_grpc
 from tests.support.servers import Servers
 from tests.support.stack import eventually
+
+# A watch that gives up at once: these tests look at the server's refusal,
+# which the SDK would otherwise wait out within its watch budget.
+NO_WAIT = RetryPolicy(max_elapsed=0)
 
 
 @pytest.fixture
@@ -56,7 +62,8 @@ async def test_a_tenant_at_its_stream_limit_does_not_stop_another_tenant(
     server = await servers.start(limits=TenantLimits(max_streams=3, submits_per_second=0))
     a_key, a_tenant = await server.keys.create_key("greedy")
     b_key, _b_tenant = await server.keys.create_key("modest")
-    a, b = servers.client(server, a_key), servers.client(server, b_key)
+    a = servers.client(server, a_key, watch_retry=NO_WAIT)
+    b = servers.client(server, b_key, watch_retry=NO_WAIT)
     job = await a.submit("demo.echo", {})
     held = [await OpenWatch(a, job.name).open() for _ in range(3)]
     assert server.limiter.streams(a_tenant) == 3
@@ -150,7 +157,7 @@ async def test_the_sdk_waits_out_a_short_retry_delay(servers: Servers) -> None:
 async def test_a_stream_refused_for_its_limit_holds_no_slot(servers: Servers) -> None:
     server = await servers.start(limits=TenantLimits(max_streams=1, submits_per_second=0))
     key, tenant = await server.keys.create_key("acme")
-    client = servers.client(server, key)
+    client = servers.client(server, key, watch_retry=NO_WAIT)
     job = await client.submit("demo.echo", {})
     held = await OpenWatch(client, job.name).open()
     for _ in range(5):
@@ -159,3 +166,46 @@ async def test_a_stream_refused_for_its_limit_holds_no_slot(servers: Servers) ->
     assert server.limiter.streams(tenant) == 1
     await held.close()
     await eventually(lambda: _no_streams(server.limiter.streams(tenant)))
+
+
+async def test_a_watch_refused_for_the_limit_resumes_when_a_slot_frees(servers: Servers) -> None:
+    # As after a server restart: its watchers come to a server where the
+    # tenant's slots are taken, and get in as streams end there.
+    server = await servers.start(limits=TenantLimits(max_streams=1, submits_per_second=0))
+    key, tenant = await server.keys.create_key("acme")
+    client = servers.client(server, key)
+    job = await client.submit("demo.echo", {})
+    held = await OpenWatch(client, job.name).open()
+    waiting = asyncio.ensure_future(OpenWatch(client, job.name).open())
+    await asyncio.sleep(0.3)
+    assert not waiting.done()  # refused, and asking again rather than raising
+    await held.close()
+    admitted = await asyncio.wait_for(waiting, timeout=30)
+    assert admitted.first is not None and admitted.first.seq == 1
+    assert server.limiter.streams(tenant) == 1
+    await admitted.close()
+
+
+async def test_a_job_at_the_payload_ceiling_reads_back_through_the_sdk(servers: Servers) -> None:
+    server = await servers.start(max_payload_bytes=MAX_PAYLOAD_BYTES_LIMIT)
+    key, _tenant = await server.keys.create_key("bulky")
+    client = servers.client(server, key)
+    # Payload and result each just under 4 MiB: the Job is twice gRPC's
+    # default receive limit.
+    filler = MAX_PAYLOAD_BYTES_LIMIT - 64
+    job = await client.submit("demo.echo", {"blob": "p" * filler})
+    # The outcome a worker writes, whose result is held to the same limit.
+    async with servers.engine.begin() as conn:
+        await conn.execute(
+            text(
+                "UPDATE jobs SET state = 'succeeded', result = CAST(:result AS jsonb), "
+                "end_time = now() WHERE id = CAST(:id AS uuid)"
+            ),
+            {"result": json.dumps({"blob": "r" * filler}), "id": job.name.split("/", 1)[1]},
+        )
+    got = await client.get(job.name)
+    assert got.result == {"blob": "r" * filler}
+    assert got.payload == {"blob": "p" * filler}
+    listed = (await client.list()).jobs
+    assert [j.name for j in listed] == [job.name]
+    assert listed[0].result == got.result

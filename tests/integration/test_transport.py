@@ -20,7 +20,14 @@ from google.rpc import error_details_pb2
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from jobplane.client import AsyncClient, Client, JobState, Unauthenticated, Unavailable
+from jobplane.client import (
+    AsyncClient,
+    Client,
+    ClientTLS,
+    JobState,
+    Unauthenticated,
+    Unavailable,
+)
 from jobplane.client._errors import rich_status
 from jobplane.server import JobplaneServer
 from jobplane.server.app import ServerTLS
@@ -63,12 +70,14 @@ def _server_tls(ca: trustme.CA, client_ca: trustme.CA | None = None) -> ServerTL
     )
 
 
-def _client_identity(ca: trustme.CA) -> dict[str, bytes]:
+def _mutual(roots: bytes, ca: trustme.CA) -> ClientTLS:
+    """TLS trusting ``roots``, presenting a client certificate signed by ``ca``."""
     cert = ca.issue_cert("worker@example.test")
-    return {
-        "client_cert": b"".join(p.bytes() for p in cert.cert_chain_pems),
-        "client_key": cert.private_key_pem.bytes(),
-    }
+    return ClientTLS(
+        root_certificates=roots,
+        client_cert=b"".join(p.bytes() for p in cert.cert_chain_pems),
+        client_key=cert.private_key_pem.bytes(),
+    )
 
 
 async def _round_trip(client: AsyncClient) -> None:
@@ -130,12 +139,13 @@ async def test_a_call_without_a_valid_key_is_refused_before_its_body_is_read(
 async def test_tls_round_trip(servers: Servers, ca: trustme.CA) -> None:
     server = await servers.start(tls=_server_tls(ca))
     key, _tenant = await server.keys.create_key("acme")
-    await _round_trip(servers.client(server, key, root_certificates=ca.cert_pem.bytes()))
+    tls = ClientTLS(root_certificates=ca.cert_pem.bytes())
+    await _round_trip(servers.client(server, key, tls=tls))
 
     def blocking() -> int:
         # The blocking client takes the same options.
-        with Client(server.address, key, root_certificates=ca.cert_pem.bytes()) as client:
-            assert client.tls
+        with Client(server.address, key, tls=tls) as client:
+            assert client.tls == tls
             return len(client.list().jobs)
 
     # In a thread: the server runs on this test's event loop.
@@ -154,10 +164,11 @@ async def test_a_plaintext_client_is_refused_by_a_tls_server(
     # A client that does not trust the server's CA is refused too.
     with pytest.raises(Unavailable):
         await servers.client(
-            server, key, timeout=1, root_certificates=trustme.CA().cert_pem.bytes()
+            server, key, timeout=1, tls=ClientTLS(root_certificates=trustme.CA().cert_pem.bytes())
         ).list()
     # The server is unharmed.
-    await _round_trip(servers.client(server, key, root_certificates=ca.cert_pem.bytes()))
+    roots = ClientTLS(root_certificates=ca.cert_pem.bytes())
+    await _round_trip(servers.client(server, key, tls=roots))
 
 
 async def test_mutual_tls_round_trip_and_a_client_without_a_certificate_is_refused(
@@ -166,20 +177,17 @@ async def test_mutual_tls_round_trip_and_a_client_without_a_certificate_is_refus
     server = await servers.start(tls=_server_tls(ca, client_ca))
     key, _tenant = await server.keys.create_key("acme")
     roots = ca.cert_pem.bytes()
-    identity = _client_identity(client_ca)
-    await _round_trip(servers.client(server, key, root_certificates=roots, **identity))
+    await _round_trip(servers.client(server, key, tls=_mutual(roots, client_ca)))
 
     with pytest.raises(Unavailable):
-        await servers.client(server, key, timeout=1, root_certificates=roots).list()
+        await servers.client(server, key, timeout=1, tls=ClientTLS(root_certificates=roots)).list()
     # A certificate from a CA the server does not trust is no better.
-    stranger = _client_identity(trustme.CA())
+    stranger = _mutual(roots, trustme.CA())
     with pytest.raises(Unavailable):
-        await servers.client(server, key, timeout=1, root_certificates=roots, **stranger).list()
+        await servers.client(server, key, timeout=1, tls=stranger).list()
     # Mutual TLS does not replace the API key.
     with pytest.raises(Unauthenticated):
-        await servers.client(
-            server, "jp_wrong", root_certificates=roots, **_client_identity(client_ca)
-        ).list()
+        await servers.client(server, "jp_wrong", tls=_mutual(roots, client_ca)).list()
     assert int(await _count_jobs(servers)) == 1
 
 

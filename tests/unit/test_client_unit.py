@@ -12,7 +12,7 @@ from typing import Any
 
 import grpc
 import pytest
-from google.protobuf import any_pb2
+from google.protobuf import any_pb2, duration_pb2
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
@@ -29,6 +29,7 @@ from jobplane.client import (
     PayloadTooLarge,
     ProgressTracker,
     RetryPolicy,
+    TenantLimitExceeded,
     Unavailable,
     WatchSequenceError,
     cli,
@@ -440,6 +441,69 @@ async def test_watch_gives_up_after_max_elapsed(monkeypatch: pytest.MonkeyPatch)
     assert isinstance(info.value.__cause__, grpc.aio.AioRpcError)
     assert len(script.after_seqs) > 2
     assert set(script.after_seqs[1:]) == {1}
+
+
+def tenant_limit(retry_delay: float) -> grpc.aio.AioRpcError:
+    """A watch refused because the tenant holds its streams on that server."""
+    delay = duration_pb2.Duration()
+    delay.FromNanoseconds(round(retry_delay * 1e9))
+    return rpc_error(
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        "this tenant already has 3 watch streams open on this server; close some first",
+        error_info("TENANT_LIMIT_EXCEEDED", limit="watch_streams", max="3"),
+        error_details_pb2.RetryInfo(retry_delay=delay),
+    )
+
+
+async def test_watch_waits_out_a_tenant_stream_limit_and_resumes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The server went away; the one the watch reconnects to is at the
+    # tenant's stream limit (its watchers came too) until a slot frees.
+    script = Script(
+        FakeCall([event(1, EventType.QUEUED), event(2)], unavailable()),
+        FakeCall([], tenant_limit(0.02)),
+        FakeCall([], tenant_limit(0.02)),
+        FakeCall([event(3), event(4, EventType.SUCCEEDED)]),
+    )
+    client = scripted(monkeypatch, script)
+    assert await collect(client.watch("jobs/1")) == [1, 2, 3, 4]
+    assert script.after_seqs == [0, 2, 2, 2]
+
+    # wait() follows the same watch.
+    script = Script(FakeCall([], tenant_limit(0.02)), FakeCall([event(2, EventType.SUCCEEDED)]))
+    client = scripted(monkeypatch, script)
+    states = iter([job(JobState.RUNNING, last_seq=1), job(JobState.SUCCEEDED, last_seq=2)])
+
+    async def get(name: str | Job) -> Job:
+        return next(states)
+
+    monkeypatch.setattr(client, "get", get)
+    assert (await client.wait("jobs/1")).state is JobState.SUCCEEDED
+    assert script.after_seqs == [1, 1]
+
+
+async def test_watch_raises_the_tenant_limit_once_its_budget_is_spent(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    policy = RetryPolicy(initial_delay=0.001, max_delay=0.002, max_elapsed=0.5, jitter=0)
+    script = Script(*(FakeCall([], tenant_limit(0.05)) for _ in range(1000)))
+    client = scripted(monkeypatch, script, policy=policy)
+    with pytest.raises(TenantLimitExceeded) as info:
+        await collect(client.watch("jobs/1"))
+    assert info.value.retry_delay == pytest.approx(0.05)
+    assert info.value.limit == "watch_streams"
+    # It asked again, each time after the server's delay, not the backoff's
+    # 2 ms: 0.5 s holds at most ten of them.
+    assert 2 <= len(script.after_seqs) <= 11
+
+    # A delay longer than the whole budget is raised at once.
+    script = Script(FakeCall([], tenant_limit(5.0)))
+    client = scripted(monkeypatch, script, policy=policy)
+    with pytest.raises(TenantLimitExceeded) as info:
+        await collect(client.watch("jobs/1"))
+    assert info.value.retry_delay == pytest.approx(5.0)
+    assert script.after_seqs == [0]
 
 
 async def test_watch_ends_when_the_job_ended_before_after_seq(

@@ -220,14 +220,48 @@ def test_bad_security_settings(env: dict[str, str]) -> None:
 
 
 def test_client_tls_options_are_checked() -> None:
-    from jobplane.client import AsyncClient
+    from jobplane.client import AsyncClient, Client, ClientTLS
 
     with pytest.raises(ValueError, match="together"):
-        AsyncClient("h:1", client_cert=b"x")
-    with pytest.raises(ValueError, match="tls=False"):
-        AsyncClient("h:1", tls=False, root_certificates=b"x")
-    assert AsyncClient("h:1", root_certificates=b"x").tls
+        ClientTLS(client_cert=b"x")
+    tls = ClientTLS(root_certificates=b"x")
+    assert AsyncClient("h:1", tls=tls).tls is tls
+    assert AsyncClient("h:1", tls=True).tls == ClientTLS()
+    assert AsyncClient("h:1", tls=False).tls is None
     assert not AsyncClient("h:1").tls
+    assert Client("h:1", tls=tls).tls is tls
+    # The client key never shows in a repr.
+    assert "secret-key" not in repr(ClientTLS(client_cert=b"c", client_key=b"secret-key"))
+
+
+def test_client_tls_from_the_environment(tmp_path: Path) -> None:
+    from jobplane.client import AsyncClient, Client, ClientTLS
+
+    (tmp_path / "ca.pem").write_bytes(b"ca")
+    (tmp_path / "c.pem").write_bytes(b"cert")
+    (tmp_path / "c.key").write_bytes(b"key")
+    env = {
+        "JOBPLANE_ADDRESS": "h:2",
+        "JOBPLANE_API_KEY": "k",
+        "JOBPLANE_TLS_CA": str(tmp_path / "ca.pem"),
+        "JOBPLANE_TLS_CLIENT_CERT": str(tmp_path / "c.pem"),
+        "JOBPLANE_TLS_CLIENT_KEY": str(tmp_path / "c.key"),
+        "JOBPLANE_TLS_SERVER_NAME": "svc",
+    }
+    expected = ClientTLS(b"ca", b"cert", b"key", "svc")
+    assert ClientTLS.from_env(env) == expected
+    for client in (AsyncClient.from_env(env=env), Client.from_env(env=env)):
+        assert (client.address, client.api_key, client.tls) == ("h:2", "k", expected)
+    # Arguments win over the environment.
+    assert AsyncClient.from_env(env=env, tls=False, address="h:3").tls is None
+    assert AsyncClient.from_env(env=env, address="h:3").address == "h:3"
+    assert ClientTLS.from_env({"JOBPLANE_TLS": "1"}) == ClientTLS()
+    assert ClientTLS.from_env({"JOBPLANE_TLS": "0"}) is None
+    assert ClientTLS.from_env({}) is None
+    with pytest.raises(ValueError, match="TLS off"):
+        ClientTLS.from_env({"JOBPLANE_TLS": "no", "JOBPLANE_TLS_SERVER_NAME": "svc"})
+    with pytest.raises(ValueError, match="together"):
+        ClientTLS.from_env({"JOBPLANE_TLS_CLIENT_CERT": str(tmp_path / "c.pem")})
 
 
 def test_keys_list_prints_ids_never_keys(capsys: pytest.CaptureFixture[str]) -> None:

@@ -10,15 +10,27 @@ for a short while; revoking or rotating a key sends a notification on
 from its cache when it hears it (:meth:`KeyStore.forget`), and its whole cache
 when its LISTEN connection comes back (:meth:`KeyStore.clear_cache`), since
 notifications sent meanwhile are lost.
+
+Resolving is built to survive a flood of made-up keys (see
+:meth:`KeyStore.resolve`): anything not shaped exactly like a key this module
+makes is refused without a database round trip, keys found unknown are
+remembered for a short while, and the keys not cached are looked up in
+batches by at most ``max_lookups`` statements at a time, each holding its
+slot for at least ``lookup_interval`` seconds. However many keys arrive, key
+lookups hold at most ``max_lookups`` pooled connections and run at most
+``max_lookups / lookup_interval`` statements a second.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
+import itertools
+import re
 import secrets
 import time
 import uuid
+from collections import OrderedDict
 from dataclasses import dataclass
 from datetime import datetime
 
@@ -29,10 +41,21 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 from jobplane.store.engine import autocommit
 
 KEY_PREFIX = "jp_"
+# The secret part of a key: secrets.token_urlsafe(_KEY_BYTES).
+_KEY_BYTES = 32
+# Exactly what _new_key makes: the prefix, then 32 random bytes in unpadded
+# base64url, which is 43 characters. The last one carries the final 4 bits
+# and 2 zero bits, so it is one of the 16 characters whose index in the
+# alphabet is a multiple of 4.
+_KEY_SHAPE = re.compile(re.escape(KEY_PREFIX) + r"[A-Za-z0-9_-]{42}[AEIMQUYcgkosw048]")
 KEYS_CHANNEL = "jobplane_keys"
 MAX_TENANT_NAME = 200
 # Bounds the cache of one server process; past it the cache starts over.
 _CACHE_ENTRIES = 10_000
+# Bounds the memory of keys found unknown; past it the oldest are forgotten.
+_UNKNOWN_ENTRIES = 10_000
+# Keys one lookup statement asks about at most.
+_LOOKUP_BATCH = 500
 
 _UPSERT_TENANT = text(
     """
@@ -48,18 +71,20 @@ _INSERT_KEY = text(
     """
 )
 # last_used_time is written at most once a minute per key, and only on a cache
-# miss: a write per call would cost more than the call.
+# miss: a write per call would cost more than the call. Unknown keys match no
+# row, so they write nothing.
 _RESOLVE = text(
     """
     WITH k AS (
-        SELECT id, tenant_id, key_id, revoke_time, last_used_time FROM api_keys
-        WHERE key_hash = :key_hash AND (revoke_time IS NULL OR revoke_time > now())
+        SELECT id, key_hash, tenant_id, key_id, revoke_time, last_used_time FROM api_keys
+        WHERE key_hash = ANY(:key_hashes) AND (revoke_time IS NULL OR revoke_time > now())
     ), touched AS (
         UPDATE api_keys a SET last_used_time = now() FROM k
         WHERE a.id = k.id
           AND (k.last_used_time IS NULL OR k.last_used_time < now() - interval '60 seconds')
     )
-    SELECT tenant_id, key_id, extract(epoch FROM revoke_time - now())::float8 AS remaining
+    SELECT key_hash, tenant_id, key_id,
+           extract(epoch FROM revoke_time - now())::float8 AS remaining
     FROM k
     """
 )
@@ -106,6 +131,15 @@ def hash_key(key: str) -> bytes:
     return hashlib.sha256(key.encode()).digest()
 
 
+def _new_key() -> str:
+    return KEY_PREFIX + secrets.token_urlsafe(_KEY_BYTES)
+
+
+def key_shaped(key: str) -> bool:
+    """True when ``key`` has exactly the shape of the keys :class:`KeyStore` makes."""
+    return _KEY_SHAPE.fullmatch(key) is not None
+
+
 @dataclass(frozen=True, slots=True)
 class KeyIdentity:
     """Who a call's key stands for: its tenant and the key's non-secret id."""
@@ -148,15 +182,39 @@ class KeyStore:
     """Creates, lists, revokes and rotates keys; resolves them to tenants, cached.
 
     ``cache_seconds`` bounds how long a resolved key is trusted without asking
-    the database again when no notification says otherwise.
+    the database again when no notification says otherwise;
+    ``unknown_seconds`` how long a key found unknown is refused without
+    asking again. At most ``max_lookups`` lookup statements run at once, and
+    each holds its slot for at least ``lookup_interval`` seconds.
     """
 
-    def __init__(self, engine: AsyncEngine, *, cache_seconds: float = 30.0) -> None:
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        *,
+        cache_seconds: float = 30.0,
+        unknown_seconds: float = 10.0,
+        max_lookups: int = 2,
+        lookup_interval: float = 0.01,
+    ) -> None:
+        if max_lookups < 1:
+            raise ValueError("max_lookups must be at least 1")
         self._engine = engine
         self._auto = autocommit(engine)
         self._cache_seconds = cache_seconds
         self._cache: dict[bytes, _Cached] = {}
+        # Unknown keys, oldest first, with when each may be asked about again.
+        # No key ever becomes valid after it was unknown (a new key is random,
+        # and a revoked one stays revoked), so remembering one is always safe.
+        self._unknown_seconds = unknown_seconds
+        self._unknown: OrderedDict[bytes, float] = OrderedDict()
+        # Every lookup not answered yet; _waiting holds those no statement
+        # has taken up yet.
         self._inflight: dict[bytes, asyncio.Future[KeyIdentity | None]] = {}
+        self._waiting: dict[bytes, asyncio.Future[KeyIdentity | None]] = {}
+        self._max_lookups = max_lookups
+        self._lookup_interval = lookup_interval
+        self._lookups: set[asyncio.Task[None]] = set()
         # Bumped by every invalidation: a lookup that started before one may
         # have read a key that is revoked now, so its answer is not cached.
         self._generation = 0
@@ -233,7 +291,7 @@ class KeyStore:
 
     @staticmethod
     async def _insert_key(conn: AsyncConnection, tenant_id: object) -> tuple[str, str]:
-        key = KEY_PREFIX + secrets.token_urlsafe(32)
+        key = _new_key()
         key_id = (
             await conn.execute(
                 _INSERT_KEY,
@@ -245,46 +303,122 @@ class KeyStore:
     # -- resolution ----------------------------------------------------------
 
     async def resolve(self, key: str) -> KeyIdentity | None:
-        """Tenant and key id of ``key``; None when it is unknown, revoked or malformed."""
-        if not key.startswith(KEY_PREFIX) or len(key) > 200:
+        """Tenant and key id of ``key``; None when it is unknown, revoked or malformed.
+
+        A key not shaped like the ones :meth:`create` makes is refused at
+        once. A key cached as valid, or remembered as unknown, costs no round
+        trip. The others wait for a lookup statement, which asks about every
+        key waiting when it starts (up to 500): many calls with one key share
+        its lookup, and many calls with different keys share statements.
+        """
+        if not key_shaped(key):
             return None
         digest = hash_key(key)
+        now = time.monotonic()
         cached = self._cache.get(digest)
         if cached is not None:
-            if cached.expires > time.monotonic():
+            if cached.expires > now:
                 return cached.identity
             del self._cache[digest]
-        # Many calls with one key arriving together (watchers reconnecting
-        # after a restart) share one lookup, which a cancelled caller does
-        # not cancel for the others.
+        unknown_until = self._unknown.get(digest)
+        if unknown_until is not None:
+            if unknown_until > now:
+                return None
+            del self._unknown[digest]
         lookup = self._inflight.get(digest)
         if lookup is None:
-            lookup = asyncio.ensure_future(self._lookup(digest))
+            lookup = asyncio.get_running_loop().create_future()
             self._inflight[digest] = lookup
-            lookup.add_done_callback(lambda done: self._settled(digest, done))
+            self._waiting[digest] = lookup
+            if len(self._lookups) < self._max_lookups:
+                self._start_lookups()
+        # A cancelled caller does not cancel the lookup for the others.
         return await asyncio.shield(lookup)
 
-    def _settled(self, digest: bytes, lookup: asyncio.Future[KeyIdentity | None]) -> None:
-        self._inflight.pop(digest, None)
-        # Its callers may all be gone; the failure was theirs to see, not the loop's.
-        if not lookup.cancelled():
-            lookup.exception()
+    def _start_lookups(self) -> None:
+        task = asyncio.get_running_loop().create_task(self._run_lookups())
+        self._lookups.add(task)
+        task.add_done_callback(self._lookups_ended)
 
-    async def _lookup(self, digest: bytes) -> KeyIdentity | None:
+    def _lookups_ended(self, task: asyncio.Task[None]) -> None:
+        self._lookups.discard(task)
+        # Keys that arrived while this one was ending found every slot taken;
+        # a cancelled one was stopped by close(), which let them go.
+        if self._waiting and not task.cancelled():
+            self._start_lookups()
+
+    async def _run_lookups(self) -> None:
+        loop = asyncio.get_running_loop()
+        while self._waiting:
+            batch = dict(itertools.islice(self._waiting.items(), _LOOKUP_BATCH))
+            for digest in batch:
+                del self._waiting[digest]
+            started = loop.time()
+            try:
+                await self._lookup(batch)
+            except BaseException as exc:
+                for digest, lookup in batch.items():
+                    self._inflight.pop(digest, None)
+                    if lookup.done():
+                        continue
+                    if isinstance(exc, Exception):
+                        lookup.set_exception(exc)
+                        # Its callers may all be gone; the failure was theirs
+                        # to see, not the loop's.
+                        lookup.exception()
+                    else:
+                        lookup.cancel()
+                if not isinstance(exc, Exception):
+                    raise
+            # Holding the slot for the rest of the interval is what bounds the
+            # statements a flood of keys can cause: keys that arrive meanwhile
+            # wait and share the next one.
+            rest = started + self._lookup_interval - loop.time()
+            if rest > 0:
+                await asyncio.sleep(rest)
+
+    async def _lookup(self, batch: dict[bytes, asyncio.Future[KeyIdentity | None]]) -> None:
         generation = self._generation
         started = time.monotonic()
         async with self._auto.connect() as conn:
-            row = (await conn.execute(_RESOLVE, {"key_hash": digest})).first()
-        if row is None:
-            return None
-        tenant_id, key_id, remaining = row
-        identity = KeyIdentity(uuid.UUID(str(tenant_id)), str(key_id))
-        if generation == self._generation:
-            ttl = self._cache_seconds if remaining is None else min(self._cache_seconds, remaining)
-            if len(self._cache) >= _CACHE_ENTRIES:
-                self._cache.clear()
-            self._cache[digest] = _Cached(identity, started + ttl)
-        return identity
+            rows = (await conn.execute(_RESOLVE, {"key_hashes": list(batch)})).all()
+        found: dict[bytes, KeyIdentity] = {}
+        for key_hash, tenant_id, key_id, remaining in rows:
+            digest = bytes(key_hash)
+            identity = found[digest] = KeyIdentity(uuid.UUID(str(tenant_id)), str(key_id))
+            if generation == self._generation:
+                ttl = (
+                    self._cache_seconds
+                    if remaining is None
+                    else min(self._cache_seconds, remaining)
+                )
+                if len(self._cache) >= _CACHE_ENTRIES:
+                    self._cache.clear()
+                self._cache[digest] = _Cached(identity, started + ttl)
+        for digest, lookup in batch.items():
+            self._inflight.pop(digest, None)
+            identity_or_none = found.get(digest)
+            if identity_or_none is None:
+                self._remember_unknown(digest, started)
+            if not lookup.done():
+                lookup.set_result(identity_or_none)
+
+    def _remember_unknown(self, digest: bytes, now: float) -> None:
+        self._unknown[digest] = now + self._unknown_seconds
+        self._unknown.move_to_end(digest)
+        if len(self._unknown) > _UNKNOWN_ENTRIES:
+            self._unknown.popitem(last=False)
+
+    async def close(self) -> None:
+        """Stop the lookups under way; the calls waiting for them are cancelled."""
+        lookups = list(self._lookups)
+        for task in lookups:
+            task.cancel()
+        await asyncio.gather(*lookups, return_exceptions=True)
+        for lookup in self._inflight.values():
+            lookup.cancel()
+        self._inflight.clear()
+        self._waiting.clear()
 
     def forget(self, key_id: str) -> None:
         """Drop ``key_id`` from the cache (it was revoked or rotated somewhere)."""
@@ -301,6 +435,11 @@ class KeyStore:
     def cached(self) -> int:
         """Keys cached now."""
         return len(self._cache)
+
+    @property
+    def remembered_unknown(self) -> int:
+        """Unknown keys remembered now."""
+        return len(self._unknown)
 
 
 def _info(row: RowMapping) -> KeyInfo:

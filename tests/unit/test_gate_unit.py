@@ -1,0 +1,177 @@
+"""The call gate without a server: key shapes, refusal logs held back, handlers made once."""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+import grpc
+import pytest
+
+from jobplane.server import auth
+from jobplane.server.auth import CallGate, LogSampler, current_identity
+from jobplane.server.limits import TenantLimiter, TenantLimits
+from jobplane.store.keys import KEY_PREFIX, KeyIdentity, _new_key, key_shaped
+
+SERVICE = "jobplane.v1.JobService"
+GOOD = _new_key()
+
+
+def test_every_key_made_has_the_shape_the_gate_accepts() -> None:
+    keys = [_new_key() for _ in range(2000)]
+    assert all(key_shaped(key) for key in keys)
+    # Every last character a key can end with turns up.
+    assert len({key[-1] for key in keys}) == 16
+
+
+@pytest.mark.parametrize(
+    "key",
+    [
+        "",
+        KEY_PREFIX,
+        GOOD[:-1],  # one short
+        GOOD + "A",  # one long
+        "jq_" + GOOD[3:],  # another prefix
+        "JP_" + GOOD[3:],
+        GOOD[:-1] + "B",  # a last character no 32 bytes encode to
+        GOOD[:10] + "+" + GOOD[11:],  # standard base64, not URL-safe
+        GOOD[:10] + "=" + GOOD[11:],
+        GOOD[:10] + "é" + GOOD[11:],
+        GOOD + "\n",
+        " " + GOOD,
+        KEY_PREFIX + "A" * 200,
+    ],
+)
+def test_anything_else_is_not_a_key(key: str) -> None:
+    assert not key_shaped(key)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_the_sampler_lets_one_line_a_second_through_per_key() -> None:
+    clock = Clock()
+    sampler = LogSampler(1.0, clock=clock)
+    assert sampler.take("a") == 0
+    assert [sampler.take("a") for _ in range(5)] == [None] * 5
+    assert sampler.take("b") == 0  # keys are counted apart
+    clock.now += 0.999
+    assert sampler.take("a") is None
+    clock.now += 0.001
+    assert sampler.take("a") == 6  # the lines held back since the last one
+    assert sampler.take("a") is None
+    clock.now += 5
+    assert sampler.take("a") == 1
+    assert sampler.take("b") == 0
+
+
+class Keys:
+    """Stands in for KeyStore: one known key."""
+
+    def __init__(self) -> None:
+        self.identity = KeyIdentity(uuid.uuid4(), "key_0123456789abcdef")
+
+    async def resolve(self, key: str) -> KeyIdentity | None:
+        return self.identity if key == GOOD else None
+
+
+class Details(grpc.HandlerCallDetails):
+    def __init__(self, rpc: str, key: str | None) -> None:
+        self.method = f"/{SERVICE}/{rpc}"
+        self.invocation_metadata = (("authorization", f"Bearer {key}"),) if key else ()
+
+
+class Log:
+    """Records the gate's log lines."""
+
+    def __init__(self) -> None:
+        self.lines: list[tuple[str, dict[str, Any]]] = []
+
+    def info(self, event: str, **kw: Any) -> None:
+        self.lines.append((event, kw))
+
+    def debug(self, event: str, **kw: Any) -> None:
+        pass
+
+    def is_enabled_for(self, level: int) -> bool:
+        return False
+
+
+async def _servicer(request: Any, context: Any) -> Any:
+    return ("served", current_identity())
+
+
+async def _streamer(request: Any, context: Any) -> Any:
+    yield current_identity()
+
+
+HANDLERS: dict[str, grpc.RpcMethodHandler[Any, Any]] = {
+    "GetJob": grpc.unary_unary_rpc_method_handler(_servicer),
+    "WatchJob": grpc.unary_stream_rpc_method_handler(_streamer),
+}
+
+
+async def _continuation(details: grpc.HandlerCallDetails) -> Any:
+    return HANDLERS[details.method.rsplit("/", 1)[1]]
+
+
+def _gate(keys: Keys, clock: Clock | None = None) -> CallGate:
+    store: Any = keys
+    return CallGate(SERVICE, store, TenantLimiter(TenantLimits()), clock=clock or Clock())
+
+
+async def test_admitted_calls_share_one_handler_per_method() -> None:
+    keys = Keys()
+    gate = _gate(keys)
+    first = await gate.intercept_service(_continuation, Details("GetJob", GOOD))
+    again = await gate.intercept_service(_continuation, Details("GetJob", GOOD))
+    watch = await gate.intercept_service(_continuation, Details("WatchJob", GOOD))
+    assert first is not None and watch is not None
+    assert first is again
+    assert watch is await gate.intercept_service(_continuation, Details("WatchJob", GOOD))
+    assert watch is not first
+    # The caller travels in the context the servicer runs in, not in the handler.
+    assert current_identity() == keys.identity
+    served: Any = first.unary_unary
+    assert await served(object(), None) == ("served", keys.identity)
+
+
+async def test_refusals_are_logged_once_a_second_per_reason(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    log = Log()
+    monkeypatch.setattr(auth, "log", log)
+    clock = Clock()
+    keys = Keys()
+    gate = _gate(keys, clock)
+    refusals = [
+        await gate.intercept_service(_continuation, Details("GetJob", _new_key()))
+        for _ in range(100)
+    ]
+    assert len({id(handler) for handler in refusals}) == 1  # one handler answers them all
+    assert await gate.intercept_service(_continuation, Details("GetJob", None)) is not None
+    assert [(e, kw["reason"], kw["suppressed"]) for e, kw in log.lines] == [
+        ("auth.refused", "the API key is not valid", 0),
+        ("auth.refused", "missing 'authorization: Bearer <key>' metadata", 0),
+    ]
+    clock.now += 1.0
+    await gate.intercept_service(_continuation, Details("GetJob", "jp_short"))
+    assert log.lines[-1][1]["suppressed"] == 99
+    assert len(log.lines) == 3
+
+
+async def test_below_debug_a_unary_call_runs_the_servicers_own_handler(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(auth, "log", Log())
+    gate = _gate(Keys())
+    admitted = await gate.intercept_service(_continuation, Details("GetJob", GOOD))
+    assert admitted is HANDLERS["GetJob"]
+    # A watch still takes a stream slot, so it keeps its wrapper.
+    watch = await gate.intercept_service(_continuation, Details("WatchJob", GOOD))
+    assert watch is not HANDLERS["WatchJob"]
