@@ -20,11 +20,15 @@ each, in the claim's transaction:
 
 One row's fate never holds up the others of its batch — not even when the
 database refuses to record it: the batch is then recorded again row by row,
-each in a transaction of its own, and the refused row is failed (its job too,
-``DISPATCH_FAILED``, naming the refusal) or, if the database refuses even
-that, held back from this relay's claims for a while and reported for an
-operator. A crash after the confirm and before the mark publishes the row
-again later: workers treat that duplicate as harmless.
+each in a transaction of its own. A row refused for its values (a constraint,
+a trigger) is failed (its job too, ``DISPATCH_FAILED``, naming the refusal)
+or, if the database refuses even that, held back from this relay's claims for
+a while and reported for an operator. A statement refused for what it is (an
+undefined column, a missing privilege) would refuse every row alike: nothing
+is failed over it; the rows stay due and the relay says so loudly.
+
+A crash after the confirm and before the mark publishes the row again later:
+workers treat that duplicate as harmless.
 
 The broker link is closed only when the broker is down or the channel is
 gone. A database that is down is waited out with the link kept open: a
@@ -74,6 +78,13 @@ _MIN_FRAME_MAX = 4096
 # How long a row the database refuses to change is left out of this relay's
 # claims before it is tried again (an operator may have fixed the cause).
 _HOLD_SECONDS = 300.0
+# SQLSTATE classes of a refusal about the values of a row, not the statement:
+# data exceptions (22), integrity constraints (23), a trigger's RAISE (P0),
+# WITH CHECK OPTION (44). Anything else non-transient (an undefined column, a
+# missing privilege, a bug) refuses the statement for every row alike: failing
+# rows over it would fail every job in the system, so it is left to an
+# operator instead, loudly.
+_ROW_REFUSALS = frozenset({"22", "23", "P0", "44"})
 
 
 class PublishFailed(Exception):
@@ -388,6 +399,7 @@ class Relay:
         is counted even when the database goes away half-way.
         """
         total = _Recorded()
+        unsettled: DBAPIError | None = None
         for outcome in outcomes:
             try:
                 async with self._store.claim_one(outcome.row.id) as batch:
@@ -396,9 +408,15 @@ class Relay:
             except DBAPIError as exc:
                 if database_transient(exc):
                     raise
+                if not _refuses_the_row(exc):
+                    # The row stays due; the others still move. Raised below.
+                    unsettled = unsettled or exc
+                    continue
                 recorded = await self._settle_refused(outcome.row, exc)
             self._report(recorded)
             total.add(recorded)
+        if unsettled is not None:
+            raise unsettled
         return total
 
     async def _settle_refused(self, row: OutboxRow, refusal: DBAPIError) -> _Recorded:
@@ -546,6 +564,17 @@ def check_publishable(message: aio_pika.Message, exchange: str, routing_key: str
         raise Unpublishable(_short(exc)) from exc
     if len(header) > _MIN_FRAME_MAX:
         raise Unpublishable(f"message properties of {len(header)} bytes exceed one frame")
+
+
+def _refuses_the_row(exc: DBAPIError) -> bool:
+    """True when Postgres refused ``exc``'s statement for the values of its row."""
+    current: BaseException | None = exc.orig
+    while current is not None:
+        state = getattr(current, "sqlstate", None) or getattr(current, "pgcode", None)
+        if isinstance(state, str) and state:
+            return state[:2] in _ROW_REFUSALS
+        current = current.__cause__
+    return False
 
 
 def _short(exc: BaseException) -> str:

@@ -26,6 +26,7 @@ from jobplane.store.sweeps import LeaseRepair, SweepStore
 from jobplane.topology import Topology
 from jobplane.workers.relay import Relay
 from jobplane.workers.sweeper import Sweeper
+from tests.support.queues import ready_count
 from tests.support.rows import insert_job
 from tests.support.stack import Stack, eventually, start_stack
 
@@ -184,3 +185,42 @@ async def test_a_failing_sweeper_keeps_sweeping_and_the_relay_stops(
     finally:
         await relay.stop()
     assert not relay.connected
+
+
+async def test_a_statement_refused_for_every_row_fails_no_job(
+    engine: AsyncEngine, database_url: str, amqp_url: str, topology: Topology
+) -> None:
+    # Refused for what the statement is (here: a privilege), not for a row's
+    # values: failing rows over it would fail every job there is.
+    stack = await start_stack(engine, database_url, amqp_url, topology, relay=False, worker=False)
+    try:
+        async with engine.begin() as conn:
+            await conn.execute(
+                text(
+                    "CREATE FUNCTION refuse() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN "
+                    "IF NEW.published_at IS NOT NULL THEN RAISE EXCEPTION 'refused' "
+                    "USING ERRCODE = 'insufficient_privilege'; END IF; RETURN NEW; END $$"
+                )
+            )
+            await conn.execute(
+                text(
+                    "CREATE TRIGGER refuse BEFORE UPDATE ON outbox "
+                    "FOR EACH ROW EXECUTE FUNCTION refuse()"
+                )
+            )
+        jobs = await _jobs(stack, 3)
+        relay = await stack.start_relay()
+
+        async def sent() -> bool:  # published, confirmed, and not marked
+            return await ready_count(amqp_url, topology.queues[0].name) >= 3
+
+        await eventually(sent)
+        assert await stack.scalar("SELECT count(*) FROM jobs WHERE state = 'queued'") == 3
+        assert await stack.scalar("SELECT count(*) FROM outbox WHERE failed_at IS NULL") == 3
+        assert relay.failed == 0
+
+        async with engine.begin() as conn:
+            await conn.execute(text("DROP TRIGGER refuse ON outbox"))
+        await eventually(lambda: _published(stack, [row for _job, row in jobs]), timeout=20)
+    finally:
+        await stack.close()
