@@ -240,6 +240,7 @@ class Relay:
                 await connection.close()
             raise
         self.connects += 1
+        log.info("relay.connected")
         return _Link(connection, channel, exchange)
 
     async def _run(self) -> None:
@@ -249,7 +250,6 @@ class Relay:
                 try:
                     if self._link is None:
                         self._link = await self._open()
-                        log.info("relay.connected")
                     while not self._link.closed:
                         moved = await self.relay_once(self._link.exchange)
                         delay = 0.5
