@@ -686,7 +686,10 @@ async def check_plans(bench: Bench) -> None:
         "relay next due": (outbox._NEXT_DUE, {}),
         "sweeper expired leases": (sweeps._EXPIRED, {"grace": 5.0, "limit": 100}),
         "sweeper stuck outbox": (sweeps._STUCK_OUTBOX, {"older_than": 60.0}),
-        "sweeper lost dispatches": (sweeps._REPUBLISH, {"after": 600.0, "limit": 100}),
+        "sweeper lost dispatches": (
+            sweeps._REPUBLISH,
+            {"after": 600.0, "limit": 1000, "cursor": uuid.UUID(int=0)},
+        ),
         "watch read": (
             job_store._READ_STREAMS,
             {"ids": [job_id], "tenants": [tenant], "afters": [0], "limit": 500},

@@ -8,8 +8,8 @@ each, in the claim's transaction:
 - a nack, a timeout or a lost connection: due again after a backoff
   (transient; the relay reconnects only when its channel is gone);
 - a return (no queue bound for the routing key): due again after a backoff,
-  until the row has come back ``unroutable_returns`` times over at least
-  ``unroutable_after`` seconds — then the job FAILS with
+  until the row has come back ``unroutable_returns`` times in a row over at
+  least ``unroutable_after`` seconds — then the job FAILS with
   ``JOB_TYPE_UNROUTABLE``. The server refuses types its topology file does
   not route, so a return means the broker's bindings differ from the file
   (not applied yet, being re-applied, a queue deleted): worth minutes of
@@ -18,16 +18,31 @@ each, in the claim's transaction:
   longer than AMQP's 255-byte short strings, a body over the envelope limit):
   the row is failed and the job FAILS with ``DISPATCH_FAILED``, at once.
 
-One row's fate never holds up the others of its batch. A crash after the
-confirm and before the mark publishes the row again later: workers treat that
-duplicate as harmless.
+One row's fate never holds up the others of its batch — not even when the
+database refuses to record it: the batch is then recorded again row by row,
+each in a transaction of its own. A row refused for its values (a constraint,
+a trigger) is failed (its job too, ``DISPATCH_FAILED``, naming the refusal)
+or, if the database refuses even that, held back from this relay's claims for
+a while and reported for an operator. A statement refused for what it is (an
+undefined column, a missing privilege) would refuse every row alike: nothing
+is failed over it; the rows stay due and the relay says so loudly.
+
+A crash after the confirm and before the mark publishes the row again later:
+workers treat that duplicate as harmless.
+
+The broker link is closed only when the broker is down or the channel is
+gone. A database that is down is waited out with the link kept open: a
+reconnect would re-run the whole topology check for nothing.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from dataclasses import dataclass, replace
+import enum
+import time
+import uuid
+from dataclasses import dataclass, field, replace
 
 import aio_pika
 import aiormq
@@ -45,6 +60,7 @@ from jobplane.faults import NO_FAULTS, FaultPoints
 from jobplane.logs import describe_error
 from jobplane.names import job_name
 from jobplane.store.deployment import Deployment, this_deployment
+from jobplane.store.down import database_transient
 from jobplane.store.listen import Listener
 from jobplane.store.outbox import GiveUp, OutboxBatch, OutboxRow, OutboxStore
 from jobplane.store.rows import OUTBOX_CHANNEL
@@ -59,6 +75,16 @@ JOB_TYPE_UNROUTABLE = "JOB_TYPE_UNROUTABLE"
 _SHORT_STRING = 255  # bytes of an AMQP short string
 # AMQP's smallest frame: a header frame this size fits any broker's frame_max.
 _MIN_FRAME_MAX = 4096
+# How long a row the database refuses to change is left out of this relay's
+# claims before it is tried again (an operator may have fixed the cause).
+_HOLD_SECONDS = 300.0
+# SQLSTATE classes of a refusal about the values of a row, not the statement:
+# data exceptions (22), integrity constraints (23), a trigger's RAISE (P0),
+# WITH CHECK OPTION (44). Anything else non-transient (an undefined column, a
+# missing privilege, a bug) refuses the statement for every row alike: failing
+# rows over it would fail every job in the system, so it is left to an
+# operator instead, loudly.
+_ROW_REFUSALS = frozenset({"22", "23", "P0", "44"})
 
 
 class PublishFailed(Exception):
@@ -86,6 +112,34 @@ class _Link:
     async def close(self) -> None:
         with contextlib.suppress(Exception):
             await self.connection.close()
+
+
+class _Fate(enum.Enum):
+    """What the broker did with one row's publish."""
+
+    CONFIRMED = "confirmed"
+    FAILED = "failed"  # nack, timeout, lost connection: transient
+    RETURNED = "returned"
+    UNPUBLISHABLE = "unpublishable"
+
+
+@dataclass(frozen=True, slots=True)
+class _Outcome:
+    row: OutboxRow
+    fate: _Fate
+    error: BaseException | None = None
+
+
+@dataclass(slots=True)
+class _Recorded:
+    """What recording a batch did, reported once it committed."""
+
+    published: int = 0
+    failed: list[tuple[OutboxRow, str, str, bool]] = field(default_factory=list)
+
+    def add(self, other: _Recorded) -> None:
+        self.published += other.published
+        self.failed += other.failed
 
 
 class Relay:
@@ -124,9 +178,11 @@ class Relay:
         self._deployment: Deployment | None = None
         self._link: _Link | None = None
         self.ownership: Ownership | None = None
+        self._held: dict[uuid.UUID, float] = {}  # row id -> monotonic time it is tried again
         self.published = 0
         self.failed = 0
         self.connects = 0
+        self.database_errors = 0
 
     @property
     def connected(self) -> bool:
@@ -144,24 +200,31 @@ class Relay:
         try:
             self._link = await self._open()
         except Exception as exc:
-            if not (broker.broker_down(exc) or isinstance(exc, DBAPIError | OSError)):
+            if broker.broker_down(exc):
+                log.warning("broker.unavailable", error=repr(exc), retry="in the background")
+            elif database_transient(exc):
+                log.warning("relay.db.error", error=describe_error(exc), retry="in the background")
+            else:
                 await self._wakeups.stop()
                 raise
-            log.warning("broker.unavailable", error=repr(exc), retry="in the background")
         self._task = asyncio.create_task(self._run(), name="jobplane-relay")
         if self._sweeper is not None:
             self._sweeper.start(self._sweep_interval)
 
     async def stop(self) -> None:
         """Stop; a batch in flight is rolled back and stays due."""
-        if self._sweeper is not None:
-            await self._sweeper.stop()
-        await cancel_and_wait(self._task)
-        self._task = None
-        if self._link is not None:
-            await self._link.close()
-            self._link = None
-        await self._wakeups.stop()
+        try:
+            if self._sweeper is not None:
+                await self._sweeper.stop()
+        finally:
+            try:
+                await cancel_and_wait(self._task)
+            finally:
+                self._task = None
+                if self._link is not None:
+                    await self._link.close()
+                    self._link = None
+                await self._wakeups.stop()
 
     async def _open(self) -> _Link:
         """Connect, check the topology and open a confirming channel."""
@@ -177,6 +240,7 @@ class Relay:
                 await connection.close()
             raise
         self.connects += 1
+        log.info("relay.connected")
         return _Link(connection, channel, exchange)
 
     async def _run(self) -> None:
@@ -186,32 +250,40 @@ class Relay:
                 try:
                     if self._link is None:
                         self._link = await self._open()
-                    log.info("relay.connected")
-                    delay = 0.5
                     while not self._link.closed:
                         moved = await self.relay_once(self._link.exchange)
+                        delay = 0.5
                         if moved < self._batch_size:
                             await wakeup.wait(await self._idle_seconds())
                     log.warning("broker.unavailable", error="the channel closed", retry_in=delay)
                 except asyncio.CancelledError:
                     raise
-                except DBAPIError as exc:
-                    log.warning("relay.db.error", error=describe_error(exc), retry_in=delay)
                 except TopologyMissing as exc:
                     # Removed under a running relay; an operator may apply it again.
                     log.error("relay.topology.missing", error=str(exc), retry_in=delay)
                 except Exception as exc:
                     if broker.broker_down(exc):
                         log.warning("broker.unavailable", error=repr(exc), retry_in=delay)
+                        await self._drop_link()
+                    elif database_transient(exc):
+                        # The broker is fine: keep the link, wait for the database.
+                        self.database_errors += 1
+                        log.warning("relay.db.error", error=describe_error(exc), retry_in=delay)
                     else:
                         # A relay that stops relaying is worse than one that
                         # keeps trying: say it loudly and try again.
-                        log.error("relay.error", error=repr(exc), retry_in=delay, exc_info=exc)
-                if self._link is not None:
-                    await self._link.close()
-                    self._link = None
+                        log.error(
+                            "relay.error", error=describe_error(exc), retry_in=delay, exc_info=exc
+                        )
+                if self._link is not None and self._link.closed:
+                    await self._drop_link()
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 10.0)
+
+    async def _drop_link(self) -> None:
+        if self._link is not None:
+            await self._link.close()
+            self._link = None
 
     async def drain_once(self) -> int:
         """Connect, publish every row due now, disconnect; returns rows taken."""
@@ -227,6 +299,10 @@ class Relay:
             await link.close()
 
     async def _idle_seconds(self) -> float:
+        if self._held:
+            # A held row is due for ever: it would make every wait end at once.
+            # New rows still wake the relay by notification.
+            return self._poll_seconds
         due = await self._store.seconds_until_due()
         if due is None:
             return self._poll_seconds * 5
@@ -234,80 +310,191 @@ class Relay:
 
     async def relay_once(self, exchange: AbstractExchange) -> int:
         """Publish one batch of due rows; returns how many rows it took."""
-        async with self._store.claim(self._batch_size) as batch:
-            if not batch.rows:
-                return 0
-            results = await asyncio.gather(
-                *(self._publish(exchange, row) for row in batch.rows), return_exceptions=True
-            )
-            confirmed: list[OutboxRow] = []
-            retry: list[tuple[OutboxRow, Exception]] = []
-            returned: list[tuple[OutboxRow, Exception]] = []
-            give_up: list[tuple[OutboxRow, str, str]] = []  # row, error code, message
-            for row, result in zip(batch.rows, results, strict=True):
-                if result is None:
-                    confirmed.append(row)
-                elif not isinstance(result, Exception):
-                    raise result  # cancelled: the batch rolls back and stays due
-                elif isinstance(result, Unpublishable):
-                    give_up.append((row, DISPATCH_FAILED, f"the broker cannot accept it: {result}"))
-                elif isinstance(result, Returned):
-                    returned.append((row, result))
-                else:
-                    retry.append((row, result))
-            self._faults.hit("relay.after_confirm")
-            await batch.mark_published([row.id for row in confirmed])
-            for row, error in retry + returned:
-                log.warning("broker.publish.failed", event_id=str(row.id), error=repr(error))
-            if retry:
-                await batch.mark_retry([row.id for row, _ in retry], repr(retry[0][1]))
-            if returned:
-                unroutable = await batch.mark_returned(
-                    [row.id for row, _ in returned],
-                    repr(returned[0][1]),
-                    give_up_after=self._unroutable_after,
-                    give_up_returns=self._unroutable_returns,
-                )
-                give_up += [
-                    (row, JOB_TYPE_UNROUTABLE, self._unroutable_message(row))
-                    for row, _ in returned
-                    if row.id in unroutable
-                ]
-            for row, code, message in give_up:
-                await self._give_up(batch, row, code, message)
-            self.published += len(confirmed)
-            log.debug(
-                "relay.batch",
-                published=len(confirmed),
-                retry=len(retry),
-                returned=len(returned),
-                failed=len(give_up),
-            )
-        return len(batch.rows)
-
-    def _unroutable_message(self, row: OutboxRow) -> str:
-        return (
-            f"no queue on the broker takes job type {row.envelope.job_type!r}: the dispatch "
-            f"came back unroutable at least {self._unroutable_returns} times over "
-            f"{self._unroutable_after:g}s (the broker's bindings differ from the topology; "
-            "run `jobplane topology apply`)"
+        outcomes: list[_Outcome] | None = None
+        try:
+            async with self._store.claim(self._batch_size, skip=self._holding()) as batch:
+                if not batch.rows:
+                    return 0
+                outcomes = await self._publish_all(exchange, batch.rows)
+                self._faults.hit("relay.after_confirm")
+                recorded = await self._record(batch, outcomes)
+        except DBAPIError as exc:
+            if outcomes is None or database_transient(exc):
+                raise
+            # Refused for what a statement is, not for the database's state:
+            # claimed again, the same rows would be refused again for ever.
+            log.error("relay.batch.refused", error=describe_error(exc), rows=len(outcomes))
+            recorded = await self._record_each(outcomes)
+        else:
+            self._report(recorded)
+        log.debug(
+            "relay.batch",
+            published=recorded.published,
+            failed=len(recorded.failed),
+            rows=len(outcomes),
         )
+        return len(outcomes)
 
-    async def _give_up(self, batch: OutboxBatch, row: OutboxRow, code: str, message: str) -> None:
-        outcome = await batch.fail(row, code, message)
-        if outcome is GiveUp.BUSY:
-            # Its job is being changed right now (a cancel, most likely): the
-            # row stays due and the next pass decides.
-            await batch.mark_retry([row.id], message)
-            return
-        self.failed += 1
+    async def _publish_all(
+        self, exchange: AbstractExchange, rows: list[OutboxRow]
+    ) -> list[_Outcome]:
+        results = await asyncio.gather(
+            *(self._publish(exchange, row) for row in rows), return_exceptions=True
+        )
+        outcomes: list[_Outcome] = []
+        for row, result in zip(rows, results, strict=True):
+            if result is None:
+                outcomes.append(_Outcome(row, _Fate.CONFIRMED))
+                continue
+            if not isinstance(result, Exception):
+                raise result  # cancelled: the batch rolls back and stays due
+            if isinstance(result, Unpublishable):
+                fate = _Fate.UNPUBLISHABLE
+            else:
+                fate = _Fate.RETURNED if isinstance(result, Returned) else _Fate.FAILED
+                log.warning("broker.publish.failed", event_id=str(row.id), error=repr(result))
+            outcomes.append(_Outcome(row, fate, result))
+        return outcomes
+
+    async def _record(self, batch: OutboxBatch, outcomes: list[_Outcome]) -> _Recorded:
+        """Write what the broker did with each row, in ``batch``'s transaction."""
+        by_fate: dict[_Fate, list[_Outcome]] = {fate: [] for fate in _Fate}
+        for outcome in outcomes:
+            by_fate[outcome.fate].append(outcome)
+        confirmed = by_fate[_Fate.CONFIRMED]
+        await batch.mark_published([o.row.id for o in confirmed])
+        if retry := by_fate[_Fate.FAILED]:
+            await batch.mark_retry([o.row.id for o in retry], repr(retry[0].error))
+        give_up = [
+            (o.row, DISPATCH_FAILED, f"the broker cannot accept it: {o.error}")
+            for o in by_fate[_Fate.UNPUBLISHABLE]
+        ]
+        if returned := by_fate[_Fate.RETURNED]:
+            unroutable = await batch.mark_returned(
+                [o.row.id for o in returned],
+                repr(returned[0].error),
+                give_up_after=self._unroutable_after,
+                give_up_returns=self._unroutable_returns,
+            )
+            give_up += [
+                (o.row, JOB_TYPE_UNROUTABLE, self._unroutable_message(o.row))
+                for o in returned
+                if o.row.id in unroutable
+            ]
+        recorded = _Recorded(published=len(confirmed))
+        for row, code, message in give_up:
+            result = await batch.fail(row, code, message)
+            if result is GiveUp.BUSY:
+                # Its job is being changed right now (a cancel, most likely):
+                # the row stays due and the next pass decides.
+                await batch.defer([row.id], message)
+            else:
+                recorded.failed.append((row, code, message, result is GiveUp.JOB_FAILED))
+        return recorded
+
+    async def _record_each(self, outcomes: list[_Outcome]) -> _Recorded:
+        """Record each row on its own, and settle the ones the database refuses.
+
+        Each row's record is reported as soon as it commits, so what was done
+        is counted even when the database goes away half-way.
+        """
+        total = _Recorded()
+        unsettled: DBAPIError | None = None
+        for outcome in outcomes:
+            try:
+                async with self._store.claim_one(outcome.row.id) as batch:
+                    # An empty batch: taken or settled by another relay meanwhile.
+                    recorded = await self._record(batch, [outcome]) if batch.rows else _Recorded()
+            except DBAPIError as exc:
+                if database_transient(exc):
+                    raise
+                if not _refuses_the_row(exc):
+                    # The row stays due; the others still move. Raised below.
+                    unsettled = unsettled or exc
+                    continue
+                recorded = await self._settle_refused(outcome.row, exc)
+            self._report(recorded)
+            total.add(recorded)
+        if unsettled is not None:
+            raise unsettled
+        return total
+
+    async def _settle_refused(self, row: OutboxRow, refusal: DBAPIError) -> _Recorded:
+        """A row whose outcome the database refuses: fail it (and its job if it can).
+
+        Held back from this relay's claims when the database refuses even that.
+        """
+        message = f"the database refused to record its dispatch: {describe_error(refusal)}"
+        try:
+            async with self._store.claim_one(row.id) as batch:
+                if not batch.rows:
+                    return _Recorded()
+                result = await batch.fail(row, DISPATCH_FAILED, message)
+                if result is GiveUp.BUSY:
+                    return _Recorded()  # still due; the next pass tries again
+                return _Recorded(
+                    failed=[(row, DISPATCH_FAILED, message, result is GiveUp.JOB_FAILED)]
+                )
+        except DBAPIError as exc:
+            if database_transient(exc):
+                raise
+            job_refusal = exc
+        try:
+            async with self._store.claim_one(row.id) as batch:
+                if not batch.rows:
+                    return _Recorded()
+                await batch.mark_failed(row, message)
+        except DBAPIError as exc:
+            if database_transient(exc):
+                raise
+            self._held[row.id] = time.monotonic() + _HOLD_SECONDS
+            log.error(
+                "relay.dispatch.held",
+                job=job_name(row.envelope.job_id),
+                event_id=str(row.id),
+                error=describe_error(exc),
+                retry_in=_HOLD_SECONDS,
+                hint="the database refuses every change to this outbox row; an operator must look",
+            )
+            return _Recorded()
         log.error(
             "relay.dispatch.failed",
             job=job_name(row.envelope.job_id),
             event_id=str(row.id),
-            code=code,
+            code=DISPATCH_FAILED,
             error=message,
-            job_failed=outcome is GiveUp.JOB_FAILED,
+            job_failed=False,
+            job_error=describe_error(job_refusal),
+            hint="the job could not be failed and stays QUEUED; an operator must look",
+        )
+        self.failed += 1
+        return _Recorded()
+
+    def _holding(self) -> list[uuid.UUID]:
+        now = time.monotonic()
+        for row_id in [i for i, until in self._held.items() if until <= now]:
+            del self._held[row_id]
+        return list(self._held)
+
+    def _report(self, recorded: _Recorded) -> None:
+        self.published += recorded.published
+        for row, code, message, job_failed in recorded.failed:
+            self.failed += 1
+            log.error(
+                "relay.dispatch.failed",
+                job=job_name(row.envelope.job_id),
+                event_id=str(row.id),
+                code=code,
+                error=message,
+                job_failed=job_failed,
+            )
+
+    def _unroutable_message(self, row: OutboxRow) -> str:
+        return (
+            f"no queue on the broker takes job type {row.envelope.job_type!r}: the dispatch "
+            f"came back unroutable {self._unroutable_returns} times in a row over at least "
+            f"{self._unroutable_after:g}s (the broker's bindings differ from the topology; "
+            "run `jobplane topology apply`)"
         )
 
     async def _publish(self, exchange: AbstractExchange, row: OutboxRow) -> None:
@@ -358,15 +545,13 @@ def check_publishable(message: aio_pika.Message, exchange: str, routing_key: str
     """
     if len(message.body) > MAX_ENVELOPE_BYTES:
         raise Unpublishable(f"body of {len(message.body)} bytes exceeds {MAX_ENVELOPE_BYTES}")
-    for field, value in (
+    for name, value in (
         ("routing key (job type)", routing_key),
         ("correlation id", message.correlation_id),
     ):
         size = len((value or "").encode("utf-8", "surrogatepass"))
         if size > _SHORT_STRING:
-            raise Unpublishable(
-                f"its {field} is {size} bytes; AMQP carries at most {_SHORT_STRING}"
-            )
+            raise Unpublishable(f"its {name} is {size} bytes; AMQP carries at most {_SHORT_STRING}")
     try:
         pamqp.frame.marshal(
             aiormq.spec.Basic.Publish(exchange=exchange, routing_key=routing_key, mandatory=True),
@@ -379,6 +564,17 @@ def check_publishable(message: aio_pika.Message, exchange: str, routing_key: str
         raise Unpublishable(_short(exc)) from exc
     if len(header) > _MIN_FRAME_MAX:
         raise Unpublishable(f"message properties of {len(header)} bytes exceed one frame")
+
+
+def _refuses_the_row(exc: DBAPIError) -> bool:
+    """True when Postgres refused ``exc``'s statement for the values of its row."""
+    current: BaseException | None = exc.orig
+    while current is not None:
+        state = getattr(current, "sqlstate", None) or getattr(current, "pgcode", None)
+        if isinstance(state, str) and state:
+            return state[:2] in _ROW_REFUSALS
+        current = current.__cause__
+    return False
 
 
 def _short(exc: BaseException) -> str:

@@ -43,7 +43,7 @@ from jobplane.store.listen import Listener
 from jobplane.store.rows import CANCEL_CHANNEL
 from jobplane.tasks import cancel_and_wait
 from jobplane.topology import Ownership, Topology, TopologyError, ensure
-from jobplane.workers.handback import hand_back
+from jobplane.workers.bounce import Bounced, bounce_foreign
 from jobplane.workers.handlers import JobContext, Registry
 from jobplane.workers.outcome import Escaped, Failure, check_result, describe, invoke
 from jobplane.workers.presence import Presence
@@ -119,10 +119,10 @@ class Worker:
         self._cancels = Listener(database_url, CANCEL_CHANNEL)
         self._cancels.on_notify(self._on_cancel_notification)
         self._connection: AbstractConnection | None = None
-        self._handback: AbstractChannel | None = None
+        self._bounce_channel: AbstractChannel | None = None
         self._deployment: Deployment | None = None
         self.ownership: Ownership | None = None
-        self.handed_back = 0
+        self.bounced = 0
         self._consumers: list[tuple[aio_pika.abc.AbstractQueue, str]] = []
         self._tasks: set[asyncio.Task[None]] = set()
         self._running: dict[str, _Running] = {}
@@ -173,7 +173,7 @@ class Worker:
             )
             channel = await self._connection.channel()
             await channel.set_qos(prefetch_count=self._prefetch)
-            self._handback = await self._connection.channel(publisher_confirms=True)
+            self._bounce_channel = await self._connection.channel(publisher_confirms=True)
             # Registered before consuming: others park a job only when no live
             # worker handles its type, so a worker that consumes must be seen.
             await until_database_up(self._presence.start, log)
@@ -320,7 +320,7 @@ class Worker:
         # Decided after the lookup, not before: a deployment whose identity
         # changed (its database restored elsewhere) still runs its own jobs.
         if self._foreign(envelope):
-            await self._return_to_queue(message, envelope, bound)
+            await self._bounce(message, envelope, bound)
             return
         bound.error("job.message.unknown_job")
         await _settle(message.reject(requeue=False))
@@ -329,26 +329,29 @@ class Worker:
         """True for a message of another deployment sharing these queues."""
         return envelope.deployment not in (None, self._deployment_id)
 
-    async def _return_to_queue(
+    async def _bounce(
         self, message: AbstractIncomingMessage, envelope: Envelope, bound: Any
     ) -> None:
-        """A message of another deployment (no such job here): back to its queue."""
-        assert self._handback is not None
+        """A message of another deployment (no such job here): back to its queue
+        (ADR-0006), or to the dead-letter queue after too many bounces."""
+        assert self._bounce_channel is not None
         queue = next((q.name for q, tag in self._consumers if tag == message.consumer_tag), None)
         try:
-            hops = await hand_back(self._handback, message, queue)
+            done, bounces = await bounce_foreign(
+                self._bounce_channel, message, queue, this_deployment=self._deployment_id
+            )
         except Exception as exc:
-            bound.warning("job.message.hand_back_failed", error=repr(exc))
+            bound.warning("job.message.bounce_failed", error=describe_error(exc))
             await _settle(message.nack(requeue=True))
             return
-        await _settle(message.ack())
-        self.handed_back += 1
-        bound.info(
-            "job.message.handed_back",
-            owner=envelope.deployment,
-            this=self._deployment_id,
-            hops=hops,
-        )
+        if done is Bounced.REQUEUED:
+            self.bounced += 1
+            bound.info(
+                "job.message.bounced",
+                owner=envelope.deployment,
+                this=self._deployment_id,
+                bounces=bounces,
+            )
 
     async def _claim(self, envelope: Envelope, *, redelivered: bool) -> ClaimResult:
         """Claim, waiting while another attempt holds a live lease.

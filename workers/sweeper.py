@@ -8,23 +8,30 @@
 - Dispatches the broker lost: a QUEUED job whose current dispatch was
   published more than ``republish_after`` seconds ago (doubling with each
   re-publish of that dispatch) gets it published again. A copy of a message
-  that was not lost after all is harmless: the claim admits one.
+  that was not lost after all is harmless: the claim admits one. This pass
+  reads QUEUED jobs, whose number grows with a backlog — exactly when the
+  database has least to spare — so it runs on a slower schedule of its own
+  (every ``republish_every`` seconds), in one sweeper at a time per database,
+  and looks at no more than ``republish_scan`` QUEUED jobs per pass,
+  continuing where its last pass stopped.
 
 Safe to run in many processes at once: rows are taken with SKIP LOCKED and
-re-checked under the lock.
+re-checked under the lock. A sweep that fails is logged and the next one runs
+on time: a sweeper never stops on its own.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass
 
 import structlog
-from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from jobplane.logs import describe_error
 from jobplane.names import job_name
+from jobplane.store.down import database_transient
 from jobplane.store.sweeps import SweepStore
 from jobplane.tasks import cancel_and_wait
 from jobplane.workers.retry import backoff
@@ -43,7 +50,7 @@ class SweepReport:
 
 
 class Sweeper:
-    """Finds expired leases and stuck outbox rows."""
+    """Finds expired leases, stuck outbox rows and lost dispatches."""
 
     def __init__(
         self,
@@ -54,17 +61,28 @@ class Sweeper:
         batch_size: int = 100,
         retry_base_delay: float = 1.0,
         republish_after: float = 600.0,
+        republish_every: float | None = None,
+        republish_scan: int = 10_000,
     ) -> None:
+        """``republish_every`` defaults to a tenth of ``republish_after``, at least 30 s."""
         self._store = SweepStore(engine)
         self._lease_grace = lease_grace
         self._stuck_after = stuck_after
         self._batch_size = batch_size
         self._retry_base_delay = retry_base_delay
         self._republish_after = republish_after
+        self._republish_every = (
+            max(republish_after / 10, 30.0) if republish_every is None else republish_every
+        )
+        self._republish_scan = republish_scan
+        self._next_republish = 0.0  # monotonic; the first sweep runs the pass
         self._task: asyncio.Task[None] | None = None
 
     async def sweep_once(self) -> SweepReport:
-        """One pass; repeats the lease repair while whole batches come back."""
+        """One pass; repeats the lease repair while whole batches come back.
+
+        The lost-dispatch pass runs only when its own schedule is due.
+        """
         requeued = failed = 0
         while True:
             repair = await self._store.expire_leases(
@@ -77,21 +95,9 @@ class Sweeper:
             if repair.requeued + repair.failed < self._batch_size:
                 break
         republished = 0
-        while True:
-            again = await self._store.republish_unclaimed(
-                after=self._republish_after, limit=self._batch_size
-            )
-            for dispatch in again:
-                log.warning(
-                    "sweeper.dispatch.republished",
-                    job=job_name(dispatch.job_id),
-                    event_id=str(dispatch.dispatch_id),
-                    republish=dispatch.count,
-                    next_after=self._republish_after * 2**dispatch.count,
-                )
-            republished += len(again)
-            if len(again) < self._batch_size:
-                break
+        if time.monotonic() >= self._next_republish:
+            republished = await self._republish()
+            self._next_republish = time.monotonic() + self._republish_every
         stuck = await self._store.stuck_outbox(older_than=self._stuck_after)
         report = SweepReport(
             requeued=requeued, failed=failed, stuck_outbox=stuck, republished=republished
@@ -102,19 +108,45 @@ class Sweeper:
             log.warning("sweeper.outbox.stuck", rows=stuck, older_than=self._stuck_after)
         return report
 
+    async def _republish(self) -> int:
+        done = await self._store.republish_unclaimed(
+            after=self._republish_after, scan=self._republish_scan
+        )
+        if done is None:
+            log.debug("sweeper.republish.skipped", reason="another sweeper's pass is running")
+            return 0
+        for dispatch in done.republished:
+            log.warning(
+                "sweeper.dispatch.republished",
+                job=job_name(dispatch.job_id),
+                event_id=str(dispatch.dispatch_id),
+                republish=dispatch.count,
+                next_after=self._republish_after * 2**dispatch.count,
+            )
+        log.debug("sweeper.republish.pass", scanned=done.scanned, lap_done=done.lap_done)
+        return len(done.republished)
+
     def start(self, interval: float) -> None:
         """Sweep every ``interval`` seconds in the background."""
         self._task = asyncio.create_task(self._loop(interval), name="jobplane-sweeper")
 
     async def stop(self) -> None:
-        """Stop the background loop."""
-        await cancel_and_wait(self._task)
-        self._task = None
+        """Stop the background loop; never raises what ended it."""
+        task, self._task = self._task, None
+        try:
+            await cancel_and_wait(task)
+        except Exception as exc:  # the loop catches everything; this is a last guard
+            log.error("sweeper.failed", error=describe_error(exc), exc_info=exc)
 
     async def _loop(self, interval: float) -> None:
         while True:
             await asyncio.sleep(interval)
             try:
                 await self.sweep_once()
-            except (DBAPIError, OSError) as exc:
-                log.warning("sweeper.error", error=describe_error(exc))
+            except Exception as exc:
+                # A sweeper that stops sweeping strands jobs silently: whatever
+                # the failure, say it and sweep again next time.
+                if database_transient(exc):
+                    log.warning("sweeper.db.error", error=describe_error(exc))
+                else:
+                    log.error("sweeper.error", error=describe_error(exc), exc_info=exc)

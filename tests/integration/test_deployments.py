@@ -89,5 +89,5 @@ async def test_two_deployments_on_one_vhost_run_all_their_jobs(
         await other_engine.dispose()
 
 
-async def _at_least(stack: Stack, handed_back: int) -> bool:
-    return stack.worker is not None and stack.worker.handed_back >= handed_back
+async def _at_least(stack: Stack, bounced: int) -> bool:
+    return stack.worker is not None and stack.worker.bounced >= bounced

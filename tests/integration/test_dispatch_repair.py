@@ -19,47 +19,19 @@ from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from jobplane.client import JobState
-from jobplane.ids import new_id
+from jobplane.store import sweeps
+from jobplane.store.outbox import GiveUp, OutboxStore
 from jobplane.topology import Topology
 from jobplane.workers.relay import Relay
 from jobplane.workers.sweeper import Sweeper
+from tests.support.rows import insert_job
 from tests.support.stack import Stack, eventually, start_stack
-
-# A job, its first event and its outbox row, written the way a writer that
-# skips the server's validation (or one from before it) would.
-_INSERT_JOB = text(
-    """
-    WITH j AS (
-        INSERT INTO jobs (id, tenant_id, type, queue, state, payload, max_attempts, request_id,
-                          request_hash, correlation_id, dispatch_id, last_seq)
-        VALUES (:id, :tenant_id, :type, :queue, 'queued', '{}', 3, :request_id, '\\x00',
-                :correlation_id, :dispatch_id, 1)
-        RETURNING id, tenant_id, type, correlation_id, dispatch_id
-    ), e AS (
-        INSERT INTO job_events (job_id, seq, tenant_id, type, state, progress, message, attempt)
-        SELECT id, 1, tenant_id, 'queued', 'queued', 0, 'queued', 0 FROM j
-    )
-    INSERT INTO outbox (id, tenant_id, job_id, routing_key, correlation_id)
-    SELECT dispatch_id, tenant_id, id, type, correlation_id FROM j
-    """
-)
 
 
 async def _insert_job(stack: Stack, job_type: str, correlation_id: str = "") -> str:
-    job_id = new_id()
-    async with stack.engine.begin() as conn:
-        await conn.execute(
-            _INSERT_JOB,
-            {
-                "id": job_id,
-                "tenant_id": stack.tenant_id,
-                "type": job_type,
-                "queue": stack.topology.queues[0].name,
-                "request_id": str(job_id),
-                "correlation_id": correlation_id,
-                "dispatch_id": new_id(),
-            },
-        )
+    job_id, _dispatch = await insert_job(
+        stack.engine, stack.tenant_id, stack.topology.queues[0].name, job_type, correlation_id
+    )
     return str(job_id)
 
 
@@ -166,7 +138,7 @@ async def test_the_sweeper_republishes_a_dispatch_the_broker_lost(
     engine: AsyncEngine, database_url: str, amqp_url: str, topology: Topology
 ) -> None:
     stack = await start_stack(engine, database_url, amqp_url, topology, worker=False)
-    sweeper = Sweeper(engine, republish_after=10.0)
+    sweeper = Sweeper(engine, republish_after=10.0, republish_every=0.0)
     try:
         client = stack.client()
         job = await client.submit("demo.echo", {"lost": True})
@@ -196,5 +168,153 @@ async def test_the_sweeper_republishes_a_dispatch_the_broker_lost(
         # A claimed (here: finished) job's dispatch is never re-published.
         await age(3600.0)
         assert (await sweeper.sweep_once()).republished == 0
+    finally:
+        await stack.close()
+
+
+async def _returned(store: OutboxStore, *, returns: int) -> list[uuid.UUID]:
+    """Every due row comes back unroutable once; returns those given up on."""
+    async with store.claim(10) as batch:
+        return await batch.mark_returned(
+            [row.id for row in batch.rows], "returned", give_up_after=0.0, give_up_returns=returns
+        )
+
+
+async def _make_due(engine: AsyncEngine) -> None:
+    async with engine.begin() as conn:
+        await conn.execute(text("UPDATE outbox SET available_at = now()"))
+
+
+async def test_only_returns_in_a_row_count_towards_unroutable(
+    engine: AsyncEngine, database_url: str, amqp_url: str, topology: Topology
+) -> None:
+    stack = await start_stack(engine, database_url, amqp_url, topology, relay=False, worker=False)
+    store = OutboxStore(engine)
+    try:
+        await _insert_job(stack, "demo.echo")
+        for _ in range(2):
+            assert await _returned(store, returns=3) == []
+            await _make_due(engine)
+        # A nack (or a timeout) between returns ends the run.
+        async with store.claim(10) as batch:
+            await batch.mark_retry([row.id for row in batch.rows], "nacked")
+        assert await stack.scalar("SELECT returns FROM outbox") == 0
+        for _ in range(2):
+            await _make_due(engine)
+            assert await _returned(store, returns=3) == []
+        await _make_due(engine)
+        (given_up,) = await _returned(store, returns=3)  # three in a row
+        assert given_up == await stack.scalar("SELECT id FROM outbox")
+
+        # A publish ends a run too, and so does the sweeper's re-publish.
+        await _make_due(engine)
+        async with store.claim(10) as batch:
+            await batch.mark_published([row.id for row in batch.rows])
+        assert await stack.scalar("SELECT (returns, first_returned_at) FROM outbox") == (0, None)
+        async with engine.begin() as conn:
+            await conn.execute(
+                text(
+                    "UPDATE outbox SET returns = 7, first_returned_at = now() - interval '1 hour', "
+                    "published_at = now() - interval '1 hour'"
+                )
+            )
+        sweeper = Sweeper(engine, republish_after=60.0)
+        assert (await sweeper.sweep_once()).republished == 1
+        assert await stack.scalar("SELECT (returns, first_returned_at) FROM outbox") == (0, None)
+    finally:
+        await stack.close()
+
+
+async def test_giving_up_on_a_row_of_a_parked_job_settles_the_row(
+    engine: AsyncEngine, database_url: str, amqp_url: str, topology: Topology
+) -> None:
+    stack = await start_stack(engine, database_url, amqp_url, topology, relay=False, worker=False)
+    store = OutboxStore(engine)
+    try:
+        job_id = await _insert_job(stack, "demo.echo")
+        # The job was parked (no dispatch) while this row was still due.
+        async with engine.begin() as conn:
+            await conn.execute(text("UPDATE jobs SET dispatch_id = NULL"))
+
+        # A job locked by another transaction is busy: nothing is written.
+        async with engine.connect() as holder:
+            await holder.execute(text("SELECT 1 FROM jobs FOR UPDATE"))
+            async with store.claim(10) as batch:
+                assert await batch.fail(batch.rows[0], "DISPATCH_FAILED", "x") is GiveUp.BUSY
+            await holder.rollback()
+        assert await stack.scalar("SELECT failed_at FROM outbox") is None
+
+        async with store.claim(10) as batch:
+            assert await batch.fail(batch.rows[0], "DISPATCH_FAILED", "x") is GiveUp.MOVED_ON
+        assert await stack.scalar("SELECT failed_at IS NOT NULL FROM outbox")
+        # The parked job is left as it was: it waits for a worker, not for this row.
+        assert await stack.scalar(
+            "SELECT (state, dispatch_id) FROM jobs WHERE id = :id", id=uuid.UUID(job_id)
+        ) == ("queued", None)
+        async with store.claim(10) as batch:
+            assert batch.rows == []  # settled, not due again
+    finally:
+        await stack.close()
+
+
+async def _lost_dispatches(stack: Stack, count: int) -> None:
+    """``count`` QUEUED jobs whose dispatch was published an hour ago and never claimed."""
+    for _ in range(count):
+        await _insert_job(stack, "demo.echo")
+    async with stack.engine.begin() as conn:
+        await conn.execute(
+            text(
+                "UPDATE outbox SET published_at = now() - interval '1 hour' "
+                "WHERE published_at IS NULL AND republish_count = 0"
+            )
+        )
+
+
+async def test_one_sweeper_at_a_time_republishes_on_its_own_schedule(
+    engine: AsyncEngine, database_url: str, amqp_url: str, topology: Topology
+) -> None:
+    stack = await start_stack(engine, database_url, amqp_url, topology, relay=False, worker=False)
+    try:
+        await _lost_dispatches(stack, 1)
+        # Another sweeper's pass holds the lock: this one leaves the pass to it.
+        async with engine.connect() as other:
+            await other.execute(
+                text("SELECT pg_advisory_xact_lock(:key)"), {"key": sweeps.REPUBLISH_LOCK_KEY}
+            )
+            assert (await Sweeper(engine, republish_every=0.0).sweep_once()).republished == 0
+            await other.rollback()
+
+        hourly = Sweeper(engine, republish_after=60.0, republish_every=3600.0)
+        assert (await hourly.sweep_once()).republished == 1
+        await _lost_dispatches(stack, 1)
+        # Leases and stuck rows are swept every time; lost dispatches once an hour here.
+        assert (await hourly.sweep_once()).republished == 0
+        assert await stack.scalar("SELECT count(*) FROM outbox WHERE published_at IS NULL") == 1
+    finally:
+        await stack.close()
+
+
+async def test_a_republish_pass_looks_at_a_bounded_part_of_the_backlog(
+    engine: AsyncEngine, database_url: str, amqp_url: str, topology: Topology
+) -> None:
+    stack = await start_stack(engine, database_url, amqp_url, topology, relay=False, worker=False)
+    try:
+        await _lost_dispatches(stack, 5)
+        store = sweeps.SweepStore(engine)
+        passes = []
+        while True:
+            done = await store.republish_unclaimed(after=60.0, scan=2, window=1)
+            assert done is not None
+            passes.append((len(done.republished), done.scanned, done.lap_done))
+            if done.lap_done:
+                break
+        # Each pass reads two QUEUED jobs at most and goes on where the last stopped.
+        assert passes == [(2, 2, False), (2, 2, False), (1, 1, True)]
+        assert await stack.scalar("SELECT count(*) FROM outbox WHERE republish_count = 1") == 5
+        # After a lap the next pass starts again from the first.
+        async with engine.begin() as conn:
+            await conn.execute(text("UPDATE outbox SET published_at = now() - interval '1 day'"))
+        done = await store.republish_unclaimed(after=60.0, scan=10)
+        assert done is not None and len(done.republished) == 5 and done.lap_done
     finally:
         await stack.close()

@@ -16,6 +16,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from jobplane.client import EventType, JobState
 from jobplane.envelope import Envelope
 from jobplane.store.attempts import AttemptStore, ClaimStatus, HandBack
+from jobplane.store.sweeps import SweepStore
 from jobplane.store.workers import WorkerStore
 from jobplane.topology import Topology
 from jobplane.workers.handlers import JobContext, Registry
@@ -126,6 +127,15 @@ async def test_hand_back_is_fenced_and_parks_without_a_live_worker(
         assert reason == f"no live worker handles type reports.render on queue {queue}"
         parked = await client.get(job.name)
         assert (parked.state, parked.attempt, parked.last_seq) == (JobState.QUEUED, 0, 2)
+        assert parked.waiting_reason == reason
+        # An operator's re-dispatch (dlq replay) sends it again: it waits for
+        # no worker now, whatever happens next.
+        redispatched = await SweepStore(engine).redispatch(stack.tenant_id, uuid.UUID(job.id), "r")
+        assert redispatched is not None and redispatched.waiting_reason == ""
+        status, _ = await attempts.hand_back(
+            await stack.envelope(job.id), base_delay=0.01, max_delay=0.1
+        )
+        assert status is HandBack.PARKED
         # The old message is stale now: a second copy changes nothing.
         again = await attempts.hand_back(envelope, base_delay=0.01, max_delay=0.1)
         assert again == (HandBack.NOT_QUEUED, "")

@@ -12,7 +12,7 @@ import structlog
 
 from jobplane import broker
 from jobplane.envelope import MAX_ENVELOPE_BYTES
-from jobplane.workers.handback import handback_delay
+from jobplane.workers.bounce import bounce_delay
 from jobplane.workers.relay import Unpublishable, check_publishable
 
 
@@ -116,7 +116,7 @@ def test_the_longest_short_strings_are_publishable() -> None:
         check_publishable(aio_pika.Message(big.body + b"x"), "jobplane.jobs", "demo.echo")
 
 
-def test_hand_back_delay_grows_and_is_bounded() -> None:
-    delays = [handback_delay(hops) for hops in range(20)]
-    assert delays[0] < 0.05 and delays == sorted(delays)
-    assert max(delays) == 1.0
+def test_bounce_delay_grows_and_never_holds_a_delivery_long() -> None:
+    delays = [bounce_delay(bounces) for bounces in range(2000)]
+    assert delays[0] < 0.01 and delays == sorted(delays)
+    assert max(delays) == 0.1

@@ -2,20 +2,27 @@
 
 A row ends in one of three ways: published (a broker ack), due again after a
 backoff (a transient failure: the connection, a nack, a return), or failed
-(``failed_at``: the broker can never take it, or it came back unroutable for
-too long) — in which case its job is failed in the same transaction, fenced
-on the job's current dispatch, with a FAILED event.
+(``failed_at``: the broker can never take it, it came back unroutable for too
+long, or the database refuses to record what happened to it) — in which case
+its job is failed in the same transaction, fenced on the job's current
+dispatch, with a FAILED event.
+
+Unroutable returns count only while they come back to back: every other
+outcome (a publish, a nack, a timeout, a re-publish by the sweeper) starts the
+count again. One return long ago plus a few during a later topology re-apply
+is not "no queue takes this type".
 """
 
 from __future__ import annotations
 
 import enum
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Collection, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from typing import Any
 
-from sqlalchemy import text
+from sqlalchemy import TextClause, text
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from jobplane.envelope import Envelope
@@ -24,31 +31,50 @@ from jobplane.store.rows import dumps, transition_sql
 # SKIP LOCKED lets any number of relays share the table: each takes rows no
 # other relay holds, and a relay that dies releases its rows with its
 # transaction.
-_CLAIM_DUE = text(
-    """
+_CLAIM_SQL = """
     SELECT id, tenant_id, job_id, routing_key, correlation_id
     FROM outbox
-    WHERE published_at IS NULL AND failed_at IS NULL AND available_at <= now()
+    WHERE published_at IS NULL AND failed_at IS NULL AND {where}
     ORDER BY available_at
     LIMIT :limit
     FOR UPDATE SKIP LOCKED
-    """
+"""
+_CLAIM_DUE = text(_CLAIM_SQL.format(where="available_at <= now()"))
+# Rows the database refuses to change are held back by the relay that found
+# them (for a while): without this they would head every batch, and every
+# batch would fail on them.
+_CLAIM_DUE_EXCEPT = text(
+    _CLAIM_SQL.format(where="available_at <= now() AND NOT (id = ANY(CAST(:skip AS uuid[])))")
 )
+# One row again, in a transaction of its own, once its batch was refused.
+_CLAIM_ONE = text(_CLAIM_SQL.format(where="id = :id"))
+# Any outcome but a return ends a run of returns (see the module docstring);
+# the sweeper's re-publish too.
+RETURNS_RESET = "returns = 0, first_returned_at = NULL"
 _MARK_PUBLISHED = text(
-    "UPDATE outbox SET published_at = now(), publish_attempts = publish_attempts + 1 "
-    "WHERE id = ANY(CAST(:ids AS uuid[]))"
+    "UPDATE outbox SET published_at = now(), publish_attempts = publish_attempts + 1, "
+    f"{RETURNS_RESET} WHERE id = ANY(CAST(:ids AS uuid[]))"
 )
 _BACKOFF = "now() + make_interval(secs => least(30, 0.5 * 2 ^ least(publish_attempts, 6)))"
 _MARK_RETRY = text(
+    f"""
+    UPDATE outbox SET publish_attempts = publish_attempts + 1, last_error = :error,
+        available_at = {_BACKOFF}, {RETURNS_RESET}
+    WHERE id = ANY(CAST(:ids AS uuid[]))
+    """
+)
+# The relay decided to give up on the row but its job is locked: try again
+# later, keeping the run of returns that led here.
+_DEFER = text(
     f"""
     UPDATE outbox SET publish_attempts = publish_attempts + 1, last_error = :error,
         available_at = {_BACKOFF}
     WHERE id = ANY(CAST(:ids AS uuid[]))
     """
 )
-# A return counts towards giving up only with both enough returns and enough
-# time since the first: a topology being re-applied returns a few publishes
-# within seconds, and must not fail jobs.
+# A return counts towards giving up only with both enough returns in a row and
+# enough time since the first of them: a topology being re-applied returns a
+# few publishes within seconds, and must not fail jobs.
 _MARK_RETURNED = text(
     f"""
     UPDATE outbox SET publish_attempts = publish_attempts + 1, last_error = :error,
@@ -65,12 +91,14 @@ _MARK_FAILED = text(
 )
 # The batch already holds its outbox rows; a cancel locks the job and then
 # its pending outbox rows. Waiting for the job here could deadlock with it,
-# so the job is taken only if free (else the row is simply tried again).
+# so the job is taken only if free (no row: locked; the row is tried again).
 # Fenced on the dispatch: a job that moved on (cancelled, re-dispatched,
-# claimed from an earlier copy) is not this row's to fail.
+# claimed from an earlier copy, parked with no dispatch at all) is not this
+# row's to fail — coalesce, since a parked job's NULL dispatch_id makes the
+# comparison NULL, which must read "moved on", not "locked".
 _LOCK_JOB = text(
-    "SELECT dispatch_id = :dispatch_id AND state = 'queued' AS current FROM jobs "
-    "WHERE id = :job_id FOR UPDATE SKIP LOCKED"
+    "SELECT coalesce(dispatch_id = :dispatch_id AND state = 'queued', false) AS current "
+    "FROM jobs WHERE id = :job_id FOR UPDATE SKIP LOCKED"
 )
 _FAIL_JOB = text(
     transition_sql(
@@ -126,6 +154,15 @@ class OutboxBatch:
                 _MARK_RETRY, {"ids": [str(i) for i in ids], "error": error[:1000]}
             )
 
+    async def defer(self, ids: Sequence[uuid.UUID], error: str) -> None:
+        """Leave these rows due again after a backoff, their run of returns kept."""
+        if ids:
+            await self._conn.execute(_DEFER, {"ids": [str(i) for i in ids], "error": error[:1000]})
+
+    async def mark_failed(self, row: OutboxRow, error: str) -> None:
+        """No longer due, its job left as it is (for when the job cannot be failed)."""
+        await self._conn.execute(_MARK_FAILED, {"id": row.id, "error": error[:1000]})
+
     async def mark_returned(
         self, ids: Sequence[uuid.UUID], error: str, *, give_up_after: float, give_up_returns: int
     ) -> list[uuid.UUID]:
@@ -152,14 +189,17 @@ class OutboxBatch:
 
         :attr:`GiveUp.BUSY` (nothing written): the job row is locked by
         another transaction; the caller leaves the row due and tries later.
+        :attr:`GiveUp.MOVED_ON`: the job no longer waits for this row (another
+        dispatch, parked, or no longer QUEUED): the row is failed, the job
+        left alone.
         """
         message = message[:1000]
         ids = {"job_id": row.envelope.job_id, "dispatch_id": row.id}
-        current = (await self._conn.execute(_LOCK_JOB, ids)).scalar_one_or_none()
-        if current is None:
+        job = (await self._conn.execute(_LOCK_JOB, ids)).first()
+        if job is None:
             return GiveUp.BUSY
         await self._conn.execute(_MARK_FAILED, {"id": row.id, "error": message})
-        if not current:
+        if not job.current:
             return GiveUp.MOVED_ON
         await self._conn.execute(
             _FAIL_JOB,
@@ -182,27 +222,49 @@ class OutboxStore:
         self._engine = engine
 
     @asynccontextmanager
-    async def claim(self, limit: int) -> AsyncIterator[OutboxBatch]:
-        """Lock up to ``limit`` due rows for the life of the block.
+    async def claim(
+        self, limit: int, *, skip: Collection[uuid.UUID] = ()
+    ) -> AsyncIterator[OutboxBatch]:
+        """Lock up to ``limit`` due rows (none of ``skip``) for the life of the block.
 
         The marks written inside the block commit with it; if the block
         raises, the rows stay unpublished and due.
         """
+        if skip:
+            statement, params = _CLAIM_DUE_EXCEPT, {"skip": [str(i) for i in skip]}
+        else:
+            statement, params = _CLAIM_DUE, {}
         async with self._engine.begin() as conn:
-            result = await conn.execute(_CLAIM_DUE, {"limit": limit})
-            rows = [
-                OutboxRow(
-                    Envelope(
-                        event_id=uuid.UUID(str(r.id)),
-                        job_id=uuid.UUID(str(r.job_id)),
-                        tenant_id=uuid.UUID(str(r.tenant_id)),
-                        job_type=r.routing_key,
-                        correlation_id=r.correlation_id,
-                    )
+            yield await self._batch(conn, statement, {"limit": limit, **params})
+
+    @asynccontextmanager
+    async def claim_one(self, row_id: uuid.UUID) -> AsyncIterator[OutboxBatch]:
+        """Lock one row, due or not, in a transaction of its own.
+
+        The batch is empty when the row is locked elsewhere, published or
+        failed meanwhile.
+        """
+        async with self._engine.begin() as conn:
+            yield await self._batch(conn, _CLAIM_ONE, {"limit": 1, "id": row_id})
+
+    @staticmethod
+    async def _batch(
+        conn: AsyncConnection, statement: TextClause, params: dict[str, Any]
+    ) -> OutboxBatch:
+        result = await conn.execute(statement, params)
+        rows = [
+            OutboxRow(
+                Envelope(
+                    event_id=uuid.UUID(str(r.id)),
+                    job_id=uuid.UUID(str(r.job_id)),
+                    tenant_id=uuid.UUID(str(r.tenant_id)),
+                    job_type=r.routing_key,
+                    correlation_id=r.correlation_id,
                 )
-                for r in result
-            ]
-            yield OutboxBatch(conn, rows)
+            )
+            for r in result
+        ]
+        return OutboxBatch(conn, rows)
 
     async def seconds_until_due(self) -> float | None:
         """Seconds until the earliest unpublished row is due (<= 0: now), or None."""

@@ -15,6 +15,7 @@ from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from jobplane.ids import new_id
+from jobplane.store.outbox import RETURNS_RESET
 from jobplane.store.rows import (
     OUTBOX_CHANNEL,
     OUTBOX_FOR_JOB_SQL,
@@ -68,30 +69,55 @@ _STUCK_OUTBOX = text(
 # wait doubles with each re-publish of the row: a deep backlog legitimately
 # holds messages for long, and must not be flooded with copies. Both rows are
 # locked (SKIP LOCKED): a job being claimed right now is left alone.
+#
+# Its cost is bounded whatever the backlog: it looks at the next :limit QUEUED
+# jobs after :cursor in the order of jobs_queued_dispatch (no sort, no join of
+# the whole backlog), and the caller moves the cursor on, starting again from
+# the lowest id once a window comes back short. A backlog is covered over
+# several passes instead of read whole on each. The first row carries the
+# window's size and last id, also when nothing was due.
 _REPUBLISH = text(
     f"""
-    WITH due AS (
+    WITH scanned AS MATERIALIZED (
+        SELECT dispatch_id
+        FROM jobs
+        WHERE state = 'queued' AND dispatch_id > CAST(:cursor AS uuid)
+        ORDER BY dispatch_id
+        LIMIT :limit
+    ), due AS (
         SELECT o.id
-        FROM jobs j JOIN outbox o ON o.id = j.dispatch_id
-        WHERE j.state = 'queued' AND o.published_at IS NOT NULL
+        FROM scanned s
+        JOIN outbox o ON o.id = s.dispatch_id
+        JOIN jobs j ON j.id = o.job_id
+        WHERE j.state = 'queued' AND j.dispatch_id = o.id AND o.published_at IS NOT NULL
             AND o.published_at < now()
                 - make_interval(secs => :after * power(2, least(o.republish_count, 20)))
-        ORDER BY o.published_at
-        LIMIT :limit
         FOR UPDATE OF j, o SKIP LOCKED
     ), r AS (
         UPDATE outbox o SET published_at = NULL, available_at = now(),
-            republish_count = o.republish_count + 1
+            republish_count = o.republish_count + 1, {RETURNS_RESET}
         FROM due WHERE o.id = due.id
         RETURNING o.id, o.job_id, o.republish_count
     )
-    SELECT r.*, pg_notify('{OUTBOX_CHANNEL}', '') AS notified FROM r
+    SELECT w.scanned, w.last, r.id, r.job_id, r.republish_count,
+        CASE WHEN r.id IS NOT NULL THEN pg_notify('{OUTBOX_CHANNEL}', '') END AS notified
+    FROM (
+        SELECT (SELECT count(*) FROM scanned) AS scanned,
+            (SELECT dispatch_id FROM scanned ORDER BY dispatch_id DESC LIMIT 1) AS last
+    ) w LEFT JOIN r ON true
     """
 )
+# One re-publish pass at a time across all sweepers of a database: the pass
+# is repair, and two at once would only read the same backlog twice. A
+# transaction-level lock ends with the pass, or with its session.
+_REPUBLISH_LOCK = text("SELECT pg_try_advisory_xact_lock(:key)")
+REPUBLISH_LOCK_KEY = 0x6A70_7265_7075_6231  # "jprepub1"
+_START = uuid.UUID(int=0)
 _REDISPATCH = text(
     transition_sql(
+        # A parked job dispatched by an operator waits for no worker now.
         "state = 'queued', dispatch_id = :dispatch_id, lease_token = NULL, "
-        "lease_expires_at = NULL, next_attempt_time = NULL",
+        "lease_expires_at = NULL, next_attempt_time = NULL, waiting_reason = NULL",
         "id = :id AND tenant_id = :tenant_id "
         "AND (state = 'queued' OR (state = 'running' AND lease_expires_at < now()))",
     )
@@ -108,6 +134,15 @@ class Republished:
 
 
 @dataclass(frozen=True, slots=True)
+class RepublishPass:
+    """What one pass over QUEUED jobs for lost dispatches did."""
+
+    republished: list[Republished]
+    scanned: int  # QUEUED jobs looked at
+    lap_done: bool  # reached the last QUEUED job: the next pass starts from the first
+
+
+@dataclass(frozen=True, slots=True)
 class LeaseRepair:
     """What one pass over expired leases did."""
 
@@ -120,6 +155,7 @@ class SweepStore:
 
     def __init__(self, engine: AsyncEngine) -> None:
         self._engine = engine
+        self._cursor = _START
 
     async def expire_leases(
         self, *, grace: float, limit: int, delay: Callable[[int], float]
@@ -188,18 +224,42 @@ class SweepStore:
             count = (await conn.execute(_STUCK_OUTBOX, {"older_than": older_than})).scalar_one()
         return int(count)
 
-    async def republish_unclaimed(self, *, after: float, limit: int) -> list[Republished]:
+    async def republish_unclaimed(
+        self, *, after: float, scan: int, window: int = 1000
+    ) -> RepublishPass | None:
         """Make due again the dispatches of QUEUED jobs published long ago and never claimed.
 
         "Long ago" is ``after`` seconds for a row's first re-publish, doubling
-        with each one after it.
+        with each one after it. Looks at no more than ``scan`` QUEUED jobs (in
+        statements of ``window``), continuing where the last pass of this store
+        stopped. None when another sweeper's pass is running.
         """
+        found: list[Republished] = []
+        scanned = 0
+        lap_done = False
         async with self._engine.begin() as conn:
-            rows = (await conn.execute(_REPUBLISH, {"after": after, "limit": limit})).all()
-        return [
-            Republished(uuid.UUID(str(r.job_id)), uuid.UUID(str(r.id)), int(r.republish_count))
-            for r in rows
-        ]
+            locked = await conn.execute(_REPUBLISH_LOCK, {"key": REPUBLISH_LOCK_KEY})
+            if not locked.scalar_one():
+                return None
+            while scanned < scan and not lap_done:
+                limit = min(window, scan - scanned)
+                rows = (
+                    await conn.execute(
+                        _REPUBLISH, {"after": after, "limit": limit, "cursor": self._cursor}
+                    )
+                ).all()
+                head = rows[0]
+                scanned += int(head.scanned)
+                found += [
+                    Republished(
+                        uuid.UUID(str(r.job_id)), uuid.UUID(str(r.id)), int(r.republish_count)
+                    )
+                    for r in rows
+                    if r.id is not None
+                ]
+                lap_done = head.scanned < limit
+                self._cursor = _START if lap_done else uuid.UUID(str(head.last))
+        return RepublishPass(found, scanned, lap_done)
 
     async def redispatch(self, tenant_id: uuid.UUID, job_id: uuid.UUID, reason: str) -> Job | None:
         """A fresh dispatch of a QUEUED job (or a RUNNING one whose lease ran out).
