@@ -130,8 +130,8 @@ async def test_hand_back_is_fenced_and_parks_without_a_live_worker(
         assert parked.waiting_reason == reason
         # An operator's re-dispatch (dlq replay) sends it again: it waits for
         # no worker now, whatever happens next.
-        redispatched = await SweepStore(engine).redispatch(stack.tenant_id, uuid.UUID(job.id), "r")
-        assert redispatched is not None and redispatched.waiting_reason == ""
+        replayed = await SweepStore(engine).redispatch(stack.tenant_id, uuid.UUID(job.id), "r")
+        assert replayed is not None and replayed.waiting_reason == ""
         status, _ = await attempts.hand_back(
             await stack.envelope(job.id), base_delay=0.01, max_delay=0.1
         )
