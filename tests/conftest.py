@@ -67,9 +67,16 @@ async def engine(database_url: str) -> AsyncIterator[AsyncEngine]:
 
 
 @pytest.fixture
-def topology() -> Topology:
-    """The default topology under names no other test uses."""
-    return load_topology().prefixed(f"t{next(_counter)}.")
+async def topology(amqp_url: str) -> AsyncIterator[Topology]:
+    """The default topology under names no other test uses, deleted after the test.
+
+    Quorum queues are Raft groups: a run that kept every test's queues until
+    its vhost is deleted would hold thousands of them, and deleting those at
+    once can stall the broker for every other run.
+    """
+    names = load_topology().prefixed(f"t{next(_counter)}.")
+    yield names
+    await services.delete_topology(amqp_url, names)
 
 
 @pytest.fixture

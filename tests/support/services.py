@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import subprocess
 import uuid
 
 import asyncpg
+
+from jobplane import broker
+from jobplane.topology import Topology
 
 PG_ADMIN_URL = os.environ.get("JOBPLANE_TEST_PG", "postgresql://postgres@127.0.0.1:5432/postgres")
 AMQP_BASE = os.environ.get("JOBPLANE_TEST_AMQP", "amqp://guest:guest@127.0.0.1:5672")
@@ -89,3 +93,28 @@ def delete_user(name: str) -> None:
 def run_id() -> str:
     """A short id that names this run's databases and vhost."""
     return uuid.uuid4().hex[:10]
+
+
+async def delete_topology(amqp_url: str, topology: Topology) -> None:
+    """Delete ``topology``'s queues and exchanges from ``amqp_url``'s vhost (best effort)."""
+    try:
+        connection = await broker.connect(amqp_url)
+    except Exception:  # the broker is down (a fault test); the vhost goes at the end
+        return
+    async with connection:
+        for queue in (
+            *(q.name for q in topology.queues),
+            topology.failed_queue,
+            topology.owner_queue,
+        ):
+            channel = await connection.channel()
+            with contextlib.suppress(Exception):
+                await channel.queue_delete(queue)
+            with contextlib.suppress(Exception):
+                await channel.close()
+        for exchange in (topology.exchange, topology.dead_letter_exchange):
+            channel = await connection.channel()
+            with contextlib.suppress(Exception):
+                await channel.exchange_delete(exchange)
+            with contextlib.suppress(Exception):
+                await channel.close()
