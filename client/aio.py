@@ -418,7 +418,9 @@ class AsyncClient:
                         return
             finally:
                 call.cancel()
-            if loop.time() - opened >= self._watch_retry.max_delay:
+            if limited is None and loop.time() - opened >= self._watch_retry.max_delay:
+                # A stream that stayed open a while worked; a refusal, however
+                # slow to arrive, did not.
                 backoff.reset()
             delay = backoff.failure()
             if limited is not None:
