@@ -25,6 +25,7 @@ Example::
 
 from __future__ import annotations
 
+from jobplane.events.consumer import Consumer, ConsumerCounts, Handler
 from jobplane.events.envelope import (
     CONTENT_TYPE,
     EVENT_VERSION,
@@ -39,18 +40,25 @@ from jobplane.events.envelope import (
     validate_event_type,
     validate_pattern,
 )
+from jobplane.events.inbox import INBOX_TABLE, ensure_inbox, prune_inbox
 
 __all__ = [
     "CONTENT_TYPE",
     "EVENT_VERSION",
     "EXCHANGE",
+    "INBOX_TABLE",
     "MAX_EVENT_BYTES",
+    "Consumer",
+    "ConsumerCounts",
     "Event",
     "EventError",
+    "Handler",
     "amqp_properties",
     "decode",
     "encode",
+    "ensure_inbox",
     "matches",
+    "prune_inbox",
     "validate_event_type",
     "validate_pattern",
 ]
