@@ -166,6 +166,38 @@ async def test_a_failing_handler_is_retried_and_its_writes_roll_back(
     assert await effects(db) == [(sent.event_id, "job.started")]
 
 
+async def test_a_lost_database_session_is_waited_out_without_counting_a_failure(
+    consumers: _Consumers, db: AsyncEngine
+) -> None:
+    calls: list[uuid.UUID] = []
+
+    async def loses_its_session_once(got: Event, conn: AsyncConnection) -> None:
+        calls.append(got.event_id)
+        await record_effect(got, conn)
+        if len(calls) == 1:
+            # As a restart or failover would: the session ends mid-transaction.
+            await conn.execute(text("SELECT pg_terminate_backend(pg_backend_pid())"))
+
+    consumer = Consumer(
+        consumers.names.consumer("outage"),
+        loses_its_session_once,
+        engine=db,
+        amqp_url=consumers.amqp_url,
+        patterns=["job.*"],
+        exchange=consumers.names.exchange,
+        delivery_limit=1,
+        retry_delay=0.0,
+    )
+    async with consumer:
+        sent = event("job.started")
+        await publish(consumers.amqp_url, consumers.names.exchange, [sent])
+        await eventually(lambda: _async(consumer.counts.applied == 1))
+    assert consumer.counts.failed == 0
+    assert calls == [sent.event_id, sent.event_id]
+    assert await effects(db) == [(sent.event_id, "job.started")]
+    assert await ready_count(consumers.amqp_url, consumer.dead_letter_queue) == 0
+
+
 async def test_a_handler_that_always_fails_is_dead_lettered_after_the_limit(
     consumers: _Consumers, db: AsyncEngine
 ) -> None:
