@@ -18,7 +18,7 @@ import pytest
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
-from jobplane.events import Consumer, Event, ensure_inbox, prune_inbox
+from jobplane.events import Consumer, Event, Handler, ensure_inbox, prune_inbox
 from jobplane.topology import TopologyMissing
 from tests.support import services
 from tests.support.events import (
@@ -95,7 +95,7 @@ class _Consumers:
         self.started: list[Consumer] = []
 
     async def start(
-        self, name: str, handler: Recorder, patterns: list[str], **options: object
+        self, name: str, handler: Handler, patterns: list[str], **options: object
     ) -> Consumer:
         options.setdefault("retry_delay", 0.0)
         options.setdefault("amqp_url", self.amqp_url)
@@ -196,6 +196,31 @@ async def test_a_lost_database_session_is_waited_out_without_counting_a_failure(
     assert calls == [sent.event_id, sent.event_id]
     assert await effects(db) == [(sent.event_id, "job.started")]
     assert await ready_count(consumers.amqp_url, consumer.dead_letter_queue) == 0
+
+
+async def test_a_handler_cut_short_by_stop_leaves_nothing_and_runs_again(
+    consumers: _Consumers, db: AsyncEngine
+) -> None:
+    entered = asyncio.Event()
+
+    async def hangs(got: Event, conn: AsyncConnection) -> None:
+        await record_effect(got, conn)
+        entered.set()
+        await asyncio.Event().wait()
+
+    first = await consumers.start("stopped", hangs, ["job.*"])
+    sent = event("job.started")
+    await publish(consumers.amqp_url, consumers.names.exchange, [sent])
+    await asyncio.wait_for(entered.wait(), timeout=30)
+    await first.stop(grace=0.1)
+    assert await effects(db) == []
+    assert await inbox_rows(db, first.name) == []
+
+    handler = Recorder()
+    again = await consumers.start("stopped", handler, ["job.*"])
+    await eventually(lambda: _async(again.counts.applied == 1))
+    assert handler.calls == [sent.event_id]
+    assert await effects(db) == [(sent.event_id, "job.started")]
 
 
 async def test_a_handler_that_always_fails_is_dead_lettered_after_the_limit(
