@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: all dev test unit faults soak fuzz mutate lint format typecheck proto migrate services bench clean
+.PHONY: all dev test unit faults soak fuzz mutate lint format typecheck proto migrate services bench clean events-node
 
 all: lint typecheck test
 
@@ -35,6 +35,11 @@ faults: $(STAMP) services
 ## 5,000 jobs with workers killed and a broker restart; prints L/D/O counts.
 soak: $(STAMP) services
 	$(BIN)/python -m pytest -m soak -s tests/faults/test_soak.py $(PYTEST_ARGS)
+
+## The Node consumer of docs/events.md against the real services (installs its npm packages).
+events-node: $(STAMP) services
+	cd examples/events/node && npm install --no-audit --no-fund --silent
+	$(BIN)/python -m pytest -m node tests/integration/test_event_consumer_node.py $(PYTEST_ARGS)
 
 ## Property-based fuzzing of every RPC, ten times deeper than in `make test`
 ## (several minutes); failing examples are kept in .hypothesis/ and replayed first.

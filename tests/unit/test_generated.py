@@ -52,6 +52,8 @@ def test_wheel_has_stubs_types_migrations_and_topology(tmp_path: Path) -> None:
         "jobplane/v1/jobs_pb2.py",
         "jobplane/v1/jobs_pb2.pyi",
         "jobplane/v1/jobs_pb2_grpc.pyi",
+        "jobplane/v1/events_pb2.py",
+        "jobplane/v1/events_pb2_grpc.pyi",
         "jobplane/py.typed",
         "jobplane/server/app.py",
         "jobplane/workers/runtime.py",
