@@ -99,7 +99,8 @@ def run_main(argv: list[str]) -> int:
         (["jpspec_exits:registry"], "importing 'jpspec_exits' failed: SystemExit: 3"),
         (["jpspec_empty:registry"], "jpspec_empty:registry has no handlers registered"),
         (["jpspec_sync:registry"], "is not an async function: handlers must be `async def`"),
-        (["jpspec_sync:registry"], "jpspec_sync.py:5)"),  # the line of the plain function
+        # The line of the plain function.
+        pytest.param(["jpspec_sync:registry"], "jpspec_sync.py:5)", marks=pytest.mark.source_lines),
         (["jpspec_dup:registry", "--demo"], "a handler for 'demo.echo' is already registered"),
     ],
 )
