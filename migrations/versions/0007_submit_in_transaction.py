@@ -52,9 +52,108 @@ INSERT INTO submit_settings (max_payload_bytes) VALUES (262144) ON CONFLICT DO N
 CREATE SCHEMA IF NOT EXISTS jobplane
 """
 
-_SIGNATURE = (
-    "jobplane.submit_job(text, text, jsonb, text, text, integer, jsonb, double precision)"
-)
+_SIGNATURE = "jobplane.submit_job(text, text, jsonb, text, text, integer, jsonb, double precision)"
+
+# The payload's size as the RPC measures it: its compact JSON, as Python
+# writes it after the trip through a protobuf Struct. Strings, keys and
+# literals are written as jsonb writes them. Numbers are doubles on the wire,
+# which Python writes as an integer when whole and within 2^53, otherwise in
+# the shortest form that reads back, with an exponent below 1e-4 and from
+# 1e16 on. The shortest digits are those of the number as stored when it came
+# from such a form (or float8's shortest output, whichever is shorter: that
+# output is not always the shortest). A number outside a double's range
+# counts as stored.
+_NUMBER_LENGTH = r"""
+CREATE OR REPLACE FUNCTION jobplane.number_length(stored text) RETURNS integer
+LANGUAGE plpgsql
+IMMUTABLE
+STRICT
+SET extra_float_digits = 1
+AS $fn$
+DECLARE
+    v_value    numeric := stored::numeric;
+    v_float    double precision;
+    v_negative integer;
+    v_digits   integer;
+    v_exponent integer;
+    v_text     text;
+    v_mantissa text;
+    v_int      text;
+    v_frac     text;
+    v_shift    integer;
+    v_candidate text;
+    v_pass     integer;
+BEGIN
+    IF v_value = 0 THEN
+        RETURN 1;
+    END IF;
+    IF NOT (abs(v_value) > 2.4703282292062328e-324
+            AND abs(v_value) < 1.797693134862315807e308) THEN
+        RETURN length(stored);
+    END IF;
+    v_float := v_value::double precision;
+    IF v_float = trunc(v_float) AND abs(v_float) <= 9007199254740992 THEN
+        RETURN length(v_float::bigint::text);
+    END IF;
+    v_negative := (v_float < 0)::integer;
+    -- The significant digits and decimal exponent of the stored text, then of
+    -- float8's output; the shorter is Python's (its repr is the shortest).
+    FOR v_pass IN 1..2 LOOP
+        v_text := ltrim(CASE v_pass WHEN 1 THEN stored ELSE v_float::text END, '-');
+        v_mantissa := split_part(v_text, 'e', 1);
+        v_shift := coalesce(nullif(split_part(v_text, 'e', 2), '')::integer, 0);
+        v_int := ltrim(split_part(v_mantissa, '.', 1), '0');
+        v_frac := split_part(v_mantissa, '.', 2);
+        IF v_int <> '' THEN
+            v_candidate := rtrim(v_int || v_frac, '0');
+            v_shift := v_shift + length(v_int) - 1;
+        ELSE
+            v_candidate := rtrim(ltrim(v_frac, '0'), '0');
+            v_shift := v_shift - (length(v_frac) - length(ltrim(v_frac, '0')) + 1);
+        END IF;
+        IF v_pass = 1 OR length(v_candidate) < v_digits THEN
+            v_digits := length(v_candidate);
+            v_exponent := v_shift;
+        END IF;
+        -- Up to 15 digits read back as themselves: none shorter does.
+        EXIT WHEN v_digits <= 15;
+    END LOOP;
+    IF v_exponent >= -4 AND v_exponent < 16 THEN
+        IF v_exponent >= v_digits - 1 THEN
+            RETURN v_negative + v_exponent + 3;  -- digits, zeros, ".0"
+        ELSIF v_exponent >= 0 THEN
+            RETURN v_negative + v_digits + 1;
+        END IF;
+        RETURN v_negative + v_digits + 1 - v_exponent;
+    END IF;
+    RETURN v_negative + v_digits + (v_digits > 1)::integer + 2
+        + greatest(2, length(abs(v_exponent)::text));
+END
+$fn$
+"""
+_PAYLOAD_SIZE = r"""
+CREATE OR REPLACE FUNCTION jobplane.payload_size(payload jsonb) RETURNS bigint
+LANGUAGE plpgsql
+IMMUTABLE
+STRICT
+AS $fn$
+DECLARE
+    v_text     text := payload::text;
+    v_stripped text;
+    v_numbers  bigint;
+BEGIN
+    -- jsonb's text puts a space after every ',' and ':' between tokens and
+    -- nowhere else outside strings.
+    v_stripped := regexp_replace(v_text, '"([^"\\]|\\.)*"', '', 'g');
+    SELECT coalesce(sum(jobplane.number_length(v #>> '{}') - length(v #>> '{}')), 0)
+    INTO v_numbers
+    FROM jsonb_path_query(payload, 'strict $.** ? (@.type() == "number")') AS v;
+    RETURN octet_length(v_text)
+        - (octet_length(v_stripped) - octet_length(replace(v_stripped, ' ', '')))
+        + v_numbers;
+END
+$fn$
+"""
 
 # {schema}: where jobplane's tables are, fixed when the function is created
 # so that no caller's search_path can point it at tables of its own.
@@ -73,6 +172,7 @@ LANGUAGE plpgsql
 VOLATILE
 SECURITY DEFINER
 SET search_path = pg_catalog, {schema}, pg_temp
+SET extra_float_digits = 1
 AS $fn$
 #variable_conflict use_column
 DECLARE
@@ -86,7 +186,6 @@ DECLARE
     v_timeout        double precision := submit_job.timeout_seconds;
     v_route          record;
     v_limit          integer;
-    v_text           text;
     v_size           bigint;
     v_label          record;
     v_id             uuid;
@@ -130,15 +229,12 @@ BEGIN
             jsonb_typeof(v_payload)
             USING ERRCODE = 'JP001', COLUMN = 'payload';
     END IF;
-    -- The size of the payload as compact JSON (what the RPC measures):
-    -- jsonb's text has a space after every ',' and ':' between tokens, and
-    -- nowhere else outside strings.
+    -- The payload's size as the RPC measures it (jobplane.payload_size);
+    -- that is at most twice the length of jsonb's text, so most payloads
+    -- need no closer look.
     SELECT max_payload_bytes INTO v_limit FROM submit_settings;
-    v_text := v_payload::text;
-    v_size := octet_length(v_text);
-    IF v_size > v_limit THEN
-        v_text := regexp_replace(v_text, '"([^"\\]|\\.)*"', '', 'g');
-        v_size := v_size - (octet_length(v_text) - octet_length(replace(v_text, ' ', '')));
+    IF octet_length(v_payload::text) > v_limit / 2 THEN
+        v_size := jobplane.payload_size(v_payload);
         IF v_size > v_limit THEN
             RAISE EXCEPTION 'PAYLOAD_TOO_LARGE: payload is % bytes serialized; the limit is %',
                 v_size, v_limit
@@ -206,7 +302,8 @@ BEGIN
     IF v_timeout IS NULL THEN
         v_timeout := v_route.timeout_seconds;
     ELSIF v_timeout = 'NaN' OR NOT (v_timeout >= 0.001 AND v_timeout <= 604800) THEN
-        RAISE EXCEPTION 'INVALID_ARGUMENT: timeout must be at least 0.001 and at most 604800 seconds'
+        RAISE EXCEPTION 'INVALID_ARGUMENT: timeout must be at least 0.001 and at most '
+            '604800 seconds'
             USING ERRCODE = 'JP001', COLUMN = 'timeout';
     END IF;
     IF v_request_id = '' THEN
@@ -275,6 +372,8 @@ def upgrade() -> None:
     for statement in filter(str.strip, _TABLES.split(";\n")):
         op.execute(statement)
     schema = op.get_bind().execute(text("SELECT quote_ident(current_schema())")).scalar_one()
+    op.execute(_NUMBER_LENGTH)
+    op.execute(_PAYLOAD_SIZE)
     op.execute(_SUBMIT_JOB.format(schema=schema))
     # Functions are executable by PUBLIC by default; this one writes jobs
     # for any tenant, so only roles granted it may call it.
@@ -283,6 +382,8 @@ def upgrade() -> None:
 
 def downgrade() -> None:
     op.execute(f"DROP FUNCTION IF EXISTS {_SIGNATURE}")
+    op.execute("DROP FUNCTION IF EXISTS jobplane.payload_size(jsonb)")
+    op.execute("DROP FUNCTION IF EXISTS jobplane.number_length(text)")
     op.execute("DROP SCHEMA IF EXISTS jobplane")
     op.execute("DROP TABLE IF EXISTS submit_settings")
     op.execute("DROP TABLE IF EXISTS job_routes")
