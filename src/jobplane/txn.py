@@ -85,6 +85,16 @@ async def submit_job(
     :class:`~jobplane.errors.RequestIdReused`), ``max_attempts`` 0 and
     ``attempt_timeout`` None mean the queue's defaults.
     """
+    # Postgres text holds no NUL: refused here, as the RPC refuses it.
+    if "\x00" in tenant:
+        raise TenantNotFound("no tenant's name has a NUL character", field="tenant")
+    for field, value in (
+        ("type", type),
+        ("request_id", request_id),
+        ("correlation_id", correlation_id),
+    ):
+        if "\x00" in value:
+            raise InvalidArgument(f"{field} has a NUL character", field=field)
     timeout = attempt_timeout.total_seconds() if isinstance(attempt_timeout, timedelta) else None
     if attempt_timeout is not None and not isinstance(attempt_timeout, timedelta):
         timeout = float(attempt_timeout)
