@@ -11,6 +11,7 @@ import structlog
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from jobplane.config import MAX_PAYLOAD_BYTES_LIMIT
@@ -23,6 +24,7 @@ from jobplane.server.servicer import JobServiceServicer
 from jobplane.store.jobs import JobStore
 from jobplane.store.keys import KEYS_CHANNEL, KeyStore
 from jobplane.store.listen import Listener
+from jobplane.store.routes import sync_submit_rules
 from jobplane.store.rows import EVENTS_CHANNEL
 from jobplane.topology import Topology
 from jobplane.v1 import jobs_pb2, jobs_pb2_grpc
@@ -32,6 +34,8 @@ log = structlog.get_logger("jobplane.server")
 # Calls received but not yet picked up by the event loop, before gRPC sheds
 # new ones with CANCELLED (which the SDK retries).
 MAX_PENDING_CALLS = 20_000
+
+_INSUFFICIENT_PRIVILEGE = "42501"
 
 SERVICE_NAME = jobs_pb2.DESCRIPTOR.services_by_name["JobService"].full_name
 
@@ -96,6 +100,9 @@ class JobplaneServer:
             raise ValueError(f"max_payload_bytes must be 1..{MAX_PAYLOAD_BYTES_LIMIT}")
         self._listen = listen
         self._tls = tls
+        self._engine = engine
+        self._topology = topology
+        self._max_payload_bytes = max_payload_bytes
         self.hub = Listener(database_url, EVENTS_CHANNEL)
         self.keys = KeyStore(engine, cache_seconds=key_cache_seconds)
         # Revocations reach this process's key cache by notification; a
@@ -129,6 +136,7 @@ class JobplaneServer:
         self.service.open()
         await self.hub.start()
         await self.key_events.start()
+        await self._sync_submit_rules()
         server = grpc.aio.server(
             # Authentication first: a call without a valid key is refused
             # before its body is read, decodable or not. RefuseUndecodable
@@ -174,6 +182,29 @@ class JobplaneServer:
             address=self.address,
             transport=self._tls.mode if self._tls else "plaintext",
         )
+
+    async def _sync_submit_rules(self) -> None:
+        """Give ``jobplane.submit_job`` this server's routes and payload limit.
+
+        A role that may not write them (granted table by table before they
+        existed) leaves them as ``jobplane migrate`` wrote them: a warning,
+        not a server that does not start.
+        """
+        try:
+            changed = await sync_submit_rules(
+                self._engine, self._topology, max_payload_bytes=self._max_payload_bytes
+            )
+        except DBAPIError as exc:
+            if getattr(exc.orig, "sqlstate", None) != _INSUFFICIENT_PRIVILEGE:
+                raise
+            log.warning(
+                "routes.sync.refused",
+                reason="this database role may not write job_routes and submit_settings; "
+                "jobplane.submit_job routes by what `jobplane migrate` wrote",
+            )
+            return
+        if changed:
+            log.info("routes.synced", queues=[q.name for q in self._topology.queues])
 
     async def stop(self, grace: float = 5.0) -> None:
         """Report NOT_SERVING, end watch streams (clients resume elsewhere), stop."""

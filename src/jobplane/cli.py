@@ -62,12 +62,18 @@ async def _started(
 
 
 async def _migrate(_args: argparse.Namespace) -> int:
-    from jobplane.store.engine import migrate
+    from jobplane.store.engine import create_engine, migrate
+    from jobplane.store.routes import sync_submit_rules
 
-    settings = Settings.from_env()
-    configure(settings.log_level or "info", settings.log_format)
+    settings, topology = _settings_and_topology()
     await migrate(settings.database_url)
     print("database is at the latest migration", file=sys.stderr)
+    engine = create_engine(settings.database_url, pool_size=1)
+    try:
+        await sync_submit_rules(engine, topology, max_payload_bytes=settings.max_payload_bytes)
+    finally:
+        await engine.dispose()
+    print("routes of jobplane.submit_job are the topology's", file=sys.stderr)
     return 0
 
 
@@ -480,6 +486,7 @@ async def _topology_apply(args: argparse.Namespace) -> int:
     from jobplane import broker
     from jobplane.store.deployment import this_deployment
     from jobplane.store.engine import create_engine
+    from jobplane.store.routes import sync_submit_rules
     from jobplane.topology import claim_ownership, declare
 
     settings, topology = _settings_and_topology(log_level="warning")
@@ -495,6 +502,7 @@ async def _topology_apply(args: argparse.Namespace) -> int:
         engine = create_engine(settings.database_url, pool_size=1)
         try:
             deployment = await this_deployment(engine)
+            await sync_submit_rules(engine, topology, max_payload_bytes=settings.max_payload_bytes)
         except (DBAPIError, OSError) as exc:
             print(
                 f"owner not recorded (Postgres: {_first_line(exc)}); "

@@ -88,6 +88,13 @@ class JobNotFound(JobplaneError):
     reason = "JOB_NOT_FOUND"
 
 
+class TenantNotFound(JobplaneError):
+    """No tenant has this name (from ``jobplane.submit_job``, which names tenants)."""
+
+    code = grpc.StatusCode.NOT_FOUND
+    reason = "TENANT_NOT_FOUND"
+
+
 class RequestIdReused(JobplaneError):
     """This request_id was already used for a different request."""
 
@@ -159,6 +166,7 @@ _BY_REASON: dict[str, type[JobplaneError]] = {
         UnroutableJobType,
         Unauthenticated,
         JobNotFound,
+        TenantNotFound,
         RequestIdReused,
         FailedPrecondition,
         JobAlreadyTerminal,

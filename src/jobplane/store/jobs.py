@@ -45,7 +45,10 @@ class NewJob:
     timeout_seconds: float = 3600.0
 
     def fingerprint(self) -> bytes:
-        """What makes two submits with one request_id 'the same request'."""
+        """A digest of the request, stored with the job: equal digests are the same request.
+
+        (Different digests may still be: the replay check compares the stored values.)
+        """
         canonical = dumps(
             {
                 "type": self.type,
@@ -96,9 +99,18 @@ _SELECT_JOB = text(f"SELECT {JOB_COLUMNS} FROM jobs WHERE id = :id AND tenant_id
 _SELECT_JOB_FOR_UPDATE = text(
     f"SELECT {JOB_COLUMNS} FROM jobs WHERE id = :id AND tenant_id = :tenant_id FOR UPDATE"
 )
+# The same request is the same stored values, compared as Postgres compares
+# them (jsonb: key order and 1 vs 1.0 do not matter), as jobplane.submit_job
+# compares them: a request replayed through the other path is the same one.
 _SELECT_BY_REQUEST = text(
-    f"SELECT {JOB_COLUMNS}, request_hash FROM jobs "
-    "WHERE tenant_id = :tenant_id AND request_id = :request_id"
+    f"""
+    SELECT {JOB_COLUMNS}, request_hash,
+           (type = :type AND payload = CAST(:payload AS jsonb)
+            AND max_attempts = :max_attempts AND correlation_id = :correlation_id
+            AND labels = CAST(:labels AS jsonb) AND timeout_seconds = :timeout_seconds)
+               AS same_request
+    FROM jobs WHERE tenant_id = :tenant_id AND request_id = :request_id
+    """
 )
 
 _CANCEL_QUEUED = text(
@@ -216,16 +228,11 @@ class JobStore:
         # to commit, so it is visible now).
         async with self._auto.connect() as conn:
             existing = (
-                (
-                    await conn.execute(
-                        _SELECT_BY_REQUEST,
-                        {"tenant_id": tenant_id, "request_id": new.request_id},
-                    )
-                )
+                (await conn.execute(_SELECT_BY_REQUEST, {**params, "tenant_id": tenant_id}))
                 .mappings()
                 .one()
             )
-        if bytes(existing["request_hash"]) != fingerprint:
+        if bytes(existing["request_hash"]) != fingerprint and not existing["same_request"]:
             raise RequestIdReused(
                 f"request_id {new.request_id!r} was used for a different request",
                 field="request_id",

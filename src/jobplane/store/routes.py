@@ -1,0 +1,128 @@
+"""The topology's routes and the payload limit, in the database for ``jobplane.submit_job``.
+
+The SQL function cannot read the topology file or the server's settings, so
+``job_routes`` and ``submit_settings`` hold what it needs to decide as
+``JobService.submit`` does: which queue takes a job type (the first queue, in
+the file's order, one of whose binding patterns matches), that queue's
+default max_attempts and attempt timeout, and the payload limit.
+
+:func:`sync_submit_rules` writes them. ``jobplane migrate``, ``jobplane
+topology apply`` and every server start call it; it writes nothing when the
+rows already say what the topology says, so it can run at every start. Two
+servers with different topologies (a rolling change) take turns: the last
+one started wins, as it would for the RPCs it serves.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from sqlalchemy import text
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
+
+from jobplane.topology import Topology
+
+# Any fixed number: the key of the advisory lock that orders concurrent syncs.
+_SYNC_LOCK = 0x6A70_726F_7574  # "jprout"
+
+_LOCK = text("SELECT pg_advisory_xact_lock(:key)")
+_READ_ROUTES = text(
+    "SELECT rank, queue, pattern, regex, max_attempts, timeout_seconds FROM job_routes "
+    "ORDER BY rank"
+)
+_READ_LIMIT = text("SELECT max_payload_bytes FROM submit_settings")
+_CLEAR_ROUTES = text("DELETE FROM job_routes")
+_INSERT_ROUTE = text(
+    "INSERT INTO job_routes (rank, queue, pattern, regex, max_attempts, timeout_seconds) "
+    "VALUES (:rank, :queue, :pattern, :regex, :max_attempts, :timeout_seconds)"
+)
+_WRITE_LIMIT = text(
+    "INSERT INTO submit_settings (singleton, max_payload_bytes) VALUES (true, :limit) "
+    "ON CONFLICT (singleton) DO UPDATE SET max_payload_bytes = EXCLUDED.max_payload_bytes, "
+    "update_time = now()"
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Route:
+    """One binding of one queue, in the order ``Topology.route`` tries them."""
+
+    rank: int
+    queue: str
+    pattern: str
+    regex: str
+    max_attempts: int
+    timeout_seconds: float
+
+
+def topic_regex(pattern: str) -> str:
+    """A POSIX regular expression that matches ``'.' + key`` iff ``pattern`` matches ``key``.
+
+    Every word of the key becomes ``.word``: ``*`` is one such piece, ``#``
+    any number of them. Pattern words are letters, digits, ``_`` and ``-``
+    (the topology refuses others), which stand for themselves.
+    """
+    pieces = {"*": r"\.[^.]+", "#": r"(\.[^.]+)*"}
+    return "^" + "".join(pieces.get(word, r"\." + word) for word in pattern.split(".")) + "$"
+
+
+def routes_of(topology: Topology) -> list[Route]:
+    """The rows ``job_routes`` holds for ``topology``."""
+    routes: list[Route] = []
+    for queue in topology.queues:
+        for pattern in queue.bindings:
+            routes.append(
+                Route(
+                    rank=len(routes) + 1,
+                    queue=queue.name,
+                    pattern=pattern,
+                    regex=topic_regex(pattern),
+                    max_attempts=queue.max_attempts,
+                    timeout_seconds=float(queue.timeout_seconds),
+                )
+            )
+    return routes
+
+
+async def sync_submit_rules(
+    engine: AsyncEngine | AsyncConnection, topology: Topology, *, max_payload_bytes: int
+) -> bool:
+    """Make ``job_routes`` and ``submit_settings`` say what ``topology`` and the limit say.
+
+    Returns whether anything was written. Needs only SELECT, INSERT, UPDATE
+    and DELETE on the two tables (the servers' database role has them).
+    """
+    if isinstance(engine, AsyncConnection):
+        return await _sync(engine, routes_of(topology), max_payload_bytes)
+    async with engine.begin() as conn:
+        return await _sync(conn, routes_of(topology), max_payload_bytes)
+
+
+async def _sync(conn: AsyncConnection, wanted: list[Route], limit: int) -> bool:
+    await conn.execute(_LOCK, {"key": _SYNC_LOCK})
+    rows = (await conn.execute(_READ_ROUTES)).all()
+    current = [
+        Route(r.rank, r.queue, r.pattern, r.regex, r.max_attempts, r.timeout_seconds) for r in rows
+    ]
+    current_limit = (await conn.execute(_READ_LIMIT)).scalar()
+    if current == wanted and current_limit == limit:
+        return False
+    if current != wanted:
+        await conn.execute(_CLEAR_ROUTES)
+        await conn.execute(
+            _INSERT_ROUTE,
+            [
+                {
+                    "rank": r.rank,
+                    "queue": r.queue,
+                    "pattern": r.pattern,
+                    "regex": r.regex,
+                    "max_attempts": r.max_attempts,
+                    "timeout_seconds": r.timeout_seconds,
+                }
+                for r in wanted
+            ],
+        )
+    if current_limit != limit:
+        await conn.execute(_WRITE_LIMIT, {"limit": limit})
+    return True

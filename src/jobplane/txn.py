@@ -1,0 +1,181 @@
+"""Enqueue inside your own database transaction.
+
+A service whose database is jobplane's Postgres can create a job in the same
+transaction as its own rows: the job exists (and will run) if and only if
+that transaction commits. Nothing goes to RabbitMQ from here: the job's
+outbox row does, through the relay, after the commit::
+
+    async with pool.acquire() as conn, conn.transaction():
+        await conn.execute("INSERT INTO source_files ...", ...)
+        job_id = await txn.submit_job(
+            conn, tenant="acme", type="ingestion.file", payload={"file_id": file_id},
+            request_id=f"ingest-{file_id}",
+        )
+
+``conn`` is an asyncpg connection, or a SQLAlchemy ``AsyncConnection`` or
+``AsyncSession``; the call joins whatever transaction it is in. Each helper
+is a thin call of a function in the database's ``jobplane`` schema, which
+any language can call the same way (``SELECT jobplane.submit_job(...)``);
+the function applies the SubmitJob RPC's validation, idempotency and tenant
+rules, and the refusals come back as the SDK's exceptions
+(:class:`~jobplane.errors.InvalidArgument`,
+:class:`~jobplane.errors.RequestIdReused`, …). A refusal is a failed
+statement: like any, it aborts the transaction it is in unless that runs it
+in a savepoint.
+
+Domain events get their helper here too, beside :func:`submit_job`, over
+the SQL function that will publish them.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from collections.abc import Mapping
+from datetime import timedelta
+from typing import Any
+
+from jobplane.errors import (
+    InvalidArgument,
+    JobplaneError,
+    PayloadTooLarge,
+    RequestIdReused,
+    TenantNotFound,
+    UnroutableJobType,
+)
+from jobplane.store.sqlapi import SQLSTATE_REASONS, SUBMIT_JOB, SUBMIT_JOB_ASYNCPG
+
+__all__ = ["submit_job"]
+
+_ERRORS: dict[str, type[JobplaneError]] = {
+    cls.reason: cls
+    for cls in (
+        InvalidArgument,
+        PayloadTooLarge,
+        UnroutableJobType,
+        RequestIdReused,
+        TenantNotFound,
+    )
+}
+
+# A NUL written as JSON: \u0000 behind an even number of backslashes (an odd
+# number would make it an escaped backslash followed by "u0000").
+_NUL_ESCAPE = re.compile(r"(?<!\\)(?:\\\\)*\\u0000")
+
+
+async def submit_job(
+    conn: Any,
+    *,
+    tenant: str,
+    type: str,
+    payload: Mapping[str, Any] | None = None,
+    request_id: str = "",
+    correlation_id: str = "",
+    max_attempts: int = 0,
+    labels: Mapping[str, str] | None = None,
+    attempt_timeout: float | timedelta | None = None,
+) -> uuid.UUID:
+    """Create a job in ``conn``'s transaction; its id.
+
+    ``tenant`` is the tenant's name. The other arguments are SubmitJob's,
+    as in :meth:`jobplane.client.AsyncClient.submit`: ``request_id`` is the
+    idempotency key (the same request again returns the same job, in this
+    transaction or any other; a different one with the same id raises
+    :class:`~jobplane.errors.RequestIdReused`), ``max_attempts`` 0 and
+    ``attempt_timeout`` None mean the queue's defaults.
+    """
+    # Postgres text holds no NUL: refused here, as the RPC refuses it.
+    if "\x00" in tenant:
+        raise TenantNotFound("no tenant's name has a NUL character", field="tenant")
+    for field, value in (
+        ("type", type),
+        ("request_id", request_id),
+        ("correlation_id", correlation_id),
+    ):
+        if "\x00" in value:
+            raise InvalidArgument(f"{field} has a NUL character", field=field)
+    timeout = attempt_timeout.total_seconds() if isinstance(attempt_timeout, timedelta) else None
+    if attempt_timeout is not None and not isinstance(attempt_timeout, timedelta):
+        timeout = float(attempt_timeout)
+    args = (
+        tenant,
+        type,
+        _json(payload or {}, "payload"),
+        request_id,
+        correlation_id,
+        max_attempts,
+        _json(labels or {}, "labels"),
+        timeout,
+    )
+    try:
+        return uuid.UUID(str(await _scalar(conn, args)))
+    except Exception as exc:
+        refusal = refusal_of(exc)
+        if refusal is None:
+            raise
+        raise refusal from exc
+
+
+def _json(value: Mapping[str, Any], field: str) -> str:
+    """``value`` as JSON text for a jsonb argument; what jsonb cannot hold is refused here.
+
+    Postgres refuses NUL, NaN and ±Infinity in jsonb before the function
+    runs; refused here they get the field-level error the RPC gives.
+    """
+    try:
+        encoded = json.dumps(value, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+    except ValueError:
+        raise InvalidArgument(
+            f"{field} has NaN or Infinity; JSON numbers are finite", field=field
+        ) from None
+    except RecursionError:
+        raise InvalidArgument(f"{field} is nested too deep", field=field) from None
+    if _NUL_ESCAPE.search(encoded):
+        raise InvalidArgument(f"{field} has a NUL character", field=field)
+    return encoded
+
+
+async def _scalar(conn: Any, args: tuple[Any, ...]) -> Any:
+    from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
+
+    if isinstance(conn, AsyncConnection | AsyncSession):
+        names = (
+            "tenant",
+            "type",
+            "payload",
+            "request_id",
+            "correlation_id",
+            "max_attempts",
+            "labels",
+            "timeout_seconds",
+        )
+        result = await conn.execute(SUBMIT_JOB, dict(zip(names, args, strict=True)))
+        return result.scalar_one()
+    return await conn.fetchval(SUBMIT_JOB_ASYNCPG, *args)
+
+
+def refusal_of(exc: BaseException) -> JobplaneError | None:
+    """The SDK exception for a refusal of jobplane's SQL API; None for any other error.
+
+    Looks through SQLAlchemy's wrapping to the driver's error, which carries
+    the SQLSTATE, the message (``REASON: what is wrong``), the field (as
+    the error's column name) and details (``key=value`` words).
+    """
+    seen: set[int] = set()
+    pending: list[BaseException | None] = [exc]
+    while pending:
+        error = pending.pop()
+        if error is None or id(error) in seen:
+            continue
+        seen.add(id(error))
+        reason = SQLSTATE_REASONS.get(str(getattr(error, "sqlstate", "")))
+        message = getattr(error, "message", None)
+        if reason is not None and isinstance(message, str):
+            field = getattr(error, "column_name", None)
+            detail = getattr(error, "detail", None) or ""
+            metadata = dict(word.split("=", 1) for word in detail.split() if "=" in word)
+            text = message.split(": ", 1)[1] if message.startswith(f"{reason}: ") else message
+            return _ERRORS[reason](text, field=field, metadata=metadata)
+        pending.extend((getattr(error, "orig", None), error.__cause__))
+    return None
