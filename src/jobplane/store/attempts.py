@@ -23,14 +23,13 @@ from jobplane.envelope import Envelope
 from jobplane.ids import new_id
 from jobplane.store.engine import autocommit
 from jobplane.store.machine import (
-    ATTEMPT_FENCE,
+    HEARTBEAT,
     MACHINE,
     Cause,
     Emitted,
     Returning,
     StateMachine,
     Transition,
-    where_sources,
 )
 from jobplane.store.rows import dumps
 from jobplane.types import JobState
@@ -122,14 +121,6 @@ _INSPECT = text(
     SELECT state, dispatch_id, type, lease_expires_at, lease_expires_at < now() AS lease_expired,
            attempt - retry_base >= max_attempts AS exhausted
     FROM jobs WHERE id = :id AND tenant_id = :tenant_id
-    """
-)
-# Not a transition: the job stays as it is, and nothing is appended.
-_HEARTBEAT = text(
-    f"""
-    UPDATE jobs SET lease_expires_at = now() + make_interval(secs => :lease_seconds)
-    WHERE {ATTEMPT_FENCE} AND {where_sources(Transition.PROGRESS)}
-    RETURNING cancel_requested_at IS NOT NULL AS cancel_requested
     """
 )
 _ID: Returning = ("id",)
@@ -256,7 +247,7 @@ class AttemptStore:
         async with self._auto.connect() as conn:
             row = (
                 await conn.execute(
-                    _HEARTBEAT, {**attempt.fence(), "lease_seconds": self.lease_seconds}
+                    HEARTBEAT, {**attempt.fence(), "lease_seconds": self.lease_seconds}
                 )
             ).first()
         if row is None:

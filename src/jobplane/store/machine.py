@@ -356,6 +356,17 @@ def _order(state: JobState) -> int:
     return list(JobState).index(state)
 
 
+# Not a transition: the attempt's lease is extended, the job stays as it is
+# and nothing is appended. Fenced like every write of an attempt.
+HEARTBEAT = text(
+    f"""
+    UPDATE jobs SET lease_expires_at = now() + make_interval(secs => :lease_seconds)
+    WHERE {ATTEMPT_FENCE} AND {where_sources(Transition.PROGRESS)}
+    RETURNING cancel_requested_at IS NOT NULL AS cancel_requested
+    """
+)
+
+
 @dataclass(frozen=True, slots=True)
 class Emitted:
     """An event a handler emitted, committed only with its attempt's winning outcome."""
@@ -628,11 +639,12 @@ class StateMachine:
         needs = set(returning)
         for _, w in writes:
             needs |= w.columns
-        wanted = list(returning)
+        # Every row says which transition changed it, and from which state
+        # (NULL unless a hook asks for it: it can cost a lookup).
+        wanted = [*returning, "transition", "from_state"]
         if after:
             needs |= set(JOB_FIELDS) | {"from_state"}
-            wanted = [*JOB_FIELDS, *(c for c in returning if c not in JOB_FIELDS)]
-            wanted += ["transition", "from_state"]
+            wanted = [*JOB_FIELDS, *wanted]
         ctes = [f"j AS ({_changes(transition, needs)})"]
         notifies = []
         for n, (t, w) in enumerate(writes):
