@@ -305,20 +305,6 @@ RULES: Mapping[Transition, Rule] = {
     ),
 }
 
-# Transitions whose statement is written out below rather than built from
-# the rule's sets (an insert, a batch, or two transitions decided in SQL);
-# their state conditions still come from the table.
-_SPECIAL = frozenset(
-    {
-        Transition.SUBMIT,
-        Transition.PROGRESS,
-        Transition.HAND_BACK,
-        Transition.PARK,
-        Transition.UNPARK,
-    }
-)
-
-
 def state_is(*states: JobState, column: str = "state") -> str:
     """SQL: the job is in one of ``states`` (a literal, so partial indexes match)."""
     if len(states) == 1:
@@ -701,7 +687,13 @@ def _from_state(transition: Transition, needs: set[str]) -> tuple[str, str, str]
 
 
 def _changes(transition: Transition, needs: set[str]) -> str:
-    """The data-modifying statement that changes the rows: ``j``'s body."""
+    """The data-modifying statement that changes the rows: ``j``'s body.
+
+    Built from the rule, but for submit (an insert), the progress and unpark
+    batches and the hand-back (which decides between two transitions in
+    SQL): those are written out below, their state conditions still taken
+    from the table.
+    """
     if transition is Transition.SUBMIT:
         return _submit(needs)
     if transition is Transition.PROGRESS:
