@@ -305,6 +305,7 @@ RULES: Mapping[Transition, Rule] = {
     ),
 }
 
+
 def state_is(*states: JobState, column: str = "state") -> str:
     """SQL: the job is in one of ``states`` (a literal, so partial indexes match)."""
     if len(states) == 1:
