@@ -37,6 +37,7 @@ from jobplane.store import attempts, outbox, sweeps
 from jobplane.store import jobs as job_store
 from jobplane.store.engine import asyncpg_dsn, create_engine, migrate
 from jobplane.store.keys import KeyStore
+from jobplane.store.machine import MACHINE, Transition
 from tests.faults.cluster import free_port
 from tests.support import services
 
@@ -695,7 +696,7 @@ async def check_plans(bench: Bench) -> None:
             {"ids": [job_id], "tenants": [tenant], "afters": [0], "limit": 500},
         ),
         "worker claim": (
-            attempts._CLAIM,
+            MACHINE.statement(Transition.CLAIM, attempts._CLAIMED),
             {
                 "id": job_id,
                 "tenant_id": tenant,

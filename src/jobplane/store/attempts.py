@@ -22,13 +22,16 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 from jobplane.envelope import Envelope
 from jobplane.ids import new_id
 from jobplane.store.engine import autocommit
-from jobplane.store.rows import (
-    EVENTS_CHANNEL,
-    OUTBOX_CHANNEL,
-    OUTBOX_FOR_JOB_SQL,
-    dumps,
-    transition_sql,
+from jobplane.store.machine import (
+    HEARTBEAT,
+    MACHINE,
+    Cause,
+    Emitted,
+    Returning,
+    StateMachine,
+    Transition,
 )
+from jobplane.store.rows import dumps
 from jobplane.types import JobState
 
 
@@ -102,25 +105,16 @@ class ProgressUpdate:
     data: dict[str, Any]
 
 
-_FENCE = "id = :id AND attempt = :attempt AND lease_token = :lease_token AND state = 'running'"
-
-_CLAIM = text(
-    transition_sql(
-        "state = 'running', attempt = attempt + 1, lease_token = :lease_token, "
-        "lease_expires_at = now() + make_interval(secs => :lease_seconds), "
-        "start_time = now(), next_attempt_time = NULL, cancel_requested_at = NULL, "
-        # A new attempt starts from nothing: its STARTED event must not carry
-        # the last attempt's progress.
-        "cancel_reason = NULL, progress = 0, progress_message = '', waiting_reason = NULL, "
-        "handbacks = 0",
-        # The message's type must be the job's: the worker chose its handler
-        # by the message before it read the job.
-        "id = :id AND tenant_id = :tenant_id AND dispatch_id = :dispatch_id AND type = :type "
-        "AND attempt - retry_base < max_attempts "
-        "AND (state = 'queued' OR (state = 'running' AND lease_expires_at < now()))",
-        "type, payload, attempt, max_attempts, retry_base, correlation_id, request_id, "
-        "timeout_seconds, queue",
-    )
+_CLAIMED: Returning = (
+    "type",
+    "payload",
+    "attempt",
+    "max_attempts",
+    "retry_base",
+    "correlation_id",
+    "request_id",
+    "timeout_seconds",
+    "queue",
 )
 _INSPECT = text(
     """
@@ -129,209 +123,24 @@ _INSPECT = text(
     FROM jobs WHERE id = :id AND tenant_id = :tenant_id
     """
 )
-_EXHAUST = text(
-    transition_sql(
-        "state = 'failed', end_time = now(), error_code = 'ATTEMPTS_EXHAUSTED', "
-        "error_message = 'no attempts left (max_attempts reached)', error_retryable = false, "
-        "lease_token = NULL, lease_expires_at = NULL, dispatch_id = NULL, "
-        "next_attempt_time = NULL",
-        "id = :id AND tenant_id = :tenant_id AND dispatch_id = :dispatch_id "
-        "AND attempt - retry_base >= max_attempts "
-        "AND (state = 'queued' OR (state = 'running' AND lease_expires_at < now()))",
-        "id",
-    )
-)
-_HEARTBEAT = text(
-    f"""
-    UPDATE jobs SET lease_expires_at = now() + make_interval(secs => :lease_seconds)
-    WHERE {_FENCE}
-    RETURNING cancel_requested_at IS NOT NULL AS cancel_requested
-    """
-)
-# The queued progress of many attempts in one statement: each attempt's row is
-# updated under its fence (locked in id order, so two batches never deadlock)
-# and its events get the seqs after the row's last_seq. Attempts fenced out
-# are missing from the result. Binds: per attempt (index k) :ids, :attempts,
-# :tokens, :ns, :last_progress, :last_message; per event :ks, :ords,
-# :progresses, :messages, :datas.
-_PROGRESS = text(
-    f"""
-    WITH i AS (
-        SELECT * FROM unnest(CAST(:ids AS uuid[]), CAST(:attempts AS int[]),
-                             CAST(:tokens AS uuid[]), CAST(:ns AS int[]),
-                             CAST(:last_progress AS float8[]), CAST(:last_message AS text[]))
-            WITH ORDINALITY AS i(id, attempt, lease_token, n, last_progress, last_message, k)
-    ), locked AS (
-        SELECT jobs.id FROM jobs JOIN i USING (id)
-        WHERE jobs.attempt = i.attempt AND jobs.lease_token = i.lease_token
-          AND jobs.state = 'running'
-        ORDER BY jobs.id
-        FOR UPDATE OF jobs
-    ), j AS (
-        UPDATE jobs SET progress = i.last_progress, progress_message = i.last_message,
-                        last_seq = jobs.last_seq + i.n, update_time = now()
-        FROM i, locked
-        WHERE jobs.id = locked.id AND jobs.id = i.id AND jobs.attempt = i.attempt
-          AND jobs.lease_token = i.lease_token AND jobs.state = 'running'
-        RETURNING jobs.id, jobs.tenant_id, jobs.last_seq, jobs.state, jobs.attempt,
-                  jobs.cancel_requested_at, i.n, i.k
-    ), e AS (
-        INSERT INTO job_events
-            (job_id, seq, tenant_id, type, state, progress, message, data, attempt)
-        SELECT j.id, j.last_seq - j.n + p.ord, j.tenant_id, 'progress', j.state, p.progress,
-               p.message, CAST(p.data AS jsonb), j.attempt
-        FROM unnest(CAST(:ks AS bigint[]), CAST(:ords AS int[]), CAST(:progresses AS float8[]),
-                    CAST(:messages AS text[]), CAST(:datas AS text[]))
-            AS p(k, ord, progress, message, data)
-        JOIN j ON j.k = p.k
-    )
-    SELECT j.k, j.cancel_requested_at IS NOT NULL AS cancel_requested,
-           pg_notify('{EVENTS_CHANNEL}', j.id::text) AS notified
-    FROM j
-    """
-)
-_END = "lease_token = NULL, lease_expires_at = NULL, next_attempt_time = NULL, end_time = now()"
-_SUCCEED = text(
-    transition_sql(
-        f"state = 'succeeded', result = CAST(:result AS jsonb), progress = 1, "
-        f"error_code = NULL, error_message = NULL, error_retryable = false, {_END}",
-        _FENCE,
-        "id",
-    )
-)
-_FAIL = text(
-    transition_sql(
-        f"state = 'failed', error_code = :error_code, error_message = :error_message, "
-        f"error_retryable = :retryable, {_END}",
-        _FENCE,
-        "id",
-    )
-)
-_CANCELLED = text(
-    transition_sql(
-        f"state = 'cancelled', error_code = 'CANCELLED', "
-        f"error_message = coalesce(cancel_reason, 'cancelled'), error_retryable = false, {_END}",
-        _FENCE,
-        "id",
-    )
-)
-_SCHEDULE_RETRY = text(
-    transition_sql(
-        "state = 'queued', error_code = :error_code, error_message = :error_message, "
-        "error_retryable = true, lease_token = NULL, lease_expires_at = NULL, "
-        "dispatch_id = :dispatch_id, retry_base = retry_base + :refund, "
-        "next_attempt_time = now() + make_interval(secs => :delay)",
-        _FENCE,
-        "id",
-    )
-)
-_INSERT_RETRY_OUTBOX = text(OUTBOX_FOR_JOB_SQL)
-
-# A worker without the job's handler gives the job back without claiming it,
-# in one statement fenced on the message's dispatch: when a live worker
-# handles the job's type on its queue, a new dispatch is due after a jittered
-# delay that doubles with each hand-back (no event: hand-backs are noise);
-# otherwise the job is parked (no dispatch at all) with one event saying why.
-# Neither counts as an attempt.
-_HAND_BACK = text(
-    f"""
-    WITH cur AS (
-        SELECT id, type, queue, handbacks FROM jobs
-        WHERE id = :id AND tenant_id = :tenant_id AND state = 'queued'
-          AND dispatch_id = :dispatch_id
-        FOR UPDATE
-    ), live AS (
-        SELECT cur.id,
-               EXISTS (
-                   SELECT 1 FROM workers w
-                   WHERE w.stop_time IS NULL AND w.expire_time > now()
-                     AND cur.type = ANY (w.types) AND cur.queue = ANY (w.queues)
-               ) AS handled,
-               least(CAST(:max_delay AS float8),
-                     CAST(:base_delay AS float8) * power(2, least(cur.handbacks, 30)))
-                   * (0.5 + random()) AS delay
-        FROM cur
-    ), j AS (
-        UPDATE jobs SET
-            dispatch_id = CASE WHEN live.handled THEN CAST(:new_dispatch_id AS uuid) END,
-            next_attempt_time = CASE WHEN live.handled
-                THEN now() + make_interval(secs => live.delay) END,
-            handbacks = jobs.handbacks + 1,
-            waiting_reason = CASE WHEN live.handled
-                THEN format('waiting for a worker that handles %s (handed back %s times by '
-                            'workers without its handler)', jobs.type, jobs.handbacks + 1)
-                ELSE format('no live worker handles type %s on queue %s', jobs.type, jobs.queue)
-                END,
-            last_seq = jobs.last_seq + CASE WHEN live.handled THEN 0 ELSE 1 END,
-            update_time = now()
-        FROM live
-        WHERE jobs.id = live.id
-        RETURNING jobs.id, jobs.tenant_id, jobs.type, jobs.correlation_id, jobs.state,
-                  jobs.progress, jobs.attempt, jobs.last_seq, jobs.next_attempt_time,
-                  jobs.waiting_reason, live.handled
-    ), e AS (
-        INSERT INTO job_events
-            (job_id, seq, tenant_id, type, state, progress, message, data, attempt)
-        SELECT id, last_seq, tenant_id, 'queued', state, progress, waiting_reason,
-               jsonb_build_object('waiting_reason', waiting_reason), attempt
-        FROM j WHERE NOT handled
-    ), o AS (
-        INSERT INTO outbox (id, tenant_id, job_id, routing_key, correlation_id, available_at)
-        SELECT CAST(:new_dispatch_id AS uuid), tenant_id, id, type, correlation_id,
-               next_attempt_time
-        FROM j WHERE handled
-    )
-    SELECT handled, waiting_reason,
-           pg_notify(CASE WHEN handled THEN '{OUTBOX_CHANNEL}' ELSE '{EVENTS_CHANNEL}' END,
-                     CASE WHEN handled THEN '' ELSE id::text END) AS notified
-    FROM j
-    """
-)
-# Parked jobs of the given types and queues get a new dispatch (a worker that
-# runs them is live now), with one event each.
-_UNPARK = text(
-    f"""
-    WITH p AS (
-        SELECT id FROM jobs
-        WHERE state = 'queued' AND dispatch_id IS NULL
-          AND type = ANY (CAST(:types AS text[])) AND queue = ANY (CAST(:queues AS text[]))
-        ORDER BY id
-        LIMIT :limit
-        FOR UPDATE SKIP LOCKED
-    ), j AS (
-        UPDATE jobs SET dispatch_id = gen_random_uuid(), waiting_reason = NULL, handbacks = 0,
-                        next_attempt_time = NULL, last_seq = jobs.last_seq + 1,
-                        update_time = now()
-        FROM p
-        WHERE jobs.id = p.id AND jobs.state = 'queued' AND jobs.dispatch_id IS NULL
-        RETURNING jobs.id, jobs.tenant_id, jobs.type, jobs.correlation_id, jobs.dispatch_id,
-                  jobs.state, jobs.progress, jobs.attempt, jobs.last_seq
-    ), e AS (
-        INSERT INTO job_events
-            (job_id, seq, tenant_id, type, state, progress, message, data, attempt)
-        SELECT id, last_seq, tenant_id, 'queued', state, progress,
-               format('dispatched again: a worker that handles %s is live', type),
-               '{{}}'::jsonb, attempt
-        FROM j
-    ), o AS (
-        INSERT INTO outbox (id, tenant_id, job_id, routing_key, correlation_id)
-        SELECT dispatch_id, tenant_id, id, type, correlation_id FROM j
-    )
-    SELECT id, pg_notify('{EVENTS_CHANNEL}', id::text) AS notified,
-           pg_notify('{OUTBOX_CHANNEL}', '') AS woke_relay
-    FROM j
-    """
-)
+_ID: Returning = ("id",)
 
 
 class AttemptStore:
     """Claims attempts and writes their progress and outcome, fenced."""
 
-    def __init__(self, engine: AsyncEngine, *, lease_seconds: float = 30.0) -> None:
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        *,
+        lease_seconds: float = 30.0,
+        machine: StateMachine = MACHINE,
+    ) -> None:
         self._engine = engine
         # Claims, heartbeats, progress and most outcomes are one statement
         # each: atomic alone, without BEGIN/COMMIT round trips.
         self._auto = autocommit(engine)
+        self._machine = machine
         self.lease_seconds = lease_seconds
 
     async def claim(self, envelope: Envelope) -> ClaimResult:
@@ -345,13 +154,14 @@ class AttemptStore:
             "lease_token": token,
             "lease_seconds": self.lease_seconds,
         }
-        async with self._auto.connect() as conn:
-            row = (
-                (await conn.execute(_CLAIM, _event(params, "started", "attempt started")))
-                .mappings()
-                .first()
+        machine = self._machine
+        scope = machine.connect(self._engine, self._auto, Transition.CLAIM, Transition.EXHAUST)
+        async with scope as conn:
+            rows = await machine.apply(
+                conn, Transition.CLAIM, params, Cause("attempt started"), returning=_CLAIMED
             )
-            if row is not None:
+            if rows:
+                row = rows[0]
                 return ClaimResult(
                     ClaimStatus.CLAIMED,
                     attempt=Attempt(
@@ -387,10 +197,10 @@ class AttemptStore:
                     ClaimStatus.IN_FLIGHT, state=state, lease_expires_at=found["lease_expires_at"]
                 )
             if found["exhausted"]:
-                exhausted = await conn.execute(
-                    _EXHAUST, _event(params, "failed", "no attempts left")
+                exhausted = await machine.apply(
+                    conn, Transition.EXHAUST, params, Cause("no attempts left"), returning=_ID
                 )
-                if exhausted.first() is not None:
+                if exhausted:
                     return ClaimResult(ClaimStatus.EXHAUSTED, state=JobState.FAILED)
             # Changed between the two statements; the caller looks again.
             return ClaimResult(ClaimStatus.IN_FLIGHT, state=state)
@@ -410,11 +220,16 @@ class AttemptStore:
             "base_delay": base_delay,
             "max_delay": max_delay,
         }
-        async with self._auto.connect() as conn:
-            row = (await conn.execute(_HAND_BACK, params)).mappings().first()
-            if row is not None:
-                status = HandBack.HANDED_BACK if row["handled"] else HandBack.PARKED
-                return status, str(row["waiting_reason"])
+        machine = self._machine
+        async with machine.connect(
+            self._engine, self._auto, Transition.HAND_BACK, Transition.PARK
+        ) as conn:
+            rows = await machine.apply(
+                conn, Transition.HAND_BACK, params, returning=("handled", "waiting_reason")
+            )
+            if rows:
+                status = HandBack.HANDED_BACK if rows[0]["handled"] else HandBack.PARKED
+                return status, str(rows[0]["waiting_reason"])
             found = (await conn.execute(_INSPECT, params)).first()
         return (HandBack.NOT_FOUND if found is None else HandBack.NOT_QUEUED), ""
 
@@ -423,15 +238,16 @@ class AttemptStore:
         if not types or not queues:
             return 0
         params = {"types": list(types), "queues": list(queues), "limit": limit}
-        async with self._auto.connect() as conn:
-            return len((await conn.execute(_UNPARK, params)).all())
+        machine = self._machine
+        async with machine.connect(self._engine, self._auto, Transition.UNPARK) as conn:
+            return len(await machine.apply(conn, Transition.UNPARK, params, returning=_ID))
 
     async def heartbeat(self, attempt: Attempt) -> bool:
         """Extend the lease; returns whether cancellation was requested."""
         async with self._auto.connect() as conn:
             row = (
                 await conn.execute(
-                    _HEARTBEAT, {**attempt.fence(), "lease_seconds": self.lease_seconds}
+                    HEARTBEAT, {**attempt.fence(), "lease_seconds": self.lease_seconds}
                 )
             ).first()
         if row is None:
@@ -440,7 +256,7 @@ class AttemptStore:
 
     async def write_progress(self, attempt: Attempt, updates: Sequence[ProgressUpdate]) -> bool:
         """Store progress events in one statement; returns whether cancel was requested."""
-        async with self._auto.connect() as conn:
+        async with self._machine.connect(self._engine, self._auto, Transition.PROGRESS) as conn:
             return await self._progress(conn, attempt, updates)
 
     async def write_progress_many(
@@ -452,15 +268,28 @@ class AttemptStore:
         requested, or None when the attempt was fenced out (nothing of it was
         written).
         """
-        async with self._auto.connect() as conn:
+        async with self._machine.connect(self._engine, self._auto, Transition.PROGRESS) as conn:
             return await self._progress_many(conn, batches)
 
     async def succeed(
-        self, attempt: Attempt, result: dict[str, Any], pending: Sequence[ProgressUpdate] = ()
+        self,
+        attempt: Attempt,
+        result: dict[str, Any],
+        pending: Sequence[ProgressUpdate] = (),
+        *,
+        emitted: Sequence[Emitted] = (),
     ) -> None:
-        """Commit SUCCEEDED (after any pending progress) or raise :class:`LeaseLost`."""
+        """Commit SUCCEEDED (after any pending progress) or raise :class:`LeaseLost`.
+
+        ``emitted``: the handler's events, for the machine's hooks to commit
+        with the outcome (none of them when the attempt was fenced out).
+        """
         await self._finish(
-            attempt, pending, _SUCCEED, {"result": dumps(result)}, "succeeded", "succeeded"
+            attempt,
+            pending,
+            Transition.SUCCEED,
+            {"result": dumps(result)},
+            Cause("succeeded", emitted=emitted),
         )
 
     async def fail(
@@ -482,16 +311,14 @@ class AttemptStore:
         await self._finish(
             attempt,
             pending,
-            _FAIL,
+            Transition.FAIL,
             {"error_code": code, "error_message": message, "retryable": retryable},
-            "failed",
-            message,
-            {"error": error},
+            Cause(message, {"error": error}),
         )
 
     async def cancelled(self, attempt: Attempt, pending: Sequence[ProgressUpdate] = ()) -> None:
         """Commit CANCELLED, or raise :class:`LeaseLost`."""
-        await self._finish(attempt, pending, _CANCELLED, {}, "cancelled", "cancelled")
+        await self._finish(attempt, pending, Transition.CANCELLED, {}, Cause("cancelled"))
 
     async def schedule_retry(
         self,
@@ -510,11 +337,10 @@ class AttemptStore:
         interrupted by a shutdown, not failed by the job). ``details`` go into
         the event's ``data.error``.
         """
-        dispatch_id = new_id()
         extra = {
             "error_code": code,
             "error_message": message,
-            "dispatch_id": dispatch_id,
+            "dispatch_id": new_id(),
             "delay": float(delay),
             "refund": 1 if refund else 0,
         }
@@ -523,43 +349,27 @@ class AttemptStore:
             "delay_seconds": round(delay, 3),
             "next_attempt": attempt.attempt + 1,
         }
-        async with self._engine.begin() as conn:
-            if pending:
-                await self._progress(conn, attempt, pending)
-            row = (
-                await conn.execute(
-                    _SCHEDULE_RETRY,
-                    _event({**attempt.fence(), **extra}, "retry_scheduled", message, data),
-                )
-            ).first()
-            if row is None:
-                raise LeaseLost(f"jobs/{attempt.job_id} attempt {attempt.attempt} was fenced out")
-            await conn.execute(
-                _INSERT_RETRY_OUTBOX, {"id": attempt.job_id, "dispatch_id": dispatch_id}
-            )
+        await self._finish(attempt, pending, Transition.SCHEDULE_RETRY, extra, Cause(message, data))
 
     async def _finish(
         self,
         attempt: Attempt,
         pending: Sequence[ProgressUpdate],
-        statement: Any,
+        transition: Transition,
         extra: dict[str, Any],
-        event_type: str,
-        message: str,
-        data: dict[str, Any] | None = None,
+        cause: Cause,
     ) -> None:
         # Pending progress and the outcome commit together; the outcome alone
-        # is one statement.
-        scope = self._engine.begin() if pending else self._auto.connect()
+        # is one statement, its event and any next dispatch included.
+        machine = self._machine
+        scope = machine.connect(self._engine, self._auto, transition, many=bool(pending))
         async with scope as conn:
             if pending:
                 await self._progress(conn, attempt, pending)
-            row = (
-                await conn.execute(
-                    statement, _event({**attempt.fence(), **extra}, event_type, message, data)
-                )
-            ).first()
-            if row is None:
+            rows = await machine.apply(
+                conn, transition, {**attempt.fence(), **extra}, cause, returning=_ID
+            )
+            if not rows:
                 raise LeaseLost(f"jobs/{attempt.job_id} attempt {attempt.attempt} was fenced out")
 
     async def _progress(
@@ -590,22 +400,13 @@ class AttemptStore:
                 params["progresses"].append(update.progress)
                 params["messages"].append(update.message)
                 params["datas"].append(dumps(update.data))
-        rows = (await conn.execute(_PROGRESS, params)).all()
+        rows = await self._machine.apply(
+            conn, Transition.PROGRESS, params, returning=("k", "cancel_requested")
+        )
         written: list[bool | None] = [None] * len(batches)
         for row in rows:
-            written[int(row[0]) - 1] = bool(row[1])
+            written[int(row["k"]) - 1] = bool(row["cancel_requested"])
         return written
-
-
-def _event(
-    params: dict[str, Any], event_type: str, message: str, data: dict[str, Any] | None = None
-) -> dict[str, Any]:
-    return {
-        **params,
-        "event_type": event_type,
-        "event_message": message,
-        "event_data": dumps(data or {}),
-    }
 
 
 def _obj(value: Any) -> dict[str, Any]:

@@ -19,15 +19,8 @@ from jobplane.errors import JobAlreadyTerminal, JobNotFound, JobNotRetryable, Re
 from jobplane.faults import NO_FAULTS, FaultPoints
 from jobplane.ids import new_id
 from jobplane.store.engine import autocommit
-from jobplane.store.rows import (
-    CANCEL_CHANNEL,
-    JOB_COLUMNS,
-    OUTBOX_CHANNEL,
-    dumps,
-    event_from_row,
-    job_from_row,
-    transition_sql,
-)
+from jobplane.store.machine import MACHINE, Cause, StateMachine, Transition
+from jobplane.store.rows import JOB_COLUMNS, dumps, event_from_row, job_from_row
 from jobplane.types import Job, JobEvent, JobState
 
 
@@ -70,31 +63,6 @@ class ListCursor:
     job_id: uuid.UUID
 
 
-# Job, first event and dispatch intent (the outbox row) in one statement, so
-# one implicit transaction: a job exists iff its outbox row does. On a
-# request_id conflict nothing is written and no row comes back.
-_SUBMIT = text(
-    f"""
-    WITH j AS (
-        INSERT INTO jobs (id, tenant_id, type, queue, state, payload, max_attempts, request_id,
-                          request_hash, correlation_id, labels, dispatch_id, last_seq,
-                          timeout_seconds)
-        VALUES (:id, :tenant_id, :type, :queue, 'queued', CAST(:payload AS jsonb),
-                :max_attempts, :request_id, :request_hash, :correlation_id,
-                CAST(:labels AS jsonb), :dispatch_id, 1, :timeout_seconds)
-        ON CONFLICT (tenant_id, request_id) DO NOTHING
-        RETURNING {JOB_COLUMNS}
-    ), e AS (
-        INSERT INTO job_events (job_id, seq, tenant_id, type, state, progress, message, attempt)
-        SELECT id, 1, tenant_id, 'queued', 'queued', 0, 'queued', 0 FROM j
-    ), o AS (
-        INSERT INTO outbox (id, tenant_id, job_id, routing_key, correlation_id)
-        SELECT dispatch_id, tenant_id, id, type, correlation_id FROM j
-    )
-    SELECT j.*, pg_notify('{OUTBOX_CHANNEL}', '') AS notified FROM j
-    """
-)
-
 _SELECT_JOB = text(f"SELECT {JOB_COLUMNS} FROM jobs WHERE id = :id AND tenant_id = :tenant_id")
 _SELECT_JOB_FOR_UPDATE = text(
     f"SELECT {JOB_COLUMNS} FROM jobs WHERE id = :id AND tenant_id = :tenant_id FOR UPDATE"
@@ -110,46 +78,6 @@ _SELECT_BY_REQUEST = text(
             AND labels = CAST(:labels AS jsonb) AND timeout_seconds = :timeout_seconds)
                AS same_request
     FROM jobs WHERE tenant_id = :tenant_id AND request_id = :request_id
-    """
-)
-
-_CANCEL_QUEUED = text(
-    transition_sql(
-        "state = 'cancelled', end_time = now(), error_code = 'CANCELLED', "
-        "error_message = :reason, error_retryable = false, dispatch_id = NULL, "
-        "next_attempt_time = NULL",
-        "id = :id AND tenant_id = :tenant_id AND state = 'queued'",
-    )
-)
-_DROP_PENDING_DISPATCH = text(
-    "DELETE FROM outbox WHERE job_id = :id AND tenant_id = :tenant_id AND published_at IS NULL"
-)
-_REQUEST_CANCEL = text(
-    transition_sql(
-        "cancel_requested_at = now(), cancel_reason = :reason",
-        "id = :id AND tenant_id = :tenant_id AND state = 'running'",
-    )
-)
-_NOTIFY_CANCEL = text(f"SELECT pg_notify('{CANCEL_CHANNEL}', CAST(:id AS text))")
-
-_RETRY = text(
-    transition_sql(
-        "state = 'queued', retry_base = attempt, dispatch_id = :dispatch_id, result = NULL, "
-        "error_code = NULL, error_message = NULL, error_retryable = false, progress = 0, "
-        "progress_message = '', cancel_requested_at = NULL, cancel_reason = NULL, "
-        "lease_token = NULL, lease_expires_at = NULL, next_attempt_time = NULL, "
-        "start_time = NULL, end_time = NULL, waiting_reason = NULL, handbacks = 0",
-        "id = :id AND tenant_id = :tenant_id AND state IN ('failed', 'cancelled')",
-    )
-)
-_INSERT_OUTBOX = text(
-    f"""
-    WITH o AS (
-        INSERT INTO outbox (id, tenant_id, job_id, routing_key, correlation_id, available_at)
-        VALUES (:dispatch_id, :tenant_id, :id, :routing_key, :correlation_id,
-                now() + make_interval(secs => :delay))
-    )
-    SELECT pg_notify('{OUTBOX_CHANNEL}', '')
     """
 )
 
@@ -187,14 +115,22 @@ class StreamRead:
 class JobStore:
     """Job reads and writes for the API, one short transaction each."""
 
-    def __init__(self, engine: AsyncEngine, *, faults: FaultPoints = NO_FAULTS) -> None:
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        *,
+        faults: FaultPoints = NO_FAULTS,
+        machine: StateMachine = MACHINE,
+    ) -> None:
         self._engine = engine
         # Single statements need no BEGIN/COMMIT round trips of their own.
         self._auto = autocommit(engine)
         self._faults = faults
+        self._machine = machine
 
     async def submit(self, tenant_id: uuid.UUID, new: NewJob) -> tuple[Job, bool]:
-        """Create the job, its first event and its outbox row in one statement.
+        """Create the job and, by the machine's hooks, its first event and its
+        outbox row, in one statement: a job exists iff its dispatch intent does.
 
         Returns the job and whether it was created now. A replay with the same
         request_id and the same request returns the stored job; a different
@@ -217,9 +153,11 @@ class JobStore:
             "dispatch_id": dispatch_id,
             "timeout_seconds": new.timeout_seconds,
         }
-        async with self._auto.connect() as conn:
-            inserted = (await conn.execute(_SUBMIT, params)).mappings().first()
-        if inserted is not None:
+        machine = self._machine
+        async with machine.connect(self._engine, self._auto, Transition.SUBMIT) as conn:
+            created = await machine.apply(conn, Transition.SUBMIT, params, Cause("queued"))
+        if created:
+            inserted = created[0]
             # Committed; a failure here loses only the reply (the caller's
             # retry with the same request_id gets this job).
             self._faults.hit("submit.after_commit")
@@ -288,15 +226,14 @@ class JobStore:
         async with self._engine.begin() as conn:
             current = await self._lock(conn, tenant_id, job_id)
             if current.state is JobState.QUEUED:
-                row = await _transition(conn, _CANCEL_QUEUED, params, "cancelled", reason)
-                # A pending (re)dispatch is a row: drop it so nothing is published.
-                await conn.execute(_DROP_PENDING_DISPATCH, params)
+                # The hooks drop a pending (re)dispatch, so nothing is published.
+                row = await self._one(conn, Transition.CANCEL, params, Cause(reason))
                 return job_from_row(row)
             if current.state is JobState.RUNNING:
                 if current.cancel_requested:
                     return current
-                row = await _transition(conn, _REQUEST_CANCEL, params, "cancel_requested", reason)
-                await conn.execute(_NOTIFY_CANCEL, {"id": str(job_id)})
+                # The hooks wake the worker that runs it.
+                row = await self._one(conn, Transition.REQUEST_CANCEL, params, Cause(reason))
                 return job_from_row(row)
         raise JobAlreadyTerminal(f"jobs/{job_id} is already {current.state.name}")
 
@@ -311,16 +248,8 @@ class JobStore:
                     "jobs can be retried"
                 )
             params = {"id": job_id, "tenant_id": tenant_id, "dispatch_id": dispatch_id}
-            row = await _transition(conn, _RETRY, params, "queued", "retry requested")
-            await conn.execute(
-                _INSERT_OUTBOX,
-                {
-                    **params,
-                    "routing_key": current.type,
-                    "correlation_id": current.correlation_id,
-                    "delay": 0.0,
-                },
-            )
+            # The hooks write the new dispatch.
+            row = await self._one(conn, Transition.RETRY, params, Cause("retry requested"))
             return job_from_row(row)
 
     async def read_stream(
@@ -366,6 +295,15 @@ class JobStore:
             reads.append(StreamRead(events=events, ended=ended, last_seq=last_seq))
         return reads
 
+    async def _one(
+        self, conn: AsyncConnection, transition: Transition, params: dict[str, Any], cause: Cause
+    ) -> Any:
+        """Apply ``transition`` to a job locked in state; the row after (it must match)."""
+        rows = await self._machine.apply(conn, transition, params, cause)
+        if len(rows) != 1:
+            raise RuntimeError(f"{transition} did not apply to a job locked in a state it allows")
+        return rows[0]
+
     async def _lock(self, conn: AsyncConnection, tenant_id: uuid.UUID, job_id: uuid.UUID) -> Job:
         row = (
             (await conn.execute(_SELECT_JOB_FOR_UPDATE, {"id": job_id, "tenant_id": tenant_id}))
@@ -375,24 +313,3 @@ class JobStore:
         if row is None:
             raise JobNotFound(f"jobs/{job_id} not found")
         return job_from_row(row)
-
-
-async def _transition(
-    conn: AsyncConnection,
-    statement: Any,
-    params: dict[str, Any],
-    event_type: str,
-    message: str,
-    data: dict[str, Any] | None = None,
-) -> Any:
-    """Run a :func:`transition_sql` statement; the updated row (it must match)."""
-    result = await conn.execute(
-        statement,
-        {
-            **params,
-            "event_type": event_type,
-            "event_message": message,
-            "event_data": dumps(data or {}),
-        },
-    )
-    return result.mappings().one()

@@ -26,7 +26,7 @@ from sqlalchemy import TextClause, text
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from jobplane.envelope import Envelope
-from jobplane.store.rows import dumps, transition_sql
+from jobplane.store.machine import MACHINE, Cause, Transition, where_sources
 
 # SKIP LOCKED lets any number of relays share the table: each takes rows no
 # other relay holds, and a relay that dies releases its rows with its
@@ -97,17 +97,9 @@ _MARK_FAILED = text(
 # row's to fail — coalesce, since a parked job's NULL dispatch_id makes the
 # comparison NULL, which must read "moved on", not "locked".
 _LOCK_JOB = text(
-    "SELECT coalesce(dispatch_id = :dispatch_id AND state = 'queued', false) AS current "
+    "SELECT coalesce(dispatch_id = :dispatch_id "
+    f"AND {where_sources(Transition.RELAY_FAIL)}, false) AS current "
     "FROM jobs WHERE id = :job_id FOR UPDATE SKIP LOCKED"
-)
-_FAIL_JOB = text(
-    transition_sql(
-        "state = 'failed', error_code = :code, error_message = :message, "
-        "error_retryable = false, dispatch_id = NULL, next_attempt_time = NULL, "
-        "lease_token = NULL, lease_expires_at = NULL, end_time = now()",
-        "id = :job_id AND dispatch_id = :dispatch_id AND state = 'queued'",
-        "id",
-    )
 )
 _NEXT_DUE = text(
     "SELECT extract(epoch FROM min(available_at) - now()) FROM outbox "
@@ -201,16 +193,12 @@ class OutboxBatch:
         await self._conn.execute(_MARK_FAILED, {"id": row.id, "error": message})
         if not job.current:
             return GiveUp.MOVED_ON
-        await self._conn.execute(
-            _FAIL_JOB,
-            {
-                **ids,
-                "code": code,
-                "message": message,
-                "event_type": "failed",
-                "event_message": message,
-                "event_data": dumps({"error": {"code": code, "retryable": False}}),
-            },
+        await MACHINE.apply(
+            self._conn,
+            Transition.RELAY_FAIL,
+            {**ids, "code": code, "message": message},
+            Cause(message, {"error": {"code": code, "retryable": False}}),
+            returning=("id",),
         )
         return GiveUp.JOB_FAILED
 

@@ -1,4 +1,4 @@
-"""Rows to public types, and the SQL shared by every writer of job events."""
+"""Rows to public types, the job's columns and the channels of NOTIFY hints."""
 
 from __future__ import annotations
 
@@ -14,62 +14,40 @@ EVENTS_CHANNEL = "jobplane_events"
 CANCEL_CHANNEL = "jobplane_cancel"
 OUTBOX_CHANNEL = "jobplane_outbox"
 
-JOB_COLUMNS = """
-    id, tenant_id, type, queue, state, payload, result, error_code, error_message,
-    error_retryable, progress, progress_message, attempt, max_attempts, retry_base,
-    request_id, correlation_id, labels, dispatch_id, lease_token, lease_expires_at,
-    cancel_requested_at, next_attempt_time, last_seq, create_time, update_time,
-    start_time, end_time, timeout_seconds, waiting_reason
-"""
-
-
-# What the event of a transition is made of; every transition returns these.
-_EVENT_SOURCE = "id, tenant_id, state, progress, attempt, last_seq"
-
-
-def transition_sql(set_clause: str, where_clause: str, returning: str = JOB_COLUMNS) -> str:
-    """One statement that updates a job and appends one event under its row lock.
-
-    The UPDATE takes the row lock and bumps ``last_seq``; the event gets that
-    seq, so seqs are gap-free and in commit order for each job. The NOTIFY is a
-    hint for watchers, sent at commit. Binds: ``:event_type``,
-    ``:event_message``, ``:event_data`` (JSON text) plus the clauses' own.
-    The statement returns the ``returning`` columns of the updated row (all of
-    them by default; decoding fewer is cheaper) — no row when none matched.
-    """
-    if returning == JOB_COLUMNS:
-        columns, selected = JOB_COLUMNS, "j.*"
-    else:
-        wanted = [c.strip() for c in returning.split(",")]
-        source = [c.strip() for c in _EVENT_SOURCE.split(",")]
-        columns = ", ".join(source + [c for c in wanted if c not in source])
-        selected = ", ".join(f"j.{c}" for c in wanted)
-    return f"""
-    WITH j AS (
-        UPDATE jobs SET {set_clause}, last_seq = last_seq + 1, update_time = now()
-        WHERE {where_clause}
-        RETURNING {columns}
-    ), e AS (
-        INSERT INTO job_events
-            (job_id, seq, tenant_id, type, state, progress, message, data, attempt)
-        SELECT id, last_seq, tenant_id, :event_type, state, progress, :event_message,
-               CAST(:event_data AS jsonb), attempt
-        FROM j
-    )
-    SELECT {selected}, pg_notify('{EVENTS_CHANNEL}', j.id::text) AS notified FROM j
-    """
-
-
-# A job's next dispatch, due at its next_attempt_time (now when unset): the
-# outbox row whose id the job's dispatch_id names. Binds: :id, :dispatch_id.
-OUTBOX_FOR_JOB_SQL = f"""
-    WITH o AS (
-        INSERT INTO outbox (id, tenant_id, job_id, routing_key, correlation_id, available_at)
-        SELECT :dispatch_id, tenant_id, id, type, correlation_id, coalesce(next_attempt_time, now())
-        FROM jobs WHERE id = :id
-    )
-    SELECT pg_notify('{OUTBOX_CHANNEL}', '')
-"""
+# Every column of a job a reader gets, in this order.
+JOB_FIELDS = (
+    "id",
+    "tenant_id",
+    "type",
+    "queue",
+    "state",
+    "payload",
+    "result",
+    "error_code",
+    "error_message",
+    "error_retryable",
+    "progress",
+    "progress_message",
+    "attempt",
+    "max_attempts",
+    "retry_base",
+    "request_id",
+    "correlation_id",
+    "labels",
+    "dispatch_id",
+    "lease_token",
+    "lease_expires_at",
+    "cancel_requested_at",
+    "next_attempt_time",
+    "last_seq",
+    "create_time",
+    "update_time",
+    "start_time",
+    "end_time",
+    "timeout_seconds",
+    "waiting_reason",
+)
+JOB_COLUMNS = ", ".join(JOB_FIELDS)
 
 
 def dumps(value: Any) -> str:

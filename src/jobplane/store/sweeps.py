@@ -15,45 +15,23 @@ from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from jobplane.ids import new_id
+from jobplane.store.engine import autocommit
+from jobplane.store.machine import MACHINE, Cause, StateMachine, Transition, state_is
 from jobplane.store.outbox import RETURNS_RESET
-from jobplane.store.rows import (
-    OUTBOX_CHANNEL,
-    OUTBOX_FOR_JOB_SQL,
-    dumps,
-    job_from_row,
-    transition_sql,
-)
-from jobplane.types import Job
+from jobplane.store.rows import OUTBOX_CHANNEL, job_from_row
+from jobplane.types import Job, JobState
 
 _EXPIRED = text(
-    """
+    f"""
     SELECT id, attempt, retry_base, max_attempts
     FROM jobs
-    WHERE state = 'running' AND lease_expires_at < now() - make_interval(secs => :grace)
+    WHERE {state_is(JobState.RUNNING)}
+        AND lease_expires_at < now() - make_interval(secs => :grace)
     ORDER BY lease_expires_at
     LIMIT :limit
     FOR UPDATE SKIP LOCKED
     """
 )
-_LEASE_WHERE = "id = :id AND state = 'running' AND attempt = :attempt"
-_REQUEUE = text(
-    transition_sql(
-        "state = 'queued', error_code = 'LEASE_EXPIRED', error_message = :message, "
-        "error_retryable = true, lease_token = NULL, lease_expires_at = NULL, "
-        "dispatch_id = :dispatch_id, next_attempt_time = now() + make_interval(secs => :delay)",
-        _LEASE_WHERE,
-    )
-)
-_FAIL_EXPIRED = text(
-    transition_sql(
-        # No attempts are left: the job is not going to be retried.
-        "state = 'failed', error_code = 'LEASE_EXPIRED', error_message = :message, "
-        "error_retryable = false, lease_token = NULL, lease_expires_at = NULL, "
-        "dispatch_id = NULL, next_attempt_time = NULL, end_time = now()",
-        _LEASE_WHERE,
-    )
-)
-_OUTBOX_FOR_JOB = text(OUTBOX_FOR_JOB_SQL)
 _STATE = text("SELECT state FROM jobs WHERE id = :id AND tenant_id = :tenant_id")
 _STUCK_OUTBOX = text(
     """
@@ -81,7 +59,7 @@ _REPUBLISH = text(
     WITH scanned AS MATERIALIZED (
         SELECT dispatch_id
         FROM jobs
-        WHERE state = 'queued' AND dispatch_id > CAST(:cursor AS uuid)
+        WHERE {state_is(JobState.QUEUED)} AND dispatch_id > CAST(:cursor AS uuid)
         ORDER BY dispatch_id
         LIMIT :limit
     ), due AS (
@@ -89,7 +67,8 @@ _REPUBLISH = text(
         FROM scanned s
         JOIN outbox o ON o.id = s.dispatch_id
         JOIN jobs j ON j.id = o.job_id
-        WHERE j.state = 'queued' AND j.dispatch_id = o.id AND o.published_at IS NOT NULL
+        WHERE {state_is(JobState.QUEUED, column="j.state")} AND j.dispatch_id = o.id
+            AND o.published_at IS NOT NULL
             AND o.published_at < now()
                 - make_interval(secs => :after * power(2, least(o.republish_count, 20)))
         FOR UPDATE OF j, o SKIP LOCKED
@@ -113,15 +92,7 @@ _REPUBLISH = text(
 _REPUBLISH_LOCK = text("SELECT pg_try_advisory_xact_lock(:key)")
 REPUBLISH_LOCK_KEY = 0x6A70_7265_7075_6231  # "jprepub1"
 _START = uuid.UUID(int=0)
-_REDISPATCH = text(
-    transition_sql(
-        # A parked job dispatched by an operator waits for no worker now.
-        "state = 'queued', dispatch_id = :dispatch_id, lease_token = NULL, "
-        "lease_expires_at = NULL, next_attempt_time = NULL, waiting_reason = NULL",
-        "id = :id AND tenant_id = :tenant_id "
-        "AND (state = 'queued' OR (state = 'running' AND lease_expires_at < now()))",
-    )
-)
+_ID = ("id",)
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,8 +124,10 @@ class LeaseRepair:
 class SweepStore:
     """SQL of the sweeper and of operator re-dispatch."""
 
-    def __init__(self, engine: AsyncEngine) -> None:
+    def __init__(self, engine: AsyncEngine, *, machine: StateMachine = MACHINE) -> None:
         self._engine = engine
+        self._auto = autocommit(engine)
+        self._machine = machine
         self._cursor = _START
 
     async def expire_leases(
@@ -169,26 +142,22 @@ class SweepStore:
         async with self._engine.begin() as conn:
             rows = (await conn.execute(_EXPIRED, {"grace": grace, "limit": limit})).all()
             for row in rows:
-                params: dict[str, Any] = {
-                    "id": row.id,
-                    "attempt": row.attempt,
-                    "event_data": dumps({"error": {"code": "LEASE_EXPIRED", "retryable": True}}),
-                }
+                params: dict[str, Any] = {"id": row.id, "attempt": row.attempt}
                 message = f"attempt {row.attempt} stopped heartbeating (its worker died or hung)"
                 if row.attempt - row.retry_base < row.max_attempts:
-                    dispatch_id = new_id()
-                    await conn.execute(
-                        _REQUEUE,
+                    # The hooks write the new dispatch, due after the delay.
+                    await self._machine.apply(
+                        conn,
+                        Transition.EXPIRE_LEASE,
                         {
                             **params,
                             "message": message,
-                            "dispatch_id": dispatch_id,
+                            "dispatch_id": new_id(),
                             "delay": delay(int(row.attempt)),
-                            "event_type": "retry_scheduled",
-                            "event_message": message,
                         },
+                        Cause(message, {"error": {"code": "LEASE_EXPIRED", "retryable": True}}),
+                        returning=_ID,
                     )
-                    await conn.execute(_OUTBOX_FOR_JOB, {"id": row.id, "dispatch_id": dispatch_id})
                     requeued += 1
                 else:
                     final = f"{message}; no attempts left"
@@ -197,15 +166,12 @@ class SweepStore:
                         "retryable": False,
                         "attempts_exhausted": True,
                     }
-                    await conn.execute(
-                        _FAIL_EXPIRED,
-                        {
-                            **params,
-                            "event_data": dumps({"error": error}),
-                            "message": final,
-                            "event_type": "failed",
-                            "event_message": final,
-                        },
+                    await self._machine.apply(
+                        conn,
+                        Transition.EXPIRE_LAST_LEASE,
+                        {**params, "message": final},
+                        Cause(final, {"error": error}),
+                        returning=_ID,
                     )
                     failed += 1
         return LeaseRepair(requeued=requeued, failed=failed)
@@ -266,26 +232,9 @@ class SweepStore:
 
         None when the job is unknown, finished, or held by a live attempt.
         """
-        dispatch_id = new_id()
-        async with self._engine.begin() as conn:
-            row = (
-                (
-                    await conn.execute(
-                        _REDISPATCH,
-                        {
-                            "id": job_id,
-                            "tenant_id": tenant_id,
-                            "dispatch_id": dispatch_id,
-                            "event_type": "queued",
-                            "event_message": reason,
-                            "event_data": "{}",
-                        },
-                    )
-                )
-                .mappings()
-                .first()
-            )
-            if row is None:
-                return None
-            await conn.execute(_OUTBOX_FOR_JOB, {"id": job_id, "dispatch_id": dispatch_id})
-            return job_from_row(row)
+        params = {"id": job_id, "tenant_id": tenant_id, "dispatch_id": new_id()}
+        machine = self._machine
+        async with machine.connect(self._engine, self._auto, Transition.REDISPATCH) as conn:
+            # The hooks write the new dispatch.
+            rows = await machine.apply(conn, Transition.REDISPATCH, params, Cause(reason))
+        return job_from_row(rows[0]) if rows else None

@@ -1,0 +1,845 @@
+"""The job state machine: every transition of a job, its table, and its hook.
+
+A job changes only through a named :class:`Transition`. :data:`RULES` is the
+one table of them: the states each may start from, the state it ends in, the
+row it matches (its fence), the guard beyond the state, the columns it sets,
+the event it appends and whether it writes the job's next dispatch. The SQL
+of every transition is built from its rule: the ``WHERE`` that says which
+states it may start from is :func:`where_sources`, the ``SET state`` is the
+rule's target, so nothing else in the store spells a job state by hand
+(``tests/unit/test_machine.py`` holds the store to that).
+
+What follows a transition — the WatchJob event, the next dispatch, the signal
+to a running attempt that it is cancelled, and later lifecycle events,
+pipeline stages and metrics — is a :class:`Hook`, registered on the
+:class:`StateMachine`. A hook acts inside the transition's transaction, after
+the job row changed, and never when the transition was refused:
+
+- :meth:`Hook.writes` adds SQL to the transition's own statement: one
+  data-modifying CTE over ``j``, the rows the transition changed (every
+  column of ``jobs`` it asks for, plus ``transition`` and ``from_state``).
+  This costs no round trip, so the hot paths (submit, claim, progress, the
+  outcome) stay one statement each (ADR-0005). A write also commits only
+  with the fence: a fenced-out attempt changes no row, so ``j`` is empty.
+- :meth:`Hook.after` runs Python with the connection, once per changed row,
+  after the statement and before the commit: ``(conn, Change(transition,
+  row, from_state, cause))``. A transition with such a hook runs in a
+  transaction (not autocommit); it must do no I/O outside the database.
+
+See ADR-0010.
+"""
+
+from __future__ import annotations
+
+import enum
+import uuid
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from contextlib import AbstractAsyncContextManager
+from dataclasses import dataclass, field
+from typing import Any
+
+from sqlalchemy import RowMapping, TextClause, text
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
+
+from jobplane.store.rows import (
+    CANCEL_CHANNEL,
+    EVENTS_CHANNEL,
+    JOB_FIELDS,
+    OUTBOX_CHANNEL,
+    dumps,
+)
+from jobplane.types import EventType, JobState
+
+
+class Phase(enum.Enum):
+    """A state a transition may start from: a :class:`JobState`, with RUNNING split by its lease."""
+
+    QUEUED = "queued"
+    RUNNING = "running"  # its lease is live
+    RUNNING_EXPIRED = "running_expired"  # its lease ran out: the attempt is presumed dead
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+    @property
+    def state(self) -> JobState:
+        """The job state of this phase."""
+        return JobState.RUNNING if self is Phase.RUNNING_EXPIRED else JobState(self.value)
+
+
+class Transition(enum.StrEnum):
+    """Every way a job changes."""
+
+    SUBMIT = "submit"  # a new job, QUEUED, with its first dispatch
+    CLAIM = "claim"  # a worker starts the attempt its message dispatches
+    EXHAUST = "exhaust"  # a claim finds no attempt left: FAILED
+    PROGRESS = "progress"  # a running attempt reports (many reports, many jobs, per statement)
+    SUCCEED = "succeed"
+    FAIL = "fail"
+    CANCELLED = "cancelled"  # the running attempt acknowledges a cancel request
+    SCHEDULE_RETRY = "schedule_retry"  # the attempt failed retryably: QUEUED, due later
+    HAND_BACK = "hand_back"  # a worker without the handler gives it back; a live one has it
+    PARK = "park"  # ... and no live worker has it: QUEUED without a dispatch
+    UNPARK = "unpark"  # a worker that has it started: a parked job is dispatched again
+    CANCEL = "cancel"  # CancelJob of a QUEUED job
+    REQUEST_CANCEL = "request_cancel"  # CancelJob of a RUNNING job: its attempt is asked
+    RETRY = "retry"  # RetryJob: a new attempt budget for a FAILED or CANCELLED job
+    EXPIRE_LEASE = "expire_lease"  # the sweeper finds a dead attempt: a new one, due later
+    EXPIRE_LAST_LEASE = "expire_last_lease"  # ... and no attempt is left: FAILED
+    REDISPATCH = "redispatch"  # an operator dispatches a waiting job again
+    RELAY_FAIL = "relay_fail"  # the relay can never publish the job's dispatch: FAILED
+
+
+# Guards: conditions beyond the state, named so the table reads as prose.
+ATTEMPTS_LEFT = "attempt - retry_base < max_attempts"
+NO_ATTEMPTS_LEFT = "attempt - retry_base >= max_attempts"
+PARKED = "dispatch_id IS NULL"
+CANCEL_NOT_REQUESTED = "cancel_requested_at IS NULL"
+# Said by the hand-back statement itself, which decides between the two.
+LIVE_WORKER = "a live worker handles the job's type on its queue"
+NO_LIVE_WORKER = "no live worker handles the job's type on its queue"
+
+# Fences: which row a transition is for, and whose it is to change.
+ATTEMPT_FENCE = "id = :id AND attempt = :attempt AND lease_token = :lease_token"
+BY_DISPATCH = "id = :id AND tenant_id = :tenant_id AND dispatch_id = :dispatch_id"
+BY_ID = "id = :id AND tenant_id = :tenant_id"
+
+_END = "lease_token = NULL, lease_expires_at = NULL, next_attempt_time = NULL, end_time = now()"
+_LIVE = frozenset({Phase.RUNNING, Phase.RUNNING_EXPIRED})
+_WAITING = frozenset({Phase.QUEUED, Phase.RUNNING_EXPIRED})
+
+
+@dataclass(frozen=True, slots=True)
+class Rule:
+    """One row of the table: what a transition may start from and what it does."""
+
+    sources: frozenset[Phase]  # empty: the job is new
+    target: JobState
+    match: str  # the fence: which row, and whose
+    event: EventType | None  # the event it appends (None: none, and last_seq stays)
+    dispatch: bool = False  # it writes the job's next dispatch (an outbox row)
+    guard: str = ""  # a condition beyond the state (SQL, or prose for the hand-back)
+    sets: str = ""  # what it sets besides state, last_seq and update_time
+    # The event's message and data, as SQL over j (the changed rows).
+    message: str = ":event_message"
+    data: str = "CAST(:event_data AS jsonb)"
+
+
+RULES: Mapping[Transition, Rule] = {
+    Transition.SUBMIT: Rule(
+        frozenset(),
+        JobState.QUEUED,
+        "a new id; (tenant_id, request_id) unique",
+        EventType.QUEUED,
+        dispatch=True,
+    ),
+    Transition.CLAIM: Rule(
+        _WAITING,
+        JobState.RUNNING,
+        # The message's type must be the job's: the worker chose its handler
+        # by the message before it read the job.
+        f"{BY_DISPATCH} AND type = :type",
+        EventType.STARTED,
+        guard=ATTEMPTS_LEFT,
+        sets="attempt = attempt + 1, lease_token = :lease_token, "
+        "lease_expires_at = now() + make_interval(secs => :lease_seconds), "
+        "start_time = now(), next_attempt_time = NULL, cancel_requested_at = NULL, "
+        # A new attempt starts from nothing: its STARTED event must not carry
+        # the last attempt's progress.
+        "cancel_reason = NULL, progress = 0, progress_message = '', waiting_reason = NULL, "
+        "handbacks = 0",
+    ),
+    Transition.EXHAUST: Rule(
+        _WAITING,
+        JobState.FAILED,
+        BY_DISPATCH,
+        EventType.FAILED,
+        guard=NO_ATTEMPTS_LEFT,
+        sets="end_time = now(), error_code = 'ATTEMPTS_EXHAUSTED', "
+        "error_message = 'no attempts left (max_attempts reached)', error_retryable = false, "
+        "lease_token = NULL, lease_expires_at = NULL, dispatch_id = NULL, "
+        "next_attempt_time = NULL",
+    ),
+    Transition.PROGRESS: Rule(
+        _LIVE,
+        JobState.RUNNING,
+        f"{ATTEMPT_FENCE}, for each attempt of the batch",
+        EventType.PROGRESS,
+        sets="progress, progress_message (the batch's last report)",
+    ),
+    Transition.SUCCEED: Rule(
+        _LIVE,
+        JobState.SUCCEEDED,
+        ATTEMPT_FENCE,
+        EventType.SUCCEEDED,
+        sets="result = CAST(:result AS jsonb), progress = 1, error_code = NULL, "
+        f"error_message = NULL, error_retryable = false, {_END}",
+    ),
+    Transition.FAIL: Rule(
+        _LIVE,
+        JobState.FAILED,
+        ATTEMPT_FENCE,
+        EventType.FAILED,
+        sets="error_code = :error_code, error_message = :error_message, "
+        f"error_retryable = :retryable, {_END}",
+    ),
+    Transition.CANCELLED: Rule(
+        _LIVE,
+        JobState.CANCELLED,
+        ATTEMPT_FENCE,
+        EventType.CANCELLED,
+        sets="error_code = 'CANCELLED', error_message = coalesce(cancel_reason, 'cancelled'), "
+        f"error_retryable = false, {_END}",
+    ),
+    Transition.SCHEDULE_RETRY: Rule(
+        _LIVE,
+        JobState.QUEUED,
+        ATTEMPT_FENCE,
+        EventType.RETRY_SCHEDULED,
+        dispatch=True,
+        sets="error_code = :error_code, error_message = :error_message, "
+        "error_retryable = true, lease_token = NULL, lease_expires_at = NULL, "
+        "dispatch_id = :dispatch_id, retry_base = retry_base + :refund, "
+        "next_attempt_time = now() + make_interval(secs => :delay)",
+    ),
+    Transition.HAND_BACK: Rule(
+        frozenset({Phase.QUEUED}),
+        JobState.QUEUED,
+        BY_DISPATCH,
+        None,  # hand-backs are noise in a job's history
+        dispatch=True,
+        guard=LIVE_WORKER,
+        sets="dispatch_id = :new_dispatch_id, next_attempt_time = now() + a jittered "
+        "delay doubling with each hand-back, handbacks + 1, waiting_reason",
+    ),
+    Transition.PARK: Rule(
+        frozenset({Phase.QUEUED}),
+        JobState.QUEUED,
+        BY_DISPATCH,
+        EventType.QUEUED,
+        guard=NO_LIVE_WORKER,
+        sets="dispatch_id = NULL, next_attempt_time = NULL, handbacks + 1, waiting_reason",
+        message="j.waiting_reason",
+        data="jsonb_build_object('waiting_reason', j.waiting_reason)",
+    ),
+    Transition.UNPARK: Rule(
+        frozenset({Phase.QUEUED}),
+        JobState.QUEUED,
+        "type = ANY (:types) AND queue = ANY (:queues), up to :limit jobs",
+        EventType.QUEUED,
+        dispatch=True,
+        guard=PARKED,
+        sets="dispatch_id = gen_random_uuid(), waiting_reason = NULL, handbacks = 0, "
+        "next_attempt_time = NULL",
+        message="format('dispatched again: a worker that handles %s is live', j.type)",
+        data="'{}'::jsonb",
+    ),
+    Transition.CANCEL: Rule(
+        frozenset({Phase.QUEUED}),
+        JobState.CANCELLED,
+        BY_ID,
+        EventType.CANCELLED,
+        sets="end_time = now(), error_code = 'CANCELLED', error_message = :reason, "
+        "error_retryable = false, dispatch_id = NULL, next_attempt_time = NULL",
+    ),
+    Transition.REQUEST_CANCEL: Rule(
+        _LIVE,
+        JobState.RUNNING,
+        BY_ID,
+        EventType.CANCEL_REQUESTED,
+        guard=CANCEL_NOT_REQUESTED,
+        sets="cancel_requested_at = now(), cancel_reason = :reason",
+    ),
+    Transition.RETRY: Rule(
+        frozenset({Phase.FAILED, Phase.CANCELLED}),
+        JobState.QUEUED,
+        BY_ID,
+        EventType.QUEUED,
+        dispatch=True,
+        sets="retry_base = attempt, dispatch_id = :dispatch_id, result = NULL, "
+        "error_code = NULL, error_message = NULL, error_retryable = false, progress = 0, "
+        "progress_message = '', cancel_requested_at = NULL, cancel_reason = NULL, "
+        "lease_token = NULL, lease_expires_at = NULL, next_attempt_time = NULL, "
+        "start_time = NULL, end_time = NULL, waiting_reason = NULL, handbacks = 0",
+    ),
+    Transition.EXPIRE_LEASE: Rule(
+        frozenset({Phase.RUNNING_EXPIRED}),
+        JobState.QUEUED,
+        "id = :id AND attempt = :attempt",
+        EventType.RETRY_SCHEDULED,
+        dispatch=True,
+        guard=ATTEMPTS_LEFT,
+        sets="error_code = 'LEASE_EXPIRED', error_message = :message, "
+        "error_retryable = true, lease_token = NULL, lease_expires_at = NULL, "
+        "dispatch_id = :dispatch_id, next_attempt_time = now() + make_interval(secs => :delay)",
+    ),
+    Transition.EXPIRE_LAST_LEASE: Rule(
+        frozenset({Phase.RUNNING_EXPIRED}),
+        JobState.FAILED,
+        "id = :id AND attempt = :attempt",
+        EventType.FAILED,
+        # No attempts are left: the job is not going to be retried.
+        guard=NO_ATTEMPTS_LEFT,
+        sets="error_code = 'LEASE_EXPIRED', error_message = :message, "
+        "error_retryable = false, lease_token = NULL, lease_expires_at = NULL, "
+        "dispatch_id = NULL, next_attempt_time = NULL, end_time = now()",
+    ),
+    Transition.REDISPATCH: Rule(
+        _WAITING,
+        JobState.QUEUED,
+        BY_ID,
+        EventType.QUEUED,
+        dispatch=True,
+        # A parked job dispatched by an operator waits for no worker now.
+        sets="dispatch_id = :dispatch_id, lease_token = NULL, lease_expires_at = NULL, "
+        "next_attempt_time = NULL, waiting_reason = NULL",
+    ),
+    Transition.RELAY_FAIL: Rule(
+        frozenset({Phase.QUEUED}),
+        JobState.FAILED,
+        "id = :job_id AND dispatch_id = :dispatch_id",
+        EventType.FAILED,
+        sets="error_code = :code, error_message = :message, error_retryable = false, "
+        "dispatch_id = NULL, next_attempt_time = NULL, lease_token = NULL, "
+        "lease_expires_at = NULL, end_time = now()",
+    ),
+}
+
+
+def state_is(*states: JobState, column: str = "state") -> str:
+    """SQL: the job is in one of ``states`` (a literal, so partial indexes match)."""
+    if len(states) == 1:
+        return f"{column} = '{states[0].value}'"
+    listed = ", ".join(f"'{s.value}'" for s in states)
+    return f"{column} IN ({listed})"
+
+
+def where_phases(phases: Iterable[Phase], table: str = "") -> str:
+    """SQL: the job is in one of ``phases``; ``table`` qualifies the columns."""
+    wanted = frozenset(phases)
+    if not wanted:
+        raise ValueError("no phase: a new job has no row to match")
+    prefix = f"{table}." if table else ""
+    column = f"{prefix}state"
+    plain = [p.state for p in Phase if p in wanted and p not in _LIVE]
+    terms = []
+    if wanted >= _LIVE:
+        plain.append(JobState.RUNNING)
+    elif Phase.RUNNING_EXPIRED in wanted:
+        terms.append(f"({column} = 'running' AND {prefix}lease_expires_at < now())")
+    elif Phase.RUNNING in wanted:
+        terms.append(f"({column} = 'running' AND {prefix}lease_expires_at >= now())")
+    if plain:
+        terms.insert(0, state_is(*sorted(plain, key=_order), column=column))
+    return terms[0] if len(terms) == 1 else "(" + " OR ".join(terms) + ")"
+
+
+def where_sources(transition: Transition, table: str = "") -> str:
+    """SQL: the job is in a state ``transition`` may start from (from :data:`RULES`)."""
+    return where_phases(RULES[transition].sources, table)
+
+
+def _order(state: JobState) -> int:
+    return list(JobState).index(state)
+
+
+# Not a transition: the attempt's lease is extended, the job stays as it is
+# and nothing is appended. Fenced like every write of an attempt.
+HEARTBEAT = text(
+    f"""
+    UPDATE jobs SET lease_expires_at = now() + make_interval(secs => :lease_seconds)
+    WHERE {ATTEMPT_FENCE} AND {where_sources(Transition.PROGRESS)}
+    RETURNING cancel_requested_at IS NOT NULL AS cancel_requested
+    """
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Emitted:
+    """An event a handler emitted, committed only with its attempt's winning outcome."""
+
+    event_type: str
+    payload: Mapping[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class Cause:
+    """Why a transition runs: what its event says, and what came with it.
+
+    ``message`` and ``data`` are the job event's; ``emitted`` are the
+    handler's events that must commit only if this transition applies;
+    ``causation_id`` names the event that caused it, when one did.
+    """
+
+    message: str = ""
+    data: Mapping[str, Any] = field(default_factory=dict)
+    emitted: Sequence[Emitted] = ()
+    causation_id: uuid.UUID | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Change:
+    """A transition that applied to one job: what :meth:`Hook.after` receives."""
+
+    transition: Transition
+    row: RowMapping  # the job after it: every column of ``jobs``
+    from_state: JobState | None  # None for a new job
+    cause: Cause
+
+
+@dataclass(frozen=True, slots=True)
+class Write:
+    """SQL a hook adds to a transition's statement.
+
+    ``sql`` is one data-modifying statement reading the changed rows as
+    ``{j}`` (write ``FROM {j} AS j``); ``notify`` a ``pg_notify(...)``
+    expression over ``j`` evaluated for each changed row (either may be
+    empty); ``columns`` the columns of ``j`` they read.
+    """
+
+    sql: str = ""
+    notify: str = ""
+    columns: frozenset[str] = frozenset()
+
+
+class Hook:
+    """What follows a transition, inside its transaction. Override either part."""
+
+    def writes(self, transition: Transition) -> Sequence[Write]:
+        """SQL folded into ``transition``'s statement; compiled once per machine."""
+        return ()
+
+    def binds(self, transition: Transition, cause: Cause) -> Mapping[str, Any]:
+        """The bind values :meth:`writes` use, for one application."""
+        return {}
+
+    def follows(self, transition: Transition) -> bool:
+        """Whether :meth:`after` runs for ``transition``."""
+        return False
+
+    async def after(self, conn: AsyncConnection, change: Change) -> None:
+        """Python after the statement, for each changed row, before the commit."""
+
+
+AfterFn = Callable[[AsyncConnection, Change], Awaitable[None]]
+
+
+class _After(Hook):
+    def __init__(self, fn: AfterFn, transitions: frozenset[Transition]) -> None:
+        self._fn = fn
+        self._transitions = transitions
+
+    def follows(self, transition: Transition) -> bool:
+        return transition in self._transitions
+
+    async def after(self, conn: AsyncConnection, change: Change) -> None:
+        await self._fn(conn, change)
+
+
+_EVENT_COLUMNS = frozenset({"id", "last_seq", "tenant_id", "state", "progress", "attempt"})
+
+
+class JobEvents(Hook):
+    """The job's own event (what WatchJob streams), under the row lock the UPDATE took.
+
+    The UPDATE bumps ``last_seq``; the event gets that seq, so seqs are
+    gap-free and in commit order for each job. The NOTIFY is a hint for
+    watchers, sent at commit.
+    """
+
+    def writes(self, transition: Transition) -> Sequence[Write]:
+        rule = RULES[transition]
+        if rule.event is None:
+            return ()
+        # Nobody watches a job before it exists: no hint for a new one.
+        notify = (
+            "" if transition is Transition.SUBMIT else f"pg_notify('{EVENTS_CHANNEL}', j.id::text)"
+        )
+        if transition is Transition.PROGRESS:
+            # One event per report of the batch, after the row's last seq.
+            sql = """
+        INSERT INTO job_events
+            (job_id, seq, tenant_id, type, state, progress, message, data, attempt)
+        SELECT j.id, j.last_seq - j.n + p.ord, j.tenant_id, 'progress', j.state, p.progress,
+               p.message, CAST(p.data AS jsonb), j.attempt
+        FROM unnest(CAST(:ks AS bigint[]), CAST(:ords AS int[]), CAST(:progresses AS float8[]),
+                    CAST(:messages AS text[]), CAST(:datas AS text[]))
+            AS p(k, ord, progress, message, data)
+        JOIN {j} AS j ON j.k = p.k"""
+            return [Write(sql, notify, _EVENT_COLUMNS | {"n", "k"})]
+        sql = f"""
+        INSERT INTO job_events
+            (job_id, seq, tenant_id, type, state, progress, message, data, attempt)
+        SELECT j.id, j.last_seq, j.tenant_id, '{rule.event.value}', j.state, j.progress,
+               {rule.message}, {rule.data}, j.attempt
+        FROM {{j}} AS j"""
+        extra = {"waiting_reason"} if transition is Transition.PARK else set()
+        if transition is Transition.UNPARK:
+            extra = {"type"}
+        return [Write(sql, notify, _EVENT_COLUMNS | extra)]
+
+    def binds(self, transition: Transition, cause: Cause) -> Mapping[str, Any]:
+        rule = RULES[transition]
+        if rule.event is None or ":event_message" not in rule.message:
+            return {}
+        return {"event_message": cause.message, "event_data": dumps(dict(cause.data))}
+
+
+class Dispatches(Hook):
+    """The job's next dispatch: an outbox row whose id the job's ``dispatch_id`` names.
+
+    Due at the job's ``next_attempt_time`` (now when unset). A QUEUED job
+    cancelled drops its pending (re)dispatch, so nothing is published.
+    """
+
+    def writes(self, transition: Transition) -> Sequence[Write]:
+        if RULES[transition].dispatch:
+            return [
+                Write(
+                    """
+        INSERT INTO outbox (id, tenant_id, job_id, routing_key, correlation_id, available_at)
+        SELECT j.dispatch_id, j.tenant_id, j.id, j.type, j.correlation_id,
+               coalesce(j.next_attempt_time, now())
+        FROM {j} AS j""",
+                    f"pg_notify('{OUTBOX_CHANNEL}', '')",
+                    frozenset(
+                        {"dispatch_id", "tenant_id", "id", "type", "correlation_id"}
+                        | {"next_attempt_time"}
+                    ),
+                )
+            ]
+        if transition is Transition.CANCEL:
+            return [
+                Write(
+                    """
+        DELETE FROM outbox o USING {j} AS j
+        WHERE o.job_id = j.id AND o.tenant_id = j.tenant_id AND o.published_at IS NULL""",
+                    columns=frozenset({"id", "tenant_id"}),
+                )
+            ]
+        return ()
+
+
+class CancelSignal(Hook):
+    """Wakes the worker that runs a job whose cancellation was requested."""
+
+    def writes(self, transition: Transition) -> Sequence[Write]:
+        if transition is Transition.REQUEST_CANCEL:
+            notify = f"pg_notify('{CANCEL_CHANNEL}', j.id::text)"
+            return [Write(notify=notify, columns=frozenset({"id"}))]
+        return ()
+
+
+def builtin_hooks() -> list[Hook]:
+    """What every transition has always written: its event, its dispatch, its signal."""
+    return [JobEvents(), Dispatches(), CancelSignal()]
+
+
+# What a caller wants back from a statement: columns of j (job columns, plus
+# those a special statement adds: see each one).
+Returning = tuple[str, ...]
+ALL: Returning = JOB_FIELDS
+
+
+@dataclass(frozen=True, slots=True)
+class _Compiled:
+    statement: TextClause
+    hooks: tuple[Hook, ...]  # whose binds it needs
+    after: tuple[Hook, ...]  # whose after() runs
+
+
+class StateMachine:
+    """Compiles each transition's statement with its hooks' writes, and applies it."""
+
+    def __init__(self, hooks: Iterable[Hook] | None = None) -> None:
+        self._hooks: list[Hook] = builtin_hooks() if hooks is None else list(hooks)
+        self._compiled: dict[tuple[Transition, Returning], _Compiled] = {}
+
+    def register(self, hook: Hook) -> Hook:
+        """Add ``hook`` after those registered; statements are compiled anew."""
+        self._hooks.append(hook)
+        self._compiled.clear()
+        return hook
+
+    def on(self, transitions: Iterable[Transition], fn: AfterFn) -> Hook:
+        """Run ``fn(conn, change)`` after each of ``transitions``, in its transaction."""
+        return self.register(_After(fn, frozenset(transitions)))
+
+    def in_transaction(self, *transitions: Transition) -> bool:
+        """Whether ``transitions`` must run in a transaction (a hook runs after them)."""
+        return any(h.follows(t) for h in self._hooks for t in transitions)
+
+    def connect(
+        self, engine: AsyncEngine, auto: AsyncEngine, *transitions: Transition, many: bool = False
+    ) -> AbstractAsyncContextManager[AsyncConnection]:
+        """A connection for ``transitions``: autocommit when they are one statement.
+
+        ``many``: the caller runs more than one statement in it.
+        """
+        if many or self.in_transaction(*transitions):
+            return engine.begin()
+        return auto.connect()
+
+    def statement(self, transition: Transition, returning: Returning = ALL) -> TextClause:
+        """The statement of ``transition`` (or of its group, for the hand-back)."""
+        return self._compile(transition, returning).statement
+
+    async def apply(
+        self,
+        conn: AsyncConnection,
+        transition: Transition,
+        params: Mapping[str, Any],
+        cause: Cause = Cause(),
+        *,
+        returning: Returning = ALL,
+    ) -> Sequence[RowMapping]:
+        """Run ``transition``; the changed rows (none when it was refused).
+
+        Hooks' writes ran in the statement; their :meth:`Hook.after` run now,
+        for each changed row, on ``conn`` (which must be in a transaction
+        when any does: see :meth:`connect`).
+        """
+        compiled = self._compile(transition, returning)
+        binds = dict(params)
+        for t in _group(transition):
+            for hook in compiled.hooks:
+                binds.update(hook.binds(t, cause))
+        rows = (await conn.execute(compiled.statement, binds)).mappings().all()
+        if compiled.after:
+            for row in rows:
+                done = Transition(row["transition"])
+                from_state = None if row["from_state"] is None else JobState(row["from_state"])
+                change = Change(done, row, from_state, cause)
+                for hook in compiled.after:
+                    if hook.follows(done):
+                        await hook.after(conn, change)
+        return rows
+
+    def _compile(self, transition: Transition, returning: Returning) -> _Compiled:
+        key = (transition, returning)
+        found = self._compiled.get(key)
+        if found is not None:
+            return found
+        group = _group(transition)
+        after = tuple(h for h in self._hooks if any(h.follows(t) for t in group))
+        writes = [(t, w) for t in group for h in self._hooks for w in h.writes(t)]
+        needs = set(returning)
+        for _, w in writes:
+            needs |= w.columns
+        # Every row says which transition changed it, and from which state
+        # (NULL unless a hook asks for it: it can cost a lookup).
+        wanted = [*returning, "transition", "from_state"]
+        if after:
+            needs |= set(JOB_FIELDS) | {"from_state"}
+            wanted = [*JOB_FIELDS, *wanted]
+        ctes = [f"j AS ({_changes(transition, needs)})"]
+        notifies = []
+        for n, (t, w) in enumerate(writes):
+            rows = "j" if len(group) == 1 else f"(SELECT * FROM j WHERE transition = '{t}')"
+            if w.sql:
+                ctes.append(f"w{n} AS ({w.sql.replace('{j}', rows)}\n    )")
+            if w.notify:
+                expr = w.notify
+                if len(group) > 1:
+                    expr = f"CASE WHEN j.transition = '{t}' THEN {expr} END"
+                notifies.append(f"{expr} AS n{n}")
+        select = ", ".join([*(f"j.{c}" for c in dict.fromkeys(wanted)), *notifies])
+        sql = "WITH " + ",\n".join(ctes) + f"\nSELECT {select} FROM j"
+        hooks = tuple(h for h in self._hooks if any(h.writes(t) for t in group))
+        compiled = _Compiled(text(sql), hooks, after)
+        self._compiled[key] = compiled
+        return compiled
+
+
+def _group(transition: Transition) -> tuple[Transition, ...]:
+    # The hand-back and the park are one statement: it decides between them.
+    if transition in (Transition.HAND_BACK, Transition.PARK):
+        return (Transition.HAND_BACK, Transition.PARK)
+    return (transition,)
+
+
+def _returning(columns: Iterable[str], table: str, known: Iterable[str] = JOB_FIELDS) -> str:
+    fields = set(known)
+    return ", ".join(f"{table}.{c}" for c in sorted(columns) if c in fields)
+
+
+def _from_state(transition: Transition, needs: set[str]) -> tuple[str, str, str]:
+    """(FROM clause, WHERE terms, select expression) of the state before the change.
+
+    One source: a constant. Several: the row as this statement's snapshot
+    saw it, and the UPDATE applies only while the row is still in that state
+    (a row changed meanwhile is re-checked by Postgres against the same
+    snapshot row), so the state named is the state changed.
+    """
+    sources = {p.state for p in RULES[transition].sources}
+    if not sources:
+        return "", "", "CAST(NULL AS text)"
+    if len(sources) == 1:
+        return "", "", f"CAST('{next(iter(sources)).value}' AS text)"
+    if "from_state" not in needs:
+        return "", "", "CAST(NULL AS text)"
+    if "id = :id" not in RULES[transition].match:
+        raise ValueError(f"{transition}: several sources need a match by :id")
+    return (
+        "FROM (SELECT id AS o_id, state AS o_state FROM jobs WHERE id = :id) AS o",
+        " AND jobs.id = o.o_id AND jobs.state = o.o_state",
+        "o.o_state",
+    )
+
+
+def _changes(transition: Transition, needs: set[str]) -> str:
+    """The data-modifying statement that changes the rows: ``j``'s body.
+
+    Built from the rule, but for submit (an insert), the progress and unpark
+    batches and the hand-back (which decides between two transitions in
+    SQL): those are written out below, their state conditions still taken
+    from the table.
+    """
+    if transition is Transition.SUBMIT:
+        return _submit(needs)
+    if transition is Transition.PROGRESS:
+        return _progress(needs)
+    if transition in (Transition.HAND_BACK, Transition.PARK):
+        return _hand_back(needs)
+    if transition is Transition.UNPARK:
+        return _unpark(needs)
+    rule = RULES[transition]
+    source_from, source_where, from_expr = _from_state(transition, needs)
+    seq = "last_seq = last_seq + 1, " if rule.event is not None else ""
+    guard = f" AND {rule.guard}" if rule.guard else ""
+    return f"""
+        UPDATE jobs SET state = '{rule.target.value}', {rule.sets}, {seq}update_time = now()
+        {source_from}
+        WHERE {rule.match} AND {where_sources(transition)}{guard}{source_where}
+        RETURNING {_returning(needs, "jobs") or "jobs.id"},
+                  CAST('{transition}' AS text) AS transition, {from_expr} AS from_state
+    """
+
+
+def _submit(needs: set[str]) -> str:
+    # The job, and with the hooks its first event and dispatch intent, in one
+    # statement: one implicit transaction, so a job exists iff its outbox row
+    # does. On a request_id conflict nothing is written and no row comes back.
+    return f"""
+        INSERT INTO jobs (id, tenant_id, type, queue, state, payload, max_attempts, request_id,
+                          request_hash, correlation_id, labels, dispatch_id, last_seq,
+                          timeout_seconds)
+        VALUES (:id, :tenant_id, :type, :queue, '{RULES[Transition.SUBMIT].target.value}',
+                CAST(:payload AS jsonb), :max_attempts, :request_id, :request_hash,
+                :correlation_id, CAST(:labels AS jsonb), :dispatch_id, 1, :timeout_seconds)
+        ON CONFLICT (tenant_id, request_id) DO NOTHING
+        RETURNING {_returning(needs, "jobs") or "jobs.id"},
+                  CAST('{Transition.SUBMIT}' AS text) AS transition,
+                  CAST(NULL AS text) AS from_state
+    """
+
+
+def _progress(needs: set[str]) -> str:
+    # The queued progress of many attempts in one statement: each attempt's
+    # row is updated under its fence (locked in id order, so two batches
+    # never deadlock) and its events get the seqs after the row's last_seq.
+    # Attempts fenced out are missing from the result. Binds: per attempt
+    # (index k) :ids, :attempts, :tokens, :ns, :last_progress, :last_message;
+    # per report :ks, :ords, :progresses, :messages, :datas. Adds to j: k (the
+    # attempt's index), n (its reports), cancel_requested.
+    fence = (
+        "jobs.attempt = i.attempt AND jobs.lease_token = i.lease_token "
+        f"AND {where_sources(Transition.PROGRESS, 'jobs')}"
+    )
+    columns = _returning(needs, "jobs")
+    return f"""
+        WITH i AS (
+            SELECT * FROM unnest(CAST(:ids AS uuid[]), CAST(:attempts AS int[]),
+                                 CAST(:tokens AS uuid[]), CAST(:ns AS int[]),
+                                 CAST(:last_progress AS float8[]), CAST(:last_message AS text[]))
+                WITH ORDINALITY AS i(id, attempt, lease_token, n, last_progress, last_message, k)
+        ), locked AS (
+            SELECT jobs.id FROM jobs JOIN i USING (id)
+            WHERE {fence}
+            ORDER BY jobs.id
+            FOR UPDATE OF jobs
+        )
+        UPDATE jobs SET progress = i.last_progress, progress_message = i.last_message,
+                        last_seq = jobs.last_seq + i.n, update_time = now()
+        FROM i, locked
+        WHERE jobs.id = locked.id AND jobs.id = i.id AND {fence}
+        RETURNING {columns + ", " if columns else ""}i.n, i.k,
+                  jobs.cancel_requested_at IS NOT NULL AS cancel_requested,
+                  CAST('{Transition.PROGRESS}' AS text) AS transition,
+                  CAST('running' AS text) AS from_state
+    """
+
+
+def _hand_back(needs: set[str]) -> str:
+    # A worker without the job's handler gives the job back without claiming
+    # it, fenced on the message's dispatch: when a live worker handles the
+    # job's type on its queue, a new dispatch is due after a jittered delay
+    # that doubles with each hand-back (HAND_BACK, no event: hand-backs are
+    # noise); otherwise the job is parked, with no dispatch at all (PARK, one
+    # event saying why). Neither counts as an attempt. Adds to j: handled.
+    rule = RULES[Transition.HAND_BACK]
+    assert rule.sources == RULES[Transition.PARK].sources
+    return f"""
+        WITH cur AS (
+            SELECT id, type, queue, handbacks FROM jobs
+            WHERE {rule.match} AND {where_sources(Transition.HAND_BACK)}
+            FOR UPDATE
+        ), live AS (
+            SELECT cur.id,
+                   EXISTS (
+                       SELECT 1 FROM workers w
+                       WHERE w.stop_time IS NULL AND w.expire_time > now()
+                         AND cur.type = ANY (w.types) AND cur.queue = ANY (w.queues)
+                   ) AS handled,
+                   least(CAST(:max_delay AS float8),
+                         CAST(:base_delay AS float8) * power(2, least(cur.handbacks, 30)))
+                       * (0.5 + random()) AS delay
+            FROM cur
+        )
+        UPDATE jobs SET
+            dispatch_id = CASE WHEN live.handled THEN CAST(:new_dispatch_id AS uuid) END,
+            next_attempt_time = CASE WHEN live.handled
+                THEN now() + make_interval(secs => live.delay) END,
+            handbacks = jobs.handbacks + 1,
+            waiting_reason = CASE WHEN live.handled
+                THEN format('waiting for a worker that handles %s (handed back %s times by '
+                            'workers without its handler)', jobs.type, jobs.handbacks + 1)
+                ELSE format('no live worker handles type %s on queue %s', jobs.type, jobs.queue)
+                END,
+            last_seq = jobs.last_seq + CASE WHEN live.handled THEN 0 ELSE 1 END,
+            update_time = now()
+        FROM live
+        WHERE jobs.id = live.id
+        RETURNING {_returning(needs, "jobs") or "jobs.id"}, live.handled,
+                  CAST(CASE WHEN live.handled THEN '{Transition.HAND_BACK}'
+                       ELSE '{Transition.PARK}' END AS text) AS transition,
+                  CAST('queued' AS text) AS from_state
+    """
+
+
+def _unpark(needs: set[str]) -> str:
+    # Parked jobs of the given types and queues get a new dispatch (a worker
+    # that runs them is live now), with one event each.
+    rule = RULES[Transition.UNPARK]
+    # p has no column but id: the job's columns need no table name.
+    where = f"{where_sources(Transition.UNPARK)} AND {rule.guard}"
+    return f"""
+        WITH p AS (
+            SELECT id FROM jobs
+            WHERE {where}
+              AND type = ANY (CAST(:types AS text[])) AND queue = ANY (CAST(:queues AS text[]))
+            ORDER BY id
+            LIMIT :limit
+            FOR UPDATE SKIP LOCKED
+        )
+        UPDATE jobs SET {rule.sets}, last_seq = jobs.last_seq + 1, update_time = now()
+        FROM p
+        WHERE jobs.id = p.id AND {where}
+        RETURNING {_returning(needs, "jobs") or "jobs.id"},
+                  CAST('{Transition.UNPARK}' AS text) AS transition,
+                  CAST('queued' AS text) AS from_state
+    """
+
+
+#: The machine every store uses unless given another.
+MACHINE = StateMachine()

@@ -1,0 +1,468 @@
+"""The transition table, enumerated on the real database.
+
+For every transition and every state a job can be in (RUNNING split by its
+lease), a job is put in that state with everything else the transition
+matches on (its fence and its guard) in place, and the transition is
+applied: where the table allows it, it changes the job into the declared
+state with the declared event and dispatch; everywhere else it changes
+nothing at all — no row, no event, no outbox row.
+
+Then the hook: it runs in the transition's transaction, once per changed
+row, with the state the job came from; its writes commit with the winning
+outcome of an attempt and never with a fenced-out one.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+from sqlalchemy import text
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
+
+from jobplane.envelope import Envelope
+from jobplane.ids import new_id
+from jobplane.store.attempts import AttemptStore, ClaimStatus, LeaseLost, ProgressUpdate
+from jobplane.store.jobs import JobStore, NewJob
+from jobplane.store.machine import (
+    MACHINE,
+    RULES,
+    Cause,
+    Change,
+    Emitted,
+    Hook,
+    Phase,
+    StateMachine,
+    Transition,
+    Write,
+)
+from jobplane.store.rows import dumps
+from jobplane.types import JobState
+
+_QUEUE = "default"
+_LIVE_LEASE = "now() + interval '1 hour'"
+_DEAD_LEASE = "now() - interval '1 hour'"
+
+
+@dataclass(frozen=True, slots=True)
+class Placed:
+    """A job put in a phase, with what its fences match."""
+
+    job_id: uuid.UUID
+    tenant_id: uuid.UUID
+    type: str
+    dispatch_id: uuid.UUID | None
+    lease_token: uuid.UUID
+    request_id: str
+    phase: Phase
+
+
+@pytest.fixture
+async def tenant(engine: AsyncEngine) -> uuid.UUID:
+    """A tenant of the test database."""
+    async with engine.begin() as conn:
+        found = await conn.execute(
+            text("INSERT INTO tenants (name) VALUES (:name) RETURNING id"),
+            {"name": f"machine-{uuid.uuid4().hex[:8]}"},
+        )
+        return uuid.UUID(str(found.scalar_one()))
+
+
+async def _place(
+    engine: AsyncEngine, tenant: uuid.UUID, phase: Phase, transition: Transition
+) -> Placed:
+    """A job in ``phase`` whose fence and guard for ``transition`` hold.
+
+    Only the state (and, for RUNNING, whether the lease is live) differs
+    between the jobs of one transition: a refusal can come from nothing else.
+    """
+    job_type = f"machine.{phase.value}"
+    job, _ = await JobStore(engine).submit(
+        tenant,
+        NewJob(
+            type=job_type,
+            queue=_QUEUE,
+            payload={"phase": phase.value},
+            request_id=f"{transition}-{phase.value}",
+            max_attempts=3,
+        ),
+    )
+    job_id = uuid.UUID(job.id)
+    token = uuid.uuid4()
+    # Guards: an attempt left or none, a parked job, no cancel requested yet.
+    exhausted = transition in (Transition.EXHAUST, Transition.EXPIRE_LAST_LEASE)
+    parked = transition is Transition.UNPARK
+    lease = _DEAD_LEASE if phase is Phase.RUNNING_EXPIRED else _LIVE_LEASE
+    async with engine.begin() as conn:
+        row = await conn.execute(
+            text(
+                f"""
+                UPDATE jobs SET state = :state, attempt = 1, lease_token = :token,
+                    lease_expires_at = {lease}, max_attempts = :max_attempts,
+                    dispatch_id = CASE WHEN :parked THEN NULL ELSE dispatch_id END
+                WHERE id = :id RETURNING dispatch_id
+                """
+            ),
+            {
+                "state": phase.state.value,
+                "token": token,
+                "max_attempts": 1 if exhausted else 3,
+                "parked": parked,
+                "id": job_id,
+            },
+        )
+        dispatch_id = row.scalar_one()
+        # The relay published the first dispatch long ago: only a new
+        # dispatch is a pending outbox row.
+        await conn.execute(
+            text("UPDATE outbox SET published_at = now() WHERE job_id = :id"), {"id": job_id}
+        )
+    return Placed(
+        job_id=job_id,
+        tenant_id=tenant,
+        type=job_type,
+        dispatch_id=dispatch_id,
+        lease_token=token,
+        request_id=f"{transition}-{phase.value}",
+        phase=phase,
+    )
+
+
+def _params(transition: Transition, job: Placed) -> dict[str, Any]:
+    """The binds of ``transition`` for ``job``, every fence matching."""
+    fence = {"id": job.job_id, "attempt": 1, "lease_token": job.lease_token}
+    by_dispatch = {"id": job.job_id, "tenant_id": job.tenant_id, "dispatch_id": job.dispatch_id}
+    by_id = {"id": job.job_id, "tenant_id": job.tenant_id}
+    match transition:
+        case Transition.CLAIM:
+            return {
+                **by_dispatch,
+                "type": job.type,
+                "lease_token": uuid.uuid4(),
+                "lease_seconds": 30.0,
+            }
+        case Transition.EXHAUST:
+            return by_dispatch
+        case Transition.PROGRESS:
+            return {
+                "ids": [job.job_id],
+                "attempts": [1],
+                "tokens": [job.lease_token],
+                "ns": [2],
+                "last_progress": [0.5],
+                "last_message": ["half"],
+                "ks": [1, 1],
+                "ords": [1, 2],
+                "progresses": [0.25, 0.5],
+                "messages": ["quarter", "half"],
+                "datas": ["{}", "{}"],
+            }
+        case Transition.SUCCEED:
+            return {**fence, "result": dumps({"ok": True})}
+        case Transition.FAIL:
+            return {**fence, "error_code": "BOOM", "error_message": "boom", "retryable": False}
+        case Transition.CANCELLED:
+            return fence
+        case Transition.SCHEDULE_RETRY:
+            return {
+                **fence,
+                "error_code": "AGAIN",
+                "error_message": "again",
+                "dispatch_id": new_id(),
+                "delay": 60.0,
+                "refund": 0,
+            }
+        case Transition.HAND_BACK | Transition.PARK:
+            return {**by_dispatch, "new_dispatch_id": new_id(), "base_delay": 1, "max_delay": 2}
+        case Transition.UNPARK:
+            return {"types": [job.type], "queues": [_QUEUE], "limit": 10}
+        case Transition.CANCEL | Transition.REQUEST_CANCEL:
+            return {**by_id, "reason": "enough"}
+        case Transition.RETRY | Transition.REDISPATCH:
+            return {**by_id, "dispatch_id": new_id()}
+        case Transition.EXPIRE_LEASE:
+            return {
+                "id": job.job_id,
+                "attempt": 1,
+                "message": "gone",
+                "dispatch_id": new_id(),
+                "delay": 5.0,
+            }
+        case Transition.EXPIRE_LAST_LEASE:
+            return {"id": job.job_id, "attempt": 1, "message": "gone"}
+        case Transition.RELAY_FAIL:
+            return {
+                "job_id": job.job_id,
+                "dispatch_id": job.dispatch_id,
+                "code": "DISPATCH_FAILED",
+                "message": "no",
+            }
+    raise AssertionError(f"no binds for {transition}")
+
+
+async def _snapshot(engine: AsyncEngine, job_id: uuid.UUID) -> tuple[Any, ...]:
+    """The job's row, its events and its outbox rows, as the database has them."""
+    async with engine.connect() as conn:
+        params = {"id": job_id}
+        job = (
+            await conn.execute(text("SELECT to_jsonb(j) FROM jobs j WHERE id = :id"), params)
+        ).scalar_one()
+        events = (
+            await conn.execute(
+                text(
+                    "SELECT coalesce(jsonb_agg(to_jsonb(e) ORDER BY seq), '[]') "
+                    "FROM job_events e WHERE job_id = :id"
+                ),
+                params,
+            )
+        ).scalar_one()
+        outbox = (
+            await conn.execute(
+                text(
+                    "SELECT coalesce(jsonb_agg(to_jsonb(o) ORDER BY id), '[]') "
+                    "FROM outbox o WHERE job_id = :id"
+                ),
+                params,
+            )
+        ).scalar_one()
+    return job, events, outbox
+
+
+async def _live_worker(engine: AsyncEngine, types: Sequence[str]) -> None:
+    """A live worker that handles ``types`` on the queue."""
+    async with engine.begin() as conn:
+        await conn.execute(
+            text(
+                "INSERT INTO workers (id, host, pid, types, queues, concurrency, expire_time) "
+                "VALUES (:id, 'test', 1, :types, :queues, 1, now() + interval '1 hour')"
+            ),
+            {"id": uuid.uuid4(), "types": list(types), "queues": [_QUEUE]},
+        )
+
+
+_TRANSITIONS = [t for t in Transition if t is not Transition.SUBMIT]
+
+
+@pytest.mark.parametrize("transition", _TRANSITIONS, ids=str)
+async def test_each_transition_applies_exactly_from_its_sources(
+    engine: AsyncEngine, tenant: uuid.UUID, transition: Transition
+) -> None:
+    rule = RULES[transition]
+    jobs = {phase: await _place(engine, tenant, phase, transition) for phase in Phase}
+    if transition is Transition.HAND_BACK:
+        await _live_worker(engine, [job.type for job in jobs.values()])
+    for phase, job in jobs.items():
+        allowed = phase in rule.sources
+        before = await _snapshot(engine, job.job_id)
+        async with engine.begin() as conn:
+            rows = await MACHINE.apply(
+                conn, transition, _params(transition, job), Cause("by the table")
+            )
+        after = await _snapshot(engine, job.job_id)
+        where = f"{transition} from {phase.value}"
+        if not allowed:
+            assert rows == [], f"{where}: applied, but the table refuses it"
+            assert after == before, f"{where}: refused, yet something changed"
+            continue
+        assert [r["transition"] for r in rows] == [str(transition)], where
+        row_before, events_before, outbox_before = before
+        row_after, events_after, outbox_after = after
+        assert row_after["state"] == rule.target.value, where
+        new_events = events_after[len(events_before) :]
+        assert events_after[: len(events_before)] == events_before, where
+        expected = rule.event.value if rule.event else None
+        wanted = 2 if transition is Transition.PROGRESS else int(expected is not None)
+        assert [e["type"] for e in new_events] == [expected] * wanted, where
+        assert row_after["last_seq"] == row_before["last_seq"] + wanted, where
+        if new_events:
+            assert new_events[-1]["seq"] == row_after["last_seq"], where
+            assert new_events[-1]["state"] == rule.target.value, where
+        pending = [o for o in outbox_after if o["published_at"] is None]
+        if rule.dispatch:
+            assert [o["id"] for o in pending] == [row_after["dispatch_id"]], where
+            assert len(outbox_after) == len(outbox_before) + 1, where
+        else:
+            assert pending == [], where
+            assert outbox_after == outbox_before, where
+
+
+async def test_submit_creates_a_queued_job_once(engine: AsyncEngine, tenant: uuid.UUID) -> None:
+    """SUBMIT starts from no row; a replay finds the job in any state and changes nothing."""
+    store = JobStore(engine)
+    for phase in Phase:
+        job = await _place(engine, tenant, phase, Transition.SUBMIT)
+        before = await _snapshot(engine, job.job_id)
+        again, created = await store.submit(
+            tenant,
+            NewJob(
+                type=job.type,
+                queue=_QUEUE,
+                payload={"phase": phase.value},
+                request_id=job.request_id,
+                max_attempts=3,
+            ),
+        )
+        assert not created and again.id == str(job.job_id)
+        assert await _snapshot(engine, job.job_id) == before, phase
+    async with engine.connect() as conn:
+        counts = (
+            await conn.execute(
+                text(
+                    "SELECT (SELECT count(*) FROM jobs), (SELECT count(*) FROM job_events), "
+                    "(SELECT count(*) FROM outbox)"
+                )
+            )
+        ).one()
+    # One job, its one event and its one dispatch per phase: nothing more.
+    assert tuple(counts) == (len(Phase), len(Phase), len(Phase))
+    fresh, created = await store.submit(
+        tenant,
+        NewJob(type="machine.new", queue=_QUEUE, payload={}, request_id="new", max_attempts=1),
+    )
+    assert created
+    row, events, outbox = await _snapshot(engine, uuid.UUID(fresh.id))
+    rule = RULES[Transition.SUBMIT]
+    assert row["state"] == rule.target.value
+    assert rule.event is not None and [e["type"] for e in events] == [rule.event.value]
+    assert [o["id"] for o in outbox] == [row["dispatch_id"]]
+
+
+class _Recorder(Hook):
+    """Records what the machine hands its hooks, and can refuse a transition."""
+
+    def __init__(self, *, fail_on: Transition | None = None) -> None:
+        self.changes: list[Change] = []
+        self.fail_on = fail_on
+        self.in_transaction: list[bool] = []
+
+    def follows(self, transition: Transition) -> bool:
+        return True
+
+    async def after(self, conn: AsyncConnection, change: Change) -> None:
+        self.changes.append(change)
+        self.in_transaction.append(conn.in_transaction())
+        if change.transition is self.fail_on:
+            raise RuntimeError("the hook refuses")
+
+
+@pytest.fixture
+def hooked() -> tuple[StateMachine, _Recorder]:
+    """A machine with the built-in hooks and a recorder after them."""
+    machine = StateMachine()
+    recorder = _Recorder()
+    machine.register(recorder)
+    return machine, recorder
+
+
+def _envelope(job: Placed) -> Envelope:
+    assert job.dispatch_id is not None
+    return Envelope(
+        event_id=job.dispatch_id,
+        job_id=job.job_id,
+        tenant_id=job.tenant_id,
+        job_type=job.type,
+        correlation_id="",
+    )
+
+
+async def test_the_hook_gets_each_change_with_the_state_it_came_from(
+    engine: AsyncEngine, tenant: uuid.UUID, hooked: tuple[StateMachine, _Recorder]
+) -> None:
+    machine, recorder = hooked
+    store = AttemptStore(engine, machine=machine)
+    queued = await _place(engine, tenant, Phase.QUEUED, Transition.CLAIM)
+    expired = await _place(engine, tenant, Phase.RUNNING_EXPIRED, Transition.CLAIM)
+    for job in (queued, expired):
+        claimed = await store.claim(_envelope(job))
+        assert claimed.status is ClaimStatus.CLAIMED and claimed.attempt is not None
+        await store.write_progress(claimed.attempt, [ProgressUpdate(0.5, "half", {})])
+        await store.succeed(claimed.attempt, {"ok": True})
+    seen = [(c.transition, c.row["id"], c.from_state, c.row["state"]) for c in recorder.changes]
+    running, succeeded = JobState.RUNNING.value, JobState.SUCCEEDED.value
+    assert seen == [
+        (Transition.CLAIM, queued.job_id, JobState.QUEUED, running),
+        (Transition.PROGRESS, queued.job_id, JobState.RUNNING, running),
+        (Transition.SUCCEED, queued.job_id, JobState.RUNNING, succeeded),
+        (Transition.CLAIM, expired.job_id, JobState.RUNNING, running),
+        (Transition.PROGRESS, expired.job_id, JobState.RUNNING, running),
+        (Transition.SUCCEED, expired.job_id, JobState.RUNNING, succeeded),
+    ]
+    assert all(recorder.in_transaction)
+    assert recorder.changes[0].cause.message == "attempt started"
+    # The row after: every column, as committed.
+    assert recorder.changes[2].row["progress"] == 1.0
+    assert recorder.changes[2].row["last_seq"] == recorder.changes[1].row["last_seq"] + 1
+
+
+async def test_a_hook_that_fails_undoes_its_transition(
+    engine: AsyncEngine, tenant: uuid.UUID
+) -> None:
+    machine = StateMachine()
+    machine.register(_Recorder(fail_on=Transition.CLAIM))
+    job = await _place(engine, tenant, Phase.QUEUED, Transition.CLAIM)
+    before = await _snapshot(engine, job.job_id)
+    with pytest.raises(RuntimeError, match="the hook refuses"):
+        await AttemptStore(engine, machine=machine).claim(_envelope(job))
+    assert await _snapshot(engine, job.job_id) == before
+
+
+class _EmittedLog(Hook):
+    """Writes a succeeding attempt's emitted events into a table, in its statement."""
+
+    def writes(self, transition: Transition) -> Sequence[Write]:
+        if transition is not Transition.SUCCEED:
+            return ()
+        sql = """
+        INSERT INTO emitted_log (job_id, event_type, payload)
+        SELECT j.id, e.event_type, CAST(e.payload AS jsonb)
+        FROM {j} AS j,
+             unnest(CAST(:emitted_types AS text[]), CAST(:emitted_payloads AS text[]))
+                AS e(event_type, payload)"""
+        return [Write(sql, columns=frozenset({"id"}))]
+
+    def binds(self, transition: Transition, cause: Cause) -> dict[str, Any]:
+        return {
+            "emitted_types": [e.event_type for e in cause.emitted],
+            "emitted_payloads": [dumps(dict(e.payload)) for e in cause.emitted],
+        }
+
+
+async def test_hook_writes_commit_only_with_the_winning_attempt(
+    engine: AsyncEngine, tenant: uuid.UUID
+) -> None:
+    async with engine.begin() as conn:
+        await conn.execute(
+            text("CREATE TABLE emitted_log (job_id uuid, event_type text, payload jsonb)")
+        )
+    machine = StateMachine()
+    machine.register(_EmittedLog())
+    store = AttemptStore(engine, machine=machine, lease_seconds=30)
+    job = await _place(engine, tenant, Phase.QUEUED, Transition.CLAIM)
+    first = await store.claim(_envelope(job))
+    assert first.attempt is not None
+    # The first attempt's lease runs out and a second attempt takes the job.
+    async with engine.begin() as conn:
+        await conn.execute(
+            text(f"UPDATE jobs SET lease_expires_at = {_DEAD_LEASE} WHERE id = :id"),
+            {"id": job.job_id},
+        )
+    second = await store.claim(_envelope(job))
+    assert second.status is ClaimStatus.CLAIMED and second.attempt is not None
+    stale = [Emitted("thing.made", {"by": "stale"})]
+    with pytest.raises(LeaseLost):
+        await store.succeed(first.attempt, {"by": "stale"}, emitted=stale)
+    won = [Emitted("thing.made", {"n": 1}), Emitted("thing.checked", {"n": 2})]
+    await store.succeed(second.attempt, {"by": "winner"}, emitted=won)
+    async with engine.connect() as conn:
+        logged = (
+            await conn.execute(
+                text("SELECT job_id, event_type, payload FROM emitted_log ORDER BY event_type")
+            )
+        ).all()
+    assert [tuple(r) for r in logged] == [
+        (job.job_id, "thing.checked", {"n": 2}),
+        (job.job_id, "thing.made", {"n": 1}),
+    ]

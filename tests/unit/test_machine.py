@@ -1,0 +1,95 @@
+"""The transition table is the one truth about job states.
+
+Every transition the store applies has one rule; no other module of the
+store updates the job table, inserts job events or spells a job state in
+SQL: those come from :mod:`jobplane.store.machine`.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from jobplane.store import machine
+from jobplane.store.machine import (
+    RULES,
+    Phase,
+    StateMachine,
+    Transition,
+    where_phases,
+    where_sources,
+)
+from jobplane.types import JobState
+
+_STORE = Path(machine.__file__).parent
+_OTHERS = sorted(p for p in _STORE.glob("*.py") if p.name != "machine.py")
+# What only the machine may write: a job's state, its row, its events.
+_FORBIDDEN = {
+    "a job state literal": re.compile(
+        r"\bstate\s*(=|IN\s*\()\s*'(queued|running|succeeded|failed|cancelled)'", re.I
+    ),
+    "an update of jobs": re.compile(r"\bUPDATE\s+jobs\b", re.I),
+    "an insert into jobs": re.compile(r"\bINSERT\s+INTO\s+jobs\b", re.I),
+    "an insert into job_events": re.compile(r"\bINSERT\s+INTO\s+job_events\b", re.I),
+}
+
+
+def test_every_transition_has_one_rule_from_real_states() -> None:
+    assert set(RULES) == set(Transition)
+    for transition, rule in RULES.items():
+        assert rule.target in JobState, transition
+        assert rule.sources <= set(Phase), transition
+        # A transition that may start from several states is matched by id
+        # (the machine reads the state it changed by it).
+        if len({p.state for p in rule.sources}) > 1:
+            assert "id = :id" in rule.match, transition
+    # Only SUBMIT starts from no row; only the terminal states end a job.
+    assert [t for t, r in RULES.items() if not r.sources] == [Transition.SUBMIT]
+
+
+@pytest.mark.parametrize("path", _OTHERS, ids=lambda p: p.name)
+def test_no_store_module_changes_a_job_by_hand(path: Path) -> None:
+    source = path.read_text()
+    for what, pattern in _FORBIDDEN.items():
+        found = pattern.search(source)
+        assert found is None, f"{path.name} has {what}: {found.group(0) if found else ''}"
+
+
+def test_the_store_uses_every_transition_of_the_table() -> None:
+    used = set()
+    for path in _OTHERS:
+        used |= set(re.findall(r"Transition\.([A-Z_]+)", path.read_text()))
+    assert used == {t.name for t in Transition}
+
+
+def test_where_clauses_come_from_the_table() -> None:
+    assert where_sources(Transition.SUCCEED) == "state = 'running'"
+    assert where_sources(Transition.RETRY) == "state IN ('failed', 'cancelled')"
+    assert where_sources(Transition.CLAIM) == (
+        "(state = 'queued' OR (state = 'running' AND lease_expires_at < now()))"
+    )
+    assert where_sources(Transition.EXPIRE_LEASE) == (
+        "(state = 'running' AND lease_expires_at < now())"
+    )
+    assert where_phases([Phase.RUNNING], "jobs") == (
+        "(jobs.state = 'running' AND jobs.lease_expires_at >= now())"
+    )
+    with pytest.raises(ValueError, match="no phase"):
+        where_sources(Transition.SUBMIT)
+
+
+def test_each_statement_sets_the_declared_state_and_matches_the_declared_sources() -> None:
+    machine_ = StateMachine()
+    for transition, rule in RULES.items():
+        sql = machine_.statement(transition).text
+        if transition is not Transition.SUBMIT:
+            assert where_sources(transition) in sql or where_sources(transition, "jobs") in sql
+        if transition not in (
+            Transition.PROGRESS,
+            Transition.HAND_BACK,
+            Transition.PARK,
+            Transition.UNPARK,
+        ):
+            assert f"'{rule.target.value}'" in sql, transition
