@@ -7,10 +7,10 @@ it refuses is answered by a handler without a request deserializer, so the
 body of an unauthenticated call is never parsed and the servicer never runs.
 An admitted call runs with its :class:`KeyIdentity` in a contextvar
 (:func:`current_identity`) and bound to the structlog context (``tenant_id``,
-``api_key_id``, ``rpc``), and a watch holds one of its tenant's stream slots
-for its life (WatchJob, SubscribeEvents). Health and reflection stay open. Refusals for a missing or bad
-key are logged (``auth.refused``) at most once a second per reason, with the
-number held back since.
+``api_key_id``, ``rpc``), and a stream (WatchJob, SubscribeEvents) holds one
+of its tenant's stream slots for its life. Health and reflection stay open.
+Refusals for a missing or bad key are logged (``auth.refused``) at most once
+a second per reason, with the number held back since.
 """
 
 from __future__ import annotations

@@ -595,7 +595,10 @@ class Relay:
             # Not mandatory: with no queue bound the broker drops the event
             # and confirms it, and that is a publish (see the module docstring).
             confirmation = await events.publish(
-                message, routing_key=row.routing_key, timeout=self._publish_timeout
+                message,
+                routing_key=row.routing_key,
+                mandatory=False,  # aio-pika's default is True
+                timeout=self._publish_timeout,
             )
         except (TypeError, ValueError, pamqp.exceptions.PAMQPException) as exc:
             raise Unpublishable(str(exc)) from exc
