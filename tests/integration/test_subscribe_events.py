@@ -276,7 +276,7 @@ async def test_subscriptions_count_against_the_tenants_streams(
     try:
         key, tenant = await server.keys.create_key("acme")
         async with grpc.aio.insecure_channel(server.address) as channel:
-            stub = events_pb2_grpc.EventServiceStub(channel)
+            stub: events_pb2_grpc.EventServiceAsyncStub = events_pb2_grpc.EventServiceStub(channel)
             metadata = (("authorization", f"Bearer {key}"),)
             held = stub.SubscribeEvents(
                 events_pb2.SubscribeEventsRequest(type_patterns=["#"]), metadata=metadata

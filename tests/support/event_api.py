@@ -41,7 +41,7 @@ class EventApi:
     """The EventService of a stack's server, called as one tenant."""
 
     channel: grpc.aio.Channel
-    stub: events_pb2_grpc.EventServiceStub
+    stub: events_pb2_grpc.EventServiceAsyncStub
     key: str
 
     def metadata(self, key: str | None = None, **extra: str) -> tuple[tuple[str, str], ...]:
@@ -52,10 +52,7 @@ class EventApi:
         self, message: events_pb2.PublishEventRequest, **extra: str
     ) -> events_pb2.Event:
         """PublishEvent."""
-        reply: events_pb2.Event = await self.stub.PublishEvent(
-            message, metadata=self.metadata(**extra), timeout=30
-        )
-        return reply
+        return await self.stub.PublishEvent(message, metadata=self.metadata(**extra), timeout=30)
 
     def subscribe(
         self,
@@ -68,7 +65,9 @@ class EventApi:
         """SubscribeEvents, read message by message."""
         call = self.stub.SubscribeEvents(
             events_pb2.SubscribeEventsRequest(
-                type_patterns=patterns, after_cursor=after_cursor, start=start
+                type_patterns=patterns,
+                after_cursor=after_cursor,
+                start=events_pb2.SubscribeEventsRequest.Start.ValueType(start),
             ),
             metadata=self.metadata(key),
         )
