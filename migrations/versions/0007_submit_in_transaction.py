@@ -19,7 +19,7 @@ Errors carry SQLSTATEs of class ``JP`` and a message that starts with the
 reason the RPC gives (docs/adr/0012-enqueue-in-the-callers-transaction.md).
 
 Revision ID: 0007
-Revises: 0005
+Revises: 0006
 Create Date: 2026-12-01
 """
 
@@ -29,7 +29,7 @@ from alembic import op
 from sqlalchemy import text
 
 revision = "0007"
-down_revision = "0005"
+down_revision = "0006"
 branch_labels = None
 depends_on = None
 

@@ -17,7 +17,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from jobplane.ids import new_id
 from jobplane.store.engine import autocommit
 from jobplane.store.machine import MACHINE, Cause, StateMachine, Transition, state_is
-from jobplane.store.outbox import RETURNS_RESET
+from jobplane.store.outbox import RETURNS_RESET, OutboxKind
 from jobplane.store.rows import OUTBOX_CHANNEL, job_from_row
 from jobplane.types import Job, JobState
 
@@ -69,6 +69,7 @@ _REPUBLISH = text(
         JOIN jobs j ON j.id = o.job_id
         WHERE {state_is(JobState.QUEUED, column="j.state")} AND j.dispatch_id = o.id
             AND o.published_at IS NOT NULL
+            AND o.kind = '{OutboxKind.JOB_DISPATCH.value}'
             AND o.published_at < now()
                 - make_interval(secs => :after * power(2, least(o.republish_count, 20)))
         FOR UPDATE OF j, o SKIP LOCKED
