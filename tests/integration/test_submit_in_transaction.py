@@ -65,7 +65,15 @@ async def test_a_rolled_back_caller_leaves_no_job_and_wakes_nothing(
 ) -> None:
     notes: asyncio.Queue[str] = asyncio.Queue()
     listener: asyncpg.Connection = await asyncpg.connect(asyncpg_dsn(database_url))
-    await listener.add_listener("jobplane_outbox", lambda *args: notes.put_nowait(args[3]))
+    caller = conn.get_server_pid()
+
+    def heard(_conn: object, pid: int, _channel: str, payload: object) -> None:
+        # The stack's own processes notify this channel too (a worker that
+        # starts unparks jobs): only the caller's session counts.
+        if pid == caller:
+            notes.put_nowait(str(payload))
+
+    await listener.add_listener("jobplane_outbox", heard)
     try:
         tx = conn.transaction()
         await tx.start()
