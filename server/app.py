@@ -1,4 +1,4 @@
-"""The grpc.aio server and what it owns: JobService, health, reflection."""
+"""The grpc.aio server and what it owns: JobService, EventService, health, reflection."""
 
 from __future__ import annotations
 
@@ -17,15 +17,17 @@ from jobplane.config import MAX_PAYLOAD_BYTES_LIMIT
 from jobplane.faults import NO_FAULTS, FaultPoints
 from jobplane.server.auth import CallGate
 from jobplane.server.decode import RefuseUndecodable
+from jobplane.server.events import EventService
 from jobplane.server.limits import TenantLimiter, TenantLimits
 from jobplane.server.service import JobService, max_request_bytes
-from jobplane.server.servicer import JobServiceServicer
+from jobplane.server.servicer import EventServiceServicer, JobServiceServicer
+from jobplane.store.events import EventStore
 from jobplane.store.jobs import JobStore
 from jobplane.store.keys import KEYS_CHANNEL, KeyStore
 from jobplane.store.listen import Listener
-from jobplane.store.rows import EVENTS_CHANNEL
+from jobplane.store.rows import DOMAIN_EVENTS_CHANNEL, EVENTS_CHANNEL
 from jobplane.topology import Topology
-from jobplane.v1 import jobs_pb2, jobs_pb2_grpc
+from jobplane.v1 import events_pb2, events_pb2_grpc, jobs_pb2, jobs_pb2_grpc
 
 log = structlog.get_logger("jobplane.server")
 
@@ -34,6 +36,9 @@ log = structlog.get_logger("jobplane.server")
 MAX_PENDING_CALLS = 20_000
 
 SERVICE_NAME = jobs_pb2.DESCRIPTOR.services_by_name["JobService"].full_name
+EVENT_SERVICE_NAME = events_pb2.DESCRIPTOR.services_by_name["EventService"].full_name
+# Both API services: behind the same gate, reported by health.
+API_SERVICES = (SERVICE_NAME, EVENT_SERVICE_NAME)
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,7 +78,7 @@ class JobplaneServer:
     """One server process: ``await start()``, then ``await stop()``.
 
     The engine belongs to the caller; the server owns its LISTEN connections
-    (job events, and key revocations) and the gRPC server. ``tls`` serves
+    (job events, domain events, and key revocations) and the gRPC server. ``tls`` serves
     TLS (mutual TLS when it has a client CA) instead of plaintext.
     """
 
@@ -111,6 +116,13 @@ class JobplaneServer:
             max_payload_bytes=max_payload_bytes,
             recheck_seconds=recheck_seconds,
         )
+        self.event_hub = Listener(database_url, DOMAIN_EVENTS_CHANNEL)
+        self.events = EventService(
+            EventStore(engine),
+            self.event_hub,
+            max_payload_bytes=max_payload_bytes,
+            recheck_seconds=recheck_seconds,
+        )
         # gRPC refuses a larger body (RESOURCE_EXHAUSTED) before reading it
         # whole: no valid request needs more.
         self.max_receive_bytes = max_request_bytes(max_payload_bytes)
@@ -127,15 +139,17 @@ class JobplaneServer:
     async def start(self) -> None:
         """Bind, start serving and report SERVING."""
         self.service.open()
+        self.events.open()
         await self.hub.start()
+        await self.event_hub.start()
         await self.key_events.start()
         server = grpc.aio.server(
             # Authentication first: a call without a valid key is refused
             # before its body is read, decodable or not. RefuseUndecodable
             # must stay last (it wraps the servicer's handlers once each).
             interceptors=[
-                CallGate(SERVICE_NAME, self.keys, self.limiter),
-                RefuseUndecodable(f"/{SERVICE_NAME}/"),
+                CallGate(API_SERVICES, self.keys, self.limiter),
+                RefuseUndecodable("/jobplane.v1."),
             ],
             options=[
                 ("grpc.so_reuseport", 0),
@@ -150,10 +164,13 @@ class JobplaneServer:
             ],
         )
         jobs_pb2_grpc.add_JobServiceServicer_to_server(JobServiceServicer(self.service), server)
+        events_pb2_grpc.add_EventServiceServicer_to_server(
+            EventServiceServicer(self.events), server
+        )
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection(
             (
-                SERVICE_NAME,
+                *API_SERVICES,
                 health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
                 reflection.SERVICE_NAME,
             ),
@@ -167,7 +184,7 @@ class JobplaneServer:
             raise OSError(f"cannot listen on {self._listen}")
         await server.start()
         self._server = server
-        for service in ("", SERVICE_NAME):
+        for service in ("", *API_SERVICES):
             await self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
         log.info(
             "server.started",
@@ -177,14 +194,16 @@ class JobplaneServer:
 
     async def stop(self, grace: float = 5.0) -> None:
         """Report NOT_SERVING, end watch streams (clients resume elsewhere), stop."""
-        for service in ("", SERVICE_NAME):
+        for service in ("", *API_SERVICES):
             await self.health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
         self.service.close_streams()
+        self.events.close_streams()
         if self._server is not None:
             await self._server.stop(grace)
             self._server = None
         await self.service.feeds.stop()
         await self.hub.stop()
+        await self.event_hub.stop()
         await self.key_events.stop()
         await self.keys.close()
         log.info("server.stopped")

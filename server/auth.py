@@ -1,15 +1,16 @@
 """Who is calling, decided before the request body is read.
 
-:class:`CallGate` is a server interceptor: from a JobService call's metadata
-alone it resolves the bearer key to a tenant and spends a submit token. A call
+:class:`CallGate` is a server interceptor: from a JobService or EventService
+call's metadata alone it resolves the bearer key to a tenant and spends a
+submit token (SubmitJob, PublishEvent). A call
 it refuses is answered by a handler without a request deserializer, so the
 body of an unauthenticated call is never parsed and the servicer never runs.
 An admitted call runs with its :class:`KeyIdentity` in a contextvar
 (:func:`current_identity`) and bound to the structlog context (``tenant_id``,
-``api_key_id``, ``rpc``), and a watch holds one of its tenant's stream slots
-for its life. Health and reflection stay open. Refusals for a missing or bad
-key are logged (``auth.refused``) at most once a second per reason, with the
-number held back since.
+``api_key_id``, ``rpc``), and a stream (WatchJob, SubscribeEvents) holds one
+of its tenant's stream slots for its life. Health and reflection stay open.
+Refusals for a missing or bad key are logged (``auth.refused``) at most once
+a second per reason, with the number held back since.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from __future__ import annotations
 import contextvars
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from typing import Any, TypeAlias
 
 import grpc
@@ -37,9 +38,10 @@ _IDENTITY: contextvars.ContextVar[KeyIdentity | None] = contextvars.ContextVar(
     "jobplane_identity", default=None
 )
 
-# The calls the gate counts against a tenant's limits.
-SUBMIT_RPC = "SubmitJob"
-STREAM_RPCS = frozenset({"WatchJob"})
+# The calls the gate counts against a tenant's limits: writes that go through
+# the outbox spend submit tokens, streams hold stream slots.
+SUBMIT_RPCS = frozenset({"SubmitJob", "PublishEvent"})
+STREAM_RPCS = frozenset({"WatchJob", "SubscribeEvents"})
 
 
 def current_identity() -> KeyIdentity:
@@ -86,17 +88,18 @@ class LogSampler:
 
 
 class CallGate(grpc.aio.ServerInterceptor):
-    """Authenticates and admits the calls of one service; others pass untouched."""
+    """Authenticates and admits the calls of some services; others pass untouched."""
 
     def __init__(
         self,
-        service: str,
+        services: str | Iterable[str],
         keys: KeyStore,
         limiter: TenantLimiter,
         *,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self._prefix = f"/{service}/"
+        names = (services,) if isinstance(services, str) else tuple(services)
+        self._prefixes = tuple(f"/{name}/" for name in names)
         self._keys = keys
         self._limiter = limiter
         # The handlers of admitted calls, made once per method: who the caller
@@ -118,9 +121,9 @@ class CallGate(grpc.aio.ServerInterceptor):
         """Admit the call with its identity, or answer it with a refusal."""
         handler = await continuation(handler_call_details)
         method = handler_call_details.method
-        if handler is None or not method.startswith(self._prefix):
+        if handler is None or not method.startswith(self._prefixes):
             return handler
-        rpc = method[len(self._prefix) :]
+        rpc = method.rsplit("/", 1)[-1]
         try:
             identity = await self._admit(rpc, handler_call_details.invocation_metadata)
         except Exception as exc:
@@ -148,7 +151,7 @@ class CallGate(grpc.aio.ServerInterceptor):
         identity = await self._keys.resolve(bearer_token(metadata))
         if identity is None:
             raise Unauthenticated("the API key is not valid")
-        if rpc == SUBMIT_RPC:
+        if rpc in SUBMIT_RPCS:
             try:
                 self._limiter.take_submit(identity.tenant_id)
             except JobplaneError as error:

@@ -1,4 +1,8 @@
-"""Per-tenant limits of one server process: watch streams held, submits per second.
+"""Per-tenant limits of one server process: streams held, submits per second.
+
+Streams are WatchJob and SubscribeEvents calls, counted together; submits
+are SubmitJob and PublishEvent calls (each writes an outbox row), counted
+together.
 
 The counts live in the process, not in the database: with N server processes
 behind a balancer a tenant may hold N x ``max_streams`` streams and submit at
@@ -72,7 +76,8 @@ class TenantLimiter:
             bucket.tokens -= 1.0
             return
         raise TenantLimitExceeded(
-            f"more than {rate:g} submits per second (burst {burst}) from this tenant; slow down",
+            f"more than {rate:g} submits and publishes per second (burst {burst}) from this "
+            "tenant; slow down",
             metadata={"limit": "submits_per_second", "max": f"{rate:g}", "burst": str(burst)},
             retry_delay=(1.0 - bucket.tokens) / rate,
         )
@@ -91,8 +96,8 @@ class TenantLimiter:
         held = self._streams.get(tenant, 0)
         if limit > 0 and held >= limit:
             raise TenantLimitExceeded(
-                f"this tenant already has {held} watch streams open on this server; "
-                "close some first",
+                f"this tenant already has {held} watch and subscribe streams open on this "
+                "server; close some first",
                 metadata={"limit": "watch_streams", "max": str(limit)},
                 retry_delay=STREAM_RETRY_SECONDS,
             )

@@ -117,7 +117,7 @@ class JobService:
                 field="payload",
                 metadata={"limit": str(self._max_payload_bytes), "size": str(size)},
             )
-        _check_payload(request.payload)
+        check_payload(request.payload)
         if request.max_attempts < 0 or request.max_attempts > MAX_ATTEMPTS_LIMIT:
             raise InvalidArgument(
                 f"max_attempts must be 0 (queue default) .. {MAX_ATTEMPTS_LIMIT}",
@@ -250,7 +250,7 @@ def _check_labels(labels: dict[str, str]) -> None:
             raise InvalidArgument(f"label {key!r} has a NUL character", field=f"labels[{key}]")
 
 
-def _check_payload(payload: dict[str, Any]) -> None:
+def check_payload(payload: dict[str, Any]) -> None:
     """Refuse what JSON, Postgres' jsonb or a client's decoder cannot carry.
 
     Postgres refuses NUL in jsonb strings and keys, JSON has no NaN or

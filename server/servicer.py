@@ -1,10 +1,12 @@
-"""JobService over gRPC: thin adapters between protobuf and :class:`JobService`."""
+"""JobService and EventService over gRPC: thin adapters between protobuf and
+:class:`JobService` / :class:`EventService`."""
 
 from __future__ import annotations
 
 import functools
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
+from datetime import UTC, datetime
 from typing import Any, TypeVar
 
 import grpc
@@ -16,15 +18,24 @@ from jobplane.convert import (
     seconds_from_duration,
     state_filter_from_pb,
 )
-from jobplane.errors import JobplaneError
+from jobplane.errors import InvalidArgument, JobplaneError
+from jobplane.events.convert import event_to_pb as domain_event_to_pb
 from jobplane.server.auth import current_identity
+from jobplane.server.events import EventService, PublishRequest
 from jobplane.server.service import JobService, SubmitRequest
 from jobplane.server.status import error_for, to_grpc_status
-from jobplane.v1 import jobs_pb2, jobs_pb2_grpc
+from jobplane.v1 import events_pb2, events_pb2_grpc, jobs_pb2, jobs_pb2_grpc
 
 Req = TypeVar("Req")
 Resp = TypeVar("Resp")
+Servicer = TypeVar("Servicer")
 Context = grpc.aio.ServicerContext[Any, Any]
+
+# An event's time travels as the AMQP `timestamp` property, unsigned seconds
+# since 1970: earlier times could be stored but never published. Later than
+# the end of year 9999 is no Timestamp at all.
+MIN_EVENT_SECONDS = 0
+MAX_EVENT_SECONDS = 253_402_300_799
 
 
 # Clients refuse replies over 4 MiB unless told otherwise: a page of large
@@ -37,12 +48,12 @@ async def _abort(context: Context, error: JobplaneError) -> None:
 
 
 def _unary(
-    method: Callable[[JobServiceServicer, uuid.UUID, Req], Awaitable[Resp]],
-) -> Callable[[JobServiceServicer, Req, Context], Awaitable[Resp]]:
+    method: Callable[[Servicer, uuid.UUID, Req], Awaitable[Resp]],
+) -> Callable[[Servicer, Req, Context], Awaitable[Resp]]:
     """Run for the caller's tenant; any failure becomes its rich status."""
 
     @functools.wraps(method)
-    async def wrapper(self: JobServiceServicer, request: Req, context: Context) -> Resp:
+    async def wrapper(self: Servicer, request: Req, context: Context) -> Resp:
         try:
             return await method(self, current_identity().tenant_id, request)
         except Exception as exc:
@@ -130,3 +141,69 @@ class JobServiceServicer(jobs_pb2_grpc.JobServiceServicer):
                 yield event_to_pb(event)
         except Exception as exc:
             await _abort(context, error_for(exc, "WatchJob"))
+
+
+class EventServiceServicer(events_pb2_grpc.EventServiceServicer):
+    """The EventService RPCs, for callers :class:`~jobplane.server.auth.CallGate` admitted."""
+
+    def __init__(self, service: EventService) -> None:
+        self._service = service
+
+    async def PublishEvent(
+        self, request: events_pb2.PublishEventRequest, context: Context
+    ) -> events_pb2.Event:
+        try:
+            tenant = current_identity().tenant_id
+            metadata = dict(
+                (key, value)
+                for key, value in context.invocation_metadata() or ()
+                if key in ("traceparent", "tracestate") and isinstance(value, str)
+            )
+            stored = await self._service.publish(
+                tenant,
+                PublishRequest(
+                    event_id=request.event_id,
+                    event_type=request.event_type,
+                    timestamp=(
+                        _event_time(request.timestamp) if request.HasField("timestamp") else None
+                    ),
+                    project_id=request.project_id if request.HasField("project_id") else None,
+                    correlation_id=request.correlation_id,
+                    causation_id=(
+                        request.causation_id if request.HasField("causation_id") else None
+                    ),
+                    payload=dict_from_struct(request.payload),
+                    traceparent=metadata.get("traceparent"),
+                    tracestate=metadata.get("tracestate"),
+                ),
+            )
+            return domain_event_to_pb(stored.event)
+        except Exception as exc:
+            await _abort(context, error_for(exc, "PublishEvent"))
+        raise AssertionError("unreachable: abort raises")
+
+    async def SubscribeEvents(
+        self, request: events_pb2.SubscribeEventsRequest, context: Context
+    ) -> AsyncIterator[events_pb2.SubscribeEventsResponse]:
+        try:
+            tenant = current_identity().tenant_id
+            async for stored in self._service.subscribe(
+                tenant, list(request.type_patterns), request.after_cursor, int(request.start)
+            ):
+                yield events_pb2.SubscribeEventsResponse(
+                    event=domain_event_to_pb(stored.event), cursor=stored.position.cursor()
+                )
+        except Exception as exc:
+            await _abort(context, error_for(exc, "SubscribeEvents"))
+
+
+def _event_time(message: Any) -> datetime:
+    """An event's time from a Timestamp; INVALID_ARGUMENT unless AMQP can carry it."""
+    seconds, nanos = message.seconds, message.nanos
+    if not (MIN_EVENT_SECONDS <= seconds <= MAX_EVENT_SECONDS and 0 <= nanos < 1_000_000_000):
+        raise InvalidArgument(
+            f"timestamp must be a valid Timestamp from 1970-01-01T00:00:00Z to the end of "
+            f"year 9999 (seconds={seconds}, nanos={nanos})",
+            field="timestamp",
+        )
+    return datetime.fromtimestamp(seconds, UTC).replace(microsecond=nanos // 1000)

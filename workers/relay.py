@@ -1,13 +1,18 @@
-"""The outbox relay: publish committed dispatch intents, confirmed, then mark them.
+"""The outbox relay: publish committed messages, confirmed, then mark them.
 
-Rows are claimed with FOR UPDATE SKIP LOCKED, published persistent and
-mandatory on a confirming channel, and marked by what the broker did with
-each, in the claim's transaction:
+Rows are claimed with FOR UPDATE SKIP LOCKED, published persistent on a
+confirming channel, and marked by what the broker did with each, in the
+claim's transaction. A job dispatch goes to the jobs exchange, mandatory,
+its envelope built from the row; a domain event goes to the events exchange
+with the row's body as it is and the properties of docs/events.md, *not*
+mandatory: an event no queue is bound to is a fact nobody listens to yet, so
+the broker drops it and confirms, and the row is published (the event stays
+in the events table). What the broker did:
 
 - an ack: published;
 - a nack, a timeout or a lost connection: due again after a backoff
   (transient; the relay reconnects only when its channel is gone);
-- a return (no queue bound for the routing key): due again after a backoff,
+- a return (no queue bound for a dispatch's job type): due again after a backoff,
   until the row has come back ``unroutable_returns`` times in a row over at
   least ``unroutable_after`` seconds — then the job FAILS with
   ``JOB_TYPE_UNROUTABLE``. The server refuses types its topology file does
@@ -15,8 +20,9 @@ each, in the claim's transaction:
   (not applied yet, being re-applied, a queue deleted): worth minutes of
   patience, not a job QUEUED for ever;
 - a message the broker can never take (a correlation id or routing key
-  longer than AMQP's 255-byte short strings, a body over the envelope limit):
-  the row is failed and the job FAILS with ``DISPATCH_FAILED``, at once.
+  longer than AMQP's 255-byte short strings, a body over the envelope limit,
+  an event row whose body is not an event): the row is failed and a
+  dispatch's job FAILS with ``DISPATCH_FAILED``, at once.
 
 One row's fate never holds up the others of its batch — not even when the
 database refuses to record it: the batch is then recorded again row by row,
@@ -55,14 +61,22 @@ from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from jobplane import broker
-from jobplane.envelope import DEPLOYMENT_HEADER, MAX_ENVELOPE_BYTES
+from jobplane.envelope import AMQP_TYPE, DEPLOYMENT_HEADER, MAX_ENVELOPE_BYTES
+from jobplane.events.envelope import (
+    MAX_EVENT_BYTES,
+    TRACEPARENT_HEADER,
+    TRACESTATE_HEADER,
+    EventError,
+    amqp_properties,
+    decode,
+)
 from jobplane.faults import NO_FAULTS, FaultPoints
 from jobplane.logs import describe_error
 from jobplane.names import job_name
 from jobplane.store.deployment import Deployment, this_deployment
 from jobplane.store.down import database_transient
 from jobplane.store.listen import Listener
-from jobplane.store.outbox import GiveUp, OutboxBatch, OutboxRow, OutboxStore
+from jobplane.store.outbox import GiveUp, OutboxBatch, OutboxKind, OutboxRow, OutboxStore
 from jobplane.store.rows import OUTBOX_CHANNEL
 from jobplane.tasks import cancel_and_wait
 from jobplane.topology import Ownership, Topology, TopologyMissing, ensure
@@ -104,6 +118,7 @@ class _Link:
     connection: AbstractConnection
     channel: AbstractChannel
     exchange: AbstractExchange
+    events: AbstractExchange
 
     @property
     def closed(self) -> bool:
@@ -235,13 +250,14 @@ class Relay:
             self.ownership = await ensure(connection, self._topology, self._deployment)
             channel = await connection.channel(publisher_confirms=True)
             exchange = await channel.get_exchange(self._topology.exchange, ensure=False)
+            events = await channel.get_exchange(self._topology.events_exchange, ensure=False)
         except BaseException:
             with contextlib.suppress(Exception):
                 await connection.close()
             raise
         self.connects += 1
         log.info("relay.connected")
-        return _Link(connection, channel, exchange)
+        return _Link(connection, channel, exchange, events)
 
     async def _run(self) -> None:
         delay = 0.5
@@ -251,7 +267,7 @@ class Relay:
                     if self._link is None:
                         self._link = await self._open()
                     while not self._link.closed:
-                        moved = await self.relay_once(self._link.exchange)
+                        moved = await self.relay_once(self._link.exchange, self._link.events)
                         delay = 0.5
                         if moved < self._batch_size:
                             await wakeup.wait(await self._idle_seconds())
@@ -290,7 +306,7 @@ class Relay:
         link = await self._open()
         try:
             total = 0
-            while (moved := await self.relay_once(link.exchange)) > 0:
+            while (moved := await self.relay_once(link.exchange, link.events)) > 0:
                 total += moved
                 if moved < self._batch_size:
                     break
@@ -308,14 +324,18 @@ class Relay:
             return self._poll_seconds * 5
         return max(0.01, min(due, self._poll_seconds))
 
-    async def relay_once(self, exchange: AbstractExchange) -> int:
-        """Publish one batch of due rows; returns how many rows it took."""
+    async def relay_once(self, exchange: AbstractExchange, events: AbstractExchange) -> int:
+        """Publish one batch of due rows; returns how many rows it took.
+
+        Job dispatches go to ``exchange``, events to ``events`` (or to the
+        exchange their row names).
+        """
         outcomes: list[_Outcome] | None = None
         try:
             async with self._store.claim(self._batch_size, skip=self._holding()) as batch:
                 if not batch.rows:
                     return 0
-                outcomes = await self._publish_all(exchange, batch.rows)
+                outcomes = await self._publish_all(exchange, events, batch.rows)
                 self._faults.hit("relay.after_confirm")
                 recorded = await self._record(batch, outcomes)
         except DBAPIError as exc:
@@ -336,10 +356,11 @@ class Relay:
         return len(outcomes)
 
     async def _publish_all(
-        self, exchange: AbstractExchange, rows: list[OutboxRow]
+        self, exchange: AbstractExchange, events: AbstractExchange, rows: list[OutboxRow]
     ) -> list[_Outcome]:
         results = await asyncio.gather(
-            *(self._publish(exchange, row) for row in rows), return_exceptions=True
+            *(self._publish_row(exchange, events, row) for row in rows),
+            return_exceptions=True,
         )
         outcomes: list[_Outcome] = []
         for row, result in zip(rows, results, strict=True):
@@ -450,17 +471,15 @@ class Relay:
             self._held[row.id] = time.monotonic() + _HOLD_SECONDS
             log.error(
                 "relay.dispatch.held",
-                job=job_name(row.envelope.job_id),
-                event_id=str(row.id),
+                **_subject(row),
                 error=describe_error(exc),
                 retry_in=_HOLD_SECONDS,
                 hint="the database refuses every change to this outbox row; an operator must look",
             )
             return _Recorded()
         log.error(
-            "relay.dispatch.failed",
-            job=job_name(row.envelope.job_id),
-            event_id=str(row.id),
+            _failed_event(row),
+            **_subject(row),
             code=DISPATCH_FAILED,
             error=message,
             job_failed=False,
@@ -481,9 +500,8 @@ class Relay:
         for row, code, message, job_failed in recorded.failed:
             self.failed += 1
             log.error(
-                "relay.dispatch.failed",
-                job=job_name(row.envelope.job_id),
-                event_id=str(row.id),
+                _failed_event(row),
+                **_subject(row),
                 code=code,
                 error=message,
                 job_failed=job_failed,
@@ -491,7 +509,7 @@ class Relay:
 
     def _unroutable_message(self, row: OutboxRow) -> str:
         return (
-            f"no queue on the broker takes job type {row.envelope.job_type!r}: the dispatch "
+            f"no queue on the broker takes job type {row.routing_key!r}: the dispatch "
             f"came back unroutable {self._unroutable_returns} times in a row over at least "
             f"{self._unroutable_after:g}s (the broker's bindings differ from the topology; "
             "run `jobplane topology apply`)"
@@ -506,13 +524,13 @@ class Relay:
             delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
             message_id=str(envelope.event_id),
             correlation_id=envelope.correlation_id or None,
-            type="jobplane.job.dispatch.v1",
+            type=AMQP_TYPE,
             headers={
                 "job_id": str(envelope.job_id),
                 **({DEPLOYMENT_HEADER: envelope.deployment} if envelope.deployment else {}),
             },
         )
-        check_publishable(message, exchange.name, envelope.job_type)
+        check_publishable(message, exchange.name, envelope.job_type, mandatory=True)
         try:
             confirmation = await exchange.publish(
                 message,
@@ -533,18 +551,92 @@ class Relay:
             raise Returned("not confirmed: returned unroutable")
         raise PublishFailed(f"not confirmed: {type(confirmation).__name__}")
 
+    async def _publish_row(
+        self, jobs: AbstractExchange, events: AbstractExchange, row: OutboxRow
+    ) -> None:
+        default = events if row.kind is OutboxKind.EVENT else jobs
+        if row.exchange is None or row.exchange == default.name:
+            target = default
+        elif row.exchange in (jobs.name, events.name):
+            target = jobs if row.exchange == jobs.name else events
+        else:
+            # Only exchanges checked at start: a publish to a missing one
+            # would close the channel the whole batch shares, again and again.
+            raise Unpublishable(f"its exchange {row.exchange!r} is not one of the topology's")
+        if row.kind is OutboxKind.EVENT:
+            await self._publish_event(target, row)
+        else:
+            await self._publish(target, row)
 
-def check_publishable(message: aio_pika.Message, exchange: str, routing_key: str) -> None:
+    async def _publish_event(self, events: AbstractExchange, row: OutboxRow) -> None:
+        """Publish a domain event row: its body as it is, the properties docs/events.md lists.
+
+        The properties come from the body (the truth) through the same
+        function consumers' tests use, so the two never drift apart.
+        """
+        if row.body is None:
+            raise Unpublishable("an event row without a body")
+        try:
+            event = decode(row.body)
+        except EventError as exc:
+            raise Unpublishable(f"its body is not an event: {_short(exc)}") from exc
+        message = aio_pika.Message(
+            row.body,
+            **amqp_properties(
+                event,
+                traceparent=row.headers.get(TRACEPARENT_HEADER),
+                tracestate=row.headers.get(TRACESTATE_HEADER),
+            ),
+        )
+        check_publishable(
+            message, events.name, row.routing_key, mandatory=False, max_body=MAX_EVENT_BYTES
+        )
+        try:
+            # Not mandatory: with no queue bound the broker drops the event
+            # and confirms it, and that is a publish (see the module docstring).
+            confirmation = await events.publish(
+                message,
+                routing_key=row.routing_key,
+                mandatory=False,  # aio-pika's default is True
+                timeout=self._publish_timeout,
+            )
+        except (TypeError, ValueError, pamqp.exceptions.PAMQPException) as exc:
+            raise Unpublishable(str(exc)) from exc
+        if isinstance(confirmation, aiormq.spec.Basic.Ack):
+            return
+        raise PublishFailed(f"not confirmed: {type(confirmation).__name__}")
+
+
+def _failed_event(row: OutboxRow) -> str:
+    """The log event of giving up on ``row``."""
+    return "relay.event.failed" if row.kind is OutboxKind.EVENT else "relay.dispatch.failed"
+
+
+def _subject(row: OutboxRow) -> dict[str, str]:
+    """What a log line about ``row`` names: its job, or its event type."""
+    if row.job_id is not None:
+        return {"job": job_name(row.job_id), "event_id": str(row.id)}
+    return {"outbox_id": str(row.id), "kind": row.kind.value, "event_type": row.routing_key}
+
+
+def check_publishable(
+    message: aio_pika.Message,
+    exchange: str,
+    routing_key: str,
+    *,
+    mandatory: bool = True,
+    max_body: int = MAX_ENVELOPE_BYTES,
+) -> None:
     """Raise :class:`Unpublishable` unless AMQP can carry ``message`` as it is.
 
     Encodes the method and header frames the way the client will, without
     sending them: a string over 255 bytes (correlation id, routing key), a
     header that cannot be encoded, a header frame over the smallest frame
-    size, a body over the envelope limit. Checked before the publish, so one
-    bad row never reaches (or closes) the channel its batch shares.
+    size, a body over ``max_body``. Checked before the publish, so one bad
+    row never reaches (or closes) the channel its batch shares.
     """
-    if len(message.body) > MAX_ENVELOPE_BYTES:
-        raise Unpublishable(f"body of {len(message.body)} bytes exceeds {MAX_ENVELOPE_BYTES}")
+    if len(message.body) > max_body:
+        raise Unpublishable(f"body of {len(message.body)} bytes exceeds {max_body}")
     for name, value in (
         ("routing key (job type)", routing_key),
         ("correlation id", message.correlation_id),
@@ -554,7 +646,9 @@ def check_publishable(message: aio_pika.Message, exchange: str, routing_key: str
             raise Unpublishable(f"its {name} is {size} bytes; AMQP carries at most {_SHORT_STRING}")
     try:
         pamqp.frame.marshal(
-            aiormq.spec.Basic.Publish(exchange=exchange, routing_key=routing_key, mandatory=True),
+            aiormq.spec.Basic.Publish(
+                exchange=exchange, routing_key=routing_key, mandatory=mandatory
+            ),
             1,
         )
         header = pamqp.frame.marshal(

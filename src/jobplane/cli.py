@@ -488,7 +488,11 @@ async def _topology_apply(args: argparse.Namespace) -> int:
         channel = await connection.channel()
         await declare(channel, topology)
         names = ", ".join(q.name for q in topology.queues)
-        print(f"declared exchange {topology.exchange} and queues {names}", file=sys.stderr)
+        print(
+            f"declared exchange {topology.exchange} and queues {names}; "
+            f"events exchange {topology.events_exchange}",
+            file=sys.stderr,
+        )
         # The owner is this deployment's database; an operator applying the
         # topology from where Postgres is out of reach leaves the record to
         # the first relay or worker.

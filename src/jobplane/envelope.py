@@ -14,7 +14,9 @@ from dataclasses import dataclass
 from typing import Any
 
 ENVELOPE_VERSION = 1
+# The "kind" key of the body; with the version, the AMQP `type` property.
 MESSAGE_TYPE = "jobplane.job.dispatch"
+AMQP_TYPE = f"{MESSAGE_TYPE}.v{ENVELOPE_VERSION}"
 MAX_ENVELOPE_BYTES = 64 * 1024
 # The AMQP header carrying the publishing deployment's id, besides the body,
 # so operators (and `jobplane dlq list`) see it without decoding.

@@ -95,6 +95,13 @@ class RequestIdReused(JobplaneError):
     reason = "REQUEST_ID_REUSED"
 
 
+class EventIdReused(JobplaneError):
+    """This event_id was already published with a different event."""
+
+    code = grpc.StatusCode.ALREADY_EXISTS
+    reason = "EVENT_ID_REUSED"
+
+
 class FailedPrecondition(JobplaneError):
     """The job is not in a state that allows this call."""
 
@@ -160,6 +167,7 @@ _BY_REASON: dict[str, type[JobplaneError]] = {
         Unauthenticated,
         JobNotFound,
         RequestIdReused,
+        EventIdReused,
         FailedPrecondition,
         JobAlreadyTerminal,
         JobNotRetryable,

@@ -2,7 +2,10 @@
 
 A topology is a TOML file (``JOBPLANE_TOPOLOGY``; ``topologies/default.toml``
 when unset). The server uses it to refuse job types that no queue takes; the
-relay publishes to its exchange; workers consume its queues.
+relay publishes job dispatches to its jobs exchange and domain events to its
+events exchange (``[events] exchange``, ``jobplane.events`` by default: a
+durable topic exchange with no queues of jobplane's own, each consuming
+service binds its own); workers consume its queues.
 
 ``jobplane topology apply`` declares it (:func:`declare`, which needs the
 RabbitMQ *configure* permission). Relays and workers only check it
@@ -42,6 +45,9 @@ if TYPE_CHECKING:
 
 log = structlog.get_logger("jobplane.topology")
 
+# The events exchange when the file names none; the same default as
+# jobplane.events.EXCHANGE, the consumers' default.
+EVENTS_EXCHANGE = "jobplane.events"
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,200}$")
 _PATTERN = re.compile(r"^(\*|#|[a-z0-9_-]+)(\.(\*|#|[a-z0-9_-]+))*$")
 
@@ -82,6 +88,8 @@ class Topology:
     dead_letter_exchange: str = "jobplane.jobs.dlx"
     failed_queue: str = "jobplane.failed"
     queues: tuple[QueueSpec, ...] = field(default_factory=tuple)
+    #: The topic exchange of domain events (routing key: the event type).
+    events_exchange: str = EVENTS_EXCHANGE
 
     def route(self, job_type: str) -> QueueSpec | None:
         """The first queue that takes ``job_type``, or None."""
@@ -110,6 +118,7 @@ class Topology:
             dead_letter_exchange=prefix + self.dead_letter_exchange,
             failed_queue=prefix + self.failed_queue,
             queues=tuple(replace(q, name=prefix + q.name) for q in self.queues),
+            events_exchange=prefix + self.events_exchange,
         )
 
 
@@ -136,6 +145,7 @@ def parse_topology(data: dict[str, Any], *, source: str = "topology") -> Topolog
     try:
         exchange = str(data.get("exchange", {}).get("name", "jobplane.jobs"))
         dead = data.get("dead_letter", {})
+        events = data.get("events", {})
         queues = tuple(
             QueueSpec(
                 name=str(q["name"]),
@@ -154,6 +164,7 @@ def parse_topology(data: dict[str, Any], *, source: str = "topology") -> Topolog
             dead_letter_exchange=str(dead.get("exchange", f"{exchange}.dlx")),
             failed_queue=str(dead.get("queue", "jobplane.failed")),
             queues=queues,
+            events_exchange=str(events.get("exchange", EVENTS_EXCHANGE)),
         )
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise TopologyError(f"{source}: {exc}") from exc
@@ -165,10 +176,14 @@ def _check(topology: Topology, source: str) -> None:
     if not topology.queues:
         raise TopologyError(f"{source}: at least one queue is required")
     names = [topology.exchange, topology.dead_letter_exchange, topology.failed_queue]
+    names += [topology.events_exchange]
     names += [q.name for q in topology.queues]
     for name in names:
         if not _NAME.match(name):
             raise TopologyError(f"{source}: {name!r} is not a valid exchange or queue name")
+    if topology.events_exchange in (topology.exchange, topology.dead_letter_exchange):
+        # An event would reach the job queues bound with `#`, as a job.
+        raise TopologyError(f"{source}: the events exchange must be an exchange of its own")
     if len({q.name for q in topology.queues}) != len(topology.queues):
         raise TopologyError(f"{source}: queue names must be unique")
     for queue in topology.queues:
@@ -213,10 +228,14 @@ async def declare(channel: AbstractChannel, topology: Topology) -> AbstractExcha
     Queues are quorum queues: a bounded ``x-delivery-limit`` turns a crash loop
     into a dead letter, dead-lettered with the at-least-once strategy (which
     needs ``x-overflow=reject-publish``) so a message is never dropped between
-    a queue and the failed queue.
+    a queue and the failed queue. The events exchange is a durable topic
+    exchange with no arguments and no queues: consumers bind their own.
     """
     exchange = await channel.declare_exchange(
         topology.exchange, aio_pika.ExchangeType.TOPIC, durable=True
+    )
+    await channel.declare_exchange(
+        topology.events_exchange, aio_pika.ExchangeType.TOPIC, durable=True
     )
     dlx = await channel.declare_exchange(
         topology.dead_letter_exchange, aio_pika.ExchangeType.FANOUT, durable=True
@@ -283,6 +302,7 @@ async def ensure(
         (f"exchange {topology.dead_letter_exchange!r}", "exchange", topology.dead_letter_exchange),
         (f"queue {topology.failed_queue!r}", "queue", topology.failed_queue),
         *((f"queue {q.name!r}", "queue", q.name) for q in topology.queues),
+        (f"exchange {topology.events_exchange!r}", "exchange", topology.events_exchange),
     ]
     missing = [label for label, kind, name in checks if not await _exists(connection, kind, name)]
     if missing:

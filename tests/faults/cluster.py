@@ -49,6 +49,7 @@ def topology_toml(topology: Topology) -> str:
         f'[exchange]\nname = "{topology.exchange}"\n',
         f'[dead_letter]\nexchange = "{topology.dead_letter_exchange}"\n'
         f'queue = "{topology.failed_queue}"\n',
+        f'[events]\nexchange = "{topology.events_exchange}"\n',
     ]
     for q in topology.queues:
         bindings = ", ".join(f'"{b}"' for b in q.bindings)

@@ -7,6 +7,9 @@ a valid message) and its answer is judged:
   naming the field for INVALID_ARGUMENT), is small, and wrote nothing;
 - an accepted SubmitJob can be read back by the SDK through GetJob, ListJobs
   (the whole page decodes) and WatchJob, with what was sent;
+- an accepted PublishEvent answers with a valid event of the caller's tenant
+  and wrote one event and one outbox row (none for a replay), which the relay
+  can publish;
 - every reply decodes in the SDK;
 - the server still answers its health check with SERVING.
 
@@ -33,14 +36,24 @@ from hypothesis import event
 
 from jobplane.client import AsyncClient, JobState
 from jobplane.convert import dict_from_struct, event_from_pb, job_from_pb
+from jobplane.events.convert import event_from_pb as domain_event_from_pb
 from jobplane.types import EventType, Job
-from jobplane.v1 import jobs_pb2
+from jobplane.v1 import events_pb2, jobs_pb2
 from tests.support.answers import check_refusal
 from tests.support.stack import Stack
 
 SERVICE = jobs_pb2.DESCRIPTOR.services_by_name["JobService"]
-METHODS = {m.name: m for m in SERVICE.methods}
+EVENT_SERVICE = events_pb2.DESCRIPTOR.services_by_name["EventService"]
+# SubscribeEvents never ends by itself: tests/integration/test_subscribe_events.py
+# covers its requests, with a bad-request table.
+METHODS = {
+    m.name: m
+    for service in (SERVICE, EVENT_SERVICE)
+    for m in service.methods
+    if m.name != "SubscribeEvents"
+}
 _REPLIES: dict[str, type[message.Message]] = {
+    "PublishEvent": events_pb2.Event,
     "SubmitJob": jobs_pb2.Job,
     "GetJob": jobs_pb2.Job,
     "ListJobs": jobs_pb2.ListJobsResponse,
@@ -102,7 +115,7 @@ class Oracle:
         await self.check_serving()
 
     async def _send(self, method: str, body: bytes, metadata: Metadata) -> list[bytes]:
-        path = f"/{SERVICE.full_name}/{method}"
+        path = f"/{METHODS[method].containing_service.full_name}/{method}"
         if METHODS[method].server_streaming:
             stream: grpc.aio.UnaryStreamMultiCallable[bytes, bytes] = self.channel.unary_stream(
                 path
@@ -124,9 +137,9 @@ class Oracle:
             event(self.unreported.pop(0))
 
     async def check_serving(self) -> None:
-        """The server and JobService still report SERVING."""
+        """The server, JobService and EventService still report SERVING."""
         health: Any = health_pb2_grpc.HealthStub(self.channel)
-        for service in ("", SERVICE.full_name):
+        for service in ("", SERVICE.full_name, EVENT_SERVICE.full_name):
             reply = await health.Check(health_pb2.HealthCheckRequest(service=service), timeout=10)
             assert reply.status == health_pb2.HealthCheckResponse.SERVING
 
@@ -141,6 +154,17 @@ class Oracle:
         if method == "WatchJob":
             seqs = [event_from_pb(e).seq for e in decoded]  # type: ignore[arg-type]
             assert seqs == sorted(set(seqs)), seqs
+            return
+        if method == "PublishEvent":
+            sent = events_pb2.PublishEventRequest.FromString(body)
+            event = domain_event_from_pb(decoded[0])  # type: ignore[arg-type]
+            assert event.tenant_id == self.stack.tenant_id
+            assert str(event.event_id) == sent.event_id
+            after = await self.stack.counts()
+            if after != before:  # not a replay
+                assert event.event_type == sent.event_type
+                assert _same_json(event.payload, dict_from_struct(sent.payload))
+                assert after == {**before, "outbox": before["outbox"] + 1}, (before, after)
             return
         job = job_from_pb(decoded[0])  # type: ignore[arg-type]
         if method == "SubmitJob":

@@ -1,4 +1,4 @@
-"""Every JobService request the fuzzer can make gets a precise answer.
+"""Every JobService and EventService request the fuzzer can make gets a precise answer.
 
 Requests are drawn from the proto descriptors (see strategies.py), raw bodies
 are random or mutated bytes, metadata is odd; each call is judged by the
@@ -39,6 +39,7 @@ pytestmark = [
 _JOB_TYPES = st.from_regex(
     r"[a-z0-9][a-z0-9_-]{0,12}(\.[a-z0-9][a-z0-9_-]{0,12}){0,3}", fullmatch=True
 )
+_EVENT_ID = "01937a2e-5b7c-7f00-8a1b-2c3d4e5f6a7b"
 _LABEL_KEYS = st.from_regex(r"[a-z0-9]([a-z0-9._/-]{0,61}[a-z0-9])?", fullmatch=True)
 
 
@@ -97,6 +98,21 @@ def hints(seeds: Seeds) -> Hints:
         "jobplane.v1.ListJobsRequest.page_token": st.one_of(
             st.sampled_from(seeds.page_tokens), _token_shapes(seeds.page_tokens)
         ),
+        # One id often, so replays and reuses get drawn too.
+        "jobplane.v1.PublishEventRequest.event_id": st.one_of(
+            st.just(_EVENT_ID), st.uuids().map(str)
+        ),
+        "jobplane.v1.PublishEventRequest.event_type": st.one_of(
+            st.sampled_from(["artifact.created", "a" * 128]), _JOB_TYPES
+        ),
+        "jobplane.v1.PublishEventRequest.payload": st.dictionaries(
+            _LABEL_KEYS, st.one_of(st.integers(-5, 5), texts(), st.lists(st.booleans()))
+        ).map(_struct_filler),
+        "jobplane.v1.PublishEventRequest.correlation_id": st.sampled_from(
+            ["", "order-42", "c" * 255, "\u00e9" * 127 + "c"]
+        ),
+        "jobplane.v1.PublishEventRequest.project_id": st.sampled_from(["web", "p" * 255]),
+        "jobplane.v1.PublishEventRequest.causation_id": st.sampled_from(["cause-1", _EVENT_ID]),
     }
 
 
@@ -186,6 +202,8 @@ async def fuzz(
         ("CancelJob", None, 1.0),
         ("RetryJob", None, 0.5),
         ("WatchJob", None, 0.5),
+        ("PublishEvent", None, 1.0),
+        ("PublishEvent", "payload", 0.5),
     ],
 )
 async def test_every_request_message(

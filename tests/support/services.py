@@ -112,7 +112,11 @@ async def delete_topology(amqp_url: str, topology: Topology) -> None:
                 await channel.queue_delete(queue)
             with contextlib.suppress(Exception):
                 await channel.close()
-        for exchange in (topology.exchange, topology.dead_letter_exchange):
+        for exchange in (
+            topology.exchange,
+            topology.dead_letter_exchange,
+            topology.events_exchange,
+        ):
             channel = await connection.channel()
             with contextlib.suppress(Exception):
                 await channel.exchange_delete(exchange)

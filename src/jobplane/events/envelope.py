@@ -30,13 +30,13 @@ from typing import Any
 
 from jobplane.errors import shown
 from jobplane.ids import new_id
-from jobplane.topology import topic_matches
+from jobplane.topology import EVENTS_EXCHANGE, topic_matches
 
 EVENT_VERSION = 1
 CONTENT_TYPE = "application/json"
 # The topic exchange events are published to by default; the routing key is
 # the event type.
-EXCHANGE = "jobplane.events"
+EXCHANGE = EVENTS_EXCHANGE
 # Written into the AMQP `app_id` property of every event jobplane publishes.
 APP_ID = "jobplane"
 # Whole encoded events, payload included. A payload follows the server's

@@ -1,11 +1,15 @@
 """The relay side of the outbox: claim due rows, then mark what the broker did.
 
+The outbox holds messages of several kinds (:class:`OutboxKind`): a job
+dispatch, whose envelope the relay builds from the row, and a domain event,
+whose body and headers the row carries as they are published (ADR-0011).
+
 A row ends in one of three ways: published (a broker ack), due again after a
 backoff (a transient failure: the connection, a nack, a return), or failed
 (``failed_at``: the broker can never take it, it came back unroutable for too
 long, or the database refuses to record what happened to it) — in which case
-its job is failed in the same transaction, fenced on the job's current
-dispatch, with a FAILED event.
+a dispatch's job is failed in the same transaction, fenced on the job's
+current dispatch, with a FAILED event.
 
 Unroutable returns count only while they come back to back: every other
 outcome (a publish, a nack, a timeout, a re-publish by the sweeper) starts the
@@ -16,10 +20,11 @@ is not "no queue takes this type".
 from __future__ import annotations
 
 import enum
+import json
 import uuid
 from collections.abc import AsyncIterator, Collection, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from sqlalchemy import TextClause, text
@@ -32,7 +37,7 @@ from jobplane.store.rows import dumps, transition_sql
 # other relay holds, and a relay that dies releases its rows with its
 # transaction.
 _CLAIM_SQL = """
-    SELECT id, tenant_id, job_id, routing_key, correlation_id
+    SELECT id, tenant_id, kind, job_id, routing_key, correlation_id, exchange, body, headers
     FROM outbox
     WHERE published_at IS NULL AND failed_at IS NULL AND {where}
     ORDER BY available_at
@@ -115,24 +120,58 @@ _NEXT_DUE = text(
 )
 
 
+class OutboxKind(enum.StrEnum):
+    """What an outbox row stands for: the one place its kinds are named.
+
+    The database knows them too: ``outbox.kind`` defaults to
+    :attr:`JOB_DISPATCH` and a CHECK holds each kind to its columns
+    (migration 0006).
+    """
+
+    #: A job's dispatch: the relay builds its envelope from the row.
+    JOB_DISPATCH = "job.dispatch"
+    #: A domain event: the row holds its body and headers as published.
+    EVENT = "event"
+
+
 class GiveUp(enum.Enum):
     """What giving up on an outbox row did."""
 
     JOB_FAILED = "job_failed"  # the row is failed, and its job with it
     MOVED_ON = "moved_on"  # the row is failed; its job had another dispatch or state
+    NO_JOB = "no_job"  # the row is failed; not a dispatch, so no job goes with it
     BUSY = "busy"  # nothing: the job row was locked; try again later
 
 
 @dataclass(frozen=True, slots=True)
 class OutboxRow:
-    """One dispatch waiting to be published."""
+    """One message waiting to be published."""
 
-    envelope: Envelope
+    id: uuid.UUID
+    kind: OutboxKind
+    tenant_id: uuid.UUID
+    routing_key: str
+    correlation_id: str = ""
+    #: None: the kind's exchange in the topology.
+    exchange: str | None = None
+    #: The body as published; None for a job dispatch.
+    body: bytes | None = None
+    headers: dict[str, str] = field(default_factory=dict)
+    #: Set for a job dispatch only.
+    job_id: uuid.UUID | None = None
 
     @property
-    def id(self) -> uuid.UUID:
-        """The outbox row id, which is also the message id."""
-        return self.envelope.event_id
+    def envelope(self) -> Envelope:
+        """A job dispatch's envelope; the row id is its event id."""
+        if self.kind is not OutboxKind.JOB_DISPATCH or self.job_id is None:
+            raise ValueError(f"outbox row {self.id} is not a job dispatch")
+        return Envelope(
+            event_id=self.id,
+            job_id=self.job_id,
+            tenant_id=self.tenant_id,
+            job_type=self.routing_key,
+            correlation_id=self.correlation_id,
+        )
 
 
 class OutboxBatch:
@@ -185,16 +224,21 @@ class OutboxBatch:
         return [uuid.UUID(str(r.id)) for r in result if r.give_up]
 
     async def fail(self, row: OutboxRow, code: str, message: str) -> GiveUp:
-        """Give up on ``row``: no longer due, and its job FAILED with ``code``.
+        """Give up on ``row``: no longer due, and a dispatch's job FAILED with ``code``.
 
         :attr:`GiveUp.BUSY` (nothing written): the job row is locked by
         another transaction; the caller leaves the row due and tries later.
         :attr:`GiveUp.MOVED_ON`: the job no longer waits for this row (another
         dispatch, parked, or no longer QUEUED): the row is failed, the job
-        left alone.
+        left alone. :attr:`GiveUp.NO_JOB`: the row is not a dispatch; it
+        is failed alone.
         """
         message = message[:1000]
-        ids = {"job_id": row.envelope.job_id, "dispatch_id": row.id}
+        if row.job_id is None:
+            # Not a dispatch: there is no job to fail with it.
+            await self._conn.execute(_MARK_FAILED, {"id": row.id, "error": message})
+            return GiveUp.NO_JOB
+        ids = {"job_id": row.job_id, "dispatch_id": row.id}
         job = (await self._conn.execute(_LOCK_JOB, ids)).first()
         if job is None:
             return GiveUp.BUSY
@@ -254,13 +298,15 @@ class OutboxStore:
         result = await conn.execute(statement, params)
         rows = [
             OutboxRow(
-                Envelope(
-                    event_id=uuid.UUID(str(r.id)),
-                    job_id=uuid.UUID(str(r.job_id)),
-                    tenant_id=uuid.UUID(str(r.tenant_id)),
-                    job_type=r.routing_key,
-                    correlation_id=r.correlation_id,
-                )
+                id=uuid.UUID(str(r.id)),
+                kind=OutboxKind(r.kind),
+                tenant_id=uuid.UUID(str(r.tenant_id)),
+                routing_key=r.routing_key,
+                correlation_id=r.correlation_id,
+                exchange=r.exchange,
+                body=None if r.body is None else bytes(r.body),
+                headers=_headers(r.headers),
+                job_id=None if r.job_id is None else uuid.UUID(str(r.job_id)),
             )
             for r in result
         ]
@@ -271,3 +317,11 @@ class OutboxStore:
         async with self._engine.connect() as conn:
             value = (await conn.execute(_NEXT_DUE)).scalar_one_or_none()
         return None if value is None else float(value)
+
+
+def _headers(value: Any) -> dict[str, str]:
+    # asyncpg hands jsonb back as text unless a codec is set; accept both.
+    data = json.loads(value) if isinstance(value, str) else value
+    if not isinstance(data, dict):
+        return {}
+    return {str(k): str(v) for k, v in data.items() if v is not None}

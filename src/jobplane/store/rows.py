@@ -13,6 +13,8 @@ from jobplane.types import EventType, Job, JobError, JobEvent, JobState
 EVENTS_CHANNEL = "jobplane_events"
 CANCEL_CHANNEL = "jobplane_cancel"
 OUTBOX_CHANNEL = "jobplane_outbox"
+# Payload: the tenant whose events were appended (SubscribeEvents reads again).
+DOMAIN_EVENTS_CHANNEL = "jobplane_domain_events"
 
 JOB_COLUMNS = """
     id, tenant_id, type, queue, state, payload, result, error_code, error_message,

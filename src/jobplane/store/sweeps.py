@@ -15,7 +15,7 @@ from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from jobplane.ids import new_id
-from jobplane.store.outbox import RETURNS_RESET
+from jobplane.store.outbox import RETURNS_RESET, OutboxKind
 from jobplane.store.rows import (
     OUTBOX_CHANNEL,
     OUTBOX_FOR_JOB_SQL,
@@ -90,6 +90,7 @@ _REPUBLISH = text(
         JOIN outbox o ON o.id = s.dispatch_id
         JOIN jobs j ON j.id = o.job_id
         WHERE j.state = 'queued' AND j.dispatch_id = o.id AND o.published_at IS NOT NULL
+            AND o.kind = '{OutboxKind.JOB_DISPATCH.value}'
             AND o.published_at < now()
                 - make_interval(secs => :after * power(2, least(o.republish_count, 20)))
         FOR UPDATE OF j, o SKIP LOCKED
