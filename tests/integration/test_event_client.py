@@ -113,7 +113,10 @@ async def test_publish_then_subscribe_sees_it(server_only: Stack) -> None:
     async with client.subscribe(["#"], after_cursor=one.cursor) as resumed:
         assert [(await anext(resumed)).event for _ in range(3)] == [other, second, sentinel]
 
-    # "latest" leaves out what was committed before.
+    # "latest" leaves out what was committed before. The server holds the
+    # stream's slot once it is about to fix its start: wait for the slots of
+    # the streams closed above to be freed first, so the one counted is this.
+    await eventually(lambda: _streams(server_only, 0), timeout=STREAM_WAIT)
     async with client.subscribe("#", start="latest") as latest:
         waiting = asyncio.ensure_future(anext(latest))
         await eventually(lambda: _streams(server_only, 1))
@@ -368,6 +371,7 @@ async def test_cli_tail_follows_until_interrupted(server_only: Stack) -> None:
     assert "resume with: --after " in err
 
     # --latest (the default) shows only events committed from now on.
+    await eventually(lambda: _streams(server_only, 0), timeout=STREAM_WAIT)
     async with tail(server_only, "#") as process:
         await eventually(lambda: _streams(server_only, 1), timeout=STREAM_WAIT)
         fresh = await client.publish("zz.fresh", {})
