@@ -1,4 +1,5 @@
-"""The Python SDK of jobplane: submit jobs, read them back, follow their progress.
+"""The Python SDK of jobplane: submit jobs, read them back, follow their progress;
+publish domain events and subscribe to them.
 
 :class:`Client` blocks, :class:`AsyncClient` is for asyncio; both have the
 same methods. ``from_env()`` reads ``JOBPLANE_ADDRESS`` and ``JOBPLANE_API_KEY``.
@@ -14,6 +15,11 @@ Example::
         job = client.get(job)
         if job.state is JobState.SUCCEEDED:
             print(job.result)
+        client.publish("report.rendered", {"report": 42})
+        with client.subscribe(["report.*"], after_cursor=saved) as events:
+            for event, cursor in events:  # resumes by itself too
+                handle(event)
+                saved = cursor
 
 Failed calls raise subclasses of :class:`JobplaneError`, e.g. :class:`JobNotFound`.
 """
@@ -24,9 +30,11 @@ from jobplane.client._errors import WatchSequenceError
 from jobplane.client._retry import RetryPolicy
 from jobplane.client.aio import AsyncClient
 from jobplane.client.progress import ProgressTracker
-from jobplane.client.sync import Client
+from jobplane.client.subscription import EventSubscription, SubscribedEvent, SubscribeStart
+from jobplane.client.sync import BlockingSubscription, Client
 from jobplane.client.tls import ClientTLS
 from jobplane.errors import (
+    EventIdReused,
     FailedPrecondition,
     InternalError,
     InvalidArgument,
@@ -43,12 +51,17 @@ from jobplane.errors import (
     Unavailable,
     UnroutableJobType,
 )
+from jobplane.events.envelope import Event
 from jobplane.types import EventType, Job, JobError, JobEvent, JobPage, JobState
 
 __all__ = [
     "AsyncClient",
+    "BlockingSubscription",
     "Client",
     "ClientTLS",
+    "Event",
+    "EventIdReused",
+    "EventSubscription",
     "EventType",
     "FailedPrecondition",
     "InternalError",
@@ -68,6 +81,8 @@ __all__ = [
     "RequestIdReused",
     "ResourceExhausted",
     "RetryPolicy",
+    "SubscribeStart",
+    "SubscribedEvent",
     "TenantLimitExceeded",
     "Unauthenticated",
     "Unavailable",

@@ -1,4 +1,4 @@
-"""The asyncio client of the JobService API."""
+"""The asyncio client of the JobService and EventService APIs."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import asyncio
 import contextlib
 import os
 import uuid
-from collections.abc import AsyncGenerator, Mapping
-from datetime import timedelta
+from collections.abc import AsyncGenerator, Iterable, Mapping
+from datetime import datetime, timedelta
 from types import TracebackType
 from typing import Any, Self, TypeVar
 
@@ -15,11 +15,13 @@ import grpc
 
 from jobplane.client._errors import error_from_rpc, is_retryable
 from jobplane.client._retry import Backoff, EventCursor, RetryPolicy
+from jobplane.client.subscription import EventSubscription, SubscribeStart, domain_event_of
 from jobplane.client.tls import ClientTLS
 from jobplane.convert import event_from_pb, job_from_pb, state_to_pb, struct_from_dict
-from jobplane.errors import TenantLimitExceeded, Unavailable
+from jobplane.errors import InvalidArgument, TenantLimitExceeded, Unavailable
+from jobplane.events.envelope import Event
 from jobplane.types import Job, JobEvent, JobPage, JobState
-from jobplane.v1 import jobs_pb2, jobs_pb2_grpc
+from jobplane.v1 import events_pb2, events_pb2_grpc, jobs_pb2, jobs_pb2_grpc
 
 DEFAULT_ADDRESS = "127.0.0.1:50051"
 
@@ -117,6 +119,7 @@ class AsyncClient:
         )
         self._channel: grpc.aio.Channel | None = None
         self._stub: jobs_pb2_grpc.JobServiceAsyncStub | None = None
+        self._event_stub: events_pb2_grpc.EventServiceAsyncStub | None = None
         self._closed = False
 
     @classmethod
@@ -163,7 +166,7 @@ class AsyncClient:
 
     @property
     def watch_retry(self) -> RetryPolicy:
-        """How :meth:`watch` reconnects."""
+        """How :meth:`watch` and :meth:`subscribe` reconnect."""
         return self._watch_retry
 
     def __repr__(self) -> str:
@@ -184,17 +187,29 @@ class AsyncClient:
     async def close(self) -> None:
         """Close the channel; calls still running fail. Safe to call twice."""
         self._closed = True
-        channel, self._channel, self._stub = self._channel, None, None
+        channel, self._channel = self._channel, None
+        self._stub = self._event_stub = None
         if channel is not None:
             await channel.close()
 
-    def _get_stub(self) -> jobs_pb2_grpc.JobServiceAsyncStub:
+    def _get_channel(self) -> grpc.aio.Channel:
         if self._closed:
             raise RuntimeError("the client has been closed")
-        if self._stub is None:
+        if self._channel is None:
             self._channel = self._open_channel()
-            self._stub = jobs_pb2_grpc.JobServiceStub(self._channel)
+        return self._channel
+
+    def _get_stub(self) -> jobs_pb2_grpc.JobServiceAsyncStub:
+        channel = self._get_channel()
+        if self._stub is None:
+            self._stub = jobs_pb2_grpc.JobServiceStub(channel)
         return self._stub
+
+    def _get_event_stub(self) -> events_pb2_grpc.EventServiceAsyncStub:
+        channel = self._get_channel()
+        if self._event_stub is None:
+            self._event_stub = events_pb2_grpc.EventServiceStub(channel)
+        return self._event_stub
 
     def _open_channel(self) -> grpc.aio.Channel:
         if self._tls is None:
@@ -211,17 +226,19 @@ class AsyncClient:
         request: Req,
         *,
         repeatable: bool = False,
+        timeout: float | None = None,
     ) -> Resp:
         """One unary call; a ``repeatable`` one is retried while it is refused.
 
         Refused means UNAVAILABLE (the server or its database is down), a lost
         connection or a call the server shed (:func:`is_retryable`); also a
         tenant limit whose ``retry_delay`` is short (at most
-        ``_LIMIT_WAIT_MAX``), after that delay. The client's ``timeout`` is
-        the deadline of the call with all its repeats.
+        ``_LIMIT_WAIT_MAX``), after that delay. ``timeout``, else the
+        client's, is the deadline of the call with all its repeats.
         """
+        timeout = self._timeout if timeout is None else timeout
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + (self._timeout or _UNBOUNDED_CALL_BUDGET)
+        deadline = loop.time() + (timeout or _UNBOUNDED_CALL_BUDGET)
         backoff = Backoff(_UNARY_RETRY)
         limited = 0
         while True:
@@ -229,7 +246,7 @@ class AsyncClient:
             try:
                 return await method(
                     request,
-                    timeout=remaining if self._timeout is not None else None,
+                    timeout=remaining if timeout is not None else None,
                     metadata=self._metadata,
                 )
             except grpc.aio.AioRpcError as exc:
@@ -452,6 +469,109 @@ class AsyncClient:
                 async for _ in events:
                     pass
             return await self.get(job_name)
+
+    # -- domain events -------------------------------------------------------
+
+    async def publish(
+        self,
+        event_type: str,
+        payload: dict[str, Any] | None = None,
+        *,
+        event_id: uuid.UUID | str | None = None,
+        timestamp: datetime | None = None,
+        project_id: str | None = None,
+        correlation_id: str | None = None,
+        causation_id: str | None = None,
+        timeout: float | None = None,
+    ) -> Event:
+        """Publish a domain event for the caller's tenant and return it as stored.
+
+        ``event_id`` is the idempotency key: when None, a fresh UUID is made
+        once and kept across the call's own retries, so a publish repeated
+        after a lost reply stores the event once. Publishing an event_id again
+        with the same event returns the stored one and writes nothing; with a
+        different event it raises :class:`~jobplane.errors.EventIdReused`.
+
+        ``timestamp`` (timezone-aware) is when the fact happened; None means
+        when the server accepts it. ``correlation_id`` None starts a chain
+        (the server uses the event's own id). ``timeout``, else the client's,
+        bounds the call with its retries.
+        """
+        request = events_pb2.PublishEventRequest(
+            event_id=_event_id_text(event_id),
+            event_type=event_type,
+            correlation_id=correlation_id or "",
+            payload=struct_from_dict(payload),
+        )
+        if timestamp is not None:
+            if timestamp.utcoffset() is None:
+                raise InvalidArgument(
+                    "timestamp must be a timezone-aware datetime", field="timestamp"
+                )
+            request.timestamp.FromDatetime(timestamp)
+        if project_id is not None:
+            request.project_id = project_id
+        if causation_id is not None:
+            request.causation_id = causation_id
+        stored = await self._call(
+            self._get_event_stub().PublishEvent, request, repeatable=True, timeout=timeout
+        )
+        return domain_event_of(stored)
+
+    def subscribe(
+        self,
+        patterns: str | Iterable[str],
+        *,
+        after_cursor: str | None = None,
+        start: SubscribeStart = "earliest",
+    ) -> EventSubscription:
+        """The caller's events whose type matches any of ``patterns``, in commit order.
+
+        Patterns are in AMQP topic syntax (``job.*``, ``artifact.#``, ``#``).
+        The subscription yields ``(event, cursor)`` items (
+        :class:`~jobplane.client.SubscribedEvent`): first the stored events
+        after ``after_cursor`` — or, without one, from ``start``:
+        ``"earliest"`` (every event the server keeps) or ``"latest"`` (those
+        committed after the call) — then live ones; it does not end by itself.
+        It resumes by itself after a lost stream, from the last cursor it
+        delivered, with no gap and no repeat, within :attr:`watch_retry`; its
+        ``cursor`` attribute is that cursor, to store and resume from later.
+
+        With ``start="latest"``, a stream lost before its first event is
+        opened again at the latest event, and events committed in between are
+        not seen: to never miss one, resume from a stored cursor.
+        """
+        chosen = [patterns] if isinstance(patterns, str) else list(patterns)
+        return EventSubscription(
+            self._open_subscription,
+            chosen,
+            after_cursor=after_cursor,
+            start=start,
+            retry=self._watch_retry,
+            closed=lambda: self._closed,
+        )
+
+    def _open_subscription(
+        self, request: events_pb2.SubscribeEventsRequest
+    ) -> grpc.aio.UnaryStreamCall[
+        events_pb2.SubscribeEventsRequest, events_pb2.SubscribeEventsResponse
+    ]:
+        return self._get_event_stub().SubscribeEvents(request, metadata=self._metadata)
+
+
+def _event_id_text(event_id: uuid.UUID | str | None) -> str:
+    """The event_id of a request: a new UUID, or the one given in canonical form.
+
+    A string that is no UUID is sent as it is, for the server to refuse by name.
+    """
+    if event_id is None:
+        return str(uuid.uuid4())
+    if isinstance(event_id, uuid.UUID):
+        return str(event_id)
+    try:
+        return str(uuid.UUID(event_id))
+    except ValueError:
+        return event_id
 
 
 __all__ = ["DEFAULT_ADDRESS", "MAX_RECEIVE_BYTES", "AsyncClient", "ClientTLS", "job_name_of"]

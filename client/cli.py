@@ -1,4 +1,4 @@
-"""The client commands of ``jobplane``: submit, watch, get, list, cancel, retry.
+"""The client commands of ``jobplane``: submit, watch, get, list, cancel, retry, events.
 
 :func:`register` adds them to the top-level parser. Each command talks to the
 server named by ``--address`` / ``JOBPLANE_ADDRESS`` with the key from
@@ -38,8 +38,10 @@ from rich.table import Table
 
 from jobplane.client.aio import AsyncClient, job_name_of
 from jobplane.client.progress import ProgressTracker
+from jobplane.client.subscription import SubscribedEvent
 from jobplane.client.tls import ENV_CA, ENV_CLIENT_CERT, ENV_CLIENT_KEY, ENV_SERVER_NAME, ENV_SWITCH
 from jobplane.errors import JobplaneError
+from jobplane.events.envelope import Event, format_timestamp
 from jobplane.types import Job, JobEvent, JobState
 
 Command = Callable[[AsyncClient, argparse.Namespace], Awaitable[int]]
@@ -174,6 +176,87 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     )
     retry.add_argument("name", metavar="NAME", help="jobs/{id}, or just the id")
     retry.set_defaults(func=command(_retry))
+
+    events = subparsers.add_parser(
+        "events",
+        help="publish domain events, or follow them",
+        description="Domain events: facts that happened, such as artifact.created, "
+        "that other services react to (docs/events.md).",
+    ).add_subparsers(dest="events", required=True, metavar="COMMAND")
+    publish = events.add_parser(
+        "publish",
+        parents=parents,
+        help="publish an event and print it as stored",
+        description="Publish a domain event of your tenant and print it as the server stored "
+        "it. Publishing is idempotent on the event id: run it again with the same --id and the "
+        "same event to get the stored one back (nothing new is written); with a different event "
+        "it fails with EVENT_ID_REUSED.",
+    )
+    publish.add_argument(
+        "event_type", metavar="TYPE", help="lowercase dotted words, e.g. artifact.created"
+    )
+    event_payload = publish.add_mutually_exclusive_group()
+    event_payload.add_argument(
+        "--payload", metavar="JSON", help="what the fact says, a JSON object (default {})"
+    )
+    event_payload.add_argument(
+        "--payload-file", metavar="PATH", help="read the JSON payload from PATH ('-' for stdin)"
+    )
+    publish.add_argument(
+        "--id",
+        metavar="UUID",
+        dest="event_id",
+        help="the event id, the idempotency key (default: a new UUID)",
+    )
+    publish.add_argument(
+        "--correlation-id",
+        metavar="ID",
+        help="the chain of work it belongs to (default: the event starts one, its own id)",
+    )
+    publish.add_argument(
+        "--causation-id", metavar="ID", help="what caused it, usually the causing event's id"
+    )
+    publish.add_argument(
+        "--project", metavar="PROJECT", dest="project_id", help="the project it belongs to"
+    )
+    publish.set_defaults(func=command(_events_publish))
+
+    tail = events.add_parser(
+        "tail",
+        parents=parents,
+        help="follow events until Ctrl-C",
+        description="Print your tenant's events whose type matches any PATTERN, in commit "
+        "order, one line each (time, type, id, payload), until Ctrl-C; --json prints one JSON "
+        "object per event with its cursor. Lost connections are resumed where they broke off, "
+        "with no gap and no repeat. On Ctrl-C the cursor of the last event printed goes to "
+        "stderr: pass it to --after to go on from there.",
+    )
+    tail.add_argument(
+        "patterns",
+        metavar="PATTERN",
+        nargs="+",
+        help="event types in topic syntax: a word '*' matches one word, '#' any number "
+        "(e.g. 'job.*', 'artifact.#', '#' for all)",
+    )
+    where = tail.add_mutually_exclusive_group()
+    where.add_argument(
+        "--after", metavar="CURSOR", help="start right after the event with this cursor"
+    )
+    where.add_argument(
+        "--from-start",
+        dest="start",
+        action="store_const",
+        const="earliest",
+        help="start with the oldest event kept",
+    )
+    where.add_argument(
+        "--latest",
+        dest="start",
+        action="store_const",
+        const="latest",
+        help="show only events committed from now on (the default)",
+    )
+    tail.set_defaults(func=command(_events_tail), start="latest")
 
 
 def command(fn: Command) -> Callable[[argparse.Namespace], int]:
@@ -343,6 +426,40 @@ async def _retry(client: AsyncClient, args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+async def _events_publish(client: AsyncClient, args: argparse.Namespace) -> int:
+    payload = parse_payload(args.payload, args.payload_file)
+    event = await client.publish(
+        args.event_type,
+        payload,
+        event_id=args.event_id,
+        project_id=args.project_id,
+        correlation_id=args.correlation_id,
+        causation_id=args.causation_id,
+    )
+    if args.json:
+        print_json(domain_event_to_json(event))
+    else:
+        print(domain_event_details(event), flush=True)
+    return EXIT_OK
+
+
+async def _events_tail(client: AsyncClient, args: argparse.Namespace) -> int:
+    subscription = client.subscribe(args.patterns, after_cursor=args.after, start=args.start)
+    try:
+        async with subscription:
+            async for item in subscription:
+                if args.json:
+                    print_json(subscribed_to_json(item))
+                else:
+                    print(domain_event_line(item.event), flush=True)
+    finally:
+        # Ctrl-C cancels this task: say where to go on from, on stderr so
+        # that stdout stays one line (or one JSON object) per event.
+        if subscription.cursor:
+            print(f"resume with: --after {subscription.cursor}", file=sys.stderr, flush=True)
+    return EXIT_OK
+
+
 # -- watching ----------------------------------------------------------------
 
 
@@ -499,6 +616,56 @@ def event_to_json(event: JobEvent) -> dict[str, Any]:
         "event_time": event.event_time.isoformat(),
         "attempt": event.attempt,
     }
+
+
+def domain_event_to_json(event: Event) -> dict[str, Any]:
+    """A domain event as a JSON-ready dict: the envelope's keys (docs/events.md)."""
+    return {
+        "event_id": str(event.event_id),
+        "event_type": event.event_type,
+        "timestamp": format_timestamp(event.timestamp),
+        "tenant_id": str(event.tenant_id),
+        "project_id": event.project_id,
+        "correlation_id": event.correlation_id,
+        "causation_id": event.causation_id,
+        "payload": event.payload,
+    }
+
+
+def subscribed_to_json(item: SubscribedEvent) -> dict[str, Any]:
+    """A subscribed event as a JSON-ready dict: the envelope's keys and ``cursor``."""
+    return {**domain_event_to_json(item.event), "cursor": item.cursor}
+
+
+def domain_event_line(event: Event) -> str:
+    """One line for a domain event: time, type, id, compact payload."""
+    return (
+        f"{format_timestamp(event.timestamp)}  {event.event_type}  {event.event_id}  "
+        f"{_compact(event.payload)}"
+    )
+
+
+def domain_event_details(event: Event) -> str:
+    """A multi-line description of a domain event for ``events publish``."""
+    rows: list[tuple[str, str]] = [
+        ("event id", str(event.event_id)),
+        ("type", event.event_type),
+        ("time", format_timestamp(event.timestamp)),
+    ]
+    if event.project_id is not None:
+        rows.append(("project", event.project_id))
+    rows.append(("correlation id", event.correlation_id))
+    if event.causation_id is not None:
+        rows.append(("causation id", event.causation_id))
+    rows.append(("payload", _compact(event.payload)))
+    width = max(len(k) for k, _ in rows) + 1
+    return "\n".join(f"{k + ':':<{width}} {v}" for k, v in rows)
+
+
+def _compact(value: dict[str, Any]) -> str:
+    # ensure_ascii: no payload string may steer the terminal (C1 controls,
+    # bidi overrides) or break the line; \u escapes keep each event one line.
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
 
 
 def print_json(value: dict[str, Any]) -> None:

@@ -6,14 +6,17 @@ import asyncio
 import contextlib
 import enum
 import threading
-from collections.abc import AsyncGenerator, Coroutine, Generator, Mapping
-from datetime import timedelta
+import uuid
+from collections.abc import AsyncGenerator, AsyncIterator, Coroutine, Generator, Iterable, Mapping
+from datetime import datetime, timedelta
 from types import TracebackType
 from typing import Any, Self, TypeVar
 
 from jobplane.client._retry import RetryPolicy
 from jobplane.client.aio import DEFAULT_ADDRESS, AsyncClient, connection_from_env
+from jobplane.client.subscription import EventSubscription, SubscribedEvent, SubscribeStart
 from jobplane.client.tls import ClientTLS
+from jobplane.events.envelope import Event
 from jobplane.types import Job, JobEvent, JobPage, JobState
 
 T = TypeVar("T")
@@ -28,7 +31,7 @@ class _End(enum.Enum):
     END = enum.auto()
 
 
-async def _next(agen: AsyncGenerator[T, None]) -> T | _End:
+async def _next(agen: AsyncIterator[T]) -> T | _End:
     # StopAsyncIteration must not cross the thread boundary as an exception:
     # the future would report it, but it is not a failure.
     try:
@@ -198,7 +201,7 @@ class Client:
 
     @property
     def watch_retry(self) -> RetryPolicy:
-        """How :meth:`watch` reconnects."""
+        """How :meth:`watch` and :meth:`subscribe` reconnect."""
         return self._async.watch_retry
 
     def __repr__(self) -> str:
@@ -297,6 +300,45 @@ class Client:
         """Wait until the job ends and return it; :class:`TimeoutError` after ``timeout``."""
         return self._loop.run(self._async.wait(name, timeout))
 
+    def publish(
+        self,
+        event_type: str,
+        payload: dict[str, Any] | None = None,
+        *,
+        event_id: uuid.UUID | str | None = None,
+        timestamp: datetime | None = None,
+        project_id: str | None = None,
+        correlation_id: str | None = None,
+        causation_id: str | None = None,
+        timeout: float | None = None,
+    ) -> Event:
+        """Publish a domain event and return it as stored; see :meth:`AsyncClient.publish`."""
+        return self._loop.run(
+            self._async.publish(
+                event_type,
+                payload,
+                event_id=event_id,
+                timestamp=timestamp,
+                project_id=project_id,
+                correlation_id=correlation_id,
+                causation_id=causation_id,
+                timeout=timeout,
+            )
+        )
+
+    def subscribe(
+        self,
+        patterns: str | Iterable[str],
+        *,
+        after_cursor: str | None = None,
+        start: SubscribeStart = "earliest",
+    ) -> BlockingSubscription:
+        """The caller's events matching ``patterns``, resuming by itself; see
+        :meth:`AsyncClient.subscribe`. Close it (or use it in a ``with``) when done."""
+        return BlockingSubscription(
+            self._loop, self._async.subscribe(patterns, after_cursor=after_cursor, start=start)
+        )
+
     def _pull(self, agen: AsyncGenerator[T, None]) -> Generator[T, None, None]:
         """A plain generator over ``agen``, each step run on the loop."""
         try:
@@ -313,4 +355,65 @@ class Client:
                     self._loop.run(agen.aclose())
 
 
-__all__ = ["Client"]
+class BlockingSubscription:
+    """An :class:`EventSubscription` for blocking code: ``for event, cursor in …``.
+
+    It does not end by itself; :attr:`cursor` is the cursor of the last
+    event it delivered. :meth:`close` (or leaving a ``with`` block) ends the
+    stream.
+    """
+
+    def __init__(self, loop: _LoopThread, subscription: EventSubscription) -> None:
+        self._loop = loop
+        self._subscription = subscription
+        self._done = False
+
+    @property
+    def patterns(self) -> tuple[str, ...]:
+        """The event-type patterns subscribed to."""
+        return self._subscription.patterns
+
+    @property
+    def cursor(self) -> str | None:
+        """The cursor of the last event delivered (else the ``after_cursor`` given)."""
+        return self._subscription.cursor
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(patterns={list(self.patterns)!r}, cursor={self.cursor!r})"
+
+    def __iter__(self) -> Self:
+        return self
+
+    def __next__(self) -> SubscribedEvent:
+        if self._done:
+            raise StopIteration
+        try:
+            item = self._loop.run(_next(self._subscription))
+        except BaseException:
+            self.close()
+            raise
+        if item is _End.END:
+            self._done = True
+            raise StopIteration
+        return item
+
+    def close(self) -> None:
+        """End the stream. Safe to call twice."""
+        self._done = True
+        if self._loop.running and not self._loop.in_loop_thread:
+            with contextlib.suppress(RuntimeError):
+                self._loop.run(self._subscription.aclose())
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+
+__all__ = ["BlockingSubscription", "Client"]

@@ -1,5 +1,5 @@
 """The ``jobplane`` command: processes (migrate, serve, relay, worker, dev), keys,
-topology, workers, and the client commands (submit, watch, get, list, cancel, retry)."""
+topology, workers, and the client commands (submit, watch, get, list, cancel, retry, events)."""
 
 from __future__ import annotations
 
