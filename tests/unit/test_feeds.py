@@ -12,10 +12,11 @@ from collections.abc import AsyncIterator, Sequence
 from datetime import UTC, datetime
 
 import pytest
+from structlog.testing import capture_logs
 
 from jobplane.errors import JobNotFound, Unavailable
 from jobplane.names import job_name
-from jobplane.server.feeds import FeedHub
+from jobplane.server.feeds import EVENT_BATCH, FeedHub, JobFeed
 from jobplane.store.jobs import StreamRead
 from jobplane.store.listen import Listener
 from jobplane.types import EventType, JobEvent, JobState
@@ -206,9 +207,19 @@ async def test_a_failed_read_ends_every_watcher_and_the_next_one_starts_afresh(
     tasks = [asyncio.create_task(collect(hub.watch(TENANT, job, 0), [])) for _ in range(5)]
     await settle()
     log.fail = ConnectionResetError("database went away")
-    notify(listener, job)
-    results = await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 5)
+    with capture_logs() as logs:
+        notify(listener, job)
+        results = await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 5)
     assert all(isinstance(r, ConnectionResetError) for r in results)
+    # One line for the operator: which read failed, for how many jobs, why.
+    assert [entry for entry in logs if entry["event"] == "watch.read_failed"] == [
+        {
+            "event": "watch.read_failed",
+            "log_level": "warning",
+            "jobs": 1,
+            "error": "ConnectionResetError: database went away",
+        }
+    ]
     assert hub.feed_count == 0
 
     log.fail = None
@@ -353,3 +364,32 @@ async def test_another_tenant_never_joins_a_live_feed(log: Log, listener: Listen
     assert owner == [1, 2]
     watching.cancel()
     await asyncio.gather(watching, return_exceptions=True)
+
+
+async def test_a_feed_keeps_at_most_its_buffer_of_the_newest_events(log: Log) -> None:
+    job = uuid.uuid4()
+    for _ in range(5):
+        log.add(job)
+    feed = JobFeed(TENANT, job, buffer=4)
+    read = log._one(TENANT, job, 0, 4)
+    assert read is not None
+    feed.extend(read)
+    assert (feed.base, feed.head) == (0, 4)
+    rest = log._one(TENANT, job, 4, 4)
+    assert rest is not None
+    feed.extend(rest)  # one over the buffer: the oldest goes
+    assert (feed.base, feed.head) == (1, 5)
+    assert [e.seq for e in feed.events] == [2, 3, 4, 5]
+    assert [e.seq for e in feed.after(3)] == [4, 5]
+
+
+async def test_a_long_history_is_read_in_bounded_batches(log: Log, listener: Listener) -> None:
+    hub = FeedHub(log.read, listener, recheck_seconds=60, buffer=10 * EVENT_BATCH)
+    job = uuid.uuid4()
+    for _ in range(2 * EVENT_BATCH + 4):
+        log.add(job)
+    log.add(job, EventType.SUCCEEDED)
+    got: list[int] = []
+    await asyncio.wait_for(collect(hub.watch(TENANT, job, 0), got), 5)
+    assert got == list(range(1, 2 * EVENT_BATCH + 6))
+    assert log.reads == 3
