@@ -250,10 +250,9 @@ async def test_through_a_sqlalchemy_session_and_connection(
             connection, tenant="acme", event_type="artifact.deleted", payload={"via": "conn"}
         )
         await connection.commit()
-    rows = {
-        r.event_id: r.payload
-        for r in (await _rows(engine, "SELECT event_id, payload FROM events")).all()
-    }
+    async with engine.connect() as reader:
+        stored = await reader.execute(text("SELECT event_id, payload FROM events"))
+    rows = {r.event_id: r.payload for r in stored}
     assert rows == {in_session: {"via": "session"}, committed: {"via": "conn"}}
     assert rolled_back not in rows
     await all_published(stack)
@@ -261,11 +260,6 @@ async def test_through_a_sqlalchemy_session_and_connection(
         with pytest.raises(InvalidArgument) as refused:
             await txn.publish_event(session, tenant="acme", event_type="Not A Type")
         assert refused.value.field == "event_type"
-
-
-async def _rows(engine: AsyncEngine, sql: str) -> object:
-    async with engine.connect() as connection:
-        return await connection.execute(text(sql))
 
 
 async def test_from_plain_sql_text(stack: Stack, database_url: str) -> None:
