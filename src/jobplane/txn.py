@@ -216,7 +216,7 @@ async def publish_event(
         "event_id": texts["event_id"],
         "event_type": event_type,
         "payload": _json(payload or {}, "payload"),
-        "event_time": timestamp,
+        "event_time": None if timestamp is None else timestamp.isoformat(),
         "project_id": project_id,
         "correlation_id": correlation_id,
         "causation_id": causation_id,

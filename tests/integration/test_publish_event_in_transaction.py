@@ -368,3 +368,23 @@ async def test_a_role_that_may_only_execute_the_function(stack: Stack, database_
         await admin.execute(f'DROP OWNED BY "{role}"')
         await admin.execute(f'DROP ROLE "{role}"')
         await admin.close()
+
+
+async def test_the_last_microsecond_of_year_9999_is_stored_as_itself_by_either_path(
+    stack: Stack, api: EventApi, conn: asyncpg.Connection
+) -> None:
+    """asyncpg sends datetime.max as 'infinity': neither path may store that."""
+    last = datetime.max.replace(tzinfo=UTC)
+    sent = request("artifact.created")
+    sent.timestamp.FromDatetime(last)
+    await api.publish(sent)
+    async with conn.transaction():
+        by_sql = await _created(conn, timestamp=last)
+    assert await conn.fetchval("SELECT count(*) FROM events WHERE isfinite(event_time)") == 2
+    subscription = api.subscribe(["#"])
+    try:
+        replies = await subscription.take(2)
+    finally:
+        subscription.cancel()
+    assert [event_from_pb(r.event).timestamp for r in replies] == [last, last]
+    assert {r.event.event_id for r in replies} == {sent.event_id, str(by_sql)}

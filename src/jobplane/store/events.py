@@ -179,7 +179,8 @@ _INSERT = text(
     WITH e AS (
         INSERT INTO events (tenant_id, event_id, event_type, event_time, project_id,
                             correlation_id, causation_id, payload, request_hash, job_id)
-        VALUES (:tenant_id, :event_id, :event_type, :event_time, :project_id,
+        VALUES (:tenant_id, :event_id, :event_type,
+                CAST(CAST(:event_time AS text) AS timestamptz), :project_id,
                 :correlation_id, :causation_id, CAST(:payload AS jsonb), :request_hash, :job_id)
         ON CONFLICT (tenant_id, event_id) DO NOTHING
         RETURNING tenant_id, CAST(txid AS text) AS txid, seq
@@ -268,7 +269,9 @@ async def append(
             "tenant_id": tenant_id,
             "event_id": event.event_id,
             "event_type": event.event_type,
-            "event_time": event.timestamp,
+            # As text: asyncpg sends the last microsecond of year 9999
+            # (datetime.max) as 'infinity'.
+            "event_time": event.timestamp.isoformat(),
             "project_id": event.project_id,
             "correlation_id": event.correlation_id,
             "causation_id": event.causation_id,

@@ -17,12 +17,16 @@ SUBMIT_JOB = text(
     "SELECT jobplane.submit_job(:tenant, :type, CAST(:payload AS jsonb), :request_id, "
     ":correlation_id, :max_attempts, CAST(:labels AS jsonb), :timeout_seconds)"
 )
+# The time is bound as text: asyncpg sends the last microsecond of year 9999
+# (datetime.max) as 'infinity'.
 PUBLISH_EVENT_ASYNCPG = (
-    "SELECT jobplane.publish_event($1, $2, $3, CAST($4 AS jsonb), $5, $6, $7, $8, $9, $10)"
+    "SELECT jobplane.publish_event($1, $2, $3, CAST($4 AS jsonb), "
+    "CAST(CAST($5 AS text) AS timestamptz), $6, $7, $8, $9, $10)"
 )
 PUBLISH_EVENT = text(
     "SELECT jobplane.publish_event(:tenant, :event_id, :event_type, CAST(:payload AS jsonb), "
-    ":event_time, :project_id, :correlation_id, :causation_id, :traceparent, :tracestate)"
+    "CAST(CAST(:event_time AS text) AS timestamptz), :project_id, :correlation_id, "
+    ":causation_id, :traceparent, :tracestate)"
 )
 
 # The SQLSTATEs the functions raise (class JP), by the reason of the RPC error.
