@@ -131,7 +131,6 @@ async def test_a_committed_event_reaches_a_bound_queue_once_and_subscribers(
     # byte for byte what jobplane.events.encode writes.
     payload = {"n": 18230, "ok": True, "path": "builds/42/app tar", "note": 'é "q"\n'}
     payload = dict(sorted(payload.items(), key=lambda kv: (len(kv[0]), kv[0])))
-    subscription = api.subscribe(["artifact.*"], start=2)  # START_LATEST
     async with bound_queue(amqp_url, stack.topology.events_exchange, ["artifact.*"]) as (q, _):
         fields: dict[str, object] = {
             "event_id": event_id,
@@ -172,6 +171,7 @@ async def test_a_committed_event_reaches_a_bound_queue_once_and_subscribers(
         "traceparent": TRACEPARENT,
         "tracestate": "vendor=x",
     }
+    subscription = api.subscribe(["artifact.*"])
     try:
         (reply,) = await subscription.take(1)
     finally:
