@@ -35,9 +35,9 @@ async def _run(
     """Jobs and events through the cluster while ``chaos`` runs; judged, and the counts."""
     async with cluster.client() as client:
         work = asyncio.gather(
-            cluster.submit_many(client, 20, ms=50),
-            events.publish_rpc(80),
-            events.publish_in_transactions(40),
+            cluster.submit_many(client, 10, ms=50),
+            events.publish_rpc(40),
+            events.publish_in_transactions(20),
         )
         await chaos()
         names, _, _ = await work
@@ -55,8 +55,8 @@ async def test_relay_killed_mid_batch_while_publishing_events(
 ) -> None:
     await cluster.server()
     await events.start()
-    # A backlog first, so that the relay's first batch is a full one.
-    await events.publish_rpc(100, prefix="backlog")
+    # A backlog first, so that the relay's first batch holds more than 40.
+    await events.publish_rpc(60, prefix="backlog")
     relay = await cluster.relay(faults="crash:relay.event.confirmed@40")
     await cluster.worker("--concurrency", "4")
 
@@ -66,10 +66,9 @@ async def test_relay_killed_mid_batch_while_publishing_events(
         await cluster.relay()
 
     counts = await _run(cluster, events, chaos)
-    assert counts["events"] == 220
     # Published twice: the confirmed rows the dead relay never marked.
     assert counts["duplicates"] >= 40, counts
-    assert counts["applied"] == 220
+    assert counts["events"] == counts["applied"] == 120
 
 
 async def test_broker_connections_cut_while_publishing_events(
@@ -91,7 +90,7 @@ async def test_broker_connections_cut_while_publishing_events(
                 await asyncio.to_thread(_rabbitmqctl, "close_connection", pid, "fault test")
 
     counts = await _run(cluster, events, chaos)
-    assert counts["events"] == counts["applied"] == 120
+    assert counts["events"] == counts["applied"] == 60
 
 
 async def test_database_sessions_terminated_during_publish_event(
@@ -120,4 +119,4 @@ async def test_database_sessions_terminated_during_publish_event(
             await admin.close()
 
     counts = await _run(cluster, events, chaos)
-    assert counts["events"] == counts["applied"] == 120
+    assert counts["events"] == counts["applied"] == 60
