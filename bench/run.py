@@ -29,6 +29,7 @@ from typing import Any
 
 import aio_pika
 import asyncpg
+import grpc
 from sqlalchemy import text
 
 from jobplane import broker
@@ -38,6 +39,8 @@ from jobplane.store import jobs as job_store
 from jobplane.store.engine import asyncpg_dsn, create_engine, migrate
 from jobplane.store.keys import KeyStore
 from jobplane.store.machine import MACHINE, Transition
+from jobplane.topology import EVENTS_EXCHANGE
+from jobplane.v1 import events_pb2, events_pb2_grpc
 from tests.faults.cluster import free_port
 from tests.support import services
 
@@ -381,6 +384,90 @@ async def fig_relay(bench: Bench) -> None:
     await bench.wait_done(n, "bench.relay")
 
 
+async def publish_closed_loop(address: str, key: str, count: int, clients: int) -> float:
+    """PublishEvent ``count`` events from ``clients`` concurrent callers; seconds taken."""
+    channels = [grpc.aio.insecure_channel(address) for _ in range(max(1, clients // 16))]
+    stubs = [events_pb2_grpc.EventServiceStub(channel) for channel in channels]
+    metadata = (("authorization", f"Bearer {key}"),)
+
+    async def caller(i: int) -> None:
+        stub = stubs[i % len(stubs)]
+        for n in range(count // clients + (1 if i < count % clients else 0)):
+            request = events_pb2.PublishEventRequest(
+                event_id=str(uuid.uuid4()), event_type="bench.happened"
+            )
+            request.payload.update({"caller": i, "n": n})
+            await stub.PublishEvent(request, metadata=metadata, timeout=30)
+
+    started = time.perf_counter()
+    await asyncio.gather(*(caller(i) for i in range(clients)))
+    elapsed = time.perf_counter() - started
+    for channel in channels:
+        await channel.close()
+    return elapsed
+
+
+async def _events_published(bench: Bench) -> None:
+    """Until the relay has published every event row."""
+    while True:
+        rows = await bench.sql(
+            "SELECT count(*) AS n FROM outbox WHERE kind = 'event' AND published_at IS NULL"
+        )
+        if rows[0]["n"] == 0:
+            return
+        await asyncio.sleep(0.02)
+
+
+async def fig_events(bench: Bench) -> None:
+    """Figure 6: domain events/s, PublishEvent → outbox → relay → broker confirm.
+
+    With a queue bound to every event, so the broker routes and stores each
+    one as a consumer's queue would. Then the relay alone over a backlog.
+    """
+    n = bench.args.jobs
+    connection = await aio_pika.connect(bench.amqp_url)
+    async with connection:
+        channel = await connection.channel()
+        exchange = await channel.declare_exchange(
+            EVENTS_EXCHANGE, aio_pika.ExchangeType.TOPIC, durable=True
+        )
+        queue = await channel.declare_queue(
+            f"bench-events-{bench.run}", durable=True, arguments={"x-queue-type": "quorum"}
+        )
+        await queue.bind(exchange, routing_key="#")
+        # End to end: from the first call to the last row marked published.
+        started = time.perf_counter()
+        called = await publish_closed_loop(bench.address, bench.key, n, bench.args.clients)
+        await _events_published(bench)
+        elapsed = time.perf_counter() - started
+        bench.add(
+            Figure(
+                "events_published",
+                n / elapsed,
+                "events/s",
+                {"events": n, "clients": bench.args.clients, "relays": 1, "calls_s": called},
+                floor="rabbitmq_confirmed_publish",
+            )
+        )
+        # The relay alone: a backlog of event rows, then one relay process.
+        await bench.stop("relay")
+        await publish_closed_loop(bench.address, bench.key, n, bench.args.clients)
+        started = time.perf_counter()
+        await bench.start("relay", "relay")
+        await _events_published(bench)
+        elapsed = time.perf_counter() - started
+        bench.add(
+            Figure(
+                "relay_event_publishes",
+                n / elapsed,
+                "events/s",
+                {"backlog": n, "relays": 1},
+                floor="rabbitmq_confirmed_publish",
+            )
+        )
+        await queue.delete(if_unused=False, if_empty=False)
+
+
 async def fig_watchers(bench: Bench) -> None:
     """Figure 4: idle watch streams on one server process; RSS and delivery p99.
 
@@ -604,6 +691,8 @@ FLOORS = {
     "e2e_throughput_open_loop": ("postgres_submit_tx",),
     "progress_events_stored": ("postgres_submit_tx",),
     "relay_publishes": ("rabbitmq_confirmed_publish",),
+    "events_published": ("rabbitmq_confirmed_publish",),
+    "relay_event_publishes": ("rabbitmq_confirmed_publish",),
     # A job's path to its handler: one submit transaction, then one publish
     # delivered to a consumer.
     "submit_to_start_p50": ("postgres_tx_ms", "rabbitmq_round_trip_ms"),
@@ -820,7 +909,7 @@ async def main(argv: list[str] | None = None) -> int:
         "--only",
         nargs="*",
         default=[],
-        choices=["floors", "throughput", "open", "progress", "relay", "watchers"],
+        choices=["floors", "throughput", "open", "progress", "relay", "events", "watchers"],
     )
     parser.add_argument(
         "--preload",
@@ -847,6 +936,8 @@ async def main(argv: list[str] | None = None) -> int:
             await fig_progress(bench)
         if want("relay"):
             await fig_relay(bench)
+        if want("events"):
+            await fig_events(bench)
         if want("watchers"):
             await fig_watchers(bench)
         apply_floors(bench.figures, floor)

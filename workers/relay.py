@@ -603,6 +603,9 @@ class Relay:
         except (TypeError, ValueError, pamqp.exceptions.PAMQPException) as exc:
             raise Unpublishable(str(exc)) from exc
         if isinstance(confirmation, aiormq.spec.Basic.Ack):
+            # Mid-batch: some rows of the batch confirmed, others in flight,
+            # none marked yet.
+            self._faults.hit("relay.event.confirmed")
             return
         raise PublishFailed(f"not confirmed: {type(confirmation).__name__}")
 

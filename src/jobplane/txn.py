@@ -23,8 +23,16 @@ rules, and the refusals come back as the SDK's exceptions
 statement: like any, it aborts the transaction it is in unless that runs it
 in a savepoint.
 
-Domain events get their helper here too, beside :func:`submit_job`, over
-the SQL function that will publish them.
+Domain events are published the same way, with :func:`publish_event` over
+``jobplane.publish_event``: the event reaches the events exchange (through
+the relay) and subscribers if and only if the caller's transaction commits::
+
+    async with pool.acquire() as conn, conn.transaction():
+        await conn.execute("INSERT INTO artifacts ...", ...)
+        await txn.publish_event(
+            conn, tenant="acme", event_type="artifact.created",
+            payload={"artifact": path}, event_id=artifact_event_id,
+        )
 """
 
 from __future__ import annotations
@@ -33,10 +41,11 @@ import json
 import re
 import uuid
 from collections.abc import Mapping
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
 from jobplane.errors import (
+    EventIdReused,
     InvalidArgument,
     JobplaneError,
     PayloadTooLarge,
@@ -44,9 +53,16 @@ from jobplane.errors import (
     TenantNotFound,
     UnroutableJobType,
 )
-from jobplane.store.sqlapi import SQLSTATE_REASONS, SUBMIT_JOB, SUBMIT_JOB_ASYNCPG
+from jobplane.ids import new_id
+from jobplane.store.sqlapi import (
+    PUBLISH_EVENT,
+    PUBLISH_EVENT_ASYNCPG,
+    SQLSTATE_REASONS,
+    SUBMIT_JOB,
+    SUBMIT_JOB_ASYNCPG,
+)
 
-__all__ = ["submit_job"]
+__all__ = ["publish_event", "submit_job"]
 
 _ERRORS: dict[str, type[JobplaneError]] = {
     cls.reason: cls
@@ -56,6 +72,7 @@ _ERRORS: dict[str, type[JobplaneError]] = {
         UnroutableJobType,
         RequestIdReused,
         TenantNotFound,
+        EventIdReused,
     )
 }
 
@@ -133,7 +150,96 @@ def _json(value: Mapping[str, Any], field: str) -> str:
         raise InvalidArgument(f"{field} is nested too deep", field=field) from None
     if _NUL_ESCAPE.search(encoded):
         raise InvalidArgument(f"{field} has a NUL character", field=field)
+    if not _utf8(encoded):
+        raise InvalidArgument(f"{field} has an unpaired surrogate", field=field)
     return encoded
+
+
+def _utf8(value: str) -> bool:
+    """True when ``value`` can be sent as UTF-8 (no unpaired surrogate)."""
+    try:
+        value.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+async def publish_event(
+    conn: Any,
+    *,
+    tenant: str,
+    event_type: str,
+    payload: Mapping[str, Any] | None = None,
+    event_id: uuid.UUID | str | None = None,
+    timestamp: datetime | None = None,
+    project_id: str | None = None,
+    correlation_id: str = "",
+    causation_id: str | None = None,
+    traceparent: str | None = None,
+    tracestate: str | None = None,
+) -> uuid.UUID:
+    """Publish a domain event in ``conn``'s transaction; its event_id.
+
+    ``tenant`` is the tenant's name; the other arguments are PublishEvent's
+    (docs/events.md). ``event_id`` is the idempotency key: None draws a
+    fresh one (pass your own to make a retry of the whole transaction the
+    same event); the same event again returns it and writes nothing, a
+    different one with the same id raises
+    :class:`~jobplane.errors.EventIdReused`. ``timestamp`` None means now;
+    a given one must be timezone-aware. An empty ``correlation_id`` is the
+    event's own id. ``traceparent``/``tracestate`` (W3C trace context) are
+    carried as AMQP headers, and ignored when they are not valid ones.
+    """
+    if "\x00" in tenant or not _utf8(tenant):
+        raise TenantNotFound("no tenant's name has a NUL character", field="tenant")
+    event_id = new_id() if event_id is None else event_id
+    texts = {
+        "event_id": str(event_id),
+        "event_type": event_type,
+        "project_id": project_id,
+        "correlation_id": correlation_id,
+        "causation_id": causation_id,
+    }
+    for field, value in texts.items():
+        if value is not None and ("\x00" in value or not _utf8(value)):
+            raise InvalidArgument(f"{field} has a control character", field=field)
+    if timestamp is not None and timestamp.utcoffset() is None:
+        raise InvalidArgument("timestamp must be timezone-aware", field="timestamp")
+    # Trace context that cannot even be sent is ignored, as an invalid one is.
+    trace = [
+        v if v is not None and "\x00" not in v and _utf8(v) else None
+        for v in (traceparent, tracestate)
+    ]
+    # In the order of the function's arguments (asyncpg binds by position).
+    named = {
+        "tenant": tenant,
+        "event_id": texts["event_id"],
+        "event_type": event_type,
+        "payload": _json(payload or {}, "payload"),
+        "event_time": None if timestamp is None else timestamp.isoformat(),
+        "project_id": project_id,
+        "correlation_id": correlation_id,
+        "causation_id": causation_id,
+        "traceparent": trace[0],
+        "tracestate": trace[1],
+    }
+    try:
+        return uuid.UUID(str(await _call(conn, PUBLISH_EVENT, PUBLISH_EVENT_ASYNCPG, named)))
+    except Exception as exc:
+        refusal = refusal_of(exc)
+        if refusal is None:
+            raise
+        raise refusal from exc
+
+
+async def _call(conn: Any, statement: Any, asyncpg_sql: str, named: dict[str, Any]) -> Any:
+    """``statement`` over SQLAlchemy, else ``asyncpg_sql`` (the same values by
+    position, in ``named``'s order) over an asyncpg connection; its one value."""
+    from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
+
+    if isinstance(conn, AsyncConnection | AsyncSession):
+        return (await conn.execute(statement, named)).scalar_one()
+    return await conn.fetchval(asyncpg_sql, *named.values())
 
 
 async def _scalar(conn: Any, args: tuple[Any, ...]) -> Any:

@@ -67,12 +67,16 @@ def topology_toml(topology: Topology) -> str:
 class Proc:
     """One `jobplane …` child process and its log."""
 
-    def __init__(self, cluster: Cluster, args: Sequence[str], faults: str = "") -> None:
+    def __init__(
+        self, cluster: Cluster, args: Sequence[str], faults: str = "", module: str = "jobplane"
+    ) -> None:
         self.cluster = cluster
         self.args = list(args)
+        self.module = module
         self.faults = faults
         self.process: asyncio.subprocess.Process | None = None
-        self.log = cluster.workdir / f"{args[0]}-{uuid.uuid4().hex[:6]}.log"
+        name = args[0] if module == "jobplane" else module.rpartition(".")[2]
+        self.log = cluster.workdir / f"{name}-{uuid.uuid4().hex[:6]}.log"
         self.starts = 0
 
     @property
@@ -89,7 +93,7 @@ class Proc:
             self.process = await asyncio.create_subprocess_exec(
                 sys.executable,
                 "-m",
-                "jobplane",
+                self.module,
                 *self.args,
                 env=env,
                 cwd=ROOT,

@@ -1,8 +1,12 @@
 """The soak run (`make soak`, not part of `make test`).
 
-5,000 jobs through two relays and three workers; a random worker is SIGKILLed
-every few seconds and restarted, and the RabbitMQ application is restarted
-once. Prints the L/D/O counts; fails on any violation.
+5,000 jobs through two relays and three workers, and 1,500 domain events
+alongside them (by PublishEvent and in callers' transactions) to an inbox
+Consumer process, a tap queue and a resuming SubscribeEvents stream. A
+random worker, relay or the consumer is SIGKILLed every few seconds and
+restarted, and the RabbitMQ application is restarted once. Prints the L/D/O
+counts of the jobs and the P/A/O counts of the events
+(tests/faults/event_path.py); fails on any violation.
 """
 
 from __future__ import annotations
@@ -19,8 +23,13 @@ import pytest
 
 from jobplane.client import JobEvent
 from tests.faults.cluster import Cluster, Proc
+from tests.faults.event_path import event_path
 
 JOBS = int(os.environ.get("JOBPLANE_SOAK_JOBS", "5000"))
+# Per batch of 100 jobs: events by PublishEvent, and in callers' transactions.
+RPC_EVENTS, SQL_EVENTS = 20, 10
+# 0 leaves the broker alone (a RabbitMQ shared with other runs).
+RESTART_BROKER = os.environ.get("JOBPLANE_SOAK_BROKER_RESTART", "1") != "0"
 KILL_EVERY = (2.0, 5.0)
 
 
@@ -31,24 +40,28 @@ def _restart_broker() -> None:
     subprocess.run([ctl, "-q", "await_startup"], check=True, timeout=120)
 
 
-async def _chaos(workers: list[Proc], stop: asyncio.Event, kills: list[float]) -> None:
+async def _chaos(procs: dict[Proc, str], stop: asyncio.Event, kills: dict[str, int]) -> None:
     while not stop.is_set():
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(stop.wait(), random.uniform(*KILL_EVERY))
         if stop.is_set():
             return
-        alive = [w for w in workers if w.alive]
+        # Workers most often; now and then a relay or the event consumer.
+        alive = [p for p in procs if p.alive]
+        weights = [6 if procs[p] == "worker.started" else 1 for p in alive]
         if alive:
-            random.choice(alive).kill()
-            kills.append(time.monotonic())
+            victim = random.choices(alive, weights)[0]
+            victim.kill()
+            kind = victim.args[0] if victim.module == "jobplane" else "consumer"
+            kills[kind] = kills.get(kind, 0) + 1
 
 
-async def _supervise(workers: list[Proc], stop: asyncio.Event) -> None:
+async def _supervise(procs: dict[Proc, str], stop: asyncio.Event) -> None:
     while not stop.is_set():
-        for proc in workers:
+        for proc, ready in procs.items():
             if not proc.alive:
                 with contextlib.suppress(AssertionError):
-                    await proc.start(ready="worker.started")
+                    await proc.start(ready=ready)
         await asyncio.sleep(0.2)
 
 
@@ -56,13 +69,17 @@ async def _supervise(workers: list[Proc], stop: asyncio.Event) -> None:
 @pytest.mark.timeout(3600)
 async def test_soak(cluster: Cluster) -> None:
     await cluster.server()
-    for _ in range(2):
-        await cluster.relay()
-    workers = [await cluster.worker("--concurrency", "16") for _ in range(3)]
+    events = await event_path(cluster)
+    await events.start()  # before the relays: the tap and the consumer see every event
+    procs = {await cluster.relay(): "relay.connected" for _ in range(2)}
+    for _ in range(3):
+        procs[await cluster.worker("--concurrency", "16")] = "worker.started"
+    assert events.consumer is not None
+    procs[events.consumer] = "events.consumer.started"
     stop = asyncio.Event()
-    kills: list[float] = []
-    chaos = asyncio.create_task(_chaos(workers, stop, kills))
-    supervisor = asyncio.create_task(_supervise(workers, stop))
+    kills: dict[str, int] = {}
+    chaos = asyncio.create_task(_chaos(procs, stop, kills))
+    supervisor = asyncio.create_task(_supervise(procs, stop))
     started = time.monotonic()
     async with cluster.client() as client:
         names: list[str] = []
@@ -77,22 +94,32 @@ async def test_soak(cluster: Cluster) -> None:
             # second, 0.1 % a third here): with the default 3 a run would now
             # and then fail a job by exhausting them, which is the rule working,
             # not a loss. The soak judges loss, so it allows more.
-            names += await cluster.submit_many(
-                client, 100, max_attempts=10, ms=random.randint(20, 400)
+            submitted, _, _ = await asyncio.gather(
+                cluster.submit_many(client, 100, max_attempts=10, ms=random.randint(20, 400)),
+                events.publish_rpc(RPC_EVENTS),
+                events.publish_in_transactions(SQL_EVENTS),
             )
+            names += submitted
             if batch % 5 == 0:
                 watchers.append(asyncio.create_task(watch(names[-1])))
-            if batch == JOBS // 200:
+            if batch == JOBS // 200 and RESTART_BROKER:
                 await asyncio.to_thread(_restart_broker)
         await cluster.wait_all_terminal(names, timeout=1800)
         stop.set()
         await asyncio.gather(chaos, supervisor)
+        # Every process alive again (the last kill may have just landed).
+        for proc, ready in procs.items():
+            if not proc.alive:
+                await proc.start(ready=ready)
+        await events.settle(timeout=600)
+        event_counts, event_problems = await events.judge()
+        await events.close()
         await asyncio.wait_for(asyncio.gather(*watchers), timeout=120)
         counts, problems = await cluster.judge(names)
         order = 0
-        for name, events in seen.items():
+        for name, stream in seen.items():
             last = (await client.get(name)).last_seq
-            if [e.seq for e in events] != list(range(1, last + 1)) or not events[-1].terminal:
+            if [e.seq for e in stream] != list(range(1, last + 1)) or not stream[-1].terminal:
                 order += 1
         attempts = {
             r["attempt"]: r["n"]
@@ -103,9 +130,14 @@ async def test_soak(cluster: Cluster) -> None:
     elapsed = time.monotonic() - started
     by_kind = {kind: sum(p.startswith(kind) for p in problems) for kind in ("L", "D", "O")}
     by_kind["O"] += order
+    by_event = {kind: sum(p.startswith(kind) for p in event_problems) for kind in ("P", "A", "O")}
     print(
-        f"\nsoak: {counts['jobs']} jobs in {elapsed:.0f}s, {len(kills)} worker kills, "
-        f"1 broker restart, {len(seen)} watchers; jobs by attempts used: {attempts}\n"
-        f"violations: L={by_kind['L']} D={by_kind['D']} O={by_kind['O']}"
+        f"\nsoak: {counts['jobs']} jobs and {event_counts['events']} events in {elapsed:.0f}s, "
+        f"kills {kills}, {int(RESTART_BROKER)} broker restart, {len(seen)} watchers; "
+        f"jobs by attempts used: {attempts}\n"
+        f"events: {event_counts}\n"
+        f"violations: jobs L={by_kind['L']} D={by_kind['D']} O={by_kind['O']}; "
+        f"events P={by_event['P']} A={by_event['A']} O={by_event['O']}"
     )
     assert by_kind == {"L": 0, "D": 0, "O": 0}, "\n".join(problems[:20])
+    assert by_event == {"P": 0, "A": 0, "O": 0}, "\n".join(event_problems[:20])

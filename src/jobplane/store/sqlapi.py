@@ -1,6 +1,7 @@
 """Calls of jobplane's SQL API (schema ``jobplane``), for :mod:`jobplane.txn`.
 
-The functions themselves are created by migrations (0007: ``submit_job``);
+The functions themselves are created by migrations (0007: ``submit_job``,
+0009: ``publish_event``);
 a change to one is a new migration, so that a database says what it runs.
 """
 
@@ -16,6 +17,17 @@ SUBMIT_JOB = text(
     "SELECT jobplane.submit_job(:tenant, :type, CAST(:payload AS jsonb), :request_id, "
     ":correlation_id, :max_attempts, CAST(:labels AS jsonb), :timeout_seconds)"
 )
+# The time is bound as text: asyncpg sends the last microsecond of year 9999
+# (datetime.max) as 'infinity'.
+PUBLISH_EVENT_ASYNCPG = (
+    "SELECT jobplane.publish_event($1, $2, $3, CAST($4 AS jsonb), "
+    "CAST(CAST($5 AS text) AS timestamptz), $6, $7, $8, $9, $10)"
+)
+PUBLISH_EVENT = text(
+    "SELECT jobplane.publish_event(:tenant, :event_id, :event_type, CAST(:payload AS jsonb), "
+    "CAST(CAST(:event_time AS text) AS timestamptz), :project_id, :correlation_id, "
+    ":causation_id, :traceparent, :tracestate)"
+)
 
 # The SQLSTATEs the functions raise (class JP), by the reason of the RPC error.
 SQLSTATE_REASONS = {
@@ -24,4 +36,5 @@ SQLSTATE_REASONS = {
     "JP003": "JOB_TYPE_UNROUTABLE",
     "JP004": "REQUEST_ID_REUSED",
     "JP005": "TENANT_NOT_FOUND",
+    "JP006": "EVENT_ID_REUSED",
 }
