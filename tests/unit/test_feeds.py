@@ -393,3 +393,21 @@ async def test_a_long_history_is_read_in_bounded_batches(log: Log, listener: Lis
     await asyncio.wait_for(collect(hub.watch(TENANT, job, 0), got), 5)
     assert got == list(range(1, 2 * EVENT_BATCH + 6))
     assert log.reads == 3
+
+
+async def test_a_job_gone_while_watched_ends_its_watchers_with_not_found(
+    log: Log, listener: Listener
+) -> None:
+    hub = FeedHub(log.read, listener, recheck_seconds=60)
+    job = uuid.uuid4()
+    log.add(job)
+    got: list[list[int]] = [[], []]
+    tasks = [asyncio.create_task(collect(hub.watch(TENANT, job, 0), g)) for g in got]
+    await settle()
+    assert got == [[1], [1]]
+    del log.events[job]  # deleted (retention) while two watchers wait
+    notify(listener, job)
+    results = await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 5)
+    assert [type(r) for r in results] == [JobNotFound, JobNotFound]
+    assert all(str(r) == f"jobs/{job} not found" for r in results)
+    assert hub.feed_count == 0
