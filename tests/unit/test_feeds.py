@@ -411,3 +411,28 @@ async def test_a_job_gone_while_watched_ends_its_watchers_with_not_found(
     assert [type(r) for r in results] == [JobNotFound, JobNotFound]
     assert all(str(r) == f"jobs/{job} not found" for r in results)
     assert hub.feed_count == 0
+
+
+async def test_one_job_gone_does_not_hold_up_the_others_read_with_it(
+    log: Log, listener: Listener
+) -> None:
+    hub = FeedHub(log.read, listener, recheck_seconds=60)
+    gone, *alive = [uuid.uuid4() for _ in range(3)]
+    for job in (gone, *alive):
+        log.add(job)
+    lost = asyncio.create_task(collect(hub.watch(TENANT, gone, 0), []))
+    got: list[list[int]] = [[], []]
+    tasks = [
+        asyncio.create_task(collect(hub.watch(TENANT, j, 0), g))
+        for j, g in zip(alive, got, strict=True)
+    ]
+    await settle()
+    del log.events[gone]
+    for job in alive:
+        log.add(job, EventType.SUCCEEDED)
+    for job in (gone, *alive):  # one read for the three, the gone job first
+        notify(listener, job)
+    await asyncio.wait_for(asyncio.gather(*tasks), 5)
+    assert got == [[1, 2], [1, 2]]
+    (outcome,) = await asyncio.wait_for(asyncio.gather(lost, return_exceptions=True), 5)
+    assert isinstance(outcome, JobNotFound)
