@@ -33,6 +33,14 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 from jobplane.envelope import Envelope
 from jobplane.store.machine import MACHINE, Cause, Transition, where_sources
 
+# An event row of a job (order_key: the job) waits while a row in front of
+# it (a lower order_seq) is neither published nor failed: the broker gets a
+# job's events one after the other, whichever relays publish them, and a
+# row due again after a nack holds back those behind it.
+IN_TURN = """(order_key IS NULL OR NOT EXISTS (
+        SELECT 1 FROM outbox ahead
+        WHERE ahead.order_key = outbox.order_key AND ahead.order_seq < outbox.order_seq
+          AND ahead.published_at IS NULL AND ahead.failed_at IS NULL))"""
 # SKIP LOCKED lets any number of relays share the table: each takes rows no
 # other relay holds, and a relay that dies releases its rows with its
 # transaction.
@@ -44,12 +52,14 @@ _CLAIM_SQL = """
     LIMIT :limit
     FOR UPDATE SKIP LOCKED
 """
-_CLAIM_DUE = text(_CLAIM_SQL.format(where="available_at <= now()"))
+_CLAIM_DUE = text(_CLAIM_SQL.format(where=f"available_at <= now() AND {IN_TURN}"))
 # Rows the database refuses to change are held back by the relay that found
 # them (for a while): without this they would head every batch, and every
 # batch would fail on them.
 _CLAIM_DUE_EXCEPT = text(
-    _CLAIM_SQL.format(where="available_at <= now() AND NOT (id = ANY(CAST(:skip AS uuid[])))")
+    _CLAIM_SQL.format(
+        where=f"available_at <= now() AND NOT (id = ANY(CAST(:skip AS uuid[]))) AND {IN_TURN}"
+    )
 )
 # One row again, in a transaction of its own, once its batch was refused.
 _CLAIM_ONE = text(_CLAIM_SQL.format(where="id = :id"))
@@ -106,9 +116,11 @@ _LOCK_JOB = text(
     f"AND {where_sources(Transition.RELAY_FAIL)}, false) AS current "
     "FROM jobs WHERE id = :job_id FOR UPDATE SKIP LOCKED"
 )
+# A row waiting for its turn is not due: the row in front of it is (or is
+# being published, and its relay takes the next one).
 _NEXT_DUE = text(
     "SELECT extract(epoch FROM min(available_at) - now()) FROM outbox "
-    "WHERE published_at IS NULL AND failed_at IS NULL"
+    f"WHERE published_at IS NULL AND failed_at IS NULL AND {IN_TURN}"
 )
 
 
