@@ -169,7 +169,6 @@ class JobContext:
             )
         )
 
-
     def emit(
         self,
         event_type: str,
