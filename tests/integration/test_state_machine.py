@@ -519,3 +519,21 @@ async def test_hook_writes_commit_only_with_the_winning_attempt(
         (job.job_id, "thing.checked", {"n": 2}),
         (job.job_id, "thing.made", {"n": 1}),
     ]
+    # The built-in hook wrote them as domain events the same way: the
+    # winner's, in order, each with its outbox row; the stale one's never.
+    async with engine.connect() as conn:
+        stored = (
+            await conn.execute(
+                text(
+                    "SELECT e.event_id, e.event_type, e.payload, o.order_seq FROM events e "
+                    "JOIN outbox o ON o.kind = 'event' AND o.order_key = e.job_id "
+                    "AND convert_from(o.body, 'UTF8')::jsonb ->> 'event_id' = e.event_id::text "
+                    "WHERE e.job_id = :id AND e.event_type LIKE 'thing.%' ORDER BY e.seq"
+                ),
+                {"id": job.job_id},
+            )
+        ).all()
+    assert [(r.event_id, r.event_type, r.payload) for r in stored] == [
+        (e.event.event_id, e.event_type, dict(e.payload)) for e in won
+    ]
+    assert stored[0].order_seq < stored[1].order_seq

@@ -862,6 +862,13 @@ class StateMachine:
         self._compiled.clear()
         return hook
 
+    def set_lifecycle_events(self, enabled: bool) -> None:
+        """Turn the transitions' lifecycle events on or off (emitted events stay)."""
+        for hook in self._hooks:
+            if isinstance(hook, DomainEvents):
+                hook.lifecycle = enabled
+        self._compiled.clear()
+
     def on(self, transitions: Iterable[Transition], fn: AfterFn) -> Hook:
         """Run ``fn(conn, change)`` after each of ``transitions``, in its transaction."""
         return self.register(_After(fn, frozenset(transitions)))
