@@ -70,12 +70,13 @@ async def _stale(ctx: JobContext) -> dict[str, Any]:
 @registry.handler("life.bad_emit")
 async def _bad_emit(ctx: JobContext) -> dict[str, Any]:
     problems = []
-    for event_type, payload in [
+    bad: list[tuple[str, dict[str, Any]]] = [
         ("Not.Lowercase", {}),
         ("thing.nan", {"x": float("nan")}),
         ("thing.nul", {"x": "a\x00b"}),
         ("thing.object", {"x": object()}),
-    ]:
+    ]
+    for event_type, payload in bad:
         try:
             ctx.emit(event_type, payload)
         except EmitError as exc:
