@@ -215,7 +215,7 @@ class JobContext:
                 payload,
                 tenant_id=attempt.tenant_id,
                 project_id=project_id,
-                correlation_id=attempt.correlation_id or str(attempt.job_id),
+                correlation_id=_correlation(attempt),
                 causation_id=causation_id or (None if started is None else str(started)),
                 event_id=event_id,
             )
@@ -244,6 +244,15 @@ class JobContext:
     def emitted(self) -> tuple[Emitted, ...]:
         """The events emitted so far, in order (written only with a success)."""
         return tuple(self._emitted)
+
+
+def _correlation(attempt: Attempt) -> str:
+    """The job's correlation id, or its id when it has none an envelope can carry
+    (as its lifecycle events have)."""
+    value = attempt.correlation_id
+    if value and len(value.encode()) <= 255 and not any(c < " " or c == "\x7f" for c in value):
+        return value
+    return str(attempt.job_id)
 
 
 Handler = Callable[[JobContext], Coroutine[Any, Any, dict[str, Any]]]

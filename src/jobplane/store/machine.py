@@ -731,7 +731,13 @@ class DomainEvents(Hook):
         rule = RULES[transition]
         selects = []
         if self.lifecycle and rule.lifecycle is not None:
-            correlation = "coalesce(nullif(j.correlation_id, ''), CAST(j.id AS text))"
+            # The job's correlation id, or its id when it has none (or one
+            # no envelope can carry: only a row written around the checks).
+            correlation = (
+                "CASE WHEN octet_length(j.correlation_id) BETWEEN 1 AND 255 AND j.correlation_id "
+                "!~ ('[' || chr(1) || '-' || chr(31) || chr(127) || ']') "
+                "THEN j.correlation_id ELSE CAST(j.id AS text) END"
+            )
             cause = _event_id_sql("j.id", "j.lifecycle_cause")
             selects.append(
                 f"""
