@@ -17,6 +17,12 @@ async def noop(ctx: JobContext) -> dict[str, Any]:
     return {}
 
 
+# The same, under the types of the lifecycle-events comparison (one type per
+# round, so each round counts only its own jobs).
+registry.add("bench.noop_lifecycle_off", noop)
+registry.add("bench.noop_lifecycle_on", noop)
+
+
 @registry.handler("bench.progress")
 async def progress(ctx: JobContext) -> dict[str, Any]:
     """Payload ``{steps, interval_ms, start_delay_ms}``: progress events stamped

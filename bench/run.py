@@ -99,6 +99,8 @@ class Bench:
         self.workdir = Path(tempfile.mkdtemp(prefix="jobplane-bench-"))
         self.procs: dict[str, asyncio.subprocess.Process] = {}
         self.figures: list[Figure] = []
+        # Set for the processes started next (e.g. lifecycle events off).
+        self.extra_env: dict[str, str] = {}
 
     async def __aenter__(self) -> Bench:
         await migrate(self.database_url)
@@ -131,6 +133,7 @@ class Bench:
             "JOBPLANE_TENANT_MAX_STREAMS": "0",
             "JOBPLANE_TENANT_SUBMITS_PER_SECOND": "0",
             "PYTHONPATH": str(ROOT),
+            **self.extra_env,
         }
 
     async def start(self, name: str, *args: str) -> asyncio.subprocess.Process:
@@ -224,18 +227,59 @@ async def submit_closed_loop(
     return elapsed
 
 
+async def closed_loop_rate(bench: Bench, job_type: str) -> float:
+    """``--jobs`` no-op jobs of ``job_type`` from ``--clients`` callers: jobs/s from
+    the first create to the last end."""
+    n, clients = bench.args.jobs, bench.args.clients
+    await submit_closed_loop(bench.address, bench.key, job_type, n, clients, {})
+    await bench.wait_done(n, job_type)
+    rows = await bench.sql(
+        "SELECT extract(epoch FROM max(end_time) - min(create_time)) AS span, count(*) AS n "
+        "FROM jobs WHERE tenant_id = $1 AND type = $2",
+        bench.tenant,
+        job_type,
+    )
+    return float(rows[0]["n"]) / float(rows[0]["span"])
+
+
+async def fig_lifecycle_cost(bench: Bench) -> None:
+    """The end-to-end no-op figure with lifecycle events off, then on, in one run.
+
+    Every process is restarted for each round (JOBPLANE_LIFECYCLE_EVENTS=0,
+    then the default); the round with events runs second, on the larger
+    tables, so the cost is not flattered. Events must cost at most 15 %.
+    """
+    rates = {}
+    for state, extra in (("off", {"JOBPLANE_LIFECYCLE_EVENTS": "0"}), ("on", {})):
+        for name in list(bench.procs):
+            await bench.stop(name)
+        bench.extra_env = extra
+        await bench.start_all()
+        rates[state] = await closed_loop_rate(bench, f"bench.noop_lifecycle_{state}")
+        bench.add(
+            Figure(
+                f"e2e_throughput_lifecycle_{state}",
+                rates[state],
+                "jobs/s",
+                {"jobs": bench.args.jobs, "clients": bench.args.clients, **_procs(bench)},
+            )
+        )
+    bench.extra_env = {}
+    ratio = rates["on"] / rates["off"]
+    bench.add(Figure("lifecycle_events_cost", (1 - ratio) * 100, "% of jobs/s", {}))
+    print(
+        f"lifecycle events: {rates['on']:,.1f} jobs/s with, {rates['off']:,.1f} without: "
+        f"ratio {ratio:.3f}, cost {(1 - ratio) * 100:.1f} % (at most 15 %)",
+        file=sys.stderr,
+    )
+
+
 async def fig_throughput(bench: Bench) -> float:
     """Figure 1 (closed loop): jobs/s from the first create to the last end."""
     n, clients = bench.args.jobs, bench.args.clients
     cpu_before = cpu_seconds(bench)
-    await submit_closed_loop(bench.address, bench.key, "bench.noop", n, clients, {})
-    await bench.wait_done(n, "bench.noop")
+    rate = await closed_loop_rate(bench, "bench.noop")
     cpu_after = cpu_seconds(bench)
-    rows = await bench.sql(
-        "SELECT extract(epoch FROM max(end_time) - min(create_time)) AS span, count(*) AS n "
-        "FROM jobs WHERE type = 'bench.noop'"
-    )
-    rate = float(rows[0]["n"]) / float(rows[0]["span"])
     bench.add(
         Figure(
             "e2e_throughput_closed_loop",
@@ -909,7 +953,16 @@ async def main(argv: list[str] | None = None) -> int:
         "--only",
         nargs="*",
         default=[],
-        choices=["floors", "throughput", "open", "progress", "relay", "events", "watchers"],
+        choices=[
+            "floors",
+            "throughput",
+            "lifecycle",
+            "open",
+            "progress",
+            "relay",
+            "events",
+            "watchers",
+        ],
     )
     parser.add_argument(
         "--preload",
@@ -930,6 +983,8 @@ async def main(argv: list[str] | None = None) -> int:
         rate = 0.0
         if want("throughput") or want("open"):
             rate = await fig_throughput(bench)
+        if want("lifecycle"):
+            await fig_lifecycle_cost(bench)
         if want("open"):
             await fig_open_loop(bench, rate / 2)
         if want("progress"):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from jobplane.workers.handlers import (
+    EmitError,
     Handler,
     JobContext,
     PermanentError,
@@ -10,4 +11,4 @@ from jobplane.workers.handlers import (
     RetryableError,
 )
 
-__all__ = ["Handler", "JobContext", "PermanentError", "Registry", "RetryableError"]
+__all__ = ["EmitError", "Handler", "JobContext", "PermanentError", "Registry", "RetryableError"]

@@ -18,19 +18,29 @@ attempt while the job has any left.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import inspect
+import json
 import math
 import os
 import sys
 import traceback
+import uuid
 from collections.abc import Callable, Coroutine, Iterator
 from typing import Any, Protocol
 
+from jobplane.events.envelope import Event, EventError
 from jobplane.names import job_name, validate_job_type
 from jobplane.store.attempts import Attempt, ProgressUpdate
+from jobplane.store.events import emitted
+from jobplane.store.machine import MAX_EMITTED_BYTES, MAX_EMITTED_EVENTS, Emitted
+from jobplane.store.rows import dumps
 from jobplane.workers.values import clean_text, json_problem, json_size, safe_str
 
+#: Bytes of an emitted event's payload when the worker does not say (its
+#: payload limit, JOBPLANE_MAX_PAYLOAD_BYTES, as for results).
+DEFAULT_EVENT_PAYLOAD_BYTES = 256 * 1024
 #: Bytes of one progress report's ``data``, as stored.
 MAX_PROGRESS_DATA_BYTES = 64 * 1024
 MAX_PROGRESS_MESSAGE = 4096
@@ -66,12 +76,29 @@ class ProgressSink(Protocol):
         """Queue one update for writing."""
 
 
-class JobContext:
-    """What a handler gets: the job, and a way to report progress."""
+class EmitError(ValueError):
+    """``ctx.emit`` refused an event; ``field`` names what is wrong with it."""
 
-    def __init__(self, attempt: Attempt, sink: ProgressSink) -> None:
+    def __init__(self, message: str, *, field: str | None = None) -> None:
+        self.field = field
+        super().__init__(message)
+
+
+class JobContext:
+    """What a handler gets: the job, and ways to report progress and emit events."""
+
+    def __init__(
+        self,
+        attempt: Attempt,
+        sink: ProgressSink,
+        *,
+        max_event_payload_bytes: int = DEFAULT_EVENT_PAYLOAD_BYTES,
+    ) -> None:
         self._attempt = attempt
         self._sink = sink
+        self._max_event_payload_bytes = max_event_payload_bytes
+        self._emitted: list[Emitted] = []
+        self._emitted_bytes = 0
 
     @property
     def name(self) -> str:
@@ -141,6 +168,91 @@ class JobContext:
                 data=data,
             )
         )
+
+    def emit(
+        self,
+        event_type: str,
+        payload: dict[str, Any] | None = None,
+        *,
+        causation_id: str | None = None,
+        project_id: str | None = None,
+        event_id: uuid.UUID | None = None,
+    ) -> uuid.UUID:
+        """Emit a domain event, published only if this attempt succeeds; returns its id.
+
+        The event is kept in the attempt and written with its SUCCEEDED
+        outcome, in the same statement, only if this attempt still owns the
+        job then: an attempt that fails, is retried, cancelled or fenced out
+        (its lease lost) publishes none of its events. Its correlation id is
+        the job's (the job id when it has none), its causation id the
+        attempt's ``job.started`` event unless ``causation_id`` says
+        otherwise, its time now. The event is checked now, as PublishEvent
+        checks one: a bad type, id or payload, a payload over the payload
+        limit, more than 100 events or 1 MiB of them in one attempt raise
+        :class:`EmitError`. ``payload`` is copied: changing it later changes
+        nothing.
+        """
+        attempt = self._attempt
+        if len(self._emitted) >= MAX_EMITTED_EVENTS:
+            raise EmitError(
+                f"an attempt may emit at most {MAX_EMITTED_EVENTS} events", field="event_type"
+            )
+        if payload is None:
+            payload = {}
+        if not isinstance(payload, dict):
+            raise EmitError(
+                f"payload must be a dict (a JSON object), got {type(payload).__name__}",
+                field="payload",
+            )
+        if event_id is not None and not isinstance(event_id, uuid.UUID):
+            raise EmitError("event_id must be a uuid.UUID", field="event_id")
+        started = attempt.started_event_id
+        try:
+            # Checks the type, ids and payload (JSON values only, finite
+            # numbers, no NUL, not too deep) as PublishEvent does.
+            event = Event.new(
+                event_type,
+                payload,
+                tenant_id=attempt.tenant_id,
+                project_id=project_id,
+                correlation_id=_correlation(attempt),
+                causation_id=causation_id or (None if started is None else str(started)),
+                event_id=event_id,
+            )
+            size = len(dumps(event.payload).encode())
+            if size > self._max_event_payload_bytes:
+                raise EmitError(
+                    f"payload is {size} bytes serialized; the limit is "
+                    f"{self._max_event_payload_bytes}",
+                    field="payload",
+                )
+            # A copy, so that the body and the stored payload are the event as emitted.
+            event = dataclasses.replace(event, payload=json.loads(dumps(event.payload)))
+            made = emitted(event, attempt.job_id)
+        except EventError as exc:
+            raise EmitError(str(exc), field=exc.field) from None
+        if self._emitted_bytes + len(made.body) > MAX_EMITTED_BYTES:
+            raise EmitError(
+                f"an attempt may emit at most {MAX_EMITTED_BYTES} bytes of events",
+                field="payload",
+            )
+        self._emitted.append(made)
+        self._emitted_bytes += len(made.body)
+        return event.event_id
+
+    @property
+    def emitted(self) -> tuple[Emitted, ...]:
+        """The events emitted so far, in order (written only with a success)."""
+        return tuple(self._emitted)
+
+
+def _correlation(attempt: Attempt) -> str:
+    """The job's correlation id, or its id when it has none an envelope can carry
+    (as its lifecycle events have)."""
+    value = attempt.correlation_id
+    if value and len(value.encode()) <= 255 and not any(c < " " or c == "\x7f" for c in value):
+        return value
+    return str(attempt.job_id)
 
 
 Handler = Callable[[JobContext], Coroutine[Any, Any, dict[str, Any]]]

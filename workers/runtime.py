@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -40,6 +40,7 @@ from jobplane.store.attempts import (
 from jobplane.store.deployment import Deployment, this_deployment
 from jobplane.store.down import database_error_name, database_transient, until_database_up
 from jobplane.store.listen import Listener
+from jobplane.store.machine import Emitted
 from jobplane.store.rows import CANCEL_CHANNEL
 from jobplane.tasks import cancel_and_wait
 from jobplane.topology import Ownership, Topology, TopologyError, ensure
@@ -426,7 +427,7 @@ class Worker:
                 holder[0].stop(StopCause.CANCEL_REQUESTED)
 
         writer = ProgressWriter(self._progress, attempt, on_cancel_requested=cancel_requested)
-        ctx = JobContext(attempt, writer)
+        ctx = JobContext(attempt, writer, max_event_payload_bytes=self._max_result_bytes)
         running = _Running(asyncio.create_task(invoke(handler, ctx), name=f"job-{key}"))
         holder.append(running)
         self._running[key] = running
@@ -440,7 +441,7 @@ class Worker:
             await cancel_and_wait(heartbeat)
             self._running.pop(key, None)
         pending = await writer.drain()
-        await self._record(attempt, running, ended, pending, bound)
+        await self._record(attempt, running, ended, pending, bound, ctx.emitted)
 
     async def _wait(self, running: _Running, attempt: Attempt, bound: Any) -> _Ended:
         """How the handler ended; stops it at its timeout.
@@ -489,7 +490,10 @@ class Worker:
         ended: _Ended,
         pending: list[ProgressUpdate],
         bound: Any,
+        emitted: Sequence[Emitted] = (),
     ) -> None:
+        # The handler's emitted events go only with a success; any other
+        # outcome drops them.
         store = self._store
         if running.cause is StopCause.LEASE_LOST:
             bound.warning("job.lease_lost", attempt=attempt.attempt)
@@ -514,7 +518,11 @@ class Worker:
             checked = check_result(ended.result, max_bytes=self._max_result_bytes)
             if isinstance(checked, dict):
                 result = checked
-                await self._outcome(attempt, bound, lambda: store.succeed(attempt, result, pending))
+                await self._outcome(
+                    attempt,
+                    bound,
+                    lambda: store.succeed(attempt, result, pending, emitted=emitted),
+                )
                 bound.info("job.succeeded", attempt=attempt.attempt)
                 return
             failure = describe(checked)

@@ -15,7 +15,7 @@ event_id): the same event returns the stored one and writes nothing; a
 different one with that id raises ``EVENT_ID_REUSED`` (JP006).
 
 Revision ID: 0009
-Revises: 0007
+Revises: 0008
 Create Date: 2026-12-02
 """
 
@@ -25,7 +25,7 @@ from alembic import op
 from sqlalchemy import text
 
 revision = "0009"
-down_revision = "0007"
+down_revision = "0008"
 branch_labels = None
 depends_on = None
 

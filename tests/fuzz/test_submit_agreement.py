@@ -4,7 +4,8 @@ Each drawn request (valid or not: bad types, huge, deep, NUL or NaN payloads,
 odd labels, ids and timeouts, unroutable types) goes to a real server over
 gRPC, for one tenant, and to the SQL function through :mod:`jobplane.txn`, for
 another. Both must accept or both refuse; an accepted pair must have written
-the same rows (job, first event, outbox row: compared column by column, and
+the same rows (job, first event, outbox row, its job.queued domain event
+and that event's outbox row: compared column by column, and
 the number of rows of every table). Then the same request_id again, with the
 same request or a changed one: both must answer alike (the same job, or
 REQUEST_ID_REUSED).
@@ -18,6 +19,8 @@ from __future__ import annotations
 import asyncio
 import itertools
 import math
+import re
+import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
 from datetime import timedelta
@@ -34,9 +37,11 @@ from jobplane import txn
 from jobplane.client import AsyncClient
 from jobplane.convert import dict_from_struct, seconds_from_duration, struct_from_dict
 from jobplane.errors import JobplaneError, RequestIdReused
+from jobplane.events import decode, encode
 from jobplane.names import parse_job_name
 from jobplane.server import JobplaneServer
 from jobplane.store.engine import asyncpg_dsn
+from jobplane.store.machine import lifecycle_event_id
 from jobplane.topology import QueueSpec, Topology
 from tests.fuzz.conftest import PROFILE
 from tests.fuzz.strategies import Chain, integers, plain, texts
@@ -173,6 +178,20 @@ _OUTBOX = """
            o.available_at <= now() AS due
     FROM outbox o JOIN jobs j ON j.id = o.job_id WHERE o.job_id = $1
 """
+# Its job.queued: the events row and its outbox row, with what differs
+# between two jobs (ids, tenant, time) written as placeholders.
+_DOMAIN = """
+    SELECT e.event_type, e.correlation_id, e.causation_id, e.payload::text AS payload,
+           e.request_hash = sha256(o.body) AS hashed, o.routing_key,
+           o.correlation_id AS outbox_correlation, o.headers::text AS headers,
+           convert_from(o.body, 'UTF8') AS body, o.order_seq, o.published_at,
+           e.event_id::text AS event_id, e.tenant_id::text AS tenant_id,
+           e.event_time = (convert_from(o.body, 'UTF8')::jsonb ->> 'timestamp')::timestamptz
+               AS timed
+    FROM events e JOIN outbox o ON o.kind = 'event' AND o.order_key = e.job_id
+    WHERE e.job_id = $1 ORDER BY e.seq
+"""
+_TIME = re.compile(r'"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{6}Z"')
 _TABLES = (
     "SELECT table_name FROM information_schema.tables "
     "WHERE table_schema = current_schema() AND table_type = 'BASE TABLE'"
@@ -204,7 +223,28 @@ class Sides:
             dict(await self.conn.fetchrow(_JOB, job_id) or {}),
             [dict(r) for r in await self.conn.fetch(_EVENTS, job_id)],
             [dict(r) for r in await self.conn.fetch(_OUTBOX, job_id)],
+            [_placeholders(dict(r), job_id) for r in await self.conn.fetch(_DOMAIN, job_id)],
         ]
+
+
+def _placeholders(row: dict[str, Any], job_id: Any) -> dict[str, Any]:
+    """``row`` with the job's id, its tenant, its event's id and time as placeholders."""
+    body = row["body"]
+    # What a consumer reads: the envelope, and nothing but compact JSON.
+    assert encode(decode(body.encode())) == body.encode(), body
+    assert row.pop("event_id") == str(lifecycle_event_id(uuid.UUID(str(job_id)), 1))
+    names = {
+        str(lifecycle_event_id(uuid.UUID(str(job_id)), 1)): "<event>",
+        str(job_id): "<job>",
+        row.pop("tenant_id"): "<tenant>",
+    }
+    for key, value in row.items():
+        if isinstance(value, str):
+            shown = value
+            for real, placeholder in names.items():
+                shown = shown.replace(real, placeholder)
+            row[key] = _TIME.sub('"<time>"', shown)
+    return row
 
 
 @pytest.fixture

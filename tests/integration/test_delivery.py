@@ -37,7 +37,10 @@ async def test_cancel_queued_job_is_immediate_and_never_runs(
         client = stack.client()
         job = await client.submit("demo.echo", {})
         await eventually(
-            lambda: stack.scalar("SELECT count(*) = 1 FROM outbox WHERE published_at IS NOT NULL")
+            lambda: stack.scalar(
+                "SELECT count(*) = 1 FROM outbox WHERE kind = 'job.dispatch' "
+                "AND published_at IS NOT NULL"
+            )
         )
         cancelled = await client.cancel(job.name, reason="changed my mind")
         assert cancelled.state is JobState.CANCELLED
@@ -64,9 +67,14 @@ async def test_cancel_pending_dispatch_drops_the_outbox_row(
     try:
         client = stack.client()
         job = await client.submit("demo.echo", {})
-        assert await stack.scalar("SELECT count(*) FROM outbox WHERE published_at IS NULL") == 1
+        assert (
+            await stack.scalar(
+                "SELECT count(*) FROM outbox WHERE kind = 'job.dispatch' AND published_at IS NULL"
+            )
+            == 1
+        )
         await client.cancel(job.name)
-        assert await stack.scalar("SELECT count(*) FROM outbox") == 0
+        assert await stack.scalar("SELECT count(*) FROM outbox WHERE kind = 'job.dispatch'") == 0
     finally:
         await stack.close()
 
@@ -123,7 +131,10 @@ async def test_same_message_delivered_twice_runs_the_handler_once(
         client = stack.client()
         job = await client.submit("count.me", {})
         await eventually(
-            lambda: stack.scalar("SELECT count(*) = 1 FROM outbox WHERE published_at IS NOT NULL")
+            lambda: stack.scalar(
+                "SELECT count(*) = 1 FROM outbox WHERE kind = 'job.dispatch' "
+                "AND published_at IS NOT NULL"
+            )
         )
         # Publish the very same dispatch again, as a relay crash after the
         # confirm would: both copies now wait in the queue.
@@ -159,7 +170,12 @@ async def test_relay_keeps_rows_while_broker_is_unreachable(
         client = stack.client()
         jobs = [await client.submit("demo.echo", {"i": i}) for i in range(5)]
         await asyncio.sleep(1.5)
-        assert await stack.scalar("SELECT count(*) FROM outbox WHERE published_at IS NULL") == 5
+        assert (
+            await stack.scalar(
+                "SELECT count(*) FROM outbox WHERE kind = 'job.dispatch' AND published_at IS NULL"
+            )
+            == 5
+        )
         states = [(await client.get(j.name)).state for j in jobs]
         assert states == [JobState.QUEUED] * 5
 
@@ -167,7 +183,12 @@ async def test_relay_keeps_rows_while_broker_is_unreachable(
         for job in jobs:
             done = await asyncio.wait_for(client.wait(job.name), timeout=30)
             assert done.state is JobState.SUCCEEDED
-        assert await stack.scalar("SELECT count(*) FROM outbox WHERE published_at IS NULL") == 0
+        assert (
+            await stack.scalar(
+                "SELECT count(*) FROM outbox WHERE kind = 'job.dispatch' AND published_at IS NULL"
+            )
+            == 0
+        )
     finally:
         await stack.close()
         await proxy.cut()
@@ -251,10 +272,27 @@ async def test_relay_does_not_mark_a_returned_publish(
     await relay.start()
     try:
         await stack.client().submit("demo.echo", {})
-        await eventually(lambda: stack.scalar("SELECT publish_attempts >= 1 FROM outbox"))
-        assert await stack.scalar("SELECT published_at IS NULL FROM outbox")
-        assert "not confirmed" in await stack.scalar("SELECT last_error FROM outbox")
-        assert relay.published == 0
+        await eventually(
+            lambda: stack.scalar(
+                "SELECT publish_attempts >= 1 FROM outbox WHERE kind = 'job.dispatch'"
+            )
+        )
+        assert await stack.scalar(
+            "SELECT published_at IS NULL FROM outbox WHERE kind = 'job.dispatch'"
+        )
+        assert "not confirmed" in await stack.scalar(
+            "SELECT last_error FROM outbox WHERE kind = 'job.dispatch'"
+        )
+        # What it counts as published is the job's job.queued, never the dispatch.
+        events = "SELECT count(*) FROM outbox WHERE kind = 'event' AND published_at IS NOT NULL"
+
+        async def only_events_counted() -> bool:
+            return bool(relay.published == await stack.scalar(events))
+
+        await eventually(only_events_counted)
+        assert await stack.scalar(
+            "SELECT published_at IS NULL FROM outbox WHERE kind = 'job.dispatch'"
+        )
     finally:
         await relay.stop()
         await stack.close()

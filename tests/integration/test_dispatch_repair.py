@@ -74,13 +74,15 @@ async def test_rows_the_broker_cannot_accept_fail_their_jobs_and_the_batch_goes_
             ]
         assert (
             await stack.scalar(
-                "SELECT count(*) FROM outbox WHERE failed_at IS NOT NULL AND published_at IS NULL"
+                "SELECT count(*) FROM outbox WHERE kind = 'job.dispatch' "
+                "AND failed_at IS NOT NULL AND published_at IS NULL"
             )
             == 2
         )
         assert (
             await stack.scalar(
-                "SELECT count(*) FROM outbox WHERE published_at IS NULL AND failed_at IS NULL"
+                "SELECT count(*) FROM outbox WHERE kind = 'job.dispatch' "
+                "AND published_at IS NULL AND failed_at IS NULL"
             )
             == 0
         )
@@ -114,12 +116,17 @@ async def test_a_dispatch_returned_for_too_long_fails_as_unroutable(
         done = await asyncio.wait_for(client.wait(job.name), timeout=20)
         assert done.state is JobState.FAILED
         assert done.error is not None and done.error.code == "JOB_TYPE_UNROUTABLE"
-        assert await stack.scalar("SELECT returns >= 2 FROM outbox")
+        assert await stack.scalar("SELECT returns >= 2 FROM outbox WHERE kind = 'job.dispatch'")
         assert [e[1:] for e in await _events(stack, job.id)] == [
             ("queued", "None"),
             ("failed", "JOB_TYPE_UNROUTABLE"),
         ]
-        assert relay.published == 0 and relay.connects == 1
+        # Nothing it published was the dispatch: only the job's lifecycle events.
+        assert relay.connects == 1
+        assert relay.published <= await stack.scalar("SELECT count(*) FROM events")
+        assert await stack.scalar(
+            "SELECT published_at IS NULL FROM outbox WHERE kind = 'job.dispatch'"
+        )
     finally:
         await relay.stop()
         await stack.close()
@@ -142,7 +149,11 @@ async def test_the_sweeper_republishes_a_dispatch_the_broker_lost(
     try:
         client = stack.client()
         job = await client.submit("demo.echo", {"lost": True})
-        await eventually(lambda: stack.scalar("SELECT published_at IS NOT NULL FROM outbox"))
+        await eventually(
+            lambda: stack.scalar(
+                "SELECT published_at IS NOT NULL FROM outbox WHERE kind = 'job.dispatch'"
+            )
+        )
         assert await _purge(stack) == 1  # the broker lost it
 
         async def age(seconds: float) -> None:
@@ -156,8 +167,15 @@ async def test_the_sweeper_republishes_a_dispatch_the_broker_lost(
         assert (await sweeper.sweep_once()).republished == 0
         await age(11.0)
         assert (await sweeper.sweep_once()).republished == 1
-        assert await stack.scalar("SELECT republish_count FROM outbox") == 1
-        await eventually(lambda: stack.scalar("SELECT published_at IS NOT NULL FROM outbox"))
+        assert (
+            await stack.scalar("SELECT republish_count FROM outbox WHERE kind = 'job.dispatch'")
+            == 1
+        )
+        await eventually(
+            lambda: stack.scalar(
+                "SELECT published_at IS NOT NULL FROM outbox WHERE kind = 'job.dispatch'"
+            )
+        )
         # The next re-publish of this dispatch waits twice as long.
         await age(19.0)
         assert (await sweeper.sweep_once()).republished == 0
@@ -198,19 +216,21 @@ async def test_only_returns_in_a_row_count_towards_unroutable(
         # A nack (or a timeout) between returns ends the run.
         async with store.claim(10) as batch:
             await batch.mark_retry([row.id for row in batch.rows], "nacked")
-        assert await stack.scalar("SELECT returns FROM outbox") == 0
+        assert await stack.scalar("SELECT returns FROM outbox WHERE kind = 'job.dispatch'") == 0
         for _ in range(2):
             await _make_due(engine)
             assert await _returned(store, returns=3) == []
         await _make_due(engine)
         (given_up,) = await _returned(store, returns=3)  # three in a row
-        assert given_up == await stack.scalar("SELECT id FROM outbox")
+        assert given_up == await stack.scalar("SELECT id FROM outbox WHERE kind = 'job.dispatch'")
 
         # A publish ends a run too, and so does the sweeper's re-publish.
         await _make_due(engine)
         async with store.claim(10) as batch:
             await batch.mark_published([row.id for row in batch.rows])
-        assert await stack.scalar("SELECT (returns, first_returned_at) FROM outbox") == (0, None)
+        assert await stack.scalar(
+            "SELECT (returns, first_returned_at) FROM outbox WHERE kind = 'job.dispatch'"
+        ) == (0, None)
         async with engine.begin() as conn:
             await conn.execute(
                 text(
@@ -220,7 +240,9 @@ async def test_only_returns_in_a_row_count_towards_unroutable(
             )
         sweeper = Sweeper(engine, republish_after=60.0)
         assert (await sweeper.sweep_once()).republished == 1
-        assert await stack.scalar("SELECT (returns, first_returned_at) FROM outbox") == (0, None)
+        assert await stack.scalar(
+            "SELECT (returns, first_returned_at) FROM outbox WHERE kind = 'job.dispatch'"
+        ) == (0, None)
     finally:
         await stack.close()
 
@@ -242,11 +264,15 @@ async def test_giving_up_on_a_row_of_a_parked_job_settles_the_row(
             async with store.claim(10) as batch:
                 assert await batch.fail(batch.rows[0], "DISPATCH_FAILED", "x") is GiveUp.BUSY
             await holder.rollback()
-        assert await stack.scalar("SELECT failed_at FROM outbox") is None
+        assert (
+            await stack.scalar("SELECT failed_at FROM outbox WHERE kind = 'job.dispatch'") is None
+        )
 
         async with store.claim(10) as batch:
             assert await batch.fail(batch.rows[0], "DISPATCH_FAILED", "x") is GiveUp.MOVED_ON
-        assert await stack.scalar("SELECT failed_at IS NOT NULL FROM outbox")
+        assert await stack.scalar(
+            "SELECT failed_at IS NOT NULL FROM outbox WHERE kind = 'job.dispatch'"
+        )
         # The parked job is left as it was: it waits for a worker, not for this row.
         assert await stack.scalar(
             "SELECT (state, dispatch_id) FROM jobs WHERE id = :id", id=uuid.UUID(job_id)
@@ -289,7 +315,12 @@ async def test_one_sweeper_at_a_time_republishes_on_its_own_schedule(
         await _lost_dispatches(stack, 1)
         # Leases and stuck rows are swept every time; lost dispatches once an hour here.
         assert (await hourly.sweep_once()).republished == 0
-        assert await stack.scalar("SELECT count(*) FROM outbox WHERE published_at IS NULL") == 1
+        assert (
+            await stack.scalar(
+                "SELECT count(*) FROM outbox WHERE kind = 'job.dispatch' AND published_at IS NULL"
+            )
+            == 1
+        )
     finally:
         await stack.close()
 
@@ -310,7 +341,12 @@ async def test_a_republish_pass_looks_at_a_bounded_part_of_the_backlog(
                 break
         # Each pass reads two QUEUED jobs at most and goes on where the last stopped.
         assert passes == [(2, 2, False), (2, 2, False), (1, 1, True)]
-        assert await stack.scalar("SELECT count(*) FROM outbox WHERE republish_count = 1") == 5
+        assert (
+            await stack.scalar(
+                "SELECT count(*) FROM outbox WHERE kind = 'job.dispatch' AND republish_count = 1"
+            )
+            == 5
+        )
         # After a lap the next pass starts again from the first.
         async with engine.begin() as conn:
             await conn.execute(text("UPDATE outbox SET published_at = now() - interval '1 day'"))

@@ -162,7 +162,10 @@ async def test_redelivery_of_a_dead_workers_message_waits_out_the_lease(
         client = stack.client()
         job = await client.submit("demo.echo", {"x": 1})
         await eventually(
-            lambda: stack.scalar("SELECT count(*) = 1 FROM outbox WHERE published_at IS NOT NULL")
+            lambda: stack.scalar(
+                "SELECT count(*) = 1 FROM outbox WHERE kind = 'job.dispatch' "
+                "AND published_at IS NOT NULL"
+            )
         )
         # Claimed by a worker that then died holding its message.
         attempts = AttemptStore(engine, lease_seconds=1.0)
@@ -295,7 +298,7 @@ async def test_cancel_stops_a_waiting_retry(
         assert waiting.state is JobState.QUEUED
         assert waiting.next_attempt_time is not None
         assert waiting.error is not None and waiting.error.message == "come back later"
-        pending = "SELECT count(*) FROM outbox WHERE published_at IS NULL"
+        pending = "SELECT count(*) FROM outbox WHERE kind = 'job.dispatch' AND published_at IS NULL"
         assert await stack.scalar(pending) == 1
 
         cancelled = await client.cancel(job.name)

@@ -23,7 +23,7 @@ async def test_a_relay_publishes_the_rows_another_relay_holds_not(
 ) -> None:
     stack = await start_stack(engine, database_url, amqp_url, topology, relay=False, worker=False)
     queue = topology.queues[0].name
-    unpublished = "SELECT count(*) FROM outbox WHERE published_at IS NULL"
+    unpublished = "SELECT count(*) FROM outbox WHERE kind = 'job.dispatch' AND published_at IS NULL"
     try:
         client = stack.client()
         jobs = [await client.submit("demo.echo", {"i": i}) for i in range(4)]
@@ -33,7 +33,8 @@ async def test_a_relay_publishes_the_rows_another_relay_holds_not(
         async with engine.connect() as other, other.begin():
             held = await other.execute(
                 text(
-                    "SELECT id FROM outbox WHERE job_id = :job AND published_at IS NULL FOR UPDATE"
+                    "SELECT id FROM outbox WHERE kind = 'job.dispatch' "
+                    "AND job_id = :job AND published_at IS NULL FOR UPDATE"
                 ),
                 {"job": first},
             )
@@ -41,14 +42,21 @@ async def test_a_relay_publishes_the_rows_another_relay_holds_not(
             await stack.start_relay()
             await eventually(lambda: _scalar_is(stack, unpublished, 1))
             assert await stack.scalar(
-                "SELECT published_at IS NULL FROM outbox WHERE job_id = :job", job=first
+                "SELECT published_at IS NULL FROM outbox WHERE kind = 'job.dispatch' "
+                "AND job_id = :job",
+                job=first,
             )
             assert await ready_count(amqp_url, queue) == 3
 
         # Released: the held row goes out too, and every row exactly once.
         await eventually(lambda: _scalar_is(stack, unpublished, 0))
         await eventually(lambda: _ready_is(amqp_url, queue, 4))
-        assert await stack.scalar("SELECT max(publish_attempts) FROM outbox") == 1
+        assert (
+            await stack.scalar(
+                "SELECT max(publish_attempts) FROM outbox WHERE kind = 'job.dispatch'"
+            )
+            == 1
+        )
     finally:
         await stack.close()
 
@@ -66,13 +74,28 @@ async def test_relays_claiming_at_once_publish_each_row_once(
         try:
             await eventually(
                 lambda: _scalar_is(
-                    stack, "SELECT count(*) FROM outbox WHERE published_at IS NULL", 0
+                    stack,
+                    "SELECT count(*) FROM outbox WHERE kind = 'job.dispatch' "
+                    "AND published_at IS NULL",
+                    0,
                 ),
                 timeout=30,
             )
             await eventually(lambda: _ready_is(amqp_url, queue, 60))
+            assert (
+                await stack.scalar(
+                    "SELECT max(publish_attempts) FROM outbox WHERE kind = 'job.dispatch'"
+                )
+                == 1
+            )
+            # Every row once: the 60 dispatches and the 60 job.queued events.
+            await eventually(
+                lambda: _scalar_is(
+                    stack, "SELECT count(*) FROM outbox WHERE published_at IS NULL", 0
+                )
+            )
             assert await stack.scalar("SELECT max(publish_attempts) FROM outbox") == 1
-            assert sum(r.published for r in relays) == 60
+            assert sum(r.published for r in relays) == 120
         finally:
             for relay in relays[:-1]:
                 await relay.stop()  # the last one is stopped with the stack

@@ -90,7 +90,8 @@ async def _jobs(stack: Stack, count: int) -> list[tuple[uuid.UUID, uuid.UUID]]:
 
 async def _published(stack: Stack, rows: list[uuid.UUID]) -> bool:
     count = await stack.scalar(
-        "SELECT count(*) FROM outbox WHERE id = ANY(:ids) AND published_at IS NOT NULL",
+        "SELECT count(*) FROM outbox WHERE kind = 'job.dispatch' "
+        "AND id = ANY(:ids) AND published_at IS NOT NULL",
         ids=rows,
     )
     return bool(count == len(rows))
@@ -111,7 +112,8 @@ async def test_a_row_whose_mark_is_refused_fails_alone_and_the_relay_goes_on(
         await eventually(lambda: _published(stack, others))
         await eventually(
             lambda: stack.scalar(
-                "SELECT failed_at IS NOT NULL FROM outbox WHERE id = :id", id=refused_row
+                "SELECT failed_at IS NOT NULL FROM outbox WHERE kind = 'job.dispatch' AND id = :id",
+                id=refused_row,
             )
         )
         job = await stack.scalar(
@@ -148,7 +150,8 @@ async def test_a_row_the_database_refuses_to_change_at_all_is_held_back(
         await eventually(lambda: _published(stack, [row for _job, row in later]))
         # Left for an operator: neither published nor failed, its job still QUEUED.
         assert await stack.scalar(
-            "SELECT (published_at, failed_at) FROM outbox WHERE id = :id", id=held_row
+            "SELECT (published_at, failed_at) FROM outbox WHERE kind = 'job.dispatch' AND id = :id",
+            id=held_row,
         ) == (None, None)
         assert await stack.scalar("SELECT state FROM jobs WHERE id = :id", id=held_job) == "queued"
         assert relay.failed == 0
@@ -216,7 +219,12 @@ async def test_a_statement_refused_for_every_row_fails_no_job(
 
         await eventually(sent)
         assert await stack.scalar("SELECT count(*) FROM jobs WHERE state = 'queued'") == 3
-        assert await stack.scalar("SELECT count(*) FROM outbox WHERE failed_at IS NULL") == 3
+        assert (
+            await stack.scalar(
+                "SELECT count(*) FROM outbox WHERE kind = 'job.dispatch' AND failed_at IS NULL"
+            )
+            == 3
+        )
         assert relay.failed == 0
 
         async with engine.begin() as conn:

@@ -24,8 +24,10 @@ from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from jobplane.envelope import Envelope
+from jobplane.events.envelope import Event
 from jobplane.ids import new_id
 from jobplane.store.attempts import AttemptStore, ClaimStatus, LeaseLost, ProgressUpdate
+from jobplane.store.events import emitted
 from jobplane.store.jobs import JobStore, NewJob
 from jobplane.store.machine import (
     MACHINE,
@@ -38,6 +40,7 @@ from jobplane.store.machine import (
     StateMachine,
     Transition,
     Write,
+    lifecycle_event_id,
 )
 from jobplane.store.rows import dumps
 from jobplane.types import JobState
@@ -228,7 +231,23 @@ async def _snapshot(engine: AsyncEngine, job_id: uuid.UUID) -> tuple[Any, ...]:
                 params,
             )
         ).scalar_one()
-    return job, events, outbox
+        # Its domain events (lifecycle and emitted) and their outbox rows.
+        domain = (
+            await conn.execute(
+                text(
+                    "SELECT coalesce(jsonb_agg(jsonb_build_object("
+                    "'event_id', e.event_id, 'event_type', e.event_type, "
+                    "'causation_id', e.causation_id, 'payload', e.payload, "
+                    "'order_seq', o.order_seq, 'routing_key', o.routing_key) ORDER BY e.seq), "
+                    "'[]') "
+                    "FROM events e JOIN outbox o ON o.kind = 'event' AND o.order_key = e.job_id "
+                    "AND convert_from(o.body, 'UTF8')::jsonb ->> 'event_id' = e.event_id::text "
+                    "WHERE e.job_id = :id"
+                ),
+                params,
+            )
+        ).scalar_one()
+    return job, events, outbox, domain
 
 
 async def _live_worker(engine: AsyncEngine, types: Sequence[str]) -> None:
@@ -268,8 +287,8 @@ async def test_each_transition_applies_exactly_from_its_sources(
             assert after == before, f"{where}: refused, yet something changed"
             continue
         assert [r["transition"] for r in rows] == [str(transition)], where
-        row_before, events_before, outbox_before = before
-        row_after, events_after, outbox_after = after
+        row_before, events_before, outbox_before, domain_before = before
+        row_after, events_after, outbox_after, domain_after = after
         assert row_after["state"] == rule.target.value, where
         new_events = events_after[len(events_before) :]
         assert events_after[: len(events_before)] == events_before, where
@@ -287,6 +306,28 @@ async def test_each_transition_applies_exactly_from_its_sources(
         else:
             assert pending == [], where
             assert outbox_after == outbox_before, where
+        # Its lifecycle event: the id of (job, its event seq), caused by the
+        # job's lifecycle event before it (job.queued, seq 1, for these jobs).
+        assert domain_after[: len(domain_before)] == domain_before, where
+        published = domain_after[len(domain_before) :]
+        if rule.lifecycle is None:
+            assert published == [], where
+            assert row_after["lifecycle_seq"] == row_before["lifecycle_seq"], where
+            continue
+        seq = row_after["last_seq"]
+        assert [(e["event_type"], e["event_id"], e["causation_id"]) for e in published] == [
+            (
+                rule.lifecycle.value,
+                str(lifecycle_event_id(job.job_id, seq)),
+                str(lifecycle_event_id(job.job_id, row_before["lifecycle_seq"])),
+            )
+        ], where
+        assert published[0]["payload"]["state"] == rule.target.value, where
+        assert published[0]["routing_key"] == rule.lifecycle.value, where
+        assert (row_after["lifecycle_seq"], row_after["lifecycle_cause"]) == (
+            seq,
+            row_before["lifecycle_seq"],
+        ), where
 
 
 async def test_submit_creates_a_queued_job_once(engine: AsyncEngine, tenant: uuid.UUID) -> None:
@@ -312,22 +353,30 @@ async def test_submit_creates_a_queued_job_once(engine: AsyncEngine, tenant: uui
             await conn.execute(
                 text(
                     "SELECT (SELECT count(*) FROM jobs), (SELECT count(*) FROM job_events), "
-                    "(SELECT count(*) FROM outbox)"
+                    "(SELECT count(*) FROM outbox WHERE kind = 'job.dispatch'), "
+                    "(SELECT count(*) FROM events), "
+                    "(SELECT count(*) FROM outbox WHERE kind = 'event')"
                 )
             )
         ).one()
-    # One job, its one event and its one dispatch per phase: nothing more.
-    assert tuple(counts) == (len(Phase), len(Phase), len(Phase))
+    # One job, its one event, its one dispatch and its one job.queued (an
+    # events row and an outbox row) per phase: nothing more.
+    assert tuple(counts) == (len(Phase),) * 5
     fresh, created = await store.submit(
         tenant,
         NewJob(type="machine.new", queue=_QUEUE, payload={}, request_id="new", max_attempts=1),
     )
     assert created
-    row, events, outbox = await _snapshot(engine, uuid.UUID(fresh.id))
+    row, events, outbox, domain = await _snapshot(engine, uuid.UUID(fresh.id))
     rule = RULES[Transition.SUBMIT]
     assert row["state"] == rule.target.value
     assert rule.event is not None and [e["type"] for e in events] == [rule.event.value]
     assert [o["id"] for o in outbox] == [row["dispatch_id"]]
+    # job.queued starts the job's chain: no cause.
+    assert rule.lifecycle is not None
+    assert [(e["event_type"], e["event_id"], e["causation_id"]) for e in domain] == [
+        (rule.lifecycle.value, str(lifecycle_event_id(uuid.UUID(fresh.id), 1)), None)
+    ]
 
 
 class _Recorder(Hook):
@@ -451,10 +500,14 @@ async def test_hook_writes_commit_only_with_the_winning_attempt(
         )
     second = await store.claim(_envelope(job))
     assert second.status is ClaimStatus.CLAIMED and second.attempt is not None
-    stale = [Emitted("thing.made", {"by": "stale"})]
+
+    def made(event_type: str, payload: dict[str, Any]) -> Emitted:
+        return emitted(Event.new(event_type, payload, tenant_id=tenant), job.job_id)
+
+    stale = [made("thing.made", {"by": "stale"})]
     with pytest.raises(LeaseLost):
         await store.succeed(first.attempt, {"by": "stale"}, emitted=stale)
-    won = [Emitted("thing.made", {"n": 1}), Emitted("thing.checked", {"n": 2})]
+    won = [made("thing.made", {"n": 1}), made("thing.checked", {"n": 2})]
     await store.succeed(second.attempt, {"by": "winner"}, emitted=won)
     async with engine.connect() as conn:
         logged = (
@@ -466,3 +519,21 @@ async def test_hook_writes_commit_only_with_the_winning_attempt(
         (job.job_id, "thing.checked", {"n": 2}),
         (job.job_id, "thing.made", {"n": 1}),
     ]
+    # The built-in hook wrote them as domain events the same way: the
+    # winner's, in order, each with its outbox row; the stale one's never.
+    async with engine.connect() as conn:
+        stored = (
+            await conn.execute(
+                text(
+                    "SELECT e.event_id, e.event_type, e.payload, o.order_seq FROM events e "
+                    "JOIN outbox o ON o.kind = 'event' AND o.order_key = e.job_id "
+                    "AND convert_from(o.body, 'UTF8')::jsonb ->> 'event_id' = e.event_id::text "
+                    "WHERE e.job_id = :id AND e.event_type LIKE 'thing.%' ORDER BY e.seq"
+                ),
+                {"id": job.job_id},
+            )
+        ).all()
+    assert [(r.event_id, r.event_type, r.payload) for r in stored] == [
+        (e.event.event_id, e.event_type, dict(e.payload)) for e in won
+    ]
+    assert stored[0].order_seq < stored[1].order_seq

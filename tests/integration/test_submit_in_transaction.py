@@ -92,7 +92,10 @@ async def test_a_rolled_back_caller_leaves_no_job_and_wakes_nothing(
         _file_id, next_id = await _ingest(conn)
     done = await asyncio.wait_for(stack.client().wait(job_name(next_id)), timeout=30)
     assert done.state is JobState.SUCCEEDED
-    assert await stack.scalar("SELECT count(*) FROM outbox WHERE published_at IS NOT NULL") == 1
+    dispatched = (
+        "SELECT count(*) FROM outbox WHERE published_at IS NOT NULL AND kind = 'job.dispatch'"
+    )
+    assert await stack.scalar(dispatched) == 1
     assert not await stack.scalar("SELECT count(*) FROM jobs WHERE id = :id", id=job_id)
 
 
@@ -128,7 +131,9 @@ async def test_one_request_id_in_two_transactions_is_one_job(
             )
     assert ids[0] == ids[1]
     assert await stack.scalar("SELECT count(*) FROM jobs") == 1
-    assert await stack.scalar("SELECT count(*) FROM outbox") == 1
+    assert await stack.scalar("SELECT count(*) FROM outbox WHERE kind = 'job.dispatch'") == 1
+    # ... and one job.queued.
+    assert await stack.scalar("SELECT count(*) FROM events WHERE event_type = 'job.queued'") == 1
     # The RPC with the same request is the same job too, whichever path came first.
     job = await stack.client().submit("demo.echo", {"n": 1}, request_id="once")
     assert job.name == job_name(ids[0])
@@ -185,7 +190,7 @@ async def test_two_concurrent_transactions_with_one_request_id(
         await other.close()
     assert (second_id == first_id) is first_commits
     assert await stack.scalar("SELECT count(*) FROM jobs") == 1
-    assert await stack.scalar("SELECT count(*) FROM outbox") == 1
+    assert await stack.scalar("SELECT count(*) FROM outbox WHERE kind = 'job.dispatch'") == 1
     done = await asyncio.wait_for(stack.client().wait(job_name(second_id)), timeout=30)
     assert done.state is JobState.SUCCEEDED
 

@@ -30,6 +30,7 @@ from jobplane.store.machine import (
     Returning,
     StateMachine,
     Transition,
+    lifecycle_event_id,
 )
 from jobplane.store.rows import dumps
 from jobplane.types import JobState
@@ -75,6 +76,10 @@ class Attempt:
     request_id: str
     timeout_seconds: float = 3600.0
     queue: str = ""
+    #: The event_id of this attempt's ``job.started`` (the default cause of
+    #: the events its handler emits); None for a job from before lifecycle
+    #: events had ids.
+    started_event_id: uuid.UUID | None = None
 
     @property
     def attempts_left(self) -> int:
@@ -115,6 +120,7 @@ _CLAIMED: Returning = (
     "request_id",
     "timeout_seconds",
     "queue",
+    "lifecycle_seq",
 )
 _INSPECT = text(
     """
@@ -177,6 +183,11 @@ class AttemptStore:
                         request_id=row["request_id"],
                         timeout_seconds=float(row["timeout_seconds"]),
                         queue=row["queue"],
+                        started_event_id=(
+                            None
+                            if row["lifecycle_seq"] is None
+                            else lifecycle_event_id(envelope.job_id, int(row["lifecycle_seq"]))
+                        ),
                     ),
                 )
             found = (await conn.execute(_INSPECT, params)).mappings().first()

@@ -45,6 +45,7 @@ from jobplane.events.envelope import (
 )
 from jobplane.ids import new_id
 from jobplane.store.engine import autocommit
+from jobplane.store.machine import Emitted
 from jobplane.store.outbox import OutboxKind
 from jobplane.store.rows import DOMAIN_EVENTS_CHANNEL, OUTBOX_CHANNEL, dumps
 
@@ -308,6 +309,16 @@ async def append(
             StoredEvent(previous.event, previous.position, previous.job_id, created=False)
         )
     return stored
+
+
+def emitted(event: Event, job_id: uuid.UUID) -> Emitted:
+    """``event``, emitted by a handler of job ``job_id``, ready for the outcome's statement.
+
+    Its body is encoded now (:class:`EventError` when it is over the limit)
+    and its fingerprint is the one :func:`append` compares, so that the
+    stored event is the same whichever way it was written.
+    """
+    return Emitted(event, encode(event), NewEvent(event, job_id=job_id).fingerprint())
 
 
 def pattern_regex(patterns: Sequence[str]) -> str | None:

@@ -32,23 +32,28 @@ See ADR-0010.
 from __future__ import annotations
 
 import enum
+import os
 import uuid
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import RowMapping, TextClause, text
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from jobplane.store.rows import (
     CANCEL_CHANNEL,
+    DOMAIN_EVENTS_CHANNEL,
     EVENTS_CHANNEL,
     JOB_FIELDS,
     OUTBOX_CHANNEL,
     dumps,
 )
 from jobplane.types import EventType, JobState
+
+if TYPE_CHECKING:
+    from jobplane.events.envelope import Event
 
 
 class Phase(enum.Enum):
@@ -90,6 +95,18 @@ class Transition(enum.StrEnum):
     RELAY_FAIL = "relay_fail"  # the relay can never publish the job's dispatch: FAILED
 
 
+class Lifecycle(enum.StrEnum):
+    """The domain events job transitions publish (docs/events.md, "Lifecycle events")."""
+
+    QUEUED = "job.queued"
+    STARTED = "job.started"
+    RETRY_SCHEDULED = "job.retry_scheduled"
+    CANCEL_REQUESTED = "job.cancel_requested"
+    SUCCEEDED = "job.succeeded"
+    FAILED = "job.failed"
+    CANCELLED = "job.cancelled"
+
+
 # Guards: conditions beyond the state, named so the table reads as prose.
 ATTEMPTS_LEFT = "attempt - retry_base < max_attempts"
 NO_ATTEMPTS_LEFT = "attempt - retry_base >= max_attempts"
@@ -123,6 +140,13 @@ class Rule:
     # The event's message and data, as SQL over j (the changed rows).
     message: str = ":event_message"
     data: str = "CAST(:event_data AS jsonb)"
+    # The domain event it publishes (None: none; progress is too frequent,
+    # the hand-back, park and unpark leave the job QUEUED as it was).
+    lifecycle: Lifecycle | None = None
+
+    def __post_init__(self) -> None:
+        if self.lifecycle is not None and self.event is None:
+            raise ValueError("a lifecycle event takes the seq of the job's event")
 
 
 RULES: Mapping[Transition, Rule] = {
@@ -132,6 +156,7 @@ RULES: Mapping[Transition, Rule] = {
         "a new id; (tenant_id, request_id) unique",
         EventType.QUEUED,
         dispatch=True,
+        lifecycle=Lifecycle.QUEUED,
     ),
     Transition.CLAIM: Rule(
         _WAITING,
@@ -148,6 +173,7 @@ RULES: Mapping[Transition, Rule] = {
         # the last attempt's progress.
         "cancel_reason = NULL, progress = 0, progress_message = '', waiting_reason = NULL, "
         "handbacks = 0",
+        lifecycle=Lifecycle.STARTED,
     ),
     Transition.EXHAUST: Rule(
         _WAITING,
@@ -159,6 +185,7 @@ RULES: Mapping[Transition, Rule] = {
         "error_message = 'no attempts left (max_attempts reached)', error_retryable = false, "
         "lease_token = NULL, lease_expires_at = NULL, dispatch_id = NULL, "
         "next_attempt_time = NULL",
+        lifecycle=Lifecycle.FAILED,
     ),
     Transition.PROGRESS: Rule(
         _LIVE,
@@ -174,6 +201,7 @@ RULES: Mapping[Transition, Rule] = {
         EventType.SUCCEEDED,
         sets="result = CAST(:result AS jsonb), progress = 1, error_code = NULL, "
         f"error_message = NULL, error_retryable = false, {_END}",
+        lifecycle=Lifecycle.SUCCEEDED,
     ),
     Transition.FAIL: Rule(
         _LIVE,
@@ -182,6 +210,7 @@ RULES: Mapping[Transition, Rule] = {
         EventType.FAILED,
         sets="error_code = :error_code, error_message = :error_message, "
         f"error_retryable = :retryable, {_END}",
+        lifecycle=Lifecycle.FAILED,
     ),
     Transition.CANCELLED: Rule(
         _LIVE,
@@ -190,6 +219,7 @@ RULES: Mapping[Transition, Rule] = {
         EventType.CANCELLED,
         sets="error_code = 'CANCELLED', error_message = coalesce(cancel_reason, 'cancelled'), "
         f"error_retryable = false, {_END}",
+        lifecycle=Lifecycle.CANCELLED,
     ),
     Transition.SCHEDULE_RETRY: Rule(
         _LIVE,
@@ -201,6 +231,7 @@ RULES: Mapping[Transition, Rule] = {
         "error_retryable = true, lease_token = NULL, lease_expires_at = NULL, "
         "dispatch_id = :dispatch_id, retry_base = retry_base + :refund, "
         "next_attempt_time = now() + make_interval(secs => :delay)",
+        lifecycle=Lifecycle.RETRY_SCHEDULED,
     ),
     Transition.HAND_BACK: Rule(
         frozenset({Phase.QUEUED}),
@@ -241,6 +272,7 @@ RULES: Mapping[Transition, Rule] = {
         EventType.CANCELLED,
         sets="end_time = now(), error_code = 'CANCELLED', error_message = :reason, "
         "error_retryable = false, dispatch_id = NULL, next_attempt_time = NULL",
+        lifecycle=Lifecycle.CANCELLED,
     ),
     Transition.REQUEST_CANCEL: Rule(
         _LIVE,
@@ -249,6 +281,7 @@ RULES: Mapping[Transition, Rule] = {
         EventType.CANCEL_REQUESTED,
         guard=CANCEL_NOT_REQUESTED,
         sets="cancel_requested_at = now(), cancel_reason = :reason",
+        lifecycle=Lifecycle.CANCEL_REQUESTED,
     ),
     Transition.RETRY: Rule(
         frozenset({Phase.FAILED, Phase.CANCELLED}),
@@ -261,6 +294,7 @@ RULES: Mapping[Transition, Rule] = {
         "progress_message = '', cancel_requested_at = NULL, cancel_reason = NULL, "
         "lease_token = NULL, lease_expires_at = NULL, next_attempt_time = NULL, "
         "start_time = NULL, end_time = NULL, waiting_reason = NULL, handbacks = 0",
+        lifecycle=Lifecycle.QUEUED,
     ),
     Transition.EXPIRE_LEASE: Rule(
         frozenset({Phase.RUNNING_EXPIRED}),
@@ -272,6 +306,7 @@ RULES: Mapping[Transition, Rule] = {
         sets="error_code = 'LEASE_EXPIRED', error_message = :message, "
         "error_retryable = true, lease_token = NULL, lease_expires_at = NULL, "
         "dispatch_id = :dispatch_id, next_attempt_time = now() + make_interval(secs => :delay)",
+        lifecycle=Lifecycle.RETRY_SCHEDULED,
     ),
     Transition.EXPIRE_LAST_LEASE: Rule(
         frozenset({Phase.RUNNING_EXPIRED}),
@@ -283,6 +318,7 @@ RULES: Mapping[Transition, Rule] = {
         sets="error_code = 'LEASE_EXPIRED', error_message = :message, "
         "error_retryable = false, lease_token = NULL, lease_expires_at = NULL, "
         "dispatch_id = NULL, next_attempt_time = NULL, end_time = now()",
+        lifecycle=Lifecycle.FAILED,
     ),
     Transition.REDISPATCH: Rule(
         _WAITING,
@@ -293,6 +329,7 @@ RULES: Mapping[Transition, Rule] = {
         # A parked job dispatched by an operator waits for no worker now.
         sets="dispatch_id = :dispatch_id, lease_token = NULL, lease_expires_at = NULL, "
         "next_attempt_time = NULL, waiting_reason = NULL",
+        lifecycle=Lifecycle.QUEUED,
     ),
     Transition.RELAY_FAIL: Rule(
         frozenset({Phase.QUEUED}),
@@ -302,6 +339,7 @@ RULES: Mapping[Transition, Rule] = {
         sets="error_code = :code, error_message = :message, error_retryable = false, "
         "dispatch_id = NULL, next_attempt_time = NULL, lease_token = NULL, "
         "lease_expires_at = NULL, end_time = now()",
+        lifecycle=Lifecycle.FAILED,
     ),
 }
 
@@ -356,10 +394,26 @@ HEARTBEAT = text(
 
 @dataclass(frozen=True, slots=True)
 class Emitted:
-    """An event a handler emitted, committed only with its attempt's winning outcome."""
+    """An event a handler emitted, committed only with its attempt's winning outcome.
 
-    event_type: str
-    payload: Mapping[str, Any]
+    Made by :func:`jobplane.store.events.emitted`: the event, its body exactly
+    as published and its idempotency fingerprint, all computed before the
+    outcome's statement so that the statement only inserts them.
+    """
+
+    event: Event
+    body: bytes
+    request_hash: bytes
+
+    @property
+    def event_type(self) -> str:
+        """The event's type."""
+        return self.event.event_type
+
+    @property
+    def payload(self) -> Mapping[str, Any]:
+        """The event's payload."""
+        return self.event.payload
 
 
 @dataclass(frozen=True, slots=True)
@@ -400,6 +454,9 @@ class Write:
     sql: str = ""
     notify: str = ""
     columns: frozenset[str] = frozenset()
+    #: The CTE's name, for a later write of the same hook to read its rows
+    #: (``sql`` may then be a plain SELECT); unique within the statement.
+    name: str = ""
 
 
 class Hook:
@@ -530,9 +587,255 @@ class CancelSignal(Hook):
         return ()
 
 
-def builtin_hooks() -> list[Hook]:
-    """What every transition has always written: its event, its dispatch, its signal."""
-    return [JobEvents(), Dispatches(), CancelSignal()]
+#: The variable that turns lifecycle events off (``0``); they are on by default.
+LIFECYCLE_ENV = "JOBPLANE_LIFECYCLE_EVENTS"
+#: Events a handler may emit in one attempt, and their encoded bytes in all.
+MAX_EMITTED_EVENTS = 100
+MAX_EMITTED_BYTES = 1024 * 1024
+# Where each event of a transition sits among the job's events on the way to
+# the broker: emitted events first (1..MAX_EMITTED_EVENTS), its lifecycle
+# event last. outbox.order_seq = the job's event seq * _ORDER_SLOTS + this.
+_ORDER_SLOTS = 1024
+_LIFECYCLE_ORD = _ORDER_SLOTS - 1
+
+
+def lifecycle_events_enabled(env: Mapping[str, str] | None = None) -> bool:
+    """Whether ``JOBPLANE_LIFECYCLE_EVENTS`` leaves lifecycle events on (all but 0/false/off)."""
+    value = (os.environ if env is None else env).get(LIFECYCLE_ENV, "").strip().lower()
+    return value not in {"0", "false", "no", "off"}
+
+
+def lifecycle_event_id(job_id: uuid.UUID, seq: int) -> uuid.UUID:
+    """The event_id of a job's lifecycle event that took the job's event seq ``seq``.
+
+    A name-based UUID (version 3: MD5 of the job id's 16 bytes and the seq
+    in decimal), so SQL computes it too (:func:`_event_id_sql`) and a
+    transition names its cause without reading it back.
+    """
+    return uuid.uuid3(job_id, str(seq))
+
+
+def _event_id_sql(job_id: str, seq: str) -> str:
+    """SQL: :func:`lifecycle_event_id` of the uuid ``job_id`` and the integer ``seq``."""
+    digest = f"decode(md5(uuid_send({job_id}) || convert_to(CAST({seq} AS text), 'UTF8')), 'hex')"
+    return (
+        f"CAST(encode(set_byte(set_byte({digest}, 6, (get_byte({digest}, 6) & 15) | 48), "
+        f"8, (get_byte({digest}, 8) & 63) | 128), 'hex') AS uuid)"
+    )
+
+
+def _json_text(value: str) -> str:
+    """SQL: ``value`` (text, may be NULL) as a JSON string, or ``null``."""
+    return f"coalesce(to_json(CAST({value} AS text))::text, 'null')"
+
+
+def _json_object(pairs: Sequence[tuple[str, str]]) -> str:
+    """SQL: compact JSON text of an object whose values are SQL giving JSON text.
+
+    The keys are written as the literal ``'..."key":'`` so that no ``:word``
+    appears in the statement (SQLAlchemy's ``text()`` would read it as a bind).
+    """
+    parts = []
+    for n, (key, value) in enumerate(pairs):
+        parts.append(f"""'{"{" if n == 0 else ","}"{key}":'""")
+        parts.append(value)
+    parts.append("'}'")
+    return " || ".join(parts)
+
+
+# The job's labels as compact JSON, keys in byte order.
+_LABELS_JSON = (
+    "coalesce((SELECT '{' || string_agg(to_json(l.key)::text || ':' || to_json(l.value)::text, "
+    "',' ORDER BY l.key COLLATE \"C\") || '}' FROM jsonb_each_text(j.labels) AS l), '{}')"
+)
+_ERROR_JSON = _json_object(
+    [
+        ("code", _json_text("j.error_code")),
+        ("message", _json_text("j.error_message")),
+        ("retryable", "CASE WHEN j.error_retryable THEN 'true' ELSE 'false' END"),
+    ]
+)
+# RFC 3339 in UTC with microseconds, as jobplane.events.format_timestamp
+# writes it ('#' for ':', which text() would take for a bind's start).
+_TIME_TEXT = (
+    "replace(to_char({t} AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24#MI#SS.US\"Z\"'), '#', ':')"
+)
+
+
+def _lifecycle_payload(lifecycle: Lifecycle) -> str:
+    """SQL over j: the compact JSON text of a lifecycle event's payload."""
+    pairs = [
+        ("name", "to_json('jobs/' || j.id)::text"),
+        ("job_id", "to_json(CAST(j.id AS text))::text"),
+        ("type", "to_json(j.type)::text"),
+        ("queue", "to_json(j.queue)::text"),
+        ("state", "to_json(j.state)::text"),
+        ("attempt", "CAST(j.attempt AS text)"),
+        ("max_attempts", "CAST(j.max_attempts AS text)"),
+        ("labels", _LABELS_JSON),
+    ]
+    if lifecycle in (Lifecycle.FAILED, Lifecycle.CANCELLED, Lifecycle.RETRY_SCHEDULED):
+        pairs.append(("error", _ERROR_JSON))
+    if lifecycle is Lifecycle.RETRY_SCHEDULED:
+        next_time = _TIME_TEXT.format(t="j.next_attempt_time")
+        pairs.append(("next_attempt_time", f"coalesce(to_json({next_time})::text, 'null')"))
+    if lifecycle is Lifecycle.CANCEL_REQUESTED:
+        pairs.append(("reason", _json_text("coalesce(j.cancel_reason, '')")))
+    return _json_object(pairs)
+
+
+# The envelope of jobplane.events.encode, over x (one event's columns).
+_BODY = _json_object(
+    [
+        ("v", "'1'"),
+        ("event_id", "to_json(CAST(x.event_id AS text))::text"),
+        ("event_type", "to_json(x.event_type)::text"),
+        ("timestamp", "to_json(" + _TIME_TEXT.format(t="x.event_time") + ")::text"),
+        ("tenant_id", "to_json(CAST(x.tenant_id AS text))::text"),
+        ("project_id", "'null'"),
+        ("correlation_id", _json_text("x.correlation_id")),
+        ("causation_id", _json_text("x.causation_id")),
+        ("payload", "x.payload"),
+    ]
+)
+_LIFECYCLE_COLUMNS = frozenset(
+    {"id", "tenant_id", "type", "queue", "state", "attempt", "max_attempts", "labels"}
+    | {"correlation_id", "error_code", "error_message", "error_retryable", "last_seq"}
+    | {"lifecycle_seq", "lifecycle_cause", "next_attempt_time", "cancel_reason"}
+)
+
+
+class DomainEvents(Hook):
+    """Domain events of a transition: its lifecycle event, and the handler's emitted events.
+
+    Both are rows of ``events`` and ``outbox`` (kind ``event``) written in the
+    transition's own statement, exactly as :func:`jobplane.store.events.append`
+    writes them, so they commit only with the transition and add no round
+    trip. A lifecycle event's id is :func:`lifecycle_event_id` of the job and
+    the seq of its job event; its causation is the job's lifecycle event
+    before it (``lifecycle_cause``), its correlation the job's correlation id
+    (its id when it has none). Emitted events come with a succeeding attempt
+    only (``Cause.emitted``), before its ``job.succeeded``. Every event of a
+    job carries the job as its outbox ``order_key`` and its place among the
+    job's events as ``order_seq``: the relay publishes none before the ones
+    in front of it were (per-job order on the exchange).
+
+    An event_id stored already (a publisher took it first) is not written
+    again: the stored event stands.
+    """
+
+    def __init__(self, *, lifecycle: bool = True) -> None:
+        self.lifecycle = lifecycle
+
+    def writes(self, transition: Transition) -> Sequence[Write]:
+        rule = RULES[transition]
+        selects = []
+        if self.lifecycle and rule.lifecycle is not None:
+            # The job's correlation id, or its id when it has none (or one
+            # no envelope can carry: only a row written around the checks).
+            correlation = (
+                "CASE WHEN octet_length(j.correlation_id) BETWEEN 1 AND 255 AND j.correlation_id "
+                "!~ ('[' || chr(1) || '-' || chr(31) || chr(127) || ']') "
+                "THEN j.correlation_id ELSE CAST(j.id AS text) END"
+            )
+            cause = _event_id_sql("j.id", "j.lifecycle_cause")
+            selects.append(
+                f"""
+            SELECT {_event_id_sql("j.id", "j.lifecycle_seq")} AS event_id,
+                   CAST('{rule.lifecycle.value}' AS text) AS event_type,
+                   clock_timestamp() AS event_time, j.tenant_id, {correlation} AS correlation_id,
+                   CASE WHEN j.lifecycle_cause IS NOT NULL THEN CAST({cause} AS text) END
+                       AS causation_id,
+                   {_lifecycle_payload(rule.lifecycle)} AS payload,
+                   CAST(NULL AS text) AS given_body, CAST(NULL AS bytea) AS request_hash,
+                   j.id AS job_id, CAST(j.last_seq AS bigint) * {_ORDER_SLOTS} + {_LIFECYCLE_ORD}
+                       AS order_seq
+            FROM {{j}} AS j"""
+            )
+        if transition is Transition.SUCCEED:
+            selects.append(
+                f"""
+            SELECT m.event_id, m.event_type, m.event_time, j.tenant_id, m.correlation_id,
+                   m.causation_id, m.payload, m.body AS given_body, m.request_hash,
+                   j.id AS job_id, CAST(j.last_seq AS bigint) * {_ORDER_SLOTS} + m.ord AS order_seq
+            FROM {{j}} AS j,
+                 unnest(CAST(:emitted_ids AS uuid[]), CAST(:emitted_types AS text[]),
+                        CAST(:emitted_times AS timestamptz[]),
+                        CAST(:emitted_correlations AS text[]),
+                        CAST(:emitted_causations AS text[]), CAST(:emitted_payloads AS text[]),
+                        CAST(:emitted_bodies AS text[]), CAST(:emitted_hashes AS bytea[]))
+                     WITH ORDINALITY AS m(event_id, event_type, event_time, correlation_id,
+                                          causation_id, payload, body, request_hash, ord)"""
+            )
+        if not selects:
+            return ()
+        rows, inserted = f"dx_{transition}", f"de_{transition}"
+        union = "\n            UNION ALL".join(selects)
+        return [
+            Write(
+                f"""
+        SELECT x.*, coalesce(x.given_body, {_BODY}) AS body
+        FROM ({union}
+        ) AS x""",
+                columns=_LIFECYCLE_COLUMNS,
+                name=rows,
+            ),
+            Write(
+                f"""
+        INSERT INTO events (tenant_id, event_id, event_type, event_time, correlation_id,
+                            causation_id, payload, request_hash, job_id)
+        SELECT tenant_id, event_id, event_type, event_time, correlation_id, causation_id,
+               CAST(payload AS jsonb),
+               coalesce(request_hash, sha256(convert_to(body, 'UTF8'))), job_id
+        FROM {rows}
+        ORDER BY order_seq
+        ON CONFLICT (tenant_id, event_id) DO NOTHING
+        RETURNING tenant_id, event_id""",
+                name=inserted,
+            ),
+            Write(
+                f"""
+        INSERT INTO outbox (id, tenant_id, kind, routing_key, correlation_id, body, headers,
+                            order_key, order_seq)
+        SELECT gen_random_uuid(), x.tenant_id, 'event', x.event_type, x.correlation_id,
+               convert_to(x.body, 'UTF8'),
+               jsonb_strip_nulls(jsonb_build_object('correlation_id', x.correlation_id,
+                                                    'causation_id', x.causation_id)),
+               x.job_id, x.order_seq
+        FROM {rows} AS x JOIN {inserted} AS e USING (tenant_id, event_id)""",
+                notify=f"pg_notify('{OUTBOX_CHANNEL}', '')",
+            ),
+            Write(
+                notify=f"pg_notify('{DOMAIN_EVENTS_CHANNEL}', CAST(j.tenant_id AS text))",
+                columns=frozenset({"tenant_id"}),
+            ),
+        ]
+
+    def binds(self, transition: Transition, cause: Cause) -> Mapping[str, Any]:
+        if transition is not Transition.SUCCEED:
+            return {}
+        emitted = cause.emitted
+        return {
+            "emitted_ids": [e.event.event_id for e in emitted],
+            "emitted_types": [e.event.event_type for e in emitted],
+            "emitted_times": [e.event.timestamp for e in emitted],
+            "emitted_correlations": [e.event.correlation_id for e in emitted],
+            "emitted_causations": [e.event.causation_id for e in emitted],
+            "emitted_payloads": [dumps(e.event.payload) for e in emitted],
+            "emitted_bodies": [e.body.decode() for e in emitted],
+            "emitted_hashes": [e.request_hash for e in emitted],
+        }
+
+
+def builtin_hooks(*, lifecycle: bool | None = None) -> list[Hook]:
+    """What every transition writes: its event, its dispatch, its signal, its domain events.
+
+    ``lifecycle``: whether transitions publish their lifecycle events (None:
+    as ``JOBPLANE_LIFECYCLE_EVENTS`` says, on unless it is ``0``).
+    """
+    if lifecycle is None:
+        lifecycle = lifecycle_events_enabled()
+    return [JobEvents(), Dispatches(), CancelSignal(), DomainEvents(lifecycle=lifecycle)]
 
 
 # What a caller wants back from a statement: columns of j (job columns, plus
@@ -551,8 +854,12 @@ class _Compiled:
 class StateMachine:
     """Compiles each transition's statement with its hooks' writes, and applies it."""
 
-    def __init__(self, hooks: Iterable[Hook] | None = None) -> None:
-        self._hooks: list[Hook] = builtin_hooks() if hooks is None else list(hooks)
+    def __init__(
+        self, hooks: Iterable[Hook] | None = None, *, lifecycle: bool | None = None
+    ) -> None:
+        self._hooks: list[Hook] = (
+            builtin_hooks(lifecycle=lifecycle) if hooks is None else list(hooks)
+        )
         self._compiled: dict[tuple[Transition, Returning], _Compiled] = {}
 
     def register(self, hook: Hook) -> Hook:
@@ -560,6 +867,13 @@ class StateMachine:
         self._hooks.append(hook)
         self._compiled.clear()
         return hook
+
+    def set_lifecycle_events(self, enabled: bool) -> None:
+        """Turn the transitions' lifecycle events on or off (emitted events stay)."""
+        for hook in self._hooks:
+            if isinstance(hook, DomainEvents):
+                hook.lifecycle = enabled
+        self._compiled.clear()
 
     def on(self, transitions: Iterable[Transition], fn: AfterFn) -> Hook:
         """Run ``fn(conn, change)`` after each of ``transitions``, in its transaction."""
@@ -637,7 +951,7 @@ class StateMachine:
         for n, (t, w) in enumerate(writes):
             rows = "j" if len(group) == 1 else f"(SELECT * FROM j WHERE transition = '{t}')"
             if w.sql:
-                ctes.append(f"w{n} AS ({w.sql.replace('{j}', rows)}\n    )")
+                ctes.append(f"{w.name or f'w{n}'} AS ({w.sql.replace('{j}', rows)}\n    )")
             if w.notify:
                 expr = w.notify
                 if len(group) > 1:
@@ -658,7 +972,11 @@ def _group(transition: Transition) -> tuple[Transition, ...]:
     return (transition,)
 
 
-def _returning(columns: Iterable[str], table: str, known: Iterable[str] = JOB_FIELDS) -> str:
+# Columns of jobs a hook may read besides JOB_FIELDS (which the API's reads use).
+_HOOK_FIELDS = (*JOB_FIELDS, "lifecycle_seq", "lifecycle_cause", "cancel_reason")
+
+
+def _returning(columns: Iterable[str], table: str, known: Iterable[str] = _HOOK_FIELDS) -> str:
     fields = set(known)
     return ", ".join(f"{table}.{c}" for c in sorted(columns) if c in fields)
 
@@ -706,6 +1024,10 @@ def _changes(transition: Transition, needs: set[str]) -> str:
     rule = RULES[transition]
     source_from, source_where, from_expr = _from_state(transition, needs)
     seq = "last_seq = last_seq + 1, " if rule.event is not None else ""
+    if rule.lifecycle is not None:
+        # The seq of the job's lifecycle event, and of the one before it
+        # (its cause): the right-hand sides read the row as it was.
+        seq += "lifecycle_cause = jobs.lifecycle_seq, lifecycle_seq = jobs.last_seq + 1, "
     guard = f" AND {rule.guard}" if rule.guard else ""
     return f"""
         UPDATE jobs SET state = '{rule.target.value}', {rule.sets}, {seq}update_time = now()
@@ -723,10 +1045,10 @@ def _submit(needs: set[str]) -> str:
     return f"""
         INSERT INTO jobs (id, tenant_id, type, queue, state, payload, max_attempts, request_id,
                           request_hash, correlation_id, labels, dispatch_id, last_seq,
-                          timeout_seconds)
+                          timeout_seconds, lifecycle_seq)
         VALUES (:id, :tenant_id, :type, :queue, '{RULES[Transition.SUBMIT].target.value}',
                 CAST(:payload AS jsonb), :max_attempts, :request_id, :request_hash,
-                :correlation_id, CAST(:labels AS jsonb), :dispatch_id, 1, :timeout_seconds)
+                :correlation_id, CAST(:labels AS jsonb), :dispatch_id, 1, :timeout_seconds, 1)
         ON CONFLICT (tenant_id, request_id) DO NOTHING
         RETURNING {_returning(needs, "jobs") or "jobs.id"},
                   CAST('{Transition.SUBMIT}' AS text) AS transition,

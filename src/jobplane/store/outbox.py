@@ -33,6 +33,14 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 from jobplane.envelope import Envelope
 from jobplane.store.machine import MACHINE, Cause, Transition, where_sources
 
+# An event row of a job (order_key: the job) waits while a row in front of
+# it (a lower order_seq) is neither published nor failed: the broker gets a
+# job's events one after the other, whichever relays publish them, and a
+# row due again after a nack holds back those behind it.
+IN_TURN = """(order_key IS NULL OR NOT EXISTS (
+        SELECT 1 FROM outbox ahead
+        WHERE ahead.order_key = outbox.order_key AND ahead.order_seq < outbox.order_seq
+          AND ahead.published_at IS NULL AND ahead.failed_at IS NULL))"""
 # SKIP LOCKED lets any number of relays share the table: each takes rows no
 # other relay holds, and a relay that dies releases its rows with its
 # transaction.
@@ -44,12 +52,24 @@ _CLAIM_SQL = """
     LIMIT :limit
     FOR UPDATE SKIP LOCKED
 """
-_CLAIM_DUE = text(_CLAIM_SQL.format(where="available_at <= now()"))
+# Job dispatches and the other kinds are claimed apart, up to the limit each:
+# a backlog of events never delays a job's dispatch behind it.
+_DISPATCHES = "kind = 'job.dispatch'"
+_OTHERS = f"kind <> 'job.dispatch' AND {IN_TURN}"
+_CLAIM_DUE = tuple(
+    text(_CLAIM_SQL.format(where=f"available_at <= now() AND {kind}"))
+    for kind in (_DISPATCHES, _OTHERS)
+)
 # Rows the database refuses to change are held back by the relay that found
 # them (for a while): without this they would head every batch, and every
 # batch would fail on them.
-_CLAIM_DUE_EXCEPT = text(
-    _CLAIM_SQL.format(where="available_at <= now() AND NOT (id = ANY(CAST(:skip AS uuid[])))")
+_CLAIM_DUE_EXCEPT = tuple(
+    text(
+        _CLAIM_SQL.format(
+            where=f"available_at <= now() AND NOT (id = ANY(CAST(:skip AS uuid[]))) AND {kind}"
+        )
+    )
+    for kind in (_DISPATCHES, _OTHERS)
 )
 # One row again, in a transaction of its own, once its batch was refused.
 _CLAIM_ONE = text(_CLAIM_SQL.format(where="id = :id"))
@@ -106,9 +126,11 @@ _LOCK_JOB = text(
     f"AND {where_sources(Transition.RELAY_FAIL)}, false) AS current "
     "FROM jobs WHERE id = :job_id FOR UPDATE SKIP LOCKED"
 )
+# A row waiting for its turn is not due: the row in front of it is (or is
+# being published, and its relay takes the next one).
 _NEXT_DUE = text(
     "SELECT extract(epoch FROM min(available_at) - now()) FROM outbox "
-    "WHERE published_at IS NULL AND failed_at IS NULL"
+    f"WHERE published_at IS NULL AND failed_at IS NULL AND {IN_TURN}"
 )
 
 
@@ -257,17 +279,20 @@ class OutboxStore:
     async def claim(
         self, limit: int, *, skip: Collection[uuid.UUID] = ()
     ) -> AsyncIterator[OutboxBatch]:
-        """Lock up to ``limit`` due rows (none of ``skip``) for the life of the block.
+        """Lock up to ``limit`` due dispatches and ``limit`` other due rows (none of
+        ``skip``) for the life of the block.
 
         The marks written inside the block commit with it; if the block
         raises, the rows stay unpublished and due.
         """
         if skip:
-            statement, params = _CLAIM_DUE_EXCEPT, {"skip": [str(i) for i in skip]}
+            statements, params = _CLAIM_DUE_EXCEPT, {"skip": [str(i) for i in skip]}
         else:
-            statement, params = _CLAIM_DUE, {}
+            statements, params = _CLAIM_DUE, {}
         async with self._engine.begin() as conn:
-            yield await self._batch(conn, statement, {"limit": limit, **params})
+            dispatches = await self._batch(conn, statements[0], {"limit": limit, **params})
+            others = await self._batch(conn, statements[1], {"limit": limit, **params})
+            yield OutboxBatch(conn, dispatches.rows + others.rows)
 
     @asynccontextmanager
     async def claim_one(self, row_id: uuid.UUID) -> AsyncIterator[OutboxBatch]:

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
+from jobplane.store.machine import lifecycle_events_enabled
 from jobplane.topology import Topology
 
 # Any fixed number: the key of the advisory lock that orders concurrent syncs.
@@ -30,16 +31,17 @@ _READ_ROUTES = text(
     "SELECT rank, queue, pattern, regex, max_attempts, timeout_seconds FROM job_routes "
     "ORDER BY rank"
 )
-_READ_LIMIT = text("SELECT max_payload_bytes FROM submit_settings")
+_READ_LIMIT = text("SELECT max_payload_bytes, lifecycle_events FROM submit_settings")
 _CLEAR_ROUTES = text("DELETE FROM job_routes")
 _INSERT_ROUTE = text(
     "INSERT INTO job_routes (rank, queue, pattern, regex, max_attempts, timeout_seconds) "
     "VALUES (:rank, :queue, :pattern, :regex, :max_attempts, :timeout_seconds)"
 )
 _WRITE_LIMIT = text(
-    "INSERT INTO submit_settings (singleton, max_payload_bytes) VALUES (true, :limit) "
+    "INSERT INTO submit_settings (singleton, max_payload_bytes, lifecycle_events) "
+    "VALUES (true, :limit, :lifecycle) "
     "ON CONFLICT (singleton) DO UPDATE SET max_payload_bytes = EXCLUDED.max_payload_bytes, "
-    "update_time = now()"
+    "lifecycle_events = EXCLUDED.lifecycle_events, update_time = now()"
 )
 
 
@@ -85,27 +87,37 @@ def routes_of(topology: Topology) -> list[Route]:
 
 
 async def sync_submit_rules(
-    engine: AsyncEngine | AsyncConnection, topology: Topology, *, max_payload_bytes: int
+    engine: AsyncEngine | AsyncConnection,
+    topology: Topology,
+    *,
+    max_payload_bytes: int,
+    lifecycle_events: bool | None = None,
 ) -> bool:
-    """Make ``job_routes`` and ``submit_settings`` say what ``topology`` and the limit say.
+    """Make ``job_routes`` and ``submit_settings`` say what ``topology`` and the limits say.
 
+    ``lifecycle_events``: whether ``jobplane.submit_job`` writes ``job.queued``
+    as the servers do (None: as ``JOBPLANE_LIFECYCLE_EVENTS`` says).
     Returns whether anything was written. Needs only SELECT, INSERT, UPDATE
     and DELETE on the two tables (the servers' database role has them).
     """
+    if lifecycle_events is None:
+        lifecycle_events = lifecycle_events_enabled()
+    wanted = routes_of(topology)
     if isinstance(engine, AsyncConnection):
-        return await _sync(engine, routes_of(topology), max_payload_bytes)
+        return await _sync(engine, wanted, max_payload_bytes, lifecycle_events)
     async with engine.begin() as conn:
-        return await _sync(conn, routes_of(topology), max_payload_bytes)
+        return await _sync(conn, wanted, max_payload_bytes, lifecycle_events)
 
 
-async def _sync(conn: AsyncConnection, wanted: list[Route], limit: int) -> bool:
+async def _sync(conn: AsyncConnection, wanted: list[Route], limit: int, lifecycle: bool) -> bool:
     await conn.execute(_LOCK, {"key": _SYNC_LOCK})
     rows = (await conn.execute(_READ_ROUTES)).all()
     current = [
         Route(r.rank, r.queue, r.pattern, r.regex, r.max_attempts, r.timeout_seconds) for r in rows
     ]
-    current_limit = (await conn.execute(_READ_LIMIT)).scalar()
-    if current == wanted and current_limit == limit:
+    settings = (await conn.execute(_READ_LIMIT)).first()
+    current_settings = None if settings is None else (settings[0], settings[1])
+    if current == wanted and current_settings == (limit, lifecycle):
         return False
     if current != wanted:
         await conn.execute(_CLEAR_ROUTES)
@@ -123,6 +135,6 @@ async def _sync(conn: AsyncConnection, wanted: list[Route], limit: int) -> bool:
                 for r in wanted
             ],
         )
-    if current_limit != limit:
-        await conn.execute(_WRITE_LIMIT, {"limit": limit})
+    if current_settings != (limit, lifecycle):
+        await conn.execute(_WRITE_LIMIT, {"limit": limit, "lifecycle": lifecycle})
     return True
