@@ -19,7 +19,7 @@
 
 Revision ID: 0006
 Revises: 0005
-Create Date: 2026-12-01
+Create Date: 2026-11-30
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ reason the RPC gives (docs/adr/0012-enqueue-in-the-callers-transaction.md).
 
 Revision ID: 0007
 Revises: 0006
-Create Date: 2026-12-01
+Create Date: 2026-11-30
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@
 
 Revision ID: 0008
 Revises: 0007
-Create Date: 2026-12-02
+Create Date: 2026-11-30
 """
 
 from __future__ import annotations

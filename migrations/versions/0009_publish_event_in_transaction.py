@@ -16,7 +16,7 @@ different one with that id raises ``EVENT_ID_REUSED`` (JP006).
 
 Revision ID: 0009
 Revises: 0008
-Create Date: 2026-12-02
+Create Date: 2026-11-30
 """
 
 from __future__ import annotations
