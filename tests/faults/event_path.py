@@ -228,10 +228,11 @@ class EventPath:
 
     async def judge(self) -> tuple[dict[str, int], list[str]]:
         """Judge P, A and O over every event of the run: counts, and every violation."""
-        committed = [
-            r["event_id"]
-            for r in await self.cluster.query("SELECT event_id FROM events ORDER BY txid, seq")
-        ]
+        # Every event: the run's own, and the lifecycle events of its jobs.
+        rows = await self.cluster.query(
+            "SELECT event_id, event_type FROM events ORDER BY txid, seq"
+        )
+        committed = [r["event_id"] for r in rows]
         stored = set(committed)
         copies = await self.copies()
         effects = {
@@ -264,6 +265,7 @@ class EventPath:
             )
         counts = {
             "events": len(committed),
+            "published": sum(1 for r in rows if r["event_type"] == EVENT_TYPE),
             "acked": len(self.acked),
             "copies": sum(copies.values()),
             "duplicates": sum(n - 1 for n in copies.values() if n > 1),
