@@ -23,9 +23,9 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
-from jobplane.errors import InvalidArgument, PayloadTooLarge, Unavailable, shown
+from jobplane.errors import InvalidArgument, Unavailable, shown
 from jobplane.events.envelope import Event, EventError, validate_pattern
-from jobplane.server.service import check_payload
+from jobplane.server.service import check_payload, check_payload_size
 from jobplane.store.events import (
     EventStore,
     NewEvent,
@@ -35,7 +35,6 @@ from jobplane.store.events import (
     pattern_regex,
 )
 from jobplane.store.listen import Listener
-from jobplane.store.rows import dumps
 
 # Patterns one subscription may hold; each costs a regex alternative.
 MAX_PATTERNS = 64
@@ -124,13 +123,7 @@ class EventService:
                 "lowercase form (8-4-4-4-12 hex digits)",
                 field="event_id",
             )
-        size = len(dumps(request.payload).encode())
-        if size > self._max_payload_bytes:
-            raise PayloadTooLarge(
-                f"payload is {size} bytes serialized; the limit is {self._max_payload_bytes}",
-                field="payload",
-                metadata={"limit": str(self._max_payload_bytes), "size": str(size)},
-            )
+        check_payload_size(request.payload, self._max_payload_bytes)
         check_payload(request.payload)
         event_id = uuid.UUID(request.event_id)
         try:

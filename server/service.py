@@ -110,13 +110,7 @@ class JobService:
             raise UnroutableJobType(
                 f"no queue of the topology takes job type {job_type!r}", field="type"
             )
-        size = len(dumps(request.payload).encode())
-        if size > self._max_payload_bytes:
-            raise PayloadTooLarge(
-                f"payload is {size} bytes serialized; the limit is {self._max_payload_bytes}",
-                field="payload",
-                metadata={"limit": str(self._max_payload_bytes), "size": str(size)},
-            )
+        check_payload_size(request.payload, self._max_payload_bytes)
         check_payload(request.payload)
         if request.max_attempts < 0 or request.max_attempts > MAX_ATTEMPTS_LIMIT:
             raise InvalidArgument(
@@ -248,6 +242,17 @@ def _check_labels(labels: dict[str, str]) -> None:
             )
         if "\x00" in value:
             raise InvalidArgument(f"label {key!r} has a NUL character", field=f"labels[{key}]")
+
+
+def check_payload_size(payload: dict[str, Any], limit: int) -> None:
+    """Refuse a payload larger than ``limit`` bytes as stored (compact JSON)."""
+    size = len(dumps(payload).encode())
+    if size > limit:
+        raise PayloadTooLarge(
+            f"payload is {size} bytes serialized; the limit is {limit}",
+            field="payload",
+            metadata={"limit": str(limit), "size": str(size)},
+        )
 
 
 def check_payload(payload: dict[str, Any]) -> None:
