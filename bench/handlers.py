@@ -18,9 +18,10 @@ async def noop(ctx: JobContext) -> dict[str, Any]:
 
 
 # The same, under the types of the lifecycle-events comparison (one type per
-# round, so each round counts only its own jobs).
-registry.add("bench.noop_lifecycle_off", noop)
-registry.add("bench.noop_lifecycle_on", noop)
+# half of each round, so each counts only its own jobs).
+for _round in range(1, 10):
+    for _state in ("off", "on"):
+        registry.add(f"bench.noop_lifecycle_{_state}_{_round}", noop)
 
 
 @registry.handler("bench.progress")

@@ -1,6 +1,9 @@
-"""The outbox relay: publish committed messages, confirmed, then mark them.
+"""The relay: publish committed messages and events, confirmed, then record it.
 
-Rows are claimed with FOR UPDATE SKIP LOCKED, published persistent on a
+Two feeds, each on a confirming channel of its own on one connection:
+
+- **the outbox** (job dispatches, and messages of other kinds). Rows are
+claimed with FOR UPDATE SKIP LOCKED, published persistent on a
 confirming channel, and marked by what the broker did with each, in the
 claim's transaction. A job dispatch goes to the jobs exchange, mandatory,
 its envelope built from the row; a domain event goes to the events exchange
@@ -36,6 +39,17 @@ is failed over it; the rows stay due and the relay says so loudly.
 A crash after the confirm and before the mark publishes the row again later:
 workers treat that duplicate as harmless.
 
+- **the events table** (domain events: lifecycle, emitted, published; ADR-0016).
+  One relay at a time holds the feed, reads the settled events after its
+  position in commit order, publishes them in that order (persistent, not
+  mandatory, the body and properties of docs/events.md), and moves the
+  position past the confirmed ones in front of the first that was not. A
+  crash, a nack or a timeout publishes from there again: at least once, and
+  a job's events reach every queue in the order they happened (a repeat can
+  follow a later event only after a nack or a crash). An event AMQP can never
+  carry is logged (``relay.event.failed``), passed over and left in the table
+  for subscribers.
+
 The broker link is closed only when the broker is down or the channel is
 gone. A database that is down is waited out with the link kept open: a
 reconnect would re-run the whole topology check for nothing.
@@ -49,6 +63,7 @@ import enum
 import time
 import uuid
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import aio_pika
 import aiormq
@@ -66,18 +81,21 @@ from jobplane.events.envelope import (
     MAX_EVENT_BYTES,
     TRACEPARENT_HEADER,
     TRACESTATE_HEADER,
+    Event,
     EventError,
     amqp_properties,
     decode,
+    encode,
 )
 from jobplane.faults import NO_FAULTS, FaultPoints
 from jobplane.logs import describe_error
 from jobplane.names import job_name
 from jobplane.store.deployment import Deployment, this_deployment
 from jobplane.store.down import database_transient
+from jobplane.store.events import EventFeed, FeedEvent
 from jobplane.store.listen import Listener
 from jobplane.store.outbox import GiveUp, OutboxBatch, OutboxKind, OutboxRow, OutboxStore
-from jobplane.store.rows import OUTBOX_CHANNEL
+from jobplane.store.rows import DOMAIN_EVENTS_CHANNEL, OUTBOX_CHANNEL
 from jobplane.tasks import cancel_and_wait
 from jobplane.topology import Ownership, Topology, TopologyMissing, ensure
 from jobplane.workers.sweeper import Sweeper
@@ -99,6 +117,10 @@ _HOLD_SECONDS = 300.0
 # rows over it would fail every job in the system, so it is left to an
 # operator instead, loudly.
 _ROW_REFUSALS = frozenset({"22", "23", "P0", "44"})
+# How soon the event feed reads again when events wait for an older
+# transaction to end (no notification says when it does).
+_HELD_POLL_SECONDS = 0.05
+_FEED_LINGER_SECONDS = 0.05
 
 
 class PublishFailed(Exception):
@@ -119,10 +141,12 @@ class _Link:
     channel: AbstractChannel
     exchange: AbstractExchange
     events: AbstractExchange
+    #: The event feed's own confirming channel (its events exchange is the topology's).
+    feed_channel: AbstractChannel
 
     @property
     def closed(self) -> bool:
-        return self.connection.is_closed or self.channel.is_closed
+        return self.connection.is_closed or self.channel.is_closed or self.feed_channel.is_closed
 
     async def close(self) -> None:
         with contextlib.suppress(Exception):
@@ -143,6 +167,20 @@ class _Outcome:
     row: OutboxRow
     fate: _Fate
     error: BaseException | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class FeedPass:
+    """What one pass of the event feed did."""
+
+    #: Events published (or passed over as unpublishable) and behind the position now.
+    published: int = 0
+    #: False when another relay holds the feed.
+    held_feed: bool = True
+    #: A whole batch was read: read on at once.
+    more: bool = False
+    #: Events wait for an older transaction to end: read again soon.
+    waiting: bool = False
 
 
 @dataclass(slots=True)
@@ -168,6 +206,7 @@ class Relay:
         topology: Topology,
         *,
         batch_size: int = 100,
+        event_batch_size: int = 500,
         poll_seconds: float = 1.0,
         publish_timeout: float = 10.0,
         faults: FaultPoints = NO_FAULTS,
@@ -185,7 +224,11 @@ class Relay:
         self._publish_timeout = publish_timeout
         self._faults = faults
         self._wakeups = Listener(database_url, OUTBOX_CHANNEL)
+        self._feed = EventFeed(engine)
+        self._event_batch_size = event_batch_size
+        self._event_wakeups = Listener(database_url, DOMAIN_EVENTS_CHANNEL)
         self._task: asyncio.Task[None] | None = None
+        self._feed_task: asyncio.Task[None] | None = None
         self._sweeper = sweeper
         self._sweep_interval = sweep_interval
         self._unroutable_after = unroutable_after
@@ -195,6 +238,7 @@ class Relay:
         self.ownership: Ownership | None = None
         self._held: dict[uuid.UUID, float] = {}  # row id -> monotonic time it is tried again
         self.published = 0
+        self.events_published = 0
         self.failed = 0
         self.connects = 0
         self.database_errors = 0
@@ -213,6 +257,7 @@ class Relay:
         """
         await self._wakeups.start()
         try:
+            await self._event_wakeups.start()
             self._link = await self._open()
         except Exception as exc:
             if broker.broker_down(exc):
@@ -220,9 +265,11 @@ class Relay:
             elif database_transient(exc):
                 log.warning("relay.db.error", error=describe_error(exc), retry="in the background")
             else:
+                await self._event_wakeups.stop()
                 await self._wakeups.stop()
                 raise
         self._task = asyncio.create_task(self._run(), name="jobplane-relay")
+        self._feed_task = asyncio.create_task(self._run_feed(), name="jobplane-relay-events")
         if self._sweeper is not None:
             self._sweeper.start(self._sweep_interval)
 
@@ -233,12 +280,14 @@ class Relay:
                 await self._sweeper.stop()
         finally:
             try:
+                await cancel_and_wait(self._feed_task)
                 await cancel_and_wait(self._task)
             finally:
-                self._task = None
+                self._task = self._feed_task = None
                 if self._link is not None:
                     await self._link.close()
                     self._link = None
+                await self._event_wakeups.stop()
                 await self._wakeups.stop()
 
     async def _open(self) -> _Link:
@@ -251,13 +300,24 @@ class Relay:
             channel = await connection.channel(publisher_confirms=True)
             exchange = await channel.get_exchange(self._topology.exchange, ensure=False)
             events = await channel.get_exchange(self._topology.events_exchange, ensure=False)
+            # The feed's own channel: its events go out in order, and its
+            # batches do not wait behind the outbox's (nor these behind them).
+            feed_channel = await connection.channel(publisher_confirms=True)
+            # A link that closes wakes both loops: the outbox loop reopens it
+            # at once, not when its wait for due rows ends.
+            for closing in (connection, channel, feed_channel):
+                closing.close_callbacks.add(self._link_closed)
         except BaseException:
             with contextlib.suppress(Exception):
                 await connection.close()
             raise
         self.connects += 1
         log.info("relay.connected")
-        return _Link(connection, channel, exchange, events)
+        return _Link(connection, channel, exchange, events, feed_channel)
+
+    def _link_closed(self, *_: object) -> None:
+        self._wakeups.wake_all()
+        self._event_wakeups.wake_all()
 
     async def _run(self) -> None:
         delay = 0.5
@@ -302,7 +362,10 @@ class Relay:
             self._link = None
 
     async def drain_once(self) -> int:
-        """Connect, publish every row due now, disconnect; returns rows taken."""
+        """Connect, publish every row due now and every settled event, disconnect.
+
+        Returns the outbox rows taken and the events published.
+        """
         link = await self._open()
         try:
             total = 0
@@ -310,9 +373,163 @@ class Relay:
                 total += moved
                 if moved < self._batch_size:
                     break
-            return total
+            while True:
+                feed = await self.publish_events_once(link.feed_channel)
+                total += feed.published
+                if not feed.more:
+                    return total
         finally:
             await link.close()
+
+    async def _run_feed(self) -> None:
+        """Publish the events table's new events while the relay runs.
+
+        The link is the outbox loop's: it opens and reopens it; this loop
+        waits while there is none.
+        """
+        delay = 0.5
+        with self._event_wakeups.subscribe() as wakeup:
+            while True:
+                try:
+                    link = self._link
+                    if link is None or link.closed:
+                        await wakeup.wait(self._poll_seconds)
+                        continue
+                    feed = await self.publish_events_once(link.feed_channel)
+                    delay = 0.5
+                    if feed.more:
+                        continue
+                    if feed.waiting:
+                        await wakeup.wait(_HELD_POLL_SECONDS)
+                    elif not feed.held_feed:
+                        # Another relay publishes; take over if it goes away.
+                        await wakeup.wait(self._poll_seconds)
+                    else:
+                        await wakeup.wait(self._poll_seconds * 5)
+                    # Let a few more commits gather: one pass for many events.
+                    await asyncio.sleep(_FEED_LINGER_SECONDS)
+                    continue
+                except asyncio.CancelledError:
+                    raise
+                except PublishFailed as exc:
+                    log.warning("broker.publish.failed", feed="events", error=repr(exc))
+                except Exception as exc:
+                    if broker.broker_down(exc):
+                        # The outbox loop reconnects; this one waits for it.
+                        log.warning("broker.unavailable", feed="events", error=repr(exc))
+                    elif database_transient(exc):
+                        self.database_errors += 1
+                        log.warning("relay.db.error", feed="events", error=describe_error(exc))
+                    else:
+                        log.error(
+                            "relay.error", feed="events", error=describe_error(exc), exc_info=exc
+                        )
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 10.0)
+
+    async def publish_events_once(self, channel: AbstractChannel) -> FeedPass:
+        """Publish the next settled events of the feed in commit order, if this relay holds it.
+
+        ``channel``: a confirming channel of the feed's alone. Raises
+        :class:`PublishFailed` when the broker did not confirm one of them,
+        after moving the position past the confirmed ones in front of it;
+        the caller waits a little and calls again.
+        """
+        raw = await channel.get_underlay_channel()
+        if not isinstance(raw, aiormq.Channel):  # for basic_publish(wait=False)
+            raise TypeError(f"an aiormq channel was expected, not {type(raw).__name__}")
+        exchange = self._topology.events_exchange
+        failure: BaseException | None = None
+        async with self._feed.claim(self._event_batch_size) as batch:
+            if batch is None:
+                return FeedPass(held_feed=False)
+            if not batch.events:
+                return FeedPass(waiting=batch.held)
+            # In order on one channel: the broker keeps a channel's order in
+            # every queue. One deadline for the batch: a batch that misses
+            # it is published again whole.
+            try:
+                async with asyncio.timeout(self._publish_timeout):
+                    results = await asyncio.gather(
+                        *(self._publish_feed_event(raw, exchange, e) for e in batch.events),
+                        return_exceptions=True,
+                    )
+            except TimeoutError as exc:
+                raise PublishFailed(
+                    f"event feed: not confirmed within {self._publish_timeout:g}s"
+                ) from exc
+            done = 0
+            for event, result in zip(batch.events, results, strict=True):
+                if isinstance(result, Unpublishable):
+                    self.failed += 1
+                    log.error(
+                        "relay.event.failed",
+                        event_id=str(event.stored.event.event_id),
+                        event_type=event.stored.event.event_type,
+                        error=str(result),
+                        hint="AMQP cannot carry it; it stays in the events table",
+                    )
+                elif result is not None:
+                    if not isinstance(result, Exception):
+                        raise result  # cancelled: the position stays
+                    failure = result
+                    break
+                done += 1
+            if done:
+                await batch.advance(batch.events[done - 1].stored.position)
+        self.events_published += done
+        if failure is not None:
+            raise PublishFailed(f"event feed: {failure!r}") from failure
+        return FeedPass(
+            published=done,
+            more=len(batch.events) >= self._event_batch_size,
+            waiting=batch.held,
+        )
+
+    async def _publish_feed_event(
+        self, channel: aiormq.Channel, exchange: str, event: FeedEvent
+    ) -> None:
+        """Publish one event of the feed: its envelope, the properties docs/events.md lists.
+
+        Straight through aiormq, not waiting for the frames to be written:
+        the feed publishes many small messages, and aio-pika's message and
+        exchange layers cost a fifth of each.
+        """
+        stored = event.stored.event
+        try:
+            body = encode(stored)
+        except EventError as exc:
+            raise Unpublishable(f"its body is not an event: {_short(exc)}") from exc
+        properties = amqp_properties(
+            stored, traceparent=event.traceparent, tracestate=event.tracestate
+        )
+        if not _surely_publishable(stored, body, event.traceparent, event.tracestate):
+            check_publishable(
+                aio_pika.Message(body, **properties),
+                exchange,
+                stored.event_type,
+                mandatory=False,
+                max_body=MAX_EVENT_BYTES,
+            )
+        try:
+            # Not mandatory: with no queue bound the broker drops the event
+            # and confirms it, and that is a publish.
+            confirmation = await channel.basic_publish(
+                body,
+                exchange=exchange,
+                routing_key=stored.event_type,
+                properties=spec_properties(properties),
+                mandatory=False,
+                wait=False,
+            )
+        except (TypeError, ValueError, pamqp.exceptions.PAMQPException) as exc:
+            raise Unpublishable(str(exc)) from exc
+        if isinstance(confirmation, aiormq.spec.Basic.Ack):
+            # Mid-batch: some events of the batch confirmed, others in
+            # flight, the position not moved yet.
+            self._faults.hit("relay.event.confirmed")
+            return
+        raise PublishFailed(f"not confirmed: {type(confirmation).__name__}")
 
     async def _idle_seconds(self) -> float:
         if self._held:
@@ -608,6 +825,45 @@ class Relay:
             self._faults.hit("relay.event.confirmed")
             return
         raise PublishFailed(f"not confirmed: {type(confirmation).__name__}")
+
+
+def spec_properties(properties: dict[str, Any]) -> aiormq.spec.Basic.Properties:
+    """``aio_pika.Message(body, **properties).properties``, built directly.
+
+    ``properties`` as :func:`jobplane.events.envelope.amqp_properties` makes
+    them; the result is what aio-pika would send (a unit test compares them).
+    """
+    return aiormq.spec.Basic.Properties(
+        app_id=properties["app_id"],
+        content_type=properties["content_type"],
+        correlation_id=properties["correlation_id"],
+        delivery_mode=int(properties["delivery_mode"]),
+        headers=properties["headers"],
+        message_id=properties["message_id"],
+        message_type=properties["type"],
+        priority=0,
+        timestamp=properties["timestamp"],
+    )
+
+
+def _surely_publishable(
+    event: Event, body: bytes, traceparent: str | None, tracestate: str | None
+) -> bool:
+    """True when ``event`` is far within every AMQP limit, without encoding a frame.
+
+    Short strings of at most 63 characters are at most 252 bytes of UTF-8, and
+    all the strings at four bytes a character plus the fixed properties fit
+    the smallest frame. Anything else takes :func:`check_publishable`.
+    """
+    short = max(len(event.event_type), len(event.correlation_id), len(str(event.event_id)))
+    strings = (
+        len(event.event_type)
+        + len(event.correlation_id)
+        + len(event.causation_id or "")
+        + len(traceparent or "")
+        + len(tracestate or "")
+    )
+    return short <= 63 and 4 * strings + 512 <= _MIN_FRAME_MAX and len(body) <= MAX_EVENT_BYTES
 
 
 def _failed_event(row: OutboxRow) -> str:

@@ -5,6 +5,9 @@
 - Outbox rows due for too long and still unpublished: reported; the relay
   that runs the sweeper publishes them (``jobplane sweep --once`` does one
   relay pass itself).
+- Events committed over ``stuck_after`` seconds ago that no relay has
+  published (the event feed is behind: no relay runs, the broker is away,
+  or a long transaction holds the feed's horizon): reported.
 - Dispatches the broker lost: a QUEUED job whose current dispatch was
   published more than ``republish_after`` seconds ago (doubling with each
   re-publish of that dispatch) gets it published again. A copy of a message
@@ -32,6 +35,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from jobplane.logs import describe_error
 from jobplane.names import job_name
 from jobplane.store.down import database_transient
+from jobplane.store.events import EventFeed
 from jobplane.store.sweeps import SweepStore
 from jobplane.tasks import cancel_and_wait
 from jobplane.workers.retry import backoff
@@ -47,6 +51,8 @@ class SweepReport:
     failed: int
     stuck_outbox: int
     republished: int = 0
+    #: Events committed over ``stuck_after`` seconds ago and not published.
+    events_behind: int = 0
 
 
 class Sweeper:
@@ -66,6 +72,7 @@ class Sweeper:
     ) -> None:
         """``republish_every`` defaults to a tenth of ``republish_after``, at least 30 s."""
         self._store = SweepStore(engine)
+        self._feed = EventFeed(engine)
         self._lease_grace = lease_grace
         self._stuck_after = stuck_after
         self._batch_size = batch_size
@@ -99,13 +106,25 @@ class Sweeper:
             republished = await self._republish()
             self._next_republish = time.monotonic() + self._republish_every
         stuck = await self._store.stuck_outbox(older_than=self._stuck_after)
+        lag = await self._feed.lag(older_than=self._stuck_after)
         report = SweepReport(
-            requeued=requeued, failed=failed, stuck_outbox=stuck, republished=republished
+            requeued=requeued,
+            failed=failed,
+            stuck_outbox=stuck,
+            republished=republished,
+            events_behind=lag.behind,
         )
         if requeued or failed:
             log.warning("sweeper.leases.expired", requeued=requeued, failed=failed)
         if stuck:
             log.warning("sweeper.outbox.stuck", rows=stuck, older_than=self._stuck_after)
+        if lag.behind:
+            log.warning(
+                "sweeper.events.behind",
+                events=lag.behind,
+                oldest_seconds=round(lag.oldest_seconds or 0.0, 1),
+                older_than=self._stuck_after,
+            )
         return report
 
     async def _republish(self) -> int:

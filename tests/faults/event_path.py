@@ -1,13 +1,12 @@
 """The event path of a fault run: publishers, a tap, a resuming subscriber, and the judge.
 
 Events travel PublishEvent (or ``jobplane.publish_event`` in a caller's
-transaction) → ``events`` and the outbox → relay → the events exchange →
+transaction) → ``events`` → the relays' feed → the events exchange →
 queues. A run is judged, beside L/D/O of its jobs, by:
 
 - **P** every event a publisher was told is stored is in ``events``, and
   every committed event was published at least once: a copy of it is in the
-  tap (a durable queue bound ``#``), and its outbox row is published, not
-  failed;
+  tap (a durable queue bound ``#``), and the relays' position is past it;
 - **A** the inbox :class:`~jobplane.events.Consumer`, in a process of its
   own, applied every committed event exactly once (one side-effect row) and
   nothing else;
@@ -196,8 +195,8 @@ class EventPath:
             rows = await self.cluster.query(
                 """
                 SELECT (SELECT count(*) FROM events) AS committed,
-                       (SELECT count(*) FROM outbox WHERE kind = 'event'
-                          AND published_at IS NULL AND failed_at IS NULL) AS pending,
+                       (SELECT count(*) FROM events e, event_relay r
+                          WHERE (e.txid, e.seq) > (r.txid, r.seq)) AS pending,
                        (SELECT count(DISTINCT event_id) FROM event_effects) AS applied
                 """
             )
@@ -241,15 +240,16 @@ class EventPath:
                 "SELECT event_id, count(*) AS n FROM event_effects GROUP BY event_id"
             )
         }
+        # Behind the relays' position when the run settled: never published.
         unpublished = await self.cluster.query(
-            "SELECT id, published_at, failed_at, last_error FROM outbox WHERE kind = 'event' "
-            "AND (published_at IS NULL OR failed_at IS NOT NULL)"
+            "SELECT e.event_id, e.event_type FROM events e, event_relay r "
+            "WHERE (e.txid, e.seq) > (r.txid, r.seq)"
         )
         problems = [
             f"P: {e} was acknowledged but is not stored" for e in self.acked if e not in stored
         ]
         problems += [f"P: {e} committed and never published" for e in committed if not copies[e]]
-        problems += [f"P: outbox row {dict(r)} not published" for r in unpublished]
+        problems += [f"P: {dict(r)} behind the relays' position" for r in unpublished]
         problems += [
             f"A: {e} applied {effects.get(e, 0)} times" for e in committed if effects.get(e) != 1
         ]

@@ -62,12 +62,12 @@ async def test_relay_killed_mid_batch_while_publishing_events(
     await cluster.worker("--concurrency", "4")
 
     async def chaos() -> None:
-        # 40 rows of the batch confirmed, the rest in flight, none marked.
+        # 40 events of the batch confirmed, the rest in flight, the position not moved.
         assert await relay.wait(timeout=60) == 137
         await cluster.relay()
 
     counts = await _run(cluster, events, chaos)
-    # Published twice: the confirmed rows the dead relay never marked.
+    # Published twice: the confirmed events the dead relay never moved past.
     assert counts["duplicates"] >= 40, counts
     assert counts["published"] == 120
 

@@ -63,13 +63,8 @@ _REPLIES: dict[str, type[message.Message]] = {
 }
 # A call that has not answered in this long is a hang, not a slow answer.
 HANG_SECONDS = 60.0
-# Event rows of the outbox, each with its events row (Stack.counts counts
-# job dispatches).
-_EVENT_ROWS = (
-    "SELECT count(*) FROM outbox o JOIN events e "
-    "ON convert_from(o.body, 'UTF8')::jsonb ->> 'event_id' = e.event_id::text "
-    "WHERE o.kind = 'event'"
-)
+# Domain events stored (Stack.counts counts jobs, their events and dispatches).
+_EVENT_ROWS = "SELECT count(*) FROM events"
 
 Metadata = tuple[tuple[str, str | bytes], ...]
 

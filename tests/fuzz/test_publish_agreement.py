@@ -4,9 +4,9 @@ Each drawn event (valid or not: odd ids, types, times, ids of every length,
 huge, deep, NUL or NaN payloads, trace context good and bad) goes to a real
 server over gRPC, for one tenant, and to the SQL function through
 :mod:`jobplane.txn`, for another, with the same event_id. Both must accept
-or both refuse; an accepted pair must have written the same rows (the event
-and its outbox row, compared column by column, the body as the envelope it
-decodes to; the number of rows of every table). Then the same event_id
+or both refuse; an accepted pair must have written the same rows (the event,
+compared column by column, trace context included, and read back as an
+event the relay can publish; the number of rows of every table). Then the same event_id
 again, with the same event or a changed one: both must answer alike (the
 same event, or EVENT_ID_REUSED).
 
@@ -36,7 +36,7 @@ from jobplane import txn
 from jobplane.client._errors import error_from_rpc
 from jobplane.convert import dict_from_struct, struct_from_dict
 from jobplane.errors import EventIdReused, JobplaneError
-from jobplane.events import decode
+from jobplane.events import Event, decode, encode
 from jobplane.server import JobplaneServer
 from jobplane.store.engine import asyncpg_dsn
 from jobplane.topology import QueueSpec, Topology
@@ -212,13 +212,15 @@ _CHANGES = st.sampled_from(
 # What each path wrote, compared column by column (the time only when given).
 _EVENT = """
     SELECT event_type, CASE WHEN $3 THEN event_time END AS event_time, project_id,
-           correlation_id, causation_id, payload::text AS payload, job_id
+           correlation_id, causation_id, payload::text AS payload, job_id, traceparent,
+           tracestate
     FROM events e JOIN tenants t ON t.id = e.tenant_id WHERE t.name = $1 AND event_id = $2
 """
-_OUTBOX = """
-    SELECT kind, exchange, routing_key, o.correlation_id, headers::text AS headers, job_id,
-           published_at, publish_attempts, failed_at, o.available_at <= now() AS due, body
-    FROM outbox o JOIN tenants t ON t.id = o.tenant_id WHERE t.name = $1
+# What the relays read to publish it.
+_STORED = """
+    SELECT e.tenant_id, e.event_id, e.event_type, e.event_time, e.project_id,
+           e.correlation_id, e.causation_id, e.payload::text AS payload
+    FROM events e JOIN tenants t ON t.id = e.tenant_id WHERE t.name = $1
 """
 _TABLES = (
     "SELECT table_name FROM information_schema.tables "
@@ -247,21 +249,24 @@ class Sides:
         return {t: await self.conn.fetchval(f'SELECT count(*) FROM "{t}"') for t in self.tables}
 
     async def written(self, tenant: str, request: Request) -> list[Any]:
-        """What one tenant's publish wrote; the body as the envelope it decodes to."""
+        """What one tenant's publish wrote, and that it reads back as an event."""
         given = request.timestamp is not None
         event = await self.conn.fetchrow(_EVENT, tenant, uuid.UUID(request.event_id), given)
-        outbox = [dict(r) for r in await self.conn.fetch(_OUTBOX, tenant)]
-        for row in outbox:
-            body = bytes(row.pop("body"))
-            decode(body)  # the relay's and every consumer's reader takes it
-            # Numbers as doubles, as the RPC carries them: Postgres writes
-            # 6.171714874998217e+16 as 61717148749982170, the same number.
-            envelope = json.loads(body, parse_int=float)
-            envelope.pop("tenant_id")
-            if not given:
-                envelope.pop("timestamp")
-            row["envelope"] = envelope
-        return [dict(event or {}), outbox]
+        for row in await self.conn.fetch(_STORED, tenant):
+            # Checked as the constructor checks every event, then the body
+            # the relay builds: every consumer's reader takes it.
+            stored = Event(
+                event_id=row["event_id"],
+                event_type=row["event_type"],
+                timestamp=row["event_time"],
+                tenant_id=row["tenant_id"],
+                project_id=row["project_id"],
+                correlation_id=row["correlation_id"],
+                causation_id=row["causation_id"],
+                payload=json.loads(row["payload"]),
+            )
+            assert decode(encode(stored)) == stored
+        return [dict(event or {})]
 
 
 @pytest.fixture

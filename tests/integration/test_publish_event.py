@@ -1,4 +1,4 @@
-"""PublishEvent: stored once, published once through the outbox, refused whole when bad.
+"""PublishEvent: stored once, published once by the relays' feed, refused whole when bad.
 
 Through the generated stubs, on a real server, relay, Postgres and RabbitMQ.
 """
@@ -17,7 +17,7 @@ from sqlalchemy import text
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from jobplane.events import decode
+from jobplane.events import Event, decode, encode
 from jobplane.events.convert import event_from_pb
 from jobplane.server.service import MAX_PAYLOAD_DEPTH
 from jobplane.topology import Topology
@@ -47,6 +47,7 @@ async def api(stack: Stack) -> AsyncIterator[EventApi]:
 
 
 async def counts(stack: Stack) -> dict[str, int]:
+    """Events stored, and outbox rows (an event needs none: the relays read ``events``)."""
     return {
         table: int(await stack.scalar(f"SELECT count(*) FROM {table}"))
         for table in ("events", "outbox")
@@ -77,7 +78,7 @@ async def test_a_bound_queue_receives_the_event_once_with_the_documented_propert
         # The replay, as an SDK retry sends it: nothing new is written.
         before = await counts(stack)
         assert await api.publish(sent, traceparent=TRACEPARENT) == reply
-        assert await counts(stack) == before == {"events": 1, "outbox": 1}
+        assert await counts(stack) == before == {"events": 1, "outbox": 0}
         # One no queue is bound for: published all the same, and dropped.
         await api.publish(request("deployment.completed"))
 
@@ -124,7 +125,7 @@ async def test_defaults_of_an_event_and_a_replay_without_a_time(
     at_that_time.timestamp.CopyFrom(reply.timestamp)
     assert await api.publish(at_that_time) == reply
     assert stored.timestamp == event.timestamp
-    assert await counts(stack) == {"events": 1, "outbox": 1}
+    assert await counts(stack) == {"events": 1, "outbox": 0}
 
 
 @pytest.mark.parametrize(
@@ -171,7 +172,7 @@ async def test_an_event_id_is_a_key_per_tenant(stack: Stack, api: EventApi) -> N
     theirs = await api.stub.PublishEvent(sent, metadata=api.metadata(other), timeout=30)
     assert mine.tenant_id != theirs.tenant_id
     assert mine.event_id == theirs.event_id
-    assert await counts(stack) == {"events": 2, "outbox": 2}
+    assert await counts(stack) == {"events": 2, "outbox": 0}
 
 
 def _struct(value: dict[str, Any]) -> struct_pb2.Struct:
@@ -256,29 +257,40 @@ async def test_limits_of_the_fields_are_accepted(stack: Stack, api: EventApi) ->
     earliest.timestamp.FromSeconds(0)
     await api.publish(earliest)
     await all_published(stack)
-    assert await stack.scalar("SELECT count(*) FROM outbox WHERE failed_at IS NOT NULL") == 0
+    assert stack.relay is not None and stack.relay.failed == 0
+    assert stack.relay.events_published == 2
 
 
 async def test_an_event_a_relay_cannot_publish_fails_alone(
     stack: Stack, api: EventApi, amqp_url: str
 ) -> None:
-    """A row whose body is not an event (a writer that skipped the checks) is
-    failed; the rows of its batch are published, no job is touched."""
+    """Events no broker can take (written around the checks) are passed over
+    or failed, one by one; the events around them are published."""
     async with bound_queue(amqp_url, stack.topology.events_exchange, ["#"]) as (name, _):
         assert stack.relay is not None
         await stack.relay.stop()
-        good = await api.publish(request("artifact.created"))
+        first = await api.publish(request("artifact.created"))
         async with stack.engine.begin() as conn:
+            # In the events table: a routing key AMQP cannot carry.
             await conn.exec_driver_sql(
-                "INSERT INTO outbox (id, tenant_id, kind, routing_key, body) "
-                f"VALUES (gen_random_uuid(), '{stack.tenant_id}', 'event', 'artifact.created', "
-                "'not an event'::bytea)"
+                "INSERT INTO events (tenant_id, event_id, event_type, event_time, "
+                "correlation_id, payload, request_hash) "
+                f"VALUES ('{stack.tenant_id}', gen_random_uuid(), repeat('x', 300), now(), "
+                "'c', '{}', '')"
             )
-            await conn.exec_driver_sql(
-                "INSERT INTO outbox (id, tenant_id, kind, routing_key, body, exchange) "
-                "SELECT gen_random_uuid(), tenant_id, kind, routing_key, body, 'elsewhere' "
-                "FROM outbox WHERE kind = 'event' AND body <> 'not an event'::bytea"
+            # Outbox rows of kind event: a body that is not an event, and an
+            # exchange that is not the topology's.
+            body = encode(Event.new("artifact.moved", tenant_id=stack.tenant_id))
+            await conn.execute(
+                text(
+                    "INSERT INTO outbox (id, tenant_id, kind, routing_key, body, exchange) "
+                    "VALUES (gen_random_uuid(), :t, 'event', 'artifact.created', "
+                    "'not an event', NULL), "
+                    "(gen_random_uuid(), :t, 'event', 'artifact.moved', :body, 'elsewhere')"
+                ),
+                {"t": stack.tenant_id, "body": body},
             )
+        last = await api.publish(request("artifact.deleted"))
         relay = await stack.start_relay()
         await all_published(stack)
         failed = await stack.scalar(
@@ -288,9 +300,11 @@ async def test_an_event_a_relay_cannot_publish_fails_alone(
         assert len(failed) == 2
         assert "not an event" in failed[0] or "not an event" in failed[1]
         assert any("elsewhere" in error for error in failed)
-        assert relay.failed == 2
-        (message,) = await take_all(amqp_url, name)
-        assert message.message_id == good.event_id
+        assert relay.failed == 3
+        messages = await take_all(amqp_url, name)
+        assert [m.message_id for m in messages] == [first.event_id, last.event_id]
+        # The one passed over stays for subscribers; the feed is past it.
+        assert await stack.scalar("SELECT count(*) FROM events") == 3
 
 
 async def test_the_outbox_holds_each_kind_to_its_columns(stack: Stack) -> None:

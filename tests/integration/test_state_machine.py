@@ -231,18 +231,15 @@ async def _snapshot(engine: AsyncEngine, job_id: uuid.UUID) -> tuple[Any, ...]:
                 params,
             )
         ).scalar_one()
-        # Its domain events (lifecycle and emitted) and their outbox rows.
+        # Its domain events (lifecycle and emitted), in the order the relays publish them.
         domain = (
             await conn.execute(
                 text(
                     "SELECT coalesce(jsonb_agg(jsonb_build_object("
                     "'event_id', e.event_id, 'event_type', e.event_type, "
-                    "'causation_id', e.causation_id, 'payload', e.payload, "
-                    "'order_seq', o.order_seq, 'routing_key', o.routing_key) ORDER BY e.seq), "
-                    "'[]') "
-                    "FROM events e JOIN outbox o ON o.kind = 'event' AND o.order_key = e.job_id "
-                    "AND convert_from(o.body, 'UTF8')::jsonb ->> 'event_id' = e.event_id::text "
-                    "WHERE e.job_id = :id"
+                    "'causation_id', e.causation_id, 'payload', e.payload) "
+                    "ORDER BY e.txid, e.seq), '[]') "
+                    "FROM events e WHERE e.job_id = :id"
                 ),
                 params,
             )
@@ -323,7 +320,6 @@ async def test_each_transition_applies_exactly_from_its_sources(
             )
         ], where
         assert published[0]["payload"]["state"] == rule.target.value, where
-        assert published[0]["routing_key"] == rule.lifecycle.value, where
         assert (row_after["lifecycle_seq"], row_after["lifecycle_cause"]) == (
             seq,
             row_before["lifecycle_seq"],
@@ -355,13 +351,13 @@ async def test_submit_creates_a_queued_job_once(engine: AsyncEngine, tenant: uui
                     "SELECT (SELECT count(*) FROM jobs), (SELECT count(*) FROM job_events), "
                     "(SELECT count(*) FROM outbox WHERE kind = 'job.dispatch'), "
                     "(SELECT count(*) FROM events), "
-                    "(SELECT count(*) FROM outbox WHERE kind = 'event')"
+                    "(SELECT count(*) FROM outbox WHERE kind <> 'job.dispatch')"
                 )
             )
         ).one()
-    # One job, its one event, its one dispatch and its one job.queued (an
-    # events row and an outbox row) per phase: nothing more.
-    assert tuple(counts) == (len(Phase),) * 5
+    # One job, its one event, its one dispatch and its one job.queued per
+    # phase (no outbox row of its own: the relays read events): nothing more.
+    assert tuple(counts) == (len(Phase),) * 4 + (0,)
     fresh, created = await store.submit(
         tenant,
         NewJob(type="machine.new", queue=_QUEUE, payload={}, request_id="new", max_attempts=1),
@@ -520,15 +516,13 @@ async def test_hook_writes_commit_only_with_the_winning_attempt(
         (job.job_id, "thing.made", {"n": 1}),
     ]
     # The built-in hook wrote them as domain events the same way: the
-    # winner's, in order, each with its outbox row; the stale one's never.
+    # winner's, in the order emitted (the feed's order), the stale one's never.
     async with engine.connect() as conn:
         stored = (
             await conn.execute(
                 text(
-                    "SELECT e.event_id, e.event_type, e.payload, o.order_seq FROM events e "
-                    "JOIN outbox o ON o.kind = 'event' AND o.order_key = e.job_id "
-                    "AND convert_from(o.body, 'UTF8')::jsonb ->> 'event_id' = e.event_id::text "
-                    "WHERE e.job_id = :id AND e.event_type LIKE 'thing.%' ORDER BY e.seq"
+                    "SELECT e.event_id, e.event_type, e.payload FROM events e "
+                    "WHERE e.job_id = :id AND e.event_type LIKE 'thing.%' ORDER BY e.txid, e.seq"
                 ),
                 {"id": job.job_id},
             )
@@ -536,4 +530,3 @@ async def test_hook_writes_commit_only_with_the_winning_attempt(
     assert [(r.event_id, r.event_type, r.payload) for r in stored] == [
         (e.event.event_id, e.event_type, dict(e.payload)) for e in won
     ]
-    assert stored[0].order_seq < stored[1].order_seq

@@ -121,11 +121,13 @@ async def bound_queue(
 
 
 async def all_published(stack: Stack) -> None:
-    """Until the relay has published every outbox row."""
+    """Until the relay has published every outbox row and every event."""
 
     async def done() -> bool:
         pending = await stack.scalar(
-            "SELECT count(*) FROM outbox WHERE published_at IS NULL AND failed_at IS NULL"
+            "SELECT (SELECT count(*) FROM outbox WHERE published_at IS NULL AND failed_at IS NULL)"
+            " + (SELECT count(*) FROM events e, event_relay r"
+            " WHERE (e.txid, e.seq) > (r.txid, r.seq))"
         )
         return int(pending) == 0
 

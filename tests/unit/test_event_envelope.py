@@ -24,6 +24,7 @@ from jobplane.events import (
     matches,
     validate_pattern,
 )
+from jobplane.workers.relay import spec_properties
 
 TENANT = uuid.UUID("7d3c9d2e-4a51-4c8e-9d7e-0d6f1f1b2a33")
 EVENT_ID = uuid.UUID("01937a2e-5b7c-7f00-8a1b-2c3d4e5f6a7b")
@@ -272,3 +273,38 @@ def test_patterns_mean_what_the_broker_makes_of_them() -> None:
     assert matches(["artifact.#", "job.#"], "job.started.late")
     assert matches(["#"], "anything.at.all")
     assert not matches([], "job.started")
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [
+        {},
+        {"causation_id": None},
+        {"correlation_id": "é" * 127 + "c"},
+        {"event_type": "a" * 128},
+    ],
+    ids=["full", "no-causation", "long-correlation", "long-type"],
+)
+@pytest.mark.parametrize(
+    "trace", [(None, None), ("00-" + "a" * 32 + "-" + "b" * 16 + "-01", "k=v")]
+)
+def test_the_feeds_properties_are_what_aio_pika_would_send(
+    changes: dict[str, Any], trace: tuple[str | None, str | None]
+) -> None:
+    """The relay's event feed builds the AMQP properties itself (no aio-pika
+    Message); on the wire they are byte for byte aio-pika's."""
+    event = make(**changes)
+    traceparent, tracestate = trace
+    properties = amqp_properties(event, traceparent=traceparent, tracestate=tracestate)
+    body = encode(event)
+    ours = ContentHeader(0, len(body), spec_properties(properties))
+    theirs = ContentHeader(0, len(body), aio_pika.Message(body, **properties).properties)
+    assert marshal(ours, 1) == marshal(theirs, 1)
+    # And the strings a consumer reads are the envelope's.
+    read = spec_properties(properties)
+    assert (read.message_id, read.message_type, read.correlation_id) == (
+        str(event.event_id),
+        event.event_type,
+        event.correlation_id,
+    )
+    assert read.delivery_mode == 2 and read.app_id == "jobplane"

@@ -117,6 +117,40 @@ class Event:
         check_payload(self.payload)
 
     @classmethod
+    def stored(
+        cls,
+        *,
+        event_id: uuid.UUID,
+        event_type: str,
+        timestamp: datetime,
+        tenant_id: uuid.UUID,
+        project_id: str | None,
+        correlation_id: str,
+        causation_id: str | None,
+        payload: dict[str, Any],
+    ) -> Event:
+        """An event read back from the events table, not checked again.
+
+        Every path that writes the table checks what it writes (as the
+        constructor does, or in SQL to the same rules); the relay and the
+        subscriptions read many events, and the checks would be most of
+        their cost. ``timestamp`` must be timezone-aware.
+        """
+        event = object.__new__(cls)
+        for name, value in (
+            ("event_id", event_id),
+            ("event_type", event_type),
+            ("timestamp", timestamp if timestamp.tzinfo is UTC else timestamp.astimezone(UTC)),
+            ("tenant_id", tenant_id),
+            ("project_id", project_id),
+            ("correlation_id", correlation_id),
+            ("causation_id", causation_id),
+            ("payload", payload),
+        ):
+            object.__setattr__(event, name, value)
+        return event
+
+    @classmethod
     def new(
         cls,
         event_type: str,

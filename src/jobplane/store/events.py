@@ -1,10 +1,12 @@
-"""Domain events in Postgres: appended with their outbox rows, read back in commit order.
+"""Domain events in Postgres: appended in the writer's transaction, read back in commit order.
 
 :func:`append` is the one way an event is written, by ``PublishEvent`` and
-by anything that emits events inside its own transaction (a job transition,
-a handler's ``ctx.emit``): it writes the ``events`` row and the outbox row
-the relay publishes, on the caller's connection, in the caller's
-transaction — both commit with the caller's writes or neither does.
+by anything that emits events inside its own transaction (it is what a job
+transition's statement writes too): the ``events`` row, on the caller's
+connection, in the caller's transaction — it commits with the caller's
+writes or not at all. The table is its own outbox: the relays publish it
+by a cursor in commit order (:class:`EventFeed`, ADR-0016), and
+subscriptions read it by theirs.
 
 Reading (:meth:`EventStore.read_after`) follows a commit-ordered cursor
 (ADR-0011). Every row records the id of the transaction that wrote it
@@ -27,7 +29,8 @@ import hashlib
 import json
 import struct
 import uuid
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -37,21 +40,13 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from jobplane.errors import EventIdReused, InvalidArgument
 from jobplane.events.envelope import (
-    TRACEPARENT_HEADER,
-    TRACESTATE_HEADER,
     Event,
     encode,
     validate_pattern,
 )
-from jobplane.ids import new_id
 from jobplane.store.engine import autocommit
 from jobplane.store.machine import Emitted
-from jobplane.store.outbox import OutboxKind
-from jobplane.store.rows import DOMAIN_EVENTS_CHANNEL, OUTBOX_CHANNEL, dumps
-
-# The outbox headers of an event row (besides the trace context).
-CORRELATION_HEADER = "correlation_id"
-CAUSATION_HEADER = "causation_id"
+from jobplane.store.rows import DOMAIN_EVENTS_CHANNEL, dumps
 
 _MAX_POSITION = 2**63 - 1
 _CURSOR_VERSION = 1
@@ -70,7 +65,7 @@ class NewEvent:
     event: Event
     #: The job the event is about (a lifecycle or handler event), if any.
     job_id: uuid.UUID | None = None
-    #: W3C trace context of the work that emitted it, carried as AMQP headers.
+    #: W3C trace context of the work that emitted it, published as AMQP headers.
     traceparent: str | None = None
     tracestate: str | None = None
     timestamp_given: bool = True
@@ -89,18 +84,6 @@ class NewEvent:
             }
         )
         return hashlib.sha256(canonical.encode()).digest()
-
-    def headers(self) -> dict[str, str]:
-        """The outbox row's headers: correlation, causation, trace context."""
-        event = self.event
-        headers = {CORRELATION_HEADER: event.correlation_id}
-        if event.causation_id is not None:
-            headers[CAUSATION_HEADER] = event.causation_id
-        if self.traceparent:
-            headers[TRACEPARENT_HEADER] = self.traceparent
-        if self.tracestate:
-            headers[TRACESTATE_HEADER] = self.tracestate
-        return headers
 
 
 @dataclass(frozen=True, slots=True, order=True)
@@ -177,23 +160,15 @@ class Start:
 
 _INSERT = text(
     f"""
-    WITH e AS (
-        INSERT INTO events (tenant_id, event_id, event_type, event_time, project_id,
-                            correlation_id, causation_id, payload, request_hash, job_id)
-        VALUES (:tenant_id, :event_id, :event_type,
-                CAST(CAST(:event_time AS text) AS timestamptz), :project_id,
-                :correlation_id, :causation_id, CAST(:payload AS jsonb), :request_hash, :job_id)
-        ON CONFLICT (tenant_id, event_id) DO NOTHING
-        RETURNING tenant_id, CAST(txid AS text) AS txid, seq
-    ), o AS (
-        INSERT INTO outbox (id, tenant_id, kind, routing_key, correlation_id, body, headers)
-        SELECT :outbox_id, tenant_id, '{OutboxKind.EVENT.value}', :event_type, :correlation_id,
-               :body, CAST(:headers AS jsonb)
-        FROM e
-    )
-    SELECT e.txid, e.seq, pg_notify('{OUTBOX_CHANNEL}', ''),
-           pg_notify('{DOMAIN_EVENTS_CHANNEL}', CAST(e.tenant_id AS text))
-    FROM e
+    INSERT INTO events (tenant_id, event_id, event_type, event_time, project_id, correlation_id,
+                        causation_id, payload, traceparent, tracestate, request_hash, job_id)
+    SELECT :tenant_id, :event_id, :event_type, CAST(CAST(:event_time AS text) AS timestamptz),
+           :project_id, :correlation_id, :causation_id, CAST(:payload AS jsonb), :traceparent,
+           :tracestate, :request_hash, :job_id
+    -- Sent at commit: the relays' and the subscribers' wake-up.
+    FROM pg_notify('{DOMAIN_EVENTS_CHANNEL}', CAST(CAST(:tenant_id AS uuid) AS text))
+    ON CONFLICT (tenant_id, event_id) DO NOTHING
+    RETURNING CAST(txid AS text) AS txid, seq
     """
 )
 _EVENT_COLUMNS = """
@@ -246,7 +221,7 @@ _LATEST = text(
 async def append(
     conn: AsyncConnection, tenant_id: uuid.UUID, events: Sequence[NewEvent]
 ) -> list[StoredEvent]:
-    """Write ``events`` of ``tenant_id`` and their outbox rows, in ``conn``'s transaction.
+    """Write ``events`` of ``tenant_id``, in ``conn``'s transaction.
 
     ``conn`` is in an open transaction and stays so; nothing commits here.
     The events reach the broker (through the relay) and subscribers only
@@ -265,6 +240,7 @@ async def append(
         event = new.event
         if event.tenant_id != tenant_id:
             raise ValueError(f"event {event.event_id} belongs to another tenant")
+        encode(event)  # EventError when its body would be over the limit: nothing written
         fingerprint = new.fingerprint()
         params: dict[str, Any] = {
             "tenant_id": tenant_id,
@@ -279,9 +255,8 @@ async def append(
             "payload": dumps(event.payload),
             "request_hash": fingerprint,
             "job_id": new.job_id,
-            "outbox_id": new_id(),
-            "body": encode(event),
-            "headers": dumps(new.headers()),
+            "traceparent": new.traceparent or None,
+            "tracestate": new.tracestate or None,
         }
         inserted = (await conn.execute(_INSERT, params)).first()
         if inserted is not None:
@@ -419,12 +394,122 @@ class EventStore:
         return EventRead(events, position, held=held, full=len(rows) >= limit and not held)
 
 
+# The relays' feed (ADR-0016). One relay at a time holds it, by a
+# transaction-level advisory lock: no row lock, so the feed's transaction
+# takes no transaction id until it moves the position, and never holds
+# back the horizon it reads by.
+FEED_LOCK_KEY = 0x6A70_6576_6665_6564  # "jpevfeed"
+_FEED_LOCK = text("SELECT pg_try_advisory_xact_lock(:key)")
+_FEED_POSITION = text("SELECT CAST(txid AS text) AS txid, seq FROM event_relay")
+_FEED_READ = text(
+    f"""
+    SELECT tenant_id, {_EVENT_COLUMNS}, traceparent, tracestate, txid < h.horizon AS settled
+    FROM events
+    CROSS JOIN (SELECT pg_snapshot_xmin(pg_current_snapshot()) AS horizon) h
+    WHERE (txid, seq) > (CAST(CAST(:txid AS text) AS xid8), :seq)
+    ORDER BY txid, seq
+    LIMIT :limit
+    """
+)
+_FEED_MOVE = text(
+    "UPDATE event_relay SET txid = CAST(CAST(:txid AS text) AS xid8), seq = :seq, moved_at = now()"
+)
+# Events committed more than :older_than seconds ago and not published yet.
+_FEED_LAG = text(
+    """
+    SELECT count(*) AS behind, extract(epoch FROM now() - min(e.create_time)) AS oldest
+    FROM events e, event_relay r
+    WHERE (e.txid, e.seq) > (r.txid, r.seq)
+        AND e.create_time < now() - make_interval(secs => :older_than)
+    """
+)
+
+
+@dataclass(frozen=True, slots=True)
+class FeedEvent:
+    """An event to publish, with the trace context it was written with."""
+
+    stored: StoredEvent
+    traceparent: str | None = None
+    tracestate: str | None = None
+
+
+class FeedBatch:
+    """Settled events after the feed's position, read holding the feed.
+
+    ``held``: events were committed after the last of ``events`` but wait for
+    an older transaction to end (read again soon: no notification will say
+    when). :meth:`advance` moves the position; it commits with the block.
+    """
+
+    def __init__(self, conn: AsyncConnection, events: list[FeedEvent], *, held: bool) -> None:
+        self._conn = conn
+        self.events = events
+        self.held = held
+
+    async def advance(self, position: Position) -> None:
+        """Record that every event up to ``position`` is published."""
+        await self._conn.execute(_FEED_MOVE, {"txid": str(position.txid), "seq": position.seq})
+
+
+@dataclass(frozen=True, slots=True)
+class FeedLag:
+    """Committed events the relays have not published, older than asked."""
+
+    behind: int
+    oldest_seconds: float | None
+
+
+class EventFeed:
+    """The relays' cursor over ``events``: each event published at least once, in commit order."""
+
+    def __init__(self, engine: AsyncEngine) -> None:
+        self._engine = engine
+
+    @asynccontextmanager
+    async def claim(self, limit: int) -> AsyncIterator[FeedBatch | None]:
+        """Hold the feed for the block and read up to ``limit`` events after its position.
+
+        None when another relay holds it. Moves made in the block commit
+        with it; if the block raises, the position stays where it was.
+        """
+        async with self._engine.begin() as conn:
+            if not (await conn.execute(_FEED_LOCK, {"key": FEED_LOCK_KEY})).scalar_one():
+                yield None
+                return
+            at = (await conn.execute(_FEED_POSITION)).one()
+            rows = (
+                (
+                    await conn.execute(
+                        _FEED_READ, {"txid": at.txid, "seq": int(at.seq), "limit": limit}
+                    )
+                )
+                .mappings()
+                .all()
+            )
+            events: list[FeedEvent] = []
+            held = False
+            for row in rows:
+                if not row["settled"]:
+                    held = True
+                    break
+                stored = _stored(uuid.UUID(str(row["tenant_id"])), row)
+                events.append(FeedEvent(stored, row["traceparent"], row["tracestate"]))
+            yield FeedBatch(conn, events, held=held)
+
+    async def lag(self, *, older_than: float) -> FeedLag:
+        """Events committed over ``older_than`` seconds ago that no relay has published."""
+        async with self._engine.connect() as conn:
+            row = (await conn.execute(_FEED_LAG, {"older_than": older_than})).one()
+        return FeedLag(int(row.behind), None if row.oldest is None else float(row.oldest))
+
+
 def _stored(tenant_id: uuid.UUID, row: Any) -> StoredEvent:
     payload = row["payload"]
     if isinstance(payload, str):  # asyncpg hands jsonb back as text without a codec
         payload = json.loads(payload)
     event_time: datetime = row["event_time"]
-    event = Event(
+    event = Event.stored(
         event_id=uuid.UUID(str(row["event_id"])),
         event_type=row["event_type"],
         timestamp=event_time,
@@ -444,8 +529,11 @@ def _stored(tenant_id: uuid.UUID, row: Any) -> StoredEvent:
 
 __all__ = [
     "EARLIEST",
+    "EventFeed",
     "EventRead",
     "EventStore",
+    "FeedBatch",
+    "FeedEvent",
     "NewEvent",
     "Position",
     "Start",

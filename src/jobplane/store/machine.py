@@ -592,9 +592,10 @@ LIFECYCLE_ENV = "JOBPLANE_LIFECYCLE_EVENTS"
 #: Events a handler may emit in one attempt, and their encoded bytes in all.
 MAX_EMITTED_EVENTS = 100
 MAX_EMITTED_BYTES = 1024 * 1024
-# Where each event of a transition sits among the job's events on the way to
-# the broker: emitted events first (1..MAX_EMITTED_EVENTS), its lifecycle
-# event last. outbox.order_seq = the job's event seq * _ORDER_SLOTS + this.
+# Where each event of a transition sits among the job's events: emitted events
+# first (1..MAX_EMITTED_EVENTS), its lifecycle event last. The events rows are
+# inserted in this order, so their seq (the feed's order within a
+# transaction) follows it.
 _ORDER_SLOTS = 1024
 _LIFECYCLE_ORD = _ORDER_SLOTS - 1
 
@@ -624,37 +625,6 @@ def _event_id_sql(job_id: str, seq: str) -> str:
     )
 
 
-def _json_text(value: str) -> str:
-    """SQL: ``value`` (text, may be NULL) as a JSON string, or ``null``."""
-    return f"coalesce(to_json(CAST({value} AS text))::text, 'null')"
-
-
-def _json_object(pairs: Sequence[tuple[str, str]]) -> str:
-    """SQL: compact JSON text of an object whose values are SQL giving JSON text.
-
-    The keys are written as the literal ``'..."key":'`` so that no ``:word``
-    appears in the statement (SQLAlchemy's ``text()`` would read it as a bind).
-    """
-    parts = []
-    for n, (key, value) in enumerate(pairs):
-        parts.append(f"""'{"{" if n == 0 else ","}"{key}":'""")
-        parts.append(value)
-    parts.append("'}'")
-    return " || ".join(parts)
-
-
-# The job's labels as compact JSON, keys in byte order.
-_LABELS_JSON = (
-    "coalesce((SELECT '{' || string_agg(to_json(l.key)::text || ':' || to_json(l.value)::text, "
-    "',' ORDER BY l.key COLLATE \"C\") || '}' FROM jsonb_each_text(j.labels) AS l), '{}')"
-)
-_ERROR_JSON = _json_object(
-    [
-        ("code", _json_text("j.error_code")),
-        ("message", _json_text("j.error_message")),
-        ("retryable", "CASE WHEN j.error_retryable THEN 'true' ELSE 'false' END"),
-    ]
-)
 # RFC 3339 in UTC with microseconds, as jobplane.events.format_timestamp
 # writes it ('#' for ':', which text() would take for a bind's start).
 _TIME_TEXT = (
@@ -663,41 +633,30 @@ _TIME_TEXT = (
 
 
 def _lifecycle_payload(lifecycle: Lifecycle) -> str:
-    """SQL over j: the compact JSON text of a lifecycle event's payload."""
+    """SQL over j: a lifecycle event's payload, as jsonb."""
     pairs = [
-        ("name", "to_json('jobs/' || j.id)::text"),
-        ("job_id", "to_json(CAST(j.id AS text))::text"),
-        ("type", "to_json(j.type)::text"),
-        ("queue", "to_json(j.queue)::text"),
-        ("state", "to_json(j.state)::text"),
-        ("attempt", "CAST(j.attempt AS text)"),
-        ("max_attempts", "CAST(j.max_attempts AS text)"),
-        ("labels", _LABELS_JSON),
+        ("name", "'jobs/' || j.id"),
+        ("job_id", "CAST(j.id AS text)"),
+        ("type", "j.type"),
+        ("queue", "j.queue"),
+        ("state", "CAST(j.state AS text)"),
+        ("attempt", "j.attempt"),
+        ("max_attempts", "j.max_attempts"),
+        ("labels", "coalesce(j.labels, '{}')"),
     ]
     if lifecycle in (Lifecycle.FAILED, Lifecycle.CANCELLED, Lifecycle.RETRY_SCHEDULED):
-        pairs.append(("error", _ERROR_JSON))
+        error = (
+            "jsonb_build_object('code', j.error_code, 'message', j.error_message, "
+            "'retryable', coalesce(j.error_retryable, false))"
+        )
+        pairs.append(("error", error))
     if lifecycle is Lifecycle.RETRY_SCHEDULED:
-        next_time = _TIME_TEXT.format(t="j.next_attempt_time")
-        pairs.append(("next_attempt_time", f"coalesce(to_json({next_time})::text, 'null')"))
+        pairs.append(("next_attempt_time", _TIME_TEXT.format(t="j.next_attempt_time")))
     if lifecycle is Lifecycle.CANCEL_REQUESTED:
-        pairs.append(("reason", _json_text("coalesce(j.cancel_reason, '')")))
-    return _json_object(pairs)
+        pairs.append(("reason", "coalesce(j.cancel_reason, '')"))
+    return "jsonb_build_object(" + ", ".join(f"'{key}', {value}" for key, value in pairs) + ")"
 
 
-# The envelope of jobplane.events.encode, over x (one event's columns).
-_BODY = _json_object(
-    [
-        ("v", "'1'"),
-        ("event_id", "to_json(CAST(x.event_id AS text))::text"),
-        ("event_type", "to_json(x.event_type)::text"),
-        ("timestamp", "to_json(" + _TIME_TEXT.format(t="x.event_time") + ")::text"),
-        ("tenant_id", "to_json(CAST(x.tenant_id AS text))::text"),
-        ("project_id", "'null'"),
-        ("correlation_id", _json_text("x.correlation_id")),
-        ("causation_id", _json_text("x.causation_id")),
-        ("payload", "x.payload"),
-    ]
-)
 _LIFECYCLE_COLUMNS = frozenset(
     {"id", "tenant_id", "type", "queue", "state", "attempt", "max_attempts", "labels"}
     | {"correlation_id", "error_code", "error_message", "error_retryable", "last_seq"}
@@ -708,17 +667,16 @@ _LIFECYCLE_COLUMNS = frozenset(
 class DomainEvents(Hook):
     """Domain events of a transition: its lifecycle event, and the handler's emitted events.
 
-    Both are rows of ``events`` and ``outbox`` (kind ``event``) written in the
-    transition's own statement, exactly as :func:`jobplane.store.events.append`
-    writes them, so they commit only with the transition and add no round
-    trip. A lifecycle event's id is :func:`lifecycle_event_id` of the job and
-    the seq of its job event; its causation is the job's lifecycle event
-    before it (``lifecycle_cause``), its correlation the job's correlation id
-    (its id when it has none). Emitted events come with a succeeding attempt
-    only (``Cause.emitted``), before its ``job.succeeded``. Every event of a
-    job carries the job as its outbox ``order_key`` and its place among the
-    job's events as ``order_seq``: the relay publishes none before the ones
-    in front of it were (per-job order on the exchange).
+    Both are rows of ``events`` written in the transition's own statement,
+    as :func:`jobplane.store.events.append` writes them, so they commit only
+    with the transition and add no round trip; the relays publish them from
+    there in commit order (ADR-0016). A lifecycle event's id is
+    :func:`lifecycle_event_id` of the job and the seq of its job event; its
+    causation is the job's lifecycle event before it (``lifecycle_cause``),
+    its correlation the job's correlation id (its id when it has none).
+    Emitted events come with a succeeding attempt only (``Cause.emitted``),
+    inserted before its ``job.succeeded``, so the feed's commit order puts
+    them in front of it.
 
     An event_id stored already (a publisher took it first) is not written
     again: the stored event stands.
@@ -747,7 +705,7 @@ class DomainEvents(Hook):
                    CASE WHEN j.lifecycle_cause IS NOT NULL THEN CAST({cause} AS text) END
                        AS causation_id,
                    {_lifecycle_payload(rule.lifecycle)} AS payload,
-                   CAST(NULL AS text) AS given_body, CAST(NULL AS bytea) AS request_hash,
+                   CAST('' AS bytea) AS request_hash,
                    j.id AS job_id, CAST(j.last_seq AS bigint) * {_ORDER_SLOTS} + {_LIFECYCLE_ORD}
                        AS order_seq
             FROM {{j}} AS j"""
@@ -756,54 +714,37 @@ class DomainEvents(Hook):
             selects.append(
                 f"""
             SELECT m.event_id, m.event_type, m.event_time, j.tenant_id, m.correlation_id,
-                   m.causation_id, m.payload, m.body AS given_body, m.request_hash,
+                   m.causation_id, CAST(m.payload AS jsonb) AS payload, m.request_hash,
                    j.id AS job_id, CAST(j.last_seq AS bigint) * {_ORDER_SLOTS} + m.ord AS order_seq
             FROM {{j}} AS j,
                  unnest(CAST(:emitted_ids AS uuid[]), CAST(:emitted_types AS text[]),
                         CAST(:emitted_times AS timestamptz[]),
                         CAST(:emitted_correlations AS text[]),
                         CAST(:emitted_causations AS text[]), CAST(:emitted_payloads AS text[]),
-                        CAST(:emitted_bodies AS text[]), CAST(:emitted_hashes AS bytea[]))
+                        CAST(:emitted_hashes AS bytea[]))
                      WITH ORDINALITY AS m(event_id, event_type, event_time, correlation_id,
-                                          causation_id, payload, body, request_hash, ord)"""
+                                          causation_id, payload, request_hash, ord)"""
             )
         if not selects:
             return ()
-        rows, inserted = f"dx_{transition}", f"de_{transition}"
         union = "\n            UNION ALL".join(selects)
+        # Inserted in order_seq order: a transition's events take their seq
+        # (the feed's order within its transaction) in the order they happened.
+        # A lifecycle event has no fingerprint (an empty one): nothing
+        # publishes it again but a PublishEvent taking its id, which is then
+        # compared by value.
         return [
-            Write(
-                f"""
-        SELECT x.*, coalesce(x.given_body, {_BODY}) AS body
-        FROM ({union}
-        ) AS x""",
-                columns=_LIFECYCLE_COLUMNS,
-                name=rows,
-            ),
             Write(
                 f"""
         INSERT INTO events (tenant_id, event_id, event_type, event_time, correlation_id,
                             causation_id, payload, request_hash, job_id)
         SELECT tenant_id, event_id, event_type, event_time, correlation_id, causation_id,
-               CAST(payload AS jsonb),
-               coalesce(request_hash, sha256(convert_to(body, 'UTF8'))), job_id
-        FROM {rows}
+               payload, request_hash, job_id
+        FROM ({union}
+        ) AS x
         ORDER BY order_seq
-        ON CONFLICT (tenant_id, event_id) DO NOTHING
-        RETURNING tenant_id, event_id""",
-                name=inserted,
-            ),
-            Write(
-                f"""
-        INSERT INTO outbox (id, tenant_id, kind, routing_key, correlation_id, body, headers,
-                            order_key, order_seq)
-        SELECT gen_random_uuid(), x.tenant_id, 'event', x.event_type, x.correlation_id,
-               convert_to(x.body, 'UTF8'),
-               jsonb_strip_nulls(jsonb_build_object('correlation_id', x.correlation_id,
-                                                    'causation_id', x.causation_id)),
-               x.job_id, x.order_seq
-        FROM {rows} AS x JOIN {inserted} AS e USING (tenant_id, event_id)""",
-                notify=f"pg_notify('{OUTBOX_CHANNEL}', '')",
+        ON CONFLICT (tenant_id, event_id) DO NOTHING""",
+                columns=_LIFECYCLE_COLUMNS,
             ),
             Write(
                 notify=f"pg_notify('{DOMAIN_EVENTS_CHANNEL}', CAST(j.tenant_id AS text))",
@@ -822,7 +763,6 @@ class DomainEvents(Hook):
             "emitted_correlations": [e.event.correlation_id for e in emitted],
             "emitted_causations": [e.event.causation_id for e in emitted],
             "emitted_payloads": [dumps(e.event.payload) for e in emitted],
-            "emitted_bodies": [e.body.decode() for e in emitted],
             "emitted_hashes": [e.request_hash for e in emitted],
         }
 

@@ -1,0 +1,182 @@
+"""The relays publish the events table by a cursor: the subscribers' order, once, no gap.
+
+On a real server, relays, Postgres and RabbitMQ: events whose transactions
+commit out of their insert order reach a bound queue in the order
+SubscribeEvents gives them; an event of a transaction still open holds back
+those after it, never skips them; two relays publish each event once
+between them, and the survivor of one taking over goes on where the
+position stands; the sweeper says when the
+feed is behind; a database migrated from 0009 publishes its old event rows
+through the outbox and only the new ones by the feed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator
+
+import pytest
+from sqlalchemy import text
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from jobplane.events import Event, decode
+from jobplane.store.engine import create_engine, migrate
+from jobplane.store.events import NewEvent, append
+from jobplane.store.keys import KeyStore
+from jobplane.topology import Topology
+from jobplane.workers.sweeper import Sweeper
+from tests.support import services
+from tests.support.event_api import all_published, bound_queue
+from tests.support.events import take_all
+from tests.support.stack import Stack, start_stack
+
+
+@pytest.fixture
+async def stack(
+    engine: AsyncEngine, database_url: str, amqp_url: str, topology: Topology
+) -> AsyncIterator[Stack]:
+    """Server and relay; no worker (events need none)."""
+    running = await start_stack(engine, database_url, amqp_url, topology, worker=False)
+    yield running
+    await running.close()
+
+
+def _event(stack: Stack, event_type: str, n: int) -> NewEvent:
+    return NewEvent(Event.new(event_type, {"n": n}, tenant_id=stack.tenant_id))
+
+
+async def _position(stack: Stack) -> tuple[int, int]:
+    row = await stack.scalar("SELECT jsonb_build_array(txid::text::bigint, seq) FROM event_relay")
+    return int(row[0]), int(row[1])
+
+
+async def test_events_reach_the_exchange_in_the_feeds_order_and_wait_for_open_transactions(
+    stack: Stack, amqp_url: str
+) -> None:
+    async with bound_queue(amqp_url, stack.topology.events_exchange, ["feed.#"]) as (name, _):
+        async with stack.engine.connect() as late, stack.engine.connect() as early:
+            # "late" writes first (its transaction id and seq are the lower)
+            # and commits last; "early" commits in between.
+            await late.begin()
+            await append(late, stack.tenant_id, [_event(stack, "feed.late", 1)])
+            await early.begin()
+            await append(early, stack.tenant_id, [_event(stack, "feed.early", 2)])
+            await early.commit()
+            async with stack.engine.begin() as third:
+                await append(third, stack.tenant_id, [_event(stack, "feed.third", 3)])
+            # Committed, but behind a transaction still open: not published,
+            # and the position does not pass the open one.
+            before = await _position(stack)
+            await asyncio.sleep(1.0)
+            assert await take_all(amqp_url, name) == []
+            assert await _position(stack) == before
+            await late.commit()
+        await all_published(stack)
+        messages = await take_all(amqp_url, name)
+    # The feed's order, which subscriptions share: by writing transaction
+    # (its id, drawn at its first write), then insert order. "late" began
+    # first, so it comes first although it committed last: nothing was
+    # passed while it was open, so nothing is out of place.
+    types = [decode(m.body).event_type for m in messages]
+    assert types == ["feed.late", "feed.early", "feed.third"]
+    assert len({m.message_id for m in messages}) == 3
+    subscribed = await stack.scalar(
+        "SELECT jsonb_agg(event_type ORDER BY txid, seq) FROM events WHERE event_type LIKE 'feed.%'"
+    )
+    assert subscribed == types
+    assert await _position(stack) > before
+
+
+async def test_two_relays_publish_each_event_once_and_one_takes_over(
+    stack: Stack, amqp_url: str
+) -> None:
+    assert stack.relay is not None
+    first = stack.relay
+    second = await stack.start_relay()
+    async with bound_queue(amqp_url, stack.topology.events_exchange, ["feed.#"]) as (name, _):
+        for n in range(50):
+            async with stack.engine.begin() as conn:
+                await append(conn, stack.tenant_id, [_event(stack, "feed.one", n)])
+        await all_published(stack)
+        # One relay holds the feed at a time: no copy of any event.
+        assert first.events_published + second.events_published == 50
+        await first.stop()
+        for n in range(50, 80):
+            async with stack.engine.begin() as conn:
+                await append(conn, stack.tenant_id, [_event(stack, "feed.two", n)])
+        await all_published(stack)
+        messages = await take_all(amqp_url, name)
+    await second.stop()
+    payloads = [decode(m.body).payload["n"] for m in messages]
+    # In commit order (one writer, one transaction after the other), none lost,
+    # none twice.
+    assert payloads == list(range(80))
+
+
+async def test_the_sweeper_reports_events_no_relay_published(stack: Stack) -> None:
+    assert stack.relay is not None
+    await stack.relay.stop()
+    async with stack.engine.begin() as conn:
+        await append(conn, stack.tenant_id, [_event(stack, "feed.waiting", 1)])
+        await conn.execute(text("UPDATE events SET create_time = now() - interval '2 minutes'"))
+    report = await Sweeper(stack.engine, stuck_after=60).sweep_once()
+    assert report.events_behind == 1
+    await stack.start_relay()
+    await all_published(stack)
+    report = await Sweeper(stack.engine, stuck_after=60).sweep_once()
+    assert report.events_behind == 0
+
+
+@pytest.fixture
+async def database_at_0009(run_id: str) -> AsyncIterator[str]:
+    """A database migrated to 0009: events published through outbox rows."""
+    name = f"jp_{run_id}_f{uuid.uuid4().hex[:6]}"
+    await services.create_database(name)
+    url = services.pg_url(name)
+    await migrate(url, revision="0009", create=False)
+    yield url
+    await services.drop_database(name)
+
+
+async def test_events_written_before_0010_are_published_once_through_their_outbox_rows(
+    database_at_0009: str, amqp_url: str, topology: Topology
+) -> None:
+    engine = create_engine(database_at_0009, pool_size=10)
+    try:
+        keys = KeyStore(engine)
+        _key, tenant = await keys.create_key("acme")
+        await keys.close()
+        # Published the 0009 way: an events row and its outbox row.
+        async with engine.begin() as conn:
+            old_id = await conn.scalar(
+                text(
+                    "SELECT jobplane.publish_event(tenant => 'acme', event_id => :id, "
+                    "event_type => 'feed.old', payload => '{}')"
+                ),
+                {"id": str(uuid.uuid4())},
+            )
+        await migrate(database_at_0009, create=False)
+        async with engine.connect() as conn:
+            assert await conn.scalar(text("SELECT count(*) FROM outbox WHERE kind = 'event'")) == 1
+        stack = await start_stack(engine, database_at_0009, amqp_url, topology, worker=False)
+        try:
+            assert stack.relay is not None
+            async with bound_queue(amqp_url, topology.events_exchange, ["feed.#"]) as (name, _):
+                async with engine.begin() as conn:
+                    new = await append(conn, tenant, [_event(stack, "feed.new", 1)])
+                await all_published(stack)
+                messages = await take_all(amqp_url, name)
+            # The old one through its outbox row, the new one by the feed:
+            # each once.
+            assert (stack.relay.published, stack.relay.events_published) == (1, 1)
+            published = await stack.scalar(
+                "SELECT published_at IS NOT NULL FROM outbox WHERE kind = 'event'"
+            )
+            assert published
+        finally:
+            await stack.close()
+    finally:
+        await engine.dispose()
+    assert [m.message_id for m in messages] == [str(new[0].event.event_id)]
+    assert old_id is not None
