@@ -36,6 +36,7 @@ from sqlalchemy import text
 from jobplane import broker
 from jobplane.client import AsyncClient
 from jobplane.store import attempts, outbox, sweeps
+from jobplane.store import events as events_store
 from jobplane.store import jobs as job_store
 from jobplane.store.engine import asyncpg_dsn, create_engine, migrate
 from jobplane.store.keys import KeyStore
@@ -861,11 +862,17 @@ async def preload(bench: Bench, count: int, chunk: int = 50_000) -> None:
 
 async def check_plans(bench: Bench) -> None:
     """EXPLAIN the statements that run all the time, on the tables as they are
-    now, and report any sequential scan of jobs, job_events or outbox."""
+    now, and report any sequential scan of jobs, job_events, outbox or events."""
     some = await bench.sql("SELECT id, tenant_id FROM jobs LIMIT 1")
     job_id, tenant = some[0]["id"], some[0]["tenant_id"]
     event = {"event_type": "started", "event_message": "", "event_data": "{}"}
+    feed = (await bench.sql("SELECT txid::text AS txid, seq FROM event_relay"))[0]
     statements: dict[str, tuple[Any, dict[str, Any]]] = {
+        "relay event feed": (
+            events_store._FEED_READ,
+            {"txid": feed["txid"], "seq": feed["seq"], "limit": 500},
+        ),
+        "sweeper events behind": (sweeps._EVENTS_BEHIND, {"older_than": 60.0}),
         "relay claim": (outbox._CLAIM_DUE, {"limit": 100}),
         "relay next due": (outbox._NEXT_DUE, {}),
         "sweeper expired leases": (sweeps._EXPIRED, {"grace": 5.0, "limit": 100}),
@@ -917,7 +924,7 @@ async def check_plans(bench: Bench) -> None:
 def _scans(node: dict[str, Any]) -> set[str]:
     found: set[str] = set()
     relation = node.get("Relation Name")
-    if relation in ("jobs", "job_events", "outbox"):
+    if relation in ("jobs", "job_events", "outbox", "events"):
         index = node.get("Index Name")
         found.add(f"{node['Node Type']} on {relation}" + (f" ({index})" if index else ""))
     for child in node.get("Plans", []):

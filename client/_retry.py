@@ -1,4 +1,4 @@
-"""Reconnect policy and stream position for :meth:`AsyncClient.watch`.
+"""Reconnect policy and stream position for :meth:`AsyncClient.watch` and subscriptions.
 
 Both classes are pure (no I/O, injectable clock and randomness), so the resume
 rules can be tested without a server.
@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from jobplane.client._errors import WatchSequenceError
+from jobplane.errors import TenantLimitExceeded
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +63,11 @@ class Backoff:
         self._next = policy.initial_delay
 
     @property
+    def policy(self) -> RetryPolicy:
+        """The policy this run of failures follows."""
+        return self._policy
+
+    @property
     def failing(self) -> bool:
         """True while a run of failures has not been ended by :meth:`reset`."""
         return self._failing_since is not None
@@ -94,6 +100,34 @@ class Backoff:
             return None
         # The last attempt happens at the deadline rather than a full delay after it.
         return min(delay, remaining)
+
+
+def stream_retry_delay(
+    backoff: Backoff,
+    *,
+    open_for: float,
+    limited: TenantLimitExceeded | None,
+    failure: BaseException | None,
+) -> float | None:
+    """How long to wait before reopening a lost stream; None when the budget is spent.
+
+    ``open_for``: how long the lost stream stayed open; one open for at
+    least ``max_delay`` worked, and ends the run of failures (a refusal,
+    however slow to arrive, did not). ``limited``: the server refused the
+    stream for the tenant's stream limit; the wait is then never shorter
+    than the one it asked for, and when that would pass the budget
+    ``limited`` is raised (from ``failure``).
+    """
+    if limited is None and open_for >= backoff.policy.max_delay:
+        backoff.reset()
+    delay = backoff.failure()
+    if limited is not None:
+        wait = max(delay or 0.0, limited.retry_delay or 0.0)
+        left = backoff.remaining()
+        if delay is None or (left is not None and wait > left):
+            raise limited from failure
+        delay = wait
+    return delay
 
 
 class EventCursor:

@@ -14,7 +14,7 @@ from typing import Any, Self, TypeVar
 import grpc
 
 from jobplane.client._errors import error_from_rpc, is_retryable
-from jobplane.client._retry import Backoff, EventCursor, RetryPolicy
+from jobplane.client._retry import Backoff, EventCursor, RetryPolicy, stream_retry_delay
 from jobplane.client.subscription import EventSubscription, SubscribeStart, domain_event_of
 from jobplane.client.tls import ClientTLS
 from jobplane.convert import event_from_pb, job_from_pb, state_to_pb, struct_from_dict
@@ -435,18 +435,9 @@ class AsyncClient:
                         return
             finally:
                 call.cancel()
-            if limited is None and loop.time() - opened >= self._watch_retry.max_delay:
-                # A stream that stayed open a while worked; a refusal, however
-                # slow to arrive, did not.
-                backoff.reset()
-            delay = backoff.failure()
-            if limited is not None:
-                # Never sooner than the server asked, and never past the budget.
-                wait = max(delay or 0.0, limited.retry_delay or 0.0)
-                left = backoff.remaining()
-                if delay is None or (left is not None and wait > left):
-                    raise limited from failure
-                delay = wait
+            delay = stream_retry_delay(
+                backoff, open_for=loop.time() - opened, limited=limited, failure=failure
+            )
             if delay is None:
                 raise Unavailable(
                     f"lost the event stream of {job_name} after seq {cursor.last} and "

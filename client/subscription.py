@@ -22,7 +22,7 @@ from typing import Literal, NamedTuple, Protocol, Self
 import grpc
 
 from jobplane.client._errors import error_from_rpc, is_retryable
-from jobplane.client._retry import Backoff, RetryPolicy
+from jobplane.client._retry import Backoff, RetryPolicy, stream_retry_delay
 from jobplane.errors import InternalError, TenantLimitExceeded, Unavailable
 from jobplane.events.convert import event_from_pb
 from jobplane.events.envelope import Event, EventError
@@ -184,18 +184,9 @@ class EventSubscription:
                 failure = exc
             finally:
                 call.cancel()
-            if limited is None and loop.time() - opened >= self._retry.max_delay:
-                # A stream that stayed open a while worked; a refusal, however
-                # slow to arrive, did not.
-                backoff.reset()
-            delay = backoff.failure()
-            if limited is not None:
-                # Never sooner than the server asked, and never past the budget.
-                wait = max(delay or 0.0, limited.retry_delay or 0.0)
-                left = backoff.remaining()
-                if delay is None or (left is not None and wait > left):
-                    raise limited from failure
-                delay = wait
+            delay = stream_retry_delay(
+                backoff, open_for=loop.time() - opened, limited=limited, failure=failure
+            )
             if delay is None:
                 where = f"after cursor {self._cursor}" if self._cursor else "before its first event"
                 raise Unavailable(

@@ -25,7 +25,7 @@ from typing import Any
 
 from jobplane.errors import InvalidArgument, Unavailable, shown
 from jobplane.events.envelope import Event, EventError, validate_pattern
-from jobplane.server.service import check_payload, check_payload_size
+from jobplane.server.service import check_payload
 from jobplane.store.events import (
     EventStore,
     NewEvent,
@@ -35,6 +35,7 @@ from jobplane.store.events import (
     pattern_regex,
 )
 from jobplane.store.listen import Listener
+from jobplane.store.rows import check_payload_size
 
 # Patterns one subscription may hold; each costs a regex alternative.
 MAX_PATTERNS = 64

@@ -17,12 +17,12 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
-from jobplane.errors import InvalidArgument, PayloadTooLarge, UnroutableJobType, shown
+from jobplane.errors import InvalidArgument, UnroutableJobType, shown
 from jobplane.names import parse_job_name, validate_job_type
 from jobplane.server.feeds import FeedHub
 from jobplane.store.jobs import JobStore, ListCursor, NewJob
 from jobplane.store.listen import Listener
-from jobplane.store.rows import dumps
+from jobplane.store.rows import check_payload_size
 from jobplane.topology import Topology
 from jobplane.types import Job, JobEvent, JobPage, JobState
 
@@ -242,17 +242,6 @@ def _check_labels(labels: dict[str, str]) -> None:
             )
         if "\x00" in value:
             raise InvalidArgument(f"label {key!r} has a NUL character", field=f"labels[{key}]")
-
-
-def check_payload_size(payload: dict[str, Any], limit: int) -> None:
-    """Refuse a payload larger than ``limit`` bytes as stored (compact JSON)."""
-    size = len(dumps(payload).encode())
-    if size > limit:
-        raise PayloadTooLarge(
-            f"payload is {size} bytes serialized; the limit is {limit}",
-            field="payload",
-            metadata={"limit": str(limit), "size": str(size)},
-        )
 
 
 def check_payload(payload: dict[str, Any]) -> None:

@@ -30,12 +30,13 @@ import uuid
 from collections.abc import Callable, Coroutine, Iterator
 from typing import Any, Protocol
 
+from jobplane.errors import PayloadTooLarge
 from jobplane.events.envelope import Event, EventError
 from jobplane.names import job_name, validate_job_type
 from jobplane.store.attempts import Attempt, ProgressUpdate
 from jobplane.store.events import emitted
 from jobplane.store.machine import MAX_EMITTED_BYTES, MAX_EMITTED_EVENTS, Emitted
-from jobplane.store.rows import dumps
+from jobplane.store.rows import check_payload_size, dumps
 from jobplane.workers.values import clean_text, json_problem, json_size, safe_str
 
 #: Bytes of an emitted event's payload when the worker does not say (its
@@ -219,17 +220,11 @@ class JobContext:
                 causation_id=causation_id or (None if started is None else str(started)),
                 event_id=event_id,
             )
-            size = len(dumps(event.payload).encode())
-            if size > self._max_event_payload_bytes:
-                raise EmitError(
-                    f"payload is {size} bytes serialized; the limit is "
-                    f"{self._max_event_payload_bytes}",
-                    field="payload",
-                )
+            check_payload_size(event.payload, self._max_event_payload_bytes)
             # A copy, so that the body and the stored payload are the event as emitted.
             event = dataclasses.replace(event, payload=json.loads(dumps(event.payload)))
             made = emitted(event, attempt.job_id)
-        except EventError as exc:
+        except (EventError, PayloadTooLarge) as exc:
             raise EmitError(str(exc), field=exc.field) from None
         if self._emitted_bytes + len(made.body) > MAX_EMITTED_BYTES:
             raise EmitError(

@@ -35,7 +35,6 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from jobplane.logs import describe_error
 from jobplane.names import job_name
 from jobplane.store.down import database_transient
-from jobplane.store.events import EventFeed
 from jobplane.store.sweeps import SweepStore
 from jobplane.tasks import cancel_and_wait
 from jobplane.workers.retry import backoff
@@ -72,7 +71,6 @@ class Sweeper:
     ) -> None:
         """``republish_every`` defaults to a tenth of ``republish_after``, at least 30 s."""
         self._store = SweepStore(engine)
-        self._feed = EventFeed(engine)
         self._lease_grace = lease_grace
         self._stuck_after = stuck_after
         self._batch_size = batch_size
@@ -106,22 +104,22 @@ class Sweeper:
             republished = await self._republish()
             self._next_republish = time.monotonic() + self._republish_every
         stuck = await self._store.stuck_outbox(older_than=self._stuck_after)
-        lag = await self._feed.lag(older_than=self._stuck_after)
+        lag = await self._store.events_behind(older_than=self._stuck_after)
         report = SweepReport(
             requeued=requeued,
             failed=failed,
             stuck_outbox=stuck,
             republished=republished,
-            events_behind=lag.behind,
+            events_behind=lag.count,
         )
         if requeued or failed:
             log.warning("sweeper.leases.expired", requeued=requeued, failed=failed)
         if stuck:
             log.warning("sweeper.outbox.stuck", rows=stuck, older_than=self._stuck_after)
-        if lag.behind:
+        if lag.count:
             log.warning(
                 "sweeper.events.behind",
-                events=lag.behind,
+                events=lag.count,
                 oldest_seconds=round(lag.oldest_seconds or 0.0, 1),
                 older_than=self._stuck_after,
             )

@@ -8,7 +8,7 @@ from typing import Any
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 from sqlalchemy.ext.asyncio import create_async_engine
 
-from jobplane.store.sweeps import LeaseRepair, RepublishPass, SweepStore
+from jobplane.store.sweeps import EventsBehind, LeaseRepair, RepublishPass, SweepStore
 from jobplane.workers.sweeper import Sweeper
 
 
@@ -35,6 +35,9 @@ class _FakeStore(SweepStore):
 
     async def stuck_outbox(self, **kwargs: Any) -> int:
         return 0
+
+    async def events_behind(self, **kwargs: Any) -> EventsBehind:
+        return EventsBehind(0, None)
 
 
 async def test_the_loop_keeps_sweeping_after_any_failure() -> None:

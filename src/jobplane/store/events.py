@@ -414,15 +414,6 @@ _FEED_READ = text(
 _FEED_MOVE = text(
     "UPDATE event_relay SET txid = CAST(CAST(:txid AS text) AS xid8), seq = :seq, moved_at = now()"
 )
-# Events committed more than :older_than seconds ago and not published yet.
-_FEED_LAG = text(
-    """
-    SELECT count(*) AS behind, extract(epoch FROM now() - min(e.create_time)) AS oldest
-    FROM events e, event_relay r
-    WHERE (e.txid, e.seq) > (r.txid, r.seq)
-        AND e.create_time < now() - make_interval(secs => :older_than)
-    """
-)
 
 
 @dataclass(frozen=True, slots=True)
@@ -450,14 +441,6 @@ class FeedBatch:
     async def advance(self, position: Position) -> None:
         """Record that every event up to ``position`` is published."""
         await self._conn.execute(_FEED_MOVE, {"txid": str(position.txid), "seq": position.seq})
-
-
-@dataclass(frozen=True, slots=True)
-class FeedLag:
-    """Committed events the relays have not published, older than asked."""
-
-    behind: int
-    oldest_seconds: float | None
 
 
 class EventFeed:
@@ -496,12 +479,6 @@ class EventFeed:
                 stored = _stored(uuid.UUID(str(row["tenant_id"])), row)
                 events.append(FeedEvent(stored, row["traceparent"], row["tracestate"]))
             yield FeedBatch(conn, events, held=held)
-
-    async def lag(self, *, older_than: float) -> FeedLag:
-        """Events committed over ``older_than`` seconds ago that no relay has published."""
-        async with self._engine.connect() as conn:
-            row = (await conn.execute(_FEED_LAG, {"older_than": older_than})).one()
-        return FeedLag(int(row.behind), None if row.oldest is None else float(row.oldest))
 
 
 def _stored(tenant_id: uuid.UUID, row: Any) -> StoredEvent:

@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from datetime import timedelta
 from typing import Any
 
+from jobplane.errors import PayloadTooLarge
 from jobplane.names import job_name
 from jobplane.types import EventType, Job, JobError, JobEvent, JobState
 
@@ -55,6 +56,21 @@ JOB_COLUMNS = ", ".join(JOB_FIELDS)
 def dumps(value: Any) -> str:
     """Compact JSON for a jsonb bind."""
     return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
+
+
+def check_payload_size(payload: Any, limit: int) -> None:
+    """Refuse a payload larger than ``limit`` bytes as stored (compact JSON).
+
+    The one size check of a job's or an event's payload, wherever it is
+    written: SubmitJob, PublishEvent, ``ctx.emit``.
+    """
+    size = len(dumps(payload).encode())
+    if size > limit:
+        raise PayloadTooLarge(
+            f"payload is {size} bytes serialized; the limit is {limit}",
+            field="payload",
+            metadata={"limit": str(limit), "size": str(size)},
+        )
 
 
 def _json(value: Any) -> Any:

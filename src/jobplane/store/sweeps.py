@@ -33,6 +33,16 @@ _EXPIRED = text(
     """
 )
 _STATE = text("SELECT state FROM jobs WHERE id = :id AND tenant_id = :tenant_id")
+# Events committed more than :older_than seconds ago that the relays' feed
+# has not published yet (ADR-0016).
+_EVENTS_BEHIND = text(
+    """
+    SELECT count(*) AS behind, extract(epoch FROM now() - min(e.create_time)) AS oldest
+    FROM events e, event_relay r
+    WHERE (e.txid, e.seq) > (r.txid, r.seq)
+        AND e.create_time < now() - make_interval(secs => :older_than)
+    """
+)
 _STUCK_OUTBOX = text(
     """
     SELECT count(*) FROM outbox
@@ -103,6 +113,14 @@ class Republished:
     job_id: uuid.UUID
     dispatch_id: uuid.UUID
     count: int
+
+
+@dataclass(frozen=True, slots=True)
+class EventsBehind:
+    """Committed events the relays have not published, older than asked."""
+
+    count: int
+    oldest_seconds: float | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -190,6 +208,12 @@ class SweepStore:
         async with self._engine.connect() as conn:
             count = (await conn.execute(_STUCK_OUTBOX, {"older_than": older_than})).scalar_one()
         return int(count)
+
+    async def events_behind(self, *, older_than: float) -> EventsBehind:
+        """Events committed over ``older_than`` seconds ago that no relay has published."""
+        async with self._engine.connect() as conn:
+            row = (await conn.execute(_EVENTS_BEHIND, {"older_than": older_than})).one()
+        return EventsBehind(int(row.behind), None if row.oldest is None else float(row.oldest))
 
     async def republish_unclaimed(
         self, *, after: float, scan: int, window: int = 1000
