@@ -489,35 +489,54 @@ class Relay:
     async def _publish_feed_event(
         self, channel: aiormq.Channel, exchange: str, event: FeedEvent
     ) -> None:
-        """Publish one event of the feed: its envelope, the properties docs/events.md lists.
-
-        Straight through aiormq, not waiting for the frames to be written:
-        the feed publishes many small messages, and aio-pika's message and
-        exchange layers cost a fifth of each.
-        """
+        """Publish one event of the feed: its envelope, the properties docs/events.md lists."""
         stored = event.stored.event
         try:
             body = encode(stored)
         except EventError as exc:
             raise Unpublishable(f"its body is not an event: {_short(exc)}") from exc
-        properties = amqp_properties(
-            stored, traceparent=event.traceparent, tracestate=event.tracestate
+        await self._send_event(
+            channel,
+            exchange,
+            stored.event_type,
+            stored,
+            body,
+            traceparent=event.traceparent,
+            tracestate=event.tracestate,
         )
-        if not _surely_publishable(stored, body, event.traceparent, event.tracestate):
+
+    async def _send_event(
+        self,
+        channel: aiormq.Channel,
+        exchange: str,
+        routing_key: str,
+        event: Event,
+        body: bytes,
+        *,
+        traceparent: str | None,
+        tracestate: str | None,
+    ) -> None:
+        """Publish ``body`` (``event``'s envelope) with ``routing_key``; wait for the confirm.
+
+        Straight through aiormq, not waiting for the frames to be written:
+        events are many small messages, and aio-pika's message and exchange
+        layers cost a fifth of each. Not mandatory: with no queue bound the
+        broker drops the event and confirms it, and that is a publish.
+        """
+        properties = amqp_properties(event, traceparent=traceparent, tracestate=tracestate)
+        if not _surely_publishable(event, routing_key, body, traceparent, tracestate):
             check_publishable(
                 aio_pika.Message(body, **properties),
                 exchange,
-                stored.event_type,
+                routing_key,
                 mandatory=False,
                 max_body=MAX_EVENT_BYTES,
             )
         try:
-            # Not mandatory: with no queue bound the broker drops the event
-            # and confirms it, and that is a publish.
             confirmation = await channel.basic_publish(
                 body,
                 exchange=exchange,
-                routing_key=stored.event_type,
+                routing_key=routing_key,
                 properties=spec_properties(properties),
                 mandatory=False,
                 wait=False,
@@ -526,7 +545,7 @@ class Relay:
             raise Unpublishable(str(exc)) from exc
         if isinstance(confirmation, aiormq.spec.Basic.Ack):
             # Mid-batch: some events of the batch confirmed, others in
-            # flight, the position not moved yet.
+            # flight, none recorded yet.
             self._faults.hit("relay.event.confirmed")
             return
         raise PublishFailed(f"not confirmed: {type(confirmation).__name__}")
@@ -797,34 +816,21 @@ class Relay:
             event = decode(row.body)
         except EventError as exc:
             raise Unpublishable(f"its body is not an event: {_short(exc)}") from exc
-        message = aio_pika.Message(
-            row.body,
-            **amqp_properties(
+        if not isinstance(events, aio_pika.Exchange):
+            raise TypeError(f"an aio-pika exchange was expected, not {type(events).__name__}")
+        channel = await events.channel.get_underlay_channel()
+        if not isinstance(channel, aiormq.Channel):  # for basic_publish(wait=False)
+            raise TypeError(f"an aiormq channel was expected, not {type(channel).__name__}")
+        async with asyncio.timeout(self._publish_timeout):
+            await self._send_event(
+                channel,
+                events.name,
+                row.routing_key,
                 event,
+                row.body,
                 traceparent=row.headers.get(TRACEPARENT_HEADER),
                 tracestate=row.headers.get(TRACESTATE_HEADER),
-            ),
-        )
-        check_publishable(
-            message, events.name, row.routing_key, mandatory=False, max_body=MAX_EVENT_BYTES
-        )
-        try:
-            # Not mandatory: with no queue bound the broker drops the event
-            # and confirms it, and that is a publish (see the module docstring).
-            confirmation = await events.publish(
-                message,
-                routing_key=row.routing_key,
-                mandatory=False,  # aio-pika's default is True
-                timeout=self._publish_timeout,
             )
-        except (TypeError, ValueError, pamqp.exceptions.PAMQPException) as exc:
-            raise Unpublishable(str(exc)) from exc
-        if isinstance(confirmation, aiormq.spec.Basic.Ack):
-            # Mid-batch: some rows of the batch confirmed, others in flight,
-            # none marked yet.
-            self._faults.hit("relay.event.confirmed")
-            return
-        raise PublishFailed(f"not confirmed: {type(confirmation).__name__}")
 
 
 def spec_properties(properties: dict[str, Any]) -> aiormq.spec.Basic.Properties:
@@ -847,7 +853,11 @@ def spec_properties(properties: dict[str, Any]) -> aiormq.spec.Basic.Properties:
 
 
 def _surely_publishable(
-    event: Event, body: bytes, traceparent: str | None, tracestate: str | None
+    event: Event,
+    routing_key: str,
+    body: bytes,
+    traceparent: str | None,
+    tracestate: str | None,
 ) -> bool:
     """True when ``event`` is far within every AMQP limit, without encoding a frame.
 
@@ -855,9 +865,12 @@ def _surely_publishable(
     all the strings at four bytes a character plus the fixed properties fit
     the smallest frame. Anything else takes :func:`check_publishable`.
     """
-    short = max(len(event.event_type), len(event.correlation_id), len(str(event.event_id)))
+    short = max(
+        len(routing_key), len(event.event_type), len(event.correlation_id), len(str(event.event_id))
+    )
     strings = (
-        len(event.event_type)
+        len(routing_key)
+        + len(event.event_type)
         + len(event.correlation_id)
         + len(event.causation_id or "")
         + len(traceparent or "")
