@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import dataclasses
 import json
+import re
 from collections.abc import AsyncGenerator, AsyncIterator, Iterable
 from datetime import UTC, datetime
 from typing import Any
@@ -710,7 +711,8 @@ def test_cli_exit_codes(
         ["get", "x", "--api-key", "k", "--address", "127.0.0.1:1", "--call-timeout", "0.5"]
     )
     assert args.func(args) == 1
-    assert capsys.readouterr().err.startswith("error: UNAVAILABLE: ")
+    # Refused at once, or (on a loaded machine) not connected in time.
+    assert re.match(r"error: (UNAVAILABLE|DEADLINE_EXCEEDED): ", capsys.readouterr().err)
 
 
 async def test_render_watch_plain_and_json(

@@ -514,7 +514,10 @@ def test_events_exit_codes(
     )
     assert args.func(args) == 1
     err = capsys.readouterr().err
-    assert err.startswith("error: UNAVAILABLE: ") and err.count("\n") == 1
+    # Refused at once, or (on a loaded machine) not connected within the
+    # 0.3 s deadline: either way one line naming the status.
+    assert re.match(r"error: (UNAVAILABLE|DEADLINE_EXCEEDED): ", err), err
+    assert err.count("\n") == 1
 
 
 def test_event_lines_and_json() -> None:
