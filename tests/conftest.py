@@ -81,9 +81,19 @@ async def topology(amqp_url: str) -> AsyncIterator[Topology]:
 
 @pytest.fixture
 async def stack(
-    engine: AsyncEngine, database_url: str, amqp_url: str, topology: Topology
+    request: pytest.FixtureRequest,
+    engine: AsyncEngine,
+    database_url: str,
+    amqp_url: str,
+    topology: Topology,
 ) -> AsyncIterator[Stack]:
-    """Server + relay + worker with the demo handlers."""
-    running = await start_stack(engine, database_url, amqp_url, topology)
+    """Server + relay + worker with the demo handlers.
+
+    A module leaves parts out with ``pytestmark = pytest.mark.stack(worker=False)``
+    (or ``relay=False``): the marker's keywords go to :func:`start_stack`.
+    """
+    marker = request.node.get_closest_marker("stack")
+    parts = dict(marker.kwargs) if marker is not None else {}
+    running = await start_stack(engine, database_url, amqp_url, topology, **parts)
     yield running
     await running.close()

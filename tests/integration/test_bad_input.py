@@ -16,15 +16,16 @@ from typing import Any
 import grpc
 import pytest
 from google.protobuf import duration_pb2
-from sqlalchemy.ext.asyncio import AsyncEngine
 
 from jobplane.client import InvalidArgument, JobState
 from jobplane.convert import struct_from_dict
 from jobplane.server.service import MAX_PAYLOAD_DEPTH
-from jobplane.topology import Topology
 from jobplane.v1 import jobs_pb2, jobs_pb2_grpc
 from tests.support.answers import check_refusal
-from tests.support.stack import Stack, start_stack
+from tests.support.stack import Stack
+
+# Only the server: no relay or worker writes rows while a test counts them.
+pytestmark = pytest.mark.stack(relay=False, worker=False)
 
 NOTHING = {"jobs": 0, "job_events": 0, "outbox": 0}
 
@@ -44,16 +45,6 @@ async def refused(stack: Stack, call: Awaitable[Any], field: str) -> None:
     refusal = check_refusal(cause)
     assert refusal.code == grpc.StatusCode.INVALID_ARGUMENT
     assert await stack.counts() == before
-
-
-@pytest.fixture
-async def stack(
-    engine: AsyncEngine, database_url: str, amqp_url: str, topology: Topology
-) -> AsyncIterator[Stack]:
-    """Only the server: no relay or worker writes rows while a test counts them."""
-    running = await start_stack(engine, database_url, amqp_url, topology, relay=False, worker=False)
-    yield running
-    await running.close()
 
 
 @pytest.fixture

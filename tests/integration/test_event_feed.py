@@ -18,7 +18,6 @@ from collections.abc import AsyncIterator
 
 import pytest
 from sqlalchemy import text
-from sqlalchemy.ext.asyncio import AsyncEngine
 
 from jobplane.events import Event, decode
 from jobplane.store.engine import create_engine, migrate
@@ -31,15 +30,8 @@ from tests.support.event_api import all_published, bound_queue
 from tests.support.events import take_all
 from tests.support.stack import Stack, start_stack
 
-
-@pytest.fixture
-async def stack(
-    engine: AsyncEngine, database_url: str, amqp_url: str, topology: Topology
-) -> AsyncIterator[Stack]:
-    """Server and relay; no worker (events need none)."""
-    running = await start_stack(engine, database_url, amqp_url, topology, worker=False)
-    yield running
-    await running.close()
+# Server and relay; no worker (events need none).
+pytestmark = pytest.mark.stack(worker=False)
 
 
 def _event(stack: Stack, event_type: str, n: int) -> NewEvent:

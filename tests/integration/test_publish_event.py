@@ -15,29 +15,20 @@ import pytest
 from google.protobuf import struct_pb2, timestamp_pb2
 from sqlalchemy import text
 from sqlalchemy.exc import IntegrityError
-from sqlalchemy.ext.asyncio import AsyncEngine
 
 from jobplane.events import Event, decode, encode
 from jobplane.events.convert import event_from_pb
 from jobplane.server.service import MAX_PAYLOAD_DEPTH
-from jobplane.topology import Topology
 from jobplane.v1 import events_pb2
 from tests.support.answers import check_refusal
 from tests.support.event_api import EventApi, all_published, bound_queue, event_api, request
 from tests.support.events import take_all
-from tests.support.stack import Stack, start_stack
+from tests.support.stack import Stack
+
+# Server and relay; no worker (events need none).
+pytestmark = pytest.mark.stack(worker=False)
 
 TRACEPARENT = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
-
-
-@pytest.fixture
-async def stack(
-    engine: AsyncEngine, database_url: str, amqp_url: str, topology: Topology
-) -> AsyncIterator[Stack]:
-    """Server and relay; no worker (events need none)."""
-    running = await start_stack(engine, database_url, amqp_url, topology, worker=False)
-    yield running
-    await running.close()
 
 
 @pytest.fixture

@@ -29,23 +29,15 @@ from jobplane.errors import (
 from jobplane.events import Event, decode, encode
 from jobplane.events.convert import event_from_pb
 from jobplane.store.engine import asyncpg_dsn
-from jobplane.topology import Topology
 from tests.support.event_api import EventApi, all_published, bound_queue, event_api, request
 from tests.support.events import take_all
-from tests.support.stack import Stack, start_stack
+from tests.support.stack import Stack
+
+# Server and relay; no worker (events need none).
+pytestmark = pytest.mark.stack(worker=False)
 
 TRACEPARENT = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
 _CALLER_TABLE = "CREATE TABLE artifacts (id uuid PRIMARY KEY, path text NOT NULL)"
-
-
-@pytest.fixture
-async def stack(
-    engine: AsyncEngine, database_url: str, amqp_url: str, topology: Topology
-) -> AsyncIterator[Stack]:
-    """Server and relay; no worker (events need none)."""
-    running = await start_stack(engine, database_url, amqp_url, topology, worker=False)
-    yield running
-    await running.close()
 
 
 @pytest.fixture

@@ -22,20 +22,13 @@ from jobplane.topology import Topology
 from jobplane.v1 import events_pb2, events_pb2_grpc
 from tests.support.answers import check_refusal
 from tests.support.event_api import EventApi, Subscription, event_api, request
-from tests.support.stack import Stack, eventually, start_stack
+from tests.support.stack import Stack, eventually
+
+# A server alone: subscriptions read Postgres, not the broker.
+pytestmark = pytest.mark.stack(relay=False, worker=False)
 
 EARLIEST_START = events_pb2.SubscribeEventsRequest.START_EARLIEST
 LATEST_START = events_pb2.SubscribeEventsRequest.START_LATEST
-
-
-@pytest.fixture
-async def stack(
-    engine: AsyncEngine, database_url: str, amqp_url: str, topology: Topology
-) -> AsyncIterator[Stack]:
-    """A server alone: subscriptions read Postgres, not the broker."""
-    running = await start_stack(engine, database_url, amqp_url, topology, relay=False, worker=False)
-    yield running
-    await running.close()
 
 
 @pytest.fixture
