@@ -123,12 +123,8 @@ async def test_the_sweeper_reports_events_no_relay_published(stack: Stack) -> No
 @pytest.fixture
 async def database_at_0009(run_id: str) -> AsyncIterator[str]:
     """A database migrated to 0009: events published through outbox rows."""
-    name = f"jp_{run_id}_f{uuid.uuid4().hex[:6]}"
-    await services.create_database(name)
-    url = services.pg_url(name)
-    await migrate(url, revision="0009", create=False)
-    yield url
-    await services.drop_database(name)
+    async with services.database_at(run_id, "0009") as url:
+        yield url
 
 
 async def test_events_written_before_0010_are_published_once_through_their_outbox_rows(

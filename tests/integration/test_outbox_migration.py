@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import uuid
 from collections.abc import AsyncIterator
 
 import pytest
@@ -22,12 +21,8 @@ from tests.support.stack import start_stack
 @pytest.fixture
 async def old_database(run_id: str) -> AsyncIterator[str]:
     """A database migrated to 0005 only: the outbox as it was."""
-    name = f"jp_{run_id}_m{uuid.uuid4().hex[:6]}"
-    await services.create_database(name)
-    url = services.pg_url(name)
-    await migrate(url, revision="0005", create=False)
-    yield url
-    await services.drop_database(name)
+    async with services.database_at(run_id, "0005") as url:
+        yield url
 
 
 async def test_rows_written_before_0006_stay_dispatches_and_run(

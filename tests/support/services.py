@@ -7,10 +7,12 @@ import os
 import shutil
 import subprocess
 import uuid
+from collections.abc import AsyncIterator
 
 import asyncpg
 
 from jobplane import broker
+from jobplane.store.engine import migrate
 from jobplane.topology import Topology
 
 PG_ADMIN_URL = os.environ.get("JOBPLANE_TEST_PG", "postgresql://postgres@127.0.0.1:5432/postgres")
@@ -40,6 +42,19 @@ async def drop_database(name: str) -> None:
         await conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
     finally:
         await conn.close()
+
+
+@contextlib.asynccontextmanager
+async def database_at(run_id: str, revision: str) -> AsyncIterator[str]:
+    """A fresh database migrated up to ``revision`` only (its URL), dropped after."""
+    name = f"jp_{run_id}_r{uuid.uuid4().hex[:6]}"
+    await create_database(name)
+    try:
+        url = pg_url(name)
+        await migrate(url, revision=revision, create=False)
+        yield url
+    finally:
+        await drop_database(name)
 
 
 def _rabbitmqctl(*args: str) -> None:
