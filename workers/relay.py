@@ -121,6 +121,11 @@ _ROW_REFUSALS = frozenset({"22", "23", "P0", "44"})
 # transaction to end (no notification says when it does).
 _HELD_POLL_SECONDS = 0.05
 _FEED_LINGER_SECONDS = 0.05
+# An event the broker refuses this many times in a row (a nack: a full queue
+# with reject-publish, say) is moved to the outbox, where it is retried on
+# its own, and the feed goes on past it.
+_PARK_AFTER = 5
+_PARKED_RETRY_SECONDS = 5.0
 
 
 class PublishFailed(Exception):
@@ -239,6 +244,11 @@ class Relay:
         self._held: dict[uuid.UUID, float] = {}  # row id -> monotonic time it is tried again
         self.published = 0
         self.events_published = 0
+        self.events_parked = 0
+        # The event at the head of the feed and how many passes in a row it
+        # failed; while it fails, passes publish it alone (no batch behind it
+        # is published again each time).
+        self._head_failures: tuple[uuid.UUID, int] | None = None
         self.failed = 0
         self.connects = 0
         self.database_errors = 0
@@ -440,7 +450,9 @@ class Relay:
             raise TypeError(f"an aiormq channel was expected, not {type(raw).__name__}")
         exchange = self._topology.events_exchange
         failure: BaseException | None = None
-        async with self._feed.claim(self._event_batch_size) as batch:
+        parked = 0
+        limit = 1 if self._head_failures is not None else self._event_batch_size
+        async with self._feed.claim(limit) as batch:
             if batch is None:
                 return FeedPass(held_feed=False)
             if not batch.events:
@@ -472,17 +484,40 @@ class Relay:
                 elif result is not None:
                     if not isinstance(result, Exception):
                         raise result  # cancelled: the position stays
-                    failure = result
-                    break
+                    event_id = event.stored.event.event_id
+                    before = self._head_failures
+                    failures = before[1] + 1 if before and before[0] == event_id else 1
+                    if failures < _PARK_AFTER:
+                        self._head_failures = (event_id, failures)
+                        failure = result
+                        break
+                    await batch.park(
+                        event,
+                        encode(event.stored.event),
+                        f"the broker refused it {failures} times in a row: {result!r}",
+                        delay=_PARKED_RETRY_SECONDS,
+                    )
+                    parked += 1
+                    log.warning(
+                        "relay.event.parked",
+                        event_id=str(event_id),
+                        event_type=event.stored.event.event_type,
+                        failures=failures,
+                        error=repr(result),
+                        hint="moved to the outbox, retried there on its own",
+                    )
                 done += 1
             if done:
                 await batch.advance(batch.events[done - 1].stored.position)
-        self.events_published += done
+        if failure is None:
+            self._head_failures = None
+        self.events_published += done - parked
+        self.events_parked += parked
         if failure is not None:
             raise PublishFailed(f"event feed: {failure!r}") from failure
         return FeedPass(
             published=done,
-            more=len(batch.events) >= self._event_batch_size,
+            more=len(batch.events) >= limit,
             waiting=batch.held,
         )
 

@@ -16,6 +16,7 @@ import asyncio
 import uuid
 from collections.abc import AsyncIterator
 
+import aio_pika
 import pytest
 from sqlalchemy import text
 
@@ -28,7 +29,7 @@ from jobplane.workers.sweeper import Sweeper
 from tests.support import services
 from tests.support.event_api import all_published, bound_queue
 from tests.support.events import take_all
-from tests.support.stack import Stack, start_stack
+from tests.support.stack import Stack, eventually, start_stack
 
 # Server and relay; no worker (events need none).
 pytestmark = pytest.mark.stack(worker=False)
@@ -104,6 +105,76 @@ async def test_two_relays_publish_each_event_once_and_one_takes_over(
     # In commit order (one writer, one transaction after the other), none lost,
     # none twice.
     assert payloads == list(range(80))
+
+
+async def _feed_caught_up(stack: Stack) -> bool:
+    behind = await stack.scalar(
+        "SELECT count(*) FROM events e, event_relay r WHERE (e.txid, e.seq) > (r.txid, r.seq)"
+    )
+    return int(behind) == 0
+
+
+async def test_an_event_the_broker_keeps_refusing_moves_to_the_outbox_and_the_rest_go_on(
+    stack: Stack, amqp_url: str
+) -> None:
+    assert stack.relay is not None
+    relay = stack.relay
+    connection = await aio_pika.connect(amqp_url)
+    async with connection:
+        channel = await connection.channel()
+        exchange = await channel.get_exchange(stack.topology.events_exchange)
+        # A queue that refuses every message routed to it: full at length 0,
+        # and a full queue with reject-publish makes the broker nack.
+        full = await channel.declare_queue(
+            f"test.full.{uuid.uuid4().hex[:8]}",
+            durable=True,
+            arguments={"x-max-length": 0, "x-overflow": "reject-publish"},
+        )
+        await full.bind(exchange, routing_key="refused.#")
+        async with bound_queue(amqp_url, exchange.name, ["fine.#"]) as (name, _):
+            async with stack.engine.begin() as conn:
+                await append(conn, stack.tenant_id, [_event(stack, "refused.one", 0)])
+            for n in range(1, 6):
+                async with stack.engine.begin() as conn:
+                    await append(conn, stack.tenant_id, [_event(stack, "fine.one", n)])
+
+            # The feed goes past it after a few refusals, and on to the others.
+            await eventually(lambda: _feed_caught_up(stack), timeout=60)
+            assert relay.events_parked == 1
+            fine = [decode(m.body).payload["n"] for m in await take_all(amqp_url, name)]
+            # Each at least once, in order; the first batch (with the refused
+            # one at its head) went out once before the feed published them
+            # alone, and the passes between published the refused one alone.
+            assert list(dict.fromkeys(fine)) == [1, 2, 3, 4, 5]
+            assert len(fine) <= 10
+            # It waits in the outbox, retried on its own.
+            parked = await stack.scalar(
+                "SELECT jsonb_build_object('published', published_at IS NOT NULL, "
+                "'failed', failed_at IS NOT NULL, 'type', routing_key, 'body', "
+                "convert_from(body, 'UTF8')::jsonb) FROM outbox WHERE kind = 'event'"
+            )
+            assert parked["type"] == "refused.one"
+            assert (parked["published"], parked["failed"]) == (False, False)
+            assert parked["body"]["payload"] == {"n": 0}
+
+            # Once the broker takes it, it is published from there, once.
+            catcher = await channel.declare_queue(
+                f"test.catch.{uuid.uuid4().hex[:8]}", durable=True
+            )
+            await catcher.bind(exchange, routing_key="refused.#")
+            await full.delete(if_unused=False, if_empty=False)
+
+            async def published() -> bool:
+                return bool(
+                    await stack.scalar(
+                        "SELECT published_at IS NOT NULL FROM outbox WHERE kind = 'event'"
+                    )
+                )
+
+            await eventually(published, timeout=60)
+            caught = await take_all(amqp_url, catcher.name)
+            await catcher.delete(if_unused=False, if_empty=False)
+    assert [decode(m.body).event_type for m in caught] == ["refused.one"]
 
 
 async def test_the_sweeper_reports_events_no_relay_published(stack: Stack) -> None:

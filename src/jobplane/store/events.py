@@ -411,6 +411,21 @@ _FEED_READ = text(
     LIMIT :limit
     """
 )
+# An event the broker keeps refusing, moved to the outbox: it is retried
+# there on its own, with backoff, for ever, and holds up no event behind it.
+_FEED_PARK = text(
+    """
+    INSERT INTO outbox (id, tenant_id, kind, routing_key, correlation_id, body, headers,
+                        last_error, available_at)
+    VALUES (gen_random_uuid(), :tenant_id, 'event', :event_type, :correlation_id, :body,
+            jsonb_strip_nulls(jsonb_build_object(
+                'correlation_id', CAST(:correlation_id AS text),
+                'causation_id', CAST(:causation_id AS text),
+                'traceparent', CAST(:traceparent AS text),
+                'tracestate', CAST(:tracestate AS text))),
+            :error, now() + make_interval(secs => :delay))
+    """
+)
 _FEED_MOVE = text(
     "UPDATE event_relay SET txid = CAST(CAST(:txid AS text) AS xid8), seq = :seq, moved_at = now()"
 )
@@ -437,6 +452,25 @@ class FeedBatch:
         self._conn = conn
         self.events = events
         self.held = held
+
+    async def park(self, event: FeedEvent, body: bytes, error: str, *, delay: float) -> None:
+        """Hand ``event`` to the outbox (as a row of kind ``event``, due after
+        ``delay`` seconds), so that the position can move past it."""
+        stored = event.stored.event
+        await self._conn.execute(
+            _FEED_PARK,
+            {
+                "tenant_id": stored.tenant_id,
+                "event_type": stored.event_type,
+                "correlation_id": stored.correlation_id,
+                "causation_id": stored.causation_id,
+                "traceparent": event.traceparent,
+                "tracestate": event.tracestate,
+                "body": body,
+                "error": error[:1000],
+                "delay": delay,
+            },
+        )
 
     async def advance(self, position: Position) -> None:
         """Record that every event up to ``position`` is published."""
