@@ -18,6 +18,11 @@ DEFAULT_LISTEN = "127.0.0.1:50051"
 MAX_PAYLOAD_BYTES_LIMIT = 4 * 1024 * 1024
 
 
+#: What ``JOBPLANE_LOG_LEVEL`` and ``JOBPLANE_LOG_FORMAT`` accept.
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+LOG_FORMATS = ("console", "json")
+
+
 class ConfigError(ValueError):
     """A JOBPLANE_* setting has a value that cannot be used."""
 
@@ -82,8 +87,8 @@ class Settings:
             topology_path=Path(topology) if topology else None,
             max_payload_bytes=max_payload,
             db_pool_size=pool,
-            log_level=(env.get("JOBPLANE_LOG_LEVEL") or "").lower() or None,
-            log_format=env.get("JOBPLANE_LOG_FORMAT", base.log_format).lower(),
+            log_level=_choice(env, "JOBPLANE_LOG_LEVEL", LOG_LEVELS),
+            log_format=_choice(env, "JOBPLANE_LOG_FORMAT", LOG_FORMATS) or base.log_format,
             faults=frozenset(f.strip() for f in faults),
             tls_cert=tls_cert,
             tls_key=tls_key,
@@ -98,6 +103,20 @@ class Settings:
                 env, "JOBPLANE_TENANT_SUBMIT_BURST", base.tenant_submit_burst
             ),
         )
+
+
+def _choice(env: Mapping[str, str], name: str, choices: tuple[str, ...]) -> str | None:
+    """``name``'s value, lower-cased, when it is one of ``choices``; None when unset.
+
+    Anything else is refused at start: a typo would otherwise log at a
+    level, or in a format, nobody asked for.
+    """
+    raw = env.get(name, "").strip().lower()
+    if not raw:
+        return None
+    if raw not in choices:
+        raise ConfigError(f"{name} must be one of {', '.join(choices)}, not {raw!r}")
+    return raw
 
 
 def _positive_int(env: Mapping[str, str], name: str, default: int) -> int:

@@ -124,6 +124,21 @@ def test_settings_from_env() -> None:
             Settings.from_env({"JOBPLANE_DB_POOL_SIZE": bad})
 
 
+def test_log_settings_are_checked_at_start() -> None:
+    settings = Settings.from_env({"JOBPLANE_LOG_LEVEL": " WARNING ", "JOBPLANE_LOG_FORMAT": "JSON"})
+    assert (settings.log_level, settings.log_format) == ("warning", "json")
+    unset = Settings.from_env({"JOBPLANE_LOG_LEVEL": "", "JOBPLANE_LOG_FORMAT": ""})
+    assert (unset.log_level, unset.log_format) == (None, Settings().log_format)
+    for name, bad in (
+        ("JOBPLANE_LOG_LEVEL", "verbose"),
+        ("JOBPLANE_LOG_LEVEL", "warn "),
+        ("JOBPLANE_LOG_FORMAT", "xml"),
+        ("JOBPLANE_LOG_FORMAT", "jsonl"),
+    ):
+        with pytest.raises(ConfigError, match=name):
+            Settings.from_env({name: bad})
+
+
 def test_demo_registry_has_the_documented_handlers() -> None:
     assert list(demo_registry) == ["demo.echo", "demo.fail", "demo.progress"]
 
