@@ -11,7 +11,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from jobplane.client._errors import WatchSequenceError
+import grpc
+
+from jobplane.client._errors import WatchSequenceError, error_from_rpc, is_retryable
 from jobplane.errors import TenantLimitExceeded
 
 
@@ -100,6 +102,25 @@ class Backoff:
             return None
         # The last attempt happens at the deadline rather than a full delay after it.
         return min(delay, remaining)
+
+
+def stream_failure(error: grpc.aio.AioRpcError, *, closed: bool) -> TenantLimitExceeded | None:
+    """What the error that ended a stream means for resuming it.
+
+    Raises the client's error when the stream must end: the client was
+    closed, or the server refused it for good. Returns the refusal for the
+    tenant's stream limit, to wait out (the streams of a server that went
+    away come to the others, and slots free as streams end), or None: a
+    failure to retry after the backoff.
+    """
+    if closed:
+        raise error_from_rpc(error) from error
+    if is_retryable(error):
+        return None
+    refusal = error_from_rpc(error)
+    if isinstance(refusal, TenantLimitExceeded):
+        return refusal
+    raise refusal from error
 
 
 def stream_retry_delay(

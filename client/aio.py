@@ -14,7 +14,13 @@ from typing import Any, Self, TypeVar
 import grpc
 
 from jobplane.client._errors import error_from_rpc, is_retryable
-from jobplane.client._retry import Backoff, EventCursor, RetryPolicy, stream_retry_delay
+from jobplane.client._retry import (
+    Backoff,
+    EventCursor,
+    RetryPolicy,
+    stream_failure,
+    stream_retry_delay,
+)
 from jobplane.client.subscription import EventSubscription, SubscribeStart, domain_event_of
 from jobplane.client.tls import ClientTLS
 from jobplane.convert import event_from_pb, job_from_pb, state_to_pb, struct_from_dict
@@ -410,16 +416,7 @@ class AsyncClient:
                         backoff.reset()
                         yield event
             except grpc.aio.AioRpcError as exc:
-                if self._closed:
-                    raise error_from_rpc(exc) from exc
-                if not is_retryable(exc):
-                    error = error_from_rpc(exc)
-                    # A server at the tenant's stream limit is no reason to
-                    # stop: the watchers of a server that went away come to
-                    # the others, and slots free as streams end.
-                    if not isinstance(error, TenantLimitExceeded):
-                        raise error from exc
-                    limited = error
+                limited = stream_failure(exc, closed=self._closed)
                 failure = exc
             else:
                 if cursor.at_terminal:

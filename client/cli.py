@@ -41,7 +41,7 @@ from jobplane.client.progress import ProgressTracker
 from jobplane.client.subscription import SubscribedEvent
 from jobplane.client.tls import ENV_CA, ENV_CLIENT_CERT, ENV_CLIENT_KEY, ENV_SERVER_NAME, ENV_SWITCH
 from jobplane.errors import JobplaneError
-from jobplane.events.envelope import Event, format_timestamp
+from jobplane.events.envelope import Event, envelope_fields, format_timestamp
 from jobplane.types import Job, JobEvent, JobState
 
 Command = Callable[[AsyncClient, argparse.Namespace], Awaitable[int]]
@@ -620,16 +620,7 @@ def event_to_json(event: JobEvent) -> dict[str, Any]:
 
 def domain_event_to_json(event: Event) -> dict[str, Any]:
     """A domain event as a JSON-ready dict: the envelope's keys (docs/events.md)."""
-    return {
-        "event_id": str(event.event_id),
-        "event_type": event.event_type,
-        "timestamp": format_timestamp(event.timestamp),
-        "tenant_id": str(event.tenant_id),
-        "project_id": event.project_id,
-        "correlation_id": event.correlation_id,
-        "causation_id": event.causation_id,
-        "payload": event.payload,
-    }
+    return envelope_fields(event)
 
 
 def subscribed_to_json(item: SubscribedEvent) -> dict[str, Any]:

@@ -21,8 +21,7 @@ from typing import Literal, NamedTuple, Protocol, Self
 
 import grpc
 
-from jobplane.client._errors import error_from_rpc, is_retryable
-from jobplane.client._retry import Backoff, RetryPolicy, stream_retry_delay
+from jobplane.client._retry import Backoff, RetryPolicy, stream_failure, stream_retry_delay
 from jobplane.errors import InternalError, TenantLimitExceeded, Unavailable
 from jobplane.events.convert import event_from_pb
 from jobplane.events.envelope import Event, EventError
@@ -172,15 +171,7 @@ class EventSubscription:
                 # The server never ends a stream by itself: whatever ended
                 # it (a proxy, a balancer) cut it, and it is resumed.
             except grpc.aio.AioRpcError as exc:
-                if self._closed():
-                    raise error_from_rpc(exc) from exc
-                if not is_retryable(exc):
-                    error = error_from_rpc(exc)
-                    # The subscribers of a server that went away come to the
-                    # others, and slots free as streams end: wait for one.
-                    if not isinstance(error, TenantLimitExceeded):
-                        raise error from exc
-                    limited = error
+                limited = stream_failure(exc, closed=self._closed())
                 failure = exc
             finally:
                 call.cancel()

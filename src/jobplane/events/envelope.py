@@ -187,10 +187,9 @@ class Event:
         )
 
 
-def encode(event: Event, *, max_bytes: int = MAX_EVENT_BYTES) -> bytes:
-    """The JSON body of ``event`` (UTF-8, compact); :class:`EventError` over ``max_bytes``."""
-    data = {
-        "v": EVENT_VERSION,
+def envelope_fields(event: Event) -> dict[str, Any]:
+    """The envelope's fields of ``event`` as JSON values, in the wire order (no version)."""
+    return {
         "event_id": str(event.event_id),
         "event_type": event.event_type,
         "timestamp": format_timestamp(event.timestamp),
@@ -200,6 +199,11 @@ def encode(event: Event, *, max_bytes: int = MAX_EVENT_BYTES) -> bytes:
         "causation_id": event.causation_id,
         "payload": event.payload,
     }
+
+
+def encode(event: Event, *, max_bytes: int = MAX_EVENT_BYTES) -> bytes:
+    """The JSON body of ``event`` (UTF-8, compact); :class:`EventError` over ``max_bytes``."""
+    data = {"v": EVENT_VERSION, **envelope_fields(event)}
     body = json.dumps(data, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode()
     if len(body) > max_bytes:
         raise EventError(
