@@ -358,6 +358,11 @@ async def _keys(args: argparse.Namespace) -> int:
 
 async def _keys_command(keys: KeyStore, args: argparse.Namespace) -> int:
     if args.keys == "create":
+        if args.worker:
+            created = await keys.create_worker()
+            print(created.key)
+            print(f"created worker key {created.key_id} (WorkerService only)", file=sys.stderr)
+            return 0
         created = await keys.create(args.tenant)
         # stdout carries the secret alone, for `$(jobplane keys create ...)`.
         print(created.key)
@@ -378,10 +383,8 @@ async def _keys_command(keys: KeyStore, args: argparse.Namespace) -> int:
     created, old = await keys.rotate(args.key_id, grace=args.grace)
     print(created.key)
     ends = old.revoke_time.isoformat(timespec="seconds") if old.revoke_time else "-"
-    print(
-        f"created {created.key_id} for tenant {created.tenant!r}; {old.key_id} ends at {ends}",
-        file=sys.stderr,
-    )
+    owner = "worker key" if not created.tenant else f"for tenant {created.tenant!r}"
+    print(f"created {created.key_id} {owner}; {old.key_id} ends at {ends}", file=sys.stderr)
     return 0
 
 
@@ -392,7 +395,8 @@ def _key_json(info: KeyInfo) -> dict[str, Any]:
     return {
         "key_id": info.key_id,
         "tenant": info.tenant,
-        "tenant_id": str(info.tenant_id),
+        "tenant_id": None if info.tenant_id is None else str(info.tenant_id),
+        "scope": info.scope.value,
         "prefix": info.prefix,
         "create_time": when(info.create_time),
         "revoke_time": when(info.revoke_time),
@@ -411,7 +415,7 @@ def _print_keys(listed: list[KeyInfo]) -> None:
         rows.append(
             (
                 info.key_id,
-                info.tenant,
+                info.tenant or "(worker)",
                 info.prefix,
                 when(info.create_time),
                 revoked,
@@ -631,7 +635,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     keys = sub.add_parser("keys", help="API keys").add_subparsers(dest="keys", required=True)
     create = keys.add_parser("create", help="create a key (and the tenant); prints the key")
-    create.add_argument("--tenant", required=True)
+    owner = create.add_mutually_exclusive_group(required=True)
+    owner.add_argument("--tenant", help="a tenant key: JobService and EventService")
+    owner.add_argument(
+        "--worker",
+        action="store_true",
+        help="a worker key: WorkerService only, for every tenant's jobs (docs/workers.md)",
+    )
     keys_list = keys.add_parser("list", help="list keys by id (never the keys themselves)")
     keys_list.add_argument("--tenant", help="only this tenant's keys")
     keys_list.add_argument("--json", action="store_true", help="one JSON object per key")

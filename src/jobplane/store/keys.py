@@ -11,6 +11,10 @@ from its cache when it hears it (:meth:`KeyStore.forget`), and its whole cache
 when its LISTEN connection comes back (:meth:`KeyStore.clear_cache`), since
 notifications sent meanwhile are lost.
 
+A key has a scope (:class:`KeyScope`): a tenant key calls JobService and
+EventService for its tenant; a worker key calls WorkerService only, for the
+jobs of the whole deployment, and has no tenant (ADR-0018).
+
 Resolving is built to survive a flood of made-up keys (see
 :meth:`KeyStore.resolve`): anything not shaped exactly like a key this module
 makes is refused without a database round trip, keys found unknown are
@@ -24,6 +28,7 @@ lookups hold at most ``max_lookups`` pooled connections and run at most
 from __future__ import annotations
 
 import asyncio
+import enum
 import hashlib
 import itertools
 import re
@@ -66,7 +71,8 @@ _UPSERT_TENANT = text(
 )
 _INSERT_KEY = text(
     """
-    INSERT INTO api_keys (tenant_id, key_hash, prefix) VALUES (:tenant_id, :key_hash, :prefix)
+    INSERT INTO api_keys (tenant_id, key_hash, prefix, scope)
+    VALUES (:tenant_id, :key_hash, :prefix, :scope)
     RETURNING key_id
     """
 )
@@ -76,31 +82,32 @@ _INSERT_KEY = text(
 _RESOLVE = text(
     """
     WITH k AS (
-        SELECT id, key_hash, tenant_id, key_id, revoke_time, last_used_time FROM api_keys
+        SELECT id, key_hash, tenant_id, key_id, scope, revoke_time, last_used_time FROM api_keys
         WHERE key_hash = ANY(:key_hashes) AND (revoke_time IS NULL OR revoke_time > now())
     ), touched AS (
         UPDATE api_keys a SET last_used_time = now() FROM k
         WHERE a.id = k.id
           AND (k.last_used_time IS NULL OR k.last_used_time < now() - interval '60 seconds')
     )
-    SELECT key_hash, tenant_id, key_id,
+    SELECT key_hash, tenant_id, key_id, scope,
            extract(epoch FROM revoke_time - now())::float8 AS remaining
     FROM k
     """
 )
 _SELECT_KEYS = """
-    SELECT k.key_id, t.name AS tenant, k.tenant_id, k.prefix, k.create_time, k.revoke_time,
-           k.last_used_time, (k.revoke_time IS NULL OR k.revoke_time > now()) AS active
-    FROM api_keys k JOIN tenants t ON t.id = k.tenant_id
+    SELECT k.key_id, t.name AS tenant, k.tenant_id, k.scope, k.prefix, k.create_time,
+           k.revoke_time, k.last_used_time,
+           (k.revoke_time IS NULL OR k.revoke_time > now()) AS active
+    FROM api_keys k LEFT JOIN tenants t ON t.id = k.tenant_id
 """
-_LIST = text(_SELECT_KEYS + " ORDER BY t.name, k.create_time, k.key_id")
+_LIST = text(_SELECT_KEYS + " ORDER BY t.name NULLS FIRST, k.create_time, k.key_id")
 _LIST_TENANT = text(
     _SELECT_KEYS + " WHERE t.name = :tenant ORDER BY t.name, k.create_time, k.key_id"
 )
 _ONE = text(_SELECT_KEYS + " WHERE k.key_id = :key_id")
 _LOCK_ACTIVE = text(
     """
-    SELECT k.tenant_id, t.name FROM api_keys k JOIN tenants t ON t.id = k.tenant_id
+    SELECT k.tenant_id, t.name, k.scope FROM api_keys k LEFT JOIN tenants t ON t.id = k.tenant_id
     WHERE k.key_id = :key_id AND (k.revoke_time IS NULL OR k.revoke_time > now())
     FOR UPDATE OF k
     """
@@ -116,6 +123,13 @@ _REVOKE = text(
     """
 )
 _NOTIFY = text(f"SELECT pg_notify('{KEYS_CHANNEL}', :key_id)")
+
+
+class KeyScope(enum.StrEnum):
+    """What a key may call."""
+
+    TENANT = "tenant"  # JobService and EventService, for its tenant
+    WORKER = "worker"  # WorkerService only, for every tenant's jobs
 
 
 class KeyNotFound(LookupError):
@@ -149,13 +163,28 @@ class KeyIdentity:
 
 
 @dataclass(frozen=True, slots=True)
+class WorkerIdentity:
+    """Who a worker key's call is: the key's non-secret id; no tenant (ADR-0018)."""
+
+    key_id: str
+
+
+#: What a key resolves to: a tenant's caller, or a worker.
+Identity = KeyIdentity | WorkerIdentity
+
+
+@dataclass(frozen=True, slots=True)
 class NewKey:
-    """A key just created. ``key`` is the secret: it is shown once, never stored."""
+    """A key just created. ``key`` is the secret: it is shown once, never stored.
+
+    A worker key has no tenant: ``tenant`` is empty and ``tenant_id`` None.
+    """
 
     key: str
     key_id: str
     tenant: str
-    tenant_id: uuid.UUID
+    tenant_id: uuid.UUID | None
+    scope: KeyScope = KeyScope.TENANT
 
 
 @dataclass(frozen=True, slots=True)
@@ -163,18 +192,19 @@ class KeyInfo:
     """What is known about a key, without its secret."""
 
     key_id: str
-    tenant: str
-    tenant_id: uuid.UUID
+    tenant: str  # empty for a worker key
+    tenant_id: uuid.UUID | None  # None for a worker key
     prefix: str
     create_time: datetime
     revoke_time: datetime | None
     last_used_time: datetime | None
     active: bool
+    scope: KeyScope = KeyScope.TENANT
 
 
 @dataclass(slots=True)
 class _Cached:
-    identity: KeyIdentity
+    identity: Identity
     expires: float
 
 
@@ -210,8 +240,8 @@ class KeyStore:
         self._unknown: OrderedDict[bytes, float] = OrderedDict()
         # Every lookup not answered yet; _waiting holds those no statement
         # has taken up yet.
-        self._inflight: dict[bytes, asyncio.Future[KeyIdentity | None]] = {}
-        self._waiting: dict[bytes, asyncio.Future[KeyIdentity | None]] = {}
+        self._inflight: dict[bytes, asyncio.Future[Identity | None]] = {}
+        self._waiting: dict[bytes, asyncio.Future[Identity | None]] = {}
         self._max_lookups = max_lookups
         self._lookup_interval = lookup_interval
         self._lookups: set[asyncio.Task[None]] = set()
@@ -230,9 +260,16 @@ class KeyStore:
             key, key_id = await self._insert_key(conn, tenant_id)
         return NewKey(key, key_id, tenant, uuid.UUID(str(tenant_id)))
 
+    async def create_worker(self) -> NewKey:
+        """A new worker key: WorkerService only, for the whole deployment."""
+        async with self._engine.begin() as conn:
+            key, key_id = await self._insert_key(conn, None, KeyScope.WORKER)
+        return NewKey(key, key_id, "", None, KeyScope.WORKER)
+
     async def create_key(self, tenant: str) -> tuple[str, uuid.UUID]:
         """A new key for ``tenant`` (created if needed) and the tenant's id."""
         created = await self.create(tenant)
+        assert created.tenant_id is not None
         return created.key, created.tenant_id
 
     async def list_keys(self, tenant: str | None = None) -> list[KeyInfo]:
@@ -281,29 +318,45 @@ class KeyStore:
             if row is None:
                 await self.get_key(key_id)  # KeyNotFound when there is no such key
                 raise KeyRevoked(f"API key {key_id!r} is already revoked")
-            tenant_id, tenant = row
-            key, new_id = await self._insert_key(conn, tenant_id)
+            tenant_id, tenant, scope = row
+            key, new_id = await self._insert_key(conn, tenant_id, KeyScope(scope))
             await conn.execute(_REVOKE, {"key_id": key_id, "after": grace})
             await conn.execute(_NOTIFY, {"key_id": key_id})
         self.forget(key_id)
-        created = NewKey(key, new_id, str(tenant), uuid.UUID(str(tenant_id)))
+        created = NewKey(
+            key,
+            new_id,
+            str(tenant or ""),
+            None if tenant_id is None else uuid.UUID(str(tenant_id)),
+            KeyScope(scope),
+        )
         return created, await self.get_key(key_id)
 
     @staticmethod
-    async def _insert_key(conn: AsyncConnection, tenant_id: object) -> tuple[str, str]:
+    async def _insert_key(
+        conn: AsyncConnection, tenant_id: object, scope: KeyScope = KeyScope.TENANT
+    ) -> tuple[str, str]:
         key = _new_key()
         key_id = (
             await conn.execute(
                 _INSERT_KEY,
-                {"tenant_id": tenant_id, "key_hash": hash_key(key), "prefix": key[:8]},
+                {
+                    "tenant_id": tenant_id,
+                    "key_hash": hash_key(key),
+                    "prefix": key[:8],
+                    "scope": scope.value,
+                },
             )
         ).scalar_one()
         return key, str(key_id)
 
     # -- resolution ----------------------------------------------------------
 
-    async def resolve(self, key: str) -> KeyIdentity | None:
-        """Tenant and key id of ``key``; None when it is unknown, revoked or malformed.
+    async def resolve(self, key: str) -> Identity | None:
+        """Who ``key`` stands for; None when it is unknown, revoked or malformed.
+
+        A tenant key resolves to its :class:`KeyIdentity`, a worker key to
+        its :class:`WorkerIdentity`.
 
         A key not shaped like the ones :meth:`create` makes is refused at
         once. A key cached as valid, or remembered as unknown, costs no round
@@ -377,15 +430,20 @@ class KeyStore:
             if rest > 0:
                 await asyncio.sleep(rest)
 
-    async def _lookup(self, batch: dict[bytes, asyncio.Future[KeyIdentity | None]]) -> None:
+    async def _lookup(self, batch: dict[bytes, asyncio.Future[Identity | None]]) -> None:
         generation = self._generation
         started = time.monotonic()
         async with self._auto.connect() as conn:
             rows = (await conn.execute(_RESOLVE, {"key_hashes": list(batch)})).all()
-        found: dict[bytes, KeyIdentity] = {}
-        for key_hash, tenant_id, key_id, remaining in rows:
+        found: dict[bytes, Identity] = {}
+        for key_hash, tenant_id, key_id, scope, remaining in rows:
             digest = bytes(key_hash)
-            identity = found[digest] = KeyIdentity(uuid.UUID(str(tenant_id)), str(key_id))
+            identity: Identity = (
+                WorkerIdentity(str(key_id))
+                if scope == KeyScope.WORKER.value
+                else KeyIdentity(uuid.UUID(str(tenant_id)), str(key_id))
+            )
+            found[digest] = identity
             if generation == self._generation:
                 ttl = (
                     self._cache_seconds
@@ -445,11 +503,12 @@ class KeyStore:
 def _info(row: RowMapping) -> KeyInfo:
     return KeyInfo(
         key_id=row["key_id"],
-        tenant=row["tenant"],
-        tenant_id=uuid.UUID(str(row["tenant_id"])),
+        tenant=row["tenant"] or "",
+        tenant_id=None if row["tenant_id"] is None else uuid.UUID(str(row["tenant_id"])),
         prefix=row["prefix"],
         create_time=row["create_time"],
         revoke_time=row["revoke_time"],
         last_used_time=row["last_used_time"],
         active=bool(row["active"]),
+        scope=KeyScope(row["scope"]),
     )
