@@ -9,6 +9,10 @@ An admitted call runs with its :class:`KeyIdentity` in a contextvar
 (:func:`current_identity`) and bound to the structlog context (``tenant_id``,
 ``api_key_id``, ``rpc``), and a stream (WatchJob, SubscribeEvents) holds one
 of its tenant's stream slots for its life. Health and reflection stay open.
+A gate admits keys of one scope: the tenant gate (JobService, EventService)
+refuses a worker key, the worker gate (WorkerService) a tenant key, both with
+PERMISSION_DENIED (reason KEY_SCOPE_MISMATCH); an admitted worker call runs
+with its :class:`WorkerIdentity` (:func:`current_worker`), and with no tenant.
 Refusals for a missing or bad key are logged (``auth.refused``) at most once
 a second per reason, with the number held back since.
 """
@@ -24,10 +28,10 @@ from typing import Any, TypeAlias
 import grpc
 import structlog
 
-from jobplane.errors import JobplaneError, Unauthenticated
+from jobplane.errors import JobplaneError, KeyScopeMismatch, Unauthenticated
 from jobplane.server.limits import TenantLimiter
 from jobplane.server.status import error_for, to_grpc_status
-from jobplane.store.keys import KeyIdentity, KeyStore
+from jobplane.store.keys import Identity, KeyIdentity, KeyScope, KeyStore, WorkerIdentity
 
 log = structlog.get_logger("jobplane.server")
 
@@ -36,6 +40,9 @@ Context: TypeAlias = "grpc.aio.ServicerContext[Any, Any]"
 
 _IDENTITY: contextvars.ContextVar[KeyIdentity | None] = contextvars.ContextVar(
     "jobplane_identity", default=None
+)
+_WORKER: contextvars.ContextVar[WorkerIdentity | None] = contextvars.ContextVar(
+    "jobplane_worker", default=None
 )
 
 # The calls the gate counts against a tenant's limits: writes that go through
@@ -51,6 +58,14 @@ def current_identity() -> KeyIdentity:
         # Only reachable if a servicer is served without the gate: fail closed.
         raise Unauthenticated("the call was not authenticated")
     return identity
+
+
+def current_worker() -> WorkerIdentity:
+    """The worker key of the WorkerService call being served; :class:`Unauthenticated` outside."""
+    worker = _WORKER.get()
+    if worker is None:
+        raise Unauthenticated("the call was not authenticated with a worker key")
+    return worker
 
 
 def bearer_token(metadata: Any) -> str:
@@ -88,7 +103,11 @@ class LogSampler:
 
 
 class CallGate(grpc.aio.ServerInterceptor):
-    """Authenticates and admits the calls of some services; others pass untouched."""
+    """Authenticates and admits the calls of some services; others pass untouched.
+
+    ``scope``: the keys it admits; a valid key of another scope is refused
+    with :class:`KeyScopeMismatch`.
+    """
 
     def __init__(
         self,
@@ -97,9 +116,11 @@ class CallGate(grpc.aio.ServerInterceptor):
         limiter: TenantLimiter,
         *,
         clock: Callable[[], float] = time.monotonic,
+        scope: KeyScope = KeyScope.TENANT,
     ) -> None:
         names = (services,) if isinstance(services, str) else tuple(services)
         self._prefixes = tuple(f"/{name}/" for name in names)
+        self._scope = scope
         self._keys = keys
         self._limiter = limiter
         # The handlers of admitted calls, made once per method: who the caller
@@ -138,20 +159,30 @@ class CallGate(grpc.aio.ServerInterceptor):
         # grpc.aio runs the interceptors and then the handler in one task per
         # call, so what is set here is what the servicer sees, and no other
         # call sees it (tests/integration/test_auth_door.py checks both).
-        _IDENTITY.set(identity)
-        structlog.contextvars.bind_contextvars(
-            tenant_id=str(identity.tenant_id), api_key_id=identity.key_id, rpc=rpc
-        )
+        if isinstance(identity, WorkerIdentity):
+            _WORKER.set(identity)
+            structlog.contextvars.bind_contextvars(api_key_id=identity.key_id, rpc=rpc)
+        else:
+            _IDENTITY.set(identity)
+            structlog.contextvars.bind_contextvars(
+                tenant_id=str(identity.tenant_id), api_key_id=identity.key_id, rpc=rpc
+            )
         admitted = self._admitted.get(method)
         if admitted is None:
             admitted = self._admitted[method] = self._admitting(handler, rpc)
         return admitted
 
-    async def _admit(self, rpc: str, metadata: Any) -> KeyIdentity:
+    async def _admit(self, rpc: str, metadata: Any) -> Identity:
         identity = await self._keys.resolve(bearer_token(metadata))
         if identity is None:
             raise Unauthenticated("the API key is not valid")
-        if rpc in SUBMIT_RPCS:
+        scope = KeyScope.WORKER if isinstance(identity, WorkerIdentity) else KeyScope.TENANT
+        if scope is not self._scope:
+            log.info("auth.scope_refused", rpc=rpc, api_key_id=identity.key_id, scope=scope.value)
+            raise KeyScopeMismatch(
+                f"a {scope.value} key cannot call {rpc}; it needs a {self._scope.value} key"
+            )
+        if rpc in SUBMIT_RPCS and isinstance(identity, KeyIdentity):
             try:
                 self._limiter.take_submit(identity.tenant_id)
             except JobplaneError as error:

@@ -81,6 +81,20 @@ class Unauthenticated(JobplaneError):
     reason = "UNAUTHENTICATED"
 
 
+class PermissionDenied(JobplaneError):
+    """The API key may not make this call."""
+
+    code = grpc.StatusCode.PERMISSION_DENIED
+    reason = "PERMISSION_DENIED"
+
+
+class KeyScopeMismatch(PermissionDenied):
+    """The API key is of the wrong scope for this service: a worker key calls
+    WorkerService only, a tenant key every other service."""
+
+    reason = "KEY_SCOPE_MISMATCH"
+
+
 class JobNotFound(JobplaneError):
     """No job with this name."""
 
@@ -128,6 +142,18 @@ class JobNotRetryable(FailedPrecondition):
     reason = "JOB_NOT_RETRYABLE"
 
 
+class AttemptLeaseLost(FailedPrecondition):
+    """This attempt no longer holds the job's lease; nothing was written."""
+
+    reason = "LEASE_LOST"
+
+
+class CancelNotRequested(FailedPrecondition):
+    """Cancellation of this job was not requested; the attempt cannot end CANCELLED."""
+
+    reason = "CANCEL_NOT_REQUESTED"
+
+
 class ResourceExhausted(JobplaneError):
     """A limit was reached; the call may succeed later."""
 
@@ -172,6 +198,8 @@ _BY_REASON: dict[str, type[JobplaneError]] = {
         PayloadTooLarge,
         UnroutableJobType,
         Unauthenticated,
+        PermissionDenied,
+        KeyScopeMismatch,
         JobNotFound,
         TenantNotFound,
         RequestIdReused,
@@ -179,6 +207,8 @@ _BY_REASON: dict[str, type[JobplaneError]] = {
         FailedPrecondition,
         JobAlreadyTerminal,
         JobNotRetryable,
+        AttemptLeaseLost,
+        CancelNotRequested,
         ResourceExhausted,
         TenantLimitExceeded,
         Unavailable,
@@ -189,6 +219,7 @@ _BY_REASON: dict[str, type[JobplaneError]] = {
 _BY_CODE: dict[grpc.StatusCode, type[JobplaneError]] = {
     grpc.StatusCode.INVALID_ARGUMENT: InvalidArgument,
     grpc.StatusCode.UNAUTHENTICATED: Unauthenticated,
+    grpc.StatusCode.PERMISSION_DENIED: PermissionDenied,
     grpc.StatusCode.NOT_FOUND: JobNotFound,
     grpc.StatusCode.ALREADY_EXISTS: RequestIdReused,
     grpc.StatusCode.FAILED_PRECONDITION: FailedPrecondition,
