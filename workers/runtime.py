@@ -43,13 +43,13 @@ from jobplane.store.listen import Listener
 from jobplane.store.machine import Emitted
 from jobplane.store.rows import CANCEL_CHANNEL
 from jobplane.tasks import cancel_and_wait
-from jobplane.topology import Ownership, Topology, TopologyError, ensure
+from jobplane.topology import Ownership, Topology, ensure
 from jobplane.workers.bounce import Bounced, bounce_foreign
 from jobplane.workers.handlers import JobContext, Registry
 from jobplane.workers.outcome import Escaped, Failure, check_result, describe, invoke
 from jobplane.workers.presence import Presence
 from jobplane.workers.progress import ProgressFlusher, ProgressWriter
-from jobplane.workers.retry import backoff
+from jobplane.workers.retry import retry_delay
 
 log = structlog.get_logger("jobplane.worker")
 
@@ -580,12 +580,10 @@ class Worker:
         )
 
     def _backoff(self, attempt: Attempt) -> float:
-        try:
-            queue = self._topology.queue(attempt.queue)
-        except TopologyError:  # the job's queue left the topology: plain defaults
-            return backoff(attempt.attempt, base=self._retry_base_delay or 1.0)
-        base = queue.retry_base_delay if self._retry_base_delay is None else self._retry_base_delay
-        return backoff(attempt.attempt, base=base, cap=queue.retry_max_delay)
+        # The same policy as WorkerService's (jobplane.server.workers).
+        return retry_delay(
+            self._topology, attempt.queue, attempt.attempt, base_override=self._retry_base_delay
+        )
 
     async def _outcome(
         self, attempt: Attempt, bound: Any, write: Callable[[], Awaitable[None]]
