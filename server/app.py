@@ -1,4 +1,5 @@
-"""The grpc.aio server and what it owns: JobService, EventService, health, reflection."""
+"""The grpc.aio server and what it owns: JobService, EventService, WorkerService, health,
+reflection."""
 
 from __future__ import annotations
 
@@ -22,14 +23,25 @@ from jobplane.server.events import EventService
 from jobplane.server.limits import TenantLimiter, TenantLimits
 from jobplane.server.service import JobService, max_request_bytes
 from jobplane.server.servicer import EventServiceServicer, JobServiceServicer
+from jobplane.server.worker_servicer import WorkerServiceServicer
+from jobplane.server.workers import WorkerService
+from jobplane.store.attempts import AttemptStore
 from jobplane.store.events import EventStore
+from jobplane.store.held import HeldAttempts
 from jobplane.store.jobs import JobStore
-from jobplane.store.keys import KEYS_CHANNEL, KeyStore
+from jobplane.store.keys import KEYS_CHANNEL, KeyScope, KeyStore
 from jobplane.store.listen import Listener
 from jobplane.store.routes import sync_submit_rules
 from jobplane.store.rows import DOMAIN_EVENTS_CHANNEL, EVENTS_CHANNEL
 from jobplane.topology import Topology
-from jobplane.v1 import events_pb2, events_pb2_grpc, jobs_pb2, jobs_pb2_grpc
+from jobplane.v1 import (
+    events_pb2,
+    events_pb2_grpc,
+    jobs_pb2,
+    jobs_pb2_grpc,
+    workers_pb2,
+    workers_pb2_grpc,
+)
 
 log = structlog.get_logger("jobplane.server")
 
@@ -43,6 +55,8 @@ SERVICE_NAME = jobs_pb2.DESCRIPTOR.services_by_name["JobService"].full_name
 EVENT_SERVICE_NAME = events_pb2.DESCRIPTOR.services_by_name["EventService"].full_name
 # Both API services: behind the same gate, reported by health.
 API_SERVICES = (SERVICE_NAME, EVENT_SERVICE_NAME)
+# Behind its own gate, for worker keys only (ADR-0018).
+WORKER_SERVICE_NAME = workers_pb2.DESCRIPTOR.services_by_name["WorkerService"].full_name
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,6 +113,7 @@ class JobplaneServer:
         tls: ServerTLS | None = None,
         limits: TenantLimits | None = None,
         key_cache_seconds: float = 30.0,
+        worker_lease_seconds: float = 30.0,
     ) -> None:
         if not 0 < max_payload_bytes <= MAX_PAYLOAD_BYTES_LIMIT:
             # Past it, a job could be too large for the SDK to read back.
@@ -130,6 +145,12 @@ class JobplaneServer:
             max_payload_bytes=max_payload_bytes,
             recheck_seconds=recheck_seconds,
         )
+        self.workers = WorkerService(
+            AttemptStore(engine, lease_seconds=worker_lease_seconds),
+            HeldAttempts(engine),
+            topology,
+            max_result_bytes=max_payload_bytes,
+        )
         # gRPC refuses a larger body (RESOURCE_EXHAUSTED) before reading it
         # whole: no valid request needs more.
         self.max_receive_bytes = max_request_bytes(max_payload_bytes)
@@ -157,6 +178,7 @@ class JobplaneServer:
             # must stay last (it wraps the servicer's handlers once each).
             interceptors=[
                 CallGate(API_SERVICES, self.keys, self.limiter),
+                CallGate(WORKER_SERVICE_NAME, self.keys, self.limiter, scope=KeyScope.WORKER),
                 RefuseUndecodable("/jobplane.v1."),
             ],
             options=[
@@ -175,10 +197,14 @@ class JobplaneServer:
         events_pb2_grpc.add_EventServiceServicer_to_server(
             EventServiceServicer(self.events), server
         )
+        workers_pb2_grpc.add_WorkerServiceServicer_to_server(
+            WorkerServiceServicer(self.workers), server
+        )
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection(
             (
                 *API_SERVICES,
+                WORKER_SERVICE_NAME,
                 health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
                 reflection.SERVICE_NAME,
             ),
@@ -192,7 +218,7 @@ class JobplaneServer:
             raise OSError(f"cannot listen on {self._listen}")
         await server.start()
         self._server = server
-        for service in ("", *API_SERVICES):
+        for service in ("", *API_SERVICES, WORKER_SERVICE_NAME):
             await self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
         log.info(
             "server.started",
@@ -225,7 +251,7 @@ class JobplaneServer:
 
     async def stop(self, grace: float = 5.0) -> None:
         """Report NOT_SERVING, end watch streams (clients resume elsewhere), stop."""
-        for service in ("", *API_SERVICES):
+        for service in ("", *API_SERVICES, WORKER_SERVICE_NAME):
             await self.health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
         self.service.close_streams()
         self.events.close_streams()

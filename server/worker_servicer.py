@@ -1,0 +1,195 @@
+"""WorkerService over gRPC: a thin adapter between protobuf and :class:`WorkerService`."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Awaitable, Callable, Iterable
+from datetime import UTC, datetime, timedelta
+from typing import Any, TypeVar
+
+import grpc
+
+from jobplane.convert import dict_from_struct, duration, seconds_from_duration, struct_from_dict
+from jobplane.errors import InvalidArgument
+from jobplane.names import job_name
+from jobplane.server.auth import current_worker
+from jobplane.server.status import error_for, to_grpc_status
+from jobplane.server.workers import Claimed, Fence, WorkerService
+from jobplane.store.attempts import Attempt, ClaimStatus, ProgressUpdate
+from jobplane.v1 import workers_pb2, workers_pb2_grpc
+
+Req = TypeVar("Req")
+Resp = TypeVar("Resp")
+Context = grpc.aio.ServicerContext[Any, Any]
+
+_STATUS = {
+    ClaimStatus.CLAIMED: workers_pb2.ClaimJobResponse.STATUS_CLAIMED,
+    ClaimStatus.FINISHED: workers_pb2.ClaimJobResponse.STATUS_FINISHED,
+    ClaimStatus.STALE: workers_pb2.ClaimJobResponse.STATUS_STALE,
+    ClaimStatus.IN_FLIGHT: workers_pb2.ClaimJobResponse.STATUS_IN_FLIGHT,
+    ClaimStatus.NOT_FOUND: workers_pb2.ClaimJobResponse.STATUS_NOT_FOUND,
+    ClaimStatus.EXHAUSTED: workers_pb2.ClaimJobResponse.STATUS_EXHAUSTED,
+}
+
+
+def _worker_call(
+    method: Callable[[WorkerServiceServicer, Req], Awaitable[Resp]],
+) -> Callable[[WorkerServiceServicer, Req, Context], Awaitable[Resp]]:
+    """Run for an admitted worker key; any failure becomes its rich status."""
+
+    @functools.wraps(method)
+    async def wrapper(self: WorkerServiceServicer, request: Req, context: Context) -> Resp:
+        try:
+            current_worker()  # fail closed if served without the worker gate
+            return await method(self, request)
+        except Exception as exc:
+            await context.abort_with_status(to_grpc_status(error_for(exc, method.__name__)))
+        raise AssertionError("unreachable: abort raises")
+
+    return wrapper
+
+
+def _stage_fields(attempt: Attempt) -> tuple[str, str, dict[str, Any] | None]:
+    """The pipeline stage of an attempt (stage, version, inputs), empty when it has none.
+
+    Read by name: an :class:`Attempt` without stage attributes is a job that
+    is no pipeline stage.
+    """
+    stage = getattr(attempt, "stage", None)
+    version = getattr(attempt, "stage_version", None)
+    inputs = getattr(attempt, "inputs", None)
+    return (
+        stage if isinstance(stage, str) else "",
+        version if isinstance(version, str) else "",
+        inputs if isinstance(inputs, dict) else None,
+    )
+
+
+def _fence(ref: workers_pb2.AttemptRef, present: bool) -> Fence:
+    if not present:
+        raise InvalidArgument(
+            "attempt is required: the AttemptRef ClaimJob returned", field="attempt"
+        )
+    return Fence.parse(ref.job, ref.attempt, ref.lease_token)
+
+
+def _reports(
+    reports: Iterable[workers_pb2.Progress], *, required: bool = False
+) -> list[ProgressUpdate]:
+    return WorkerService.reports(
+        [(r.progress, r.message, dict_from_struct(r.data)) for r in reports], required=required
+    )
+
+
+def _lease_expire_time(seconds: float) -> Any:
+    # The database's clock sets the lease; the server's tells the worker about when.
+    return datetime.now(UTC) + timedelta(seconds=seconds)
+
+
+def claim_to_pb(claimed: Claimed) -> workers_pb2.ClaimJobResponse:
+    """The ClaimJob answer for a claim."""
+    result = claimed.result
+    reply = workers_pb2.ClaimJobResponse(status=_STATUS[result.status])
+    if result.status is ClaimStatus.IN_FLIGHT:
+        reply.retry_after.CopyFrom(duration(timedelta(seconds=claimed.retry_after)))
+    attempt = result.attempt
+    if attempt is None:
+        return reply
+    reply.attempt.CopyFrom(
+        workers_pb2.AttemptRef(
+            job=job_name(attempt.job_id),
+            attempt=attempt.attempt,
+            lease_token=str(attempt.lease_token),
+        )
+    )
+    reply.type = attempt.type
+    reply.payload.CopyFrom(struct_from_dict(attempt.payload))
+    reply.max_attempts = attempt.max_attempts
+    reply.attempts_left = max(0, attempt.attempts_left)
+    reply.timeout.CopyFrom(duration(timedelta(seconds=attempt.timeout_seconds)))
+    reply.lease_expire_time.FromDatetime(_lease_expire_time(claimed.lease_seconds))
+    reply.lease_duration.CopyFrom(duration(timedelta(seconds=claimed.lease_seconds)))
+    reply.correlation_id = attempt.correlation_id
+    reply.request_id = attempt.request_id
+    stage, version, inputs = _stage_fields(attempt)
+    reply.stage = stage
+    reply.stage_version = version
+    if inputs is not None:
+        reply.inputs.CopyFrom(struct_from_dict(inputs))
+    return reply
+
+
+class WorkerServiceServicer(workers_pb2_grpc.WorkerServiceServicer):
+    """The WorkerService RPCs, for worker keys :class:`~jobplane.server.auth.CallGate` admitted."""
+
+    def __init__(self, service: WorkerService) -> None:
+        self._service = service
+
+    @_worker_call
+    async def ClaimJob(self, request: workers_pb2.ClaimJobRequest) -> workers_pb2.ClaimJobResponse:
+        envelope = self._service.envelope(
+            request.message_body,
+            event_id=request.event_id,
+            job_id=request.job_id,
+            tenant_id=request.tenant_id,
+            job_type=request.type,
+        )
+        return claim_to_pb(await self._service.claim(envelope))
+
+    @_worker_call
+    async def Heartbeat(
+        self, request: workers_pb2.HeartbeatRequest
+    ) -> workers_pb2.HeartbeatResponse:
+        fence = _fence(request.attempt, request.HasField("attempt"))
+        cancel = await self._service.heartbeat(fence)
+        reply = workers_pb2.HeartbeatResponse(cancel_requested=cancel)
+        reply.lease_expire_time.FromDatetime(_lease_expire_time(self._service.lease_seconds))
+        return reply
+
+    @_worker_call
+    async def ReportProgress(
+        self, request: workers_pb2.ReportProgressRequest
+    ) -> workers_pb2.ReportProgressResponse:
+        fence = _fence(request.attempt, request.HasField("attempt"))
+        updates = _reports(request.reports, required=True)
+        cancel = await self._service.progress(fence, updates)
+        return workers_pb2.ReportProgressResponse(cancel_requested=cancel)
+
+    @_worker_call
+    async def CompleteJob(
+        self, request: workers_pb2.CompleteJobRequest
+    ) -> workers_pb2.CompleteJobResponse:
+        fence = _fence(request.attempt, request.HasField("attempt"))
+        pending = _reports(request.reports)
+        await self._service.complete(fence, dict_from_struct(request.result), pending)
+        return workers_pb2.CompleteJobResponse()
+
+    @_worker_call
+    async def FailJob(self, request: workers_pb2.FailJobRequest) -> workers_pb2.FailJobResponse:
+        fence = _fence(request.attempt, request.HasField("attempt"))
+        pending = _reports(request.reports)
+        delay = (
+            seconds_from_duration(request.retry_delay, field="retry_delay")
+            if request.HasField("retry_delay")
+            else None
+        )
+        failed = await self._service.fail(
+            fence,
+            request.code,
+            request.message,
+            retryable=request.retryable,
+            delay=delay,
+            pending=pending,
+        )
+        reply = workers_pb2.FailJobResponse(retry_scheduled=failed.retry_scheduled)
+        if failed.delay is not None:
+            reply.retry_delay.CopyFrom(duration(timedelta(seconds=failed.delay)))
+        return reply
+
+    @_worker_call
+    async def ReportCancelled(
+        self, request: workers_pb2.ReportCancelledRequest
+    ) -> workers_pb2.ReportCancelledResponse:
+        fence = _fence(request.attempt, request.HasField("attempt"))
+        await self._service.cancelled(fence, _reports(request.reports))
+        return workers_pb2.ReportCancelledResponse()

@@ -1,0 +1,328 @@
+"""The worker protocol's rules: claims and fenced reports of workers in any language.
+
+A worker outside this package consumes the dispatch messages itself and
+reports through WorkerService (docs/workers.md). Every call here is one of
+:class:`~jobplane.store.attempts.AttemptStore`'s, the very transitions the
+Python worker makes, with the same retry policy
+(:func:`jobplane.workers.retry.retry_delay`): the two kinds of worker cannot
+disagree about what a claim or an outcome does. Nothing here knows gRPC.
+
+A worker holds only its attempt's fence (job, attempt, lease token). The
+attempts this process claimed, or read back once, are kept by fence: a fence
+names one attempt for ever, and whether it still holds is decided by each
+write's own statement, never by what is kept here.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import uuid
+from collections import OrderedDict
+from collections.abc import Awaitable, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import structlog
+
+from jobplane.envelope import Envelope
+from jobplane.errors import AttemptLeaseLost, CancelNotRequested, InvalidArgument, shown
+from jobplane.names import job_name, parse_job_name, validate_job_type
+from jobplane.store.attempts import Attempt, AttemptStore, ClaimResult, LeaseLost, ProgressUpdate
+from jobplane.store.held import HeldAttempts
+from jobplane.topology import Topology
+from jobplane.workers.handlers import MAX_PROGRESS_DATA_BYTES, MAX_PROGRESS_MESSAGE
+from jobplane.workers.outcome import MAX_ERROR_MESSAGE, MAX_RETRY_DELAY, check_result
+from jobplane.workers.retry import retry_delay
+from jobplane.workers.values import TOO_LARGE, json_problem, json_size
+
+log = structlog.get_logger("jobplane.server")
+
+T = TypeVar("T")
+
+#: Progress reports one call may carry.
+MAX_REPORTS = 100
+#: An error code: UPPER_SNAKE, as the Python worker's (jobplane.workers.outcome).
+ERROR_CODE = re.compile(r"[A-Z][A-Z0-9_]{0,63}")
+DEFAULT_ERROR_CODE = "HANDLER_ERROR"
+# Attempts kept by fence; past it the oldest are read back when next used.
+_KEPT_ATTEMPTS = 10_000
+
+
+@dataclass(frozen=True, slots=True)
+class Fence:
+    """What a worker holds of its attempt: (job, attempt, lease token)."""
+
+    job_id: uuid.UUID
+    attempt: int
+    lease_token: uuid.UUID
+
+    @classmethod
+    def parse(cls, job: str, attempt: int, lease_token: str, *, field: str = "attempt") -> Fence:
+        """From a request's AttemptRef; INVALID_ARGUMENT naming the bad part."""
+        job_id = parse_job_name(job, field=f"{field}.job")
+        if attempt < 1:
+            raise InvalidArgument(
+                f"{field}.attempt must be at least 1, got {attempt}", field=f"{field}.attempt"
+            )
+        return cls(job_id, attempt, _uuid(lease_token, f"{field}.lease_token"))
+
+
+@dataclass(frozen=True, slots=True)
+class Claimed:
+    """A claim's answer: the store's result, and how long lease and wait are."""
+
+    result: ClaimResult
+    lease_seconds: float
+    retry_after: float
+
+
+@dataclass(frozen=True, slots=True)
+class Failed:
+    """What a FailJob did: a retry scheduled after ``delay`` seconds, or FAILED."""
+
+    retry_scheduled: bool
+    delay: float | None = None
+
+
+class WorkerService:
+    """Every WorkerService call, for any tenant's jobs (worker keys serve a deployment)."""
+
+    def __init__(
+        self,
+        store: AttemptStore,
+        held: HeldAttempts,
+        topology: Topology,
+        *,
+        max_result_bytes: int = 256 * 1024,
+    ) -> None:
+        self._store = store
+        self._held = held
+        self._topology = topology
+        self._max_result_bytes = max_result_bytes
+        self._kept: OrderedDict[Fence, Attempt] = OrderedDict()
+
+    @property
+    def lease_seconds(self) -> float:
+        """How long a claim or heartbeat makes the lease."""
+        return self._store.lease_seconds
+
+    # -- requests -----------------------------------------------------------
+
+    @staticmethod
+    def envelope(
+        body: bytes, *, event_id: str, job_id: str, tenant_id: str, job_type: str
+    ) -> Envelope:
+        """The envelope a claim names: the message body, or its four fields."""
+        fields = {"event_id": event_id, "job_id": job_id, "tenant_id": tenant_id, "type": job_type}
+        if body:
+            given = next((name for name, value in fields.items() if value), None)
+            if given is not None:
+                raise InvalidArgument(
+                    f"give message_body or the envelope's fields, not both ({given} is set)",
+                    field=given,
+                )
+            try:
+                return Envelope.decode(body)
+            except ValueError as exc:
+                raise InvalidArgument(
+                    f"message_body is not a dispatch envelope: {shown(str(exc), 160)}",
+                    field="message_body",
+                ) from None
+        for name, value in fields.items():
+            if not value:
+                raise InvalidArgument(
+                    f"{name} is required (or message_body instead of the fields)", field=name
+                )
+        return Envelope(
+            event_id=_uuid(event_id, "event_id"),
+            job_id=_uuid(job_id, "job_id"),
+            tenant_id=_uuid(tenant_id, "tenant_id"),
+            job_type=validate_job_type(job_type),
+        )
+
+    @staticmethod
+    def reports(
+        reports: Sequence[tuple[float, str, dict[str, Any]]],
+        *,
+        field: str = "reports",
+        required: bool = False,
+    ) -> list[ProgressUpdate]:
+        """Checked progress reports; INVALID_ARGUMENT naming the first bad one's field."""
+        if required and not reports:
+            raise InvalidArgument(f"{field} needs at least one report", field=field)
+        if len(reports) > MAX_REPORTS:
+            raise InvalidArgument(f"{field} holds more than {MAX_REPORTS} reports", field=field)
+        updates = []
+        for i, (progress, message, data) in enumerate(reports):
+            at = f"{field}[{i}]"
+            if not math.isfinite(progress):
+                raise InvalidArgument(
+                    f"{at}.progress must be a finite number", field=f"{at}.progress"
+                )
+            _check_text(message, MAX_PROGRESS_MESSAGE, f"{at}.message")
+            problem = json_problem(data, max_bytes=MAX_PROGRESS_DATA_BYTES)
+            if problem is None and json_size(data) > MAX_PROGRESS_DATA_BYTES:
+                problem = TOO_LARGE.format(max_bytes=MAX_PROGRESS_DATA_BYTES)
+            if problem is not None:
+                raise InvalidArgument(
+                    f"{at}.data cannot be stored: {shown(problem, 160)}", field=f"{at}.data"
+                )
+            updates.append(ProgressUpdate(min(1.0, max(0.0, progress)), message, data))
+        return updates
+
+    # -- calls ----------------------------------------------------------------
+
+    async def claim(self, envelope: Envelope) -> Claimed:
+        """Start the attempt the message dispatches, or say what to do with the message."""
+        result = await self._store.claim(envelope)
+        if result.attempt is not None:
+            self._keep(result.attempt)
+            log.info(
+                "worker_service.claimed",
+                job=job_name(envelope.job_id),
+                attempt=result.attempt.attempt,
+                type=envelope.job_type,
+            )
+        lease = self._store.lease_seconds
+        # Lease times are the database's clock: a redelivery polls at a fraction of the lease.
+        return Claimed(result, lease, min(lease / 3, 5.0))
+
+    async def heartbeat(self, fence: Fence) -> bool:
+        """Extend the lease; whether cancellation was requested."""
+        attempt = await self._attempt(fence)
+        return await self._fenced(fence, self._store.heartbeat(attempt))
+
+    async def progress(self, fence: Fence, updates: Sequence[ProgressUpdate]) -> bool:
+        """Store the reports in order; whether cancellation was requested."""
+        attempt = await self._attempt(fence)
+        return await self._fenced(fence, self._store.write_progress(attempt, updates))
+
+    async def complete(
+        self, fence: Fence, result: dict[str, Any], pending: Sequence[ProgressUpdate]
+    ) -> None:
+        """SUCCEEDED with ``result``, after the pending reports."""
+        checked = check_result(result, max_bytes=self._max_result_bytes)
+        if not isinstance(checked, dict):
+            raise InvalidArgument(str(checked), field="result", metadata={"code": checked.code})
+        attempt = await self._attempt(fence)
+        await self._fenced(fence, self._store.succeed(attempt, checked, pending))
+        self._forget(fence)
+        log.info("worker_service.succeeded", job=job_name(fence.job_id), attempt=fence.attempt)
+
+    async def fail(
+        self,
+        fence: Fence,
+        code: str,
+        message: str,
+        *,
+        retryable: bool,
+        delay: float | None,
+        pending: Sequence[ProgressUpdate],
+    ) -> Failed:
+        """A retry when ``retryable`` and attempts are left, else FAILED: the Python
+        worker's rule (jobplane.workers.runtime), with its backoff."""
+        code = code or DEFAULT_ERROR_CODE
+        if not ERROR_CODE.fullmatch(code):
+            raise InvalidArgument(
+                f"code {shown(code)} must be UPPER_SNAKE: A-Z first, then A-Z, 0-9, '_'; "
+                "at most 64 characters",
+                field="code",
+            )
+        _check_text(message, MAX_ERROR_MESSAGE, "message")
+        if delay is not None:
+            if not retryable:
+                raise InvalidArgument(
+                    "retry_delay is for a retryable failure only", field="retry_delay"
+                )
+            if not 0 <= delay <= MAX_RETRY_DELAY:
+                raise InvalidArgument(
+                    f"retry_delay must be 0 .. {MAX_RETRY_DELAY:g} seconds", field="retry_delay"
+                )
+        attempt = await self._attempt(fence)
+        bound = log.bind(job=job_name(fence.job_id), attempt=fence.attempt, code=code)
+        if retryable and attempt.attempts_left > 0:
+            wait = (
+                delay
+                if delay is not None
+                else retry_delay(self._topology, attempt.queue, attempt.attempt)
+            )
+            await self._fenced(
+                fence,
+                self._store.schedule_retry(attempt, code, message, delay=wait, pending=pending),
+            )
+            self._forget(fence)
+            bound.info("worker_service.retry_scheduled", delay=wait)
+            return Failed(True, wait)
+        # The error was retryable, the job is not: no attempts are left.
+        details = {"attempts_exhausted": True} if retryable else {}
+        await self._fenced(
+            fence,
+            self._store.fail(
+                attempt, code, message, retryable=False, pending=pending, details=details
+            ),
+        )
+        self._forget(fence)
+        bound.info("worker_service.failed")
+        return Failed(False)
+
+    async def cancelled(self, fence: Fence, pending: Sequence[ProgressUpdate]) -> None:
+        """CANCELLED, once cancellation was requested (the flag stays set for the attempt)."""
+        attempt = await self._attempt(fence)
+        if not await self._fenced(fence, self._store.heartbeat(attempt)):
+            raise CancelNotRequested()
+        await self._fenced(fence, self._store.cancelled(attempt, pending))
+        self._forget(fence)
+        log.info("worker_service.cancelled", job=job_name(fence.job_id), attempt=fence.attempt)
+
+    # -- attempts by fence -------------------------------------------------------
+
+    async def _attempt(self, fence: Fence) -> Attempt:
+        kept = self._kept.get(fence)
+        if kept is not None:
+            self._kept.move_to_end(fence)
+            return kept
+        attempt = await self._held.get(fence.job_id, fence.attempt, fence.lease_token)
+        if attempt is None:
+            raise AttemptLeaseLost(_lost(fence))
+        self._keep(attempt)
+        return attempt
+
+    async def _fenced(self, fence: Fence, write: Awaitable[T]) -> T:
+        try:
+            return await write
+        except LeaseLost:
+            self._forget(fence)
+            raise AttemptLeaseLost(_lost(fence)) from None
+
+    def _keep(self, attempt: Attempt) -> None:
+        fence = Fence(attempt.job_id, attempt.attempt, attempt.lease_token)
+        self._kept[fence] = attempt
+        self._kept.move_to_end(fence)
+        if len(self._kept) > _KEPT_ATTEMPTS:
+            self._kept.popitem(last=False)
+
+    def _forget(self, fence: Fence) -> None:
+        self._kept.pop(fence, None)
+
+
+def _lost(fence: Fence) -> str:
+    return (
+        f"{job_name(fence.job_id)} attempt {fence.attempt} does not hold the job with this "
+        "lease token (the lease ran out and another attempt took it, or the job moved on); "
+        "nothing was written"
+    )
+
+
+def _uuid(value: str, field: str) -> uuid.UUID:
+    try:
+        return uuid.UUID(value)
+    except ValueError:
+        raise InvalidArgument(f"{field} {shown(value)} is not a UUID", field=field) from None
+
+
+def _check_text(value: str, limit: int, field: str) -> None:
+    if len(value) > limit:
+        raise InvalidArgument(f"{field} is longer than {limit} characters", field=field)
+    if "\x00" in value:
+        raise InvalidArgument(f"{field} has a NUL character", field=field)

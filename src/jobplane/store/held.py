@@ -1,0 +1,64 @@
+"""An attempt read back by its fence, for a worker that reports over gRPC.
+
+A worker of :mod:`jobplane.server.workers` holds only the fence of its
+attempt (job, attempt, lease token); the outcome rules need the rest of it
+(attempts left, the queue's backoff). Reading it is no write and no check:
+every write is still fenced by the statement that makes it.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from typing import Any
+
+from sqlalchemy import text
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from jobplane.store.attempts import Attempt
+from jobplane.store.engine import autocommit
+from jobplane.store.machine import ATTEMPT_FENCE, Transition, where_sources
+
+# The states the attempt's own writes start from (the machine's table): an
+# attempt of a job that ended, or went back to the queue, holds nothing. An
+# expired lease still holds until another attempt claims the job, as for the
+# Python worker's writes.
+_HELD = text(
+    f"""
+    SELECT tenant_id, type, payload, attempt, max_attempts, retry_base, correlation_id,
+           request_id, timeout_seconds, queue
+    FROM jobs WHERE {ATTEMPT_FENCE} AND {where_sources(Transition.PROGRESS)}
+    """
+)
+
+
+class HeldAttempts:
+    """Reads attempts by their fence."""
+
+    def __init__(self, engine: AsyncEngine) -> None:
+        self._auto = autocommit(engine)
+
+    async def get(self, job_id: uuid.UUID, attempt: int, lease_token: uuid.UUID) -> Attempt | None:
+        """The running attempt with this fence; None when it holds the job no longer."""
+        params = {"id": job_id, "attempt": attempt, "lease_token": lease_token}
+        async with self._auto.connect() as conn:
+            row = (await conn.execute(_HELD, params)).mappings().first()
+        if row is None:
+            return None
+        payload: Any = row["payload"]
+        return Attempt(
+            job_id=job_id,
+            tenant_id=uuid.UUID(str(row["tenant_id"])),
+            type=row["type"],
+            payload=dict(json.loads(payload) if isinstance(payload, str) else payload),
+            attempt=int(row["attempt"]),
+            max_attempts=int(row["max_attempts"]),
+            retry_base=int(row["retry_base"]),
+            lease_token=lease_token,
+            correlation_id=row["correlation_id"],
+            request_id=row["request_id"],
+            timeout_seconds=float(row["timeout_seconds"]),
+            queue=row["queue"],
+            # Only the Python handler's ctx.emit needs it; this path emits nothing.
+            started_event_id=None,
+        )
