@@ -1,0 +1,501 @@
+"""WorkerService: a worker that imports nothing of jobplane runs jobs end to end.
+
+The foreign worker (foreign_worker/worker.py) is a process of its own, with
+stubs generated from proto/ into a temporary directory and a plain AMQP
+client: what it needs is only what docs/workers.md says. The other tests
+call WorkerService directly for what a well-behaved worker never does
+(stale tokens, the wrong keys, bad requests).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import shutil
+import sys
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+from google.protobuf import duration_pb2
+from grpc_tools import protoc  # type: ignore[import-untyped]
+from sqlalchemy import text
+
+from jobplane.client import EventType, JobState
+from jobplane.convert import struct_from_dict
+from jobplane.v1 import jobs_pb2, jobs_pb2_grpc, workers_pb2, workers_pb2_grpc
+from tests.support.answers import check_refusal
+from tests.support.stack import Stack, eventually
+
+pytestmark = pytest.mark.stack(worker=False)
+
+ROOT = Path(__file__).resolve().parents[2]
+WORKER = Path(__file__).parent / "foreign_worker" / "worker.py"
+Claim = workers_pb2.ClaimJobResponse
+# A WorkerService stub and the worker key's metadata.
+Workers = tuple[workers_pb2_grpc.WorkerServiceAsyncStub, Any]
+
+
+def generate_stubs(out: Path) -> Path:
+    """WorkerService stubs from proto/, as the package ``workerapi`` (not jobplane.v1)."""
+    protos = out / "protos" / "workerapi"
+    protos.mkdir(parents=True)
+    shutil.copy(ROOT / "proto" / "jobplane" / "v1" / "workers.proto", protos / "workers.proto")
+    stubs = out / "stubs"
+    (stubs / "workerapi").mkdir(parents=True)
+    (stubs / "workerapi" / "__init__.py").write_text("")
+    include = Path(protoc.__file__).parent / "_proto"
+    code = protoc.main(
+        [
+            "grpc_tools.protoc",
+            f"-I{out / 'protos'}",
+            f"-I{include}",
+            f"--python_out={stubs}",
+            f"--grpc_python_out={stubs}",
+            "workerapi/workers.proto",
+        ]
+    )
+    assert code == 0
+    return stubs
+
+
+@dataclass
+class ForeignWorker:
+    """The running foreign worker and what it has said so far."""
+
+    process: asyncio.subprocess.Process
+    lines: list[dict[str, Any]] = field(default_factory=list)
+    reader: asyncio.Task[None] | None = None
+
+    def said(self, event: str, **match: Any) -> list[dict[str, Any]]:
+        return [
+            line
+            for line in self.lines
+            if line.get("event") == event and all(line.get(k) == v for k, v in match.items())
+        ]
+
+    async def read(self) -> None:
+        assert self.process.stdout is not None
+        async for raw in self.process.stdout:
+            with contextlib.suppress(ValueError):
+                self.lines.append(json.loads(raw))
+
+    async def stop(self) -> None:
+        if self.process.returncode is None:
+            self.process.terminate()
+            try:
+                await asyncio.wait_for(self.process.wait(), 10)
+            except TimeoutError:
+                self.process.kill()
+                await self.process.wait()
+        if self.reader is not None:
+            await asyncio.wait_for(self.reader, 5)
+
+
+@pytest.fixture
+async def worker_key(stack: Stack) -> str:
+    return (await stack.server.keys.create_worker()).key
+
+
+@pytest.fixture
+async def foreign_worker(
+    stack: Stack, worker_key: str, tmp_path: Path
+) -> AsyncIterator[Callable[[], Awaitable[ForeignWorker]]]:
+    started: list[ForeignWorker] = []
+
+    async def start() -> ForeignWorker:
+        stubs = generate_stubs(tmp_path / f"w{len(started)}")
+        env = {k: v for k, v in os.environ.items() if not k.startswith("JOBPLANE_")}
+        env["FOREIGN_WORKER_KEY"] = worker_key
+        process = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-I",  # no PYTHONPATH, no script directory: nothing of the repo on sys.path
+            str(WORKER),
+            "--address",
+            stack.server.address,
+            "--amqp-url",
+            stack.amqp_url,
+            "--queue",
+            stack.topology.queues[0].name,
+            "--stubs",
+            str(stubs),
+            env=env,
+            stdout=asyncio.subprocess.PIPE,
+        )
+        worker = ForeignWorker(process)
+        worker.reader = asyncio.create_task(worker.read())
+        started.append(worker)
+
+        async def up() -> bool:
+            assert process.returncode is None, "the foreign worker exited"
+            return bool(worker.said("started"))
+
+        await eventually(up, timeout=20)
+        return worker
+
+    yield start
+    for worker in started:
+        await worker.stop()
+
+
+async def test_a_foreign_worker_runs_a_job_end_to_end(
+    stack: Stack, foreign_worker: Callable[[], Awaitable[ForeignWorker]]
+) -> None:
+    worker = await foreign_worker()
+    assert worker.said("started")[0]["jobplane_modules"] == []
+    client = stack.client()
+    job = await client.submit("reports.render", {"mode": "succeed", "steps": 4})
+    events = [e async for e in client.watch(job.name)]
+
+    done = await client.get(job.name)
+    assert done.state is JobState.SUCCEEDED, done.error
+    assert done.result == {
+        "echo": {"mode": "succeed", "steps": 4},
+        "attempt": 1,
+        "worker": "foreign",
+    }
+    assert [e.type for e in events] == [
+        EventType.QUEUED,
+        EventType.STARTED,
+        *[EventType.PROGRESS] * 4,
+        EventType.SUCCEEDED,
+    ]
+    assert [e.seq for e in events] == list(range(1, len(events) + 1))
+    progress = [e for e in events if e.type is EventType.PROGRESS]
+    assert [e.progress for e in progress] == [0.25, 0.5, 0.75, 1.0]
+    assert [e.message for e in progress] == ["step 1", "step 2", "step 3", "step 4"]
+    assert progress[-1].data == {"n": 4}
+
+    async def acked() -> bool:
+        return bool(worker.said("settled", settle="ack"))
+
+    await eventually(acked)
+    assert worker.said("claim", status="STATUS_CLAIMED", job=job.name, attempt=1)
+    # Acked after the outcome, with nothing of jobplane ever imported.
+    assert all(line["jobplane_modules"] == [] for line in worker.said("settled"))
+
+
+async def test_a_retryable_failure_schedules_a_retry_that_the_foreign_worker_runs(
+    stack: Stack, foreign_worker: Callable[[], Awaitable[ForeignWorker]]
+) -> None:
+    worker = await foreign_worker()
+    client = stack.client()
+    job = await client.submit("reports.flaky", {"mode": "flaky"}, max_attempts=3)
+    events = [e async for e in client.watch(job.name)]
+
+    done = await client.get(job.name)
+    assert done.state is JobState.SUCCEEDED, done.error
+    assert done.attempt == 2 and (done.result or {}).get("attempt") == 2
+    retry = [e for e in events if e.type is EventType.RETRY_SCHEDULED]
+    assert len(retry) == 1
+    assert retry[0].data["error"]["code"] == "FOREIGN_FAILURE"
+    assert retry[0].data["next_attempt"] == 2
+    assert worker.said("failed", job=job.name, attempt=1, retry_scheduled=True)
+
+
+async def test_a_permanent_failure_fails_the_job(
+    stack: Stack, foreign_worker: Callable[[], Awaitable[ForeignWorker]]
+) -> None:
+    await foreign_worker()
+    client = stack.client()
+    job = await client.submit("reports.broken", {"mode": "fail"}, max_attempts=3)
+    _ = [e async for e in client.watch(job.name)]
+    done = await client.get(job.name)
+    assert done.state is JobState.FAILED
+    assert done.error is not None
+    assert (done.error.code, done.error.message) == ("FOREIGN_FAILURE", "it broke")
+    assert done.attempt == 1
+
+
+async def test_a_cancel_request_reaches_the_foreign_worker_by_heartbeat(
+    stack: Stack, foreign_worker: Callable[[], Awaitable[ForeignWorker]]
+) -> None:
+    worker = await foreign_worker()
+    client = stack.client()
+    job = await client.submit("reports.long", {"mode": "wait_cancel"})
+
+    async def running() -> bool:
+        return (await client.get(job.name)).state is JobState.RUNNING
+
+    await eventually(running, timeout=20)
+    await client.cancel(job.name, "enough")
+    _ = [e async for e in client.watch(job.name)]
+    done = await client.get(job.name)
+    assert done.state is JobState.CANCELLED
+    assert worker.said("cancel_seen", job=job.name)
+    assert worker.said("cancelled", job=job.name)
+
+
+# -- WorkerService called directly --------------------------------------------
+
+
+@pytest.fixture
+async def workers(stack: Stack, worker_key: str) -> AsyncIterator[Workers]:
+    async with grpc.aio.insecure_channel(stack.server.address) as channel:
+        stub: workers_pb2_grpc.WorkerServiceAsyncStub = workers_pb2_grpc.WorkerServiceStub(channel)
+        yield (
+            stub,
+            (("authorization", f"Bearer {worker_key}"),),
+        )
+
+
+async def _claim(
+    stack: Stack, workers: Workers, job_type: str
+) -> tuple[str, workers_pb2.ClaimJobResponse]:
+    stub, metadata = workers
+    job = await stack.client().submit(job_type, {"x": 1})
+    envelope = await stack.envelope(job.name.removeprefix("jobs/"))
+    claim = await stub.ClaimJob(
+        workers_pb2.ClaimJobRequest(
+            event_id=str(envelope.event_id),
+            job_id=str(envelope.job_id),
+            tenant_id=str(envelope.tenant_id),
+            type=envelope.job_type,
+        ),
+        metadata=metadata,
+    )
+    assert claim.status == Claim.STATUS_CLAIMED
+    return job.name, claim
+
+
+async def _row(stack: Stack, name: str) -> tuple[Any, ...]:
+    async with stack.engine.connect() as conn:
+        row = (
+            await conn.execute(
+                text(
+                    "SELECT state, attempt, lease_token, last_seq, progress, result "
+                    "FROM jobs WHERE id = :id"
+                ),
+                {"id": name.removeprefix("jobs/")},
+            )
+        ).one()
+    return tuple(row)
+
+
+async def test_a_stale_lease_token_is_refused_and_changes_nothing(
+    stack: Stack, workers: Workers
+) -> None:
+    stub, metadata = workers
+    name, claim = await _claim(stack, workers, "reports.stale")
+    assert claim.payload == struct_from_dict({"x": 1})
+    assert claim.max_attempts == 3 and claim.attempts_left == 2
+    assert claim.lease_duration.seconds > 0
+    before = await _row(stack, name)
+    stale = workers_pb2.AttemptRef(job=name, attempt=1, lease_token=str(uuid.uuid4()))
+    earlier = workers_pb2.AttemptRef(job=name, attempt=2, lease_token=claim.attempt.lease_token)
+    calls: list[Awaitable[Any]] = [
+        stub.Heartbeat(workers_pb2.HeartbeatRequest(attempt=stale), metadata=metadata),
+        stub.ReportProgress(
+            workers_pb2.ReportProgressRequest(
+                attempt=stale, reports=[workers_pb2.Progress(progress=0.5)]
+            ),
+            metadata=metadata,
+        ),
+        stub.CompleteJob(workers_pb2.CompleteJobRequest(attempt=stale), metadata=metadata),
+        stub.CompleteJob(workers_pb2.CompleteJobRequest(attempt=earlier), metadata=metadata),
+        stub.FailJob(workers_pb2.FailJobRequest(attempt=stale), metadata=metadata),
+        stub.ReportCancelled(workers_pb2.ReportCancelledRequest(attempt=stale), metadata=metadata),
+    ]
+    for call in calls:
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await call
+        answer = check_refusal(refused.value)
+        assert (answer.code, answer.reason) == (grpc.StatusCode.FAILED_PRECONDITION, "LEASE_LOST")
+    assert await _row(stack, name) == before
+
+    # The claim's own token writes; once the job ended, it is stale too.
+    await stub.CompleteJob(
+        workers_pb2.CompleteJobRequest(attempt=claim.attempt, result=struct_from_dict({"ok": 1})),
+        metadata=metadata,
+    )
+    ended = await _row(stack, name)
+    assert ended[0] == "succeeded"
+    with pytest.raises(grpc.aio.AioRpcError) as again:
+        await stub.FailJob(workers_pb2.FailJobRequest(attempt=claim.attempt), metadata=metadata)
+    assert check_refusal(again.value).reason == "LEASE_LOST"
+    assert await _row(stack, name) == ended
+
+    # A redelivery of the finished job's message is acked, not run.
+    envelope = await stack.envelope(name.removeprefix("jobs/"))
+    again_claim = await stub.ClaimJob(
+        workers_pb2.ClaimJobRequest(message_body=envelope.encode()), metadata=metadata
+    )
+    assert again_claim.status == Claim.STATUS_FINISHED
+
+
+async def test_cancelled_is_refused_until_cancel_was_requested(
+    stack: Stack, workers: Workers
+) -> None:
+    stub, metadata = workers
+    name, claim = await _claim(stack, workers, "reports.cancel")
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        await stub.ReportCancelled(
+            workers_pb2.ReportCancelledRequest(attempt=claim.attempt), metadata=metadata
+        )
+    assert check_refusal(refused.value).reason == "CANCEL_NOT_REQUESTED"
+    await stack.client().cancel(name, "stop")
+    beat = await stub.Heartbeat(
+        workers_pb2.HeartbeatRequest(attempt=claim.attempt), metadata=metadata
+    )
+    assert beat.cancel_requested
+    await stub.ReportCancelled(
+        workers_pb2.ReportCancelledRequest(attempt=claim.attempt), metadata=metadata
+    )
+    assert (await stack.client().get(name)).state is JobState.CANCELLED
+
+
+async def test_worker_keys_and_tenant_keys_each_call_only_their_services(
+    stack: Stack, worker_key: str
+) -> None:
+    async with grpc.aio.insecure_channel(stack.server.address) as channel:
+        jobs = jobs_pb2_grpc.JobServiceStub(channel)
+        workers: workers_pb2_grpc.WorkerServiceAsyncStub = workers_pb2_grpc.WorkerServiceStub(
+            channel
+        )
+        as_worker = (("authorization", f"Bearer {worker_key}"),)
+        as_tenant = (("authorization", f"Bearer {stack.key}"),)
+        refused = []
+        for call in (
+            jobs.GetJob(jobs_pb2.GetJobRequest(name=f"jobs/{uuid.uuid4()}"), metadata=as_worker),
+            jobs.SubmitJob(jobs_pb2.SubmitJobRequest(type="a.b"), metadata=as_worker),
+            workers.ClaimJob(workers_pb2.ClaimJobRequest(), metadata=as_tenant),
+            workers.Heartbeat(workers_pb2.HeartbeatRequest(), metadata=as_tenant),
+        ):
+            with pytest.raises(grpc.aio.AioRpcError) as error:
+                await call
+            refused.append(check_refusal(error.value))
+        assert {(r.code, r.reason) for r in refused} == {
+            (grpc.StatusCode.PERMISSION_DENIED, "KEY_SCOPE_MISMATCH")
+        }
+        with pytest.raises(grpc.aio.AioRpcError) as anonymous:
+            await workers.ClaimJob(workers_pb2.ClaimJobRequest())
+        assert anonymous.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert await stack.scalar("SELECT count(*) FROM jobs") == 0
+
+
+BAD_REQUESTS: list[tuple[str, str, Callable[[workers_pb2.AttemptRef], Any]]] = [
+    ("ClaimJob", "job_id", lambda ref: workers_pb2.ClaimJobRequest(event_id=str(uuid.uuid4()))),
+    (
+        "ClaimJob",
+        "event_id",
+        lambda ref: workers_pb2.ClaimJobRequest(
+            event_id="x", job_id=str(uuid.uuid4()), tenant_id=str(uuid.uuid4()), type="a.b"
+        ),
+    ),
+    ("ClaimJob", "message_body", lambda ref: workers_pb2.ClaimJobRequest(message_body=b"{}")),
+    (
+        "ClaimJob",
+        "type",
+        lambda ref: workers_pb2.ClaimJobRequest(message_body=b"{}", type="a.b"),
+    ),
+    ("Heartbeat", "attempt", lambda ref: workers_pb2.HeartbeatRequest()),
+    (
+        "Heartbeat",
+        "attempt.job",
+        lambda ref: workers_pb2.HeartbeatRequest(
+            attempt=workers_pb2.AttemptRef(job="nope", attempt=1, lease_token=ref.lease_token)
+        ),
+    ),
+    (
+        "Heartbeat",
+        "attempt.attempt",
+        lambda ref: workers_pb2.HeartbeatRequest(
+            attempt=workers_pb2.AttemptRef(job=ref.job, attempt=0, lease_token=ref.lease_token)
+        ),
+    ),
+    (
+        "Heartbeat",
+        "attempt.lease_token",
+        lambda ref: workers_pb2.HeartbeatRequest(
+            attempt=workers_pb2.AttemptRef(job=ref.job, attempt=1, lease_token="t")
+        ),
+    ),
+    ("ReportProgress", "reports", lambda ref: workers_pb2.ReportProgressRequest(attempt=ref)),
+    (
+        "ReportProgress",
+        "reports[1].progress",
+        lambda ref: workers_pb2.ReportProgressRequest(
+            attempt=ref,
+            reports=[workers_pb2.Progress(progress=0.1), workers_pb2.Progress(progress=1e999)],
+        ),
+    ),
+    (
+        "ReportProgress",
+        "reports[0].message",
+        lambda ref: workers_pb2.ReportProgressRequest(
+            attempt=ref, reports=[workers_pb2.Progress(message="a\x00b")]
+        ),
+    ),
+    (
+        "ReportProgress",
+        "reports[0].data",
+        lambda ref: workers_pb2.ReportProgressRequest(
+            attempt=ref,
+            reports=[workers_pb2.Progress(data=struct_from_dict({"big": "x" * 70_000}))],
+        ),
+    ),
+    (
+        "ReportProgress",
+        "reports",
+        lambda ref: workers_pb2.ReportProgressRequest(
+            attempt=ref, reports=[workers_pb2.Progress()] * 101
+        ),
+    ),
+    (
+        "CompleteJob",
+        "result",
+        lambda ref: workers_pb2.CompleteJobRequest(
+            attempt=ref, result=struct_from_dict({"n": float("nan")})
+        ),
+    ),
+    ("FailJob", "code", lambda ref: workers_pb2.FailJobRequest(attempt=ref, code="lower")),
+    (
+        "FailJob",
+        "message",
+        lambda ref: workers_pb2.FailJobRequest(attempt=ref, message="m" * 5000),
+    ),
+    (
+        "FailJob",
+        "retry_delay",
+        lambda ref: workers_pb2.FailJobRequest(
+            attempt=ref, retryable=True, retry_delay=duration_pb2.Duration(seconds=-1)
+        ),
+    ),
+    (
+        "FailJob",
+        "retry_delay",
+        lambda ref: workers_pb2.FailJobRequest(
+            attempt=ref, retry_delay=duration_pb2.Duration(seconds=1)
+        ),
+    ),
+    (
+        "ReportCancelled",
+        "reports[0].progress",
+        lambda ref: workers_pb2.ReportCancelledRequest(
+            attempt=ref, reports=[workers_pb2.Progress(progress=float("inf"))]
+        ),
+    ),
+]
+
+
+async def test_bad_requests_are_refused_whole_with_the_field(
+    stack: Stack, workers: Workers
+) -> None:
+    stub, metadata = workers
+    name, claim = await _claim(stack, workers, "reports.bad")
+    before = await _row(stack, name)
+    for method, field_name, make in BAD_REQUESTS:
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await getattr(stub, method)(make(claim.attempt), metadata=metadata)
+        answer = check_refusal(refused.value)
+        assert (answer.code, answer.field) == (grpc.StatusCode.INVALID_ARGUMENT, field_name), (
+            method,
+            answer,
+        )
+    assert await _row(stack, name) == before
