@@ -26,6 +26,7 @@ from jobplane.server.servicer import EventServiceServicer, JobServiceServicer
 from jobplane.server.worker_servicer import WorkerServiceServicer
 from jobplane.server.workers import WorkerService
 from jobplane.store.attempts import AttemptStore
+from jobplane.store.deployment import this_deployment
 from jobplane.store.events import EventStore
 from jobplane.store.held import HeldAttempts
 from jobplane.store.jobs import JobStore
@@ -172,6 +173,7 @@ class JobplaneServer:
         await self.event_hub.start()
         await self.key_events.start()
         await self._sync_submit_rules()
+        self.workers.deployment = (await this_deployment(self._engine)).id
         server = grpc.aio.server(
             # Authentication first: a call without a valid key is refused
             # before its body is read, decodable or not. RefuseUndecodable

@@ -89,7 +89,13 @@ def _lease_expire_time(seconds: float) -> Any:
 def claim_to_pb(claimed: Claimed) -> workers_pb2.ClaimJobResponse:
     """The ClaimJob answer for a claim."""
     result = claimed.result
-    reply = workers_pb2.ClaimJobResponse(status=_STATUS[result.status])
+    reply = workers_pb2.ClaimJobResponse(
+        status=(
+            workers_pb2.ClaimJobResponse.STATUS_OTHER_DEPLOYMENT
+            if claimed.other_deployment
+            else _STATUS[result.status]
+        )
+    )
     if result.status is ClaimStatus.IN_FLIGHT:
         reply.retry_after.CopyFrom(duration(timedelta(seconds=claimed.retry_after)))
     attempt = result.attempt

@@ -28,7 +28,14 @@ import structlog
 from jobplane.envelope import Envelope
 from jobplane.errors import AttemptLeaseLost, CancelNotRequested, InvalidArgument, shown
 from jobplane.names import job_name, parse_job_name, validate_job_type
-from jobplane.store.attempts import Attempt, AttemptStore, ClaimResult, LeaseLost, ProgressUpdate
+from jobplane.store.attempts import (
+    Attempt,
+    AttemptStore,
+    ClaimResult,
+    ClaimStatus,
+    LeaseLost,
+    ProgressUpdate,
+)
 from jobplane.store.held import HeldAttempts
 from jobplane.topology import Topology
 from jobplane.workers.handlers import MAX_PROGRESS_DATA_BYTES, MAX_PROGRESS_MESSAGE
@@ -70,11 +77,16 @@ class Fence:
 
 @dataclass(frozen=True, slots=True)
 class Claimed:
-    """A claim's answer: the store's result, and how long lease and wait are."""
+    """A claim's answer: the store's result, and how long lease and wait are.
+
+    ``other_deployment``: no such job here, and the message names another
+    deployment (ADR-0006): it is that deployment's to run.
+    """
 
     result: ClaimResult
     lease_seconds: float
     retry_after: float
+    other_deployment: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,6 +113,8 @@ class WorkerService:
         self._topology = topology
         self._max_result_bytes = max_result_bytes
         self._kept: OrderedDict[Fence, Attempt] = OrderedDict()
+        #: This deployment's id (jobplane.store.deployment), once the server knows it.
+        self.deployment: str | None = None
 
     @property
     def lease_seconds(self) -> float:
@@ -185,8 +199,16 @@ class WorkerService:
                 type=envelope.job_type,
             )
         lease = self._store.lease_seconds
+        # Decided after the lookup, as the Python worker does: a deployment
+        # whose identity changed still runs its own jobs.
+        other = (
+            result.status is ClaimStatus.NOT_FOUND
+            and envelope.deployment is not None
+            and self.deployment is not None
+            and envelope.deployment != self.deployment
+        )
         # Lease times are the database's clock: a redelivery polls at a fraction of the lease.
-        return Claimed(result, lease, min(lease / 3, 5.0))
+        return Claimed(result, lease, min(lease / 3, 5.0), other_deployment=other)
 
     async def heartbeat(self, fence: Fence) -> bool:
         """Extend the lease; whether cancellation was requested."""

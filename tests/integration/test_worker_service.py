@@ -17,9 +17,9 @@ import shutil
 import sys
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeAlias
 
 import grpc
 import pytest
@@ -29,6 +29,7 @@ from sqlalchemy import text
 
 from jobplane.client import EventType, JobState
 from jobplane.convert import struct_from_dict
+from jobplane.envelope import Envelope
 from jobplane.v1 import jobs_pb2, jobs_pb2_grpc, workers_pb2, workers_pb2_grpc
 from tests.support.answers import check_refusal
 from tests.support.stack import Stack, eventually
@@ -39,7 +40,7 @@ ROOT = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).parent / "foreign_worker" / "worker.py"
 Claim = workers_pb2.ClaimJobResponse
 # A WorkerService stub and the worker key's metadata.
-Workers = tuple[workers_pb2_grpc.WorkerServiceAsyncStub, Any]
+Workers: TypeAlias = "tuple[workers_pb2_grpc.WorkerServiceAsyncStub, Any]"
 
 
 def generate_stubs(out: Path) -> Path:
@@ -327,6 +328,28 @@ async def test_a_stale_lease_token_is_refused_and_changes_nothing(
         workers_pb2.ClaimJobRequest(message_body=envelope.encode()), metadata=metadata
     )
     assert again_claim.status == Claim.STATUS_FINISHED
+
+
+async def test_a_message_of_no_job_here_is_dead_lettered_unless_another_deployment_sent_it(
+    stack: Stack, workers: Workers
+) -> None:
+    stub, metadata = workers
+    stray = Envelope(uuid.uuid4(), uuid.uuid4(), stack.tenant_id, "reports.stray")
+    answers = []
+    for envelope in (
+        stray,
+        replace(stray, deployment=stack.server.workers.deployment),
+        replace(stray, deployment="0123456789abcdef"),
+    ):
+        claim = await stub.ClaimJob(
+            workers_pb2.ClaimJobRequest(message_body=envelope.encode()), metadata=metadata
+        )
+        answers.append(claim.status)
+    assert answers == [
+        Claim.STATUS_NOT_FOUND,
+        Claim.STATUS_NOT_FOUND,
+        Claim.STATUS_OTHER_DEPLOYMENT,
+    ]
 
 
 async def test_cancelled_is_refused_until_cancel_was_requested(

@@ -27,7 +27,7 @@ from google.protobuf import struct_pb2 as google_dot_protobuf_dot_struct__pb2
 from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19jobplane/v1/workers.proto\x12\x0bjobplane.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1cgoogle/protobuf/struct.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"?\n\nAttemptRef\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0f\n\x07\x61ttempt\x18\x02 \x01(\x05\x12\x13\n\x0blease_token\x18\x03 \x01(\t\"j\n\x0f\x43laimJobRequest\x12\x14\n\x0cmessage_body\x18\x01 \x01(\x0c\x12\x10\n\x08\x65vent_id\x18\x02 \x01(\t\x12\x0e\n\x06job_id\x18\x03 \x01(\t\x12\x11\n\ttenant_id\x18\x04 \x01(\t\x12\x0c\n\x04type\x18\x05 \x01(\t\"\xb8\x05\n\x10\x43laimJobResponse\x12\x34\n\x06status\x18\x01 \x01(\x0e\x32$.jobplane.v1.ClaimJobResponse.Status\x12(\n\x07\x61ttempt\x18\x02 \x01(\x0b\x32\x17.jobplane.v1.AttemptRef\x12\x0c\n\x04type\x18\x03 \x01(\t\x12(\n\x07payload\x18\x04 \x01(\x0b\x32\x17.google.protobuf.Struct\x12\x14\n\x0cmax_attempts\x18\x05 \x01(\x05\x12\x15\n\rattempts_left\x18\x06 \x01(\x05\x12*\n\x07timeout\x18\x07 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x35\n\x11lease_expire_time\x18\x08 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x31\n\x0elease_duration\x18\t \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x16\n\x0e\x63orrelation_id\x18\n \x01(\t\x12\x12\n\nrequest_id\x18\x0b \x01(\t\x12.\n\x0bretry_after\x18\x0c \x01(\x0b\x32\x19.google.protobuf.Duration\x12\r\n\x05stage\x18\r \x01(\t\x12\x15\n\rstage_version\x18\x0e \x01(\t\x12\'\n\x06inputs\x18\x0f \x01(\x0b\x32\x17.google.protobuf.Struct\"\x9d\x01\n\x06Status\x12\x16\n\x12STATUS_UNSPECIFIED\x10\x00\x12\x12\n\x0eSTATUS_CLAIMED\x10\x01\x12\x13\n\x0fSTATUS_FINISHED\x10\x02\x12\x10\n\x0cSTATUS_STALE\x10\x03\x12\x14\n\x10STATUS_IN_FLIGHT\x10\x04\x12\x14\n\x10STATUS_NOT_FOUND\x10\x05\x12\x14\n\x10STATUS_EXHAUSTED\x10\x06\"<\n\x10HeartbeatRequest\x12(\n\x07\x61ttempt\x18\x01 \x01(\x0b\x32\x17.jobplane.v1.AttemptRef\"d\n\x11HeartbeatResponse\x12\x18\n\x10\x63\x61ncel_requested\x18\x01 \x01(\x08\x12\x35\n\x11lease_expire_time\x18\x02 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"T\n\x08Progress\x12\x10\n\x08progress\x18\x01 \x01(\x01\x12\x0f\n\x07message\x18\x02 \x01(\t\x12%\n\x04\x64\x61ta\x18\x03 \x01(\x0b\x32\x17.google.protobuf.Struct\"i\n\x15ReportProgressRequest\x12(\n\x07\x61ttempt\x18\x01 \x01(\x0b\x32\x17.jobplane.v1.AttemptRef\x12&\n\x07reports\x18\x02 \x03(\x0b\x32\x15.jobplane.v1.Progress\"2\n\x16ReportProgressResponse\x12\x18\n\x10\x63\x61ncel_requested\x18\x01 \x01(\x08\"\x8f\x01\n\x12\x43ompleteJobRequest\x12(\n\x07\x61ttempt\x18\x01 \x01(\x0b\x32\x17.jobplane.v1.AttemptRef\x12\'\n\x06result\x18\x02 \x01(\x0b\x32\x17.google.protobuf.Struct\x12&\n\x07reports\x18\x03 \x03(\x0b\x32\x15.jobplane.v1.Progress\"\x15\n\x13\x43ompleteJobResponse\"\xc4\x01\n\x0e\x46\x61ilJobRequest\x12(\n\x07\x61ttempt\x18\x01 \x01(\x0b\x32\x17.jobplane.v1.AttemptRef\x12\x0c\n\x04\x63ode\x18\x02 \x01(\t\x12\x0f\n\x07message\x18\x03 \x01(\t\x12\x11\n\tretryable\x18\x04 \x01(\x08\x12.\n\x0bretry_delay\x18\x05 \x01(\x0b\x32\x19.google.protobuf.Duration\x12&\n\x07reports\x18\x06 \x03(\x0b\x32\x15.jobplane.v1.Progress\"Z\n\x0f\x46\x61ilJobResponse\x12\x17\n\x0fretry_scheduled\x18\x01 \x01(\x08\x12.\n\x0bretry_delay\x18\x02 \x01(\x0b\x32\x19.google.protobuf.Duration\"j\n\x16ReportCancelledRequest\x12(\n\x07\x61ttempt\x18\x01 \x01(\x0b\x32\x17.jobplane.v1.AttemptRef\x12&\n\x07reports\x18\x02 \x03(\x0b\x32\x15.jobplane.v1.Progress\"\x19\n\x17ReportCancelledResponse2\xf5\x03\n\rWorkerService\x12G\n\x08\x43laimJob\x12\x1c.jobplane.v1.ClaimJobRequest\x1a\x1d.jobplane.v1.ClaimJobResponse\x12J\n\tHeartbeat\x12\x1d.jobplane.v1.HeartbeatRequest\x1a\x1e.jobplane.v1.HeartbeatResponse\x12Y\n\x0eReportProgress\x12\".jobplane.v1.ReportProgressRequest\x1a#.jobplane.v1.ReportProgressResponse\x12P\n\x0b\x43ompleteJob\x12\x1f.jobplane.v1.CompleteJobRequest\x1a .jobplane.v1.CompleteJobResponse\x12\x44\n\x07\x46\x61ilJob\x12\x1b.jobplane.v1.FailJobRequest\x1a\x1c.jobplane.v1.FailJobResponse\x12\\\n\x0fReportCancelled\x12#.jobplane.v1.ReportCancelledRequest\x1a$.jobplane.v1.ReportCancelledResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19jobplane/v1/workers.proto\x12\x0bjobplane.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1cgoogle/protobuf/struct.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"?\n\nAttemptRef\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0f\n\x07\x61ttempt\x18\x02 \x01(\x05\x12\x13\n\x0blease_token\x18\x03 \x01(\t\"j\n\x0f\x43laimJobRequest\x12\x14\n\x0cmessage_body\x18\x01 \x01(\x0c\x12\x10\n\x08\x65vent_id\x18\x02 \x01(\t\x12\x0e\n\x06job_id\x18\x03 \x01(\t\x12\x11\n\ttenant_id\x18\x04 \x01(\t\x12\x0c\n\x04type\x18\x05 \x01(\t\"\xd5\x05\n\x10\x43laimJobResponse\x12\x34\n\x06status\x18\x01 \x01(\x0e\x32$.jobplane.v1.ClaimJobResponse.Status\x12(\n\x07\x61ttempt\x18\x02 \x01(\x0b\x32\x17.jobplane.v1.AttemptRef\x12\x0c\n\x04type\x18\x03 \x01(\t\x12(\n\x07payload\x18\x04 \x01(\x0b\x32\x17.google.protobuf.Struct\x12\x14\n\x0cmax_attempts\x18\x05 \x01(\x05\x12\x15\n\rattempts_left\x18\x06 \x01(\x05\x12*\n\x07timeout\x18\x07 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x35\n\x11lease_expire_time\x18\x08 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x31\n\x0elease_duration\x18\t \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x16\n\x0e\x63orrelation_id\x18\n \x01(\t\x12\x12\n\nrequest_id\x18\x0b \x01(\t\x12.\n\x0bretry_after\x18\x0c \x01(\x0b\x32\x19.google.protobuf.Duration\x12\r\n\x05stage\x18\r \x01(\t\x12\x15\n\rstage_version\x18\x0e \x01(\t\x12\'\n\x06inputs\x18\x0f \x01(\x0b\x32\x17.google.protobuf.Struct\"\xba\x01\n\x06Status\x12\x16\n\x12STATUS_UNSPECIFIED\x10\x00\x12\x12\n\x0eSTATUS_CLAIMED\x10\x01\x12\x13\n\x0fSTATUS_FINISHED\x10\x02\x12\x10\n\x0cSTATUS_STALE\x10\x03\x12\x14\n\x10STATUS_IN_FLIGHT\x10\x04\x12\x14\n\x10STATUS_NOT_FOUND\x10\x05\x12\x14\n\x10STATUS_EXHAUSTED\x10\x06\x12\x1b\n\x17STATUS_OTHER_DEPLOYMENT\x10\x07\"<\n\x10HeartbeatRequest\x12(\n\x07\x61ttempt\x18\x01 \x01(\x0b\x32\x17.jobplane.v1.AttemptRef\"d\n\x11HeartbeatResponse\x12\x18\n\x10\x63\x61ncel_requested\x18\x01 \x01(\x08\x12\x35\n\x11lease_expire_time\x18\x02 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"T\n\x08Progress\x12\x10\n\x08progress\x18\x01 \x01(\x01\x12\x0f\n\x07message\x18\x02 \x01(\t\x12%\n\x04\x64\x61ta\x18\x03 \x01(\x0b\x32\x17.google.protobuf.Struct\"i\n\x15ReportProgressRequest\x12(\n\x07\x61ttempt\x18\x01 \x01(\x0b\x32\x17.jobplane.v1.AttemptRef\x12&\n\x07reports\x18\x02 \x03(\x0b\x32\x15.jobplane.v1.Progress\"2\n\x16ReportProgressResponse\x12\x18\n\x10\x63\x61ncel_requested\x18\x01 \x01(\x08\"\x8f\x01\n\x12\x43ompleteJobRequest\x12(\n\x07\x61ttempt\x18\x01 \x01(\x0b\x32\x17.jobplane.v1.AttemptRef\x12\'\n\x06result\x18\x02 \x01(\x0b\x32\x17.google.protobuf.Struct\x12&\n\x07reports\x18\x03 \x03(\x0b\x32\x15.jobplane.v1.Progress\"\x15\n\x13\x43ompleteJobResponse\"\xc4\x01\n\x0e\x46\x61ilJobRequest\x12(\n\x07\x61ttempt\x18\x01 \x01(\x0b\x32\x17.jobplane.v1.AttemptRef\x12\x0c\n\x04\x63ode\x18\x02 \x01(\t\x12\x0f\n\x07message\x18\x03 \x01(\t\x12\x11\n\tretryable\x18\x04 \x01(\x08\x12.\n\x0bretry_delay\x18\x05 \x01(\x0b\x32\x19.google.protobuf.Duration\x12&\n\x07reports\x18\x06 \x03(\x0b\x32\x15.jobplane.v1.Progress\"Z\n\x0f\x46\x61ilJobResponse\x12\x17\n\x0fretry_scheduled\x18\x01 \x01(\x08\x12.\n\x0bretry_delay\x18\x02 \x01(\x0b\x32\x19.google.protobuf.Duration\"j\n\x16ReportCancelledRequest\x12(\n\x07\x61ttempt\x18\x01 \x01(\x0b\x32\x17.jobplane.v1.AttemptRef\x12&\n\x07reports\x18\x02 \x03(\x0b\x32\x15.jobplane.v1.Progress\"\x19\n\x17ReportCancelledResponse2\xf5\x03\n\rWorkerService\x12G\n\x08\x43laimJob\x12\x1c.jobplane.v1.ClaimJobRequest\x1a\x1d.jobplane.v1.ClaimJobResponse\x12J\n\tHeartbeat\x12\x1d.jobplane.v1.HeartbeatRequest\x1a\x1e.jobplane.v1.HeartbeatResponse\x12Y\n\x0eReportProgress\x12\".jobplane.v1.ReportProgressRequest\x1a#.jobplane.v1.ReportProgressResponse\x12P\n\x0b\x43ompleteJob\x12\x1f.jobplane.v1.CompleteJobRequest\x1a .jobplane.v1.CompleteJobResponse\x12\x44\n\x07\x46\x61ilJob\x12\x1b.jobplane.v1.FailJobRequest\x1a\x1c.jobplane.v1.FailJobResponse\x12\\\n\x0fReportCancelled\x12#.jobplane.v1.ReportCancelledRequest\x1a$.jobplane.v1.ReportCancelledResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -39,31 +39,31 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CLAIMJOBREQUEST']._serialized_start=202
   _globals['_CLAIMJOBREQUEST']._serialized_end=308
   _globals['_CLAIMJOBRESPONSE']._serialized_start=311
-  _globals['_CLAIMJOBRESPONSE']._serialized_end=1007
+  _globals['_CLAIMJOBRESPONSE']._serialized_end=1036
   _globals['_CLAIMJOBRESPONSE_STATUS']._serialized_start=850
-  _globals['_CLAIMJOBRESPONSE_STATUS']._serialized_end=1007
-  _globals['_HEARTBEATREQUEST']._serialized_start=1009
-  _globals['_HEARTBEATREQUEST']._serialized_end=1069
-  _globals['_HEARTBEATRESPONSE']._serialized_start=1071
-  _globals['_HEARTBEATRESPONSE']._serialized_end=1171
-  _globals['_PROGRESS']._serialized_start=1173
-  _globals['_PROGRESS']._serialized_end=1257
-  _globals['_REPORTPROGRESSREQUEST']._serialized_start=1259
-  _globals['_REPORTPROGRESSREQUEST']._serialized_end=1364
-  _globals['_REPORTPROGRESSRESPONSE']._serialized_start=1366
-  _globals['_REPORTPROGRESSRESPONSE']._serialized_end=1416
-  _globals['_COMPLETEJOBREQUEST']._serialized_start=1419
-  _globals['_COMPLETEJOBREQUEST']._serialized_end=1562
-  _globals['_COMPLETEJOBRESPONSE']._serialized_start=1564
-  _globals['_COMPLETEJOBRESPONSE']._serialized_end=1585
-  _globals['_FAILJOBREQUEST']._serialized_start=1588
-  _globals['_FAILJOBREQUEST']._serialized_end=1784
-  _globals['_FAILJOBRESPONSE']._serialized_start=1786
-  _globals['_FAILJOBRESPONSE']._serialized_end=1876
-  _globals['_REPORTCANCELLEDREQUEST']._serialized_start=1878
-  _globals['_REPORTCANCELLEDREQUEST']._serialized_end=1984
-  _globals['_REPORTCANCELLEDRESPONSE']._serialized_start=1986
-  _globals['_REPORTCANCELLEDRESPONSE']._serialized_end=2011
-  _globals['_WORKERSERVICE']._serialized_start=2014
-  _globals['_WORKERSERVICE']._serialized_end=2515
+  _globals['_CLAIMJOBRESPONSE_STATUS']._serialized_end=1036
+  _globals['_HEARTBEATREQUEST']._serialized_start=1038
+  _globals['_HEARTBEATREQUEST']._serialized_end=1098
+  _globals['_HEARTBEATRESPONSE']._serialized_start=1100
+  _globals['_HEARTBEATRESPONSE']._serialized_end=1200
+  _globals['_PROGRESS']._serialized_start=1202
+  _globals['_PROGRESS']._serialized_end=1286
+  _globals['_REPORTPROGRESSREQUEST']._serialized_start=1288
+  _globals['_REPORTPROGRESSREQUEST']._serialized_end=1393
+  _globals['_REPORTPROGRESSRESPONSE']._serialized_start=1395
+  _globals['_REPORTPROGRESSRESPONSE']._serialized_end=1445
+  _globals['_COMPLETEJOBREQUEST']._serialized_start=1448
+  _globals['_COMPLETEJOBREQUEST']._serialized_end=1591
+  _globals['_COMPLETEJOBRESPONSE']._serialized_start=1593
+  _globals['_COMPLETEJOBRESPONSE']._serialized_end=1614
+  _globals['_FAILJOBREQUEST']._serialized_start=1617
+  _globals['_FAILJOBREQUEST']._serialized_end=1813
+  _globals['_FAILJOBRESPONSE']._serialized_start=1815
+  _globals['_FAILJOBRESPONSE']._serialized_end=1905
+  _globals['_REPORTCANCELLEDREQUEST']._serialized_start=1907
+  _globals['_REPORTCANCELLEDREQUEST']._serialized_end=2013
+  _globals['_REPORTCANCELLEDRESPONSE']._serialized_start=2015
+  _globals['_REPORTCANCELLEDRESPONSE']._serialized_end=2040
+  _globals['_WORKERSERVICE']._serialized_start=2043
+  _globals['_WORKERSERVICE']._serialized_end=2544
 # @@protoc_insertion_point(module_scope)

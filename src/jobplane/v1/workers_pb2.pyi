@@ -117,11 +117,15 @@ class ClaimJobResponse(_message.Message):
         """
         STATUS_NOT_FOUND: ClaimJobResponse._Status.ValueType  # 5
         """No such job in this deployment: reject the message without requeue
-        (it dead-letters), unless its `deployment` header names another
-        deployment.
+        (it dead-letters to the failed queue for an operator).
         """
         STATUS_EXHAUSTED: ClaimJobResponse._Status.ValueType  # 6
         """No attempts were left; the job was failed now: ack."""
+        STATUS_OTHER_DEPLOYMENT: ClaimJobResponse._Status.ValueType  # 7
+        """No such job here, and the message names another deployment that
+        shares this broker: give it back (nack with requeue) for that
+        deployment's workers.
+        """
 
     class Status(_Status, metaclass=_StatusEnumTypeWrapper):
         """What the worker must do with the message."""
@@ -144,11 +148,15 @@ class ClaimJobResponse(_message.Message):
     """
     STATUS_NOT_FOUND: ClaimJobResponse.Status.ValueType  # 5
     """No such job in this deployment: reject the message without requeue
-    (it dead-letters), unless its `deployment` header names another
-    deployment.
+    (it dead-letters to the failed queue for an operator).
     """
     STATUS_EXHAUSTED: ClaimJobResponse.Status.ValueType  # 6
     """No attempts were left; the job was failed now: ack."""
+    STATUS_OTHER_DEPLOYMENT: ClaimJobResponse.Status.ValueType  # 7
+    """No such job here, and the message names another deployment that
+    shares this broker: give it back (nack with requeue) for that
+    deployment's workers.
+    """
 
     STATUS_FIELD_NUMBER: _builtins.int
     ATTEMPT_FIELD_NUMBER: _builtins.int

@@ -117,6 +117,8 @@ class ForeignWorker:
                 continue
             if claim.status == Claim.STATUS_NOT_FOUND:
                 return "reject"
+            if claim.status == Claim.STATUS_OTHER_DEPLOYMENT:
+                return "requeue"
             return "ack"  # finished, stale, exhausted, or a copy of a message in flight
 
     async def _run(self, claim: Any) -> None:
