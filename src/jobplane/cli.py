@@ -105,6 +105,7 @@ def _server(
             submits_per_second=settings.tenant_submits_per_second,
             submit_burst=settings.tenant_submit_burst,
         ),
+        worker_lease_seconds=settings.worker_lease_seconds,
     )
 
 

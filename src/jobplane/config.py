@@ -23,6 +23,10 @@ LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 LOG_FORMATS = ("console", "json")
 
 
+#: The longest lease of a WorkerService attempt: a dead worker's job waits this long.
+MAX_WORKER_LEASE = 3600.0
+
+
 class ConfigError(ValueError):
     """A JOBPLANE_* setting has a value that cannot be used."""
 
@@ -56,6 +60,8 @@ class Settings:
     tenant_max_streams: int = 1000
     tenant_submits_per_second: float = 500.0
     tenant_submit_burst: int = 1000
+    # The lease a WorkerService claim or heartbeat gives (docs/workers.md).
+    worker_lease_seconds: float = 30.0
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
@@ -70,6 +76,9 @@ class Settings:
                 "(4 MiB); pass larger data by reference"
             )
         pool = _positive_int(env, "JOBPLANE_DB_POOL_SIZE", base.db_pool_size)
+        lease = _seconds(
+            env, "JOBPLANE_WORKER_LEASE_SECONDS", base.worker_lease_seconds, 1.0, MAX_WORKER_LEASE
+        )
         faults = frozenset(p for p in env.get("JOBPLANE_FAULTS", "").split(",") if p.strip())
         tls_cert, tls_key = _path(env, "JOBPLANE_TLS_CERT"), _path(env, "JOBPLANE_TLS_KEY")
         tls_client_ca = _path(env, "JOBPLANE_TLS_CLIENT_CA")
@@ -102,6 +111,7 @@ class Settings:
             tenant_submit_burst=_non_negative_int(
                 env, "JOBPLANE_TENANT_SUBMIT_BURST", base.tenant_submit_burst
             ),
+            worker_lease_seconds=lease,
         )
 
 
@@ -149,6 +159,19 @@ def _non_negative_int(env: Mapping[str, str], name: str, default: int) -> int:
         raise ConfigError(f"{name} must be an integer") from exc
     if value < 0:
         raise ConfigError(f"{name} must be 0 (no limit) or more")
+    return value
+
+
+def _seconds(env: Mapping[str, str], name: str, default: float, low: float, high: float) -> float:
+    raw = env.get(name)
+    if raw is None or not raw.strip():
+        return default
+    try:
+        value = float(raw)
+    except ValueError as exc:
+        raise ConfigError(f"{name} must be a number of seconds") from exc
+    if not low <= value <= high:  # NaN too
+        raise ConfigError(f"{name} must be {low:g}..{high:g} seconds")
     return value
 
 

@@ -1,0 +1,139 @@
+"""WorkerService's requests and answers, without a server: what is checked, what is said."""
+
+from __future__ import annotations
+
+import dataclasses
+import uuid
+from typing import Any
+
+import pytest
+
+from jobplane.config import ConfigError, Settings
+from jobplane.envelope import Envelope
+from jobplane.errors import InvalidArgument
+from jobplane.server.worker_servicer import _stage_fields, claim_to_pb
+from jobplane.server.workers import Claimed, Fence, WorkerService
+from jobplane.store.attempts import Attempt, ClaimResult, ClaimStatus
+from jobplane.v1 import workers_pb2
+
+Claim = workers_pb2.ClaimJobResponse
+
+
+def _attempt(**changes: Any) -> Attempt:
+    attempt = Attempt(
+        job_id=uuid.uuid4(),
+        tenant_id=uuid.uuid4(),
+        type="reports.render",
+        payload={"a": 1},
+        attempt=1,
+        max_attempts=3,
+        retry_base=0,
+        lease_token=uuid.uuid4(),
+        correlation_id="c",
+        request_id="r",
+        timeout_seconds=60.0,
+        queue="jobplane.default",
+    )
+    return dataclasses.replace(attempt, **changes)
+
+
+def _field(call: Any) -> str | None:
+    with pytest.raises(InvalidArgument) as refused:
+        call()
+    return refused.value.field
+
+
+def test_a_fence_names_the_part_that_is_wrong() -> None:
+    job, token = f"jobs/{uuid.uuid4()}", str(uuid.uuid4())
+    assert Fence.parse(job, 1, token).attempt == 1
+    assert _field(lambda: Fence.parse("nope", 1, token)) == "attempt.job"
+    assert _field(lambda: Fence.parse(job, 0, token)) == "attempt.attempt"
+    assert _field(lambda: Fence.parse(job, 1, "not-a-uuid")) == "attempt.lease_token"
+
+
+def test_a_claim_names_its_message_by_body_or_by_all_four_fields() -> None:
+    envelope = Envelope(uuid.uuid4(), uuid.uuid4(), uuid.uuid4(), "reports.render")
+    none = {"event_id": "", "job_id": "", "tenant_id": "", "job_type": ""}
+    assert WorkerService.envelope(envelope.encode(), **none) == envelope
+    fields = {
+        "event_id": str(envelope.event_id),
+        "job_id": str(envelope.job_id),
+        "tenant_id": str(envelope.tenant_id),
+        "job_type": envelope.job_type,
+    }
+    assert WorkerService.envelope(b"", **fields) == envelope
+    assert _field(lambda: WorkerService.envelope(b"", **none)) == "event_id"
+    assert _field(lambda: WorkerService.envelope(b"", **{**fields, "tenant_id": ""})) == (
+        "tenant_id"
+    )
+    assert _field(lambda: WorkerService.envelope(b"", **{**fields, "job_id": "x"})) == "job_id"
+    assert _field(lambda: WorkerService.envelope(b"", **{**fields, "job_type": "A B"})) == "type"
+    assert _field(lambda: WorkerService.envelope(envelope.encode(), **fields)) == "event_id"
+    assert _field(lambda: WorkerService.envelope(b"not json", **none)) == "message_body"
+
+
+def test_progress_reports_are_checked_one_by_one() -> None:
+    ok = WorkerService.reports([(1.5, "m", {}), (-1.0, "", {"k": [1]})])
+    assert [u.progress for u in ok] == [1.0, 0.0]
+    assert _field(lambda: WorkerService.reports([], required=True)) == "reports"
+    assert _field(lambda: WorkerService.reports([(0.0, "", {})] * 101)) == "reports"
+    assert _field(lambda: WorkerService.reports([(0.1, "", {}), (float("nan"), "", {})])) == (
+        "reports[1].progress"
+    )
+    assert _field(lambda: WorkerService.reports([(0.1, "x" * 4097, {})])) == "reports[0].message"
+    assert _field(lambda: WorkerService.reports([(0.1, "a\x00", {})])) == "reports[0].message"
+    assert _field(lambda: WorkerService.reports([(0.1, "", {"n": float("inf")})])) == (
+        "reports[0].data"
+    )
+    assert _field(lambda: WorkerService.reports([(0.1, "", {"b": "x" * 70_000})])) == (
+        "reports[0].data"
+    )
+
+
+def test_a_claimed_attempt_is_answered_whole() -> None:
+    attempt = _attempt()
+    reply = claim_to_pb(Claimed(ClaimResult(ClaimStatus.CLAIMED, attempt=attempt), 30.0, 5.0))
+    assert reply.status == Claim.STATUS_CLAIMED
+    assert reply.attempt.job == f"jobs/{attempt.job_id}"
+    assert reply.attempt.lease_token == str(attempt.lease_token)
+    assert (reply.max_attempts, reply.attempts_left) == (3, 2)
+    assert reply.timeout.seconds == 60 and reply.lease_duration.seconds == 30
+    assert reply.payload.fields["a"].number_value == 1
+    assert (reply.stage, reply.stage_version, reply.HasField("inputs")) == ("", "", False)
+    assert not reply.HasField("retry_after")
+
+
+def test_other_answers_say_only_what_to_do() -> None:
+    waiting = claim_to_pb(Claimed(ClaimResult(ClaimStatus.IN_FLIGHT), 30.0, 5.0))
+    assert waiting.status == Claim.STATUS_IN_FLIGHT and waiting.retry_after.seconds == 5
+    assert not waiting.HasField("attempt")
+    elsewhere = Claimed(ClaimResult(ClaimStatus.NOT_FOUND), 30.0, 5.0, other_deployment=True)
+    assert claim_to_pb(elsewhere).status == Claim.STATUS_OTHER_DEPLOYMENT
+    for status, answer in (
+        (ClaimStatus.FINISHED, Claim.STATUS_FINISHED),
+        (ClaimStatus.STALE, Claim.STATUS_STALE),
+        (ClaimStatus.NOT_FOUND, Claim.STATUS_NOT_FOUND),
+        (ClaimStatus.EXHAUSTED, Claim.STATUS_EXHAUSTED),
+    ):
+        assert claim_to_pb(Claimed(ClaimResult(status), 30.0, 5.0)).status == answer
+
+
+def test_stage_fields_come_from_the_attempt_when_it_has_them() -> None:
+    assert _stage_fields(_attempt()) == ("", "", None)
+
+    @dataclasses.dataclass(frozen=True)
+    class StagedAttempt:
+        stage: str = "embed"
+        stage_version: str = "v2"
+        inputs: dict[str, Any] = dataclasses.field(default_factory=lambda: {"doc": "d1"})
+
+    staged: Any = StagedAttempt()
+    assert _stage_fields(staged) == ("embed", "v2", {"doc": "d1"})
+
+
+def test_the_worker_lease_is_a_setting_within_bounds() -> None:
+    assert Settings.from_env({}).worker_lease_seconds == 30.0
+    assert Settings.from_env({"JOBPLANE_WORKER_LEASE_SECONDS": "12.5"}).worker_lease_seconds == 12.5
+    for bad in ("0", "nan", "inf", "3601", "soon"):
+        with pytest.raises(ConfigError, match="JOBPLANE_WORKER_LEASE_SECONDS"):
+            Settings.from_env({"JOBPLANE_WORKER_LEASE_SECONDS": bad})
