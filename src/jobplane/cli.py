@@ -279,10 +279,12 @@ async def _dev(args: argparse.Namespace) -> int:
         await _started(stack, relay.start, relay.stop)
         await _started(stack, worker.start, lambda: worker.stop(5.0))
         key, _tenant = await server.keys.create_key(args.tenant)
+        worker_key = (await server.keys.create_worker()).key
         print(
             f"\njobplane dev is up.\n"
             f"  address:  {server.address}\n"
-            f"  api key:  {key}   (tenant {args.tenant!r})\n\n"
+            f"  api key:  {key}   (tenant {args.tenant!r})\n"
+            f"  worker key: {worker_key}   (WorkerService, docs/workers.md)\n\n"
             f"  export JOBPLANE_ADDRESS={server.address} JOBPLANE_API_KEY={key}\n"
             f'  jobplane submit demo.progress --payload \'{{"steps": 20, "interval_ms": 150}}\''
             " --watch\n",
