@@ -34,6 +34,7 @@ from jobplane.store.keys import KEYS_CHANNEL, KeyScope, KeyStore
 from jobplane.store.listen import Listener
 from jobplane.store.routes import sync_submit_rules
 from jobplane.store.rows import DOMAIN_EVENTS_CHANNEL, EVENTS_CHANNEL
+from jobplane.store.workers import WorkerStore
 from jobplane.topology import Topology
 from jobplane.v1 import (
     events_pb2,
@@ -150,6 +151,7 @@ class JobplaneServer:
             AttemptStore(engine, lease_seconds=worker_lease_seconds),
             HeldAttempts(engine),
             topology,
+            workers=WorkerStore(engine),
             max_result_bytes=max_payload_bytes,
         )
         # gRPC refuses a larger body (RESOURCE_EXHAUSTED) before reading it

@@ -10,12 +10,22 @@ from typing import Any, TypeVar
 import grpc
 
 from jobplane.convert import dict_from_struct, duration, seconds_from_duration, struct_from_dict
+from jobplane.envelope import Envelope
 from jobplane.errors import InvalidArgument
 from jobplane.names import job_name
 from jobplane.server.auth import current_worker
 from jobplane.server.status import error_for, to_grpc_status
-from jobplane.server.workers import Claimed, Fence, WorkerService
-from jobplane.store.attempts import Attempt, ClaimStatus, ProgressUpdate
+from jobplane.server.workers import (
+    REGISTRATION_TTL,
+    RENEW_INTERVAL,
+    Claimed,
+    Fence,
+    Registration,
+    WorkerService,
+    parse_worker_name,
+    worker_name,
+)
+from jobplane.store.attempts import Attempt, ClaimStatus, HandBack, ProgressUpdate
 from jobplane.v1 import workers_pb2, workers_pb2_grpc
 
 Req = TypeVar("Req")
@@ -29,6 +39,13 @@ _STATUS = {
     ClaimStatus.IN_FLIGHT: workers_pb2.ClaimJobResponse.STATUS_IN_FLIGHT,
     ClaimStatus.NOT_FOUND: workers_pb2.ClaimJobResponse.STATUS_NOT_FOUND,
     ClaimStatus.EXHAUSTED: workers_pb2.ClaimJobResponse.STATUS_EXHAUSTED,
+}
+
+_HAND_BACK = {
+    HandBack.HANDED_BACK: workers_pb2.HandBackJobResponse.STATUS_HANDED_BACK,
+    HandBack.PARKED: workers_pb2.HandBackJobResponse.STATUS_PARKED,
+    HandBack.NOT_QUEUED: workers_pb2.HandBackJobResponse.STATUS_NOT_QUEUED,
+    HandBack.NOT_FOUND: workers_pb2.HandBackJobResponse.STATUS_NOT_FOUND,
 }
 
 
@@ -133,14 +150,18 @@ class WorkerServiceServicer(workers_pb2_grpc.WorkerServiceServicer):
 
     @_worker_call
     async def ClaimJob(self, request: workers_pb2.ClaimJobRequest) -> workers_pb2.ClaimJobResponse:
-        envelope = self._service.envelope(
+        return claim_to_pb(await self._service.claim(self._envelope(request)))
+
+    def _envelope(
+        self, request: workers_pb2.ClaimJobRequest | workers_pb2.HandBackJobRequest
+    ) -> Envelope:
+        return self._service.envelope(
             request.message_body,
             event_id=request.event_id,
             job_id=request.job_id,
             tenant_id=request.tenant_id,
             job_type=request.type,
         )
-        return claim_to_pb(await self._service.claim(envelope))
 
     @_worker_call
     async def Heartbeat(
@@ -199,3 +220,52 @@ class WorkerServiceServicer(workers_pb2_grpc.WorkerServiceServicer):
         fence = _fence(request.attempt, request.HasField("attempt"))
         await self._service.cancelled(fence, _reports(request.reports))
         return workers_pb2.ReportCancelledResponse()
+
+    @_worker_call
+    async def RegisterWorker(
+        self, request: workers_pb2.RegisterWorkerRequest
+    ) -> workers_pb2.RegisterWorkerResponse:
+        registration = self._service.registration(
+            Registration(
+                types=list(request.types),
+                queues=list(request.queues),
+                concurrency=request.concurrency,
+                host=request.host,
+                pid=request.pid,
+                version=request.version,
+            )
+        )
+        worker_id = await self._service.register(registration)
+        return workers_pb2.RegisterWorkerResponse(
+            name=worker_name(worker_id),
+            ttl=duration(timedelta(seconds=REGISTRATION_TTL)),
+            renew_interval=duration(timedelta(seconds=RENEW_INTERVAL)),
+        )
+
+    @_worker_call
+    async def RenewWorker(
+        self, request: workers_pb2.RenewWorkerRequest
+    ) -> workers_pb2.RenewWorkerResponse:
+        await self._service.renew(parse_worker_name(request.name))
+        return workers_pb2.RenewWorkerResponse()
+
+    @_worker_call
+    async def StopWorker(
+        self, request: workers_pb2.StopWorkerRequest
+    ) -> workers_pb2.StopWorkerResponse:
+        await self._service.stop_worker(parse_worker_name(request.name))
+        return workers_pb2.StopWorkerResponse()
+
+    @_worker_call
+    async def HandBackJob(
+        self, request: workers_pb2.HandBackJobRequest
+    ) -> workers_pb2.HandBackJobResponse:
+        status, reason, other = await self._service.hand_back(self._envelope(request))
+        return workers_pb2.HandBackJobResponse(
+            status=(
+                workers_pb2.HandBackJobResponse.STATUS_OTHER_DEPLOYMENT
+                if other
+                else _HAND_BACK[status]
+            ),
+            waiting_reason=reason,
+        )

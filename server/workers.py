@@ -7,6 +7,10 @@ Python worker makes, with the same retry policy
 (:func:`jobplane.workers.retry.retry_delay`): the two kinds of worker cannot
 disagree about what a claim or an outcome does. Nothing here knows gRPC.
 
+A worker may also register (the types it runs, the queues it reads) so that
+workers without its handlers hand its jobs back for it rather than park them
+(ADR-0007), and hand back the jobs it has no handler for itself.
+
 A worker holds only its attempt's fence (job, attempt, lease token). The
 attempts this process claimed, or read back once, are kept by fence: a fence
 names one attempt for ever, and whether it still holds is decided by each
@@ -25,19 +29,29 @@ from typing import Any, TypeVar
 
 import structlog
 
+from jobplane import __version__
 from jobplane.envelope import Envelope
-from jobplane.errors import AttemptLeaseLost, CancelNotRequested, InvalidArgument, shown
+from jobplane.errors import (
+    AttemptLeaseLost,
+    CancelNotRequested,
+    InvalidArgument,
+    WorkerNotFound,
+    shown,
+)
+from jobplane.ids import new_id
 from jobplane.names import job_name, parse_job_name, validate_job_type
 from jobplane.store.attempts import (
     Attempt,
     AttemptStore,
     ClaimResult,
     ClaimStatus,
+    HandBack,
     LeaseLost,
     ProgressUpdate,
 )
 from jobplane.store.held import HeldAttempts
-from jobplane.topology import Topology
+from jobplane.store.workers import WorkerStore
+from jobplane.topology import Topology, TopologyError
 from jobplane.workers.handlers import MAX_PROGRESS_DATA_BYTES, MAX_PROGRESS_MESSAGE
 from jobplane.workers.outcome import MAX_ERROR_MESSAGE, MAX_RETRY_DELAY, check_result
 from jobplane.workers.retry import retry_delay
@@ -54,6 +68,51 @@ ERROR_CODE = re.compile(r"[A-Z][A-Z0-9_]{0,63}")
 DEFAULT_ERROR_CODE = "HANDLER_ERROR"
 # Attempts kept by fence; past it the oldest are read back when next used.
 _KEPT_ATTEMPTS = 10_000
+#: A registration's renewal interval and lifetime: the Python worker's presence
+#: (jobplane.workers.presence) beats every 5 s and may miss three beats.
+RENEW_INTERVAL = 5.0
+REGISTRATION_TTL = RENEW_INTERVAL * 3 + 1.0
+MAX_TYPES = 1000
+MAX_QUEUES = 100
+MAX_CONCURRENCY = 10_000
+MAX_WORKER_LABEL = 255
+# A hand-back's new dispatch is due after 0.5 s · 2^handbacks, at most 10 s,
+# as the Python worker's (jobplane.workers.runtime.Worker's defaults).
+HANDBACK_DELAY = 0.5
+HANDBACK_MAX_DELAY = 10.0
+_WORKER_PREFIX = "workers/"
+
+
+def worker_name(worker_id: uuid.UUID) -> str:
+    """``workers/{id}``"""
+    return f"{_WORKER_PREFIX}{worker_id}"
+
+
+def parse_worker_name(name: str, *, field: str = "name") -> uuid.UUID:
+    """The id in ``workers/{id}``; INVALID_ARGUMENT when malformed."""
+    bad = InvalidArgument(f"{field} must look like workers/{{id}}, got {shown(name)}", field=field)
+    raw = name.removeprefix(_WORKER_PREFIX)
+    if raw == name:
+        raise bad
+    try:
+        parsed = uuid.UUID(raw)
+    except ValueError:
+        raise bad from None
+    if str(parsed) != raw.lower():
+        raise bad
+    return parsed
+
+
+@dataclass(frozen=True, slots=True)
+class Registration:
+    """What a worker says of itself when it registers."""
+
+    types: list[str]
+    queues: list[str]
+    concurrency: int
+    host: str = ""
+    pid: int = 0
+    version: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,10 +165,12 @@ class WorkerService:
         held: HeldAttempts,
         topology: Topology,
         *,
+        workers: WorkerStore,
         max_result_bytes: int = 256 * 1024,
     ) -> None:
         self._store = store
         self._held = held
+        self._workers = workers
         self._topology = topology
         self._max_result_bytes = max_result_bytes
         self._kept: OrderedDict[Fence, Attempt] = OrderedDict()
@@ -185,6 +246,35 @@ class WorkerService:
             updates.append(ProgressUpdate(min(1.0, max(0.0, progress)), message, data))
         return updates
 
+    def registration(self, registration: Registration) -> Registration:
+        """``registration`` checked; INVALID_ARGUMENT naming the first bad field."""
+        if not 1 <= len(registration.types) <= MAX_TYPES:
+            raise InvalidArgument(f"types must hold 1..{MAX_TYPES} job types", field="types")
+        for i, job_type in enumerate(registration.types):
+            validate_job_type(job_type, field=f"types[{i}]")
+        if not 1 <= len(registration.queues) <= MAX_QUEUES:
+            raise InvalidArgument(f"queues must hold 1..{MAX_QUEUES} queues", field="queues")
+        for i, queue in enumerate(registration.queues):
+            try:
+                self._topology.queue(queue)
+            except TopologyError:
+                raise InvalidArgument(
+                    f"queues[{i}] {shown(queue)} is no queue of the topology",
+                    field=f"queues[{i}]",
+                ) from None
+        if not 1 <= registration.concurrency <= MAX_CONCURRENCY:
+            raise InvalidArgument(f"concurrency must be 1..{MAX_CONCURRENCY}", field="concurrency")
+        for name in ("host", "version"):
+            value = getattr(registration, name)
+            if len(value) > MAX_WORKER_LABEL or any(ord(c) < 32 for c in value):
+                raise InvalidArgument(
+                    f"{name} must be at most {MAX_WORKER_LABEL} characters, no control characters",
+                    field=name,
+                )
+        if registration.pid < 0:
+            raise InvalidArgument("pid must not be negative", field="pid")
+        return registration
+
     # -- calls ----------------------------------------------------------------
 
     async def claim(self, envelope: Envelope) -> Claimed:
@@ -199,14 +289,7 @@ class WorkerService:
                 type=envelope.job_type,
             )
         lease = self._store.lease_seconds
-        # Decided after the lookup, as the Python worker does: a deployment
-        # whose identity changed still runs its own jobs.
-        other = (
-            result.status is ClaimStatus.NOT_FOUND
-            and envelope.deployment is not None
-            and self.deployment is not None
-            and envelope.deployment != self.deployment
-        )
+        other = result.status is ClaimStatus.NOT_FOUND and self._other(envelope)
         # Lease times are the database's clock: a redelivery polls at a fraction of the lease.
         return Claimed(result, lease, min(lease / 3, 5.0), other_deployment=other)
 
@@ -296,6 +379,65 @@ class WorkerService:
         await self._fenced(fence, self._store.cancelled(attempt, pending))
         self._forget(fence)
         log.info("worker_service.cancelled", job=job_name(fence.job_id), attempt=fence.attempt)
+
+    async def register(self, registration: Registration) -> uuid.UUID:
+        """Record a live worker (see :meth:`registration`); re-dispatch what it can run."""
+        worker_id = new_id()
+        await self._workers.register(
+            worker_id,
+            host=registration.host,
+            pid=registration.pid,
+            types=registration.types,
+            queues=registration.queues,
+            concurrency=registration.concurrency,
+            version=registration.version or f"workerservice/{__version__}",
+            ttl=REGISTRATION_TTL,
+        )
+        log.info(
+            "worker_service.registered",
+            worker=worker_name(worker_id),
+            types=registration.types,
+            queues=registration.queues,
+        )
+        await self._unpark(registration.types, registration.queues)
+        return worker_id
+
+    async def renew(self, worker_id: uuid.UUID) -> None:
+        """Live for another :data:`REGISTRATION_TTL`; re-dispatch what it can run."""
+        found = await self._workers.renew(worker_id, ttl=REGISTRATION_TTL)
+        if found is None:
+            raise WorkerNotFound(f"{worker_name(worker_id)} is not registered, or stopped")
+        # A job parked by a worker that had not seen this one yet waits for this.
+        await self._unpark(*found)
+
+    async def stop_worker(self, worker_id: uuid.UUID) -> None:
+        """The worker takes no more work; stopping twice changes nothing."""
+        await self._workers.stop(worker_id)
+
+    async def hand_back(self, envelope: Envelope) -> tuple[HandBack, str, bool]:
+        """Give the job back unclaimed: what became of it, its waiting reason, and
+        whether the message is another deployment's."""
+        status, reason = await self._store.hand_back(
+            envelope, base_delay=HANDBACK_DELAY, max_delay=HANDBACK_MAX_DELAY
+        )
+        return status, reason, status is HandBack.NOT_FOUND and self._other(envelope)
+
+    async def _unpark(self, types: Sequence[str], queues: Sequence[str]) -> None:
+        while True:
+            count = await self._store.unpark(types, queues)
+            if count:
+                log.info("worker_service.jobs.unparked", jobs=count)
+            if count < 500:
+                return
+
+    def _other(self, envelope: Envelope) -> bool:
+        # Decided after the lookup, as the Python worker does: a deployment
+        # whose identity changed still runs its own jobs.
+        return (
+            envelope.deployment is not None
+            and self.deployment is not None
+            and envelope.deployment != self.deployment
+        )
 
     # -- attempts by fence -------------------------------------------------------
 

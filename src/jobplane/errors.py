@@ -102,6 +102,13 @@ class JobNotFound(JobplaneError):
     reason = "JOB_NOT_FOUND"
 
 
+class WorkerNotFound(JobplaneError):
+    """No live worker registration with this name; register again."""
+
+    code = grpc.StatusCode.NOT_FOUND
+    reason = "WORKER_NOT_FOUND"
+
+
 class TenantNotFound(JobplaneError):
     """No tenant has this name (from ``jobplane.submit_job``, which names tenants)."""
 
@@ -201,6 +208,7 @@ _BY_REASON: dict[str, type[JobplaneError]] = {
         PermissionDenied,
         KeyScopeMismatch,
         JobNotFound,
+        WorkerNotFound,
         TenantNotFound,
         RequestIdReused,
         EventIdReused,

@@ -34,6 +34,15 @@ _BEAT = text(
     RETURNING id
     """
 )
+# The beat of a registration made over WorkerService: its types and queues
+# come back, for the server that holds nothing of it to unpark their jobs.
+_RENEW = text(
+    """
+    UPDATE workers SET heartbeat_time = now(), expire_time = now() + make_interval(secs => :ttl)
+    WHERE id = :id AND stop_time IS NULL
+    RETURNING types, queues
+    """
+)
 _STOP = text("UPDATE workers SET stop_time = now() WHERE id = :id AND stop_time IS NULL")
 _LIST = text(
     """
@@ -115,6 +124,14 @@ class WorkerStore:
         async with self._auto.connect() as conn:
             row = (await conn.execute(_BEAT, {"id": worker_id, "ttl": ttl})).first()
         return row is not None
+
+    async def renew(
+        self, worker_id: uuid.UUID, *, ttl: float
+    ) -> tuple[list[str], list[str]] | None:
+        """:meth:`beat`, returning the worker's types and queues; None when it is gone."""
+        async with self._auto.connect() as conn:
+            row = (await conn.execute(_RENEW, {"id": worker_id, "ttl": ttl})).first()
+        return None if row is None else (list(row[0]), list(row[1]))
 
     async def stop(self, worker_id: uuid.UUID) -> None:
         """The worker takes no more work (it may still finish what it runs)."""

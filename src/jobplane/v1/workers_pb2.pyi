@@ -525,3 +525,253 @@ class ReportCancelledResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ReportCancelledResponse: _TypeAlias = ReportCancelledResponse  # noqa: Y015
+
+@_typing.final
+class RegisterWorkerRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TYPES_FIELD_NUMBER: _builtins.int
+    QUEUES_FIELD_NUMBER: _builtins.int
+    CONCURRENCY_FIELD_NUMBER: _builtins.int
+    HOST_FIELD_NUMBER: _builtins.int
+    PID_FIELD_NUMBER: _builtins.int
+    VERSION_FIELD_NUMBER: _builtins.int
+    concurrency: _builtins.int
+    """How many jobs it runs at once: 1..10000."""
+    host: _builtins.str
+    """For people reading `jobplane workers`: at most 255 characters each, no
+    control characters.
+    """
+    pid: _builtins.int
+    version: _builtins.str
+    @_builtins.property
+    def types(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """The job types the worker runs: 1..1000 job types."""
+
+    @_builtins.property
+    def queues(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """The queues it consumes: 1..100 queues of the topology."""
+
+    def __init__(
+        self,
+        *,
+        types: _abc.Iterable[_builtins.str] | None = ...,
+        queues: _abc.Iterable[_builtins.str] | None = ...,
+        concurrency: _builtins.int = ...,
+        host: _builtins.str = ...,
+        pid: _builtins.int = ...,
+        version: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["concurrency", b"concurrency", "host", b"host", "pid", b"pid", "queues", b"queues", "types", b"types", "version", b"version"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RegisterWorkerRequest: _TypeAlias = RegisterWorkerRequest  # noqa: Y015
+
+@_typing.final
+class RegisterWorkerResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    TTL_FIELD_NUMBER: _builtins.int
+    RENEW_INTERVAL_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """`workers/{worker}`"""
+    @_builtins.property
+    def ttl(self) -> _duration_pb2.Duration:
+        """The registration lapses this long after the last RegisterWorker or
+        RenewWorker.
+        """
+
+    @_builtins.property
+    def renew_interval(self) -> _duration_pb2.Duration:
+        """Call RenewWorker this often."""
+
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        ttl: _duration_pb2.Duration | None = ...,
+        renew_interval: _duration_pb2.Duration | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["renew_interval", b"renew_interval", "ttl", b"ttl"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["name", b"name", "renew_interval", b"renew_interval", "ttl", b"ttl"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RegisterWorkerResponse: _TypeAlias = RegisterWorkerResponse  # noqa: Y015
+
+@_typing.final
+class RenewWorkerRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """`workers/{worker}`"""
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["name", b"name"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RenewWorkerRequest: _TypeAlias = RenewWorkerRequest  # noqa: Y015
+
+@_typing.final
+class RenewWorkerResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RenewWorkerResponse: _TypeAlias = RenewWorkerResponse  # noqa: Y015
+
+@_typing.final
+class StopWorkerRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """`workers/{worker}`"""
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["name", b"name"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___StopWorkerRequest: _TypeAlias = StopWorkerRequest  # noqa: Y015
+
+@_typing.final
+class StopWorkerResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___StopWorkerResponse: _TypeAlias = StopWorkerResponse  # noqa: Y015
+
+@_typing.final
+class HandBackJobRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MESSAGE_BODY_FIELD_NUMBER: _builtins.int
+    EVENT_ID_FIELD_NUMBER: _builtins.int
+    JOB_ID_FIELD_NUMBER: _builtins.int
+    TENANT_ID_FIELD_NUMBER: _builtins.int
+    TYPE_FIELD_NUMBER: _builtins.int
+    message_body: _builtins.bytes
+    """The delivered message, as in ClaimJobRequest: its body, or its four
+    fields.
+    """
+    event_id: _builtins.str
+    job_id: _builtins.str
+    tenant_id: _builtins.str
+    type: _builtins.str
+    def __init__(
+        self,
+        *,
+        message_body: _builtins.bytes = ...,
+        event_id: _builtins.str = ...,
+        job_id: _builtins.str = ...,
+        tenant_id: _builtins.str = ...,
+        type: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["event_id", b"event_id", "job_id", b"job_id", "message_body", b"message_body", "tenant_id", b"tenant_id", "type", b"type"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___HandBackJobRequest: _TypeAlias = HandBackJobRequest  # noqa: Y015
+
+@_typing.final
+class HandBackJobResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    class _Status:
+        ValueType = _typing.NewType("ValueType", _builtins.int)
+        V: _TypeAlias = ValueType  # noqa: Y015
+
+    class _StatusEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[HandBackJobResponse._Status.ValueType], _builtins.type):
+        DESCRIPTOR: _descriptor.EnumDescriptor
+        STATUS_UNSPECIFIED: HandBackJobResponse._Status.ValueType  # 0
+        STATUS_HANDED_BACK: HandBackJobResponse._Status.ValueType  # 1
+        """A live registered worker runs the type on the job's queue: a new
+        dispatch is due shortly, for it. Ack.
+        """
+        STATUS_PARKED: HandBackJobResponse._Status.ValueType  # 2
+        """No live worker runs the type: the job waits, QUEUED, until one
+        registers. Ack.
+        """
+        STATUS_NOT_QUEUED: HandBackJobResponse._Status.ValueType  # 3
+        """The job is running, finished, or the message is stale: ack."""
+        STATUS_NOT_FOUND: HandBackJobResponse._Status.ValueType  # 4
+        """No such job in this deployment: reject without requeue."""
+        STATUS_OTHER_DEPLOYMENT: HandBackJobResponse._Status.ValueType  # 5
+        """No such job here, and the message names another deployment: nack
+        with requeue.
+        """
+
+    class Status(_Status, metaclass=_StatusEnumTypeWrapper):
+        """What became of the job, and what to do with the message."""
+
+    STATUS_UNSPECIFIED: HandBackJobResponse.Status.ValueType  # 0
+    STATUS_HANDED_BACK: HandBackJobResponse.Status.ValueType  # 1
+    """A live registered worker runs the type on the job's queue: a new
+    dispatch is due shortly, for it. Ack.
+    """
+    STATUS_PARKED: HandBackJobResponse.Status.ValueType  # 2
+    """No live worker runs the type: the job waits, QUEUED, until one
+    registers. Ack.
+    """
+    STATUS_NOT_QUEUED: HandBackJobResponse.Status.ValueType  # 3
+    """The job is running, finished, or the message is stale: ack."""
+    STATUS_NOT_FOUND: HandBackJobResponse.Status.ValueType  # 4
+    """No such job in this deployment: reject without requeue."""
+    STATUS_OTHER_DEPLOYMENT: HandBackJobResponse.Status.ValueType  # 5
+    """No such job here, and the message names another deployment: nack
+    with requeue.
+    """
+
+    STATUS_FIELD_NUMBER: _builtins.int
+    WAITING_REASON_FIELD_NUMBER: _builtins.int
+    status: Global___HandBackJobResponse.Status.ValueType
+    waiting_reason: _builtins.str
+    """The job's waiting_reason now, for HANDED_BACK and PARKED."""
+    def __init__(
+        self,
+        *,
+        status: Global___HandBackJobResponse.Status.ValueType = ...,
+        waiting_reason: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["status", b"status", "waiting_reason", b"waiting_reason"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___HandBackJobResponse: _TypeAlias = HandBackJobResponse  # noqa: Y015

@@ -81,6 +81,26 @@ class WorkerServiceStub:
                 request_serializer=jobplane_dot_v1_dot_workers__pb2.ReportCancelledRequest.SerializeToString,
                 response_deserializer=jobplane_dot_v1_dot_workers__pb2.ReportCancelledResponse.FromString,
                 _registered_method=True)
+        self.RegisterWorker = channel.unary_unary(
+                '/jobplane.v1.WorkerService/RegisterWorker',
+                request_serializer=jobplane_dot_v1_dot_workers__pb2.RegisterWorkerRequest.SerializeToString,
+                response_deserializer=jobplane_dot_v1_dot_workers__pb2.RegisterWorkerResponse.FromString,
+                _registered_method=True)
+        self.RenewWorker = channel.unary_unary(
+                '/jobplane.v1.WorkerService/RenewWorker',
+                request_serializer=jobplane_dot_v1_dot_workers__pb2.RenewWorkerRequest.SerializeToString,
+                response_deserializer=jobplane_dot_v1_dot_workers__pb2.RenewWorkerResponse.FromString,
+                _registered_method=True)
+        self.StopWorker = channel.unary_unary(
+                '/jobplane.v1.WorkerService/StopWorker',
+                request_serializer=jobplane_dot_v1_dot_workers__pb2.StopWorkerRequest.SerializeToString,
+                response_deserializer=jobplane_dot_v1_dot_workers__pb2.StopWorkerResponse.FromString,
+                _registered_method=True)
+        self.HandBackJob = channel.unary_unary(
+                '/jobplane.v1.WorkerService/HandBackJob',
+                request_serializer=jobplane_dot_v1_dot_workers__pb2.HandBackJobRequest.SerializeToString,
+                response_deserializer=jobplane_dot_v1_dot_workers__pb2.HandBackJobResponse.FromString,
+                _registered_method=True)
 
 
 class WorkerServiceServicer:
@@ -149,6 +169,41 @@ class WorkerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RegisterWorker(self, request, context):
+        """Registers a worker process: the job types it runs and the queues it
+        consumes. While it is live (renewed within `ttl`), workers without a
+        handler for one of its types on one of its queues hand such jobs back
+        for it instead of parking them, and `jobplane workers` lists it. It
+        also re-dispatches the jobs parked for want of it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RenewWorker(self, request, context):
+        """Keeps a registration live for another `ttl`, and re-dispatches jobs
+        parked for want of it. NOT_FOUND (reason WORKER_NOT_FOUND) when the
+        registration is gone or stopped: register again.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def StopWorker(self, request, context):
+        """Ends a registration: nobody counts on this worker any more.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def HandBackJob(self, request, context):
+        """Gives back, unclaimed, a delivered job whose type this worker does not
+        run (see HandBackJobResponse.Status); no attempt is counted.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -181,6 +236,26 @@ def add_WorkerServiceServicer_to_server(servicer, server):
                     servicer.ReportCancelled,
                     request_deserializer=jobplane_dot_v1_dot_workers__pb2.ReportCancelledRequest.FromString,
                     response_serializer=jobplane_dot_v1_dot_workers__pb2.ReportCancelledResponse.SerializeToString,
+            ),
+            'RegisterWorker': grpc.unary_unary_rpc_method_handler(
+                    servicer.RegisterWorker,
+                    request_deserializer=jobplane_dot_v1_dot_workers__pb2.RegisterWorkerRequest.FromString,
+                    response_serializer=jobplane_dot_v1_dot_workers__pb2.RegisterWorkerResponse.SerializeToString,
+            ),
+            'RenewWorker': grpc.unary_unary_rpc_method_handler(
+                    servicer.RenewWorker,
+                    request_deserializer=jobplane_dot_v1_dot_workers__pb2.RenewWorkerRequest.FromString,
+                    response_serializer=jobplane_dot_v1_dot_workers__pb2.RenewWorkerResponse.SerializeToString,
+            ),
+            'StopWorker': grpc.unary_unary_rpc_method_handler(
+                    servicer.StopWorker,
+                    request_deserializer=jobplane_dot_v1_dot_workers__pb2.StopWorkerRequest.FromString,
+                    response_serializer=jobplane_dot_v1_dot_workers__pb2.StopWorkerResponse.SerializeToString,
+            ),
+            'HandBackJob': grpc.unary_unary_rpc_method_handler(
+                    servicer.HandBackJob,
+                    request_deserializer=jobplane_dot_v1_dot_workers__pb2.HandBackJobRequest.FromString,
+                    response_serializer=jobplane_dot_v1_dot_workers__pb2.HandBackJobResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -362,6 +437,114 @@ class WorkerService:
             '/jobplane.v1.WorkerService/ReportCancelled',
             jobplane_dot_v1_dot_workers__pb2.ReportCancelledRequest.SerializeToString,
             jobplane_dot_v1_dot_workers__pb2.ReportCancelledResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RegisterWorker(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/jobplane.v1.WorkerService/RegisterWorker',
+            jobplane_dot_v1_dot_workers__pb2.RegisterWorkerRequest.SerializeToString,
+            jobplane_dot_v1_dot_workers__pb2.RegisterWorkerResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RenewWorker(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/jobplane.v1.WorkerService/RenewWorker',
+            jobplane_dot_v1_dot_workers__pb2.RenewWorkerRequest.SerializeToString,
+            jobplane_dot_v1_dot_workers__pb2.RenewWorkerResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StopWorker(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/jobplane.v1.WorkerService/StopWorker',
+            jobplane_dot_v1_dot_workers__pb2.StopWorkerRequest.SerializeToString,
+            jobplane_dot_v1_dot_workers__pb2.StopWorkerResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def HandBackJob(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/jobplane.v1.WorkerService/HandBackJob',
+            jobplane_dot_v1_dot_workers__pb2.HandBackJobRequest.SerializeToString,
+            jobplane_dot_v1_dot_workers__pb2.HandBackJobResponse.FromString,
             options,
             channel_credentials,
             insecure,

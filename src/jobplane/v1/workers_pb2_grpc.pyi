@@ -69,6 +69,24 @@ class WorkerServiceStub:
     cancellation was requested (FAILED_PRECONDITION, reason
     CANCEL_NOT_REQUESTED, before that).
     """
+    RegisterWorker: _grpc.UnaryUnaryMultiCallable[_workers_pb2.RegisterWorkerRequest, _workers_pb2.RegisterWorkerResponse]
+    """Registers a worker process: the job types it runs and the queues it
+    consumes. While it is live (renewed within `ttl`), workers without a
+    handler for one of its types on one of its queues hand such jobs back
+    for it instead of parking them, and `jobplane workers` lists it. It
+    also re-dispatches the jobs parked for want of it.
+    """
+    RenewWorker: _grpc.UnaryUnaryMultiCallable[_workers_pb2.RenewWorkerRequest, _workers_pb2.RenewWorkerResponse]
+    """Keeps a registration live for another `ttl`, and re-dispatches jobs
+    parked for want of it. NOT_FOUND (reason WORKER_NOT_FOUND) when the
+    registration is gone or stopped: register again.
+    """
+    StopWorker: _grpc.UnaryUnaryMultiCallable[_workers_pb2.StopWorkerRequest, _workers_pb2.StopWorkerResponse]
+    """Ends a registration: nobody counts on this worker any more."""
+    HandBackJob: _grpc.UnaryUnaryMultiCallable[_workers_pb2.HandBackJobRequest, _workers_pb2.HandBackJobResponse]
+    """Gives back, unclaimed, a delivered job whose type this worker does not
+    run (see HandBackJobResponse.Status); no attempt is counted.
+    """
 
 @_typing.type_check_only
 class WorkerServiceAsyncStub(WorkerServiceStub):
@@ -110,6 +128,24 @@ class WorkerServiceAsyncStub(WorkerServiceStub):
     """Ends the attempt CANCELLED, after Heartbeat or ReportProgress said
     cancellation was requested (FAILED_PRECONDITION, reason
     CANCEL_NOT_REQUESTED, before that).
+    """
+    RegisterWorker: _aio.UnaryUnaryMultiCallable[_workers_pb2.RegisterWorkerRequest, _workers_pb2.RegisterWorkerResponse]  # type: ignore[assignment]
+    """Registers a worker process: the job types it runs and the queues it
+    consumes. While it is live (renewed within `ttl`), workers without a
+    handler for one of its types on one of its queues hand such jobs back
+    for it instead of parking them, and `jobplane workers` lists it. It
+    also re-dispatches the jobs parked for want of it.
+    """
+    RenewWorker: _aio.UnaryUnaryMultiCallable[_workers_pb2.RenewWorkerRequest, _workers_pb2.RenewWorkerResponse]  # type: ignore[assignment]
+    """Keeps a registration live for another `ttl`, and re-dispatches jobs
+    parked for want of it. NOT_FOUND (reason WORKER_NOT_FOUND) when the
+    registration is gone or stopped: register again.
+    """
+    StopWorker: _aio.UnaryUnaryMultiCallable[_workers_pb2.StopWorkerRequest, _workers_pb2.StopWorkerResponse]  # type: ignore[assignment]
+    """Ends a registration: nobody counts on this worker any more."""
+    HandBackJob: _aio.UnaryUnaryMultiCallable[_workers_pb2.HandBackJobRequest, _workers_pb2.HandBackJobResponse]  # type: ignore[assignment]
+    """Gives back, unclaimed, a delivered job whose type this worker does not
+    run (see HandBackJobResponse.Status); no attempt is counted.
     """
 
 class WorkerServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -185,6 +221,48 @@ class WorkerServiceServicer(metaclass=_abc_1.ABCMeta):
         """Ends the attempt CANCELLED, after Heartbeat or ReportProgress said
         cancellation was requested (FAILED_PRECONDITION, reason
         CANCEL_NOT_REQUESTED, before that).
+        """
+
+    @_abc_1.abstractmethod
+    def RegisterWorker(
+        self,
+        request: _workers_pb2.RegisterWorkerRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_workers_pb2.RegisterWorkerResponse, _abc.Awaitable[_workers_pb2.RegisterWorkerResponse]]:
+        """Registers a worker process: the job types it runs and the queues it
+        consumes. While it is live (renewed within `ttl`), workers without a
+        handler for one of its types on one of its queues hand such jobs back
+        for it instead of parking them, and `jobplane workers` lists it. It
+        also re-dispatches the jobs parked for want of it.
+        """
+
+    @_abc_1.abstractmethod
+    def RenewWorker(
+        self,
+        request: _workers_pb2.RenewWorkerRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_workers_pb2.RenewWorkerResponse, _abc.Awaitable[_workers_pb2.RenewWorkerResponse]]:
+        """Keeps a registration live for another `ttl`, and re-dispatches jobs
+        parked for want of it. NOT_FOUND (reason WORKER_NOT_FOUND) when the
+        registration is gone or stopped: register again.
+        """
+
+    @_abc_1.abstractmethod
+    def StopWorker(
+        self,
+        request: _workers_pb2.StopWorkerRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_workers_pb2.StopWorkerResponse, _abc.Awaitable[_workers_pb2.StopWorkerResponse]]:
+        """Ends a registration: nobody counts on this worker any more."""
+
+    @_abc_1.abstractmethod
+    def HandBackJob(
+        self,
+        request: _workers_pb2.HandBackJobRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_workers_pb2.HandBackJobResponse, _abc.Awaitable[_workers_pb2.HandBackJobResponse]]:
+        """Gives back, unclaimed, a delivered job whose type this worker does not
+        run (see HandBackJobResponse.Status); no attempt is counted.
         """
 
 def add_WorkerServiceServicer_to_server(servicer: WorkerServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
