@@ -25,6 +25,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hypothesis import strategies as st
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from jobplane.server.workers import Registration, worker_name
 from jobplane.topology import Topology
 from jobplane.v1 import workers_pb2
 from tests.fuzz.conftest import PROFILE
@@ -55,6 +56,8 @@ class WorkerSeeds:
     job_ids: list[str]
     dispatch_ids: list[str]
     tenant_id: str
+    queues: list[str]
+    worker_names: list[str]
 
 
 @dataclass
@@ -109,6 +112,13 @@ def hints(seeds: WorkerSeeds) -> Hints:
                 st.sampled_from([r.lease_token for r in seeds.refs]), st.uuids().map(str)
             ),
             "jobplane.v1.ClaimJobRequest.message_body": st.sampled_from(seeds.bodies),
+            "jobplane.v1.HandBackJobRequest.message_body": st.sampled_from(seeds.bodies),
+            "jobplane.v1.RegisterWorkerRequest.types": st.sampled_from(["fuzz.work", "demo.echo"]),
+            "jobplane.v1.RegisterWorkerRequest.queues": st.sampled_from(seeds.queues),
+            "jobplane.v1.RegisterWorkerRequest.concurrency": st.integers(1, 8),
+            "jobplane.v1.RegisterWorkerRequest.host": texts(),
+            "jobplane.v1.RenewWorkerRequest.name": st.sampled_from(seeds.worker_names),
+            "jobplane.v1.StopWorkerRequest.name": st.sampled_from(seeds.worker_names),
             "jobplane.v1.ClaimJobRequest.event_id": st.sampled_from(seeds.dispatch_ids),
             "jobplane.v1.ClaimJobRequest.job_id": st.sampled_from(seeds.job_ids),
             "jobplane.v1.ClaimJobRequest.tenant_id": st.just(seeds.tenant_id),
@@ -148,7 +158,20 @@ async def oracle(
                     )
                 )
         bodies.append(b'{"v":1}')
-        seeds = WorkerSeeds(refs, bodies, job_ids, dispatch_ids, str(stack.tenant_id))
+        queues = [q.name for q in stack.topology.queues]
+        registered = [
+            await stack.server.workers.register(Registration(["fuzz.work"], queues, 1))
+            for _ in range(3)
+        ]
+        seeds = WorkerSeeds(
+            refs,
+            bodies,
+            job_ids,
+            dispatch_ids,
+            str(stack.tenant_id),
+            queues,
+            [worker_name(w) for w in registered],
+        )
         key = (await stack.server.keys.create_worker()).key
         async with grpc.aio.insecure_channel(stack.server.address) as channel:
             judge = WorkerOracle(stack, channel, key, seeds)
@@ -166,9 +189,9 @@ async def test_every_worker_request_message(oracle: WorkerOracle, method: str) -
         await oracle.call(method, request.SerializeToString())
 
     await fuzz(oracle, strategy, judge, scale=0.5)  # type: ignore[arg-type]
-    assert oracle.codes[method, "OK"] + oracle.codes[method, "FAILED_PRECONDITION"] > 0, dict(
-        oracle.codes
-    )
+    # Past validation too: accepted, or refused by the fence or the registration.
+    passed = ("OK", "FAILED_PRECONDITION", "NOT_FOUND")
+    assert sum(oracle.codes[method, code] for code in passed) > 0, dict(oracle.codes)
 
 
 async def test_raw_worker_bodies(oracle: WorkerOracle) -> None:

@@ -30,6 +30,7 @@ from sqlalchemy import text
 from jobplane.client import EventType, JobState
 from jobplane.convert import struct_from_dict
 from jobplane.envelope import Envelope
+from jobplane.store.workers import WorkerStore
 from jobplane.v1 import jobs_pb2, jobs_pb2_grpc, workers_pb2, workers_pb2_grpc
 from tests.support.answers import check_refusal
 from tests.support.stack import Stack, eventually
@@ -39,6 +40,8 @@ pytestmark = pytest.mark.stack(worker=False)
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).parent / "foreign_worker" / "worker.py"
 Claim = workers_pb2.ClaimJobResponse
+# The job types the foreign worker runs, unless a test says otherwise.
+TYPES = "reports.render,reports.flaky,reports.broken,reports.long"
 # A WorkerService stub and the worker key's metadata.
 Workers: TypeAlias = "tuple[workers_pb2_grpc.WorkerServiceAsyncStub, Any]"
 
@@ -99,6 +102,9 @@ class ForeignWorker:
             await asyncio.wait_for(self.reader, 5)
 
 
+StartForeign: TypeAlias = "Callable[..., Awaitable[ForeignWorker]]"
+
+
 @pytest.fixture
 async def worker_key(stack: Stack) -> str:
     return (await stack.server.keys.create_worker()).key
@@ -107,10 +113,10 @@ async def worker_key(stack: Stack) -> str:
 @pytest.fixture
 async def foreign_worker(
     stack: Stack, worker_key: str, tmp_path: Path
-) -> AsyncIterator[Callable[[], Awaitable[ForeignWorker]]]:
+) -> AsyncIterator[StartForeign]:
     started: list[ForeignWorker] = []
 
-    async def start() -> ForeignWorker:
+    async def start(types: str = TYPES) -> ForeignWorker:
         stubs = generate_stubs(tmp_path / f"w{len(started)}")
         env = {k: v for k, v in os.environ.items() if not k.startswith("JOBPLANE_")}
         env["FOREIGN_WORKER_KEY"] = worker_key
@@ -126,6 +132,8 @@ async def foreign_worker(
             stack.topology.queues[0].name,
             "--stubs",
             str(stubs),
+            "--types",
+            types,
             env=env,
             stdout=asyncio.subprocess.PIPE,
         )
@@ -146,7 +154,7 @@ async def foreign_worker(
 
 
 async def test_a_foreign_worker_runs_a_job_end_to_end(
-    stack: Stack, foreign_worker: Callable[[], Awaitable[ForeignWorker]]
+    stack: Stack, foreign_worker: StartForeign
 ) -> None:
     worker = await foreign_worker()
     assert worker.said("started")[0]["jobplane_modules"] == []
@@ -183,7 +191,7 @@ async def test_a_foreign_worker_runs_a_job_end_to_end(
 
 
 async def test_a_retryable_failure_schedules_a_retry_that_the_foreign_worker_runs(
-    stack: Stack, foreign_worker: Callable[[], Awaitable[ForeignWorker]]
+    stack: Stack, foreign_worker: StartForeign
 ) -> None:
     worker = await foreign_worker()
     client = stack.client()
@@ -201,7 +209,7 @@ async def test_a_retryable_failure_schedules_a_retry_that_the_foreign_worker_run
 
 
 async def test_a_permanent_failure_fails_the_job(
-    stack: Stack, foreign_worker: Callable[[], Awaitable[ForeignWorker]]
+    stack: Stack, foreign_worker: StartForeign
 ) -> None:
     await foreign_worker()
     client = stack.client()
@@ -215,7 +223,7 @@ async def test_a_permanent_failure_fails_the_job(
 
 
 async def test_a_cancel_request_reaches_the_foreign_worker_by_heartbeat(
-    stack: Stack, foreign_worker: Callable[[], Awaitable[ForeignWorker]]
+    stack: Stack, foreign_worker: StartForeign
 ) -> None:
     worker = await foreign_worker()
     client = stack.client()
@@ -231,6 +239,44 @@ async def test_a_cancel_request_reaches_the_foreign_worker_by_heartbeat(
     assert done.state is JobState.CANCELLED
     assert worker.said("cancel_seen", job=job.name)
     assert worker.said("cancelled", job=job.name)
+
+
+async def test_registered_foreign_workers_share_a_queue_with_python_workers(
+    stack: Stack, foreign_worker: StartForeign
+) -> None:
+    await stack.start_worker()  # the demo handlers, none for foreign.only
+    client = stack.client()
+    waiting = await client.submit("foreign.only", {"mode": "succeed"})
+
+    async def parked() -> bool:
+        return "no live worker" in (await client.get(waiting.name)).waiting_reason
+
+    await eventually(parked, timeout=20)
+
+    # Registering re-dispatches the parked job; jobs of either kind reach a
+    # worker that runs them, whichever worker the broker hands them to.
+    worker = await foreign_worker("foreign.only")
+    names = [waiting.name]
+    for n in range(6):
+        names.append((await client.submit("foreign.only", {"n": n})).name)
+        names.append((await client.submit("demo.echo", {"n": n})).name)
+    for name in names:
+        _ = [e async for e in client.watch(name)]
+        done = await client.get(name)
+        assert done.state is JobState.SUCCEEDED, (name, done.error)
+        if done.type == "foreign.only":
+            assert (done.result or {}).get("worker") == "foreign"
+    assert all(line["status"] == "STATUS_HANDED_BACK" for line in worker.said("handed_back"))
+    assert not worker.said("claim", status="STATUS_CLAIMED", job=names[2])  # a demo.echo
+
+    (registered,) = [
+        w for w in await WorkerStore(stack.engine).list() if w.types == ("foreign.only",)
+    ]
+    assert registered.live and registered.host == "foreign"
+    assert registered.queues == (stack.topology.queues[0].name,)
+    await worker.stop()
+    (stopped,) = [w for w in await WorkerStore(stack.engine).list() if w.id == registered.id]
+    assert stopped.status == "stopped"
 
 
 # -- WorkerService called directly --------------------------------------------
@@ -402,48 +448,60 @@ async def test_worker_keys_and_tenant_keys_each_call_only_their_services(
     assert await stack.scalar("SELECT count(*) FROM jobs") == 0
 
 
-BAD_REQUESTS: list[tuple[str, str, Callable[[workers_pb2.AttemptRef], Any]]] = [
-    ("ClaimJob", "job_id", lambda ref: workers_pb2.ClaimJobRequest(event_id=str(uuid.uuid4()))),
+BAD_REQUESTS: list[tuple[str, str, Callable[[workers_pb2.AttemptRef, str], Any]]] = [
+    (
+        "ClaimJob",
+        "job_id",
+        lambda ref, queue: workers_pb2.ClaimJobRequest(event_id=str(uuid.uuid4())),
+    ),
     (
         "ClaimJob",
         "event_id",
-        lambda ref: workers_pb2.ClaimJobRequest(
+        lambda ref, queue: workers_pb2.ClaimJobRequest(
             event_id="x", job_id=str(uuid.uuid4()), tenant_id=str(uuid.uuid4()), type="a.b"
         ),
     ),
-    ("ClaimJob", "message_body", lambda ref: workers_pb2.ClaimJobRequest(message_body=b"{}")),
+    (
+        "ClaimJob",
+        "message_body",
+        lambda ref, queue: workers_pb2.ClaimJobRequest(message_body=b"{}"),
+    ),
     (
         "ClaimJob",
         "type",
-        lambda ref: workers_pb2.ClaimJobRequest(message_body=b"{}", type="a.b"),
+        lambda ref, queue: workers_pb2.ClaimJobRequest(message_body=b"{}", type="a.b"),
     ),
-    ("Heartbeat", "attempt", lambda ref: workers_pb2.HeartbeatRequest()),
+    ("Heartbeat", "attempt", lambda ref, queue: workers_pb2.HeartbeatRequest()),
     (
         "Heartbeat",
         "attempt.job",
-        lambda ref: workers_pb2.HeartbeatRequest(
+        lambda ref, queue: workers_pb2.HeartbeatRequest(
             attempt=workers_pb2.AttemptRef(job="nope", attempt=1, lease_token=ref.lease_token)
         ),
     ),
     (
         "Heartbeat",
         "attempt.attempt",
-        lambda ref: workers_pb2.HeartbeatRequest(
+        lambda ref, queue: workers_pb2.HeartbeatRequest(
             attempt=workers_pb2.AttemptRef(job=ref.job, attempt=0, lease_token=ref.lease_token)
         ),
     ),
     (
         "Heartbeat",
         "attempt.lease_token",
-        lambda ref: workers_pb2.HeartbeatRequest(
+        lambda ref, queue: workers_pb2.HeartbeatRequest(
             attempt=workers_pb2.AttemptRef(job=ref.job, attempt=1, lease_token="t")
         ),
     ),
-    ("ReportProgress", "reports", lambda ref: workers_pb2.ReportProgressRequest(attempt=ref)),
+    (
+        "ReportProgress",
+        "reports",
+        lambda ref, queue: workers_pb2.ReportProgressRequest(attempt=ref),
+    ),
     (
         "ReportProgress",
         "reports[1].progress",
-        lambda ref: workers_pb2.ReportProgressRequest(
+        lambda ref, queue: workers_pb2.ReportProgressRequest(
             attempt=ref,
             reports=[workers_pb2.Progress(progress=0.1), workers_pb2.Progress(progress=1e999)],
         ),
@@ -451,14 +509,14 @@ BAD_REQUESTS: list[tuple[str, str, Callable[[workers_pb2.AttemptRef], Any]]] = [
     (
         "ReportProgress",
         "reports[0].message",
-        lambda ref: workers_pb2.ReportProgressRequest(
+        lambda ref, queue: workers_pb2.ReportProgressRequest(
             attempt=ref, reports=[workers_pb2.Progress(message="a\x00b")]
         ),
     ),
     (
         "ReportProgress",
         "reports[0].data",
-        lambda ref: workers_pb2.ReportProgressRequest(
+        lambda ref, queue: workers_pb2.ReportProgressRequest(
             attempt=ref,
             reports=[workers_pb2.Progress(data=struct_from_dict({"big": "x" * 70_000}))],
         ),
@@ -466,41 +524,80 @@ BAD_REQUESTS: list[tuple[str, str, Callable[[workers_pb2.AttemptRef], Any]]] = [
     (
         "ReportProgress",
         "reports",
-        lambda ref: workers_pb2.ReportProgressRequest(
+        lambda ref, queue: workers_pb2.ReportProgressRequest(
             attempt=ref, reports=[workers_pb2.Progress()] * 101
         ),
     ),
     (
         "CompleteJob",
         "result",
-        lambda ref: workers_pb2.CompleteJobRequest(
+        lambda ref, queue: workers_pb2.CompleteJobRequest(
             attempt=ref, result=struct_from_dict({"n": float("nan")})
         ),
     ),
-    ("FailJob", "code", lambda ref: workers_pb2.FailJobRequest(attempt=ref, code="lower")),
+    ("FailJob", "code", lambda ref, queue: workers_pb2.FailJobRequest(attempt=ref, code="lower")),
     (
         "FailJob",
         "message",
-        lambda ref: workers_pb2.FailJobRequest(attempt=ref, message="m" * 5000),
+        lambda ref, queue: workers_pb2.FailJobRequest(attempt=ref, message="m" * 5000),
     ),
     (
         "FailJob",
         "retry_delay",
-        lambda ref: workers_pb2.FailJobRequest(
+        lambda ref, queue: workers_pb2.FailJobRequest(
             attempt=ref, retryable=True, retry_delay=duration_pb2.Duration(seconds=-1)
         ),
     ),
     (
         "FailJob",
         "retry_delay",
-        lambda ref: workers_pb2.FailJobRequest(
+        lambda ref, queue: workers_pb2.FailJobRequest(
             attempt=ref, retry_delay=duration_pb2.Duration(seconds=1)
         ),
+    ),
+    ("RegisterWorker", "types", lambda ref, queue: workers_pb2.RegisterWorkerRequest()),
+    (
+        "RegisterWorker",
+        "types[1]",
+        lambda ref, queue: workers_pb2.RegisterWorkerRequest(types=["a.b", "A.B"]),
+    ),
+    (
+        "RegisterWorker",
+        "queues",
+        lambda ref, queue: workers_pb2.RegisterWorkerRequest(types=["a.b"]),
+    ),
+    (
+        "RegisterWorker",
+        "queues[0]",
+        lambda ref, queue: workers_pb2.RegisterWorkerRequest(types=["a.b"], queues=["nope"]),
+    ),
+    (
+        "RegisterWorker",
+        "concurrency",
+        lambda ref, queue: workers_pb2.RegisterWorkerRequest(types=["a.b"], queues=[queue]),
+    ),
+    (
+        "RegisterWorker",
+        "host",
+        lambda ref, queue: workers_pb2.RegisterWorkerRequest(
+            types=["a.b"], queues=[queue], concurrency=1, host="a\nb"
+        ),
+    ),
+    ("RenewWorker", "name", lambda ref, queue: workers_pb2.RenewWorkerRequest(name="w")),
+    (
+        "StopWorker",
+        "name",
+        lambda ref, queue: workers_pb2.StopWorkerRequest(name=f"workers/{uuid.uuid4()}x"),
+    ),
+    (
+        "HandBackJob",
+        "message_body",
+        lambda ref, queue: workers_pb2.HandBackJobRequest(message_body=b"[]"),
     ),
     (
         "ReportCancelled",
         "reports[0].progress",
-        lambda ref: workers_pb2.ReportCancelledRequest(
+        lambda ref, queue: workers_pb2.ReportCancelledRequest(
             attempt=ref, reports=[workers_pb2.Progress(progress=float("inf"))]
         ),
     ),
@@ -515,10 +612,21 @@ async def test_bad_requests_are_refused_whole_with_the_field(
     before = await _row(stack, name)
     for method, field_name, make in BAD_REQUESTS:
         with pytest.raises(grpc.aio.AioRpcError) as refused:
-            await getattr(stub, method)(make(claim.attempt), metadata=metadata)
+            await getattr(stub, method)(
+                make(claim.attempt, stack.topology.queues[0].name), metadata=metadata
+            )
         answer = check_refusal(refused.value)
         assert (answer.code, answer.field) == (grpc.StatusCode.INVALID_ARGUMENT, field_name), (
             method,
             answer,
         )
     assert await _row(stack, name) == before
+    assert await stack.scalar("SELECT count(*) FROM workers") == 0
+    with pytest.raises(grpc.aio.AioRpcError) as unknown:
+        await stub.RenewWorker(
+            workers_pb2.RenewWorkerRequest(name=f"workers/{uuid.uuid4()}"), metadata=metadata
+        )
+    assert (check_refusal(unknown.value).code, check_refusal(unknown.value).reason) == (
+        grpc.StatusCode.NOT_FOUND,
+        "WORKER_NOT_FOUND",
+    )

@@ -12,8 +12,16 @@ from jobplane.config import ConfigError, Settings
 from jobplane.envelope import Envelope
 from jobplane.errors import InvalidArgument
 from jobplane.server.worker_servicer import _stage_fields, claim_to_pb
-from jobplane.server.workers import Claimed, Fence, WorkerService
+from jobplane.server.workers import (
+    Claimed,
+    Fence,
+    Registration,
+    WorkerService,
+    parse_worker_name,
+    worker_name,
+)
 from jobplane.store.attempts import Attempt, ClaimResult, ClaimStatus
+from jobplane.topology import load_topology
 from jobplane.v1 import workers_pb2
 
 Claim = workers_pb2.ClaimJobResponse
@@ -137,3 +145,32 @@ def test_the_worker_lease_is_a_setting_within_bounds() -> None:
     for bad in ("0", "nan", "inf", "3601", "soon"):
         with pytest.raises(ConfigError, match="JOBPLANE_WORKER_LEASE_SECONDS"):
             Settings.from_env({"JOBPLANE_WORKER_LEASE_SECONDS": bad})
+
+
+def test_a_registration_is_checked_field_by_field() -> None:
+    topology = load_topology()
+    queue = topology.queues[0].name
+    service: Any = WorkerService(None, None, topology, workers=None)  # type: ignore[arg-type]
+    good = Registration(["a.b"], [queue], 2, host="h", pid=7, version="v")
+    assert service.registration(good) == good
+    for changes, field_name in (
+        ({"types": []}, "types"),
+        ({"types": ["a.b", "B"]}, "types[1]"),
+        ({"types": ["a.b"] * 1001}, "types"),
+        ({"queues": []}, "queues"),
+        ({"queues": [queue, "nope"]}, "queues[1]"),
+        ({"concurrency": 0}, "concurrency"),
+        ({"concurrency": 10_001}, "concurrency"),
+        ({"host": "h" * 256}, "host"),
+        ({"version": "a\tb"}, "version"),
+        ({"pid": -1}, "pid"),
+    ):
+        bad = dataclasses.replace(good, **changes)
+        assert _field(lambda bad=bad: service.registration(bad)) == field_name, changes
+
+
+def test_worker_names() -> None:
+    worker_id = uuid.uuid4()
+    assert parse_worker_name(worker_name(worker_id)) == worker_id
+    for bad in ("", str(worker_id), f"jobs/{worker_id}", f"workers/{worker_id}x", "workers/"):
+        assert _field(lambda bad=bad: parse_worker_name(bad)) == "name"

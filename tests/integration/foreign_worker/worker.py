@@ -6,7 +6,9 @@ proto/ at test time into a directory of their own (``--stubs``, as the
 process, and every line it prints is a JSON object the test reads; each
 settled message reports the ``jobplane`` modules loaded so far (none).
 
-What a job does is its payload's ``mode``: ``succeed`` (progress, then a
+It registers the job types it runs (``--types``), renews the registration
+while it runs and stops it at the end; a delivered job of another type is
+handed back. What a job does is its payload's ``mode``: ``succeed`` (progress, then a
 result), ``flaky`` (a retryable failure on attempt 1, then success),
 ``fail`` (a permanent failure), ``wait_cancel`` (heartbeats until a cancel
 is requested, then reports it cancelled).
@@ -33,6 +35,7 @@ parser.add_argument("--address", required=True)
 parser.add_argument("--amqp-url", required=True)
 parser.add_argument("--queue", required=True)
 parser.add_argument("--stubs", required=True)
+parser.add_argument("--types", required=True, help="the job types it runs, comma-separated")
 ARGS = parser.parse_args()
 sys.path.insert(0, ARGS.stubs)
 
@@ -71,11 +74,46 @@ def reason(error: grpc.aio.AioRpcError) -> str:
 
 
 class ForeignWorker:
-    def __init__(self, stub: Any, key: str, channel: aiormq.abc.AbstractChannel) -> None:
+    def __init__(
+        self, stub: Any, key: str, channel: aiormq.abc.AbstractChannel, types: list[str]
+    ) -> None:
         self._stub = stub
         self._metadata = (("authorization", f"Bearer {key}"),)
         self._channel = channel
+        self._types = types
         self._tasks: set[asyncio.Task[None]] = set()
+        self.name = ""
+
+    async def register(self) -> float:
+        """Register; how often to renew."""
+        reply = await self._call(
+            "RegisterWorker",
+            workers_pb2.RegisterWorkerRequest(
+                types=self._types,
+                queues=[ARGS.queue],
+                concurrency=4,
+                host="foreign",
+                pid=os.getpid(),
+                version="foreign-worker/1",
+            ),
+        )
+        self.name = reply.name
+        say("registered", name=self.name)
+        return float(reply.renew_interval.ToTimedelta().total_seconds())
+
+    async def keep_registered(self, interval: float) -> None:
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                await self._call("RenewWorker", workers_pb2.RenewWorkerRequest(name=self.name))
+            except grpc.aio.AioRpcError as exc:
+                if reason(exc) == "WORKER_NOT_FOUND":
+                    await self.register()
+                else:
+                    say("renew_failed", code=exc.code().name)
+
+    async def stop(self) -> None:
+        await self._call("StopWorker", workers_pb2.StopWorkerRequest(name=self.name))
 
     async def on_message(self, message: aiormq.abc.DeliveredMessage) -> None:
         task = asyncio.create_task(self._settled(message))
@@ -103,6 +141,18 @@ class ForeignWorker:
         return await getattr(self._stub, method)(request, metadata=self._metadata, timeout=10)
 
     async def _handle(self, message: aiormq.abc.DeliveredMessage) -> str:
+        # The type is the routing key (and the body's `type`): no claim without a handler.
+        if message.routing_key not in self._types:
+            back = await self._call(
+                "HandBackJob", workers_pb2.HandBackJobRequest(message_body=message.body)
+            )
+            status = workers_pb2.HandBackJobResponse.Status.Name(back.status)
+            say("handed_back", status=status, type=message.routing_key)
+            if back.status == workers_pb2.HandBackJobResponse.STATUS_NOT_FOUND:
+                return "reject"
+            if back.status == workers_pb2.HandBackJobResponse.STATUS_OTHER_DEPLOYMENT:
+                return "requeue"
+            return "ack"
         while True:
             claim = await self._call(
                 "ClaimJob", workers_pb2.ClaimJobRequest(message_body=message.body)
@@ -194,10 +244,16 @@ async def main() -> None:
         try:
             channel = await connection.channel()
             await channel.basic_qos(prefetch_count=4)
-            worker = ForeignWorker(workers_pb2_grpc.WorkerServiceStub(rpc), key, channel)
+            worker = ForeignWorker(
+                workers_pb2_grpc.WorkerServiceStub(rpc), key, channel, ARGS.types.split(",")
+            )
+            # Registered before consuming: others park a type only no live worker runs.
+            renew = asyncio.create_task(worker.keep_registered(await worker.register()))
             await channel.basic_consume(ARGS.queue, worker.on_message, no_ack=False)
             say("started", jobplane_modules=loaded_jobplane_modules())
             await stop.wait()
+            renew.cancel()
+            await worker.stop()
         finally:
             with contextlib.suppress(Exception):
                 await connection.close()
