@@ -149,7 +149,7 @@ class CallGate(grpc.aio.ServerInterceptor):
             identity = await self._admit(rpc, handler_call_details.invocation_metadata)
         except Exception as exc:
             error = error_for(exc, rpc)
-            if isinstance(error, Unauthenticated):
+            if isinstance(error, Unauthenticated | KeyScopeMismatch):
                 held_back = self._refusals_logged.take(error.message)
                 if held_back is not None:
                     # The reason only: the metadata may hold a real key mistyped.
@@ -178,7 +178,6 @@ class CallGate(grpc.aio.ServerInterceptor):
             raise Unauthenticated("the API key is not valid")
         scope = KeyScope.WORKER if isinstance(identity, WorkerIdentity) else KeyScope.TENANT
         if scope is not self._scope:
-            log.info("auth.scope_refused", rpc=rpc, api_key_id=identity.key_id, scope=scope.value)
             raise KeyScopeMismatch(
                 f"a {scope.value} key cannot call {rpc}; it needs a {self._scope.value} key"
             )
@@ -197,7 +196,7 @@ class CallGate(grpc.aio.ServerInterceptor):
         return identity
 
     def _unauthenticated_handler(
-        self, method: str, handler: Handler, error: Unauthenticated
+        self, method: str, handler: Handler, error: Unauthenticated | KeyScopeMismatch
     ) -> Handler:
         made = self._unauthenticated.get((method, error.message))
         if made is None:

@@ -37,7 +37,8 @@ class WorkerServiceStub:
     JobService or EventService. A worker key serves the whole deployment: the
     message it was delivered names the job's tenant.
 
-    Every call after ClaimJob is fenced by (job, attempt, lease_token): when the
+    Every call that names an attempt (Heartbeat, ReportProgress, CompleteJob,
+    FailJob, ReportCancelled) is fenced by (job, attempt, lease_token): when the
     attempt no longer owns the job (its lease ran out and another attempt took
     it, the job ended) the call is FAILED_PRECONDITION with reason LEASE_LOST
     and writes nothing. Errors carry a `google.rpc.ErrorInfo` detail (domain
@@ -115,7 +116,8 @@ class WorkerServiceServicer:
     JobService or EventService. A worker key serves the whole deployment: the
     message it was delivered names the job's tenant.
 
-    Every call after ClaimJob is fenced by (job, attempt, lease_token): when the
+    Every call that names an attempt (Heartbeat, ReportProgress, CompleteJob,
+    FailJob, ReportCancelled) is fenced by (job, attempt, lease_token): when the
     attempt no longer owns the job (its lease ran out and another attempt took
     it, the job ended) the call is FAILED_PRECONDITION with reason LEASE_LOST
     and writes nothing. Errors carry a `google.rpc.ErrorInfo` detail (domain
@@ -277,7 +279,8 @@ class WorkerService:
     JobService or EventService. A worker key serves the whole deployment: the
     message it was delivered names the job's tenant.
 
-    Every call after ClaimJob is fenced by (job, attempt, lease_token): when the
+    Every call that names an attempt (Heartbeat, ReportProgress, CompleteJob,
+    FailJob, ReportCancelled) is fenced by (job, attempt, lease_token): when the
     attempt no longer owns the job (its lease ran out and another attempt took
     it, the job ended) the call is FAILED_PRECONDITION with reason LEASE_LOST
     and writes nothing. Errors carry a `google.rpc.ErrorInfo` detail (domain

@@ -38,7 +38,8 @@ class WorkerServiceStub:
     JobService or EventService. A worker key serves the whole deployment: the
     message it was delivered names the job's tenant.
 
-    Every call after ClaimJob is fenced by (job, attempt, lease_token): when the
+    Every call that names an attempt (Heartbeat, ReportProgress, CompleteJob,
+    FailJob, ReportCancelled) is fenced by (job, attempt, lease_token): when the
     attempt no longer owns the job (its lease ran out and another attempt took
     it, the job ended) the call is FAILED_PRECONDITION with reason LEASE_LOST
     and writes nothing. Errors carry a `google.rpc.ErrorInfo` detail (domain
@@ -101,7 +102,8 @@ class WorkerServiceAsyncStub(WorkerServiceStub):
     JobService or EventService. A worker key serves the whole deployment: the
     message it was delivered names the job's tenant.
 
-    Every call after ClaimJob is fenced by (job, attempt, lease_token): when the
+    Every call that names an attempt (Heartbeat, ReportProgress, CompleteJob,
+    FailJob, ReportCancelled) is fenced by (job, attempt, lease_token): when the
     attempt no longer owns the job (its lease ran out and another attempt took
     it, the job ended) the call is FAILED_PRECONDITION with reason LEASE_LOST
     and writes nothing. Errors carry a `google.rpc.ErrorInfo` detail (domain
@@ -160,7 +162,8 @@ class WorkerServiceServicer(metaclass=_abc_1.ABCMeta):
     JobService or EventService. A worker key serves the whole deployment: the
     message it was delivered names the job's tenant.
 
-    Every call after ClaimJob is fenced by (job, attempt, lease_token): when the
+    Every call that names an attempt (Heartbeat, ReportProgress, CompleteJob,
+    FailJob, ReportCancelled) is fenced by (job, attempt, lease_token): when the
     attempt no longer owns the job (its lease ran out and another attempt took
     it, the job ended) the call is FAILED_PRECONDITION with reason LEASE_LOST
     and writes nothing. Errors carry a `google.rpc.ErrorInfo` detail (domain
