@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from datetime import UTC, datetime, timedelta
 from typing import Any, TypeVar
 
@@ -69,16 +69,20 @@ def _worker_call(
 def _stage_fields(attempt: Attempt) -> tuple[str, str, dict[str, Any] | None]:
     """The pipeline stage of an attempt (stage, version, inputs), empty when it has none.
 
-    Read by name: an :class:`Attempt` without stage attributes is a job that
-    is no pipeline stage.
+    Read by name, so that it serves an :class:`Attempt` with or without stages:
+    ``attempt.stage`` is a stage run (``name``, ``version``, ``inputs``: the
+    results of the stages before it, by stage name) or None for a plain job.
     """
-    stage = getattr(attempt, "stage", None)
-    version = getattr(attempt, "stage_version", None)
-    inputs = getattr(attempt, "inputs", None)
+    stage: Any = getattr(attempt, "stage", None)
+    if stage is None:
+        return "", "", None
+    name = getattr(stage, "name", None)
+    version = getattr(stage, "version", None)
+    inputs = getattr(stage, "inputs", None)
     return (
-        stage if isinstance(stage, str) else "",
+        name if isinstance(name, str) else "",
         version if isinstance(version, str) else "",
-        inputs if isinstance(inputs, dict) else None,
+        {str(k): v for k, v in inputs.items()} if isinstance(inputs, Mapping) else None,
     )
 
 

@@ -130,13 +130,21 @@ def test_stage_fields_come_from_the_attempt_when_it_has_them() -> None:
     assert _stage_fields(_attempt()) == ("", "", None)
 
     @dataclasses.dataclass(frozen=True)
+    class StageRun:
+        name: str = "embed"
+        version: str = "v2"
+        inputs: dict[str, dict[str, Any]] = dataclasses.field(
+            default_factory=lambda: {"split": {"chunks": 3}}
+        )
+
+    @dataclasses.dataclass(frozen=True)
     class StagedAttempt:
-        stage: str = "embed"
-        stage_version: str = "v2"
-        inputs: dict[str, Any] = dataclasses.field(default_factory=lambda: {"doc": "d1"})
+        stage: StageRun | None = dataclasses.field(default_factory=StageRun)
 
     staged: Any = StagedAttempt()
-    assert _stage_fields(staged) == ("embed", "v2", {"doc": "d1"})
+    assert _stage_fields(staged) == ("embed", "v2", {"split": {"chunks": 3}})
+    plain: Any = StagedAttempt(stage=None)
+    assert _stage_fields(plain) == ("", "", None)
 
 
 def test_the_worker_lease_is_a_setting_within_bounds() -> None:
