@@ -328,7 +328,7 @@ def test_the_topology_refuses_pipelines_it_cannot_run() -> None:
 
     good = parse([{"name": "p.one", "stages": [{"name": "a", "type": "work.a"}]}])
     assert good.pipeline("p.one") is not None
-    cases = {
+    cases: dict[str, list[dict[str, Any]]] = {
         "no queue takes": [{"name": "p", "stages": [{"name": "a", "type": "other.a"}]}],
         "at least one": [{"name": "p", "stages": []}],
         "two stages of one name": [
