@@ -14,6 +14,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from sqlalchemy import text
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from jobplane.client import EventType, InvalidArgument, JobState, StageState
@@ -354,3 +356,25 @@ def test_the_topology_refuses_pipelines_it_cannot_run() -> None:
     for words, pipelines in cases.items():
         with pytest.raises(TopologyError, match=words):
             parse(pipelines)
+
+
+async def test_the_sql_submit_refuses_a_pipeline_name(pipeline: tuple[Stack, Stages]) -> None:
+    """jobplane.submit_job writes no stages: a pipeline goes through SubmitJob only."""
+    stack, _ = pipeline
+    with pytest.raises(DBAPIError) as refused:
+        async with stack.engine.begin() as conn:
+            await conn.execute(
+                text(
+                    "SELECT jobplane.submit_job(tenant => 'acme', type => :type, payload => '{}')"
+                ),
+                {"type": _PIPELINE},
+            )
+    assert getattr(refused.value.orig, "sqlstate", None) == "JP001"
+    assert "is a pipeline" in str(refused.value)
+    assert await stack.scalar("SELECT count(*) FROM jobs") == 0
+    # A stage's type is a plain job's type there, as anywhere.
+    async with stack.engine.begin() as conn:
+        await conn.execute(
+            text("SELECT jobplane.submit_job(tenant => 'acme', type => 'index.upsert')")
+        )
+    assert await stack.scalar("SELECT count(*) FROM jobs WHERE pipeline IS NULL") == 1
