@@ -22,7 +22,7 @@ import time
 import tomllib
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -30,10 +30,31 @@ import asyncpg
 
 from jobplane.client import AsyncClient, JobEvent
 from jobplane.store.engine import asyncpg_dsn
-from jobplane.topology import Topology
-from tests.faults.handlers import SCHEMA
+from jobplane.topology import PipelineSpec, StageSpec, Topology
+from tests.faults.handlers import PIPELINE_STAGES, SCHEMA
 
 ROOT = Path(__file__).resolve().parents[2]
+
+
+#: The fault suite's three-stage pipeline (tests/faults/handlers.py runs its stages).
+PIPELINE = "fault.pipeline"
+
+
+def with_pipeline(topology: Topology) -> Topology:
+    """``topology`` with the fault suite's pipeline, its stages on the first queue."""
+    queue = topology.queues[0]
+    stages = tuple(
+        StageSpec(
+            name=name,
+            type=f"fault.stage.{name}",
+            queue=queue.name,
+            max_attempts=10,
+            timeout_seconds=60.0,
+            version="1",
+        )
+        for name in PIPELINE_STAGES
+    )
+    return replace(topology, pipelines=(PipelineSpec(PIPELINE, stages, version="1"),))
 
 
 def free_port() -> int:
@@ -366,7 +387,13 @@ class Cluster:
         return {"jobs": len(jobs), "effects": len(effects)}, problems
 
     async def check_pipelines(self, names: Sequence[str]) -> dict[str, int]:
-        """Judge L, D and stored O over pipeline jobs; fail on any violation.
+        """:meth:`judge_pipelines`, failing on any violation; returns the counts."""
+        counts, problems = await self.judge_pipelines(names)
+        assert not problems, "\n".join(problems[:20])
+        return counts
+
+    async def judge_pipelines(self, names: Sequence[str]) -> tuple[dict[str, int], list[str]]:
+        """Judge L, D and stored O over pipeline jobs: the counts, and every violation.
 
         L: every job SUCCEEDED with one terminal event, every stage SUCCEEDED.
         D: each stage's effect exists, was written last by the attempt whose
@@ -422,8 +449,7 @@ class Cluster:
                 problems.append(f"D: {where} had {stage['late']} attempts complete late")
         if len(stages) != 3 * len(ids):
             problems.append(f"L: {len(stages)} stage rows for {len(ids)} pipelines")
-        assert not problems, "\n".join(problems[:20])
-        return {"jobs": len(jobs), "stages": len(stages)}
+        return {"jobs": len(jobs), "stages": len(stages)}, problems
 
 
 def check_stream(events: Sequence[JobEvent], last_seq: int) -> None:

@@ -10,46 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import random
-from collections.abc import AsyncIterator
-from dataclasses import replace
-from pathlib import Path
 
-import pytest
-
-from jobplane.topology import PipelineSpec, StageSpec, Topology
-from tests.faults.cluster import Cluster
+from tests.faults.cluster import PIPELINE, Cluster
 from tests.faults.handlers import PIPELINE_STAGES
 from tests.faults.test_faults import _check_watchers, _keep_alive, _watch_sample
-
-PIPELINE = "fault.pipeline"
-
-
-def with_pipeline(topology: Topology) -> Topology:
-    """``topology`` with the fault suite's three-stage pipeline on its queue."""
-    queue = topology.queues[0]
-    stages = tuple(
-        StageSpec(
-            name=name,
-            type=f"fault.stage.{name}",
-            queue=queue.name,
-            max_attempts=10,
-            timeout_seconds=60.0,
-            version="1",
-        )
-        for name in PIPELINE_STAGES
-    )
-    return replace(topology, pipelines=(PipelineSpec(PIPELINE, stages, version="1"),))
-
-
-@pytest.fixture
-async def staged(
-    database_url: str, amqp_url: str, topology: Topology, tmp_path: Path
-) -> AsyncIterator[Cluster]:
-    """A cluster whose topology has the pipeline."""
-    running = Cluster(database_url, amqp_url, with_pipeline(topology), tmp_path)
-    await running.prepare()
-    yield running
-    await running.close()
 
 
 async def test_sigkill_workers_mid_stage_during_a_pipeline_run(staged: Cluster) -> None:
