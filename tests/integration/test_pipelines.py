@@ -76,6 +76,8 @@ class Stages:
             raise PermanentError("the model refused the track")
         if self.fail_neural == "once" and self.runs[(ctx.id, ctx.stage)] == 1:
             raise RetryableError("the model server was busy", delay=0.05)
+        if self.fail_neural == "always":
+            raise RetryableError("the model server is down", delay=0.05)
         return {"embedding": [0.1, 0.2], "tempo_seen": ctx.inputs["native"]["tempo"]}
 
     async def _index(self, ctx: JobContext) -> dict[str, Any]:
@@ -261,6 +263,25 @@ async def test_a_stage_retries_within_its_own_attempts(pipeline: tuple[Stack, St
     progress = [e.progress for e in events]
     # A new attempt of a stage starts where the stage started, never before it.
     assert min(p for e, p in zip(events, progress, strict=True) if e.stage == "neural") >= 2 / 6
+
+
+async def test_a_stage_that_uses_up_its_attempts_fails_the_job_there(
+    pipeline: tuple[Stack, Stages],
+) -> None:
+    stack, stages = pipeline
+    client = stack.client()
+    stages.fail_neural = "always"
+    job = await client.submit(_PIPELINE, {"track": "t-7"})
+    failed = await client.wait(job.name, timeout=30)
+    assert failed.state is JobState.FAILED and failed.stage == "neural"
+    assert failed.error is not None and not failed.error.retryable
+    neural = failed.stages[1]
+    # The neural stage's own budget (the queue's 3), spent in full; nothing after it ran.
+    assert (neural.state, neural.attempts, neural.max_attempts) == (StageState.FAILED, 3, 3)
+    assert neural.error is not None and "down" in neural.error.message
+    assert stages.runs[(job.id, "neural")] == 3
+    assert stages.runs[(job.id, "index")] == 0
+    assert failed.stages[2].state is StageState.PENDING
 
 
 async def test_cancel_mid_pipeline_skips_the_later_stages(pipeline: tuple[Stack, Stages]) -> None:
