@@ -32,7 +32,7 @@ test: $(STAMP) services lint typecheck
 faults: $(STAMP) services
 	$(BIN)/python -m pytest tests/faults $(PYTEST_ARGS)
 
-## 5,000 jobs with workers killed and a broker restart; prints L/D/O counts.
+## 5,000 jobs and 500 pipelines with workers killed and a broker restart; prints L/D/O counts.
 soak: $(STAMP) services
 	$(BIN)/python -m pytest -m soak -s tests/faults/test_soak.py $(PYTEST_ARGS)
 

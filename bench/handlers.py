@@ -24,6 +24,13 @@ for _round in range(1, 10):
         registry.add(f"bench.noop_lifecycle_{_state}_{_round}", noop)
 
 
+# The stages of the three-stage no-op pipeline (bench/pipeline.toml), and
+# the single-stage job it is measured beside.
+registry.add("bench.noop_single", noop)
+for _stage in ("a", "b", "c"):
+    registry.add(f"bench.stage.{_stage}", noop)
+
+
 @registry.handler("bench.progress")
 async def progress(ctx: JobContext) -> dict[str, Any]:
     """Payload ``{steps, interval_ms, start_delay_ms}``: progress events stamped

@@ -394,6 +394,150 @@ async def fig_open_loop(bench: Bench, rate: float) -> None:
     bench.add(Figure("submit_to_start_p99", percentile(start, 99), "ms", config))
 
 
+PIPELINE_TOPOLOGY = ROOT / "bench" / "pipeline.toml"
+
+
+async def fig_pipeline(bench: Bench) -> None:
+    """A three-stage no-op pipeline beside the single-stage no-op job, in one configuration.
+
+    Every process is restarted on bench/pipeline.toml (each stage on a queue
+    of its own). Closed loop: ``--jobs`` single-stage jobs, then ``--jobs / 3``
+    pipelines (as many handler runs), each rate from the first create to the
+    last end. Open loop at half the closed-loop pipeline rate: submit → last
+    stage start, beside a single job's submit → start at half its own rate;
+    and the stage handoff, a stage's commit → the next stage's start.
+    """
+    for name in list(bench.procs):
+        await bench.stop(name)
+    bench.extra_env = {"JOBPLANE_TOPOLOGY": str(PIPELINE_TOPOLOGY)}
+    await bench.start_all()
+    try:
+        single = await closed_loop_rate(bench, "bench.noop_single")
+        n = max(3, bench.args.jobs // 3)
+        started = time.time()
+        await submit_closed_loop(
+            bench.address, bench.key, "bench.pipeline", n, bench.args.clients, {}
+        )
+        await _pipelines_done(bench, started, n)
+        span = await bench.sql(
+            "SELECT extract(epoch FROM max(end_time) - min(create_time)) AS span, count(*) AS n "
+            "FROM jobs WHERE tenant_id = $1 AND pipeline = 'bench.pipeline'",
+            bench.tenant,
+        )
+        pipelines = float(span[0]["n"]) / float(span[0]["span"])
+        config = {"jobs": n, "stages": 3, "clients": bench.args.clients, **_procs(bench)}
+        bench.add(Figure("pipeline3_e2e_throughput_closed_loop", pipelines, "pipelines/s", config))
+        bench.add(Figure("pipeline3_stage_runs_closed_loop", pipelines * 3, "stages/s", config))
+        bench.add(
+            Figure(
+                "pipeline_single_stage_e2e_throughput_closed_loop",
+                single,
+                "jobs/s",
+                {"jobs": bench.args.jobs, "clients": bench.args.clients, **_procs(bench)},
+            )
+        )
+        # Open loop, half of each closed-loop rate, for the same time.
+        seconds = bench.args.seconds
+        single_start = await _open_loop(bench, "bench.noop_single", single / 2, seconds)
+        marker = time.time()
+        await _open_loop(bench, "bench.pipeline", pipelines / 2, seconds)
+        rows = await bench.sql(
+            """
+            SELECT extract(epoch FROM last.start_time - j.create_time) * 1000 AS last_start_ms
+            FROM jobs j JOIN job_stages last ON last.job_id = j.id AND last.idx = 2
+            WHERE j.pipeline = 'bench.pipeline' AND j.create_time >= to_timestamp($1)
+            """,
+            marker,
+        )
+        handoffs = await bench.sql(
+            """
+            SELECT extract(epoch FROM nxt.start_time - s.end_time) * 1000 AS ms
+            FROM jobs j
+            JOIN job_stages s ON s.job_id = j.id
+            JOIN job_stages nxt ON nxt.job_id = j.id AND nxt.idx = s.idx + 1
+            WHERE j.pipeline = 'bench.pipeline' AND j.create_time >= to_timestamp($1)
+            """,
+            marker,
+        )
+        last_start = [float(r["last_start_ms"]) for r in rows]
+        handoff = [float(r["ms"]) for r in handoffs]
+        open_config = {"seconds": seconds, **_procs(bench)}
+        for p in (50, 99):
+            bench.add(
+                Figure(
+                    f"pipeline_single_submit_to_start_p{p}",
+                    percentile(single_start, p),
+                    "ms",
+                    {"rate": round(single / 2, 1), **open_config},
+                )
+            )
+            bench.add(
+                Figure(
+                    f"pipeline3_submit_to_last_stage_start_p{p}",
+                    percentile(last_start, p),
+                    "ms",
+                    {"rate": round(pipelines / 2, 1), **open_config},
+                )
+            )
+            bench.add(
+                Figure(
+                    f"pipeline3_stage_handoff_p{p}",
+                    percentile(handoff, p),
+                    "ms",
+                    {"handoffs": len(handoff), "rate": round(pipelines / 2, 1), **open_config},
+                )
+            )
+    finally:
+        for name in list(bench.procs):
+            await bench.stop(name)
+        bench.extra_env = {}
+        await bench.start_all()
+
+
+async def _pipelines_done(bench: Bench, since: float, count: int, timeout: float = 600) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        rows = await bench.sql(
+            "SELECT count(*) AS n FROM jobs WHERE tenant_id = $1 AND pipeline = 'bench.pipeline' "
+            "AND end_time IS NOT NULL AND create_time >= to_timestamp($2)",
+            bench.tenant,
+            since,
+        )
+        if rows[0]["n"] >= count:
+            return
+        await asyncio.sleep(0.1)
+    raise TimeoutError(f"not all {count} pipelines ended")
+
+
+async def _open_loop(bench: Bench, job_type: str, rate: float, seconds: float) -> list[float]:
+    """Submit ``job_type`` at ``rate`` for ``seconds``; each job's submit → start in ms."""
+    total = max(1, int(rate * seconds))
+    marker = time.time()
+    async with AsyncClient(bench.address, bench.key) as client:
+        tasks = []
+        started = time.perf_counter()
+        for i in range(total):
+            delay = started + i / rate - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.create_task(client.submit(job_type, {"open": True})))
+        await asyncio.gather(*tasks)
+    column = "pipeline" if job_type == "bench.pipeline" else "type"
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:
+        rows = await bench.sql(
+            f"SELECT extract(epoch FROM start_time - create_time) * 1000 AS ms, end_time "
+            f"FROM jobs WHERE tenant_id = $1 AND {column} = $2 AND create_time >= to_timestamp($3)",
+            bench.tenant,
+            job_type,
+            marker,
+        )
+        if len(rows) >= total and all(r["end_time"] is not None for r in rows):
+            return [float(r["ms"]) for r in rows]
+        await asyncio.sleep(0.1)
+    raise TimeoutError(f"{job_type}: not all {total} open-loop jobs ended")
+
+
 async def fig_progress(bench: Bench) -> None:
     """Figure 3: progress event → watcher latency, and progress events/s stored."""
     jobs, steps = 20, 300
@@ -1019,6 +1163,7 @@ async def main(argv: list[str] | None = None) -> int:
             "relay",
             "events",
             "watchers",
+            "pipeline",
         ],
     )
     parser.add_argument(
@@ -1044,6 +1189,8 @@ async def main(argv: list[str] | None = None) -> int:
             await fig_lifecycle_cost(bench)
         if want("open"):
             await fig_open_loop(bench, rate / 2)
+        if want("pipeline"):
+            await fig_pipeline(bench)
         if want("progress"):
             await fig_progress(bench)
         if want("relay"):

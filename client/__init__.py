@@ -54,7 +54,16 @@ from jobplane.errors import (
     UnroutableJobType,
 )
 from jobplane.events.envelope import Event
-from jobplane.types import EventType, Job, JobError, JobEvent, JobPage, JobState
+from jobplane.types import (
+    EventType,
+    Job,
+    JobError,
+    JobEvent,
+    JobPage,
+    JobState,
+    Stage,
+    StageState,
+)
 
 __all__ = [
     "AsyncClient",
@@ -85,6 +94,8 @@ __all__ = [
     "RequestIdReused",
     "ResourceExhausted",
     "RetryPolicy",
+    "Stage",
+    "StageState",
     "SubscribeStart",
     "SubscribedEvent",
     "TenantLimitExceeded",

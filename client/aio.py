@@ -370,9 +370,13 @@ class AsyncClient:
         request = jobs_pb2.CancelJobRequest(name=job_name_of(name), reason=reason)
         return job_from_pb(await self._call(self._get_stub().CancelJob, request))
 
-    async def retry(self, name: str | Job) -> Job:
-        """Start a new attempt of a FAILED or CANCELLED job."""
-        request = jobs_pb2.RetryJobRequest(name=job_name_of(name))
+    async def retry(self, name: str | Job, *, from_stage: str = "") -> Job:
+        """Start a new attempt of a FAILED or CANCELLED job.
+
+        A pipeline job resumes at the stage that failed or was cancelled, or
+        at ``from_stage`` (that stage and every later one run again).
+        """
+        request = jobs_pb2.RetryJobRequest(name=job_name_of(name), from_stage=from_stage)
         return job_from_pb(await self._call(self._get_stub().RetryJob, request))
 
     def _open_watch(

@@ -42,7 +42,7 @@ from jobplane.client.subscription import SubscribedEvent
 from jobplane.client.tls import ENV_CA, ENV_CLIENT_CERT, ENV_CLIENT_KEY, ENV_SERVER_NAME, ENV_SWITCH
 from jobplane.errors import JobplaneError
 from jobplane.events.envelope import Event, envelope_fields, format_timestamp
-from jobplane.types import Job, JobEvent, JobState
+from jobplane.types import Job, JobEvent, JobState, Stage
 
 Command = Callable[[AsyncClient, argparse.Namespace], Awaitable[int]]
 
@@ -175,6 +175,13 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "retry", parents=parents, help="start a new attempt of a failed or cancelled job"
     )
     retry.add_argument("name", metavar="NAME", help="jobs/{id}, or just the id")
+    retry.add_argument(
+        "--from-stage",
+        default="",
+        metavar="STAGE",
+        help="a pipeline job: restart at this stage (it and every later one run again) "
+        "instead of at the stage that failed",
+    )
     retry.set_defaults(func=command(_retry))
 
     events = subparsers.add_parser(
@@ -418,7 +425,7 @@ async def _cancel(client: AsyncClient, args: argparse.Namespace) -> int:
 
 
 async def _retry(client: AsyncClient, args: argparse.Namespace) -> int:
-    job = await client.retry(full_name(args.name))
+    job = await client.retry(full_name(args.name), from_stage=args.from_stage)
     if args.json:
         print_json(job_to_json(job))
     else:
@@ -525,6 +532,8 @@ def event_line(event: JobEvent) -> str:
         f"{_time(event.event_time)}  #{event.seq:<4} {event.type.value:<16} "
         f"{event.state.value:<9} {event.progress:>4.0%}"
     )
+    if event.stage:
+        line += f"  [{event.stage}]"
     if event.message:
         line += f"  {event.message}"
     return line
@@ -584,8 +593,26 @@ def job_details(job: Job) -> str:
         rows.append(("error", f"{job.error.code}: {job.error.message}{retrying}"))
     rows.append(("timeout", f"{job.timeout.total_seconds():g}s per attempt"))
     rows.append(("last seq", str(job.last_seq)))
+    if job.stages:
+        version = f" {job.pipeline_version}" if job.pipeline_version else ""
+        rows.append(("pipeline", f"{job.type}{version}, at stage {job.stage}"))
+        for n, stage in enumerate(job.stages, start=1):
+            rows.append((f"stage {n}", stage_text(stage)))
     width = max(len(k) for k, _ in rows) + 1
     return "\n".join(f"{k + ':':<{width}} {v}" for k, v in rows)
+
+
+def stage_text(stage: Stage) -> str:
+    """One stage of a pipeline job on one line: name, state, attempts, time, error."""
+    version = f"@{stage.version}" if stage.version else ""
+    text = f"{stage.name}{version} ({stage.type}) {stage.state.value}"
+    if stage.attempts:
+        text += f", {stage.attempts} of {stage.max_attempts} attempts"
+    if stage.start_time and stage.end_time:
+        text += f", {(stage.end_time - stage.start_time).total_seconds():.3f}s"
+    if stage.error is not None:
+        text += f": {stage.error.code}: {stage.error.message}"
+    return text
 
 
 def attempts_text(job: Job) -> str:
@@ -615,6 +642,7 @@ def event_to_json(event: JobEvent) -> dict[str, Any]:
         "data": event.data,
         "event_time": event.event_time.isoformat(),
         "attempt": event.attempt,
+        "stage": event.stage,
     }
 
 

@@ -285,9 +285,9 @@ class Client:
         """Cancel a queued job, or ask a running one to stop."""
         return self._loop.run(self._async.cancel(name, reason))
 
-    def retry(self, name: str | Job) -> Job:
-        """Start a new attempt of a FAILED or CANCELLED job."""
-        return self._loop.run(self._async.retry(name))
+    def retry(self, name: str | Job, *, from_stage: str = "") -> Job:
+        """Start a new attempt of a FAILED or CANCELLED job; see :meth:`AsyncClient.retry`."""
+        return self._loop.run(self._async.retry(name, from_stage=from_stage))
 
     def watch(self, name: str | Job, after_seq: int = 0) -> Generator[JobEvent, None, None]:
         """The job's events after ``after_seq``; see :meth:`AsyncClient.watch`.

@@ -20,10 +20,10 @@ from typing import Any
 from jobplane.errors import InvalidArgument, UnroutableJobType, shown
 from jobplane.names import parse_job_name, validate_job_type
 from jobplane.server.feeds import FeedHub
-from jobplane.store.jobs import JobStore, ListCursor, NewJob
+from jobplane.store.jobs import JobStore, ListCursor, NewJob, pipeline_stages
 from jobplane.store.listen import Listener
 from jobplane.store.rows import check_payload_size
-from jobplane.topology import Topology
+from jobplane.topology import PipelineSpec, Topology
 from jobplane.types import Job, JobEvent, JobPage, JobState
 
 DEFAULT_PAGE_SIZE = 50
@@ -105,7 +105,10 @@ class JobService:
     async def submit(self, tenant: uuid.UUID, request: SubmitRequest) -> Job:
         """Validate whole, then write job + first event + outbox row at once."""
         job_type = validate_job_type(request.type)
+        pipeline = self._topology.pipeline(job_type)
         queue = self._topology.route(job_type)
+        if pipeline is not None:
+            queue = self._topology.queue(pipeline.stages[0].queue)
         if queue is None:
             raise UnroutableJobType(
                 f"no queue of the topology takes job type {job_type!r}", field="type"
@@ -129,6 +132,8 @@ class JobService:
                     field="timeout",
                 )
             timeout = request.timeout_seconds
+        if pipeline is not None:
+            return await self._submit_pipeline(tenant, request, pipeline)
         new = NewJob(
             type=job_type,
             queue=queue.name,
@@ -138,6 +143,32 @@ class JobService:
             correlation_id=request.correlation_id,
             labels=dict(request.labels),
             timeout_seconds=timeout,
+        )
+        job, _created = await self._store.submit(tenant, new)
+        return job
+
+    async def _submit_pipeline(
+        self, tenant: uuid.UUID, request: SubmitRequest, pipeline: PipelineSpec
+    ) -> Job:
+        """A pipeline job: its stages, as the topology declares them now, go with it.
+
+        A request's max_attempts or timeout, when set, is every stage's.
+        """
+        stages = pipeline_stages(
+            pipeline, max_attempts=request.max_attempts, timeout_seconds=request.timeout_seconds
+        )
+        first = stages[0]
+        new = NewJob(
+            type=pipeline.name,
+            queue=first.queue,
+            payload=request.payload,
+            request_id=request.request_id or str(uuid.uuid4()),
+            max_attempts=request.max_attempts,
+            correlation_id=request.correlation_id,
+            labels=dict(request.labels),
+            timeout_seconds=request.timeout_seconds or 0.0,
+            pipeline_version=pipeline.version,
+            stages=stages,
         )
         job, _created = await self._store.submit(tenant, new)
         return job
@@ -164,7 +195,12 @@ class JobService:
         filters = _filter_key(state, job_type)
         cursor = _decode_token(page_token, filters) if page_token else None
         jobs = await self._store.list_jobs(
-            tenant, limit=limit + 1, after=cursor, state=state, job_type=job_type or None
+            tenant,
+            limit=limit + 1,
+            after=cursor,
+            state=state,
+            job_type=job_type or None,
+            pipeline=bool(job_type) and self._topology.pipeline(job_type) is not None,
         )
         next_token = ""
         if len(jobs) > limit:
@@ -191,9 +227,15 @@ class JobService:
             raise InvalidArgument("reason has a NUL character", field="reason")
         return await self._store.cancel(tenant, parse_job_name(name), reason)
 
-    async def retry(self, tenant: uuid.UUID, name: str) -> Job:
-        """A new attempt of a FAILED or CANCELLED job."""
-        return await self._store.retry(tenant, parse_job_name(name))
+    async def retry(self, tenant: uuid.UUID, name: str, from_stage: str = "") -> Job:
+        """A new attempt of a FAILED or CANCELLED job.
+
+        A pipeline job resumes at the stage that failed (or was cancelled),
+        or at ``from_stage``, running it and every later stage again.
+        """
+        if len(from_stage) > 64 or "\x00" in from_stage:
+            raise InvalidArgument("from_stage is not a stage name", field="from_stage")
+        return await self._store.retry(tenant, parse_job_name(name), from_stage=from_stage)
 
     async def watch(self, tenant: uuid.UUID, name: str, after_seq: int) -> AsyncIterator[JobEvent]:
         """Events with seq > after_seq in order, then live ones, until the end.

@@ -130,7 +130,7 @@ class JobServiceServicer(jobs_pb2_grpc.JobServiceServicer):
 
     @_unary
     async def RetryJob(self, tenant: uuid.UUID, request: jobs_pb2.RetryJobRequest) -> jobs_pb2.Job:
-        return job_to_pb(await self._service.retry(tenant, request.name))
+        return job_to_pb(await self._service.retry(tenant, request.name, request.from_stage))
 
     async def WatchJob(
         self, request: jobs_pb2.WatchJobRequest, context: Context

@@ -27,7 +27,7 @@ import os
 import sys
 import traceback
 import uuid
-from collections.abc import Callable, Coroutine, Iterator
+from collections.abc import Callable, Coroutine, Iterator, Mapping
 from typing import Any, Protocol
 
 from jobplane.errors import PayloadTooLarge
@@ -140,6 +140,39 @@ class JobContext:
     def request_id(self) -> str:
         """The idempotency key the job was submitted with."""
         return self._attempt.request_id
+
+    @property
+    def pipeline(self) -> str:
+        """The pipeline this job runs ("" for a plain job); ``type`` is then its stage's."""
+        stage = self._attempt.stage
+        return stage.pipeline if stage is not None else ""
+
+    @property
+    def stage(self) -> str:
+        """The name of the pipeline stage this attempt runs ("" for a plain job)."""
+        stage = self._attempt.stage
+        return stage.name if stage is not None else ""
+
+    @property
+    def stage_version(self) -> str:
+        """The version the topology gives this stage (its algorithm, model or configuration)."""
+        stage = self._attempt.stage
+        return stage.version if stage is not None else ""
+
+    @property
+    def inputs(self) -> Mapping[str, dict[str, Any]]:
+        """The results of the pipeline's earlier stages, by stage name, in order.
+
+        ``payload`` is the pipeline's input; a plain job has no inputs.
+        """
+        stage = self._attempt.stage
+        return stage.inputs if stage is not None else {}
+
+    @property
+    def previous(self) -> dict[str, Any] | None:
+        """The result of the stage just before this one, or None (first stage, plain job)."""
+        inputs = self.inputs
+        return list(inputs.values())[-1] if inputs else None
 
     async def progress(
         self, fraction: float, message: str = "", data: dict[str, Any] | None = None

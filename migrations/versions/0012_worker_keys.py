@@ -6,7 +6,7 @@
 - ``api_keys.tenant_id`` is NULL exactly for worker keys.
 
 Revision ID: 0012
-Revises: 0010
+Revises: 0011
 Create Date: 2026-12-01
 """
 
@@ -15,7 +15,7 @@ from __future__ import annotations
 from alembic import op
 
 revision = "0012"
-down_revision = "0010"
+down_revision = "0011"
 branch_labels = None
 depends_on = None
 

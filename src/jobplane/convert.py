@@ -8,7 +8,7 @@ from typing import Any
 from google.protobuf import duration_pb2, struct_pb2, timestamp_pb2
 
 from jobplane.errors import InvalidArgument
-from jobplane.types import EventType, Job, JobError, JobEvent, JobState
+from jobplane.types import EventType, Job, JobError, JobEvent, JobState, Stage, StageState
 from jobplane.v1 import jobs_pb2
 
 _STATE_TO_PB = {
@@ -29,6 +29,7 @@ _EVENT_TO_PB = {
     EventType.SUCCEEDED: jobs_pb2.WatchJobResponse.EVENT_TYPE_SUCCEEDED,
     EventType.FAILED: jobs_pb2.WatchJobResponse.EVENT_TYPE_FAILED,
     EventType.CANCELLED: jobs_pb2.WatchJobResponse.EVENT_TYPE_CANCELLED,
+    EventType.STAGE_SUCCEEDED: jobs_pb2.WatchJobResponse.EVENT_TYPE_STAGE_SUCCEEDED,
 }
 _EVENT_FROM_PB: dict[int, EventType] = {int(v): k for k, v in _EVENT_TO_PB.items()}
 
@@ -162,16 +163,72 @@ def job_to_pb(job: Job) -> jobs_pb2.Job:
         timeout=duration(job.timeout),
         waiting_reason=job.waiting_reason,
         attempts_used=job.attempts_used,
+        stage=job.stage,
+        stages=[stage_to_pb(stage) for stage in job.stages],
+        pipeline_version=job.pipeline_version,
     )
     if job.result is not None:
         message.result.CopyFrom(struct_from_dict(job.result))
     if job.error is not None:
-        message.error.CopyFrom(
-            jobs_pb2.JobError(
-                code=job.error.code, message=job.error.message, retryable=job.error.retryable
-            )
-        )
+        message.error.CopyFrom(_error_to_pb(job.error))
     return message
+
+
+def _error_to_pb(error: JobError) -> jobs_pb2.JobError:
+    return jobs_pb2.JobError(code=error.code, message=error.message, retryable=error.retryable)
+
+
+def _error_from_pb(message: jobs_pb2.JobError) -> JobError:
+    return JobError(code=message.code, message=message.message, retryable=message.retryable)
+
+
+_STAGE_STATE_TO_PB: dict[StageState, jobs_pb2.Stage.State.ValueType] = {
+    StageState.PENDING: jobs_pb2.Stage.STATE_PENDING,
+    StageState.QUEUED: jobs_pb2.Stage.STATE_QUEUED,
+    StageState.RUNNING: jobs_pb2.Stage.STATE_RUNNING,
+    StageState.SUCCEEDED: jobs_pb2.Stage.STATE_SUCCEEDED,
+    StageState.FAILED: jobs_pb2.Stage.STATE_FAILED,
+    StageState.CANCELLED: jobs_pb2.Stage.STATE_CANCELLED,
+    StageState.SKIPPED: jobs_pb2.Stage.STATE_SKIPPED,
+}
+_STAGE_STATE_FROM_PB = {int(v): k for k, v in _STAGE_STATE_TO_PB.items()}
+
+
+def stage_to_pb(stage: Stage) -> jobs_pb2.Stage:
+    """The Stage message of a pipeline job's stage."""
+    message = jobs_pb2.Stage(
+        name=stage.name,
+        type=stage.type,
+        version=stage.version,
+        state=_STAGE_STATE_TO_PB[stage.state],
+        attempts=stage.attempts,
+        max_attempts=stage.max_attempts,
+        timeout=duration(stage.timeout),
+        start_time=timestamp(stage.start_time),
+        end_time=timestamp(stage.end_time),
+    )
+    if stage.error is not None:
+        message.error.CopyFrom(_error_to_pb(stage.error))
+    if stage.result is not None:
+        message.result.CopyFrom(struct_from_dict(stage.result))
+    return message
+
+
+def stage_from_pb(message: jobs_pb2.Stage) -> Stage:
+    """The public Stage of a Stage message (a state it does not know reads as PENDING)."""
+    return Stage(
+        name=message.name,
+        type=message.type,
+        version=message.version,
+        state=_STAGE_STATE_FROM_PB.get(message.state, StageState.PENDING),
+        attempts=message.attempts,
+        max_attempts=message.max_attempts,
+        timeout=message.timeout.ToTimedelta(),
+        start_time=from_timestamp(message.start_time) if message.HasField("start_time") else None,
+        end_time=from_timestamp(message.end_time) if message.HasField("end_time") else None,
+        error=_error_from_pb(message.error) if message.HasField("error") else None,
+        result=dict_from_struct(message.result) if message.HasField("result") else None,
+    )
 
 
 def job_from_pb(message: jobs_pb2.Job) -> Job:
@@ -185,15 +242,7 @@ def job_from_pb(message: jobs_pb2.Job) -> Job:
         state=state,
         payload=dict_from_struct(message.payload),
         result=dict_from_struct(message.result) if message.HasField("result") else None,
-        error=(
-            JobError(
-                code=message.error.code,
-                message=message.error.message,
-                retryable=message.error.retryable,
-            )
-            if message.HasField("error")
-            else None
-        ),
+        error=_error_from_pb(message.error) if message.HasField("error") else None,
         progress=message.progress,
         progress_message=message.progress_message,
         attempt=message.attempt,
@@ -215,6 +264,9 @@ def job_from_pb(message: jobs_pb2.Job) -> Job:
         timeout=message.timeout.ToTimedelta(),
         waiting_reason=message.waiting_reason,
         attempts_used=message.attempts_used,
+        stage=message.stage,
+        stages=tuple(stage_from_pb(s) for s in message.stages),
+        pipeline_version=message.pipeline_version,
     )
 
 
@@ -231,6 +283,7 @@ def event_to_pb(event: JobEvent) -> jobs_pb2.WatchJobResponse:
         event_time=timestamp(event.event_time),
         attempt=event.attempt,
         terminal=event.terminal,
+        stage=event.stage,
     )
 
 
@@ -250,4 +303,5 @@ def event_from_pb(message: jobs_pb2.WatchJobResponse) -> JobEvent:
         data=dict_from_struct(message.data),
         event_time=from_timestamp(message.event_time),
         attempt=message.attempt,
+        stage=message.stage,
     )

@@ -31,6 +31,11 @@ def parse_job_name(name: str, *, field: str = "name") -> uuid.UUID:
     return parsed
 
 
+def is_job_type(value: str) -> bool:
+    """True when ``value`` follows the job type grammar (see :func:`validate_job_type`)."""
+    return len(value) <= JOB_TYPE_MAX_LENGTH and _JOB_TYPE.fullmatch(value) is not None
+
+
 def validate_job_type(job_type: str, *, field: str = "type") -> str:
     """Check the job type grammar: lowercase dotted, letters, digits, '.', '_', '-'."""
     if not job_type:

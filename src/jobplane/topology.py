@@ -39,6 +39,7 @@ import structlog
 from aio_pika.abc import AbstractChannel, AbstractConnection, AbstractExchange
 
 from jobplane.broker import access_refused
+from jobplane.names import is_job_type
 
 if TYPE_CHECKING:
     from jobplane.store.deployment import Deployment
@@ -81,8 +82,40 @@ class QueueSpec:
 
 
 @dataclass(frozen=True, slots=True)
+class StageSpec:
+    """One stage of a pipeline: a job type of its own, on the queue that takes it."""
+
+    name: str
+    type: str
+    queue: str
+    max_attempts: int
+    timeout_seconds: float
+    #: The algorithm, model or configuration version of the stage; a stage's
+    #: result is keyed by (job, stage, version).
+    version: str = ""
+    #: The stage's share of the job's progress, relative to the other stages.
+    weight: float = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class PipelineSpec:
+    """A named, versioned, ordered chain of stages, submitted as one job (ADR-0017)."""
+
+    name: str
+    stages: tuple[StageSpec, ...]
+    version: str = ""
+
+    def stage_index(self, name: str) -> int | None:
+        """The index of the stage called ``name``, or None."""
+        for i, stage in enumerate(self.stages):
+            if stage.name == name:
+                return i
+        return None
+
+
+@dataclass(frozen=True, slots=True)
 class Topology:
-    """Exchange, queues and dead-letter path of one deployment."""
+    """Exchange, queues, dead-letter path and pipelines of one deployment."""
 
     exchange: str = "jobplane.jobs"
     dead_letter_exchange: str = "jobplane.jobs.dlx"
@@ -90,6 +123,14 @@ class Topology:
     queues: tuple[QueueSpec, ...] = field(default_factory=tuple)
     #: The topic exchange of domain events (routing key: the event type).
     events_exchange: str = EVENTS_EXCHANGE
+    pipelines: tuple[PipelineSpec, ...] = field(default_factory=tuple)
+
+    def pipeline(self, name: str) -> PipelineSpec | None:
+        """The pipeline called ``name``, or None."""
+        for pipeline in self.pipelines:
+            if pipeline.name == name:
+                return pipeline
+        return None
 
     def route(self, job_type: str) -> QueueSpec | None:
         """The first queue that takes ``job_type``, or None."""
@@ -119,6 +160,10 @@ class Topology:
             failed_queue=prefix + self.failed_queue,
             queues=tuple(replace(q, name=prefix + q.name) for q in self.queues),
             events_exchange=prefix + self.events_exchange,
+            pipelines=tuple(
+                replace(p, stages=tuple(replace(s, queue=prefix + s.queue) for s in p.stages))
+                for p in self.pipelines
+            ),
         )
 
 
@@ -169,7 +214,108 @@ def parse_topology(data: dict[str, Any], *, source: str = "topology") -> Topolog
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise TopologyError(f"{source}: {exc}") from exc
     _check(topology, source)
-    return topology
+    pipelines = tuple(
+        _parse_pipeline(p, topology, source) for p in _tables(data, "pipelines", source)
+    )
+    _check_pipelines(topology, pipelines, source)
+    return replace(topology, pipelines=pipelines)
+
+
+_STAGE_NAME = re.compile(r"[a-z][a-z0-9_-]{0,62}")
+_VERSION = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:+-]{0,63}")
+_STAGE_KEYS = frozenset({"name", "type", "version", "max_attempts", "timeout_seconds", "weight"})
+_PIPELINE_KEYS = frozenset({"name", "version", "stages"})
+#: Stages of one pipeline at most: each is a row written with the job.
+MAX_STAGES = 32
+
+
+def _tables(data: dict[str, Any], key: str, source: str) -> list[dict[str, Any]]:
+    found = data.get(key, [])
+    if not isinstance(found, list) or not all(isinstance(t, dict) for t in found):
+        raise TopologyError(f"{source}: [[{key}]] must be an array of tables")
+    return found
+
+
+def _parse_pipeline(data: dict[str, Any], topology: Topology, source: str) -> PipelineSpec:
+    name = data.get("name")
+    if not isinstance(name, str) or not is_job_type(name):
+        raise TopologyError(f"{source}: pipeline name {name!r} is not a valid job type")
+    where = f"{source}: pipeline {name!r}"
+    unknown = set(data) - _PIPELINE_KEYS
+    if unknown:
+        raise TopologyError(f"{where}: unknown keys {sorted(unknown)}")
+    version = _version(data.get("version", ""), where)
+    tables = _tables(data, "stages", where)
+    if not tables:
+        raise TopologyError(f"{where}: needs at least one [[pipelines.stages]]")
+    if len(tables) > MAX_STAGES:
+        raise TopologyError(f"{where}: has {len(tables)} stages, at most {MAX_STAGES}")
+    stages = []
+    for table in tables:
+        unknown = set(table) - _STAGE_KEYS
+        if unknown:
+            raise TopologyError(f"{where}: stage with unknown keys {sorted(unknown)}")
+        stage_name = table.get("name")
+        if not isinstance(stage_name, str) or not _STAGE_NAME.fullmatch(stage_name):
+            raise TopologyError(
+                f"{where}: stage name {stage_name!r} must be a lowercase word "
+                "(letters, digits, '_', '-'; at most 63)"
+            )
+        at = f"{where}: stage {stage_name!r}"
+        job_type = table.get("type")
+        if not isinstance(job_type, str) or not is_job_type(job_type):
+            raise TopologyError(f"{at}: type {job_type!r} is not a valid job type")
+        queue = topology.route(job_type)
+        if queue is None:
+            raise TopologyError(f"{at}: no queue takes its type {job_type!r}")
+        try:
+            max_attempts = int(table.get("max_attempts", queue.max_attempts))
+            timeout = float(table.get("timeout_seconds", queue.timeout_seconds))
+            weight = float(table.get("weight", 1.0))
+        except (TypeError, ValueError) as exc:
+            raise TopologyError(f"{at}: {exc}") from exc
+        if not 1 <= max_attempts <= 1000:
+            raise TopologyError(f"{at}: max_attempts must be 1..1000")
+        if not 0.001 <= timeout <= 7 * 86400:
+            raise TopologyError(f"{at}: timeout_seconds must be between 0.001 and 604800")
+        if not 0 < weight <= 1e6:
+            raise TopologyError(f"{at}: weight must be > 0 and at most 1e6")
+        stages.append(
+            StageSpec(
+                name=stage_name,
+                type=job_type,
+                queue=queue.name,
+                max_attempts=max_attempts,
+                timeout_seconds=timeout,
+                version=_version(table.get("version", ""), at),
+                weight=weight,
+            )
+        )
+    return PipelineSpec(name=name, stages=tuple(stages), version=version)
+
+
+def _version(value: Any, where: str) -> str:
+    if isinstance(value, int) and not isinstance(value, bool):
+        value = str(value)
+    if not isinstance(value, str) or (value and not _VERSION.fullmatch(value)):
+        raise TopologyError(
+            f"{where}: version {value!r} must be up to 64 letters, digits and '._:+-'"
+        )
+    return value
+
+
+def _check_pipelines(topology: Topology, pipelines: tuple[PipelineSpec, ...], source: str) -> None:
+    names = [p.name for p in pipelines]
+    if len(set(names)) != len(names):
+        raise TopologyError(f"{source}: pipeline names must be unique")
+    stage_types = {s.type for p in pipelines for s in p.stages}
+    for pipeline in pipelines:
+        if pipeline.name in stage_types:
+            # A stage's dispatch would be taken for a new pipeline job's.
+            raise TopologyError(f"{source}: pipeline {pipeline.name!r} is also the type of a stage")
+        stage_names = [s.name for s in pipeline.stages]
+        if len(set(stage_names)) != len(stage_names):
+            raise TopologyError(f"{source}: pipeline {pipeline.name!r} has two stages of one name")
 
 
 def _check(topology: Topology, source: str) -> None:

@@ -39,6 +39,8 @@ class EventType(enum.Enum):
     SUCCEEDED = "succeeded"
     FAILED = "failed"
     CANCELLED = "cancelled"
+    #: A pipeline's stage succeeded and the next one is queued.
+    STAGE_SUCCEEDED = "stage_succeeded"
 
     @property
     def terminal(self) -> bool:
@@ -53,6 +55,35 @@ class JobError:
     code: str
     message: str
     retryable: bool = False
+
+
+class StageState(enum.Enum):
+    """Where one stage of a pipeline job stands."""
+
+    PENDING = "pending"  # an earlier stage has not succeeded yet
+    QUEUED = "queued"
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+    SKIPPED = "skipped"  # the job was cancelled before the stage ran
+
+
+@dataclass(frozen=True, slots=True)
+class Stage:
+    """One stage of a pipeline job: what it runs and how it went."""
+
+    name: str
+    type: str
+    version: str
+    state: StageState
+    attempts: int
+    max_attempts: int
+    timeout: timedelta
+    start_time: datetime | None = None
+    end_time: datetime | None = None
+    error: JobError | None = None
+    result: JSONObject | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,6 +117,13 @@ class Job:
     #: Attempts counted against ``max_attempts`` since submit or the last
     #: retry (``attempt`` counts every attempt ever started).
     attempts_used: int = 0
+    #: A pipeline job's stage that runs or waits now ("" for a plain job);
+    #: ``attempt``, ``max_attempts`` and ``timeout`` are that stage's.
+    stage: str = ""
+    #: A pipeline job's stages in order (empty for a plain job, and in lists).
+    stages: tuple[Stage, ...] = ()
+    #: The pipeline's version, as the topology declared it at submit.
+    pipeline_version: str = ""
 
     @property
     def id(self) -> str:
@@ -106,6 +144,8 @@ class JobEvent:
     event_time: datetime
     attempt: int = 0
     data: JSONObject = field(default_factory=dict)
+    #: The pipeline stage the event belongs to ("" for a plain job).
+    stage: str = ""
 
     @property
     def terminal(self) -> bool:

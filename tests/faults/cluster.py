@@ -22,7 +22,7 @@ import time
 import tomllib
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -30,10 +30,31 @@ import asyncpg
 
 from jobplane.client import AsyncClient, JobEvent
 from jobplane.store.engine import asyncpg_dsn
-from jobplane.topology import Topology
-from tests.faults.handlers import SCHEMA
+from jobplane.topology import PipelineSpec, StageSpec, Topology
+from tests.faults.handlers import PIPELINE_STAGES, SCHEMA
 
 ROOT = Path(__file__).resolve().parents[2]
+
+
+#: The fault suite's three-stage pipeline (tests/faults/handlers.py runs its stages).
+PIPELINE = "fault.pipeline"
+
+
+def with_pipeline(topology: Topology) -> Topology:
+    """``topology`` with the fault suite's pipeline, its stages on the first queue."""
+    queue = topology.queues[0]
+    stages = tuple(
+        StageSpec(
+            name=name,
+            type=f"fault.stage.{name}",
+            queue=queue.name,
+            max_attempts=10,
+            timeout_seconds=60.0,
+            version="1",
+        )
+        for name in PIPELINE_STAGES
+    )
+    return replace(topology, pipelines=(PipelineSpec(PIPELINE, stages, version="1"),))
 
 
 def free_port() -> int:
@@ -59,6 +80,14 @@ def topology_toml(topology: Topology) -> str:
             f"timeout_seconds = {q.timeout_seconds}\nretry_base_delay = 0.05\n"
             f"retry_max_delay = 0.5\n"
         )
+    for pipeline in topology.pipelines:
+        lines.append(f'[[pipelines]]\nname = "{pipeline.name}"\nversion = "{pipeline.version}"\n')
+        for st in pipeline.stages:
+            lines.append(
+                f'[[pipelines.stages]]\nname = "{st.name}"\ntype = "{st.type}"\n'
+                f'version = "{st.version}"\nmax_attempts = {st.max_attempts}\n'
+                f"timeout_seconds = {st.timeout_seconds}\nweight = {st.weight}\n"
+            )
     text = "\n".join(lines)
     tomllib.loads(text)  # fail here, not in a child process
     return text
@@ -356,6 +385,71 @@ class Cluster:
                     )
         problems += [f"D: attempt {r['attempt']} of {r['job_id']} completed late" for r in late]
         return {"jobs": len(jobs), "effects": len(effects)}, problems
+
+    async def check_pipelines(self, names: Sequence[str]) -> dict[str, int]:
+        """:meth:`judge_pipelines`, failing on any violation; returns the counts."""
+        counts, problems = await self.judge_pipelines(names)
+        assert not problems, "\n".join(problems[:20])
+        return counts
+
+    async def judge_pipelines(self, names: Sequence[str]) -> tuple[dict[str, int], list[str]]:
+        """Judge L, D and stored O over pipeline jobs: the counts, and every violation.
+
+        L: every job SUCCEEDED with one terminal event, every stage SUCCEEDED.
+        D: each stage's effect exists, was written last by the attempt whose
+        result the stage kept, and no attempt of a stage completed after the
+        stage's commit. O: the job's events are stored 1..last_seq.
+        """
+        ids = [uuid.UUID(n.partition("/")[2]) for n in names]
+        jobs = await self.query(
+            """
+            SELECT j.id, j.state, j.last_seq,
+                   (SELECT count(*) FROM job_events e WHERE e.job_id = j.id
+                      AND e.type IN ('succeeded', 'failed', 'cancelled')) AS terminal_events,
+                   (SELECT count(*) FROM job_events e WHERE e.job_id = j.id) AS events
+            FROM jobs j WHERE j.id = ANY($1::uuid[])
+            """,
+            ids,
+        )
+        assert len(jobs) == len(ids)
+        stages = await self.query(
+            """
+            SELECT s.job_id, s.name, s.state, (s.result->>'attempt')::int AS result_attempt,
+                   s.end_time, f.attempt AS effect_attempt,
+                   (SELECT count(*) FROM fault_stage_completions c
+                      WHERE c.job_id = s.job_id AND c.stage = s.name
+                        AND (c.at > s.end_time OR c.attempt > (s.result->>'attempt')::int))
+                       AS late
+            FROM job_stages s
+            LEFT JOIN fault_stage_effects f ON f.job_id = s.job_id AND f.stage = s.name
+            WHERE s.job_id = ANY($1::uuid[])
+            """,
+            ids,
+        )
+        problems = []
+        for job in jobs:
+            if job["state"] != "succeeded" or job["terminal_events"] != 1:  # L
+                problems.append(
+                    f"L: {job['id']} {job['state']}, {job['terminal_events']} terminal events"
+                )
+            if job["events"] != job["last_seq"]:  # O, as stored
+                problems.append(f"O: {job['id']} stores {job['events']} of {job['last_seq']}")
+        for stage in stages:
+            where = f"{stage['job_id']} stage {stage['name']}"
+            if stage["state"] != "succeeded":
+                problems.append(f"L: {where} ended {stage['state']}")
+            elif stage["effect_attempt"] is None:
+                problems.append(f"D: {where} succeeded without its effect")
+            elif stage["effect_attempt"] != stage["result_attempt"]:
+                problems.append(
+                    f"D: {where} effect by attempt {stage['effect_attempt']}, "
+                    f"result of {stage['result_attempt']}"
+                )
+            if stage["late"]:
+                problems.append(f"D: {where} had {stage['late']} attempts complete late")
+        if len(stages) != 3 * len(ids):
+            problems.append(f"L: {len(stages)} stage rows for {len(ids)} pipelines")
+        return {"jobs": len(jobs), "stages": len(stages)}, problems
 
 
 def check_stream(events: Sequence[JobEvent], last_seq: int) -> None:

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from jobplane.topology import Topology
-from tests.faults.cluster import Cluster
+from tests.faults.cluster import Cluster, with_pipeline
 
 
 @pytest.fixture
@@ -17,6 +17,17 @@ async def cluster(
 ) -> AsyncIterator[Cluster]:
     """Processes on this test's database and vhost; all killed at the end."""
     running = Cluster(database_url, amqp_url, topology, tmp_path)
+    await running.prepare()
+    yield running
+    await running.close()
+
+
+@pytest.fixture
+async def staged(
+    database_url: str, amqp_url: str, topology: Topology, tmp_path: Path
+) -> AsyncIterator[Cluster]:
+    """A cluster whose topology also has the fault suite's pipeline."""
+    running = Cluster(database_url, amqp_url, with_pipeline(topology), tmp_path)
     await running.prepare()
     yield running
     await running.close()

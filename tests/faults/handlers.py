@@ -32,7 +32,24 @@ CREATE TABLE IF NOT EXISTS fault_completions (
     pid     integer NOT NULL,
     at      timestamptz NOT NULL DEFAULT clock_timestamp()
 );
+-- A pipeline's stages: their effects and completions, by stage.
+CREATE TABLE IF NOT EXISTS fault_stage_effects (
+    job_id  uuid NOT NULL,
+    stage   text NOT NULL,
+    attempt integer NOT NULL,
+    writes  integer NOT NULL DEFAULT 1,
+    PRIMARY KEY (job_id, stage)
+);
+CREATE TABLE IF NOT EXISTS fault_stage_completions (
+    job_id  uuid NOT NULL,
+    stage   text NOT NULL,
+    attempt integer NOT NULL,
+    pid     integer NOT NULL,
+    at      timestamptz NOT NULL DEFAULT clock_timestamp()
+);
 """
+#: The stages of the fault suite's pipeline (``fault.pipeline``), in order.
+PIPELINE_STAGES = ("one", "two", "three")
 
 
 async def _db() -> asyncpg.Pool:
@@ -105,3 +122,39 @@ async def stall(ctx: JobContext) -> dict[str, Any]:
     await _effect(ctx)
     await _completed(ctx)
     return {"attempt": ctx.attempt}
+
+
+async def _stage(ctx: JobContext) -> dict[str, Any]:
+    """A pipeline stage: sleeps ``ms``, reports progress, writes its stage's effect.
+
+    Checks what the earlier stages handed on: each returned its own name and
+    the attempt that ran it.
+    """
+    expected = list(PIPELINE_STAGES[: PIPELINE_STAGES.index(ctx.stage)])
+    if list(ctx.inputs) != expected:
+        raise RuntimeError(f"stage {ctx.stage} got inputs {list(ctx.inputs)}")
+    ms = float(ctx.payload.get("ms", 100))
+    await ctx.progress(0.5, f"{ctx.stage} half way")
+    await asyncio.sleep(ms / 1000)
+    await _execute(
+        """
+        INSERT INTO fault_stage_effects (job_id, stage, attempt) VALUES ($1, $2, $3)
+        ON CONFLICT (job_id, stage) DO UPDATE
+        SET attempt = EXCLUDED.attempt, writes = fault_stage_effects.writes + 1
+        """,
+        ctx.id,
+        ctx.stage,
+        ctx.attempt,
+    )
+    await _execute(
+        "INSERT INTO fault_stage_completions (job_id, stage, attempt, pid) VALUES ($1, $2, $3, $4)",
+        ctx.id,
+        ctx.stage,
+        ctx.attempt,
+        os.getpid(),
+    )
+    return {"stage": ctx.stage, "attempt": ctx.attempt}
+
+
+for _name in PIPELINE_STAGES:
+    registry.add(f"fault.stage.{_name}", _stage)

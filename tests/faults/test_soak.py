@@ -1,10 +1,11 @@
 """The soak run (`make soak`, not part of `make test`).
 
-5,000 jobs through two relays and three workers, and 1,500 domain events
-alongside them (by PublishEvent and in callers' transactions) to an inbox
-Consumer process, a tap queue and a resuming SubscribeEvents stream. A
-random worker, relay or the consumer is SIGKILLed every few seconds and
-restarted, and the RabbitMQ application is restarted once. Prints the L/D/O
+5,000 jobs through two relays and three workers, 500 three-stage pipelines
+besides (judged per stage), and 1,500 domain events alongside them (by
+PublishEvent and in callers' transactions) to an inbox Consumer process, a
+tap queue and a resuming SubscribeEvents stream. A random worker, relay or
+the consumer is SIGKILLed every few seconds and restarted, and the RabbitMQ
+application is restarted once. Prints the L/D/O
 counts of the jobs and the P/A/O counts of the events
 (tests/faults/event_path.py); fails on any violation.
 """
@@ -22,12 +23,14 @@ import time
 import pytest
 
 from jobplane.client import JobEvent
-from tests.faults.cluster import Cluster, Proc
+from tests.faults.cluster import PIPELINE, Cluster, Proc
 from tests.faults.event_path import event_path
 
 JOBS = int(os.environ.get("JOBPLANE_SOAK_JOBS", "5000"))
 # Per batch of 100 jobs: events by PublishEvent, and in callers' transactions.
 RPC_EVENTS, SQL_EVENTS = 20, 10
+# Per batch of 100 jobs: pipelines of three stages, besides.
+PIPELINES = int(os.environ.get("JOBPLANE_SOAK_PIPELINES", "10"))
 # 0 leaves the broker alone (a RabbitMQ shared with other runs).
 RESTART_BROKER = os.environ.get("JOBPLANE_SOAK_BROKER_RESTART", "1") != "0"
 KILL_EVERY = (2.0, 5.0)
@@ -67,7 +70,8 @@ async def _supervise(procs: dict[Proc, str], stop: asyncio.Event) -> None:
 
 @pytest.mark.soak
 @pytest.mark.timeout(3600)
-async def test_soak(cluster: Cluster) -> None:
+async def test_soak(staged: Cluster) -> None:
+    cluster = staged
     await cluster.server()
     events = await event_path(cluster)
     await events.start()  # before the relays: the tap and the consumer see every event
@@ -83,6 +87,7 @@ async def test_soak(cluster: Cluster) -> None:
     started = time.monotonic()
     async with cluster.client() as client:
         names: list[str] = []
+        pipelines: list[str] = []
         seen: dict[str, list[JobEvent]] = {}
 
         async def watch(name: str) -> None:
@@ -94,17 +99,19 @@ async def test_soak(cluster: Cluster) -> None:
             # second, 0.1 % a third here): with the default 3 a run would now
             # and then fail a job by exhausting them, which is the rule working,
             # not a loss. The soak judges loss, so it allows more.
-            submitted, _, _ = await asyncio.gather(
+            submitted, staged_jobs, _, _ = await asyncio.gather(
                 cluster.submit_many(client, 100, max_attempts=10, ms=random.randint(20, 400)),
+                cluster.submit_many(client, PIPELINES, PIPELINE, ms=random.randint(20, 200)),
                 events.publish_rpc(RPC_EVENTS),
                 events.publish_in_transactions(SQL_EVENTS),
             )
             names += submitted
+            pipelines += staged_jobs
             if batch % 5 == 0:
                 watchers.append(asyncio.create_task(watch(names[-1])))
             if batch == JOBS // 200 and RESTART_BROKER:
                 await asyncio.to_thread(_restart_broker)
-        await cluster.wait_all_terminal(names, timeout=1800)
+        await cluster.wait_all_terminal(names + pipelines, timeout=1800)
         stop.set()
         await asyncio.gather(chaos, supervisor)
         # Every process alive again (the last kill may have just landed).
@@ -116,6 +123,8 @@ async def test_soak(cluster: Cluster) -> None:
         await events.close()
         await asyncio.wait_for(asyncio.gather(*watchers), timeout=120)
         counts, problems = await cluster.judge(names)
+        staged_counts, staged_problems = await cluster.judge_pipelines(pipelines)
+        problems += staged_problems
         order = 0
         for name, stream in seen.items():
             last = (await client.get(name)).last_seq
@@ -132,7 +141,9 @@ async def test_soak(cluster: Cluster) -> None:
     by_kind["O"] += order
     by_event = {kind: sum(p.startswith(kind) for p in event_problems) for kind in ("P", "A", "O")}
     print(
-        f"\nsoak: {counts['jobs']} jobs and {event_counts['events']} events in {elapsed:.0f}s, "
+        f"\nsoak: {counts['jobs']} jobs, {staged_counts['jobs']} pipelines "
+        f"({staged_counts['stages']} stages) and {event_counts['events']} events in "
+        f"{elapsed:.0f}s, "
         f"kills {kills}, {int(RESTART_BROKER)} broker restart, {len(seen)} watchers; "
         f"jobs by attempts used: {attempts}\n"
         f"events: {event_counts}\n"

@@ -37,6 +37,7 @@ from hypothesis import event
 from jobplane.client import AsyncClient, JobState
 from jobplane.convert import dict_from_struct, event_from_pb, job_from_pb
 from jobplane.events.convert import event_from_pb as domain_event_from_pb
+from jobplane.topology import QueueSpec, StageSpec
 from jobplane.types import EventType, Job
 from jobplane.v1 import events_pb2, jobs_pb2
 from tests.support.answers import check_refusal
@@ -206,14 +207,22 @@ class Oracle:
         assert stored.request_id == (request.request_id or stored.request_id)
         assert stored.correlation_id == request.correlation_id
         assert stored.labels == dict(request.labels)
-        queue = self.stack.topology.route(request.type)
-        assert queue is not None
-        assert stored.max_attempts == (request.max_attempts or queue.max_attempts)
+        # A pipeline job runs its first stage, with that stage's defaults.
+        pipeline = self.stack.topology.pipeline(request.type)
+        defaults: QueueSpec | StageSpec | None = self.stack.topology.route(request.type)
+        if pipeline is not None:
+            defaults = pipeline.stages[0]
+            assert [s.name for s in stored.stages] == [s.name for s in pipeline.stages]
+            assert stored.stage == pipeline.stages[0].name
+        else:
+            assert stored.stages == () and stored.stage == ""
+        assert defaults is not None
+        assert stored.max_attempts == (request.max_attempts or defaults.max_attempts)
         if request.HasField("timeout"):
             sent = request.timeout.seconds + request.timeout.nanos / 1e9
             assert math.isclose(stored.timeout.total_seconds(), sent, abs_tol=1e-6)
         else:
-            assert stored.timeout == timedelta(seconds=queue.timeout_seconds)
+            assert stored.timeout == timedelta(seconds=defaults.timeout_seconds)
 
         page = await client.list()
         assert stored.name in [j.name for j in page.jobs]

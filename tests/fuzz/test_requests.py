@@ -11,6 +11,7 @@ import asyncio
 import base64
 import json
 from collections.abc import AsyncIterator, Callable, Coroutine
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -20,7 +21,7 @@ from hypothesis import given, note, settings
 from hypothesis import strategies as st
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from jobplane.topology import Topology
+from jobplane.topology import PipelineSpec, StageSpec, Topology
 from jobplane.v1 import jobs_pb2
 from tests.fuzz.conftest import PROFILE
 from tests.fuzz.oracle import METHODS, Metadata, Oracle, Seeds, raw_channel, seed
@@ -68,6 +69,17 @@ def _struct_filler(value: dict[str, Any]) -> Callable[[Any], None]:
     return lambda struct: fill_struct(struct, value)
 
 
+_PIPELINE = "fuzz.pipeline"
+
+
+def _pipeline(queue: str) -> PipelineSpec:
+    stages = tuple(
+        StageSpec(name, f"fuzz.stage.{name}", queue, 3, 60.0, version="v1")
+        for name in ("first", "second")
+    )
+    return PipelineSpec(_PIPELINE, stages, version="1")
+
+
 def hints(seeds: Seeds) -> Hints:
     """Plausible values per field, so that draws also get past validation."""
     every_job = st.sampled_from(seeds.queued + seeds.terminal)
@@ -75,7 +87,7 @@ def hints(seeds: Seeds) -> Hints:
     mostly_queued = st.sampled_from(seeds.queued * 3 + seeds.terminal)
     return {
         "jobplane.v1.SubmitJobRequest.type": st.one_of(
-            st.sampled_from(["demo.echo", "a" * 128]), _JOB_TYPES
+            st.sampled_from(["demo.echo", "a" * 128, _PIPELINE]), _JOB_TYPES
         ),
         "jobplane.v1.SubmitJobRequest.payload": st.dictionaries(
             _LABEL_KEYS, st.one_of(st.integers(-5, 5), texts(), st.lists(st.booleans()))
@@ -90,6 +102,9 @@ def hints(seeds: Seeds) -> Hints:
         "jobplane.v1.GetJobRequest.name": every_job,
         "jobplane.v1.CancelJobRequest.name": mostly_queued,
         "jobplane.v1.RetryJobRequest.name": every_job,
+        "jobplane.v1.RetryJobRequest.from_stage": st.one_of(
+            st.sampled_from(["", "first", "second", "third"]), texts()
+        ),
         # A watch of a job that is not terminal would wait for ever.
         "jobplane.v1.WatchJobRequest.name": st.sampled_from(seeds.terminal),
         "jobplane.v1.WatchJobRequest.after_seq": st.integers(0, 6),
@@ -121,7 +136,9 @@ async def oracle(
     engine: AsyncEngine, database_url: str, amqp_url: str, topology: Topology
 ) -> AsyncIterator[Oracle]:
     """A server and relay (no worker: jobs stay where the oracle puts them)."""
-    stack = await start_stack(engine, database_url, amqp_url, topology, worker=False)
+    # With a pipeline: its jobs are submitted, read, cancelled and retried too.
+    staged = replace(topology, pipelines=(_pipeline(topology.queues[0].name),))
+    stack = await start_stack(engine, database_url, amqp_url, staged, worker=False)
     try:
         client = stack.client()
         seeds = await seed(stack, client)

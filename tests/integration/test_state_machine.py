@@ -36,6 +36,7 @@ from jobplane.store.machine import (
     Change,
     Emitted,
     Hook,
+    NewStage,
     Phase,
     StateMachine,
     Transition,
@@ -83,14 +84,17 @@ async def _place(
     between the jobs of one transition: a refusal can come from nothing else.
     """
     job_type = f"machine.{phase.value}"
+    # A stage to advance to, or to restart at: a pipeline job of two stages.
+    staged = transition in (Transition.ADVANCE, Transition.RESTART)
     job, _ = await JobStore(engine).submit(
         tenant,
         NewJob(
-            type=job_type,
+            type="machine.pipeline" if staged else job_type,
             queue=_QUEUE,
             payload={"phase": phase.value},
             request_id=f"{transition}-{phase.value}",
             max_attempts=3,
+            stages=_two_stages(job_type) if staged else (),
         ),
     )
     job_id = uuid.UUID(job.id)
@@ -131,6 +135,13 @@ async def _place(
         lease_token=token,
         request_id=f"{transition}-{phase.value}",
         phase=phase,
+    )
+
+
+def _two_stages(job_type: str) -> tuple[NewStage, ...]:
+    return (
+        NewStage("first", job_type, _QUEUE, "v1", 3, 60.0, base=0.0, span=0.5),
+        NewStage("second", "machine.second", _QUEUE, "v1", 3, 60.0, base=0.5, span=0.5),
     )
 
 
@@ -186,6 +197,10 @@ def _params(transition: Transition, job: Placed) -> dict[str, Any]:
             return {**by_id, "reason": "enough"}
         case Transition.RETRY | Transition.REDISPATCH:
             return {**by_id, "dispatch_id": new_id()}
+        case Transition.ADVANCE:
+            return {**fence, "result": '{"done": 1}', "dispatch_id": new_id()}
+        case Transition.RESTART:
+            return {**by_id, "dispatch_id": new_id(), "stage": 0}
         case Transition.EXPIRE_LEASE:
             return {
                 "id": job.job_id,

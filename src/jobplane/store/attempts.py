@@ -61,6 +61,25 @@ class HandBack(enum.Enum):
 
 
 @dataclass(frozen=True, slots=True)
+class StageRun:
+    """The stage of a pipeline job an attempt runs, and what the stages before it returned."""
+
+    pipeline: str
+    pipeline_version: str
+    name: str
+    index: int
+    count: int
+    version: str
+    #: The results of the stages before this one, by stage name, in order.
+    inputs: Mapping[str, dict[str, Any]]
+
+    @property
+    def last(self) -> bool:
+        """Whether this is the pipeline's last stage."""
+        return self.index == self.count - 1
+
+
+@dataclass(frozen=True, slots=True)
 class Attempt:
     """A claimed attempt: what the handler needs, and the fence of its writes."""
 
@@ -80,6 +99,8 @@ class Attempt:
     #: the events its handler emits); None for a job from before lifecycle
     #: events had ids.
     started_event_id: uuid.UUID | None = None
+    #: The pipeline stage this attempt runs; None for a plain job.
+    stage: StageRun | None = None
 
     @property
     def attempts_left(self) -> int:
@@ -121,7 +142,13 @@ _CLAIMED: Returning = (
     "timeout_seconds",
     "queue",
     "lifecycle_seq",
+    "pipeline",
+    "pipeline_version",
+    "stage",
 )
+# A pipeline job's stages, for the one that runs: its version, and the
+# results of those before it.
+_STAGES = text("SELECT idx, name, version, result FROM job_stages WHERE job_id = :id ORDER BY idx")
 _INSPECT = text(
     """
     SELECT state, dispatch_id, type, lease_expires_at, lease_expires_at < now() AS lease_expired,
@@ -168,6 +195,9 @@ class AttemptStore:
             )
             if rows:
                 row = rows[0]
+                stage = None
+                if row["stage"] is not None:
+                    stage = await _stage_run(conn, envelope.job_id, row)
                 return ClaimResult(
                     ClaimStatus.CLAIMED,
                     attempt=Attempt(
@@ -188,6 +218,7 @@ class AttemptStore:
                             if row["lifecycle_seq"] is None
                             else lifecycle_event_id(envelope.job_id, int(row["lifecycle_seq"]))
                         ),
+                        stage=stage,
                     ),
                 )
             found = (await conn.execute(_INSPECT, params)).mappings().first()
@@ -292,9 +323,21 @@ class AttemptStore:
     ) -> None:
         """Commit SUCCEEDED (after any pending progress) or raise :class:`LeaseLost`.
 
+        A pipeline stage that is not the last commits its result and the next
+        stage's dispatch instead, the job QUEUED for it (ADR-0017).
         ``emitted``: the handler's events, for the machine's hooks to commit
         with the outcome (none of them when the attempt was fenced out).
         """
+        stage = attempt.stage
+        if stage is not None and not stage.last:
+            await self._finish(
+                attempt,
+                pending,
+                Transition.ADVANCE,
+                {"result": dumps(result), "dispatch_id": new_id()},
+                Cause(f"stage {stage.name} succeeded", emitted=emitted),
+            )
+            return
         await self._finish(
             attempt,
             pending,
@@ -418,6 +461,24 @@ class AttemptStore:
         for row in rows:
             written[int(row["k"]) - 1] = bool(row["cancel_requested"])
         return written
+
+
+async def _stage_run(conn: AsyncConnection, job_id: uuid.UUID, row: Any) -> StageRun:
+    index = int(row["stage"])
+    stages = (await conn.execute(_STAGES, {"id": job_id})).mappings().all()
+    inputs = {
+        s["name"]: _obj(s["result"]) for s in stages if s["idx"] < index and s["result"] is not None
+    }
+    current = next(s for s in stages if s["idx"] == index)
+    return StageRun(
+        pipeline=str(row["pipeline"]),
+        pipeline_version=str(row["pipeline_version"] or ""),
+        name=str(current["name"]),
+        index=index,
+        count=len(stages),
+        version=str(current["version"]),
+        inputs=inputs,
+    )
 
 
 def _obj(value: Any) -> dict[str, Any]:

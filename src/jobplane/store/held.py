@@ -15,7 +15,7 @@ from typing import Any
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from jobplane.store.attempts import Attempt
+from jobplane.store.attempts import Attempt, _stage_run
 from jobplane.store.engine import autocommit
 from jobplane.store.machine import ATTEMPT_FENCE, Transition, where_sources
 
@@ -26,7 +26,7 @@ from jobplane.store.machine import ATTEMPT_FENCE, Transition, where_sources
 _HELD = text(
     f"""
     SELECT tenant_id, type, payload, attempt, max_attempts, retry_base, correlation_id,
-           request_id, timeout_seconds, queue
+           request_id, timeout_seconds, queue, pipeline, pipeline_version, stage
     FROM jobs WHERE {ATTEMPT_FENCE} AND {where_sources(Transition.PROGRESS)}
     """
 )
@@ -43,8 +43,10 @@ class HeldAttempts:
         params = {"id": job_id, "attempt": attempt, "lease_token": lease_token}
         async with self._auto.connect() as conn:
             row = (await conn.execute(_HELD, params)).mappings().first()
-        if row is None:
-            return None
+            if row is None:
+                return None
+            # A pipeline's stage attempt succeeds by advancing to the next stage.
+            stage = None if row["stage"] is None else await _stage_run(conn, job_id, row)
         payload: Any = row["payload"]
         return Attempt(
             job_id=job_id,
@@ -61,4 +63,5 @@ class HeldAttempts:
             queue=row["queue"],
             # Only the Python handler's ctx.emit needs it; this path emits nothing.
             started_event_id=None,
+            stage=stage,
         )

@@ -8,20 +8,28 @@ from __future__ import annotations
 import hashlib
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from datetime import datetime
+from dataclasses import dataclass, field, replace
+from datetime import datetime, timedelta
 from typing import Any
 
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
-from jobplane.errors import JobAlreadyTerminal, JobNotFound, JobNotRetryable, RequestIdReused
+from jobplane.errors import (
+    InvalidArgument,
+    JobAlreadyTerminal,
+    JobNotFound,
+    JobNotRetryable,
+    RequestIdReused,
+    shown,
+)
 from jobplane.faults import NO_FAULTS, FaultPoints
 from jobplane.ids import new_id
 from jobplane.store.engine import autocommit
-from jobplane.store.machine import MACHINE, Cause, StateMachine, Transition
-from jobplane.store.rows import JOB_COLUMNS, dumps, event_from_row, job_from_row
-from jobplane.types import Job, JobEvent, JobState
+from jobplane.store.machine import MACHINE, Cause, NewStage, StateMachine, Transition
+from jobplane.store.rows import JOB_COLUMNS, dumps, event_from_row, job_from_row, stage_from_row
+from jobplane.topology import PipelineSpec
+from jobplane.types import Job, JobEvent, JobState, Stage, StageState
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,6 +44,10 @@ class NewJob:
     correlation_id: str = ""
     labels: dict[str, str] = field(default_factory=dict)
     timeout_seconds: float = 3600.0
+    #: A pipeline job's stages (``type`` is then the pipeline's name, and
+    #: max_attempts / timeout_seconds what the request set: 0 for the stages' own).
+    stages: tuple[NewStage, ...] = ()
+    pipeline_version: str = ""
 
     def fingerprint(self) -> bytes:
         """A digest of the request, stored with the job: equal digests are the same request.
@@ -55,6 +67,33 @@ class NewJob:
         return hashlib.sha256(canonical.encode()).digest()
 
 
+def pipeline_stages(
+    pipeline: PipelineSpec, *, max_attempts: int = 0, timeout_seconds: float | None = None
+) -> tuple[NewStage, ...]:
+    """The stages of a new job of ``pipeline``, each with its share of the job's progress.
+
+    ``max_attempts`` and ``timeout_seconds``, when set, replace every stage's own.
+    """
+    total = sum(stage.weight for stage in pipeline.stages)
+    stages = []
+    done = 0.0
+    for stage in pipeline.stages:
+        stages.append(
+            NewStage(
+                name=stage.name,
+                type=stage.type,
+                queue=stage.queue,
+                version=stage.version,
+                max_attempts=max_attempts or stage.max_attempts,
+                timeout_seconds=timeout_seconds or stage.timeout_seconds,
+                base=done / total,
+                span=stage.weight / total,
+            )
+        )
+        done += stage.weight
+    return tuple(stages)
+
+
 @dataclass(frozen=True, slots=True)
 class ListCursor:
     """Keyset position: the last job of the previous page."""
@@ -64,6 +103,23 @@ class ListCursor:
 
 
 _SELECT_JOB = text(f"SELECT {JOB_COLUMNS} FROM jobs WHERE id = :id AND tenant_id = :tenant_id")
+_SELECT_STAGES = text(
+    "SELECT name, type, version, state, attempts, max_attempts, timeout_seconds, start_time, "
+    "end_time, error_code, error_message, result FROM job_stages "
+    "WHERE job_id = :id AND tenant_id = :tenant_id ORDER BY idx"
+)
+_STAGE_INDEX = text(
+    "SELECT idx FROM job_stages WHERE job_id = :id AND tenant_id = :tenant_id AND name = :name"
+)
+# A plain job's pipeline columns.
+_PLAIN: dict[str, Any] = {
+    "pipeline": None,
+    "pipeline_version": None,
+    "stage": None,
+    "stage_name": None,
+    "stage_base": 0.0,
+    "stage_span": 1.0,
+}
 _SELECT_JOB_FOR_UPDATE = text(
     f"SELECT {JOB_COLUMNS} FROM jobs WHERE id = :id AND tenant_id = :tenant_id FOR UPDATE"
 )
@@ -73,7 +129,7 @@ _SELECT_JOB_FOR_UPDATE = text(
 _SELECT_BY_REQUEST = text(
     f"""
     SELECT {JOB_COLUMNS}, request_hash,
-           (type = :type AND payload = CAST(:payload AS jsonb)
+           (coalesce(pipeline, type) = :type AND payload = CAST(:payload AS jsonb)
             AND max_attempts = :max_attempts AND correlation_id = :correlation_id
             AND labels = CAST(:labels AS jsonb) AND timeout_seconds = :timeout_seconds)
                AS same_request
@@ -88,7 +144,7 @@ _READ_STREAMS = text(
     """
     SELECT w.k, j.state AS job_state, j.last_seq AS job_last_seq,
            e.job_id, e.seq, e.type, e.state, e.progress, e.message, e.data, e.attempt,
-           e.event_time
+           e.event_time, e.stage
     FROM unnest(CAST(:ids AS uuid[]), CAST(:tenants AS uuid[]), CAST(:afters AS bigint[]))
         WITH ORDINALITY AS w(id, tenant_id, after_seq, k)
     JOIN jobs j ON j.id = w.id AND j.tenant_id = w.tenant_id
@@ -152,30 +208,52 @@ class JobStore:
             "labels": dumps(new.labels),
             "dispatch_id": dispatch_id,
             "timeout_seconds": new.timeout_seconds,
+            **_PLAIN,
         }
+        if new.stages:
+            # The row runs the first stage: its type, queue, budget and share.
+            first = new.stages[0]
+            params.update(
+                type=first.type,
+                queue=first.queue,
+                max_attempts=first.max_attempts,
+                timeout_seconds=first.timeout_seconds,
+                pipeline=new.type,
+                pipeline_version=new.pipeline_version,
+                stage=0,
+                stage_name=first.name,
+                stage_base=first.base,
+                stage_span=first.span,
+            )
         machine = self._machine
+        cause = Cause("queued", stages=new.stages)
         async with machine.connect(self._engine, self._auto, Transition.SUBMIT) as conn:
-            created = await machine.apply(conn, Transition.SUBMIT, params, Cause("queued"))
+            created = await machine.apply(conn, Transition.SUBMIT, params, cause)
         if created:
             inserted = created[0]
             # Committed; a failure here loses only the reply (the caller's
             # retry with the same request_id gets this job).
             self._faults.hit("submit.after_commit")
-            return job_from_row(inserted), True
+            return _submitted(job_from_row(inserted), new.stages), True
         # A job with this request_id exists (ON CONFLICT waited for its insert
         # to commit, so it is visible now).
         async with self._auto.connect() as conn:
             existing = (
-                (await conn.execute(_SELECT_BY_REQUEST, {**params, "tenant_id": tenant_id}))
+                (
+                    await conn.execute(
+                        _SELECT_BY_REQUEST,
+                        {**params, "type": new.type, "tenant_id": tenant_id},
+                    )
+                )
                 .mappings()
                 .one()
             )
-        if bytes(existing["request_hash"]) != fingerprint and not existing["same_request"]:
-            raise RequestIdReused(
-                f"request_id {new.request_id!r} was used for a different request",
-                field="request_id",
-            )
-        return job_from_row(existing), False
+            if bytes(existing["request_hash"]) != fingerprint and not existing["same_request"]:
+                raise RequestIdReused(
+                    f"request_id {new.request_id!r} was used for a different request",
+                    field="request_id",
+                )
+            return await _with_stages(conn, existing), False
 
     async def get(self, tenant_id: uuid.UUID, job_id: uuid.UUID) -> Job:
         """One job of the tenant; :class:`JobNotFound` otherwise."""
@@ -185,9 +263,9 @@ class JobStore:
                 .mappings()
                 .first()
             )
-        if row is None:
-            raise JobNotFound(f"jobs/{job_id} not found")
-        return job_from_row(row)
+            if row is None:
+                raise JobNotFound(f"jobs/{job_id} not found")
+            return await _with_stages(conn, row)
 
     async def list_jobs(
         self,
@@ -197,15 +275,20 @@ class JobStore:
         after: ListCursor | None = None,
         state: JobState | None = None,
         job_type: str | None = None,
+        pipeline: bool = False,
     ) -> list[Job]:
-        """Up to ``limit`` jobs, newest first, strictly after ``after``."""
+        """Up to ``limit`` jobs, newest first, strictly after ``after``.
+
+        ``job_type`` names a pipeline when ``pipeline``: its jobs, whatever
+        stage they are at; otherwise plain jobs of that type.
+        """
         where = ["tenant_id = :tenant_id"]
         params: dict[str, Any] = {"tenant_id": tenant_id, "limit": limit}
         if state is not None:
             where.append("state = :state")
             params["state"] = state.value
         if job_type is not None:
-            where.append("type = :type")
+            where.append("pipeline = :type" if pipeline else "type = :type AND pipeline IS NULL")
             params["type"] = job_type
         if after is not None:
             where.append("(create_time, id) < (:after_time, :after_id)")
@@ -228,17 +311,22 @@ class JobStore:
             if current.state is JobState.QUEUED:
                 # The hooks drop a pending (re)dispatch, so nothing is published.
                 row = await self._one(conn, Transition.CANCEL, params, Cause(reason))
-                return job_from_row(row)
+                return await _with_stages(conn, row)
             if current.state is JobState.RUNNING:
                 if current.cancel_requested:
                     return current
                 # The hooks wake the worker that runs it.
                 row = await self._one(conn, Transition.REQUEST_CANCEL, params, Cause(reason))
-                return job_from_row(row)
+                return await _with_stages(conn, row)
         raise JobAlreadyTerminal(f"jobs/{job_id} is already {current.state.name}")
 
-    async def retry(self, tenant_id: uuid.UUID, job_id: uuid.UUID) -> Job:
-        """A FAILED or CANCELLED job → QUEUED for a new attempt, through the outbox."""
+    async def retry(self, tenant_id: uuid.UUID, job_id: uuid.UUID, *, from_stage: str = "") -> Job:
+        """A FAILED or CANCELLED job → QUEUED for a new attempt, through the outbox.
+
+        A pipeline job resumes at its stage (the one that failed or was
+        cancelled); ``from_stage`` restarts it at that stage instead. Either
+        way the stages before it keep their results and are not run again.
+        """
         dispatch_id = new_id()
         async with self._engine.begin() as conn:
             current = await self._lock(conn, tenant_id, job_id)
@@ -247,10 +335,28 @@ class JobStore:
                     f"jobs/{job_id} is {current.state.name}; only FAILED or CANCELLED "
                     "jobs can be retried"
                 )
-            params = {"id": job_id, "tenant_id": tenant_id, "dispatch_id": dispatch_id}
-            # The hooks write the new dispatch.
-            row = await self._one(conn, Transition.RETRY, params, Cause("retry requested"))
-            return job_from_row(row)
+            params: dict[str, Any] = {
+                "id": job_id,
+                "tenant_id": tenant_id,
+                "dispatch_id": dispatch_id,
+            }
+            transition = Transition.RETRY
+            cause = Cause("retry requested")
+            if from_stage:
+                found = (
+                    await conn.execute(_STAGE_INDEX, {**params, "name": from_stage})
+                ).scalar_one_or_none()
+                if found is None:
+                    what = "has no stage" if current.stage else "is not a pipeline job; no stage"
+                    raise InvalidArgument(
+                        f"jobs/{job_id} {what} named {shown(from_stage)}", field="from_stage"
+                    )
+                transition = Transition.RESTART
+                params["stage"] = int(found)
+                cause = Cause(f"restart requested from stage {from_stage}")
+            # The hooks write the new dispatch and reset the stages.
+            row = await self._one(conn, transition, params, cause)
+            return await _with_stages(conn, row)
 
     async def read_stream(
         self, tenant_id: uuid.UUID, job_id: uuid.UUID, after_seq: int, limit: int = 500
@@ -313,3 +419,31 @@ class JobStore:
         if row is None:
             raise JobNotFound(f"jobs/{job_id} not found")
         return job_from_row(row)
+
+
+async def _with_stages(conn: AsyncConnection, row: Any) -> Job:
+    """The job of ``row``, with its stages when it is a pipeline job."""
+    job = job_from_row(row)
+    if row["pipeline"] is None:
+        return job
+    found = await conn.execute(_SELECT_STAGES, {"id": row["id"], "tenant_id": row["tenant_id"]})
+    return replace(job, stages=tuple(stage_from_row(r) for r in found.mappings()))
+
+
+def _submitted(job: Job, stages: Sequence[NewStage]) -> Job:
+    """A job just submitted, with its stages as the submit wrote them."""
+    if not stages:
+        return job
+    written = tuple(
+        Stage(
+            name=st.name,
+            type=st.type,
+            version=st.version,
+            state=StageState.QUEUED if i == 0 else StageState.PENDING,
+            attempts=0,
+            max_attempts=st.max_attempts,
+            timeout=timedelta(seconds=st.timeout_seconds),
+        )
+        for i, st in enumerate(stages)
+    )
+    return replace(job, stages=written)

@@ -80,6 +80,7 @@ class Transition(enum.StrEnum):
     EXHAUST = "exhaust"  # a claim finds no attempt left: FAILED
     PROGRESS = "progress"  # a running attempt reports (many reports, many jobs, per statement)
     SUCCEED = "succeed"
+    ADVANCE = "advance"  # a pipeline's stage succeeded: QUEUED for the next stage, dispatched
     FAIL = "fail"
     CANCELLED = "cancelled"  # the running attempt acknowledges a cancel request
     SCHEDULE_RETRY = "schedule_retry"  # the attempt failed retryably: QUEUED, due later
@@ -89,6 +90,7 @@ class Transition(enum.StrEnum):
     CANCEL = "cancel"  # CancelJob of a QUEUED job
     REQUEST_CANCEL = "request_cancel"  # CancelJob of a RUNNING job: its attempt is asked
     RETRY = "retry"  # RetryJob: a new attempt budget for a FAILED or CANCELLED job
+    RESTART = "restart"  # RetryJob from a named stage of a FAILED or CANCELLED pipeline job
     EXPIRE_LEASE = "expire_lease"  # the sweeper finds a dead attempt: a new one, due later
     EXPIRE_LAST_LEASE = "expire_last_lease"  # ... and no attempt is left: FAILED
     REDISPATCH = "redispatch"  # an operator dispatches a waiting job again
@@ -103,6 +105,7 @@ class Lifecycle(enum.StrEnum):
     RETRY_SCHEDULED = "job.retry_scheduled"
     CANCEL_REQUESTED = "job.cancel_requested"
     SUCCEEDED = "job.succeeded"
+    STAGE_SUCCEEDED = "job.stage_succeeded"
     FAILED = "job.failed"
     CANCELLED = "job.cancelled"
 
@@ -111,6 +114,10 @@ class Lifecycle(enum.StrEnum):
 ATTEMPTS_LEFT = "attempt - retry_base < max_attempts"
 NO_ATTEMPTS_LEFT = "attempt - retry_base >= max_attempts"
 PARKED = "dispatch_id IS NULL"
+# The next stage's row exists (``s``: the statement's ``using``).
+NEXT_STAGE = "s.job_id = jobs.id AND s.idx = jobs.stage + 1"
+# ... the stage of the given index does (RetryJob from a named stage).
+NAMED_STAGE = "s.job_id = jobs.id AND s.idx = :stage"
 CANCEL_NOT_REQUESTED = "cancel_requested_at IS NULL"
 # Said by the hand-back statement itself, which decides between the two.
 LIVE_WORKER = "a live worker handles the job's type on its queue"
@@ -121,6 +128,12 @@ ATTEMPT_FENCE = "id = :id AND attempt = :attempt AND lease_token = :lease_token"
 BY_DISPATCH = "id = :id AND tenant_id = :tenant_id AND dispatch_id = :dispatch_id"
 BY_ID = "id = :id AND tenant_id = :tenant_id"
 
+# The job runs the stage ``s`` next: its type, queue, budget and share of progress.
+_AT_STAGE = (
+    "type = s.type, queue = s.queue, stage = s.idx, stage_name = s.name, "
+    "max_attempts = s.max_attempts, timeout_seconds = s.timeout_seconds, "
+    "stage_base = s.base, stage_span = s.span, progress = s.base, progress_message = ''"
+)
 _END = "lease_token = NULL, lease_expires_at = NULL, next_attempt_time = NULL, end_time = now()"
 _LIVE = frozenset({Phase.RUNNING, Phase.RUNNING_EXPIRED})
 _WAITING = frozenset({Phase.QUEUED, Phase.RUNNING_EXPIRED})
@@ -143,6 +156,11 @@ class Rule:
     # The domain event it publishes (None: none; progress is too frequent,
     # the hand-back, park and unpark leave the job QUEUED as it was).
     lifecycle: Lifecycle | None = None
+    # The stage its event belongs to, as SQL over j (NULL for a plain job).
+    stage: str = "j.stage_name"
+    # Rows the statement reads besides the job's (a FROM clause; the guard
+    # joins them), so its columns are qualified.
+    using: str = ""
 
     def __post_init__(self) -> None:
         if self.lifecycle is not None and self.event is None:
@@ -171,8 +189,8 @@ RULES: Mapping[Transition, Rule] = {
         "start_time = now(), next_attempt_time = NULL, cancel_requested_at = NULL, "
         # A new attempt starts from nothing: its STARTED event must not carry
         # the last attempt's progress.
-        "cancel_reason = NULL, progress = 0, progress_message = '', waiting_reason = NULL, "
-        "handbacks = 0",
+        "cancel_reason = NULL, progress = stage_base, progress_message = '', "
+        "waiting_reason = NULL, handbacks = 0",
         lifecycle=Lifecycle.STARTED,
     ),
     Transition.EXHAUST: Rule(
@@ -202,6 +220,25 @@ RULES: Mapping[Transition, Rule] = {
         sets="result = CAST(:result AS jsonb), progress = 1, error_code = NULL, "
         f"error_message = NULL, error_retryable = false, {_END}",
         lifecycle=Lifecycle.SUCCEEDED,
+    ),
+    Transition.ADVANCE: Rule(
+        _LIVE,
+        JobState.QUEUED,
+        ATTEMPT_FENCE,
+        EventType.STAGE_SUCCEEDED,
+        dispatch=True,
+        guard=NEXT_STAGE,
+        # The next stage's row (written with the job) says what runs next.
+        sets=f"{_AT_STAGE}, retry_base = jobs.attempt, dispatch_id = :dispatch_id, "
+        "lease_token = NULL, lease_expires_at = NULL, next_attempt_time = NULL, error_code = NULL, "
+        "error_message = NULL, error_retryable = false, cancel_requested_at = NULL, "
+        "cancel_reason = NULL, waiting_reason = NULL, handbacks = 0",
+        message="format('stage %s succeeded; %s is next', p.name, j.stage_name)",
+        data="jsonb_build_object('stage', p.name, 'next_stage', j.stage_name)",
+        lifecycle=Lifecycle.STAGE_SUCCEEDED,
+        # The event is the finished stage's.
+        stage="p.name",
+        using="job_stages s",
     ),
     Transition.FAIL: Rule(
         _LIVE,
@@ -290,11 +327,28 @@ RULES: Mapping[Transition, Rule] = {
         EventType.QUEUED,
         dispatch=True,
         sets="retry_base = attempt, dispatch_id = :dispatch_id, result = NULL, "
-        "error_code = NULL, error_message = NULL, error_retryable = false, progress = 0, "
-        "progress_message = '', cancel_requested_at = NULL, cancel_reason = NULL, "
+        "error_code = NULL, error_message = NULL, error_retryable = false, "
+        "progress = stage_base, progress_message = '', cancel_requested_at = NULL, "
+        "cancel_reason = NULL, "
         "lease_token = NULL, lease_expires_at = NULL, next_attempt_time = NULL, "
         "start_time = NULL, end_time = NULL, waiting_reason = NULL, handbacks = 0",
         lifecycle=Lifecycle.QUEUED,
+    ),
+    Transition.RESTART: Rule(
+        frozenset({Phase.FAILED, Phase.CANCELLED}),
+        JobState.QUEUED,
+        # Qualified: the stage's row has a tenant too.
+        "jobs.id = :id AND jobs.tenant_id = :tenant_id",
+        EventType.QUEUED,
+        dispatch=True,
+        guard=NAMED_STAGE,
+        sets=f"{_AT_STAGE}, retry_base = jobs.attempt, dispatch_id = :dispatch_id, "
+        "result = NULL, error_code = NULL, error_message = NULL, error_retryable = false, "
+        "cancel_requested_at = NULL, cancel_reason = NULL, lease_token = NULL, "
+        "lease_expires_at = NULL, next_attempt_time = NULL, start_time = NULL, "
+        "end_time = NULL, waiting_reason = NULL, handbacks = 0",
+        lifecycle=Lifecycle.QUEUED,
+        using="job_stages s",
     ),
     Transition.EXPIRE_LEASE: Rule(
         frozenset({Phase.RUNNING_EXPIRED}),
@@ -417,18 +471,34 @@ class Emitted:
 
 
 @dataclass(frozen=True, slots=True)
+class NewStage:
+    """One stage of a pipeline job, as submitted: its row of ``job_stages``."""
+
+    name: str
+    type: str
+    queue: str
+    version: str
+    max_attempts: int
+    timeout_seconds: float
+    base: float  # the job's progress when the stage starts
+    span: float  # the stage's share of the job's progress
+
+
+@dataclass(frozen=True, slots=True)
 class Cause:
     """Why a transition runs: what its event says, and what came with it.
 
     ``message`` and ``data`` are the job event's; ``emitted`` are the
     handler's events that must commit only if this transition applies;
-    ``causation_id`` names the event that caused it, when one did.
+    ``causation_id`` names the event that caused it, when one did;
+    ``stages`` are a new pipeline job's stages (submit only).
     """
 
     message: str = ""
     data: Mapping[str, Any] = field(default_factory=dict)
     emitted: Sequence[Emitted] = ()
     causation_id: uuid.UUID | None = None
+    stages: Sequence[NewStage] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -493,7 +563,13 @@ class _After(Hook):
         await self._fn(conn, change)
 
 
-_EVENT_COLUMNS = frozenset({"id", "last_seq", "tenant_id", "state", "progress", "attempt"})
+_EVENT_COLUMNS = frozenset(
+    {"id", "last_seq", "tenant_id", "state", "progress", "attempt", "stage", "stage_name"}
+)
+# The stage a pipeline job has just finished (p), for the event that says so.
+_PREVIOUS_STAGE = "JOIN job_stages p ON p.job_id = j.id AND p.idx = j.stage - 1"
+# A stage's own 0..1 as the job's progress (a plain job's base is 0, its span 1).
+_JOB_PROGRESS = "least(1.0, {t}.stage_base + {t}.stage_span * {p})"
 
 
 class JobEvents(Hook):
@@ -514,22 +590,24 @@ class JobEvents(Hook):
         )
         if transition is Transition.PROGRESS:
             # One event per report of the batch, after the row's last seq.
-            sql = """
+            progress = _JOB_PROGRESS.format(t="j", p="p.progress")
+            sql = f"""
         INSERT INTO job_events
-            (job_id, seq, tenant_id, type, state, progress, message, data, attempt)
-        SELECT j.id, j.last_seq - j.n + p.ord, j.tenant_id, 'progress', j.state, p.progress,
-               p.message, CAST(p.data AS jsonb), j.attempt
+            (job_id, seq, tenant_id, type, state, progress, message, data, attempt, stage)
+        SELECT j.id, j.last_seq - j.n + p.ord, j.tenant_id, 'progress', j.state, {progress},
+               p.message, CAST(p.data AS jsonb), j.attempt, j.stage_name
         FROM unnest(CAST(:ks AS bigint[]), CAST(:ords AS int[]), CAST(:progresses AS float8[]),
                     CAST(:messages AS text[]), CAST(:datas AS text[]))
             AS p(k, ord, progress, message, data)
-        JOIN {j} AS j ON j.k = p.k"""
-            return [Write(sql, notify, _EVENT_COLUMNS | {"n", "k"})]
+        JOIN {{j}} AS j ON j.k = p.k"""
+            return [Write(sql, notify, _EVENT_COLUMNS | {"n", "k", "stage_base", "stage_span"})]
+        previous = _PREVIOUS_STAGE if transition is Transition.ADVANCE else ""
         sql = f"""
         INSERT INTO job_events
-            (job_id, seq, tenant_id, type, state, progress, message, data, attempt)
+            (job_id, seq, tenant_id, type, state, progress, message, data, attempt, stage)
         SELECT j.id, j.last_seq, j.tenant_id, '{rule.event.value}', j.state, j.progress,
-               {rule.message}, {rule.data}, j.attempt
-        FROM {{j}} AS j"""
+               {rule.message}, {rule.data}, j.attempt, {rule.stage}
+        FROM {{j}} AS j {previous}"""
         extra = {"waiting_reason"} if transition is Transition.PARK else set()
         if transition is Transition.UNPARK:
             extra = {"type"}
@@ -575,6 +653,134 @@ class Dispatches(Hook):
                 )
             ]
         return ()
+
+
+def _stage_update(sets: str, which: str = "s.idx = j.stage") -> str:
+    return f"""
+        UPDATE job_stages s SET {sets}, update_time = now()
+        FROM {{j}} AS j
+        WHERE s.job_id = j.id AND {which}"""
+
+
+_STAGE_ENDED = "end_time = now()"
+_STAGE_ERROR = "error_code = j.error_code, error_message = j.error_message"
+_STAGE_CLEAR = "result = NULL, error_code = NULL, error_message = NULL, end_time = NULL"
+_STAGE_FAILED = _stage_update(f"state = 'failed', {_STAGE_ERROR}, {_STAGE_ENDED}")
+_STAGE_WAITS = _stage_update(f"state = 'queued', {_STAGE_ERROR}")
+_STAGE_CANCELLED = _stage_update(
+    "state = CASE WHEN s.idx = j.stage THEN 'cancelled' ELSE 'skipped' END, "
+    "end_time = CASE WHEN s.idx = j.stage THEN now() END",
+    "s.idx >= j.stage AND s.state NOT IN ('succeeded', 'failed')",
+)
+# Resuming at the job's stage (RetryJob, or a restart from a named stage):
+# it waits again, and every later stage is to run again.
+_STAGE_RESUMED = _stage_update(
+    f"state = CASE WHEN s.idx = j.stage THEN 'queued' ELSE 'pending' END, {_STAGE_CLEAR}, "
+    "attempts = CASE WHEN s.idx = j.stage THEN s.attempts ELSE 0 END, "
+    "start_time = CASE WHEN s.idx = j.stage THEN s.start_time END",
+    "s.idx >= j.stage",
+)
+_STAGE_WRITES: Mapping[Transition, tuple[str, frozenset[str]]] = {
+    Transition.SUBMIT: (
+        """
+        INSERT INTO job_stages (job_id, idx, tenant_id, name, type, queue, version,
+                                max_attempts, timeout_seconds, base, span, state)
+        SELECT j.id, CAST(s.ord AS int) - 1, j.tenant_id, s.name, s.type, s.queue, s.version,
+               s.max_attempts, s.timeout_seconds, s.base, s.span,
+               CASE WHEN s.ord = 1 THEN 'queued' ELSE 'pending' END
+        FROM {j} AS j,
+             unnest(CAST(:stage_names AS text[]), CAST(:stage_types AS text[]),
+                    CAST(:stage_queues AS text[]), CAST(:stage_versions AS text[]),
+                    CAST(:stage_max_attempts AS int[]), CAST(:stage_timeouts AS float8[]),
+                    CAST(:stage_bases AS float8[]), CAST(:stage_spans AS float8[]))
+                 WITH ORDINALITY AS s(name, type, queue, version, max_attempts,
+                                      timeout_seconds, base, span, ord)""",
+        frozenset({"id", "tenant_id"}),
+    ),
+    Transition.CLAIM: (
+        _stage_update(
+            "state = 'running', attempts = s.attempts + 1, "
+            "start_time = coalesce(s.start_time, now()), end_time = NULL"
+        ),
+        frozenset({"id", "stage"}),
+    ),
+    Transition.ADVANCE: (
+        _stage_update(
+            "state = CASE WHEN s.idx = j.stage THEN 'queued' ELSE 'succeeded' END, "
+            "result = CASE WHEN s.idx = j.stage THEN NULL ELSE CAST(:result AS jsonb) END, "
+            "error_code = NULL, error_message = NULL, "
+            "end_time = CASE WHEN s.idx = j.stage THEN NULL ELSE now() END",
+            "s.idx IN (j.stage - 1, j.stage)",
+        ),
+        frozenset({"id", "stage"}),
+    ),
+    Transition.SUCCEED: (
+        _stage_update(
+            "state = 'succeeded', result = j.result, error_code = NULL, error_message = NULL, "
+            f"{_STAGE_ENDED}"
+        ),
+        frozenset({"id", "stage", "result"}),
+    ),
+    Transition.FAIL: (_STAGE_FAILED, frozenset({"id", "stage", "error_code", "error_message"})),
+    Transition.EXHAUST: (
+        _STAGE_FAILED,
+        frozenset({"id", "stage", "error_code", "error_message"}),
+    ),
+    Transition.EXPIRE_LAST_LEASE: (
+        _STAGE_FAILED,
+        frozenset({"id", "stage", "error_code", "error_message"}),
+    ),
+    Transition.RELAY_FAIL: (
+        _STAGE_FAILED,
+        frozenset({"id", "stage", "error_code", "error_message"}),
+    ),
+    Transition.SCHEDULE_RETRY: (
+        _STAGE_WAITS,
+        frozenset({"id", "stage", "error_code", "error_message"}),
+    ),
+    Transition.EXPIRE_LEASE: (
+        _STAGE_WAITS,
+        frozenset({"id", "stage", "error_code", "error_message"}),
+    ),
+    Transition.CANCEL: (_STAGE_CANCELLED, frozenset({"id", "stage"})),
+    Transition.CANCELLED: (_STAGE_CANCELLED, frozenset({"id", "stage"})),
+    Transition.RETRY: (_STAGE_RESUMED, frozenset({"id", "stage"})),
+    Transition.RESTART: (_STAGE_RESUMED, frozenset({"id", "stage"})),
+}
+
+
+class Stages(Hook):
+    """A pipeline job's stages: their rows in ``job_stages``, kept with each transition.
+
+    Written in the transition's own statement (no round trip); a plain job
+    (``stage`` NULL) matches no row. The stages are written with the job;
+    after that each transition records what it did to the stage that runs:
+    its state, attempts, timings, last error, and on success its result,
+    keyed by (job, stage, version). A cancel skips every later stage; a
+    retry or restart makes the stage wait again and every later one pending.
+    """
+
+    def writes(self, transition: Transition) -> Sequence[Write]:
+        found = _STAGE_WRITES.get(transition)
+        if found is None:
+            return ()
+        sql, columns = found
+        return [Write(sql, columns=columns)]
+
+    def binds(self, transition: Transition, cause: Cause) -> Mapping[str, Any]:
+        if transition is not Transition.SUBMIT:
+            return {}
+        stages = cause.stages
+        return {
+            "stage_names": [st.name for st in stages],
+            "stage_types": [st.type for st in stages],
+            "stage_queues": [st.queue for st in stages],
+            "stage_versions": [st.version for st in stages],
+            "stage_max_attempts": [st.max_attempts for st in stages],
+            "stage_timeouts": [st.timeout_seconds for st in stages],
+            "stage_bases": [st.base for st in stages],
+            "stage_spans": [st.span for st in stages],
+        }
 
 
 class CancelSignal(Hook):
@@ -637,7 +843,7 @@ def _lifecycle_payload(lifecycle: Lifecycle) -> str:
     pairs = [
         ("name", "'jobs/' || j.id"),
         ("job_id", "CAST(j.id AS text)"),
-        ("type", "j.type"),
+        ("type", "coalesce(j.pipeline, j.type)"),
         ("queue", "j.queue"),
         ("state", "CAST(j.state AS text)"),
         ("attempt", "j.attempt"),
@@ -654,14 +860,31 @@ def _lifecycle_payload(lifecycle: Lifecycle) -> str:
         pairs.append(("next_attempt_time", _TIME_TEXT.format(t="j.next_attempt_time")))
     if lifecycle is Lifecycle.CANCEL_REQUESTED:
         pairs.append(("reason", "coalesce(j.cancel_reason, '')"))
-    return "jsonb_build_object(" + ", ".join(f"'{key}', {value}" for key, value in pairs) + ")"
+    payload = "jsonb_build_object(" + ", ".join(f"'{key}', {value}" for key, value in pairs) + ")"
+    # A pipeline job's events say where in the pipeline it is; a plain job's
+    # payload is as it always was.
+    stage = "j.stage_name"
+    extra = ""
+    if lifecycle is Lifecycle.STAGE_SUCCEEDED:
+        stage = "(SELECT p.name FROM job_stages p WHERE p.job_id = j.id AND p.idx = j.stage - 1)"
+        extra = ", 'next_stage', j.stage_name"
+    return (
+        f"({payload} || CASE WHEN j.pipeline IS NULL THEN '{{}}'::jsonb ELSE jsonb_build_object("
+        f"'pipeline', j.pipeline, 'pipeline_version', coalesce(j.pipeline_version, ''), "
+        f"'stage', {stage}, 'stage_type', j.type{extra}) END)"
+    )
 
 
 _LIFECYCLE_COLUMNS = frozenset(
     {"id", "tenant_id", "type", "queue", "state", "attempt", "max_attempts", "labels"}
     | {"correlation_id", "error_code", "error_message", "error_retryable", "last_seq"}
     | {"lifecycle_seq", "lifecycle_cause", "next_attempt_time", "cancel_reason"}
+    | {"pipeline", "pipeline_version", "stage", "stage_name"}
 )
+
+
+# A handler's emitted events commit with its attempt's success: the job's, or its stage's.
+_WITH_EMITTED = frozenset({Transition.SUCCEED, Transition.ADVANCE})
 
 
 class DomainEvents(Hook):
@@ -710,7 +933,7 @@ class DomainEvents(Hook):
                        AS order_seq
             FROM {{j}} AS j"""
             )
-        if transition is Transition.SUCCEED:
+        if transition in _WITH_EMITTED:
             selects.append(
                 f"""
             SELECT m.event_id, m.event_type, m.event_time, j.tenant_id, m.correlation_id,
@@ -753,7 +976,7 @@ class DomainEvents(Hook):
         ]
 
     def binds(self, transition: Transition, cause: Cause) -> Mapping[str, Any]:
-        if transition is not Transition.SUCCEED:
+        if transition not in _WITH_EMITTED:
             return {}
         emitted = cause.emitted
         return {
@@ -775,7 +998,13 @@ def builtin_hooks(*, lifecycle: bool | None = None) -> list[Hook]:
     """
     if lifecycle is None:
         lifecycle = lifecycle_events_enabled()
-    return [JobEvents(), Dispatches(), CancelSignal(), DomainEvents(lifecycle=lifecycle)]
+    return [
+        JobEvents(),
+        Dispatches(),
+        CancelSignal(),
+        Stages(),
+        DomainEvents(lifecycle=lifecycle),
+    ]
 
 
 # What a caller wants back from a statement: columns of j (job columns, plus
@@ -963,7 +1192,11 @@ def _changes(transition: Transition, needs: set[str]) -> str:
         return _unpark(needs)
     rule = RULES[transition]
     source_from, source_where, from_expr = _from_state(transition, needs)
-    seq = "last_seq = last_seq + 1, " if rule.event is not None else ""
+    sources = where_sources(transition)
+    if rule.using:
+        source_from = f"{source_from}, {rule.using}" if source_from else f"FROM {rule.using}"
+        sources = where_sources(transition, "jobs")
+    seq = "last_seq = jobs.last_seq + 1, " if rule.event is not None else ""
     if rule.lifecycle is not None:
         # The seq of the job's lifecycle event, and of the one before it
         # (its cause): the right-hand sides read the row as it was.
@@ -972,7 +1205,7 @@ def _changes(transition: Transition, needs: set[str]) -> str:
     return f"""
         UPDATE jobs SET state = '{rule.target.value}', {rule.sets}, {seq}update_time = now()
         {source_from}
-        WHERE {rule.match} AND {where_sources(transition)}{guard}{source_where}
+        WHERE {rule.match} AND {sources}{guard}{source_where}
         RETURNING {_returning(needs, "jobs") or "jobs.id"},
                   CAST('{transition}' AS text) AS transition, {from_expr} AS from_state
     """
@@ -985,10 +1218,13 @@ def _submit(needs: set[str]) -> str:
     return f"""
         INSERT INTO jobs (id, tenant_id, type, queue, state, payload, max_attempts, request_id,
                           request_hash, correlation_id, labels, dispatch_id, last_seq,
-                          timeout_seconds, lifecycle_seq)
+                          timeout_seconds, lifecycle_seq, pipeline, pipeline_version, stage,
+                          stage_name, stage_base, stage_span)
         VALUES (:id, :tenant_id, :type, :queue, '{RULES[Transition.SUBMIT].target.value}',
                 CAST(:payload AS jsonb), :max_attempts, :request_id, :request_hash,
-                :correlation_id, CAST(:labels AS jsonb), :dispatch_id, 1, :timeout_seconds, 1)
+                :correlation_id, CAST(:labels AS jsonb), :dispatch_id, 1, :timeout_seconds, 1,
+                CAST(:pipeline AS text), CAST(:pipeline_version AS text), CAST(:stage AS int),
+                CAST(:stage_name AS text), :stage_base, :stage_span)
         ON CONFLICT (tenant_id, request_id) DO NOTHING
         RETURNING {_returning(needs, "jobs") or "jobs.id"},
                   CAST('{Transition.SUBMIT}' AS text) AS transition,
@@ -1021,7 +1257,8 @@ def _progress(needs: set[str]) -> str:
             ORDER BY jobs.id
             FOR UPDATE OF jobs
         )
-        UPDATE jobs SET progress = i.last_progress, progress_message = i.last_message,
+        UPDATE jobs SET progress = {_JOB_PROGRESS.format(t="jobs", p="i.last_progress")},
+                        progress_message = i.last_message,
                         last_seq = jobs.last_seq + i.n, update_time = now()
         FROM i, locked
         WHERE jobs.id = locked.id AND jobs.id = i.id AND {fence}

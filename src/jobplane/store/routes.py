@@ -31,6 +31,9 @@ _READ_ROUTES = text(
     "SELECT rank, queue, pattern, regex, max_attempts, timeout_seconds FROM job_routes "
     "ORDER BY rank"
 )
+_READ_PIPELINES = text("SELECT name FROM job_pipelines ORDER BY name")
+_CLEAR_PIPELINES = text("DELETE FROM job_pipelines")
+_INSERT_PIPELINE = text("INSERT INTO job_pipelines (name) VALUES (:name)")
 _READ_LIMIT = text("SELECT max_payload_bytes, lifecycle_events FROM submit_settings")
 _CLEAR_ROUTES = text("DELETE FROM job_routes")
 _INSERT_ROUTE = text(
@@ -103,14 +106,25 @@ async def sync_submit_rules(
     if lifecycle_events is None:
         lifecycle_events = lifecycle_events_enabled()
     wanted = routes_of(topology)
+    pipelines = sorted(p.name for p in topology.pipelines)
     if isinstance(engine, AsyncConnection):
-        return await _sync(engine, wanted, max_payload_bytes, lifecycle_events)
+        return await _sync(engine, wanted, pipelines, max_payload_bytes, lifecycle_events)
     async with engine.begin() as conn:
-        return await _sync(conn, wanted, max_payload_bytes, lifecycle_events)
+        return await _sync(conn, wanted, pipelines, max_payload_bytes, lifecycle_events)
 
 
-async def _sync(conn: AsyncConnection, wanted: list[Route], limit: int, lifecycle: bool) -> bool:
+async def _sync(
+    conn: AsyncConnection, wanted: list[Route], pipelines: list[str], limit: int, lifecycle: bool
+) -> bool:
     await conn.execute(_LOCK, {"key": _SYNC_LOCK})
+    # Pipelines are submitted through SubmitJob only: jobplane.submit_job
+    # refuses their names.
+    named = list((await conn.execute(_READ_PIPELINES)).scalars())
+    changed = named != pipelines
+    if changed:
+        await conn.execute(_CLEAR_PIPELINES)
+        if pipelines:
+            await conn.execute(_INSERT_PIPELINE, [{"name": name} for name in pipelines])
     rows = (await conn.execute(_READ_ROUTES)).all()
     current = [
         Route(r.rank, r.queue, r.pattern, r.regex, r.max_attempts, r.timeout_seconds) for r in rows
@@ -118,7 +132,7 @@ async def _sync(conn: AsyncConnection, wanted: list[Route], limit: int, lifecycl
     settings = (await conn.execute(_READ_LIMIT)).first()
     current_settings = None if settings is None else (settings[0], settings[1])
     if current == wanted and current_settings == (limit, lifecycle):
-        return False
+        return changed
     if current != wanted:
         await conn.execute(_CLEAR_ROUTES)
         await conn.execute(

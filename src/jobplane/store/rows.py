@@ -9,7 +9,7 @@ from typing import Any
 
 from jobplane.errors import PayloadTooLarge
 from jobplane.names import job_name
-from jobplane.types import EventType, Job, JobError, JobEvent, JobState
+from jobplane.types import EventType, Job, JobError, JobEvent, JobState, Stage, StageState
 
 EVENTS_CHANNEL = "jobplane_events"
 CANCEL_CHANNEL = "jobplane_cancel"
@@ -49,6 +49,12 @@ JOB_FIELDS = (
     "end_time",
     "timeout_seconds",
     "waiting_reason",
+    "pipeline",
+    "pipeline_version",
+    "stage",
+    "stage_name",
+    "stage_base",
+    "stage_span",
 )
 JOB_COLUMNS = ", ".join(JOB_FIELDS)
 
@@ -93,7 +99,8 @@ def job_from_row(row: Mapping[Any, Any]) -> Job:
     result = _json(row["result"])
     return Job(
         name=job_name(row["id"]),
-        type=row["type"],
+        # A pipeline job's type is its pipeline's name; the row's is its stage's.
+        type=row["pipeline"] or row["type"],
         state=state,
         payload=_json(row["payload"]),
         result=result if state is JobState.SUCCEEDED else None,
@@ -115,6 +122,30 @@ def job_from_row(row: Mapping[Any, Any]) -> Job:
         timeout=timedelta(seconds=float(row["timeout_seconds"])),
         waiting_reason=(row["waiting_reason"] or "") if state is JobState.QUEUED else "",
         attempts_used=int(row["attempt"]) - int(row["retry_base"]),
+        stage=row["stage_name"] or "",
+        pipeline_version=row["pipeline_version"] or "",
+    )
+
+
+def stage_from_row(row: Mapping[Any, Any]) -> Stage:
+    """A :class:`Stage` from a ``job_stages`` row."""
+    state = StageState(row["state"])
+    error = None
+    if row["error_code"]:
+        ended = state in (StageState.FAILED, StageState.CANCELLED)
+        error = JobError(row["error_code"], row["error_message"] or "", retryable=not ended)
+    return Stage(
+        name=row["name"],
+        type=row["type"],
+        version=row["version"],
+        state=state,
+        attempts=int(row["attempts"]),
+        max_attempts=int(row["max_attempts"]),
+        timeout=timedelta(seconds=float(row["timeout_seconds"])),
+        start_time=row["start_time"],
+        end_time=row["end_time"],
+        error=error,
+        result=_json(row["result"]) if state is StageState.SUCCEEDED else None,
     )
 
 
@@ -130,4 +161,5 @@ def event_from_row(row: Mapping[Any, Any]) -> JobEvent:
         data=_json(row["data"]),
         event_time=row["event_time"],
         attempt=int(row["attempt"]),
+        stage=row["stage"] or "",
     )

@@ -96,10 +96,15 @@ class Job(_message.Message):
     TIMEOUT_FIELD_NUMBER: _builtins.int
     WAITING_REASON_FIELD_NUMBER: _builtins.int
     ATTEMPTS_USED_FIELD_NUMBER: _builtins.int
+    STAGE_FIELD_NUMBER: _builtins.int
+    STAGES_FIELD_NUMBER: _builtins.int
+    PIPELINE_VERSION_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """Resource name, `jobs/{job}`."""
     type: _builtins.str
-    """Lowercase dotted job type; it decides the queue and the handler."""
+    """Lowercase dotted job type; it decides the queue and the handler. For a
+    pipeline job, the pipeline's name (each stage has a type of its own).
+    """
     state: Global___Job.State.ValueType
     progress: _builtins.float
     """0..1, the last progress the handler reported."""
@@ -124,7 +129,13 @@ class Job(_message.Message):
     attempts_used: _builtins.int
     """Attempts counted against max_attempts since the job was submitted or
     last retried with RetryJob (`attempt` counts every attempt ever started).
+    For a pipeline job, `attempt`, `max_attempts`, `attempts_used` and
+    `timeout` are those of the stage that runs or waits now.
     """
+    stage: _builtins.str
+    """A pipeline job's stage that runs or waits now; empty for a plain job."""
+    pipeline_version: _builtins.str
+    """The pipeline's version as declared when the job was submitted."""
     @_builtins.property
     def payload(self) -> _struct_pb2.Struct: ...
     @_builtins.property
@@ -157,6 +168,12 @@ class Job(_message.Message):
     def timeout(self) -> _duration_pb2.Duration:
         """How long one attempt may run before it is cancelled and retried."""
 
+    @_builtins.property
+    def stages(self) -> _containers.RepeatedCompositeFieldContainer[Global___Stage]:
+        """A pipeline job's stages, in order (GetJob, CancelJob, RetryJob and
+        SubmitJob fill it; ListJobs leaves it empty). Empty for a plain job.
+        """
+
     def __init__(
         self,
         *,
@@ -183,14 +200,113 @@ class Job(_message.Message):
         timeout: _duration_pb2.Duration | None = ...,
         waiting_reason: _builtins.str = ...,
         attempts_used: _builtins.int = ...,
+        stage: _builtins.str = ...,
+        stages: _abc.Iterable[Global___Stage] | None = ...,
+        pipeline_version: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["create_time", b"create_time", "end_time", b"end_time", "error", b"error", "next_attempt_time", b"next_attempt_time", "payload", b"payload", "result", b"result", "start_time", b"start_time", "timeout", b"timeout", "update_time", b"update_time"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "attempts_used", b"attempts_used", "cancel_requested", b"cancel_requested", "correlation_id", b"correlation_id", "create_time", b"create_time", "end_time", b"end_time", "error", b"error", "labels", b"labels", "last_seq", b"last_seq", "max_attempts", b"max_attempts", "name", b"name", "next_attempt_time", b"next_attempt_time", "payload", b"payload", "progress", b"progress", "progress_message", b"progress_message", "request_id", b"request_id", "result", b"result", "start_time", b"start_time", "state", b"state", "timeout", b"timeout", "type", b"type", "update_time", b"update_time", "waiting_reason", b"waiting_reason"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "attempts_used", b"attempts_used", "cancel_requested", b"cancel_requested", "correlation_id", b"correlation_id", "create_time", b"create_time", "end_time", b"end_time", "error", b"error", "labels", b"labels", "last_seq", b"last_seq", "max_attempts", b"max_attempts", "name", b"name", "next_attempt_time", b"next_attempt_time", "payload", b"payload", "pipeline_version", b"pipeline_version", "progress", b"progress", "progress_message", b"progress_message", "request_id", b"request_id", "result", b"result", "stage", b"stage", "stages", b"stages", "start_time", b"start_time", "state", b"state", "timeout", b"timeout", "type", b"type", "update_time", b"update_time", "waiting_reason", b"waiting_reason"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___Job: _TypeAlias = Job  # noqa: Y015
+
+@_typing.final
+class Stage(_message.Message):
+    """One stage of a pipeline job: a job type of its own, on its own queue."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    class _State:
+        ValueType = _typing.NewType("ValueType", _builtins.int)
+        V: _TypeAlias = ValueType  # noqa: Y015
+
+    class _StateEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[Stage._State.ValueType], _builtins.type):
+        DESCRIPTOR: _descriptor.EnumDescriptor
+        STATE_UNSPECIFIED: Stage._State.ValueType  # 0
+        STATE_PENDING: Stage._State.ValueType  # 1
+        """An earlier stage has not succeeded yet."""
+        STATE_QUEUED: Stage._State.ValueType  # 2
+        STATE_RUNNING: Stage._State.ValueType  # 3
+        STATE_SUCCEEDED: Stage._State.ValueType  # 4
+        STATE_FAILED: Stage._State.ValueType  # 5
+        STATE_CANCELLED: Stage._State.ValueType  # 6
+        STATE_SKIPPED: Stage._State.ValueType  # 7
+        """The job was cancelled before this stage ran."""
+
+    class State(_State, metaclass=_StateEnumTypeWrapper): ...
+    STATE_UNSPECIFIED: Stage.State.ValueType  # 0
+    STATE_PENDING: Stage.State.ValueType  # 1
+    """An earlier stage has not succeeded yet."""
+    STATE_QUEUED: Stage.State.ValueType  # 2
+    STATE_RUNNING: Stage.State.ValueType  # 3
+    STATE_SUCCEEDED: Stage.State.ValueType  # 4
+    STATE_FAILED: Stage.State.ValueType  # 5
+    STATE_CANCELLED: Stage.State.ValueType  # 6
+    STATE_SKIPPED: Stage.State.ValueType  # 7
+    """The job was cancelled before this stage ran."""
+
+    NAME_FIELD_NUMBER: _builtins.int
+    TYPE_FIELD_NUMBER: _builtins.int
+    VERSION_FIELD_NUMBER: _builtins.int
+    STATE_FIELD_NUMBER: _builtins.int
+    ATTEMPTS_FIELD_NUMBER: _builtins.int
+    MAX_ATTEMPTS_FIELD_NUMBER: _builtins.int
+    TIMEOUT_FIELD_NUMBER: _builtins.int
+    START_TIME_FIELD_NUMBER: _builtins.int
+    END_TIME_FIELD_NUMBER: _builtins.int
+    ERROR_FIELD_NUMBER: _builtins.int
+    RESULT_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    type: _builtins.str
+    """The job type the stage runs (its queue and handler)."""
+    version: _builtins.str
+    """The stage's algorithm, model or configuration version; its result is
+    keyed by (job, stage, version).
+    """
+    state: Global___Stage.State.ValueType
+    attempts: _builtins.int
+    """Attempts started since the stage was last queued by RetryJob."""
+    max_attempts: _builtins.int
+    @_builtins.property
+    def timeout(self) -> _duration_pb2.Duration: ...
+    @_builtins.property
+    def start_time(self) -> _timestamp_pb2.Timestamp:
+        """When its first attempt started."""
+
+    @_builtins.property
+    def end_time(self) -> _timestamp_pb2.Timestamp: ...
+    @_builtins.property
+    def error(self) -> Global___JobError:
+        """Its last error (retryable while the stage will be tried again)."""
+
+    @_builtins.property
+    def result(self) -> _struct_pb2.Struct:
+        """Set when the stage SUCCEEDED: what its handler returned."""
+
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        type: _builtins.str = ...,
+        version: _builtins.str = ...,
+        state: Global___Stage.State.ValueType = ...,
+        attempts: _builtins.int = ...,
+        max_attempts: _builtins.int = ...,
+        timeout: _duration_pb2.Duration | None = ...,
+        start_time: _timestamp_pb2.Timestamp | None = ...,
+        end_time: _timestamp_pb2.Timestamp | None = ...,
+        error: Global___JobError | None = ...,
+        result: _struct_pb2.Struct | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["end_time", b"end_time", "error", b"error", "result", b"result", "start_time", b"start_time", "timeout", b"timeout"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempts", b"attempts", "end_time", b"end_time", "error", b"error", "max_attempts", b"max_attempts", "name", b"name", "result", b"result", "start_time", b"start_time", "state", b"state", "timeout", b"timeout", "type", b"type", "version", b"version"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Stage: _TypeAlias = Stage  # noqa: Y015
 
 @_typing.final
 class JobError(_message.Message):
@@ -393,16 +509,22 @@ class RetryJobRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     NAME_FIELD_NUMBER: _builtins.int
+    FROM_STAGE_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """`jobs/{job}`"""
+    from_stage: _builtins.str
+    """A pipeline job only: restart at this stage (and run every later one
+    again) instead of at the stage that failed or was cancelled.
+    """
     def __init__(
         self,
         *,
         name: _builtins.str = ...,
+        from_stage: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["name", b"name"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["from_stage", b"from_stage", "name", b"name"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -453,6 +575,8 @@ class WatchJobResponse(_message.Message):
         EVENT_TYPE_SUCCEEDED: WatchJobResponse._EventType.ValueType  # 6
         EVENT_TYPE_FAILED: WatchJobResponse._EventType.ValueType  # 7
         EVENT_TYPE_CANCELLED: WatchJobResponse._EventType.ValueType  # 8
+        EVENT_TYPE_STAGE_SUCCEEDED: WatchJobResponse._EventType.ValueType  # 9
+        """A pipeline's stage succeeded; the job is QUEUED for the next stage."""
 
     class EventType(_EventType, metaclass=_EventTypeEnumTypeWrapper): ...
     EVENT_TYPE_UNSPECIFIED: WatchJobResponse.EventType.ValueType  # 0
@@ -464,6 +588,8 @@ class WatchJobResponse(_message.Message):
     EVENT_TYPE_SUCCEEDED: WatchJobResponse.EventType.ValueType  # 6
     EVENT_TYPE_FAILED: WatchJobResponse.EventType.ValueType  # 7
     EVENT_TYPE_CANCELLED: WatchJobResponse.EventType.ValueType  # 8
+    EVENT_TYPE_STAGE_SUCCEEDED: WatchJobResponse.EventType.ValueType  # 9
+    """A pipeline's stage succeeded; the job is QUEUED for the next stage."""
 
     NAME_FIELD_NUMBER: _builtins.int
     SEQ_FIELD_NUMBER: _builtins.int
@@ -475,6 +601,7 @@ class WatchJobResponse(_message.Message):
     EVENT_TIME_FIELD_NUMBER: _builtins.int
     ATTEMPT_FIELD_NUMBER: _builtins.int
     TERMINAL_FIELD_NUMBER: _builtins.int
+    STAGE_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """`jobs/{job}`"""
     seq: _builtins.int
@@ -489,6 +616,8 @@ class WatchJobResponse(_message.Message):
     """The attempt the event belongs to (0 before the first claim)."""
     terminal: _builtins.bool
     """True for the last event of the job (SUCCEEDED, FAILED or CANCELLED)."""
+    stage: _builtins.str
+    """The pipeline stage the event belongs to; empty for a plain job."""
     @_builtins.property
     def data(self) -> _struct_pb2.Struct: ...
     @_builtins.property
@@ -506,10 +635,11 @@ class WatchJobResponse(_message.Message):
         event_time: _timestamp_pb2.Timestamp | None = ...,
         attempt: _builtins.int = ...,
         terminal: _builtins.bool = ...,
+        stage: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["data", b"data", "event_time", b"event_time"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "data", b"data", "event_time", b"event_time", "message", b"message", "name", b"name", "progress", b"progress", "seq", b"seq", "state", b"state", "terminal", b"terminal", "type", b"type"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "data", b"data", "event_time", b"event_time", "message", b"message", "name", b"name", "progress", b"progress", "seq", b"seq", "stage", b"stage", "state", b"state", "terminal", b"terminal", "type", b"type"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -108,7 +108,9 @@ class JobServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def RetryJob(self, request, context):
-        """Starts a new attempt of a FAILED or CANCELLED job.
+        """Starts a new attempt of a FAILED or CANCELLED job. A pipeline job
+        resumes at the stage that failed or was cancelled (or at `from_stage`);
+        stages before it are not run again.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -47,7 +47,10 @@ class JobServiceStub:
     CancelJob: _grpc.UnaryUnaryMultiCallable[_jobs_pb2.CancelJobRequest, _jobs_pb2.Job]
     """Cancels a queued job at once, or asks a running one to stop."""
     RetryJob: _grpc.UnaryUnaryMultiCallable[_jobs_pb2.RetryJobRequest, _jobs_pb2.Job]
-    """Starts a new attempt of a FAILED or CANCELLED job."""
+    """Starts a new attempt of a FAILED or CANCELLED job. A pipeline job
+    resumes at the stage that failed or was cancelled (or at `from_stage`);
+    stages before it are not run again.
+    """
     WatchJob: _grpc.UnaryStreamMultiCallable[_jobs_pb2.WatchJobRequest, _jobs_pb2.WatchJobResponse]
     """Streams a job's events after `after_seq`, then live ones, and ends after
     the terminal event.
@@ -72,7 +75,10 @@ class JobServiceAsyncStub(JobServiceStub):
     CancelJob: _aio.UnaryUnaryMultiCallable[_jobs_pb2.CancelJobRequest, _jobs_pb2.Job]  # type: ignore[assignment]
     """Cancels a queued job at once, or asks a running one to stop."""
     RetryJob: _aio.UnaryUnaryMultiCallable[_jobs_pb2.RetryJobRequest, _jobs_pb2.Job]  # type: ignore[assignment]
-    """Starts a new attempt of a FAILED or CANCELLED job."""
+    """Starts a new attempt of a FAILED or CANCELLED job. A pipeline job
+    resumes at the stage that failed or was cancelled (or at `from_stage`);
+    stages before it are not run again.
+    """
     WatchJob: _aio.UnaryStreamMultiCallable[_jobs_pb2.WatchJobRequest, _jobs_pb2.WatchJobResponse]  # type: ignore[assignment]
     """Streams a job's events after `after_seq`, then live ones, and ends after
     the terminal event.
@@ -124,7 +130,10 @@ class JobServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _jobs_pb2.RetryJobRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_jobs_pb2.Job, _abc.Awaitable[_jobs_pb2.Job]]:
-        """Starts a new attempt of a FAILED or CANCELLED job."""
+        """Starts a new attempt of a FAILED or CANCELLED job. A pipeline job
+        resumes at the stage that failed or was cancelled (or at `from_stage`);
+        stages before it are not run again.
+        """
 
     @_abc_1.abstractmethod
     def WatchJob(
