@@ -33,7 +33,12 @@ _HELD = text(
 
 
 class HeldAttempts:
-    """Reads attempts by their fence."""
+    """Reads attempts by their fence.
+
+    The outcome writes read what is read here as they read what
+    :meth:`AttemptStore.claim` returned: whatever the claim fills in an
+    :class:`Attempt` that a write depends on, this must fill too.
+    """
 
     def __init__(self, engine: AsyncEngine) -> None:
         self._auto = autocommit(engine)

@@ -69,10 +69,18 @@ _UPSERT_TENANT = text(
     RETURNING id
     """
 )
+# A tenant key names no scope (the column's default): creating one works on a
+# database from before worker keys too, as tests of older revisions do.
 _INSERT_KEY = text(
     """
+    INSERT INTO api_keys (tenant_id, key_hash, prefix) VALUES (:tenant_id, :key_hash, :prefix)
+    RETURNING key_id
+    """
+)
+_INSERT_WORKER_KEY = text(
+    """
     INSERT INTO api_keys (tenant_id, key_hash, prefix, scope)
-    VALUES (:tenant_id, :key_hash, :prefix, :scope)
+    VALUES (NULL, :key_hash, :prefix, 'worker')
     RETURNING key_id
     """
 )
@@ -337,17 +345,12 @@ class KeyStore:
         conn: AsyncConnection, tenant_id: object, scope: KeyScope = KeyScope.TENANT
     ) -> tuple[str, str]:
         key = _new_key()
-        key_id = (
-            await conn.execute(
-                _INSERT_KEY,
-                {
-                    "tenant_id": tenant_id,
-                    "key_hash": hash_key(key),
-                    "prefix": key[:8],
-                    "scope": scope.value,
-                },
-            )
-        ).scalar_one()
+        params: dict[str, object] = {"key_hash": hash_key(key), "prefix": key[:8]}
+        if scope is KeyScope.WORKER:
+            statement = _INSERT_WORKER_KEY
+        else:
+            statement, params["tenant_id"] = _INSERT_KEY, tenant_id
+        key_id = (await conn.execute(statement, params)).scalar_one()
         return key, str(key_id)
 
     # -- resolution ----------------------------------------------------------
