@@ -29,7 +29,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 
 from aio_pika.abc import AbstractChannel, AbstractConnection, AbstractIncomingMessage, AbstractQueue
 
@@ -73,7 +73,9 @@ class Slots:
             raise ValueError("reserve must be at least 0 and less than concurrency")
         self.reserve = reserve
         self._running = dict.fromkeys(present, 0)
+        self._held = 0
         self._below_top = 0
+        self._queued = 0
         self._waiting: dict[str, collections.deque[asyncio.Future[None]]] = {
             p: collections.deque() for p in present
         }
@@ -84,7 +86,7 @@ class Slots:
     @property
     def running(self) -> int:
         """Slots held now."""
-        return sum(self._running.values())
+        return self._held
 
     def prefetch(self, priority: str) -> int:
         """The prefetch for a queue of ``priority``: what its class may run at once."""
@@ -96,23 +98,19 @@ class Slots:
         """``priority`` if the worker has such queues, else its lowest class."""
         return priority if priority in self._running else self.classes[-1]
 
-    @contextlib.asynccontextmanager
-    async def turn(self, priority: str) -> AsyncIterator[None]:
-        """Hold a slot for the block; waits for one, by priority and turns.
+    def turn(self, priority: str) -> _Turn:
+        """``async with slots.turn(priority):`` holds a slot for the block; waits
+        for one, by priority and turns.
 
         Raises :class:`SlotsClosed` when the worker stops before a slot is
         granted.
         """
-        cls = self.class_of(priority)
-        await self._acquire(cls)
-        try:
-            yield
-        finally:
-            self._release(cls)
+        return _Turn(self, self.class_of(priority))
 
     def close(self) -> None:
         """Refuse every waiting and every later request (held slots stay held)."""
         self._closed = True
+        self._queued = 0
         for waiting in self._waiting.values():
             while waiting:
                 future = waiting.popleft()
@@ -127,11 +125,12 @@ class Slots:
             # A class that had nothing waiting joins at the current pass: it
             # cannot bank turns while it was idle.
             self._pass[cls] = max(self._pass[cls], self._clock)
-            if self._may_run(cls) and not any(self._waiting.values()):
+            if not self._queued and self._may_run(cls):
                 self._grant(cls)
                 return
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         waiting.append(future)
+        self._queued += 1
         self._dispatch()
         try:
             await future
@@ -141,15 +140,17 @@ class Slots:
             else:
                 with contextlib.suppress(ValueError):
                     waiting.remove(future)
+                    self._queued -= 1
             raise
 
     def _may_run(self, cls: str) -> bool:
-        if self.running >= self.concurrency:
+        if self._held >= self.concurrency:
             return False
         return cls == self.top or self._below_top < self.concurrency - self.reserve
 
     def _grant(self, cls: str) -> None:
         self._running[cls] += 1
+        self._held += 1
         if cls != self.top:
             self._below_top += 1
         self._clock = self._pass[cls]
@@ -157,22 +158,41 @@ class Slots:
 
     def _release(self, cls: str) -> None:
         self._running[cls] -= 1
+        self._held -= 1
         if cls != self.top:
             self._below_top -= 1
-        self._dispatch()
+        if self._queued:
+            self._dispatch()
 
     def _dispatch(self) -> None:
         """Grant free slots to waiting deliveries: lowest pass first, ties to the higher class."""
-        while self.running < self.concurrency:
+        while self._queued and self._held < self.concurrency:
             ready = [c for c in self.classes if self._waiting[c] and self._may_run(c)]
             if not ready:
                 return
             cls = min(ready, key=lambda c: self._pass[c])  # min keeps the first of a tie
             future = self._waiting[cls].popleft()
+            self._queued -= 1
             if future.done():  # cancelled while it waited
                 continue
             self._grant(cls)
             future.set_result(None)
+
+
+class _Turn:
+    """One slot for an ``async with`` block (a class: the hot path pays no generator)."""
+
+    __slots__ = ("_cls", "_slots")
+
+    def __init__(self, slots: Slots, cls: str) -> None:
+        self._slots = slots
+        self._cls = cls
+
+    async def __aenter__(self) -> None:
+        await self._slots._acquire(self._cls)
+
+    async def __aexit__(self, *exc: object) -> None:
+        self._slots._release(self._cls)
 
 
 async def consume(

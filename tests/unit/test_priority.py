@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import random
 from collections import Counter
 from pathlib import Path
 
@@ -137,3 +138,26 @@ async def test_a_cancelled_waiter_gives_its_turn_on() -> None:
     release.set()
     await asyncio.gather(holder, after)
     assert cancelled.cancelled() and started == ["low", "low"] and slots.running == 0
+
+
+async def test_the_bound_holds_under_random_arrivals_and_cancellations() -> None:
+    rng = random.Random(19)
+    slots = Slots(5, ["high", "normal", "low"], reserve=2)
+    peak = {"all": 0, "below": 0}
+
+    async def one(priority: str) -> None:
+        async with slots.turn(priority):
+            below = slots.running - slots._running["high"]
+            peak["all"] = max(peak["all"], slots.running)
+            peak["below"] = max(peak["below"], below)
+            await asyncio.sleep(rng.random() / 100)
+
+    tasks = []
+    for _ in range(400):
+        tasks.append(asyncio.create_task(one(rng.choice(PRIORITIES))))
+        if rng.random() < 0.2:
+            rng.choice(tasks).cancel()
+        await asyncio.sleep(rng.random() / 2000)
+    await asyncio.gather(*tasks, return_exceptions=True)
+    assert peak == {"all": 5, "below": 3}
+    assert slots.running == 0 and slots._queued == 0
