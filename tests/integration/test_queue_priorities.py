@@ -1,4 +1,4 @@
-"""Queue priorities: one worker consuming a high and a low queue (ADR-0019).
+"""Queue priorities: one worker consuming two high queues and a low one (ADR-0019).
 
 The bounds are ratios of what the run itself does, not tight timings: a high
 job must start long before a low job of the set it arrived behind could end,
@@ -9,72 +9,23 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections import Counter
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field, replace
-from typing import Any
 
 import pytest
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from jobplane.client import AsyncClient
 from jobplane.topology import Topology
-from jobplane.workers.handlers import Handler, JobContext, Registry
 from tests.support import services
+from tests.support.priorities import CONCURRENCY, Board, mixed_topology, submit
 from tests.support.stack import eventually, start_stack
-
-CONCURRENCY = 4  # a reserve of one slot for the high queue
-
-
-@dataclass
-class Board:
-    """What the handlers saw: who runs now, the most at once, every start."""
-
-    running: Counter[str] = field(default_factory=Counter)
-    peak: int = 0
-    starts: list[tuple[str, float]] = field(default_factory=list)
-    started: dict[str, float] = field(default_factory=dict)
-    ended: Counter[str] = field(default_factory=Counter)
-
-    def registry(self, seconds: dict[str, float]) -> Registry:
-        registry = Registry()
-        for cls, job_type in (("high", "hi.a.work"), ("high", "hi.b.work"), ("low", "lo.work")):
-            registry.add(job_type, self._handler(cls, seconds[cls]))
-        return registry
-
-    def _handler(self, cls: str, seconds: float) -> Handler:
-        async def handle(ctx: JobContext) -> dict[str, Any]:
-            self.running[cls] += 1
-            self.peak = max(self.peak, sum(self.running.values()))
-            self.starts.append((cls, time.monotonic()))
-            self.started[ctx.id] = time.monotonic()
-            try:
-                await asyncio.sleep(seconds)
-            finally:
-                self.running[cls] -= 1
-            self.ended[cls] += 1
-            return {}
-
-        return handle
 
 
 @pytest.fixture
 async def priorities(amqp_url: str, topology: Topology) -> AsyncIterator[Topology]:
     """Two high queues and a low one, under this test's names."""
-    base = topology.queues[0]
-    queues = (
-        replace(base, name=f"{base.name}.hi-a", bindings=("hi.a.#",), priority="high"),
-        replace(base, name=f"{base.name}.hi-b", bindings=("hi.b.#",), priority="high"),
-        replace(base, name=f"{base.name}.lo", bindings=("lo.#",), priority="low"),
-    )
-    mixed = replace(topology, queues=queues)
+    mixed = mixed_topology(topology)
     yield mixed
     await services.delete_topology(amqp_url, mixed)
-
-
-async def _submit(client: AsyncClient, job_type: str, n: int) -> list[str]:
-    jobs = await asyncio.gather(*(client.submit(job_type, {}) for _ in range(n)))
-    return [job.id for job in jobs]
 
 
 async def test_a_high_job_starts_at_once_behind_a_full_set_of_long_low_jobs(
@@ -86,7 +37,7 @@ async def test_a_high_job_starts_at_once_behind_a_full_set_of_long_low_jobs(
     try:
         client = stack.client()
         # A backlog that takes 200 * 6 s / 3 slots = 400 s to drain.
-        await _submit(client, "lo.work", 200)
+        await submit(client, "lo.work", 200)
         await stack.start_worker(
             board.registry({"high": 0.0, "low": low_seconds}), concurrency=CONCURRENCY
         )
@@ -98,7 +49,7 @@ async def test_a_high_job_starts_at_once_behind_a_full_set_of_long_low_jobs(
         waits = []
         for job_type in ("hi.a.work", "hi.b.work") * 3:
             submitted = time.monotonic()
-            (job,) = await _submit(client, job_type, 1)
+            (job,) = await submit(client, job_type, 1)
 
             async def started(job: str = job) -> bool:
                 return job in board.started
@@ -125,9 +76,9 @@ async def test_low_jobs_keep_a_share_while_high_jobs_keep_arriving(
     stack = await start_stack(engine, database_url, amqp_url, priorities, worker=False)
     try:
         client = stack.client()
-        await _submit(client, "lo.work", 300)
-        await _submit(client, "hi.a.work", 40)
-        await _submit(client, "hi.b.work", 40)
+        await submit(client, "lo.work", 300)
+        await submit(client, "hi.a.work", 40)
+        await submit(client, "hi.b.work", 40)
         await stack.start_worker(
             board.registry({"high": 0.03, "low": 0.03}), concurrency=CONCURRENCY
         )
@@ -138,8 +89,8 @@ async def test_low_jobs_keep_a_share_while_high_jobs_keep_arriving(
         while time.monotonic() < deadline:
             high_started = sum(1 for cls, _ in board.starts if cls == "high")
             if submitted - high_started < 40:
-                await _submit(client, "hi.a.work", 10)
-                await _submit(client, "hi.b.work", 10)
+                await submit(client, "hi.a.work", 10)
+                await submit(client, "hi.b.work", 10)
                 submitted += 20
             else:
                 await asyncio.sleep(0.02)
