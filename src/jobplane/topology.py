@@ -70,6 +70,7 @@ class QueueSpec:
     bindings: tuple[str, ...]
     delivery_limit: int = 5
     max_attempts: int = 3
+    #: One of PRIORITIES: how a worker orders its slots (jobplane.workers.priority).
     priority: str = "normal"
     # Defaults for jobs of this queue: attempt timeout, and the backoff of
     # retries (exponential from retry_base_delay, capped, with jitter).
