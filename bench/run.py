@@ -360,32 +360,7 @@ async def fig_throughput(bench: Bench) -> float:
 async def fig_open_loop(bench: Bench, rate: float) -> None:
     """Figures 1 (open loop) and 2: a fixed submit rate; submit → start latency."""
     seconds = bench.args.seconds
-    total = int(rate * seconds)
-    job_type = "bench.noop"
-    async with AsyncClient(bench.address, bench.key) as client:
-        before = (await bench.sql("SELECT count(*) AS n FROM jobs WHERE type = $1", job_type))[0][
-            "n"
-        ]
-        marker = time.time()
-        tasks = []
-        started = time.perf_counter()
-        for i in range(total):
-            due = started + i / rate
-            delay = due - time.perf_counter()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            tasks.append(asyncio.create_task(client.submit(job_type, {"open": True})))
-        await asyncio.gather(*tasks)
-    await bench.wait_done(before + total, job_type)
-    rows = await bench.sql(
-        """
-        SELECT extract(epoch FROM start_time - create_time) * 1000 AS start_ms,
-               end_time, create_time
-        FROM jobs WHERE type = $1 AND create_time >= to_timestamp($2)
-        """,
-        job_type,
-        marker,
-    )
+    rows = await open_loop(bench, "bench.noop", rate, seconds)
     start = [float(r["start_ms"]) for r in rows]
     span = (max(r["end_time"] for r in rows) - min(r["create_time"] for r in rows)).total_seconds()
     config = {"rate": round(rate, 1), "seconds": seconds, **_procs(bench)}
@@ -394,7 +369,44 @@ async def fig_open_loop(bench: Bench, rate: float) -> None:
     bench.add(Figure("submit_to_start_p99", percentile(start, 99), "ms", config))
 
 
+async def open_loop(
+    bench: Bench, job_type: str, rate: float, seconds: float
+) -> list[asyncpg.Record]:
+    """Submit ``job_type`` at ``rate`` for ``seconds``; once all have ended, their
+    ``start_ms`` (submit → start), ``create_time`` and ``end_time``.
+
+    A pipeline's name reads its jobs (``start_ms``: its first stage's start).
+    """
+    total = max(1, int(rate * seconds))
+    marker = time.time()
+    async with AsyncClient(bench.address, bench.key) as client:
+        tasks = []
+        started = time.perf_counter()
+        for i in range(total):
+            delay = started + i / rate - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.create_task(client.submit(job_type, {"open": True})))
+        await asyncio.gather(*tasks)
+    column = "pipeline" if job_type == PIPELINE else "type"
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:
+        rows = await bench.sql(
+            "SELECT extract(epoch FROM start_time - create_time) * 1000 AS start_ms, "
+            f"create_time, end_time FROM jobs WHERE tenant_id = $1 AND {column} = $2 "
+            "AND create_time >= to_timestamp($3)",
+            bench.tenant,
+            job_type,
+            marker,
+        )
+        if len(rows) >= total and all(r["end_time"] is not None for r in rows):
+            return rows
+        await asyncio.sleep(0.1)
+    raise TimeoutError(f"{job_type}: not all {total} open-loop jobs ended")
+
+
 PIPELINE_TOPOLOGY = ROOT / "bench" / "pipeline.toml"
+PIPELINE = "bench.pipeline"
 
 
 async def fig_pipeline(bench: Bench) -> None:
@@ -415,9 +427,7 @@ async def fig_pipeline(bench: Bench) -> None:
         single = await closed_loop_rate(bench, "bench.noop_single")
         n = max(3, bench.args.jobs // 3)
         started = time.time()
-        await submit_closed_loop(
-            bench.address, bench.key, "bench.pipeline", n, bench.args.clients, {}
-        )
+        await submit_closed_loop(bench.address, bench.key, PIPELINE, n, bench.args.clients, {})
         await _pipelines_done(bench, started, n)
         span = await bench.sql(
             "SELECT extract(epoch FROM max(end_time) - min(create_time)) AS span, count(*) AS n "
@@ -438,9 +448,10 @@ async def fig_pipeline(bench: Bench) -> None:
         )
         # Open loop, half of each closed-loop rate, for the same time.
         seconds = bench.args.seconds
-        single_start = await _open_loop(bench, "bench.noop_single", single / 2, seconds)
+        single_rows = await open_loop(bench, "bench.noop_single", single / 2, seconds)
+        single_start = [float(r["start_ms"]) for r in single_rows]
         marker = time.time()
-        await _open_loop(bench, "bench.pipeline", pipelines / 2, seconds)
+        await open_loop(bench, PIPELINE, pipelines / 2, seconds)
         rows = await bench.sql(
             """
             SELECT extract(epoch FROM last.start_time - j.create_time) * 1000 AS last_start_ms
@@ -507,35 +518,6 @@ async def _pipelines_done(bench: Bench, since: float, count: int, timeout: float
             return
         await asyncio.sleep(0.1)
     raise TimeoutError(f"not all {count} pipelines ended")
-
-
-async def _open_loop(bench: Bench, job_type: str, rate: float, seconds: float) -> list[float]:
-    """Submit ``job_type`` at ``rate`` for ``seconds``; each job's submit → start in ms."""
-    total = max(1, int(rate * seconds))
-    marker = time.time()
-    async with AsyncClient(bench.address, bench.key) as client:
-        tasks = []
-        started = time.perf_counter()
-        for i in range(total):
-            delay = started + i / rate - time.perf_counter()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            tasks.append(asyncio.create_task(client.submit(job_type, {"open": True})))
-        await asyncio.gather(*tasks)
-    column = "pipeline" if job_type == "bench.pipeline" else "type"
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:
-        rows = await bench.sql(
-            f"SELECT extract(epoch FROM start_time - create_time) * 1000 AS ms, end_time "
-            f"FROM jobs WHERE tenant_id = $1 AND {column} = $2 AND create_time >= to_timestamp($3)",
-            bench.tenant,
-            job_type,
-            marker,
-        )
-        if len(rows) >= total and all(r["end_time"] is not None for r in rows):
-            return [float(r["ms"]) for r in rows]
-        await asyncio.sleep(0.1)
-    raise TimeoutError(f"{job_type}: not all {total} open-loop jobs ended")
 
 
 async def fig_progress(bench: Bench) -> None:

@@ -48,6 +48,7 @@ from jobplane.workers.bounce import Bounced, bounce_foreign
 from jobplane.workers.handlers import JobContext, Registry
 from jobplane.workers.outcome import Escaped, Failure, check_result, describe, invoke
 from jobplane.workers.presence import Presence
+from jobplane.workers.priority import Slots, SlotsClosed, consume
 from jobplane.workers.progress import ProgressFlusher, ProgressWriter
 from jobplane.workers.retry import retry_delay
 
@@ -103,6 +104,7 @@ class Worker:
         handback_max_delay: float = 10.0,
         cancel_grace: float = 10.0,
         max_result_bytes: int = 256 * 1024,
+        reserve: int | None = None,
     ) -> None:
         if concurrency < 1:
             raise ValueError("concurrency must be at least 1")
@@ -112,8 +114,12 @@ class Worker:
         self._topology = topology
         self._registry = registry
         self._concurrency = concurrency
-        self._prefetch = prefetch if prefetch is not None else concurrency
+        self._prefetch = prefetch
         self._queues = queues or [q.name for q in topology.queues]
+        # Handler slots across all the queues, granted by queue priority.
+        specs = [q for q in topology.queues if q.name in self._queues]
+        self._slots = Slots(concurrency, [q.priority for q in specs], reserve=reserve)
+        self._classes: dict[str, str] = {}
         self._progress = ProgressFlusher(self._store, window=progress_window)
         self._retry_base_delay = retry_base_delay
         self._faults = faults
@@ -172,17 +178,18 @@ class Worker:
             self._connection = await broker.until_up(
                 lambda: broker.connect(self._amqp_url, robust=True), log
             )
-            channel = await self._connection.channel()
-            await channel.set_qos(prefetch_count=self._prefetch)
             self._bounce_channel = await self._connection.channel(publisher_confirms=True)
             # Registered before consuming: others park a job only when no live
             # worker handles its type, so a worker that consumes must be seen.
             await until_database_up(self._presence.start, log)
-            for name in self._queues:
-                # Passive: the robust channel restores it passively on reconnect too.
-                queue = await channel.get_queue(name)
-                tag = await queue.consume(self._on_message, no_ack=False)
-                self._consumers.append((queue, tag))
+            self._classes = await consume(
+                self._connection,
+                [self._topology.queue(name) for name in self._queues],
+                self._slots,
+                self._on_message,
+                self._consumers,
+                prefetch=self._prefetch,
+            )
         except BaseException:
             # Whatever started is stopped: a failed start leaves nothing running.
             for queue, tag in self._consumers:
@@ -203,7 +210,8 @@ class Worker:
             queues=self._queues,
             handlers=list(self._registry),
             concurrency=self._concurrency,
-            prefetch=self._prefetch,
+            prefetch=self._prefetch or {c: self._slots.prefetch(c) for c in self._slots.classes},
+            reserve=self._slots.reserve,
             deployment=self._deployment.id,
         )
 
@@ -220,6 +228,7 @@ class Worker:
             with contextlib.suppress(Exception):
                 await queue.cancel(tag)
         self._consumers.clear()
+        self._slots.close()  # deliveries waiting for a slot go back to their queue
         await self._presence.stop()
         if self._tasks:
             _done, pending = await asyncio.wait(set(self._tasks), timeout=grace)
@@ -288,6 +297,17 @@ class Worker:
         if self._registry.get(envelope.job_type) is None:
             await self._hand_back_job(envelope, message, bound)
             return
+        # A slot before the claim: a job is claimed only when it can start.
+        priority = self._classes.get(message.consumer_tag or "", "")
+        try:
+            async with self._slots.turn(priority):
+                await self._claim_and_run(envelope, message, bound)
+        except SlotsClosed:
+            await _settle(message.nack(requeue=True))
+
+    async def _claim_and_run(
+        self, envelope: Envelope, message: AbstractIncomingMessage, bound: Any
+    ) -> None:
         try:
             claim = await self._claim(envelope, redelivered=bool(message.redelivered))
         except _Stopping:

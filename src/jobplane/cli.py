@@ -238,6 +238,7 @@ async def _worker(args: argparse.Namespace) -> int:
             registry,
             concurrency=args.concurrency,
             prefetch=args.prefetch,
+            reserve=args.reserve,
             queues=args.queue or None,
             lease_seconds=args.lease_seconds,
             faults=FaultPoints(settings.faults),
@@ -608,6 +609,12 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--demo", action="store_true", help="also load the demo handlers")
     worker.add_argument("--concurrency", type=int, default=8, help="handlers run at once")
     worker.add_argument("--prefetch", type=int, default=None, help="unacked messages held")
+    worker.add_argument(
+        "--reserve",
+        type=int,
+        default=None,
+        help="slots only the highest-priority queues may use (default: a quarter)",
+    )
     worker.add_argument("--queue", action="append", help="consume only this queue (repeatable)")
     worker.add_argument("--grace", type=float, default=10.0, help="seconds to finish on stop")
     worker.add_argument(

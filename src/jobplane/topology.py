@@ -51,6 +51,8 @@ log = structlog.get_logger("jobplane.topology")
 EVENTS_EXCHANGE = "jobplane.events"
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,200}$")
 _PATTERN = re.compile(r"^(\*|#|[a-z0-9_-]+)(\.(\*|#|[a-z0-9_-]+))*$")
+#: A queue's ``priority``, highest first (what it means: jobplane.workers.priority).
+PRIORITIES = ("high", "normal", "low")
 
 
 class TopologyError(ValueError):
@@ -69,6 +71,7 @@ class QueueSpec:
     bindings: tuple[str, ...]
     delivery_limit: int = 5
     max_attempts: int = 3
+    #: One of PRIORITIES: how a worker orders its slots (jobplane.workers.priority).
     priority: str = "normal"
     # Defaults for jobs of this queue: attempt timeout, and the backoff of
     # retries (exponential from retry_base_delay, capped, with jitter).
@@ -338,6 +341,11 @@ def _check(topology: Topology, source: str) -> None:
         for pattern in queue.bindings:
             if not _PATTERN.match(pattern):
                 raise TopologyError(f"{source}: binding {pattern!r} is not a topic pattern")
+        if queue.priority not in PRIORITIES:
+            raise TopologyError(
+                f"{source}: queue {queue.name!r} has priority {queue.priority!r}; "
+                f"allowed: {', '.join(PRIORITIES)}"
+            )
         if queue.max_attempts < 1 or queue.delivery_limit < 1:
             raise TopologyError(
                 f"{source}: queue {queue.name!r} needs max_attempts and delivery_limit >= 1"

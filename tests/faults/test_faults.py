@@ -55,6 +55,20 @@ async def _keep_alive(procs: list[Proc], stop: asyncio.Event) -> None:
         await asyncio.sleep(0.1)
 
 
+async def kill_workers_until_done(
+    cluster: Cluster, workers: list[Proc], names: list[str], *, kills: int = 4, timeout: float
+) -> None:
+    """SIGKILL a random worker ``kills`` times, restarting each, until every job has ended."""
+    stop = asyncio.Event()
+    supervisor = asyncio.create_task(_keep_alive(workers, stop))
+    for _ in range(kills):
+        await asyncio.sleep(random.uniform(0.6, 1.2))
+        random.choice([w for w in workers if w.alive] or workers).kill()
+    await cluster.wait_all_terminal(names, timeout=timeout)
+    stop.set()
+    await supervisor
+
+
 async def test_sigkill_workers_mid_handler_during_a_200_job_run(cluster: Cluster) -> None:
     await cluster.server()
     await cluster.relay()
@@ -62,14 +76,7 @@ async def test_sigkill_workers_mid_handler_during_a_200_job_run(cluster: Cluster
     async with cluster.client() as client:
         names = await cluster.submit_many(client, 200, ms=300)
         seen, tasks = await _watch_sample(cluster, client, names)
-        stop = asyncio.Event()
-        supervisor = asyncio.create_task(_keep_alive(workers, stop))
-        for _ in range(4):
-            await asyncio.sleep(random.uniform(0.6, 1.2))
-            random.choice([w for w in workers if w.alive] or workers).kill()
-        await cluster.wait_all_terminal(names, timeout=90)
-        stop.set()
-        await supervisor
+        await kill_workers_until_done(cluster, workers, names, timeout=90)
         counts = await cluster.check(names)
         await _check_watchers(client, seen, tasks)
     assert counts["jobs"] == 200

@@ -8,12 +8,9 @@ gap-free — including across the handoffs between stages.
 
 from __future__ import annotations
 
-import asyncio
-import random
-
 from tests.faults.cluster import PIPELINE, Cluster
 from tests.faults.handlers import PIPELINE_STAGES
-from tests.faults.test_faults import _check_watchers, _keep_alive, _watch_sample
+from tests.faults.test_faults import _check_watchers, _watch_sample, kill_workers_until_done
 
 
 async def test_sigkill_workers_mid_stage_during_a_pipeline_run(staged: Cluster) -> None:
@@ -24,14 +21,7 @@ async def test_sigkill_workers_mid_stage_during_a_pipeline_run(staged: Cluster) 
     async with cluster.client() as client:
         names = await cluster.submit_many(client, 60, PIPELINE, ms=150)
         seen, tasks = await _watch_sample(cluster, client, names)
-        stop = asyncio.Event()
-        supervisor = asyncio.create_task(_keep_alive(workers, stop))
-        for _ in range(4):
-            await asyncio.sleep(random.uniform(0.6, 1.2))
-            random.choice([w for w in workers if w.alive] or workers).kill()
-        await cluster.wait_all_terminal(names, timeout=120)
-        stop.set()
-        await supervisor
+        await kill_workers_until_done(cluster, workers, names, timeout=120)
         counts = await cluster.check_pipelines(names)
         await _check_watchers(client, seen, tasks)
         # Every stage of the watched jobs was seen, in order, in one stream.

@@ -680,6 +680,15 @@ _STAGE_RESUMED = _stage_update(
     "start_time = CASE WHEN s.idx = j.stage THEN s.start_time END",
     "s.idx >= j.stage",
 )
+_STAGE_ERROR_COLUMNS = frozenset({"id", "stage", "error_code", "error_message"})
+# Where the job ends FAILED at its stage, and where the stage waits for another attempt.
+_STAGE_FAILS = (
+    Transition.FAIL,
+    Transition.EXHAUST,
+    Transition.EXPIRE_LAST_LEASE,
+    Transition.RELAY_FAIL,
+)
+_STAGE_RETRIES = (Transition.SCHEDULE_RETRY, Transition.EXPIRE_LEASE)
 _STAGE_WRITES: Mapping[Transition, tuple[str, frozenset[str]]] = {
     Transition.SUBMIT: (
         """
@@ -721,27 +730,8 @@ _STAGE_WRITES: Mapping[Transition, tuple[str, frozenset[str]]] = {
         ),
         frozenset({"id", "stage", "result"}),
     ),
-    Transition.FAIL: (_STAGE_FAILED, frozenset({"id", "stage", "error_code", "error_message"})),
-    Transition.EXHAUST: (
-        _STAGE_FAILED,
-        frozenset({"id", "stage", "error_code", "error_message"}),
-    ),
-    Transition.EXPIRE_LAST_LEASE: (
-        _STAGE_FAILED,
-        frozenset({"id", "stage", "error_code", "error_message"}),
-    ),
-    Transition.RELAY_FAIL: (
-        _STAGE_FAILED,
-        frozenset({"id", "stage", "error_code", "error_message"}),
-    ),
-    Transition.SCHEDULE_RETRY: (
-        _STAGE_WAITS,
-        frozenset({"id", "stage", "error_code", "error_message"}),
-    ),
-    Transition.EXPIRE_LEASE: (
-        _STAGE_WAITS,
-        frozenset({"id", "stage", "error_code", "error_message"}),
-    ),
+    **{t: (_STAGE_FAILED, _STAGE_ERROR_COLUMNS) for t in _STAGE_FAILS},
+    **{t: (_STAGE_WAITS, _STAGE_ERROR_COLUMNS) for t in _STAGE_RETRIES},
     Transition.CANCEL: (_STAGE_CANCELLED, frozenset({"id", "stage"})),
     Transition.CANCELLED: (_STAGE_CANCELLED, frozenset({"id", "stage"})),
     Transition.RETRY: (_STAGE_RESUMED, frozenset({"id", "stage"})),

@@ -1,0 +1,108 @@
+"""Queue priorities: one worker consuming two high queues and a low one (ADR-0019).
+
+The bounds are ratios of what the run itself does, not tight timings: a high
+job must start long before a low job of the set it arrived behind could end,
+and low jobs must keep a share of the starts while high ones queue up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+
+import pytest
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from jobplane.topology import Topology
+from tests.support import services
+from tests.support.priorities import CONCURRENCY, Board, mixed_topology, submit
+from tests.support.stack import eventually, start_stack
+
+
+@pytest.fixture
+async def priorities(amqp_url: str, topology: Topology) -> AsyncIterator[Topology]:
+    """Two high queues and a low one, under this test's names."""
+    mixed = mixed_topology(topology)
+    yield mixed
+    await services.delete_topology(amqp_url, mixed)
+
+
+async def test_a_high_job_starts_at_once_behind_a_full_set_of_long_low_jobs(
+    engine: AsyncEngine, database_url: str, amqp_url: str, priorities: Topology
+) -> None:
+    low_seconds = 6.0
+    board = Board()
+    stack = await start_stack(engine, database_url, amqp_url, priorities, worker=False)
+    try:
+        client = stack.client()
+        # A backlog that takes 200 * 6 s / 3 slots = 400 s to drain.
+        await submit(client, "lo.work", 200)
+        await stack.start_worker(
+            board.registry({"high": 0.0, "low": low_seconds}), concurrency=CONCURRENCY
+        )
+
+        async def low_holds_its_share() -> bool:
+            return board.running["low"] >= CONCURRENCY - 1
+
+        await eventually(low_holds_its_share, timeout=20)
+        waits = []
+        for job_type in ("hi.a.work", "hi.b.work") * 3:
+            submitted = time.monotonic()
+            (job,) = await submit(client, job_type, 1)
+
+            async def started(job: str = job) -> bool:
+                return job in board.started
+
+            await eventually(started, timeout=30, interval=0.01)
+            waits.append(board.started[job] - submitted)
+        # Each started long before a low job of the full set could end (the
+        # first of them ends low_seconds after the set filled): none waited
+        # behind them, however slow this machine is.
+        assert max(waits) < low_seconds / 4, waits
+        assert board.ended["low"] == 0
+        # The worker's bound holds across its queues: the low jobs left the
+        # reserve free, they did not take a slot more.
+        assert board.peak <= CONCURRENCY
+        assert board.running["low"] == CONCURRENCY - 1
+    finally:
+        await stack.close()
+
+
+async def test_low_jobs_keep_a_share_while_high_jobs_keep_arriving(
+    engine: AsyncEngine, database_url: str, amqp_url: str, priorities: Topology
+) -> None:
+    board = Board()
+    stack = await start_stack(engine, database_url, amqp_url, priorities, worker=False)
+    try:
+        client = stack.client()
+        await submit(client, "lo.work", 300)
+        await submit(client, "hi.a.work", 40)
+        await submit(client, "hi.b.work", 40)
+        await stack.start_worker(
+            board.registry({"high": 0.03, "low": 0.03}), concurrency=CONCURRENCY
+        )
+        # Keep both high queues from running dry: more high work waits than
+        # the worker has slots for, all the time.
+        submitted = 80
+        deadline = time.monotonic() + 6.0
+        while time.monotonic() < deadline:
+            high_started = sum(1 for cls, _ in board.starts if cls == "high")
+            if submitted - high_started < 40:
+                await submit(client, "hi.a.work", 10)
+                await submit(client, "hi.b.work", 10)
+                submitted += 20
+            else:
+                await asyncio.sleep(0.02)
+        window = list(board.starts)
+        high = sum(1 for cls, _ in window if cls == "high")
+        low = len(window) - high
+        # Weights 4 : 1 give low a fifth of the starts they compete for; a
+        # scheduler that always served high first would give it none. High
+        # still gets the larger part.
+        assert low >= 0.1 * len(window), (high, low)
+        assert high >= 2 * low, (high, low)
+        assert board.ended["low"] >= 10
+        assert board.peak <= CONCURRENCY
+    finally:
+        await stack.close()
