@@ -197,7 +197,7 @@ class AttemptStore:
                 row = rows[0]
                 stage = None
                 if row["stage"] is not None:
-                    stage = await _stage_run(conn, envelope.job_id, row)
+                    stage = await stage_run(conn, envelope.job_id, row)
                 return ClaimResult(
                     ClaimStatus.CLAIMED,
                     attempt=Attempt(
@@ -463,7 +463,11 @@ class AttemptStore:
         return written
 
 
-async def _stage_run(conn: AsyncConnection, job_id: uuid.UUID, row: Any) -> StageRun:
+async def stage_run(conn: AsyncConnection, job_id: uuid.UUID, row: Any) -> StageRun:
+    """The stage a claimed ``row`` of a pipeline job runs, with the results before it.
+
+    ``row`` has the job's ``stage``, ``pipeline`` and ``pipeline_version``.
+    """
     index = int(row["stage"])
     stages = (await conn.execute(_STAGES, {"id": job_id})).mappings().all()
     inputs = {

@@ -15,7 +15,7 @@ from typing import Any
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from jobplane.store.attempts import Attempt, _stage_run
+from jobplane.store.attempts import Attempt, stage_run
 from jobplane.store.engine import autocommit
 from jobplane.store.machine import ATTEMPT_FENCE, Transition, where_sources
 
@@ -51,7 +51,7 @@ class HeldAttempts:
             if row is None:
                 return None
             # A pipeline's stage attempt succeeds by advancing to the next stage.
-            stage = None if row["stage"] is None else await _stage_run(conn, job_id, row)
+            stage = None if row["stage"] is None else await stage_run(conn, job_id, row)
         payload: Any = row["payload"]
         return Attempt(
             job_id=job_id,
