@@ -183,8 +183,11 @@ class ClaimJobResponse(_message.Message):
     correlation_id: _builtins.str
     request_id: _builtins.str
     stage: _builtins.str
-    """Reserved for pipelines: the stage this attempt runs, its version and its
-    inputs. Empty for a job that is not a pipeline stage.
+    """A pipeline job's stage this attempt runs (`type` is the stage's type and
+    `payload` the pipeline's input), the stage's version as the topology
+    declared it, and the results of the stages before it, by stage name.
+    Empty for a plain job. CompleteJob of a stage that is not the last
+    commits its result and dispatches the next stage.
     """
     stage_version: _builtins.str
     @_builtins.property
