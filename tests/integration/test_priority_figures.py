@@ -1,7 +1,7 @@
 """The figures of ADR-0019, measured on the tests' topology (two high queues, one low).
 
-Not part of ``make test``: ``JOBPLANE_PRIORITY_FIGURES=1 .venv/bin/python -m
-pytest -s tests/integration/test_priority_figures.py`` prints one line per
+Not part of ``make test`` (marker ``figures``): ``.venv/bin/python -m pytest
+-m figures -s tests/integration/test_priority_figures.py`` prints one line per
 variant — the scheduler as it is, without its reserve, and with strict
 priority (no weighted turns).
 """
@@ -9,7 +9,6 @@ priority (no weighted turns).
 from __future__ import annotations
 
 import asyncio
-import os
 import statistics
 import time
 from collections.abc import AsyncIterator
@@ -24,10 +23,7 @@ from tests.support import services
 from tests.support.priorities import CONCURRENCY, Board, mixed_topology, submit
 from tests.support.stack import eventually, start_stack
 
-pytestmark = pytest.mark.skipif(
-    not os.environ.get("JOBPLANE_PRIORITY_FIGURES"),
-    reason="figures for ADR-0019: set JOBPLANE_PRIORITY_FIGURES=1",
-)
+pytestmark = pytest.mark.figures
 
 VARIANTS = {
     "as-is": ({}, {}),
