@@ -446,10 +446,14 @@ async def fig_pipeline(bench: Bench) -> None:
                 {"jobs": bench.args.jobs, "clients": bench.args.clients, **_procs(bench)},
             )
         )
-        # Open loop, half of each closed-loop rate, for the same time.
+        # Open loop, half of each closed-loop rate, for the same time, once
+        # the relay has published the closed loops' lifecycle events (a
+        # backlog of them would delay every dispatch behind it).
+        await _events_published(bench)
         seconds = bench.args.seconds
         single_rows = await open_loop(bench, "bench.noop_single", single / 2, seconds)
         single_start = [float(r["start_ms"]) for r in single_rows]
+        await _events_published(bench)
         marker = time.time()
         await open_loop(bench, PIPELINE, pipelines / 2, seconds)
         rows = await bench.sql(
