@@ -407,6 +407,7 @@ async def open_loop(
 
 PIPELINE_TOPOLOGY = ROOT / "bench" / "pipeline.toml"
 PIPELINE = "bench.pipeline"
+QUIET_SECONDS = 15.0
 
 
 async def fig_pipeline(bench: Bench) -> None:
@@ -415,16 +416,26 @@ async def fig_pipeline(bench: Bench) -> None:
     Every process is restarted on bench/pipeline.toml (each stage on a queue
     of its own). Closed loop: ``--jobs`` single-stage jobs, then ``--jobs / 3``
     pipelines (as many handler runs), each rate from the first create to the
-    last end. Open loop at half the closed-loop pipeline rate: submit → last
-    stage start, beside a single job's submit → start at half its own rate;
-    and the stage handoff, a stage's commit → the next stage's start.
+    last end; after each, an open loop at half its closed-loop rate: a single
+    job's submit → start, a pipeline's submit → last stage start, and the
+    stage handoff (a stage's commit → the next stage's start).
     """
     for name in list(bench.procs):
         await bench.stop(name)
     bench.extra_env = {"JOBPLANE_TOPOLOGY": str(PIPELINE_TOPOLOGY)}
     await bench.start_all()
     try:
+        seconds = bench.args.seconds
         single = await closed_loop_rate(bench, "bench.noop_single")
+        # Each open loop after its own closed loop, once the relay has
+        # published that loop's lifecycle events (a backlog of them would
+        # delay every dispatch behind it) and a quiet pause: for about ten
+        # seconds after a closed loop of pipelines, whatever runs next waits
+        # (docs/performance.md, "Pipelines"); these figures are the steady state.
+        await _events_published(bench)
+        await asyncio.sleep(QUIET_SECONDS)
+        single_rows = await open_loop(bench, "bench.noop_single", single / 2, seconds)
+        single_start = [float(r["start_ms"]) for r in single_rows]
         n = max(3, bench.args.jobs // 3)
         started = time.time()
         await submit_closed_loop(bench.address, bench.key, PIPELINE, n, bench.args.clients, {})
@@ -446,14 +457,8 @@ async def fig_pipeline(bench: Bench) -> None:
                 {"jobs": bench.args.jobs, "clients": bench.args.clients, **_procs(bench)},
             )
         )
-        # Open loop, half of each closed-loop rate, for the same time, once
-        # the relay has published the closed loops' lifecycle events (a
-        # backlog of them would delay every dispatch behind it).
         await _events_published(bench)
-        seconds = bench.args.seconds
-        single_rows = await open_loop(bench, "bench.noop_single", single / 2, seconds)
-        single_start = [float(r["start_ms"]) for r in single_rows]
-        await _events_published(bench)
+        await asyncio.sleep(QUIET_SECONDS)
         marker = time.time()
         await open_loop(bench, PIPELINE, pipelines / 2, seconds)
         rows = await bench.sql(
