@@ -190,13 +190,14 @@ class Bench:
             await conn.close()
 
     async def wait_done(self, count: int, job_type: str, timeout: float = 600) -> None:
-        """Until ``count`` jobs of ``job_type`` have ended."""
+        """Until ``count`` jobs of ``job_type`` (or of the bench's pipeline) have ended."""
+        column = "pipeline" if job_type == PIPELINE else "type"
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             # By tenant and type: an index range, not a scan of preloaded history.
             rows = await self.sql(
                 "SELECT count(*) AS n FROM jobs"
-                " WHERE tenant_id = $1 AND type = $2 AND end_time IS NOT NULL",
+                f" WHERE tenant_id = $1 AND {column} = $2 AND end_time IS NOT NULL",
                 self.tenant,
                 job_type,
             )
@@ -437,9 +438,8 @@ async def fig_pipeline(bench: Bench) -> None:
         single_rows = await open_loop(bench, "bench.noop_single", single / 2, seconds)
         single_start = [float(r["start_ms"]) for r in single_rows]
         n = max(3, bench.args.jobs // 3)
-        started = time.time()
         await submit_closed_loop(bench.address, bench.key, PIPELINE, n, bench.args.clients, {})
-        await _pipelines_done(bench, started, n)
+        await bench.wait_done(n, PIPELINE)
         span = await bench.sql(
             "SELECT extract(epoch FROM max(end_time) - min(create_time)) AS span, count(*) AS n "
             "FROM jobs WHERE tenant_id = $1 AND pipeline = 'bench.pipeline'",
@@ -512,21 +512,6 @@ async def fig_pipeline(bench: Bench) -> None:
             await bench.stop(name)
         bench.extra_env = {}
         await bench.start_all()
-
-
-async def _pipelines_done(bench: Bench, since: float, count: int, timeout: float = 600) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        rows = await bench.sql(
-            "SELECT count(*) AS n FROM jobs WHERE tenant_id = $1 AND pipeline = 'bench.pipeline' "
-            "AND end_time IS NOT NULL AND create_time >= to_timestamp($2)",
-            bench.tenant,
-            since,
-        )
-        if rows[0]["n"] >= count:
-            return
-        await asyncio.sleep(0.1)
-    raise TimeoutError(f"not all {count} pipelines ended")
 
 
 async def fig_progress(bench: Bench) -> None:

@@ -139,14 +139,19 @@ def _positive_int(env: Mapping[str, str], name: str, default: int) -> int:
     return value
 
 
-def _non_negative(env: Mapping[str, str], name: str, default: float) -> float:
+def _float(env: Mapping[str, str], name: str, default: float, what: str) -> float:
+    """``name`` as a float (``default`` when unset or blank); ``what`` names it in the error."""
     raw = env.get(name)
     if raw is None or not raw.strip():
         return default
     try:
-        value = float(raw)
+        return float(raw)
     except ValueError as exc:
-        raise ConfigError(f"{name} must be a number") from exc
+        raise ConfigError(f"{name} must be {what}") from exc
+
+
+def _non_negative(env: Mapping[str, str], name: str, default: float) -> float:
+    value = _float(env, name, default, "a number")
     if not value >= 0 or value == float("inf"):
         raise ConfigError(f"{name} must be 0 (no limit) or more")
     return value
@@ -163,13 +168,7 @@ def _non_negative_int(env: Mapping[str, str], name: str, default: int) -> int:
 
 
 def _seconds(env: Mapping[str, str], name: str, default: float, low: float, high: float) -> float:
-    raw = env.get(name)
-    if raw is None or not raw.strip():
-        return default
-    try:
-        value = float(raw)
-    except ValueError as exc:
-        raise ConfigError(f"{name} must be a number of seconds") from exc
+    value = _float(env, name, default, "a number of seconds")
     if not low <= value <= high:  # NaN too
         raise ConfigError(f"{name} must be {low:g}..{high:g} seconds")
     return value

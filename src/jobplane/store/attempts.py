@@ -198,29 +198,15 @@ class AttemptStore:
                 stage = None
                 if row["stage"] is not None:
                     stage = await stage_run(conn, envelope.job_id, row)
-                return ClaimResult(
-                    ClaimStatus.CLAIMED,
-                    attempt=Attempt(
-                        job_id=envelope.job_id,
-                        tenant_id=envelope.tenant_id,
-                        type=row["type"],
-                        payload=_obj(row["payload"]),
-                        attempt=int(row["attempt"]),
-                        max_attempts=int(row["max_attempts"]),
-                        retry_base=int(row["retry_base"]),
-                        lease_token=token,
-                        correlation_id=row["correlation_id"],
-                        request_id=row["request_id"],
-                        timeout_seconds=float(row["timeout_seconds"]),
-                        queue=row["queue"],
-                        started_event_id=(
-                            None
-                            if row["lifecycle_seq"] is None
-                            else lifecycle_event_id(envelope.job_id, int(row["lifecycle_seq"]))
-                        ),
-                        stage=stage,
-                    ),
+                started = (
+                    None
+                    if row["lifecycle_seq"] is None
+                    else lifecycle_event_id(envelope.job_id, int(row["lifecycle_seq"]))
                 )
+                attempt = attempt_from_row(
+                    envelope.job_id, envelope.tenant_id, token, row, stage, started
+                )
+                return ClaimResult(ClaimStatus.CLAIMED, attempt=attempt)
             found = (await conn.execute(_INSPECT, params)).mappings().first()
             if found is None:
                 return ClaimResult(ClaimStatus.NOT_FOUND)
@@ -461,6 +447,33 @@ class AttemptStore:
         for row in rows:
             written[int(row["k"]) - 1] = bool(row["cancel_requested"])
         return written
+
+
+def attempt_from_row(
+    job_id: uuid.UUID,
+    tenant_id: uuid.UUID,
+    lease_token: uuid.UUID,
+    row: Any,
+    stage: StageRun | None,
+    started_event_id: uuid.UUID | None = None,
+) -> Attempt:
+    """The :class:`Attempt` of a claimed (or read back) job ``row`` under ``lease_token``."""
+    return Attempt(
+        job_id=job_id,
+        tenant_id=tenant_id,
+        type=row["type"],
+        payload=_obj(row["payload"]),
+        attempt=int(row["attempt"]),
+        max_attempts=int(row["max_attempts"]),
+        retry_base=int(row["retry_base"]),
+        lease_token=lease_token,
+        correlation_id=row["correlation_id"],
+        request_id=row["request_id"],
+        timeout_seconds=float(row["timeout_seconds"]),
+        queue=row["queue"],
+        started_event_id=started_event_id,
+        stage=stage,
+    )
 
 
 async def stage_run(conn: AsyncConnection, job_id: uuid.UUID, row: Any) -> StageRun:

@@ -8,14 +8,12 @@ every write is still fenced by the statement that makes it.
 
 from __future__ import annotations
 
-import json
 import uuid
-from typing import Any
 
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from jobplane.store.attempts import Attempt, stage_run
+from jobplane.store.attempts import Attempt, attempt_from_row, stage_run
 from jobplane.store.engine import autocommit
 from jobplane.store.machine import ATTEMPT_FENCE, Transition, where_sources
 
@@ -52,21 +50,7 @@ class HeldAttempts:
                 return None
             # A pipeline's stage attempt succeeds by advancing to the next stage.
             stage = None if row["stage"] is None else await stage_run(conn, job_id, row)
-        payload: Any = row["payload"]
-        return Attempt(
-            job_id=job_id,
-            tenant_id=uuid.UUID(str(row["tenant_id"])),
-            type=row["type"],
-            payload=dict(json.loads(payload) if isinstance(payload, str) else payload),
-            attempt=int(row["attempt"]),
-            max_attempts=int(row["max_attempts"]),
-            retry_base=int(row["retry_base"]),
-            lease_token=lease_token,
-            correlation_id=row["correlation_id"],
-            request_id=row["request_id"],
-            timeout_seconds=float(row["timeout_seconds"]),
-            queue=row["queue"],
-            # Only the Python handler's ctx.emit needs it; this path emits nothing.
-            started_event_id=None,
-            stage=stage,
-        )
+        tenant_id = uuid.UUID(str(row["tenant_id"]))
+        # No started_event_id: only the Python handler's ctx.emit needs it, and
+        # this path emits nothing.
+        return attempt_from_row(job_id, tenant_id, lease_token, row, stage)
