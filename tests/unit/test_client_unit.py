@@ -8,7 +8,7 @@ import dataclasses
 import json
 import re
 from collections.abc import AsyncGenerator, AsyncIterator, Iterable
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import grpc
@@ -30,6 +30,8 @@ from jobplane.client import (
     PayloadTooLarge,
     ProgressTracker,
     RetryPolicy,
+    Stage,
+    StageState,
     TenantLimitExceeded,
     Unavailable,
     WatchSequenceError,
@@ -800,6 +802,53 @@ def test_get_never_shows_more_attempts_than_allowed_nor_a_final_retryable() -> N
     assert shown["error"] == "HANDLER_ERROR: boom (will be retried)"
     assert shown["waiting"] == "no live worker"
     assert "waiting" not in _fields(cli.job_details(job()))
+
+
+def test_details_and_event_lines_show_a_pipeline_jobs_stages() -> None:
+    started = datetime(2026, 12, 1, tzinfo=UTC)
+    stages = (
+        Stage(
+            "native",
+            "native.analyze",
+            "mir-1.4",
+            StageState.SUCCEEDED,
+            1,
+            3,
+            timedelta(seconds=60),
+            start_time=started,
+            end_time=started + timedelta(seconds=2.5),
+        ),
+        Stage(
+            "neural",
+            "neural.embed",
+            "",
+            StageState.FAILED,
+            3,
+            3,
+            timedelta(seconds=60),
+            error=JobError("HANDLER_FAILED", "model down"),
+        ),
+        Stage("index", "index.upsert", "qdrant-1", StageState.PENDING, 0, 5, timedelta(seconds=60)),
+    )
+    failed = dataclasses.replace(
+        job(JobState.FAILED), stage="neural", stages=stages, pipeline_version="2026.12"
+    )
+    shown = _fields(cli.job_details(failed))
+    assert shown["pipeline"] == f"{failed.type} 2026.12, at stage neural"
+    assert shown["stage 1"] == "native@mir-1.4 (native.analyze) succeeded, 1 of 3 attempts, 2.500s"
+    assert (
+        shown["stage 2"]
+        == "neural (neural.embed) failed, 3 of 3 attempts: HANDLER_FAILED: model down"
+    )
+    assert shown["stage 3"] == "index@qdrant-1 (index.upsert) pending"
+    assert "pipeline" not in _fields(cli.job_details(job()))
+    event = JobEvent(
+        "jobs/x", 3, EventType.PROGRESS, JobState.RUNNING, 0.5, "half", started, stage="neural"
+    )
+    assert "[neural]" in cli.event_line(event)
+    assert "[" not in cli.event_line(dataclasses.replace(event, stage=""))
+    args = parser().parse_args(["retry", "jobs/x", "--from-stage", "native"])
+    assert args.from_stage == "native"
 
 
 def _fields(text: str) -> dict[str, str]:
