@@ -21,8 +21,9 @@ services:
 	@scripts/services.sh
 
 ## Run jobplane against the local services and show one demo job live.
+## Without JOBPLANE_S3_URL, blobs go to a local S3 server (scripts/dev-s3.sh).
 dev: $(STAMP) services
-	$(BIN)/jobplane dev --demo
+	JOBPLANE_S3_URL=$$(VENV=$(VENV) scripts/dev-s3.sh) $(BIN)/jobplane dev --demo
 
 ## Everything CI runs: lint, types, unit + integration tests on real services.
 test: $(STAMP) services lint typecheck
