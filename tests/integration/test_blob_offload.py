@@ -7,13 +7,18 @@ import hashlib
 from collections.abc import AsyncIterator
 from typing import Any
 
+import grpc
 import pytest
+from google.protobuf import json_format
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from jobplane.blobs import BlobStore
+from jobplane.convert import struct_from_dict
 from jobplane.topology import Topology
 from jobplane.types import JobState
+from jobplane.v1 import workers_pb2, workers_pb2_grpc
 from jobplane.workers.handlers import JobContext, Registry
+from tests.integration.test_worker_service_pipelines import _next_message
 from tests.support.s3 import MotoServer, blob_store
 from tests.support.stack import Stack, eventually, start_stack
 
@@ -135,3 +140,38 @@ async def test_an_outage_while_a_handler_reads_is_retried(
         await stack.close()
         await store.close()
         s3.stop()
+
+
+async def test_worker_service_hands_out_offloaded_payloads_and_offloads_results(
+    engine: AsyncEngine, database_url: str, amqp_url: str, topology: Topology, blobs: BlobStore
+) -> None:
+    stack = await start_stack(engine, database_url, amqp_url, topology, worker=False, blobs=blobs)
+    try:
+        key = (await stack.server.keys.create_worker()).key
+        metadata = (("authorization", f"Bearer {key}"),)
+        client = stack.client()
+        text = "w" * 100_000
+        job = await client.submit("offload.echo", {"text": text})
+        assert job.payload_blob is not None
+        body = await _next_message(stack.amqp_url, stack.topology.queues[0].name)
+        async with grpc.aio.insecure_channel(stack.server.address) as channel:
+            stub: workers_pb2_grpc.WorkerServiceAsyncStub = workers_pb2_grpc.WorkerServiceStub(
+                channel
+            )
+            claim = await stub.ClaimJob(
+                workers_pb2.ClaimJobRequest(message_body=body), metadata=metadata
+            )
+            assert claim.status == workers_pb2.ClaimJobResponse.STATUS_CLAIMED
+            assert json_format.MessageToDict(claim.payload) == {"text": text}
+            await stub.CompleteJob(
+                workers_pb2.CompleteJobRequest(
+                    attempt=claim.attempt, result=struct_from_dict({"echo": text})
+                ),
+                metadata=metadata,
+            )
+        done = await client.get(job.name)
+        assert done.state is JobState.SUCCEEDED and done.result == {"echo": text}
+        assert done.result_blob is not None
+        assert (await client.get(job.name, resolve_blobs=False)).result == {}
+    finally:
+        await stack.close()
