@@ -3,7 +3,9 @@ an object store outage while a handler reads is retried, and the job completes."
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
+import os
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -31,10 +33,23 @@ async def echo(ctx: JobContext) -> dict[str, Any]:
     return {"length": len(text), "echo": text * 2}
 
 
+# The first attempt of offload.read stops after its first chunk until the
+# test has stopped S3.
+first_chunk_read = asyncio.Event()
+s3_stopped = asyncio.Event()
+
+
 @registry.handler("offload.read")
 async def read(ctx: JobContext) -> dict[str, Any]:
-    data = await ctx.read_blob(ctx.payload["blob"])
-    return {"sha256": hashlib.sha256(data).hexdigest()}
+    hasher = hashlib.sha256()
+    async with ctx.open_blob(ctx.payload["blob"]) as reader:
+        hasher.update(await reader.read(64 * 1024))
+        if ctx.attempt == 1:
+            first_chunk_read.set()
+            await s3_stopped.wait()
+        async for chunk in reader.iter_chunks(64 * 1024):
+            hasher.update(chunk)
+    return {"sha256": hasher.hexdigest()}
 
 
 @pytest.fixture
@@ -116,11 +131,14 @@ async def test_an_outage_while_a_handler_reads_is_retried(
         engine, database_url, amqp_url, topology, registry=registry, blobs=store
     )
     try:
-        data = b"survives an outage" * 1000
+        # Larger than what the sockets between moto and the worker buffer.
+        data = os.urandom(16 * 1024 * 1024)
         info = await store.put_bytes(stack.tenant_id, data)
-        s3.stop()
         client = stack.client()
         job = await client.submit("offload.read", {"blob": info.name}, max_attempts=50)
+        await asyncio.wait_for(first_chunk_read.wait(), timeout=30)
+        s3.stop()
+        s3_stopped.set()
 
         async def retried() -> bool:
             code = await stack.scalar("SELECT error_code FROM jobs WHERE id = :id", id=job.id)

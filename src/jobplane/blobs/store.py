@@ -572,9 +572,15 @@ class BlobStore:
             async with _s3_errors():
                 got = await s3.get_object(Bucket=self.bucket, Key=self.key(tenant_id, info.digest))
         except ClientError as exc:
-            # A row whose object went missing (deleted behind jobplane's back).
+            # Deleted since the row was read (the row goes first): not found.
+            # A row still there means the store lost an object it had: an
+            # outage of the store (e.g. a server restored or not yet caught
+            # up), retried, not an unknown name.
+            await self.stat(tenant_id, name)
             log.warning("blobs.object.missing", blob=name, error=describe_error(exc))
-            raise BlobNotFound(f"no blob named {name}", field="name") from None
+            raise BlobStoreUnavailable(
+                f"the object store has no object for {name}, which exists"
+            ) from None
         body = got["Body"]
         try:
             yield BlobReader(info, body)
