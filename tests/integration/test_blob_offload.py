@@ -14,17 +14,21 @@ import pytest
 from google.protobuf import json_format
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from jobplane.blobs import BlobStore
+from jobplane.blobs import BlobInUse, BlobStore
 from jobplane.convert import struct_from_dict
+from jobplane.store.engine import create_engine
 from jobplane.topology import Topology
 from jobplane.types import JobState
 from jobplane.v1 import workers_pb2, workers_pb2_grpc
 from jobplane.workers.handlers import JobContext, Registry
+from tests.integration import test_database_role
 from tests.integration.test_worker_service_pipelines import _next_message
 from tests.support.s3 import MotoServer, blob_store
 from tests.support.stack import Stack, eventually, start_stack
 
 registry = Registry()
+# The test database as a role with DML rights only (docs/security.md).
+dml_url = test_database_role.dml_url
 
 
 @registry.handler("offload.echo")
@@ -193,3 +197,28 @@ async def test_worker_service_hands_out_offloaded_payloads_and_offloads_results(
         assert (await client.get(job.name, resolve_blobs=False)).result == {}
     finally:
         await stack.close()
+
+
+async def test_blobs_with_a_dml_only_role(
+    dml_url: str, amqp_url: str, topology: Topology, moto: MotoServer
+) -> None:
+    engine = create_engine(dml_url, pool_size=4)
+    try:
+        async with blob_store(engine, moto.url) as store:
+            stack = await start_stack(
+                engine, dml_url, amqp_url, topology, registry=registry, blobs=store
+            )
+            try:
+                client = stack.client()
+                blob = await client.upload(b"x" * 1000)
+                # A reference (the trigger's insert), an offloaded payload and result.
+                job = await client.submit("offload.echo", {"text": "z" * 70_000, "in": blob.name})
+                done = await client.wait(job.name, timeout=30)
+                assert done.state is JobState.SUCCEEDED, done.error
+                assert done.result_blob is not None
+                with pytest.raises(BlobInUse):
+                    await client.delete_blob(blob.name)
+            finally:
+                await stack.close()
+    finally:
+        await engine.dispose()

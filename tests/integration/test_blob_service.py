@@ -184,6 +184,9 @@ async def test_tenant_walls(blob_stack: Stack) -> None:
             jobs_pb2.SubmitJobRequest(type="demo.echo", request_id="r1", payload_blob=blob.name),
         )
     assert by_reference.value.field == "payload_blob"
+    with pytest.raises(BlobNotFound) as inside:  # named inside a payload that goes by reference
+        await other.submit("demo.echo", {"text": "t" * 70_000, "input": blob.name})
+    assert inside.value.field == "blob_references"
     # The same bytes uploaded by the other tenant are a blob of its own.
     theirs = await other.upload(b"acme's")
     assert theirs.name == blob.name
