@@ -15,16 +15,29 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from jobplane.errors import InvalidArgument, UnroutableJobType, shown
+from jobplane.blobs.names import parse_blob_name, referenced_digests
+from jobplane.config import MAX_OFFLOADED_JSON_BYTES
+from jobplane.errors import (
+    BlobNotFound,
+    BlobReferenceNotFound,
+    BlobsDisabled,
+    InvalidArgument,
+    PayloadTooLarge,
+    UnroutableJobType,
+    shown,
+)
 from jobplane.names import parse_job_name, validate_job_type
 from jobplane.server.feeds import FeedHub
 from jobplane.store.jobs import JobStore, ListCursor, NewJob, pipeline_stages
 from jobplane.store.listen import Listener
 from jobplane.store.rows import check_payload_size
 from jobplane.topology import PipelineSpec, Topology
-from jobplane.types import Job, JobEvent, JobPage, JobState
+from jobplane.types import BlobRef, Job, JobEvent, JobPage, JobState
+
+if TYPE_CHECKING:
+    from jobplane.blobs.store import BlobStore
 
 DEFAULT_PAGE_SIZE = 50
 MAX_PAGE_SIZE = 1000
@@ -36,6 +49,7 @@ MAX_CORRELATION_ID_BYTES = 255
 MAX_LABELS = 64
 _LABEL_KEY = re.compile(r"[a-z0-9]([a-z0-9._/-]{0,61}[a-z0-9])?")
 MAX_LABEL_VALUE = 256
+MAX_BLOB_REFERENCES = 1000
 MAX_REASON_LENGTH = 1024
 # A job's timeout is read back in whole milliseconds or finer; anything
 # shorter would read back as no time at all.
@@ -75,6 +89,10 @@ class SubmitRequest:
     max_attempts: int = 0
     labels: dict[str, str] = field(default_factory=dict)
     timeout_seconds: float | None = None
+    #: ``blobs/{sha256}`` of the caller's blob holding the payload; ``payload`` empty.
+    payload_blob: str = ""
+    #: Names of blobs the job uses that the payload does not show.
+    blob_references: tuple[str, ...] = ()
 
 
 class JobService:
@@ -88,8 +106,10 @@ class JobService:
         *,
         max_payload_bytes: int = 256 * 1024,
         recheck_seconds: float = 30.0,
+        blobs: BlobStore | None = None,
     ) -> None:
         self._store = store
+        self._blobs = blobs
         self._topology = topology
         self._max_payload_bytes = max_payload_bytes
         self.feeds = FeedHub(store.read_streams, hub, recheck_seconds=recheck_seconds)
@@ -132,8 +152,9 @@ class JobService:
                     field="timeout",
                 )
             timeout = request.timeout_seconds
+        payload_blob, references = await self._check_blobs(tenant, request)
         if pipeline is not None:
-            return await self._submit_pipeline(tenant, request, pipeline)
+            return await self._submit_pipeline(tenant, request, pipeline, payload_blob, references)
         new = NewJob(
             type=job_type,
             queue=queue.name,
@@ -143,12 +164,78 @@ class JobService:
             correlation_id=request.correlation_id,
             labels=dict(request.labels),
             timeout_seconds=timeout,
+            payload_blob=payload_blob,
+            blob_references=references,
         )
         job, _created = await self._store.submit(tenant, new)
         return job
 
+    async def _check_blobs(
+        self, tenant: uuid.UUID, request: SubmitRequest
+    ) -> tuple[BlobRef | None, tuple[str, ...]]:
+        """Refuse references to blobs the tenant does not have; the payload's blob, if
+        any, and the digests of ``blob_references``.
+
+        The references are recorded with the job, in the statement that inserts
+        it: the payload's names by the table's trigger (migration 0013), the
+        others by the machine's BlobReferences hook.
+        """
+        digests = referenced_digests(request.payload)
+        if request.payload_blob and request.payload:
+            raise InvalidArgument(
+                "payload_blob replaces payload: send one of them", field="payload_blob"
+            )
+        if len(request.blob_references) > MAX_BLOB_REFERENCES:
+            raise InvalidArgument(
+                f"at most {MAX_BLOB_REFERENCES} blob_references", field="blob_references"
+            )
+        extra: set[str] = set()
+        for name in request.blob_references:
+            try:
+                extra.add(parse_blob_name(name))
+            except ValueError as exc:
+                raise InvalidArgument(str(exc), field="blob_references") from None
+        references = tuple(sorted(extra - digests))
+        if not digests and not extra and not request.payload_blob:
+            return None, ()
+        if self._blobs is None:
+            raise BlobsDisabled(
+                "this server has no object store: a payload cannot reference blobs",
+                field="payload_blob" if request.payload_blob else "payload",
+            )
+        missing = (digests | extra) - await self._blobs.owned(tenant, digests | extra)
+        if missing:
+            raise BlobReferenceNotFound(
+                f"the job references blobs/{min(missing)}, which does not exist",
+                field="payload" if missing & digests else "blob_references",
+            )
+        if not request.payload_blob:
+            return None, references
+        try:
+            parse_blob_name(request.payload_blob)
+            info = await self._blobs.stat(tenant, request.payload_blob)
+        except (ValueError, BlobNotFound) as exc:
+            raise BlobReferenceNotFound(
+                f"payload_blob: {exc}"
+                if isinstance(exc, ValueError)
+                else f"payload_blob {shown(request.payload_blob)} does not exist",
+                field="payload_blob",
+            ) from None
+        if info.size > MAX_OFFLOADED_JSON_BYTES:
+            raise PayloadTooLarge(
+                f"a payload by reference may have at most {MAX_OFFLOADED_JSON_BYTES} bytes "
+                f"(the worker reads it whole), not {info.size}",
+                field="payload_blob",
+            )
+        return BlobRef(info.name, info.digest, info.size), references
+
     async def _submit_pipeline(
-        self, tenant: uuid.UUID, request: SubmitRequest, pipeline: PipelineSpec
+        self,
+        tenant: uuid.UUID,
+        request: SubmitRequest,
+        pipeline: PipelineSpec,
+        payload_blob: BlobRef | None = None,
+        references: tuple[str, ...] = (),
     ) -> Job:
         """A pipeline job: its stages, as the topology declares them now, go with it.
 
@@ -169,6 +256,8 @@ class JobService:
             timeout_seconds=request.timeout_seconds or 0.0,
             pipeline_version=pipeline.version,
             stages=stages,
+            payload_blob=payload_blob,
+            blob_references=references,
         )
         job, _created = await self._store.submit(tenant, new)
         return job

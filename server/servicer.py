@@ -87,6 +87,8 @@ class JobServiceServicer(jobs_pb2_grpc.JobServiceServicer):
                     if request.HasField("timeout")
                     else None
                 ),
+                payload_blob=request.payload_blob,
+                blob_references=tuple(request.blob_references),
             ),
         )
         return job_to_pb(job)

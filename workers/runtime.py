@@ -15,7 +15,7 @@ import contextlib
 import enum
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import aio_pika
 import structlog
@@ -24,7 +24,9 @@ from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from jobplane import broker
+from jobplane.config import DEFAULT_INLINE_BYTES, MAX_OFFLOADED_JSON_BYTES
 from jobplane.envelope import Envelope, EnvelopeError
+from jobplane.errors import BlobStoreUnavailable
 from jobplane.faults import NO_FAULTS, FaultPoints
 from jobplane.logs import describe_error
 from jobplane.names import job_name
@@ -41,16 +43,20 @@ from jobplane.store.deployment import Deployment, this_deployment
 from jobplane.store.down import database_error_name, database_transient, until_database_up
 from jobplane.store.listen import Listener
 from jobplane.store.machine import Emitted
-from jobplane.store.rows import CANCEL_CHANNEL
+from jobplane.store.rows import CANCEL_CHANNEL, dumps
 from jobplane.tasks import cancel_and_wait
 from jobplane.topology import Ownership, Topology, ensure
+from jobplane.types import BlobRef
 from jobplane.workers.bounce import Bounced, bounce_foreign
-from jobplane.workers.handlers import JobContext, Registry
+from jobplane.workers.handlers import JobContext, Registry, with_offloaded_payload
 from jobplane.workers.outcome import Escaped, Failure, check_result, describe, invoke
 from jobplane.workers.presence import Presence
 from jobplane.workers.priority import Slots, SlotsClosed, consume
 from jobplane.workers.progress import ProgressFlusher, ProgressWriter
 from jobplane.workers.retry import retry_delay
+
+if TYPE_CHECKING:
+    from jobplane.blobs.store import BlobStore
 
 log = structlog.get_logger("jobplane.worker")
 
@@ -105,6 +111,8 @@ class Worker:
         cancel_grace: float = 10.0,
         max_result_bytes: int = 256 * 1024,
         reserve: int | None = None,
+        blobs: BlobStore | None = None,
+        inline_bytes: int | None = None,
     ) -> None:
         if concurrency < 1:
             raise ValueError("concurrency must be at least 1")
@@ -146,6 +154,11 @@ class Worker:
         self._handback_max_delay = handback_max_delay
         self._cancel_grace = cancel_grace
         self._max_result_bytes = max_result_bytes
+        # The object store handlers reach through ctx (the caller's; None: blobs disabled).
+        self._blobs = blobs
+        self._inline_bytes = min(
+            DEFAULT_INLINE_BYTES if inline_bytes is None else inline_bytes, max_result_bytes
+        )
 
     @property
     def id(self) -> str:
@@ -447,7 +460,11 @@ class Worker:
                 holder[0].stop(StopCause.CANCEL_REQUESTED)
 
         writer = ProgressWriter(self._progress, attempt, on_cancel_requested=cancel_requested)
-        ctx = JobContext(attempt, writer, max_event_payload_bytes=self._max_result_bytes)
+        ctx = JobContext(
+            attempt, writer, max_event_payload_bytes=self._max_result_bytes, blobs=self._blobs
+        )
+        if attempt.payload_blob is not None:
+            handler = with_offloaded_payload(handler, max_bytes=MAX_OFFLOADED_JSON_BYTES)
         running = _Running(asyncio.create_task(invoke(handler, ctx), name=f"job-{key}"))
         holder.append(running)
         self._running[key] = running
@@ -462,6 +479,22 @@ class Worker:
             self._running.pop(key, None)
         pending = await writer.drain()
         await self._record(attempt, running, ended, pending, bound, ctx.emitted)
+
+    async def _offload_result(
+        self, attempt: Attempt, result: dict[str, Any]
+    ) -> dict[str, Any] | tuple[dict[str, Any], BlobRef] | Failure:
+        """``result`` as it is stored: itself, or ``{}`` and the blob it went to."""
+        assert self._blobs is not None
+        body = dumps(result).encode()
+        if len(body) <= self._inline_bytes:
+            return result
+        try:
+            info = await self._blobs.put_bytes(
+                attempt.tenant_id, body, content_type="application/json"
+            )
+        except BlobStoreUnavailable as exc:
+            return Failure(BlobStoreUnavailable.reason, exc.message, retryable=True)
+        return {}, BlobRef(info.name, info.digest, info.size)
 
     async def _wait(self, running: _Running, attempt: Attempt, bound: Any) -> _Ended:
         """How the handler ended; stops it at its timeout.
@@ -535,18 +568,28 @@ class Worker:
                 retryable=True,
             )
         elif ended.returned:
-            checked = check_result(ended.result, max_bytes=self._max_result_bytes)
+            # With an object store, a plain job's result may be larger than
+            # the inline limit: it goes to a blob, the row keeps its name.
+            offload = self._blobs is not None and attempt.stage is None
+            limit = max(self._max_result_bytes, MAX_OFFLOADED_JSON_BYTES) if offload else None
+            checked = check_result(ended.result, max_bytes=limit or self._max_result_bytes)
             if isinstance(checked, dict):
-                result = checked
-                await self._outcome(
-                    attempt,
-                    bound,
-                    lambda: store.succeed(attempt, result, pending, emitted=emitted),
-                )
-                bound.info("job.succeeded", attempt=attempt.attempt)
-                return
-            failure = describe(checked)
-            failure = Failure(failure.code, failure.message, retryable=False)
+                stored = await self._offload_result(attempt, checked) if offload else checked
+                if not isinstance(stored, Failure):
+                    result, ref = stored if isinstance(stored, tuple) else (stored, None)
+                    await self._outcome(
+                        attempt,
+                        bound,
+                        lambda: store.succeed(
+                            attempt, result, pending, emitted=emitted, result_blob=ref
+                        ),
+                    )
+                    bound.info("job.succeeded", attempt=attempt.attempt, offloaded=ref is not None)
+                    return
+                failure = stored
+            else:
+                failure = describe(checked)
+                failure = Failure(failure.code, failure.message, retryable=False)
         else:
             failure = describe(ended.error or RuntimeError("the handler ended without a result"))
         details: dict[str, Any] = {"traceback": failure.traceback} if failure.traceback else {}
