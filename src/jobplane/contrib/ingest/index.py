@@ -182,7 +182,30 @@ def _local(path: Path) -> Any:
     from qdrant_client import QdrantClient
 
     path.mkdir(parents=True, exist_ok=True)
+    _check_unlocked(path / ".lock")
     return QdrantClient(path=str(path))
+
+
+def _check_unlocked(lock: Path) -> None:
+    """Raise RuntimeError when another process holds local Qdrant's lock on ``lock``.
+
+    Qdrant's client finds this out too, but leaks the lock file's handle
+    when it does; this look closes its own.
+    """
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - not POSIX: Qdrant's client checks alone
+        return
+    try:
+        handle = lock.open("a")
+    except OSError:
+        return  # Qdrant's client says what is wrong with the path
+    with handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise RuntimeError(f"{lock} is locked") from None
+        fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 _clients: dict[str, _Client] = {}
