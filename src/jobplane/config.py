@@ -187,7 +187,8 @@ def _with_s3(env: Mapping[str, str], base: Settings) -> Settings:
     max_blob = _positive_int(env, "JOBPLANE_MAX_BLOB_BYTES", base.max_blob_bytes)
     if max_blob > MAX_BLOB_BYTES_LIMIT:
         raise ConfigError("JOBPLANE_MAX_BLOB_BYTES must be at most 5 TiB (S3's object limit)")
-    inline = _positive_int(env, "JOBPLANE_INLINE_BYTES", base.inline_bytes)
+    # Unset, it follows a smaller payload limit down.
+    inline = _positive_int(env, "JOBPLANE_INLINE_BYTES", min(base.inline_bytes, max_payload))
     if inline > max_payload:
         raise ConfigError(
             f"JOBPLANE_INLINE_BYTES ({inline}) must be at most JOBPLANE_MAX_PAYLOAD_BYTES "
