@@ -24,6 +24,7 @@ from jobplane.topology import Topology, TopologyError, load_topology
 if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncEngine
 
+    from jobplane.blobs import BlobStore
     from jobplane.server import JobplaneServer
     from jobplane.store.keys import KeyInfo, KeyStore
 
@@ -77,8 +78,28 @@ async def _migrate(_args: argparse.Namespace) -> int:
     return 0
 
 
+def _blob_store(settings: Settings, engine: AsyncEngine, stack: AsyncExitStack) -> BlobStore | None:
+    """The process's blob store (closed with ``stack``); None when JOBPLANE_S3_URL is unset.
+
+    Nothing is opened here: S3 is reached at first use, so a process starts
+    while the object store is down.
+    """
+    if not settings.blobs_enabled:
+        return None
+    from jobplane.blobs import BlobStore
+
+    store: BlobStore = BlobStore.from_settings(settings, engine)
+    stack.push_async_callback(store.close)
+    return store
+
+
 def _server(
-    settings: Settings, topology: Topology, engine: AsyncEngine, *, tls: bool = False
+    settings: Settings,
+    topology: Topology,
+    engine: AsyncEngine,
+    *,
+    tls: bool = False,
+    blobs: BlobStore | None = None,
 ) -> JobplaneServer:
     from jobplane.server import JobplaneServer
     from jobplane.server.app import ServerTLS
@@ -106,6 +127,7 @@ def _server(
             submit_burst=settings.tenant_submit_burst,
         ),
         worker_lease_seconds=settings.worker_lease_seconds,
+        blobs=blobs,
     )
 
 
@@ -116,7 +138,9 @@ async def _serve(_args: argparse.Namespace) -> int:
     engine = create_engine(settings.database_url, pool_size=settings.db_pool_size)
     async with AsyncExitStack() as stack:
         stack.push_async_callback(engine.dispose)
-        server = _server(settings, topology, engine, tls=True)
+        server = _server(
+            settings, topology, engine, tls=True, blobs=_blob_store(settings, engine, stack)
+        )
         await _started(stack, server.start, server.stop)
         transport = "plaintext"
         if settings.tls_cert is not None:
@@ -243,6 +267,8 @@ async def _worker(args: argparse.Namespace) -> int:
             lease_seconds=args.lease_seconds,
             faults=FaultPoints(settings.faults),
             max_result_bytes=settings.max_payload_bytes,
+            blobs=_blob_store(settings, engine, stack),
+            inline_bytes=settings.inline_bytes,
         )
         await _started(stack, worker.start, lambda: worker.stop(args.grace))
         await _until_signal()
@@ -263,7 +289,8 @@ async def _dev(args: argparse.Namespace) -> int:
     engine = create_engine(settings.database_url)
     async with AsyncExitStack() as stack:
         stack.push_async_callback(engine.dispose)
-        server = _server(settings, topology, engine)
+        blobs = _blob_store(settings, engine, stack)
+        server = _server(settings, topology, engine, blobs=blobs)
         relay = Relay(
             engine, settings.database_url, settings.amqp_url, topology, sweeper=Sweeper(engine)
         )
@@ -275,6 +302,8 @@ async def _dev(args: argparse.Namespace) -> int:
             registry,
             concurrency=args.concurrency,
             max_result_bytes=settings.max_payload_bytes,
+            blobs=blobs,
+            inline_bytes=settings.inline_bytes,
         )
         await _started(stack, server.start, server.stop)
         await _started(stack, relay.start, relay.stop)

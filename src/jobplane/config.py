@@ -30,6 +30,9 @@ DEFAULT_MAX_BLOB_BYTES = 5 * 1024**3
 MAX_BLOB_BYTES_LIMIT = 5 * 1024**4
 #: ``JOBPLANE_INLINE_BYTES`` by default: larger payloads and results go by reference.
 DEFAULT_INLINE_BYTES = 64 * 1024
+#: The largest payload or result a blob may hold in place of the inline JSON:
+#: the worker (or the SDK) reads it whole into memory to hand it over.
+MAX_OFFLOADED_JSON_BYTES = 64 * 1024 * 1024
 _BUCKET_NAME = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
 
 #: The longest lease of a WorkerService attempt: a dead worker's job waits this long.
