@@ -7,7 +7,9 @@ client (local mode: one client per process and path).
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
+import sys
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -19,9 +21,11 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from jobplane.blobs import BlobStore
 from jobplane.config import Settings
 from jobplane.contrib.ingest import HashingEmbedder, Ingest, point_id
+from jobplane.contrib.ingest.cli import file_name
 from jobplane.contrib.ingest.index import _Client
 from jobplane.topology import Topology
 from jobplane.types import EventType, JobState
+from tests.faults.cluster import ROOT
 from tests.support.documents import generated_text, minimal_pdf
 from tests.support.ingest import CORPUS, Ingestion, drop_topology, ingest_topology
 from tests.support.stack import eventually, start_stack
@@ -67,9 +71,9 @@ async def test_each_format_end_to_end(
 ) -> None:
     client = ingestion.stack.client()
     data = (CORPUS / name).read_bytes()
-    blob = await ingestion.put(data)
+    blob = await client.upload(CORPUS / name)  # through BlobService, as a client does
     job = await client.submit(
-        "ingest.file", {"blob": blob, "file": name, "chunk_size": 300, "chunk_overlap": 60}
+        "ingest.file", {"blob": blob.name, "file": name, "chunk_size": 300, "chunk_overlap": 60}
     )
     events = [e async for e in client.watch(job.name)]
     done = await client.get(job.name)
@@ -241,3 +245,57 @@ async def _vectors(ingestion: Ingestion) -> dict[str, list[float]]:
         "scroll", collection_name="jobplane_ingest", limit=1000, with_vectors=True
     )
     return {str(r.id): list(r.vector) for r in records}
+
+
+async def test_the_cli_uploads_ingests_and_prints_the_counts(ingestion: Ingestion) -> None:
+    stack = ingestion.stack
+    files = [str(CORPUS / "notes.txt"), str(CORPUS / "guide.pdf")]
+    process = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "jobplane",
+        "ingest",
+        "--address",
+        stack.server.address,
+        "--api-key",
+        stack.key,
+        "--chunk-size",
+        "300",
+        "--chunk-overlap",
+        "60",
+        *files,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        cwd=ROOT,
+    )
+    out, err = await asyncio.wait_for(process.communicate(), 60)
+    text = out.decode()
+    assert process.returncode == 0, (text, err.decode())
+    notes, guide = (file_name(f) for f in files)
+    assert f"{notes}: 1 page(s), 3 chunks, 3 vectors, 3 points in jobplane_ingest" in text
+    assert f"{guide}: 2 page(s), 2 chunks, 2 vectors, 2 points in jobplane_ingest" in text
+    # Each stage's events were shown, with the file they belong to.
+    for stage in ("parse", "chunk", "embed", "index"):
+        assert f"[{stage}]" in text
+    assert len(await ingestion.points(file=notes)) == 3
+
+
+async def test_the_cli_refuses_a_missing_file(ingestion: Ingestion, tmp_path: Path) -> None:
+    stack = ingestion.stack
+    process = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "jobplane",
+        "ingest",
+        "--address",
+        stack.server.address,
+        "--api-key",
+        stack.key,
+        str(tmp_path / "nope.txt"),
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        cwd=ROOT,
+    )
+    _out, err = await asyncio.wait_for(process.communicate(), 60)
+    assert process.returncode == 2
+    assert "nope.txt: no such file" in err.decode()
