@@ -156,10 +156,10 @@ def request_of(payload: Mapping[str, Any]) -> Request:
     size = payload.get("chunk_size", DEFAULT_CHUNK_SIZE)
     overlap = payload.get("chunk_overlap")
     if overlap is None:  # the default, within what a small chunk_size allows
-        overlap = min(DEFAULT_CHUNK_OVERLAP, size // 2) if isinstance(size, int) else 0
+        overlap = min(DEFAULT_CHUNK_OVERLAP, size // 2) if type(size) is int else 0
     try:
         check_params(size, overlap)
-    except ValueError as exc:
+    except (TypeError, ValueError) as exc:
         raise bad(str(exc)) from None
     return Request(blob, digest, file, content_type or None, collection, size, overlap)
 
