@@ -150,7 +150,14 @@ async def _live(client: AsyncClient, submitted: list[_Submitted]) -> None:
 
 async def _follow(client: AsyncClient, progress: Progress, item: _Submitted) -> None:
     job_task = progress.add_task(f"[bold]{escape(item.file)}[/bold]", total=1.0)
-    stages: dict[str, tuple[TaskID, str]] = {}
+    # The stage rows under the file's, at once: the files' rows stay in groups.
+    stages: dict[str, tuple[TaskID, str]] = {
+        stage.name: (
+            progress.add_task(f"  {escape(stage.name)}  [dim]waiting[/dim]", total=None),
+            "",
+        )
+        for stage in item.job.stages
+    }
     tracker = ProgressTracker()
     async with contextlib.aclosing(client.watch(item.job.name)) as events:
         async for event in events:
