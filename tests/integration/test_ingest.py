@@ -163,6 +163,15 @@ async def test_a_changed_file_replaces_its_points_with_no_orphans(ingestion: Ing
     assert len(await ingestion.points(file="report.txt")) == again.result["chunks"]
 
 
+async def test_an_empty_new_version_leaves_the_file_no_points(ingestion: Ingestion) -> None:
+    first = await ingestion.run("gone.txt", generated_text(3, 400).encode(), chunk_size=200)
+    assert first.state is JobState.SUCCEEDED and len(await ingestion.points(file="gone.txt")) > 1
+    empty = await ingestion.run("gone.txt", b"   \n\n  ")
+    assert empty.state is JobState.SUCCEEDED, empty.error
+    assert empty.result is not None and empty.result["chunks"] == empty.result["points"] == 0
+    assert await ingestion.points(file="gone.txt") == []
+
+
 async def test_search_is_tenant_filtered(ingestion: Ingestion) -> None:
     stack = ingestion.stack
     other_key = await stack.new_key("umbrella")
