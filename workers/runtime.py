@@ -159,6 +159,8 @@ class Worker:
         self._inline_bytes = min(
             DEFAULT_INLINE_BYTES if inline_bytes is None else inline_bytes, max_result_bytes
         )
+        # The registry's lifespans: entered at start, left at stop after the handlers.
+        self._lifespans = contextlib.AsyncExitStack()
 
     @property
     def id(self) -> str:
@@ -184,6 +186,7 @@ class Worker:
         """
         for name in self._queues:
             self._topology.queue(name)  # unknown queue names fail here, not later
+        await self._enter_lifespans()
         self._deployment = await until_database_up(lambda: this_deployment(self._engine), log)
         await self._cancels.start()
         try:
@@ -216,6 +219,7 @@ class Worker:
                     await self._connection.close()
                 self._connection = None
             await self._cancels.stop()
+            await self._lifespans.aclose()
             raise
         log.info(
             "worker.started",
@@ -255,7 +259,17 @@ class Worker:
             self._connection = None
         await self._progress.stop()
         await self._cancels.stop()
+        await self._lifespans.aclose()
         log.info("worker.stopped")
+
+    async def _enter_lifespans(self) -> None:
+        """Enter the registry's lifespans (what its handlers share); all or none."""
+        try:
+            for factory in self._registry.lifespans:
+                await self._lifespans.enter_async_context(factory())
+        except BaseException:
+            await self._lifespans.aclose()
+            raise
 
     async def _on_message(self, message: AbstractIncomingMessage) -> None:
         # Our own task, not aiormq's: a channel that closes must not cancel a
@@ -645,7 +659,10 @@ class Worker:
     def _backoff(self, attempt: Attempt) -> float:
         # The same policy as WorkerService's (jobplane.server.workers).
         return retry_delay(
-            self._topology, attempt.queue, attempt.attempt, base_override=self._retry_base_delay
+            self._topology,
+            attempt.queue,
+            attempt.budget_attempt,
+            base_override=self._retry_base_delay,
         )
 
     async def _outcome(
