@@ -3,6 +3,7 @@ finished of one tenant; erasure leaves nothing of the tenant; both can run again
 
 from __future__ import annotations
 
+import json
 import uuid
 from typing import Any
 
@@ -252,3 +253,36 @@ async def test_erasure_leaves_nothing_of_the_tenant_and_touches_no_other(stack: 
     assert left.pop("api_keys") == 1
     assert left == dict.fromkeys(left, 0)
     assert await tenant_rows(engine, globex) == before_globex
+
+
+async def test_operator_commands_set_horizons_and_erase(stack: Stack) -> None:
+    from tests.integration.test_cli_and_sync import jobplane
+
+    await _start_worker(stack)
+    await aged_jobs(stack.engine, stack.tenant_id, 3, age_days=40)
+    code, _out, err = await jobplane(stack, "tenants", "set-retention", "acme", "0")
+    assert code == 2 and "1..36500" in err
+    code, _out, err = await jobplane(stack, "tenants", "set-retention", "nobody", "30")
+    assert code == 1 and "no tenant 'nobody'" in err
+    code, _out, err = await jobplane(stack, "tenants", "set-retention", "acme", "30")
+    assert code == 0, err
+    code, out, _err = await jobplane(stack, "tenants", "list", "--json")
+    assert code == 0
+    listed = {t["name"]: t for t in map(json.loads, out.splitlines())}
+    assert listed["acme"]["retention_days"] == 30
+    code, out, err = await jobplane(stack, "tenants", "retention", "--all", "--wait")
+    assert code == 0, err
+    assert json.loads(out.splitlines()[-1])["deleted"]["jobs"] == 3
+
+    code, _out, err = await jobplane(stack, "tenants", "erase", "acme")
+    assert code == 2 and "--yes" in err
+    await aged_jobs(stack.engine, stack.tenant_id, 4, age_days=1)
+    code, out, err = await jobplane(stack, "tenants", "erase", "acme", "--yes", "--wait")
+    assert code == 0, err
+    erased = uuid.UUID(out.splitlines()[0].partition("/")[2])
+    left = await tenant_rows(stack.engine, stack.tenant_id, keep=erased)
+    assert left.pop("api_keys") == 1
+    assert left == dict.fromkeys(left, 0)
+    code, _out, err = await jobplane(stack, "tenants", "set-retention", "acme", "none")
+    assert code == 0, err
+    assert await stack.scalar("SELECT retention_days FROM tenants WHERE name = 'acme'") is None
