@@ -8,10 +8,12 @@ from collections.abc import AsyncIterator, Iterator
 import pytest
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from jobplane.blobs import BlobStore
 from jobplane.logs import configure
 from jobplane.store.engine import create_engine, migrate
 from jobplane.topology import Topology, load_topology
 from tests.support import services
+from tests.support.s3 import MotoServer, blob_store
 from tests.support.stack import Stack, start_stack
 
 _counter = itertools.count(1)
@@ -47,6 +49,23 @@ def amqp_url(run_id: str) -> Iterator[str]:
     url = services.create_vhost(vhost)
     yield url
     services.delete_vhost(vhost)
+
+
+@pytest.fixture(scope="session")
+def moto() -> Iterator[MotoServer]:
+    """A moto S3 server process on loopback for the run (each test its own bucket)."""
+    server = MotoServer()
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+async def blobs(engine: AsyncEngine, moto: MotoServer) -> AsyncIterator[BlobStore]:
+    """A blob store on the run's S3 server, in a bucket of the test's own."""
+    store = blob_store(engine, moto.url)
+    yield store
+    await store.close()
 
 
 @pytest.fixture

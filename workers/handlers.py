@@ -18,6 +18,7 @@ attempt while the job has any left.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib
 import inspect
@@ -27,10 +28,17 @@ import os
 import sys
 import traceback
 import uuid
-from collections.abc import Callable, Coroutine, Iterator, Mapping
-from typing import Any, Protocol
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Coroutine, Iterator, Mapping
+from contextlib import AbstractAsyncContextManager
+from typing import TYPE_CHECKING, Any, Protocol
 
-from jobplane.errors import PayloadTooLarge
+from jobplane.errors import (
+    BlobNotFound,
+    BlobsDisabled,
+    BlobStoreUnavailable,
+    BlobTooLarge,
+    PayloadTooLarge,
+)
 from jobplane.events.envelope import Event, EventError
 from jobplane.names import job_name, validate_job_type
 from jobplane.store.attempts import Attempt, ProgressUpdate
@@ -38,6 +46,9 @@ from jobplane.store.events import emitted
 from jobplane.store.machine import MAX_EMITTED_BYTES, MAX_EMITTED_EVENTS, Emitted
 from jobplane.store.rows import check_payload_size, dumps
 from jobplane.workers.values import clean_text, json_problem, json_size, safe_str
+
+if TYPE_CHECKING:
+    from jobplane.blobs.store import BlobReader, BlobStore
 
 #: Bytes of an emitted event's payload when the worker does not say (its
 #: payload limit, JOBPLANE_MAX_PAYLOAD_BYTES, as for results).
@@ -94,9 +105,14 @@ class JobContext:
         sink: ProgressSink,
         *,
         max_event_payload_bytes: int = DEFAULT_EVENT_PAYLOAD_BYTES,
+        blobs: BlobStore | None = None,
+        payload: dict[str, Any] | None = None,
     ) -> None:
         self._attempt = attempt
         self._sink = sink
+        self._blobs = blobs
+        # An offloaded payload, read from its blob by the worker.
+        self._payload = payload
         self._max_event_payload_bytes = max_event_payload_bytes
         self._emitted: list[Emitted] = []
         self._emitted_bytes = 0
@@ -118,8 +134,70 @@ class JobContext:
 
     @property
     def payload(self) -> dict[str, Any]:
-        """The submitted payload (a fresh copy is not made: do not mutate it)."""
-        return self._attempt.payload
+        """The submitted payload (a fresh copy is not made: do not mutate it).
+
+        An offloaded payload (submitted by reference) is here whole: the
+        worker reads it from its blob before the handler runs.
+        """
+        return self._payload if self._payload is not None else self._attempt.payload
+
+    @property
+    def tenant_id(self) -> str:
+        """The job's tenant (from the job row): the only tenant whose blobs it can read."""
+        return str(self._attempt.tenant_id)
+
+    def open_blob(self, name: str) -> AbstractAsyncContextManager[BlobReader]:
+        """``async with ctx.open_blob("blobs/…") as reader``: one of the tenant's blobs, streamed.
+
+        ``reader.info`` has its name, digest, size and content type;
+        ``await reader.read(n)`` and ``async for chunk in reader.iter_chunks(size)``
+        read it. A name the job's tenant has no blob of (another tenant's is
+        one) raises :class:`PermanentError` ``BLOB_NOT_FOUND``; an object store
+        outage :class:`RetryableError` ``BLOB_STORE_UNAVAILABLE``, while opening
+        or reading.
+        """
+        return self._open_blob(name)
+
+    @contextlib.asynccontextmanager
+    async def _open_blob(self, name: str) -> AsyncIterator[BlobReader]:
+        store = self._blob_store()
+        with _blob_errors():
+            async with store.open(self._attempt.tenant_id, name) as reader:
+                yield reader
+
+    async def read_blob(self, name: str, *, limit: int | None = None) -> bytes:
+        """The whole blob (see :meth:`open_blob`); larger than ``limit`` bytes:
+        :class:`PermanentError` ``BLOB_TOO_LARGE``."""
+        store = self._blob_store()
+        with _blob_errors():
+            return await store.read_bytes(self._attempt.tenant_id, name, limit=limit)
+
+    async def put_blob(
+        self, data: bytes | AsyncIterable[bytes], *, content_type: str | None = None
+    ) -> str:
+        """Store ``data`` as a blob of the job's tenant; returns its name (``blobs/…``).
+
+        The job references it (role ``output``), so deleting the job frees it.
+        The same bytes give the same name.
+        """
+        store = self._blob_store()
+        tenant = self._attempt.tenant_id
+        with _blob_errors():
+            if isinstance(data, bytes | bytearray | memoryview):
+                info = await store.put_bytes(tenant, bytes(data), content_type=content_type)
+            else:
+                info = await store.put_stream(tenant, data, content_type=content_type)
+            await store.reference(tenant, self._attempt.job_id, info.digest, "output")
+        return info.name
+
+    def _blob_store(self) -> BlobStore:
+        if self._blobs is None:
+            raise PermanentError(
+                "this worker has no object store (JOBPLANE_S3_URL is not set): "
+                "a job that uses blobs cannot run here",
+                code=BlobsDisabled.reason,
+            )
+        return self._blobs
 
     @property
     def attempt(self) -> int:
@@ -272,6 +350,19 @@ class JobContext:
     def emitted(self) -> tuple[Emitted, ...]:
         """The events emitted so far, in order (written only with a success)."""
         return tuple(self._emitted)
+
+
+@contextlib.contextmanager
+def _blob_errors() -> Iterator[None]:
+    """The blob store's errors as the handler errors the contract names."""
+    try:
+        yield
+    except BlobNotFound as exc:
+        raise PermanentError(exc.message, code=BlobNotFound.reason) from None
+    except BlobTooLarge as exc:
+        raise PermanentError(exc.message, code=BlobTooLarge.reason) from None
+    except BlobStoreUnavailable as exc:
+        raise RetryableError(exc.message, code=BlobStoreUnavailable.reason) from None
 
 
 def _correlation(attempt: Attempt) -> str:

@@ -15,7 +15,7 @@ import contextlib
 import enum
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import aio_pika
 import structlog
@@ -51,6 +51,9 @@ from jobplane.workers.presence import Presence
 from jobplane.workers.priority import Slots, SlotsClosed, consume
 from jobplane.workers.progress import ProgressFlusher, ProgressWriter
 from jobplane.workers.retry import retry_delay
+
+if TYPE_CHECKING:
+    from jobplane.blobs.store import BlobStore
 
 log = structlog.get_logger("jobplane.worker")
 
@@ -105,6 +108,8 @@ class Worker:
         cancel_grace: float = 10.0,
         max_result_bytes: int = 256 * 1024,
         reserve: int | None = None,
+        blobs: BlobStore | None = None,
+        inline_bytes: int | None = None,
     ) -> None:
         if concurrency < 1:
             raise ValueError("concurrency must be at least 1")
@@ -146,6 +151,9 @@ class Worker:
         self._handback_max_delay = handback_max_delay
         self._cancel_grace = cancel_grace
         self._max_result_bytes = max_result_bytes
+        # The object store handlers reach through ctx (the caller's; None: blobs disabled).
+        self._blobs = blobs
+        self._inline_bytes = inline_bytes
 
     @property
     def id(self) -> str:
@@ -447,7 +455,9 @@ class Worker:
                 holder[0].stop(StopCause.CANCEL_REQUESTED)
 
         writer = ProgressWriter(self._progress, attempt, on_cancel_requested=cancel_requested)
-        ctx = JobContext(attempt, writer, max_event_payload_bytes=self._max_result_bytes)
+        ctx = JobContext(
+            attempt, writer, max_event_payload_bytes=self._max_result_bytes, blobs=self._blobs
+        )
         running = _Running(asyncio.create_task(invoke(handler, ctx), name=f"job-{key}"))
         holder.append(running)
         self._running[key] = running

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from urllib.parse import urlsplit
 
 DEFAULT_DATABASE_URL = "postgresql://postgres@127.0.0.1:5432/jobplane"
 DEFAULT_AMQP_URL = "amqp://guest:guest@127.0.0.1:5672/"
@@ -22,6 +24,13 @@ MAX_PAYLOAD_BYTES_LIMIT = 4 * 1024 * 1024
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 LOG_FORMATS = ("console", "json")
 
+
+#: ``JOBPLANE_MAX_BLOB_BYTES`` by default (5 GiB) and at most (5 TiB, S3's own limit).
+DEFAULT_MAX_BLOB_BYTES = 5 * 1024**3
+MAX_BLOB_BYTES_LIMIT = 5 * 1024**4
+#: ``JOBPLANE_INLINE_BYTES`` by default: larger payloads and results go by reference.
+DEFAULT_INLINE_BYTES = 64 * 1024
+_BUCKET_NAME = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
 
 #: The longest lease of a WorkerService attempt: a dead worker's job waits this long.
 MAX_WORKER_LEASE = 3600.0
@@ -62,6 +71,21 @@ class Settings:
     tenant_submit_burst: int = 1000
     # The lease a WorkerService claim or heartbeat gives (docs/workers.md).
     worker_lease_seconds: float = 30.0
+    # Object storage (S3-compatible; docs/adr/0020-blobs.md). No URL: blobs are disabled.
+    s3_url: str | None = None
+    s3_bucket: str = "jobplane"
+    s3_access_key_id: str | None = None
+    s3_secret_access_key: str | None = field(default=None, repr=False)
+    s3_region: str = "us-east-1"
+    s3_prefix: str = ""
+    max_blob_bytes: int = DEFAULT_MAX_BLOB_BYTES
+    # Payloads and results larger than this (compact JSON) go to a blob.
+    inline_bytes: int = DEFAULT_INLINE_BYTES
+
+    @property
+    def blobs_enabled(self) -> bool:
+        """True when an object store is configured (``JOBPLANE_S3_URL``)."""
+        return self.s3_url is not None
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
@@ -86,7 +110,7 @@ class Settings:
             raise ConfigError("JOBPLANE_TLS_CERT and JOBPLANE_TLS_KEY go together")
         if tls_client_ca is not None and tls_cert is None:
             raise ConfigError("JOBPLANE_TLS_CLIENT_CA needs JOBPLANE_TLS_CERT and JOBPLANE_TLS_KEY")
-        return replace(
+        settings = replace(
             base,
             database_url=env.get("JOBPLANE_DATABASE_URL", base.database_url),
             amqp_url=env.get("JOBPLANE_AMQP_URL", base.amqp_url),
@@ -113,6 +137,59 @@ class Settings:
             ),
             worker_lease_seconds=lease,
         )
+        return _with_s3(env, settings)
+
+
+def _with_s3(env: Mapping[str, str], base: Settings) -> Settings:
+    """``base`` with the object-storage settings, checked."""
+    max_payload = base.max_payload_bytes
+    url = env.get("JOBPLANE_S3_URL", "").strip() or None
+    if url is not None:
+        parts = urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ConfigError(
+                f"JOBPLANE_S3_URL must be an http:// or https:// URL of an S3 endpoint, not {url!r}"
+            )
+        try:
+            parts.port  # noqa: B018 - a bad port raises here
+        except ValueError as exc:
+            raise ConfigError(f"JOBPLANE_S3_URL has a bad port: {url!r}") from exc
+    bucket = env.get("JOBPLANE_S3_BUCKET", "").strip() or base.s3_bucket
+    if not _BUCKET_NAME.match(bucket) or ".." in bucket:
+        raise ConfigError(
+            f"JOBPLANE_S3_BUCKET must be an S3 bucket name (3-63 characters: a-z, 0-9, '.', "
+            f"'-'), not {bucket!r}"
+        )
+    key_id = env.get("JOBPLANE_S3_ACCESS_KEY_ID", "").strip() or None
+    secret = env.get("JOBPLANE_S3_SECRET_ACCESS_KEY", "").strip() or None
+    if (key_id is None) != (secret is None):
+        raise ConfigError("JOBPLANE_S3_ACCESS_KEY_ID and JOBPLANE_S3_SECRET_ACCESS_KEY go together")
+    region = env.get("JOBPLANE_S3_REGION", "").strip() or base.s3_region
+    prefix = env.get("JOBPLANE_S3_PREFIX", base.s3_prefix).strip()
+    if prefix.startswith("/") or "//" in prefix or len(prefix) > 512:
+        raise ConfigError(
+            f"JOBPLANE_S3_PREFIX must be a relative key prefix (e.g. 'jobplane/'), not {prefix!r}"
+        )
+    max_blob = _positive_int(env, "JOBPLANE_MAX_BLOB_BYTES", base.max_blob_bytes)
+    if max_blob > MAX_BLOB_BYTES_LIMIT:
+        raise ConfigError("JOBPLANE_MAX_BLOB_BYTES must be at most 5 TiB (S3's object limit)")
+    inline = _positive_int(env, "JOBPLANE_INLINE_BYTES", base.inline_bytes)
+    if inline > max_payload:
+        raise ConfigError(
+            f"JOBPLANE_INLINE_BYTES ({inline}) must be at most JOBPLANE_MAX_PAYLOAD_BYTES "
+            f"({max_payload}): a payload between the two could go neither way"
+        )
+    return replace(
+        base,
+        s3_url=url,
+        s3_bucket=bucket,
+        s3_access_key_id=key_id,
+        s3_secret_access_key=secret,
+        s3_region=region,
+        s3_prefix=prefix,
+        max_blob_bytes=max_blob,
+        inline_bytes=inline,
+    )
 
 
 def _choice(env: Mapping[str, str], name: str, choices: tuple[str, ...]) -> str | None:

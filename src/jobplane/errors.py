@@ -74,6 +74,24 @@ class UnroutableJobType(InvalidArgument):
     reason = "JOB_TYPE_UNROUTABLE"
 
 
+class BlobTooLarge(InvalidArgument):
+    """The blob is larger than the server accepts (JOBPLANE_MAX_BLOB_BYTES)."""
+
+    reason = "BLOB_TOO_LARGE"
+
+
+class DigestMismatch(InvalidArgument):
+    """The blob's bytes do not have the declared sha256; nothing was stored."""
+
+    reason = "DIGEST_MISMATCH"
+
+
+class BlobSizeMismatch(InvalidArgument):
+    """The blob's bytes are not of the declared size; nothing was stored."""
+
+    reason = "BLOB_SIZE_MISMATCH"
+
+
 class Unauthenticated(JobplaneError):
     """The call has no valid API key."""
 
@@ -100,6 +118,13 @@ class JobNotFound(JobplaneError):
 
     code = grpc.StatusCode.NOT_FOUND
     reason = "JOB_NOT_FOUND"
+
+
+class BlobNotFound(JobplaneError):
+    """No blob with this name."""
+
+    code = grpc.StatusCode.NOT_FOUND
+    reason = "BLOB_NOT_FOUND"
 
 
 class WorkerNotFound(JobplaneError):
@@ -161,6 +186,18 @@ class CancelNotRequested(FailedPrecondition):
     reason = "CANCEL_NOT_REQUESTED"
 
 
+class BlobInUse(FailedPrecondition):
+    """A job references this blob; delete the job (or wait for its retention) first."""
+
+    reason = "BLOB_IN_USE"
+
+
+class BlobsDisabled(FailedPrecondition):
+    """This deployment has no object store (JOBPLANE_S3_URL is not set)."""
+
+    reason = "BLOBS_DISABLED"
+
+
 class ResourceExhausted(JobplaneError):
     """A limit was reached; the call may succeed later."""
 
@@ -190,6 +227,12 @@ class Unavailable(JobplaneError):
     reason = "UNAVAILABLE"
 
 
+class BlobStoreUnavailable(Unavailable):
+    """The object store is not reachable right now; the call may be retried."""
+
+    reason = "BLOB_STORE_UNAVAILABLE"
+
+
 class InternalError(JobplaneError):
     """The server failed to handle the call."""
 
@@ -204,6 +247,13 @@ _BY_REASON: dict[str, type[JobplaneError]] = {
         MalformedRequest,
         PayloadTooLarge,
         UnroutableJobType,
+        BlobTooLarge,
+        DigestMismatch,
+        BlobSizeMismatch,
+        BlobNotFound,
+        BlobInUse,
+        BlobsDisabled,
+        BlobStoreUnavailable,
         Unauthenticated,
         PermissionDenied,
         KeyScopeMismatch,

@@ -12,6 +12,7 @@ from typing import Any
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from jobplane.blobs import BlobStore
 from jobplane.client import AsyncClient
 from jobplane.envelope import Envelope
 from jobplane.faults import NO_FAULTS, FaultPoints
@@ -36,6 +37,7 @@ class Stack:
     tenant_id: uuid.UUID
     relay: Relay | None = None
     worker: Worker | None = None
+    blobs: BlobStore | None = None
     clients: list[AsyncClient] = field(default_factory=list)
     workers: list[Worker] = field(default_factory=list)
 
@@ -70,6 +72,7 @@ class Stack:
         kwargs.setdefault("presence_interval", 0.5)
         kwargs.setdefault("handback_delay", 0.05)
         kwargs.setdefault("handback_max_delay", 0.5)
+        kwargs.setdefault("blobs", self.blobs)
         worker = Worker(
             self.engine,
             self.database_url,
@@ -126,6 +129,7 @@ async def start_stack(
     faults: FaultPoints = NO_FAULTS,
     listen: str = "127.0.0.1:0",
     worker_options: dict[str, Any] | None = None,
+    blobs: BlobStore | None = None,
 ) -> Stack:
     """Start server (and relay, worker unless told not to) on real services."""
     server = JobplaneServer(
@@ -133,7 +137,7 @@ async def start_stack(
     )
     await server.start()
     key, tenant_id = await server.keys.create_key("acme")
-    stack = Stack(engine, database_url, amqp_url, topology, server, key, tenant_id)
+    stack = Stack(engine, database_url, amqp_url, topology, server, key, tenant_id, blobs=blobs)
     try:
         if relay:
             await stack.start_relay()

@@ -1,0 +1,771 @@
+"""The blob store: objects in S3 (aioboto3), their rows in Postgres.
+
+A blob is named by its bytes: ``blobs/{sha256}``, per tenant, stored at
+``{prefix}tenants/{tenant}/blobs/{sha256}``. Uploads stream: at most one part
+(8 MiB) and one chunk are held at a time, whatever the blob's size.
+
+Invariants (docs/adr/0020-blobs.md):
+
+- A row exists only for a complete object: the object is completed first, the
+  row inserted after, both under the blob's advisory lock. A crash between
+  the two leaves an object without a row, which the next upload of the same
+  bytes overwrites with the same bytes and gives its row (the retry heals).
+- Deleting takes the same lock, deletes the row (only while no job references
+  it, under the row's lock so a concurrent reference either waits or fails),
+  then the object, then releases the lock: an upload of the same bytes
+  meanwhile waits, and completes its object after the delete.
+- The tenant is always the caller's (the authenticated key, or the job row):
+  a name only ever reaches that tenant's own key.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import uuid
+from collections.abc import AsyncIterable, AsyncIterator, Iterable, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import TYPE_CHECKING, Any
+
+import aioboto3
+import structlog
+from aiohttp import ClientError as HTTPClientError
+from botocore.config import Config
+from botocore.exceptions import BotoCoreError, ClientError
+from sqlalchemy import text
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
+
+from jobplane.blobs.names import blob_name, parse_blob_name, parse_digest
+from jobplane.errors import (
+    BlobInUse,
+    BlobNotFound,
+    BlobsDisabled,
+    BlobSizeMismatch,
+    BlobStoreUnavailable,
+    BlobTooLarge,
+    DigestMismatch,
+)
+from jobplane.logs import describe_error
+
+if TYPE_CHECKING:
+    from types_aiobotocore_s3 import S3Client
+
+    from jobplane.config import Settings
+
+log = structlog.get_logger("jobplane.blobs")
+
+#: Bytes of one multipart part (S3's least is 5 MiB, except the last).
+PART_BYTES = 8 * 1024 * 1024
+#: S3's largest single CopyObject; larger objects are copied in parts.
+_MAX_COPY_BYTES = 5 * 1024**3
+_COPY_PART_BYTES = 1024**3
+
+_NOT_FOUND_CODES = frozenset({"NoSuchKey", "404", "NotFound"})
+
+
+@dataclass(frozen=True, slots=True)
+class BlobInfo:
+    """A stored blob: its name, sha256, size in bytes and content type."""
+
+    name: str
+    digest: str
+    size: int
+    content_type: str = ""
+    created_at: datetime | None = None
+
+
+def _tenant(tenant_id: uuid.UUID | str) -> uuid.UUID:
+    return tenant_id if isinstance(tenant_id, uuid.UUID) else uuid.UUID(str(tenant_id))
+
+
+def _digest_of(name: str) -> str:
+    try:
+        return parse_blob_name(name)
+    except ValueError as exc:
+        raise BlobNotFound(str(exc), field="name") from None
+
+
+def unavailable(exc: BaseException) -> BlobStoreUnavailable:
+    """The error to raise for an S3 failure."""
+    return BlobStoreUnavailable(f"the object store is unavailable: {describe_error(exc)}")
+
+
+#: What a call to S3 raises when S3 is down, slow or refuses: all retryable.
+S3_DOWN: tuple[type[BaseException], ...] = (
+    BotoCoreError,
+    HTTPClientError,
+    OSError,
+    asyncio.TimeoutError,
+)
+
+
+def _not_found(exc: ClientError) -> bool:
+    return str(exc.response.get("Error", {}).get("Code", "")) in _NOT_FOUND_CODES
+
+
+@contextlib.asynccontextmanager
+async def _s3_errors() -> AsyncIterator[None]:
+    """S3's failures as :class:`BlobStoreUnavailable` (a missing key is the caller's to map)."""
+    try:
+        yield
+    except ClientError as exc:
+        if _not_found(exc):
+            raise
+        raise unavailable(exc) from exc
+    except S3_DOWN as exc:
+        raise unavailable(exc) from exc
+
+
+_LOCK = text("SELECT pg_advisory_xact_lock(hashtextextended(:key, 0))")
+_SESSION_LOCK = text("SELECT pg_advisory_lock(hashtextextended(:key, 0))")
+_SESSION_UNLOCK = text("SELECT pg_advisory_unlock(hashtextextended(:key, 0))")
+_INSERT = text(
+    """
+    INSERT INTO blobs (tenant_id, digest, size, content_type)
+    VALUES (:tenant_id, :digest, :size, :content_type)
+    ON CONFLICT (tenant_id, digest) DO UPDATE SET touched_at = now()
+    RETURNING digest, size, content_type, created_at
+    """
+)
+_STAT = text(
+    "SELECT digest, size, content_type, created_at FROM blobs "
+    "WHERE tenant_id = :tenant_id AND digest = :digest"
+)
+_LOCK_ROW = text(
+    "SELECT digest FROM blobs WHERE tenant_id = :tenant_id AND digest = :digest FOR UPDATE"
+)
+_REFERENCED = text(
+    "SELECT EXISTS (SELECT 1 FROM job_blobs WHERE tenant_id = :tenant_id AND digest = :digest)"
+)
+_DELETE_ROW = text("DELETE FROM blobs WHERE tenant_id = :tenant_id AND digest = :digest")
+_UNREFERENCED = text(
+    """
+    SELECT b.digest FROM blobs b
+    WHERE b.tenant_id = :tenant_id AND b.touched_at < :cutoff
+      AND NOT EXISTS (SELECT 1 FROM job_blobs r
+                      WHERE r.tenant_id = b.tenant_id AND r.digest = b.digest)
+    ORDER BY b.touched_at
+    LIMIT :limit
+    """
+)
+_LIST = text(
+    """
+    SELECT digest, size, content_type, created_at FROM blobs
+    WHERE tenant_id = :tenant_id AND digest > :after
+    ORDER BY digest
+    LIMIT :limit
+    """
+)
+_OWNED = text(
+    "SELECT digest FROM blobs "
+    "WHERE tenant_id = :tenant_id AND digest = ANY(CAST(:digests AS text[]))"
+)
+_REFERENCE = text(
+    """
+    INSERT INTO job_blobs (tenant_id, job_id, digest, role)
+    SELECT :tenant_id, :job_id, :digest, :role
+    WHERE EXISTS (SELECT 1 FROM jobs WHERE id = :job_id AND tenant_id = :tenant_id)
+    ON CONFLICT DO NOTHING
+    """
+)
+
+
+def _info(row: Any) -> BlobInfo:
+    return BlobInfo(
+        name=blob_name(row.digest),
+        digest=row.digest,
+        size=int(row.size),
+        content_type=row.content_type,
+        created_at=row.created_at,
+    )
+
+
+class BlobReader:
+    """An open blob: ``info``, ``await read(n)``, ``async for chunk in iter_chunks(size)``."""
+
+    def __init__(self, info: BlobInfo, body: Any) -> None:
+        self.info = info
+        self._body = body
+
+    async def read(self, n: int = -1) -> bytes:
+        """Up to ``n`` bytes (all that are left when ``n`` < 0); ``b""`` at the end."""
+        async with _s3_errors():
+            data: bytes = await self._body.read(None if n < 0 else n)
+        return data
+
+    async def iter_chunks(self, size: int = 1024 * 1024) -> AsyncIterator[bytes]:
+        """The rest of the blob in chunks of at most ``size`` bytes."""
+        if size <= 0:
+            raise ValueError("chunk size must be positive")
+        while True:
+            chunk = await self.read(size)
+            if not chunk:
+                return
+            yield chunk
+
+
+class BlobStore:
+    """Blobs of every tenant: S3 objects and their rows (see the module docstring).
+
+    One S3 client per store (one store per process), opened at first use and
+    closed by :meth:`close`; the bucket is created when missing. ``engine``
+    is the process's; a store made by :meth:`from_settings` without one owns
+    the engine it makes.
+    """
+
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        *,
+        url: str,
+        bucket: str = "jobplane",
+        region: str = "us-east-1",
+        access_key_id: str | None = None,
+        secret_access_key: str | None = None,
+        prefix: str = "",
+        max_blob_bytes: int = 5 * 1024**3,
+        part_bytes: int = PART_BYTES,
+        owns_engine: bool = False,
+    ) -> None:
+        if part_bytes < 5 * 1024 * 1024:
+            raise ValueError("part_bytes must be at least 5 MiB (S3's least part)")
+        self._engine = engine
+        self._owns_engine = owns_engine
+        self.url = url
+        self.bucket = bucket
+        self._region = region
+        self._access_key_id = access_key_id
+        self._secret_access_key = secret_access_key
+        self.prefix = prefix
+        self.max_blob_bytes = max_blob_bytes
+        self.part_bytes = part_bytes
+        self._session = aioboto3.Session()
+        self._stack = contextlib.AsyncExitStack()
+        self._client: S3Client | None = None
+        self._bucket_ready = False
+        self._opening = asyncio.Lock()
+
+    @classmethod
+    def from_settings(cls, settings: Settings, engine: AsyncEngine | None = None) -> BlobStore:
+        """The store ``settings`` describe; :class:`BlobsDisabled` when JOBPLANE_S3_URL is unset."""
+        if settings.s3_url is None:
+            raise BlobsDisabled()
+        owns = engine is None
+        if engine is None:
+            from jobplane.store.engine import create_engine
+
+            engine = create_engine(settings.database_url, pool_size=4)
+        return cls(
+            engine,
+            url=settings.s3_url,
+            bucket=settings.s3_bucket,
+            region=settings.s3_region,
+            access_key_id=settings.s3_access_key_id,
+            secret_access_key=settings.s3_secret_access_key,
+            prefix=settings.s3_prefix,
+            max_blob_bytes=settings.max_blob_bytes,
+            owns_engine=owns,
+        )
+
+    async def __aenter__(self) -> BlobStore:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        """Close the S3 client (and the engine, when the store made it)."""
+        self._client = None
+        self._bucket_ready = False
+        await self._stack.aclose()
+        if self._owns_engine:
+            await self._engine.dispose()
+
+    # -- keys and the client ------------------------------------------------
+
+    def key(self, tenant_id: uuid.UUID | str, digest: str) -> str:
+        """The object key of a tenant's blob."""
+        return f"{self.prefix}tenants/{_tenant(tenant_id)}/blobs/{digest}"
+
+    def _staging_key(self, tenant_id: uuid.UUID) -> str:
+        return f"{self.prefix}tenants/{tenant_id}/staging/{uuid.uuid4()}"
+
+    async def _s3(self) -> S3Client:
+        if self._client is not None and self._bucket_ready:
+            return self._client
+        async with self._opening:
+            ready = self._client
+            if ready is None:
+                config = Config(
+                    connect_timeout=5,
+                    read_timeout=60,
+                    retries={"max_attempts": 3, "mode": "standard"},
+                    s3={"addressing_style": "path"},
+                    # Checksums only where S3 requires them: MinIO and other
+                    # S3-compatible servers do not all accept the newer ones.
+                    request_checksum_calculation="when_required",
+                    response_checksum_validation="when_required",
+                )
+                client = self._session.client(
+                    "s3",
+                    endpoint_url=self.url,
+                    region_name=self._region,
+                    aws_access_key_id=self._access_key_id,
+                    aws_secret_access_key=self._secret_access_key,
+                    config=config,
+                )
+                opened: S3Client = await self._stack.enter_async_context(client)
+                self._client = ready = opened
+            if not self._bucket_ready:
+                await self._ensure_bucket(ready)
+                self._bucket_ready = True
+            return ready
+
+    async def _ensure_bucket(self, s3: S3Client) -> None:
+        async with _s3_errors():
+            try:
+                await s3.head_bucket(Bucket=self.bucket)
+            except ClientError as exc:
+                if not _not_found(exc):
+                    raise
+            else:
+                return
+            try:
+                if self._region == "us-east-1":
+                    await s3.create_bucket(Bucket=self.bucket)
+                else:
+                    await s3.create_bucket(
+                        Bucket=self.bucket,
+                        CreateBucketConfiguration={"LocationConstraint": self._region},  # type: ignore[typeddict-item]
+                    )
+                log.info("blobs.bucket.created", bucket=self.bucket)
+            except ClientError as exc:
+                code = exc.response.get("Error", {}).get("Code", "")
+                if code not in ("BucketAlreadyOwnedByYou", "BucketAlreadyExists"):
+                    raise
+
+    # -- rows ---------------------------------------------------------------
+
+    @contextlib.asynccontextmanager
+    async def _locked(self, tenant_id: uuid.UUID, digest: str) -> AsyncIterator[AsyncConnection]:
+        """A transaction holding the blob's advisory lock."""
+        async with self._engine.begin() as conn:
+            await conn.execute(_LOCK, {"key": _lock_key(tenant_id, digest)})
+            yield conn
+
+    async def _insert(
+        self, conn: AsyncConnection, tenant_id: uuid.UUID, digest: str, size: int, ctype: str
+    ) -> BlobInfo:
+        row = (
+            await conn.execute(
+                _INSERT,
+                {"tenant_id": tenant_id, "digest": digest, "size": size, "content_type": ctype},
+            )
+        ).one()
+        return _info(row)
+
+    async def stat(self, tenant_id: uuid.UUID | str, name: str) -> BlobInfo:
+        """The tenant's blob ``name``; :class:`BlobNotFound` when it has none (or another has)."""
+        digest = _digest_of(name)
+        async with self._engine.connect() as conn:
+            row = (
+                await conn.execute(_STAT, {"tenant_id": _tenant(tenant_id), "digest": digest})
+            ).one_or_none()
+        if row is None:
+            raise BlobNotFound(f"no blob named {name}", field="name")
+        return _info(row)
+
+    async def owned(self, tenant_id: uuid.UUID | str, digests: Iterable[str]) -> set[str]:
+        """Which of ``digests`` the tenant has blobs of."""
+        wanted = sorted(set(digests))
+        if not wanted:
+            return set()
+        async with self._engine.connect() as conn:
+            rows = await conn.execute(_OWNED, {"tenant_id": _tenant(tenant_id), "digests": wanted})
+            return {r.digest for r in rows}
+
+    async def list_blobs(
+        self, tenant_id: uuid.UUID | str, *, page_size: int = 100, after: str = ""
+    ) -> tuple[list[BlobInfo], str]:
+        """The tenant's blobs by digest after ``after``; the last digest when more may follow."""
+        async with self._engine.connect() as conn:
+            rows = (
+                await conn.execute(
+                    _LIST,
+                    {"tenant_id": _tenant(tenant_id), "after": after, "limit": page_size + 1},
+                )
+            ).all()
+        infos = [_info(r) for r in rows[:page_size]]
+        more = len(rows) > page_size
+        return infos, (infos[-1].digest if more and infos else "")
+
+    async def reference(
+        self, tenant_id: uuid.UUID | str, job_id: uuid.UUID, digest: str, role: str
+    ) -> None:
+        """Record that the job references the blob (``role``: payload, input, result, output)."""
+        async with self._engine.begin() as conn:
+            await conn.execute(
+                _REFERENCE,
+                {"tenant_id": _tenant(tenant_id), "job_id": job_id, "digest": digest, "role": role},
+            )
+
+    # -- writes -------------------------------------------------------------
+
+    async def put_bytes(
+        self, tenant_id: uuid.UUID | str, data: bytes, *, content_type: str | None = None
+    ) -> BlobInfo:
+        """Store ``data`` as the tenant's blob (the same bytes: the same blob)."""
+
+        async def one() -> AsyncIterator[bytes]:
+            yield data
+
+        return await self.put_stream(
+            tenant_id, one(), digest=hashlib.sha256(data).hexdigest(), content_type=content_type
+        )
+
+    async def put_stream(
+        self,
+        tenant_id: uuid.UUID | str,
+        chunks: AsyncIterable[bytes],
+        *,
+        digest: str | None = None,
+        content_type: str | None = None,
+        size: int | None = None,
+    ) -> BlobInfo:
+        """Store the bytes of ``chunks`` as the tenant's blob, streaming.
+
+        ``digest`` (the declared sha256) and ``size``, when given, are checked:
+        a mismatch raises :class:`DigestMismatch` / :class:`BlobSizeMismatch`
+        and stores nothing. More than ``max_blob_bytes`` raises
+        :class:`BlobTooLarge`. Idempotent: the same bytes give the same blob,
+        stored once.
+        """
+        tenant = _tenant(tenant_id)
+        ctype = content_type or ""
+        if digest is not None:
+            try:
+                digest = parse_digest(digest)
+            except ValueError as exc:
+                raise DigestMismatch(str(exc), field="sha256") from None
+        if size is not None and size > self.max_blob_bytes:
+            raise BlobTooLarge(f"the blob is larger than {self.max_blob_bytes} bytes", field="size")
+        s3 = await self._s3()
+        upload = _Multipart(s3, self.bucket, self.key(tenant, digest) if digest else None)
+        hasher = hashlib.sha256()
+        buffer = bytearray()
+        total = 0
+        try:
+            async for chunk in chunks:
+                total += len(chunk)
+                if total > self.max_blob_bytes:
+                    raise BlobTooLarge(f"the blob is larger than {self.max_blob_bytes} bytes")
+                if size is not None and total > size:
+                    raise BlobSizeMismatch(
+                        f"the blob has more than the declared {size} bytes", field="size"
+                    )
+                hasher.update(chunk)
+                buffer += chunk
+                while len(buffer) >= self.part_bytes:
+                    if upload.key is None:
+                        upload.key = self._staging_key(tenant)
+                    await upload.part(bytes(buffer[: self.part_bytes]), ctype)
+                    del buffer[: self.part_bytes]
+            if size is not None and total != size:
+                raise BlobSizeMismatch(
+                    f"the blob has {total} bytes, not the declared {size}", field="size"
+                )
+            actual = hasher.hexdigest()
+            if digest is not None and actual != digest:
+                raise DigestMismatch(
+                    f"the bytes have sha256 {actual}, not the declared {digest}", field="sha256"
+                )
+            final = self.key(tenant, actual)
+            if not upload.started:
+                # Small: one PUT of what is held (less than a part).
+                async with self._locked(tenant, actual) as conn:
+                    async with _s3_errors():
+                        await s3.put_object(
+                            Bucket=self.bucket, Key=final, Body=bytes(buffer), ContentType=ctype
+                        )
+                    return await self._insert(conn, tenant, actual, total, ctype)
+            if buffer:
+                await upload.part(bytes(buffer), ctype)
+                buffer.clear()
+            if upload.key == final:
+                async with self._locked(tenant, actual) as conn:
+                    await upload.complete()
+                    return await self._insert(conn, tenant, actual, total, ctype)
+            # Streamed without a declared digest: complete under a staging
+            # key, then copy to the name the bytes turned out to have.
+            await upload.complete()
+            async with self._locked(tenant, actual) as conn:
+                await self._copy(s3, upload.key or "", final, total, ctype)
+                return await self._insert(conn, tenant, actual, total, ctype)
+        finally:
+            await upload.discard()
+
+    async def _copy(self, s3: S3Client, source: str, key: str, size: int, ctype: str) -> None:
+        src = {"Bucket": self.bucket, "Key": source}
+        async with _s3_errors():
+            if size <= _MAX_COPY_BYTES:
+                await s3.copy_object(Bucket=self.bucket, Key=key, CopySource=src)  # type: ignore[arg-type]
+                return
+            created = await s3.create_multipart_upload(
+                Bucket=self.bucket, Key=key, ContentType=ctype
+            )
+            upload_id = created["UploadId"]
+            try:
+                parts = []
+                for number, start in enumerate(range(0, size, _COPY_PART_BYTES), start=1):
+                    end = min(start + _COPY_PART_BYTES, size) - 1
+                    copied = await s3.upload_part_copy(
+                        Bucket=self.bucket,
+                        Key=key,
+                        UploadId=upload_id,
+                        PartNumber=number,
+                        CopySource=src,  # type: ignore[arg-type]
+                        CopySourceRange=f"bytes={start}-{end}",
+                    )
+                    parts.append({"PartNumber": number, "ETag": copied["CopyPartResult"]["ETag"]})
+                await s3.complete_multipart_upload(
+                    Bucket=self.bucket,
+                    Key=key,
+                    UploadId=upload_id,
+                    MultipartUpload={"Parts": parts},  # type: ignore[typeddict-item]
+                )
+            except BaseException:
+                with contextlib.suppress(Exception):
+                    await s3.abort_multipart_upload(Bucket=self.bucket, Key=key, UploadId=upload_id)
+                raise
+
+    # -- reads --------------------------------------------------------------
+
+    @contextlib.asynccontextmanager
+    async def open(self, tenant_id: uuid.UUID | str, name: str) -> AsyncIterator[BlobReader]:
+        """``async with store.open(tenant, name) as reader``: the blob's bytes, streamed.
+
+        :class:`BlobNotFound` when the tenant has no such blob;
+        :class:`BlobStoreUnavailable` when S3 cannot be reached.
+        """
+        info = await self.stat(tenant_id, name)
+        s3 = await self._s3()
+        try:
+            async with _s3_errors():
+                got = await s3.get_object(Bucket=self.bucket, Key=self.key(tenant_id, info.digest))
+        except ClientError as exc:
+            # A row whose object went missing (deleted behind jobplane's back).
+            log.warning("blobs.object.missing", blob=name, error=describe_error(exc))
+            raise BlobNotFound(f"no blob named {name}", field="name") from None
+        body = got["Body"]
+        try:
+            yield BlobReader(info, body)
+        finally:
+            body.close()
+
+    async def read_bytes(
+        self, tenant_id: uuid.UUID | str, name: str, *, limit: int | None = None
+    ) -> bytes:
+        """The whole blob; :class:`BlobTooLarge` when it is larger than ``limit`` bytes."""
+        if limit is not None:
+            info = await self.stat(tenant_id, name)
+            if info.size > limit:
+                raise BlobTooLarge(f"{name} has {info.size} bytes, more than {limit}")
+        async with self.open(tenant_id, name) as reader:
+            return await reader.read()
+
+    # -- deletes ------------------------------------------------------------
+
+    async def delete(self, tenant_id: uuid.UUID | str, name: str) -> None:
+        """Delete the tenant's blob: :class:`BlobInUse` while a job references it."""
+        digest = _digest_of(name)
+        outcome = await self._delete_one(_tenant(tenant_id), digest)
+        if outcome == "missing":
+            raise BlobNotFound(f"no blob named {name}", field="name")
+        if outcome == "referenced":
+            raise BlobInUse(f"a job references {name}", field="name")
+
+    async def delete_unreferenced(
+        self, tenant_id: uuid.UUID | str, older_than: datetime, *, batch: int = 500
+    ) -> int:
+        """Delete the tenant's blobs no job references, last uploaded before ``older_than``.
+
+        Rows and objects; safe against a concurrent upload or reference of the
+        same bytes (the blob's lock, then its row's). Returns how many went.
+        """
+        tenant = _tenant(tenant_id)
+        deleted = 0
+        while True:
+            async with self._engine.connect() as conn:
+                digests = [
+                    r.digest
+                    for r in await conn.execute(
+                        _UNREFERENCED, {"tenant_id": tenant, "cutoff": older_than, "limit": batch}
+                    )
+                ]
+            gone = 0
+            for digest in digests:
+                if await self._delete_one(tenant, digest, older_than=older_than) == "deleted":
+                    gone += 1
+            deleted += gone
+            if len(digests) < batch or gone == 0:
+                return deleted
+
+    async def delete_tenant(self, tenant_id: uuid.UUID | str) -> int:
+        """Delete every blob of the tenant, referenced or not (rows, then objects).
+
+        For erasure: the tenant's jobs are going too. Returns the rows deleted;
+        objects under the tenant's prefix without a row (staging leftovers)
+        go as well.
+        """
+        tenant = _tenant(tenant_id)
+        async with self._engine.begin() as conn:
+            await conn.execute(text("DELETE FROM job_blobs WHERE tenant_id = :t"), {"t": tenant})
+            rows = await conn.execute(
+                text("DELETE FROM blobs WHERE tenant_id = :t RETURNING digest"), {"t": tenant}
+            )
+            count = len(rows.all())
+        s3 = await self._s3()
+        keys = [k async for k in self._list_keys(s3, f"{self.prefix}tenants/{tenant}/")]
+        await self._delete_keys(s3, keys)
+        return count
+
+    async def _delete_one(
+        self, tenant: uuid.UUID, digest: str, *, older_than: datetime | None = None
+    ) -> str:
+        """``deleted``, ``missing`` or ``referenced`` (or, with ``older_than``, ``touched``)."""
+        key = _lock_key(tenant, digest)
+        params = {"tenant_id": tenant, "digest": digest}
+        async with self._engine.connect() as conn:
+            # A session lock: held past the row's commit, until the object is gone.
+            await conn.execute(_SESSION_LOCK, {"key": key})
+            await conn.commit()
+            try:
+                async with conn.begin():
+                    locked = (await conn.execute(_LOCK_ROW, params)).one_or_none()
+                    if locked is None:
+                        return "missing"
+                    # After the row lock: a reference committed meanwhile is seen.
+                    if (await conn.execute(_REFERENCED, params)).scalar():
+                        return "referenced"
+                    if older_than is not None:
+                        touched = (
+                            await conn.execute(
+                                text(
+                                    "SELECT touched_at < :cutoff FROM blobs "
+                                    "WHERE tenant_id = :tenant_id AND digest = :digest"
+                                ),
+                                {**params, "cutoff": older_than},
+                            )
+                        ).scalar()
+                        if not touched:
+                            return "touched"
+                    await conn.execute(_DELETE_ROW, params)
+                s3 = await self._s3()
+                try:
+                    async with _s3_errors():
+                        await s3.delete_object(Bucket=self.bucket, Key=self.key(tenant, digest))
+                except Exception as exc:
+                    # The row is gone: the object is an orphan, never served
+                    # (reads go by row), overwritten by a new upload.
+                    log.warning("blobs.object.orphaned", digest=digest, error=describe_error(exc))
+                return "deleted"
+            finally:
+                with contextlib.suppress(Exception):
+                    await conn.execute(_SESSION_UNLOCK, {"key": key})
+                    await conn.commit()
+
+    # -- S3 side only -------------------------------------------------------
+
+    async def list_digests(self, tenant_id: uuid.UUID | str) -> list[str]:
+        """The digests of the tenant's objects in S3 (rows or not)."""
+        s3 = await self._s3()
+        prefix = f"{self.prefix}tenants/{_tenant(tenant_id)}/blobs/"
+        return [key[len(prefix) :] async for key in self._list_keys(s3, prefix)]
+
+    async def delete_objects(self, tenant_id: uuid.UUID | str, digests: Sequence[str]) -> None:
+        """Delete the tenant's objects of ``digests`` (S3 only; their rows are the caller's)."""
+        s3 = await self._s3()
+        await self._delete_keys(s3, [self.key(tenant_id, d) for d in digests])
+
+    async def _list_keys(self, s3: S3Client, prefix: str) -> AsyncIterator[str]:
+        async with _s3_errors():
+            paginator = s3.get_paginator("list_objects_v2")
+            async for page in paginator.paginate(Bucket=self.bucket, Prefix=prefix):
+                for item in page.get("Contents", []):
+                    yield item["Key"]
+
+    async def _delete_keys(self, s3: S3Client, keys: Sequence[str]) -> None:
+        async with _s3_errors():
+            for start in range(0, len(keys), 1000):
+                batch = [{"Key": k} for k in keys[start : start + 1000]]
+                await s3.delete_objects(
+                    Bucket=self.bucket,
+                    Delete={"Objects": batch, "Quiet": True},  # type: ignore[typeddict-item]
+                )
+
+
+def _lock_key(tenant_id: uuid.UUID, digest: str) -> str:
+    return f"blob:{tenant_id}:{digest}"
+
+
+class _Multipart:
+    """One multipart upload, started at its first part; aborted unless completed."""
+
+    def __init__(self, s3: S3Client, bucket: str, key: str | None) -> None:
+        self._s3 = s3
+        self._bucket = bucket
+        self.key = key
+        self._upload_id: str | None = None
+        self._parts: list[dict[str, Any]] = []
+        self._completed = False
+
+    @property
+    def started(self) -> bool:
+        return self._upload_id is not None
+
+    async def part(self, data: bytes, content_type: str) -> None:
+        assert self.key is not None
+        async with _s3_errors():
+            if self._upload_id is None:
+                created = await self._s3.create_multipart_upload(
+                    Bucket=self._bucket, Key=self.key, ContentType=content_type
+                )
+                self._upload_id = created["UploadId"]
+            number = len(self._parts) + 1
+            sent = await self._s3.upload_part(
+                Bucket=self._bucket,
+                Key=self.key,
+                UploadId=self._upload_id,
+                PartNumber=number,
+                Body=data,
+            )
+        self._parts.append({"PartNumber": number, "ETag": sent["ETag"]})
+
+    async def complete(self) -> None:
+        assert self.key is not None and self._upload_id is not None
+        async with _s3_errors():
+            await self._s3.complete_multipart_upload(
+                Bucket=self._bucket,
+                Key=self.key,
+                UploadId=self._upload_id,
+                MultipartUpload={"Parts": self._parts},  # type: ignore[typeddict-item]
+            )
+        self._completed = True
+
+    async def discard(self) -> None:
+        """Abort the upload when it was not completed; delete a completed staging object."""
+        if self._upload_id is None or self.key is None:
+            return
+        try:
+            if not self._completed:
+                await asyncio.shield(
+                    self._s3.abort_multipart_upload(
+                        Bucket=self._bucket, Key=self.key, UploadId=self._upload_id
+                    )
+                )
+            elif "/staging/" in self.key:
+                await asyncio.shield(self._s3.delete_object(Bucket=self._bucket, Key=self.key))
+        except Exception as exc:  # a leftover part or staging object, not an error to raise
+            log.warning("blobs.upload.leftover", key=self.key, error=describe_error(exc))
