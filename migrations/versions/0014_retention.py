@@ -9,7 +9,7 @@
   job dispatches, the outbox's hot path, never enter it.
 
 Revision ID: 0014
-Revises: 0012
+Revises: 0013
 Create Date: 2026-12-01
 """
 
@@ -19,7 +19,7 @@ from alembic import op
 from sqlalchemy import text
 
 revision = "0014"
-down_revision = "0012"
+down_revision = "0013"
 branch_labels = None
 depends_on = None
 
