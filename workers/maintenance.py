@@ -32,15 +32,15 @@ import asyncio
 import contextlib
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import structlog
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from jobplane.errors import JobAlreadyTerminal, JobNotFound
+from jobplane.errors import BlobStoreUnavailable, JobAlreadyTerminal, JobNotFound
 from jobplane.faults import NO_FAULTS, FaultPoints
 from jobplane.store.jobs import JobStore
 from jobplane.store.maintenance import (
@@ -50,6 +50,9 @@ from jobplane.store.maintenance import (
     Tenant,
 )
 from jobplane.workers.handlers import JobContext, PermanentError, Registry, RetryableError
+
+if TYPE_CHECKING:
+    from jobplane.blobs.store import BlobStore
 
 log = structlog.get_logger("jobplane.maintenance")
 
@@ -98,6 +101,7 @@ class Maintenance:
     """The maintenance handlers, built with the worker's own resources.
 
     ``engine`` is the worker's (no connection of its own per job);
+    ``blobs`` its object store (None: blobs are disabled, none to delete);
     ``index`` is the search index when ingestion is configured (None: no
     index points to erase). ``live_wait`` bounds how long one erasure
     attempt waits for the tenant's running jobs to stop before it gives the
@@ -108,6 +112,7 @@ class Maintenance:
         self,
         engine: AsyncEngine,
         *,
+        blobs: BlobStore | None = None,
         index: TenantIndex | None = None,
         faults: FaultPoints = NO_FAULTS,
         live_wait: float = 60.0,
@@ -115,6 +120,7 @@ class Maintenance:
     ) -> None:
         self._store = MaintenanceStore(engine)
         self._jobs = JobStore(engine)
+        self._blobs = blobs
         self._index = index
         self._faults = faults
         self._live_wait = live_wait
@@ -132,7 +138,7 @@ class Maintenance:
     async def retention(self, ctx: JobContext) -> dict[str, Any]:
         """Delete what of the job's tenant is older than its horizon."""
         me = uuid.UUID(ctx.id)
-        tenant = await self._store.job_tenant(me)
+        tenant = await self._store.tenant(uuid.UUID(ctx.tenant_id))
         _only(ctx.payload, _RETENTION_KEYS)
         batch = _batch_size(ctx.payload)
         days = _horizon(ctx.payload, tenant)
@@ -169,7 +175,7 @@ class Maintenance:
             0.92,
         )
         await tally.report(0.95, "events deleted")
-        await self._retention_extras(tally, tenant, cutoff)
+        blobs = await self._retention_blobs(tally, tenant, cutoff)
         await tally.report(1.0, "done")
         bound.info("maintenance.retention.done", deleted=tally.deleted)
         return {
@@ -177,17 +183,24 @@ class Maintenance:
             "horizon_days": days,
             "cutoff": cutoff.isoformat(),
             "deleted": tally.deleted,
+            "blobs": blobs,
         }
 
-    async def _retention_extras(self, tally: _Tally, tenant: Tenant, cutoff: datetime) -> None:
-        """What retention deletes besides rows of this module's tables (blobs)."""
+    async def _retention_blobs(self, tally: _Tally, tenant: Tenant, cutoff: datetime) -> str:
+        """The tenant's blobs no job references, last uploaded before ``cutoff``."""
+        if self._blobs is None:
+            return "not configured"
+        tally.phase = "blobs"
+        with _blob_store_errors():
+            tally.add("blobs", await self._blobs.delete_unreferenced(tenant.id, cutoff))
+        return "collected"
 
     # -- erasure ---------------------------------------------------------------
 
     async def erasure(self, ctx: JobContext) -> dict[str, Any]:
         """Delete everything of the job's tenant but the tenant, its keys and this job."""
         me = uuid.UUID(ctx.id)
-        tenant = await self._store.job_tenant(me)
+        tenant = await self._store.tenant(uuid.UUID(ctx.tenant_id))
         _only(ctx.payload, _ERASURE_KEYS)
         batch = _batch_size(ctx.payload)
         confirm = ctx.payload.get("confirm")
@@ -216,14 +229,15 @@ class Maintenance:
             0.6,
         )
         await tally.report(0.7, "events deleted")
-        await self._erasure_extras(tally, tenant)
+        blobs = await self._erasure_blobs(tally, tenant)
+        await tally.report(0.8, "blobs deleted")
         index = "not configured"
         if self._index is not None:
             tally.phase = "index"
             points = await self._index.delete_tenant(str(tenant.id))
             tally.add("index_points", points)
             index = "erased"
-        left = await self._left(tenant, me)
+        left = await self._store.left(tenant.id, keep=me)
         if any(left.values()):
             # Written meanwhile (a job submitted during the erasure): the next
             # attempt goes on from here.
@@ -234,7 +248,13 @@ class Maintenance:
             )
         await tally.report(1.0, "done")
         bound.info("maintenance.erasure.done", deleted=tally.deleted, index=index)
-        return {"tenant": tenant.name, "deleted": tally.deleted, "index": index, "left": left}
+        return {
+            "tenant": tenant.name,
+            "deleted": tally.deleted,
+            "blobs": blobs,
+            "index": index,
+            "left": left,
+        }
 
     async def _stop_and_delete_jobs(
         self, tally: _Tally, tenant: Tenant, me: uuid.UUID, batch: int
@@ -269,11 +289,20 @@ class Maintenance:
             await tally.report(0.1, f"waiting for {remaining} jobs to stop")
             await asyncio.sleep(self._poll_interval)
 
-    async def _erasure_extras(self, tally: _Tally, tenant: Tenant) -> None:
-        """What erasure deletes besides rows of this module's tables (blobs)."""
-
-    async def _left(self, tenant: Tenant, me: uuid.UUID) -> dict[str, int]:
-        return await self._store.left(tenant.id, keep=me)
+    async def _erasure_blobs(self, tally: _Tally, tenant: Tenant) -> str:
+        """Every blob of the tenant: rows and objects (its jobs, and their references, are gone)."""
+        if self._blobs is None:
+            if await self._store.blob_count(tenant.id):
+                raise PermanentError(
+                    "the tenant has blobs and this worker has no object store (JOBPLANE_S3_URL): "
+                    "run the erasure again where it has one",
+                    code="BLOB_STORE_NOT_CONFIGURED",
+                )
+            return "not configured"
+        tally.phase = "blobs"
+        with _blob_store_errors():
+            tally.add("blobs", await self._blobs.delete_tenant(tenant.id))
+        return "erased"
 
     # -- helpers ---------------------------------------------------------------
 
@@ -291,6 +320,15 @@ class Maintenance:
                 return
             tally.add(table, count)
             await tally.report(fraction, f"{tally.deleted[table]} {table} rows deleted")
+
+
+@contextlib.contextmanager
+def _blob_store_errors() -> Iterator[None]:
+    """An object store that is down fails the attempt, retryably: a re-run goes on."""
+    try:
+        yield
+    except BlobStoreUnavailable as exc:
+        raise RetryableError(str(exc), code="BLOB_STORE_UNAVAILABLE", delay=5.0) from exc
 
 
 def _nonzero(counts: dict[str, int]) -> str:

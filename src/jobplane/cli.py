@@ -24,6 +24,7 @@ from jobplane.topology import Topology, TopologyError, load_topology
 if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncEngine
 
+    from jobplane.blobs import BlobStore
     from jobplane.server import JobplaneServer
     from jobplane.store.keys import KeyInfo, KeyStore
 
@@ -231,8 +232,9 @@ async def _worker(args: argparse.Namespace) -> int:
     faults = FaultPoints(settings.faults)
     async with AsyncExitStack() as stack:
         stack.push_async_callback(engine.dispose)
+        blobs = _blob_store(stack, settings, engine)
         if not args.no_maintenance:
-            registry = await _with_maintenance(stack, registry, engine, settings, faults)
+            registry = await _with_maintenance(stack, registry, engine, blobs, faults)
             if registry is None:
                 return 2
         worker = Worker(
@@ -248,24 +250,37 @@ async def _worker(args: argparse.Namespace) -> int:
             lease_seconds=args.lease_seconds,
             faults=faults,
             max_result_bytes=settings.max_payload_bytes,
+            blobs=blobs,
         )
         await _started(stack, worker.start, lambda: worker.stop(args.grace))
         await _until_signal()
     return 0
 
 
+def _blob_store(stack: AsyncExitStack, settings: Settings, engine: AsyncEngine) -> BlobStore | None:
+    """The process's one object store on its engine, closed with ``stack``
+    (None: JOBPLANE_S3_URL is unset, blobs are disabled)."""
+    if not settings.blobs_enabled:
+        return None
+    from jobplane.blobs import BlobStore
+
+    store = BlobStore.from_settings(settings, engine)
+    stack.push_async_callback(store.close)
+    return store
+
+
 async def _with_maintenance(
     stack: AsyncExitStack,
     registry: Any,
     engine: AsyncEngine,
-    settings: Settings,
+    blobs: BlobStore | None,
     faults: FaultPoints,
 ) -> Any:
     """``registry`` with the maintenance handlers, built on the worker's own engine
     (None after saying in one line why they cannot be added)."""
     from jobplane.workers.maintenance import Maintenance
 
-    maintenance = Maintenance(engine, faults=faults)
+    maintenance = Maintenance(engine, blobs=blobs, faults=faults)
     try:
         return registry.merge(maintenance.registry())
     except ValueError as exc:  # the loaded handlers register a maintenance type too
@@ -287,8 +302,9 @@ async def _dev(args: argparse.Namespace) -> int:
     engine = create_engine(settings.database_url)
     async with AsyncExitStack() as stack:
         stack.push_async_callback(engine.dispose)
+        blobs = _blob_store(stack, settings, engine)
         registry = await _with_maintenance(
-            stack, registry, engine, settings, FaultPoints(settings.faults)
+            stack, registry, engine, blobs, FaultPoints(settings.faults)
         )
         if registry is None:
             return 2
@@ -304,6 +320,7 @@ async def _dev(args: argparse.Namespace) -> int:
             registry,
             concurrency=args.concurrency,
             max_result_bytes=settings.max_payload_bytes,
+            blobs=blobs,
         )
         await _started(stack, server.start, server.stop)
         await _started(stack, relay.start, relay.stop)

@@ -10,9 +10,8 @@ re-checked in the deleting statement, is ever deleted (ADR-0022).
 What may go:
 
 - a finished job (SUCCEEDED, FAILED, CANCELLED) with its ``job_events``,
-  ``job_stages`` and outbox rows (what ``job_blobs`` holds for it goes by
-  its foreign key's cascade). The rows that lock it (RetryJob, the
-  relay's claim) make the deleting statement skip it;
+  ``job_stages``, outbox rows and references to blobs (``job_blobs``). A job
+  locked by someone else (a RetryJob under way) is skipped, not waited for;
 - an event (``events``) the relays have published: at or behind the feed's
   position (ADR-0016). Events after it are still to reach the broker;
   retention never deletes them, erasure does (nothing of the tenant may be
@@ -72,6 +71,9 @@ WITH candidates AS (
 ), gone_outbox AS (
     DELETE FROM outbox o USING picked p
     WHERE o.job_id = p.id AND o.tenant_id = :tenant_id RETURNING 1
+), gone_refs AS (
+    DELETE FROM job_blobs b USING picked p
+    WHERE b.job_id = p.id AND b.tenant_id = :tenant_id RETURNING 1
 ), gone_jobs AS (
     DELETE FROM jobs j USING picked p
     WHERE j.id = p.id AND j.tenant_id = :tenant_id RETURNING 1
@@ -79,7 +81,8 @@ WITH candidates AS (
 SELECT (SELECT count(*) FROM gone_jobs) AS jobs,
        (SELECT count(*) FROM gone_events) AS job_events,
        (SELECT count(*) FROM gone_stages) AS job_stages,
-       (SELECT count(*) FROM gone_outbox) AS outbox
+       (SELECT count(*) FROM gone_outbox) AS outbox,
+       (SELECT count(*) FROM gone_refs) AS job_blobs
 """
 _AGE = "AND create_time < :cutoff AND end_time < :cutoff"
 _DELETE_OLD_JOBS = text(_DELETE_JOBS.format(age=_AGE))
@@ -146,7 +149,7 @@ _DELETE_ALL_EVENT_ROWS = text(
     """
 )
 
-_JOB_TENANT = text("SELECT tenant_id FROM jobs WHERE id = :id")
+_BLOB_COUNT = text("SELECT count(*) FROM blobs WHERE tenant_id = :tenant_id")
 _TENANT = text("SELECT id, name, retention_days FROM tenants WHERE id = :tenant_id")
 _TENANT_BY_NAME = text("SELECT id, name, retention_days FROM tenants WHERE name = :name")
 _CUTOFF = text("SELECT now() - make_interval(days => :days)")
@@ -159,7 +162,7 @@ _SET_RETENTION = text(
 )
 
 #: Every table of a tenant's data, and the rows of it left after an erasure
-#: besides the erasing job's own (its receipt). Blobs add theirs.
+#: besides the erasing job's own (its receipt).
 _LEFT = {
     "jobs": "SELECT count(*) FROM jobs WHERE tenant_id = :tenant_id AND id <> :keep",
     "job_events": (
@@ -194,6 +197,9 @@ class DeletedJobs:
     job_events: int = 0
     job_stages: int = 0
     outbox: int = 0
+    #: References to blobs (``job_blobs``): a blob no job references any more
+    #: is collected by age (its own ``touched_at``).
+    job_blobs: int = 0
 
     def as_dict(self) -> dict[str, int]:
         """The counts by table."""
@@ -202,6 +208,7 @@ class DeletedJobs:
             "job_events": self.job_events,
             "job_stages": self.job_stages,
             "outbox": self.outbox,
+            "job_blobs": self.job_blobs,
         }
 
 
@@ -225,12 +232,6 @@ class MaintenanceStore:
         self._auto = autocommit(engine)
 
     # -- tenants ---------------------------------------------------------------
-
-    async def job_tenant(self, job_id: uuid.UUID) -> Tenant:
-        """The tenant of the job ``job_id``, read from its row (never from a message)."""
-        async with self._auto.connect() as conn:
-            tenant_id = (await conn.execute(_JOB_TENANT, {"id": job_id})).scalar_one()
-        return await self.tenant(uuid.UUID(str(tenant_id)))
 
     async def tenant(self, tenant_id: uuid.UUID) -> Tenant:
         """The tenant of ``tenant_id`` (:class:`TenantNotFound` when there is none)."""
@@ -340,6 +341,11 @@ class MaintenanceStore:
             _DELETE_ALL_EVENT_ROWS, {"tenant_id": tenant_id, "limit": limit}
         )
 
+    async def blob_count(self, tenant_id: uuid.UUID) -> int:
+        """Blobs (rows) of the tenant."""
+        async with self._auto.connect() as conn:
+            return int((await conn.execute(_BLOB_COUNT, {"tenant_id": tenant_id})).scalar_one())
+
     async def left(self, tenant_id: uuid.UUID, *, keep: uuid.UUID) -> dict[str, int]:
         """Rows of the tenant in each table, ``keep``'s own aside."""
         params = {"tenant_id": tenant_id, "keep": keep}
@@ -367,6 +373,7 @@ class MaintenanceStore:
             job_events=int(row["job_events"]),
             job_stages=int(row["job_stages"]),
             outbox=int(row["outbox"]),
+            job_blobs=int(row["job_blobs"]),
         )
 
     async def _rowcount(self, statement: Any, params: dict[str, Any]) -> int:
