@@ -226,6 +226,12 @@ class JobContext:
         return stage.pipeline if stage is not None else ""
 
     @property
+    def pipeline_version(self) -> str:
+        """The version of the pipeline as submitted ("" for a plain job or an unversioned one)."""
+        stage = self._attempt.stage
+        return stage.pipeline_version if stage is not None else ""
+
+    @property
     def stage(self) -> str:
         """The name of the pipeline stage this attempt runs ("" for a plain job)."""
         stage = self._attempt.stage
@@ -377,11 +383,32 @@ def _correlation(attempt: Attempt) -> str:
 Handler = Callable[[JobContext], Coroutine[Any, Any, dict[str, Any]]]
 
 
+#: What :meth:`Registry.lifespan` takes: a factory of an async context manager.
+Lifespan = Callable[[], AbstractAsyncContextManager[object]]
+
+
 class Registry:
     """Handlers by job type."""
 
     def __init__(self) -> None:
         self._handlers: dict[str, Handler] = {}
+        self._lifespans: list[Lifespan] = []
+
+    def lifespan(self, factory: Lifespan) -> Lifespan:
+        """Register what the handlers share in a worker process (a client, a model).
+
+        The worker enters ``factory()`` when it starts, before it takes a
+        job, and leaves it when it stops, after its handlers have ended: the
+        resource has the worker's life, not the module's (nothing opens at
+        import). Usable as a decorator of an ``asynccontextmanager``.
+        """
+        self._lifespans.append(factory)
+        return factory
+
+    @property
+    def lifespans(self) -> tuple[Lifespan, ...]:
+        """The registered lifespans, in order."""
+        return tuple(self._lifespans)
 
     def handler(self, job_type: str) -> Callable[[Handler], Handler]:
         """Decorator: register ``fn`` for ``job_type``."""
@@ -412,6 +439,7 @@ class Registry:
     def merge(self, other: Registry) -> Registry:
         """A new registry with the handlers of both."""
         merged = Registry()
+        merged._lifespans = [*self._lifespans, *other._lifespans]
         for job_type, fn in (*self._handlers.items(), *other._handlers.items()):
             merged.add(job_type, fn)
         return merged

@@ -154,6 +154,8 @@ class Worker:
         # The object store handlers reach through ctx (the caller's; None: blobs disabled).
         self._blobs = blobs
         self._inline_bytes = inline_bytes
+        # The registry's lifespans: entered at start, left at stop after the handlers.
+        self._lifespans = contextlib.AsyncExitStack()
 
     @property
     def id(self) -> str:
@@ -179,6 +181,7 @@ class Worker:
         """
         for name in self._queues:
             self._topology.queue(name)  # unknown queue names fail here, not later
+        await self._enter_lifespans()
         self._deployment = await until_database_up(lambda: this_deployment(self._engine), log)
         await self._cancels.start()
         try:
@@ -211,6 +214,7 @@ class Worker:
                     await self._connection.close()
                 self._connection = None
             await self._cancels.stop()
+            await self._lifespans.aclose()
             raise
         log.info(
             "worker.started",
@@ -250,7 +254,17 @@ class Worker:
             self._connection = None
         await self._progress.stop()
         await self._cancels.stop()
+        await self._lifespans.aclose()
         log.info("worker.stopped")
+
+    async def _enter_lifespans(self) -> None:
+        """Enter the registry's lifespans (what its handlers share); all or none."""
+        try:
+            for factory in self._registry.lifespans:
+                await self._lifespans.enter_async_context(factory())
+        except BaseException:
+            await self._lifespans.aclose()
+            raise
 
     async def _on_message(self, message: AbstractIncomingMessage) -> None:
         # Our own task, not aiormq's: a channel that closes must not cancel a

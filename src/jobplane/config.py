@@ -86,6 +86,19 @@ class Settings:
     def blobs_enabled(self) -> bool:
         """True when an object store is configured (``JOBPLANE_S3_URL``)."""
         return self.s3_url is not None
+    # Ingestion (jobplane.contrib.ingest): a Qdrant server, else Qdrant's
+    # embedded local mode in a directory one process at a time may open.
+    data_dir: Path = Path(".jobplane")
+    qdrant_url: str | None = None
+    qdrant_api_key: str | None = field(default=None, repr=False)
+    qdrant_path: Path | None = None
+    #: ``hash`` (offline, deterministic) or ``fastembed:<model>`` (docs/ingestion.md).
+    embedder: str = "hash"
+
+    @property
+    def qdrant_location(self) -> Path:
+        """Where local-mode Qdrant keeps its collections (unused with ``qdrant_url``)."""
+        return self.qdrant_path if self.qdrant_path is not None else self.data_dir / "qdrant"
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
@@ -137,7 +150,7 @@ class Settings:
             ),
             worker_lease_seconds=lease,
         )
-        return _with_s3(env, settings)
+        return _with_ingest(env, _with_s3(env, settings))
 
 
 def _with_s3(env: Mapping[str, str], base: Settings) -> Settings:
@@ -189,6 +202,28 @@ def _with_s3(env: Mapping[str, str], base: Settings) -> Settings:
         s3_prefix=prefix,
         max_blob_bytes=max_blob,
         inline_bytes=inline,
+    )
+
+
+def _with_ingest(env: Mapping[str, str], base: Settings) -> Settings:
+    """The ingestion settings (JOBPLANE_DATA_DIR, JOBPLANE_QDRANT_*, JOBPLANE_EMBEDDER)."""
+    url = env.get("JOBPLANE_QDRANT_URL", "").strip() or None
+    if url is not None and not url.startswith(("http://", "https://")):
+        raise ConfigError(f"JOBPLANE_QDRANT_URL must be an http:// or https:// URL, not {url!r}")
+    embedder = env.get("JOBPLANE_EMBEDDER", "").strip() or base.embedder
+    kind, _, model = embedder.partition(":")
+    if not (embedder == "hash" or (kind in ("fastembed", "sentence-transformers") and model)):
+        raise ConfigError(
+            "JOBPLANE_EMBEDDER must be hash, fastembed:<model> or sentence-transformers:<model>, "
+            f"not {embedder!r}"
+        )
+    return replace(
+        base,
+        data_dir=_path(env, "JOBPLANE_DATA_DIR") or base.data_dir,
+        qdrant_url=url,
+        qdrant_api_key=env.get("JOBPLANE_QDRANT_API_KEY") or None,
+        qdrant_path=_path(env, "JOBPLANE_QDRANT_PATH"),
+        embedder=embedder,
     )
 
 

@@ -358,9 +358,24 @@ def _check(topology: Topology, source: str) -> None:
             )
 
 
+#: ``JOBPLANE_TOPOLOGY=builtin:NAME`` loads ``jobplane/topologies/NAME.toml``.
+BUILTIN = "builtin:"
+
+
 def load_topology(path: Path | None = None) -> Topology:
-    """Load ``path``, or the packaged default topology when None."""
-    if path is None:
+    """Load ``path``, or the packaged default topology when None.
+
+    ``builtin:NAME`` is a topology shipped with jobplane (``default``, ``ingest``).
+    """
+    if path is not None and str(path).startswith(BUILTIN):
+        name = str(path)[len(BUILTIN) :]
+        shipped = resources.files("jobplane").joinpath("topologies")
+        known = sorted(f.name[:-5] for f in shipped.iterdir() if f.name.endswith(".toml"))
+        if name not in known:
+            raise TopologyError(f"no built-in topology {name!r}; jobplane ships {', '.join(known)}")
+        text = shipped.joinpath(f"{name}.toml").read_text()
+        source = f"built-in topology {name}"
+    elif path is None:
         text = resources.files("jobplane").joinpath("topologies/default.toml").read_text()
         source = "default topology"
     else:
