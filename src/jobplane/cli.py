@@ -234,7 +234,7 @@ async def _worker(args: argparse.Namespace) -> int:
         stack.push_async_callback(engine.dispose)
         blobs = _blob_store(stack, settings, engine)
         if not args.no_maintenance:
-            registry = await _with_maintenance(stack, registry, engine, blobs, faults)
+            registry = await _with_maintenance(stack, registry, engine, blobs, settings, faults)
             if registry is None:
                 return 2
         worker = Worker(
@@ -269,18 +269,41 @@ def _blob_store(stack: AsyncExitStack, settings: Settings, engine: AsyncEngine) 
     return store
 
 
+def _maintenance_index(stack: AsyncExitStack, settings: Settings) -> Any:
+    """The search index erasure deletes a tenant's points from, when ingestion is set up
+    here: a Qdrant server (JOBPLANE_QDRANT_URL), or a local-mode Qdrant directory that
+    exists; None otherwise (qdrant-client not installed, or nothing ever indexed here).
+
+    The index opens its client at its first call, closed with ``stack``; in one process
+    it shares the client of ingestion's own index (one local-mode lock)."""
+    import importlib.util
+
+    if importlib.util.find_spec("qdrant_client") is None:
+        return None
+    if settings.qdrant_url is None and not settings.qdrant_location.is_dir():
+        return None
+    from jobplane.contrib.ingest.index import open_index
+
+    index = open_index(settings)
+    stack.push_async_callback(index.close)
+    return index
+
+
 async def _with_maintenance(
     stack: AsyncExitStack,
     registry: Any,
     engine: AsyncEngine,
     blobs: BlobStore | None,
+    settings: Settings,
     faults: FaultPoints,
 ) -> Any:
     """``registry`` with the maintenance handlers, built on the worker's own engine
     (None after saying in one line why they cannot be added)."""
     from jobplane.workers.maintenance import Maintenance
 
-    maintenance = Maintenance(engine, blobs=blobs, faults=faults)
+    maintenance = Maintenance(
+        engine, blobs=blobs, index=_maintenance_index(stack, settings), faults=faults
+    )
     try:
         return registry.merge(maintenance.registry())
     except ValueError as exc:  # the loaded handlers register a maintenance type too
@@ -304,7 +327,7 @@ async def _dev(args: argparse.Namespace) -> int:
         stack.push_async_callback(engine.dispose)
         blobs = _blob_store(stack, settings, engine)
         registry = await _with_maintenance(
-            stack, registry, engine, blobs, FaultPoints(settings.faults)
+            stack, registry, engine, blobs, settings, FaultPoints(settings.faults)
         )
         if registry is None:
             return 2

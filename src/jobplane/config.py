@@ -86,6 +86,7 @@ class Settings:
     def blobs_enabled(self) -> bool:
         """True when an object store is configured (``JOBPLANE_S3_URL``)."""
         return self.s3_url is not None
+
     # Ingestion (jobplane.contrib.ingest): a Qdrant server, else Qdrant's
     # embedded local mode in a directory one process at a time may open.
     data_dir: Path = Path(".jobplane")
