@@ -263,10 +263,19 @@ class Maintenance:
         deadline = time.monotonic() + self._live_wait
         while True:
             live = await self._store.live_jobs(tenant.id, keep=me)
-            for job_id in live:
+            # Two erasures must not cancel each other: the older one goes on
+            # (and cancels this one), this one gives way.
+            first = next((j for j in live if j.type == ERASURE and j.older), None)
+            if first is not None:
+                raise RetryableError(
+                    f"an earlier erasure of the tenant is under way: jobs/{first.id}",
+                    code="ERASURE_IN_PROGRESS",
+                    delay=5.0,
+                )
+            for job in live:
                 # It may have ended (or gone) meanwhile.
                 with contextlib.suppress(JobAlreadyTerminal, JobNotFound):
-                    await self._jobs.cancel(tenant.id, job_id, "the tenant's data is erased")
+                    await self._jobs.cancel(tenant.id, job.id, "the tenant's data is erased")
             while True:
                 done = await self._store.delete_finished_jobs(
                     tenant.id, keep=me, limit=batch, max_rows=MAX_ROWS_PER_BATCH

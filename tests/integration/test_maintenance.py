@@ -286,3 +286,22 @@ async def test_operator_commands_set_horizons_and_erase(stack: Stack) -> None:
     code, _out, err = await jobplane(stack, "tenants", "set-retention", "acme", "none")
     assert code == 0, err
     assert await stack.scalar("SELECT retention_days FROM tenants WHERE name = 'acme'") is None
+
+
+async def test_an_erasure_gives_way_to_an_earlier_one_of_the_tenant(stack: Stack) -> None:
+    await _start_worker(stack)
+    [earlier] = await aged_jobs(
+        stack.engine, stack.tenant_id, 1, state="running", age_days=1, job_type=ERASURE
+    )
+    kept = await aged_jobs(stack.engine, stack.tenant_id, 3, age_days=40)
+    client = stack.client()
+    job = await client.submit(ERASURE, {"confirm": "acme"}, max_attempts=1)
+    done = await client.wait(job.name, timeout=30)
+    assert done.state is JobState.FAILED
+    assert done.error is not None and done.error.code == "ERASURE_IN_PROGRESS"
+    # The earlier one was not asked to stop, and nothing was deleted.
+    state = await stack.scalar(
+        "SELECT state || ' ' || (cancel_requested_at IS NULL) FROM jobs WHERE id = :id", id=earlier
+    )
+    assert state == "running true"
+    assert (await _job_rows(stack.engine, kept))["jobs"] == 3

@@ -39,7 +39,7 @@ from jobplane.types import TERMINAL_STATES, JobState
 MAX_RETENTION_DAYS = 36500
 
 _FINISHED = state_is(*sorted(TERMINAL_STATES, key=lambda s: list(JobState).index(s)))
-_LIVE = state_is(JobState.QUEUED, JobState.RUNNING)
+_LIVE_J = state_is(JobState.QUEUED, JobState.RUNNING, column="j.state")
 
 # A batch is at most :limit jobs and, past the first job, at most :max_rows
 # of their events: a job that reported progress ten thousand times is a
@@ -96,8 +96,10 @@ _COUNT_OLD_JOBS = text(
 _COUNT_JOBS = text("SELECT count(*) FROM jobs WHERE tenant_id = :tenant_id AND id <> :keep")
 _LIVE_JOBS = text(
     f"""
-    SELECT id FROM jobs WHERE tenant_id = :tenant_id AND {_LIVE} AND id <> :keep
-    ORDER BY create_time, id LIMIT :limit
+    SELECT j.id, j.type, (j.create_time, j.id) < (k.create_time, k.id) AS older
+    FROM jobs j, jobs k
+    WHERE j.tenant_id = :tenant_id AND {_LIVE_J} AND j.id <> :keep AND k.id = :keep
+    ORDER BY j.create_time, j.id LIMIT :limit
     """
 )
 
@@ -187,6 +189,15 @@ class Tenant:
     id: uuid.UUID
     name: str
     retention_days: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class LiveJob:
+    """A QUEUED or RUNNING job; ``older``: submitted before the job asking."""
+
+    id: uuid.UUID
+    type: str
+    older: bool
 
 
 @dataclass(frozen=True, slots=True)
@@ -310,12 +321,12 @@ class MaintenanceStore:
 
     async def live_jobs(
         self, tenant_id: uuid.UUID, *, keep: uuid.UUID, limit: int = 1000
-    ) -> list[uuid.UUID]:
+    ) -> list[LiveJob]:
         """Up to ``limit`` QUEUED or RUNNING jobs of the tenant, oldest first."""
         params = {"tenant_id": tenant_id, "keep": keep, "limit": limit}
         async with self._auto.connect() as conn:
-            rows = (await conn.execute(_LIVE_JOBS, params)).scalars().all()
-        return [uuid.UUID(str(r)) for r in rows]
+            rows = (await conn.execute(_LIVE_JOBS, params)).all()
+        return [LiveJob(uuid.UUID(str(r[0])), str(r[1]), bool(r[2])) for r in rows]
 
     async def count_jobs(self, tenant_id: uuid.UUID, *, keep: uuid.UUID) -> int:
         """Jobs of the tenant in any state, ``keep`` aside."""
