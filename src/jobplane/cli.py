@@ -326,11 +326,12 @@ async def _dev(args: argparse.Namespace) -> int:
     async with AsyncExitStack() as stack:
         stack.push_async_callback(engine.dispose)
         blobs = _blob_store(stack, settings, engine)
-        registry = await _with_maintenance(
-            stack, registry, engine, blobs, settings, FaultPoints(settings.faults)
-        )
-        if registry is None:
-            return 2
+        if not args.no_maintenance:
+            registry = await _with_maintenance(
+                stack, registry, engine, blobs, settings, FaultPoints(settings.faults)
+            )
+            if registry is None:
+                return 2
         server = _server(settings, topology, engine)
         relay = Relay(
             engine, settings.database_url, settings.amqp_url, topology, sweeper=Sweeper(engine)
@@ -840,6 +841,9 @@ def build_parser() -> argparse.ArgumentParser:
     dev.add_argument("--concurrency", type=int, default=8)
     dev.add_argument("--demo", action="store_true", help="submit a demo job and show it live")
     dev.add_argument("--demo-steps", type=int, default=20)
+    dev.add_argument(
+        "--no-maintenance", action="store_true", help="do not run the maintenance jobs"
+    )
     dev.set_defaults(func=_async(_dev))
 
     dlq = sub.add_parser("dlq", help="the failed (dead-letter) queue").add_subparsers(

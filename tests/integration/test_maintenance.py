@@ -12,7 +12,7 @@ from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from jobplane.client import JobState
-from jobplane.store.maintenance import MaintenanceStore
+from jobplane.store.maintenance import DeletedJobs, MaintenanceStore
 from jobplane.workers.demo import registry as demo_registry
 from jobplane.workers.maintenance import ERASURE, RETENTION, Maintenance
 from tests.support.aged import aged_event_rows, aged_events, aged_jobs, tenant_rows
@@ -76,6 +76,12 @@ async def test_retention_deletes_old_finished_jobs_of_its_tenant_only(stack: Sta
         *await aged_jobs(engine, acme, 3, state="queued", job_type="nobody.handles"),
         *await aged_jobs(engine, acme, 2, state="running", job_type="nobody.handles"),
     ]
+    # A live job is never deleted, whatever its timestamps say (as a RetryJob
+    # whose row kept an old end_time would look).
+    async with engine.begin() as conn:
+        await conn.execute(
+            text("UPDATE jobs SET end_time = create_time WHERE id = ANY(:ids)"), {"ids": live}
+        )
     foreign = await aged_jobs(engine, globex, 20, state="succeeded", stages=2)
     await aged_events(engine, acme, 30, age_days=40)
     await aged_events(engine, acme, 7, age_days=5)
@@ -241,8 +247,18 @@ async def test_erasure_leaves_nothing_of_the_tenant_and_touches_no_other(stack: 
     assert left.pop("api_keys") == 1
     assert left == dict.fromkeys(left, 0)
     assert await tenant_rows(engine, globex) == before_globex
-    # The receipt stays, and the tenant can read it.
+    # The receipt stays, with its own events, and the tenant can read it.
     assert (await client.get(job.name)).state is JobState.SUCCEEDED
+    receipt = await stack.scalar(
+        "SELECT count(*) FROM job_events WHERE job_id = :id AND type IN ('queued', 'succeeded')",
+        id=done.id,
+    )
+    assert receipt == 2
+    lifecycle = await stack.scalar(
+        "SELECT string_agg(event_type, ',' ORDER BY seq) FROM events WHERE job_id = :id",
+        id=done.id,
+    )
+    assert lifecycle == "job.queued,job.started,job.succeeded"
 
     # Again: nothing of the tenant is left but the first erasure's receipt, which goes.
     again = await client.wait((await client.submit(ERASURE, {"confirm": "acme"})).name, timeout=30)
@@ -305,3 +321,69 @@ async def test_an_erasure_gives_way_to_an_earlier_one_of_the_tenant(stack: Stack
     )
     assert state == "running true"
     assert (await _job_rows(stack.engine, kept))["jobs"] == 3
+
+
+async def test_retention_skips_a_job_locked_by_a_retry_and_keeps_it_once_retried(
+    engine: AsyncEngine,
+) -> None:
+    import asyncio
+
+    store = MaintenanceStore(engine)
+    tenant_id = uuid.uuid4()
+    async with engine.begin() as conn:
+        await conn.execute(
+            text("INSERT INTO tenants (id, name) VALUES (:id, 'racer')"), {"id": tenant_id}
+        )
+    [retried, *others] = await aged_jobs(engine, tenant_id, 4, state="failed", age_days=40)
+    cutoff = await store.cutoff(30)
+    async with engine.connect() as retry:
+        # A RetryJob holds the job's row lock while it moves it back to QUEUED.
+        await retry.execute(text("SELECT 1 FROM jobs WHERE id = :id FOR UPDATE"), {"id": retried})
+        done = await asyncio.wait_for(
+            store.delete_expired_jobs(
+                tenant_id, cutoff, keep=uuid.uuid4(), limit=100, max_rows=1000
+            ),
+            timeout=5,
+        )
+        assert done.jobs == 3
+        await retry.execute(
+            text("UPDATE jobs SET state = 'queued', end_time = NULL WHERE id = :id"),
+            {"id": retried},
+        )
+        await retry.commit()
+    again = await store.delete_expired_jobs(
+        tenant_id, cutoff, keep=uuid.uuid4(), limit=100, max_rows=1000
+    )
+    assert again.jobs == 0
+    assert (await _job_rows(engine, [retried]))["jobs"] == 1
+    assert (await _job_rows(engine, others))["jobs"] == 0
+
+
+async def test_a_batch_is_bounded_by_its_jobs_events_but_takes_at_least_one_job(
+    engine: AsyncEngine,
+) -> None:
+    store = MaintenanceStore(engine)
+    tenant_id = uuid.uuid4()
+    async with engine.begin() as conn:
+        await conn.execute(
+            text("INSERT INTO tenants (id, name) VALUES (:id, 'chatty')"), {"id": tenant_id}
+        )
+    await aged_jobs(engine, tenant_id, 1, age_days=50, events=40)
+    await aged_jobs(engine, tenant_id, 5, age_days=40, events=10)
+    cutoff = await store.cutoff(30)
+
+    async def batch() -> DeletedJobs:
+        return await store.delete_expired_jobs(
+            tenant_id, cutoff, keep=uuid.uuid4(), limit=100, max_rows=25
+        )
+
+    # The oldest job alone has more events than a batch may hold: a batch of its own.
+    assert (await batch()).as_dict() == {
+        "jobs": 1,
+        "job_events": 40,
+        "job_stages": 0,
+        "outbox": 1,
+        "job_blobs": 0,
+    }
+    # Then two at a time: 2 x (10 + 1) rows fit in 25, three do not.
+    assert [(await batch()).jobs for _ in range(4)] == [2, 2, 1, 0]
