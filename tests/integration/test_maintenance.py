@@ -271,35 +271,47 @@ async def test_erasure_leaves_nothing_of_the_tenant_and_touches_no_other(stack: 
     assert await tenant_rows(engine, globex) == before_globex
 
 
-async def test_operator_commands_set_horizons_and_erase(stack: Stack) -> None:
+async def test_operator_commands_set_horizons_and_erase(
+    stack: Stack, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from jobplane import cli
     from tests.integration.test_cli_and_sync import jobplane
+
+    monkeypatch.setenv("JOBPLANE_DATABASE_URL", stack.database_url)
+
+    async def tenants(*argv: str) -> tuple[int, str, str]:
+        """``jobplane tenants ...`` in this process (the subprocess is tried once, below)."""
+        code = await cli._tenants(cli.build_parser().parse_args(["tenants", *argv]))
+        out, err = capsys.readouterr()
+        return code, out, err
 
     await _start_worker(stack)
     await aged_jobs(stack.engine, stack.tenant_id, 3, age_days=40)
-    code, _out, err = await jobplane(stack, "tenants", "set-retention", "acme", "0")
+    code, _out, err = await tenants("set-retention", "acme", "0")
     assert code == 2 and "1..36500" in err
-    code, _out, err = await jobplane(stack, "tenants", "set-retention", "nobody", "30")
+    code, _out, err = await tenants("set-retention", "nobody", "30")
     assert code == 1 and "no tenant 'nobody'" in err
-    code, _out, err = await jobplane(stack, "tenants", "set-retention", "acme", "30")
+    code, _out, err = await tenants("set-retention", "acme", "30")
     assert code == 0, err
-    code, out, _err = await jobplane(stack, "tenants", "list", "--json")
+    code, out, _err = await tenants("list", "--json")
     assert code == 0
     listed = {t["name"]: t for t in map(json.loads, out.splitlines())}
     assert listed["acme"]["retention_days"] == 30
-    code, out, err = await jobplane(stack, "tenants", "retention", "--all", "--wait")
+    code, out, err = await tenants("retention", "--all", "--wait")
     assert code == 0, err
     assert json.loads(out.splitlines()[-1])["deleted"]["jobs"] == 3
-
-    code, _out, err = await jobplane(stack, "tenants", "erase", "acme")
+    code, _out, err = await tenants("erase", "acme")
     assert code == 2 and "--yes" in err
+
     await aged_jobs(stack.engine, stack.tenant_id, 4, age_days=1)
     code, out, err = await jobplane(stack, "tenants", "erase", "acme", "--yes", "--wait")
     assert code == 0, err
     erased = uuid.UUID(out.splitlines()[0].partition("/")[2])
+    assert json.loads(out.splitlines()[-1])["deleted"]["jobs"] == 5
     left = await tenant_rows(stack.engine, stack.tenant_id, keep=erased)
     assert left.pop("api_keys") == 1
     assert left == dict.fromkeys(left, 0)
-    code, _out, err = await jobplane(stack, "tenants", "set-retention", "acme", "none")
+    code, _out, err = await tenants("set-retention", "acme", "none")
     assert code == 0, err
     assert await stack.scalar("SELECT retention_days FROM tenants WHERE name = 'acme'") is None
 
