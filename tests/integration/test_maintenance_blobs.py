@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import uuid
 
+import aioboto3
 import pytest
 from sqlalchemy import text
 
@@ -28,6 +29,32 @@ async def _age(stack: Stack, tenant_id: uuid.UUID, digest: str, days: int) -> No
             ),
             {"d": days, "t": tenant_id, "digest": digest},
         )
+
+
+async def _keys(store: BlobStore, prefix: str) -> list[str]:
+    """Every object key under ``prefix`` in the store's bucket, read with a client of our own."""
+    session = aioboto3.Session()
+    async with session.client(
+        "s3",
+        endpoint_url=store.url,
+        aws_access_key_id="testing",
+        aws_secret_access_key="testing",
+        region_name="us-east-1",
+    ) as s3:
+        found = await s3.list_objects_v2(Bucket=store.bucket, Prefix=prefix)
+        return sorted(item["Key"] for item in found.get("Contents", []))
+
+
+async def _put_key(store: BlobStore, key: str) -> None:
+    session = aioboto3.Session()
+    async with session.client(
+        "s3",
+        endpoint_url=store.url,
+        aws_access_key_id="testing",
+        aws_secret_access_key="testing",
+        region_name="us-east-1",
+    ) as s3:
+        await s3.put_object(Bucket=store.bucket, Key=key, Body=b"a leftover of an upload")
 
 
 async def test_retention_collects_old_unreferenced_blobs_and_erasure_all(
@@ -83,6 +110,9 @@ async def test_retention_collects_old_unreferenced_blobs_and_erasure_all(
     assert again.result is not None and "blobs" not in again.result["deleted"]
 
     before_globex = await tenant_rows(stack.engine, globex)
+    await _put_key(blobs, f"{blobs.prefix}tenants/{acme}/staging/{uuid.uuid4()}")
+    globex_keys = await _keys(blobs, f"{blobs.prefix}tenants/{globex}/")
+    assert globex_keys == [blobs.key(globex, foreign.digest)]
     erased = await client.wait((await client.submit(ERASURE, {"confirm": "acme"})).name, timeout=30)
     assert erased.state is JobState.SUCCEEDED, erased.error
     assert erased.result is not None
@@ -92,8 +122,9 @@ async def test_retention_collects_old_unreferenced_blobs_and_erasure_all(
     assert left["blobs"] == left["job_blobs"] == 0
     assert left.pop("api_keys") == 1
     assert left == dict.fromkeys(left, 0)
-    assert await blobs.list_digests(acme) == []
-    assert await blobs.list_digests(globex) == [foreign.digest]
+    # Nothing under the tenant's prefix: blobs, and what an upload left in staging.
+    assert await _keys(blobs, f"{blobs.prefix}tenants/{acme}/") == []
+    assert await _keys(blobs, f"{blobs.prefix}tenants/{globex}/") == globex_keys
     assert await tenant_rows(stack.engine, globex) == before_globex
 
 
