@@ -35,13 +35,15 @@ import uuid
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import structlog
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from jobplane.errors import BlobStoreUnavailable, JobAlreadyTerminal, JobNotFound
 from jobplane.faults import NO_FAULTS, FaultPoints
+from jobplane.logs import describe_error
+from jobplane.store.down import database_transient
 from jobplane.store.jobs import JobStore
 from jobplane.store.maintenance import (
     MAX_RETENTION_DAYS,
@@ -55,6 +57,8 @@ if TYPE_CHECKING:
     from jobplane.blobs.store import BlobStore
 
 log = structlog.get_logger("jobplane.maintenance")
+
+T = TypeVar("T")
 
 RETENTION = "maintenance.retention"
 ERASURE = "maintenance.erasure"
@@ -152,8 +156,10 @@ class Maintenance:
         total = await self._store.count_expired_jobs(tenant.id, cutoff, keep=me)
         await tally.report(0.0, f"{total} finished jobs ended before {cutoff:%Y-%m-%d %H:%M}")
         while True:
-            done = await self._store.delete_expired_jobs(
-                tenant.id, cutoff, keep=me, limit=batch, max_rows=MAX_ROWS_PER_BATCH
+            done = await _again_if_transient(
+                lambda: self._store.delete_expired_jobs(
+                    tenant.id, cutoff, keep=me, limit=batch, max_rows=MAX_ROWS_PER_BATCH
+                )
             )
             if not done.jobs:
                 break
@@ -277,8 +283,10 @@ class Maintenance:
                 with contextlib.suppress(JobAlreadyTerminal, JobNotFound):
                     await self._jobs.cancel(tenant.id, job.id, "the tenant's data is erased")
             while True:
-                done = await self._store.delete_finished_jobs(
-                    tenant.id, keep=me, limit=batch, max_rows=MAX_ROWS_PER_BATCH
+                done = await _again_if_transient(
+                    lambda: self._store.delete_finished_jobs(
+                        tenant.id, keep=me, limit=batch, max_rows=MAX_ROWS_PER_BATCH
+                    )
                 )
                 if not done.jobs:
                     break
@@ -324,11 +332,28 @@ class Maintenance:
     ) -> None:
         """Run ``batch()`` (one deleting statement) until it deletes nothing."""
         while True:
-            count = await batch()
+            count = await _again_if_transient(batch)
             if not count:
                 return
             tally.add(table, count)
             await tally.report(fraction, f"{tally.deleted[table]} {table} rows deleted")
+
+
+async def _again_if_transient(statement: Callable[[], Awaitable[T]]) -> T:
+    """One deleting statement, tried again after a deadlock (with a relay or a
+    transition holding the same rows), a serialization failure or a lost
+    connection; after a few tries the error fails the attempt, which is retried."""
+    delay = 0.1
+    for _ in range(4):
+        try:
+            return await statement()
+        except Exception as exc:
+            if not database_transient(exc):
+                raise
+            log.warning("maintenance.batch.retry", error=describe_error(exc), delay=delay)
+        await asyncio.sleep(delay)
+        delay *= 2
+    return await statement()
 
 
 @contextlib.contextmanager
