@@ -10,7 +10,8 @@ COPY client ./client
 COPY migrations ./migrations
 # src/jobplane/{server,workers,client,migrations} are symlinks into the
 # top-level folders copied above, so the build sees one package tree.
-RUN pip install --no-cache-dir . && useradd --system jobplane
+# With the ingest extra (qdrant-client, pypdf) for the ingestion workers.
+RUN pip install --no-cache-dir '.[ingest]' && useradd --system jobplane
 USER jobplane
 ENTRYPOINT ["jobplane"]
 CMD ["serve"]

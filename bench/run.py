@@ -9,6 +9,7 @@ machine: these are measurements, not tests.
 
     python -m bench.run [--jobs N] [--clients C] [--workers W] [--concurrency K]
                         [--watchers N] [--seconds S] [--only NAME ...]
+                        [--only ingest --ingest-docs N --ingest-words W]
 """
 
 from __future__ import annotations
@@ -1140,8 +1141,11 @@ async def main(argv: list[str] | None = None) -> int:
             "events",
             "watchers",
             "pipeline",
+            "ingest",
         ],
     )
+    parser.add_argument("--ingest-docs", type=int, default=40, help="documents of --only ingest")
+    parser.add_argument("--ingest-words", type=int, default=3000, help="words per document")
     parser.add_argument(
         "--preload",
         type=int,
@@ -1167,6 +1171,10 @@ async def main(argv: list[str] | None = None) -> int:
             await fig_open_loop(bench, rate / 2)
         if want("pipeline"):
             await fig_pipeline(bench)
+        if args.only and "ingest" in args.only:  # not by default: needs S3 and Qdrant
+            from bench.ingest import fig_ingest
+
+            await fig_ingest(bench)
         if want("progress"):
             await fig_progress(bench)
         if want("relay"):

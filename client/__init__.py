@@ -34,6 +34,13 @@ from jobplane.client.subscription import EventSubscription, SubscribedEvent, Sub
 from jobplane.client.sync import BlockingSubscription, Client
 from jobplane.client.tls import ClientTLS
 from jobplane.errors import (
+    BlobInUse,
+    BlobNotFound,
+    BlobsDisabled,
+    BlobSizeMismatch,
+    BlobStoreUnavailable,
+    BlobTooLarge,
+    DigestMismatch,
     EventIdReused,
     FailedPrecondition,
     InternalError,
@@ -55,6 +62,9 @@ from jobplane.errors import (
 )
 from jobplane.events.envelope import Event
 from jobplane.types import (
+    Blob,
+    BlobPage,
+    BlobRef,
     EventType,
     Job,
     JobError,
@@ -67,9 +77,19 @@ from jobplane.types import (
 
 __all__ = [
     "AsyncClient",
+    "Blob",
+    "BlobInUse",
+    "BlobNotFound",
+    "BlobPage",
+    "BlobRef",
+    "BlobSizeMismatch",
+    "BlobStoreUnavailable",
+    "BlobTooLarge",
+    "BlobsDisabled",
     "BlockingSubscription",
     "Client",
     "ClientTLS",
+    "DigestMismatch",
     "Event",
     "EventIdReused",
     "EventSubscription",

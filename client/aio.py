@@ -4,15 +4,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import json
 import os
 import uuid
 from collections.abc import AsyncGenerator, Iterable, Mapping
 from datetime import datetime, timedelta
 from types import TracebackType
-from typing import Any, Self, TypeVar
+from typing import IO, Any, Self, TypeVar
 
 import grpc
 
+from jobplane.client._blobs import Download, Source, blob_from_pb, upload_requests
 from jobplane.client._errors import error_from_rpc, is_retryable
 from jobplane.client._retry import (
     Backoff,
@@ -24,12 +27,30 @@ from jobplane.client._retry import (
 from jobplane.client.subscription import EventSubscription, SubscribeStart, domain_event_of
 from jobplane.client.tls import ClientTLS
 from jobplane.convert import event_from_pb, job_from_pb, state_to_pb, struct_from_dict
-from jobplane.errors import InvalidArgument, TenantLimitExceeded, Unavailable
+from jobplane.errors import (
+    BlobsDisabled,
+    BlobTooLarge,
+    InvalidArgument,
+    TenantLimitExceeded,
+    Unavailable,
+)
 from jobplane.events.envelope import Event
-from jobplane.types import Job, JobEvent, JobPage, JobState
-from jobplane.v1 import events_pb2, events_pb2_grpc, jobs_pb2, jobs_pb2_grpc
+from jobplane.types import Blob, BlobPage, BlobRef, Job, JobEvent, JobPage, JobState
+from jobplane.v1 import (
+    blobs_pb2,
+    blobs_pb2_grpc,
+    events_pb2,
+    events_pb2_grpc,
+    jobs_pb2,
+    jobs_pb2_grpc,
+)
 
 DEFAULT_ADDRESS = "127.0.0.1:50051"
+#: Payloads larger than this (compact JSON) are uploaded as a blob and
+#: submitted by reference (the server's JOBPLANE_INLINE_BYTES default).
+DEFAULT_INLINE_BYTES = 64 * 1024
+#: The largest payload or result by reference the SDK reads back whole.
+MAX_BLOB_JSON_BYTES = 64 * 1024 * 1024
 
 Req = TypeVar("Req")
 Resp = TypeVar("Resp")
@@ -68,6 +89,26 @@ _CHANNEL_OPTIONS: tuple[tuple[str, int | str], ...] = (
 def job_name_of(job: str | Job) -> str:
     """The resource name of a job given as a name or a :class:`Job`."""
     return job.name if isinstance(job, Job) else job
+
+
+def _compact(payload: Mapping[str, Any]) -> bytes:
+    """The payload as the server measures it: compact JSON."""
+    return json.dumps(payload, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+def inline_bytes_from_env(env: Mapping[str, str] | None = None) -> int:
+    """``JOBPLANE_INLINE_BYTES`` (positive), else the default."""
+    env = os.environ if env is None else env
+    raw = env.get("JOBPLANE_INLINE_BYTES", "").strip()
+    if not raw:
+        return DEFAULT_INLINE_BYTES
+    try:
+        value = int(raw)
+    except ValueError:
+        value = 0
+    if value <= 0:
+        raise ValueError(f"JOBPLANE_INLINE_BYTES must be a positive integer, not {raw!r}")
+    return value
 
 
 def _tls_of(tls: ClientTLS | bool | None) -> ClientTLS | None:
@@ -114,7 +155,11 @@ class AsyncClient:
         timeout: float | None = 30.0,
         watch_retry: RetryPolicy | None = None,
         tls: ClientTLS | bool | None = None,
+        inline_bytes: int = DEFAULT_INLINE_BYTES,
     ) -> None:
+        if inline_bytes <= 0:
+            raise ValueError("inline_bytes must be positive")
+        self._inline_bytes = inline_bytes
         self._address = address
         self._api_key = api_key
         self._timeout = timeout
@@ -126,6 +171,7 @@ class AsyncClient:
         self._channel: grpc.aio.Channel | None = None
         self._stub: jobs_pb2_grpc.JobServiceAsyncStub | None = None
         self._event_stub: events_pb2_grpc.EventServiceAsyncStub | None = None
+        self._blob_stub: blobs_pb2_grpc.BlobServiceAsyncStub | None = None
         self._closed = False
 
     @classmethod
@@ -144,11 +190,19 @@ class AsyncClient:
         TLS as :meth:`ClientTLS.from_env` reads it from ``JOBPLANE_TLS``,
         ``JOBPLANE_TLS_CA``, ``JOBPLANE_TLS_CLIENT_CERT``,
         ``JOBPLANE_TLS_CLIENT_KEY`` (PEM file paths) and
-        ``JOBPLANE_TLS_SERVER_NAME``. Arguments, when given, win over the
-        environment; ``env`` stands in for the process's environment.
+        ``JOBPLANE_TLS_SERVER_NAME``. Payloads over ``JOBPLANE_INLINE_BYTES``
+        go by reference. Arguments, when given, win over the environment;
+        ``env`` stands in for the process's environment.
         """
         address, api_key, tls = connection_from_env(address, api_key, tls, env)
-        return cls(address, api_key, timeout=timeout, watch_retry=watch_retry, tls=tls)
+        return cls(
+            address,
+            api_key,
+            timeout=timeout,
+            watch_retry=watch_retry,
+            tls=tls,
+            inline_bytes=inline_bytes_from_env(env),
+        )
 
     @property
     def address(self) -> str:
@@ -195,6 +249,7 @@ class AsyncClient:
         self._closed = True
         channel, self._channel = self._channel, None
         self._stub = self._event_stub = None
+        self._blob_stub = None
         if channel is not None:
             await channel.close()
 
@@ -216,6 +271,12 @@ class AsyncClient:
         if self._event_stub is None:
             self._event_stub = events_pb2_grpc.EventServiceStub(channel)
         return self._event_stub
+
+    def _get_blob_stub(self) -> blobs_pb2_grpc.BlobServiceAsyncStub:
+        channel = self._get_channel()
+        if self._blob_stub is None:
+            self._blob_stub = blobs_pb2_grpc.BlobServiceStub(channel)
+        return self._blob_stub
 
     def _open_channel(self) -> grpc.aio.Channel:
         if self._tls is None:
@@ -308,14 +369,47 @@ class AsyncClient:
             if not isinstance(attempt_timeout, timedelta):
                 attempt_timeout = timedelta(seconds=attempt_timeout)
             request.timeout.FromTimedelta(attempt_timeout)
+        body = _compact(payload) if payload else None
+        if body is not None and len(body) > self._inline_bytes:
+            # Too large to go inline: as a blob, by reference. A server
+            # without an object store takes it inline (up to its limit).
+            try:
+                blob = await self.upload(body, content_type="application/json")
+            except BlobsDisabled:
+                pass
+            else:
+                request.ClearField("payload")
+                request.payload_blob = blob.name
         # Without a request_id a repeated call could create a second job.
         job = await self._call(self._get_stub().SubmitJob, request, repeatable=bool(request_id))
         return job_from_pb(job)
 
-    async def get(self, name: str | Job) -> Job:
-        """The job as the server stores it now."""
+    async def get(self, name: str | Job, *, resolve_blobs: bool = True) -> Job:
+        """The job as the server stores it now.
+
+        A payload or result that went by reference (``payload_blob``,
+        ``result_blob``) is downloaded into ``payload`` / ``result``; with
+        ``resolve_blobs=False`` they stay ``{}`` and only the references are set.
+        """
         request = jobs_pb2.GetJobRequest(name=job_name_of(name))
-        return job_from_pb(await self._call(self._get_stub().GetJob, request, repeatable=True))
+        job = job_from_pb(await self._call(self._get_stub().GetJob, request, repeatable=True))
+        return await self.resolve_blobs(job) if resolve_blobs else job
+
+    async def resolve_blobs(self, job: Job) -> Job:
+        """``job`` with its payload and result read from their blobs, when they went by one."""
+        if job.payload_blob is not None:
+            job = dataclasses.replace(job, payload=await self._json_blob(job.payload_blob))
+        if job.result_blob is not None and job.result is not None:
+            job = dataclasses.replace(job, result=await self._json_blob(job.result_blob))
+        return job
+
+    async def _json_blob(self, ref: BlobRef) -> dict[str, Any]:
+        if ref.size > MAX_BLOB_JSON_BYTES:
+            raise BlobTooLarge(f"{ref.name} has {ref.size} bytes, more than the SDK reads whole")
+        value = json.loads(await self.read_blob(ref.name))
+        if not isinstance(value, dict):
+            raise InvalidArgument(f"{ref.name} does not hold a JSON object", field="name")
+        return value
 
     async def list(
         self,
@@ -446,21 +540,101 @@ class AsyncClient:
                 ) from failure
             await asyncio.sleep(delay)
 
-    async def wait(self, name: str | Job, timeout: float | None = None) -> Job:
-        """Wait until the job ends and return it.
+    async def wait(
+        self, name: str | Job, timeout: float | None = None, *, resolve_blobs: bool = True
+    ) -> Job:
+        """Wait until the job ends and return it (``resolve_blobs`` as for :meth:`get`).
 
         Raises :class:`TimeoutError` when it has not ended after ``timeout``
         seconds (None waits for ever).
         """
         job_name = job_name_of(name)
         async with asyncio.timeout(timeout):
-            job = await self.get(job_name)
+            job = await self.get(job_name, resolve_blobs=resolve_blobs)
             if job.state.terminal:
                 return job
             async with contextlib.aclosing(self.watch(job_name, job.last_seq)) as events:
                 async for _ in events:
                     pass
-            return await self.get(job_name)
+            return await self.get(job_name, resolve_blobs=resolve_blobs)
+
+    # -- blobs ---------------------------------------------------------------
+
+    async def upload(self, source: Source, *, content_type: str | None = None) -> Blob:
+        """Store a file (a path), a readable binary stream or bytes as a blob; its name.
+
+        Streams in chunks of 1 MiB. The same bytes give the same blob, stored
+        once. A path's sha256 is computed first and checked by the server.
+        """
+        try:
+            reply = await self._get_blob_stub().UploadBlob(
+                upload_requests(source, content_type), metadata=self._metadata
+            )
+        except grpc.aio.AioRpcError as exc:
+            raise error_from_rpc(exc) from exc
+        return blob_from_pb(reply)
+
+    async def get_blob(self, name: str) -> Blob:
+        """One blob's metadata."""
+        request = blobs_pb2.GetBlobRequest(name=name)
+        reply = await self._call(self._get_blob_stub().GetBlob, request, repeatable=True)
+        return blob_from_pb(reply)
+
+    async def download(self, name: str, dest: str | os.PathLike[str] | IO[bytes]) -> Blob:
+        """Write the blob's bytes to ``dest``: a path (written whole or not at all) or a
+        writable binary stream. The bytes are checked against the name's sha256."""
+        blob, _ = await self._download(name, Download(name, dest))
+        return blob
+
+    async def read_blob(self, name: str) -> bytes:
+        """The blob's bytes, in memory."""
+        _, data = await self._download(name, Download(name, None))
+        return data
+
+    async def _download(self, name: str, sink: Download) -> tuple[Blob, bytes]:
+        blob: Blob | None = None
+        try:
+            await sink.open()
+            call = self._get_blob_stub().DownloadBlob(
+                blobs_pb2.DownloadBlobRequest(name=name), metadata=self._metadata
+            )
+            async for message in call:
+                if message.HasField("blob"):
+                    blob = blob_from_pb(message.blob)
+                if message.chunk:
+                    await sink.write(message.chunk)
+            data = await sink.finish()
+        except grpc.aio.AioRpcError as exc:
+            sink.discard()
+            raise error_from_rpc(exc) from exc
+        except BaseException:
+            sink.discard()
+            raise
+        if blob is None:
+            raise Unavailable("the download ended before the blob's metadata")
+        return blob, data
+
+    async def list_blobs(self, *, page_size: int = 0, page_token: str = "") -> BlobPage:
+        """One page of the caller's blobs by name; ``page_size`` 0 means 100."""
+        request = blobs_pb2.ListBlobsRequest(page_size=page_size, page_token=page_token)
+        reply = await self._call(self._get_blob_stub().ListBlobs, request, repeatable=True)
+        return BlobPage([blob_from_pb(b) for b in reply.blobs], reply.next_page_token)
+
+    async def iter_blobs(self, *, page_size: int = 0) -> AsyncGenerator[Blob, None]:
+        """Every blob of the caller, page by page."""
+        token = ""
+        while True:
+            page = await self.list_blobs(page_size=page_size, page_token=token)
+            for blob in page.blobs:
+                yield blob
+            if not page.next_page_token:
+                return
+            token = page.next_page_token
+
+    async def delete_blob(self, name: str) -> None:
+        """Delete a blob; :class:`~jobplane.errors.BlobInUse` while a job references it."""
+        request = blobs_pb2.DeleteBlobRequest(name=name)
+        await self._call(self._get_blob_stub().DeleteBlob, request, repeatable=True)
 
     # -- domain events -------------------------------------------------------
 

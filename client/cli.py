@@ -264,6 +264,17 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help="show only events committed from now on (the default)",
     )
     tail.set_defaults(func=command(_events_tail), start="latest")
+    _register_ingest(subparsers, parents)
+
+
+def _register_ingest(
+    subparsers: argparse._SubParsersAction[argparse.ArgumentParser],
+    parents: list[argparse.ArgumentParser],
+) -> None:
+    """``jobplane ingest`` (jobplane.contrib.ingest.cli: needs only the SDK)."""
+    from jobplane.contrib.ingest.cli import register as register_ingest
+
+    register_ingest(subparsers, parents)
 
 
 def command(fn: Command) -> Callable[[argparse.Namespace], int]:

@@ -5,19 +5,27 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
+import os
 import threading
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Coroutine, Generator, Iterable, Mapping
 from datetime import datetime, timedelta
 from types import TracebackType
-from typing import Any, Self, TypeVar
+from typing import IO, Any, Self, TypeVar
 
+from jobplane.client._blobs import Source
 from jobplane.client._retry import RetryPolicy
-from jobplane.client.aio import DEFAULT_ADDRESS, AsyncClient, connection_from_env
+from jobplane.client.aio import (
+    DEFAULT_ADDRESS,
+    DEFAULT_INLINE_BYTES,
+    AsyncClient,
+    connection_from_env,
+    inline_bytes_from_env,
+)
 from jobplane.client.subscription import EventSubscription, SubscribedEvent, SubscribeStart
 from jobplane.client.tls import ClientTLS
 from jobplane.events.envelope import Event
-from jobplane.types import Job, JobEvent, JobPage, JobState
+from jobplane.types import Blob, BlobPage, Job, JobEvent, JobPage, JobState
 
 T = TypeVar("T")
 
@@ -158,9 +166,15 @@ class Client:
         timeout: float | None = 30.0,
         watch_retry: RetryPolicy | None = None,
         tls: ClientTLS | bool | None = None,
+        inline_bytes: int = DEFAULT_INLINE_BYTES,
     ) -> None:
         self._async = AsyncClient(
-            address, api_key, timeout=timeout, watch_retry=watch_retry, tls=tls
+            address,
+            api_key,
+            timeout=timeout,
+            watch_retry=watch_retry,
+            tls=tls,
+            inline_bytes=inline_bytes,
         )
         self._loop = _LoopThread()
 
@@ -177,7 +191,14 @@ class Client:
     ) -> Self:
         """A client configured as :meth:`AsyncClient.from_env` says."""
         address, api_key, tls = connection_from_env(address, api_key, tls, env)
-        return cls(address, api_key, timeout=timeout, watch_retry=watch_retry, tls=tls)
+        return cls(
+            address,
+            api_key,
+            timeout=timeout,
+            watch_retry=watch_retry,
+            tls=tls,
+            inline_bytes=inline_bytes_from_env(env),
+        )
 
     @property
     def address(self) -> str:
@@ -249,9 +270,9 @@ class Client:
             )
         )
 
-    def get(self, name: str | Job) -> Job:
-        """The job as the server stores it now."""
-        return self._loop.run(self._async.get(name))
+    def get(self, name: str | Job, *, resolve_blobs: bool = True) -> Job:
+        """The job as the server stores it now; see :meth:`AsyncClient.get`."""
+        return self._loop.run(self._async.get(name, resolve_blobs=resolve_blobs))
 
     def list(
         self,
@@ -296,9 +317,39 @@ class Client:
         """
         return self._pull(self._async.watch(name, after_seq))
 
-    def wait(self, name: str | Job, timeout: float | None = None) -> Job:
+    def wait(
+        self, name: str | Job, timeout: float | None = None, *, resolve_blobs: bool = True
+    ) -> Job:
         """Wait until the job ends and return it; :class:`TimeoutError` after ``timeout``."""
-        return self._loop.run(self._async.wait(name, timeout))
+        return self._loop.run(self._async.wait(name, timeout, resolve_blobs=resolve_blobs))
+
+    def upload(self, source: Source, *, content_type: str | None = None) -> Blob:
+        """Store a file, stream or bytes as a blob; see :meth:`AsyncClient.upload`."""
+        return self._loop.run(self._async.upload(source, content_type=content_type))
+
+    def get_blob(self, name: str) -> Blob:
+        """One blob's metadata."""
+        return self._loop.run(self._async.get_blob(name))
+
+    def download(self, name: str, dest: str | os.PathLike[str] | IO[bytes]) -> Blob:
+        """Write the blob to a path or writable binary stream; see :meth:`AsyncClient.download`."""
+        return self._loop.run(self._async.download(name, dest))
+
+    def read_blob(self, name: str) -> bytes:
+        """The blob's bytes, in memory."""
+        return self._loop.run(self._async.read_blob(name))
+
+    def list_blobs(self, *, page_size: int = 0, page_token: str = "") -> BlobPage:
+        """One page of the caller's blobs by name."""
+        return self._loop.run(self._async.list_blobs(page_size=page_size, page_token=page_token))
+
+    def iter_blobs(self, *, page_size: int = 0) -> Generator[Blob, None, None]:
+        """Every blob of the caller, page by page."""
+        return self._pull(self._async.iter_blobs(page_size=page_size))
+
+    def delete_blob(self, name: str) -> None:
+        """Delete a blob; :class:`~jobplane.errors.BlobInUse` while a job references it."""
+        self._loop.run(self._async.delete_blob(name))
 
     def publish(
         self,

@@ -1,11 +1,12 @@
-"""The grpc.aio server and what it owns: JobService, EventService, WorkerService, health,
-reflection."""
+"""The grpc.aio server and what it owns: JobService, EventService, BlobService,
+WorkerService, health, reflection."""
 
 from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import grpc
 import structlog
@@ -18,6 +19,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from jobplane.config import MAX_PAYLOAD_BYTES_LIMIT
 from jobplane.faults import NO_FAULTS, FaultPoints
 from jobplane.server.auth import CallGate
+from jobplane.server.blob_servicer import MAX_CHUNK_BYTES, BlobServiceServicer
 from jobplane.server.decode import RefuseUndecodable
 from jobplane.server.events import EventService
 from jobplane.server.limits import TenantLimiter, TenantLimits
@@ -36,7 +38,12 @@ from jobplane.store.routes import sync_submit_rules
 from jobplane.store.rows import DOMAIN_EVENTS_CHANNEL, EVENTS_CHANNEL
 from jobplane.store.workers import WorkerStore
 from jobplane.topology import Topology
+
+if TYPE_CHECKING:
+    from jobplane.blobs.store import BlobStore
 from jobplane.v1 import (
+    blobs_pb2,
+    blobs_pb2_grpc,
     events_pb2,
     events_pb2_grpc,
     jobs_pb2,
@@ -55,8 +62,9 @@ _INSUFFICIENT_PRIVILEGE = "42501"
 
 SERVICE_NAME = jobs_pb2.DESCRIPTOR.services_by_name["JobService"].full_name
 EVENT_SERVICE_NAME = events_pb2.DESCRIPTOR.services_by_name["EventService"].full_name
-# Both API services: behind the same gate, reported by health.
-API_SERVICES = (SERVICE_NAME, EVENT_SERVICE_NAME)
+BLOB_SERVICE_NAME = blobs_pb2.DESCRIPTOR.services_by_name["BlobService"].full_name
+# The API services: behind the same gate (tenant keys), reported by health.
+API_SERVICES = (SERVICE_NAME, EVENT_SERVICE_NAME, BLOB_SERVICE_NAME)
 # Behind its own gate, for worker keys only (ADR-0018).
 WORKER_SERVICE_NAME = workers_pb2.DESCRIPTOR.services_by_name["WorkerService"].full_name
 
@@ -116,6 +124,7 @@ class JobplaneServer:
         limits: TenantLimits | None = None,
         key_cache_seconds: float = 30.0,
         worker_lease_seconds: float = 30.0,
+        blobs: BlobStore | None = None,
     ) -> None:
         if not 0 < max_payload_bytes <= MAX_PAYLOAD_BYTES_LIMIT:
             # Past it, a job could be too large for the SDK to read back.
@@ -125,6 +134,8 @@ class JobplaneServer:
         self._engine = engine
         self._topology = topology
         self._max_payload_bytes = max_payload_bytes
+        # The caller's (None: blobs disabled, BlobService answers BLOBS_DISABLED).
+        self.blobs = blobs
         self.hub = Listener(database_url, EVENTS_CHANNEL)
         self.keys = KeyStore(engine, cache_seconds=key_cache_seconds)
         # Revocations reach this process's key cache by notification; a
@@ -139,6 +150,7 @@ class JobplaneServer:
             topology,
             max_payload_bytes=max_payload_bytes,
             recheck_seconds=recheck_seconds,
+            blobs=blobs,
         )
         self.event_hub = Listener(database_url, DOMAIN_EVENTS_CHANNEL)
         self.events = EventService(
@@ -156,7 +168,10 @@ class JobplaneServer:
         )
         # gRPC refuses a larger body (RESOURCE_EXHAUSTED) before reading it
         # whole: no valid request needs more.
-        self.max_receive_bytes = max_request_bytes(max_payload_bytes)
+        # An UploadBlob chunk of the largest size must fit too.
+        self.max_receive_bytes = max(
+            max_request_bytes(max_payload_bytes), MAX_CHUNK_BYTES + 64 * 1024
+        )
         self.health = HealthServicer()
         self._server: grpc.aio.Server | None = None
         self.port: int = 0
@@ -204,6 +219,7 @@ class JobplaneServer:
         workers_pb2_grpc.add_WorkerServiceServicer_to_server(
             WorkerServiceServicer(self.workers), server
         )
+        blobs_pb2_grpc.add_BlobServiceServicer_to_server(BlobServiceServicer(self.blobs), server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection(
             (

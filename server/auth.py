@@ -252,8 +252,12 @@ class CallGate(grpc.aio.ServerInterceptor):
             return grpc.unary_stream_rpc_method_handler(
                 stream, handler.request_deserializer, handler.response_serializer
             )
-        # JobService has no client-streaming calls; refuse rather than run
-        # one unauthenticated should one be added without a gate for it.
+        if handler.stream_unary is not None:
+            # UploadBlob: the identity set above is in this call's task, where
+            # the handler reads its request stream.
+            return handler
+        # No API call streams both ways; refuse rather than run one
+        # unauthenticated should one be added without a gate for it.
         return _refusal(handler, Unauthenticated("this call cannot be authenticated"))
 
 

@@ -15,16 +15,29 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from jobplane.errors import InvalidArgument, UnroutableJobType, shown
+from jobplane.blobs.names import parse_blob_name, referenced_digests
+from jobplane.config import MAX_OFFLOADED_JSON_BYTES
+from jobplane.errors import (
+    BlobNotFound,
+    BlobReferenceNotFound,
+    BlobsDisabled,
+    InvalidArgument,
+    PayloadTooLarge,
+    UnroutableJobType,
+    shown,
+)
 from jobplane.names import parse_job_name, validate_job_type
 from jobplane.server.feeds import FeedHub
 from jobplane.store.jobs import JobStore, ListCursor, NewJob, pipeline_stages
 from jobplane.store.listen import Listener
 from jobplane.store.rows import check_payload_size
 from jobplane.topology import PipelineSpec, Topology
-from jobplane.types import Job, JobEvent, JobPage, JobState
+from jobplane.types import BlobRef, Job, JobEvent, JobPage, JobState
+
+if TYPE_CHECKING:
+    from jobplane.blobs.store import BlobStore
 
 DEFAULT_PAGE_SIZE = 50
 MAX_PAGE_SIZE = 1000
@@ -75,6 +88,8 @@ class SubmitRequest:
     max_attempts: int = 0
     labels: dict[str, str] = field(default_factory=dict)
     timeout_seconds: float | None = None
+    #: ``blobs/{sha256}`` of the caller's blob holding the payload; ``payload`` empty.
+    payload_blob: str = ""
 
 
 class JobService:
@@ -88,8 +103,10 @@ class JobService:
         *,
         max_payload_bytes: int = 256 * 1024,
         recheck_seconds: float = 30.0,
+        blobs: BlobStore | None = None,
     ) -> None:
         self._store = store
+        self._blobs = blobs
         self._topology = topology
         self._max_payload_bytes = max_payload_bytes
         self.feeds = FeedHub(store.read_streams, hub, recheck_seconds=recheck_seconds)
@@ -132,8 +149,9 @@ class JobService:
                     field="timeout",
                 )
             timeout = request.timeout_seconds
+        payload_blob = await self._check_blobs(tenant, request)
         if pipeline is not None:
-            return await self._submit_pipeline(tenant, request, pipeline)
+            return await self._submit_pipeline(tenant, request, pipeline, payload_blob)
         new = NewJob(
             type=job_type,
             queue=queue.name,
@@ -143,12 +161,61 @@ class JobService:
             correlation_id=request.correlation_id,
             labels=dict(request.labels),
             timeout_seconds=timeout,
+            payload_blob=payload_blob,
         )
         job, _created = await self._store.submit(tenant, new)
         return job
 
+    async def _check_blobs(self, tenant: uuid.UUID, request: SubmitRequest) -> BlobRef | None:
+        """Refuse references to blobs the tenant does not have; the payload's blob, if any.
+
+        The references themselves are recorded with the job, by the table's
+        trigger (migration 0013), in the statement that inserts it.
+        """
+        digests = referenced_digests(request.payload)
+        if request.payload_blob and request.payload:
+            raise InvalidArgument(
+                "payload_blob replaces payload: send one of them", field="payload_blob"
+            )
+        if not digests and not request.payload_blob:
+            return None
+        if self._blobs is None:
+            raise BlobsDisabled(
+                "this server has no object store: a payload cannot reference blobs",
+                field="payload_blob" if request.payload_blob else "payload",
+            )
+        missing = digests - await self._blobs.owned(tenant, digests)
+        if missing:
+            raise BlobReferenceNotFound(
+                f"the payload references blobs/{min(missing)}, which does not exist",
+                field="payload",
+            )
+        if not request.payload_blob:
+            return None
+        try:
+            parse_blob_name(request.payload_blob)
+            info = await self._blobs.stat(tenant, request.payload_blob)
+        except (ValueError, BlobNotFound) as exc:
+            raise BlobReferenceNotFound(
+                f"payload_blob: {exc}"
+                if isinstance(exc, ValueError)
+                else f"payload_blob {shown(request.payload_blob)} does not exist",
+                field="payload_blob",
+            ) from None
+        if info.size > MAX_OFFLOADED_JSON_BYTES:
+            raise PayloadTooLarge(
+                f"a payload by reference may have at most {MAX_OFFLOADED_JSON_BYTES} bytes "
+                f"(the worker reads it whole), not {info.size}",
+                field="payload_blob",
+            )
+        return BlobRef(info.name, info.digest, info.size)
+
     async def _submit_pipeline(
-        self, tenant: uuid.UUID, request: SubmitRequest, pipeline: PipelineSpec
+        self,
+        tenant: uuid.UUID,
+        request: SubmitRequest,
+        pipeline: PipelineSpec,
+        payload_blob: BlobRef | None = None,
     ) -> Job:
         """A pipeline job: its stages, as the topology declares them now, go with it.
 
@@ -169,6 +236,7 @@ class JobService:
             timeout_seconds=request.timeout_seconds or 0.0,
             pipeline_version=pipeline.version,
             stages=stages,
+            payload_blob=payload_blob,
         )
         job, _created = await self._store.submit(tenant, new)
         return job

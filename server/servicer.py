@@ -87,6 +87,7 @@ class JobServiceServicer(jobs_pb2_grpc.JobServiceServicer):
                     if request.HasField("timeout")
                     else None
                 ),
+                payload_blob=request.payload_blob,
             ),
         )
         return job_to_pb(job)

@@ -383,6 +383,36 @@ def _correlation(attempt: Attempt) -> str:
 Handler = Callable[[JobContext], Coroutine[Any, Any, dict[str, Any]]]
 
 
+def with_offloaded_payload(handler: Handler, *, max_bytes: int) -> Handler:
+    """``handler``, run after the job's payload is read from its blob into ``ctx.payload``.
+
+    For a job submitted by reference. A payload blob that is not a JSON
+    object (or larger than ``max_bytes``) fails the job (``PAYLOAD_INVALID``,
+    ``BLOB_TOO_LARGE``); an object store outage retries it.
+    """
+
+    async def run(ctx: JobContext) -> dict[str, Any]:
+        ref = ctx._attempt.payload_blob
+        if ref is not None and ctx._payload is None:
+            data = await ctx.read_blob(ref.name, limit=max_bytes)
+            try:
+                payload = json.loads(data)
+            except ValueError as exc:
+                raise PermanentError(
+                    f"the payload blob {ref.name} is not JSON: {exc}", code="PAYLOAD_INVALID"
+                ) from None
+            if not isinstance(payload, dict):
+                raise PermanentError(
+                    f"the payload blob {ref.name} holds a JSON {type(payload).__name__}, "
+                    "not an object",
+                    code="PAYLOAD_INVALID",
+                )
+            ctx._payload = payload
+        return await handler(ctx)
+
+    return run
+
+
 #: What :meth:`Registry.lifespan` takes: a factory of an async context manager.
 Lifespan = Callable[[], AbstractAsyncContextManager[object]]
 

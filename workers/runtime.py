@@ -24,7 +24,9 @@ from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from jobplane import broker
+from jobplane.config import DEFAULT_INLINE_BYTES, MAX_OFFLOADED_JSON_BYTES
 from jobplane.envelope import Envelope, EnvelopeError
+from jobplane.errors import BlobStoreUnavailable
 from jobplane.faults import NO_FAULTS, FaultPoints
 from jobplane.logs import describe_error
 from jobplane.names import job_name
@@ -41,11 +43,12 @@ from jobplane.store.deployment import Deployment, this_deployment
 from jobplane.store.down import database_error_name, database_transient, until_database_up
 from jobplane.store.listen import Listener
 from jobplane.store.machine import Emitted
-from jobplane.store.rows import CANCEL_CHANNEL
+from jobplane.store.rows import CANCEL_CHANNEL, dumps
 from jobplane.tasks import cancel_and_wait
 from jobplane.topology import Ownership, Topology, ensure
+from jobplane.types import BlobRef
 from jobplane.workers.bounce import Bounced, bounce_foreign
-from jobplane.workers.handlers import JobContext, Registry
+from jobplane.workers.handlers import JobContext, Registry, with_offloaded_payload
 from jobplane.workers.outcome import Escaped, Failure, check_result, describe, invoke
 from jobplane.workers.presence import Presence
 from jobplane.workers.priority import Slots, SlotsClosed, consume
@@ -153,7 +156,9 @@ class Worker:
         self._max_result_bytes = max_result_bytes
         # The object store handlers reach through ctx (the caller's; None: blobs disabled).
         self._blobs = blobs
-        self._inline_bytes = inline_bytes
+        self._inline_bytes = min(
+            DEFAULT_INLINE_BYTES if inline_bytes is None else inline_bytes, max_result_bytes
+        )
         # The registry's lifespans: entered at start, left at stop after the handlers.
         self._lifespans = contextlib.AsyncExitStack()
 
@@ -472,6 +477,8 @@ class Worker:
         ctx = JobContext(
             attempt, writer, max_event_payload_bytes=self._max_result_bytes, blobs=self._blobs
         )
+        if attempt.payload_blob is not None:
+            handler = with_offloaded_payload(handler, max_bytes=MAX_OFFLOADED_JSON_BYTES)
         running = _Running(asyncio.create_task(invoke(handler, ctx), name=f"job-{key}"))
         holder.append(running)
         self._running[key] = running
@@ -486,6 +493,22 @@ class Worker:
             self._running.pop(key, None)
         pending = await writer.drain()
         await self._record(attempt, running, ended, pending, bound, ctx.emitted)
+
+    async def _offload_result(
+        self, attempt: Attempt, result: dict[str, Any]
+    ) -> dict[str, Any] | tuple[dict[str, Any], BlobRef] | Failure:
+        """``result`` as it is stored: itself, or ``{}`` and the blob it went to."""
+        assert self._blobs is not None
+        body = dumps(result).encode()
+        if len(body) <= self._inline_bytes:
+            return result
+        try:
+            info = await self._blobs.put_bytes(
+                attempt.tenant_id, body, content_type="application/json"
+            )
+        except BlobStoreUnavailable as exc:
+            return Failure(BlobStoreUnavailable.reason, exc.message, retryable=True)
+        return {}, BlobRef(info.name, info.digest, info.size)
 
     async def _wait(self, running: _Running, attempt: Attempt, bound: Any) -> _Ended:
         """How the handler ended; stops it at its timeout.
@@ -559,18 +582,28 @@ class Worker:
                 retryable=True,
             )
         elif ended.returned:
-            checked = check_result(ended.result, max_bytes=self._max_result_bytes)
+            # With an object store, a plain job's result may be larger than
+            # the inline limit: it goes to a blob, the row keeps its name.
+            offload = self._blobs is not None and attempt.stage is None
+            limit = max(self._max_result_bytes, MAX_OFFLOADED_JSON_BYTES) if offload else None
+            checked = check_result(ended.result, max_bytes=limit or self._max_result_bytes)
             if isinstance(checked, dict):
-                result = checked
-                await self._outcome(
-                    attempt,
-                    bound,
-                    lambda: store.succeed(attempt, result, pending, emitted=emitted),
-                )
-                bound.info("job.succeeded", attempt=attempt.attempt)
-                return
-            failure = describe(checked)
-            failure = Failure(failure.code, failure.message, retryable=False)
+                stored = await self._offload_result(attempt, checked) if offload else checked
+                if not isinstance(stored, Failure):
+                    result, ref = stored if isinstance(stored, tuple) else (stored, None)
+                    await self._outcome(
+                        attempt,
+                        bound,
+                        lambda: store.succeed(
+                            attempt, result, pending, emitted=emitted, result_blob=ref
+                        ),
+                    )
+                    bound.info("job.succeeded", attempt=attempt.attempt, offloaded=ref is not None)
+                    return
+                failure = stored
+            else:
+                failure = describe(checked)
+                failure = Failure(failure.code, failure.message, retryable=False)
         else:
             failure = describe(ended.error or RuntimeError("the handler ended without a result"))
         details: dict[str, Any] = {"traceback": failure.traceback} if failure.traceback else {}

@@ -8,8 +8,9 @@
 - ``job_blobs``: a job's references (role ``payload``, ``input``, ``result``,
   ``output``); deleted with the job, and a blob cannot be deleted while one
   exists (the foreign key).
-- ``jobs.payload_blob`` / ``jobs.result_blob``: the digest of an offloaded
-  payload or result (its row then holds ``{}``).
+- ``jobs.payload_blob`` / ``jobs.result_blob`` (and their ``_size``): the
+  digest and size of an offloaded payload or result (its column then holds
+  ``{}``).
 - A trigger records a job's references whoever inserts it: the server's
   submit and ``jobplane.submit_job`` alike. Every string of the payload that
   is a blob name is an ``input``, the offloaded payload a ``payload``, the
@@ -53,7 +54,9 @@ CREATE TABLE job_blobs (
 CREATE INDEX job_blobs_blob ON job_blobs (tenant_id, digest);
 
 ALTER TABLE jobs ADD COLUMN payload_blob text CHECK (payload_blob ~ '^[0-9a-f]{64}$');
+ALTER TABLE jobs ADD COLUMN payload_blob_size bigint;
 ALTER TABLE jobs ADD COLUMN result_blob text CHECK (result_blob ~ '^[0-9a-f]{64}$');
+ALTER TABLE jobs ADD COLUMN result_blob_size bigint;
 
 CREATE FUNCTION jobplane.record_job_blobs() RETURNS trigger
 LANGUAGE plpgsql AS $$
@@ -99,7 +102,9 @@ _DOWNGRADE = """
 DROP TRIGGER jobs_record_blobs_update ON jobs;
 DROP TRIGGER jobs_record_blobs_insert ON jobs;
 DROP FUNCTION jobplane.record_job_blobs();
+ALTER TABLE jobs DROP COLUMN result_blob_size;
 ALTER TABLE jobs DROP COLUMN result_blob;
+ALTER TABLE jobs DROP COLUMN payload_blob_size;
 ALTER TABLE jobs DROP COLUMN payload_blob;
 DROP TABLE job_blobs;
 DROP TABLE blobs;

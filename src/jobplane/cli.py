@@ -78,8 +78,28 @@ async def _migrate(_args: argparse.Namespace) -> int:
     return 0
 
 
+def _blob_store(settings: Settings, engine: AsyncEngine, stack: AsyncExitStack) -> BlobStore | None:
+    """The process's blob store (closed with ``stack``); None when JOBPLANE_S3_URL is unset.
+
+    Nothing is opened here: S3 is reached at first use, so a process starts
+    while the object store is down.
+    """
+    if not settings.blobs_enabled:
+        return None
+    from jobplane.blobs import BlobStore
+
+    store: BlobStore = BlobStore.from_settings(settings, engine)
+    stack.push_async_callback(store.close)
+    return store
+
+
 def _server(
-    settings: Settings, topology: Topology, engine: AsyncEngine, *, tls: bool = False
+    settings: Settings,
+    topology: Topology,
+    engine: AsyncEngine,
+    *,
+    tls: bool = False,
+    blobs: BlobStore | None = None,
 ) -> JobplaneServer:
     from jobplane.server import JobplaneServer
     from jobplane.server.app import ServerTLS
@@ -107,6 +127,7 @@ def _server(
             submit_burst=settings.tenant_submit_burst,
         ),
         worker_lease_seconds=settings.worker_lease_seconds,
+        blobs=blobs,
     )
 
 
@@ -117,7 +138,9 @@ async def _serve(_args: argparse.Namespace) -> int:
     engine = create_engine(settings.database_url, pool_size=settings.db_pool_size)
     async with AsyncExitStack() as stack:
         stack.push_async_callback(engine.dispose)
-        server = _server(settings, topology, engine, tls=True)
+        server = _server(
+            settings, topology, engine, tls=True, blobs=_blob_store(settings, engine, stack)
+        )
         await _started(stack, server.start, server.stop)
         transport = "plaintext"
         if settings.tls_cert is not None:
@@ -232,7 +255,7 @@ async def _worker(args: argparse.Namespace) -> int:
     faults = FaultPoints(settings.faults)
     async with AsyncExitStack() as stack:
         stack.push_async_callback(engine.dispose)
-        blobs = _blob_store(stack, settings, engine)
+        blobs = _blob_store(settings, engine, stack)
         if not args.no_maintenance:
             registry = await _with_maintenance(stack, registry, engine, blobs, settings, faults)
             if registry is None:
@@ -251,22 +274,11 @@ async def _worker(args: argparse.Namespace) -> int:
             faults=faults,
             max_result_bytes=settings.max_payload_bytes,
             blobs=blobs,
+            inline_bytes=settings.inline_bytes,
         )
         await _started(stack, worker.start, lambda: worker.stop(args.grace))
         await _until_signal()
     return 0
-
-
-def _blob_store(stack: AsyncExitStack, settings: Settings, engine: AsyncEngine) -> BlobStore | None:
-    """The process's one object store on its engine, closed with ``stack``
-    (None: JOBPLANE_S3_URL is unset, blobs are disabled)."""
-    if not settings.blobs_enabled:
-        return None
-    from jobplane.blobs import BlobStore
-
-    store = BlobStore.from_settings(settings, engine)
-    stack.push_async_callback(store.close)
-    return store
 
 
 def _maintenance_index(stack: AsyncExitStack, settings: Settings) -> Any:
@@ -325,14 +337,14 @@ async def _dev(args: argparse.Namespace) -> int:
     engine = create_engine(settings.database_url)
     async with AsyncExitStack() as stack:
         stack.push_async_callback(engine.dispose)
-        blobs = _blob_store(stack, settings, engine)
+        blobs = _blob_store(settings, engine, stack)
         if not args.no_maintenance:
             registry = await _with_maintenance(
                 stack, registry, engine, blobs, settings, FaultPoints(settings.faults)
             )
             if registry is None:
                 return 2
-        server = _server(settings, topology, engine)
+        server = _server(settings, topology, engine, blobs=blobs)
         relay = Relay(
             engine, settings.database_url, settings.amqp_url, topology, sweeper=Sweeper(engine)
         )
@@ -345,6 +357,7 @@ async def _dev(args: argparse.Namespace) -> int:
             concurrency=args.concurrency,
             max_result_bytes=settings.max_payload_bytes,
             blobs=blobs,
+            inline_bytes=settings.inline_bytes,
         )
         await _started(stack, server.start, server.stop)
         await _started(stack, relay.start, relay.stop)

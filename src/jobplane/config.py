@@ -30,6 +30,9 @@ DEFAULT_MAX_BLOB_BYTES = 5 * 1024**3
 MAX_BLOB_BYTES_LIMIT = 5 * 1024**4
 #: ``JOBPLANE_INLINE_BYTES`` by default: larger payloads and results go by reference.
 DEFAULT_INLINE_BYTES = 64 * 1024
+#: The largest payload or result a blob may hold in place of the inline JSON:
+#: the worker (or the SDK) reads it whole into memory to hand it over.
+MAX_OFFLOADED_JSON_BYTES = 64 * 1024 * 1024
 _BUCKET_NAME = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
 
 #: The longest lease of a WorkerService attempt: a dead worker's job waits this long.
@@ -187,7 +190,8 @@ def _with_s3(env: Mapping[str, str], base: Settings) -> Settings:
     max_blob = _positive_int(env, "JOBPLANE_MAX_BLOB_BYTES", base.max_blob_bytes)
     if max_blob > MAX_BLOB_BYTES_LIMIT:
         raise ConfigError("JOBPLANE_MAX_BLOB_BYTES must be at most 5 TiB (S3's object limit)")
-    inline = _positive_int(env, "JOBPLANE_INLINE_BYTES", base.inline_bytes)
+    # Unset, it follows a smaller payload limit down.
+    inline = _positive_int(env, "JOBPLANE_INLINE_BYTES", min(base.inline_bytes, max_payload))
     if inline > max_payload:
         raise ConfigError(
             f"JOBPLANE_INLINE_BYTES ({inline}) must be at most JOBPLANE_MAX_PAYLOAD_BYTES "

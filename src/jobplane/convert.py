@@ -8,7 +8,16 @@ from typing import Any
 from google.protobuf import duration_pb2, struct_pb2, timestamp_pb2
 
 from jobplane.errors import InvalidArgument
-from jobplane.types import EventType, Job, JobError, JobEvent, JobState, Stage, StageState
+from jobplane.types import (
+    BlobRef,
+    EventType,
+    Job,
+    JobError,
+    JobEvent,
+    JobState,
+    Stage,
+    StageState,
+)
 from jobplane.v1 import jobs_pb2
 
 _STATE_TO_PB = {
@@ -171,7 +180,19 @@ def job_to_pb(job: Job) -> jobs_pb2.Job:
         message.result.CopyFrom(struct_from_dict(job.result))
     if job.error is not None:
         message.error.CopyFrom(_error_to_pb(job.error))
+    if job.payload_blob is not None:
+        message.payload_blob.CopyFrom(_blob_ref_to_pb(job.payload_blob))
+    if job.result_blob is not None:
+        message.result_blob.CopyFrom(_blob_ref_to_pb(job.result_blob))
     return message
+
+
+def _blob_ref_to_pb(ref: BlobRef) -> jobs_pb2.BlobRef:
+    return jobs_pb2.BlobRef(name=ref.name, sha256=ref.sha256, size=ref.size)
+
+
+def _blob_ref_from_pb(message: jobs_pb2.BlobRef) -> BlobRef:
+    return BlobRef(name=message.name, sha256=message.sha256, size=message.size)
 
 
 def _error_to_pb(error: JobError) -> jobs_pb2.JobError:
@@ -267,6 +288,12 @@ def job_from_pb(message: jobs_pb2.Job) -> Job:
         stage=message.stage,
         stages=tuple(stage_from_pb(s) for s in message.stages),
         pipeline_version=message.pipeline_version,
+        payload_blob=(
+            _blob_ref_from_pb(message.payload_blob) if message.HasField("payload_blob") else None
+        ),
+        result_blob=(
+            _blob_ref_from_pb(message.result_blob) if message.HasField("result_blob") else None
+        ),
     )
 
 

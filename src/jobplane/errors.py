@@ -86,6 +86,12 @@ class DigestMismatch(InvalidArgument):
     reason = "DIGEST_MISMATCH"
 
 
+class BlobReferenceNotFound(InvalidArgument):
+    """The payload names a blob the caller has none of (the SDK raises BlobNotFound)."""
+
+    reason = "BLOB_NOT_FOUND"
+
+
 class BlobSizeMismatch(InvalidArgument):
     """The blob's bytes are not of the declared size; nothing was stored."""
 

@@ -87,6 +87,34 @@ class Stage:
 
 
 @dataclass(frozen=True, slots=True)
+class Blob:
+    """A stored blob (BlobService): ``blobs/{sha256}``, its size and content type."""
+
+    name: str
+    sha256: str
+    size: int
+    content_type: str = ""
+    create_time: datetime | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class BlobPage:
+    """One page of ``list_blobs``; ``next_page_token`` is empty on the last."""
+
+    blobs: list[Blob]
+    next_page_token: str
+
+
+@dataclass(frozen=True, slots=True)
+class BlobRef:
+    """A blob holding a job's payload or result as JSON: ``blobs/{sha256}``, its size."""
+
+    name: str
+    sha256: str
+    size: int
+
+
+@dataclass(frozen=True, slots=True)
 class Job:
     """A job as the server last stored it."""
 
@@ -124,6 +152,12 @@ class Job:
     stages: tuple[Stage, ...] = ()
     #: The pipeline's version, as the topology declared it at submit.
     pipeline_version: str = ""
+    #: The blob holding the payload when it was submitted by reference
+    #: (``payload`` is then ``{}`` unless the SDK read it back).
+    payload_blob: BlobRef | None = None
+    #: The blob holding the result when the worker offloaded it (``result``
+    #: is then ``{}`` unless the SDK read it back).
+    result_blob: BlobRef | None = None
 
     @property
     def id(self) -> str:

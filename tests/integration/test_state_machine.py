@@ -175,7 +175,12 @@ def _params(transition: Transition, job: Placed) -> dict[str, Any]:
                 "datas": ["{}", "{}"],
             }
         case Transition.SUCCEED:
-            return {**fence, "result": dumps({"ok": True})}
+            return {
+                **fence,
+                "result": dumps({"ok": True}),
+                "result_blob": None,
+                "result_blob_size": None,
+            }
         case Transition.FAIL:
             return {**fence, "error_code": "BOOM", "error_message": "boom", "retryable": False}
         case Transition.CANCELLED:

@@ -133,7 +133,13 @@ async def start_stack(
 ) -> Stack:
     """Start server (and relay, worker unless told not to) on real services."""
     server = JobplaneServer(
-        engine, database_url, topology, listen=listen, faults=faults, recheck_seconds=2.0
+        engine,
+        database_url,
+        topology,
+        listen=listen,
+        faults=faults,
+        recheck_seconds=2.0,
+        blobs=blobs,
     )
     await server.start()
     key, tenant_id = await server.keys.create_key("acme")

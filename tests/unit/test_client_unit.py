@@ -478,7 +478,7 @@ async def test_watch_waits_out_a_tenant_stream_limit_and_resumes(
     client = scripted(monkeypatch, script)
     states = iter([job(JobState.RUNNING, last_seq=1), job(JobState.SUCCEEDED, last_seq=2)])
 
-    async def get(name: str | Job) -> Job:
+    async def get(name: str | Job, **_options: bool) -> Job:
         return next(states)
 
     monkeypatch.setattr(client, "get", get)
@@ -515,7 +515,7 @@ async def test_watch_ends_when_the_job_ended_before_after_seq(
     script = Script(FakeCall([]))
     client = scripted(monkeypatch, script)
 
-    async def get(name: str | Job) -> Job:
+    async def get(name: str | Job, **_options: bool) -> Job:
         return job(JobState.SUCCEEDED, last_seq=5)
 
     monkeypatch.setattr(client, "get", get)
@@ -527,7 +527,7 @@ async def test_watch_resumes_a_stream_that_ended_early(monkeypatch: pytest.Monke
     script = Script(FakeCall([event(1)]), FakeCall([event(2, EventType.SUCCEEDED)]))
     client = scripted(monkeypatch, script)
 
-    async def get(name: str | Job) -> Job:
+    async def get(name: str | Job, **_options: bool) -> Job:
         return job(JobState.RUNNING, last_seq=1)
 
     monkeypatch.setattr(client, "get", get)
@@ -550,7 +550,7 @@ async def test_wait_returns_a_finished_job_without_watching(
     script = Script()
     client = scripted(monkeypatch, script)
 
-    async def get(name: str | Job) -> Job:
+    async def get(name: str | Job, **_options: bool) -> Job:
         return job(JobState.FAILED, last_seq=4)
 
     monkeypatch.setattr(client, "get", get)
@@ -562,7 +562,7 @@ async def test_wait_times_out(monkeypatch: pytest.MonkeyPatch) -> None:
     policy = RetryPolicy(initial_delay=0.01, max_delay=0.01, max_elapsed=None, jitter=0)
     client = scripted(monkeypatch, Script(), policy=policy)
 
-    async def get(name: str | Job) -> Job:
+    async def get(name: str | Job, **_options: bool) -> Job:
         return job(JobState.RUNNING, last_seq=1)
 
     monkeypatch.setattr(client, "get", get)
@@ -723,7 +723,7 @@ async def test_render_watch_plain_and_json(
     script = Script(FakeCall([event(1, EventType.QUEUED), event(2), event(3, EventType.SUCCEEDED)]))
     client = scripted(monkeypatch, script)
 
-    async def get(name: str | Job) -> Job:
+    async def get(name: str | Job, **_options: bool) -> Job:
         return job(JobState.SUCCEEDED, last_seq=3)
 
     monkeypatch.setattr(client, "get", get)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -89,7 +91,7 @@ def test_chunking_properties(text: str, params: tuple[int, int]) -> None:
         assert 0 < chunk.end - chunk.start <= size
     # Every character covered: from 0 to the end with no gap.
     assert chunks[0].start == 0 and chunks[-1].end == len(text)
-    for before, after in zip(chunks, chunks[1:], strict=False):
+    for before, after in itertools.pairwise(chunks):
         # Neighbours share exactly `overlap` characters, and each moves on.
         assert after.start == before.end - overlap
         assert after.start > before.start and after.end > before.end

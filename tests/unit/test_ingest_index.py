@@ -104,9 +104,10 @@ async def test_delete_file_points_keeps_one_version(index: Index) -> None:
 
 async def test_delete_tenant_reaches_every_ingest_collection_only(tmp_path: Path) -> None:
     settings = Settings(qdrant_path=tmp_path / "q")
-    async with open_index(settings, collection="one") as one, open_index(
-        settings, collection="two"
-    ) as two:
+    async with (
+        open_index(settings, collection="one") as one,
+        open_index(settings, collection="two") as two,
+    ):
         for index in (one, two):
             await index.ensure_collection(EMBED.dim)
             await index.upsert(_points("acme", "a.txt", ["x", "y"], "v"))

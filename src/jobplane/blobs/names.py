@@ -41,3 +41,19 @@ def parse_digest(value: str) -> str:
 def is_blob_name(value: object) -> bool:
     """True when ``value`` is a string naming a blob."""
     return isinstance(value, str) and BLOB_NAME_PATTERN.fullmatch(value) is not None
+
+
+def referenced_digests(value: object) -> set[str]:
+    """The digests of every string in a JSON value that is a blob name."""
+    found: set[str] = set()
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            if BLOB_NAME_PATTERN.fullmatch(item):
+                found.add(item[len(PREFIX) :])
+        elif isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, list | tuple):
+            stack.extend(item)
+    return found

@@ -1,8 +1,10 @@
 """The blob store: objects in S3 (aioboto3), their rows in Postgres.
 
 A blob is named by its bytes: ``blobs/{sha256}``, per tenant, stored at
-``{prefix}tenants/{tenant}/blobs/{sha256}``. Uploads stream: at most one part
-(8 MiB) and one chunk are held at a time, whatever the blob's size.
+``{prefix}tenants/{tenant}/blobs/{sha256}``. Uploads stream: about one part
+(8 MiB) is held at a time, whatever the blob's size; parts are at least a
+part's size (S3 wants 5 MiB) except the last, so one part of chunks
+gathered, joined, then sent.
 
 Invariants (docs/adr/0020-blobs.md):
 
@@ -451,10 +453,14 @@ class BlobStore:
                 raise DigestMismatch(str(exc), field="sha256") from None
         if size is not None and size > self.max_blob_bytes:
             raise BlobTooLarge(f"the blob is larger than {self.max_blob_bytes} bytes", field="size")
+        # S3 takes at most 10,000 parts: a larger blob needs larger parts.
+        part_bytes = max(self.part_bytes, -(-(size or self.max_blob_bytes) // 10_000))
         s3 = await self._s3()
         upload = _Multipart(s3, self.bucket, self.key(tenant, digest) if digest else None)
         hasher = hashlib.sha256()
-        buffer = bytearray()
+        # The chunks of the part being gathered: joined once, when a part is full.
+        held: list[bytes] = []
+        held_bytes = 0
         total = 0
         try:
             async for chunk in chunks:
@@ -466,12 +472,16 @@ class BlobStore:
                         f"the blob has more than the declared {size} bytes", field="size"
                     )
                 hasher.update(chunk)
-                buffer += chunk
-                while len(buffer) >= self.part_bytes:
+                held.append(chunk)
+                held_bytes += len(chunk)
+                if held_bytes >= part_bytes:
                     if upload.key is None:
                         upload.key = self._staging_key(tenant)
-                    await upload.part(bytes(buffer[: self.part_bytes]), ctype)
-                    del buffer[: self.part_bytes]
+                    part = b"".join(held)
+                    held.clear()
+                    held_bytes = 0
+                    await upload.part(part, ctype)
+                    del part
             if size is not None and total != size:
                 raise BlobSizeMismatch(
                     f"the blob has {total} bytes, not the declared {size}", field="size"
@@ -487,12 +497,13 @@ class BlobStore:
                 async with self._locked(tenant, actual) as conn:
                     async with _s3_errors():
                         await s3.put_object(
-                            Bucket=self.bucket, Key=final, Body=bytes(buffer), ContentType=ctype
+                            Bucket=self.bucket, Key=final, Body=b"".join(held), ContentType=ctype
                         )
                     return await self._insert(conn, tenant, actual, total, ctype)
-            if buffer:
-                await upload.part(bytes(buffer), ctype)
-                buffer.clear()
+            if held:
+                part = b"".join(held)
+                held.clear()
+                await upload.part(part, ctype)
             if upload.key == final:
                 async with self._locked(tenant, actual) as conn:
                     await upload.complete()

@@ -33,7 +33,7 @@ from jobplane.store.machine import (
     lifecycle_event_id,
 )
 from jobplane.store.rows import dumps
-from jobplane.types import JobState
+from jobplane.types import BlobRef, JobState
 
 
 class LeaseLost(Exception):
@@ -101,6 +101,9 @@ class Attempt:
     started_event_id: uuid.UUID | None = None
     #: The pipeline stage this attempt runs; None for a plain job.
     stage: StageRun | None = None
+    #: The blob holding the payload when it was submitted by reference
+    #: (``payload`` is then ``{}``; the worker reads the blob for the handler).
+    payload_blob: BlobRef | None = None
 
     @property
     def attempts_left(self) -> int:
@@ -134,6 +137,8 @@ class ProgressUpdate:
 _CLAIMED: Returning = (
     "type",
     "payload",
+    "payload_blob",
+    "payload_blob_size",
     "attempt",
     "max_attempts",
     "retry_base",
@@ -306,8 +311,12 @@ class AttemptStore:
         pending: Sequence[ProgressUpdate] = (),
         *,
         emitted: Sequence[Emitted] = (),
+        result_blob: BlobRef | None = None,
     ) -> None:
         """Commit SUCCEEDED (after any pending progress) or raise :class:`LeaseLost`.
+
+        ``result_blob``: the result was offloaded to this blob (``result`` is
+        then ``{}``); the job references it (role ``result``).
 
         A pipeline stage that is not the last commits its result and the next
         stage's dispatch instead, the job QUEUED for it (ADR-0017).
@@ -328,7 +337,11 @@ class AttemptStore:
             attempt,
             pending,
             Transition.SUCCEED,
-            {"result": dumps(result)},
+            {
+                "result": dumps(result),
+                "result_blob": result_blob.sha256 if result_blob else None,
+                "result_blob_size": result_blob.size if result_blob else None,
+            },
             Cause("succeeded", emitted=emitted),
         )
 
@@ -473,6 +486,11 @@ def attempt_from_row(
         queue=row["queue"],
         started_event_id=started_event_id,
         stage=stage,
+        payload_blob=(
+            BlobRef(f"blobs/{digest}", digest, int(row.get("payload_blob_size") or 0))
+            if (digest := row.get("payload_blob"))
+            else None
+        ),
     )
 
 

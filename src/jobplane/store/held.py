@@ -24,7 +24,8 @@ from jobplane.store.machine import ATTEMPT_FENCE, Transition, where_sources
 _HELD = text(
     f"""
     SELECT tenant_id, type, payload, attempt, max_attempts, retry_base, correlation_id,
-           request_id, timeout_seconds, queue, pipeline, pipeline_version, stage
+           request_id, timeout_seconds, queue, pipeline, pipeline_version, stage,
+           payload_blob, payload_blob_size
     FROM jobs WHERE {ATTEMPT_FENCE} AND {where_sources(Transition.PROGRESS)}
     """
 )

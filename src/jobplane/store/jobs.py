@@ -13,9 +13,11 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from sqlalchemy import text
+from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from jobplane.errors import (
+    BlobReferenceNotFound,
     InvalidArgument,
     JobAlreadyTerminal,
     JobNotFound,
@@ -29,7 +31,7 @@ from jobplane.store.engine import autocommit
 from jobplane.store.machine import MACHINE, Cause, NewStage, StateMachine, Transition
 from jobplane.store.rows import JOB_COLUMNS, dumps, event_from_row, job_from_row, stage_from_row
 from jobplane.topology import PipelineSpec
-from jobplane.types import Job, JobEvent, JobState, Stage, StageState
+from jobplane.types import BlobRef, Job, JobEvent, JobState, Stage, StageState
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,6 +50,8 @@ class NewJob:
     #: max_attempts / timeout_seconds what the request set: 0 for the stages' own).
     stages: tuple[NewStage, ...] = ()
     pipeline_version: str = ""
+    #: The payload by reference (``payload`` is then ``{}``).
+    payload_blob: BlobRef | None = None
 
     def fingerprint(self) -> bytes:
         """A digest of the request, stored with the job: equal digests are the same request.
@@ -62,6 +66,8 @@ class NewJob:
                 "correlation_id": self.correlation_id,
                 "labels": self.labels,
                 "timeout_seconds": self.timeout_seconds,
+                # Only when set: the digests of jobs submitted before stay theirs.
+                **({"payload_blob": self.payload_blob.sha256} if self.payload_blob else {}),
             }
         )
         return hashlib.sha256(canonical.encode()).digest()
@@ -111,6 +117,8 @@ _SELECT_STAGES = text(
 _STAGE_INDEX = text(
     "SELECT idx FROM job_stages WHERE job_id = :id AND tenant_id = :tenant_id AND name = :name"
 )
+_FOREIGN_KEY_VIOLATION = "23503"
+
 # A plain job's pipeline columns.
 _PLAIN: dict[str, Any] = {
     "pipeline": None,
@@ -131,7 +139,8 @@ _SELECT_BY_REQUEST = text(
     SELECT {JOB_COLUMNS}, request_hash,
            (coalesce(pipeline, type) = :type AND payload = CAST(:payload AS jsonb)
             AND max_attempts = :max_attempts AND correlation_id = :correlation_id
-            AND labels = CAST(:labels AS jsonb) AND timeout_seconds = :timeout_seconds)
+            AND labels = CAST(:labels AS jsonb) AND timeout_seconds = :timeout_seconds
+            AND payload_blob IS NOT DISTINCT FROM CAST(:payload_blob AS text))
                AS same_request
     FROM jobs WHERE tenant_id = :tenant_id AND request_id = :request_id
     """
@@ -208,6 +217,8 @@ class JobStore:
             "labels": dumps(new.labels),
             "dispatch_id": dispatch_id,
             "timeout_seconds": new.timeout_seconds,
+            "payload_blob": new.payload_blob.sha256 if new.payload_blob else None,
+            "payload_blob_size": new.payload_blob.size if new.payload_blob else None,
             **_PLAIN,
         }
         if new.stages:
@@ -227,8 +238,17 @@ class JobStore:
             )
         machine = self._machine
         cause = Cause("queued", stages=new.stages)
-        async with machine.connect(self._engine, self._auto, Transition.SUBMIT) as conn:
-            created = await machine.apply(conn, Transition.SUBMIT, params, cause)
+        try:
+            async with machine.connect(self._engine, self._auto, Transition.SUBMIT) as conn:
+                created = await machine.apply(conn, Transition.SUBMIT, params, cause)
+        except IntegrityError as exc:
+            # The references' trigger found a blob gone since the caller's
+            # check (deleted meanwhile): nothing was written.
+            if getattr(exc.orig, "sqlstate", None) == _FOREIGN_KEY_VIOLATION:
+                raise BlobReferenceNotFound(
+                    "the payload references a blob that does not exist", field="payload"
+                ) from None
+            raise
         if created:
             inserted = created[0]
             # Committed; a failure here loses only the reply (the caller's

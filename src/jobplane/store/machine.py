@@ -217,7 +217,8 @@ RULES: Mapping[Transition, Rule] = {
         JobState.SUCCEEDED,
         ATTEMPT_FENCE,
         EventType.SUCCEEDED,
-        sets="result = CAST(:result AS jsonb), progress = 1, error_code = NULL, "
+        sets="result = CAST(:result AS jsonb), result_blob = CAST(:result_blob AS text), "
+        "result_blob_size = CAST(:result_blob_size AS bigint), progress = 1, error_code = NULL, "
         f"error_message = NULL, error_retryable = false, {_END}",
         lifecycle=Lifecycle.SUCCEEDED,
     ),
@@ -327,7 +328,8 @@ RULES: Mapping[Transition, Rule] = {
         EventType.QUEUED,
         dispatch=True,
         sets="retry_base = attempt, dispatch_id = :dispatch_id, result = NULL, "
-        "error_code = NULL, error_message = NULL, error_retryable = false, "
+        "result_blob = NULL, result_blob_size = NULL, error_code = NULL, error_message = NULL, "
+        "error_retryable = false, "
         "progress = stage_base, progress_message = '', cancel_requested_at = NULL, "
         "cancel_reason = NULL, "
         "lease_token = NULL, lease_expires_at = NULL, next_attempt_time = NULL, "
@@ -343,7 +345,8 @@ RULES: Mapping[Transition, Rule] = {
         dispatch=True,
         guard=NAMED_STAGE,
         sets=f"{_AT_STAGE}, retry_base = jobs.attempt, dispatch_id = :dispatch_id, "
-        "result = NULL, error_code = NULL, error_message = NULL, error_retryable = false, "
+        "result = NULL, result_blob = NULL, result_blob_size = NULL, error_code = NULL, "
+        "error_message = NULL, error_retryable = false, "
         "cancel_requested_at = NULL, cancel_reason = NULL, lease_token = NULL, "
         "lease_expires_at = NULL, next_attempt_time = NULL, start_time = NULL, "
         "end_time = NULL, waiting_reason = NULL, handbacks = 0",
@@ -1209,12 +1212,14 @@ def _submit(needs: set[str]) -> str:
         INSERT INTO jobs (id, tenant_id, type, queue, state, payload, max_attempts, request_id,
                           request_hash, correlation_id, labels, dispatch_id, last_seq,
                           timeout_seconds, lifecycle_seq, pipeline, pipeline_version, stage,
-                          stage_name, stage_base, stage_span)
+                          stage_name, stage_base, stage_span,
+                          payload_blob, payload_blob_size)
         VALUES (:id, :tenant_id, :type, :queue, '{RULES[Transition.SUBMIT].target.value}',
                 CAST(:payload AS jsonb), :max_attempts, :request_id, :request_hash,
                 :correlation_id, CAST(:labels AS jsonb), :dispatch_id, 1, :timeout_seconds, 1,
                 CAST(:pipeline AS text), CAST(:pipeline_version AS text), CAST(:stage AS int),
-                CAST(:stage_name AS text), :stage_base, :stage_span)
+                CAST(:stage_name AS text), :stage_base, :stage_span,
+                CAST(:payload_blob AS text), CAST(:payload_blob_size AS bigint))
         ON CONFLICT (tenant_id, request_id) DO NOTHING
         RETURNING {_returning(needs, "jobs") or "jobs.id"},
                   CAST('{Transition.SUBMIT}' AS text) AS transition,

@@ -9,7 +9,16 @@ from typing import Any
 
 from jobplane.errors import PayloadTooLarge
 from jobplane.names import job_name
-from jobplane.types import EventType, Job, JobError, JobEvent, JobState, Stage, StageState
+from jobplane.types import (
+    BlobRef,
+    EventType,
+    Job,
+    JobError,
+    JobEvent,
+    JobState,
+    Stage,
+    StageState,
+)
 
 EVENTS_CHANNEL = "jobplane_events"
 CANCEL_CHANNEL = "jobplane_cancel"
@@ -49,6 +58,10 @@ JOB_FIELDS = (
     "end_time",
     "timeout_seconds",
     "waiting_reason",
+    "payload_blob",
+    "payload_blob_size",
+    "result_blob",
+    "result_blob_size",
     "pipeline",
     "pipeline_version",
     "stage",
@@ -124,7 +137,16 @@ def job_from_row(row: Mapping[Any, Any]) -> Job:
         attempts_used=int(row["attempt"]) - int(row["retry_base"]),
         stage=row["stage_name"] or "",
         pipeline_version=row["pipeline_version"] or "",
+        payload_blob=_blob_ref(row, "payload_blob"),
+        result_blob=_blob_ref(row, "result_blob") if state is JobState.SUCCEEDED else None,
     )
+
+
+def _blob_ref(row: Mapping[Any, Any], column: str) -> BlobRef | None:
+    digest = row.get(column)
+    if not digest:
+        return None
+    return BlobRef(name=f"blobs/{digest}", sha256=digest, size=int(row.get(f"{column}_size") or 0))
 
 
 def stage_from_row(row: Mapping[Any, Any]) -> Stage:

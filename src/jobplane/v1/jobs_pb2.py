@@ -27,7 +27,7 @@ from google.protobuf import struct_pb2 as google_dot_protobuf_dot_struct__pb2
 from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16jobplane/v1/jobs.proto\x12\x0bjobplane.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1cgoogle/protobuf/struct.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"\xe9\x07\n\x03Job\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04type\x18\x02 \x01(\t\x12%\n\x05state\x18\x03 \x01(\x0e\x32\x16.jobplane.v1.Job.State\x12(\n\x07payload\x18\x04 \x01(\x0b\x32\x17.google.protobuf.Struct\x12\'\n\x06result\x18\x05 \x01(\x0b\x32\x17.google.protobuf.Struct\x12$\n\x05\x65rror\x18\x06 \x01(\x0b\x32\x15.jobplane.v1.JobError\x12\x10\n\x08progress\x18\x07 \x01(\x01\x12\x18\n\x10progress_message\x18\x08 \x01(\t\x12\x0f\n\x07\x61ttempt\x18\t \x01(\x05\x12\x14\n\x0cmax_attempts\x18\n \x01(\x05\x12\x12\n\nrequest_id\x18\x0b \x01(\t\x12\x16\n\x0e\x63orrelation_id\x18\x0c \x01(\t\x12,\n\x06labels\x18\r \x03(\x0b\x32\x1c.jobplane.v1.Job.LabelsEntry\x12/\n\x0b\x63reate_time\x18\x0e \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12.\n\nstart_time\x18\x0f \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12,\n\x08\x65nd_time\x18\x10 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12/\n\x0bupdate_time\x18\x11 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x35\n\x11next_attempt_time\x18\x12 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x18\n\x10\x63\x61ncel_requested\x18\x13 \x01(\x08\x12\x10\n\x08last_seq\x18\x14 \x01(\x03\x12*\n\x07timeout\x18\x15 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x16\n\x0ewaiting_reason\x18\x16 \x01(\t\x12\x15\n\rattempts_used\x18\x17 \x01(\x05\x12\r\n\x05stage\x18\x18 \x01(\t\x12\"\n\x06stages\x18\x19 \x03(\x0b\x32\x12.jobplane.v1.Stage\x12\x18\n\x10pipeline_version\x18\x1a \x01(\t\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x7f\n\x05State\x12\x15\n\x11STATE_UNSPECIFIED\x10\x00\x12\x10\n\x0cSTATE_QUEUED\x10\x01\x12\x11\n\rSTATE_RUNNING\x10\x02\x12\x13\n\x0fSTATE_SUCCEEDED\x10\x03\x12\x10\n\x0cSTATE_FAILED\x10\x04\x12\x13\n\x0fSTATE_CANCELLED\x10\x05\"\x86\x04\n\x05Stage\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04type\x18\x02 \x01(\t\x12\x0f\n\x07version\x18\x03 \x01(\t\x12\'\n\x05state\x18\x04 \x01(\x0e\x32\x18.jobplane.v1.Stage.State\x12\x10\n\x08\x61ttempts\x18\x05 \x01(\x05\x12\x14\n\x0cmax_attempts\x18\x06 \x01(\x05\x12*\n\x07timeout\x18\x07 \x01(\x0b\x32\x19.google.protobuf.Duration\x12.\n\nstart_time\x18\x08 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12,\n\x08\x65nd_time\x18\t \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12$\n\x05\x65rror\x18\n \x01(\x0b\x32\x15.jobplane.v1.JobError\x12\'\n\x06result\x18\x0b \x01(\x0b\x32\x17.google.protobuf.Struct\"\xa5\x01\n\x05State\x12\x15\n\x11STATE_UNSPECIFIED\x10\x00\x12\x11\n\rSTATE_PENDING\x10\x01\x12\x10\n\x0cSTATE_QUEUED\x10\x02\x12\x11\n\rSTATE_RUNNING\x10\x03\x12\x13\n\x0fSTATE_SUCCEEDED\x10\x04\x12\x10\n\x0cSTATE_FAILED\x10\x05\x12\x13\n\x0fSTATE_CANCELLED\x10\x06\x12\x11\n\rSTATE_SKIPPED\x10\x07\"<\n\x08JobError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x11\n\tretryable\x18\x03 \x01(\x08\"\xa2\x02\n\x10SubmitJobRequest\x12\x0c\n\x04type\x18\x01 \x01(\t\x12(\n\x07payload\x18\x02 \x01(\x0b\x32\x17.google.protobuf.Struct\x12\x12\n\nrequest_id\x18\x03 \x01(\t\x12\x16\n\x0e\x63orrelation_id\x18\x04 \x01(\t\x12\x14\n\x0cmax_attempts\x18\x05 \x01(\x05\x12\x39\n\x06labels\x18\x06 \x03(\x0b\x32).jobplane.v1.SubmitJobRequest.LabelsEntry\x12*\n\x07timeout\x18\x07 \x01(\x0b\x32\x19.google.protobuf.Duration\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x1d\n\rGetJobRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"m\n\x0fListJobsRequest\x12\x11\n\tpage_size\x18\x01 \x01(\x05\x12\x12\n\npage_token\x18\x02 \x01(\t\x12%\n\x05state\x18\x03 \x01(\x0e\x32\x16.jobplane.v1.Job.State\x12\x0c\n\x04type\x18\x04 \x01(\t\"K\n\x10ListJobsResponse\x12\x1e\n\x04jobs\x18\x01 \x03(\x0b\x32\x10.jobplane.v1.Job\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"0\n\x10\x43\x61ncelJobRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"3\n\x0fRetryJobRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nfrom_stage\x18\x02 \x01(\t\"2\n\x0fWatchJobRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x11\n\tafter_seq\x18\x02 \x01(\x03\"\xd5\x04\n\x10WatchJobResponse\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0b\n\x03seq\x18\x02 \x01(\x03\x12\x35\n\x04type\x18\x03 \x01(\x0e\x32\'.jobplane.v1.WatchJobResponse.EventType\x12%\n\x05state\x18\x04 \x01(\x0e\x32\x16.jobplane.v1.Job.State\x12\x10\n\x08progress\x18\x05 \x01(\x01\x12\x0f\n\x07message\x18\x06 \x01(\t\x12%\n\x04\x64\x61ta\x18\x07 \x01(\x0b\x32\x17.google.protobuf.Struct\x12.\n\nevent_time\x18\x08 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x0f\n\x07\x61ttempt\x18\t \x01(\x05\x12\x10\n\x08terminal\x18\n \x01(\x08\x12\r\n\x05stage\x18\x0b \x01(\t\"\x9b\x02\n\tEventType\x12\x1a\n\x16\x45VENT_TYPE_UNSPECIFIED\x10\x00\x12\x15\n\x11\x45VENT_TYPE_QUEUED\x10\x01\x12\x16\n\x12\x45VENT_TYPE_STARTED\x10\x02\x12\x17\n\x13\x45VENT_TYPE_PROGRESS\x10\x03\x12\x1e\n\x1a\x45VENT_TYPE_RETRY_SCHEDULED\x10\x04\x12\x1f\n\x1b\x45VENT_TYPE_CANCEL_REQUESTED\x10\x05\x12\x18\n\x14\x45VENT_TYPE_SUCCEEDED\x10\x06\x12\x15\n\x11\x45VENT_TYPE_FAILED\x10\x07\x12\x18\n\x14\x45VENT_TYPE_CANCELLED\x10\x08\x12\x1e\n\x1a\x45VENT_TYPE_STAGE_SUCCEEDED\x10\t2\x90\x03\n\nJobService\x12<\n\tSubmitJob\x12\x1d.jobplane.v1.SubmitJobRequest\x1a\x10.jobplane.v1.Job\x12\x36\n\x06GetJob\x12\x1a.jobplane.v1.GetJobRequest\x1a\x10.jobplane.v1.Job\x12G\n\x08ListJobs\x12\x1c.jobplane.v1.ListJobsRequest\x1a\x1d.jobplane.v1.ListJobsResponse\x12<\n\tCancelJob\x12\x1d.jobplane.v1.CancelJobRequest\x1a\x10.jobplane.v1.Job\x12:\n\x08RetryJob\x12\x1c.jobplane.v1.RetryJobRequest\x1a\x10.jobplane.v1.Job\x12I\n\x08WatchJob\x12\x1c.jobplane.v1.WatchJobRequest\x1a\x1d.jobplane.v1.WatchJobResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16jobplane/v1/jobs.proto\x12\x0bjobplane.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1cgoogle/protobuf/struct.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"\xc0\x08\n\x03Job\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04type\x18\x02 \x01(\t\x12%\n\x05state\x18\x03 \x01(\x0e\x32\x16.jobplane.v1.Job.State\x12(\n\x07payload\x18\x04 \x01(\x0b\x32\x17.google.protobuf.Struct\x12\'\n\x06result\x18\x05 \x01(\x0b\x32\x17.google.protobuf.Struct\x12$\n\x05\x65rror\x18\x06 \x01(\x0b\x32\x15.jobplane.v1.JobError\x12\x10\n\x08progress\x18\x07 \x01(\x01\x12\x18\n\x10progress_message\x18\x08 \x01(\t\x12\x0f\n\x07\x61ttempt\x18\t \x01(\x05\x12\x14\n\x0cmax_attempts\x18\n \x01(\x05\x12\x12\n\nrequest_id\x18\x0b \x01(\t\x12\x16\n\x0e\x63orrelation_id\x18\x0c \x01(\t\x12,\n\x06labels\x18\r \x03(\x0b\x32\x1c.jobplane.v1.Job.LabelsEntry\x12/\n\x0b\x63reate_time\x18\x0e \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12.\n\nstart_time\x18\x0f \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12,\n\x08\x65nd_time\x18\x10 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12/\n\x0bupdate_time\x18\x11 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x35\n\x11next_attempt_time\x18\x12 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x18\n\x10\x63\x61ncel_requested\x18\x13 \x01(\x08\x12\x10\n\x08last_seq\x18\x14 \x01(\x03\x12*\n\x07timeout\x18\x15 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x16\n\x0ewaiting_reason\x18\x16 \x01(\t\x12\x15\n\rattempts_used\x18\x17 \x01(\x05\x12\r\n\x05stage\x18\x18 \x01(\t\x12\"\n\x06stages\x18\x19 \x03(\x0b\x32\x12.jobplane.v1.Stage\x12\x18\n\x10pipeline_version\x18\x1a \x01(\t\x12*\n\x0cpayload_blob\x18\x1b \x01(\x0b\x32\x14.jobplane.v1.BlobRef\x12)\n\x0bresult_blob\x18\x1c \x01(\x0b\x32\x14.jobplane.v1.BlobRef\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x7f\n\x05State\x12\x15\n\x11STATE_UNSPECIFIED\x10\x00\x12\x10\n\x0cSTATE_QUEUED\x10\x01\x12\x11\n\rSTATE_RUNNING\x10\x02\x12\x13\n\x0fSTATE_SUCCEEDED\x10\x03\x12\x10\n\x0cSTATE_FAILED\x10\x04\x12\x13\n\x0fSTATE_CANCELLED\x10\x05\"5\n\x07\x42lobRef\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06sha256\x18\x02 \x01(\t\x12\x0c\n\x04size\x18\x03 \x01(\x03\"\x86\x04\n\x05Stage\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04type\x18\x02 \x01(\t\x12\x0f\n\x07version\x18\x03 \x01(\t\x12\'\n\x05state\x18\x04 \x01(\x0e\x32\x18.jobplane.v1.Stage.State\x12\x10\n\x08\x61ttempts\x18\x05 \x01(\x05\x12\x14\n\x0cmax_attempts\x18\x06 \x01(\x05\x12*\n\x07timeout\x18\x07 \x01(\x0b\x32\x19.google.protobuf.Duration\x12.\n\nstart_time\x18\x08 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12,\n\x08\x65nd_time\x18\t \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12$\n\x05\x65rror\x18\n \x01(\x0b\x32\x15.jobplane.v1.JobError\x12\'\n\x06result\x18\x0b \x01(\x0b\x32\x17.google.protobuf.Struct\"\xa5\x01\n\x05State\x12\x15\n\x11STATE_UNSPECIFIED\x10\x00\x12\x11\n\rSTATE_PENDING\x10\x01\x12\x10\n\x0cSTATE_QUEUED\x10\x02\x12\x11\n\rSTATE_RUNNING\x10\x03\x12\x13\n\x0fSTATE_SUCCEEDED\x10\x04\x12\x10\n\x0cSTATE_FAILED\x10\x05\x12\x13\n\x0fSTATE_CANCELLED\x10\x06\x12\x11\n\rSTATE_SKIPPED\x10\x07\"<\n\x08JobError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x11\n\tretryable\x18\x03 \x01(\x08\"\xb8\x02\n\x10SubmitJobRequest\x12\x0c\n\x04type\x18\x01 \x01(\t\x12(\n\x07payload\x18\x02 \x01(\x0b\x32\x17.google.protobuf.Struct\x12\x12\n\nrequest_id\x18\x03 \x01(\t\x12\x16\n\x0e\x63orrelation_id\x18\x04 \x01(\t\x12\x14\n\x0cmax_attempts\x18\x05 \x01(\x05\x12\x39\n\x06labels\x18\x06 \x03(\x0b\x32).jobplane.v1.SubmitJobRequest.LabelsEntry\x12*\n\x07timeout\x18\x07 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x14\n\x0cpayload_blob\x18\x08 \x01(\t\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x1d\n\rGetJobRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"m\n\x0fListJobsRequest\x12\x11\n\tpage_size\x18\x01 \x01(\x05\x12\x12\n\npage_token\x18\x02 \x01(\t\x12%\n\x05state\x18\x03 \x01(\x0e\x32\x16.jobplane.v1.Job.State\x12\x0c\n\x04type\x18\x04 \x01(\t\"K\n\x10ListJobsResponse\x12\x1e\n\x04jobs\x18\x01 \x03(\x0b\x32\x10.jobplane.v1.Job\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"0\n\x10\x43\x61ncelJobRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"3\n\x0fRetryJobRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nfrom_stage\x18\x02 \x01(\t\"2\n\x0fWatchJobRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x11\n\tafter_seq\x18\x02 \x01(\x03\"\xd5\x04\n\x10WatchJobResponse\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0b\n\x03seq\x18\x02 \x01(\x03\x12\x35\n\x04type\x18\x03 \x01(\x0e\x32\'.jobplane.v1.WatchJobResponse.EventType\x12%\n\x05state\x18\x04 \x01(\x0e\x32\x16.jobplane.v1.Job.State\x12\x10\n\x08progress\x18\x05 \x01(\x01\x12\x0f\n\x07message\x18\x06 \x01(\t\x12%\n\x04\x64\x61ta\x18\x07 \x01(\x0b\x32\x17.google.protobuf.Struct\x12.\n\nevent_time\x18\x08 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x0f\n\x07\x61ttempt\x18\t \x01(\x05\x12\x10\n\x08terminal\x18\n \x01(\x08\x12\r\n\x05stage\x18\x0b \x01(\t\"\x9b\x02\n\tEventType\x12\x1a\n\x16\x45VENT_TYPE_UNSPECIFIED\x10\x00\x12\x15\n\x11\x45VENT_TYPE_QUEUED\x10\x01\x12\x16\n\x12\x45VENT_TYPE_STARTED\x10\x02\x12\x17\n\x13\x45VENT_TYPE_PROGRESS\x10\x03\x12\x1e\n\x1a\x45VENT_TYPE_RETRY_SCHEDULED\x10\x04\x12\x1f\n\x1b\x45VENT_TYPE_CANCEL_REQUESTED\x10\x05\x12\x18\n\x14\x45VENT_TYPE_SUCCEEDED\x10\x06\x12\x15\n\x11\x45VENT_TYPE_FAILED\x10\x07\x12\x18\n\x14\x45VENT_TYPE_CANCELLED\x10\x08\x12\x1e\n\x1a\x45VENT_TYPE_STAGE_SUCCEEDED\x10\t2\x90\x03\n\nJobService\x12<\n\tSubmitJob\x12\x1d.jobplane.v1.SubmitJobRequest\x1a\x10.jobplane.v1.Job\x12\x36\n\x06GetJob\x12\x1a.jobplane.v1.GetJobRequest\x1a\x10.jobplane.v1.Job\x12G\n\x08ListJobs\x12\x1c.jobplane.v1.ListJobsRequest\x1a\x1d.jobplane.v1.ListJobsResponse\x12<\n\tCancelJob\x12\x1d.jobplane.v1.CancelJobRequest\x1a\x10.jobplane.v1.Job\x12:\n\x08RetryJob\x12\x1c.jobplane.v1.RetryJobRequest\x1a\x10.jobplane.v1.Job\x12I\n\x08WatchJob\x12\x1c.jobplane.v1.WatchJobRequest\x1a\x1d.jobplane.v1.WatchJobResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -39,37 +39,39 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SUBMITJOBREQUEST_LABELSENTRY']._loaded_options = None
   _globals['_SUBMITJOBREQUEST_LABELSENTRY']._serialized_options = b'8\001'
   _globals['_JOB']._serialized_start=135
-  _globals['_JOB']._serialized_end=1136
-  _globals['_JOB_LABELSENTRY']._serialized_start=962
-  _globals['_JOB_LABELSENTRY']._serialized_end=1007
-  _globals['_JOB_STATE']._serialized_start=1009
-  _globals['_JOB_STATE']._serialized_end=1136
-  _globals['_STAGE']._serialized_start=1139
-  _globals['_STAGE']._serialized_end=1657
-  _globals['_STAGE_STATE']._serialized_start=1492
-  _globals['_STAGE_STATE']._serialized_end=1657
-  _globals['_JOBERROR']._serialized_start=1659
-  _globals['_JOBERROR']._serialized_end=1719
-  _globals['_SUBMITJOBREQUEST']._serialized_start=1722
-  _globals['_SUBMITJOBREQUEST']._serialized_end=2012
-  _globals['_SUBMITJOBREQUEST_LABELSENTRY']._serialized_start=962
-  _globals['_SUBMITJOBREQUEST_LABELSENTRY']._serialized_end=1007
-  _globals['_GETJOBREQUEST']._serialized_start=2014
-  _globals['_GETJOBREQUEST']._serialized_end=2043
-  _globals['_LISTJOBSREQUEST']._serialized_start=2045
-  _globals['_LISTJOBSREQUEST']._serialized_end=2154
-  _globals['_LISTJOBSRESPONSE']._serialized_start=2156
-  _globals['_LISTJOBSRESPONSE']._serialized_end=2231
-  _globals['_CANCELJOBREQUEST']._serialized_start=2233
-  _globals['_CANCELJOBREQUEST']._serialized_end=2281
-  _globals['_RETRYJOBREQUEST']._serialized_start=2283
-  _globals['_RETRYJOBREQUEST']._serialized_end=2334
-  _globals['_WATCHJOBREQUEST']._serialized_start=2336
-  _globals['_WATCHJOBREQUEST']._serialized_end=2386
-  _globals['_WATCHJOBRESPONSE']._serialized_start=2389
-  _globals['_WATCHJOBRESPONSE']._serialized_end=2986
-  _globals['_WATCHJOBRESPONSE_EVENTTYPE']._serialized_start=2703
-  _globals['_WATCHJOBRESPONSE_EVENTTYPE']._serialized_end=2986
-  _globals['_JOBSERVICE']._serialized_start=2989
-  _globals['_JOBSERVICE']._serialized_end=3389
+  _globals['_JOB']._serialized_end=1223
+  _globals['_JOB_LABELSENTRY']._serialized_start=1049
+  _globals['_JOB_LABELSENTRY']._serialized_end=1094
+  _globals['_JOB_STATE']._serialized_start=1096
+  _globals['_JOB_STATE']._serialized_end=1223
+  _globals['_BLOBREF']._serialized_start=1225
+  _globals['_BLOBREF']._serialized_end=1278
+  _globals['_STAGE']._serialized_start=1281
+  _globals['_STAGE']._serialized_end=1799
+  _globals['_STAGE_STATE']._serialized_start=1634
+  _globals['_STAGE_STATE']._serialized_end=1799
+  _globals['_JOBERROR']._serialized_start=1801
+  _globals['_JOBERROR']._serialized_end=1861
+  _globals['_SUBMITJOBREQUEST']._serialized_start=1864
+  _globals['_SUBMITJOBREQUEST']._serialized_end=2176
+  _globals['_SUBMITJOBREQUEST_LABELSENTRY']._serialized_start=1049
+  _globals['_SUBMITJOBREQUEST_LABELSENTRY']._serialized_end=1094
+  _globals['_GETJOBREQUEST']._serialized_start=2178
+  _globals['_GETJOBREQUEST']._serialized_end=2207
+  _globals['_LISTJOBSREQUEST']._serialized_start=2209
+  _globals['_LISTJOBSREQUEST']._serialized_end=2318
+  _globals['_LISTJOBSRESPONSE']._serialized_start=2320
+  _globals['_LISTJOBSRESPONSE']._serialized_end=2395
+  _globals['_CANCELJOBREQUEST']._serialized_start=2397
+  _globals['_CANCELJOBREQUEST']._serialized_end=2445
+  _globals['_RETRYJOBREQUEST']._serialized_start=2447
+  _globals['_RETRYJOBREQUEST']._serialized_end=2498
+  _globals['_WATCHJOBREQUEST']._serialized_start=2500
+  _globals['_WATCHJOBREQUEST']._serialized_end=2550
+  _globals['_WATCHJOBRESPONSE']._serialized_start=2553
+  _globals['_WATCHJOBRESPONSE']._serialized_end=3150
+  _globals['_WATCHJOBRESPONSE_EVENTTYPE']._serialized_start=2867
+  _globals['_WATCHJOBRESPONSE_EVENTTYPE']._serialized_end=3150
+  _globals['_JOBSERVICE']._serialized_start=3153
+  _globals['_JOBSERVICE']._serialized_end=3553
 # @@protoc_insertion_point(module_scope)

@@ -99,6 +99,8 @@ class Job(_message.Message):
     STAGE_FIELD_NUMBER: _builtins.int
     STAGES_FIELD_NUMBER: _builtins.int
     PIPELINE_VERSION_FIELD_NUMBER: _builtins.int
+    PAYLOAD_BLOB_FIELD_NUMBER: _builtins.int
+    RESULT_BLOB_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """Resource name, `jobs/{job}`."""
     type: _builtins.str
@@ -174,6 +176,18 @@ class Job(_message.Message):
         SubmitJob fill it; ListJobs leaves it empty). Empty for a plain job.
         """
 
+    @_builtins.property
+    def payload_blob(self) -> Global___BlobRef:
+        """Set when the payload was submitted by reference (SubmitJobRequest.payload_blob):
+        `payload` is then empty and the blob holds the payload's JSON.
+        """
+
+    @_builtins.property
+    def result_blob(self) -> Global___BlobRef:
+        """Set when the result was offloaded to a blob (larger than the worker's
+        inline limit): `result` is then empty and the blob holds the result's JSON.
+        """
+
     def __init__(
         self,
         *,
@@ -203,14 +217,46 @@ class Job(_message.Message):
         stage: _builtins.str = ...,
         stages: _abc.Iterable[Global___Stage] | None = ...,
         pipeline_version: _builtins.str = ...,
+        payload_blob: Global___BlobRef | None = ...,
+        result_blob: Global___BlobRef | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["create_time", b"create_time", "end_time", b"end_time", "error", b"error", "next_attempt_time", b"next_attempt_time", "payload", b"payload", "result", b"result", "start_time", b"start_time", "timeout", b"timeout", "update_time", b"update_time"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["create_time", b"create_time", "end_time", b"end_time", "error", b"error", "next_attempt_time", b"next_attempt_time", "payload", b"payload", "payload_blob", b"payload_blob", "result", b"result", "result_blob", b"result_blob", "start_time", b"start_time", "timeout", b"timeout", "update_time", b"update_time"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "attempts_used", b"attempts_used", "cancel_requested", b"cancel_requested", "correlation_id", b"correlation_id", "create_time", b"create_time", "end_time", b"end_time", "error", b"error", "labels", b"labels", "last_seq", b"last_seq", "max_attempts", b"max_attempts", "name", b"name", "next_attempt_time", b"next_attempt_time", "payload", b"payload", "pipeline_version", b"pipeline_version", "progress", b"progress", "progress_message", b"progress_message", "request_id", b"request_id", "result", b"result", "stage", b"stage", "stages", b"stages", "start_time", b"start_time", "state", b"state", "timeout", b"timeout", "type", b"type", "update_time", b"update_time", "waiting_reason", b"waiting_reason"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "attempts_used", b"attempts_used", "cancel_requested", b"cancel_requested", "correlation_id", b"correlation_id", "create_time", b"create_time", "end_time", b"end_time", "error", b"error", "labels", b"labels", "last_seq", b"last_seq", "max_attempts", b"max_attempts", "name", b"name", "next_attempt_time", b"next_attempt_time", "payload", b"payload", "payload_blob", b"payload_blob", "pipeline_version", b"pipeline_version", "progress", b"progress", "progress_message", b"progress_message", "request_id", b"request_id", "result", b"result", "result_blob", b"result_blob", "stage", b"stage", "stages", b"stages", "start_time", b"start_time", "state", b"state", "timeout", b"timeout", "type", b"type", "update_time", b"update_time", "waiting_reason", b"waiting_reason"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___Job: _TypeAlias = Job  # noqa: Y015
+
+@_typing.final
+class BlobRef(_message.Message):
+    """A blob that holds a job's payload or result as JSON (BlobService)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    SHA256_FIELD_NUMBER: _builtins.int
+    SIZE_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """`blobs/{sha256}`"""
+    sha256: _builtins.str
+    """Hex SHA-256 of the blob's bytes."""
+    size: _builtins.int
+    """Bytes."""
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        sha256: _builtins.str = ...,
+        size: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["name", b"name", "sha256", b"sha256", "size", b"size"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___BlobRef: _TypeAlias = BlobRef  # noqa: Y015
 
 @_typing.final
 class Stage(_message.Message):
@@ -368,6 +414,7 @@ class SubmitJobRequest(_message.Message):
     MAX_ATTEMPTS_FIELD_NUMBER: _builtins.int
     LABELS_FIELD_NUMBER: _builtins.int
     TIMEOUT_FIELD_NUMBER: _builtins.int
+    PAYLOAD_BLOB_FIELD_NUMBER: _builtins.int
     type: _builtins.str
     """Lowercase dotted identifier: letters, digits, '.', '_', '-'; at most 128
     characters; must route to a queue of the topology.
@@ -379,6 +426,11 @@ class SubmitJobRequest(_message.Message):
     correlation_id: _builtins.str
     max_attempts: _builtins.int
     """0 means the queue's default."""
+    payload_blob: _builtins.str
+    """The payload by reference: `blobs/{sha256}` of one of the caller's blobs
+    holding the payload as a JSON object (UploadBlob); `payload` must then be
+    empty. For payloads larger than the server takes inline; the SDK does it.
+    """
     @_builtins.property
     def payload(self) -> _struct_pb2.Struct: ...
     @_builtins.property
@@ -397,10 +449,11 @@ class SubmitJobRequest(_message.Message):
         max_attempts: _builtins.int = ...,
         labels: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
         timeout: _duration_pb2.Duration | None = ...,
+        payload_blob: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["payload", b"payload", "timeout", b"timeout"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["correlation_id", b"correlation_id", "labels", b"labels", "max_attempts", b"max_attempts", "payload", b"payload", "request_id", b"request_id", "timeout", b"timeout", "type", b"type"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["correlation_id", b"correlation_id", "labels", b"labels", "max_attempts", b"max_attempts", "payload", b"payload", "payload_blob", b"payload_blob", "request_id", b"request_id", "timeout", b"timeout", "type", b"type"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -18,12 +18,14 @@ import re
 from collections.abc import Sequence
 from typing import Any, Protocol, runtime_checkable
 
+from jobplane.config import ConfigError
+
 #: The hashing embedder's dimensions.
 HASH_DIM = 384
 _WORD = re.compile(r"\w+", re.UNICODE)
 
 
-class EmbedderUnavailable(RuntimeError):
+class EmbedderUnavailable(ConfigError):
     """The configured embedder cannot be loaded (its library is not installed)."""
 
 
@@ -148,8 +150,9 @@ def check_embedder(spec: str) -> None:
     kind, _, _model = spec.partition(":")
     library = _LIBRARIES.get(kind)
     if library is not None and importlib.util.find_spec(library) is None:
+        extra = " (the extra jobplane[ingest-fastembed])" if kind == "fastembed" else ""
         raise EmbedderUnavailable(
-            f"JOBPLANE_EMBEDDER={spec} needs the {kind} package: pip install {kind}"
+            f"JOBPLANE_EMBEDDER={spec} needs the {kind} package: pip install {kind}{extra}"
         )
 
 

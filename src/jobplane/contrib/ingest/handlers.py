@@ -21,6 +21,7 @@ from jobplane.config import Settings
 from jobplane.contrib.ingest import stages
 from jobplane.contrib.ingest.embedders import Embedder, check_embedder, load_embedder
 from jobplane.contrib.ingest.index import Index, open_index
+from jobplane.faults import NO_FAULTS, FaultPoints
 from jobplane.workers.handlers import JobContext, Registry
 
 #: The stages' job types, in order (topologies/ingest.toml).
@@ -43,6 +44,7 @@ class Ingest:
         self._index: Index | None = None
         self._opening = asyncio.Lock()
         self._users = 0
+        self._fault_points: FaultPoints | None = None
         self.registry = Registry()
         self.registry.lifespan(self.running)
         self.registry.add("ingest.parse", self._parse)
@@ -76,6 +78,7 @@ class Ingest:
         """Close the index and drop the embedder (opened again on next use)."""
         index, self._index = self._index, None
         self._embedder = self._given_embedder
+        self._fault_points = None
         if index is not None:
             await index.close()
 
@@ -95,17 +98,26 @@ class Ingest:
                     self._embedder = await asyncio.to_thread(load_embedder, self.settings.embedder)
         return self._embedder
 
+    @property
+    def _faults(self) -> FaultPoints:
+        # Named crash points inside the stages (JOBPLANE_FAULTS), for the fault
+        # suite; one set per worker's life, so that `crash:NAME@N` counts hits.
+        if self._fault_points is None:
+            faults = self.settings.faults
+            self._fault_points = FaultPoints(faults) if faults else NO_FAULTS
+        return self._fault_points
+
     async def _parse(self, ctx: JobContext) -> dict[str, Any]:
-        return await stages.parse_stage(ctx)
+        return await stages.parse_stage(ctx, self._faults)
 
     async def _chunk(self, ctx: JobContext) -> dict[str, Any]:
-        return await stages.chunk_stage(ctx)
+        return await stages.chunk_stage(ctx, self._faults)
 
     async def _embed(self, ctx: JobContext) -> dict[str, Any]:
-        return await stages.embed_stage(ctx, await self.embedder())
+        return await stages.embed_stage(ctx, await self.embedder(), self._faults)
 
     async def _index_stage(self, ctx: JobContext) -> dict[str, Any]:
-        return await stages.index_stage(ctx, await self.index())
+        return await stages.index_stage(ctx, await self.index(), self._faults)
 
 
 #: The ingest handlers for ``jobplane worker --handlers jobplane.contrib.ingest:registry``.

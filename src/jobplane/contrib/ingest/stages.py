@@ -44,6 +44,7 @@ from jobplane.contrib.ingest.index import (
     check_collection,
     point_id,
 )
+from jobplane.faults import NO_FAULTS, FaultPoints
 from jobplane.workers.handlers import PermanentError, RetryableError
 
 #: The pipeline (and its stages' job types) in topologies/ingest.toml.
@@ -155,15 +156,15 @@ def request_of(payload: Mapping[str, Any]) -> Request:
     size = payload.get("chunk_size", DEFAULT_CHUNK_SIZE)
     overlap = payload.get("chunk_overlap")
     if overlap is None:  # the default, within what a small chunk_size allows
-        overlap = min(DEFAULT_CHUNK_OVERLAP, size // 2) if isinstance(size, int) else 0
+        overlap = min(DEFAULT_CHUNK_OVERLAP, size // 2) if type(size) is int else 0
     try:
         check_params(size, overlap)
-    except ValueError as exc:
+    except (TypeError, ValueError) as exc:
         raise bad(str(exc)) from None
     return Request(blob, digest, file, content_type or None, collection, size, overlap)
 
 
-async def parse_stage(ctx: StageContext) -> dict[str, Any]:
+async def parse_stage(ctx: StageContext, faults: FaultPoints = NO_FAULTS) -> dict[str, Any]:
     """Fetch the uploaded file, extract its text, keep the text in a blob."""
     request = request_of(ctx.payload)
     await ctx.progress(0.0, f"fetching {request.file}")
@@ -185,6 +186,7 @@ async def parse_stage(ctx: StageContext) -> dict[str, Any]:
         raise PermanentError(f"{request.file}: {exc}", code="UNSUPPORTED_FORMAT") from None
     text = document.text.encode()
     name = await ctx.put_blob(text, content_type="text/plain; charset=utf-8")
+    faults.hit("ingest.parse.stored")
     counts = {"pages": document.pages, "chars": len(document.text)}
     await ctx.progress(1.0, f"parsed {document.pages} page(s), {len(document.text)} chars", counts)
     return {
@@ -196,7 +198,7 @@ async def parse_stage(ctx: StageContext) -> dict[str, Any]:
     }
 
 
-async def chunk_stage(ctx: StageContext) -> dict[str, Any]:
+async def chunk_stage(ctx: StageContext, faults: FaultPoints = NO_FAULTS) -> dict[str, Any]:
     """Cut the text into chunks; keep their spans in a blob."""
     request = request_of(ctx.payload)
     parsed = _input(ctx, "parse")
@@ -209,6 +211,7 @@ async def chunk_stage(ctx: StageContext) -> dict[str, Any]:
         "spans": [[c.start, c.end] for c in chunks],
     }
     name = await ctx.put_blob(_json(spans), content_type="application/json")
+    faults.hit("ingest.chunk.stored")
     await ctx.progress(1.0, f"{len(chunks)} chunks", {"chunks": len(chunks)})
     return {
         "chunks": len(chunks),
@@ -218,7 +221,9 @@ async def chunk_stage(ctx: StageContext) -> dict[str, Any]:
     }
 
 
-async def embed_stage(ctx: StageContext, embedder: Embedder) -> dict[str, Any]:
+async def embed_stage(
+    ctx: StageContext, embedder: Embedder, faults: FaultPoints = NO_FAULTS
+) -> dict[str, Any]:
     """Embed every chunk; keep the vectors in a blob (float32, little-endian, row by row)."""
     texts, _spans = await _chunks(ctx)
     vectors = array.array("f")
@@ -231,6 +236,7 @@ async def embed_stage(ctx: StageContext, embedder: Embedder) -> dict[str, Any]:
         for row in rows:
             vectors.extend(row)
         done += len(batch)
+        faults.hit("ingest.embed.batch")
         await ctx.progress(
             done / max(1, len(texts)), f"{done}/{len(texts)} vectors", {"vectors": done}
         )
@@ -243,7 +249,9 @@ async def embed_stage(ctx: StageContext, embedder: Embedder) -> dict[str, Any]:
     return {"vectors": len(texts), "dim": embedder.dim, "embedder": embedder.name, "blob": name}
 
 
-async def index_stage(ctx: StageContext, index: Index) -> dict[str, Any]:
+async def index_stage(
+    ctx: StageContext, index: Index, faults: FaultPoints = NO_FAULTS
+) -> dict[str, Any]:
     """Upsert the file's points, then delete its points of any other version."""
     request = request_of(ctx.payload)
     parsed, chunked, embedded = _input(ctx, "parse"), _input(ctx, "chunk"), _input(ctx, "embed")
@@ -288,7 +296,7 @@ async def index_stage(ctx: StageContext, index: Index) -> dict[str, Any]:
     # One file's versions are written one at a time in this process: two
     # uploads of one name racing here would otherwise delete each other's points.
     async with _file_lock((request.collection, ctx.tenant_id, request.file)):
-        return await _index(ctx, index, request, points, version, parsed, chunked, embedded)
+        return await _index(ctx, index, request, points, version, parsed, chunked, embedded, faults)
 
 
 _file_locks: dict[tuple[str, str, str], tuple[asyncio.Lock, int]] = {}
@@ -318,6 +326,7 @@ async def _index(
     parsed: Mapping[str, Any],
     chunked: Mapping[str, Any],
     embedded: Mapping[str, Any],
+    faults: FaultPoints,
 ) -> dict[str, Any]:
     try:
         collection = await index.ensure_collection(
@@ -327,6 +336,7 @@ async def _index(
         step = 256
         for at in range(0, len(points), step):
             written += await index.upsert(points[at : at + step], collection=collection)
+            faults.hit("ingest.index.upserted")
             await ctx.progress(
                 0.95 * written / max(1, len(points)),
                 f"{written}/{len(points)} points",
@@ -337,6 +347,7 @@ async def _index(
         await index.delete_file_points(
             ctx.tenant_id, request.file, keep_version=version, collection=collection
         )
+        faults.hit("ingest.index.deleted")
         stored = await index.count(ctx.tenant_id, request.file, collection=collection)
     except IndexUnavailable as exc:
         raise RetryableError(str(exc), code="INDEX_UNAVAILABLE") from exc
