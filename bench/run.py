@@ -8,8 +8,11 @@ machines are shared and absolute numbers drift. Nothing here fails on a slow
 machine: these are measurements, not tests.
 
     python -m bench.run [--jobs N] [--clients C] [--workers W] [--concurrency K]
-                        [--watchers N] [--seconds S] [--only NAME ...]
+                        [--watchers N] [--seconds S] [--blob-mib M] [--only NAME ...]
                         [--only ingest --ingest-docs N --ingest-words W]
+
+``--only blobs`` measures a blob's upload and download through jobplane
+beside the S3 server's own figures ($JOBPLANE_S3_URL, else a moto_server).
 """
 
 from __future__ import annotations
@@ -34,7 +37,9 @@ import asyncpg
 import grpc
 from sqlalchemy import text
 
+from bench.blobs import MiB, s3_env, straight_to_s3, through_jobplane, write_file
 from jobplane import broker
+from jobplane.blobs.store import PART_BYTES
 from jobplane.client import AsyncClient
 from jobplane.store import attempts, outbox, sweeps
 from jobplane.store import events as events_store
@@ -46,6 +51,7 @@ from jobplane.topology import EVENTS_EXCHANGE
 from jobplane.v1 import events_pb2, events_pb2_grpc
 from tests.faults.cluster import free_port
 from tests.support import services
+from tests.support.s3 import MotoServer
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -104,6 +110,10 @@ class Bench:
         self.figures: list[Figure] = []
         # Set for the processes started next (e.g. lifecycle events off).
         self.extra_env: dict[str, str] = {}
+        # The S3 server of the blob figures: $JOBPLANE_S3_URL's, else a moto_server.
+        self.s3: MotoServer | None = None
+        self.s3_env: dict[str, str] = {}
+        self.s3_kind = ""
 
     async def __aenter__(self) -> Bench:
         await migrate(self.database_url)
@@ -115,11 +125,24 @@ class Bench:
             await engine.dispose()
         return self
 
+    def use_s3(self) -> None:
+        """Give the processes an object store: ``$JOBPLANE_S3_URL``, else moto_server."""
+        url = os.environ.get("JOBPLANE_S3_URL")
+        self.s3_kind = "JOBPLANE_S3_URL" if url else "moto_server"
+        if not url:
+            self.s3 = MotoServer()
+            self.s3.start()
+            url = self.s3.url
+        self.s3_env = s3_env(url, f"jp-bench-{self.run}".lower().replace("_", "-")[:63])
+        self.extra_env.update(self.s3_env)
+
     async def __aexit__(self, *exc: object) -> None:
         for proc in self.procs.values():
             if proc.returncode is None:
                 proc.kill()
                 await proc.wait()
+        if self.s3 is not None:
+            self.s3.stop()
         await services.drop_database(self.database)
         await asyncio.to_thread(services.delete_vhost, self.vhost)
 
@@ -766,6 +789,24 @@ async def fig_watchers(bench: Bench) -> None:
     bench.add(Figure("watch_events_delivered", len(received), "events", config))
 
 
+async def fig_blobs(bench: Bench) -> dict[str, float]:
+    """Figure: a blob's upload and download MiB/s through jobplane, and the S3
+    server's own with the same file (its figures are the floor of these)."""
+    size = bench.args.blob_mib * MiB
+    path = bench.workdir / "blob.bin"
+    await asyncio.to_thread(write_file, path, size)
+    config = {"mib": bench.args.blob_mib, "part_mib": PART_BYTES // MiB, "s3": bench.s3_kind}
+    raw_up, raw_down = await straight_to_s3(bench.s3_env, path)
+    up, down = await through_jobplane(bench.address, bench.key, path)
+    mib = size / MiB
+    raw = {"s3_upload": mib / raw_up, "s3_download": mib / raw_down}
+    bench.add(Figure("s3_upload", raw["s3_upload"], "MiB/s", config))
+    bench.add(Figure("s3_download", raw["s3_download"], "MiB/s", config))
+    bench.add(Figure("blob_upload", mib / up, "MiB/s", config))
+    bench.add(Figure("blob_download", mib / down, "MiB/s", config))
+    return raw
+
+
 async def floors(bench: Bench) -> dict[str, float]:
     """Figure 6: Postgres and RabbitMQ alone, from Python, on this machine."""
     result: dict[str, float] = {}
@@ -917,6 +958,10 @@ FLOORS = {
     "progress_to_watcher_p50": ("postgres_tx_ms",),
     "progress_to_watcher_p99": ("postgres_tx_ms",),
     "relay_commit_to_confirm_p99": ("rabbitmq_round_trip_ms",),
+    # A blob's bytes through the SDK, the server and its S3 client, against
+    # the S3 server taking them straight from aioboto3.
+    "blob_upload": ("s3_upload",),
+    "blob_download": ("s3_download",),
 }
 
 
@@ -1142,10 +1187,14 @@ async def main(argv: list[str] | None = None) -> int:
             "watchers",
             "pipeline",
             "ingest",
+            "blobs",
         ],
     )
     parser.add_argument("--ingest-docs", type=int, default=40, help="documents of --only ingest")
     parser.add_argument("--ingest-words", type=int, default=3000, help="words per document")
+    parser.add_argument(
+        "--blob-mib", type=int, default=256, help="MiB of the blob the blob figures move"
+    )
     parser.add_argument(
         "--preload",
         type=int,
@@ -1161,6 +1210,8 @@ async def main(argv: list[str] | None = None) -> int:
         if args.preload:
             await preload(bench, args.preload)
             await check_plans(bench)
+        if want("blobs"):
+            bench.use_s3()
         await bench.start_all()
         rate = 0.0
         if want("throughput") or want("open"):
@@ -1183,6 +1234,8 @@ async def main(argv: list[str] | None = None) -> int:
             await fig_events(bench)
         if want("watchers"):
             await fig_watchers(bench)
+        if want("blobs"):
+            floor.update(await fig_blobs(bench))
         apply_floors(bench.figures, floor)
         for figure in bench.figures:
             print(figure.line())

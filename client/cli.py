@@ -42,7 +42,7 @@ from jobplane.client.subscription import SubscribedEvent
 from jobplane.client.tls import ENV_CA, ENV_CLIENT_CERT, ENV_CLIENT_KEY, ENV_SERVER_NAME, ENV_SWITCH
 from jobplane.errors import JobplaneError
 from jobplane.events.envelope import Event, envelope_fields, format_timestamp
-from jobplane.types import Job, JobEvent, JobState, Stage
+from jobplane.types import Blob, Job, JobEvent, JobState, Stage
 
 Command = Callable[[AsyncClient, argparse.Namespace], Awaitable[int]]
 
@@ -276,6 +276,40 @@ def _register_ingest(
 
     register_ingest(subparsers, parents)
 
+    blobs = subparsers.add_parser(
+        "blobs",
+        help="store, fetch, list and delete blobs",
+        description="Blobs: files stored by their SHA-256 (blobs/<sha256>), for job payloads "
+        "to reference by name. The same bytes are the same blob, stored once.",
+    ).add_subparsers(dest="blobs", required=True, metavar="COMMAND")
+    put = blobs.add_parser(
+        "put",
+        parents=parents,
+        help="upload a file and print its name",
+        description="Upload "
+        "FILE ('-' for stdin) and print the blob's name (blobs/<sha256>); --json prints it all.",
+    )
+    put.add_argument("file", metavar="FILE", help="the file to upload, '-' for stdin")
+    put.add_argument("--content-type", metavar="TYPE", help="e.g. application/pdf")
+    put.set_defaults(func=command(_blobs_put))
+    get_blob = blobs.add_parser(
+        "get",
+        parents=parents,
+        help="download a blob",
+        description="Write the blob to FILE "
+        "(whole or not at all), or to stdout without -o. The bytes are checked against the name.",
+    )
+    get_blob.add_argument("name", metavar="NAME", help="blobs/<sha256>, or just the sha256")
+    get_blob.add_argument("-o", "--output", metavar="FILE", help="write here (default stdout)")
+    get_blob.set_defaults(func=command(_blobs_get))
+    list_blobs = blobs.add_parser("list", parents=parents, help="list your blobs")
+    list_blobs.set_defaults(func=command(_blobs_list))
+    delete = blobs.add_parser(
+        "delete", parents=parents, help="delete a blob (refused while a job references it)"
+    )
+    delete.add_argument("name", metavar="NAME", help="blobs/<sha256>, or just the sha256")
+    delete.set_defaults(func=command(_blobs_delete))
+
 
 def command(fn: Command) -> Callable[[argparse.Namespace], int]:
     """Wrap ``fn`` as an argparse ``func``: client from flags/env, errors as exit codes."""
@@ -479,6 +513,60 @@ async def _events_tail(client: AsyncClient, args: argparse.Namespace) -> int:
 
 
 # -- watching ----------------------------------------------------------------
+
+
+def blob_name_of(raw: str) -> str:
+    """``blobs/{sha256}`` for a name or a bare digest."""
+    return raw if "/" in raw else f"blobs/{raw}"
+
+
+def blob_line(blob: Blob) -> str:
+    """One line: name, size and content type."""
+    return f"{blob.name}  {blob.size}  {blob.content_type or '-'}"
+
+
+def blob_to_json(blob: Blob) -> dict[str, Any]:
+    """``blob`` as a JSON-ready dict."""
+    result: dict[str, Any] = _jsonable(dataclasses.asdict(blob))
+    return result
+
+
+async def _blobs_put(client: AsyncClient, args: argparse.Namespace) -> int:
+    source: Any = sys.stdin.buffer if args.file == "-" else Path(args.file)
+    if isinstance(source, Path) and not source.is_file():
+        raise UsageError(f"no file {args.file}")
+    blob = await client.upload(source, content_type=args.content_type)
+    if args.json:
+        print_json(blob_to_json(blob))
+    else:
+        print(blob.name, flush=True)
+    return EXIT_OK
+
+
+async def _blobs_get(client: AsyncClient, args: argparse.Namespace) -> int:
+    name = blob_name_of(args.name)
+    if args.output:
+        blob = await client.download(name, Path(args.output))
+        if args.json:
+            print_json(blob_to_json(blob))
+    else:
+        await client.download(name, sys.stdout.buffer)
+        sys.stdout.buffer.flush()
+    return EXIT_OK
+
+
+async def _blobs_list(client: AsyncClient, args: argparse.Namespace) -> int:
+    async for blob in client.iter_blobs():
+        if args.json:
+            print_json(blob_to_json(blob))
+        else:
+            print(blob_line(blob), flush=True)
+    return EXIT_OK
+
+
+async def _blobs_delete(client: AsyncClient, args: argparse.Namespace) -> int:
+    await client.delete_blob(blob_name_of(args.name))
+    return EXIT_OK
 
 
 async def render_watch(

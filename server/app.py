@@ -125,6 +125,7 @@ class JobplaneServer:
         key_cache_seconds: float = 30.0,
         worker_lease_seconds: float = 30.0,
         blobs: BlobStore | None = None,
+        inline_bytes: int | None = None,
     ) -> None:
         if not 0 < max_payload_bytes <= MAX_PAYLOAD_BYTES_LIMIT:
             # Past it, a job could be too large for the SDK to read back.
@@ -165,6 +166,8 @@ class JobplaneServer:
             topology,
             workers=WorkerStore(engine),
             max_result_bytes=max_payload_bytes,
+            blobs=blobs,
+            inline_bytes=inline_bytes,
         )
         # gRPC refuses a larger body (RESOURCE_EXHAUSTED) before reading it
         # whole: no valid request needs more.

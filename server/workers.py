@@ -19,22 +19,29 @@ write's own statement, never by what is kept here.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import math
 import re
 import uuid
 from collections import OrderedDict
 from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import structlog
 
 from jobplane import __version__
+from jobplane.config import DEFAULT_INLINE_BYTES
 from jobplane.envelope import Envelope
 from jobplane.errors import (
     AttemptLeaseLost,
+    BlobNotFound,
+    BlobsDisabled,
+    BlobStoreUnavailable,
     CancelNotRequested,
     InvalidArgument,
+    PayloadTooLarge,
     WorkerNotFound,
     shown,
 )
@@ -50,12 +57,17 @@ from jobplane.store.attempts import (
     ProgressUpdate,
 )
 from jobplane.store.held import HeldAttempts
+from jobplane.store.rows import dumps
 from jobplane.store.workers import WorkerStore
 from jobplane.topology import Topology, TopologyError
+from jobplane.types import BlobRef, JobState
 from jobplane.workers.handlers import MAX_PROGRESS_DATA_BYTES, MAX_PROGRESS_MESSAGE
 from jobplane.workers.outcome import MAX_ERROR_MESSAGE, MAX_RETRY_DELAY, check_result
 from jobplane.workers.retry import retry_delay
 from jobplane.workers.values import TOO_LARGE, json_problem, json_size
+
+if TYPE_CHECKING:
+    from jobplane.blobs.store import BlobStore
 
 log = structlog.get_logger("jobplane.server")
 
@@ -167,8 +179,17 @@ class WorkerService:
         *,
         workers: WorkerStore,
         max_result_bytes: int = 256 * 1024,
+        blobs: BlobStore | None = None,
+        inline_bytes: int | None = None,
     ) -> None:
         self._store = store
+        # Payloads by reference are handed out inline (up to the payload
+        # limit); results over the inline limit go to a blob, as the Python
+        # worker's do.
+        self._blobs = blobs
+        self._inline_bytes = min(
+            DEFAULT_INLINE_BYTES if inline_bytes is None else inline_bytes, max_result_bytes
+        )
         self._held = held
         self._workers = workers
         self._topology = topology
@@ -280,6 +301,8 @@ class WorkerService:
     async def claim(self, envelope: Envelope) -> Claimed:
         """Start the attempt the message dispatches, or say what to do with the message."""
         result = await self._store.claim(envelope)
+        if result.attempt is not None and result.attempt.payload_blob is not None:
+            result = await self._with_payload(result.attempt)
         if result.attempt is not None:
             self._keep(result.attempt)
             log.info(
@@ -292,6 +315,44 @@ class WorkerService:
         other = result.status is ClaimStatus.NOT_FOUND and self._other(envelope)
         # Lease times are the database's clock: a redelivery polls at a fraction of the lease.
         return Claimed(result, lease, min(lease / 3, 5.0), other_deployment=other)
+
+    async def _with_payload(self, attempt: Attempt) -> ClaimResult:
+        """The claim with the payload read from its blob; or, when it cannot be handed
+        out, the attempt ended here (failed, or retried on an outage) and the message
+        to be acked."""
+        ref = attempt.payload_blob
+        assert ref is not None
+        code, message, retryable = "", "", False
+        if self._blobs is None:
+            code, message = BlobsDisabled.reason, "this server has no object store"
+        elif ref.size > self._max_result_bytes:
+            code = PayloadTooLarge.reason
+            message = (
+                f"the payload went by reference ({ref.size} bytes); WorkerService hands out "
+                f"payloads of at most {self._max_result_bytes} bytes"
+            )
+        else:
+            try:
+                data = await self._blobs.read_bytes(attempt.tenant_id, ref.name)
+                payload = json.loads(data)
+                if isinstance(payload, dict):
+                    return ClaimResult(
+                        ClaimStatus.CLAIMED, attempt=dataclasses.replace(attempt, payload=payload)
+                    )
+                code, message = "PAYLOAD_INVALID", f"{ref.name} is not a JSON object"
+            except BlobStoreUnavailable as exc:
+                code, message, retryable = exc.reason, exc.message, True
+            except BlobNotFound as exc:
+                code, message = exc.reason, exc.message
+            except ValueError as exc:
+                code, message = "PAYLOAD_INVALID", f"{ref.name} is not JSON: {exc}"
+        log.warning("worker_service.payload_unavailable", job=job_name(attempt.job_id), code=code)
+        if retryable and attempt.attempts_left > 0:
+            delay = retry_delay(self._topology, attempt.queue, attempt.attempt)
+            await self._store.schedule_retry(attempt, code, message, delay=delay)
+            return ClaimResult(ClaimStatus.STALE)
+        await self._store.fail(attempt, code, message, retryable=False)
+        return ClaimResult(ClaimStatus.FINISHED, state=JobState.FAILED)
 
     async def heartbeat(self, fence: Fence) -> bool:
         """Extend the lease; whether cancellation was requested."""
@@ -311,7 +372,15 @@ class WorkerService:
         if not isinstance(checked, dict):
             raise InvalidArgument(str(checked), field="result", metadata={"code": checked.code})
         attempt = await self._attempt(fence)
-        await self._fenced(fence, self._store.succeed(attempt, checked, pending))
+        stored, ref = checked, None
+        if self._blobs is not None and attempt.stage is None:
+            body = dumps(checked).encode()
+            if len(body) > self._inline_bytes:
+                info = await self._blobs.put_bytes(
+                    attempt.tenant_id, body, content_type="application/json"
+                )
+                stored, ref = {}, BlobRef(info.name, info.digest, info.size)
+        await self._fenced(fence, self._store.succeed(attempt, stored, pending, result_blob=ref))
         self._forget(fence)
         log.info("worker_service.succeeded", job=job_name(fence.job_id), attempt=fence.attempt)
 

@@ -128,6 +128,7 @@ def _server(
         ),
         worker_lease_seconds=settings.worker_lease_seconds,
         blobs=blobs,
+        inline_bytes=settings.inline_bytes,
     )
 
 

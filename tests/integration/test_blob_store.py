@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import os
 import uuid
@@ -21,6 +22,7 @@ from jobplane.blobs import (
     DigestMismatch,
     parse_blob_name,
 )
+from jobplane.faults import FaultPoints, InjectedFault
 from tests.support.s3 import MotoServer, blob_store
 
 MiB = 1024 * 1024
@@ -170,3 +172,65 @@ async def test_lifecycle(engine: AsyncEngine, blobs: BlobStore) -> None:
     assert await blobs.delete_tenant(tenant) == 2
     assert await blobs.list_digests(tenant) == []
     assert parse_blob_name(kept.name) == kept.digest
+
+
+async def test_concurrent_uploads_of_the_same_bytes(engine: AsyncEngine, moto: MotoServer) -> None:
+    tenant = await _tenant(engine, "acme")
+    data = os.urandom(6 * MiB)
+    async with blob_store(engine, moto.url, part_bytes=5 * MiB) as store:
+        infos = await asyncio.gather(
+            store.put_stream(tenant, _chunks(data, MiB)),
+            store.put_stream(tenant, _chunks(data, MiB), digest=hashlib.sha256(data).hexdigest()),
+            store.put_bytes(tenant, data),
+        )
+        assert len({i.name for i in infos}) == 1
+        assert await _rows(engine) == 1
+        assert await store.list_digests(tenant) == [infos[0].digest]
+        assert await _uploads(store) == 0
+        assert await store.read_bytes(tenant, infos[0].name) == data
+
+
+async def test_a_crash_between_the_object_and_its_row_heals(
+    engine: AsyncEngine, moto: MotoServer, blobs: BlobStore
+) -> None:
+    tenant = await _tenant(engine, "acme")
+    broken = blob_store(
+        engine, moto.url, bucket=blobs.bucket, faults=FaultPoints(["blobs.after_object"])
+    )
+    async with broken:
+        with pytest.raises(InjectedFault):
+            await broken.put_bytes(tenant, b"half written")
+    # The object is there, its row is not: nobody can read it.
+    digest = hashlib.sha256(b"half written").hexdigest()
+    assert await blobs.list_digests(tenant) == [digest]
+    with pytest.raises(BlobNotFound):
+        await blobs.stat(tenant, f"blobs/{digest}")
+    # The retry writes the same object again and its row.
+    info = await blobs.put_bytes(tenant, b"half written")
+    assert await blobs.read_bytes(tenant, info.name) == b"half written"
+    assert await _rows(engine) == 1
+
+
+async def test_collection_against_a_concurrent_reference(
+    engine: AsyncEngine, blobs: BlobStore
+) -> None:
+    tenant = await _tenant(engine, "acme")
+    info = await blobs.put_bytes(tenant, b"wanted")
+    future = datetime.now(UTC) + timedelta(minutes=1)
+    job = uuid.uuid4()
+    # A job referencing the blob, its transaction still open while collection runs.
+    async with engine.connect() as conn:
+        await conn.execute(
+            text(
+                "INSERT INTO jobs (id, tenant_id, type, queue, state, payload, max_attempts, "
+                "request_id, request_hash) VALUES (:id, :t, 'x', 'q', 'queued', "
+                "CAST(:p AS jsonb), 1, 'r', '\\x00')"
+            ),
+            {"id": job, "t": tenant, "p": f'{{"in": "{info.name}"}}'},
+        )
+        collecting = asyncio.create_task(blobs.delete_unreferenced(tenant, future))
+        await asyncio.sleep(0.3)
+        assert not collecting.done()  # waits for the referencing transaction
+        await conn.commit()
+    assert await collecting == 0
+    assert await blobs.read_bytes(tenant, info.name) == b"wanted"

@@ -620,11 +620,11 @@ def test_sync_watch_pulls_and_closes_the_async_generator(
 
 
 def test_sync_wait_timeout_is_not_mistaken_for_polling(monkeypatch: pytest.MonkeyPatch) -> None:
-    async def slow_wait(name: str | Job, timeout: float | None = None) -> Job:
+    async def slow_wait(name: str | Job, timeout: float | None = None, **_: bool) -> Job:
         await asyncio.sleep(0.4)
         raise TimeoutError
 
-    async def quick_wait(name: str | Job, timeout: float | None = None) -> Job:
+    async def quick_wait(name: str | Job, timeout: float | None = None, **_: bool) -> Job:
         await asyncio.sleep(0.3)
         return job()
 

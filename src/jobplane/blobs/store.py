@@ -49,6 +49,7 @@ from jobplane.errors import (
     BlobTooLarge,
     DigestMismatch,
 )
+from jobplane.faults import NO_FAULTS, FaultPoints
 from jobplane.logs import describe_error
 
 if TYPE_CHECKING:
@@ -230,11 +231,13 @@ class BlobStore:
         max_blob_bytes: int = 5 * 1024**3,
         part_bytes: int = PART_BYTES,
         owns_engine: bool = False,
+        faults: FaultPoints = NO_FAULTS,
     ) -> None:
         if part_bytes < 5 * 1024 * 1024:
             raise ValueError("part_bytes must be at least 5 MiB (S3's least part)")
         self._engine = engine
         self._owns_engine = owns_engine
+        self._faults = faults
         self.url = url
         self.bucket = bucket
         self._region = region
@@ -269,6 +272,7 @@ class BlobStore:
             prefix=settings.s3_prefix,
             max_blob_bytes=settings.max_blob_bytes,
             owns_engine=owns,
+            faults=FaultPoints(settings.faults),
         )
 
     async def __aenter__(self) -> BlobStore:
@@ -360,6 +364,8 @@ class BlobStore:
     async def _insert(
         self, conn: AsyncConnection, tenant_id: uuid.UUID, digest: str, size: int, ctype: str
     ) -> BlobInfo:
+        # The object is complete, its row not yet written: a crash here must heal.
+        self._faults.hit("blobs.after_object")
         row = (
             await conn.execute(
                 _INSERT,

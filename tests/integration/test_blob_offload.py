@@ -1,0 +1,177 @@
+"""Large payloads and results go by reference, end to end through a real worker;
+an object store outage while a handler reads is retried, and the job completes."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+import pytest
+from google.protobuf import json_format
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from jobplane.blobs import BlobStore
+from jobplane.convert import struct_from_dict
+from jobplane.topology import Topology
+from jobplane.types import JobState
+from jobplane.v1 import workers_pb2, workers_pb2_grpc
+from jobplane.workers.handlers import JobContext, Registry
+from tests.integration.test_worker_service_pipelines import _next_message
+from tests.support.s3 import MotoServer, blob_store
+from tests.support.stack import Stack, eventually, start_stack
+
+registry = Registry()
+
+
+@registry.handler("offload.echo")
+async def echo(ctx: JobContext) -> dict[str, Any]:
+    text = ctx.payload["text"]
+    return {"length": len(text), "echo": text * 2}
+
+
+@registry.handler("offload.read")
+async def read(ctx: JobContext) -> dict[str, Any]:
+    data = await ctx.read_blob(ctx.payload["blob"])
+    return {"sha256": hashlib.sha256(data).hexdigest()}
+
+
+@pytest.fixture
+async def offload_stack(
+    engine: AsyncEngine, database_url: str, amqp_url: str, topology: Topology, blobs: BlobStore
+) -> AsyncIterator[Stack]:
+    running = await start_stack(
+        engine, database_url, amqp_url, topology, registry=registry, blobs=blobs
+    )
+    yield running
+    await running.close()
+
+
+async def test_a_large_payload_and_result_go_by_reference(offload_stack: Stack) -> None:
+    client = offload_stack.client()
+    text = "jobplane " * 20_000  # 180 KB: over the 64 KiB inline limit
+    submitted = await client.submit("offload.echo", {"text": text})
+    assert submitted.payload_blob is not None
+    done = await client.wait(submitted.name, timeout=30)
+    assert done.state is JobState.SUCCEEDED, done.error
+    # The SDK reads both back whole.
+    assert done.payload == {"text": text}
+    assert done.result == {"length": len(text), "echo": text * 2}
+    assert done.result_blob is not None and done.result_blob.size > 2 * len(text)
+    # Only the references are in the row and its messages.
+    bare = await client.get(done.name, resolve_blobs=False)
+    assert (bare.payload, bare.result) == ({}, {})
+    assert bare.payload_blob == done.payload_blob and bare.result_blob == done.result_blob
+    sizes = await offload_stack.scalar(
+        "SELECT octet_length(payload::text) + octet_length(result::text) FROM jobs WHERE id = :id",
+        id=done.id,
+    )
+    assert sizes <= 4
+    largest = await offload_stack.scalar(
+        "SELECT max(octet_length(CAST(o AS text))) FROM outbox o WHERE o.job_id = :id", id=done.id
+    )
+    assert largest < 4096
+    roles = await offload_stack.scalar(
+        "SELECT string_agg(role, ',' ORDER BY role) FROM job_blobs WHERE job_id = :id", id=done.id
+    )
+    assert roles == "payload,result"
+    # The same payload again is the same blob: stored once.
+    again = await client.submit("offload.echo", {"text": text})
+    assert again.payload_blob == submitted.payload_blob
+    # A small payload stays inline.
+    small = await client.submit("offload.echo", {"text": "x"})
+    assert small.payload_blob is None and small.payload == {"text": "x"}
+    await client.wait(again.name, timeout=30)
+
+
+async def test_a_job_referencing_blobs_on_a_worker_without_them_fails_clearly(
+    engine: AsyncEngine,
+    database_url: str,
+    amqp_url: str,
+    topology: Topology,
+    blobs: BlobStore,
+) -> None:
+    stack = await start_stack(
+        engine, database_url, amqp_url, topology, registry=registry, worker=False, blobs=blobs
+    )
+    try:
+        await stack.start_worker(registry, blobs=None)
+        client = stack.client()
+        submitted = await client.submit("offload.echo", {"text": "y" * 100_000})
+        done = await client.wait(submitted.name, timeout=30)
+        assert done.state is JobState.FAILED
+        assert done.error is not None and done.error.code == "BLOBS_DISABLED"
+    finally:
+        await stack.close()
+
+
+async def test_an_outage_while_a_handler_reads_is_retried(
+    engine: AsyncEngine, database_url: str, amqp_url: str, topology: Topology
+) -> None:
+    s3 = MotoServer()
+    s3.start()
+    store = blob_store(engine, s3.url)
+    stack = await start_stack(
+        engine, database_url, amqp_url, topology, registry=registry, blobs=store
+    )
+    try:
+        data = b"survives an outage" * 1000
+        info = await store.put_bytes(stack.tenant_id, data)
+        s3.stop()
+        client = stack.client()
+        job = await client.submit("offload.read", {"blob": info.name}, max_attempts=50)
+
+        async def retried() -> bool:
+            code = await stack.scalar("SELECT error_code FROM jobs WHERE id = :id", id=job.id)
+            return bool(code == "BLOB_STORE_UNAVAILABLE")
+
+        await eventually(retried, timeout=30)
+        # Back on the same port; moto keeps nothing across a restart, so the
+        # bytes are uploaded again (the same name: content addressed).
+        s3.start()
+        async with blob_store(engine, s3.url, bucket=store.bucket) as again:
+            assert (await again.put_bytes(stack.tenant_id, data)).name == info.name
+        done = await client.wait(job.name, timeout=60)
+        assert done.state is JobState.SUCCEEDED, done.error
+        assert done.result == {"sha256": info.digest}
+        assert done.attempt >= 2
+    finally:
+        await stack.close()
+        await store.close()
+        s3.stop()
+
+
+async def test_worker_service_hands_out_offloaded_payloads_and_offloads_results(
+    engine: AsyncEngine, database_url: str, amqp_url: str, topology: Topology, blobs: BlobStore
+) -> None:
+    stack = await start_stack(engine, database_url, amqp_url, topology, worker=False, blobs=blobs)
+    try:
+        key = (await stack.server.keys.create_worker()).key
+        metadata = (("authorization", f"Bearer {key}"),)
+        client = stack.client()
+        text = "w" * 100_000
+        job = await client.submit("offload.echo", {"text": text})
+        assert job.payload_blob is not None
+        body = await _next_message(stack.amqp_url, stack.topology.queues[0].name)
+        async with grpc.aio.insecure_channel(stack.server.address) as channel:
+            stub: workers_pb2_grpc.WorkerServiceAsyncStub = workers_pb2_grpc.WorkerServiceStub(
+                channel
+            )
+            claim = await stub.ClaimJob(
+                workers_pb2.ClaimJobRequest(message_body=body), metadata=metadata
+            )
+            assert claim.status == workers_pb2.ClaimJobResponse.STATUS_CLAIMED
+            assert json_format.MessageToDict(claim.payload) == {"text": text}
+            await stub.CompleteJob(
+                workers_pb2.CompleteJobRequest(
+                    attempt=claim.attempt, result=struct_from_dict({"echo": text})
+                ),
+                metadata=metadata,
+            )
+        done = await client.get(job.name)
+        assert done.state is JobState.SUCCEEDED and done.result == {"echo": text}
+        assert done.result_blob is not None
+        assert (await client.get(job.name, resolve_blobs=False)).result == {}
+    finally:
+        await stack.close()
