@@ -3,20 +3,35 @@
 from __future__ import annotations
 
 import uuid
+from collections.abc import AsyncIterator
 
 import aioboto3
 import pytest
 from sqlalchemy import text
+from sqlalchemy.ext.asyncio import AsyncEngine
 
 from jobplane.blobs import BlobStore
 from jobplane.client import JobState
 from jobplane.store.maintenance import MaintenanceStore
+from jobplane.topology import Topology
 from jobplane.workers.demo import registry as demo_registry
 from jobplane.workers.maintenance import ERASURE, RETENTION, Maintenance
 from tests.support.aged import aged_jobs, tenant_rows
-from tests.support.stack import Stack
+from tests.support.stack import Stack, start_stack
 
-pytestmark = pytest.mark.stack(worker=False)
+
+@pytest.fixture
+async def stack(
+    engine: AsyncEngine,
+    database_url: str,
+    amqp_url: str,
+    topology: Topology,
+    blobs: BlobStore,
+) -> AsyncIterator[Stack]:
+    """Server (with the object store) and relay; each test starts its worker."""
+    running = await start_stack(engine, database_url, amqp_url, topology, worker=False, blobs=blobs)
+    yield running
+    await running.close()
 
 
 async def _age(stack: Stack, tenant_id: uuid.UUID, digest: str, days: int) -> None:
@@ -60,7 +75,6 @@ async def _put_key(store: BlobStore, key: str) -> None:
 async def test_retention_collects_old_unreferenced_blobs_and_erasure_all(
     stack: Stack, blobs: BlobStore
 ) -> None:
-    stack.blobs = blobs
     maintenance = Maintenance(stack.engine, blobs=blobs, live_wait=10.0, poll_interval=0.1)
     await stack.start_worker(demo_registry.merge(maintenance.registry()))
     await stack.new_key("globex")
