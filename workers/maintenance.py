@@ -267,6 +267,7 @@ class Maintenance:
     ) -> None:
         """Cancel the tenant's live jobs, delete the finished ones, until none is left."""
         deadline = time.monotonic() + self._live_wait
+        waiting = -1
         while True:
             live = await self._store.live_jobs(tenant.id, keep=me)
             # Two erasures must not cancel each other: the older one goes on
@@ -303,7 +304,9 @@ class Maintenance:
                     code="TENANT_JOBS_RUNNING",
                     delay=5.0,
                 )
-            await tally.report(0.1, f"waiting for {remaining} jobs to stop")
+            if remaining != waiting:  # one report per change, not per poll
+                waiting = remaining
+                await tally.report(0.1, f"waiting for {remaining} jobs to stop")
             await asyncio.sleep(self._poll_interval)
 
     async def _erasure_blobs(self, tally: _Tally, tenant: Tenant) -> str:
