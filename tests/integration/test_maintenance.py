@@ -399,3 +399,32 @@ async def test_a_batch_is_bounded_by_its_jobs_events_but_takes_at_least_one_job(
     }
     # Then two at a time: 2 x (10 + 1) rows fit in 25, three do not.
     assert [(await batch()).jobs for _ in range(4)] == [2, 2, 1, 0]
+
+
+async def test_an_erasure_stopped_after_a_batch_is_finished_by_the_next(stack: Stack) -> None:
+    from jobplane.faults import FaultPoints
+
+    # Every batch of this worker's erasures fails right after it committed.
+    maintenance = Maintenance(stack.engine, faults=FaultPoints(["maintenance.erasure.batch"]))
+    failing = await stack.start_worker(demo_registry.merge(maintenance.registry()))
+    await aged_jobs(stack.engine, stack.tenant_id, 30, age_days=3)
+    client = stack.client()
+    stopped = await client.wait(
+        (await client.submit(ERASURE, {"confirm": "acme", "batch_size": 10}, max_attempts=1)).name,
+        timeout=30,
+    )
+    assert stopped.state is JobState.FAILED
+    left = await stack.scalar("SELECT count(*) FROM jobs WHERE tenant_id = :t", t=stack.tenant_id)
+    assert left == 30 - 10 + 1  # one batch went; the stopped erasure is a finished job now
+    await failing.stop(grace=1.0)
+    stack.workers.remove(failing)
+
+    await _start_worker(stack)
+    done = await client.wait(
+        (await client.submit(ERASURE, {"confirm": "acme", "batch_size": 10})).name, timeout=30
+    )
+    assert done.state is JobState.SUCCEEDED, done.error
+    assert done.result is not None and done.result["deleted"]["jobs"] == 21
+    left_rows = await tenant_rows(stack.engine, stack.tenant_id, keep=uuid.UUID(done.id))
+    assert left_rows.pop("api_keys") == 1
+    assert left_rows == dict.fromkeys(left_rows, 0)
