@@ -13,6 +13,7 @@ import uuid
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from jobplane.store.maintenance import MaintenanceStore
 from tests.faults.cluster import ROOT, Cluster
 from tests.support.aged import aged_jobs
 from tests.support.stack import eventually
@@ -47,7 +48,7 @@ async def test_retention_killed_mid_run_completes_on_a_new_worker(
 ) -> None:
     await cluster.server()
     await cluster.relay()
-    crashing = await cluster.worker(faults="crash:maintenance.retention.batch@3")
+    crashing = await cluster.worker(faults="crash:maintenance.retention.batch@3", lease=1.0)
     async with engine.begin() as conn:
         tenant = (
             await conn.execute(text("SELECT id FROM tenants WHERE name = 'faults'"))
@@ -59,8 +60,7 @@ async def test_retention_killed_mid_run_completes_on_a_new_worker(
     young = await aged_jobs(engine, tenant, 10, age_days=3)
     foreign = await aged_jobs(engine, other, 100, age_days=40)
 
-    code, _out, err = await _jobplane(cluster, "tenants", "set-retention", "faults", "30")
-    assert code == 0, err
+    await MaintenanceStore(engine).set_retention("faults", 30)
     code, out, err = await _jobplane(cluster, "tenants", "retention", "faults")
     assert code == 0, err
     name = out.strip()
@@ -71,7 +71,7 @@ async def test_retention_killed_mid_run_completes_on_a_new_worker(
     assert await crashing.wait(timeout=60) == 137
     assert await _count(engine, old) == 5000 - 3 * 1000
 
-    await cluster.worker()
+    await cluster.worker(lease=1.0)
 
     async def state() -> str:
         async with engine.connect() as conn:
