@@ -1,9 +1,10 @@
 """The ingestion figures (`--only ingest`): chunks/s and vectors/s of ``ingest.file``, per stage.
 
-Every process restarts on the built-in ingest topology with a moto S3
-server and local-mode Qdrant in the bench's work directory: one worker for
-the parse, chunk and embed queues (``--concurrency``) and one for the index
-queue (local mode: one process per path). ``--ingest-docs`` generated
+Every process restarts on the built-in ingest topology with the bench's
+object store (``$JOBPLANE_S3_URL``, else a moto server) and local-mode
+Qdrant in the bench's work directory: one worker for the parse, chunk and
+embed queues (``--concurrency``) and one for the index queue (local mode:
+one process per path). ``--ingest-docs`` generated
 documents of ``--ingest-words`` words are put as blobs, submitted at once,
 and the figures come from the stage rows' times: per stage, its chunks over
 the span from its first start to its last end (the stage's throughput when
@@ -21,7 +22,6 @@ from jobplane.blobs import BlobStore
 from jobplane.client import AsyncClient
 from jobplane.store.engine import create_engine
 from tests.support.documents import generated_text
-from tests.support.s3 import MotoServer, new_bucket
 
 if TYPE_CHECKING:
     from bench.run import Bench
@@ -35,22 +35,24 @@ async def fig_ingest(bench: Bench) -> None:
     from bench.run import Figure
 
     docs, words = bench.args.ingest_docs, bench.args.ingest_words
-    moto = MotoServer()
-    await asyncio.to_thread(moto.start)
-    bucket = new_bucket()
+    if not bench.s3_env:
+        await asyncio.to_thread(bench.use_s3)  # $JOBPLANE_S3_URL, else a moto_server
     for name in list(bench.procs):
         await bench.stop(name)
+    saved = dict(bench.extra_env)
     bench.extra_env = {
+        **saved,
         "JOBPLANE_TOPOLOGY": "builtin:ingest",
-        "JOBPLANE_S3_URL": moto.url,
-        "JOBPLANE_S3_BUCKET": bucket,
-        "JOBPLANE_S3_ACCESS_KEY_ID": "testing",
-        "JOBPLANE_S3_SECRET_ACCESS_KEY": "testing",
         "JOBPLANE_QDRANT_PATH": str(bench.workdir / "qdrant"),
     }
+    s3 = bench.s3_env
     engine = create_engine(bench.database_url, pool_size=4)
     store = BlobStore(
-        engine, url=moto.url, bucket=bucket, access_key_id="testing", secret_access_key="testing"
+        engine,
+        url=s3["JOBPLANE_S3_URL"],
+        bucket=s3["JOBPLANE_S3_BUCKET"],
+        access_key_id=s3["JOBPLANE_S3_ACCESS_KEY_ID"],
+        secret_access_key=s3["JOBPLANE_S3_SECRET_ACCESS_KEY"],
     )
     try:
         await bench.start("server", "serve")
@@ -141,6 +143,5 @@ async def fig_ingest(bench: Bench) -> None:
         await engine.dispose()
         for name in list(bench.procs):
             await bench.stop(name)
-        bench.extra_env = {}
-        await asyncio.to_thread(moto.stop)
+        bench.extra_env = saved
         await bench.start_all()

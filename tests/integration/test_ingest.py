@@ -23,6 +23,7 @@ from jobplane.config import Settings
 from jobplane.contrib.ingest import HashingEmbedder, Ingest, point_id
 from jobplane.contrib.ingest.cli import file_name
 from jobplane.contrib.ingest.index import _Client
+from jobplane.errors import JobplaneError
 from jobplane.topology import Topology
 from jobplane.types import EventType, JobState
 from tests.faults.cluster import ROOT
@@ -162,6 +163,15 @@ async def test_a_changed_file_replaces_its_points_with_no_orphans(ingestion: Ing
     assert len(await ingestion.points(file="report.txt")) == again.result["chunks"]
 
 
+async def test_an_empty_new_version_leaves_the_file_no_points(ingestion: Ingestion) -> None:
+    first = await ingestion.run("gone.txt", generated_text(3, 400).encode(), chunk_size=200)
+    assert first.state is JobState.SUCCEEDED and len(await ingestion.points(file="gone.txt")) > 1
+    empty = await ingestion.run("gone.txt", b"   \n\n  ")
+    assert empty.state is JobState.SUCCEEDED, empty.error
+    assert empty.result is not None and empty.result["chunks"] == empty.result["points"] == 0
+    assert await ingestion.points(file="gone.txt") == []
+
+
 async def test_search_is_tenant_filtered(ingestion: Ingestion) -> None:
     stack = ingestion.stack
     other_key = await stack.new_key("umbrella")
@@ -182,6 +192,17 @@ async def test_search_is_tenant_filtered(ingestion: Ingestion) -> None:
     assert {h.id for h in await ingestion.points()}.isdisjoint(
         {h.id for h in await ingestion.points(other_tenant)}
     )
+
+
+async def test_another_tenants_blob_is_refused_at_submit(ingestion: Ingestion) -> None:
+    stack = ingestion.stack
+    await stack.new_key("umbrella")
+    other = uuid.UUID(str(await stack.scalar("SELECT id FROM tenants WHERE name = 'umbrella'")))
+    theirs = await ingestion.put(b"their words", tenant=other)
+    with pytest.raises(JobplaneError) as refused:  # INVALID_ARGUMENT, reason BLOB_NOT_FOUND
+        await stack.client().submit("ingest.file", {"blob": theirs, "file": "x.txt"})
+    assert refused.value.reason == "BLOB_NOT_FOUND"
+    assert await stack.scalar("SELECT count(*) FROM jobs") == 0
 
 
 @pytest.mark.parametrize(

@@ -101,6 +101,15 @@ def test_unparsable_files_are_refused(data: bytes, kwargs: dict[str, str], reaso
         parse(data, **kwargs)
 
 
+def test_a_declared_charset_is_honoured() -> None:
+    latin = "Café crème".encode("latin-1")
+    assert parse(latin, content_type="text/plain; charset=ISO-8859-1").text == "Café crème"
+    page = b'<html><head><meta charset="windows-1252"></head><body><p>\x93quoted\x94</p>'
+    assert parse(page, file="p.html").text == "\u201cquoted\u201d"
+    with pytest.raises(UnsupportedFormat, match="not UTF-8"):
+        parse(latin, file="a.txt")  # undeclared: UTF-8, and these bytes are not
+
+
 def test_tidy_is_idempotent() -> None:
     text = " a \t b\r\n\r\n\r\n c\u00a0 d "
     assert tidy(tidy(text)) == tidy(text) == "a b\n\nc d"

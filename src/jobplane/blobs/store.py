@@ -1,10 +1,10 @@
 """The blob store: objects in S3 (aioboto3), their rows in Postgres.
 
 A blob is named by its bytes: ``blobs/{sha256}``, per tenant, stored at
-``{prefix}tenants/{tenant}/blobs/{sha256}``. Uploads stream: about one part
-(8 MiB) is held at a time, whatever the blob's size; parts are at least a
-part's size (S3 wants 5 MiB) except the last, so one part of chunks
-gathered, joined, then sent.
+``{prefix}tenants/{tenant}/blobs/{sha256}``. Uploads stream: at most two
+parts (8 MiB each) are held at a time, whatever the blob's size — one being
+sent while the next is gathered; parts are at least a part's size (S3 wants
+5 MiB) except the last.
 
 Invariants (docs/adr/0020-blobs.md):
 
@@ -486,8 +486,12 @@ class BlobStore:
                     part = b"".join(held)
                     held.clear()
                     held_bytes = 0
-                    await upload.part(part, ctype)
+                    # One part in flight while the next is gathered: the
+                    # caller's stream and S3 both keep moving.
+                    await upload.sent()
+                    upload.send(part, ctype)
                     del part
+            await upload.sent()
             if size is not None and total != size:
                 raise BlobSizeMismatch(
                     f"the blob has {total} bytes, not the declared {size}", field="size"
@@ -509,7 +513,8 @@ class BlobStore:
             if held:
                 part = b"".join(held)
                 held.clear()
-                await upload.part(part, ctype)
+                upload.send(part, ctype)
+                await upload.sent()
             if upload.key == final:
                 async with self._locked(tenant, actual) as conn:
                     await upload.complete()
@@ -737,10 +742,22 @@ class _Multipart:
         self._upload_id: str | None = None
         self._parts: list[dict[str, Any]] = []
         self._completed = False
+        self._sending: asyncio.Task[None] | None = None
 
     @property
     def started(self) -> bool:
         return self._upload_id is not None
+
+    def send(self, data: bytes, content_type: str) -> None:
+        """Start sending the next part (after :meth:`sent` said the last one went)."""
+        assert self._sending is None
+        self._sending = asyncio.create_task(self.part(data, content_type))
+
+    async def sent(self) -> None:
+        """Wait for the part being sent; its failure is raised here."""
+        sending, self._sending = self._sending, None
+        if sending is not None:
+            await sending
 
     async def part(self, data: bytes, content_type: str) -> None:
         assert self.key is not None
@@ -773,6 +790,10 @@ class _Multipart:
 
     async def discard(self) -> None:
         """Abort the upload when it was not completed; delete a completed staging object."""
+        if self._sending is not None:
+            self._sending.cancel()
+            await asyncio.gather(self._sending, return_exceptions=True)
+            self._sending = None
         if self._upload_id is None or self.key is None:
             return
         try:

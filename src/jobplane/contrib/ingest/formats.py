@@ -10,6 +10,7 @@ would read the same bytes.
 
 from __future__ import annotations
 
+import codecs
 import html
 import html.parser
 import io
@@ -83,14 +84,50 @@ def parse(data: bytes, *, file: str = "", content_type: str | None = None) -> Do
     kind = detect(data, file=file, content_type=content_type)
     if kind == "pdf":
         return _pdf(data)
-    text = decode_text(data)
+    charset = _charset(content_type)
+    if charset is None and kind == "html":
+        charset = _meta_charset(data)
+    text = decode_text(data, charset)
     if kind == "html":
         return Document("html", tidy(html_text(text)), 1)
     return Document(kind, tidy(text), 1)
 
 
-def decode_text(data: bytes) -> str:
-    """``data`` as UTF-8 (a BOM allowed); binary bytes raise :class:`UnsupportedFormat`."""
+_CHARSET = re.compile(rb"""<meta[^>]+charset\s*=\s*["']?([A-Za-z0-9._-]{1,40})""", re.I)
+
+
+def _charset(content_type: str | None) -> str | None:
+    """The ``charset`` parameter of a content type, if it names a codec Python has."""
+    for param in (content_type or "").split(";")[1:]:
+        key, _, value = param.partition("=")
+        if key.strip().lower() == "charset":
+            return _codec(value.strip().strip('"'))
+    return None
+
+
+def _meta_charset(data: bytes) -> str | None:
+    """The charset an HTML page declares in a ``<meta>`` of its first 2 KiB."""
+    found = _CHARSET.search(data[:2048])
+    return _codec(found.group(1).decode("ascii")) if found else None
+
+
+def _codec(name: str) -> str | None:
+    try:
+        return codecs.lookup(name).name
+    except LookupError:
+        return None
+
+
+def decode_text(data: bytes, charset: str | None = None) -> str:
+    """``data`` as text: UTF-8 (a BOM allowed) unless ``charset`` says otherwise.
+
+    Binary bytes raise :class:`UnsupportedFormat`.
+    """
+    if charset is not None and charset not in ("utf-8", "utf-8-sig"):
+        try:
+            return _not_binary(data.decode(charset))
+        except UnicodeDecodeError:
+            raise UnsupportedFormat(f"the file does not decode as {charset}") from None
     if data.startswith((b"\xff\xfe", b"\xfe\xff")):
         try:
             return data.decode("utf-16")
@@ -102,6 +139,10 @@ def decode_text(data: bytes) -> str:
         raise UnsupportedFormat(
             f"the file is not UTF-8 text (undecodable byte at offset {exc.start})"
         ) from None
+    return _not_binary(text)
+
+
+def _not_binary(text: str) -> str:
     control = sum(1 for c in text if unicodedata.category(c) == "Cc" and c not in "\t\n\r\f")
     if text and control / len(text) > _MAX_CONTROL_SHARE:
         raise UnsupportedFormat("the file holds binary data, not text")

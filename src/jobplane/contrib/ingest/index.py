@@ -369,7 +369,11 @@ class Index:
             name = description.name
             info = await self._client.call("get_collection", collection_name=name)
             metadata = getattr(info.config, "metadata", None) or {}
-            if metadata.get("jobplane") != COLLECTION_MARK["jobplane"]:
+            # The default collection is ingestion's even on a server too old
+            # to keep collection metadata.
+            if metadata.get("jobplane") != COLLECTION_MARK["jobplane"] and name != (
+                DEFAULT_COLLECTION
+            ):
                 continue
             deleted += await self._count(name, _of(tenant_id))
             await self._client.call(
