@@ -15,6 +15,7 @@ from typing import IO, Any, Self, TypeVar
 
 import grpc
 
+from jobplane.blobs.names import referenced_digests
 from jobplane.client._blobs import Download, Source, blob_from_pb, upload_requests
 from jobplane.client._errors import error_from_rpc, is_retryable
 from jobplane.client._retry import (
@@ -380,6 +381,10 @@ class AsyncClient:
             else:
                 request.ClearField("payload")
                 request.payload_blob = blob.name
+                # The names inside are references still (the server cannot see them).
+                request.blob_references.extend(
+                    f"blobs/{d}" for d in sorted(referenced_digests(payload or {}))
+                )
         # Without a request_id a repeated call could create a second job.
         job = await self._call(self._get_stub().SubmitJob, request, repeatable=bool(request_id))
         return job_from_pb(job)

@@ -49,6 +49,7 @@ MAX_CORRELATION_ID_BYTES = 255
 MAX_LABELS = 64
 _LABEL_KEY = re.compile(r"[a-z0-9]([a-z0-9._/-]{0,61}[a-z0-9])?")
 MAX_LABEL_VALUE = 256
+MAX_BLOB_REFERENCES = 1000
 MAX_REASON_LENGTH = 1024
 # A job's timeout is read back in whole milliseconds or finer; anything
 # shorter would read back as no time at all.
@@ -90,6 +91,8 @@ class SubmitRequest:
     timeout_seconds: float | None = None
     #: ``blobs/{sha256}`` of the caller's blob holding the payload; ``payload`` empty.
     payload_blob: str = ""
+    #: Names of blobs the job uses that the payload does not show.
+    blob_references: tuple[str, ...] = ()
 
 
 class JobService:
@@ -149,9 +152,9 @@ class JobService:
                     field="timeout",
                 )
             timeout = request.timeout_seconds
-        payload_blob = await self._check_blobs(tenant, request)
+        payload_blob, references = await self._check_blobs(tenant, request)
         if pipeline is not None:
-            return await self._submit_pipeline(tenant, request, pipeline, payload_blob)
+            return await self._submit_pipeline(tenant, request, pipeline, payload_blob, references)
         new = NewJob(
             type=job_type,
             queue=queue.name,
@@ -162,36 +165,52 @@ class JobService:
             labels=dict(request.labels),
             timeout_seconds=timeout,
             payload_blob=payload_blob,
+            blob_references=references,
         )
         job, _created = await self._store.submit(tenant, new)
         return job
 
-    async def _check_blobs(self, tenant: uuid.UUID, request: SubmitRequest) -> BlobRef | None:
-        """Refuse references to blobs the tenant does not have; the payload's blob, if any.
+    async def _check_blobs(
+        self, tenant: uuid.UUID, request: SubmitRequest
+    ) -> tuple[BlobRef | None, tuple[str, ...]]:
+        """Refuse references to blobs the tenant does not have; the payload's blob, if
+        any, and the digests of ``blob_references``.
 
-        The references themselves are recorded with the job, by the table's
-        trigger (migration 0013), in the statement that inserts it.
+        The references are recorded with the job, in the statement that inserts
+        it: the payload's names by the table's trigger (migration 0013), the
+        others by the machine's BlobReferences hook.
         """
         digests = referenced_digests(request.payload)
         if request.payload_blob and request.payload:
             raise InvalidArgument(
                 "payload_blob replaces payload: send one of them", field="payload_blob"
             )
-        if not digests and not request.payload_blob:
-            return None
+        if len(request.blob_references) > MAX_BLOB_REFERENCES:
+            raise InvalidArgument(
+                f"at most {MAX_BLOB_REFERENCES} blob_references", field="blob_references"
+            )
+        extra: set[str] = set()
+        for name in request.blob_references:
+            try:
+                extra.add(parse_blob_name(name))
+            except ValueError as exc:
+                raise InvalidArgument(str(exc), field="blob_references") from None
+        references = tuple(sorted(extra - digests))
+        if not digests and not extra and not request.payload_blob:
+            return None, ()
         if self._blobs is None:
             raise BlobsDisabled(
                 "this server has no object store: a payload cannot reference blobs",
                 field="payload_blob" if request.payload_blob else "payload",
             )
-        missing = digests - await self._blobs.owned(tenant, digests)
+        missing = (digests | extra) - await self._blobs.owned(tenant, digests | extra)
         if missing:
             raise BlobReferenceNotFound(
-                f"the payload references blobs/{min(missing)}, which does not exist",
-                field="payload",
+                f"the job references blobs/{min(missing)}, which does not exist",
+                field="payload" if missing & digests else "blob_references",
             )
         if not request.payload_blob:
-            return None
+            return None, references
         try:
             parse_blob_name(request.payload_blob)
             info = await self._blobs.stat(tenant, request.payload_blob)
@@ -208,7 +227,7 @@ class JobService:
                 f"(the worker reads it whole), not {info.size}",
                 field="payload_blob",
             )
-        return BlobRef(info.name, info.digest, info.size)
+        return BlobRef(info.name, info.digest, info.size), references
 
     async def _submit_pipeline(
         self,
@@ -216,6 +235,7 @@ class JobService:
         request: SubmitRequest,
         pipeline: PipelineSpec,
         payload_blob: BlobRef | None = None,
+        references: tuple[str, ...] = (),
     ) -> Job:
         """A pipeline job: its stages, as the topology declares them now, go with it.
 
@@ -237,6 +257,7 @@ class JobService:
             pipeline_version=pipeline.version,
             stages=stages,
             payload_blob=payload_blob,
+            blob_references=references,
         )
         job, _created = await self._store.submit(tenant, new)
         return job

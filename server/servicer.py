@@ -88,6 +88,7 @@ class JobServiceServicer(jobs_pb2_grpc.JobServiceServicer):
                     else None
                 ),
                 payload_blob=request.payload_blob,
+                blob_references=tuple(request.blob_references),
             ),
         )
         return job_to_pb(job)

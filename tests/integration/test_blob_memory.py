@@ -78,7 +78,8 @@ async def test_64_mib_round_trip_in_bounded_memory(
             assert (await client.download(blob.name, target)).size == SIZE
             assert _sha256(target) == digest
             after_download = _kib(pid, "VmHWM")
-    # Holding the blob (or even a quarter of it more than the warm-up did)
-    # would show; parts of 8 MiB in flight do not.
-    assert after_upload - before < SIZE // 4, (before, after_upload)
-    assert after_download - before < SIZE // 4, (before, after_download)
+    # Holding the blob would add 64 MiB or more (measured: 71 with the chunks
+    # kept); a part of 8 MiB, its chunks and the transports' buffers add
+    # 5-15 MiB over the warm-up's peak.
+    assert after_upload - before < SIZE // 2, (before, after_upload)
+    assert after_download - before < SIZE // 2, (before, after_download)

@@ -3,7 +3,9 @@ an object store outage while a handler reads is retried, and the job completes."
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
+import os
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -12,17 +14,21 @@ import pytest
 from google.protobuf import json_format
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from jobplane.blobs import BlobStore
+from jobplane.blobs import BlobInUse, BlobStore
 from jobplane.convert import struct_from_dict
+from jobplane.store.engine import create_engine
 from jobplane.topology import Topology
 from jobplane.types import JobState
 from jobplane.v1 import workers_pb2, workers_pb2_grpc
 from jobplane.workers.handlers import JobContext, Registry
+from tests.integration import test_database_role
 from tests.integration.test_worker_service_pipelines import _next_message
 from tests.support.s3 import MotoServer, blob_store
 from tests.support.stack import Stack, eventually, start_stack
 
 registry = Registry()
+# The test database as a role with DML rights only (docs/security.md).
+dml_url = test_database_role.dml_url
 
 
 @registry.handler("offload.echo")
@@ -31,10 +37,23 @@ async def echo(ctx: JobContext) -> dict[str, Any]:
     return {"length": len(text), "echo": text * 2}
 
 
+# The first attempt of offload.read stops after its first chunk until the
+# test has stopped S3.
+first_chunk_read = asyncio.Event()
+s3_stopped = asyncio.Event()
+
+
 @registry.handler("offload.read")
 async def read(ctx: JobContext) -> dict[str, Any]:
-    data = await ctx.read_blob(ctx.payload["blob"])
-    return {"sha256": hashlib.sha256(data).hexdigest()}
+    hasher = hashlib.sha256()
+    async with ctx.open_blob(ctx.payload["blob"]) as reader:
+        hasher.update(await reader.read(64 * 1024))
+        if ctx.attempt == 1:
+            first_chunk_read.set()
+            await s3_stopped.wait()
+        async for chunk in reader.iter_chunks(64 * 1024):
+            hasher.update(chunk)
+    return {"sha256": hasher.hexdigest()}
 
 
 @pytest.fixture
@@ -116,11 +135,14 @@ async def test_an_outage_while_a_handler_reads_is_retried(
         engine, database_url, amqp_url, topology, registry=registry, blobs=store
     )
     try:
-        data = b"survives an outage" * 1000
+        # Larger than what the sockets between moto and the worker buffer.
+        data = os.urandom(16 * 1024 * 1024)
         info = await store.put_bytes(stack.tenant_id, data)
-        s3.stop()
         client = stack.client()
         job = await client.submit("offload.read", {"blob": info.name}, max_attempts=50)
+        await asyncio.wait_for(first_chunk_read.wait(), timeout=30)
+        s3.stop()
+        s3_stopped.set()
 
         async def retried() -> bool:
             code = await stack.scalar("SELECT error_code FROM jobs WHERE id = :id", id=job.id)
@@ -175,3 +197,28 @@ async def test_worker_service_hands_out_offloaded_payloads_and_offloads_results(
         assert (await client.get(job.name, resolve_blobs=False)).result == {}
     finally:
         await stack.close()
+
+
+async def test_blobs_with_a_dml_only_role(
+    dml_url: str, amqp_url: str, topology: Topology, moto: MotoServer
+) -> None:
+    engine = create_engine(dml_url, pool_size=4)
+    try:
+        async with blob_store(engine, moto.url) as store:
+            stack = await start_stack(
+                engine, dml_url, amqp_url, topology, registry=registry, blobs=store
+            )
+            try:
+                client = stack.client()
+                blob = await client.upload(b"x" * 1000)
+                # A reference (the trigger's insert), an offloaded payload and result.
+                job = await client.submit("offload.echo", {"text": "z" * 70_000, "in": blob.name})
+                done = await client.wait(job.name, timeout=30)
+                assert done.state is JobState.SUCCEEDED, done.error
+                assert done.result_blob is not None
+                with pytest.raises(BlobInUse):
+                    await client.delete_blob(blob.name)
+            finally:
+                await stack.close()
+    finally:
+        await engine.dispose()

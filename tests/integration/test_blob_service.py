@@ -79,21 +79,21 @@ def _reason(exc: grpc.aio.AioRpcError) -> tuple[grpc.StatusCode, str]:
     return exc.code(), f"{error.field}:{type(error).__name__}"
 
 
-@pytest.mark.parametrize("size", [0, 1])
-async def test_tiny_round_trips(blob_stack: Stack, tmp_path: Path, size: int) -> None:
+async def test_tiny_round_trips(blob_stack: Stack, tmp_path: Path) -> None:
     client = blob_stack.client()
-    data = os.urandom(size)
-    blob = await client.upload(data, content_type="text/plain")
-    assert blob.name == f"blobs/{hashlib.sha256(data).hexdigest()}"
-    assert (blob.size, blob.content_type) == (size, "text/plain")
-    out = io.BytesIO()
-    assert (await client.download(blob.name, out)).sha256 == blob.sha256
-    assert out.getvalue() == data
-    target = tmp_path / "out.bin"
-    await client.download(blob.name, target)
-    assert target.read_bytes() == data
-    assert (await client.get_blob(blob.name)).size == size
-    assert [b.name for b in (await client.list_blobs()).blobs] == [blob.name]
+    for size in (0, 1):
+        data = os.urandom(size)
+        blob = await client.upload(data, content_type="text/plain")
+        assert blob.name == f"blobs/{hashlib.sha256(data).hexdigest()}"
+        assert (blob.size, blob.content_type) == (size, "text/plain")
+        out = io.BytesIO()
+        assert (await client.download(blob.name, out)).sha256 == blob.sha256
+        assert out.getvalue() == data
+        target = tmp_path / f"out{size}.bin"
+        await client.download(blob.name, target)
+        assert target.read_bytes() == data
+        assert (await client.get_blob(blob.name)).size == size
+    assert len((await client.list_blobs()).blobs) == 2
 
 
 async def test_identical_uploads_are_one_blob(blob_stack: Stack, tmp_path: Path) -> None:
@@ -127,22 +127,20 @@ async def test_a_wrong_digest_stores_nothing(blob_stack: Stack) -> None:
     assert uploads.get("Uploads", []) == []
 
 
-@pytest.mark.parametrize(
-    ("header", "chunks", "expected"),
-    [
-        (blobs_pb2.UploadBlobHeader(), [b"x" * (MiB + 1)], "chunk:InvalidArgument"),
-        (blobs_pb2.UploadBlobHeader(size=3), [b"abcd"], "size:BlobSizeMismatch"),
-        (blobs_pb2.UploadBlobHeader(size=5), [b"abcd"], "size:BlobSizeMismatch"),
-        (blobs_pb2.UploadBlobHeader(sha256="xyz"), [b"a"], "sha256:InvalidArgument"),
-        (blobs_pb2.UploadBlobHeader(content_type="a\nb"), [b"a"], "content_type:InvalidArgument"),
-    ],
-)
-async def test_bad_uploads_are_refused(
-    blob_stack: Stack, header: blobs_pb2.UploadBlobHeader, chunks: list[bytes], expected: str
-) -> None:
-    with pytest.raises(grpc.aio.AioRpcError) as caught:
-        await _upload_raw(blob_stack, blob_stack.key, header, chunks)
-    assert _reason(caught.value) == (grpc.StatusCode.INVALID_ARGUMENT, expected)
+BAD_UPLOADS = [
+    (blobs_pb2.UploadBlobHeader(), [b"x" * (MiB + 1)], "chunk:InvalidArgument"),
+    (blobs_pb2.UploadBlobHeader(size=3), [b"abcd"], "size:BlobSizeMismatch"),
+    (blobs_pb2.UploadBlobHeader(size=5), [b"abcd"], "size:BlobSizeMismatch"),
+    (blobs_pb2.UploadBlobHeader(sha256="xyz"), [b"a"], "sha256:InvalidArgument"),
+    (blobs_pb2.UploadBlobHeader(content_type="a\nb"), [b"a"], "content_type:InvalidArgument"),
+]
+
+
+async def test_bad_uploads_are_refused(blob_stack: Stack) -> None:
+    for header, chunks, expected in BAD_UPLOADS:
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await _upload_raw(blob_stack, blob_stack.key, header, chunks)
+        assert _reason(caught.value) == (grpc.StatusCode.INVALID_ARGUMENT, expected)
     assert await _count(blob_stack, "blobs") == 0
 
 
@@ -186,6 +184,9 @@ async def test_tenant_walls(blob_stack: Stack) -> None:
             jobs_pb2.SubmitJobRequest(type="demo.echo", request_id="r1", payload_blob=blob.name),
         )
     assert by_reference.value.field == "payload_blob"
+    with pytest.raises(BlobNotFound) as inside:  # named inside a payload that goes by reference
+        await other.submit("demo.echo", {"text": "t" * 70_000, "input": blob.name})
+    assert inside.value.field == "blob_references"
     # The same bytes uploaded by the other tenant are a blob of its own.
     theirs = await other.upload(b"acme's")
     assert theirs.name == blob.name

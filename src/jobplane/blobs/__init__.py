@@ -1,9 +1,14 @@
-"""Object storage by reference: blobs named ``blobs/{sha256}``, per tenant (ADR-0020)."""
+"""Object storage by reference: blobs named ``blobs/{sha256}``, per tenant (ADR-0020).
+
+The store (and aioboto3) is imported on first use of one of its names, so
+that :mod:`jobplane.blobs.names` costs the SDK nothing.
+"""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 from jobplane.blobs.names import BLOB_NAME_PATTERN, blob_name, is_blob_name, parse_blob_name
-from jobplane.blobs.store import PART_BYTES, BlobInfo, BlobReader, BlobStore
 from jobplane.errors import (
     BlobInUse,
     BlobNotFound,
@@ -13,6 +18,20 @@ from jobplane.errors import (
     BlobTooLarge,
     DigestMismatch,
 )
+
+if TYPE_CHECKING:
+    from jobplane.blobs.store import PART_BYTES, BlobInfo, BlobReader, BlobStore
+
+_FROM_STORE = frozenset({"PART_BYTES", "BlobInfo", "BlobReader", "BlobStore"})
+
+
+def __getattr__(name: str) -> Any:
+    if name in _FROM_STORE:
+        from jobplane.blobs import store
+
+        return getattr(store, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "BLOB_NAME_PATTERN",

@@ -1,10 +1,10 @@
 """The blob store: objects in S3 (aioboto3), their rows in Postgres.
 
 A blob is named by its bytes: ``blobs/{sha256}``, per tenant, stored at
-``{prefix}tenants/{tenant}/blobs/{sha256}``. Uploads stream: at most two
-parts (8 MiB each) are held at a time, whatever the blob's size — one being
-sent while the next is gathered; parts are at least a part's size (S3 wants
-5 MiB) except the last.
+``{prefix}tenants/{tenant}/blobs/{sha256}``. Uploads stream: about one part
+(8 MiB) is held at a time, whatever the blob's size; parts are at least a
+part's size (S3 wants 5 MiB) except the last, so one part of chunks
+gathered, joined, then sent.
 
 Invariants (docs/adr/0020-blobs.md):
 
@@ -486,12 +486,8 @@ class BlobStore:
                     part = b"".join(held)
                     held.clear()
                     held_bytes = 0
-                    # One part in flight while the next is gathered: the
-                    # caller's stream and S3 both keep moving.
-                    await upload.sent()
-                    upload.send(part, ctype)
+                    await upload.part(part, ctype)
                     del part
-            await upload.sent()
             if size is not None and total != size:
                 raise BlobSizeMismatch(
                     f"the blob has {total} bytes, not the declared {size}", field="size"
@@ -513,8 +509,7 @@ class BlobStore:
             if held:
                 part = b"".join(held)
                 held.clear()
-                upload.send(part, ctype)
-                await upload.sent()
+                await upload.part(part, ctype)
             if upload.key == final:
                 async with self._locked(tenant, actual) as conn:
                     await upload.complete()
@@ -577,9 +572,15 @@ class BlobStore:
             async with _s3_errors():
                 got = await s3.get_object(Bucket=self.bucket, Key=self.key(tenant_id, info.digest))
         except ClientError as exc:
-            # A row whose object went missing (deleted behind jobplane's back).
+            # Deleted since the row was read (the row goes first): not found.
+            # A row still there means the store lost an object it had: an
+            # outage of the store (e.g. a server restored or not yet caught
+            # up), retried, not an unknown name.
+            await self.stat(tenant_id, name)
             log.warning("blobs.object.missing", blob=name, error=describe_error(exc))
-            raise BlobNotFound(f"no blob named {name}", field="name") from None
+            raise BlobStoreUnavailable(
+                f"the object store has no object for {name}, which exists"
+            ) from None
         body = got["Body"]
         try:
             yield BlobReader(info, body)
@@ -742,22 +743,10 @@ class _Multipart:
         self._upload_id: str | None = None
         self._parts: list[dict[str, Any]] = []
         self._completed = False
-        self._sending: asyncio.Task[None] | None = None
 
     @property
     def started(self) -> bool:
         return self._upload_id is not None
-
-    def send(self, data: bytes, content_type: str) -> None:
-        """Start sending the next part (after :meth:`sent` said the last one went)."""
-        assert self._sending is None
-        self._sending = asyncio.create_task(self.part(data, content_type))
-
-    async def sent(self) -> None:
-        """Wait for the part being sent; its failure is raised here."""
-        sending, self._sending = self._sending, None
-        if sending is not None:
-            await sending
 
     async def part(self, data: bytes, content_type: str) -> None:
         assert self.key is not None
@@ -790,10 +779,6 @@ class _Multipart:
 
     async def discard(self) -> None:
         """Abort the upload when it was not completed; delete a completed staging object."""
-        if self._sending is not None:
-            self._sending.cancel()
-            await asyncio.gather(self._sending, return_exceptions=True)
-            self._sending = None
         if self._upload_id is None or self.key is None:
             return
         try:

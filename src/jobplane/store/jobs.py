@@ -52,6 +52,8 @@ class NewJob:
     pipeline_version: str = ""
     #: The payload by reference (``payload`` is then ``{}``).
     payload_blob: BlobRef | None = None
+    #: Digests of blobs the job references beyond its payload's names.
+    blob_references: tuple[str, ...] = ()
 
     def fingerprint(self) -> bytes:
         """A digest of the request, stored with the job: equal digests are the same request.
@@ -68,6 +70,11 @@ class NewJob:
                 "timeout_seconds": self.timeout_seconds,
                 # Only when set: the digests of jobs submitted before stay theirs.
                 **({"payload_blob": self.payload_blob.sha256} if self.payload_blob else {}),
+                **(
+                    {"blob_references": sorted(self.blob_references)}
+                    if self.blob_references
+                    else {}
+                ),
             }
         )
         return hashlib.sha256(canonical.encode()).digest()
@@ -237,7 +244,7 @@ class JobStore:
                 stage_span=first.span,
             )
         machine = self._machine
-        cause = Cause("queued", stages=new.stages)
+        cause = Cause("queued", stages=new.stages, blobs=new.blob_references)
         try:
             async with machine.connect(self._engine, self._auto, Transition.SUBMIT) as conn:
                 created = await machine.apply(conn, Transition.SUBMIT, params, cause)

@@ -494,7 +494,8 @@ class Cause:
     ``message`` and ``data`` are the job event's; ``emitted`` are the
     handler's events that must commit only if this transition applies;
     ``causation_id`` names the event that caused it, when one did;
-    ``stages`` are a new pipeline job's stages (submit only).
+    ``stages`` are a new pipeline job's stages (submit only); ``blobs`` the
+    blobs it references beyond its payload's names (submit only).
     """
 
     message: str = ""
@@ -502,6 +503,9 @@ class Cause:
     emitted: Sequence[Emitted] = ()
     causation_id: uuid.UUID | None = None
     stages: Sequence[NewStage] = ()
+    #: Digests of blobs a new job references besides the names in its payload
+    #: (which the jobs table's trigger records): submit only.
+    blobs: Sequence[str] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -776,6 +780,30 @@ class Stages(Hook):
         }
 
 
+class BlobReferences(Hook):
+    """A new job's references to blobs its payload does not name (those inside an
+    offloaded payload), as ``input`` rows of ``job_blobs``, in the submit's statement.
+
+    The names in the payload itself are recorded by the ``jobs`` table's
+    trigger (migration 0013), whoever inserts the job.
+    """
+
+    def writes(self, transition: Transition) -> Sequence[Write]:
+        if transition is not Transition.SUBMIT:
+            return ()
+        sql = """
+        INSERT INTO job_blobs (tenant_id, job_id, digest, role)
+        SELECT j.tenant_id, j.id, d, 'input'
+        FROM {j} AS j, unnest(CAST(:input_blobs AS text[])) AS d
+        ON CONFLICT DO NOTHING"""
+        return [Write(sql, columns=frozenset({"id", "tenant_id"}))]
+
+    def binds(self, transition: Transition, cause: Cause) -> Mapping[str, Any]:
+        if transition is not Transition.SUBMIT:
+            return {}
+        return {"input_blobs": list(cause.blobs)}
+
+
 class CancelSignal(Hook):
     """Wakes the worker that runs a job whose cancellation was requested."""
 
@@ -996,6 +1024,7 @@ def builtin_hooks(*, lifecycle: bool | None = None) -> list[Hook]:
         Dispatches(),
         CancelSignal(),
         Stages(),
+        BlobReferences(),
         DomainEvents(lifecycle=lifecycle),
     ]
 

@@ -415,6 +415,7 @@ class SubmitJobRequest(_message.Message):
     LABELS_FIELD_NUMBER: _builtins.int
     TIMEOUT_FIELD_NUMBER: _builtins.int
     PAYLOAD_BLOB_FIELD_NUMBER: _builtins.int
+    BLOB_REFERENCES_FIELD_NUMBER: _builtins.int
     type: _builtins.str
     """Lowercase dotted identifier: letters, digits, '.', '_', '-'; at most 128
     characters; must route to a queue of the topology.
@@ -439,6 +440,13 @@ class SubmitJobRequest(_message.Message):
     def timeout(self) -> _duration_pb2.Duration:
         """How long one attempt may run; unset means the queue's default."""
 
+    @_builtins.property
+    def blob_references(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Names of the caller's blobs the job uses that `payload` does not show
+        (those inside a payload_blob): checked and recorded as references, like
+        the names in `payload`, so that they are not deleted under the job.
+        """
+
     def __init__(
         self,
         *,
@@ -450,10 +458,11 @@ class SubmitJobRequest(_message.Message):
         labels: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
         timeout: _duration_pb2.Duration | None = ...,
         payload_blob: _builtins.str = ...,
+        blob_references: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["payload", b"payload", "timeout", b"timeout"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["correlation_id", b"correlation_id", "labels", b"labels", "max_attempts", b"max_attempts", "payload", b"payload", "payload_blob", b"payload_blob", "request_id", b"request_id", "timeout", b"timeout", "type", b"type"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["blob_references", b"blob_references", "correlation_id", b"correlation_id", "labels", b"labels", "max_attempts", b"max_attempts", "payload", b"payload", "payload_blob", b"payload_blob", "request_id", b"request_id", "timeout", b"timeout", "type", b"type"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
