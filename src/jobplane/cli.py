@@ -253,8 +253,14 @@ async def _worker(args: argparse.Namespace) -> int:
     engine = create_engine(
         settings.database_url, pool_size=min(settings.db_pool_size, max(4, args.concurrency))
     )
+    faults = FaultPoints(settings.faults)
     async with AsyncExitStack() as stack:
         stack.push_async_callback(engine.dispose)
+        blobs = _blob_store(settings, engine, stack)
+        if not args.no_maintenance:
+            registry = await _with_maintenance(stack, registry, engine, blobs, settings, faults)
+            if registry is None:
+                return 2
         worker = Worker(
             engine,
             settings.database_url,
@@ -266,14 +272,56 @@ async def _worker(args: argparse.Namespace) -> int:
             reserve=args.reserve,
             queues=args.queue or None,
             lease_seconds=args.lease_seconds,
-            faults=FaultPoints(settings.faults),
+            faults=faults,
             max_result_bytes=settings.max_payload_bytes,
-            blobs=_blob_store(settings, engine, stack),
+            blobs=blobs,
             inline_bytes=settings.inline_bytes,
         )
         await _started(stack, worker.start, lambda: worker.stop(args.grace))
         await _until_signal()
     return 0
+
+
+def _maintenance_index(stack: AsyncExitStack, settings: Settings) -> Any:
+    """The search index erasure deletes a tenant's points from, when ingestion is set up
+    here: a Qdrant server (JOBPLANE_QDRANT_URL), or a local-mode Qdrant directory that
+    exists; None otherwise (qdrant-client not installed, or nothing ever indexed here).
+
+    The index opens its client at its first call, closed with ``stack``; in one process
+    it shares the client of ingestion's own index (one local-mode lock)."""
+    import importlib.util
+
+    if importlib.util.find_spec("qdrant_client") is None:
+        return None
+    if settings.qdrant_url is None and not settings.qdrant_location.is_dir():
+        return None
+    from jobplane.contrib.ingest.index import open_index
+
+    index = open_index(settings)
+    stack.push_async_callback(index.close)
+    return index
+
+
+async def _with_maintenance(
+    stack: AsyncExitStack,
+    registry: Any,
+    engine: AsyncEngine,
+    blobs: BlobStore | None,
+    settings: Settings,
+    faults: FaultPoints,
+) -> Any:
+    """``registry`` with the maintenance handlers, built on the worker's own engine
+    (None after saying in one line why they cannot be added)."""
+    from jobplane.workers.maintenance import Maintenance
+
+    maintenance = Maintenance(
+        engine, blobs=blobs, index=_maintenance_index(stack, settings), faults=faults
+    )
+    try:
+        return registry.merge(maintenance.registry())
+    except ValueError as exc:  # the loaded handlers register a maintenance type too
+        print(f"error: {exc} (run the worker with --no-maintenance)", file=sys.stderr)
+        return None
 
 
 async def _dev(args: argparse.Namespace) -> int:
@@ -291,6 +339,12 @@ async def _dev(args: argparse.Namespace) -> int:
     async with AsyncExitStack() as stack:
         stack.push_async_callback(engine.dispose)
         blobs = _blob_store(settings, engine, stack)
+        if not args.no_maintenance:
+            registry = await _with_maintenance(
+                stack, registry, engine, blobs, settings, FaultPoints(settings.faults)
+            )
+            if registry is None:
+                return 2
         server = _server(settings, topology, engine, blobs=blobs)
         relay = Relay(
             engine, settings.database_url, settings.amqp_url, topology, sweeper=Sweeper(engine)
@@ -420,6 +474,144 @@ async def _keys_command(keys: KeyStore, args: argparse.Namespace) -> int:
     owner = "worker key" if not created.tenant else f"for tenant {created.tenant!r}"
     print(f"created {created.key_id} {owner}; {old.key_id} ends at {ends}", file=sys.stderr)
     return 0
+
+
+async def _tenants(args: argparse.Namespace) -> int:
+    from jobplane.errors import JobplaneError, TenantNotFound
+    from jobplane.store.engine import create_engine
+
+    settings = Settings.from_env()
+    configure(settings.log_level or "warning", settings.log_format)
+    engine = create_engine(settings.database_url, pool_size=1)
+    try:
+        return await _tenants_command(engine, args)
+    except TenantNotFound as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    except (JobplaneError, ValueError) as exc:  # a horizon out of range, a route missing
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    finally:
+        await engine.dispose()
+
+
+def _retention_days(value: str) -> int | None:
+    """DAYS of ``tenants set-retention``: a whole number of days, or ``none``."""
+    if value.lower() in ("none", "off", "forever"):
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"DAYS must be a whole number of days or 'none', got {value!r}"
+        ) from None
+
+
+async def _tenants_command(engine: AsyncEngine, args: argparse.Namespace) -> int:
+    import uuid
+    from datetime import UTC
+
+    from jobplane.store.maintenance import MaintenanceStore
+    from jobplane.workers.maintenance import ERASURE, RETENTION
+
+    store = MaintenanceStore(engine)
+    if args.tenants == "list":
+        for tenant in await store.tenants():
+            if args.json:
+                print(
+                    json.dumps(
+                        {
+                            "id": str(tenant.id),
+                            "name": tenant.name,
+                            "retention_days": tenant.retention_days,
+                        },
+                        sort_keys=True,
+                    )
+                )
+            else:
+                days = "-" if tenant.retention_days is None else f"{tenant.retention_days}d"
+                print(f"{tenant.name:<40}  {days:>7}  {tenant.id}")
+        return 0
+    if args.tenants == "set-retention":
+        tenant = await store.set_retention(args.tenant, args.days)
+        kept = "for ever" if tenant.retention_days is None else f"{tenant.retention_days} days"
+        print(f"tenant {tenant.name!r}: finished jobs and events are kept {kept}", file=sys.stderr)
+        return 0
+    if args.tenants == "retention":
+        if args.all:
+            names = [t.name for t in await store.tenants() if t.retention_days is not None]
+        else:
+            names = [(await store.tenant_named(name)).name for name in args.tenant]
+        if not names:
+            print("no tenant has a retention horizon", file=sys.stderr)
+            return 0
+        # One run per tenant and day: a cron that fires twice submits once.
+        day = datetime.now(UTC).strftime("%Y-%m-%d")
+        jobs = [
+            await _submit_maintenance(engine, name, RETENTION, {}, f"{RETENTION}/{day}")
+            for name in names
+        ]
+    else:  # erase
+        if not args.yes:
+            print(
+                f"error: erasing deletes every job, event, blob and index point of tenant "
+                f"{args.tenant!r}; add --yes",
+                file=sys.stderr,
+            )
+            return 2
+        tenant = await store.tenant_named(args.tenant)
+        payload = {"confirm": tenant.name}
+        jobs = [
+            await _submit_maintenance(
+                engine, tenant.name, ERASURE, payload, f"{ERASURE}/{uuid.uuid4()}"
+            )
+        ]
+    for name, job_id in jobs:
+        print(f"jobs/{job_id}")
+        print(f"submitted jobs/{job_id} for tenant {name!r}", file=sys.stderr)
+    if not args.wait:
+        return 0
+    failed = 0
+    for name, job_id in jobs:
+        failed += not await _wait_maintenance(engine, name, job_id)
+    return 1 if failed else 0
+
+
+async def _submit_maintenance(
+    engine: AsyncEngine, tenant: str, job_type: str, payload: dict[str, Any], request_id: str
+) -> tuple[str, Any]:
+    """Submit a maintenance job for ``tenant`` through the database (jobplane.submit_job)."""
+    from jobplane import txn
+
+    async with engine.begin() as conn:
+        job_id = await txn.submit_job(
+            conn, tenant=tenant, type=job_type, payload=payload, request_id=request_id
+        )
+    return tenant, job_id
+
+
+async def _wait_maintenance(engine: AsyncEngine, tenant: str, job_id: Any) -> bool:
+    """Print the job's progress until it ends; True when it succeeded."""
+    from jobplane.store.jobs import JobStore
+    from jobplane.store.maintenance import MaintenanceStore
+    from jobplane.types import JobState
+
+    tenant_id = (await MaintenanceStore(engine).tenant_named(tenant)).id
+    jobs = JobStore(engine)
+    said = ""
+    while True:
+        job = await jobs.get(tenant_id, job_id)
+        line = f"jobs/{job_id} {job.state.name} {job.progress:.0%} {job.progress_message}"
+        if line != said:
+            print(line, file=sys.stderr)
+            said = line
+        if job.state.terminal:
+            if job.result is not None:
+                print(json.dumps(job.result, sort_keys=True))
+            if job.error is not None:
+                print(f"error: {job.error.code}: {job.error.message}", file=sys.stderr)
+            return job.state is JobState.SUCCEEDED
+        await asyncio.sleep(0.5)
 
 
 def _key_json(info: KeyInfo) -> dict[str, Any]:
@@ -646,6 +838,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="slots only the highest-priority queues may use (default: a quarter)",
     )
     worker.add_argument("--queue", action="append", help="consume only this queue (repeatable)")
+    worker.add_argument(
+        "--no-maintenance",
+        action="store_true",
+        help="do not run the maintenance jobs (maintenance.retention, maintenance.erasure)",
+    )
     worker.add_argument("--grace", type=float, default=10.0, help="seconds to finish on stop")
     worker.add_argument(
         "--lease-seconds", type=float, default=30.0, help="lease of an attempt; heartbeats at 1/3"
@@ -658,6 +855,9 @@ def build_parser() -> argparse.ArgumentParser:
     dev.add_argument("--concurrency", type=int, default=8)
     dev.add_argument("--demo", action="store_true", help="submit a demo job and show it live")
     dev.add_argument("--demo-steps", type=int, default=20)
+    dev.add_argument(
+        "--no-maintenance", action="store_true", help="do not run the maintenance jobs"
+    )
     dev.set_defaults(func=_async(_dev))
 
     dlq = sub.add_parser("dlq", help="the failed (dead-letter) queue").add_subparsers(
@@ -701,6 +901,33 @@ def build_parser() -> argparse.ArgumentParser:
     for parser_ in (create, keys_list, revoke, rotate):
         parser_.set_defaults(func=_async(_keys))
 
+    tenants = sub.add_parser(
+        "tenants", help="tenants: retention horizons, retention runs, erasure"
+    ).add_subparsers(dest="tenants", required=True)
+    tenants_list = tenants.add_parser("list", help="tenants and their retention horizons")
+    tenants_list.add_argument("--json", action="store_true", help="one JSON object per tenant")
+    set_retention = tenants.add_parser(
+        "set-retention",
+        help="keep the tenant's finished jobs and events DAYS days ('none': for ever)",
+    )
+    set_retention.add_argument("tenant", metavar="TENANT")
+    set_retention.add_argument("days", metavar="DAYS", type=_retention_days)
+    retention = tenants.add_parser(
+        "retention", help="submit maintenance.retention for tenants (at most one a day each)"
+    )
+    which = retention.add_mutually_exclusive_group(required=True)
+    which.add_argument("tenant", metavar="TENANT", nargs="*", default=[])
+    which.add_argument("--all", action="store_true", help="every tenant that has a horizon")
+    erase = tenants.add_parser(
+        "erase", help="submit maintenance.erasure: delete all of the tenant's data"
+    )
+    erase.add_argument("tenant", metavar="TENANT")
+    erase.add_argument("--yes", action="store_true", help="really erase it")
+    for parser_ in (retention, erase):
+        parser_.add_argument("--wait", action="store_true", help="show progress until it ends")
+    for parser_ in (tenants_list, set_retention, retention, erase):
+        parser_.set_defaults(func=_async(_tenants))
+
     workers = sub.add_parser(
         "workers",
         help="list live workers (and those that stopped recently)",
@@ -736,7 +963,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-_OPERATOR_COMMANDS = frozenset({"migrate", "keys", "dlq", "topology", "sweep"})
+_OPERATOR_COMMANDS = frozenset({"migrate", "keys", "tenants", "dlq", "topology", "sweep"})
 
 
 def _service_of(exc: BaseException) -> str | None:
