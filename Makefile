@@ -20,10 +20,16 @@ venv: $(STAMP)
 services:
 	@scripts/services.sh
 
-## Run jobplane against the local services and show one demo job live.
+## Run jobplane against the local services, show one demo job live, then
+## upload a file and show its ingestion into Qdrant (local mode) stage by stage.
 ## Without JOBPLANE_S3_URL, blobs go to a local S3 server (scripts/dev-s3.sh).
+DEV_INGEST ?= examples/ingest/guide.pdf examples/ingest/pipelines.md
 dev: $(STAMP) services
-	JOBPLANE_S3_URL=$$(VENV=$(VENV) scripts/dev-s3.sh) $(BIN)/jobplane dev --demo
+	JOBPLANE_S3_URL=$$(VENV=$(VENV) scripts/dev-s3.sh) \
+	JOBPLANE_S3_ACCESS_KEY_ID=$${JOBPLANE_S3_ACCESS_KEY_ID:-dev} \
+	JOBPLANE_S3_SECRET_ACCESS_KEY=$${JOBPLANE_S3_SECRET_ACCESS_KEY:-dev} \
+	JOBPLANE_TOPOLOGY=$${JOBPLANE_TOPOLOGY:-builtin:ingest} \
+	$(BIN)/jobplane dev --demo $(foreach f,$(DEV_INGEST),--ingest $(f))
 
 ## Everything CI runs: lint, types, unit + integration tests on real services.
 test: $(STAMP) services lint typecheck

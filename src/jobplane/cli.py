@@ -14,9 +14,11 @@ import sys
 from collections.abc import Awaitable, Callable, Coroutine
 from contextlib import AsyncExitStack
 from datetime import datetime
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from jobplane.config import ConfigError, Settings
+from jobplane.errors import JobplaneError
 from jobplane.faults import FaultPoints
 from jobplane.logs import configure
 from jobplane.topology import Topology, TopologyError, load_topology
@@ -324,6 +326,32 @@ async def _with_maintenance(
         return None
 
 
+def _with_ingest(registry: Any, files: list[Path], settings: Settings, topology: Topology) -> Any:
+    """``registry`` with the ingest handlers for ``jobplane dev --ingest``; None after
+    saying in one line why the files cannot be ingested here."""
+    missing = [str(f) for f in files if not f.is_file()]
+    problem = ""
+    if missing:
+        problem = f"--ingest: no such file: {', '.join(missing)}"
+    elif not settings.blobs_enabled:
+        problem = "--ingest needs a blob store: set JOBPLANE_S3_URL (make dev starts one)"
+    elif topology.pipeline("ingest.file") is None:
+        problem = "--ingest needs the ingest.file pipeline: JOBPLANE_TOPOLOGY=builtin:ingest"
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return None
+    from jobplane.contrib.ingest import STAGE_TYPES
+    from jobplane.contrib.ingest import registry as ingest_registry
+
+    if all(registry.get(t) is not None for t in STAGE_TYPES):
+        return registry  # --handlers loaded them already
+    try:
+        return registry.merge(ingest_registry)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return None
+
+
 async def _dev(args: argparse.Namespace) -> int:
     from jobplane.store.engine import create_engine, migrate
     from jobplane.workers.relay import Relay
@@ -334,6 +362,11 @@ async def _dev(args: argparse.Namespace) -> int:
     registry = _registry_or_none(args.handlers, demo=True)
     if registry is None:
         return 2
+    ingest = [Path(f) for f in args.ingest or ()]
+    if ingest:
+        registry = _with_ingest(registry, ingest, settings, topology)
+        if registry is None:
+            return 2
     await migrate(settings.database_url)
     engine = create_engine(settings.database_url)
     async with AsyncExitStack() as stack:
@@ -385,6 +418,24 @@ async def _dev(args: argparse.Namespace) -> int:
                 )
                 print(f"submitted {job.name} (demo.progress); its live progress:", flush=True)
                 await render_watch(client, job.name)
+        if ingest:
+            from jobplane.client import AsyncClient
+            from jobplane.contrib.ingest.cli import ingest_files
+
+            print(
+                f"\ningesting {', '.join(map(str, ingest))} (ingest.file: parse, chunk, embed, "
+                f"index into Qdrant at {settings.qdrant_location}):",
+                flush=True,
+            )
+            try:
+                async with AsyncClient(server.address, key) as client:
+                    mode = "live" if sys.stdout.isatty() else "lines"
+                    await ingest_files(client, ingest, mode=mode)
+            except JobplaneError as exc:
+                print(f"error: the ingestion could not run: {exc}", file=sys.stderr)
+            else:
+                again = " ".join(map(str, ingest))
+                print(f"  jobplane ingest {again}   (again: changes nothing)\n", flush=True)
         print("serving; Ctrl-C to stop", flush=True)
         await _until_signal()
     return 0
@@ -857,6 +908,13 @@ def build_parser() -> argparse.ArgumentParser:
     dev.add_argument("--demo-steps", type=int, default=20)
     dev.add_argument(
         "--no-maintenance", action="store_true", help="do not run the maintenance jobs"
+    )
+    dev.add_argument(
+        "--ingest",
+        action="append",
+        metavar="FILE",
+        help="also run the ingest handlers, then upload FILE and show its ingestion live "
+        "(repeatable; needs JOBPLANE_S3_URL and JOBPLANE_TOPOLOGY=builtin:ingest)",
     )
     dev.set_defaults(func=_async(_dev))
 

@@ -87,21 +87,39 @@ async def _ingest(client: AsyncClient, args: argparse.Namespace) -> int:
         options["chunk_size"] = args.chunk_size
     if args.chunk_overlap is not None:
         options["chunk_overlap"] = args.chunk_overlap
+    mode = "json" if args.json else "live" if sys.stdout.isatty() else "lines"
+    ok = await ingest_files(client, paths, options, mode=mode, wait=not args.no_wait)
+    return EXIT_OK if ok else EXIT_FAILED
+
+
+async def ingest_files(
+    client: AsyncClient,
+    paths: Sequence[Path],
+    options: dict[str, Any] | None = None,
+    *,
+    mode: str = "live",
+    wait: bool = True,
+) -> bool:
+    """Upload and submit each file, then follow them until they end; True when all succeeded.
+
+    ``mode`` is how they are shown: ``live`` (a bar per file and a line per stage),
+    ``lines`` (a line per event) or ``json`` (an object per line).
+    """
     submitted = []
     for path in paths:
         blob = await client.upload(path)
         name = file_name(str(path))
-        job = await client.submit(PIPELINE, {"blob": blob.name, "file": name, **options})
+        job = await client.submit(PIPELINE, {"blob": blob.name, "file": name, **(options or {})})
         submitted.append(_Submitted(name, job))
-        if args.json:
+        if mode == "json":
             print_json({"file": name, "blob": blob.name, "job": job.name})
-        elif args.no_wait or not sys.stdout.isatty():
+        elif not wait or mode == "lines":
             print(f"{name}: {blob.name} ({blob.size} bytes) -> {job.name}", flush=True)
-    if args.no_wait:
-        return EXIT_OK
-    if args.json:
+    if not wait:
+        return True
+    if mode == "json":
         await asyncio.gather(*(_json_events(client, s) for s in submitted))
-    elif sys.stdout.isatty():
+    elif mode == "live":
         await _live(client, submitted)
     else:
         await asyncio.gather(*(_lines(client, s) for s in submitted))
@@ -109,11 +127,11 @@ async def _ingest(client: AsyncClient, args: argparse.Namespace) -> int:
     for item in submitted:
         job = await client.get(item.job.name)
         ok = ok and job.state is JobState.SUCCEEDED
-        if args.json:
+        if mode == "json":
             print_json({"file": item.file, **job_to_json(job)})
         else:
             print(summary(item.file, job), flush=True)
-    return EXIT_OK if ok else EXIT_FAILED
+    return ok
 
 
 def summary(file: str, job: Job) -> str:
