@@ -113,3 +113,11 @@ def test_a_declared_charset_is_honoured() -> None:
 def test_tidy_is_idempotent() -> None:
     text = " a \t b\r\n\r\n\r\n c\u00a0 d "
     assert tidy(tidy(text)) == tidy(text) == "a b\n\nc d"
+
+
+@pytest.mark.parametrize("codec", ["zlib", "base64", "hex", "rot13", "no-such-charset"])
+def test_a_charset_that_is_no_text_encoding_is_ignored(codec: str) -> None:
+    """Codecs that look up but cannot decode text fall back to UTF-8, never crash."""
+    assert parse(b"plain words", content_type=f"text/plain; charset={codec}").text == "plain words"
+    page = f'<html><head><meta charset="{codec}"></head><body><p>caf\u00e9</p>'.encode()
+    assert "café" in parse(page, file="p.html").text

@@ -112,10 +112,13 @@ def _meta_charset(data: bytes) -> str | None:
 
 
 def _codec(name: str) -> str | None:
+    """The codec a declared charset names; None for an unknown one or for a codec that
+    is not a text encoding (``zlib``, ``base64``, ``rot13`` look up but cannot decode)."""
     try:
-        return codecs.lookup(name).name
+        info = codecs.lookup(name)
     except LookupError:
         return None
+    return info.name if getattr(info, "_is_text_encoding", True) else None
 
 
 def decode_text(data: bytes, charset: str | None = None) -> str:
