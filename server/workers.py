@@ -20,7 +20,6 @@ write's own statement, never by what is kept here.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import re
 import uuid
@@ -32,6 +31,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import structlog
 
 from jobplane import __version__
+from jobplane.blobs.payloads import payload_from_blob
 from jobplane.config import DEFAULT_INLINE_BYTES
 from jobplane.envelope import Envelope
 from jobplane.errors import (
@@ -334,18 +334,16 @@ class WorkerService:
         else:
             try:
                 data = await self._blobs.read_bytes(attempt.tenant_id, ref.name)
-                payload = json.loads(data)
-                if isinstance(payload, dict):
-                    return ClaimResult(
-                        ClaimStatus.CLAIMED, attempt=dataclasses.replace(attempt, payload=payload)
-                    )
-                code, message = "PAYLOAD_INVALID", f"{ref.name} is not a JSON object"
+                payload = payload_from_blob(data, ref.name)
+                return ClaimResult(
+                    ClaimStatus.CLAIMED, attempt=dataclasses.replace(attempt, payload=payload)
+                )
             except BlobStoreUnavailable as exc:
                 code, message, retryable = exc.reason, exc.message, True
             except BlobNotFound as exc:
                 code, message = exc.reason, exc.message
             except ValueError as exc:
-                code, message = "PAYLOAD_INVALID", f"{ref.name} is not JSON: {exc}"
+                code, message = "PAYLOAD_INVALID", str(exc)
         log.warning("worker_service.payload_unavailable", job=job_name(attempt.job_id), code=code)
         if retryable and attempt.attempts_left > 0:
             delay = retry_delay(self._topology, attempt.queue, attempt.budget_attempt)

@@ -32,6 +32,7 @@ from collections.abc import AsyncIterable, AsyncIterator, Callable, Coroutine, I
 from contextlib import AbstractAsyncContextManager
 from typing import TYPE_CHECKING, Any, Protocol
 
+from jobplane.blobs.payloads import payload_from_blob
 from jobplane.errors import (
     BlobNotFound,
     BlobsDisabled,
@@ -396,18 +397,9 @@ def with_offloaded_payload(handler: Handler, *, max_bytes: int) -> Handler:
         if ref is not None and ctx._payload is None:
             data = await ctx.read_blob(ref.name, limit=max_bytes)
             try:
-                payload = json.loads(data)
+                ctx._payload = payload_from_blob(data, ref.name)
             except ValueError as exc:
-                raise PermanentError(
-                    f"the payload blob {ref.name} is not JSON: {exc}", code="PAYLOAD_INVALID"
-                ) from None
-            if not isinstance(payload, dict):
-                raise PermanentError(
-                    f"the payload blob {ref.name} holds a JSON {type(payload).__name__}, "
-                    "not an object",
-                    code="PAYLOAD_INVALID",
-                )
-            ctx._payload = payload
+                raise PermanentError(str(exc), code="PAYLOAD_INVALID") from None
         return await handler(ctx)
 
     return run
