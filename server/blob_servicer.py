@@ -8,16 +8,17 @@ from __future__ import annotations
 
 import base64
 import binascii
+import contextlib
 import functools
 import uuid
-from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Iterator
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import grpc
 
 from jobplane.blobs.names import parse_digest
 from jobplane.convert import timestamp
-from jobplane.errors import BlobsDisabled, InvalidArgument
+from jobplane.errors import BlobsDisabled, InvalidArgument, TenantLimitExceeded
 from jobplane.server.auth import current_identity
 from jobplane.server.status import error_for, to_grpc_status
 from jobplane.v1 import blobs_pb2, blobs_pb2_grpc
@@ -31,6 +32,10 @@ Resp = TypeVar("Resp")
 
 #: The most bytes of one UploadBlob or DownloadBlob message.
 MAX_CHUNK_BYTES = 1024 * 1024
+#: Uploads and downloads one tenant may have open at once on one server: each
+#: holds one of the process's S3 connections (and an upload a part in memory),
+#: so one tenant's slow readers cannot take them all from the others.
+MAX_TRANSFERS_PER_TENANT = 8
 DEFAULT_PAGE_SIZE = 100
 MAX_PAGE_SIZE = 1000
 MAX_CONTENT_TYPE = 255
@@ -95,8 +100,33 @@ def _call(
 class BlobServiceServicer(blobs_pb2_grpc.BlobServiceServicer):
     """The BlobService RPCs; ``store`` None: blobs are disabled (FAILED_PRECONDITION)."""
 
-    def __init__(self, store: BlobStore | None) -> None:
+    def __init__(
+        self, store: BlobStore | None, *, max_transfers: int = MAX_TRANSFERS_PER_TENANT
+    ) -> None:
         self._store = store
+        self._max_transfers = max_transfers
+        self._transfers: dict[uuid.UUID, int] = {}
+
+    @contextlib.contextmanager
+    def _transfer(self, tenant: uuid.UUID) -> Iterator[None]:
+        """One of the tenant's transfer slots for the block; TenantLimitExceeded when none."""
+        held = self._transfers.get(tenant, 0)
+        if held >= self._max_transfers:
+            raise TenantLimitExceeded(
+                f"this tenant already has {held} uploads and downloads open on this server; "
+                "finish some first",
+                metadata={"limit": "blob_transfers", "max": str(self._max_transfers)},
+                retry_delay=1.0,
+            )
+        self._transfers[tenant] = held + 1
+        try:
+            yield
+        finally:
+            left = self._transfers[tenant] - 1
+            if left:
+                self._transfers[tenant] = left
+            else:
+                del self._transfers[tenant]
 
     def require(self) -> BlobStore:
         """The store; :class:`BlobsDisabled` when there is none."""
@@ -114,13 +144,14 @@ class BlobServiceServicer(blobs_pb2_grpc.BlobServiceServicer):
         messages = aiter(request_iterator)
         header = _header(await anext(messages, None))
         size = header.size if header.HasField("size") else None
-        info = await store.put_stream(
-            tenant,
-            _chunks(messages),
-            digest=_declared_digest(header.sha256),
-            content_type=_content_type(header.content_type),
-            size=_size(size),
-        )
+        with self._transfer(tenant):
+            info = await store.put_stream(
+                tenant,
+                _chunks(messages),
+                digest=_declared_digest(header.sha256),
+                content_type=_content_type(header.content_type),
+                size=_size(size),
+            )
         return blob_to_pb(info)
 
     @_call
@@ -134,10 +165,12 @@ class BlobServiceServicer(blobs_pb2_grpc.BlobServiceServicer):
     ) -> AsyncIterator[blobs_pb2.DownloadBlobResponse]:
         try:
             store = self.require()
-            async with store.open(current_identity().tenant_id, request.name) as reader:
-                yield blobs_pb2.DownloadBlobResponse(blob=blob_to_pb(reader.info))
-                async for chunk in reader.iter_chunks(MAX_CHUNK_BYTES):
-                    yield blobs_pb2.DownloadBlobResponse(chunk=chunk)
+            tenant = current_identity().tenant_id
+            with self._transfer(tenant):
+                async with store.open(tenant, request.name) as reader:
+                    yield blobs_pb2.DownloadBlobResponse(blob=blob_to_pb(reader.info))
+                    async for chunk in reader.iter_chunks(MAX_CHUNK_BYTES):
+                        yield blobs_pb2.DownloadBlobResponse(chunk=chunk)
         except Exception as exc:
             await context.abort_with_status(to_grpc_status(error_for(exc, "DownloadBlob")))
 

@@ -275,3 +275,38 @@ async def test_the_cli(blob_stack: Stack, tmp_path: Path) -> None:
     code, _, err = await jobplane(blob_stack, "blobs", "delete", name.removeprefix("blobs/"))
     assert code == 0, err
     assert (await blob_stack.client().list_blobs()).blobs == []
+
+
+async def test_a_tenant_holds_a_bounded_number_of_transfers(blob_stack: Stack) -> None:
+    """Open downloads each hold an S3 connection: one tenant's are capped, others go on."""
+    from jobplane.server.blob_servicer import MAX_TRANSFERS_PER_TENANT
+
+    # Large enough that a download stays open while its reader waits (flow control).
+    blob = await blob_stack.client().upload(io.BytesIO(os.urandom(24 * MiB)))
+    other = await blob_stack.new_key("globex")
+    other_blob = await blob_stack.client(other).upload(io.BytesIO(b"globex"))
+    auth = (("authorization", f"Bearer {blob_stack.key}"),)
+    async with grpc.aio.insecure_channel(blob_stack.server.address) as channel:
+        stub = blobs_pb2_grpc.BlobServiceStub(channel)
+        held = []
+        for _ in range(MAX_TRANSFERS_PER_TENANT):
+            call = stub.DownloadBlob(blobs_pb2.DownloadBlobRequest(name=blob.name), metadata=auth)
+            first = await call.read()  # the header: the transfer is open and stays so
+            assert isinstance(first, blobs_pb2.DownloadBlobResponse)
+            assert first.blob.name == blob.name
+            held.append(call)
+        refused = stub.DownloadBlob(blobs_pb2.DownloadBlobRequest(name=blob.name), metadata=auth)
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await refused.read()
+        assert caught.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "uploads and downloads open" in (caught.value.details() or "")
+        # Another tenant is not held up by the first one's transfers.
+        assert await blob_stack.client(other).read_blob(other_blob.name) == b"globex"
+        held.pop().cancel()
+        await asyncio.sleep(0.2)
+        again = stub.DownloadBlob(blobs_pb2.DownloadBlobRequest(name=blob.name), metadata=auth)
+        reply = await again.read()
+        assert isinstance(reply, blobs_pb2.DownloadBlobResponse)
+        assert reply.blob.name == blob.name
+        for call in (*held, again):
+            call.cancel()

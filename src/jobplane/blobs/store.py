@@ -305,6 +305,9 @@ class BlobStore:
             ready = self._client
             if ready is None:
                 config = Config(
+                    # Each open download and upload holds one (the server caps
+                    # them per tenant); botocore's default of 10 is too few.
+                    max_pool_connections=64,
                     connect_timeout=5,
                     read_timeout=60,
                     retries={"max_attempts": 3, "mode": "standard"},
