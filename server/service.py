@@ -49,7 +49,7 @@ MAX_CORRELATION_ID_BYTES = 255
 MAX_LABELS = 64
 _LABEL_KEY = re.compile(r"[a-z0-9]([a-z0-9._/-]{0,61}[a-z0-9])?")
 MAX_LABEL_VALUE = 256
-MAX_BLOB_REFERENCES = 1000
+MAX_BLOB_REFERENCES = 10_000
 MAX_REASON_LENGTH = 1024
 # A job's timeout is read back in whole milliseconds or finer; anything
 # shorter would read back as no time at all.

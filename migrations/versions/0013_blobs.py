@@ -53,10 +53,17 @@ CREATE TABLE job_blobs (
 );
 CREATE INDEX job_blobs_blob ON job_blobs (tenant_id, digest);
 
-ALTER TABLE jobs ADD COLUMN payload_blob text CHECK (payload_blob ~ '^[0-9a-f]{64}$');
-ALTER TABLE jobs ADD COLUMN payload_blob_size bigint;
-ALTER TABLE jobs ADD COLUMN result_blob text CHECK (result_blob ~ '^[0-9a-f]{64}$');
-ALTER TABLE jobs ADD COLUMN result_blob_size bigint;
+-- The checks are added NOT VALID: the new columns are NULL in every existing
+-- row, so validating them would only scan the whole jobs table under the
+-- ALTER's lock; new and updated rows are checked all the same.
+ALTER TABLE jobs ADD COLUMN payload_blob text,
+                 ADD COLUMN payload_blob_size bigint,
+                 ADD COLUMN result_blob text,
+                 ADD COLUMN result_blob_size bigint;
+ALTER TABLE jobs ADD CONSTRAINT jobs_payload_blob_check
+                 CHECK (payload_blob ~ '^[0-9a-f]{64}$') NOT VALID,
+                 ADD CONSTRAINT jobs_result_blob_check
+                 CHECK (result_blob ~ '^[0-9a-f]{64}$') NOT VALID;
 
 CREATE FUNCTION jobplane.record_job_blobs() RETURNS trigger
 LANGUAGE plpgsql AS $$
