@@ -570,14 +570,26 @@ class AsyncClient:
 
         Streams in chunks of 1 MiB. The same bytes give the same blob, stored
         once. A path's sha256 is computed first and checked by the server.
+        A path or bytes are sent again while the server cannot be reached (for
+        the client's ``timeout`` at most); a stream, read once, is not.
         """
-        try:
-            reply = await self._get_blob_stub().UploadBlob(
-                upload_requests(source, content_type), metadata=self._metadata
-            )
-        except grpc.aio.AioRpcError as exc:
-            raise error_from_rpc(exc) from exc
-        return blob_from_pb(reply)
+        again = not hasattr(source, "read")
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + (self._timeout or _UNBOUNDED_CALL_BUDGET)
+        backoff = Backoff(_UNARY_RETRY)
+        while True:
+            try:
+                reply = await self._get_blob_stub().UploadBlob(
+                    upload_requests(source, content_type), metadata=self._metadata
+                )
+                return blob_from_pb(reply)
+            except grpc.aio.AioRpcError as exc:
+                delay = backoff.failure()
+                if not (again and is_retryable(exc)) or self._closed:
+                    raise error_from_rpc(exc) from exc
+                if delay is None or loop.time() + delay >= deadline:
+                    raise error_from_rpc(exc) from exc
+            await asyncio.sleep(delay)
 
     async def get_blob(self, name: str) -> Blob:
         """One blob's metadata."""

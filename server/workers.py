@@ -348,7 +348,7 @@ class WorkerService:
                 code, message = "PAYLOAD_INVALID", f"{ref.name} is not JSON: {exc}"
         log.warning("worker_service.payload_unavailable", job=job_name(attempt.job_id), code=code)
         if retryable and attempt.attempts_left > 0:
-            delay = retry_delay(self._topology, attempt.queue, attempt.attempt)
+            delay = retry_delay(self._topology, attempt.queue, attempt.budget_attempt)
             await self._store.schedule_retry(attempt, code, message, delay=delay)
             return ClaimResult(ClaimStatus.STALE)
         await self._store.fail(attempt, code, message, retryable=False)
@@ -419,7 +419,7 @@ class WorkerService:
             wait = (
                 delay
                 if delay is not None
-                else retry_delay(self._topology, attempt.queue, attempt.attempt)
+                else retry_delay(self._topology, attempt.queue, attempt.budget_attempt)
             )
             await self._fenced(
                 fence,

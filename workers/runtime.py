@@ -659,7 +659,10 @@ class Worker:
     def _backoff(self, attempt: Attempt) -> float:
         # The same policy as WorkerService's (jobplane.server.workers).
         return retry_delay(
-            self._topology, attempt.queue, attempt.attempt, base_override=self._retry_base_delay
+            self._topology,
+            attempt.queue,
+            attempt.budget_attempt,
+            base_override=self._retry_base_delay,
         )
 
     async def _outcome(

@@ -95,7 +95,22 @@ async def test_a_worker_killed_at_each_stage_leaves_the_points_of_an_uninterrupt
             return job.name
 
         async def finished(name: str) -> Any:
-            done = await client.wait(name, timeout=60)
+            try:
+                done = await client.wait(name, timeout=60)
+            except TimeoutError:
+                job = await client.get(name)
+                stages = [(s.name, s.state.name, s.attempts, s.error) for s in job.stages]
+                job_id = uuid.UUID(job.name.partition("/")[2])
+                rows = await cluster.query(
+                    "SELECT j.state, j.attempt, j.dispatch_id, j.lease_expires_at, now() AS now, "
+                    "(SELECT json_agg(json_build_object('id', o.id, 'due', o.available_at, "
+                    "'published', o.published_at, 'error', o.last_error)) FROM outbox o "
+                    "WHERE o.job_id = j.id) AS outbox FROM jobs j WHERE j.id = $1",
+                    job_id,
+                )
+                raise AssertionError(
+                    f"{name} did not end: {job.state.name} {stages} {[dict(r) for r in rows]}"
+                ) from None
             assert done.state is JobState.SUCCEEDED, done.error
             return done
 
@@ -109,7 +124,13 @@ async def test_a_worker_killed_at_each_stage_leaves_the_points_of_an_uninterrupt
         name = await ingest("doc.txt", new)
         for point in CRASH_POINTS:
             crashing = await _worker(cluster, faults=f"crash:{point}")
-            assert await crashing.wait(timeout=30) == 137, f"no crash at {point}"
+            try:
+                code = await crashing.wait(timeout=30)
+            except TimeoutError:
+                job = await client.get(name)
+                stages = [(s.name, s.state.name, s.attempts) for s in job.stages]
+                raise AssertionError(f"no crash at {point}: {job.state.name} {stages}") from None
+            assert code == 137, f"{point}: exit {code}"
         last = await _worker(cluster)
         done = await finished(name)
         last.kill()

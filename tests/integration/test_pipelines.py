@@ -399,3 +399,33 @@ async def test_the_sql_submit_refuses_a_pipeline_name(pipeline: tuple[Stack, Sta
             text("SELECT jobplane.submit_job(tenant => 'acme', type => 'index.upsert')")
         )
     assert await stack.scalar("SELECT count(*) FROM jobs WHERE pipeline IS NULL") == 1
+
+
+async def test_a_late_stages_lost_lease_backs_off_by_the_stages_attempts(
+    pipeline: tuple[Stack, Stages], engine: AsyncEngine
+) -> None:
+    from jobplane.store.sweeps import SweepStore
+
+    stack, stages = pipeline
+    client = stack.client()
+    stages.hold_neural = True
+    job = await client.submit(_PIPELINE, {"track": "t-lease"})
+    await asyncio.wait_for(stages.neural_started.wait(), 30)
+    # The job's second attempt (native used the first) is the neural stage's first.
+    assert await stack.scalar("SELECT attempt FROM jobs WHERE id = :id", id=job.id) == 2
+    async with engine.begin() as conn:
+        await conn.execute(
+            text("UPDATE jobs SET lease_expires_at = now() - interval '1 hour' WHERE id = :id"),
+            {"id": job.id},
+        )
+    asked: list[int] = []
+
+    def delay(attempt: int) -> float:
+        asked.append(attempt)
+        return 0.0
+
+    repaired = await SweepStore(engine).expire_leases(grace=0, limit=10, delay=delay)
+    assert repaired.requeued == 1
+    # Backed off as the stage's first attempt, not as the job's second.
+    assert asked == [1]
+    await client.cancel(job.name)

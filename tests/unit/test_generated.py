@@ -61,5 +61,7 @@ def test_wheel_has_stubs_types_migrations_and_topology(tmp_path: Path) -> None:
         "jobplane/migrations/env.py",
         "jobplane/migrations/versions/0001_core.py",
         "jobplane/topologies/default.toml",
+        "jobplane/topologies/ingest.toml",
+        "jobplane/contrib/ingest/handlers.py",
     ):
         assert required in names, f"{required} missing from the wheel"

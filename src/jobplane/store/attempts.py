@@ -110,6 +110,17 @@ class Attempt:
         """Attempts still allowed after this one."""
         return self.max_attempts - (self.attempt - self.retry_base)
 
+    @property
+    def budget_attempt(self) -> int:
+        """This attempt's number within its budget, from 1: the stage's for a pipeline job.
+
+        ``attempt`` counts every attempt of the job, across its stages; a
+        retry's backoff grows with this one, or a late stage's first retry
+        would wait as long as if it had failed for every earlier stage's
+        attempts too.
+        """
+        return self.attempt - self.retry_base
+
     def fence(self) -> dict[str, Any]:
         """Bind parameters of the fence."""
         return {"id": self.job_id, "attempt": self.attempt, "lease_token": self.lease_token}

@@ -172,7 +172,8 @@ class SweepStore:
                             **params,
                             "message": message,
                             "dispatch_id": new_id(),
-                            "delay": delay(int(row.attempt)),
+                            # The budget's attempt: a stage's (Attempt.budget_attempt).
+                            "delay": delay(int(row.attempt - row.retry_base)),
                         },
                         Cause(message, {"error": {"code": "LEASE_EXPIRED", "retryable": True}}),
                         returning=_ID,

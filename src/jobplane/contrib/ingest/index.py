@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import functools
+import importlib
 import json
 import re
 import uuid
@@ -136,6 +137,9 @@ class _Client:
             return self._client
         async with self._opening:
             if self._client is None:
+                # qdrant-client's first import takes a second (its models): not
+                # on the event loop, where it would hold up the heartbeats.
+                await asyncio.to_thread(importlib.import_module, "qdrant_client")
                 self._client = await self._connect()
         return self._client
 
