@@ -80,17 +80,20 @@ async def _migrate(_args: argparse.Namespace) -> int:
     return 0
 
 
-def _blob_store(settings: Settings, engine: AsyncEngine, stack: AsyncExitStack) -> BlobStore | None:
+def _blob_store(settings: Settings, stack: AsyncExitStack) -> BlobStore | None:
     """The process's blob store (closed with ``stack``); None when JOBPLANE_S3_URL is unset.
 
     Nothing is opened here: S3 is reached at first use, so a process starts
-    while the object store is down.
+    while the object store is down. The store has a small database pool of its
+    own: it holds a blob's lock across the S3 call that completes the blob, and
+    a slow object store must never take the connections of submits, claims and
+    heartbeats.
     """
     if not settings.blobs_enabled:
         return None
     from jobplane.blobs import BlobStore
 
-    store: BlobStore = BlobStore.from_settings(settings, engine)
+    store: BlobStore = BlobStore.from_settings(settings)
     stack.push_async_callback(store.close)
     return store
 
@@ -141,9 +144,7 @@ async def _serve(_args: argparse.Namespace) -> int:
     engine = create_engine(settings.database_url, pool_size=settings.db_pool_size)
     async with AsyncExitStack() as stack:
         stack.push_async_callback(engine.dispose)
-        server = _server(
-            settings, topology, engine, tls=True, blobs=_blob_store(settings, engine, stack)
-        )
+        server = _server(settings, topology, engine, tls=True, blobs=_blob_store(settings, stack))
         await _started(stack, server.start, server.stop)
         transport = "plaintext"
         if settings.tls_cert is not None:
@@ -258,7 +259,7 @@ async def _worker(args: argparse.Namespace) -> int:
     faults = FaultPoints(settings.faults)
     async with AsyncExitStack() as stack:
         stack.push_async_callback(engine.dispose)
-        blobs = _blob_store(settings, engine, stack)
+        blobs = _blob_store(settings, stack)
         if not args.no_maintenance:
             registry = await _with_maintenance(stack, registry, engine, blobs, settings, faults)
             if registry is None:
@@ -371,7 +372,7 @@ async def _dev(args: argparse.Namespace) -> int:
     engine = create_engine(settings.database_url)
     async with AsyncExitStack() as stack:
         stack.push_async_callback(engine.dispose)
-        blobs = _blob_store(settings, engine, stack)
+        blobs = _blob_store(settings, stack)
         if not args.no_maintenance:
             registry = await _with_maintenance(
                 stack, registry, engine, blobs, settings, FaultPoints(settings.faults)

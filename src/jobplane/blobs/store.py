@@ -261,7 +261,7 @@ class BlobStore:
         if engine is None:
             from jobplane.store.engine import create_engine
 
-            engine = create_engine(settings.database_url, pool_size=4)
+            engine = create_engine(settings.database_url, pool_size=8)
         return cls(
             engine,
             url=settings.s3_url,
