@@ -349,6 +349,17 @@ async def _index(
         )
         faults.hit("ingest.index.deleted")
         stored = await index.count(ctx.tenant_id, request.file, collection=collection)
+        if stored != written:
+            # Another process indexed another version of this file meanwhile
+            # (the lock above is this process's only): its points replaced or
+            # deleted some of these. Write them again, so the file ends with
+            # the points of one version, the one whose index stage ended last.
+            raise RetryableError(
+                f"{request.file} has {stored} points, not the {written} just written: "
+                "another version of it was indexed at the same time",
+                delay=1.0,
+                code="INDEX_CONFLICT",
+            )
     except IndexUnavailable as exc:
         raise RetryableError(str(exc), code="INDEX_UNAVAILABLE") from exc
     except CollectionMismatch as exc:
