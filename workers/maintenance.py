@@ -239,8 +239,14 @@ class Maintenance:
         await tally.report(0.8, "blobs deleted")
         index = "not configured"
         if self._index is not None:
+            from jobplane.contrib.ingest.index import IndexUnavailable
+
             tally.phase = "index"
-            points = await self._index.delete_tenant(str(tenant.id))
+            try:
+                points = await self._index.delete_tenant(str(tenant.id))
+            except IndexUnavailable as exc:
+                # Down, or (local mode) held by the process that indexes: later.
+                raise RetryableError(str(exc), code="INDEX_UNAVAILABLE") from exc
             tally.add("index_points", points)
             index = "erased"
         left = await self._store.left(tenant.id, keep=me)

@@ -179,6 +179,13 @@ _LEFT = {
     "events": (
         "SELECT count(*) FROM events WHERE tenant_id = :tenant_id AND job_id IS DISTINCT FROM :keep"
     ),
+    # A blob uploaded while the erasure ran (its row is written after its
+    # object): the next attempt deletes it with the rest.
+    "blobs": (
+        "SELECT count(*) FROM blobs b WHERE b.tenant_id = :tenant_id AND NOT EXISTS ("
+        " SELECT 1 FROM job_blobs r WHERE r.tenant_id = b.tenant_id AND r.digest = b.digest"
+        " AND r.job_id = :keep)"
+    ),
 }
 
 
