@@ -168,3 +168,17 @@ async def test_points_need_a_tenant(index: Index) -> None:
     await index.ensure_collection(EMBED.dim)
     with pytest.raises(TypeError, match="tenant_id"):
         await index.upsert([Point(uuid.uuid4(), EMBED.embed_one("x"), {"file": "a"})])
+
+
+async def test_a_collection_ingestion_did_not_make_is_refused(index: Index) -> None:
+    """On a shared Qdrant, a payload's collection cannot name another application's."""
+    from qdrant_client.http import models
+
+    await index._client.call(
+        "create_collection",
+        collection_name="theirs",
+        vectors_config=models.VectorParams(size=EMBED.dim, distance=models.Distance.COSINE),
+    )
+    with pytest.raises(CollectionMismatch, match="not made by ingestion"):
+        await index.ensure_collection(EMBED.dim, collection="theirs")
+    assert await index.ensure_collection(EMBED.dim, collection="ours") == "ours"

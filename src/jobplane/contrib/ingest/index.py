@@ -80,6 +80,16 @@ class IndexUnavailable(Exception):
     """Qdrant cannot be reached (or its local path is held by another process); try later."""
 
 
+def _ingestions(name: str, info: Any) -> bool:
+    """Whether collection ``name`` (its ``get_collection`` info) is one ingestion made:
+    marked so, or the default collection, ingestion's even on a server too old to
+    keep collection metadata."""
+    metadata = getattr(info.config, "metadata", None) or {}
+    return bool(
+        metadata.get("jobplane") == COLLECTION_MARK["jobplane"] or name == DEFAULT_COLLECTION
+    )
+
+
 class CollectionMismatch(ValueError):
     """The collection exists with vectors of another size (another embedder)."""
 
@@ -297,7 +307,14 @@ class Index:
                 await self._payload_index(name, "tenant_id", tenant=True)
                 await self._payload_index(name, "file", tenant=False)
                 await self._payload_index(name, "version", tenant=False)
-        size = await self._size(name)
+        info = await self._client.call("get_collection", collection_name=name)
+        if not _ingestions(name, info):
+            # Another application's collection on a shared server: a tenant's
+            # payload must not write into it (nor would erasure look there).
+            raise CollectionMismatch(
+                f"collection {name!r} was not made by ingestion; name another collection"
+            )
+        size = int(info.config.params.vectors.size)
         if size != dim:
             raise CollectionMismatch(
                 f"collection {name!r} holds vectors of {size} dimensions, the embedder makes {dim}"
@@ -317,11 +334,6 @@ class Index:
             ),
             wait=True,
         )
-
-    async def _size(self, name: str) -> int:
-        info = await self._client.call("get_collection", collection_name=name)
-        vectors = info.config.params.vectors
-        return int(vectors.size)
 
     async def upsert(self, points: Sequence[Point], *, collection: str | None = None) -> int:
         """Write ``points`` (each overwrites the point of its id), waiting until applied."""
@@ -372,12 +384,7 @@ class Index:
         for description in found.collections:
             name = description.name
             info = await self._client.call("get_collection", collection_name=name)
-            metadata = getattr(info.config, "metadata", None) or {}
-            # The default collection is ingestion's even on a server too old
-            # to keep collection metadata.
-            if metadata.get("jobplane") != COLLECTION_MARK["jobplane"] and name != (
-                DEFAULT_COLLECTION
-            ):
+            if not _ingestions(name, info):
                 continue
             deleted += await self._count(name, _of(tenant_id))
             await self._client.call(
