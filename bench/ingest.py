@@ -32,7 +32,7 @@ STAGES = ("parse", "chunk", "embed", "index")
 
 async def fig_ingest(bench: Bench) -> None:
     """Ingestion throughput per stage and end to end (see the module's docstring)."""
-    from bench.run import Figure
+    from bench.run import Figure, wait_ready
 
     docs, words = bench.args.ingest_docs, bench.args.ingest_words
     if not bench.s3_env:
@@ -75,12 +75,7 @@ async def fig_ingest(bench: Bench) -> None:
             names.append(info.name)
         marker = time.time()
         async with AsyncClient(bench.address, bench.key) as client:
-            for _ in range(200):
-                try:
-                    await client.list(page_size=1)
-                    break
-                except Exception:
-                    await asyncio.sleep(0.05)
+            await wait_ready(client)
             await asyncio.sleep(1.0)  # workers declare and consume
             marker = time.time()
             jobs = await asyncio.gather(

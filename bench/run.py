@@ -56,6 +56,17 @@ from tests.support.s3 import MotoServer
 ROOT = Path(__file__).resolve().parent.parent
 
 
+async def wait_ready(client: AsyncClient) -> None:
+    """Until the server answers a call (at most about 10 s)."""
+    for _ in range(200):
+        try:
+            await client.list(page_size=1)
+        except Exception:
+            await asyncio.sleep(0.05)
+        else:
+            return
+
+
 @dataclass
 class Figure:
     """One measured number, the configuration it ran under, and its floor."""
@@ -198,12 +209,7 @@ class Bench:
                 str(self.args.concurrency),
             )
         async with AsyncClient(self.address, self.key) as client:
-            for _ in range(200):
-                try:
-                    await client.list(page_size=1)
-                    break
-                except Exception:
-                    await asyncio.sleep(0.05)
+            await wait_ready(client)
         await asyncio.sleep(1.0)  # workers declare and consume
 
     async def sql(self, query: str, *params: Any) -> list[asyncpg.Record]:
