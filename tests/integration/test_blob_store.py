@@ -234,3 +234,20 @@ async def test_collection_against_a_concurrent_reference(
         await conn.commit()
     assert await collecting == 0
     assert await blobs.read_bytes(tenant, info.name) == b"wanted"
+
+
+async def test_a_bucket_the_store_makes_expires_abandoned_uploads(
+    engine: AsyncEngine, moto: MotoServer
+) -> None:
+    """A server killed mid-upload cannot abort it: the bucket's lifecycle rule does."""
+    store = blob_store(engine, moto.url, prefix="jp/")
+    try:
+        tenant = await _tenant(engine, "acme")
+        await store.put_bytes(tenant, b"first use makes the bucket")
+        s3 = await store._s3()
+        rules = (await s3.get_bucket_lifecycle_configuration(Bucket=store.bucket))["Rules"]
+        assert [(r["Status"], r["Filter"], r["AbortIncompleteMultipartUpload"]) for r in rules] == [
+            ("Enabled", {"Prefix": "jp/"}, {"DaysAfterInitiation": 1})
+        ]
+    finally:
+        await store.close()

@@ -354,6 +354,32 @@ class BlobStore:
                 code = exc.response.get("Error", {}).get("Code", "")
                 if code not in ("BucketAlreadyOwnedByYou", "BucketAlreadyExists"):
                     raise
+                return
+            await self._expire_abandoned_uploads(s3)
+
+    async def _expire_abandoned_uploads(self, s3: S3Client) -> None:
+        """On a bucket this store made: abort multipart uploads left unfinished for a day.
+
+        A server that dies mid-upload cannot abort its upload; the object store
+        would keep its parts (and bill them) for ever. A bucket made elsewhere
+        keeps the lifecycle rules its owner gave it (docs: ADR-0020).
+        """
+        try:
+            await s3.put_bucket_lifecycle_configuration(
+                Bucket=self.bucket,
+                LifecycleConfiguration={
+                    "Rules": [
+                        {
+                            "ID": "jobplane-abort-abandoned-uploads",
+                            "Status": "Enabled",
+                            "Filter": {"Prefix": self.prefix},
+                            "AbortIncompleteMultipartUpload": {"DaysAfterInitiation": 1},
+                        }
+                    ]
+                },
+            )
+        except ClientError as exc:  # a server without lifecycle rules: uploads still work
+            log.warning("blobs.bucket.lifecycle_refused", bucket=self.bucket, error=str(exc))
 
     # -- rows ---------------------------------------------------------------
 
