@@ -14,7 +14,7 @@ import logging
 import re
 import sys
 import traceback
-from typing import Any
+from typing import Any, TextIO, cast
 
 import asyncpg
 import structlog
@@ -130,6 +130,17 @@ class _ScrubbingFormatter(logging.Formatter):
         return scrub(super().format(record))
 
 
+class _CurrentStderr:
+    """Writes to whatever ``sys.stderr`` is when a line is logged, not when logging was
+    configured: an embedding program (or a test runner) may replace and close it."""
+
+    def write(self, text: str) -> int:
+        return sys.stderr.write(text)
+
+    def flush(self) -> None:
+        sys.stderr.flush()
+
+
 def configure(level: str = "info", fmt: str = "console") -> None:
     """Route structlog (and stdlib logging) to stderr at ``level``."""
     numeric = logging.getLevelNamesMapping().get(level.upper(), logging.INFO)
@@ -148,9 +159,11 @@ def configure(level: str = "info", fmt: str = "console") -> None:
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(numeric),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        logger_factory=structlog.PrintLoggerFactory(file=cast("TextIO", _CurrentStderr())),
         cache_logger_on_first_use=True,
     )
-    logging.basicConfig(level=max(numeric, logging.WARNING), stream=sys.stderr)
+    logging.basicConfig(
+        level=max(numeric, logging.WARNING), stream=cast("TextIO", _CurrentStderr())
+    )
     for handler in logging.getLogger().handlers:
         handler.setFormatter(_ScrubbingFormatter(logging.BASIC_FORMAT))
