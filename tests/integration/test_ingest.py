@@ -22,7 +22,7 @@ from jobplane.blobs import BlobStore
 from jobplane.config import Settings
 from jobplane.contrib.ingest import HashingEmbedder, Ingest, point_id
 from jobplane.contrib.ingest.cli import file_name
-from jobplane.contrib.ingest.index import _Client
+from jobplane.contrib.ingest.index import Index, _Client
 from jobplane.errors import JobplaneError
 from jobplane.topology import Topology
 from jobplane.types import EventType, JobState
@@ -320,3 +320,30 @@ async def test_the_cli_refuses_a_missing_file(ingestion: Ingestion, tmp_path: Pa
     _out, err = await asyncio.wait_for(process.communicate(), 60)
     assert process.returncode == 2
     assert "nope.txt: no such file" in err.decode()
+
+
+async def test_an_index_stage_whose_points_change_under_it_writes_them_again(
+    ingestion: Ingestion, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another index process deleting some of this file's points (its own version's
+    delete) between this stage's upsert and its count: the stage retries, so the file
+    ends with all the points of one version, not a few missing."""
+    real = Index.delete_file_points
+    raced: list[str] = []
+
+    async def and_another_process_deletes_one(self: Index, *args: Any, **kwargs: Any) -> None:
+        await real(self, *args, **kwargs)
+        if not raced:
+            [first, *_] = await self.points(str(ingestion.stack.tenant_id), "race.txt")
+            raced.append(first.id)
+            await self._client.call(
+                "delete", collection_name="jobplane_ingest", points_selector=[first.id], wait=True
+            )
+
+    monkeypatch.setattr(Index, "delete_file_points", and_another_process_deletes_one)
+    done = await ingestion.run("race.txt", generated_text(4, 600).encode(), chunk_size=300)
+    assert done.state is JobState.SUCCEEDED, done.error
+    assert raced, "the race was not staged"
+    assert done.stages[3].attempts == 2
+    assert done.result is not None
+    assert len(await ingestion.points(file="race.txt")) == done.result["chunks"] > 1
