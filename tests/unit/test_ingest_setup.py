@@ -137,3 +137,15 @@ async def test_lifespans_survive_a_merge_and_close_what_was_opened(tmp_path: Pat
         assert entered == ["in"]
     assert entered == ["in", "out"]
     assert ingest._index is None  # closed with the lifespan; opened again on next use
+
+
+@pytest.mark.parametrize("queue", ["ingest.parse", "ingest.chunk", "ingest.embed", "ingest.index"])
+def test_every_stage_rides_out_minutes_of_outage(queue: str) -> None:
+    """A retryable error (object store or Qdrant down) keeps a stage going for at
+    least two minutes of backoff, at the least jitter, before its attempts are spent."""
+    from jobplane.workers.retry import retry_delay
+
+    topology = load_topology(Path("builtin:ingest"))
+    spec = topology.queue(queue)
+    least = sum(retry_delay(topology, queue, a) for a in range(1, spec.max_attempts))
+    assert least >= 120, (queue, least)
