@@ -555,13 +555,14 @@ class AsyncClient:
         """
         job_name = job_name_of(name)
         async with asyncio.timeout(timeout):
-            job = await self.get(job_name, resolve_blobs=resolve_blobs)
-            if job.state.terminal:
-                return job
-            async with contextlib.aclosing(self.watch(job_name, job.last_seq)) as events:
-                async for _ in events:
-                    pass
-            return await self.get(job_name, resolve_blobs=resolve_blobs)
+            # Blobs are read once, from the job as it ended.
+            job = await self.get(job_name, resolve_blobs=False)
+            if not job.state.terminal:
+                async with contextlib.aclosing(self.watch(job_name, job.last_seq)) as events:
+                    async for _ in events:
+                        pass
+                job = await self.get(job_name, resolve_blobs=False)
+            return await self.resolve_blobs(job) if resolve_blobs else job
 
     # -- blobs ---------------------------------------------------------------
 

@@ -251,3 +251,13 @@ async def test_a_bucket_the_store_makes_expires_abandoned_uploads(
         ]
     finally:
         await store.close()
+
+
+async def test_read_bytes_refuses_a_blob_over_its_limit(
+    engine: AsyncEngine, blobs: BlobStore
+) -> None:
+    tenant = await _tenant(engine, "acme")
+    info = await blobs.put_bytes(tenant, b"x" * 100)
+    assert await blobs.read_bytes(tenant, info.name, limit=100) == b"x" * 100
+    with pytest.raises(BlobTooLarge, match="100 bytes, more than 99"):
+        await blobs.read_bytes(tenant, info.name, limit=99)

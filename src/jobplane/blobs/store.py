@@ -620,11 +620,10 @@ class BlobStore:
         self, tenant_id: uuid.UUID | str, name: str, *, limit: int | None = None
     ) -> bytes:
         """The whole blob; :class:`BlobTooLarge` when it is larger than ``limit`` bytes."""
-        if limit is not None:
-            info = await self.stat(tenant_id, name)
-            if info.size > limit:
-                raise BlobTooLarge(f"{name} has {info.size} bytes, more than {limit}")
         async with self.open(tenant_id, name) as reader:
+            size = reader.info.size
+            if limit is not None and size > limit:  # known before a byte is read
+                raise BlobTooLarge(f"{name} has {size} bytes, more than {limit}")
             return await reader.read()
 
     # -- deletes ------------------------------------------------------------

@@ -27,6 +27,7 @@ from jobplane.errors import (
 )
 from jobplane.faults import NO_FAULTS, FaultPoints
 from jobplane.ids import new_id
+from jobplane.store.down import sqlstate
 from jobplane.store.engine import autocommit
 from jobplane.store.machine import MACHINE, Cause, NewStage, StateMachine, Transition
 from jobplane.store.rows import JOB_COLUMNS, dumps, event_from_row, job_from_row, stage_from_row
@@ -251,7 +252,7 @@ class JobStore:
         except IntegrityError as exc:
             # The references' trigger found a blob gone since the caller's
             # check (deleted meanwhile): nothing was written.
-            if getattr(exc.orig, "sqlstate", None) == _FOREIGN_KEY_VIOLATION:
+            if sqlstate(exc) == _FOREIGN_KEY_VIOLATION:
                 raise BlobReferenceNotFound(
                     "the payload references a blob that does not exist", field="payload"
                 ) from None
