@@ -26,7 +26,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 import jobplane.client.tracing as client_tracing
-from jobplane.client import AsyncClient, JobState
+from jobplane.client import AsyncClient, JobNotFound, JobState
 from jobplane.topology import PipelineSpec, StageSpec, Topology
 from tests.faults.cluster import ROOT, Cluster
 from tests.integration.tracing_handlers import STAGES
@@ -161,6 +161,9 @@ async def test_one_trace_from_the_caller_to_the_outcome(
                 flaky = await client.submit("trace.flaky", {}, max_attempts=3)
                 piped = await client.submit(PIPELINE, {})
             caller_trace = f"{span.get_span_context().trace_id:032x}"
+            # A refused call's span has the code it was refused with.
+            with pytest.raises(JobNotFound):
+                await client.get(f"jobs/{uuid.uuid4()}")
             for job in (work, flaky, piped):
                 assert (await client.wait(job.name, timeout=30)).state is JobState.SUCCEEDED
         # A traceparent that is not one fails nothing: the job runs in a trace of its own.
@@ -179,6 +182,9 @@ async def test_one_trace_from_the_caller_to_the_outcome(
 
         for which, count in (("work", 1), ("flaky", 2), ("piped", 2), ("stray", 1)):
             await _until(functools.partial(outcomes, which, count), f"{which}'s outcomes")
+        await _until(
+            lambda: any(s.name.endswith("/GetJob") for s in receiver.snapshot()), "GetJob's span"
+        )
         spans = receiver.snapshot()
         servers = [s for s in spans if s.name == SUBMIT]
 
@@ -202,6 +208,11 @@ async def test_one_trace_from_the_caller_to_the_outcome(
             assert server.attributes["rpc.method"] == "SubmitJob"
             assert server.attributes["rpc.grpc.status_code"] == 0
             assert server.attributes["jobplane.transition"] == "submit"
+
+        refused = _one(spans, name="jobplane.v1.JobService/GetJob")
+        assert refused.attributes["rpc.grpc.status_code"] == grpc.StatusCode.NOT_FOUND.value[0]
+        assert refused.status != _ERROR  # a client's mistake, not the server's
+        assert refused.trace_id != caller_trace
 
         # A plain job: SubmitJob → outbox publish → claim, run (progress events), outcome.
         trail = _job_spans(spans, ids["work"])
