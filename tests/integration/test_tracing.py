@@ -183,7 +183,11 @@ async def test_one_trace_from_the_caller_to_the_outcome(
         for which, count in (("work", 1), ("flaky", 2), ("piped", 2), ("stray", 1)):
             await _until(functools.partial(outcomes, which, count), f"{which}'s outcomes")
         await _until(
-            lambda: any(s.name.endswith("/GetJob") for s in receiver.snapshot()), "GetJob's span"
+            lambda: any(
+                s.name.endswith("/GetJob") and s.attributes["rpc.grpc.status_code"] == 5
+                for s in receiver.snapshot()
+            ),
+            "the refused GetJob's span",
         )
         spans = receiver.snapshot()
         servers = [s for s in spans if s.name == SUBMIT]
@@ -209,8 +213,12 @@ async def test_one_trace_from_the_caller_to_the_outcome(
             assert server.attributes["rpc.grpc.status_code"] == 0
             assert server.attributes["jobplane.transition"] == "submit"
 
-        refused = _one(spans, name="jobplane.v1.JobService/GetJob")
-        assert refused.attributes["rpc.grpc.status_code"] == grpc.StatusCode.NOT_FOUND.value[0]
+        not_found = grpc.StatusCode.NOT_FOUND.value[0]
+        (refused,) = [
+            s
+            for s in spans
+            if s.name.endswith("/GetJob") and s.attributes["rpc.grpc.status_code"] == not_found
+        ]
         assert refused.status != _ERROR  # a client's mistake, not the server's
         assert refused.trace_id != caller_trace
 
