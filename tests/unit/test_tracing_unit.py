@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Iterator
 from typing import Any
 
@@ -13,10 +14,11 @@ from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags
+from opentelemetry.trace import NonRecordingSpan, SpanContext, StatusCode, TraceFlags
 
 from jobplane.config import ConfigError, Settings
 from jobplane.observe import tracing
+from jobplane.store.attempts import Attempt
 
 _HEADER_VALUES = st.one_of(
     st.text(max_size=600),
@@ -206,3 +208,34 @@ def test_configure_with_tracing_off_installs_nothing() -> None:
     assert tracing.configure_tracing("jobplane-test", Settings()) is False
     assert tracing.ENABLED is False
     assert not isinstance(trace.get_tracer_provider(), TracerProvider)
+
+
+def test_a_failure_is_kept_by_its_type_never_its_message(on: InMemorySpanExporter) -> None:
+    attempt = Attempt(
+        job_id=uuid.uuid4(),
+        tenant_id=uuid.uuid4(),
+        type="reports.render",
+        payload={"secret": "s3cr3t"},
+        attempt=2,
+        max_attempts=3,
+        retry_base=0,
+        lease_token=uuid.uuid4(),
+        correlation_id="",
+        request_id="r",
+        queue="default",
+    )
+    with pytest.raises(ValueError, match="s3cr3t"), tracing.outcome_span(attempt):
+        raise ValueError("the payload was s3cr3t")
+    run = tracing.start_run(attempt)
+    tracing.end_run(run, RuntimeError("s3cr3t again"))
+    outcome, handler = on.get_finished_spans()
+    assert handler.name == "job run reports.render"
+    for span in (outcome, handler):
+        assert span.status.status_code is StatusCode.ERROR
+        assert "s3cr3t" not in repr(span.attributes) + str(span.status.description)
+        assert not span.events
+        assert span.attributes is not None
+        assert span.attributes["jobplane.attempt"] == 2
+        assert span.attributes["jobplane.job.type"] == "reports.render"
+    assert outcome.attributes is not None
+    assert outcome.attributes["error.type"] == "ValueError"

@@ -315,7 +315,7 @@ def claim_span(
         TENANT_ID: str(envelope.tenant_id),
         "jobplane.redelivered": bool(message.redelivered),
     }
-    return _TRACER.start_as_current_span("job claim", kind=SpanKind.CONSUMER, attributes=attributes)
+    return _span("job claim", SpanKind.CONSUMER, attributes)
 
 
 def claimed(span: Span | None, claim: ClaimResult) -> None:
@@ -385,9 +385,26 @@ def outcome_span(attempt: Attempt) -> contextlib.AbstractContextManager[Span | N
     """``job outcome``: the span of the attempt's outcome write (its transition named)."""
     if not ENABLED:
         return _NULL
-    return _TRACER.start_as_current_span(
-        "job outcome", kind=SpanKind.INTERNAL, attributes=_attempt_attributes(attempt)
-    )
+    return _span("job outcome", SpanKind.INTERNAL, _attempt_attributes(attempt))
+
+
+@contextlib.contextmanager
+def _span(name: str, kind: SpanKind, attributes: dict[str, Any]) -> Iterator[Span]:
+    """A current span for the block; an exception marks it failed by its type alone
+    (the SDK's own recording would keep its message, which may quote a statement's
+    values or tenant data)."""
+    with _TRACER.start_as_current_span(
+        name,
+        kind=kind,
+        attributes=attributes,
+        record_exception=False,
+        set_status_on_exception=False,
+    ) as span:
+        try:
+            yield span
+        except BaseException as exc:
+            _failed(span, exc)
+            raise
 
 
 def _failed(span: Span, exc: BaseException) -> None:
@@ -445,6 +462,9 @@ class ServerTracing(grpc.aio.ServerInterceptor):
     def __init__(self, prefix: str = "/jobplane.v1.") -> None:
         self._prefix = prefix
         self._wrapped: dict[int, tuple[Handler, Handler]] = {}
+        # Most handlers are made once per method; a refusal's may be made per
+        # call (a tenant limit), so the cache is kept small.
+        self._most = 512
 
     async def intercept_service(
         self,
@@ -461,6 +481,8 @@ class ServerTracing(grpc.aio.ServerInterceptor):
         if found is not None and found[0] is handler:
             return found[1]
         wrapped = _traced(handler, method)
+        if len(self._wrapped) >= self._most:
+            self._wrapped.clear()
         self._wrapped[id(handler)] = (handler, wrapped)
         return wrapped
 
