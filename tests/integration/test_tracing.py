@@ -26,7 +26,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 import jobplane.client.tracing as client_tracing
-from jobplane.client import AsyncClient, JobNotFound, JobState
+from jobplane.client import AsyncClient, Client, JobNotFound, JobState
 from jobplane.topology import PipelineSpec, StageSpec, Topology
 from tests.faults.cluster import ROOT, Cluster
 from tests.integration.tracing_handlers import STAGES
@@ -160,12 +160,20 @@ async def test_one_trace_from_the_caller_to_the_outcome(
                 work = await client.submit("trace.work", {"n": 1})
                 flaky = await client.submit("trace.flaky", {}, max_attempts=3)
                 piped = await client.submit(PIPELINE, {})
+                published = await client.publish("trace.published", {"n": 3})
             caller_trace = f"{span.get_span_context().trace_id:032x}"
             # A refused call's span has the code it was refused with.
             with pytest.raises(JobNotFound):
                 await client.get(f"jobs/{uuid.uuid4()}")
             for job in (work, flaky, piped):
                 assert (await client.wait(job.name, timeout=30)).state is JobState.SUCCEEDED
+        # The blocking client: the calling thread's span goes along too.
+        with (
+            Client(cluster.address, cluster.key, tracing=True) as blocking,
+            tracer.start_as_current_span("blocking caller") as blocking_span,
+        ):
+            await asyncio.to_thread(blocking.submit, "trace.flaky", {}, max_attempts=3)
+        blocking_trace = f"{blocking_span.get_span_context().trace_id:032x}"
         # A traceparent that is not one fails nothing: the job runs in a trace of its own.
         async with AsyncClient(cluster.address, cluster.key, interceptors=[_Garbage()]) as client:
             stray = await client.submit("trace.work", {"n": 2})
@@ -196,11 +204,23 @@ async def test_one_trace_from_the_caller_to_the_outcome(
         mine: list[ReadableSpan] = list(exported.get_finished_spans())
         caller_span = next(s for s in mine if s.name == "caller")
         clients = [s for s in mine if s.name == SUBMIT]
+        blocking_client = next(s for s in clients if s.parent == blocking_span.get_span_context())
+        clients.remove(blocking_client)
         assert len(clients) == 3
         for client_span in clients:
             assert client_span.parent is not None
             assert client_span.parent.span_id == caller_span.context.span_id
         client_ids = {f"{s.context.span_id:016x}" for s in clients}
+        await _until(
+            lambda: any(
+                s.trace_id == blocking_trace and s.name == SUBMIT for s in receiver.snapshot()
+            ),
+            "the blocking client's trace",
+        )
+        (blocking_server,) = [
+            s for s in receiver.snapshot() if s.trace_id == blocking_trace and s.name == SUBMIT
+        ]
+        assert blocking_server.parent_id == f"{blocking_client.context.span_id:016x}"
         traced = [s for s in servers if s.trace_id == caller_trace]
         assert len(traced) == 3
         assert {s.parent_id for s in traced} == client_ids
@@ -263,6 +283,14 @@ async def test_one_trace_from_the_caller_to_the_outcome(
         assert parents["job.started"] == claim.span_id
         assert parents["trace.worked"] == outcome.span_id
         assert parents["job.succeeded"] == outcome.span_id
+
+        # PublishEvent: the event carries the server span's context.
+        publish_rpc = _one(spans, name="jobplane.v1.EventService/PublishEvent")
+        assert publish_rpc.trace_id == caller_trace
+        (row,) = await cluster.query(
+            "SELECT traceparent FROM events WHERE event_id = $1", published.event_id
+        )
+        assert row["traceparent"].split("-")[1:3] == [caller_trace, publish_rpc.span_id]
 
         # A retry: the second attempt's dispatch is a child of the first's outcome.
         trail = _job_spans(spans, ids["flaky"])
