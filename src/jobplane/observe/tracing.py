@@ -2,7 +2,7 @@
 
 Off unless the standard ``OTEL_*`` variables ask for an exporter
 (:attr:`jobplane.config.Settings.trace_exporters`). Off, nothing is
-installed: no SDK, no span processor, no interceptor; every helper here
+installed: no SDK, no span processor, no interceptor; every function here
 checks :data:`ENABLED` first and hands back a shared no-op, so the hot paths
 pay one boolean test.
 
