@@ -22,6 +22,7 @@ async def noop(ctx: JobContext) -> dict[str, Any]:
 for _round in range(1, 10):
     for _state in ("off", "on"):
         registry.add(f"bench.noop_lifecycle_{_state}_{_round}", noop)
+        registry.add(f"bench.noop_tracing_{_state}_{_round}", noop)
 
 
 # The stages of the three-stage no-op pipeline (bench/pipeline.toml), and

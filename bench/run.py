@@ -1194,6 +1194,7 @@ async def main(argv: list[str] | None = None) -> int:
             "pipeline",
             "ingest",
             "blobs",
+            "tracing",
         ],
     )
     parser.add_argument("--ingest-docs", type=int, default=40, help="documents of --only ingest")
@@ -1242,6 +1243,10 @@ async def main(argv: list[str] | None = None) -> int:
             await fig_watchers(bench)
         if want("blobs"):
             floor.update(await fig_blobs(bench))
+        if args.only and "tracing" in args.only:
+            from bench.tracing import fig_tracing
+
+            await fig_tracing(bench)
         apply_floors(bench.figures, floor)
         for figure in bench.figures:
             print(figure.line())

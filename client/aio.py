@@ -8,7 +8,7 @@ import dataclasses
 import json
 import os
 import uuid
-from collections.abc import AsyncGenerator, Iterable, Mapping
+from collections.abc import AsyncGenerator, Iterable, Mapping, Sequence
 from datetime import datetime, timedelta
 from types import TracebackType
 from typing import IO, Any, Self, TypeVar
@@ -146,6 +146,12 @@ class AsyncClient:
     ``tls`` is a :class:`ClientTLS` (certificates, mutual TLS, the expected
     server name), or True for TLS that trusts the system's roots; None or
     False speak plaintext.
+
+    ``tracing=True`` sends the caller's OpenTelemetry trace context with
+    every call, each in a client span (:mod:`jobplane.client.tracing`; needs
+    ``opentelemetry-api``), so a job's trace continues the caller's.
+    ``interceptors`` are grpc.aio client interceptors for the channel, after
+    the tracing ones.
     """
 
     def __init__(
@@ -157,9 +163,17 @@ class AsyncClient:
         watch_retry: RetryPolicy | None = None,
         tls: ClientTLS | bool | None = None,
         inline_bytes: int = DEFAULT_INLINE_BYTES,
+        tracing: bool = False,
+        interceptors: Sequence[grpc.aio.ClientInterceptor] = (),
     ) -> None:
         if inline_bytes <= 0:
             raise ValueError("inline_bytes must be positive")
+        self._interceptors = list(interceptors)
+        if tracing:
+            # Imported only when asked for: the base install has no opentelemetry.
+            from jobplane.client.tracing import client_interceptors
+
+            self._interceptors[:0] = client_interceptors()
         self._inline_bytes = inline_bytes
         self._address = address
         self._api_key = api_key
@@ -280,12 +294,16 @@ class AsyncClient:
         return self._blob_stub
 
     def _open_channel(self) -> grpc.aio.Channel:
+        interceptors = self._interceptors or None
         if self._tls is None:
-            return grpc.aio.insecure_channel(self._address, options=_CHANNEL_OPTIONS)
+            return grpc.aio.insecure_channel(
+                self._address, options=_CHANNEL_OPTIONS, interceptors=interceptors
+            )
         return grpc.aio.secure_channel(
             self._address,
             self._tls.credentials(),
             options=(*_CHANNEL_OPTIONS, *self._tls.channel_options()),
+            interceptors=interceptors,
         )
 
     async def _call(

@@ -8,10 +8,20 @@ import enum
 import os
 import threading
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Coroutine, Generator, Iterable, Mapping
+from collections.abc import (
+    AsyncGenerator,
+    AsyncIterator,
+    Coroutine,
+    Generator,
+    Iterable,
+    Mapping,
+    Sequence,
+)
 from datetime import datetime, timedelta
 from types import TracebackType
 from typing import IO, Any, Self, TypeVar
+
+import grpc
 
 from jobplane.client._blobs import Source
 from jobplane.client._retry import RetryPolicy
@@ -167,7 +177,11 @@ class Client:
         watch_retry: RetryPolicy | None = None,
         tls: ClientTLS | bool | None = None,
         inline_bytes: int = DEFAULT_INLINE_BYTES,
+        tracing: bool = False,
+        interceptors: Sequence[grpc.aio.ClientInterceptor] = (),
     ) -> None:
+        # The calls run on the client's own loop, each in a copy of the
+        # calling thread's context: the caller's current span goes along.
         self._async = AsyncClient(
             address,
             api_key,
@@ -175,6 +189,8 @@ class Client:
             watch_retry=watch_retry,
             tls=tls,
             inline_bytes=inline_bytes,
+            tracing=tracing,
+            interceptors=interceptors,
         )
         self._loop = _LoopThread()
 

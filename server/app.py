@@ -18,6 +18,8 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from jobplane.config import MAX_PAYLOAD_BYTES_LIMIT
 from jobplane.faults import NO_FAULTS, FaultPoints
+from jobplane.observe import tracing
+from jobplane.observe.tracing import ServerTracing
 from jobplane.server.auth import CallGate
 from jobplane.server.blob_servicer import MAX_CHUNK_BYTES, BlobServiceServicer
 from jobplane.server.decode import RefuseUndecodable
@@ -199,6 +201,8 @@ class JobplaneServer:
             # before its body is read, decodable or not. RefuseUndecodable
             # must stay last (it wraps the servicer's handlers once each).
             interceptors=[
+                # Only while tracing is on: off, calls pay nothing for it.
+                *([ServerTracing()] if tracing.ENABLED else []),
                 CallGate(API_SERVICES, self.keys, self.limiter),
                 CallGate(WORKER_SERVICE_NAME, self.keys, self.limiter, scope=KeyScope.WORKER),
                 RefuseUndecodable("/jobplane.v1."),

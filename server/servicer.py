@@ -20,6 +20,7 @@ from jobplane.convert import (
 )
 from jobplane.errors import InvalidArgument, JobplaneError
 from jobplane.events.convert import event_to_pb as domain_event_to_pb
+from jobplane.observe import tracing
 from jobplane.server.auth import current_identity
 from jobplane.server.events import EventService, PublishRequest
 from jobplane.server.service import JobService, SubmitRequest
@@ -161,6 +162,11 @@ class EventServiceServicer(events_pb2_grpc.EventServiceServicer):
                 for key, value in context.invocation_metadata() or ()
                 if key in ("traceparent", "tracestate") and isinstance(value, str)
             )
+            # With tracing on, the server span's context (the caller's trace
+            # goes on through it); else the caller's, as sent.
+            traceparent, tracestate = tracing.outgoing(
+                metadata.get("traceparent"), metadata.get("tracestate")
+            )
             stored = await self._service.publish(
                 tenant,
                 PublishRequest(
@@ -175,8 +181,8 @@ class EventServiceServicer(events_pb2_grpc.EventServiceServicer):
                         request.causation_id if request.HasField("causation_id") else None
                     ),
                     payload=dict_from_struct(request.payload),
-                    traceparent=metadata.get("traceparent"),
-                    tracestate=metadata.get("tracestate"),
+                    traceparent=traceparent,
+                    tracestate=tracestate,
                 ),
             )
             return domain_event_to_pb(stored.event)

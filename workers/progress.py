@@ -11,6 +11,7 @@ import structlog
 from sqlalchemy.exc import DBAPIError
 
 from jobplane.logs import describe_error
+from jobplane.observe import tracing
 from jobplane.store.attempts import Attempt, AttemptStore, LeaseLost, ProgressUpdate
 from jobplane.store.down import database_error_name, database_transient
 from jobplane.tasks import cancel_and_wait
@@ -161,6 +162,7 @@ class ProgressWriter:
         """Queue ``update``; raise what the last flush found (e.g. LeaseLost)."""
         if self._error is not None:
             raise self._error
+        tracing.progress_event(update.progress)
         self._pending.append(update)
         self._flusher.mark(self)
         if len(self._pending) >= self._high_water:

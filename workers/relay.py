@@ -62,6 +62,7 @@ import contextlib
 import enum
 import time
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -90,6 +91,7 @@ from jobplane.events.envelope import (
 from jobplane.faults import NO_FAULTS, FaultPoints
 from jobplane.logs import describe_error
 from jobplane.names import job_name
+from jobplane.observe import tracing
 from jobplane.store.deployment import Deployment, this_deployment
 from jobplane.store.down import database_transient
 from jobplane.store.events import EventFeed, FeedEvent
@@ -787,6 +789,21 @@ class Relay:
         )
 
     async def _publish(self, exchange: AbstractExchange, row: OutboxRow) -> None:
+        if not tracing.ENABLED:
+            return await self._publish_dispatch(exchange, row, tracing.NO_HEADERS)
+        with tracing.publish_span(
+            row.headers,
+            exchange=exchange.name,
+            routing_key=row.routing_key,
+            message_id=str(row.id),
+            job_id=str(row.job_id),
+            tenant_id=str(row.tenant_id),
+        ) as trace_headers:
+            return await self._publish_dispatch(exchange, row, trace_headers)
+
+    async def _publish_dispatch(
+        self, exchange: AbstractExchange, row: OutboxRow, trace_headers: Mapping[str, str]
+    ) -> None:
         deployment = self._deployment.id if self._deployment is not None else None
         envelope = replace(row.envelope, deployment=deployment)
         message = aio_pika.Message(
@@ -799,6 +816,7 @@ class Relay:
             headers={
                 "job_id": str(envelope.job_id),
                 **({DEPLOYMENT_HEADER: envelope.deployment} if envelope.deployment else {}),
+                **trace_headers,
             },
         )
         check_publishable(message, exchange.name, envelope.job_type, mandatory=True)

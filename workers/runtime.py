@@ -30,6 +30,7 @@ from jobplane.errors import BlobStoreUnavailable
 from jobplane.faults import NO_FAULTS, FaultPoints
 from jobplane.logs import describe_error
 from jobplane.names import job_name
+from jobplane.observe import tracing
 from jobplane.store.attempts import (
     Attempt,
     AttemptStore,
@@ -79,6 +80,14 @@ class _Running:
         self.task = task
         self.cause: StopCause | None = None
         self.stopped = asyncio.Event()
+
+    @property
+    def error(self) -> BaseException | None:
+        """What the handler raised, once its task is done (None: returned, or stopped)."""
+        task = self.task
+        if not task.done() or task.cancelled():
+            return None
+        return task.exception()
 
     def stop(self, cause: StopCause) -> None:
         if self.cause is None and not self.task.done():
@@ -287,7 +296,8 @@ class Worker:
         that repeats ends in the dead-letter queue at the delivery limit.
         """
         try:
-            await self._handle(message)
+            with tracing.delivered(message.headers):
+                await self._handle(message)
         except asyncio.CancelledError:
             if not message.processed:
                 await _settle(message.nack(requeue=True))
@@ -336,7 +346,9 @@ class Worker:
         self, envelope: Envelope, message: AbstractIncomingMessage, bound: Any
     ) -> None:
         try:
-            claim = await self._claim(envelope, redelivered=bool(message.redelivered))
+            with tracing.claim_span(envelope, message) as span:
+                claim = await self._claim(envelope, redelivered=bool(message.redelivered))
+                tracing.claimed(span, claim)
         except _Stopping:
             await _settle(message.nack(requeue=True))
             return
@@ -479,7 +491,12 @@ class Worker:
         )
         if attempt.payload_blob is not None:
             handler = with_offloaded_payload(handler, max_bytes=MAX_OFFLOADED_JSON_BYTES)
-        running = _Running(asyncio.create_task(invoke(handler, ctx), name=f"job-{key}"))
+        span = tracing.start_run(attempt)
+        running = _Running(
+            asyncio.create_task(
+                invoke(handler, ctx), name=f"job-{key}", context=tracing.run_context(span)
+            )
+        )
         holder.append(running)
         self._running[key] = running
         heartbeat = asyncio.create_task(self._heartbeat(attempt, running))
@@ -491,8 +508,10 @@ class Worker:
         finally:
             await cancel_and_wait(heartbeat)
             self._running.pop(key, None)
+            tracing.end_run(span, running.error)
         pending = await writer.drain()
-        await self._record(attempt, running, ended, pending, bound, ctx.emitted)
+        with tracing.outcome_span(attempt):
+            await self._record(attempt, running, ended, pending, bound, ctx.emitted)
 
     async def _offload_result(
         self, attempt: Attempt, result: dict[str, Any]

@@ -57,6 +57,13 @@ def _settings_and_topology(log_level: str = "info") -> tuple[Settings, Topology]
     return settings, load_topology(settings.topology_path)
 
 
+def _tracing(service_name: str, settings: Settings) -> None:
+    """Tracing on when the OTEL_* variables ask for it (docs/tracing.md)."""
+    from jobplane.observe.tracing import configure_tracing
+
+    configure_tracing(service_name, settings)
+
+
 async def _started(
     stack: AsyncExitStack, start: Callable[[], Awaitable[None]], stop: Callable[[], Awaitable[None]]
 ) -> None:
@@ -141,6 +148,7 @@ async def _serve(_args: argparse.Namespace) -> int:
     from jobplane.store.engine import create_engine
 
     settings, topology = _settings_and_topology()
+    _tracing("jobplane-server", settings)
     engine = create_engine(settings.database_url, pool_size=settings.db_pool_size)
     async with AsyncExitStack() as stack:
         stack.push_async_callback(engine.dispose)
@@ -160,6 +168,7 @@ async def _relay(args: argparse.Namespace) -> int:
     from jobplane.workers.sweeper import Sweeper
 
     settings, topology = _settings_and_topology()
+    _tracing("jobplane-relay", settings)
     engine = create_engine(settings.database_url, pool_size=4)
     async with AsyncExitStack() as stack:
         stack.push_async_callback(engine.dispose)
@@ -189,6 +198,7 @@ async def _sweep(args: argparse.Namespace) -> int:
     from jobplane.workers.sweeper import Sweeper
 
     settings, topology = _settings_and_topology()
+    _tracing("jobplane-sweep", settings)
     engine = create_engine(settings.database_url, pool_size=2)
     try:
         sweeper = Sweeper(
@@ -250,6 +260,7 @@ async def _worker(args: argparse.Namespace) -> int:
     from jobplane.workers.runtime import Worker
 
     settings, topology = _settings_and_topology()
+    _tracing("jobplane-worker", settings)
     registry = _registry_or_none(args.handlers, demo=args.demo or not args.handlers)
     if registry is None:
         return 2
@@ -360,6 +371,7 @@ async def _dev(args: argparse.Namespace) -> int:
     from jobplane.workers.sweeper import Sweeper
 
     settings, topology = _settings_and_topology(log_level="warning")
+    _tracing("jobplane-dev", settings)
     registry = _registry_or_none(args.handlers, demo=True)
     if registry is None:
         return 2

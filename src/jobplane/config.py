@@ -99,6 +99,12 @@ class Settings:
     #: ``hash`` (offline, deterministic) or ``fastembed:<model>`` (docs/ingestion.md).
     embedder: str = "hash"
 
+    # Tracing.
+    #: Span exporters the OTEL_* variables ask for ("otlp", "console"); empty: tracing is off.
+    trace_exporters: tuple[str, ...] = ()
+    #: OTEL_SERVICE_NAME, which wins over each command's own service name.
+    trace_service_name: str | None = None
+
     @property
     def qdrant_location(self) -> Path:
         """Where local-mode Qdrant keeps its collections (unused with ``qdrant_url``)."""
@@ -154,7 +160,7 @@ class Settings:
             ),
             worker_lease_seconds=lease,
         )
-        return _with_ingest(env, _with_s3(env, settings))
+        return _with_tracing(env, _with_ingest(env, _with_s3(env, settings)))
 
 
 def _with_s3(env: Mapping[str, str], base: Settings) -> Settings:
@@ -229,6 +235,70 @@ def _with_ingest(env: Mapping[str, str], base: Settings) -> Settings:
         qdrant_api_key=env.get("JOBPLANE_QDRANT_API_KEY") or None,
         qdrant_path=_path(env, "JOBPLANE_QDRANT_PATH"),
         embedder=embedder,
+    )
+
+
+#: What ``OTEL_TRACES_EXPORTER`` may name (the SDK installed: OTLP over HTTP, the console).
+TRACE_EXPORTERS = ("otlp", "console", "none")
+#: ``OTEL_TRACES_SAMPLER``'s values, as the OpenTelemetry SDK reads them.
+TRACE_SAMPLERS = (
+    "always_on",
+    "always_off",
+    "traceidratio",
+    "parentbased_always_on",
+    "parentbased_always_off",
+    "parentbased_traceidratio",
+)
+_TRUE = ("true", "1", "yes", "on")
+
+
+def _with_tracing(env: Mapping[str, str], base: Settings) -> Settings:
+    """The tracing settings from the standard OTEL_* variables, checked.
+
+    On when ``OTEL_TRACES_EXPORTER`` names an exporter, or, unset, when an
+    OTLP endpoint is set; ``OTEL_SDK_DISABLED=true`` turns it off whatever
+    the rest says. The SDK reads the other variables itself; those it would
+    quietly replace by a default when wrong (sampler, protocol) are refused here.
+    """
+    if env.get("OTEL_SDK_DISABLED", "").strip().lower() in _TRUE:
+        return base
+    raw = env.get("OTEL_TRACES_EXPORTER", "").strip().lower()
+    names = tuple(dict.fromkeys(n.strip() for n in raw.split(",") if n.strip()))
+    wrong = [n for n in names if n not in TRACE_EXPORTERS]
+    if wrong:
+        raise ConfigError(
+            f"OTEL_TRACES_EXPORTER must name {', '.join(TRACE_EXPORTERS)}, not {wrong[0]!r}"
+        )
+    endpoint = any(
+        env.get(name, "").strip()
+        for name in ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT")
+    )
+    if not raw and endpoint:
+        names = ("otlp",)
+    names = tuple(n for n in names if n != "none")
+    if "otlp" in names:
+        for name in ("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "OTEL_EXPORTER_OTLP_PROTOCOL"):
+            protocol = env.get(name, "").strip()
+            if protocol:
+                if protocol != "http/protobuf":
+                    raise ConfigError(
+                        f"{name} must be http/protobuf (the OTLP exporter installed), "
+                        f"not {protocol!r}"
+                    )
+                break
+    sampler = env.get("OTEL_TRACES_SAMPLER", "").strip().lower()
+    if sampler and sampler not in TRACE_SAMPLERS:
+        raise ConfigError(
+            f"OTEL_TRACES_SAMPLER must be one of {', '.join(TRACE_SAMPLERS)}, not {sampler!r}"
+        )
+    if sampler.endswith("traceidratio"):
+        ratio = _float(env, "OTEL_TRACES_SAMPLER_ARG", 1.0, "a ratio from 0 to 1")
+        if not 0.0 <= ratio <= 1.0:
+            raise ConfigError("OTEL_TRACES_SAMPLER_ARG must be a ratio from 0 to 1")
+    return replace(
+        base,
+        trace_exporters=names,
+        trace_service_name=env.get("OTEL_SERVICE_NAME", "").strip() or None,
     )
 
 

@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Any
 from sqlalchemy import RowMapping, TextClause, text
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
+from jobplane.observe import tracing
 from jobplane.store.rows import (
     CANCEL_CHANNEL,
     DOMAIN_EVENTS_CHANNEL,
@@ -638,11 +639,12 @@ class Dispatches(Hook):
         if RULES[transition].dispatch:
             return [
                 Write(
-                    """
-        INSERT INTO outbox (id, tenant_id, job_id, routing_key, correlation_id, available_at)
+                    f"""
+        INSERT INTO outbox (id, tenant_id, job_id, routing_key, correlation_id, available_at,
+                            headers)
         SELECT j.dispatch_id, j.tenant_id, j.id, j.type, j.correlation_id,
-               coalesce(j.next_attempt_time, now())
-        FROM {j} AS j""",
+               coalesce(j.next_attempt_time, now()), {_trace_headers(transition)}
+        FROM {{j}} AS j""",
                     f"pg_notify('{OUTBOX_CHANNEL}', '')",
                     frozenset(
                         {"dispatch_id", "tenant_id", "id", "type", "correlation_id"}
@@ -660,6 +662,33 @@ class Dispatches(Hook):
                 )
             ]
         return ()
+
+    def binds(self, transition: Transition, cause: Cause) -> Mapping[str, Any]:
+        return tracing.trace_binds() if RULES[transition].dispatch else {}
+
+
+# Transitions with no span of their own to carry (the sweeper's, an operator's
+# re-dispatch, a worker starting): with tracing on, their dispatch keeps the
+# trace context of the job's previous one.
+_INHERITS_TRACE = frozenset(
+    {Transition.EXPIRE_LEASE, Transition.REDISPATCH, Transition.UNPARK, Transition.HAND_BACK}
+)
+
+
+def _trace_headers(transition: Transition) -> str:
+    """SQL over j: a dispatch's headers, the W3C trace context (docs/tracing.md)."""
+    inherit = (
+        "WHEN CAST(:trace_inherit AS boolean) THEN coalesce((SELECT o.headers FROM outbox o "
+        "WHERE o.job_id = j.id AND o.kind = 'job.dispatch' ORDER BY o.available_at DESC "
+        "LIMIT 1), '{}'::jsonb) "
+        if transition in _INHERITS_TRACE
+        else ""
+    )
+    return (
+        "CASE WHEN CAST(:trace_parent AS text) IS NOT NULL THEN jsonb_strip_nulls("
+        "jsonb_build_object('traceparent', CAST(:trace_parent AS text), "
+        f"'tracestate', CAST(:trace_state AS text))) {inherit}ELSE '{{}}'::jsonb END"
+    )
 
 
 def _stage_update(sets: str, which: str = "s.idx = j.stage") -> str:
@@ -904,6 +933,12 @@ _LIFECYCLE_COLUMNS = frozenset(
 )
 
 
+# The trace context of the span the transition applied under: the events'
+# traceparent, as PublishEvent stores the caller's (docs/tracing.md).
+_TRACE_COLUMNS = (
+    "CAST(:trace_parent AS text) AS traceparent, CAST(:trace_state AS text) AS tracestate"
+)
+
 # A handler's emitted events commit with its attempt's success: the job's, or its stage's.
 _WITH_EMITTED = frozenset({Transition.SUCCEED, Transition.ADVANCE})
 
@@ -951,7 +986,7 @@ class DomainEvents(Hook):
                    {_lifecycle_payload(rule.lifecycle)} AS payload,
                    CAST('' AS bytea) AS request_hash,
                    j.id AS job_id, CAST(j.last_seq AS bigint) * {_ORDER_SLOTS} + {_LIFECYCLE_ORD}
-                       AS order_seq
+                       AS order_seq, {_TRACE_COLUMNS}
             FROM {{j}} AS j"""
             )
         if transition in _WITH_EMITTED:
@@ -959,7 +994,8 @@ class DomainEvents(Hook):
                 f"""
             SELECT m.event_id, m.event_type, m.event_time, j.tenant_id, m.correlation_id,
                    m.causation_id, CAST(m.payload AS jsonb) AS payload, m.request_hash,
-                   j.id AS job_id, CAST(j.last_seq AS bigint) * {_ORDER_SLOTS} + m.ord AS order_seq
+                   j.id AS job_id, CAST(j.last_seq AS bigint) * {_ORDER_SLOTS} + m.ord AS order_seq,
+                   {_TRACE_COLUMNS}
             FROM {{j}} AS j,
                  unnest(CAST(:emitted_ids AS uuid[]), CAST(:emitted_types AS text[]),
                         CAST(:emitted_times AS timestamptz[]),
@@ -981,9 +1017,9 @@ class DomainEvents(Hook):
             Write(
                 f"""
         INSERT INTO events (tenant_id, event_id, event_type, event_time, correlation_id,
-                            causation_id, payload, request_hash, job_id)
+                            causation_id, payload, request_hash, job_id, traceparent, tracestate)
         SELECT tenant_id, event_id, event_type, event_time, correlation_id, causation_id,
-               payload, request_hash, job_id
+               payload, request_hash, job_id, traceparent, tracestate
         FROM ({union}
         ) AS x
         ORDER BY order_seq
@@ -998,9 +1034,10 @@ class DomainEvents(Hook):
 
     def binds(self, transition: Transition, cause: Cause) -> Mapping[str, Any]:
         if transition not in _WITH_EMITTED:
-            return {}
+            return tracing.trace_binds()
         emitted = cause.emitted
         return {
+            **tracing.trace_binds(),
             "emitted_ids": [e.event.event_id for e in emitted],
             "emitted_types": [e.event.event_type for e in emitted],
             "emitted_times": [e.event.timestamp for e in emitted],
@@ -1110,6 +1147,8 @@ class StateMachine:
             for hook in compiled.hooks:
                 binds.update(hook.binds(t, cause))
         rows = (await conn.execute(compiled.statement, binds)).mappings().all()
+        if tracing.ENABLED and rows:
+            tracing.applied(transition)
         if compiled.after:
             for row in rows:
                 done = Transition(row["transition"])

@@ -1,0 +1,80 @@
+"""The tracing figure (`--only tracing`): end-to-end throughput with tracing on and off.
+
+Three rounds of ``--jobs`` no-op jobs each, every process restarted for each
+half, the order alternating (off-on, on-off, off-on) as for the lifecycle
+figure. On: every process exports over OTLP/HTTP (the batch processor's
+defaults) to a receiver on loopback in this process, which decodes each
+request as a collector would; every span is sampled. The cost is the median
+of the rounds' ratios; the target is at most 5 %.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+from typing import TYPE_CHECKING
+
+from tests.otlp_receiver import Receiver
+
+if TYPE_CHECKING:
+    from bench.run import Bench
+
+ROUNDS = 3
+#: The most throughput tracing may cost (on / off at least 0.95).
+TARGET_COST = 0.05
+
+
+async def fig_tracing(bench: Bench) -> None:
+    """Throughput with tracing off and on, in one run (see the module's docstring)."""
+    from bench.run import Figure, _procs, closed_loop_rate
+
+    ratios: list[float] = []
+    totals: dict[str, list[float]] = {"off": [], "on": []}
+    spans = 0
+    with Receiver.running() as receiver:
+        for round_ in range(1, ROUNDS + 1):
+            order = ("off", "on") if round_ % 2 else ("on", "off")
+            rates: dict[str, float] = {}
+            for state in order:
+                for name in list(bench.procs):
+                    await bench.stop(name)
+                bench.extra_env = (
+                    {
+                        "OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint,
+                        "OTEL_TRACES_SAMPLER": "always_on",
+                    }
+                    if state == "on"
+                    else {}
+                )
+                await bench.start_all()
+                rates[state] = await closed_loop_rate(bench, f"bench.noop_tracing_{state}_{round_}")
+                totals[state].append(rates[state])
+            ratios.append(rates["on"] / rates["off"])
+            print(
+                f"tracing, round {round_}: {rates['on']:,.1f} jobs/s on, "
+                f"{rates['off']:,.1f} off: ratio {ratios[-1]:.3f}",
+                file=sys.stderr,
+            )
+        for name in list(bench.procs):
+            await bench.stop(name)  # SIGTERM: the last spans are flushed at exit
+        spans = len(receiver.snapshot())
+    bench.extra_env = {}
+    await bench.start_all()
+    config = {"jobs": bench.args.jobs, "rounds": ROUNDS, "clients": bench.args.clients}
+    for state in ("off", "on"):
+        bench.add(
+            Figure(
+                f"e2e_throughput_tracing_{state}",
+                statistics.median(totals[state]),
+                "jobs/s",
+                {**config, **_procs(bench)},
+            )
+        )
+    ratio = statistics.median(ratios)
+    bench.add(Figure("tracing_throughput_ratio", ratio, "on/off", {**config, "spans": spans}))
+    verdict = "within" if ratio >= 1 - TARGET_COST else "over"
+    print(
+        f"tracing costs {1 - ratio:.1%} of the throughput ({verdict} the {TARGET_COST:.0%} "
+        f"target); {spans:,} spans received",
+        file=sys.stderr,
+    )

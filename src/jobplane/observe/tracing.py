@@ -1,0 +1,571 @@
+"""OpenTelemetry tracing: one trace from SubmitJob to the job's outcome (docs/tracing.md).
+
+Off unless the standard ``OTEL_*`` variables ask for an exporter
+(:attr:`jobplane.config.Settings.trace_exporters`). Off, nothing is
+installed: no SDK, no span processor, no interceptor; every function here
+checks :data:`ENABLED` first and hands back a shared no-op, so the hot paths
+pay one boolean test.
+
+On, :func:`configure_tracing` installs the SDK's tracer provider (the
+sampler of ``OTEL_TRACES_SAMPLER``) with a batch span processor and the
+OTLP/HTTP exporter, flushed when the process exits. The trace context
+crosses every hop in W3C form (``traceparent``, ``tracestate``), through
+OpenTelemetry's own propagator, never formatted by hand:
+
+- gRPC metadata → the server span (:class:`ServerTracing`);
+- the current span → the ``headers`` of the outbox row a transition writes,
+  and the ``traceparent`` of its domain events (:func:`trace_binds`, read by
+  the state machine's hooks inside the transition's statement);
+- an outbox row's headers → the relay's ``outbox publish`` span → the AMQP
+  message's headers (:func:`publish_span`);
+- a delivered message's headers → the worker's ``job claim``, ``job run
+  <type>`` and ``job outcome`` spans (:func:`delivered` and the rest).
+
+A context that does not parse (garbage in a header, a row, metadata) is
+dropped and a new trace starts: tracing never fails a call or a delivery.
+Spans carry ids, types, queues, attempts and codes, never a payload, a
+result, an error message or a key.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import contextvars
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any, Final, TypeAlias
+
+import grpc
+from opentelemetry import context as otel_context
+from opentelemetry import trace
+from opentelemetry.propagators.textmap import Getter
+from opentelemetry.trace import Span, SpanKind, Status, StatusCode
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+from jobplane import __version__
+
+if TYPE_CHECKING:
+    from aio_pika.abc import AbstractIncomingMessage
+
+    from jobplane.config import Settings
+    from jobplane.envelope import Envelope
+    from jobplane.store.attempts import Attempt, ClaimResult
+    from jobplane.store.machine import Transition
+
+__all__ = [
+    "ENABLED",
+    "ServerTracing",
+    "configure_tracing",
+    "current_headers",
+    "extract",
+]
+
+#: True once :func:`configure_tracing` installed the SDK. Read it as
+#: ``tracing.ENABLED`` (an import of the name would copy False for good).
+ENABLED = False
+
+TRACEPARENT: Final = "traceparent"
+TRACESTATE: Final = "tracestate"
+#: A tracestate longer than this is dropped, not carried: the W3C
+#: recommendation asks for at least 512 characters to be kept, and a longer
+#: one could make an AMQP header frame too large to publish.
+MAX_TRACESTATE = 512
+# A traceparent is 55 characters (version 00); a longer value from a future
+# version is cut to its first 55 by the propagator, but nothing that long is read.
+_MAX_TRACEPARENT = 512
+
+#: What a transition's statement binds when there is no trace context.
+NO_TRACE: Mapping[str, Any] = {"trace_parent": None, "trace_state": None, "trace_inherit": False}
+#: Message headers when there is nothing to carry.
+NO_HEADERS: Mapping[str, str] = {}
+
+_PROPAGATOR = TraceContextTextMapPropagator()
+_TRACER: trace.Tracer = trace.NoOpTracer()
+_PROVIDER: Any = None
+_NULL: contextlib.nullcontext[None] = contextlib.nullcontext()
+
+# Attribute names (docs/tracing.md lists them).
+JOB_ID = "jobplane.job.id"
+JOB_TYPE = "jobplane.job.type"
+QUEUE = "jobplane.queue"
+ATTEMPT = "jobplane.attempt"
+TENANT_ID = "jobplane.tenant.id"
+TRANSITION = "jobplane.transition"
+
+Handler: TypeAlias = "grpc.RpcMethodHandler[Any, Any]"
+Context: TypeAlias = "grpc.aio.ServicerContext[Any, Any]"
+
+
+def configure_tracing(service_name: str, settings: Settings | None = None) -> bool:
+    """Install the SDK's tracer provider when ``settings`` (the environment's by
+    default) ask for an exporter; True when tracing is on.
+
+    ``service_name`` is the resource's ``service.name`` unless
+    ``OTEL_SERVICE_NAME`` names one. The sampler is ``OTEL_TRACES_SAMPLER``'s
+    (parent-based always-on by default), the batch processor's limits
+    ``OTEL_BSP_*``'s and the exporter's endpoint, headers, timeout and
+    compression ``OTEL_EXPORTER_OTLP_*``'s, as the SDK reads them. Spans
+    still queued are exported when the process exits. A second call changes
+    nothing.
+    """
+    global ENABLED, _TRACER, _PROVIDER  # noqa: PLW0603 - the one switch the hot paths read
+    if settings is None:
+        from jobplane.config import Settings
+
+        settings = Settings.from_env()
+    if not settings.trace_exporters:
+        return False
+    if ENABLED:
+        return True
+    from opentelemetry.sdk.resources import SERVICE_NAME, Resource
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import (
+        BatchSpanProcessor,
+        ConsoleSpanExporter,
+        SpanExporter,
+    )
+
+    resource = Resource.create({} if settings.trace_service_name else {SERVICE_NAME: service_name})
+    # Sampler from OTEL_TRACES_SAMPLER; shut down (flushed) at exit.
+    provider = TracerProvider(resource=resource, shutdown_on_exit=True)
+    for name in settings.trace_exporters:
+        exporter: SpanExporter
+        if name == "otlp":
+            from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+
+            exporter = OTLPSpanExporter()
+        else:
+            exporter = ConsoleSpanExporter(service_name=service_name)
+        provider.add_span_processor(BatchSpanProcessor(exporter))
+    trace.set_tracer_provider(provider)
+    _PROVIDER = provider
+    _TRACER = provider.get_tracer("jobplane", __version__)
+    ENABLED = True
+    return True
+
+
+def shutdown_tracing() -> None:
+    """Export what is queued and stop (what the exit hook does); tracing is off after."""
+    global ENABLED, _TRACER, _PROVIDER  # noqa: PLW0603 - the one switch the hot paths read
+    provider, _PROVIDER = _PROVIDER, None
+    ENABLED = False
+    _TRACER = trace.NoOpTracer()
+    if provider is not None:
+        provider.shutdown()
+
+
+# --- propagation -------------------------------------------------------------
+
+
+class _StringGetter(Getter[Mapping[str, Any]]):
+    """Reads only string values of a sane length: AMQP headers may hold anything."""
+
+    def get(self, carrier: Mapping[str, Any], key: str) -> list[str] | None:
+        value = carrier.get(key)
+        if isinstance(value, bytes):
+            value = value.decode("latin-1")
+        if not isinstance(value, str) or len(value) > _MAX_TRACEPARENT:
+            return None
+        return [value]
+
+    def keys(self, carrier: Mapping[str, Any]) -> list[str]:
+        return [str(k) for k in carrier]
+
+
+_GETTER = _StringGetter()
+
+
+def extract(carrier: Mapping[str, Any] | None) -> otel_context.Context:
+    """The trace context in ``carrier``'s ``traceparent``/``tracestate``; an empty
+    context (a new trace) for anything missing or malformed."""
+    if not carrier:
+        return otel_context.Context()
+    try:
+        return _PROPAGATOR.extract(carrier, context=otel_context.Context(), getter=_GETTER)
+    except Exception:  # a propagator must never fail a call; be sure of it
+        return otel_context.Context()
+
+
+def _inject(context: otel_context.Context | None = None) -> dict[str, str]:
+    carrier: dict[str, str] = {}
+    _PROPAGATOR.inject(carrier, context=context)
+    state = carrier.get(TRACESTATE)
+    if state is not None and len(state) > MAX_TRACESTATE:
+        del carrier[TRACESTATE]
+    return carrier
+
+
+def current_headers() -> Mapping[str, str]:
+    """``traceparent`` (and ``tracestate``) of the current span; empty when off or none."""
+    if not ENABLED:
+        return NO_HEADERS
+    return _inject()
+
+
+def outgoing(traceparent: str | None, tracestate: str | None) -> tuple[str | None, str | None]:
+    """The trace context to store with what a call publishes: the current span's
+    when tracing is on, else the caller's (``traceparent``, ``tracestate``) as given."""
+    if not ENABLED:
+        return traceparent, tracestate
+    carrier = _inject()
+    if TRACEPARENT not in carrier:
+        return traceparent, tracestate
+    return carrier[TRACEPARENT], carrier.get(TRACESTATE)
+
+
+def trace_binds() -> Mapping[str, Any]:
+    """The binds of a transition's statement: the current span's context, for the
+    outbox row and domain events it writes (:data:`NO_TRACE` when off).
+
+    ``trace_inherit``: with no span here (the sweeper), a new dispatch copies
+    the job's previous dispatch's context, so a repaired job stays in its trace.
+    """
+    if not ENABLED:
+        return NO_TRACE
+    carrier = _inject()
+    parent = carrier.get(TRACEPARENT)
+    if parent is None:
+        return {"trace_parent": None, "trace_state": None, "trace_inherit": True}
+    return {"trace_parent": parent, "trace_state": carrier.get(TRACESTATE), "trace_inherit": True}
+
+
+def applied(transition: Transition) -> None:
+    """Name ``transition`` on the current span (it applied under it)."""
+    span = trace.get_current_span()
+    if span.is_recording():
+        span.set_attribute(TRANSITION, transition.value)
+
+
+# --- the relay ---------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def publish_span(
+    row_headers: Mapping[str, str],
+    *,
+    exchange: str,
+    routing_key: str,
+    message_id: str,
+    job_id: str,
+    tenant_id: str,
+) -> Iterator[Mapping[str, str]]:
+    """``outbox publish``: a producer span, child of the context the outbox row
+    carries; yields the headers that carry it on to the message."""
+    attributes = {
+        "messaging.system": "rabbitmq",
+        "messaging.operation.type": "send",
+        "messaging.operation.name": "publish",
+        "messaging.destination.name": exchange,
+        "messaging.rabbitmq.destination.routing_key": routing_key,
+        "messaging.message.id": message_id,
+        JOB_ID: job_id,
+        JOB_TYPE: routing_key,
+        TENANT_ID: tenant_id,
+    }
+    with _TRACER.start_as_current_span(
+        "outbox publish",
+        context=extract(row_headers),
+        kind=SpanKind.PRODUCER,
+        attributes=attributes,
+        record_exception=False,
+        set_status_on_exception=False,
+    ) as span:
+        try:
+            yield _inject()
+        except BaseException as exc:
+            _failed(span, exc)
+            raise
+
+
+# --- the worker --------------------------------------------------------------
+
+
+def delivered(headers: Mapping[str, Any] | None) -> contextlib.AbstractContextManager[object]:
+    """The context of a delivered message, current for the block (its spans' parent)."""
+    if not ENABLED:
+        return _NULL
+    return _attached(extract(headers))
+
+
+@contextlib.contextmanager
+def _attached(context: otel_context.Context) -> Iterator[object]:
+    token = otel_context.attach(context)
+    try:
+        yield None
+    finally:
+        otel_context.detach(token)
+
+
+def claim_span(
+    envelope: Envelope, message: AbstractIncomingMessage
+) -> contextlib.AbstractContextManager[Span | None]:
+    """``job claim``: the consumer span of a delivery, around the fenced claim."""
+    if not ENABLED:
+        return _NULL
+    attributes: dict[str, Any] = {
+        "messaging.system": "rabbitmq",
+        "messaging.operation.type": "process",
+        "messaging.operation.name": "claim",
+        "messaging.destination.name": message.exchange or "",
+        "messaging.rabbitmq.destination.routing_key": message.routing_key or "",
+        "messaging.message.id": message.message_id or "",
+        "messaging.rabbitmq.message.delivery_tag": message.delivery_tag or 0,
+        JOB_ID: str(envelope.job_id),
+        JOB_TYPE: envelope.job_type,
+        TENANT_ID: str(envelope.tenant_id),
+        "jobplane.redelivered": bool(message.redelivered),
+    }
+    return _span("job claim", SpanKind.CONSUMER, attributes)
+
+
+def claimed(span: Span | None, claim: ClaimResult) -> None:
+    """What the claim found, on its span."""
+    if span is None or not span.is_recording():
+        return
+    span.set_attribute("jobplane.claim.status", claim.status.value)
+    if claim.attempt is not None:
+        span.set_attribute(ATTEMPT, claim.attempt.attempt)
+        span.set_attribute(QUEUE, claim.attempt.queue)
+
+
+def _attempt_attributes(attempt: Attempt) -> dict[str, Any]:
+    attributes: dict[str, Any] = {
+        JOB_ID: str(attempt.job_id),
+        JOB_TYPE: attempt.type,
+        QUEUE: attempt.queue,
+        ATTEMPT: attempt.attempt,
+        TENANT_ID: str(attempt.tenant_id),
+    }
+    if attempt.stage is not None:
+        attributes["jobplane.pipeline"] = attempt.stage.pipeline
+        attributes["jobplane.stage"] = attempt.stage.name
+    return attributes
+
+
+def start_run(attempt: Attempt) -> Span | None:
+    """``job run <type>``: the handler's span (None when off); end it with :func:`end_run`."""
+    if not ENABLED:
+        return None
+    return _TRACER.start_span(
+        f"job run {attempt.type}", kind=SpanKind.INTERNAL, attributes=_attempt_attributes(attempt)
+    )
+
+
+def run_context(span: Span | None) -> Any:
+    """The contextvars the handler's task runs in (its current span: ``span``);
+    None (a copy of the current ones) when off."""
+    if span is None:
+        return None
+    token = otel_context.attach(trace.set_span_in_context(span))
+    try:
+        return contextvars.copy_context()
+    finally:
+        otel_context.detach(token)
+
+
+def end_run(span: Span | None, error: BaseException | None = None) -> None:
+    """End the handler's span; ``error``: what the handler raised (its type is kept)."""
+    if span is None:
+        return
+    if error is not None:
+        _failed(span, error)
+    span.end()
+
+
+def progress_event(progress: float) -> None:
+    """A progress report, as an event on the handler's span (the current one)."""
+    if not ENABLED:
+        return
+    span = trace.get_current_span()
+    if span.is_recording():
+        span.add_event("progress", {"jobplane.progress": progress})
+
+
+def outcome_span(attempt: Attempt) -> contextlib.AbstractContextManager[Span | None]:
+    """``job outcome``: the span of the attempt's outcome write (its transition named)."""
+    if not ENABLED:
+        return _NULL
+    return _span("job outcome", SpanKind.INTERNAL, _attempt_attributes(attempt))
+
+
+@contextlib.contextmanager
+def _span(name: str, kind: SpanKind, attributes: dict[str, Any]) -> Iterator[Span]:
+    """A current span for the block; an exception marks it failed by its type alone
+    (the SDK's own recording would keep its message, which may quote a statement's
+    values or tenant data)."""
+    with _TRACER.start_as_current_span(
+        name,
+        kind=kind,
+        attributes=attributes,
+        record_exception=False,
+        set_status_on_exception=False,
+    ) as span:
+        try:
+            yield span
+        except BaseException as exc:
+            _failed(span, exc)
+            raise
+
+
+def _failed(span: Span, exc: BaseException) -> None:
+    # The type only: an exception's message may quote tenant data.
+    span.set_attribute("error.type", type(exc).__qualname__)
+    span.set_status(Status(StatusCode.ERROR, type(exc).__qualname__))
+
+
+# --- the server ----------------------------------------------------------------
+
+# Server-side codes that make a span an error (OpenTelemetry's gRPC conventions).
+_SERVER_ERRORS = frozenset(
+    {
+        grpc.StatusCode.UNKNOWN,
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+        grpc.StatusCode.UNIMPLEMENTED,
+        grpc.StatusCode.INTERNAL,
+        grpc.StatusCode.UNAVAILABLE,
+        grpc.StatusCode.DATA_LOSS,
+    }
+)
+
+
+class _MetadataGetter(Getter[Iterable[tuple[str, Any]]]):
+    def get(self, carrier: Iterable[tuple[str, Any]], key: str) -> list[str] | None:
+        for name, value in carrier:
+            if name == key and isinstance(value, str) and len(value) <= _MAX_TRACEPARENT:
+                return [value]
+        return None
+
+    def keys(self, carrier: Iterable[tuple[str, Any]]) -> list[str]:
+        return [name for name, _ in carrier]
+
+
+_METADATA = _MetadataGetter()
+
+
+def _from_metadata(metadata: Any) -> otel_context.Context:
+    try:
+        return _PROPAGATOR.extract(
+            tuple(metadata or ()), context=otel_context.Context(), getter=_METADATA
+        )
+    except Exception:
+        return otel_context.Context()
+
+
+class ServerTracing(grpc.aio.ServerInterceptor):
+    """Starts a server span for every call under ``prefix``, continuing the trace of
+    the call's ``traceparent`` metadata; named ``jobplane.v1.JobService/SubmitJob``.
+
+    Installed only while tracing is on. First in the server's chain, so a call
+    the gate refuses has its span too. Health and reflection are not traced.
+    """
+
+    def __init__(self, prefix: str = "/jobplane.v1.") -> None:
+        self._prefix = prefix
+        self._wrapped: dict[int, tuple[Handler, Handler]] = {}
+        # Most handlers are made once per method; a refusal's may be made per
+        # call (a tenant limit), so the cache is kept small.
+        self._most = 512
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[Handler | None]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> Handler | None:
+        handler = await continuation(handler_call_details)
+        method = handler_call_details.method
+        if handler is None or not method.startswith(self._prefix):
+            return handler
+        # The gate's handlers are made once per method (and refusal): keyed
+        # by identity, each is wrapped once.
+        found = self._wrapped.get(id(handler))
+        if found is not None and found[0] is handler:
+            return found[1]
+        wrapped = _traced(handler, method)
+        if len(self._wrapped) >= self._most:
+            self._wrapped.clear()
+        self._wrapped[id(handler)] = (handler, wrapped)
+        return wrapped
+
+
+def _traced(handler: Handler, method: str) -> Handler:
+    name = method.lstrip("/")
+    service, _, rpc = name.partition("/")
+    attributes = {"rpc.system": "grpc", "rpc.service": service, "rpc.method": rpc}
+
+    def start(context: Context) -> contextlib.AbstractContextManager[Span]:
+        return _TRACER.start_as_current_span(
+            name,
+            context=_from_metadata(context.invocation_metadata()),
+            kind=SpanKind.SERVER,
+            attributes=attributes,
+            record_exception=False,
+            set_status_on_exception=False,
+        )
+
+    if handler.unary_unary is not None:
+        unary: Any = handler.unary_unary
+
+        async def unary_unary(request: Any, context: Context) -> Any:
+            with start(context) as span:
+                try:
+                    response = await unary(request, context)
+                except BaseException as exc:
+                    _finish(span, context, exc)
+                    raise
+                _finish(span, context)
+                return response
+
+        return grpc.unary_unary_rpc_method_handler(
+            unary_unary, handler.request_deserializer, handler.response_serializer
+        )
+    if handler.unary_stream is not None:
+        streamed: Any = handler.unary_stream
+
+        async def unary_stream(request: Any, context: Context) -> AsyncIterator[Any]:
+            with start(context) as span:
+                try:
+                    async for response in streamed(request, context):
+                        yield response
+                except BaseException as exc:
+                    _finish(span, context, exc)
+                    raise
+                _finish(span, context)
+
+        return grpc.unary_stream_rpc_method_handler(
+            unary_stream, handler.request_deserializer, handler.response_serializer
+        )
+    if handler.stream_unary is not None:
+        uploaded: Any = handler.stream_unary
+
+        async def stream_unary(requests: Any, context: Context) -> Any:
+            with start(context) as span:
+                try:
+                    response = await uploaded(requests, context)
+                except BaseException as exc:
+                    _finish(span, context, exc)
+                    raise
+                _finish(span, context)
+                return response
+
+        return grpc.stream_unary_rpc_method_handler(
+            stream_unary, handler.request_deserializer, handler.response_serializer
+        )
+    return handler
+
+
+_CODES = {code.value[0]: code for code in grpc.StatusCode}
+
+
+def _finish(span: Span, context: Context, error: BaseException | None = None) -> None:
+    found: Any = context.code()
+    code = _CODES.get(found) if isinstance(found, int) else found
+    if not isinstance(code, grpc.StatusCode) or (error is not None and code is grpc.StatusCode.OK):
+        if error is None:
+            code = grpc.StatusCode.OK
+        elif isinstance(error, GeneratorExit | asyncio.CancelledError):
+            code = grpc.StatusCode.CANCELLED
+        else:
+            code = grpc.StatusCode.UNKNOWN
+    span.set_attribute("rpc.grpc.status_code", code.value[0])
+    if code in _SERVER_ERRORS:
+        span.set_status(Status(StatusCode.ERROR, code.name))

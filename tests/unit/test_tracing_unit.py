@@ -1,0 +1,246 @@
+"""Trace context in and out of headers, rows and metadata; the OTEL_* settings."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from opentelemetry import context as otel_context
+from opentelemetry import trace
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import NonRecordingSpan, SpanContext, StatusCode, TraceFlags
+
+from jobplane.config import ConfigError, Settings
+from jobplane.observe import tracing
+from jobplane.store.attempts import Attempt
+
+_HEADER_VALUES = st.one_of(
+    st.text(max_size=600),
+    st.binary(max_size=100),
+    st.integers(),
+    st.none(),
+    st.lists(st.text(max_size=5), max_size=3),
+)
+_CARRIERS = st.dictionaries(
+    st.sampled_from(["traceparent", "tracestate", "other"]) | st.text(max_size=10),
+    _HEADER_VALUES,
+    max_size=4,
+)
+
+
+@pytest.fixture
+def on(monkeypatch: pytest.MonkeyPatch) -> Iterator[InMemorySpanExporter]:
+    """Tracing on for the test, with spans kept in memory (no global provider)."""
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    monkeypatch.setattr(tracing, "ENABLED", True)
+    monkeypatch.setattr(tracing, "_TRACER", provider.get_tracer("test"))
+    yield exporter
+    provider.shutdown()
+
+
+def _parent(trace_id: int, span_id: int) -> str:
+    return f"00-{trace_id:032x}-{span_id:016x}-01"
+
+
+@settings(deadline=None)  # timing is not what these check; shared machines are slow
+@given(_CARRIERS)
+def test_a_carrier_of_anything_extracts_without_raising(carrier: dict[str, Any]) -> None:
+    context = tracing.extract(carrier)
+    span = trace.get_current_span(context).get_span_context()
+    value = carrier.get("traceparent")
+    if not isinstance(value, str | bytes):
+        assert not span.is_valid
+
+
+@settings(deadline=None)  # timing is not what these check; shared machines are slow
+@given(st.integers(1, 2**128 - 1), st.integers(1, 2**64 - 1))
+def test_a_valid_traceparent_round_trips(trace_id: int, span_id: int) -> None:
+    context = tracing.extract({"traceparent": _parent(trace_id, span_id)})
+    found = trace.get_current_span(context).get_span_context()
+    assert (found.trace_id, found.span_id, found.is_remote) == (trace_id, span_id, True)
+
+
+@settings(deadline=None)  # timing is not what these check; shared machines are slow
+@given(st.text(max_size=80).filter(lambda v: v.count("-") != 3))
+def test_a_malformed_traceparent_is_a_new_trace(value: str) -> None:
+    context = tracing.extract({"traceparent": value, "tracestate": "a=b"})
+    assert not trace.get_current_span(context).get_span_context().is_valid
+
+
+def test_off_costs_a_check_and_gives_shared_no_ops() -> None:
+    assert tracing.ENABLED is False
+    assert tracing.current_headers() is tracing.NO_HEADERS
+    assert tracing.trace_binds() is tracing.NO_TRACE
+    assert tracing.delivered({"traceparent": _parent(1, 1)}) is tracing._NULL
+    assert tracing.start_run(object()) is None  # type: ignore[arg-type]
+    assert tracing.outgoing("a", "b") == ("a", "b")
+    assert not isinstance(trace.get_tracer_provider(), TracerProvider)
+
+
+@settings(deadline=None)  # timing is not what these check; shared machines are slow
+@given(_CARRIERS)
+def test_a_publish_from_any_row_carries_a_valid_context(carrier: dict[str, Any]) -> None:
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(tracing, "ENABLED", True)
+        patch.setattr(tracing, "_TRACER", provider.get_tracer("test"))
+        with tracing.publish_span(
+            carrier,
+            exchange="x",
+            routing_key="a.b",
+            message_id="m",
+            job_id="j",
+            tenant_id="t",
+        ) as headers:
+            pass
+    (span,) = exporter.get_finished_spans()
+    sent = tracing.extract(headers)
+    found = trace.get_current_span(sent).get_span_context()
+    assert found.is_valid
+    assert (found.trace_id, found.span_id) == (span.context.trace_id, span.context.span_id)
+    assert len(headers.get("tracestate", "")) <= tracing.MAX_TRACESTATE
+
+
+def test_a_publish_continues_the_rows_trace(on: InMemorySpanExporter) -> None:
+    row = {"traceparent": _parent(0xABC, 0xDEF), "tracestate": "k=v"}
+    with tracing.publish_span(
+        row, exchange="x", routing_key="a.b", message_id="m", job_id="j", tenant_id="t"
+    ) as headers:
+        pass
+    (span,) = on.get_finished_spans()
+    assert span.context.trace_id == 0xABC
+    assert span.parent is not None
+    assert span.parent.span_id == 0xDEF
+    assert span.kind is trace.SpanKind.PRODUCER
+    assert headers["tracestate"] == "k=v"
+    assert headers["traceparent"].split("-")[2] == f"{span.context.span_id:016x}"
+
+
+def test_binds_carry_the_current_span_and_drop_a_long_tracestate(
+    on: InMemorySpanExporter,
+) -> None:
+    context = SpanContext(0x1, 0x2, is_remote=True, trace_flags=TraceFlags(1))
+    span = NonRecordingSpan(context)
+    token = otel_context.attach(trace.set_span_in_context(span))
+    try:
+        binds = tracing.trace_binds()
+    finally:
+        otel_context.detach(token)
+    assert binds["trace_parent"] == _parent(1, 2)
+    assert binds["trace_inherit"] is True
+    # No span: nothing to carry, but a dispatch may inherit the job's.
+    assert tracing.trace_binds()["trace_parent"] is None
+    long_state = ",".join(f"k{i}=" + "v" * 20 for i in range(30))
+    context_ = tracing.extract({"traceparent": _parent(5, 6), "tracestate": long_state})
+    token = otel_context.attach(context_)
+    try:
+        assert tracing.current_headers() == {"traceparent": _parent(5, 6)}
+    finally:
+        otel_context.detach(token)
+
+
+@settings(deadline=None)  # timing is not what these check; shared machines are slow
+@given(st.lists(st.tuples(st.text(max_size=12), _HEADER_VALUES), max_size=5))
+def test_metadata_of_anything_extracts_without_raising(metadata: list[tuple[str, Any]]) -> None:
+    tracing._from_metadata(metadata)
+
+
+def _settings(**env: str) -> Settings:
+    return Settings.from_env(env)
+
+
+def test_tracing_is_off_unless_asked_for() -> None:
+    assert _settings().trace_exporters == ()
+    assert _settings(OTEL_TRACES_EXPORTER="none").trace_exporters == ()
+    assert _settings(OTEL_EXPORTER_OTLP_ENDPOINT="http://h:4318").trace_exporters == ("otlp",)
+    assert _settings(OTEL_EXPORTER_OTLP_TRACES_ENDPOINT="http://h/v1/traces").trace_exporters == (
+        "otlp",
+    )
+    assert _settings(OTEL_TRACES_EXPORTER="otlp,console").trace_exporters == ("otlp", "console")
+    # An endpoint does not override an explicit "none", and the SDK switch wins over all.
+    assert (
+        _settings(
+            OTEL_TRACES_EXPORTER="none", OTEL_EXPORTER_OTLP_ENDPOINT="http://h"
+        ).trace_exporters
+        == ()
+    )
+    assert _settings(OTEL_SDK_DISABLED="true", OTEL_TRACES_EXPORTER="otlp").trace_exporters == ()
+    assert _settings(
+        OTEL_SERVICE_NAME="billing", OTEL_TRACES_EXPORTER="otlp"
+    ).trace_service_name == ("billing")
+
+
+@pytest.mark.parametrize(
+    ("env", "named"),
+    [
+        ({"OTEL_TRACES_EXPORTER": "zipkin"}, "OTEL_TRACES_EXPORTER"),
+        (
+            {"OTEL_TRACES_EXPORTER": "otlp", "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc"},
+            "OTEL_EXPORTER_OTLP_PROTOCOL",
+        ),
+        (
+            {"OTEL_TRACES_EXPORTER": "otlp", "OTEL_TRACES_SAMPLER": "sometimes"},
+            "OTEL_TRACES_SAMPLER",
+        ),
+        (
+            {"OTEL_TRACES_SAMPLER": "traceidratio", "OTEL_TRACES_SAMPLER_ARG": "2"},
+            "OTEL_TRACES_SAMPLER_ARG",
+        ),
+        (
+            {"OTEL_TRACES_SAMPLER": "parentbased_traceidratio", "OTEL_TRACES_SAMPLER_ARG": "x"},
+            "OTEL_TRACES_SAMPLER_ARG",
+        ),
+    ],
+)
+def test_a_setting_the_sdk_would_quietly_replace_is_refused(
+    env: dict[str, str], named: str
+) -> None:
+    with pytest.raises(ConfigError, match=named):
+        Settings.from_env(env)
+
+
+def test_configure_with_tracing_off_installs_nothing() -> None:
+    assert tracing.configure_tracing("jobplane-test", Settings()) is False
+    assert tracing.ENABLED is False
+    assert not isinstance(trace.get_tracer_provider(), TracerProvider)
+
+
+def test_a_failure_is_kept_by_its_type_never_its_message(on: InMemorySpanExporter) -> None:
+    attempt = Attempt(
+        job_id=uuid.uuid4(),
+        tenant_id=uuid.uuid4(),
+        type="reports.render",
+        payload={"secret": "s3cr3t"},
+        attempt=2,
+        max_attempts=3,
+        retry_base=0,
+        lease_token=uuid.uuid4(),
+        correlation_id="",
+        request_id="r",
+        queue="default",
+    )
+    with pytest.raises(ValueError, match="s3cr3t"), tracing.outcome_span(attempt):
+        raise ValueError("the payload was s3cr3t")
+    run = tracing.start_run(attempt)
+    tracing.end_run(run, RuntimeError("s3cr3t again"))
+    outcome, handler = on.get_finished_spans()
+    assert handler.name == "job run reports.render"
+    for span in (outcome, handler):
+        assert span.status.status_code is StatusCode.ERROR
+        assert "s3cr3t" not in repr(span.attributes) + str(span.status.description)
+        assert not span.events
+        assert span.attributes is not None
+        assert span.attributes["jobplane.attempt"] == 2
+        assert span.attributes["jobplane.job.type"] == "reports.render"
+    assert outcome.attributes is not None
+    assert outcome.attributes["error.type"] == "ValueError"
