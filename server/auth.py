@@ -29,6 +29,7 @@ import grpc
 import structlog
 
 from jobplane.errors import JobplaneError, KeyScopeMismatch, Unauthenticated
+from jobplane.logs import fingerprint
 from jobplane.server.limits import TenantLimiter
 from jobplane.server.status import error_for, to_grpc_status
 from jobplane.store.keys import Identity, KeyIdentity, KeyScope, KeyStore, WorkerIdentity
@@ -264,10 +265,10 @@ class CallGate(grpc.aio.ServerInterceptor):
 
 
 def _request_id(metadata: Any) -> str:
-    """The caller's ``x-request-id`` metadata (at most 256 characters), or ""."""
+    """The fingerprint of the caller's ``x-request-id`` metadata, or ""."""
     for key, value in metadata or ():
         if key == "x-request-id" and isinstance(value, str):
-            return value[:256]
+            return fingerprint(value)
     return ""
 
 

@@ -21,6 +21,7 @@ from jobplane.convert import (
 )
 from jobplane.errors import InvalidArgument, JobplaneError
 from jobplane.events.convert import event_to_pb as domain_event_to_pb
+from jobplane.logs import fingerprint
 from jobplane.server.auth import current_identity
 from jobplane.server.events import EventService, PublishRequest
 from jobplane.server.service import JobService, SubmitRequest
@@ -49,9 +50,10 @@ _MAX_LOGGED_ID = 256
 
 
 def _bind_ids(request_id: str, correlation_id: str) -> None:
-    """Bind the request's own ids (the gate bound x-request-id; the request's field wins)."""
+    """Bind the request's own ids, by fingerprint (the gate bound x-request-id's; the
+    request's field wins)."""
     ids = {"request_id": request_id, "correlation_id": correlation_id}
-    structlog.contextvars.bind_contextvars(**{k: v[:_MAX_LOGGED_ID] for k, v in ids.items() if v})
+    structlog.contextvars.bind_contextvars(**{k: fingerprint(v) for k, v in ids.items() if v})
 
 
 async def _abort(context: Context, error: JobplaneError) -> None:

@@ -46,6 +46,7 @@ from jobplane.errors import (
     shown,
 )
 from jobplane.ids import new_id
+from jobplane.logs import fingerprint
 from jobplane.names import job_name, parse_job_name, validate_job_type
 from jobplane.observe.metrics import CANCELLED, COMPLETED, FAILED, NO_METRICS, RETRY, Metrics
 from jobplane.store.attempts import (
@@ -312,8 +313,8 @@ class WorkerService:
             structlog.contextvars.bind_contextvars(
                 job=job_name(envelope.job_id),
                 tenant_id=str(envelope.tenant_id),
-                correlation_id=envelope.correlation_id,
-                request_id=attempt.request_id,
+                correlation_id=fingerprint(envelope.correlation_id),
+                request_id=fingerprint(attempt.request_id),
                 queue=attempt.queue,
                 routing_key=envelope.job_type,
             )
@@ -468,8 +469,8 @@ class WorkerService:
         return log.bind(
             job=job_name(attempt.job_id),
             tenant_id=str(attempt.tenant_id),
-            correlation_id=attempt.correlation_id,
-            request_id=attempt.request_id,
+            correlation_id=fingerprint(attempt.correlation_id),
+            request_id=fingerprint(attempt.request_id),
             queue=attempt.queue,
         )
 

@@ -89,7 +89,7 @@ from jobplane.events.envelope import (
     encode,
 )
 from jobplane.faults import NO_FAULTS, FaultPoints
-from jobplane.logs import describe_error
+from jobplane.logs import describe_error, fingerprint
 from jobplane.names import job_name
 from jobplane.observe.metrics import NO_METRICS, Metrics
 from jobplane.store.deployment import Deployment, this_deployment
@@ -938,7 +938,7 @@ def _dispatched(row: OutboxRow, topology: Topology) -> dict[str, str]:
         "job": job_name(row.job_id) if row.job_id is not None else "",
         "event_id": str(row.id),
         "tenant_id": str(row.tenant_id),
-        "correlation_id": row.correlation_id,
+        "correlation_id": fingerprint(row.correlation_id),
         "type": row.routing_key,
         "queue": queue.name if queue is not None else "",
         "exchange": row.exchange or topology.exchange,

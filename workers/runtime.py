@@ -29,7 +29,7 @@ from jobplane.config import DEFAULT_INLINE_BYTES, MAX_OFFLOADED_JSON_BYTES
 from jobplane.envelope import Envelope, EnvelopeError
 from jobplane.errors import BlobStoreUnavailable
 from jobplane.faults import NO_FAULTS, FaultPoints
-from jobplane.logs import describe_error
+from jobplane.logs import describe_error, fingerprint
 from jobplane.names import job_name
 from jobplane.observe.metrics import CANCELLED, COMPLETED, FAILED, NO_METRICS, RETRY, Metrics
 from jobplane.store.attempts import (
@@ -341,7 +341,7 @@ class Worker:
             job=job_name(envelope.job_id),
             event_id=str(envelope.event_id),
             tenant_id=str(envelope.tenant_id),
-            correlation_id=envelope.correlation_id,
+            correlation_id=fingerprint(envelope.correlation_id),
             queue=queue,
             exchange=message.exchange,
             routing_key=message.routing_key,
@@ -370,7 +370,7 @@ class Worker:
             await _settle(message.nack(requeue=True))
             return
         if claim.status is ClaimStatus.CLAIMED and claim.attempt is not None:
-            bound = bound.bind(request_id=claim.attempt.request_id)
+            bound = bound.bind(request_id=fingerprint(claim.attempt.request_id))
             bound.info("job.received", attempt=claim.attempt.attempt, type=envelope.job_type)
             try:
                 await self._run(claim.attempt, bound)

@@ -10,6 +10,7 @@ a database error by its class and SQLSTATE only (:func:`format_exception`).
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import re
 import sys
@@ -32,6 +33,18 @@ _CONTEXT = "\nDuring handling of the above exception, another exception occurred
 def scrub(text: str) -> str:
     """``text`` with API keys and bearer tokens replaced."""
     return _SECRETS.sub(_mask, text)
+
+
+def fingerprint(value: str) -> str:
+    """What a log line shows of an id a caller chose (a request or correlation id):
+    ``sha256:`` and 16 hex digits of its digest; "" for "".
+
+    Callers put what they like in those ids, their own data included, and that
+    never reaches a log line; a known id's lines are found by its fingerprint.
+    """
+    if not value:
+        return ""
+    return "sha256:" + hashlib.sha256(value.encode("utf-8", "surrogatepass")).hexdigest()[:16]
 
 
 def _mask(match: re.Match[str]) -> str:
