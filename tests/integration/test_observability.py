@@ -35,7 +35,7 @@ class Dev:
         return [json.loads(line) for line in self.lines if line.startswith("{")]
 
 
-def samples(text: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
+def samples(text: str) -> Samples:
     """Every sample of a Prometheus text exposition, by name and labels."""
     return {
         (s.name, frozenset(s.labels.items())): s.value
@@ -44,7 +44,10 @@ def samples(text: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
     }
 
 
-def value(found: dict[tuple[str, frozenset[tuple[str, str]]], float], name: str, **labels: str) -> float:
+Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
+
+
+def value(found: Samples, name: str, **labels: str) -> float:
     return found.get((name, frozenset(labels.items())), 0.0)
 
 
@@ -142,7 +145,8 @@ async def test_dev_counts_its_jobs_and_logs_their_lifecycle(dev: Dev) -> None:
     assert value(found, "jobplane_job_run_seconds_count", **echo, outcome="completed") == 3
     assert value(found, "jobplane_job_queue_wait_seconds_count", **echo) == 3
     assert value(found, "jobplane_job_retries_total", **echo) == 0
-    assert value(found, "jobplane_relay_published_total", kind="job.dispatch", outcome="confirmed") == 4
+    dispatches = {"kind": "job.dispatch", "outcome": "confirmed"}
+    assert value(found, "jobplane_relay_published_total", **dispatches) == 4
     assert value(found, "jobplane_relay_confirm_seconds_count") >= 1
     assert value(found, "jobplane_outbox_backlog_rows") == 0
     assert value(found, "jobplane_failed_queue_messages", queue="jobplane.failed") == 0
