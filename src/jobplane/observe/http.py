@@ -96,9 +96,8 @@ class OpsServer:
                 f"{self._setting}: {self._address} {why}; choose another host:port or off"
             ) from exc
         self._runner = runner
-        server = site._server  # aiohttp keeps the asyncio server here
-        sockets = getattr(server, "sockets", None) or ()
-        self.port = sockets[0].getsockname()[1] if sockets else self._address.port
+        addresses = runner.addresses
+        self.port = int(addresses[0][1]) if addresses else self._address.port
         log.info(
             "ops.listening",
             address=self.address,
