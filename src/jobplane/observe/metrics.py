@@ -226,10 +226,6 @@ class Metrics:
         """A worker's slots, ``read()`` = (busy, total); summed over the process's workers."""
         self._slots.append(read)
 
-    def remove_slots(self, read: Callable[[], tuple[int, int]]) -> None:
-        """The worker stopped: its slots no longer count."""
-        self._slots = [r for r in self._slots if r is not read]
-
     def add_streams(self, read: Callable[[], int]) -> None:
         """A server's open watch streams; summed over the process's servers."""
         self._streams.append(read)
@@ -262,10 +258,6 @@ class Metrics:
         self.db_pool.labels("in_use").set(used)
         self.db_pool.labels("idle").set(idle)
         self.db_pool.labels("size").set(size)
-
-    def off_scrape(self, refresh: Refresher) -> None:
-        """Stop running ``refresh`` (a part that stops takes its readers away)."""
-        self._refreshers = [(n, r) for n, r in self._refreshers if r is not refresh]
 
     async def refresh(self) -> None:
         """Read the process's own gauges, then run every refresher at once, each
