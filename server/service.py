@@ -172,7 +172,7 @@ class JobService:
         )
         job, created = await self._store.submit(tenant, new)
         if created:
-            self.metrics.jobs_submitted.labels(job_type, queue.name).inc()
+            self.metrics.submitted(job_type, queue.name)
         return job
 
     async def _check_blobs(
@@ -266,7 +266,7 @@ class JobService:
         )
         job, created = await self._store.submit(tenant, new)
         if created:
-            self.metrics.jobs_submitted.labels(pipeline.name, first.queue).inc()
+            self.metrics.submitted(pipeline.name, first.queue)
         return job
 
     async def get(self, tenant: uuid.UUID, name: str) -> Job:

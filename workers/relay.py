@@ -518,7 +518,7 @@ class Relay:
         if failure is None:
             self._head_failures = None
         self.events_published += done - parked
-        self._metrics.relay_published.labels("event_feed", "confirmed").inc(done - parked)
+        self._metrics.relayed("event_feed", "confirmed", done - parked)
         self.events_parked += parked
         if failure is not None:
             raise PublishFailed(f"event feed: {failure!r}") from failure
@@ -658,7 +658,7 @@ class Relay:
                 log.warning("broker.publish.failed", event_id=str(row.id), error=repr(result))
             outcomes.append(_Outcome(row, fate, result))
         for outcome in outcomes:
-            self._metrics.relay_published.labels(outcome.row.kind.value, outcome.fate.value).inc()
+            self._metrics.relayed(outcome.row.kind.value, outcome.fate.value)
         return outcomes
 
     async def _record(self, batch: OutboxBatch, outcomes: list[_Outcome]) -> _Recorded:

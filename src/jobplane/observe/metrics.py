@@ -76,6 +76,9 @@ class Metrics:
         self._slots: list[Callable[[], tuple[int, int]]] = []
         self._streams: list[Callable[[], int]] = []
         self._pools: list[AsyncEngine] = []
+        self._started: dict[tuple[str, str], tuple[Any, Any, Any]] = {}
+        self._ended: dict[tuple[str, str, str], tuple[Any, Any]] = {}
+        self._children: dict[tuple[str, str, str], Any] = {}
         job = ("type", "queue")
         self.jobs_submitted = Counter(
             "jobplane_jobs_submitted_total",
@@ -192,23 +195,63 @@ class Metrics:
         self, job_type: str, queue: str, attempt: int, submitted: datetime | None
     ) -> None:
         """An attempt started; a first one counts as the job's start (and its wait)."""
-        self.job_attempts.labels(job_type, queue).inc()
+        attempts, started, wait = self._started_children(job_type, queue)
+        attempts.inc()
         if attempt == 1:
-            self.jobs_started.labels(job_type, queue).inc()
+            started.inc()
             if submitted is not None:
-                waited = (datetime.now(UTC) - submitted).total_seconds()
-                self.job_wait.labels(job_type, queue).observe(max(waited, 0.0))
+                wait.observe(max((datetime.now(UTC) - submitted).total_seconds(), 0.0))
 
     def attempt_ended(
         self, job_type: str, queue: str, outcome: str, seconds: float | None = None
     ) -> None:
         """An attempt ended: ``completed``, ``failed``, ``cancelled`` or ``retry_scheduled``."""
-        if outcome == RETRY:
-            self.job_retries.labels(job_type, queue).inc()
-        else:
-            self.jobs_finished.labels(job_type, queue, outcome).inc()
+        counter, run = self._ended_children(job_type, queue, outcome)
+        counter.inc()
         if seconds is not None:
-            self.job_run.labels(job_type, queue, outcome).observe(seconds)
+            run.observe(seconds)
+
+    def submitted(self, job_type: str, queue: str) -> None:
+        """A job was created by SubmitJob."""
+        key = ("submitted", job_type, queue)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = self.jobs_submitted.labels(job_type, queue)
+        child.inc()
+
+    def relayed(self, kind: str, outcome: str, count: int = 1) -> None:
+        """``count`` outbox rows of ``kind`` handed to the broker, with ``outcome``."""
+        key = ("relayed", kind, outcome)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = self.relay_published.labels(kind, outcome)
+        child.inc(count)
+
+    # The labelled children of the per-job metrics, looked up once per type and
+    # queue (labels() takes a lock and builds a key each call). Bounded: the
+    # server routes only the topology's types.
+    def _started_children(self, job_type: str, queue: str) -> tuple[Any, Any, Any]:
+        key = (job_type, queue)
+        found = self._started.get(key)
+        if found is None:
+            found = self._started[key] = (
+                self.job_attempts.labels(*key),
+                self.jobs_started.labels(*key),
+                self.job_wait.labels(*key),
+            )
+        return found
+
+    def _ended_children(self, job_type: str, queue: str, outcome: str) -> tuple[Any, Any]:
+        key = (job_type, queue, outcome)
+        found = self._ended.get(key)
+        if found is None:
+            counter = (
+                self.job_retries.labels(job_type, queue)
+                if outcome == RETRY
+                else self.jobs_finished.labels(*key)
+            )
+            found = self._ended[key] = (counter, self.job_run.labels(*key))
+        return found
 
     def count_repairs(self, report: Any) -> None:
         """What a sweep (a :class:`~jobplane.workers.sweeper.SweepReport`) repaired."""
@@ -343,6 +386,12 @@ class _NoMetrics(Metrics):
         pass
 
     def count_repairs(self, report: Any) -> None:
+        pass
+
+    def submitted(self, job_type: str, queue: str) -> None:
+        pass
+
+    def relayed(self, kind: str, outcome: str, count: int = 1) -> None:
         pass
 
     def add_slots(self, read: Callable[[], tuple[int, int]]) -> None:
