@@ -462,7 +462,8 @@ class FailedQueueDepth:
                 if not channel.is_closed:
                     await channel.close()
         except Exception:
-            await self.close()
+            if connection.is_closed or connection.transport is None:
+                await self.close()  # reconnect next time; a channel error keeps it
             raise
         count = declared.declaration_result.message_count
         self._metrics.failed_queue.labels(self._queue).set(int(count or 0))
