@@ -74,6 +74,24 @@ async def _scraper(ports: list[int], scrapes: list[float]) -> None:
         await asyncio.sleep(SCRAPE_SECONDS)
 
 
+def per_job_seconds(jobs: int = 50_000) -> float:
+    """CPU seconds of the metric calls one job makes (submit, start, end, dispatch),
+    timed in this process: the floor of the cost, whatever the machine's load."""
+    from datetime import UTC, datetime
+
+    from jobplane.observe.metrics import Metrics
+
+    metrics = Metrics()
+    submitted = datetime.now(UTC)
+    started = time.process_time()
+    for _ in range(jobs):
+        metrics.submitted("bench.noop", "jobplane.default")
+        metrics.relayed("job.dispatch", "confirmed")
+        metrics.attempt_started("bench.noop", "jobplane.default", 1, submitted)
+        metrics.attempt_ended("bench.noop", "jobplane.default", "completed", 0.001)
+    return (time.process_time() - started) / jobs
+
+
 async def fig_metrics(bench: Bench) -> None:
     """Throughput with metrics off and on, as a ratio (target: on at least 95 % of off)."""
     from bench.run import Figure, _procs, closed_loop_rate
@@ -124,6 +142,7 @@ async def fig_metrics(bench: Bench) -> None:
             {**config, "target": f">= {TARGET} (at most 5 % cost)", "met": ratio >= TARGET},
         )
     )
+    bench.add(Figure("metrics_cpu_per_job", per_job_seconds() * 1e6, "us"))
     if scrapes:
         p50 = statistics.median(scrapes) * 1000
         bench.add(Figure("metrics_scrape_all_processes_p50", p50, "ms"))
