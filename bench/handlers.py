@@ -17,12 +17,13 @@ async def noop(ctx: JobContext) -> dict[str, Any]:
     return {}
 
 
-# The same, under the types of the lifecycle-events comparison (one type per
+# The same, under the types of the lifecycle-events and metrics comparisons (one type per
 # half of each round, so each counts only its own jobs).
 for _round in range(1, 10):
     for _state in ("off", "on"):
         registry.add(f"bench.noop_lifecycle_{_state}_{_round}", noop)
         registry.add(f"bench.noop_tracing_{_state}_{_round}", noop)
+        registry.add(f"bench.noop_metrics_{_state}_{_round}", noop)
 
 
 # The stages of the three-stage no-op pipeline (bench/pipeline.toml), and

@@ -11,6 +11,7 @@ machine: these are measurements, not tests.
                         [--watchers N] [--seconds S] [--blob-mib M] [--only NAME ...]
                         [--only ingest --ingest-docs N --ingest-words W]
 
+``--only metrics`` compares throughput with metrics off and on (bench/metrics.py).
 ``--only blobs`` measures a blob's upload and download through jobplane
 beside the S3 server's own figures ($JOBPLANE_S3_URL, else a moto_server).
 """
@@ -165,6 +166,8 @@ class Bench:
             "JOBPLANE_AMQP_URL": self.amqp_url,
             "JOBPLANE_LISTEN": self.address,
             "JOBPLANE_LOG_LEVEL": "warning",
+            # Each process's ops listener on a port of its own (--only metrics picks them).
+            "JOBPLANE_METRICS_LISTEN": "127.0.0.1:0",
             # The bench measures capacity, not the per-tenant limits: its one
             # tenant opens 10,000 streams and submits as fast as it can.
             "JOBPLANE_TENANT_MAX_STREAMS": "0",
@@ -1195,6 +1198,7 @@ async def main(argv: list[str] | None = None) -> int:
             "ingest",
             "blobs",
             "tracing",
+            "metrics",
         ],
     )
     parser.add_argument("--ingest-docs", type=int, default=40, help="documents of --only ingest")
@@ -1225,6 +1229,10 @@ async def main(argv: list[str] | None = None) -> int:
             rate = await fig_throughput(bench)
         if want("lifecycle"):
             await fig_lifecycle_cost(bench)
+        if want("metrics"):
+            from bench.metrics import fig_metrics
+
+            await fig_metrics(bench)
         if want("open"):
             await fig_open_loop(bench, rate / 2)
         if want("pipeline"):

@@ -19,6 +19,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from jobplane.config import MAX_PAYLOAD_BYTES_LIMIT
 from jobplane.faults import NO_FAULTS, FaultPoints
 from jobplane.observe import tracing
+from jobplane.observe.metrics import NO_METRICS, Metrics
 from jobplane.observe.tracing import ServerTracing
 from jobplane.server.auth import CallGate
 from jobplane.server.blob_servicer import MAX_CHUNK_BYTES, BlobServiceServicer
@@ -128,6 +129,7 @@ class JobplaneServer:
         worker_lease_seconds: float = 30.0,
         blobs: BlobStore | None = None,
         inline_bytes: int | None = None,
+        metrics: Metrics = NO_METRICS,
     ) -> None:
         if not 0 < max_payload_bytes <= MAX_PAYLOAD_BYTES_LIMIT:
             # Past it, a job could be too large for the SDK to read back.
@@ -177,6 +179,8 @@ class JobplaneServer:
         self.max_receive_bytes = max(
             max_request_bytes(max_payload_bytes), MAX_CHUNK_BYTES + 64 * 1024
         )
+        self.service.metrics = self.workers.metrics = metrics
+        metrics.add_streams(self.limiter.open_streams)
         self.health = HealthServicer()
         self._server: grpc.aio.Server | None = None
         self.port: int = 0

@@ -29,6 +29,7 @@ import grpc
 import structlog
 
 from jobplane.errors import JobplaneError, KeyScopeMismatch, Unauthenticated
+from jobplane.logs import fingerprint
 from jobplane.server.limits import TenantLimiter
 from jobplane.server.status import error_for, to_grpc_status
 from jobplane.store.keys import Identity, KeyIdentity, KeyScope, KeyStore, WorkerIdentity
@@ -167,6 +168,8 @@ class CallGate(grpc.aio.ServerInterceptor):
             structlog.contextvars.bind_contextvars(
                 tenant_id=str(identity.tenant_id), api_key_id=identity.key_id, rpc=rpc
             )
+        if request_id := _request_id(handler_call_details.invocation_metadata):
+            structlog.contextvars.bind_contextvars(request_id=request_id)
         admitted = self._admitted.get(method)
         if admitted is None:
             admitted = self._admitted[method] = self._admitting(handler, rpc)
@@ -259,6 +262,14 @@ class CallGate(grpc.aio.ServerInterceptor):
         # No API call streams both ways; refuse rather than run one
         # unauthenticated should one be added without a gate for it.
         return _refusal(handler, Unauthenticated("this call cannot be authenticated"))
+
+
+def _request_id(metadata: Any) -> str:
+    """The fingerprint of the caller's ``x-request-id`` metadata, or ""."""
+    for key, value in metadata or ():
+        if key == "x-request-id" and isinstance(value, str):
+            return fingerprint(value)
+    return ""
 
 
 def _refusal(handler: Handler, error: JobplaneError) -> Handler:

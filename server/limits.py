@@ -111,6 +111,10 @@ class TenantLimiter:
         else:
             self._streams.pop(tenant, None)
 
+    def open_streams(self) -> int:
+        """Watch streams all tenants hold now."""
+        return sum(self._streams.values())
+
     def streams(self, tenant: uuid.UUID) -> int:
         """Watch streams the tenant holds now."""
         return self._streams.get(tenant, 0)

@@ -29,6 +29,7 @@ from jobplane.errors import (
     shown,
 )
 from jobplane.names import parse_job_name, validate_job_type
+from jobplane.observe.metrics import NO_METRICS, Metrics
 from jobplane.server.feeds import FeedHub
 from jobplane.store.jobs import JobStore, ListCursor, NewJob, pipeline_stages
 from jobplane.store.listen import Listener
@@ -111,6 +112,8 @@ class JobService:
         self._store = store
         self._blobs = blobs
         self._topology = topology
+        #: Where submits are counted (the server's; nothing by default).
+        self.metrics: Metrics = NO_METRICS
         self._max_payload_bytes = max_payload_bytes
         self.feeds = FeedHub(store.read_streams, hub, recheck_seconds=recheck_seconds)
 
@@ -167,7 +170,9 @@ class JobService:
             payload_blob=payload_blob,
             blob_references=references,
         )
-        job, _created = await self._store.submit(tenant, new)
+        job, created = await self._store.submit(tenant, new)
+        if created:
+            self.metrics.submitted(job_type, queue.name)
         return job
 
     async def _check_blobs(
@@ -259,7 +264,9 @@ class JobService:
             payload_blob=payload_blob,
             blob_references=references,
         )
-        job, _created = await self._store.submit(tenant, new)
+        job, created = await self._store.submit(tenant, new)
+        if created:
+            self.metrics.submitted(pipeline.name, first.queue)
         return job
 
     async def get(self, tenant: uuid.UUID, name: str) -> Job:

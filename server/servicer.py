@@ -10,6 +10,7 @@ from datetime import UTC, datetime
 from typing import Any, TypeVar
 
 import grpc
+import structlog
 
 from jobplane.convert import (
     dict_from_struct,
@@ -20,6 +21,7 @@ from jobplane.convert import (
 )
 from jobplane.errors import InvalidArgument, JobplaneError
 from jobplane.events.convert import event_to_pb as domain_event_to_pb
+from jobplane.logs import fingerprint
 from jobplane.observe import tracing
 from jobplane.server.auth import current_identity
 from jobplane.server.events import EventService, PublishRequest
@@ -44,6 +46,17 @@ MAX_EVENT_SECONDS = 253_402_300_799
 MAX_LIST_REPLY_BYTES = 3 * 1024 * 1024
 
 
+# The most of a caller's id a log line shows (ids are checked, and refused, later).
+_MAX_LOGGED_ID = 256
+
+
+def _bind_ids(request_id: str, correlation_id: str) -> None:
+    """Bind the request's own ids, by fingerprint (the gate bound x-request-id's; the
+    request's field wins)."""
+    ids = {"request_id": request_id, "correlation_id": correlation_id}
+    structlog.contextvars.bind_contextvars(**{k: fingerprint(v) for k, v in ids.items() if v})
+
+
 async def _abort(context: Context, error: JobplaneError) -> None:
     await context.abort_with_status(to_grpc_status(error))
 
@@ -55,6 +68,8 @@ def _unary(
 
     @functools.wraps(method)
     async def wrapper(self: Servicer, request: Req, context: Context) -> Resp:
+        if name := getattr(request, "name", ""):
+            structlog.contextvars.bind_contextvars(job=name[:_MAX_LOGGED_ID])
         try:
             return await method(self, current_identity().tenant_id, request)
         except Exception as exc:
@@ -74,6 +89,7 @@ class JobServiceServicer(jobs_pb2_grpc.JobServiceServicer):
     async def SubmitJob(
         self, tenant: uuid.UUID, request: jobs_pb2.SubmitJobRequest
     ) -> jobs_pb2.Job:
+        _bind_ids(request.request_id, request.correlation_id)
         job = await self._service.submit(
             tenant,
             SubmitRequest(
@@ -138,6 +154,8 @@ class JobServiceServicer(jobs_pb2_grpc.JobServiceServicer):
     async def WatchJob(
         self, request: jobs_pb2.WatchJobRequest, context: Context
     ) -> AsyncIterator[jobs_pb2.WatchJobResponse]:
+        if request.name:
+            structlog.contextvars.bind_contextvars(job=request.name[:_MAX_LOGGED_ID])
         try:
             tenant = current_identity().tenant_id
             async for event in self._service.watch(tenant, request.name, request.after_seq):
@@ -155,6 +173,7 @@ class EventServiceServicer(events_pb2_grpc.EventServiceServicer):
     async def PublishEvent(
         self, request: events_pb2.PublishEventRequest, context: Context
     ) -> events_pb2.Event:
+        _bind_ids("", request.correlation_id)
         try:
             tenant = current_identity().tenant_id
             metadata = dict(

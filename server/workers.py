@@ -46,7 +46,9 @@ from jobplane.errors import (
     shown,
 )
 from jobplane.ids import new_id
+from jobplane.logs import fingerprint
 from jobplane.names import job_name, parse_job_name, validate_job_type
+from jobplane.observe.metrics import CANCELLED, COMPLETED, FAILED, NO_METRICS, RETRY, Metrics
 from jobplane.store.attempts import (
     Attempt,
     AttemptStore,
@@ -197,6 +199,8 @@ class WorkerService:
         self._kept: OrderedDict[Fence, Attempt] = OrderedDict()
         #: This deployment's id (jobplane.store.deployment), once the server knows it.
         self.deployment: str | None = None
+        #: Where attempts are counted (the server's; nothing by default).
+        self.metrics: Metrics = NO_METRICS
 
     @property
     def lease_seconds(self) -> float:
@@ -305,11 +309,20 @@ class WorkerService:
             result = await self._with_payload(result.attempt)
         if result.attempt is not None:
             self._keep(result.attempt)
-            log.info(
-                "worker_service.claimed",
+            attempt = result.attempt
+            structlog.contextvars.bind_contextvars(
                 job=job_name(envelope.job_id),
-                attempt=result.attempt.attempt,
-                type=envelope.job_type,
+                tenant_id=str(envelope.tenant_id),
+                correlation_id=fingerprint(envelope.correlation_id),
+                request_id=fingerprint(attempt.request_id),
+                queue=attempt.queue,
+                routing_key=envelope.job_type,
+            )
+            log.info("job.received", attempt=attempt.attempt, type=envelope.job_type)
+            # The remote worker runs the handler once it has the claim.
+            log.info("job.started", attempt=attempt.attempt, type=envelope.job_type)
+            self.metrics.attempt_started(
+                attempt.type, attempt.queue, attempt.attempt, attempt.create_time
             )
         lease = self._store.lease_seconds
         other = result.status is ClaimStatus.NOT_FOUND and self._other(envelope)
@@ -380,7 +393,8 @@ class WorkerService:
                 stored, ref = {}, BlobRef(info.name, info.digest, info.size)
         await self._fenced(fence, self._store.succeed(attempt, stored, pending, result_blob=ref))
         self._forget(fence)
-        log.info("worker_service.succeeded", job=job_name(fence.job_id), attempt=fence.attempt)
+        self._bind(attempt).info("job.completed", attempt=fence.attempt)
+        self.metrics.attempt_ended(attempt.type, attempt.queue, COMPLETED)
 
     async def fail(
         self,
@@ -412,7 +426,7 @@ class WorkerService:
                     f"retry_delay must be 0 .. {MAX_RETRY_DELAY:g} seconds", field="retry_delay"
                 )
         attempt = await self._attempt(fence)
-        bound = log.bind(job=job_name(fence.job_id), attempt=fence.attempt, code=code)
+        bound = self._bind(attempt).bind(attempt=fence.attempt, code=code)
         if retryable and attempt.attempts_left > 0:
             wait = (
                 delay
@@ -424,7 +438,8 @@ class WorkerService:
                 self._store.schedule_retry(attempt, code, message, delay=wait, pending=pending),
             )
             self._forget(fence)
-            bound.info("worker_service.retry_scheduled", delay=wait)
+            bound.warning("job.retry_scheduled", delay=wait, error=message)
+            self.metrics.attempt_ended(attempt.type, attempt.queue, RETRY)
             return Failed(True, wait)
         # The error was retryable, the job is not: no attempts are left.
         details = {"attempts_exhausted": True} if retryable else {}
@@ -435,7 +450,8 @@ class WorkerService:
             ),
         )
         self._forget(fence)
-        bound.info("worker_service.failed")
+        bound.warning("job.failed", error=message)
+        self.metrics.attempt_ended(attempt.type, attempt.queue, FAILED)
         return Failed(False)
 
     async def cancelled(self, fence: Fence, pending: Sequence[ProgressUpdate]) -> None:
@@ -445,7 +461,18 @@ class WorkerService:
             raise CancelNotRequested()
         await self._fenced(fence, self._store.cancelled(attempt, pending))
         self._forget(fence)
-        log.info("worker_service.cancelled", job=job_name(fence.job_id), attempt=fence.attempt)
+        self._bind(attempt).info("job.cancelled", attempt=fence.attempt)
+        self.metrics.attempt_ended(attempt.type, attempt.queue, CANCELLED)
+
+    def _bind(self, attempt: Attempt) -> Any:
+        """The log with the attempt's durable ids bound."""
+        return log.bind(
+            job=job_name(attempt.job_id),
+            tenant_id=str(attempt.tenant_id),
+            correlation_id=fingerprint(attempt.correlation_id),
+            request_id=fingerprint(attempt.request_id),
+            queue=attempt.queue,
+        )
 
     async def register(self, registration: Registration) -> uuid.UUID:
         """Record a live worker (see :meth:`registration`); re-dispatch what it can run."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import os
 from collections.abc import AsyncIterator, Iterator
 
 import pytest
@@ -17,6 +18,11 @@ from tests.support.s3 import MotoServer, blob_store
 from tests.support.stack import Stack, start_stack
 
 _counter = itertools.count(1)
+
+# Every jobplane process a test starts (they inherit this environment) serves its
+# ops listener on a free port of its own, never on a fixed default another
+# process may hold.
+os.environ.setdefault("JOBPLANE_METRICS_LISTEN", "127.0.0.1:0")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -60,6 +60,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
+import logging
 import time
 import uuid
 from collections.abc import Mapping
@@ -89,9 +90,10 @@ from jobplane.events.envelope import (
     encode,
 )
 from jobplane.faults import NO_FAULTS, FaultPoints
-from jobplane.logs import describe_error
+from jobplane.logs import describe_error, fingerprint
 from jobplane.names import job_name
 from jobplane.observe import tracing
+from jobplane.observe.metrics import NO_METRICS, Metrics
 from jobplane.store.deployment import Deployment, this_deployment
 from jobplane.store.down import database_transient
 from jobplane.store.events import EventFeed, FeedEvent
@@ -196,10 +198,12 @@ class _Recorded:
 
     published: int = 0
     failed: list[tuple[OutboxRow, str, str, bool]] = field(default_factory=list)
+    confirmed: list[OutboxRow] = field(default_factory=list)
 
     def add(self, other: _Recorded) -> None:
         self.published += other.published
         self.failed += other.failed
+        self.confirmed += other.confirmed
 
 
 class Relay:
@@ -221,7 +225,9 @@ class Relay:
         sweep_interval: float = 5.0,
         unroutable_after: float = 300.0,
         unroutable_returns: int = 5,
+        metrics: Metrics = NO_METRICS,
     ) -> None:
+        self._metrics = metrics
         self._engine = engine
         self._store = OutboxStore(engine)
         self._amqp_url = amqp_url
@@ -514,6 +520,7 @@ class Relay:
         if failure is None:
             self._head_failures = None
         self.events_published += done - parked
+        self._metrics.relayed("event_feed", "confirmed", done - parked)
         self.events_parked += parked
         if failure is not None:
             raise PublishFailed(f"event feed: {failure!r}") from failure
@@ -604,11 +611,14 @@ class Relay:
         exchange their row names).
         """
         outcomes: list[_Outcome] | None = None
+        began = time.monotonic()
         try:
             async with self._store.claim(self._batch_size, skip=self._holding()) as batch:
                 if not batch.rows:
                     return 0
+                started = time.monotonic()
                 outcomes = await self._publish_all(exchange, events, batch.rows)
+                self._metrics.relay_confirm.observe(time.monotonic() - started)
                 self._faults.hit("relay.after_confirm")
                 recorded = await self._record(batch, outcomes)
         except DBAPIError as exc:
@@ -620,6 +630,7 @@ class Relay:
             recorded = await self._record_each(outcomes)
         else:
             self._report(recorded)
+        self._metrics.relay_dispatch.observe(time.monotonic() - began)
         log.debug(
             "relay.batch",
             published=recorded.published,
@@ -648,6 +659,8 @@ class Relay:
                 fate = _Fate.RETURNED if isinstance(result, Returned) else _Fate.FAILED
                 log.warning("broker.publish.failed", event_id=str(row.id), error=repr(result))
             outcomes.append(_Outcome(row, fate, result))
+        for outcome in outcomes:
+            self._metrics.relayed(outcome.row.kind.value, outcome.fate.value)
         return outcomes
 
     async def _record(self, batch: OutboxBatch, outcomes: list[_Outcome]) -> _Recorded:
@@ -675,7 +688,7 @@ class Relay:
                 for o in returned
                 if o.row.id in unroutable
             ]
-        recorded = _Recorded(published=len(confirmed))
+        recorded = _Recorded(published=len(confirmed), confirmed=[o.row for o in confirmed])
         for row, code, message in give_up:
             result = await batch.fail(row, code, message)
             if result is GiveUp.BUSY:
@@ -770,6 +783,10 @@ class Relay:
 
     def _report(self, recorded: _Recorded) -> None:
         self.published += recorded.published
+        if recorded.confirmed and log.is_enabled_for(logging.INFO):
+            for row in recorded.confirmed:
+                if row.job_id is not None:
+                    log.info("job.dispatched", **_dispatched(row, self._topology))
         for row, code, message, job_failed in recorded.failed:
             self.failed += 1
             log.error(
@@ -930,6 +947,20 @@ def _surely_publishable(
         + len(tracestate or "")
     )
     return short <= 63 and 4 * strings + 512 <= _MIN_FRAME_MAX and len(body) <= MAX_EVENT_BYTES
+
+
+def _dispatched(row: OutboxRow, topology: Topology) -> dict[str, str]:
+    """The fields of a ``job.dispatched`` line."""
+    queue = topology.route(row.routing_key)
+    return {
+        "job": job_name(row.job_id) if row.job_id is not None else "",
+        "event_id": str(row.id),
+        "tenant_id": str(row.tenant_id),
+        "correlation_id": fingerprint(row.correlation_id),
+        "type": row.routing_key,
+        "queue": queue.name if queue is not None else "",
+        "exchange": row.exchange or topology.exchange,
+    }
 
 
 def _failed_event(row: OutboxRow) -> str:

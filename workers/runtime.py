@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -28,9 +29,10 @@ from jobplane.config import DEFAULT_INLINE_BYTES, MAX_OFFLOADED_JSON_BYTES
 from jobplane.envelope import Envelope, EnvelopeError
 from jobplane.errors import BlobStoreUnavailable
 from jobplane.faults import NO_FAULTS, FaultPoints
-from jobplane.logs import describe_error
+from jobplane.logs import describe_error, fingerprint
 from jobplane.names import job_name
 from jobplane.observe import tracing
+from jobplane.observe.metrics import CANCELLED, COMPLETED, FAILED, NO_METRICS, RETRY, Metrics
 from jobplane.store.attempts import (
     Attempt,
     AttemptStore,
@@ -78,6 +80,7 @@ class _Running:
 
     def __init__(self, task: asyncio.Task[Any]) -> None:
         self.task = task
+        self.started = time.monotonic()
         self.cause: StopCause | None = None
         self.stopped = asyncio.Event()
 
@@ -122,6 +125,7 @@ class Worker:
         reserve: int | None = None,
         blobs: BlobStore | None = None,
         inline_bytes: int | None = None,
+        metrics: Metrics = NO_METRICS,
     ) -> None:
         if concurrency < 1:
             raise ValueError("concurrency must be at least 1")
@@ -170,6 +174,18 @@ class Worker:
         )
         # The registry's lifespans: entered at start, left at stop after the handlers.
         self._lifespans = contextlib.AsyncExitStack()
+        self._metrics = metrics
+        metrics.add_slots(self._slot_counts)
+
+    def _slot_counts(self) -> tuple[int, int]:
+        return (self._slots.running, self._concurrency) if self._consumers else (0, 0)
+
+    def not_ready(self) -> str | None:
+        """Why this worker does not take deliveries now (None: it does)."""
+        connection = self._connection
+        if connection is None or connection.is_closed or connection.transport is None:
+            return "no broker connection"
+        return None if self._consumers else "not consuming"
 
     @property
     def id(self) -> str:
@@ -330,7 +346,20 @@ class Worker:
             log.error("job.message.rejected", reason=str(exc), message_id=message.message_id)
             await _settle(message.reject(requeue=False))
             return
-        bound = log.bind(job=job_name(envelope.job_id), event_id=str(envelope.event_id))
+        queue = next((q.name for q, tag in self._consumers if tag == message.consumer_tag), "")
+        bound = log.bind(
+            job=job_name(envelope.job_id),
+            event_id=str(envelope.event_id),
+            tenant_id=str(envelope.tenant_id),
+            correlation_id=fingerprint(envelope.correlation_id),
+            queue=queue,
+            exchange=message.exchange,
+            routing_key=message.routing_key,
+            delivery_tag=message.delivery_tag,
+            redelivered=bool(message.redelivered),
+        )
+        if message.redelivered:
+            bound.info("broker.message.redelivered")
         if self._registry.get(envelope.job_type) is None:
             await self._hand_back_job(envelope, message, bound)
             return
@@ -353,6 +382,7 @@ class Worker:
             await _settle(message.nack(requeue=True))
             return
         if claim.status is ClaimStatus.CLAIMED and claim.attempt is not None:
+            bound = bound.bind(request_id=fingerprint(claim.attempt.request_id))
             bound.info("job.received", attempt=claim.attempt.attempt, type=envelope.job_type)
             try:
                 await self._run(claim.attempt, bound)
@@ -491,6 +521,10 @@ class Worker:
         )
         if attempt.payload_blob is not None:
             handler = with_offloaded_payload(handler, max_bytes=MAX_OFFLOADED_JSON_BYTES)
+        bound.info("job.started", attempt=attempt.attempt, type=attempt.type)
+        self._metrics.attempt_started(
+            attempt.type, attempt.queue, attempt.attempt, attempt.create_time
+        )
         span = tracing.start_run(attempt)
         running = _Running(
             asyncio.create_task(
@@ -587,6 +621,7 @@ class Worker:
         if running.cause is StopCause.CANCEL_REQUESTED and not ended.returned:
             await self._outcome(attempt, bound, lambda: store.cancelled(attempt, pending))
             bound.info("job.cancelled", attempt=attempt.attempt)
+            self._ended(attempt, running, CANCELLED)
             return
         refund = False
         if running.cause is StopCause.SHUTDOWN and not ended.returned:
@@ -617,7 +652,8 @@ class Worker:
                             attempt, result, pending, emitted=emitted, result_blob=ref
                         ),
                     )
-                    bound.info("job.succeeded", attempt=attempt.attempt, offloaded=ref is not None)
+                    bound.info("job.completed", attempt=attempt.attempt, offloaded=ref is not None)
+                    self._ended(attempt, running, COMPLETED)
                     return
                 failure = stored
             else:
@@ -651,6 +687,7 @@ class Worker:
                 error=failure.message,
                 exc_info=exc_info,
             )
+            self._ended(attempt, running, RETRY)
             return
         if failure.retryable:
             # The error was retryable, the job is not: no attempts are left.
@@ -674,6 +711,11 @@ class Worker:
             error=failure.message,
             exc_info=exc_info,
         )
+        self._ended(attempt, running, FAILED)
+
+    def _ended(self, attempt: Attempt, running: _Running, outcome: str) -> None:
+        seconds = time.monotonic() - running.started
+        self._metrics.attempt_ended(attempt.type, attempt.queue, outcome, seconds)
 
     def _backoff(self, attempt: Attempt) -> float:
         # The same policy as WorkerService's (jobplane.server.workers).

@@ -34,6 +34,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from jobplane.logs import describe_error
 from jobplane.names import job_name
+from jobplane.observe.metrics import NO_METRICS, Metrics
 from jobplane.store.down import database_transient
 from jobplane.store.sweeps import SweepStore
 from jobplane.tasks import cancel_and_wait
@@ -68,8 +69,10 @@ class Sweeper:
         republish_after: float = 600.0,
         republish_every: float | None = None,
         republish_scan: int = 10_000,
+        metrics: Metrics = NO_METRICS,
     ) -> None:
         """``republish_every`` defaults to a tenth of ``republish_after``, at least 30 s."""
+        self.metrics = metrics
         self._store = SweepStore(engine)
         self._lease_grace = lease_grace
         self._stuck_after = stuck_after
@@ -112,6 +115,7 @@ class Sweeper:
             republished=republished,
             events_behind=lag.count,
         )
+        self.metrics.count_repairs(report)
         if requeued or failed:
             log.warning("sweeper.leases.expired", requeued=requeued, failed=failed)
         if stuck:

@@ -17,16 +17,18 @@ from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from jobplane.config import ConfigError, Settings
+from jobplane.config import ConfigError, Settings, parse_listen
 from jobplane.errors import JobplaneError
 from jobplane.faults import FaultPoints
-from jobplane.logs import configure
+from jobplane.logs import configure, set_job_prefixes
 from jobplane.topology import Topology, TopologyError, load_topology
 
 if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncEngine
 
     from jobplane.blobs import BlobStore
+    from jobplane.observe.http import OpsServer
+    from jobplane.observe.metrics import Metrics
     from jobplane.server import JobplaneServer
     from jobplane.store.keys import KeyInfo, KeyStore
 
@@ -54,7 +56,66 @@ async def _until_signal() -> None:
 def _settings_and_topology(log_level: str = "info") -> tuple[Settings, Topology]:
     settings = Settings.from_env()
     configure(settings.log_level or log_level, settings.log_format)
-    return settings, load_topology(settings.topology_path)
+    topology = load_topology(settings.topology_path)
+    set_job_prefixes(settings.log_job_prefix, {q.name: q.log_prefix for q in topology.queues})
+    return settings, topology
+
+
+#: Each command's ops listener (/metrics, /livez, /readyz) when JOBPLANE_METRICS_LISTEN is
+#: unset: apart, so the processes of one host do not collide.
+METRICS_DEFAULTS = {
+    "serve": "127.0.0.1:9460",
+    "relay": "127.0.0.1:9461",
+    "worker": "127.0.0.1:9462",
+    "sweep": "127.0.0.1:9463",
+    "dev": "127.0.0.1:9460",
+}
+
+
+def _ops(
+    settings: Settings, args: argparse.Namespace, engine: AsyncEngine
+) -> tuple[Metrics, OpsServer | None]:
+    """The process's metrics and its ops listener (not started; None: turned off).
+
+    ``--metrics-listen`` wins over JOBPLANE_METRICS_LISTEN, which wins over the
+    command's default. The database check is the first readiness check.
+    """
+    from jobplane.observe.metrics import NO_METRICS, Metrics
+
+    flag = getattr(args, "metrics_listen", None)
+    if flag is not None:
+        address = parse_listen(flag, name="--metrics-listen")
+        setting = "--metrics-listen"
+    elif settings.metrics_listen_set:
+        address, setting = settings.metrics_listen, "JOBPLANE_METRICS_LISTEN"
+    else:
+        address = parse_listen(METRICS_DEFAULTS[args.command])
+        setting = "JOBPLANE_METRICS_LISTEN (unset: the default)"
+    if address is None:
+        return NO_METRICS, None
+    from jobplane.observe.http import OpsServer, database_check
+
+    metrics = Metrics()
+    metrics.add_pool(engine)
+    ops = OpsServer(address, metrics, setting=setting)
+    ops.add_check("database", database_check(engine))
+    return metrics, ops
+
+
+async def _start_ops(stack: AsyncExitStack, ops: OpsServer | None) -> None:
+    if ops is not None:
+        await _started(stack, ops.start, ops.stop)
+
+
+def _failed_queue_depth(
+    stack: AsyncExitStack, metrics: Metrics, settings: Settings, topology: Topology
+) -> None:
+    """Report the failed queue's depth at each scrape (a relay's, or dev's, listener)."""
+    if metrics.enabled:
+        from jobplane.observe.metrics import FailedQueueDepth
+
+        depth = FailedQueueDepth(metrics, settings.amqp_url, topology.failed_queue)
+        stack.push_async_callback(depth.close)
 
 
 def _tracing(service_name: str, settings: Settings) -> None:
@@ -112,7 +173,9 @@ def _server(
     *,
     tls: bool = False,
     blobs: BlobStore | None = None,
+    metrics: Metrics | None = None,
 ) -> JobplaneServer:
+    from jobplane.observe.metrics import NO_METRICS
     from jobplane.server import JobplaneServer
     from jobplane.server.app import ServerTLS
     from jobplane.server.limits import TenantLimits
@@ -141,10 +204,12 @@ def _server(
         worker_lease_seconds=settings.worker_lease_seconds,
         blobs=blobs,
         inline_bytes=settings.inline_bytes,
+        metrics=metrics or NO_METRICS,
     )
 
 
 async def _serve(_args: argparse.Namespace) -> int:
+    from jobplane.observe.metrics import watch_outbox
     from jobplane.store.engine import create_engine
 
     settings, topology = _settings_and_topology()
@@ -152,7 +217,17 @@ async def _serve(_args: argparse.Namespace) -> int:
     engine = create_engine(settings.database_url, pool_size=settings.db_pool_size)
     async with AsyncExitStack() as stack:
         stack.push_async_callback(engine.dispose)
-        server = _server(settings, topology, engine, tls=True, blobs=_blob_store(settings, stack))
+        metrics, ops = _ops(settings, _args, engine)
+        watch_outbox(metrics, engine)
+        server = _server(
+            settings,
+            topology,
+            engine,
+            tls=True,
+            blobs=_blob_store(settings, stack),
+            metrics=metrics,
+        )
+        await _start_ops(stack, ops)
         await _started(stack, server.start, server.stop)
         transport = "plaintext"
         if settings.tls_cert is not None:
@@ -163,6 +238,7 @@ async def _serve(_args: argparse.Namespace) -> int:
 
 
 async def _relay(args: argparse.Namespace) -> int:
+    from jobplane.observe.metrics import watch_outbox
     from jobplane.store.engine import create_engine
     from jobplane.workers.relay import Relay
     from jobplane.workers.sweeper import Sweeper
@@ -172,6 +248,9 @@ async def _relay(args: argparse.Namespace) -> int:
     engine = create_engine(settings.database_url, pool_size=4)
     async with AsyncExitStack() as stack:
         stack.push_async_callback(engine.dispose)
+        metrics, ops = _ops(settings, args, engine)
+        watch_outbox(metrics, engine)
+        _failed_queue_depth(stack, metrics, settings, topology)
         relay = Relay(
             engine,
             settings.database_url,
@@ -181,11 +260,18 @@ async def _relay(args: argparse.Namespace) -> int:
             sweeper=None
             if args.no_sweep
             else Sweeper(
-                engine, lease_grace=args.lease_grace, republish_after=args.republish_after
+                engine,
+                lease_grace=args.lease_grace,
+                republish_after=args.republish_after,
+                metrics=metrics,
             ),
             sweep_interval=args.sweep_interval,
             unroutable_after=args.unroutable_after,
+            metrics=metrics,
         )
+        if ops is not None:
+            ops.add_check("broker", lambda: None if relay.connected else "no broker channel")
+        await _start_ops(stack, ops)
         await _started(stack, relay.start, relay.stop)
         await _until_signal()
     return 0
@@ -193,6 +279,7 @@ async def _relay(args: argparse.Namespace) -> int:
 
 async def _sweep(args: argparse.Namespace) -> int:
     from jobplane import broker
+    from jobplane.observe.metrics import watch_outbox
     from jobplane.store.engine import create_engine
     from jobplane.workers.relay import Relay
     from jobplane.workers.sweeper import Sweeper
@@ -200,9 +287,17 @@ async def _sweep(args: argparse.Namespace) -> int:
     settings, topology = _settings_and_topology()
     _tracing("jobplane-sweep", settings)
     engine = create_engine(settings.database_url, pool_size=2)
+    stack = AsyncExitStack()
     try:
+        metrics, ops = _ops(settings, args, engine)
+        watch_outbox(metrics, engine)
+        if not args.once:
+            await _start_ops(stack, ops)
         sweeper = Sweeper(
-            engine, lease_grace=args.lease_grace, republish_after=args.republish_after
+            engine,
+            lease_grace=args.lease_grace,
+            republish_after=args.republish_after,
+            metrics=metrics,
         )
         relay = Relay(
             engine,
@@ -231,6 +326,7 @@ async def _sweep(args: argparse.Namespace) -> int:
                 return 0
             await asyncio.sleep(args.interval)
     finally:
+        await stack.aclose()
         await engine.dispose()
 
 
@@ -270,6 +366,7 @@ async def _worker(args: argparse.Namespace) -> int:
     faults = FaultPoints(settings.faults)
     async with AsyncExitStack() as stack:
         stack.push_async_callback(engine.dispose)
+        metrics, ops = _ops(settings, args, engine)
         blobs = _blob_store(settings, stack)
         if not args.no_maintenance:
             registry = await _with_maintenance(stack, registry, engine, blobs, settings, faults)
@@ -290,7 +387,11 @@ async def _worker(args: argparse.Namespace) -> int:
             max_result_bytes=settings.max_payload_bytes,
             blobs=blobs,
             inline_bytes=settings.inline_bytes,
+            metrics=metrics,
         )
+        if ops is not None:
+            ops.add_check("broker", worker.not_ready)
+        await _start_ops(stack, ops)
         await _started(stack, worker.start, lambda: worker.stop(args.grace))
         await _until_signal()
     return 0
@@ -380,10 +481,15 @@ async def _dev(args: argparse.Namespace) -> int:
         registry = _with_ingest(registry, ingest, settings, topology)
         if registry is None:
             return 2
+    from jobplane.observe.metrics import watch_outbox
+
     await migrate(settings.database_url)
     engine = create_engine(settings.database_url)
     async with AsyncExitStack() as stack:
         stack.push_async_callback(engine.dispose)
+        metrics, ops = _ops(settings, args, engine)
+        watch_outbox(metrics, engine)
+        _failed_queue_depth(stack, metrics, settings, topology)
         blobs = _blob_store(settings, stack)
         if not args.no_maintenance:
             registry = await _with_maintenance(
@@ -391,9 +497,14 @@ async def _dev(args: argparse.Namespace) -> int:
             )
             if registry is None:
                 return 2
-        server = _server(settings, topology, engine, blobs=blobs)
+        server = _server(settings, topology, engine, blobs=blobs, metrics=metrics)
         relay = Relay(
-            engine, settings.database_url, settings.amqp_url, topology, sweeper=Sweeper(engine)
+            engine,
+            settings.database_url,
+            settings.amqp_url,
+            topology,
+            sweeper=Sweeper(engine, metrics=metrics),
+            metrics=metrics,
         )
         worker = Worker(
             engine,
@@ -405,7 +516,12 @@ async def _dev(args: argparse.Namespace) -> int:
             max_result_bytes=settings.max_payload_bytes,
             blobs=blobs,
             inline_bytes=settings.inline_bytes,
+            metrics=metrics,
         )
+        if ops is not None:
+            ops.add_check("relay", lambda: None if relay.connected else "no broker channel")
+            ops.add_check("worker", worker.not_ready)
+        await _start_ops(stack, ops)
         await _started(stack, server.start, server.stop)
         await _started(stack, relay.start, relay.stop)
         await _started(stack, worker.start, lambda: worker.stop(5.0))
@@ -859,6 +975,16 @@ def _dispatch_repair_options(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _metrics_option(parser: argparse.ArgumentParser, command: str) -> None:
+    parser.add_argument(
+        "--metrics-listen",
+        metavar="HOST:PORT",
+        default=None,
+        help="serve /metrics, /livez and /readyz here, or 'off' (default: "
+        f"JOBPLANE_METRICS_LISTEN, else {METRICS_DEFAULTS[command]})",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``jobplane`` command."""
     parser = argparse.ArgumentParser(
@@ -871,7 +997,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("migrate", help="create the database if needed and migrate it").set_defaults(
         func=_async(_migrate)
     )
-    sub.add_parser("serve", help="run the gRPC server").set_defaults(func=_async(_serve))
+    serve = sub.add_parser("serve", help="run the gRPC server")
+    serve.set_defaults(func=_async(_serve))
     relay = sub.add_parser("relay", help="publish the outbox to RabbitMQ (and sweep)")
     relay.add_argument("--no-sweep", action="store_true", help="do not run the sweeper loop")
     relay.add_argument("--sweep-interval", type=float, default=5.0, help="seconds between sweeps")
@@ -930,6 +1057,10 @@ def build_parser() -> argparse.ArgumentParser:
         "(repeatable; needs JOBPLANE_S3_URL and JOBPLANE_TOPOLOGY=builtin:ingest)",
     )
     dev.set_defaults(func=_async(_dev))
+    for parser_, command in ((serve, "serve"), (relay, "relay"), (worker, "worker")):
+        _metrics_option(parser_, command)
+    _metrics_option(sweep, "sweep")
+    _metrics_option(dev, "dev")
 
     dlq = sub.add_parser("dlq", help="the failed (dead-letter) queue").add_subparsers(
         dest="dlq", required=True

@@ -23,6 +23,11 @@ MAX_PAYLOAD_BYTES_LIMIT = 4 * 1024 * 1024
 #: What ``JOBPLANE_LOG_LEVEL`` and ``JOBPLANE_LOG_FORMAT`` accept.
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 LOG_FORMATS = ("console", "json")
+#: What ``JOBPLANE_LOG_JOB_PREFIX`` (and a queue's ``log_prefix``) accepts: dot-separated
+#: lower-case words ending in a dot, e.g. ``ingestion.`` (``job.completed`` becomes
+#: ``ingestion.job.completed``).
+LOG_PREFIX = re.compile(r"(?:[a-z][a-z0-9_-]*\.)+")
+LOG_PREFIX_HINT = "dot-separated lower-case words ending in a dot (e.g. 'ingestion.')"
 
 
 #: ``JOBPLANE_MAX_BLOB_BYTES`` by default (5 GiB) and at most (5 TiB, S3's own limit).
@@ -61,6 +66,8 @@ class Settings:
     # terminal shows the demo's progress bar).
     log_level: str | None = None
     log_format: str = "console"
+    # Put before the job.* log event names (job.completed: ingestion.job.completed).
+    log_job_prefix: str = ""
     # Named fault points (see jobplane.faults); empty in production.
     faults: frozenset[str] = field(default_factory=frozenset)
     # `jobplane serve` speaks TLS with this certificate chain and key (PEM
@@ -104,6 +111,12 @@ class Settings:
     trace_exporters: tuple[str, ...] = ()
     #: OTEL_SERVICE_NAME, which wins over each command's own service name.
     trace_service_name: str | None = None
+
+    # Metrics and health.
+    #: The ops listener (/metrics, /livez, /readyz): host:port, or None when
+    #: JOBPLANE_METRICS_LISTEN=off. Unset: each command's own default port.
+    metrics_listen: ListenAddress | None = None
+    metrics_listen_set: bool = False
 
     @property
     def qdrant_location(self) -> Path:
@@ -160,7 +173,7 @@ class Settings:
             ),
             worker_lease_seconds=lease,
         )
-        return _with_tracing(env, _with_ingest(env, _with_s3(env, settings)))
+        return _with_metrics(env, _with_tracing(env, _with_ingest(env, _with_s3(env, settings))))
 
 
 def _with_s3(env: Mapping[str, str], base: Settings) -> Settings:
@@ -299,6 +312,64 @@ def _with_tracing(env: Mapping[str, str], base: Settings) -> Settings:
         base,
         trace_exporters=names,
         trace_service_name=env.get("OTEL_SERVICE_NAME", "").strip() or None,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class ListenAddress:
+    """A parsed ``host:port`` (``[v6]:port`` for IPv6)."""
+
+    host: str
+    port: int
+
+    def __str__(self) -> str:
+        return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
+
+
+def parse_listen(value: str, *, name: str = "JOBPLANE_METRICS_LISTEN") -> ListenAddress | None:
+    """``host:port`` (port 0: any free one) as a :class:`ListenAddress`; None for ``off``.
+
+    Anything else is a :class:`ConfigError` naming ``name``.
+    """
+    raw = value.strip()
+    if raw.lower() == "off":
+        return None
+    host, sep, port_text = raw.rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+        bad_host = not host or "[" in host or "]" in host
+    else:
+        bad_host = not host or ":" in host or "[" in host or "]" in host
+    if not sep or bad_host or any(c.isspace() or not c.isprintable() for c in host):
+        raise ConfigError(f"{name} must be host:port or off, not {value!r}")
+    if not port_text.isascii() or not port_text.isdigit() or int(port_text) > 65535:
+        raise ConfigError(f"{name} must be host:port with a port of 0..65535, not {value!r}")
+    return ListenAddress(host, int(port_text))
+
+
+def check_log_prefix(value: str, name: str) -> str:
+    """``value`` when it is a valid log prefix (or empty); else a ConfigError naming ``name``."""
+    if value and not LOG_PREFIX.fullmatch(value):
+        raise ConfigError(f"{name} must be {LOG_PREFIX_HINT}, not {value!r}")
+    return value
+
+
+def _with_metrics(env: Mapping[str, str], base: Settings) -> Settings:
+    """The ops listener and log-name settings (JOBPLANE_METRICS_LISTEN, JOBPLANE_LOG_JOB_PREFIX)."""
+    raw = env.get("JOBPLANE_METRICS_LISTEN", "").strip()
+    prefix = check_log_prefix(
+        env.get("JOBPLANE_LOG_JOB_PREFIX", "").strip(), "JOBPLANE_LOG_JOB_PREFIX"
+    )
+    known = {"JOBPLANE_LOG_LEVEL", "JOBPLANE_LOG_FORMAT", "JOBPLANE_LOG_JOB_PREFIX"}
+    for name in sorted(k for k in env if k.startswith("JOBPLANE_LOG_") and k not in known):
+        raise ConfigError(
+            f"{name} is not a setting; the log settings are {', '.join(sorted(known))}"
+        )
+    return replace(
+        base,
+        metrics_listen=parse_listen(raw) if raw else None,
+        metrics_listen_set=bool(raw),
+        log_job_prefix=prefix,
     )
 
 

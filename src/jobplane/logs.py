@@ -10,10 +10,12 @@ a database error by its class and SQLSTATE only (:func:`format_exception`).
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import re
 import sys
 import traceback
+from collections.abc import Mapping
 from typing import Any, TextIO, cast
 
 import asyncpg
@@ -31,6 +33,18 @@ _CONTEXT = "\nDuring handling of the above exception, another exception occurred
 def scrub(text: str) -> str:
     """``text`` with API keys and bearer tokens replaced."""
     return _SECRETS.sub(_mask, text)
+
+
+def fingerprint(value: str) -> str:
+    """What a log line shows of an id a caller chose (a request or correlation id):
+    ``sha256:`` and 16 hex digits of its digest; "" for "".
+
+    Callers put what they like in those ids, their own data included, and that
+    never reaches a log line; a known id's lines are found by its fingerprint.
+    """
+    if not value:
+        return ""
+    return "sha256:" + hashlib.sha256(value.encode("utf-8", "surrogatepass")).hexdigest()[:16]
 
 
 def _mask(match: re.Match[str]) -> str:
@@ -120,16 +134,6 @@ def _scrub_event(_logger: WrappedLogger, _name: str, event_dict: EventDict) -> E
     return event_dict
 
 
-class _ScrubbingFormatter(logging.Formatter):
-    """Standard-library records (grpc, asyncio, ...) under the same rules."""
-
-    def formatException(self, ei: Any) -> str:
-        return format_exception(ei)
-
-    def format(self, record: logging.LogRecord) -> str:
-        return scrub(super().format(record))
-
-
 class _CurrentStderr:
     """Writes to whatever ``sys.stderr`` is when a line is logged, not when logging was
     configured: an embedding program (or a test runner) may replace and close it."""
@@ -141,29 +145,134 @@ class _CurrentStderr:
         sys.stderr.flush()
 
 
-def configure(level: str = "info", fmt: str = "console") -> None:
-    """Route structlog (and stdlib logging) to stderr at ``level``."""
-    numeric = logging.getLevelNamesMapping().get(level.upper(), logging.INFO)
-    renderer: structlog.types.Processor = (
-        structlog.processors.JSONRenderer()
-        if fmt == "json"
-        else structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty())
+class _NamedPrintLogger(structlog.PrintLogger):
+    """A print logger that knows the name it was asked for (the ``logger`` field)."""
+
+    def __init__(self, file: TextIO, name: str) -> None:
+        super().__init__(file)
+        self.name = name
+
+
+class _NamedPrintLoggerFactory:
+    def __init__(self, file: TextIO) -> None:
+        self._file = file
+
+    def __call__(self, *args: Any) -> _NamedPrintLogger:
+        name = args[0] if args and isinstance(args[0], str) else "jobplane"
+        return _NamedPrintLogger(self._file, name)
+
+
+# The job.* event names' prefixes (seed 001 writes ingestion.job.completed):
+# one for every queue, and one per queue from the topology file.
+_prefixes: tuple[str, dict[str, str]] = ("", {})
+
+
+def set_job_prefixes(default: str = "", per_queue: Mapping[str, str] | None = None) -> None:
+    """Put ``default`` (or the event's queue's own prefix) before every ``job.*`` event name.
+
+    A line names its queue with a ``queue`` field; ``broker.*`` and the other
+    names are never prefixed.
+    """
+    global _prefixes  # noqa: PLW0603 - what configure() and the CLI set once
+    _prefixes = (default, {q: p for q, p in (per_queue or {}).items() if p})
+
+
+def _prefix_job_events(_logger: WrappedLogger, _name: str, event_dict: EventDict) -> EventDict:
+    default, per_queue = _prefixes
+    if default or per_queue:
+        event = event_dict.get("event")
+        if isinstance(event, str) and event.startswith("job."):
+            prefix = per_queue.get(event_dict.get("queue", ""), default) if per_queue else default
+            event_dict["event"] = prefix + event
+    return event_dict
+
+
+_HANDLER_NAME = "jobplane"
+
+
+class _ForeignLevel(logging.Filter):
+    """Lets through another library's records at ``level`` and above only."""
+
+    def __init__(self, level: int) -> None:
+        super().__init__()
+        self.level = level
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno >= self.level
+
+
+def _renderer(fmt: str) -> structlog.types.Processor:
+    if fmt == "json":
+        return structlog.processors.JSONRenderer()
+    return structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty())
+
+
+def stdlib_formatter(fmt: str = "console") -> logging.Formatter:
+    """The formatter of the standard library's records (``fmt``: console or json)."""
+    return _stdlib_formatter(_renderer(fmt))
+
+
+def _stdlib_formatter(renderer: structlog.types.Processor) -> logging.Formatter:
+    # The standard library's records through the same processors: the same
+    # fields, the same scrubbing, database messages withheld from tracebacks.
+    return structlog.stdlib.ProcessorFormatter(
+        foreign_pre_chain=[
+            structlog.contextvars.merge_contextvars,
+            structlog.stdlib.add_log_level,
+            structlog.stdlib.add_logger_name,
+            structlog.processors.TimeStamper(fmt="iso", utc=True),
+        ],
+        processors=[
+            structlog.stdlib.ProcessorFormatter.remove_processors_meta,
+            structlog.processors.ExceptionRenderer(format_exception),
+            _scrub_event,
+            renderer,
+        ],
     )
+
+
+def configure(level: str = "info", fmt: str = "console", *, job_prefix: str | None = None) -> None:
+    """Route structlog, and the standard library's logging (grpc, aio-pika, asyncpg,
+    asyncio, ...), to stderr at ``level``, rendered alike (one JSON object a line in
+    ``json``), each line naming its ``logger``.
+
+    Other libraries' records are shown from warning up (from ``level`` up when it
+    is higher). ``job_prefix``: see :func:`set_job_prefixes` (None keeps it).
+    """
+    numeric = logging.getLevelNamesMapping().get(level.upper(), logging.INFO)
+    if job_prefix is not None:
+        set_job_prefixes(job_prefix, _prefixes[1])
+    renderer = _renderer(fmt)
+    stderr = cast("TextIO", _CurrentStderr())
     structlog.configure(
         processors=[
             structlog.contextvars.merge_contextvars,
             structlog.processors.add_log_level,
+            structlog.stdlib.add_logger_name,
             structlog.processors.TimeStamper(fmt="iso", utc=True),
+            _prefix_job_events,
             structlog.processors.ExceptionRenderer(format_exception),
             _scrub_event,
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(numeric),
-        logger_factory=structlog.PrintLoggerFactory(file=cast("TextIO", _CurrentStderr())),
+        logger_factory=_NamedPrintLoggerFactory(stderr),
         cache_logger_on_first_use=True,
     )
-    logging.basicConfig(
-        level=max(numeric, logging.WARNING), stream=cast("TextIO", _CurrentStderr())
-    )
-    for handler in logging.getLogger().handlers:
-        handler.setFormatter(_ScrubbingFormatter(logging.BASIC_FORMAT))
+    formatter = _stdlib_formatter(renderer)
+    handler = logging.StreamHandler(stderr)
+    handler.set_name(_HANDLER_NAME)
+    handler.setFormatter(formatter)
+    handler.addFilter(_ForeignLevel(max(numeric, logging.WARNING)))
+    root = logging.getLogger()
+    for old in list(root.handlers):
+        ours = old.get_name() == _HANDLER_NAME or isinstance(old, logging.StreamHandler)
+        if ours and not _is_capture(old):
+            root.removeHandler(old)
+    root.addHandler(handler)
+    root.setLevel(max(numeric, logging.WARNING))
+
+
+def _is_capture(handler: logging.Handler) -> bool:
+    """pytest's log capture (caplog) keeps its handlers."""
+    return type(handler).__module__.startswith("_pytest")

@@ -39,6 +39,7 @@ import structlog
 from aio_pika.abc import AbstractChannel, AbstractConnection, AbstractExchange
 
 from jobplane.broker import access_refused
+from jobplane.config import check_log_prefix
 from jobplane.names import is_job_type
 
 if TYPE_CHECKING:
@@ -78,6 +79,9 @@ class QueueSpec:
     timeout_seconds: float = 3600.0
     retry_base_delay: float = 1.0
     retry_max_delay: float = 300.0
+    #: Put before the ``job.*`` log event names of this queue's jobs (``ingestion.``);
+    #: empty: JOBPLANE_LOG_JOB_PREFIX's.
+    log_prefix: str = ""
 
     def takes(self, routing_key: str) -> bool:
         """True when one of the bindings matches ``routing_key``."""
@@ -204,6 +208,7 @@ def parse_topology(data: dict[str, Any], *, source: str = "topology") -> Topolog
                 timeout_seconds=float(q.get("timeout_seconds", 3600.0)),
                 retry_base_delay=float(q.get("retry_base_delay", 1.0)),
                 retry_max_delay=float(q.get("retry_max_delay", 300.0)),
+                log_prefix=check_log_prefix(str(q.get("log_prefix", "")), "log_prefix"),
             )
             for q in data.get("queues", [])
         )

@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 import yaml
 
-from jobplane.cli import build_parser
-from jobplane.config import Settings
+from jobplane.cli import METRICS_DEFAULTS, build_parser
+from jobplane.config import Settings, parse_listen
 from jobplane.topology import load_topology
 
 COMPOSE = Path(__file__).parents[2] / "compose.yaml"
@@ -60,3 +60,16 @@ def test_each_jobplane_process_takes_its_settings_and_command(name: str) -> None
         assert topology.pipeline("ingest.file") is not None
     args = build_parser().parse_args([str(a) for a in service["command"]])
     assert callable(args.func), name
+
+
+@pytest.mark.parametrize("name", ["server", "relay", "worker", "ingest-worker"])
+def test_each_long_running_process_is_checked_by_its_readyz(name: str) -> None:
+    service = _jobplane()[name]
+    args = build_parser().parse_args([str(a) for a in service["command"]])
+    listen = parse_listen(args.metrics_listen or METRICS_DEFAULTS[args.command])
+    assert listen is not None, name
+    test = service["healthcheck"]["test"]
+    assert test[:3] == ["CMD", "python", "-c"], name  # the image has no curl
+    assert f"http://127.0.0.1:{listen.port}/readyz" in test[3], name
+    compile(test[3], f"{name} healthcheck", "exec")  # the one-liner is Python
+    assert listen.host == "0.0.0.0", name  # reachable from a Prometheus beside it

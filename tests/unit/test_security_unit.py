@@ -14,7 +14,7 @@ from sqlalchemy.exc import DBAPIError
 from jobplane.client._errors import error_from_rpc
 from jobplane.config import ConfigError, Settings
 from jobplane.errors import TenantLimitExceeded, Unauthenticated
-from jobplane.logs import _ScrubbingFormatter, describe_error, format_exception, scrub
+from jobplane.logs import describe_error, format_exception, scrub, stdlib_formatter
 from jobplane.server.auth import bearer_token
 from jobplane.server.limits import TenantLimiter, TenantLimits
 from jobplane.server.status import to_grpc_status
@@ -90,7 +90,7 @@ def test_stdlib_records_follow_the_same_rules() -> None:
     record = logging.LogRecord(
         "grpc", logging.ERROR, __file__, 1, "call with %s", (KEY,), (type(exc), exc, None)
     )
-    text = _ScrubbingFormatter(logging.BASIC_FORMAT).format(record)
+    text = stdlib_formatter().format(record)
     assert KEY not in text and MARKER not in text
     assert "RuntimeError: while submitting" in text
 

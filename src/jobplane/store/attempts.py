@@ -104,6 +104,8 @@ class Attempt:
     #: The blob holding the payload when it was submitted by reference
     #: (``payload`` is then ``{}``; the worker reads the blob for the handler).
     payload_blob: BlobRef | None = None
+    #: When the job was submitted (for the submit-to-start metric); None when not read.
+    create_time: datetime | None = None
 
     @property
     def attempts_left(self) -> int:
@@ -161,6 +163,7 @@ _CLAIMED: Returning = (
     "pipeline",
     "pipeline_version",
     "stage",
+    "create_time",
 )
 # A pipeline job's stages, for the one that runs: its version, and the
 # results of those before it.
@@ -502,6 +505,7 @@ def attempt_from_row(
             if (digest := row.get("payload_blob"))
             else None
         ),
+        create_time=row.get("create_time"),
     )
 
 

@@ -1,0 +1,476 @@
+"""Prometheus metrics of one process, in a registry of its own (ADR-0023).
+
+Every part of a process (server, relay, worker, sweeper) counts into the
+:class:`Metrics` it is given; ``jobplane dev`` gives all of its parts the same
+one, and one ops listener (:mod:`jobplane.observe.http`) serves it. Tests make
+one per stack, so nothing is registered twice and no count leaks between them.
+
+Labels are few and bounded: job type, queue, outcome, kind, state. Never a job
+id, a tenant id or an error message.
+
+What needs a database or broker read (the outbox backlog, the failed queue's
+depth) is read at scrape time by the refreshers the parts register
+(:meth:`Metrics.on_scrape`), never per job. What the process already knows
+(slots, pool, open streams) is read at scrape time too, so the hot paths only
+ever increment a counter or observe a histogram.
+
+:data:`NO_METRICS` counts nothing: what a part uses when it is given none,
+and what ``JOBPLANE_METRICS_LISTEN=off`` gives every part.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Awaitable, Callable
+from datetime import UTC, datetime
+from typing import TYPE_CHECKING, Any, cast
+
+import structlog
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+if TYPE_CHECKING:
+    from sqlalchemy.ext.asyncio import AsyncEngine
+
+log = structlog.get_logger("jobplane.metrics")
+
+#: The outcomes of an attempt (the ``outcome`` label).
+COMPLETED, FAILED, CANCELLED, RETRY = "completed", "failed", "cancelled", "retry_scheduled"
+
+#: Seconds: from a millisecond to an hour (run times, waits).
+_DURATION_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+    300.0,
+    900.0,
+    3600.0,
+)
+#: Seconds: a broker's confirm, normally milliseconds.
+_CONFIRM_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0, 10.0)
+#: How long one scrape waits for a refresher (a database or broker read).
+REFRESH_TIMEOUT = 2.0
+
+Refresher = Callable[[], Awaitable[None]]
+
+
+class Metrics:
+    """The metrics of one process and the registry they are in."""
+
+    enabled = True
+
+    def __init__(self) -> None:
+        self.registry = registry = CollectorRegistry(auto_describe=True)
+        self._refreshers: list[tuple[str, Refresher]] = []
+        self._slots: list[Callable[[], tuple[int, int]]] = []
+        self._streams: list[Callable[[], int]] = []
+        self._pools: list[AsyncEngine] = []
+        self._started: dict[tuple[str, str], tuple[Any, Any, Any]] = {}
+        self._ended: dict[tuple[str, str, str], tuple[Any, Any]] = {}
+        self._children: dict[tuple[str, str, str], Any] = {}
+        job = ("type", "queue")
+        self.jobs_submitted = Counter(
+            "jobplane_jobs_submitted_total",
+            "Jobs created by SubmitJob (an idempotent repeat is not counted).",
+            job,
+            registry=registry,
+        )
+        self.jobs_started = Counter(
+            "jobplane_jobs_started_total",
+            "Jobs whose first attempt started.",
+            job,
+            registry=registry,
+        )
+        self.job_attempts = Counter(
+            "jobplane_job_attempts_total",
+            "Attempts started (first attempts and retries).",
+            job,
+            registry=registry,
+        )
+        self.job_retries = Counter(
+            "jobplane_job_retries_total",
+            "Attempts that ended in a scheduled retry.",
+            job,
+            registry=registry,
+        )
+        self.jobs_finished = Counter(
+            "jobplane_jobs_finished_total",
+            "Jobs that ended: outcome completed, failed or cancelled.",
+            (*job, "outcome"),
+            registry=registry,
+        )
+        self.job_wait = Histogram(
+            "jobplane_job_queue_wait_seconds",
+            "From submit to the start of the first attempt.",
+            job,
+            buckets=_DURATION_BUCKETS,
+            registry=registry,
+        )
+        self.job_run = Histogram(
+            "jobplane_job_run_seconds",
+            "Run time of an attempt's handler, by how the attempt ended.",
+            (*job, "outcome"),
+            buckets=_DURATION_BUCKETS,
+            registry=registry,
+        )
+        self.watch_streams = Gauge(
+            "jobplane_watch_streams_open",
+            "WatchJob and SubscribeEvents streams open on this server.",
+            registry=registry,
+        )
+        self.outbox_backlog = Gauge(
+            "jobplane_outbox_backlog_rows",
+            "Outbox rows not published yet (read at scrape time).",
+            registry=registry,
+        )
+        self.outbox_oldest = Gauge(
+            "jobplane_outbox_oldest_age_seconds",
+            "Age of the oldest unpublished outbox row; 0 when there is none.",
+            registry=registry,
+        )
+        self.relay_published = Counter(
+            "jobplane_relay_published_total",
+            "Outbox rows the relay handed to the broker, by what the broker did "
+            "(confirmed, failed, returned, unpublishable).",
+            ("kind", "outcome"),
+            registry=registry,
+        )
+        self.relay_confirm = Histogram(
+            "jobplane_relay_confirm_seconds",
+            "From a batch's publish to the broker's last confirm of it.",
+            buckets=_CONFIRM_BUCKETS,
+            registry=registry,
+        )
+        self.relay_dispatch = Histogram(
+            "jobplane_relay_publish_seconds",
+            "From a batch's claim to its record committed (publish, confirm, mark).",
+            buckets=_CONFIRM_BUCKETS,
+            registry=registry,
+        )
+        self.sweeper_repairs = Counter(
+            "jobplane_sweeper_repairs_total",
+            "What the sweeper repaired: leases requeued or failed, dispatches re-published.",
+            ("kind",),
+            registry=registry,
+        )
+        self.worker_slots = Gauge(
+            "jobplane_worker_slots",
+            "Handler slots of this process's workers, busy or free.",
+            ("state",),
+            registry=registry,
+        )
+        self.failed_queue = Gauge(
+            "jobplane_failed_queue_messages",
+            "Messages in the failed (dead-letter) queue (read at scrape time).",
+            ("queue",),
+            registry=registry,
+        )
+        self.db_pool = Gauge(
+            "jobplane_db_pool_connections",
+            "Database pool connections: in use, idle, and the pool's size.",
+            ("state",),
+            registry=registry,
+        )
+        self.scrape_errors = Counter(
+            "jobplane_scrape_errors_total",
+            "Scrape-time reads that failed or timed out (their gauges keep the last value).",
+            ("source",),
+            registry=registry,
+        )
+
+    # -- what the hot paths call: one increment or observation each -----------
+
+    def attempt_started(
+        self, job_type: str, queue: str, attempt: int, submitted: datetime | None
+    ) -> None:
+        """An attempt started; a first one counts as the job's start (and its wait)."""
+        attempts, started, wait = self._started_children(job_type, queue)
+        attempts.inc()
+        if attempt == 1:
+            started.inc()
+            if submitted is not None:
+                wait.observe(max((datetime.now(UTC) - submitted).total_seconds(), 0.0))
+
+    def attempt_ended(
+        self, job_type: str, queue: str, outcome: str, seconds: float | None = None
+    ) -> None:
+        """An attempt ended: ``completed``, ``failed``, ``cancelled`` or ``retry_scheduled``."""
+        counter, run = self._ended_children(job_type, queue, outcome)
+        counter.inc()
+        if seconds is not None:
+            run.observe(seconds)
+
+    def submitted(self, job_type: str, queue: str) -> None:
+        """A job was created by SubmitJob."""
+        key = ("submitted", job_type, queue)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = self.jobs_submitted.labels(job_type, queue)
+        child.inc()
+
+    def relayed(self, kind: str, outcome: str, count: int = 1) -> None:
+        """``count`` outbox rows of ``kind`` handed to the broker, with ``outcome``."""
+        key = ("relayed", kind, outcome)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = self.relay_published.labels(kind, outcome)
+        child.inc(count)
+
+    # The labelled children of the per-job metrics, looked up once per type and
+    # queue (labels() takes a lock and builds a key each call). Bounded: the
+    # server routes only the topology's types.
+    def _started_children(self, job_type: str, queue: str) -> tuple[Any, Any, Any]:
+        key = (job_type, queue)
+        found = self._started.get(key)
+        if found is None:
+            found = self._started[key] = (
+                self.job_attempts.labels(*key),
+                self.jobs_started.labels(*key),
+                self.job_wait.labels(*key),
+            )
+        return found
+
+    def _ended_children(self, job_type: str, queue: str, outcome: str) -> tuple[Any, Any]:
+        key = (job_type, queue, outcome)
+        found = self._ended.get(key)
+        if found is None:
+            counter = (
+                self.job_retries.labels(job_type, queue)
+                if outcome == RETRY
+                else self.jobs_finished.labels(*key)
+            )
+            found = self._ended[key] = (counter, self.job_run.labels(*key))
+        return found
+
+    def count_repairs(self, report: Any) -> None:
+        """What a sweep (a :class:`~jobplane.workers.sweeper.SweepReport`) repaired."""
+        for kind, count in (
+            ("lease_requeued", report.requeued),
+            ("lease_failed", report.failed),
+            ("dispatch_republished", report.republished),
+        ):
+            if count:
+                self.sweeper_repairs.labels(kind).inc(count)
+
+    # -- what is read at scrape time ------------------------------------------
+
+    def add_slots(self, read: Callable[[], tuple[int, int]]) -> None:
+        """A worker's slots, ``read()`` = (busy, total); summed over the process's workers."""
+        self._slots.append(read)
+
+    def add_streams(self, read: Callable[[], int]) -> None:
+        """A server's open watch streams; summed over the process's servers."""
+        self._streams.append(read)
+
+    def add_pool(self, engine: AsyncEngine) -> None:
+        """A database engine whose pool is reported (an engine shared by parts once)."""
+        if all(e is not engine for e in self._pools):
+            self._pools.append(engine)
+
+    def on_scrape(self, name: str, refresh: Refresher) -> None:
+        """Run ``refresh`` before each scrape (``name`` labels its failures)."""
+        if all(n != name for n, _r in self._refreshers):
+            self._refreshers.append((name, refresh))
+
+    def _read_process(self) -> None:
+        busy = total = 0
+        for read in self._slots:
+            b, t = read()
+            busy, total = busy + b, total + t
+        self.worker_slots.labels("busy").set(busy)
+        self.worker_slots.labels("free").set(total - busy)
+        self.watch_streams.set(sum(read() for read in self._streams))
+        used = idle = size = 0
+        for engine in self._pools:
+            pool: Any = engine.pool
+            if all(hasattr(pool, m) for m in ("checkedout", "checkedin", "size")):
+                used += pool.checkedout()
+                idle += pool.checkedin()
+                size += pool.size()
+        self.db_pool.labels("in_use").set(used)
+        self.db_pool.labels("idle").set(idle)
+        self.db_pool.labels("size").set(size)
+
+    async def refresh(self) -> None:
+        """Read the process's own gauges, then run every refresher at once, each
+        bounded by :data:`REFRESH_TIMEOUT`."""
+        self._read_process()
+        if not self._refreshers:
+            return
+        results = await asyncio.gather(
+            *(asyncio.wait_for(r(), REFRESH_TIMEOUT) for _n, r in self._refreshers),
+            return_exceptions=True,
+        )
+        for (name, _r), result in zip(self._refreshers, results, strict=False):
+            if isinstance(result, asyncio.CancelledError):
+                raise result
+            if isinstance(result, BaseException):
+                self.scrape_errors.labels(name).inc()
+                log.debug("metrics.refresh.failed", source=name, error=repr(result))
+
+    async def exposition(self) -> bytes:
+        """The Prometheus text of this process, refreshed."""
+        await self.refresh()
+        return generate_latest(self.registry)
+
+
+class _Null:
+    """A metric that records nothing: every method is a no-op, labels() itself."""
+
+    def labels(self, *_args: Any, **_kwargs: Any) -> _Null:
+        return self
+
+    def inc(self, *_args: Any) -> None:
+        pass
+
+    def dec(self, *_args: Any) -> None:
+        pass
+
+    def set(self, *_args: Any) -> None:
+        pass
+
+    def observe(self, *_args: Any) -> None:
+        pass
+
+
+class _NoMetrics(Metrics):
+    """Counts nothing; serves nothing."""
+
+    enabled = False
+
+    def __init__(self) -> None:  # no registry: nothing is built
+        null = cast("Any", _Null())
+        self.registry = CollectorRegistry(auto_describe=False)
+        self._refreshers, self._slots, self._streams, self._pools = [], [], [], []
+        for name in (
+            "jobs_submitted",
+            "jobs_started",
+            "job_attempts",
+            "job_retries",
+            "jobs_finished",
+            "job_wait",
+            "job_run",
+            "watch_streams",
+            "outbox_backlog",
+            "outbox_oldest",
+            "relay_published",
+            "relay_confirm",
+            "relay_dispatch",
+            "sweeper_repairs",
+            "worker_slots",
+            "failed_queue",
+            "db_pool",
+            "scrape_errors",
+        ):
+            setattr(self, name, null)
+
+    def attempt_started(
+        self, job_type: str, queue: str, attempt: int, submitted: datetime | None
+    ) -> None:
+        pass
+
+    def attempt_ended(
+        self, job_type: str, queue: str, outcome: str, seconds: float | None = None
+    ) -> None:
+        pass
+
+    def count_repairs(self, report: Any) -> None:
+        pass
+
+    def submitted(self, job_type: str, queue: str) -> None:
+        pass
+
+    def relayed(self, kind: str, outcome: str, count: int = 1) -> None:
+        pass
+
+    def add_slots(self, read: Callable[[], tuple[int, int]]) -> None:
+        pass
+
+    def add_streams(self, read: Callable[[], int]) -> None:
+        pass
+
+    def add_pool(self, engine: AsyncEngine) -> None:
+        pass
+
+    def on_scrape(self, name: str, refresh: Refresher) -> None:
+        pass
+
+    async def refresh(self) -> None:
+        pass
+
+
+#: Counts nothing (metrics off, or a part given no metrics).
+NO_METRICS: Metrics = _NoMetrics()
+
+
+_OUTBOX_BACKLOG = """
+    SELECT count(*) AS rows, extract(epoch FROM now() - min(create_time)) AS oldest
+    FROM outbox WHERE published_at IS NULL AND failed_at IS NULL
+"""
+
+
+def watch_outbox(metrics: Metrics, engine: AsyncEngine) -> None:
+    """Report the outbox backlog and its oldest row's age, read at each scrape."""
+    from sqlalchemy import text
+
+    statement = text(_OUTBOX_BACKLOG)
+
+    async def read() -> None:
+        async with engine.connect() as conn:
+            row = (await conn.execute(statement)).one()
+        metrics.outbox_backlog.set(int(row.rows))
+        metrics.outbox_oldest.set(max(float(row.oldest or 0.0), 0.0))
+
+    metrics.on_scrape("outbox", read)
+
+
+class FailedQueueDepth:
+    """Reads the failed (dead-letter) queue's depth at each scrape, on a broker
+    connection of its own (opened at the first scrape, again after a loss, closed by
+    :meth:`close`), so it never shares a channel a publish or a consumer needs."""
+
+    def __init__(self, metrics: Metrics, amqp_url: str, queue: str) -> None:
+        self._metrics = metrics
+        self._amqp_url = amqp_url
+        self._queue = queue
+        self._connection: Any = None
+        metrics.on_scrape("failed_queue", self.read)
+
+    async def read(self) -> None:
+        """Declare the queue passively (its message count) on a fresh channel."""
+        from jobplane import broker
+
+        connection = self._connection
+        if connection is None or connection.is_closed:
+            connection = self._connection = await broker.connect(self._amqp_url)
+        try:
+            channel = await connection.channel()
+            try:
+                declared = await channel.declare_queue(self._queue, passive=True)
+            finally:
+                if not channel.is_closed:
+                    await channel.close()
+        except Exception:
+            if connection.is_closed or connection.transport is None:
+                await self.close()  # reconnect next time; a channel error keeps it
+            raise
+        count = declared.declaration_result.message_count
+        self._metrics.failed_queue.labels(self._queue).set(int(count or 0))
+
+    async def close(self) -> None:
+        """Close its connection, if open."""
+        connection, self._connection = self._connection, None
+        if connection is not None:
+            with contextlib.suppress(Exception):
+                await connection.close()
