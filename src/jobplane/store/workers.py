@@ -54,6 +54,17 @@ _LIST = text(
     ORDER BY live DESC, start_time DESC
     """
 )
+# The worker of each running attempt, by its STARTED event (the Python
+# worker records its id there); the partial index on running leases bounds it.
+_RUNNING = text(
+    """
+    SELECT e.data->>'worker' AS worker, count(*) AS running
+    FROM jobs j JOIN job_events e
+      ON e.job_id = j.id AND e.attempt = j.attempt AND e.type = 'started'
+    WHERE j.state = 'running' AND j.lease_expires_at IS NOT NULL
+    GROUP BY 1
+    """
+)
 _PRUNE = text(
     "DELETE FROM workers "
     "WHERE coalesce(stop_time, expire_time) < now() - make_interval(secs => :older_than)"
@@ -159,6 +170,12 @@ class WorkerStore:
             )
             for r in rows
         ]
+
+    async def running(self) -> dict[str, int]:
+        """Running attempts per worker id (every tenant's, counted); "" for unknown workers."""
+        async with self._auto.connect() as conn:
+            rows = await conn.execute(_RUNNING)
+            return {str(worker or ""): int(count) for worker, count in rows}
 
     async def prune(self, *, older_than: float) -> int:
         """Forget workers dead for more than ``older_than`` seconds; how many."""
