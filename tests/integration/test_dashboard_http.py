@@ -42,7 +42,7 @@ async def test_pages_need_a_session_and_send_the_security_headers(ui: UiStack) -
             assert "script-src 'self'" in CSP and "unsafe-inline" not in CSP
             assert response.headers["X-Frame-Options"] == "DENY"
             assert response.headers["X-Content-Type-Options"] == "nosniff"
-            assert response.headers["Referrer-Policy"] == "no-referrer"
+            assert response.headers["Referrer-Policy"] == "same-origin"
             page = await response.text()
             assert "<script>" not in page and "onclick" not in page
 

@@ -48,7 +48,9 @@ SECURITY_HEADERS = {
     "Content-Security-Policy": CSP,
     "X-Frame-Options": "DENY",
     "X-Content-Type-Options": "nosniff",
-    "Referrer-Policy": "no-referrer",
+    # Not no-referrer: under it a browser sends "Origin: null" with its forms,
+    # and the origin check below could not tell them from another site's.
+    "Referrer-Policy": "same-origin",
     "Cross-Origin-Opener-Policy": "same-origin",
     "Cross-Origin-Resource-Policy": "same-origin",
 }
@@ -177,7 +179,7 @@ async def _guarded(
             identity = resolved
     if session is not None and identity is not None:
         request[VIEWER] = Viewer(identity, session, app[CODEC].csrf(session))
-    public = request.path == "/signin" or request.path.startswith("/static/")
+    public = request.path in ("/signin", "/favicon.ico") or request.path.startswith("/static/")
     if request.method == "POST":
         origin = request.headers.get("Origin")
         if origin is not None and origin != f"{request.scheme}://{request.host}":

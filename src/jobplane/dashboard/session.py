@@ -118,19 +118,28 @@ class SessionCodec:
         """True when ``token`` is the session's (constant-time)."""
         return hmac.compare_digest(token.encode(), self.csrf(session).encode())
 
-    def signin_nonce(self) -> tuple[str, str]:
-        """A sign-in form's cookie value and the token its form carries."""
-        nonce = f"{_b64(secrets.token_bytes(16))}~{int(self._clock())}"
-        return nonce, self._sign("signin", nonce)
+    def signin_nonce(self, current: str | None = None) -> tuple[str, str]:
+        """A sign-in form's cookie value and the token its form carries.
+
+        The browser's ``current`` one is kept while it has half its life left:
+        two sign-in pages open at once (or one fetched twice) both work.
+        """
+        if not self._fresh(current, SIGNIN_SECONDS / 2):
+            current = f"{_b64(secrets.token_bytes(16))}~{int(self._clock())}"
+        assert current is not None
+        return current, self._sign("signin", current)
 
     def signin_ok(self, nonce: str | None, token: str) -> bool:
         """True when the form's token belongs to the browser's sign-in cookie, still fresh."""
+        if not self._fresh(nonce, SIGNIN_SECONDS) or nonce is None:
+            return False
+        return hmac.compare_digest(token.encode(), self._sign("signin", nonce).encode())
+
+    def _fresh(self, nonce: str | None, seconds: float) -> bool:
         if not nonce or len(nonce) > 100:
             return False
-        if not hmac.compare_digest(token.encode(), self._sign("signin", nonce).encode()):
-            return False
         _, _, stamp = nonce.partition("~")
-        return stamp.isdigit() and self._clock() - int(stamp) < SIGNIN_SECONDS
+        return stamp.isdigit() and len(stamp) < 12 and self._clock() - int(stamp) < seconds
 
 
 class SignInThrottle:

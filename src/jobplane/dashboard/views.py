@@ -90,7 +90,7 @@ async def signin_form(request: web.Request) -> web.StreamResponse:
 def _signin_page(
     request: web.Request, next_path: str, *, problem: str = "", status: int = 200
 ) -> web.StreamResponse:
-    nonce, token = request.app[CODEC].signin_nonce()
+    nonce, token = request.app[CODEC].signin_nonce(request.cookies.get(SIGNIN_COOKIE))
     response = render(
         request, "signin.html", status=status, token=token, next=next_path, problem=problem
     )
@@ -165,6 +165,12 @@ async def signout(request: web.Request) -> web.StreamResponse:
     response = web.HTTPSeeOther("/signin")
     response.del_cookie(SESSION_COOKIE, path="/")
     raise response
+
+
+@routes.get("/favicon.ico")
+async def favicon(_request: web.Request) -> web.StreamResponse:
+    """None (browsers ask for one on every page)."""
+    raise web.HTTPNotFound()
 
 
 @routes.get("/")
