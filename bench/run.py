@@ -1194,6 +1194,7 @@ async def main(argv: list[str] | None = None) -> int:
             "pipeline",
             "ingest",
             "blobs",
+            "ui",
         ],
     )
     parser.add_argument("--ingest-docs", type=int, default=40, help="documents of --only ingest")
@@ -1218,6 +1219,10 @@ async def main(argv: list[str] | None = None) -> int:
             await check_plans(bench)
         if want("blobs"):
             bench.use_s3()
+        if want("ui"):
+            from bench.ui import fig_ui, prepare_ui
+
+            prepare_ui(bench)
         await bench.start_all()
         rate = 0.0
         if want("throughput") or want("open"):
@@ -1242,6 +1247,8 @@ async def main(argv: list[str] | None = None) -> int:
             await fig_watchers(bench)
         if want("blobs"):
             floor.update(await fig_blobs(bench))
+        if want("ui"):
+            await fig_ui(bench)
         apply_floors(bench.figures, floor)
         for figure in bench.figures:
             print(figure.line())

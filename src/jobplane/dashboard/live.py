@@ -25,6 +25,8 @@ from jobplane.types import JobEvent
 
 T = TypeVar("T")
 
+#: Events of many jobs sent in one frame at most.
+FRAME_EVENTS = 100
 #: Seconds between a stream's keep-alive comments and key checks.
 RECHECK_SECONDS = 15.0
 
@@ -206,7 +208,13 @@ async def serve_jobs(
             batch = await next_batch(merged.queue, max(0.01, next_counts - loop.time()))
             updates = [event_json(item) for _tag, item in batch if isinstance(item, JobEvent)]
             if updates:
-                await stream.send("jobs", updates)
+                # One write, in frames a browser (or a proxy) parses in small bites.
+                await stream.send_raw(
+                    b"".join(
+                        frame("jobs", updates[i : i + FRAME_EVENTS])
+                        for i in range(0, len(updates), FRAME_EVENTS)
+                    )
+                )
     finally:
         await merged.close()
 
