@@ -27,10 +27,13 @@ if TYPE_CHECKING:
     from bench.run import Bench
 
 JOBS = 1000
-STEPS = 20
-INTERVAL_MS = 250
+STEPS = 10
+INTERVAL_MS = 1000
 # Long enough for the page to open all its watches before the first report.
-START_DELAY_MS = 6000
+# Every job of a round starts reporting this long after its round began: all
+# at once, and after the page has opened its watches (submitting 1,000 jobs
+# takes a while on a busy machine).
+LEAD_MS = 30_000
 _TOKEN = re.compile(r'name="token" value="([^"]+)"')
 
 
@@ -49,7 +52,12 @@ async def _wait_ended(bench: Bench, label: str) -> None:
 
     from jobplane.store.engine import asyncpg_dsn
 
-    conn = await asyncpg.connect(asyncpg_dsn(bench.database_url))
+    for _ in range(100):  # the machine's Postgres may be full for a moment
+        try:
+            conn = await asyncpg.connect(asyncpg_dsn(bench.database_url))
+            break
+        except asyncpg.TooManyConnectionsError:
+            await asyncio.sleep(0.2)
     try:
         while True:
             ended = await conn.fetchval(
@@ -65,18 +73,26 @@ async def _wait_ended(bench: Bench, label: str) -> None:
         await conn.close()
 
 
-async def _submit(bench: Bench, label: str) -> None:
+async def _submit(bench: Bench, label: str) -> float:
+    """Submit the round's jobs; the wall-clock time they start reporting at."""
     from jobplane.client import AsyncClient
 
-    payload = {"steps": STEPS, "interval_ms": INTERVAL_MS, "start_delay_ms": START_DELAY_MS}
+    start_at = time.time() + LEAD_MS / 1000
     async with AsyncClient(bench.address, bench.key) as client:
-        for start in range(0, JOBS, 100):
+        for first in range(0, JOBS, 100):
+            payload = {
+                "steps": STEPS,
+                "interval_ms": INTERVAL_MS,
+                # The handler sleeps this long after its claim (just after the submit).
+                "start_delay_ms": max(0, int((start_at - time.time()) * 1000)),
+            }
             await asyncio.gather(
                 *(
                     client.submit("bench.progress", payload, labels={"bench": label})
-                    for _ in range(start, min(JOBS, start + 100))
+                    for _ in range(first, min(JOBS, first + 100))
                 )
             )
+    return start_at
 
 
 async def _events(response: aiohttp.ClientResponse) -> Any:
@@ -120,8 +136,8 @@ async def fig_ui(bench: Bench) -> None:
         await http.post("/signin", data={"key": bench.key, "token": token.group(1)})
 
         # Without a page: what the same jobs cost the server when nobody looks.
-        await _submit(bench, "ui-nopage")
-        await asyncio.sleep(START_DELAY_MS / 1000)
+        start_at = await _submit(bench, "ui-nopage")
+        await asyncio.sleep(max(0.0, start_at - time.time()))
         before, started = cpu_seconds(bench), time.monotonic()
         await asyncio.wait_for(_wait_ended(bench, "ui-nopage"), timeout=300)
         idle_cpu = (cpu_seconds(bench).get("server", 0.0) - before.get("server", 0.0)) / (

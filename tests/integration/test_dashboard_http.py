@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import uuid
 from collections.abc import AsyncIterator
 
@@ -64,6 +65,25 @@ async def test_sign_in_sets_an_http_only_strict_cookie_without_the_key(ui: UiSta
         async with http.get("/jobs") as page:
             assert page.status == 200
             assert "Sign out" in await page.text()
+
+
+async def test_sign_in_goes_on_to_this_sites_pages_only(ui: UiStack) -> None:
+    for asked, went in (
+        ("/workers?x=1", "/workers?x=1"),
+        ("//evil.example/", "/jobs"),
+        ("/\t/evil.example/", "/jobs"),
+        ("/\\evil.example", "/jobs"),
+        ("https://evil.example/", "/jobs"),
+    ):
+        async with browserless(ui.url) as http:
+            async with http.get("/signin") as form:
+                token = form_token(await form.text())
+            async with http.post(
+                "/signin",
+                data={"key": ui.stack.key, "token": token, "next": asked},
+                allow_redirects=False,
+            ) as response:
+                assert response.headers["Location"] == went, asked
 
 
 async def test_bad_keys_worker_keys_and_forged_forms_are_refused(ui: UiStack) -> None:
@@ -178,6 +198,44 @@ async def test_sign_out_and_revocation_end_the_session(ui: UiStack) -> None:
         await eventually(refused, timeout=10)
 
 
+async def test_the_events_tail_streams_the_tenants_events_only(ui: UiStack) -> None:
+    other = ui.stack.client(await ui.stack.new_key("hooli"))
+    ours = ui.stack.client()
+    async with (
+        browserless(ui.url, ui.stack.key) as http,
+        http.get(
+            "/events/live",
+            params={"type": "artifact.*"},
+            headers={"Accept": "text/event-stream"},
+            timeout=aiohttp_timeout(),
+        ) as live,
+    ):
+        assert live.status == 200
+        published: list[str] = []
+
+        async def publish() -> None:
+            # Until the stream has started (it starts at the latest event).
+            while True:
+                await other.publish("artifact.created", {"who": "hooli"})
+                await ours.publish("job.noise", {"who": "acme"})
+                published.append(
+                    str((await ours.publish("artifact.created", {"who": "acme"})).event_id)
+                )
+                await asyncio.sleep(0.2)
+
+        publisher = asyncio.create_task(publish())
+        try:
+            frame = (await live.content.readuntil(b"\n\n")).decode()
+        finally:
+            publisher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await publisher
+        assert frame.startswith("id: ")
+        assert "event: event" in frame
+        assert any(event_id in frame for event_id in published)
+        assert '"who":"acme"' in frame and "hooli" not in frame and "job.noise" not in frame
+
+
 async def test_bad_query_parameters_are_400_naming_the_field(ui: UiStack) -> None:
     cases = {
         "/jobs?state=done": "state",
@@ -250,8 +308,22 @@ async def test_queues_and_workers_pages_show_the_deployment(ui: UiStack) -> None
         # The worker's consumer, counted by the broker.
         queue_row = page.split(f'data-queue="{ui.stack.topology.queues[0].name}"')[1]
         assert '<td data-field="consumers">1</td>' in queue_row.split("</tr>")[0]
+        worker = ui.stack.worker
+        assert worker is not None
         page = await (await http.get("/workers")).text()
-        assert ui.stack.worker is not None and ui.stack.worker.id in page
+        assert worker.id in page
+        # A running job counts against its worker, and its page names that worker.
+        client = ui.stack.client()
+        job = await client.submit("demo.progress", {"steps": 300, "interval_ms": 100})
+
+        async def busy() -> bool:
+            async with http.get("/workers") as response:
+                row = (await response.text()).split(f'data-worker="{worker.id}"')[1]
+                return '<td data-field="busy">1 /' in row.split("</tr>")[0]
+
+        await eventually(busy, timeout=10)
+        assert f"<code>{worker.id}</code>" in await (await http.get(f"/jobs/{job.id}")).text()
+        await client.cancel(job.name)
 
 
 _PARAMS = ["state", "type", "label", "since", "until", "size", "page", "next", "after", "x"]

@@ -71,8 +71,18 @@ def _job_name(request: web.Request) -> str:
 
 
 def _next_path(raw: str) -> str:
-    """Where to go after signing in: a path of this site only."""
-    if raw.startswith("/") and not raw.startswith("//") and "\\" not in raw and len(raw) < 1024:
+    """Where to go after signing in: a path of this site only.
+
+    No whitespace or control character either: browsers drop tabs and line
+    breaks from URLs, and ``/<tab>/host`` would become ``//host``.
+    """
+    if (
+        raw.startswith("/")
+        and not raw.startswith("//")
+        and "\\" not in raw
+        and len(raw) < 1024
+        and all(c.isprintable() and not c.isspace() for c in raw)
+    ):
         return raw
     return "/jobs"
 
