@@ -109,7 +109,7 @@ async def test_failed_sign_ins_are_slowed_then_refused(ui: UiStack) -> None:
         took = asyncio.get_running_loop().time() - started
         assert statuses[:5] == [401] * 5
         assert statuses[5] == 429
-        assert took >= 5 * 0.5
+        assert took >= 5 * ui.dashboard.app[THROTTLE].delay > 0
         # The right key is refused too while the client waits.
         assert (await sign_in(http, ui.stack.key)).status == 429
     ui.dashboard.app[THROTTLE].succeeded("127.0.0.1")  # the next tests sign in from here too
@@ -171,7 +171,7 @@ async def test_another_tenants_job_is_not_found_like_an_unknown_one(ui: UiStack)
 
 
 def aiohttp_timeout() -> aiohttp.ClientTimeout:
-    return aiohttp.ClientTimeout(total=10)
+    return aiohttp.ClientTimeout(total=30)
 
 
 async def test_sign_out_and_revocation_end_the_session(ui: UiStack) -> None:

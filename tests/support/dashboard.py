@@ -51,6 +51,7 @@ async def ui_stack(
         listen="127.0.0.1:0",
         cache_seconds=0.2,
         counts_seconds=0.2,
+        signin_delay=0.1,
         **dashboard_options,  # type: ignore[arg-type]
     )
     try:

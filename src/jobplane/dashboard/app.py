@@ -225,6 +225,7 @@ class Dashboard:
         secure_cookie: bool = False,
         cache_seconds: float = 5.0,
         counts_seconds: float = 2.0,
+        signin_delay: float = 0.5,
     ) -> None:
         from jobplane.dashboard.views import routes
 
@@ -238,7 +239,7 @@ class Dashboard:
             autoescape=True,
             undefined=jinja2.StrictUndefined,
         )
-        app[THROTTLE] = SignInThrottle()
+        app[THROTTLE] = SignInThrottle(delay=signin_delay)
         app[DEPLOYMENT] = Deployment(
             backend.engine, backend.amqp_url, backend.topology, ttl=cache_seconds
         )

@@ -146,7 +146,8 @@ class SignInThrottle:
     """Slows and then refuses a client's failed sign-ins.
 
     ``free`` failures a client address may make in ``window`` seconds; past
-    them it is refused until the window has passed. Keys are 256 random bits,
+    them it is refused until the window has passed. Each failure is answered
+    after ``delay`` seconds. Keys are 256 random bits,
     so this is not what protects them: it keeps a client from making the
     server look keys up as fast as it can send forms.
     """
@@ -158,7 +159,10 @@ class SignInThrottle:
         window: float = 60.0,
         clock: Callable[[], float] = time.monotonic,
         entries: int = 10_000,
+        delay: float = 0.5,
     ) -> None:
+        #: How long a failed sign-in waits before it is answered.
+        self.delay = delay
         self._free = free
         self._window = window
         self._clock = clock

@@ -46,8 +46,6 @@ from jobplane.types import EventType, JobEvent, JobState
 
 routes = web.RouteTableDef()
 
-# A failed sign-in answers no sooner than this: guessing costs time.
-FAILED_SIGNIN_DELAY = 0.5
 MAX_KEY_LENGTH = 200
 _ENDING = frozenset(
     {
@@ -143,7 +141,7 @@ async def signin(request: web.Request) -> web.StreamResponse:
         identity = await app[BACKEND].keys.resolve(key.strip())
     if not isinstance(identity, KeyIdentity):
         throttle.failed(client)
-        await asyncio.sleep(FAILED_SIGNIN_DELAY)
+        await asyncio.sleep(throttle.delay)
         problem = (
             "A worker key cannot sign in; use a tenant API key."
             if isinstance(identity, WorkerIdentity)
