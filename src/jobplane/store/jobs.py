@@ -198,9 +198,9 @@ _QUEUE_RATES = text(
     """
     SELECT queue,
            count(*) FILTER (WHERE create_time > now() - make_interval(secs => :window)),
-           count(*) FILTER (WHERE state = 'succeeded'
+           count(*) FILTER (WHERE state = :succeeded
                             AND end_time > now() - make_interval(secs => :window)),
-           count(*) FILTER (WHERE state = 'failed'
+           count(*) FILTER (WHERE state = :failed
                             AND end_time > now() - make_interval(secs => :window))
     FROM (
         SELECT queue, state, create_time, end_time FROM jobs
@@ -410,7 +410,14 @@ class JobStore:
         ``window_seconds``, among its ``scan`` newest jobs created in the last hour."""
         async with self._auto.connect() as conn:
             rows = await conn.execute(
-                _QUEUE_RATES, {"tenant_id": tenant_id, "window": window_seconds, "scan": scan}
+                _QUEUE_RATES,
+                {
+                    "tenant_id": tenant_id,
+                    "window": window_seconds,
+                    "scan": scan,
+                    "succeeded": JobState.SUCCEEDED.value,
+                    "failed": JobState.FAILED.value,
+                },
             )
             return {str(q): (int(a), int(b), int(c)) for q, a, b, c in rows}
 

@@ -17,6 +17,7 @@ from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from jobplane.store.engine import autocommit
+from jobplane.types import JobState
 
 _REGISTER = text(
     """
@@ -61,7 +62,7 @@ _RUNNING = text(
     SELECT e.data->>'worker' AS worker, count(*) AS running
     FROM jobs j JOIN job_events e
       ON e.job_id = j.id AND e.attempt = j.attempt AND e.type = 'started'
-    WHERE j.state = 'running' AND j.lease_expires_at IS NOT NULL
+    WHERE j.state = :running AND j.lease_expires_at IS NOT NULL
     GROUP BY 1
     """
 )
@@ -174,7 +175,7 @@ class WorkerStore:
     async def running(self) -> dict[str, int]:
         """Running attempts per worker id (every tenant's, counted); "" for unknown workers."""
         async with self._auto.connect() as conn:
-            rows = await conn.execute(_RUNNING)
+            rows = await conn.execute(_RUNNING, {"running": JobState.RUNNING.value})
             return {str(worker or ""): int(count) for worker, count in rows}
 
     async def prune(self, *, older_than: float) -> int:
