@@ -1199,6 +1199,7 @@ async def main(argv: list[str] | None = None) -> int:
             "blobs",
             "tracing",
             "metrics",
+            "ui",
         ],
     )
     parser.add_argument("--ingest-docs", type=int, default=40, help="documents of --only ingest")
@@ -1223,6 +1224,10 @@ async def main(argv: list[str] | None = None) -> int:
             await check_plans(bench)
         if want("blobs"):
             bench.use_s3()
+        if want("ui"):
+            from bench.ui import fig_ui, prepare_ui
+
+            prepare_ui(bench)
         await bench.start_all()
         rate = 0.0
         if want("throughput") or want("open"):
@@ -1255,6 +1260,8 @@ async def main(argv: list[str] | None = None) -> int:
             from bench.tracing import fig_tracing
 
             await fig_tracing(bench)
+        if want("ui"):
+            await fig_ui(bench)
         apply_floors(bench.figures, floor)
         for figure in bench.figures:
             print(figure.line())

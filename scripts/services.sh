@@ -55,3 +55,14 @@ if command -v rabbitmqctl >/dev/null 2>&1; then
   rabbitmqctl -q await_startup >/dev/null 2>&1 || true
   rabbitmqctl -q enable_feature_flag all >/dev/null 2>&1 || true
 fi
+
+# The dashboard's browser tests drive Debian's headless Chromium through
+# Playwright (its own browser download cannot be used here). Installed once;
+# the package lists are refreshed only if the install fails without them.
+if [ ! -x /usr/bin/chromium ] && command -v apt-get >/dev/null 2>&1; then
+  echo "services: installing chromium (the dashboard's browser tests)" >&2
+  export DEBIAN_FRONTEND=noninteractive
+  if ! apt-get install -y -q chromium >/dev/null; then
+    apt-get update -q >/dev/null && apt-get install -y -q chromium >/dev/null
+  fi
+fi

@@ -12,7 +12,7 @@ import json
 import math
 import re
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
@@ -281,14 +281,24 @@ class JobService:
         page_token: str,
         state: JobState | None,
         job_type: str,
+        labels: dict[str, str] | None = None,
+        created_after: datetime | None = None,
+        created_before: datetime | None = None,
     ) -> JobPage:
-        """A page of jobs, newest first, with an opaque keyset token."""
+        """A page of jobs, newest first, with an opaque keyset token.
+
+        ``labels`` (jobs carrying all of them) and the create-time bounds are
+        the dashboard's filters; a token holds to the filters it was made for.
+        """
         if page_size < 0:
             raise InvalidArgument("page_size must not be negative", field="page_size")
         limit = min(page_size or DEFAULT_PAGE_SIZE, MAX_PAGE_SIZE)
         if job_type:
             validate_job_type(job_type)
-        filters = _filter_key(state, job_type)
+        if labels:
+            _check_labels(labels)
+        extra = _extra_filters(labels, created_after, created_before)
+        filters = _filter_key(state, job_type, extra)
         cursor = _decode_token(page_token, filters) if page_token else None
         jobs = await self._store.list_jobs(
             tenant,
@@ -297,11 +307,15 @@ class JobService:
             state=state,
             job_type=job_type or None,
             pipeline=bool(job_type) and self._topology.pipeline(job_type) is not None,
+            labels=labels or None,
+            created_after=created_after,
+            created_before=created_before,
         )
         next_token = ""
         if len(jobs) > limit:
             jobs = jobs[:limit]
-            next_token = self.page_token_after(jobs[-1], state=state, job_type=job_type)
+            cursor = ListCursor(jobs[-1].create_time, uuid.UUID(jobs[-1].id))
+            next_token = _encode_token(cursor, filters)
         return JobPage(jobs=jobs, next_page_token=next_token)
 
     def page_token_after(self, job: Job, *, state: JobState | None, job_type: str) -> str:
@@ -312,6 +326,31 @@ class JobService:
         """
         cursor = ListCursor(job.create_time, uuid.UUID(job.id))
         return _encode_token(cursor, _filter_key(state, job_type))
+
+    async def count_states(self, tenant: uuid.UUID, *, cap: int = 10_000) -> dict[JobState, int]:
+        """The tenant's jobs in each state, each count stopping at ``cap``."""
+        return await self._store.count_states(tenant, cap=cap)
+
+    async def milestones(
+        self, tenant: uuid.UUID, name: str, limit: int = 1000
+    ) -> Sequence[JobEvent]:
+        """The job's events other than progress, oldest first: its attempts and outcomes."""
+        return await self._store.milestones(tenant, parse_job_name(name), limit)
+
+    async def recent_events(
+        self, tenant: uuid.UUID, job: Job, limit: int = 200
+    ) -> Sequence[JobEvent]:
+        """The job's last ``limit`` events (up to ``job.last_seq``), oldest first."""
+        read = await self._store.read_stream(
+            tenant, uuid.UUID(job.id), max(0, job.last_seq - limit), limit
+        )
+        return read.events
+
+    async def queue_rates(
+        self, tenant: uuid.UUID, *, window_seconds: float = 300.0
+    ) -> dict[str, tuple[int, int, int]]:
+        """Per queue: the tenant's jobs submitted, succeeded, failed in the window."""
+        return await self._store.queue_rates(tenant, window_seconds=window_seconds, scan=100_000)
 
     async def cancel(self, tenant: uuid.UUID, name: str, reason: str) -> Job:
         """Cancel a queued job, or ask a running one to stop."""
@@ -433,8 +472,25 @@ def _path(trail: _Trail) -> str:
     return shown("payload" + "".join(reversed(steps)))
 
 
-def _filter_key(state: JobState | None, job_type: str) -> str:
+def _extra_filters(
+    labels: dict[str, str] | None, after: datetime | None, before: datetime | None
+) -> str:
+    """The filters past state and type, as text for the token's filter key ("" for none)."""
+    if not labels and after is None and before is None:
+        return ""
+    return json.dumps(
+        [
+            sorted((labels or {}).items()),
+            after.isoformat() if after else "",
+            before.isoformat() if before else "",
+        ]
+    )
+
+
+def _filter_key(state: JobState | None, job_type: str, extra: str = "") -> str:
     raw = f"{state.value if state else ''}|{job_type}"
+    if extra:
+        raw += f"|{extra}"
     return hashlib.sha256(raw.encode()).hexdigest()[:16]
 
 

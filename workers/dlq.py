@@ -8,6 +8,7 @@ the message itself is never re-published.
 
 from __future__ import annotations
 
+import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -101,11 +102,21 @@ class FailedQueue:
             await channel.close()
         return seen
 
-    async def replay(self, engine: AsyncEngine, limit: int = 100) -> ReplayReport:
+    async def replay(
+        self,
+        engine: AsyncEngine,
+        limit: int = 100,
+        *,
+        tenant: uuid.UUID | None = None,
+        jobs: frozenset[uuid.UUID] | None = None,
+    ) -> ReplayReport:
         """Re-dispatch the jobs of up to ``limit`` messages through the outbox.
 
         A message is acked when its job was re-dispatched or has already
         ended; one that names no job, or a job a live attempt holds, is kept.
+        With ``tenant`` (and ``jobs``), only the messages of that tenant's
+        jobs (of those jobs) are replayed; the others are left in the queue
+        untouched and not reported.
         """
         store = SweepStore(engine)
         report = ReplayReport()
@@ -120,6 +131,12 @@ class FailedQueue:
                     break
                 failed = describe(message)
                 env = failed.envelope
+                if tenant is not None and (
+                    env is None
+                    or env.tenant_id != tenant
+                    or (jobs is not None and env.job_id not in jobs)
+                ):
+                    continue  # not the caller's: back in the queue when the channel closes
                 if env is None:
                     report.kept.append(failed.message_id or "(no id)")
                     continue

@@ -456,7 +456,7 @@ class Worker:
         whole run.
         """
         while True:
-            claim = await self._with_db_retry(lambda: self._store.claim(envelope))
+            claim = await self._with_db_retry(lambda: self._store.claim(envelope, worker=self.id))
             if claim.status is not ClaimStatus.IN_FLIGHT or not redelivered:
                 return claim
             if self._stopping:

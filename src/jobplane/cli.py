@@ -208,7 +208,7 @@ def _server(
     )
 
 
-async def _serve(_args: argparse.Namespace) -> int:
+async def _serve(args: argparse.Namespace) -> int:
     from jobplane.observe.metrics import watch_outbox
     from jobplane.store.engine import create_engine
 
@@ -217,7 +217,7 @@ async def _serve(_args: argparse.Namespace) -> int:
     engine = create_engine(settings.database_url, pool_size=settings.db_pool_size)
     async with AsyncExitStack() as stack:
         stack.push_async_callback(engine.dispose)
-        metrics, ops = _ops(settings, _args, engine)
+        metrics, ops = _ops(settings, args, engine)
         watch_outbox(metrics, engine)
         server = _server(
             settings,
@@ -233,6 +233,84 @@ async def _serve(_args: argparse.Namespace) -> int:
         if settings.tls_cert is not None:
             transport = "mutual TLS" if settings.tls_client_ca is not None else "TLS"
         print(f"jobplane serving on {server.address} ({transport})", file=sys.stderr)
+        ui = await _server_dashboard(stack, settings, server, args.ui_listen, default=None)
+        if ui is not None:
+            print(f"dashboard on {ui.url}", file=sys.stderr)
+        await _until_signal()
+    return 0
+
+
+# -- Dashboard (docs/dashboard.md) --------------------------------------------
+
+
+async def _dashboard(
+    stack: AsyncExitStack, settings: Settings, backend: Any, listen: str | None
+) -> Any:
+    """Start the dashboard on ``listen`` (stopped with ``stack``); a taken port is a ConfigError."""
+    from jobplane.dashboard import Dashboard
+
+    ui = Dashboard(
+        backend,
+        listen=listen or "127.0.0.1:8080",
+        secret=settings.ui_secret,
+        session_seconds=settings.ui_session_seconds,
+        secure_cookie=settings.ui_secure_cookie,
+    )
+    try:
+        await ui.start()
+    except OSError as exc:
+        reason = exc.strerror or exc
+        raise ConfigError(f"JOBPLANE_UI_LISTEN: cannot listen on {listen}: {reason}") from None
+    # Before the server's stop: open pages end while the feeds still serve.
+    stack.push_async_callback(ui.stop)
+    return ui
+
+
+async def _server_dashboard(
+    stack: AsyncExitStack,
+    settings: Settings,
+    server: JobplaneServer,
+    flag: str | None,
+    *,
+    default: str | None,
+) -> Any:
+    """The dashboard in a server's process, sharing its feeds, engine and key cache."""
+    from jobplane.dashboard import Backend
+
+    listen = flag if flag is not None else settings.ui_address(default)
+    if listen is None or listen == "off":
+        return None
+    return await _dashboard(stack, settings, Backend.of_server(server, settings.amqp_url), listen)
+
+
+async def _ui(args: argparse.Namespace) -> int:
+    from jobplane.config import DEFAULT_UI_LISTEN
+    from jobplane.dashboard.app import standalone_backend
+    from jobplane.server.limits import TenantLimiter, TenantLimits
+    from jobplane.store.engine import create_engine
+
+    settings, topology = _settings_and_topology()
+    listen = args.listen if args.listen is not None else settings.ui_address(DEFAULT_UI_LISTEN)
+    if listen is None or listen == "off":
+        print(
+            "error: the dashboard is off (JOBPLANE_UI_LISTEN=off); give --listen", file=sys.stderr
+        )
+        return 2
+    engine = create_engine(settings.database_url, pool_size=settings.db_pool_size)
+    async with AsyncExitStack() as stack:
+        stack.push_async_callback(engine.dispose)
+        limiter = TenantLimiter(TenantLimits(max_streams=settings.tenant_max_streams))
+        backend = await standalone_backend(
+            stack,
+            engine,
+            settings.database_url,
+            settings.amqp_url,
+            topology,
+            limiter=limiter,
+            max_payload_bytes=settings.max_payload_bytes,
+        )
+        ui = await _dashboard(stack, settings, backend, listen)
+        print(f"dashboard on {ui.url}", file=sys.stderr)
         await _until_signal()
     return 0
 
@@ -527,10 +605,17 @@ async def _dev(args: argparse.Namespace) -> int:
         await _started(stack, worker.start, lambda: worker.stop(5.0))
         key, _tenant = await server.keys.create_key(args.tenant)
         worker_key = (await server.keys.create_worker()).key
+        from jobplane.config import DEFAULT_UI_LISTEN
+
+        ui = await _server_dashboard(
+            stack, settings, server, args.ui_listen, default=DEFAULT_UI_LISTEN
+        )
+        ui_line = f"  dashboard: {ui.url}   (sign in with the api key)\n" if ui else ""
         print(
             f"\njobplane dev is up.\n"
             f"  address:  {server.address}\n"
             f"  api key:  {key}   (tenant {args.tenant!r})\n"
+            f"{ui_line}"
             f"  worker key: {worker_key}   (WorkerService, docs/workers.md)\n\n"
             f"  export JOBPLANE_ADDRESS={server.address} JOBPLANE_API_KEY={key}\n"
             f'  jobplane submit demo.progress --payload \'{{"steps": 20, "interval_ms": 150}}\''
@@ -997,8 +1082,14 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("migrate", help="create the database if needed and migrate it").set_defaults(
         func=_async(_migrate)
     )
-    serve = sub.add_parser("serve", help="run the gRPC server")
+    serve = sub.add_parser("serve", help="run the gRPC server (and the dashboard, if asked)")
     serve.set_defaults(func=_async(_serve))
+    serve.add_argument(
+        "--ui-listen", help="serve the dashboard on host:port too (off: not); JOBPLANE_UI_LISTEN"
+    )
+    ui_cmd = sub.add_parser("ui", help="serve the dashboard alone (docs/dashboard.md)")
+    ui_cmd.add_argument("--listen", help="host:port (default JOBPLANE_UI_LISTEN, 127.0.0.1:8080)")
+    ui_cmd.set_defaults(func=_async(_ui))
     relay = sub.add_parser("relay", help="publish the outbox to RabbitMQ (and sweep)")
     relay.add_argument("--no-sweep", action="store_true", help="do not run the sweeper loop")
     relay.add_argument("--sweep-interval", type=float, default=5.0, help="seconds between sweeps")
@@ -1046,6 +1137,7 @@ def build_parser() -> argparse.ArgumentParser:
     dev.add_argument("--concurrency", type=int, default=8)
     dev.add_argument("--demo", action="store_true", help="submit a demo job and show it live")
     dev.add_argument("--demo-steps", type=int, default=20)
+    dev.add_argument("--ui-listen", help="the dashboard's host:port (off: none; 127.0.0.1:8080)")
     dev.add_argument(
         "--no-maintenance", action="store_true", help="do not run the maintenance jobs"
     )

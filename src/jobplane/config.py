@@ -40,6 +40,11 @@ DEFAULT_INLINE_BYTES = 64 * 1024
 MAX_OFFLOADED_JSON_BYTES = 64 * 1024 * 1024
 _BUCKET_NAME = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
 
+#: Where ``jobplane dev`` and ``jobplane ui`` serve the dashboard unless told otherwise.
+DEFAULT_UI_LISTEN = "127.0.0.1:8080"
+#: The shortest JOBPLANE_UI_SECRET accepted.
+MIN_UI_SECRET = 32
+
 #: The longest lease of a WorkerService attempt: a dead worker's job waits this long.
 MAX_WORKER_LEASE = 3600.0
 
@@ -118,6 +123,21 @@ class Settings:
     metrics_listen: ListenAddress | None = None
     metrics_listen_set: bool = False
 
+    # Dashboard.
+    #: ``host:port`` of the dashboard, ``off``, or None when unset (``jobplane
+    #: serve``: off; ``jobplane dev`` and ``jobplane ui``: DEFAULT_UI_LISTEN).
+    ui_listen: str | None = None
+    #: Signs session cookies; None: a random one per process (sessions end on restart).
+    ui_secret: bytes | None = field(default=None, repr=False)
+    ui_session_seconds: float = 8 * 3600.0
+    #: Mark the session cookie Secure (the dashboard is reached over HTTPS).
+    ui_secure_cookie: bool = False
+
+    def ui_address(self, default: str | None) -> str | None:
+        """Where the dashboard listens: the setting, else ``default``; None when off."""
+        chosen = self.ui_listen if self.ui_listen is not None else default
+        return None if chosen is None or chosen == "off" else chosen
+
     @property
     def qdrant_location(self) -> Path:
         """Where local-mode Qdrant keeps its collections (unused with ``qdrant_url``)."""
@@ -173,7 +193,9 @@ class Settings:
             ),
             worker_lease_seconds=lease,
         )
-        return _with_metrics(env, _with_tracing(env, _with_ingest(env, _with_s3(env, settings))))
+        return _with_dashboard(
+            env, _with_metrics(env, _with_tracing(env, _with_ingest(env, _with_s3(env, settings))))
+        )
 
 
 def _with_s3(env: Mapping[str, str], base: Settings) -> Settings:
@@ -370,6 +392,30 @@ def _with_metrics(env: Mapping[str, str], base: Settings) -> Settings:
         metrics_listen=parse_listen(raw) if raw else None,
         metrics_listen_set=bool(raw),
         log_job_prefix=prefix,
+    )
+
+
+def _with_dashboard(env: Mapping[str, str], base: Settings) -> Settings:
+    """The dashboard's settings (JOBPLANE_UI_*)."""
+    listen = env.get("JOBPLANE_UI_LISTEN", "").strip() or None
+    if listen is not None:
+        parse_listen(listen, name="JOBPLANE_UI_LISTEN")
+    secret_text = env.get("JOBPLANE_UI_SECRET", "").strip()
+    if secret_text and len(secret_text) < MIN_UI_SECRET:
+        raise ConfigError(
+            f"JOBPLANE_UI_SECRET must have at least {MIN_UI_SECRET} characters "
+            "(e.g. `python -c 'import secrets; print(secrets.token_urlsafe(32))'`)"
+        )
+    hours = _float(env, "JOBPLANE_UI_SESSION_HOURS", base.ui_session_seconds / 3600, "a number")
+    if not 0.01 <= hours <= 720:  # NaN too
+        raise ConfigError("JOBPLANE_UI_SESSION_HOURS must be 0.01..720 hours")
+    secure = _choice(env, "JOBPLANE_UI_SECURE_COOKIE", ("true", "false", "1", "0"))
+    return replace(
+        base,
+        ui_listen=listen,
+        ui_secret=secret_text.encode() if secret_text else None,
+        ui_session_seconds=hours * 3600,
+        ui_secure_cookie=secure in ("true", "1"),
     )
 
 

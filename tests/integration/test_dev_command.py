@@ -38,6 +38,7 @@ def _env(database_url: str, amqp_url: str, moto: MotoServer, data_dir: Path) -> 
         "JOBPLANE_DATABASE_URL": database_url,
         "JOBPLANE_AMQP_URL": amqp_url,
         "JOBPLANE_LISTEN": "127.0.0.1:0",
+        "JOBPLANE_UI_LISTEN": "127.0.0.1:0",
         "JOBPLANE_TOPOLOGY": "builtin:ingest",
         "JOBPLANE_S3_URL": moto.url,
         "JOBPLANE_S3_BUCKET": new_bucket(),
@@ -85,6 +86,9 @@ async def test_dev_shows_the_demo_then_ingests_the_shipped_files(
     )
     assert code == 0, out
     assert "jobplane dev is up." in out and "api key:" in out
+    # The dashboard's address, printed beside the key it signs in with.
+    dashboard = next(line for line in out.splitlines() if "dashboard:" in line)
+    assert "http://127.0.0.1:" in dashboard and not dashboard.rstrip().endswith(":0/"), out
     assert 'succeeded\nresult: {"steps": 3}' in out, out
     # Each file's summary line, after its stages ran in the one process.
     guide = next(line for line in out.splitlines() if line.startswith(f"{files[0]}: 2 page(s)"))

@@ -195,8 +195,12 @@ class AttemptStore:
         self._machine = machine
         self.lease_seconds = lease_seconds
 
-    async def claim(self, envelope: Envelope) -> ClaimResult:
-        """Try to start the attempt this message dispatches."""
+    async def claim(self, envelope: Envelope, *, worker: str = "") -> ClaimResult:
+        """Try to start the attempt this message dispatches.
+
+        ``worker`` (the claiming worker's id) goes into the STARTED event's
+        data, for the dashboard's attempts; empty: none is recorded.
+        """
         token = uuid.uuid4()
         params = {
             "id": envelope.job_id,
@@ -210,7 +214,11 @@ class AttemptStore:
         scope = machine.connect(self._engine, self._auto, Transition.CLAIM, Transition.EXHAUST)
         async with scope as conn:
             rows = await machine.apply(
-                conn, Transition.CLAIM, params, Cause("attempt started"), returning=_CLAIMED
+                conn,
+                Transition.CLAIM,
+                params,
+                Cause("attempt started", {"worker": worker} if worker else {}),
+                returning=_CLAIMED,
             )
             if rows:
                 row = rows[0]

@@ -176,6 +176,43 @@ _READ_STREAMS = text(
 )
 
 
+# One capped count a state, each through jobs_tenant_state_newest.
+_COUNT_STATES = text(
+    ", ".join(
+        f"(SELECT count(*) FROM (SELECT 1 FROM jobs WHERE tenant_id = :tenant_id "
+        f"AND state = '{state.value}' LIMIT :cap) c{i})"
+        for i, state in enumerate(JobState)
+    ).join(("SELECT ", ""))
+)
+_MILESTONES = text(
+    """
+    SELECT e.job_id, e.seq, e.type, e.state, e.progress, e.message, e.data, e.attempt,
+           e.event_time, e.stage
+    FROM job_events e JOIN jobs j ON j.id = e.job_id AND j.tenant_id = :tenant_id
+    WHERE e.job_id = :id AND e.type <> 'progress'
+    ORDER BY e.seq
+    LIMIT :limit
+    """
+)
+_QUEUE_RATES = text(
+    """
+    SELECT queue,
+           count(*) FILTER (WHERE create_time > now() - make_interval(secs => :window)),
+           count(*) FILTER (WHERE state = :succeeded
+                            AND end_time > now() - make_interval(secs => :window)),
+           count(*) FILTER (WHERE state = :failed
+                            AND end_time > now() - make_interval(secs => :window))
+    FROM (
+        SELECT queue, state, create_time, end_time FROM jobs
+        WHERE tenant_id = :tenant_id AND create_time > now() - interval '1 hour'
+        ORDER BY create_time DESC, id DESC
+        LIMIT :scan
+    ) recent
+    GROUP BY queue
+    """
+)
+
+
 @dataclass(frozen=True, slots=True)
 class StreamRead:
     """A watcher's read: the next events, and whether nothing will follow them."""
@@ -304,14 +341,28 @@ class JobStore:
         state: JobState | None = None,
         job_type: str | None = None,
         pipeline: bool = False,
+        labels: dict[str, str] | None = None,
+        created_after: datetime | None = None,
+        created_before: datetime | None = None,
     ) -> list[Job]:
         """Up to ``limit`` jobs, newest first, strictly after ``after``.
 
         ``job_type`` names a pipeline when ``pipeline``: its jobs, whatever
-        stage they are at; otherwise plain jobs of that type.
+        stage they are at; otherwise plain jobs of that type. ``labels``: jobs
+        that carry all of them; ``created_after`` (inclusive) and
+        ``created_before`` (exclusive) bound the create time.
         """
         where = ["tenant_id = :tenant_id"]
         params: dict[str, Any] = {"tenant_id": tenant_id, "limit": limit}
+        if labels:
+            where.append("labels @> CAST(:labels AS jsonb)")
+            params["labels"] = dumps(labels)
+        if created_after is not None:
+            where.append("create_time >= :created_after")
+            params["created_after"] = created_after
+        if created_before is not None:
+            where.append("create_time < :created_before")
+            params["created_before"] = created_before
         if state is not None:
             where.append("state = :state")
             params["state"] = state.value
@@ -329,6 +380,46 @@ class JobStore:
         async with self._auto.connect() as conn:
             rows = (await conn.execute(sql, params)).mappings().all()
         return [job_from_row(r) for r in rows]
+
+    async def count_states(self, tenant_id: uuid.UUID, *, cap: int) -> dict[JobState, int]:
+        """The tenant's jobs in each state, each count stopping at ``cap``.
+
+        Capped, so that a tenant with millions of jobs costs ``cap`` index
+        entries a state, not a scan of them all.
+        """
+        async with self._auto.connect() as conn:
+            row = (await conn.execute(_COUNT_STATES, {"tenant_id": tenant_id, "cap": cap})).one()
+        return {state: int(count) for state, count in zip(JobState, row, strict=True)}
+
+    async def milestones(
+        self, tenant_id: uuid.UUID, job_id: uuid.UUID, limit: int
+    ) -> list[JobEvent]:
+        """The job's events other than progress reports, oldest first (at most ``limit``)."""
+        async with self._auto.connect() as conn:
+            rows = (
+                await conn.execute(
+                    _MILESTONES, {"id": job_id, "tenant_id": tenant_id, "limit": limit}
+                )
+            ).mappings()
+            return [event_from_row(r) for r in rows]
+
+    async def queue_rates(
+        self, tenant_id: uuid.UUID, *, window_seconds: float, scan: int
+    ) -> dict[str, tuple[int, int, int]]:
+        """Per queue, the tenant's jobs submitted, succeeded and failed in the last
+        ``window_seconds``, among its ``scan`` newest jobs created in the last hour."""
+        async with self._auto.connect() as conn:
+            rows = await conn.execute(
+                _QUEUE_RATES,
+                {
+                    "tenant_id": tenant_id,
+                    "window": window_seconds,
+                    "scan": scan,
+                    "succeeded": JobState.SUCCEEDED.value,
+                    "failed": JobState.FAILED.value,
+                },
+            )
+            return {str(q): (int(a), int(b), int(c)) for q, a, b, c in rows}
 
     async def cancel(self, tenant_id: uuid.UUID, job_id: uuid.UUID, reason: str) -> Job:
         """QUEUED → CANCELLED now; RUNNING → cancellation requested; terminal → error."""

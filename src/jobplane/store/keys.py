@@ -369,7 +369,16 @@ class KeyStore:
         """
         if not key_shaped(key):
             return None
-        digest = hash_key(key)
+        return await self.resolve_hash(hash_key(key))
+
+    async def resolve_hash(self, digest: bytes) -> Identity | None:
+        """:meth:`resolve` by the key's stored form (:func:`hash_key`), cached alike.
+
+        For a caller that holds the hash and not the key: the dashboard's
+        session cookie carries the hash, so a stolen cookie is no API key.
+        """
+        if len(digest) != hashlib.sha256().digest_size:
+            return None
         now = time.monotonic()
         cached = self._cache.get(digest)
         if cached is not None:

@@ -17,6 +17,7 @@ from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from jobplane.store.engine import autocommit
+from jobplane.types import JobState
 
 _REGISTER = text(
     """
@@ -52,6 +53,17 @@ _LIST = text(
     WHERE (stop_time IS NULL AND expire_time > now())
        OR coalesce(stop_time, expire_time) > now() - make_interval(secs => :dead_for)
     ORDER BY live DESC, start_time DESC
+    """
+)
+# The worker of each running attempt, by its STARTED event (the Python
+# worker records its id there); the partial index on running leases bounds it.
+_RUNNING = text(
+    """
+    SELECT e.data->>'worker' AS worker, count(*) AS running
+    FROM jobs j JOIN job_events e
+      ON e.job_id = j.id AND e.attempt = j.attempt AND e.type = 'started'
+    WHERE j.state = :running AND j.lease_expires_at IS NOT NULL
+    GROUP BY 1
     """
 )
 _PRUNE = text(
@@ -159,6 +171,12 @@ class WorkerStore:
             )
             for r in rows
         ]
+
+    async def running(self) -> dict[str, int]:
+        """Running attempts per worker id (every tenant's, counted); "" for unknown workers."""
+        async with self._auto.connect() as conn:
+            rows = await conn.execute(_RUNNING, {"running": JobState.RUNNING.value})
+            return {str(worker or ""): int(count) for worker, count in rows}
 
     async def prune(self, *, older_than: float) -> int:
         """Forget workers dead for more than ``older_than`` seconds; how many."""
