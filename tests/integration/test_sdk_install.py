@@ -1,0 +1,126 @@
+"""The SDK alone (``pip install jobplane``), on the lowest versions it allows,
+against a real server and worker (ADR-0026).
+
+The venv (tests/support/sdk_venv.py) holds the floors of the wheel's own
+metadata, exactly, and no server library; the dev venv, with the newest
+versions, runs the rest of the suite.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from jobplane.client import JobState
+from jobplane.console import SERVER_COMMANDS
+from tests.support.sdk_venv import lowest_pins, sdk_python
+from tests.support.stack import Stack
+
+PROGRAM = Path(__file__).parent / "sdk_only" / "program.py"
+# What a service calling the API must never load (the contract's list, and
+# what they bring).
+SERVER_MODULES = (
+    "sqlalchemy",
+    "asyncpg",
+    "aio_pika",
+    "aiormq",
+    "pamqp",
+    "alembic",
+    "structlog",
+    "rich",
+    "uvloop",
+    "aioboto3",
+    "botocore",
+    "prometheus_client",
+    "opentelemetry",
+    "jinja2",
+    "aiohttp",
+    "grpc_health",
+    "grpc_reflection",
+    "qdrant_client",
+)
+
+
+@pytest.fixture(scope="module")
+def pins() -> dict[str, str]:
+    return lowest_pins()
+
+
+@pytest.fixture(scope="module")
+def python(pins: dict[str, str]) -> Path:
+    return sdk_python(pins)
+
+
+async def run(*argv: str, env: dict[str, str] | None = None) -> tuple[int, str, str]:
+    process = await asyncio.create_subprocess_exec(
+        *argv,
+        env={**os.environ, **(env or {})},
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    out, err = await asyncio.wait_for(process.communicate(), timeout=90)
+    assert process.returncode is not None
+    return process.returncode, out.decode(), err.decode()
+
+
+async def test_the_sdk_alone_on_its_lowest_versions_runs_a_job(
+    stack: Stack, python: Path, pins: dict[str, str]
+) -> None:
+    assert {"grpcio", "grpcio-status", "protobuf", "googleapis-common-protos"} <= set(pins)
+    code, out, err = await run(
+        str(python),
+        "-W",
+        "error",
+        str(PROGRAM),
+        stack.server.address,
+        stack.key,
+        json.dumps(SERVER_MODULES),
+    )
+    assert code == 0, err
+    report: dict[str, Any] = json.loads(out)
+    installed = {d: v for d, v in report["versions"].items() if d in pins}
+    assert installed == {d: v for d, v in pins.items() if d in report["versions"]}
+    assert report["imported_before_calls"] == []
+    assert report["imported_after_calls"] == []
+    seen = report["async"]
+    assert seen["succeeded"] is True, seen
+    assert seen["result"] == {"from": "the sdk alone"}
+    assert seen["events"][-1] == "SUCCEEDED"
+    # A typed error, decoded from google.rpc details on the lowest versions.
+    assert seen["missing"] == "JOB_NOT_FOUND"
+    assert seen["published"] == "sdk.checked"
+    assert seen["made_id_version"] == 7
+    assert report["sync"] == {"state": "SUCCEEDED", "result": {"from": "the sdk alone"}}
+    job = await stack.client().get(seen["name"])
+    assert job.state is JobState.SUCCEEDED
+
+
+async def test_the_command_without_the_server_install(stack: Stack, python: Path) -> None:
+    jobplane = str(python.parent / "jobplane")
+    env = {"JOBPLANE_ADDRESS": stack.server.address, "JOBPLANE_API_KEY": stack.key}
+    for command in sorted(SERVER_COMMANDS):
+        code, out, err = await run(jobplane, command, env=env)
+        assert code == 2, (command, err)
+        assert out == ""
+        assert err == (
+            f"error: jobplane {command}: this command needs the server install: "
+            "pip install 'jobplane[server]'\n"
+        )
+    # A client command runs, with the cli extra's rich and no server library.
+    code, out, err = await run(
+        jobplane, "submit", "demo.echo", "--payload", '{"n": 1}', "--watch", "--json", env=env
+    )
+    assert code == 0, err
+    lines = [json.loads(line) for line in out.splitlines()]
+    name = lines[0]["name"]
+    assert lines[-1]["state"] == "succeeded", lines[-1]
+    code, out, err = await run(jobplane, "get", name, "--json", env=env)
+    assert code == 0, err
+    assert json.loads(out)["result"] == {"n": 1}
+    code, out, _err = await run(jobplane, "--version")
+    assert (code, out.split()[0]) == (0, "jobplane")
