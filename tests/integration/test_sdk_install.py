@@ -11,6 +11,9 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import subprocess
+import sys
+from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
@@ -124,3 +127,36 @@ async def test_the_command_without_the_server_install(stack: Stack, python: Path
     assert json.loads(out)["result"] == {"n": 1}
     code, out, _err = await run(jobplane, "--version")
     assert (code, out.split()[0]) == (0, "jobplane")
+
+
+def test_the_sdk_resolves_beside_hatchet_sdk(tmp_path: Path) -> None:
+    """hatchet-sdk 1.43.1 needs protobuf >= 6.30.2, < 7 and grpcio >= 1.76: pip finds one set."""
+    from tests.support.wheel import built_wheel
+
+    report = tmp_path / "report.json"
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--dry-run",
+            "--ignore-installed",
+            "-q",
+            "--report",
+            str(report),
+            str(built_wheel()),
+            "hatchet-sdk==1.43.1",
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    chosen = {
+        item["metadata"]["name"].lower(): item["metadata"]["version"]
+        for item in json.loads(report.read_text())["install"]
+    }
+    assert chosen["jobplane"] == version("jobplane")
+    assert chosen["hatchet-sdk"] == "1.43.1"
+    assert chosen["protobuf"].split(".")[0] == "6", chosen["protobuf"]

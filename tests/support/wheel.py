@@ -18,7 +18,16 @@ from packaging.requirements import Requirement
 ROOT = Path(__file__).resolve().parents[2]
 # What a build sees (the Dockerfile copies the same): never build/, whose
 # leftovers of earlier builds setuptools would put into the wheel.
-SOURCES = ("pyproject.toml", "README.md", "LICENSE", "src", "server", "workers", "client", "migrations")
+SOURCES = (
+    "pyproject.toml",
+    "README.md",
+    "LICENSE",
+    "src",
+    "server",
+    "workers",
+    "client",
+    "migrations",
+)
 
 
 @functools.cache
@@ -68,10 +77,15 @@ def requirements(metadata: Message, extra: str | None = None) -> list[Requiremen
     for line in metadata.get_all("Requires-Dist") or []:
         requirement = Requirement(line)
         marker = requirement.marker
-        in_extra = marker is not None and "extra" in str(marker)
-        if extra is None and not in_extra:
+        if marker is None or "extra" not in str(marker):
+            wanted = extra is None
+        else:
+            # In this extra, and not in the base install too.
+            wanted = (
+                extra is not None
+                and marker.evaluate({"extra": extra})
+                and not marker.evaluate({"extra": ""})
+            )
+        if wanted:
             found.append(requirement)
-        elif extra is not None and in_extra and marker is not None:
-            if marker.evaluate({"extra": extra}) and not marker.evaluate({"extra": ""}):
-                found.append(requirement)
     return found
