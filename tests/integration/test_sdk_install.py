@@ -1,9 +1,9 @@
-"""The SDK alone (``pip install jobplane``), on the lowest versions it allows,
-against a real server and worker (ADR-0026).
+"""The SDK alone (``pip install jobplane``) against a real server and worker (ADR-0026).
 
-The venv (tests/support/sdk_venv.py) holds the floors of the wheel's own
-metadata, exactly, and no server library; the dev venv, with the newest
-versions, runs the rest of the suite.
+Its venv (tests/support/sdk_venv.py) holds no server library, and either the
+floors of the wheel's own metadata, exactly, or what pip chooses beside
+hatchet-sdk (the newest protobuf 6); the dev venv, with the newest versions
+(protobuf 7), runs the rest of the suite.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from jobplane.client import JobState
 from jobplane.console import SERVER_COMMANDS
 from tests.support.sdk_venv import lowest_pins, sdk_python
 from tests.support.stack import Stack
+from tests.support.wheel import built_wheel
 
 PROGRAM = Path(__file__).parent / "sdk_only" / "program.py"
 # What a service calling the API must never load (the contract's list, and
@@ -50,8 +51,47 @@ SERVER_MODULES = (
 
 
 @pytest.fixture(scope="module")
-def pins() -> dict[str, str]:
-    return lowest_pins()
+def beside_hatchet(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """What pip chooses for the SDK wheel and hatchet-sdk 1.43.1 together (a dry run).
+
+    hatchet-sdk 1.43.1 needs protobuf >= 6.30.2, < 7 and grpcio >= 1.76; with
+    the generated code's former floors (protobuf >= 7.35.1) there was no such set.
+    """
+    report = tmp_path_factory.mktemp("resolution") / "report.json"
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--dry-run",
+            "--ignore-installed",
+            "-q",
+            "--report",
+            str(report),
+            str(built_wheel()),
+            "hatchet-sdk==1.43.1",
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    return {
+        item["metadata"]["name"].lower(): item["metadata"]["version"]
+        for item in json.loads(report.read_text())["install"]
+    }
+
+
+@pytest.fixture(scope="module", params=["lowest", "beside hatchet-sdk"])
+def pins(request: pytest.FixtureRequest) -> dict[str, str]:
+    """The versions the SDK venv holds: the floors, or what it gets beside hatchet-sdk."""
+    lowest = lowest_pins()
+    if request.param == "lowest":
+        return lowest
+    chosen: dict[str, str] = request.getfixturevalue("beside_hatchet")
+    # rich (the cli extra) is no part of that resolution: its floor.
+    return {name: chosen.get(name, floor) for name, floor in lowest.items()}
 
 
 @pytest.fixture(scope="module")
@@ -71,9 +111,7 @@ async def run(*argv: str, env: dict[str, str] | None = None) -> tuple[int, str, 
     return process.returncode, out.decode(), err.decode()
 
 
-async def test_the_sdk_alone_on_its_lowest_versions_runs_a_job(
-    stack: Stack, python: Path, pins: dict[str, str]
-) -> None:
+async def test_the_sdk_alone_runs_a_job(stack: Stack, python: Path, pins: dict[str, str]) -> None:
     assert {"grpcio", "grpcio-status", "protobuf", "googleapis-common-protos"} <= set(pins)
     code, out, err = await run(
         str(python),
@@ -129,34 +167,7 @@ async def test_the_command_without_the_server_install(stack: Stack, python: Path
     assert (code, out.split()[0]) == (0, "jobplane")
 
 
-def test_the_sdk_resolves_beside_hatchet_sdk(tmp_path: Path) -> None:
-    """hatchet-sdk 1.43.1 needs protobuf >= 6.30.2, < 7 and grpcio >= 1.76: pip finds one set."""
-    from tests.support.wheel import built_wheel
-
-    report = tmp_path / "report.json"
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pip",
-            "install",
-            "--dry-run",
-            "--ignore-installed",
-            "-q",
-            "--report",
-            str(report),
-            str(built_wheel()),
-            "hatchet-sdk==1.43.1",
-        ],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    assert result.returncode == 0, result.stderr
-    chosen = {
-        item["metadata"]["name"].lower(): item["metadata"]["version"]
-        for item in json.loads(report.read_text())["install"]
-    }
-    assert chosen["jobplane"] == version("jobplane")
-    assert chosen["hatchet-sdk"] == "1.43.1"
-    assert chosen["protobuf"].split(".")[0] == "6", chosen["protobuf"]
+def test_the_sdk_resolves_beside_hatchet_sdk(beside_hatchet: dict[str, str]) -> None:
+    assert beside_hatchet["jobplane"] == version("jobplane")
+    assert beside_hatchet["hatchet-sdk"] == "1.43.1"
+    assert beside_hatchet["protobuf"].split(".")[0] == "6", beside_hatchet["protobuf"]
