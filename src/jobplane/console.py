@@ -36,6 +36,11 @@ SERVER_MODULES = (
     "structlog",
     "rich",
     "aioboto3",
+    "prometheus_client",
+    "opentelemetry.sdk",
+    "opentelemetry.exporter.otlp.proto.http",
+    "jinja2",
+    "aiohttp",
 )
 #: The commands of :func:`jobplane.cli.build_parser` that are not client
 #: commands (tests/unit/test_console.py checks this against the parser).
@@ -68,7 +73,14 @@ def installed_version() -> str:
 
 def missing_server_modules() -> list[str]:
     """The server install's libraries that cannot be imported here."""
-    return [name for name in SERVER_MODULES if find_spec(name) is None]
+    return [name for name in SERVER_MODULES if not _importable(name)]
+
+
+def _importable(name: str) -> bool:
+    try:
+        return find_spec(name) is not None
+    except ModuleNotFoundError:  # a dotted name whose parent is missing
+        return False
 
 
 def main(argv: list[str] | None = None) -> None:

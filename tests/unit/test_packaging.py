@@ -7,8 +7,10 @@ import json
 import subprocess
 import sys
 import zipfile
+from importlib.metadata import packages_distributions
 
 import pytest
+from packaging.utils import canonicalize_name
 
 from jobplane import console
 from tests.support.wheel import built_wheel, requirements, wheel_metadata
@@ -144,3 +146,17 @@ def test_without_rich_a_client_command_names_the_cli_install(
     assert "this command needs the server install: pip install 'jobplane[server]'" in (
         capsys.readouterr().err
     )
+
+
+def test_the_command_checks_for_every_library_of_the_server_extra() -> None:
+    """A library added to the server extra needs its module in console.SERVER_MODULES."""
+    owners = packages_distributions()
+    checked = {
+        canonicalize_name(distribution)
+        for module in console.SERVER_MODULES
+        for distribution in owners.get(module.split(".")[0], [])
+    }
+    server = requirements(wheel_metadata(built_wheel()), "server")
+    # uvloop: the server runs without it (on Windows it is not installed).
+    unchecked = {canonicalize_name(r.name) for r in server} - checked - {"uvloop"}
+    assert not unchecked, f"add their modules to jobplane.console.SERVER_MODULES: {unchecked}"
