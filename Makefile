@@ -87,4 +87,4 @@ bench: $(STAMP) services
 	$(BIN)/python -m bench.run $(BENCH_ARGS)
 
 clean:
-	rm -rf $(VENV) build dist .mypy_cache .ruff_cache .pytest_cache .hypothesis mutants
+	rm -rf $(VENV) .venv-protogen .cache build dist .mypy_cache .ruff_cache .pytest_cache .hypothesis mutants

@@ -48,7 +48,7 @@ from jobplane.store import jobs as job_store
 from jobplane.store.engine import asyncpg_dsn, create_engine, migrate
 from jobplane.store.keys import KeyStore
 from jobplane.store.machine import MACHINE, Transition
-from jobplane.topology import EVENTS_EXCHANGE
+from jobplane.topics import EVENTS_EXCHANGE
 from jobplane.v1 import events_pb2, events_pb2_grpc
 from tests.faults.cluster import free_port
 from tests.support import services

@@ -2,6 +2,6 @@
 
 from __future__ import annotations
 
-from jobplane.cli import main
+from jobplane.console import main
 
 main()

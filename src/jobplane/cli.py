@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from jobplane.config import ConfigError, Settings, parse_listen
+from jobplane.console import installed_version
 from jobplane.errors import JobplaneError
 from jobplane.faults import FaultPoints
 from jobplane.logs import configure, set_job_prefixes
@@ -1034,15 +1035,6 @@ def _async(fn: Callable[[argparse.Namespace], Coroutine[Any, Any, int]]) -> Call
     return call
 
 
-def _version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("jobplane")
-    except PackageNotFoundError:  # run from a source tree without an install
-        return "unknown"
-
-
 def _dispatch_repair_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--republish-after",
@@ -1076,7 +1068,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="jobplane",
         description="jobplane: durable jobs with live progress over gRPC.",
     )
-    parser.add_argument("--version", action="version", version=f"jobplane {_version()}")
+    parser.add_argument("--version", action="version", version=f"jobplane {installed_version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     sub.add_parser("migrate", help="create the database if needed and migrate it").set_defaults(

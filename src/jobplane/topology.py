@@ -41,15 +41,13 @@ from aio_pika.abc import AbstractChannel, AbstractConnection, AbstractExchange
 from jobplane.broker import access_refused
 from jobplane.config import check_log_prefix
 from jobplane.names import is_job_type
+from jobplane.topics import EVENTS_EXCHANGE, topic_matches
 
 if TYPE_CHECKING:
     from jobplane.store.deployment import Deployment
 
 log = structlog.get_logger("jobplane.topology")
 
-# The events exchange when the file names none; the same default as
-# jobplane.events.EXCHANGE, the consumers' default.
-EVENTS_EXCHANGE = "jobplane.events"
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,200}$")
 _PATTERN = re.compile(r"^(\*|#|[a-z0-9_-]+)(\.(\*|#|[a-z0-9_-]+))*$")
 #: A queue's ``priority``, highest first (what it means: jobplane.workers.priority).
@@ -172,24 +170,6 @@ class Topology:
                 for p in self.pipelines
             ),
         )
-
-
-def topic_matches(pattern: str, key: str) -> bool:
-    """AMQP topic matching: ``*`` is one word, ``#`` zero or more."""
-    return _match(pattern.split("."), key.split("."))
-
-
-def _match(pattern: list[str], words: list[str]) -> bool:
-    if not pattern:
-        return not words
-    head, rest = pattern[0], pattern[1:]
-    if head == "#":
-        return any(_match(rest, words[i:]) for i in range(len(words) + 1))
-    if not words:
-        return False
-    if head in ("*", words[0]):
-        return _match(rest, words[1:])
-    return False
 
 
 def parse_topology(data: dict[str, Any], *, source: str = "topology") -> Topology:

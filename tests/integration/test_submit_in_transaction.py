@@ -31,7 +31,8 @@ from jobplane.errors import (
 from jobplane.names import job_name
 from jobplane.store.engine import asyncpg_dsn
 from jobplane.store.routes import sync_submit_rules, topic_regex
-from jobplane.topology import QueueSpec, Topology, topic_matches
+from jobplane.topics import topic_matches
+from jobplane.topology import QueueSpec, Topology
 from tests.support.stack import Stack, eventually
 
 _CALLER_TABLE = "CREATE TABLE source_files (id uuid PRIMARY KEY, job_id uuid)"

@@ -12,7 +12,8 @@ from jobplane.envelope import Envelope, EnvelopeError
 from jobplane.errors import InvalidArgument
 from jobplane.ids import new_id
 from jobplane.names import job_name, parse_job_name, validate_job_type
-from jobplane.topology import TopologyError, load_topology, parse_topology, topic_matches
+from jobplane.topics import topic_matches
+from jobplane.topology import TopologyError, load_topology, parse_topology
 from jobplane.workers.demo import registry as demo_registry
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "topologies"

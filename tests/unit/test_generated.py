@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import importlib.util
-import subprocess
-import sys
 import zipfile
 from pathlib import Path
+
+from tests.support.wheel import built_wheel
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -29,24 +29,8 @@ def test_generated_stubs_are_not_stale(tmp_path: Path) -> None:
     assert not stale, f"run `make proto`: {stale} differ from proto/"
 
 
-def test_wheel_has_stubs_types_migrations_and_topology(tmp_path: Path) -> None:
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pip",
-            "wheel",
-            "--no-deps",
-            "--no-build-isolation",
-            "-q",
-            "-w",
-            str(tmp_path),
-            str(ROOT),
-        ],
-        check=True,
-        capture_output=True,
-    )
-    wheel = next(tmp_path.glob("jobplane-*.whl"))
+def test_wheel_has_stubs_types_migrations_and_topology() -> None:
+    wheel = built_wheel()
     names = set(zipfile.ZipFile(wheel).namelist())
     for required in (
         "jobplane/v1/jobs_pb2.py",

@@ -6,6 +6,10 @@ properties it is published with. :class:`Consumer` applies the events of a
 queue to a service's own database, each one once, through the inbox table
 that :func:`ensure_inbox` creates.
 
+The consumer and the inbox (aio-pika, SQLAlchemy: the server install) are
+imported on first use of one of their names, so that the SDK's use of
+:mod:`jobplane.events.envelope` costs it nothing.
+
 Example::
 
     from jobplane.events import Consumer, Event, ensure_inbox
@@ -25,7 +29,8 @@ Example::
 
 from __future__ import annotations
 
-from jobplane.events.consumer import Consumer, ConsumerCounts, Handler
+from typing import TYPE_CHECKING, Any
+
 from jobplane.events.envelope import (
     CONTENT_TYPE,
     EVENT_VERSION,
@@ -40,7 +45,26 @@ from jobplane.events.envelope import (
     validate_event_type,
     validate_pattern,
 )
-from jobplane.events.inbox import INBOX_TABLE, ensure_inbox, prune_inbox
+
+if TYPE_CHECKING:
+    from jobplane.events.consumer import Consumer, ConsumerCounts, Handler
+    from jobplane.events.inbox import INBOX_TABLE, ensure_inbox, prune_inbox
+
+_FROM_CONSUMER = frozenset({"Consumer", "ConsumerCounts", "Handler"})
+_FROM_INBOX = frozenset({"INBOX_TABLE", "ensure_inbox", "prune_inbox"})
+
+
+def __getattr__(name: str) -> Any:
+    if name in _FROM_CONSUMER:
+        from jobplane.events import consumer
+
+        return getattr(consumer, name)
+    if name in _FROM_INBOX:
+        from jobplane.events import inbox
+
+        return getattr(inbox, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "CONTENT_TYPE",

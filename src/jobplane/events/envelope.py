@@ -30,7 +30,7 @@ from typing import Any
 
 from jobplane.errors import shown
 from jobplane.ids import new_id
-from jobplane.topology import EVENTS_EXCHANGE, topic_matches
+from jobplane.topics import EVENTS_EXCHANGE, topic_matches
 
 EVENT_VERSION = 1
 CONTENT_TYPE = "application/json"

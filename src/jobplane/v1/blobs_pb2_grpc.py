@@ -5,7 +5,7 @@ import warnings
 
 from jobplane.v1 import blobs_pb2 as jobplane_dot_v1_dot_blobs__pb2
 
-GRPC_GENERATED_VERSION = '1.85.1'
+GRPC_GENERATED_VERSION = '1.72.1'
 GRPC_VERSION = grpc.__version__
 _version_not_supported = False
 
@@ -18,14 +18,14 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in jobplane/v1/blobs_pb2_grpc.py depends on'
+        + f' but the generated code in jobplane/v1/blobs_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
     )
 
 
-class BlobServiceStub:
+class BlobServiceStub(object):
     """BlobService stores the caller's blobs: bytes named by their SHA-256.
 
     A blob's name is `blobs/{sha256}` (64 lowercase hex characters), per
@@ -69,7 +69,7 @@ class BlobServiceStub:
                 _registered_method=True)
 
 
-class BlobServiceServicer:
+class BlobServiceServicer(object):
     """BlobService stores the caller's blobs: bytes named by their SHA-256.
 
     A blob's name is `blobs/{sha256}` (64 lowercase hex characters), per
@@ -151,7 +151,7 @@ def add_BlobServiceServicer_to_server(servicer, server):
 
 
  # This class is part of an EXPERIMENTAL API.
-class BlobService:
+class BlobService(object):
     """BlobService stores the caller's blobs: bytes named by their SHA-256.
 
     A blob's name is `blobs/{sha256}` (64 lowercase hex characters), per

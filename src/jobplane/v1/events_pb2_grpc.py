@@ -5,7 +5,7 @@ import warnings
 
 from jobplane.v1 import events_pb2 as jobplane_dot_v1_dot_events__pb2
 
-GRPC_GENERATED_VERSION = '1.85.1'
+GRPC_GENERATED_VERSION = '1.72.1'
 GRPC_VERSION = grpc.__version__
 _version_not_supported = False
 
@@ -18,14 +18,14 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in jobplane/v1/events_pb2_grpc.py depends on'
+        + f' but the generated code in jobplane/v1/events_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
     )
 
 
-class EventServiceStub:
+class EventServiceStub(object):
     """EventService publishes domain events — facts that happened, such as
     `artifact.created` — and streams a tenant's events back in commit order.
 
@@ -57,7 +57,7 @@ class EventServiceStub:
                 _registered_method=True)
 
 
-class EventServiceServicer:
+class EventServiceServicer(object):
     """EventService publishes domain events — facts that happened, such as
     `artifact.created` — and streams a tenant's events back in commit order.
 
@@ -113,7 +113,7 @@ def add_EventServiceServicer_to_server(servicer, server):
 
 
  # This class is part of an EXPERIMENTAL API.
-class EventService:
+class EventService(object):
     """EventService publishes domain events — facts that happened, such as
     `artifact.created` — and streams a tenant's events back in commit order.
 

@@ -5,7 +5,7 @@ import warnings
 
 from jobplane.v1 import jobs_pb2 as jobplane_dot_v1_dot_jobs__pb2
 
-GRPC_GENERATED_VERSION = '1.85.1'
+GRPC_GENERATED_VERSION = '1.72.1'
 GRPC_VERSION = grpc.__version__
 _version_not_supported = False
 
@@ -18,14 +18,14 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in jobplane/v1/jobs_pb2_grpc.py depends on'
+        + f' but the generated code in jobplane/v1/jobs_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
     )
 
 
-class JobServiceStub:
+class JobServiceStub(object):
     """JobService submits jobs, reads them back and streams their progress.
 
     Every call needs `authorization: Bearer <key>` metadata; the key decides the
@@ -71,7 +71,7 @@ class JobServiceStub:
                 _registered_method=True)
 
 
-class JobServiceServicer:
+class JobServiceServicer(object):
     """JobService submits jobs, reads them back and streams their progress.
 
     Every call needs `authorization: Bearer <key>` metadata; the key decides the
@@ -165,7 +165,7 @@ def add_JobServiceServicer_to_server(servicer, server):
 
 
  # This class is part of an EXPERIMENTAL API.
-class JobService:
+class JobService(object):
     """JobService submits jobs, reads them back and streams their progress.
 
     Every call needs `authorization: Bearer <key>` metadata; the key decides the

@@ -5,7 +5,7 @@ import warnings
 
 from jobplane.v1 import workers_pb2 as jobplane_dot_v1_dot_workers__pb2
 
-GRPC_GENERATED_VERSION = '1.85.1'
+GRPC_GENERATED_VERSION = '1.72.1'
 GRPC_VERSION = grpc.__version__
 _version_not_supported = False
 
@@ -18,14 +18,14 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in jobplane/v1/workers_pb2_grpc.py depends on'
+        + f' but the generated code in jobplane/v1/workers_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
     )
 
 
-class WorkerServiceStub:
+class WorkerServiceStub(object):
     """WorkerService lets a worker written in any language run jobs without
     jobplane's package or database credentials: it consumes the dispatch
     messages from RabbitMQ itself and reports through these calls. docs/workers.md
@@ -104,7 +104,7 @@ class WorkerServiceStub:
                 _registered_method=True)
 
 
-class WorkerServiceServicer:
+class WorkerServiceServicer(object):
     """WorkerService lets a worker written in any language run jobs without
     jobplane's package or database credentials: it consumes the dispatch
     messages from RabbitMQ itself and reports through these calls. docs/workers.md
@@ -267,7 +267,7 @@ def add_WorkerServiceServicer_to_server(servicer, server):
 
 
  # This class is part of an EXPERIMENTAL API.
-class WorkerService:
+class WorkerService(object):
     """WorkerService lets a worker written in any language run jobs without
     jobplane's package or database credentials: it consumes the dispatch
     messages from RabbitMQ itself and reports through these calls. docs/workers.md

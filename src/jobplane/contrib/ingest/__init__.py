@@ -17,17 +17,17 @@ from typing import TYPE_CHECKING, Any
 from jobplane.contrib.ingest.chunker import Chunk, chunk_text
 from jobplane.contrib.ingest.embedders import Embedder, HashingEmbedder, load_embedder
 from jobplane.contrib.ingest.formats import Document, UnsupportedFormat, parse
-from jobplane.contrib.ingest.index import (
-    DEFAULT_COLLECTION,
-    Hit,
-    Index,
-    IndexUnavailable,
-    open_index,
-    point_id,
-)
 
 if TYPE_CHECKING:
     from jobplane.contrib.ingest.handlers import STAGE_TYPES, Ingest, registry
+    from jobplane.contrib.ingest.index import (
+        DEFAULT_COLLECTION,
+        Hit,
+        Index,
+        IndexUnavailable,
+        open_index,
+        point_id,
+    )
     from jobplane.contrib.ingest.stages import PIPELINE, content_version
 
 __all__ = [
@@ -54,8 +54,13 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
-    # The handlers import the worker runtime (SQLAlchemy, aio-pika): only
-    # when asked for, so that the client side (jobplane ingest) stays light.
+    # The handlers import the worker runtime (SQLAlchemy, aio-pika), the index
+    # structlog: only when asked for, so that the client side (jobplane
+    # ingest) needs the SDK alone.
+    if name in ("DEFAULT_COLLECTION", "Hit", "Index", "IndexUnavailable", "open_index", "point_id"):
+        from jobplane.contrib.ingest import index
+
+        return getattr(index, name)
     if name in ("STAGE_TYPES", "Ingest", "registry"):
         from jobplane.contrib.ingest import handlers
 

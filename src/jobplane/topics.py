@@ -1,0 +1,31 @@
+"""AMQP topic routing as jobplane uses it: the events exchange's default name and
+topic-pattern matching.
+
+Its own module, free of any broker library, because the SDK matches event
+types to subscription patterns too (:mod:`jobplane.events.envelope`);
+:mod:`jobplane.topology` re-exports both names.
+"""
+
+from __future__ import annotations
+
+# The events exchange when the topology file names none; the same default as
+# jobplane.events.EXCHANGE, the consumers' default.
+EVENTS_EXCHANGE = "jobplane.events"
+
+
+def topic_matches(pattern: str, key: str) -> bool:
+    """AMQP topic matching: ``*`` is one word, ``#`` zero or more."""
+    return _match(pattern.split("."), key.split("."))
+
+
+def _match(pattern: list[str], words: list[str]) -> bool:
+    if not pattern:
+        return not words
+    head, rest = pattern[0], pattern[1:]
+    if head == "#":
+        return any(_match(rest, words[i:]) for i in range(len(words) + 1))
+    if not words:
+        return False
+    if head in ("*", words[0]):
+        return _match(rest, words[1:])
+    return False
