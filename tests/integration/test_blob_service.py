@@ -286,7 +286,11 @@ async def test_a_tenant_holds_a_bounded_number_of_transfers(blob_stack: Stack) -
     other = await blob_stack.new_key("globex")
     other_blob = await blob_stack.client(other).upload(io.BytesIO(b"globex"))
     auth = (("authorization", f"Bearer {blob_stack.key}"),)
-    async with grpc.aio.insecure_channel(blob_stack.server.address) as channel:
+    # No BDP probing: the channel's flow-control window stays small, so an
+    # unread download cannot finish (and free its slot) however loaded the machine.
+    async with grpc.aio.insecure_channel(
+        blob_stack.server.address, options=[("grpc.http2.bdp_probe", 0)]
+    ) as channel:
         stub = blobs_pb2_grpc.BlobServiceStub(channel)
         held = []
         for _ in range(MAX_TRANSFERS_PER_TENANT):
