@@ -20,7 +20,10 @@ from typing import Any, TextIO, cast
 
 import asyncpg
 import structlog
+from opentelemetry import trace as _otel_trace
 from structlog.typing import EventDict, ExcInfo, WrappedLogger
+
+from jobplane.observe import tracing as _tracing
 
 _SECRETS = re.compile(r"\bjp_[A-Za-z0-9_-]{32,}|(?i:\bbearer\s+)[^\s'\",]+")
 _DATABASE_MODULES = ("asyncpg", "sqlalchemy")
@@ -212,6 +215,18 @@ def stdlib_formatter(fmt: str = "console") -> logging.Formatter:
     return _stdlib_formatter(_renderer(fmt))
 
 
+def _trace_ids(_logger: WrappedLogger, _name: str, event_dict: EventDict) -> EventDict:
+    """While tracing is on, a line logged inside a span names its ``trace_id`` and
+    ``span_id`` (hex, as trace backends show them), so a trace's lines are found by
+    its id. Off: one boolean test."""
+    if _tracing.ENABLED:
+        context = _otel_trace.get_current_span().get_span_context()
+        if context.is_valid:
+            event_dict.setdefault("trace_id", format(context.trace_id, "032x"))
+            event_dict.setdefault("span_id", format(context.span_id, "016x"))
+    return event_dict
+
+
 def _stdlib_formatter(renderer: structlog.types.Processor) -> logging.Formatter:
     # The standard library's records through the same processors: the same
     # fields, the same scrubbing, database messages withheld from tracebacks.
@@ -221,6 +236,7 @@ def _stdlib_formatter(renderer: structlog.types.Processor) -> logging.Formatter:
             structlog.stdlib.add_log_level,
             structlog.stdlib.add_logger_name,
             structlog.processors.TimeStamper(fmt="iso", utc=True),
+            _trace_ids,
         ],
         processors=[
             structlog.stdlib.ProcessorFormatter.remove_processors_meta,
@@ -250,6 +266,7 @@ def configure(level: str = "info", fmt: str = "console", *, job_prefix: str | No
             structlog.processors.add_log_level,
             structlog.stdlib.add_logger_name,
             structlog.processors.TimeStamper(fmt="iso", utc=True),
+            _trace_ids,
             _prefix_job_events,
             structlog.processors.ExceptionRenderer(format_exception),
             _scrub_event,
