@@ -632,6 +632,8 @@ async def _dev(args: argparse.Namespace) -> int:
                     "demo.progress", {"steps": args.demo_steps, "interval_ms": 150}
                 )
                 print(f"submitted {job.name} (demo.progress); its live progress:", flush=True)
+                if ui is not None:
+                    print(f"  on the dashboard: {ui.url}{job.name}", flush=True)
                 await render_watch(client, job.name)
         if ingest:
             from jobplane.client import AsyncClient

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import signal
 import sys
 import uuid
@@ -89,6 +90,12 @@ async def test_dev_shows_the_demo_then_ingests_the_shipped_files(
     # The dashboard's address, printed beside the key it signs in with.
     dashboard = next(line for line in out.splitlines() if "dashboard:" in line)
     assert "http://127.0.0.1:" in dashboard and not dashboard.rstrip().endswith(":0/"), out
+    # The demo job's own page there, to watch it move.
+    base = dashboard.split("dashboard:", 1)[1].split()[0]
+    demo = next(line for line in out.splitlines() if "on the dashboard:" in line)
+    assert re.fullmatch(
+        re.escape(base) + r"jobs/[0-9a-f-]{36}", demo.split("on the dashboard:", 1)[1].strip()
+    ), out
     assert 'succeeded\nresult: {"steps": 3}' in out, out
     # Each file's summary line, after its stages ran in the one process.
     guide = next(line for line in out.splitlines() if line.startswith(f"{files[0]}: 2 page(s)"))
