@@ -73,3 +73,11 @@ def test_each_long_running_process_is_checked_by_its_readyz(name: str) -> None:
     assert f"http://127.0.0.1:{listen.port}/readyz" in test[3], name
     compile(test[3], f"{name} healthcheck", "exec")  # the one-liner is Python
     assert listen.host == "0.0.0.0", name  # reachable from a Prometheus beside it
+
+
+def test_the_server_serves_the_dashboard_on_a_published_port() -> None:
+    service = _jobplane()["server"]
+    args = build_parser().parse_args([str(a) for a in service["command"]])
+    listen = parse_listen(args.ui_listen)
+    assert listen is not None and listen.host == "0.0.0.0"
+    assert f"127.0.0.1:{listen.port}:{listen.port}" in service["ports"]
