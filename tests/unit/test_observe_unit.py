@@ -207,7 +207,7 @@ def test_a_type_label_is_a_known_type_or_other_and_bounded() -> None:
                 "pipelines": [
                     {
                         "name": "ingest",
-                        "stages": [{"name": "a", "type": "ingest.fetch", "queue": "q"}],
+                        "stages": [{"name": "a", "type": "ingest.fetch"}],
                     }
                 ],
             }
