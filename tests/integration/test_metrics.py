@@ -220,9 +220,7 @@ async def test_a_retry_scheduled_for_later_is_not_a_backlog(
         assert value(found, "jobplane_outbox_scheduled_rows") == moved.rowcount
         # Due a minute ago: now it is a backlog, a minute old.
         async with engine.begin() as conn:
-            await conn.execute(
-                text("UPDATE outbox SET available_at = now() - interval '1 minute'")
-            )
+            await conn.execute(text("UPDATE outbox SET available_at = now() - interval '1 minute'"))
         found = await _scrape(ops)
         assert value(found, "jobplane_outbox_backlog_rows") == moved.rowcount
         assert 60 <= value(found, "jobplane_outbox_oldest_age_seconds") < 120
@@ -366,8 +364,10 @@ async def test_a_batch_published_again_is_counted_once(
 
         async def published() -> bool:
             async with engine.connect() as conn:
-                left = await conn.scalar(text("SELECT count(*) FROM outbox WHERE published_at IS NULL"))
-            return left == 0
+                left = await conn.scalar(
+                    text("SELECT count(*) FROM outbox WHERE published_at IS NULL")
+                )
+            return bool(left == 0)
 
         await eventually(published)
         async with engine.connect() as conn:

@@ -191,10 +191,7 @@ def test_no_metrics_counts_nothing_and_a_registry_is_per_instance() -> None:
 
 def _types(metrics: Metrics, family: str) -> set[str]:
     return {
-        s.labels["type"]
-        for f in metrics.registry.collect()
-        for s in f.samples
-        if s.name == family
+        s.labels["type"] for f in metrics.registry.collect() for s in f.samples if s.name == family
     }
 
 
@@ -226,9 +223,12 @@ def test_a_type_label_is_a_known_type_or_other_and_bounded() -> None:
     submitted = _types(metrics, "jobplane_jobs_submitted_total")
     assert expected <= submitted
     assert len(submitted) == MAX_TYPE_LABELS + 1
-    assert metrics.registry.get_sample_value(
-        "jobplane_jobs_submitted_total", {"type": OTHER_TYPE, "queue": "q"}
-    ) == 2 + 103  # img.crop, made.up, and the handler types past the bound (3 + 497 known)
+    assert (
+        metrics.registry.get_sample_value(
+            "jobplane_jobs_submitted_total", {"type": OTHER_TYPE, "queue": "q"}
+        )
+        == 2 + 103
+    )  # img.crop, made.up, and the handler types past the bound (3 + 497 known)
 
 
 def test_a_fingerprint_hides_the_id() -> None:

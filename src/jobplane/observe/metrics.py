@@ -51,6 +51,7 @@ def completed(stage: Any) -> str:
     :data:`ADVANCED` for a stage before the pipeline's last, else :data:`COMPLETED`."""
     return ADVANCED if stage is not None and not stage.last else COMPLETED
 
+
 #: Seconds: from a millisecond to an hour (run times, waits).
 _DURATION_BUCKETS = (
     0.001,
