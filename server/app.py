@@ -181,8 +181,10 @@ class JobplaneServer:
         )
         self.service.metrics = self.workers.metrics = metrics
         metrics.add_streams(self.limiter.open_streams)
+        metrics.know_topology(topology)
         self.health = HealthServicer()
         self._server: grpc.aio.Server | None = None
+        self._serving = False
         self.port: int = 0
 
     @property
@@ -190,6 +192,10 @@ class JobplaneServer:
         """host:port the server listens on (the real port, once started)."""
         host = self._listen.rsplit(":", 1)[0]
         return f"{host}:{self.port}"
+
+    def not_ready(self) -> str | None:
+        """Why this server takes no calls now (None: it serves), for ``/readyz``."""
+        return None if self._serving else "not serving"
 
     async def start(self) -> None:
         """Bind, start serving and report SERVING."""
@@ -251,6 +257,7 @@ class JobplaneServer:
         self._server = server
         for service in ("", *API_SERVICES, WORKER_SERVICE_NAME):
             await self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
+        self._serving = True
         log.info(
             "server.started",
             address=self.address,
@@ -282,6 +289,7 @@ class JobplaneServer:
 
     async def stop(self, grace: float = 5.0) -> None:
         """Report NOT_SERVING, end watch streams (clients resume elsewhere), stop."""
+        self._serving = False
         for service in ("", *API_SERVICES, WORKER_SERVICE_NAME):
             await self.health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
         self.service.close_streams()

@@ -48,7 +48,7 @@ from jobplane.errors import (
 from jobplane.ids import new_id
 from jobplane.logs import fingerprint
 from jobplane.names import job_name, parse_job_name, validate_job_type
-from jobplane.observe.metrics import CANCELLED, COMPLETED, FAILED, NO_METRICS, RETRY, Metrics
+from jobplane.observe.metrics import CANCELLED, FAILED, NO_METRICS, RETRY, Metrics, completed
 from jobplane.store.attempts import (
     Attempt,
     AttemptStore,
@@ -394,7 +394,7 @@ class WorkerService:
         await self._fenced(fence, self._store.succeed(attempt, stored, pending, result_blob=ref))
         self._forget(fence)
         self._bind(attempt).info("job.completed", attempt=fence.attempt)
-        self.metrics.attempt_ended(attempt.type, attempt.queue, COMPLETED)
+        self.metrics.attempt_ended(attempt.type, attempt.queue, completed(attempt.stage))
 
     async def fail(
         self,
@@ -493,6 +493,7 @@ class WorkerService:
             types=registration.types,
             queues=registration.queues,
         )
+        self.metrics.know_types(registration.types)
         await self._unpark(registration.types, registration.queues)
         return worker_id
 

@@ -629,6 +629,9 @@ class Relay:
             log.error("relay.batch.refused", error=describe_error(exc), rows=len(outcomes))
             recorded = await self._record_each(outcomes)
         else:
+            # Counted once the record committed: a batch rolled back is
+            # published again, and counted then.
+            self._count(outcomes)
             self._report(recorded)
         self._metrics.relay_dispatch.observe(time.monotonic() - began)
         log.debug(
@@ -659,9 +662,11 @@ class Relay:
                 fate = _Fate.RETURNED if isinstance(result, Returned) else _Fate.FAILED
                 log.warning("broker.publish.failed", event_id=str(row.id), error=repr(result))
             outcomes.append(_Outcome(row, fate, result))
+        return outcomes
+
+    def _count(self, outcomes: list[_Outcome]) -> None:
         for outcome in outcomes:
             self._metrics.relayed(outcome.row.kind.value, outcome.fate.value)
-        return outcomes
 
     async def _record(self, batch: OutboxBatch, outcomes: list[_Outcome]) -> _Recorded:
         """Write what the broker did with each row, in ``batch``'s transaction."""
@@ -720,6 +725,7 @@ class Relay:
                     unsettled = unsettled or exc
                     continue
                 recorded = await self._settle_refused(outcome.row, exc)
+            self._count([outcome])
             self._report(recorded)
             total.add(recorded)
         if unsettled is not None:

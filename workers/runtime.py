@@ -32,7 +32,14 @@ from jobplane.faults import NO_FAULTS, FaultPoints
 from jobplane.logs import describe_error, fingerprint
 from jobplane.names import job_name
 from jobplane.observe import tracing
-from jobplane.observe.metrics import CANCELLED, COMPLETED, FAILED, NO_METRICS, RETRY, Metrics
+from jobplane.observe.metrics import (
+    CANCELLED,
+    FAILED,
+    NO_METRICS,
+    RETRY,
+    Metrics,
+    completed,
+)
 from jobplane.store.attempts import (
     Attempt,
     AttemptStore,
@@ -176,6 +183,8 @@ class Worker:
         self._lifespans = contextlib.AsyncExitStack()
         self._metrics = metrics
         metrics.add_slots(self._slot_counts)
+        metrics.know_topology(topology)
+        metrics.know_types(registry)
 
     def _slot_counts(self) -> tuple[int, int]:
         return (self._slots.running, self._concurrency) if self._consumers else (0, 0)
@@ -653,7 +662,7 @@ class Worker:
                         ),
                     )
                     bound.info("job.completed", attempt=attempt.attempt, offloaded=ref is not None)
-                    self._ended(attempt, running, COMPLETED)
+                    self._ended(attempt, running, completed(attempt.stage))
                     return
                 failure = stored
             else:

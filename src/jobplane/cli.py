@@ -69,7 +69,7 @@ METRICS_DEFAULTS = {
     "relay": "127.0.0.1:9461",
     "worker": "127.0.0.1:9462",
     "sweep": "127.0.0.1:9463",
-    "dev": "127.0.0.1:9460",
+    "dev": "127.0.0.1:9464",
 }
 
 
@@ -111,11 +111,17 @@ async def _start_ops(stack: AsyncExitStack, ops: OpsServer | None) -> None:
 def _failed_queue_depth(
     stack: AsyncExitStack, metrics: Metrics, settings: Settings, topology: Topology
 ) -> None:
-    """Report the failed queue's depth at each scrape (a relay's, or dev's, listener)."""
+    """Report the failed queue's depth and each queue's messages and consumers at
+    each scrape (a relay's, or dev's, listener)."""
     if metrics.enabled:
         from jobplane.observe.metrics import FailedQueueDepth
 
-        depth = FailedQueueDepth(metrics, settings.amqp_url, topology.failed_queue)
+        depth = FailedQueueDepth(
+            metrics,
+            settings.amqp_url,
+            topology.failed_queue,
+            [q.name for q in topology.queues],
+        )
         stack.push_async_callback(depth.close)
 
 
@@ -228,6 +234,9 @@ async def _serve(args: argparse.Namespace) -> int:
             blobs=_blob_store(settings, stack),
             metrics=metrics,
         )
+        if ops is not None:
+            # Not ready until the gRPC port serves, and again from the start of its drain.
+            ops.add_check("grpc", server.not_ready)
         await _start_ops(stack, ops)
         await _started(stack, server.start, server.stop)
         transport = "plaintext"
@@ -598,6 +607,7 @@ async def _dev(args: argparse.Namespace) -> int:
             metrics=metrics,
         )
         if ops is not None:
+            ops.add_check("grpc", server.not_ready)
             ops.add_check("relay", lambda: None if relay.connected else "no broker channel")
             ops.add_check("worker", worker.not_ready)
         await _start_ops(stack, ops)

@@ -9,9 +9,11 @@ from collections.abc import AsyncIterator
 
 import grpc
 import pytest
+from opentelemetry.sdk.trace import TracerProvider
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from jobplane.client import JobNotFound
+from jobplane.observe import tracing
 from jobplane.topology import Topology
 from jobplane.v1 import jobs_pb2, jobs_pb2_grpc
 from tests.support.servers import Servers
@@ -103,3 +105,35 @@ async def test_each_call_is_served_as_its_own_caller(servers: Servers) -> None:
     assert (await anext(events)).seq == 1
     assert (server.limiter.streams(a_tenant), server.limiter.streams(b_tenant)) == (1, 0)
     await events.aclose()
+
+
+@pytest.mark.parametrize("traced", [False, True], ids=["tracing-off", "tracing-on"])
+async def test_a_refused_stream_gives_its_own_code_with_tracing_on_or_off(
+    servers: Servers, monkeypatch: pytest.MonkeyPatch, traced: bool
+) -> None:
+    if traced:
+        provider = TracerProvider()
+        monkeypatch.setattr(tracing, "ENABLED", True)
+        monkeypatch.setattr(tracing, "_TRACER", provider.get_tracer("test"))
+    server = await servers.start()
+    worker = await server.keys.create_worker()
+    forged = "jp_" + secrets.token_urlsafe(32)
+
+    async with grpc.aio.insecure_channel(server.address) as channel:
+        stub = jobs_pb2_grpc.JobServiceStub(channel)
+
+        async def watch(key: str) -> grpc.StatusCode:
+            call = stub.WatchJob(
+                jobs_pb2.WatchJobRequest(name="jobs/x"),
+                metadata=(("authorization", f"Bearer {key}"),),
+                timeout=30,
+            )
+            try:
+                async for _ in call:
+                    pass
+            except grpc.aio.AioRpcError as exc:
+                return exc.code()
+            return grpc.StatusCode.OK
+
+        assert await watch(forged) == grpc.StatusCode.UNAUTHENTICATED
+        assert await watch(worker.key) == grpc.StatusCode.PERMISSION_DENIED

@@ -122,7 +122,7 @@ async def test_dev_counts_its_jobs_and_logs_their_lifecycle(dev: Dev) -> None:
     assert (await _get(f"http://{dev.ops}/livez"))[0] == 200
     status, body = await _get(f"http://{dev.ops}/readyz")
     assert status == 200, body
-    assert set(json.loads(body)["checks"]) == {"database", "relay", "worker"}
+    assert set(json.loads(body)["checks"]) == {"database", "grpc", "relay", "worker"}
 
     async with AsyncClient(dev.address, dev.key) as client:
         echoed = [

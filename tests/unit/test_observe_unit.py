@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from jobplane.cli import METRICS_DEFAULTS, main
 from jobplane.config import ConfigError, ListenAddress, Settings, parse_listen
 from jobplane.logs import configure, fingerprint, set_job_prefixes
-from jobplane.observe.metrics import NO_METRICS, Metrics
+from jobplane.observe.metrics import MAX_TYPE_LABELS, NO_METRICS, OTHER_TYPE, Metrics
 from jobplane.topology import TopologyError, parse_topology
 
 
@@ -130,8 +130,8 @@ def test_a_queue_log_prefix_is_checked() -> None:
 
 def test_every_command_has_its_own_default_port() -> None:
     ports = {c: parse_listen(a) for c, a in METRICS_DEFAULTS.items()}
-    assert len({p for c, p in ports.items() if c != "dev"}) == 4
-    assert ports["dev"] == ports["serve"]
+    assert len(set(ports.values())) == len(ports) == 5
+    assert ports["dev"] == parse_listen("127.0.0.1:9464")
 
 
 @given(
@@ -173,6 +173,7 @@ def test_no_metrics_counts_nothing_and_a_registry_is_per_instance() -> None:
     NO_METRICS.attempt_ended("t", "q", "completed", 1.0)
     NO_METRICS.jobs_submitted.labels("t", "q").inc()
     one, two = Metrics(), Metrics()
+    one.know_types(["t"])
     one.attempt_ended("t", "q", "completed", 0.5)
     assert (
         one.registry.get_sample_value(
@@ -186,6 +187,48 @@ def test_no_metrics_counts_nothing_and_a_registry_is_per_instance() -> None:
         )
         is None
     )
+
+
+def _types(metrics: Metrics, family: str) -> set[str]:
+    return {
+        s.labels["type"] for f in metrics.registry.collect() for s in f.samples if s.name == family
+    }
+
+
+def test_a_type_label_is_a_known_type_or_other_and_bounded() -> None:
+    metrics = Metrics()
+    metrics.know_topology(
+        parse_topology(
+            {
+                "queues": [{"name": "q", "bindings": ["img.resize", "img.*", "#"]}],
+                "pipelines": [
+                    {
+                        "name": "ingest",
+                        "stages": [{"name": "a", "type": "ingest.fetch"}],
+                    }
+                ],
+            }
+        )
+    )
+    metrics.know_types(f"handler.t{n}" for n in range(MAX_TYPE_LABELS + 100))
+    for job_type in ("img.resize", "img.crop", "ingest", "ingest.fetch", "made.up"):
+        metrics.submitted(job_type, "q")
+        metrics.attempt_started(job_type, "q", 1, None)
+        metrics.attempt_ended(job_type, "q", "completed", 0.1)
+    for n in range(MAX_TYPE_LABELS + 100):
+        metrics.submitted(f"handler.t{n}", "q")
+    expected = {"img.resize", "ingest", "ingest.fetch", OTHER_TYPE}
+    assert _types(metrics, "jobplane_jobs_finished_total") == expected
+    assert _types(metrics, "jobplane_job_attempts_total") == expected
+    submitted = _types(metrics, "jobplane_jobs_submitted_total")
+    assert expected <= submitted
+    assert len(submitted) == MAX_TYPE_LABELS + 1
+    assert (
+        metrics.registry.get_sample_value(
+            "jobplane_jobs_submitted_total", {"type": OTHER_TYPE, "queue": "q"}
+        )
+        == 2 + 103
+    )  # img.crop, made.up, and the handler types past the bound (3 + 497 known)
 
 
 def test_a_fingerprint_hides_the_id() -> None:

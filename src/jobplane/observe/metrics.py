@@ -6,7 +6,11 @@ one, and one ops listener (:mod:`jobplane.observe.http`) serves it. Tests make
 one per stack, so nothing is registered twice and no count leaks between them.
 
 Labels are few and bounded: job type, queue, outcome, kind, state. Never a job
-id, a tenant id or an error message.
+id, a tenant id or an error message. A job type is a label only when this
+process knows it (:meth:`Metrics.know_types`, :meth:`Metrics.know_topology`):
+a type of the topology, of a registered handler or of a connected worker, at
+most :data:`MAX_TYPE_LABELS` of them; any other type is counted as
+:data:`OTHER_TYPE`, so tenant-chosen types cannot grow the registry.
 
 What needs a database or broker read (the outbox backlog, the failed queue's
 depth) is read at scrape time by the refreshers the parts register
@@ -22,7 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any, cast
 
@@ -32,10 +36,21 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncEngine
 
+    from jobplane.topology import Topology
+
 log = structlog.get_logger("jobplane.metrics")
 
 #: The outcomes of an attempt (the ``outcome`` label).
 COMPLETED, FAILED, CANCELLED, RETRY = "completed", "failed", "cancelled", "retry_scheduled"
+#: A pipeline stage before the last completed: the job goes on to the next stage.
+ADVANCED = "advanced"
+
+
+def completed(stage: Any) -> str:
+    """The outcome of a completed attempt of ``stage`` (an attempt's StageRun or None):
+    :data:`ADVANCED` for a stage before the pipeline's last, else :data:`COMPLETED`."""
+    return ADVANCED if stage is not None and not stage.last else COMPLETED
+
 
 #: Seconds: from a millisecond to an hour (run times, waits).
 _DURATION_BUCKETS = (
@@ -64,6 +79,16 @@ REFRESH_TIMEOUT = 2.0
 
 Refresher = Callable[[], Awaitable[None]]
 
+#: The most job types a process labels its metrics with; later ones are OTHER_TYPE.
+MAX_TYPE_LABELS = 500
+#: The ``type`` label of a job type this process does not know.
+OTHER_TYPE = "other"
+
+
+def _exact(pattern: str) -> bool:
+    """A binding that names one type (no AMQP wildcard word)."""
+    return all(word not in ("*", "#") for word in pattern.split("."))
+
 
 class Metrics:
     """The metrics of one process and the registry they are in."""
@@ -79,6 +104,7 @@ class Metrics:
         self._started: dict[tuple[str, str], tuple[Any, Any, Any]] = {}
         self._ended: dict[tuple[str, str, str], tuple[Any, Any]] = {}
         self._children: dict[tuple[str, str, str], Any] = {}
+        self._types: set[str] = set()
         job = ("type", "queue")
         self.jobs_submitted = Counter(
             "jobplane_jobs_submitted_total",
@@ -106,8 +132,14 @@ class Metrics:
         )
         self.jobs_finished = Counter(
             "jobplane_jobs_finished_total",
-            "Jobs that ended: outcome completed, failed or cancelled.",
+            "Jobs whose attempt ended them: outcome completed, failed or cancelled.",
             (*job, "outcome"),
+            registry=registry,
+        )
+        self.stages_advanced = Counter(
+            "jobplane_stages_advanced_total",
+            "Pipeline stages before the last that completed (the job runs its next stage).",
+            job,
             registry=registry,
         )
         self.job_wait = Histogram(
@@ -131,12 +163,17 @@ class Metrics:
         )
         self.outbox_backlog = Gauge(
             "jobplane_outbox_backlog_rows",
-            "Outbox rows not published yet (read at scrape time).",
+            "Outbox rows due and not published yet (read at scrape time).",
             registry=registry,
         )
         self.outbox_oldest = Gauge(
             "jobplane_outbox_oldest_age_seconds",
-            "Age of the oldest unpublished outbox row; 0 when there is none.",
+            "How long the longest-due unpublished outbox row has been due; 0 when none is.",
+            registry=registry,
+        )
+        self.outbox_scheduled = Gauge(
+            "jobplane_outbox_scheduled_rows",
+            "Outbox rows not due yet: scheduled retries (read at scrape time).",
             registry=registry,
         )
         self.relay_published = Counter(
@@ -176,6 +213,18 @@ class Metrics:
             ("queue",),
             registry=registry,
         )
+        self.queue_messages = Gauge(
+            "jobplane_queue_messages",
+            "Ready messages in each queue of the topology (read at scrape time).",
+            ("queue",),
+            registry=registry,
+        )
+        self.queue_consumers = Gauge(
+            "jobplane_queue_consumers",
+            "Consumers of each queue of the topology (read at scrape time).",
+            ("queue",),
+            registry=registry,
+        )
         self.db_pool = Gauge(
             "jobplane_db_pool_connections",
             "Database pool connections: in use, idle, and the pool's size.",
@@ -189,13 +238,33 @@ class Metrics:
             registry=registry,
         )
 
+    # -- the job types it labels with ---------------------------------------
+
+    def know_types(self, types: Iterable[str]) -> None:
+        """Label metrics with these job types (up to :data:`MAX_TYPE_LABELS` in all)."""
+        known = self._types
+        for job_type in types:
+            if len(known) >= MAX_TYPE_LABELS:
+                return
+            known.add(job_type)
+
+    def know_topology(self, topology: Topology) -> None:
+        """Know the topology's pipelines, stage types and exactly bound types."""
+        self.know_types(p.name for p in topology.pipelines)
+        self.know_types(s.type for p in topology.pipelines for s in p.stages)
+        self.know_types(b for q in topology.queues for b in q.bindings if _exact(b))
+
+    def type_label(self, job_type: str) -> str:
+        """``job_type`` when known to this process, else :data:`OTHER_TYPE`."""
+        return job_type if job_type in self._types else OTHER_TYPE
+
     # -- what the hot paths call: one increment or observation each -----------
 
     def attempt_started(
         self, job_type: str, queue: str, attempt: int, submitted: datetime | None
     ) -> None:
         """An attempt started; a first one counts as the job's start (and its wait)."""
-        attempts, started, wait = self._started_children(job_type, queue)
+        attempts, started, wait = self._started_children(self.type_label(job_type), queue)
         attempts.inc()
         if attempt == 1:
             started.inc()
@@ -205,18 +274,20 @@ class Metrics:
     def attempt_ended(
         self, job_type: str, queue: str, outcome: str, seconds: float | None = None
     ) -> None:
-        """An attempt ended: ``completed``, ``failed``, ``cancelled`` or ``retry_scheduled``."""
-        counter, run = self._ended_children(job_type, queue, outcome)
+        """An attempt ended: ``completed``, ``advanced`` (a pipeline stage before the
+        last), ``failed``, ``cancelled`` or ``retry_scheduled``."""
+        counter, run = self._ended_children(self.type_label(job_type), queue, outcome)
         counter.inc()
         if seconds is not None:
             run.observe(seconds)
 
     def submitted(self, job_type: str, queue: str) -> None:
         """A job was created by SubmitJob."""
-        key = ("submitted", job_type, queue)
+        label = self.type_label(job_type)
+        key = ("submitted", label, queue)
         child = self._children.get(key)
         if child is None:
-            child = self._children[key] = self.jobs_submitted.labels(job_type, queue)
+            child = self._children[key] = self.jobs_submitted.labels(label, queue)
         child.inc()
 
     def relayed(self, kind: str, outcome: str, count: int = 1) -> None:
@@ -229,7 +300,7 @@ class Metrics:
 
     # The labelled children of the per-job metrics, looked up once per type and
     # queue (labels() takes a lock and builds a key each call). Bounded: the
-    # server routes only the topology's types.
+    # type is a known one or OTHER_TYPE, the queue one of the topology's.
     def _started_children(self, job_type: str, queue: str) -> tuple[Any, Any, Any]:
         key = (job_type, queue)
         found = self._started.get(key)
@@ -245,11 +316,12 @@ class Metrics:
         key = (job_type, queue, outcome)
         found = self._ended.get(key)
         if found is None:
-            counter = (
-                self.job_retries.labels(job_type, queue)
-                if outcome == RETRY
-                else self.jobs_finished.labels(*key)
-            )
+            if outcome == RETRY:
+                counter = self.job_retries.labels(job_type, queue)
+            elif outcome == ADVANCED:
+                counter = self.stages_advanced.labels(job_type, queue)
+            else:
+                counter = self.jobs_finished.labels(*key)
             found = self._ended[key] = (counter, self.job_run.labels(*key))
         return found
 
@@ -353,23 +425,28 @@ class _NoMetrics(Metrics):
         null = cast("Any", _Null())
         self.registry = CollectorRegistry(auto_describe=False)
         self._refreshers, self._slots, self._streams, self._pools = [], [], [], []
+        self._types = set()
         for name in (
             "jobs_submitted",
             "jobs_started",
             "job_attempts",
             "job_retries",
             "jobs_finished",
+            "stages_advanced",
             "job_wait",
             "job_run",
             "watch_streams",
             "outbox_backlog",
             "outbox_oldest",
+            "outbox_scheduled",
             "relay_published",
             "relay_confirm",
             "relay_dispatch",
             "sweeper_repairs",
             "worker_slots",
             "failed_queue",
+            "queue_messages",
+            "queue_consumers",
             "db_pool",
             "scrape_errors",
         ):
@@ -386,6 +463,9 @@ class _NoMetrics(Metrics):
         pass
 
     def count_repairs(self, report: Any) -> None:
+        pass
+
+    def know_types(self, types: Iterable[str]) -> None:
         pass
 
     def submitted(self, job_type: str, queue: str) -> None:
@@ -414,14 +494,19 @@ class _NoMetrics(Metrics):
 NO_METRICS: Metrics = _NoMetrics()
 
 
+# A row is due from its available_at (a scheduled retry's is in the future);
+# the outbox_due index holds exactly the unpublished, unfailed rows by it.
 _OUTBOX_BACKLOG = """
-    SELECT count(*) AS rows, extract(epoch FROM now() - min(create_time)) AS oldest
+    SELECT count(*) FILTER (WHERE available_at <= now()) AS rows,
+           count(*) FILTER (WHERE available_at > now()) AS scheduled,
+           extract(epoch FROM now() - min(available_at)) AS oldest
     FROM outbox WHERE published_at IS NULL AND failed_at IS NULL
 """
 
 
 def watch_outbox(metrics: Metrics, engine: AsyncEngine) -> None:
-    """Report the outbox backlog and its oldest row's age, read at each scrape."""
+    """Report the outbox's due rows, how long the longest-due one waits, and the
+    rows scheduled for later, read at each scrape."""
     from sqlalchemy import text
 
     statement = text(_OUTBOX_BACKLOG)
@@ -430,43 +515,80 @@ def watch_outbox(metrics: Metrics, engine: AsyncEngine) -> None:
         async with engine.connect() as conn:
             row = (await conn.execute(statement)).one()
         metrics.outbox_backlog.set(int(row.rows))
+        metrics.outbox_scheduled.set(int(row.scheduled))
+        # Negative when every row is scheduled for later: none is due.
         metrics.outbox_oldest.set(max(float(row.oldest or 0.0), 0.0))
 
     metrics.on_scrape("outbox", read)
 
 
 class FailedQueueDepth:
-    """Reads the failed (dead-letter) queue's depth at each scrape, on a broker
-    connection of its own (opened at the first scrape, again after a loss, closed by
-    :meth:`close`), so it never shares a channel a publish or a consumer needs."""
+    """Reads the failed (dead-letter) queue's depth, and each of ``queues``' ready
+    messages and consumers, at each scrape, on a broker connection of its own
+    (opened at the first scrape, again after a loss, closed by :meth:`close`), so
+    it never shares a channel a publish or a consumer needs.
 
-    def __init__(self, metrics: Metrics, amqp_url: str, queue: str) -> None:
+    One read at a time (a lock): overlapping scrapes share the one connection
+    rather than each opening one. A read is bounded by the scrape's
+    :data:`REFRESH_TIMEOUT`; cancelled while connecting, the connection is closed
+    (:func:`jobplane.broker.connect` leaves nothing behind).
+    """
+
+    def __init__(
+        self, metrics: Metrics, amqp_url: str, queue: str, queues: Sequence[str] = ()
+    ) -> None:
         self._metrics = metrics
         self._amqp_url = amqp_url
         self._queue = queue
+        self._queues = tuple(q for q in queues if q != queue)
         self._connection: Any = None
+        self._lock = asyncio.Lock()
         metrics.on_scrape("failed_queue", self.read)
 
     async def read(self) -> None:
-        """Declare the queue passively (its message count) on a fresh channel."""
+        """Declare each queue passively (its message and consumer counts)."""
+        async with self._lock:
+            await self._read()
+
+    async def _read(self) -> None:
+        import aiormq
+
         from jobplane import broker
 
         connection = self._connection
         if connection is None or connection.is_closed:
+            self._connection = None
             connection = self._connection = await broker.connect(self._amqp_url)
+        found: dict[str, tuple[int, int]] = {}
+        missing: list[str] = []
+        channel: Any = None
         try:
-            channel = await connection.channel()
             try:
-                declared = await channel.declare_queue(self._queue, passive=True)
+                for name in (self._queue, *self._queues):
+                    if channel is None or channel.is_closed:
+                        channel = await connection.channel()
+                    try:
+                        declared = await channel.declare_queue(name, passive=True)
+                    except aiormq.exceptions.ChannelNotFoundEntity:
+                        missing.append(name)  # not declared: the channel is closed
+                        continue
+                    result = declared.declaration_result
+                    found[name] = (int(result.message_count or 0), int(result.consumer_count or 0))
             finally:
-                if not channel.is_closed:
+                if channel is not None and not channel.is_closed:
                     await channel.close()
         except Exception:
             if connection.is_closed or connection.transport is None:
                 await self.close()  # reconnect next time; a channel error keeps it
             raise
-        count = declared.declaration_result.message_count
-        self._metrics.failed_queue.labels(self._queue).set(int(count or 0))
+        for name, (messages, consumers) in found.items():
+            if name == self._queue:
+                self._metrics.failed_queue.labels(name).set(messages)
+            else:
+                self._metrics.queue_messages.labels(name).set(messages)
+                self._metrics.queue_consumers.labels(name).set(consumers)
+        if missing:
+            raise LookupError(f"queues not declared: {', '.join(missing)}")
 
     async def close(self) -> None:
         """Close its connection, if open."""

@@ -32,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
+import inspect
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any, Final, TypeAlias
 
@@ -524,8 +525,15 @@ def _traced(handler: Handler, method: str) -> Handler:
         async def unary_stream(request: Any, context: Context) -> AsyncIterator[Any]:
             with start(context) as span:
                 try:
-                    async for response in streamed(request, context):
-                        yield response
+                    # A streaming handler is an async generator, or a coroutine
+                    # that writes through the context (or aborts, as a refusal
+                    # of the call gate does) and returns None.
+                    answer = streamed(request, context)
+                    if inspect.isawaitable(answer):
+                        await answer
+                    else:
+                        async for response in answer:
+                            yield response
                 except BaseException as exc:
                     _finish(span, context, exc)
                     raise
