@@ -353,3 +353,27 @@ async def test_fuzzed_query_parameters_never_fail_the_server(ui: UiStack) -> Non
             asyncio.run_coroutine_threadsafe(probe(path, params), loop).result()
 
         await asyncio.to_thread(check)
+
+
+@pytest.mark.parametrize("path", ["/events/live", "/jobs/live"])
+async def test_sign_out_ends_the_sessions_open_streams(
+    ui: UiStack, path: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from jobplane.dashboard import live
+
+    monkeypatch.setattr(live, "RECHECK_SECONDS", 0.3)
+    async with browserless(ui.url, ui.stack.key) as http:
+        if path == "/jobs/live":
+            await ui.stack.client().submit("demo.progress", {"steps": 100, "interval_ms": 100})
+        cookie = {c.key: c.value for c in http.cookie_jar}[SESSION_COOKIE]
+        page = await (await http.get("/jobs")).text()
+        async with browserless(ui.url) as other:
+            other.cookie_jar.update_cookies({SESSION_COOKIE: cookie})
+            async with other.get(
+                path, headers={"Accept": "text/event-stream"}, timeout=aiohttp_timeout()
+            ) as stream:
+                assert stream.status == 200
+                async with http.post("/signout", data={"csrf": csrf_token(page)}) as out:
+                    assert out.url.path == "/signin"
+                body = await asyncio.wait_for(stream.content.read(), timeout=10)
+        assert b"event: signedout" in body

@@ -130,7 +130,10 @@ def error_page(
 
 
 async def still_signed_in(request: web.Request, session: Session) -> bool:
-    """True while the session's key still resolves to the same tenant key."""
+    """True while the session is within its age, not signed out, and its key still
+    resolves to the same tenant key."""
+    if not request.app[CODEC].still_valid(session):
+        return False
     identity = await request.app[BACKEND].keys.resolve_hash(session.key_hash)
     return isinstance(identity, KeyIdentity) and identity.key_id == session.key_id
 

@@ -94,12 +94,14 @@ class SessionCodec:
             session = Session(str(sid), bytes.fromhex(key_hex), str(key_id), float(issued))
         except (ValueError, TypeError):
             return None
+        return session if self.still_valid(session) else None
+
+    def still_valid(self, session: Session) -> bool:
+        """True while ``session`` is within its age and not signed out (in this process)."""
         now = self._clock()
-        if not session.issued <= now < session.issued + self.max_age:
-            return None
-        if session.sid in self._ended:
-            return None
-        return session
+        return session.issued <= now < session.issued + self.max_age and (
+            session.sid not in self._ended
+        )
 
     def end(self, session: Session) -> None:
         """Refuse this session's cookie from now on (sign-out), in this process."""
