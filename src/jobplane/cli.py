@@ -256,6 +256,7 @@ async def _dashboard(
         secret=settings.ui_secret,
         session_seconds=settings.ui_session_seconds,
         secure_cookie=settings.ui_secure_cookie,
+        origin=settings.ui_origin,
     )
     try:
         await ui.start()

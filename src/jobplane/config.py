@@ -132,6 +132,9 @@ class Settings:
     ui_session_seconds: float = 8 * 3600.0
     #: Mark the session cookie Secure (the dashboard is reached over HTTPS).
     ui_secure_cookie: bool = False
+    #: The dashboard's public origin (``https://jobs.example``) behind a proxy;
+    #: when set, a form's ``Origin`` must be exactly it.
+    ui_origin: str | None = None
 
     def ui_address(self, default: str | None) -> str | None:
         """Where the dashboard listens: the setting, else ``default``; None when off."""
@@ -410,13 +413,40 @@ def _with_dashboard(env: Mapping[str, str], base: Settings) -> Settings:
     if not 0.01 <= hours <= 720:  # NaN too
         raise ConfigError("JOBPLANE_UI_SESSION_HOURS must be 0.01..720 hours")
     secure = _choice(env, "JOBPLANE_UI_SECURE_COOKIE", ("true", "false", "1", "0"))
+    origin = env.get("JOBPLANE_UI_ORIGIN", "").strip() or None
+    if origin is not None:
+        origin = parse_origin(origin, name="JOBPLANE_UI_ORIGIN")
     return replace(
         base,
+        ui_origin=origin,
         ui_listen=listen,
         ui_secret=secret_text.encode() if secret_text else None,
         ui_session_seconds=hours * 3600,
         ui_secure_cookie=secure in ("true", "1"),
     )
+
+
+def parse_origin(value: str, *, name: str) -> str:
+    """A web origin (``scheme://host[:port]``, http or https, nothing after it), normalised."""
+    parts = urlsplit(value.strip())
+    try:
+        port = parts.port
+    except ValueError:
+        port = -1
+    if (
+        parts.scheme.lower() not in ("http", "https")
+        or not parts.hostname
+        or port == -1
+        or parts.path not in ("", "/")
+        or parts.query
+        or parts.fragment
+        or parts.username is not None
+    ):
+        raise ConfigError(
+            f"{name} must be an origin such as https://jobs.example (scheme, host and "
+            f"optional port only), not {value!r}"
+        )
+    return f"{parts.scheme.lower()}://{parts.netloc.lower()}"
 
 
 def _choice(env: Mapping[str, str], name: str, choices: tuple[str, ...]) -> str | None:

@@ -377,3 +377,55 @@ async def test_sign_out_ends_the_sessions_open_streams(
                     assert out.url.path == "/signin"
                 body = await asyncio.wait_for(stream.content.read(), timeout=10)
         assert b"event: signedout" in body
+
+
+async def test_forms_behind_a_tls_proxy_pass_the_origin_check(ui: UiStack) -> None:
+    """The browser says https://host; the socket is plain HTTP from the proxy."""
+    client = ui.stack.client()
+    host = ui.url.removeprefix("http://")
+    async with browserless(ui.url, ui.stack.key) as http:
+        job = await client.submit("demo.progress", {"steps": 200, "interval_ms": 50})
+        token = csrf_token(await (await http.get(f"/jobs/{job.id}")).text())
+        for headers, status in (
+            ({"Origin": "https://evil.example", "Sec-Fetch-Site": "cross-site"}, 403),
+            ({"Origin": f"https://{host}", "Sec-Fetch-Site": "same-site"}, 403),
+            ({"Origin": "https://evil.example"}, 403),
+            ({"Origin": f"https://{host}", "Sec-Fetch-Site": "same-origin"}, 303),
+        ):
+            async with http.post(
+                f"/jobs/{job.id}/cancel",
+                data={"csrf": token},
+                headers=headers,
+                allow_redirects=False,
+            ) as response:
+                assert response.status == status, headers
+        assert (await asyncio.wait_for(client.wait(job.name), 20)).state is JobState.CANCELLED
+        job = await client.submit("demo.progress", {"steps": 200, "interval_ms": 50})
+        async with http.post(
+            f"/jobs/{job.id}/cancel",
+            data={"csrf": token},
+            headers={"Origin": f"https://{host}"},
+            allow_redirects=False,
+        ) as response:
+            assert response.status == 303
+        await asyncio.wait_for(client.wait(job.name), 20)
+    # A public origin set: only it passes.
+    from jobplane.dashboard import Dashboard
+
+    public = Dashboard(
+        ui.dashboard.backend, listen="127.0.0.1:0", signin_delay=0.1, origin="https://jobs.example"
+    )
+    await public.start()
+    try:
+        host = public.url.removeprefix("http://").rstrip("/")
+        async with browserless(public.url.rstrip("/")) as http:
+            async with http.get("/signin") as form:
+                signin_token = form_token(await form.text())
+            data = {"key": ui.stack.key, "token": signin_token, "next": "/jobs"}
+            for origin, status in ((f"http://{host}", 403), ("https://jobs.example", 303)):
+                async with http.post(
+                    "/signin", data=data, headers={"Origin": origin}, allow_redirects=False
+                ) as response:
+                    assert response.status == status, origin
+    finally:
+        await public.stop()

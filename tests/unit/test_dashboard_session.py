@@ -118,3 +118,12 @@ def test_dashboard_settings() -> None:
         with pytest.raises(ConfigError) as refused:
             Settings.from_env(env)
         assert next(iter(env)) in str(refused.value)
+
+
+def test_the_public_origin_setting_is_checked_and_normalised() -> None:
+    settings = Settings.from_env({"JOBPLANE_UI_ORIGIN": "HTTPS://Jobs.Example/"})
+    assert settings.ui_origin == "https://jobs.example"
+    assert Settings.from_env({}).ui_origin is None
+    for bad in ("jobs.example", "ftp://jobs.example", "https://jobs.example/ui", "https://:1"):
+        with pytest.raises(ConfigError, match="JOBPLANE_UI_ORIGIN"):
+            Settings.from_env({"JOBPLANE_UI_ORIGIN": bad})

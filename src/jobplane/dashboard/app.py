@@ -106,6 +106,8 @@ DEPLOYMENT = web.AppKey("deployment", Deployment)
 COUNTS = web.AppKey("counts", Cached)
 RATES = web.AppKey("rates", Cached)
 SECURE = web.AppKey("secure", bool)
+#: The public origin forms must come from ("": judged per request).
+ORIGIN = web.AppKey("origin", str)
 VIEWER = web.RequestKey("viewer", Viewer)
 
 
@@ -183,10 +185,8 @@ async def _guarded(
     if session is not None and identity is not None:
         request[VIEWER] = Viewer(identity, session, app[CODEC].csrf(session))
     public = request.path in ("/signin", "/favicon.ico") or request.path.startswith("/static/")
-    if request.method == "POST":
-        origin = request.headers.get("Origin")
-        if origin is not None and origin != f"{request.scheme}://{request.host}":
-            return error_page(request, 403, "Forbidden", "The form came from another site.")
+    if request.method == "POST" and not _same_origin(request):
+        return error_page(request, 403, "Forbidden", "The form came from another site.")
     if not public and VIEWER not in request:
         if request.headers.get("Accept", "").startswith("text/event-stream"):
             raise web.HTTPUnauthorized(text="sign in first")
@@ -201,6 +201,28 @@ async def _guarded(
         if not isinstance(token, str) or not app[CODEC].csrf_ok(viewer(request).session, token):
             return error_page(request, 403, "Forbidden", "The form's CSRF token is not valid.")
     return await handler(request)
+
+
+def _same_origin(request: web.Request) -> bool:
+    """Whether a POST may have come from the dashboard's own pages.
+
+    With ``JOBPLANE_UI_ORIGIN`` set, a given ``Origin`` must be exactly it.
+    Otherwise the browser's ``Sec-Fetch-Site`` decides when it is sent; when it
+    is not, a given ``Origin`` must name this host (over http or https: behind a
+    TLS-terminating proxy the socket's scheme is not the browser's). The CSRF
+    token and the SameSite=Strict cookie stay the main defence.
+    """
+    origin = request.headers.get("Origin")
+    public = request.app[ORIGIN]
+    if public:
+        return origin is None or origin.lower() == public
+    site = request.headers.get("Sec-Fetch-Site")
+    if site is not None:
+        return site == "same-origin"
+    return origin is None or origin.lower() in (
+        f"http://{request.host}".lower(),
+        f"https://{request.host}".lower(),
+    )
 
 
 def _quoted(path: str) -> str:
@@ -229,6 +251,7 @@ class Dashboard:
         cache_seconds: float = 5.0,
         counts_seconds: float = 2.0,
         signin_delay: float = 0.5,
+        origin: str | None = None,
     ) -> None:
         from jobplane.dashboard.views import routes
 
@@ -249,6 +272,7 @@ class Dashboard:
         app[COUNTS] = Cached(backend.jobs.count_states, counts_seconds)
         app[RATES] = Cached(backend.jobs.queue_rates, cache_seconds)
         app[SECURE] = secure_cookie
+        app[ORIGIN] = origin.lower().rstrip("/") if origin else ""
         app.on_response_prepare.append(_security_headers)
         app.add_routes(routes)
         self.app = app
