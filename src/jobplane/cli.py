@@ -248,6 +248,7 @@ async def _dashboard(
     stack: AsyncExitStack, settings: Settings, backend: Any, listen: str | None
 ) -> Any:
     """Start the dashboard on ``listen`` (stopped with ``stack``); a taken port is a ConfigError."""
+    from jobplane.config import parse_networks
     from jobplane.dashboard import Dashboard
 
     ui = Dashboard(
@@ -257,6 +258,9 @@ async def _dashboard(
         session_seconds=settings.ui_session_seconds,
         secure_cookie=settings.ui_secure_cookie,
         origin=settings.ui_origin,
+        trusted_proxies=parse_networks(
+            ",".join(settings.ui_trusted_proxies), name="JOBPLANE_UI_TRUSTED_PROXIES"
+        ),
     )
     try:
         await ui.start()

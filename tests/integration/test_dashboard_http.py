@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import secrets
 import uuid
 from collections.abc import AsyncIterator
 
@@ -429,3 +430,26 @@ async def test_forms_behind_a_tls_proxy_pass_the_origin_check(ui: UiStack) -> No
                     assert response.status == status, origin
     finally:
         await public.stop()
+
+
+async def test_sign_ins_sent_at_once_cannot_pass_the_throttle(ui: UiStack) -> None:
+    throttle = ui.dashboard.app[THROTTLE]
+    throttle.succeeded("127.0.0.1")
+    try:
+        async with browserless(ui.url) as http:
+            async with http.get("/signin") as form:
+                token = form_token(await form.text())
+
+            async def attempt() -> int:
+                # Keys of their own: each one is looked up (no cached answer).
+                key = "jp_" + secrets.token_urlsafe(32)
+                async with http.post(
+                    "/signin", data={"key": key, "token": token, "next": "/jobs"}
+                ) as response:
+                    return response.status
+
+            statuses = await asyncio.gather(*(attempt() for _ in range(20)))
+        assert statuses.count(401) == 5, statuses
+        assert statuses.count(429) == 15, statuses
+    finally:
+        throttle.succeeded("127.0.0.1")

@@ -21,8 +21,14 @@ import structlog
 from aiohttp import web
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from jobplane.config import Network
 from jobplane.dashboard.forms import BadField
-from jobplane.dashboard.session import SESSION_COOKIE, Session, SessionCodec, SignInThrottle
+from jobplane.dashboard.session import (
+    SESSION_COOKIE,
+    Session,
+    SessionCodec,
+    SignInThrottle,
+)
 from jobplane.dashboard.shared import Cached, Deployment
 from jobplane.errors import (
     FailedPrecondition,
@@ -108,6 +114,8 @@ RATES = web.AppKey("rates", Cached)
 SECURE = web.AppKey("secure", bool)
 #: The public origin forms must come from ("": judged per request).
 ORIGIN = web.AppKey("origin", str)
+#: Proxies whose X-Forwarded-For names the client (the sign-in throttle's key).
+TRUSTED_PROXIES = web.AppKey("trusted_proxies", tuple[Network, ...])
 VIEWER = web.RequestKey("viewer", Viewer)
 
 
@@ -252,6 +260,7 @@ class Dashboard:
         counts_seconds: float = 2.0,
         signin_delay: float = 0.5,
         origin: str | None = None,
+        trusted_proxies: tuple[Network, ...] = (),
     ) -> None:
         from jobplane.dashboard.views import routes
 
@@ -272,6 +281,7 @@ class Dashboard:
         app[COUNTS] = Cached(backend.jobs.count_states, counts_seconds)
         app[RATES] = Cached(backend.jobs.queue_rates, cache_seconds)
         app[SECURE] = secure_cookie
+        app[TRUSTED_PROXIES] = tuple(trusted_proxies)
         app[ORIGIN] = origin.lower().rstrip("/") if origin else ""
         app.on_response_prepare.append(_security_headers)
         app.add_routes(routes)
