@@ -146,7 +146,7 @@ class Settings:
     def ui_address(self, default: str | None) -> str | None:
         """Where the dashboard listens: the setting, else ``default``; None when off."""
         chosen = self.ui_listen if self.ui_listen is not None else default
-        return None if chosen is None or chosen == "off" else chosen
+        return None if chosen is None or chosen.strip().lower() == "off" else chosen
 
     @property
     def qdrant_location(self) -> Path:

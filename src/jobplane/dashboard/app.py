@@ -21,7 +21,8 @@ import structlog
 from aiohttp import web
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from jobplane.config import Network
+from jobplane.aioweb import start_site
+from jobplane.config import ConfigError, ListenAddress, Network, parse_listen
 from jobplane.dashboard.forms import BadField
 from jobplane.dashboard.session import (
     SESSION_COOKIE,
@@ -252,7 +253,8 @@ class Dashboard:
         self,
         backend: Backend,
         *,
-        listen: str = "127.0.0.1:8080",
+        listen: str | ListenAddress = "127.0.0.1:8080",
+        setting: str = "JOBPLANE_UI_LISTEN",
         secret: bytes | None = None,
         session_seconds: float = 8 * 3600.0,
         secure_cookie: bool = False,
@@ -264,7 +266,11 @@ class Dashboard:
     ) -> None:
         from jobplane.dashboard.views import routes
 
-        self._listen = listen
+        address = parse_listen(listen, name=setting) if isinstance(listen, str) else listen
+        if address is None:
+            raise ConfigError(f"{setting}: the dashboard is off; give host:port")
+        self._listen = address
+        self._setting = setting
         self.backend = backend
         app = web.Application(middlewares=[guard], client_max_size=64 * 1024)
         app[BACKEND] = backend
@@ -292,7 +298,7 @@ class Dashboard:
     @property
     def address(self) -> str:
         """host:port it listens on (the real port once started)."""
-        return f"{self._listen.rsplit(':', 1)[0]}:{self.port}"
+        return str(ListenAddress(self._listen.host, self.port or self._listen.port))
 
     @property
     def url(self) -> str:
@@ -301,21 +307,16 @@ class Dashboard:
 
     async def start(self) -> None:
         """Bind and serve; logs ``ui.listening``."""
-        host, _, port = self._listen.rpartition(":")
         # A client that goes away cancels its handler: a live stream's
         # watches end with the browser tab, not at the next write.
-        runner = web.AppRunner(
-            self.app, handler_cancellation=True, access_log=None, shutdown_timeout=1.0
+        self._runner, self.port = await start_site(
+            self.app,
+            self._listen,
+            setting=self._setting,
+            handler_cancellation=True,
+            access_log=None,
+            shutdown_timeout=1.0,
         )
-        await runner.setup()
-        site = web.TCPSite(runner, host.strip("[]") or "127.0.0.1", int(port))
-        try:
-            await site.start()
-        except BaseException:
-            await runner.cleanup()
-            raise
-        self._runner = runner
-        self.port = int(runner.addresses[0][1])
         log.info("ui.listening", address=self.address, url=self.url)
 
     async def stop(self) -> None:
