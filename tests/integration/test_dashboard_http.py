@@ -7,6 +7,7 @@ import contextlib
 import secrets
 import uuid
 from collections.abc import AsyncIterator
+from typing import Any
 
 import aio_pika
 import aiohttp
@@ -453,3 +454,28 @@ async def test_sign_ins_sent_at_once_cannot_pass_the_throttle(ui: UiStack) -> No
         assert statuses.count(429) == 15, statuses
     finally:
         throttle.succeeded("127.0.0.1")
+
+
+async def test_the_failed_queue_is_peeked_once_for_every_tenant(ui: UiStack) -> None:
+    """Each peek returns the messages it took, which RabbitMQ 4 quorum queues count
+    toward their delivery limit: pages of every tenant share one peek per period."""
+    from jobplane.dashboard.shared import Deployment
+
+    stack = ui.stack
+    deployment = Deployment(stack.engine, stack.amqp_url, stack.topology, failed_ttl=30.0)
+    peeks = 0
+    peek = deployment._failed.list
+
+    async def counted(limit: int) -> Any:
+        nonlocal peeks
+        peeks += 1
+        return await peek(limit)
+
+    deployment._failed.list = counted  # type: ignore[method-assign]
+    other = uuid.uuid4()
+    for _ in range(5):
+        await asyncio.gather(deployment.failed_of(stack.tenant_id), deployment.failed_of(other))
+    assert peeks == 1
+    # A replay of nothing the snapshot holds does not read the queue.
+    report = await deployment.replay(other, None)
+    assert report.replayed == [] and report.kept == [] and peeks == 1

@@ -30,7 +30,7 @@ from jobplane.dashboard.session import (
     SessionCodec,
     SignInThrottle,
 )
-from jobplane.dashboard.shared import Cached, Deployment
+from jobplane.dashboard.shared import FAILED_SECONDS, Cached, Deployment
 from jobplane.errors import (
     FailedPrecondition,
     InvalidArgument,
@@ -259,6 +259,7 @@ class Dashboard:
         session_seconds: float = 8 * 3600.0,
         secure_cookie: bool = False,
         cache_seconds: float = 5.0,
+        failed_seconds: float = FAILED_SECONDS,
         counts_seconds: float = 2.0,
         signin_delay: float = 0.5,
         origin: str | None = None,
@@ -282,7 +283,11 @@ class Dashboard:
         )
         app[THROTTLE] = SignInThrottle(delay=signin_delay)
         app[DEPLOYMENT] = Deployment(
-            backend.engine, backend.amqp_url, backend.topology, ttl=cache_seconds
+            backend.engine,
+            backend.amqp_url,
+            backend.topology,
+            ttl=cache_seconds,
+            failed_ttl=failed_seconds,
         )
         app[COUNTS] = Cached(backend.jobs.count_states, counts_seconds)
         app[RATES] = Cached(backend.jobs.queue_rates, cache_seconds)
