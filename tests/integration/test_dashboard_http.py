@@ -471,7 +471,7 @@ async def test_the_failed_queue_is_peeked_once_for_every_tenant(ui: UiStack) -> 
         peeks += 1
         return await peek(limit)
 
-    deployment._failed.list = counted  # type: ignore[method-assign]
+    deployment._failed.list = counted  # type: ignore[method-assign,assignment]
     other = uuid.uuid4()
     for _ in range(5):
         await asyncio.gather(deployment.failed_of(stack.tenant_id), deployment.failed_of(other))

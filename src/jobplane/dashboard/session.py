@@ -18,11 +18,11 @@ from __future__ import annotations
 import base64
 import hashlib
 import hmac
+import ipaddress
 import json
 import secrets
 import time
 from collections import OrderedDict
-import ipaddress
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -237,4 +237,3 @@ def client_address(
                 return client  # not an address: trust the proxy's own
         client = hop
     return client
-

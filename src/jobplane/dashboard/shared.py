@@ -126,9 +126,7 @@ class Deployment:
         self._failed = FailedQueue(amqp_url, topology)
         self.queues: Cached[str, list[QueueFigures]] = Cached(self._queues, ttl)
         self.workers: Cached[str, list[WorkerFigures]] = Cached(self._worker_figures, ttl)
-        self.failed: Cached[str, list[FailedMessage]] = Cached(
-            self._failed_messages, failed_ttl
-        )
+        self.failed: Cached[str, list[FailedMessage]] = Cached(self._failed_messages, failed_ttl)
 
     async def _queues(self, _key: str) -> list[QueueFigures]:
         names = [(q.name, q.bindings) for q in self._topology.queues]
