@@ -479,3 +479,50 @@ async def test_the_failed_queue_is_peeked_once_for_every_tenant(ui: UiStack) -> 
     # A replay of nothing the snapshot holds does not read the queue.
     report = await deployment.replay(other, None)
     assert report.replayed == [] and report.kept == [] and peeks == 1
+
+
+async def test_a_live_stream_does_not_freeze_when_the_database_connections_drop(
+    ui: UiStack, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every backend of the test database is terminated under an open job stream:
+    the stream goes on or ends (the browser reconnects), and never just pings."""
+    from jobplane.dashboard import live
+
+    monkeypatch.setattr(live, "RECHECK_SECONDS", 0.5)
+    job = await ui.stack.client().submit("demo.progress", {"steps": 400, "interval_ms": 50})
+    async with (
+        browserless(ui.url, ui.stack.key) as http,
+        http.get(
+            f"/jobs/{job.id}/live",
+            headers={"Accept": "text/event-stream"},
+            timeout=aiohttp_timeout(),
+        ) as stream,
+    ):
+        assert stream.status == 200
+        assert b"event: job" in await asyncio.wait_for(stream.content.readuntil(b"\n\n"), 10)
+        database = await ui.stack.scalar("SELECT current_database()")
+        # Other connections: the feed's, the pools', the listeners'; not this one.
+        await ui.stack.scalar(
+            "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
+            "WHERE datname = :db AND pid <> pg_backend_pid()",
+            db=database,
+        )
+        events_after = 0
+        ended = False
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 20
+        while loop.time() < deadline and events_after < 3:
+            try:
+                chunk = await asyncio.wait_for(stream.content.readuntil(b"\n\n"), 20)
+            except (asyncio.IncompleteReadError, aiohttp.ClientPayloadError):
+                ended = True
+                break
+            if not chunk:
+                ended = True
+                break
+            if b"event: job" in chunk:
+                events_after += 1
+            if b"event: unavailable" in chunk or b"event: failed" in chunk:
+                ended = True
+        assert ended or events_after >= 3
+    await ui.stack.client().cancel(job.name)
