@@ -214,24 +214,27 @@ async def test_the_events_tail_streams_the_tenants_events_only(ui: UiStack) -> N
     ):
         assert live.status == 200
         published: list[str] = []
+        stop = asyncio.Event()
 
         async def publish() -> None:
-            # Until the stream has started (it starts at the latest event).
-            while True:
+            # Until the stream has started (it starts at the latest event); a
+            # publish under way when the frame arrives is finished, so that its
+            # id is known.
+            while not stop.is_set():
                 await other.publish("artifact.created", {"who": "hooli"})
                 await ours.publish("job.noise", {"who": "acme"})
                 published.append(
                     str((await ours.publish("artifact.created", {"who": "acme"})).event_id)
                 )
-                await asyncio.sleep(0.2)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), 0.2)
 
         publisher = asyncio.create_task(publish())
         try:
             frame = (await live.content.readuntil(b"\n\n")).decode()
         finally:
-            publisher.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await publisher
+            stop.set()
+            await asyncio.wait_for(publisher, 30)
         assert frame.startswith("id: ")
         assert "event: event" in frame
         assert any(event_id in frame for event_id in published)
