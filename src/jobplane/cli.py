@@ -17,7 +17,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from jobplane.config import ConfigError, Settings, parse_listen
+from jobplane.config import ConfigError, ListenAddress, Settings, parse_listen
 from jobplane.console import installed_version
 from jobplane.errors import JobplaneError
 from jobplane.faults import FaultPoints
@@ -254,23 +254,26 @@ async def _serve(args: argparse.Namespace) -> int:
 
 
 async def _dashboard(
-    stack: AsyncExitStack, settings: Settings, backend: Any, listen: str | None
+    stack: AsyncExitStack, settings: Settings, backend: Any, listen: ListenAddress, setting: str
 ) -> Any:
-    """Start the dashboard on ``listen`` (stopped with ``stack``); a taken port is a ConfigError."""
+    """Start the dashboard on ``listen`` (stopped with ``stack``); a taken port is a
+    ConfigError naming ``setting``."""
+    from jobplane.config import parse_networks
     from jobplane.dashboard import Dashboard
 
     ui = Dashboard(
         backend,
-        listen=listen or "127.0.0.1:8080",
+        listen=listen,
+        setting=setting,
         secret=settings.ui_secret,
         session_seconds=settings.ui_session_seconds,
         secure_cookie=settings.ui_secure_cookie,
+        origin=settings.ui_origin,
+        trusted_proxies=parse_networks(
+            ",".join(settings.ui_trusted_proxies), name="JOBPLANE_UI_TRUSTED_PROXIES"
+        ),
     )
-    try:
-        await ui.start()
-    except OSError as exc:
-        reason = exc.strerror or exc
-        raise ConfigError(f"JOBPLANE_UI_LISTEN: cannot listen on {listen}: {reason}") from None
+    await ui.start()
     # Before the server's stop: open pages end while the feeds still serve.
     stack.push_async_callback(ui.stop)
     return ui
@@ -287,10 +290,26 @@ async def _server_dashboard(
     """The dashboard in a server's process, sharing its feeds, engine and key cache."""
     from jobplane.dashboard import Backend
 
-    listen = flag if flag is not None else settings.ui_address(default)
-    if listen is None or listen == "off":
+    listen, setting = _ui_listen(settings, flag, "--ui-listen", default)
+    if listen is None:
         return None
-    return await _dashboard(stack, settings, Backend.of_server(server, settings.amqp_url), listen)
+    return await _dashboard(
+        stack, settings, Backend.of_server(server, settings.amqp_url), listen, setting
+    )
+
+
+def _ui_listen(
+    settings: Settings, flag: str | None, flag_name: str, default: str | None
+) -> tuple[ListenAddress | None, str]:
+    """Where the dashboard listens (None: off) and the setting that said so: the
+    flag, else JOBPLANE_UI_LISTEN, else ``default``; a bad value is a ConfigError
+    naming the flag or the variable."""
+    if flag is not None:
+        return parse_listen(flag, name=flag_name), flag_name
+    chosen = settings.ui_address(default)
+    if chosen is None:
+        return None, "JOBPLANE_UI_LISTEN"
+    return parse_listen(chosen, name="JOBPLANE_UI_LISTEN"), "JOBPLANE_UI_LISTEN"
 
 
 async def _ui(args: argparse.Namespace) -> int:
@@ -300,8 +319,8 @@ async def _ui(args: argparse.Namespace) -> int:
     from jobplane.store.engine import create_engine
 
     settings, topology = _settings_and_topology()
-    listen = args.listen if args.listen is not None else settings.ui_address(DEFAULT_UI_LISTEN)
-    if listen is None or listen == "off":
+    listen, setting = _ui_listen(settings, args.listen, "--listen", DEFAULT_UI_LISTEN)
+    if listen is None:
         print(
             "error: the dashboard is off (JOBPLANE_UI_LISTEN=off); give --listen", file=sys.stderr
         )
@@ -319,7 +338,7 @@ async def _ui(args: argparse.Namespace) -> int:
             limiter=limiter,
             max_payload_bytes=settings.max_payload_bytes,
         )
-        ui = await _dashboard(stack, settings, backend, listen)
+        ui = await _dashboard(stack, settings, backend, listen, setting)
         print(f"dashboard on {ui.url}", file=sys.stderr)
         await _until_signal()
     return 0

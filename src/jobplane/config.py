@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import re
 from collections.abc import Mapping
@@ -47,6 +48,10 @@ MIN_UI_SECRET = 32
 
 #: The longest lease of a WorkerService attempt: a dead worker's job waits this long.
 MAX_WORKER_LEASE = 3600.0
+
+
+#: An address or network (of a trusted proxy).
+Network = ipaddress.IPv4Network | ipaddress.IPv6Network
 
 
 class ConfigError(ValueError):
@@ -132,11 +137,16 @@ class Settings:
     ui_session_seconds: float = 8 * 3600.0
     #: Mark the session cookie Secure (the dashboard is reached over HTTPS).
     ui_secure_cookie: bool = False
+    #: The dashboard's public origin (``https://jobs.example``) behind a proxy;
+    #: when set, a form's ``Origin`` must be exactly it.
+    ui_origin: str | None = None
+    #: Proxies (addresses or CIDR networks) whose X-Forwarded-For names the client.
+    ui_trusted_proxies: tuple[str, ...] = ()
 
     def ui_address(self, default: str | None) -> str | None:
         """Where the dashboard listens: the setting, else ``default``; None when off."""
         chosen = self.ui_listen if self.ui_listen is not None else default
-        return None if chosen is None or chosen == "off" else chosen
+        return None if chosen is None or chosen.strip().lower() == "off" else chosen
 
     @property
     def qdrant_location(self) -> Path:
@@ -410,13 +420,58 @@ def _with_dashboard(env: Mapping[str, str], base: Settings) -> Settings:
     if not 0.01 <= hours <= 720:  # NaN too
         raise ConfigError("JOBPLANE_UI_SESSION_HOURS must be 0.01..720 hours")
     secure = _choice(env, "JOBPLANE_UI_SECURE_COOKIE", ("true", "false", "1", "0"))
+    origin = env.get("JOBPLANE_UI_ORIGIN", "").strip() or None
+    if origin is not None:
+        origin = parse_origin(origin, name="JOBPLANE_UI_ORIGIN")
+    proxies = env.get("JOBPLANE_UI_TRUSTED_PROXIES", "").strip()
+    parse_networks(proxies, name="JOBPLANE_UI_TRUSTED_PROXIES")
     return replace(
         base,
+        ui_trusted_proxies=tuple(p.strip() for p in proxies.split(",") if p.strip()),
+        ui_origin=origin,
         ui_listen=listen,
         ui_secret=secret_text.encode() if secret_text else None,
         ui_session_seconds=hours * 3600,
         ui_secure_cookie=secure in ("true", "1"),
     )
+
+
+def parse_networks(value: str, *, name: str) -> tuple[Network, ...]:
+    """Comma-separated addresses or CIDR networks; a ConfigError naming ``name``."""
+    networks = []
+    for part in (p.strip() for p in value.split(",")):
+        if not part:
+            continue
+        try:
+            networks.append(ipaddress.ip_network(part, strict=False))
+        except ValueError:
+            raise ConfigError(
+                f"{name} must be addresses or networks (e.g. 10.0.0.0/8,::1), not {part!r}"
+            ) from None
+    return tuple(networks)
+
+
+def parse_origin(value: str, *, name: str) -> str:
+    """A web origin (``scheme://host[:port]``, http or https, nothing after it), normalised."""
+    parts = urlsplit(value.strip())
+    try:
+        port = parts.port
+    except ValueError:
+        port = -1
+    if (
+        parts.scheme.lower() not in ("http", "https")
+        or not parts.hostname
+        or port == -1
+        or parts.path not in ("", "/")
+        or parts.query
+        or parts.fragment
+        or parts.username is not None
+    ):
+        raise ConfigError(
+            f"{name} must be an origin such as https://jobs.example (scheme, host and "
+            f"optional port only), not {value!r}"
+        )
+    return f"{parts.scheme.lower()}://{parts.netloc.lower()}"
 
 
 def _choice(env: Mapping[str, str], name: str, choices: tuple[str, ...]) -> str | None:

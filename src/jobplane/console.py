@@ -43,7 +43,7 @@ SERVER_MODULES = (
     "aiohttp",
 )
 #: The commands of :func:`jobplane.cli.build_parser` that are not client
-#: commands (tests/unit/test_console.py checks this against the parser).
+#: commands (tests/unit/test_packaging.py checks this against the parser).
 SERVER_COMMANDS = frozenset(
     {
         "migrate",

@@ -97,3 +97,39 @@ async def test_a_taken_port_is_a_clear_error(database_url: str) -> None:
         _out, err = await asyncio.wait_for(process.communicate(), timeout=30)
     assert process.returncode == 2
     assert "JOBPLANE_UI_LISTEN" in err.decode() and "Traceback" not in err.decode()
+
+
+@pytest.mark.parametrize(
+    ("args", "env", "named"),
+    [
+        (["ui", "--listen", "foo"], {}, "--listen"),
+        (["ui", "--listen", "127.0.0.1:99999"], {}, "--listen"),
+        (["serve", "--ui-listen", "foo"], {}, "--ui-listen"),
+        (["ui"], {"JOBPLANE_UI_LISTEN": "OFF"}, "JOBPLANE_UI_LISTEN"),
+    ],
+)
+async def test_a_bad_or_off_listen_address_is_a_clear_error(
+    database_url: str, args: list[str], env: dict[str, str], named: str
+) -> None:
+    process = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "jobplane",
+        *args,
+        env={
+            **os.environ,
+            "JOBPLANE_DATABASE_URL": database_url,
+            "JOBPLANE_LISTEN": "127.0.0.1:0",
+            "JOBPLANE_METRICS_LISTEN": "off",
+            **env,
+        },
+        stderr=asyncio.subprocess.PIPE,
+    )
+    try:
+        _out, err = await asyncio.wait_for(process.communicate(), timeout=60)
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
+    assert process.returncode == 2, err.decode()
+    assert named in err.decode() and "Traceback" not in err.decode()

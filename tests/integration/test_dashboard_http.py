@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import secrets
 import uuid
 from collections.abc import AsyncIterator
+from typing import Any
 
 import aio_pika
 import aiohttp
@@ -212,24 +214,27 @@ async def test_the_events_tail_streams_the_tenants_events_only(ui: UiStack) -> N
     ):
         assert live.status == 200
         published: list[str] = []
+        stop = asyncio.Event()
 
         async def publish() -> None:
-            # Until the stream has started (it starts at the latest event).
-            while True:
+            # Until the stream has started (it starts at the latest event); a
+            # publish under way when the frame arrives is finished, so that its
+            # id is known.
+            while not stop.is_set():
                 await other.publish("artifact.created", {"who": "hooli"})
                 await ours.publish("job.noise", {"who": "acme"})
                 published.append(
                     str((await ours.publish("artifact.created", {"who": "acme"})).event_id)
                 )
-                await asyncio.sleep(0.2)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), 0.2)
 
         publisher = asyncio.create_task(publish())
         try:
             frame = (await live.content.readuntil(b"\n\n")).decode()
         finally:
-            publisher.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await publisher
+            stop.set()
+            await asyncio.wait_for(publisher, 30)
         assert frame.startswith("id: ")
         assert "event: event" in frame
         assert any(event_id in frame for event_id in published)
@@ -353,3 +358,174 @@ async def test_fuzzed_query_parameters_never_fail_the_server(ui: UiStack) -> Non
             asyncio.run_coroutine_threadsafe(probe(path, params), loop).result()
 
         await asyncio.to_thread(check)
+
+
+@pytest.mark.parametrize("path", ["/events/live", "/jobs/live"])
+async def test_sign_out_ends_the_sessions_open_streams(
+    ui: UiStack, path: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from jobplane.dashboard import live
+
+    monkeypatch.setattr(live, "RECHECK_SECONDS", 0.3)
+    async with browserless(ui.url, ui.stack.key) as http:
+        if path == "/jobs/live":
+            await ui.stack.client().submit("demo.progress", {"steps": 100, "interval_ms": 100})
+        cookie = {c.key: c.value for c in http.cookie_jar}[SESSION_COOKIE]
+        page = await (await http.get("/jobs")).text()
+        async with browserless(ui.url) as other:
+            other.cookie_jar.update_cookies({SESSION_COOKIE: cookie})
+            async with other.get(
+                path, headers={"Accept": "text/event-stream"}, timeout=aiohttp_timeout()
+            ) as stream:
+                assert stream.status == 200
+                async with http.post("/signout", data={"csrf": csrf_token(page)}) as out:
+                    assert out.url.path == "/signin"
+                body = await asyncio.wait_for(stream.content.read(), timeout=10)
+        assert b"event: signedout" in body
+
+
+async def test_forms_behind_a_tls_proxy_pass_the_origin_check(ui: UiStack) -> None:
+    """The browser says https://host; the socket is plain HTTP from the proxy."""
+    client = ui.stack.client()
+    host = ui.url.removeprefix("http://")
+    async with browserless(ui.url, ui.stack.key) as http:
+        job = await client.submit("demo.progress", {"steps": 200, "interval_ms": 50})
+        token = csrf_token(await (await http.get(f"/jobs/{job.id}")).text())
+        for headers, status in (
+            ({"Origin": "https://evil.example", "Sec-Fetch-Site": "cross-site"}, 403),
+            ({"Origin": f"https://{host}", "Sec-Fetch-Site": "same-site"}, 403),
+            ({"Origin": "https://evil.example"}, 403),
+            ({"Origin": f"https://{host}", "Sec-Fetch-Site": "same-origin"}, 303),
+        ):
+            async with http.post(
+                f"/jobs/{job.id}/cancel",
+                data={"csrf": token},
+                headers=headers,
+                allow_redirects=False,
+            ) as response:
+                assert response.status == status, headers
+        assert (await asyncio.wait_for(client.wait(job.name), 20)).state is JobState.CANCELLED
+        job = await client.submit("demo.progress", {"steps": 200, "interval_ms": 50})
+        async with http.post(
+            f"/jobs/{job.id}/cancel",
+            data={"csrf": token},
+            headers={"Origin": f"https://{host}"},
+            allow_redirects=False,
+        ) as response:
+            assert response.status == 303
+        await asyncio.wait_for(client.wait(job.name), 20)
+    # A public origin set: only it passes.
+    from jobplane.dashboard import Dashboard
+
+    public = Dashboard(
+        ui.dashboard.backend, listen="127.0.0.1:0", signin_delay=0.1, origin="https://jobs.example"
+    )
+    await public.start()
+    try:
+        host = public.url.removeprefix("http://").rstrip("/")
+        async with browserless(public.url.rstrip("/")) as http:
+            async with http.get("/signin") as form:
+                signin_token = form_token(await form.text())
+            data = {"key": ui.stack.key, "token": signin_token, "next": "/jobs"}
+            for origin, status in ((f"http://{host}", 403), ("https://jobs.example", 303)):
+                async with http.post(
+                    "/signin", data=data, headers={"Origin": origin}, allow_redirects=False
+                ) as response:
+                    assert response.status == status, origin
+    finally:
+        await public.stop()
+
+
+async def test_sign_ins_sent_at_once_cannot_pass_the_throttle(ui: UiStack) -> None:
+    throttle = ui.dashboard.app[THROTTLE]
+    throttle.succeeded("127.0.0.1")
+    try:
+        async with browserless(ui.url) as http:
+            async with http.get("/signin") as form:
+                token = form_token(await form.text())
+
+            async def attempt() -> int:
+                # Keys of their own: each one is looked up (no cached answer).
+                key = "jp_" + secrets.token_urlsafe(32)
+                async with http.post(
+                    "/signin", data={"key": key, "token": token, "next": "/jobs"}
+                ) as response:
+                    return response.status
+
+            statuses = await asyncio.gather(*(attempt() for _ in range(20)))
+        assert statuses.count(401) == 5, statuses
+        assert statuses.count(429) == 15, statuses
+    finally:
+        throttle.succeeded("127.0.0.1")
+
+
+async def test_the_failed_queue_is_peeked_once_for_every_tenant(ui: UiStack) -> None:
+    """Each peek returns the messages it took, which RabbitMQ 4 quorum queues count
+    toward their delivery limit: pages of every tenant share one peek per period."""
+    from jobplane.dashboard.shared import Deployment
+
+    stack = ui.stack
+    deployment = Deployment(stack.engine, stack.amqp_url, stack.topology, failed_ttl=30.0)
+    peeks = 0
+    peek = deployment._failed.list
+
+    async def counted(limit: int) -> Any:
+        nonlocal peeks
+        peeks += 1
+        return await peek(limit)
+
+    deployment._failed.list = counted  # type: ignore[method-assign,assignment]
+    other = uuid.uuid4()
+    for _ in range(5):
+        await asyncio.gather(deployment.failed_of(stack.tenant_id), deployment.failed_of(other))
+    assert peeks == 1
+    # A replay of nothing the snapshot holds does not read the queue.
+    report = await deployment.replay(other, None)
+    assert report.replayed == [] and report.kept == [] and peeks == 1
+
+
+async def test_a_live_stream_does_not_freeze_when_the_database_connections_drop(
+    ui: UiStack, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every backend of the test database is terminated under an open job stream:
+    the stream goes on or ends (the browser reconnects), and never just pings."""
+    from jobplane.dashboard import live
+
+    monkeypatch.setattr(live, "RECHECK_SECONDS", 0.5)
+    job = await ui.stack.client().submit("demo.progress", {"steps": 400, "interval_ms": 50})
+    async with (
+        browserless(ui.url, ui.stack.key) as http,
+        http.get(
+            f"/jobs/{job.id}/live",
+            headers={"Accept": "text/event-stream"},
+            timeout=aiohttp_timeout(),
+        ) as stream,
+    ):
+        assert stream.status == 200
+        assert b"event: job" in await asyncio.wait_for(stream.content.readuntil(b"\n\n"), 10)
+        database = await ui.stack.scalar("SELECT current_database()")
+        # Other connections: the feed's, the pools', the listeners'; not this one.
+        await ui.stack.scalar(
+            "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
+            "WHERE datname = :db AND pid <> pg_backend_pid()",
+            db=database,
+        )
+        events_after = 0
+        ended = False
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 20
+        while loop.time() < deadline and events_after < 3:
+            try:
+                chunk = await asyncio.wait_for(stream.content.readuntil(b"\n\n"), 20)
+            except (asyncio.IncompleteReadError, aiohttp.ClientPayloadError):
+                ended = True
+                break
+            if not chunk:
+                ended = True
+                break
+            if b"event: job" in chunk:
+                events_after += 1
+            if b"event: unavailable" in chunk or b"event: failed" in chunk:
+                ended = True
+        assert ended or events_after >= 3
+    await ui.stack.client().cancel(job.name)

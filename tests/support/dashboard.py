@@ -52,7 +52,7 @@ async def ui_stack(
         cache_seconds=0.2,
         counts_seconds=0.2,
         signin_delay=0.1,
-        **dashboard_options,  # type: ignore[arg-type]
+        **{"failed_seconds": 0.2, **dashboard_options},  # type: ignore[arg-type]
     )
     try:
         await dashboard.start()

@@ -118,3 +118,41 @@ def test_dashboard_settings() -> None:
         with pytest.raises(ConfigError) as refused:
             Settings.from_env(env)
         assert next(iter(env)) in str(refused.value)
+
+
+def test_the_public_origin_setting_is_checked_and_normalised() -> None:
+    settings = Settings.from_env({"JOBPLANE_UI_ORIGIN": "HTTPS://Jobs.Example/"})
+    assert settings.ui_origin == "https://jobs.example"
+    assert Settings.from_env({}).ui_origin is None
+    for bad in ("jobs.example", "ftp://jobs.example", "https://jobs.example/ui", "https://:1"):
+        with pytest.raises(ConfigError, match="JOBPLANE_UI_ORIGIN"):
+            Settings.from_env({"JOBPLANE_UI_ORIGIN": bad})
+
+
+def test_the_client_is_the_remote_unless_a_trusted_proxy_forwarded_it() -> None:
+    from jobplane.config import parse_networks
+    from jobplane.dashboard.session import client_address
+
+    proxies = parse_networks("10.0.0.0/8, ::1", name="JOBPLANE_UI_TRUSTED_PROXIES")
+    assert client_address("10.1.2.3", ["203.0.113.9"], ()) == "10.1.2.3"
+    assert client_address("198.51.100.1", ["203.0.113.9"], proxies) == "198.51.100.1"
+    assert client_address("10.1.2.3", ["203.0.113.9"], proxies) == "203.0.113.9"
+    # A client's own X-Forwarded-For (left of the proxies' entries) is not believed.
+    assert client_address("10.1.2.3", ["1.1.1.1, 203.0.113.9, 10.0.0.2"], proxies) == "203.0.113.9"
+    assert client_address("::1", [], proxies) == "::1"
+    assert client_address("10.1.2.3", ["nonsense"], proxies) == "10.1.2.3"
+    with pytest.raises(ConfigError, match="JOBPLANE_UI_TRUSTED_PROXIES"):
+        Settings.from_env({"JOBPLANE_UI_TRUSTED_PROXIES": "10.0.0.0/8,proxy.local"})
+    assert Settings.from_env({"JOBPLANE_UI_TRUSTED_PROXIES": "10.0.0.1"}).ui_trusted_proxies == (
+        "10.0.0.1",
+    )
+
+
+def test_an_attempt_is_counted_before_it_is_checked() -> None:
+    clock = Clock()
+    throttle = SignInThrottle(free=3, window=60, clock=clock)
+    assert [throttle.attempt("a") for _ in range(3)] == [0.0] * 3
+    assert throttle.attempt("a") > 0
+    assert throttle.attempt("b") == 0.0
+    throttle.succeeded("b")
+    assert throttle.retry_after("b") == 0.0

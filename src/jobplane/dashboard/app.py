@@ -21,9 +21,16 @@ import structlog
 from aiohttp import web
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from jobplane.aioweb import start_site
+from jobplane.config import ConfigError, ListenAddress, Network, parse_listen
 from jobplane.dashboard.forms import BadField
-from jobplane.dashboard.session import SESSION_COOKIE, Session, SessionCodec, SignInThrottle
-from jobplane.dashboard.shared import Cached, Deployment
+from jobplane.dashboard.session import (
+    SESSION_COOKIE,
+    Session,
+    SessionCodec,
+    SignInThrottle,
+)
+from jobplane.dashboard.shared import FAILED_SECONDS, Cached, Deployment
 from jobplane.errors import (
     FailedPrecondition,
     InvalidArgument,
@@ -106,6 +113,10 @@ DEPLOYMENT = web.AppKey("deployment", Deployment)
 COUNTS = web.AppKey("counts", Cached)
 RATES = web.AppKey("rates", Cached)
 SECURE = web.AppKey("secure", bool)
+#: The public origin forms must come from ("": judged per request).
+ORIGIN = web.AppKey("origin", str)
+#: Proxies whose X-Forwarded-For names the client (the sign-in throttle's key).
+TRUSTED_PROXIES = web.AppKey("trusted_proxies", tuple[Network, ...])
 VIEWER = web.RequestKey("viewer", Viewer)
 
 
@@ -130,7 +141,10 @@ def error_page(
 
 
 async def still_signed_in(request: web.Request, session: Session) -> bool:
-    """True while the session's key still resolves to the same tenant key."""
+    """True while the session is within its age, not signed out, and its key still
+    resolves to the same tenant key."""
+    if not request.app[CODEC].still_valid(session):
+        return False
     identity = await request.app[BACKEND].keys.resolve_hash(session.key_hash)
     return isinstance(identity, KeyIdentity) and identity.key_id == session.key_id
 
@@ -180,10 +194,8 @@ async def _guarded(
     if session is not None and identity is not None:
         request[VIEWER] = Viewer(identity, session, app[CODEC].csrf(session))
     public = request.path in ("/signin", "/favicon.ico") or request.path.startswith("/static/")
-    if request.method == "POST":
-        origin = request.headers.get("Origin")
-        if origin is not None and origin != f"{request.scheme}://{request.host}":
-            return error_page(request, 403, "Forbidden", "The form came from another site.")
+    if request.method == "POST" and not _same_origin(request):
+        return error_page(request, 403, "Forbidden", "The form came from another site.")
     if not public and VIEWER not in request:
         if request.headers.get("Accept", "").startswith("text/event-stream"):
             raise web.HTTPUnauthorized(text="sign in first")
@@ -198,6 +210,28 @@ async def _guarded(
         if not isinstance(token, str) or not app[CODEC].csrf_ok(viewer(request).session, token):
             return error_page(request, 403, "Forbidden", "The form's CSRF token is not valid.")
     return await handler(request)
+
+
+def _same_origin(request: web.Request) -> bool:
+    """Whether a POST may have come from the dashboard's own pages.
+
+    With ``JOBPLANE_UI_ORIGIN`` set, a given ``Origin`` must be exactly it.
+    Otherwise the browser's ``Sec-Fetch-Site`` decides when it is sent; when it
+    is not, a given ``Origin`` must name this host (over http or https: behind a
+    TLS-terminating proxy the socket's scheme is not the browser's). The CSRF
+    token and the SameSite=Strict cookie stay the main defence.
+    """
+    origin = request.headers.get("Origin")
+    public = request.app[ORIGIN]
+    if public:
+        return origin is None or origin.lower() == public
+    site = request.headers.get("Sec-Fetch-Site")
+    if site is not None:
+        return site == "same-origin"
+    return origin is None or origin.lower() in (
+        f"http://{request.host}".lower(),
+        f"https://{request.host}".lower(),
+    )
 
 
 def _quoted(path: str) -> str:
@@ -219,17 +253,25 @@ class Dashboard:
         self,
         backend: Backend,
         *,
-        listen: str = "127.0.0.1:8080",
+        listen: str | ListenAddress = "127.0.0.1:8080",
+        setting: str = "JOBPLANE_UI_LISTEN",
         secret: bytes | None = None,
         session_seconds: float = 8 * 3600.0,
         secure_cookie: bool = False,
         cache_seconds: float = 5.0,
+        failed_seconds: float = FAILED_SECONDS,
         counts_seconds: float = 2.0,
         signin_delay: float = 0.5,
+        origin: str | None = None,
+        trusted_proxies: tuple[Network, ...] = (),
     ) -> None:
         from jobplane.dashboard.views import routes
 
-        self._listen = listen
+        address = parse_listen(listen, name=setting) if isinstance(listen, str) else listen
+        if address is None:
+            raise ConfigError(f"{setting}: the dashboard is off; give host:port")
+        self._listen = address
+        self._setting = setting
         self.backend = backend
         app = web.Application(middlewares=[guard], client_max_size=64 * 1024)
         app[BACKEND] = backend
@@ -241,11 +283,17 @@ class Dashboard:
         )
         app[THROTTLE] = SignInThrottle(delay=signin_delay)
         app[DEPLOYMENT] = Deployment(
-            backend.engine, backend.amqp_url, backend.topology, ttl=cache_seconds
+            backend.engine,
+            backend.amqp_url,
+            backend.topology,
+            ttl=cache_seconds,
+            failed_ttl=failed_seconds,
         )
         app[COUNTS] = Cached(backend.jobs.count_states, counts_seconds)
         app[RATES] = Cached(backend.jobs.queue_rates, cache_seconds)
         app[SECURE] = secure_cookie
+        app[TRUSTED_PROXIES] = tuple(trusted_proxies)
+        app[ORIGIN] = origin.lower().rstrip("/") if origin else ""
         app.on_response_prepare.append(_security_headers)
         app.add_routes(routes)
         self.app = app
@@ -255,7 +303,7 @@ class Dashboard:
     @property
     def address(self) -> str:
         """host:port it listens on (the real port once started)."""
-        return f"{self._listen.rsplit(':', 1)[0]}:{self.port}"
+        return str(ListenAddress(self._listen.host, self.port or self._listen.port))
 
     @property
     def url(self) -> str:
@@ -264,21 +312,16 @@ class Dashboard:
 
     async def start(self) -> None:
         """Bind and serve; logs ``ui.listening``."""
-        host, _, port = self._listen.rpartition(":")
         # A client that goes away cancels its handler: a live stream's
         # watches end with the browser tab, not at the next write.
-        runner = web.AppRunner(
-            self.app, handler_cancellation=True, access_log=None, shutdown_timeout=1.0
+        self._runner, self.port = await start_site(
+            self.app,
+            self._listen,
+            setting=self._setting,
+            handler_cancellation=True,
+            access_log=None,
+            shutdown_timeout=1.0,
         )
-        await runner.setup()
-        site = web.TCPSite(runner, host.strip("[]") or "127.0.0.1", int(port))
-        try:
-            await site.start()
-        except BaseException:
-            await runner.cleanup()
-            raise
-        self._runner = runner
-        self.port = int(runner.addresses[0][1])
         log.info("ui.listening", address=self.address, url=self.url)
 
     async def stop(self) -> None:

@@ -20,6 +20,7 @@ from aiohttp import web
 
 from jobplane.errors import JobNotFound, JobplaneError, Unavailable
 from jobplane.events.envelope import envelope_fields
+from jobplane.server.status import error_for
 from jobplane.tasks import cancel_and_wait
 from jobplane.types import JobEvent
 
@@ -102,11 +103,14 @@ class Merged:
         self._tasks.append(asyncio.create_task(self._pump(tag, source)))
 
     async def _pump(self, tag: str, source: AsyncIterator[Any]) -> None:
+        # Whatever ends the source, a terminal item is queued: the stream
+        # ends (the browser's EventSource reconnects) instead of waiting on
+        # a pump that is gone. A lost database is UNAVAILABLE, as for the API.
         try:
             async for item in source:
                 self.queue.put_nowait((tag, item))
-        except JobplaneError as exc:
-            self.queue.put_nowait((tag, exc))
+        except Exception as exc:
+            self.queue.put_nowait((tag, error_for(exc, "dashboard.live")))
             return
         self.queue.put_nowait((tag, END))
 
@@ -207,6 +211,22 @@ async def serve_jobs(
                 next_check = now + RECHECK_SECONDS
             batch = await next_batch(merged.queue, max(0.01, next_counts - loop.time()))
             updates = [event_json(item) for _tag, item in batch if isinstance(item, JobEvent)]
+            broken = next(
+                (
+                    item
+                    for _tag, item in batch
+                    if isinstance(item, JobplaneError) and not isinstance(item, JobNotFound)
+                ),
+                None,
+            )
+            if broken is not None:
+                # A feed that failed: end the stream; the page reconnects and lists afresh.
+                chunk = b"".join(
+                    frame("jobs", updates[i : i + FRAME_EVENTS])
+                    for i in range(0, len(updates), FRAME_EVENTS)
+                )
+                await stream.send_raw(chunk + frame(*_failure(broken)))
+                return
             if updates:
                 # One write, in frames a browser (or a proxy) parses in small bites.
                 await stream.send_raw(

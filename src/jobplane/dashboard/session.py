@@ -18,12 +18,15 @@ from __future__ import annotations
 import base64
 import hashlib
 import hmac
+import ipaddress
 import json
 import secrets
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+
+from jobplane.config import Network
 
 SESSION_COOKIE = "jobplane_session"
 SIGNIN_COOKIE = "jobplane_signin"
@@ -94,12 +97,14 @@ class SessionCodec:
             session = Session(str(sid), bytes.fromhex(key_hex), str(key_id), float(issued))
         except (ValueError, TypeError):
             return None
+        return session if self.still_valid(session) else None
+
+    def still_valid(self, session: Session) -> bool:
+        """True while ``session`` is within its age and not signed out (in this process)."""
         now = self._clock()
-        if not session.issued <= now < session.issued + self.max_age:
-            return None
-        if session.sid in self._ended:
-            return None
-        return session
+        return session.issued <= now < session.issued + self.max_age and (
+            session.sid not in self._ended
+        )
 
     def end(self, session: Session) -> None:
         """Refuse this session's cookie from now on (sign-out), in this process."""
@@ -177,6 +182,19 @@ class SignInThrottle:
             return 0.0
         return max(0.1, self._window - (now - times[-self._free]))
 
+    def attempt(self, client: str) -> float:
+        """Count a sign-in of ``client`` before it is checked; 0 when it may go on,
+        else the seconds until it may try again (nothing counted then).
+
+        Counted first, so that sign-ins sent at once cannot all pass the check
+        while the first of them is still looking its key up;
+        :meth:`succeeded` undoes it.
+        """
+        wait = self.retry_after(client)
+        if wait == 0:
+            self.failed(client)
+        return wait
+
     def failed(self, client: str) -> None:
         """Count a failed sign-in of ``client``."""
         now = self._clock()
@@ -189,3 +207,33 @@ class SignInThrottle:
     def succeeded(self, client: str) -> None:
         """Forget the client's failures."""
         self._failures.pop(client, None)
+
+
+def client_address(
+    remote: str | None, forwarded_for: Sequence[str], trusted: tuple[Network, ...]
+) -> str:
+    """The client a request came from: ``remote``, or, when ``remote`` is a trusted
+    proxy, the nearest address of ``X-Forwarded-For`` (read from the right) that is
+    not a trusted proxy itself. Without trusted proxies the header is ignored: a
+    client could write anything in it."""
+    networks = trusted
+
+    def is_trusted(text: str) -> bool:
+        try:
+            address = ipaddress.ip_address(text.strip().strip("[]"))
+        except ValueError:
+            return False
+        return any(address in network for network in networks)
+
+    client = remote or "?"
+    if not networks or not is_trusted(client):
+        return client
+    hops = [h.strip() for value in forwarded_for for h in value.split(",") if h.strip()]
+    for hop in reversed(hops):
+        if not is_trusted(hop):
+            try:
+                return str(ipaddress.ip_address(hop.strip("[]")))
+            except ValueError:
+                return client  # not an address: trust the proxy's own
+        client = hop
+    return client

@@ -33,6 +33,11 @@ V = TypeVar("V")
 
 #: Failed messages looked at per refresh (and per replay).
 FAILED_SCAN = 1000
+#: How often, at most, the failed queue is peeked, for every tenant together.
+#: A peek takes messages unacknowledged and returns them; on RabbitMQ 4.0 and
+#: later a quorum queue counts each return toward its delivery limit (20 by
+#: default) and drops the message past it (docs/dashboard.md).
+FAILED_SECONDS = 30.0
 _ENTRIES = 10_000
 
 
@@ -73,6 +78,12 @@ class Cached(Generic[K, V]):
         self._values[key] = (self._clock() + self._ttl, value)
         return value
 
+    def replace(self, key: K, change: Callable[[V], V]) -> None:
+        """Change the kept value of ``key`` in place (its age unchanged), if any."""
+        kept = self._values.get(key)
+        if kept is not None:
+            self._values[key] = (kept[0], change(kept[1]))
+
     def forget(self, key: K) -> None:
         """Fetch ``key`` afresh next time."""
         self._values.pop(key, None)
@@ -100,7 +111,13 @@ class Deployment:
     """The deployment-wide figures of the dashboard's pages."""
 
     def __init__(
-        self, engine: AsyncEngine, amqp_url: str, topology: Topology, *, ttl: float = 5.0
+        self,
+        engine: AsyncEngine,
+        amqp_url: str,
+        topology: Topology,
+        *,
+        ttl: float = 5.0,
+        failed_ttl: float = FAILED_SECONDS,
     ) -> None:
         self._engine = engine
         self._topology = topology
@@ -109,7 +126,7 @@ class Deployment:
         self._failed = FailedQueue(amqp_url, topology)
         self.queues: Cached[str, list[QueueFigures]] = Cached(self._queues, ttl)
         self.workers: Cached[str, list[WorkerFigures]] = Cached(self._worker_figures, ttl)
-        self.failed: Cached[str, list[FailedMessage]] = Cached(self._failed_messages, ttl)
+        self.failed: Cached[str, list[FailedMessage]] = Cached(self._failed_messages, failed_ttl)
 
     async def _queues(self, _key: str) -> list[QueueFigures]:
         names = [(q.name, q.bindings) for q in self._topology.queues]
@@ -159,15 +176,38 @@ class Deployment:
             return []
 
     async def failed_of(self, tenant: uuid.UUID) -> list[FailedMessage]:
-        """The tenant's messages among the first FAILED_SCAN of the failed queue."""
-        return [
-            m
-            for m in await self.failed.get("")
-            if m.envelope is not None and m.envelope.tenant_id == tenant
-        ]
+        """The tenant's messages among the first FAILED_SCAN of the failed queue, from
+        the one snapshot every tenant's pages share (at most FAILED_SECONDS old)."""
+        return [m for m in await self.failed.get("") if _of(m, tenant, None)]
 
     async def replay(self, tenant: uuid.UUID, jobs: frozenset[uuid.UUID] | None) -> ReplayReport:
-        """Replay the tenant's failed messages (of ``jobs``, when given), as `dlq replay` does."""
+        """Replay the tenant's failed messages (of ``jobs``, when given), as `dlq replay` does.
+
+        The queue is read again only when the snapshot holds such a message: a
+        replay of nothing costs the queue nothing. The replayed messages then
+        leave the snapshot; it is not peeked afresh before its time.
+        """
+        if not [m for m in await self.failed.get("") if _of(m, tenant, jobs)]:
+            return ReplayReport()
         report = await self._failed.replay(self._engine, FAILED_SCAN, tenant=tenant, jobs=jobs)
-        self.failed.forget("")
+        gone = {*report.replayed, *report.finished}
+        self.failed.replace(
+            "",
+            lambda messages: [
+                m for m in messages if not (_of(m, tenant, jobs) and _job_name(m) in gone)
+            ],
+        )
         return report
+
+
+def _of(message: FailedMessage, tenant: uuid.UUID, jobs: frozenset[uuid.UUID] | None) -> bool:
+    envelope = message.envelope
+    return (
+        envelope is not None
+        and envelope.tenant_id == tenant
+        and (jobs is None or envelope.job_id in jobs)
+    )
+
+
+def _job_name(message: FailedMessage) -> str:
+    return f"jobs/{message.envelope.job_id}" if message.envelope is not None else ""

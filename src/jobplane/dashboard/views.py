@@ -23,6 +23,7 @@ from jobplane.dashboard.app import (
     RATES,
     SECURE,
     THROTTLE,
+    TRUSTED_PROXIES,
     render,
     still_signed_in,
     viewer,
@@ -36,7 +37,12 @@ from jobplane.dashboard.forms import (
     no_query,
     single,
 )
-from jobplane.dashboard.session import SESSION_COOKIE, SIGNIN_COOKIE, SIGNIN_SECONDS
+from jobplane.dashboard.session import (
+    SESSION_COOKIE,
+    SIGNIN_COOKIE,
+    SIGNIN_SECONDS,
+    client_address,
+)
 from jobplane.errors import InvalidArgument, JobNotFound, TenantLimitExceeded
 from jobplane.names import parse_job_name
 from jobplane.server.events import SubscribeStart
@@ -118,17 +124,12 @@ def _signin_page(
 async def signin(request: web.Request) -> web.StreamResponse:
     """Check a tenant key; on success a session cookie, and the page asked for."""
     app = request.app
-    client = request.remote or "?"
+    client = client_address(
+        request.remote, request.headers.getall("X-Forwarded-For", []), app[TRUSTED_PROXIES]
+    )
     throttle = app[THROTTLE]
     form = await request.post()
     next_path = _next_path(str(form.get("next", "/jobs")))
-    wait = throttle.retry_after(client)
-    if wait > 0:
-        response = _signin_page(
-            request, next_path, problem="Too many failed sign-ins; wait a minute.", status=429
-        )
-        response.headers["Retry-After"] = str(max(1, round(wait)))
-        return response
     token, key = form.get("token"), form.get("key")
     if not isinstance(token, str) or not app[CODEC].signin_ok(
         request.cookies.get(SIGNIN_COOKIE), token
@@ -136,11 +137,18 @@ async def signin(request: web.Request) -> web.StreamResponse:
         return _signin_page(
             request, next_path, problem="The form expired; sign in again.", status=403
         )
+    # Counted as a failure now, before the lookup's await, undone on success.
+    wait = throttle.attempt(client)
+    if wait > 0:
+        response = _signin_page(
+            request, next_path, problem="Too many failed sign-ins; wait a minute.", status=429
+        )
+        response.headers["Retry-After"] = str(max(1, round(wait)))
+        return response
     identity = None
     if isinstance(key, str) and len(key) <= MAX_KEY_LENGTH:
         identity = await app[BACKEND].keys.resolve(key.strip())
     if not isinstance(identity, KeyIdentity):
-        throttle.failed(client)
         await asyncio.sleep(throttle.delay)
         problem = (
             "A worker key cannot sign in; use a tenant API key."

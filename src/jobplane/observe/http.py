@@ -15,7 +15,6 @@ gRPC server, the relay or the worker (``jobplane dev``: one for all three).
 from __future__ import annotations
 
 import asyncio
-import errno
 import inspect
 import json
 from collections.abc import Awaitable, Callable
@@ -26,7 +25,8 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from jobplane.config import ConfigError, ListenAddress
+from jobplane.aioweb import start_site
+from jobplane.config import ListenAddress
 from jobplane.observe.metrics import Metrics
 
 log = structlog.get_logger("jobplane.ops")
@@ -84,20 +84,9 @@ class OpsServer:
         app.router.add_get("/metrics", self._metrics)
         app.router.add_get("/livez", self._livez)
         app.router.add_get("/readyz", self._readyz)
-        runner = web.AppRunner(app, access_log=None, handle_signals=False)
-        await runner.setup()
-        site = web.TCPSite(runner, self._address.host, self._address.port, reuse_address=True)
-        try:
-            await site.start()
-        except OSError as exc:
-            await runner.cleanup()
-            why = "is in use" if exc.errno == errno.EADDRINUSE else f"cannot be bound ({exc})"
-            raise ConfigError(
-                f"{self._setting}: {self._address} {why}; choose another host:port or off"
-            ) from exc
-        self._runner = runner
-        addresses = runner.addresses
-        self.port = int(addresses[0][1]) if addresses else self._address.port
+        self._runner, self.port = await start_site(
+            app, self._address, setting=self._setting, access_log=None, handle_signals=False
+        )
         log.info(
             "ops.listening",
             address=self.address,

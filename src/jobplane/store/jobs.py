@@ -180,10 +180,11 @@ _READ_STREAMS = text(
 _COUNT_STATES = text(
     ", ".join(
         f"(SELECT count(*) FROM (SELECT 1 FROM jobs WHERE tenant_id = :tenant_id "
-        f"AND state = '{state.value}' LIMIT :cap) c{i})"
-        for i, state in enumerate(JobState)
+        f"AND state = :state{i} LIMIT :cap) c{i})"
+        for i, _state in enumerate(JobState)
     ).join(("SELECT ", ""))
 )
+_STATE_PARAMS = {f"state{i}": state.value for i, state in enumerate(JobState)}
 _MILESTONES = text(
     """
     SELECT e.job_id, e.seq, e.type, e.state, e.progress, e.message, e.data, e.attempt,
@@ -388,7 +389,11 @@ class JobStore:
         entries a state, not a scan of them all.
         """
         async with self._auto.connect() as conn:
-            row = (await conn.execute(_COUNT_STATES, {"tenant_id": tenant_id, "cap": cap})).one()
+            row = (
+                await conn.execute(
+                    _COUNT_STATES, {**_STATE_PARAMS, "tenant_id": tenant_id, "cap": cap}
+                )
+            ).one()
         return {state: int(count) for state, count in zip(JobState, row, strict=True)}
 
     async def milestones(
