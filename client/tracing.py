@@ -120,6 +120,22 @@ class _UnaryUnary(grpc.aio.UnaryUnaryClientInterceptor):
             _end(span, code)
 
 
+async def _streaming(
+    continuation: Callable[[grpc.aio.ClientCallDetails, Any], Awaitable[Any]],
+    details: grpc.aio.ClientCallDetails,
+    request: Any,
+) -> Any:
+    """A call that streams one way or the other: its span ends when the call does."""
+    span = _start(details)
+    try:
+        call = await continuation(_with_context(details, span), request)
+    except BaseException:
+        _end(span, None)
+        raise
+    _end_when_done(span, call)
+    return call
+
+
 class _UnaryStream(grpc.aio.UnaryStreamClientInterceptor):
     async def intercept_unary_stream(
         self,
@@ -127,14 +143,7 @@ class _UnaryStream(grpc.aio.UnaryStreamClientInterceptor):
         client_call_details: grpc.aio.ClientCallDetails,
         request: Any,
     ) -> Any:
-        span = _start(client_call_details)
-        try:
-            call = await continuation(_with_context(client_call_details, span), request)
-        except BaseException:
-            _end(span, None)
-            raise
-        _end_when_done(span, call)
-        return call
+        return await _streaming(continuation, client_call_details, request)
 
 
 class _StreamUnary(grpc.aio.StreamUnaryClientInterceptor):
@@ -144,11 +153,4 @@ class _StreamUnary(grpc.aio.StreamUnaryClientInterceptor):
         client_call_details: grpc.aio.ClientCallDetails,
         request_iterator: Any,
     ) -> Any:
-        span = _start(client_call_details)
-        try:
-            call = await continuation(_with_context(client_call_details, span), request_iterator)
-        except BaseException:
-            _end(span, None)
-            raise
-        _end_when_done(span, call)
-        return call
+        return await _streaming(continuation, client_call_details, request_iterator)
