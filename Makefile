@@ -5,15 +5,27 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: all dev test unit faults soak fuzz mutate lint format typecheck proto migrate services bench clean events-node
+.PHONY: constraints all dev test unit faults soak fuzz mutate lint format typecheck proto migrate services bench clean events-node
 
 all: lint typecheck test
 
-$(STAMP): pyproject.toml
+CONSTRAINTS := requirements/dev-constraints.txt
+
+$(STAMP): pyproject.toml $(CONSTRAINTS)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e '.[dev]'
+	$(BIN)/python -m pip install -q -c $(CONSTRAINTS) -e '.[dev]'
 	touch $(STAMP)
+
+## Re-pin the test environment: resolve the dev extra afresh in a scratch venv
+## (pyproject.toml's ranges only) and write what it got to $(CONSTRAINTS).
+constraints:
+	rm -rf .venv-constraints && $(PYTHON) -m venv .venv-constraints
+	.venv-constraints/bin/python -m pip install -q --upgrade pip
+	.venv-constraints/bin/python -m pip install -q -e '.[dev]'
+	{ sed -n '1,3p' $(CONSTRAINTS); .venv-constraints/bin/python -m pip freeze --exclude-editable \
+	  | grep -v '^jobplane'; } > $(CONSTRAINTS).new && mv $(CONSTRAINTS).new $(CONSTRAINTS)
+	rm -rf .venv-constraints
 
 venv: $(STAMP)
 
