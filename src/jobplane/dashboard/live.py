@@ -145,8 +145,25 @@ async def serve_job(
     still_signed_in: Callable[[], Awaitable[bool]],
 ) -> None:
     """One job's events (``job``, with the seq as the event id) until it ends (``end``)."""
+
+    def render(item: Any) -> bytes:
+        return frame("job", event_json(item), event_id=str(item.seq))
+
+    await _serve_one(stream, events, still_signed_in, render, ended=frame("end", {}))
+
+
+async def _serve_one(
+    stream: EventStream,
+    events: AsyncIterator[Any],
+    still_signed_in: Callable[[], Awaitable[bool]],
+    render: Callable[[Any], bytes],
+    *,
+    ended: bytes,
+) -> None:
+    """One source's items, each as ``render`` frames it, batched, until it ends
+    (``ended`` sent then) or fails; rechecks the sign-in while it is quiet."""
     merged = Merged()
-    merged.add("job", events)
+    merged.add("one", events)
     try:
         while True:
             batch = await next_batch(merged.queue, RECHECK_SECONDS)
@@ -158,15 +175,11 @@ async def serve_job(
                 continue
             chunk = bytearray()
             for _tag, item in batch:
-                if item is END:
-                    chunk += frame("end", {})
+                if item is END or isinstance(item, JobplaneError):
+                    chunk += frame(*_failure(item)) if isinstance(item, JobplaneError) else ended
                     await stream.send_raw(bytes(chunk))
                     return
-                if isinstance(item, JobplaneError):
-                    chunk += frame(*_failure(item))
-                    await stream.send_raw(bytes(chunk))
-                    return
-                chunk += frame("job", event_json(item), event_id=str(item.seq))
+                chunk += render(item)
             await stream.send_raw(bytes(chunk))
     finally:
         await merged.close()
@@ -245,32 +258,15 @@ async def serve_domain_events(
     still_signed_in: Callable[[], Awaitable[bool]],
 ) -> None:
     """The tenant's domain events as they commit (``event``, the cursor as the event id)."""
-    merged = Merged()
-    merged.add("events", events)
-    try:
-        while True:
-            batch = await next_batch(merged.queue, RECHECK_SECONDS)
-            if not batch:
-                if not await still_signed_in():
-                    await stream.send("signedout", {})
-                    return
-                await stream.comment()
-                continue
-            chunk = bytearray()
-            for _tag, item in batch:
-                if item is END or isinstance(item, JobplaneError):
-                    if isinstance(item, JobplaneError):
-                        chunk += frame(*_failure(item))
-                    await stream.send_raw(bytes(chunk))
-                    return
-                chunk += frame(
-                    "event",
-                    {
-                        "envelope": envelope_fields(item.event),
-                        "job": f"{item.job_id}" if item.job_id else "",
-                    },
-                    event_id=item.position.cursor(),
-                )
-            await stream.send_raw(bytes(chunk))
-    finally:
-        await merged.close()
+
+    def render(item: Any) -> bytes:
+        return frame(
+            "event",
+            {
+                "envelope": envelope_fields(item.event),
+                "job": f"{item.job_id}" if item.job_id else "",
+            },
+            event_id=item.position.cursor(),
+        )
+
+    await _serve_one(stream, events, still_signed_in, render, ended=b"")

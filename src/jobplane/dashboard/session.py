@@ -107,7 +107,7 @@ class SessionCodec:
         )
 
     def end(self, session: Session) -> None:
-        """Refuse this session's cookie from now on (sign-out), in this process."""
+        """Refuse the cookie of this sign-in from now on (sign-out), in this process."""
         now = self._clock()
         while self._ended and next(iter(self._ended.values())) <= now:
             self._ended.popitem(last=False)
