@@ -26,10 +26,12 @@ TARGET_COST = 0.05
 
 async def fig_tracing(bench: Bench) -> None:
     """Throughput with tracing off and on, in one run (see the module's docstring)."""
-    from bench.run import Figure, _procs, closed_loop_rate
+    from bench.run import Figure, _procs, closed_loop_rate, cpu_seconds
 
     ratios: list[float] = []
     totals: dict[str, list[float]] = {"off": [], "on": []}
+    # CPU ms per job by component, summed over the rounds (divided at the end).
+    cpu: dict[str, dict[str, float]] = {"off": {}, "on": {}}
     spans = 0
     with Receiver.running() as receiver:
         for round_ in range(1, ROUNDS + 1):
@@ -47,7 +49,12 @@ async def fig_tracing(bench: Bench) -> None:
                     else {}
                 )
                 await bench.start_all()
+                before = cpu_seconds(bench)
                 rates[state] = await closed_loop_rate(bench, f"bench.noop_tracing_{state}_{round_}")
+                after = cpu_seconds(bench)
+                for c, used in after.items():
+                    per_job = (used - before.get(c, 0.0)) * 1000 / bench.args.jobs
+                    cpu[state][c] = cpu[state].get(c, 0.0) + per_job / ROUNDS
                 totals[state].append(rates[state])
             ratios.append(rates["on"] / rates["off"])
             print(
@@ -70,6 +77,19 @@ async def fig_tracing(bench: Bench) -> None:
                 {**config, **_procs(bench)},
             )
         )
+    for c in sorted(cpu["on"]):
+        bench.add(
+            Figure(
+                f"tracing_cpu_per_job_{c.replace(' ', '_')}",
+                cpu["on"][c],
+                "ms/job",
+                {**config, "off": round(cpu["off"].get(c, 0.0), 3)},
+            )
+        )
+    split = ", ".join(
+        f"{c} {cpu['off'].get(c, 0.0):.2f} → {cpu['on'][c]:.2f}" for c in sorted(cpu["on"])
+    )
+    print(f"tracing, CPU ms per job off → on: {split}", file=sys.stderr)
     ratio = statistics.median(ratios)
     bench.add(Figure("tracing_throughput_ratio", ratio, "on/off", {**config, "spans": spans}))
     verdict = "within" if ratio >= 1 - TARGET_COST else "over"

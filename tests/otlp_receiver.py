@@ -1,7 +1,10 @@
 """A small OTLP/HTTP trace receiver on loopback, for the tracing tests and bench.
 
-It decodes each ``ExportTraceServiceRequest`` (opentelemetry-proto) and keeps
-the spans, as a collector would receive them from the SDK's exporter.
+It keeps each ``ExportTraceServiceRequest`` (opentelemetry-proto) as the SDK's
+exporter sent it and decodes the spans when they are asked for, as a collector
+would receive them. Decoding later keeps the receiver's own work (a
+collector's, elsewhere in a deployment) out of the process it runs in while
+spans arrive: the benchmark's clients share that process.
 """
 
 from __future__ import annotations
@@ -50,15 +53,16 @@ class Receiver:
     def __init__(self) -> None:
         self.spans: list[ReceivedSpan] = []
         self.requests = 0
+        self._bodies: list[bytes] = []
         self._lock = threading.Lock()
         receiver = self
 
         class Handler(BaseHTTPRequestHandler):
             def do_POST(self) -> None:
                 body = self.rfile.read(int(self.headers.get("Content-Length", "0")))
-                request = ExportTraceServiceRequest()
-                request.ParseFromString(body)
-                receiver._add(request)
+                with receiver._lock:
+                    receiver.requests += 1
+                    receiver._bodies.append(body)
                 reply = ExportTraceServiceResponse().SerializeToString()
                 self.send_response(200)
                 self.send_header("Content-Type", "application/x-protobuf")
@@ -78,7 +82,9 @@ class Receiver:
         host, port = self._server.server_address[:2]
         return f"http://{host!s}:{port}"
 
-    def _add(self, request: ExportTraceServiceRequest) -> None:
+    def _decode(self, body: bytes) -> list[ReceivedSpan]:
+        request = ExportTraceServiceRequest()
+        request.ParseFromString(body)
         spans = []
         for resource_spans in request.resource_spans:
             service = str(_attributes(resource_spans.resource.attributes).get("service.name"))
@@ -98,13 +104,14 @@ class Receiver:
                             links=[(ln.trace_id.hex(), ln.span_id.hex()) for ln in s.links],
                         )
                     )
-        with self._lock:
-            self.requests += 1
-            self.spans.extend(spans)
+        return spans
 
     def snapshot(self) -> list[ReceivedSpan]:
         """The spans received so far."""
         with self._lock:
+            bodies, self._bodies = self._bodies, []
+            for body in bodies:
+                self.spans.extend(self._decode(body))
             return list(self.spans)
 
     @classmethod

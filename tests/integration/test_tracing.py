@@ -258,7 +258,10 @@ async def test_one_trace_from_the_caller_to_the_outcome(
             assert span_.service == "jobplane-worker"
             assert span_.parent_id == publish.span_id
             assert span_.attributes["jobplane.attempt"] == 1
-            assert span_.attributes["jobplane.queue"] == topology.queues[0].name
+            assert span_.attributes["jobplane.job.id"] == ids["work"]
+        assert run.attributes["jobplane.queue"] == topology.queues[0].name
+        tenant = publish.attributes["jobplane.tenant.id"]
+        assert run.attributes["jobplane.tenant.id"] == tenant == str(uuid.UUID(tenant))
         assert claim.kind == _CONSUMER
         assert claim.attributes["jobplane.transition"] == "claim"
         assert outcome.attributes["jobplane.transition"] == "succeed"

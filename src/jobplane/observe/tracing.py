@@ -92,6 +92,8 @@ QUEUE = "jobplane.queue"
 ATTEMPT = "jobplane.attempt"
 TENANT_ID = "jobplane.tenant.id"
 TRANSITION = "jobplane.transition"
+CLAIM_STATUS = "jobplane.claim.status"
+REDELIVERED = "jobplane.redelivered"
 
 Handler: TypeAlias = "grpc.RpcMethodHandler[Any, Any]"
 Context: TypeAlias = "grpc.aio.ServicerContext[Any, Any]"
@@ -240,7 +242,6 @@ def applied(transition: Transition) -> None:
 # --- the relay ---------------------------------------------------------------
 
 
-@contextlib.contextmanager
 def publish_span(
     row_headers: Mapping[str, str],
     *,
@@ -249,9 +250,9 @@ def publish_span(
     message_id: str,
     job_id: str,
     tenant_id: str,
-) -> Iterator[Mapping[str, str]]:
+) -> contextlib.AbstractContextManager[Mapping[str, str]]:
     """``outbox publish``: a producer span, child of the context the outbox row
-    carries; yields the headers that carry it on to the message."""
+    carries; the block gets the headers that carry it on to the message."""
     attributes = {
         "messaging.system": "rabbitmq",
         "messaging.operation.type": "send",
@@ -260,22 +261,17 @@ def publish_span(
         "messaging.rabbitmq.destination.routing_key": routing_key,
         "messaging.message.id": message_id,
         JOB_ID: job_id,
-        JOB_TYPE: routing_key,
         TENANT_ID: tenant_id,
     }
-    with _TRACER.start_as_current_span(
+    span = _TRACER.start_span(
         "outbox publish",
         context=extract(row_headers),
         kind=SpanKind.PRODUCER,
         attributes=attributes,
         record_exception=False,
         set_status_on_exception=False,
-    ) as span:
-        try:
-            yield _inject()
-        except BaseException as exc:
-            _failed(span, exc)
-            raise
+    )
+    return _Publishing(span)
 
 
 # --- the worker --------------------------------------------------------------
@@ -307,15 +303,12 @@ def claim_span(
         "messaging.system": "rabbitmq",
         "messaging.operation.type": "process",
         "messaging.operation.name": "claim",
-        "messaging.destination.name": message.exchange or "",
         "messaging.rabbitmq.destination.routing_key": message.routing_key or "",
         "messaging.message.id": message.message_id or "",
-        "messaging.rabbitmq.message.delivery_tag": message.delivery_tag or 0,
         JOB_ID: str(envelope.job_id),
-        JOB_TYPE: envelope.job_type,
-        TENANT_ID: str(envelope.tenant_id),
-        "jobplane.redelivered": bool(message.redelivered),
     }
+    if message.redelivered:
+        attributes[REDELIVERED] = True
     return _span("job claim", SpanKind.CONSUMER, attributes)
 
 
@@ -323,10 +316,10 @@ def claimed(span: Span | None, claim: ClaimResult) -> None:
     """What the claim found, on its span."""
     if span is None or not span.is_recording():
         return
-    span.set_attribute("jobplane.claim.status", claim.status.value)
-    if claim.attempt is not None:
-        span.set_attribute(ATTEMPT, claim.attempt.attempt)
-        span.set_attribute(QUEUE, claim.attempt.queue)
+    if claim.attempt is None:
+        span.set_attribute(CLAIM_STATUS, claim.status.value)
+    else:
+        span.set_attributes({CLAIM_STATUS: claim.status.value, ATTEMPT: claim.attempt.attempt})
 
 
 def _attempt_attributes(attempt: Attempt) -> dict[str, Any]:
@@ -386,26 +379,59 @@ def outcome_span(attempt: Attempt) -> contextlib.AbstractContextManager[Span | N
     """``job outcome``: the span of the attempt's outcome write (its transition named)."""
     if not ENABLED:
         return _NULL
-    return _span("job outcome", SpanKind.INTERNAL, _attempt_attributes(attempt))
+    attributes = {JOB_ID: str(attempt.job_id), JOB_TYPE: attempt.type, ATTEMPT: attempt.attempt}
+    return _span("job outcome", SpanKind.INTERNAL, attributes)
 
 
-@contextlib.contextmanager
-def _span(name: str, kind: SpanKind, attributes: dict[str, Any]) -> Iterator[Span]:
-    """A current span for the block; an exception marks it failed by its type alone
-    (the SDK's own recording would keep its message, which may quote a statement's
-    values or tenant data)."""
-    with _TRACER.start_as_current_span(
-        name,
-        kind=kind,
-        attributes=attributes,
-        record_exception=False,
-        set_status_on_exception=False,
-    ) as span:
+def _span(name: str, kind: SpanKind, attributes: dict[str, Any]) -> _Current:
+    """A current span for the block (see :class:`_Current`)."""
+    return _Current(
+        _TRACER.start_span(
+            name,
+            kind=kind,
+            attributes=attributes,
+            record_exception=False,
+            set_status_on_exception=False,
+        )
+    )
+
+
+class _Current:
+    """``span`` current for the block and ended after it; an exception marks it failed
+    by its type alone (the SDK's own recording would keep its message, which may
+    quote a statement's values or tenant data).
+
+    A class, not a generator: the hot paths enter one per span, and this is the
+    SDK's ``use_span`` without its generator and its exception recording.
+    """
+
+    __slots__ = ("_span", "_token")
+
+    def __init__(self, span: Span) -> None:
+        self._span = span
+        self._token: object = None
+
+    def __enter__(self) -> Any:
+        self._token = otel_context.attach(trace.set_span_in_context(self._span))
+        return self._span
+
+    def __exit__(self, kind: object, error: BaseException | None, tb: object) -> None:
         try:
-            yield span
-        except BaseException as exc:
-            _failed(span, exc)
-            raise
+            otel_context.detach(self._token)  # type: ignore[arg-type]
+        finally:
+            if error is not None:
+                _failed(self._span, error)
+            self._span.end()
+
+
+class _Publishing(_Current):
+    """:class:`_Current`, giving the block the headers that carry the span on."""
+
+    __slots__ = ()
+
+    def __enter__(self) -> Mapping[str, str]:
+        super().__enter__()
+        return _inject()
 
 
 def _failed(span: Span, exc: BaseException) -> None:
