@@ -573,11 +573,18 @@ def _with_ingest(registry: Any, files: list[Path], settings: Settings, topology:
 
 
 async def _dev(args: argparse.Namespace) -> int:
+    from jobplane.devparts import resolve_processes
     from jobplane.store.engine import create_engine, migrate
     from jobplane.workers.relay import Relay
-    from jobplane.workers.runtime import Worker
     from jobplane.workers.sweeper import Sweeper
 
+    if args.worker_part is not None:
+        return await _dev_part(args)
+    try:
+        processes = resolve_processes(args.processes)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     settings, topology = _settings_and_topology(log_level="warning")
     _tracing("jobplane-dev", settings)
     registry = _registry_or_none(args.handlers, demo=True)
@@ -598,7 +605,7 @@ async def _dev(args: argparse.Namespace) -> int:
         watch_outbox(metrics, engine)
         _failed_queue_depth(stack, metrics, settings, topology)
         blobs = _blob_store(settings, stack)
-        if not args.no_maintenance:
+        if processes == 1 and not args.no_maintenance:
             registry = await _with_maintenance(
                 stack, registry, engine, blobs, settings, FaultPoints(settings.faults)
             )
@@ -613,26 +620,26 @@ async def _dev(args: argparse.Namespace) -> int:
             sweeper=Sweeper(engine, metrics=metrics),
             metrics=metrics,
         )
-        worker = Worker(
-            engine,
-            settings.database_url,
-            settings.amqp_url,
-            topology,
-            registry,
-            concurrency=args.concurrency,
-            max_result_bytes=settings.max_payload_bytes,
-            blobs=blobs,
-            inline_bytes=settings.inline_bytes,
-            metrics=metrics,
+        worker = (
+            _dev_worker(settings, topology, engine, registry, args, blobs, metrics)
+            if processes == 1
+            else None
         )
         if ops is not None:
             ops.add_check("grpc", server.not_ready)
             ops.add_check("relay", lambda: None if relay.connected else "no broker channel")
-            ops.add_check("worker", worker.not_ready)
+            if worker is not None:
+                ops.add_check("worker", worker.not_ready)
         await _start_ops(stack, ops)
+        # The parts start before gRPC's threads do (a fork beside them warns),
+        # and stop first: before the relay and the server.
+        parts = None if worker is not None else await _dev_parts(stack, args, processes - 1, ops)
         await _started(stack, server.start, server.stop)
         await _started(stack, relay.start, relay.stop)
-        await _started(stack, worker.start, lambda: worker.stop(5.0))
+        if worker is not None:
+            await _started(stack, worker.start, lambda: worker.stop(5.0))
+        if parts is not None:
+            stack.push_async_callback(parts.stop)
         key, _tenant = await server.keys.create_key(args.tenant)
         worker_key = (await server.keys.create_worker()).key
         from jobplane.config import DEFAULT_UI_LISTEN
@@ -641,9 +648,17 @@ async def _dev(args: argparse.Namespace) -> int:
             stack, settings, server, args.ui_listen, default=DEFAULT_UI_LISTEN
         )
         ui_line = f"  dashboard: {ui.url}   (sign in with the api key)\n" if ui else ""
+        if parts is None:
+            layout = "1 (server, relay and worker in this one, --processes 1)"
+        else:
+            pids = ", ".join(map(str, parts.pids))
+            layout = (
+                f"{processes} (server and relay in this one, pid {os.getpid()}; workers {pids})"
+            )
         print(
             f"\njobplane dev is up.\n"
             f"  address:  {server.address}\n"
+            f"  processes: {layout}\n"
             f"  api key:  {key}   (tenant {args.tenant!r})\n"
             f"{ui_line}"
             f"  worker key: {worker_key}   (WorkerService, docs/workers.md)\n\n"
@@ -683,7 +698,123 @@ async def _dev(args: argparse.Namespace) -> int:
                 again = " ".join(map(str, ingest))
                 print(f"  jobplane ingest {again}   (again: changes nothing)\n", flush=True)
         print("serving; Ctrl-C to stop", flush=True)
-        await _until_signal()
+        if parts is None:
+            await _until_signal()
+            return 0
+        return await _until_signal_or_part_exit(parts)
+
+
+def _dev_worker(
+    settings: Settings,
+    topology: Topology,
+    engine: AsyncEngine,
+    registry: Any,
+    args: argparse.Namespace,
+    blobs: BlobStore | None,
+    metrics: Metrics,
+    queues: list[str] | None = None,
+) -> Any:
+    """The worker of ``jobplane dev`` (in its own process, or a part of it)."""
+    from jobplane.workers.runtime import Worker
+
+    return Worker(
+        engine,
+        settings.database_url,
+        settings.amqp_url,
+        topology,
+        registry,
+        concurrency=args.concurrency,
+        queues=queues,
+        max_result_bytes=settings.max_payload_bytes,
+        blobs=blobs,
+        inline_bytes=settings.inline_bytes,
+        metrics=metrics,
+    )
+
+
+async def _dev_parts(
+    stack: AsyncExitStack, args: argparse.Namespace, count: int, ops: OpsServer | None
+) -> Any:
+    """Start ``count`` worker parts (jobplane.devparts), stopped with ``stack``."""
+    from jobplane.devparts import Parts, part_command, part_metrics
+
+    listen = ops.listen if ops is not None else None
+    parts = Parts(
+        [
+            part_command(
+                i,
+                parent_pid=os.getpid(),
+                metrics_listen=part_metrics(listen, i),
+                handlers=args.handlers,
+                concurrency=args.concurrency,
+                no_maintenance=args.no_maintenance,
+                ingest=args.ingest or (),
+            )
+            for i in range(count)
+        ]
+    )
+    await _started(stack, parts.start, parts.stop)
+    if ops is not None:
+        ops.add_check("workers", parts.not_ready)
+    return parts
+
+
+async def _until_signal_or_part_exit(parts: Any) -> int:
+    """Until Ctrl-C or SIGTERM (0), or a worker part exits on its own (1)."""
+    signalled = asyncio.ensure_future(_until_signal())
+    exited = asyncio.ensure_future(parts.exited())
+    done, _ = await asyncio.wait({signalled, exited}, return_when=asyncio.FIRST_COMPLETED)
+    for task in (signalled, exited):
+        task.cancel()
+    if exited in done:
+        part, status = exited.result()
+        print(f"error: worker part {part} exited (status {status}); stopping", file=sys.stderr)
+        return 1
+    return 0
+
+
+async def _dev_part(args: argparse.Namespace) -> int:
+    """One worker part of ``jobplane dev --processes N`` (jobplane.devparts)."""
+    from jobplane.devparts import GRACE, parent_gone, part_queues
+    from jobplane.store.engine import create_engine
+
+    settings, topology = _settings_and_topology(log_level="warning")
+    _tracing("jobplane-dev", settings)
+    first = args.worker_part == 0
+    registry = _registry_or_none(args.handlers, demo=True)
+    if registry is None:
+        return 2
+    queues = None
+    ingest = [Path(f) for f in args.ingest or ()]
+    if first:
+        if ingest:
+            registry = _with_ingest(registry, ingest, settings, topology)
+            if registry is None:
+                return 2
+    else:
+        queues = part_queues(topology)
+    engine = create_engine(
+        settings.database_url, pool_size=min(settings.db_pool_size, max(4, args.concurrency))
+    )
+    async with AsyncExitStack() as stack:
+        stack.push_async_callback(engine.dispose)
+        metrics, ops = _ops(settings, args, engine)
+        blobs = _blob_store(settings, stack)
+        if first and not args.no_maintenance:
+            faults = FaultPoints(settings.faults)
+            registry = await _with_maintenance(stack, registry, engine, blobs, settings, faults)
+            if registry is None:
+                return 2
+        worker = _dev_worker(settings, topology, engine, registry, args, blobs, metrics, queues)
+        if ops is not None:
+            ops.add_check("broker", worker.not_ready)
+        await _start_ops(stack, ops)
+        await _started(stack, worker.start, lambda: worker.stop(GRACE))
+        signalled = asyncio.ensure_future(_until_signal())
+        orphaned = asyncio.ensure_future(parent_gone(args.parent_pid or os.getppid()))
+        await asyncio.wait({signalled, orphaned}, return_when=asyncio.FIRST_COMPLETED)
+        for task in (signalled, orphaned):
+            task.cancel()
     return 0
 
 
@@ -1154,10 +1285,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     worker.set_defaults(func=_async(_worker))
 
-    dev = sub.add_parser("dev", help="migrate, then serve + relay + worker in one process")
+    dev = sub.add_parser("dev", help="migrate, then serve + relay + worker in one command")
     dev.add_argument("--tenant", default="dev", help="tenant of the printed API key")
     dev.add_argument("--handlers", help="package.module:registry to load besides the demos")
-    dev.add_argument("--concurrency", type=int, default=8)
+    dev.add_argument("--concurrency", type=int, default=8, help="handlers run at once, per worker")
+    dev.add_argument(
+        "--processes",
+        default="auto",
+        help="1: all in this process; N: server and relay here, workers in N-1 child "
+        "processes; auto (the default): one per CPU, at most 4",
+    )
+    # A worker part of `dev --processes N` (jobplane.devparts); not for users.
+    dev.add_argument("--worker-part", type=int, default=None, help=argparse.SUPPRESS)
+    dev.add_argument("--parent-pid", type=int, default=None, help=argparse.SUPPRESS)
     dev.add_argument("--demo", action="store_true", help="submit a demo job and show it live")
     dev.add_argument("--demo-steps", type=int, default=20)
     dev.add_argument("--ui-listen", help="the dashboard's host:port (off: none; 127.0.0.1:8080)")

@@ -66,6 +66,8 @@ async def dev(database_url: str, vhost_url: str) -> AsyncIterator[Dev]:
         "jobplane",
         "dev",
         "--no-maintenance",
+        "--processes",
+        "1",  # the worker's counts and lines in this one process
         env={
             **os.environ,
             "JOBPLANE_DATABASE_URL": database_url,

@@ -74,6 +74,11 @@ class OpsServer:
         """host:port it listens on (the real port, once started)."""
         return str(ListenAddress(self._address.host, self.port or self._address.port))
 
+    @property
+    def listen(self) -> ListenAddress:
+        """The address as configured (port 0: any free one)."""
+        return self._address
+
     def add_check(self, name: str, check: Check) -> None:
         """``/readyz`` is ready only while ``check`` passes (``name`` says which failed)."""
         self._checks[name] = check

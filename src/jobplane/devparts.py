@@ -1,0 +1,184 @@
+"""``jobplane dev --processes N``: one command, its parts in N processes.
+
+A Python process runs on one core at a time. With ``--processes`` 2 or more
+(``auto``: one per CPU, at most :data:`MOST_AUTO`), ``jobplane dev`` keeps the
+server, the relay (and sweeper) and the dashboard in its own process and runs
+the workers as child processes: part 0 with every handler dev has (the demos,
+``--handlers``, maintenance, ``--ingest``'s stages), parts 1.. with the demos
+and ``--handlers`` on every queue but the ingest stages' own (their
+local-mode index allows one process: :func:`part_queues`). A maintenance job
+a part without its handler receives is handed back to one that has it
+(ADR-0007).
+
+The parts stop with the command: on Ctrl-C or SIGTERM the parent stops its
+workers first (SIGTERM, then SIGKILL after the grace), and a part whose
+parent is gone (killed outright) stops by itself. A part that
+exits on its own ends the command, with its exit status.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from jobplane.config import ListenAddress
+from jobplane.topology import Topology
+
+#: ``--processes auto`` uses one process per CPU, but no more than this.
+MOST_AUTO = 4
+#: The most ``--processes`` takes.
+MOST = 64
+#: Seconds a part has to finish its handlers once asked to stop.
+GRACE = 10.0
+
+
+def resolve_processes(value: str, cpus: int | None = None) -> int:
+    """``--processes``: ``auto`` (one per CPU, 1..:data:`MOST_AUTO`) or 1..:data:`MOST`.
+
+    Anything else raises ValueError saying what is allowed.
+    """
+    raw = value.strip().lower()
+    if raw == "auto":
+        found = os.cpu_count() if cpus is None else cpus
+        return max(1, min(found or 1, MOST_AUTO))
+    if not raw.isascii() or not raw.isdigit() or not 1 <= int(raw) <= MOST:
+        raise ValueError(f"--processes must be auto or a number of 1..{MOST}, not {value!r}")
+    return int(raw)
+
+
+def part_queues(topology: Topology) -> list[str]:
+    """The queues of worker parts 1..: all but the ingest stages' own (a queue bound
+    only to ``ingest.*`` types), which part 0 alone serves."""
+    return [
+        q.name
+        for q in topology.queues
+        if not q.bindings or not all(b.startswith("ingest.") for b in q.bindings)
+    ]
+
+
+def part_metrics(parent: ListenAddress | None, part: int) -> str:
+    """The ``--metrics-listen`` of worker part ``part``: the port after the
+    command's own (and the parts' before it); any free one for port 0; off when
+    the command serves none."""
+    if parent is None:
+        return "off"
+    port = 0 if parent.port == 0 else parent.port + 1 + part
+    host = f"[{parent.host}]" if ":" in parent.host else parent.host
+    return f"{host}:{port}"
+
+
+def part_command(
+    part: int,
+    *,
+    parent_pid: int,
+    metrics_listen: str,
+    handlers: str | None,
+    concurrency: int,
+    no_maintenance: bool,
+    ingest: Sequence[str],
+) -> list[str]:
+    """The command line of worker part ``part`` (``jobplane dev --worker-part``)."""
+    command = [
+        sys.executable,
+        "-m",
+        "jobplane",
+        "dev",
+        "--worker-part",
+        str(part),
+        "--parent-pid",
+        str(parent_pid),
+        "--concurrency",
+        str(concurrency),
+        "--metrics-listen",
+        metrics_listen,
+    ]
+    if handlers:
+        command += ["--handlers", handlers]
+    if no_maintenance:
+        command.append("--no-maintenance")
+    for path in ingest:
+        command += ["--ingest", path]
+    return command
+
+
+@dataclass
+class Parts:
+    """The worker parts of one ``jobplane dev``: started, watched, stopped."""
+
+    commands: list[list[str]]
+    grace: float = GRACE
+    _procs: list[asyncio.subprocess.Process] = field(default_factory=list)
+
+    async def start(self) -> None:
+        """Start every part (their output goes where the command's does)."""
+        for command in self.commands:
+            self._procs.append(await asyncio.create_subprocess_exec(*command))
+
+    @property
+    def pids(self) -> list[int]:
+        """The parts' process ids, in part order."""
+        return [p.pid for p in self._procs]
+
+    def not_ready(self) -> str | None:
+        """A readiness check: None while every part runs, else which one exited."""
+        for i, proc in enumerate(self._procs):
+            if proc.returncode is not None:
+                return f"worker part {i} exited (status {proc.returncode})"
+        return None
+
+    async def exited(self) -> tuple[int, int]:
+        """Wait until a part exits; (its part number, its exit status)."""
+        waits = {asyncio.ensure_future(p.wait()): i for i, p in enumerate(self._procs)}
+        try:
+            done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in waits:
+                task.cancel()
+        first = min(done, key=lambda t: waits[t])
+        return waits[first], first.result()
+
+    async def stop(self) -> None:
+        """SIGTERM every part still running; SIGKILL what is left after the grace."""
+        running = [p for p in self._procs if p.returncode is None]
+        for proc in running:
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(signal.SIGTERM)
+        if not running:
+            return
+        waits = [asyncio.ensure_future(p.wait()) for p in running]
+        _, late = await asyncio.wait(waits, timeout=self.grace)
+        for task in late:
+            task.cancel()
+        for proc in running:
+            if proc.returncode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    proc.kill()
+                await proc.wait()
+
+
+async def parent_gone(parent_pid: int) -> None:
+    """Return once process ``parent_pid`` (this one's parent) has exited.
+
+    A pidfd (Linux) becomes readable when its process exits; where there is
+    none, the parent is checked once a second (a child whose parent died is
+    handed to another).
+    """
+    try:
+        pidfd = os.pidfd_open(parent_pid)
+    except (AttributeError, OSError):  # not Linux, or the parent is gone already
+        while os.getppid() == parent_pid:  # noqa: ASYNC110 - nothing to wait on but time
+            await asyncio.sleep(1.0)
+        return
+    loop = asyncio.get_running_loop()
+    exited = asyncio.Event()
+    loop.add_reader(pidfd, exited.set)
+    try:
+        await exited.wait()
+    finally:
+        loop.remove_reader(pidfd)
+        os.close(pidfd)

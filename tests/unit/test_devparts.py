@@ -1,0 +1,99 @@
+"""`jobplane dev --processes`: how many, and each worker part's command line."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from jobplane.cli import build_parser
+from jobplane.config import ListenAddress
+from jobplane.devparts import (
+    MOST,
+    MOST_AUTO,
+    part_command,
+    part_metrics,
+    part_queues,
+    resolve_processes,
+)
+from jobplane.topology import load_topology
+
+
+@given(st.integers(min_value=0, max_value=512))
+def test_auto_is_one_per_cpu_within_bounds(cpus: int) -> None:
+    assert resolve_processes("auto", cpus=cpus) == max(1, min(cpus, MOST_AUTO))
+    assert resolve_processes(" AUTO ", cpus=cpus) == resolve_processes("auto", cpus=cpus)
+
+
+@given(st.integers(min_value=1, max_value=MOST))
+def test_a_number_in_range_is_taken(n: int) -> None:
+    assert resolve_processes(str(n)) == n
+
+
+@given(st.text().filter(lambda t: t.strip().lower() != "auto"))
+def test_anything_else_is_refused_with_the_rule(value: str) -> None:
+    raw = value.strip()
+    if raw.isascii() and raw.isdigit() and 1 <= int(raw) <= MOST:
+        assert resolve_processes(value) == int(raw)
+        return
+    with pytest.raises(ValueError, match=r"--processes must be auto or a number of 1\.\.64"):
+        resolve_processes(value)
+
+
+def test_zero_and_too_many_are_refused() -> None:
+    for value in ("0", str(MOST + 1), "-1", "2.0", "٣"):
+        with pytest.raises(ValueError, match="--processes must be"):
+            resolve_processes(value)
+
+
+def test_parts_serve_metrics_after_the_commands_port() -> None:
+    assert part_metrics(ListenAddress("127.0.0.1", 9464), 0) == "127.0.0.1:9465"
+    assert part_metrics(ListenAddress("127.0.0.1", 9464), 2) == "127.0.0.1:9467"
+    assert part_metrics(ListenAddress("::1", 9000), 0) == "[::1]:9001"
+    assert part_metrics(ListenAddress("0.0.0.0", 0), 3) == "0.0.0.0:0"
+    assert part_metrics(None, 0) == "off"
+
+
+def test_a_parts_command_line_is_one_the_dev_parser_takes() -> None:
+    command = part_command(
+        1,
+        parent_pid=1234,
+        metrics_listen="off",
+        handlers="pkg.mod:registry",
+        concurrency=16,
+        no_maintenance=True,
+        ingest=["a.pdf", "b.md"],
+    )
+    assert command[:3] == [sys.executable, "-m", "jobplane"]
+    args = build_parser().parse_args(command[3:])
+    assert args.command == "dev"
+    assert (args.worker_part, args.parent_pid, args.concurrency) == (1, 1234, 16)
+    assert args.handlers == "pkg.mod:registry" and args.no_maintenance
+    assert args.ingest == ["a.pdf", "b.md"] and args.metrics_listen == "off"
+    plain = build_parser().parse_args(
+        part_command(
+            0,
+            parent_pid=1,
+            metrics_listen="127.0.0.1:0",
+            handlers=None,
+            concurrency=8,
+            no_maintenance=False,
+            ingest=(),
+        )[3:]
+    )
+    assert plain.handlers is None and not plain.no_maintenance and plain.ingest is None
+
+
+def test_dev_defaults_to_automatic_processes() -> None:
+    assert build_parser().parse_args(["dev"]).processes == "auto"
+    assert build_parser().parse_args(["dev"]).worker_part is None
+
+
+def test_later_parts_leave_the_ingest_stage_queues_to_part_zero() -> None:
+    ingest = load_topology(Path("builtin:ingest"))
+    assert part_queues(ingest) == ["jobplane.default"]
+    plain = load_topology(None)
+    assert part_queues(plain) == [q.name for q in plain.queues]
