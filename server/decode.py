@@ -99,6 +99,21 @@ def _guard(handler: Handler, name: str) -> Handler:
                 yield response
 
         return grpc.unary_stream_rpc_method_handler(
-            unary_stream, tolerant, handler.response_serializer
+            unary_stream, tolerant, _passing_bytes(handler.response_serializer)
         )
     return handler
+
+
+def _passing_bytes(serialize: Callable[[Any], bytes] | None) -> Callable[[Any], bytes] | None:
+    """A streaming method's response serializer that sends ``bytes`` as they are: its
+    handler may yield a message it encoded once for many streams (WatchJob does)."""
+    if serialize is None:
+        return None
+    encode = serialize
+
+    def serialized(response: Any) -> bytes:
+        if type(response) is bytes:
+            return response
+        return encode(response)
+
+    return serialized

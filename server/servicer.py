@@ -7,7 +7,7 @@ import functools
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from datetime import UTC, datetime
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import grpc
 import structlog
@@ -28,6 +28,9 @@ from jobplane.server.events import EventService, PublishRequest
 from jobplane.server.service import JobService, SubmitRequest
 from jobplane.server.status import error_for, to_grpc_status
 from jobplane.v1 import events_pb2, events_pb2_grpc, jobs_pb2, jobs_pb2_grpc
+
+if TYPE_CHECKING:
+    from jobplane.types import JobEvent
 
 Req = TypeVar("Req")
 Resp = TypeVar("Resp")
@@ -84,6 +87,7 @@ class JobServiceServicer(jobs_pb2_grpc.JobServiceServicer):
 
     def __init__(self, service: JobService) -> None:
         self._service = service
+        self._encoded = EncodedEvents()
 
     @_unary
     async def SubmitJob(
@@ -151,17 +155,43 @@ class JobServiceServicer(jobs_pb2_grpc.JobServiceServicer):
     async def RetryJob(self, tenant: uuid.UUID, request: jobs_pb2.RetryJobRequest) -> jobs_pb2.Job:
         return job_to_pb(await self._service.retry(tenant, request.name, request.from_stage))
 
-    async def WatchJob(
+    # Bytes where the stub says WatchJobResponse: the same message on the wire,
+    # encoded once (the server's WatchJob serializer passes bytes through).
+    async def WatchJob(  # type: ignore[override]
         self, request: jobs_pb2.WatchJobRequest, context: Context
-    ) -> AsyncIterator[jobs_pb2.WatchJobResponse]:
+    ) -> AsyncIterator[bytes]:
+        """The job's events, each an encoded ``WatchJobResponse`` (:class:`EncodedEvents`)."""
         if request.name:
             structlog.contextvars.bind_contextvars(job=request.name[:_MAX_LOGGED_ID])
         try:
             tenant = current_identity().tenant_id
             async for event in self._service.watch(tenant, request.name, request.after_seq):
-                yield event_to_pb(event)
+                # Bytes: the server's WatchJob serializer passes them through.
+                yield self._encoded(event)
         except Exception as exc:
             await _abort(context, error_for(exc, "WatchJob"))
+
+
+class EncodedEvents:
+    """Each job event's ``WatchJobResponse``, encoded once for all of its job's streams.
+
+    Events never change once written, and a job's streams take the same event
+    objects from one feed (ADR-0005): the newest ``most`` encodings are kept, by
+    (job name, seq), the oldest dropped first.
+    """
+
+    def __init__(self, most: int = 8192) -> None:
+        self._most = most
+        self._encoded: dict[tuple[str, int], bytes] = {}
+
+    def __call__(self, event: JobEvent) -> bytes:
+        key = (event.name, event.seq)
+        found = self._encoded.get(key)
+        if found is None:
+            found = self._encoded[key] = event_to_pb(event).SerializeToString()
+            if len(self._encoded) > self._most:
+                del self._encoded[next(iter(self._encoded))]
+        return found
 
 
 class EventServiceServicer(events_pb2_grpc.EventServiceServicer):
