@@ -21,33 +21,12 @@ import pytest
 
 from jobplane.client import JobState
 from jobplane.console import SERVER_COMMANDS
+from tests.support.sdk_modules import SERVER_MODULES
 from tests.support.sdk_venv import lowest_pins, sdk_python
 from tests.support.stack import Stack
 from tests.support.wheel import built_wheel
 
 PROGRAM = Path(__file__).parent / "sdk_only" / "program.py"
-# What a service calling the API must never load (the contract's list, and
-# what they bring).
-SERVER_MODULES = (
-    "sqlalchemy",
-    "asyncpg",
-    "aio_pika",
-    "aiormq",
-    "pamqp",
-    "alembic",
-    "structlog",
-    "rich",
-    "uvloop",
-    "aioboto3",
-    "botocore",
-    "prometheus_client",
-    "opentelemetry",
-    "jinja2",
-    "aiohttp",
-    "grpc_health",
-    "grpc_reflection",
-    "qdrant_client",
-)
 
 
 @pytest.fixture(scope="module")
