@@ -258,7 +258,6 @@ async def _dashboard(
 ) -> Any:
     """Start the dashboard on ``listen`` (stopped with ``stack``); a taken port is a
     ConfigError naming ``setting``."""
-    from jobplane.config import parse_networks
     from jobplane.dashboard import Dashboard
 
     ui = Dashboard(
@@ -269,9 +268,7 @@ async def _dashboard(
         session_seconds=settings.ui_session_seconds,
         secure_cookie=settings.ui_secure_cookie,
         origin=settings.ui_origin,
-        trusted_proxies=parse_networks(
-            ",".join(settings.ui_trusted_proxies), name="JOBPLANE_UI_TRUSTED_PROXIES"
-        ),
+        trusted_proxies=settings.ui_trusted_proxies,
     )
     await ui.start()
     # Before the server's stop: open pages end while the feeds still serve.

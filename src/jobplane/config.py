@@ -141,7 +141,7 @@ class Settings:
     #: when set, a form's ``Origin`` must be exactly it.
     ui_origin: str | None = None
     #: Proxies (addresses or CIDR networks) whose X-Forwarded-For names the client.
-    ui_trusted_proxies: tuple[str, ...] = ()
+    ui_trusted_proxies: tuple[Network, ...] = ()
 
     def ui_address(self, default: str | None) -> str | None:
         """Where the dashboard listens: the setting, else ``default``; None when off."""
@@ -423,11 +423,12 @@ def _with_dashboard(env: Mapping[str, str], base: Settings) -> Settings:
     origin = env.get("JOBPLANE_UI_ORIGIN", "").strip() or None
     if origin is not None:
         origin = parse_origin(origin, name="JOBPLANE_UI_ORIGIN")
-    proxies = env.get("JOBPLANE_UI_TRUSTED_PROXIES", "").strip()
-    parse_networks(proxies, name="JOBPLANE_UI_TRUSTED_PROXIES")
+    proxies = parse_networks(
+        env.get("JOBPLANE_UI_TRUSTED_PROXIES", ""), name="JOBPLANE_UI_TRUSTED_PROXIES"
+    )
     return replace(
         base,
-        ui_trusted_proxies=tuple(p.strip() for p in proxies.split(",") if p.strip()),
+        ui_trusted_proxies=proxies,
         ui_origin=origin,
         ui_listen=listen,
         ui_secret=secret_text.encode() if secret_text else None,
