@@ -327,6 +327,7 @@ class AsyncClient:
         deadline = loop.time() + (timeout or _UNBOUNDED_CALL_BUDGET)
         backoff = Backoff(_UNARY_RETRY)
         limited = 0
+        refused: grpc.aio.AioRpcError | None = None
         while True:
             remaining = deadline - loop.time()
             try:
@@ -338,8 +339,13 @@ class AsyncClient:
             except grpc.aio.AioRpcError as exc:
                 if not repeatable or self._closed:
                     raise error_from_rpc(exc) from exc
+                if refused is not None and exc.code() is grpc.StatusCode.DEADLINE_EXCEEDED:
+                    # The budget ran out in a repeat of a refused call (one
+                    # still connecting, say): why it failed is the refusal.
+                    raise error_from_rpc(refused) from exc
                 delay: float | None
                 if is_retryable(exc):
+                    refused = exc
                     delay = backoff.failure()
                 else:
                     error = error_from_rpc(exc)

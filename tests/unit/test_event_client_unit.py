@@ -26,6 +26,7 @@ from jobplane.client import (
     EventSubscription,
     InternalError,
     InvalidArgument,
+    JobplaneError,
     RetryPolicy,
     SubscribedEvent,
     TenantLimitExceeded,
@@ -399,6 +400,30 @@ async def test_publish_deadline_is_the_calls_own() -> None:
             await client.publish("a.b", timeout=0.3)
     finally:
         await client.close()
+
+
+async def test_a_budget_spent_repeating_a_refused_call_says_why_it_was_refused() -> None:
+    # Refused, then the repeat still connecting when the call's deadline passes.
+    stub = FakeEventStub(
+        unavailable(), rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
+    )
+    client = with_stub(stub)
+    try:
+        with pytest.raises(Unavailable):
+            await client.publish("a.b", timeout=5)
+    finally:
+        await client.close()
+    assert len(stub.requests) == 2
+    # A deadline with nothing refused before it is the deadline.
+    stub = FakeEventStub(rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded"))
+    client = with_stub(stub)
+    try:
+        with pytest.raises(JobplaneError) as raised:
+            await client.publish("a.b", timeout=5)
+    finally:
+        await client.close()
+    assert not isinstance(raised.value, Unavailable)
+    assert raised.value.code is grpc.StatusCode.DEADLINE_EXCEEDED
 
 
 def test_sync_publish_returns_the_event() -> None:
