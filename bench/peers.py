@@ -116,6 +116,12 @@ class Outcome:
     rate: float
     cpu_ms: float
     by_process: dict[str, float] = field(default_factory=dict)
+    window_ms: float = 0.0  # the CPU readings' window, per job
+
+    @property
+    def others_cores(self) -> float:
+        """How many CPUs whatever else ran on the machine kept busy meanwhile, on average."""
+        return (self.cpu_ms - self.attributed_ms) / self.window_ms if self.window_ms else 0.0
 
     @property
     def attributed_ms(self) -> float:
@@ -157,9 +163,11 @@ async def measure(bench: Bench, arm: Arm, jobs: int) -> Outcome:
         if arm.clear:
             await conn.execute(arm.clear)
         machine_before, by_before = procstat.machine_busy_seconds(), cpu_seconds(bench)
+        began = time.monotonic()
         job = asyncio.create_task(arm.submit(jobs, bench.args.clients, False))
         await _until(conn, arm, jobs, job, arm.params)
         machine_after, by_after = procstat.machine_busy_seconds(), cpu_seconds(bench)
+        window = time.monotonic() - began
         first, callers_cpu = await job
         last = float(await conn.fetchval(arm.last, *arm.params))
     finally:
@@ -170,9 +178,8 @@ async def measure(bench: Bench, arm: Arm, jobs: int) -> Outcome:
     }
     if callers_cpu is not None:
         by_process["peer callers"] = callers_cpu * 1000 / jobs
-    return Outcome(
-        jobs / (last - first), (machine_after - machine_before) * 1000 / jobs, by_process
-    )
+    machine = (machine_after - machine_before) * 1000 / jobs
+    return Outcome(jobs / (last - first), machine, by_process, window * 1000 / jobs)
 
 
 async def _callers(bench: Bench, name: str, argv: list[str], env: dict[str, str]) -> Any:
@@ -377,7 +384,7 @@ def _table(outcomes: dict[str, list[Outcome]]) -> str:
     """The arms round by round, and where their CPU went (the rounds' mean)."""
     from bench.run import columns
 
-    rows = [("arm", "jobs/s", "CPU ms/job: machine", "ours", "by process (mean)")]
+    rows = [("arm", "jobs/s", "CPU ms/job: machine", "ours", "others' CPUs", "by process (mean)")]
     for arm in ARMS:
         runs = outcomes[arm]
         by_process: dict[str, float] = {}
@@ -390,6 +397,7 @@ def _table(outcomes: dict[str, list[Outcome]]) -> str:
                 " / ".join(f"{r.rate:,.1f}" for r in runs),
                 " / ".join(f"{r.cpu_ms:.2f}" for r in runs),
                 " / ".join(f"{r.attributed_ms:.2f}" for r in runs),
+                " / ".join(f"{r.others_cores:.2f}" for r in runs),
                 ", ".join(f"{n} {ms:.2f}" for n, ms in sorted(by_process.items()) if ms >= 0.01),
             )
         )
@@ -422,7 +430,9 @@ async def fig_peers(bench: Bench) -> None:
                     outcomes[name].append(outcome)
                     print(
                         f"peers, round {round_}: {name} {outcome.rate:,.1f} jobs/s, "
-                        f"{outcome.cpu_ms:.2f} ms CPU per job (machine)",
+                        f"{outcome.cpu_ms:.2f} ms CPU per job (machine), "
+                        f"{outcome.attributed_ms:.2f} ms (its processes, Postgres, RabbitMQ); "
+                        f"the rest of the machine kept {outcome.others_cores:.2f} CPUs busy",
                         file=sys.stderr,
                     )
     finally:
@@ -457,8 +467,14 @@ async def fig_peers(bench: Bench) -> None:
             )
         )
         cpus = [round(o.cpu_ms, 2) for o in outcomes[arm]]
+        others = [round(o.others_cores, 2) for o in outcomes[arm]]
         bench.add(
-            Figure(f"peers_{key}_cpu_per_job_machine", cpu[arm], "ms", {**config, "by_round": cpus})
+            Figure(
+                f"peers_{key}_cpu_per_job_machine",
+                cpu[arm],
+                "ms",
+                {**config, "by_round": cpus, "others_cpus_by_round": others},
+            )
         )
         ours = [round(o.attributed_ms, 2) for o in outcomes[arm]]
         bench.add(
