@@ -13,7 +13,9 @@ the next):
 - ``procrastinate``: Procrastinate 3, 2 worker processes of concurrency 16,
   a database of its own. Callers: tasks awaiting ``defer_async()`` in a
   process of its virtualenv.
-- ``jobplane dev``: the one ``jobplane dev`` process (server, relay, worker).
+- ``jobplane dev``: ``jobplane dev --processes P`` (``--peer-dev-processes``; its
+  default, auto, is one process per CPU: server and relay in one, workers in
+  the others, counted as the dev process's tree).
 - ``jobplane split``: ``serve``, ``relay`` and ``worker`` as processes of their own.
   Callers for both: the SDK from this process.
 
@@ -365,6 +367,8 @@ class Peers:
             str(bench.args.concurrency),
             "--ui-listen",
             "off",
+            "--processes",
+            bench.args.peer_dev_processes,
         )
         await bench.ready()
 
@@ -451,7 +455,10 @@ async def fig_peers(bench: Bench) -> None:
             "workers": PROCRASTINATE_WORKERS,
             "concurrency": PROCRASTINATE_CONCURRENCY,
         },
-        "jobplane dev": {"processes": 1, "worker_concurrency": bench.args.concurrency},
+        "jobplane dev": {
+            "processes": bench.args.peer_dev_processes,
+            "worker_concurrency": bench.args.concurrency,
+        },
         "jobplane split": _procs(bench),
     }
     cpu = {arm: statistics.median(o.cpu_ms for o in outcomes[arm]) for arm in ARMS}

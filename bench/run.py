@@ -1223,6 +1223,11 @@ async def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--peer-rounds", type=int, default=2, help="rounds of --only peers, order reversed each"
     )
+    parser.add_argument(
+        "--peer-dev-processes",
+        default="auto",
+        help="--processes of the jobplane dev arm of --only peers (1: all in one)",
+    )
     parser.add_argument("--ingest-docs", type=int, default=40, help="documents of --only ingest")
     parser.add_argument("--ingest-words", type=int, default=3000, help="words per document")
     parser.add_argument(
