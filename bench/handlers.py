@@ -26,6 +26,13 @@ for _round in range(1, 10):
         registry.add(f"bench.noop_metrics_{_state}_{_round}", noop)
 
 
+# The jobplane arms of --only peers (bench/peers.py), each round and its warm-up.
+for _round in range(1, 10):
+    for _kind in ("dev", "split"):
+        registry.add(f"bench.noop_peers_{_kind}_{_round}", noop)
+        registry.add(f"bench.noop_peers_{_kind}_{_round}_warmup", noop)
+
+
 # The stages of the three-stage no-op pipeline (bench/pipeline.toml), and
 # the single-stage job it is measured beside.
 registry.add("bench.noop_single", noop)

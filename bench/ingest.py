@@ -37,8 +37,7 @@ async def fig_ingest(bench: Bench) -> None:
     docs, words = bench.args.ingest_docs, bench.args.ingest_words
     if not bench.s3_env:
         await asyncio.to_thread(bench.use_s3)  # $JOBPLANE_S3_URL, else a moto_server
-    for name in list(bench.procs):
-        await bench.stop(name)
+    await bench.stop_all()
     saved = dict(bench.extra_env)
     bench.extra_env = {
         **saved,
@@ -136,7 +135,6 @@ async def fig_ingest(bench: Bench) -> None:
     finally:
         await store.close()
         await engine.dispose()
-        for name in list(bench.procs):
-            await bench.stop(name)
+        await bench.stop_all()
         bench.extra_env = saved
         await bench.start_all()

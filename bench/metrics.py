@@ -18,7 +18,6 @@ import time
 import urllib.request
 from typing import TYPE_CHECKING
 
-from jobplane.client import AsyncClient
 from tests.faults.cluster import free_port
 
 if TYPE_CHECKING:
@@ -31,8 +30,7 @@ TARGET = 0.95
 
 async def _start(bench: Bench, metrics: bool) -> list[int]:
     """Server, relay and workers, with metrics on or off; the ops ports when on."""
-    for name in list(bench.procs):
-        await bench.stop(name)
+    await bench.stop_all()
     ports: list[int] = []
 
     def listen() -> list[str]:
@@ -53,11 +51,7 @@ async def _start(bench: Bench, metrics: bool) -> list[int]:
             str(bench.args.concurrency),
             *listen(),
         )
-    async with AsyncClient(bench.address, bench.key) as client:
-        from bench.run import wait_ready
-
-        await wait_ready(client)
-    await asyncio.sleep(1.0)  # workers declare and consume
+    await bench.ready()
     return ports
 
 

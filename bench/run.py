@@ -10,7 +10,10 @@ machine: these are measurements, not tests.
     python -m bench.run [--jobs N] [--clients C] [--workers W] [--concurrency K]
                         [--watchers N] [--seconds S] [--blob-mib M] [--only NAME ...]
                         [--only ingest --ingest-docs N --ingest-words W]
+                        [--only peers --peer-jobs N --peer-rounds R]
 
+``--only peers`` runs the same no-op workload on Celery and Procrastinate, each in
+a virtualenv of its own, beside ``jobplane dev`` and the separate processes (bench/peers.py).
 ``--only metrics`` compares throughput with metrics off and on (bench/metrics.py).
 ``--only blobs`` measures a blob's upload and download through jobplane
 beside the S3 server's own figures ($JOBPLANE_S3_URL, else a moto_server).
@@ -28,7 +31,7 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -38,6 +41,7 @@ import asyncpg
 import grpc
 from sqlalchemy import text
 
+from bench import procstat
 from bench.blobs import MiB, s3_env, straight_to_s3, through_jobplane, write_file
 from jobplane import broker
 from jobplane.blobs.store import PART_BYTES
@@ -120,6 +124,8 @@ class Bench:
         self.workdir = Path(tempfile.mkdtemp(prefix="jobplane-bench-"))
         self.procs: dict[str, asyncio.subprocess.Process] = {}
         self.figures: list[Figure] = []
+        # Lines printed after the table (e.g. the peers' arms and targets).
+        self.notes: list[str] = []
         # Set for the processes started next (e.g. lifecycle events off).
         self.extra_env: dict[str, str] = {}
         # The S3 server of the blob figures: $JOBPLANE_S3_URL's, else a moto_server.
@@ -176,27 +182,50 @@ class Bench:
             **self.extra_env,
         }
 
-    async def start(self, name: str, *args: str) -> asyncio.subprocess.Process:
-        """Start `jobplane ARGS` as process ``name``."""
+    async def spawn(
+        self,
+        name: str,
+        argv: list[str],
+        env: dict[str, str] | None = None,
+        *,
+        pipe: bool = False,
+    ) -> asyncio.subprocess.Process:
+        """Start ``argv`` as process ``name`` (its output in the run's log of that
+        name; with ``pipe``, its stdin and stdout are pipes instead). It is
+        stopped with ``stop`` or killed at the end of the run."""
         log = (self.workdir / f"{name}.log").open("ab")
         proc = await asyncio.create_subprocess_exec(
-            sys.executable,
-            "-m",
-            "jobplane",
-            *args,
-            env=self.env,
+            *argv,
+            env=self.env if env is None else env,
             cwd=ROOT,
-            stdout=log,
+            stdin=asyncio.subprocess.PIPE if pipe else None,
+            stdout=asyncio.subprocess.PIPE if pipe else log,
             stderr=log,
         )
         self.procs[name] = proc
         return proc
 
+    async def start(self, name: str, *args: str) -> asyncio.subprocess.Process:
+        """Start `jobplane ARGS` as process ``name``."""
+        return await self.spawn(name, [sys.executable, "-m", "jobplane", *args])
+
     async def stop(self, name: str) -> None:
         """SIGTERM process ``name`` and wait for it."""
         proc = self.procs.pop(name)
-        proc.terminate()
+        if proc.returncode is None:
+            proc.terminate()
         await proc.wait()
+
+    async def stop_all(self) -> None:
+        """Stop every process this run started and still runs."""
+        for name in list(self.procs):
+            await self.stop(name)
+
+    async def ready(self) -> None:
+        """Once the server answers and the workers have had time to consume."""
+        async with AsyncClient(self.address, self.key) as client:
+            await wait_ready(client)
+        await asyncio.sleep(1.0)  # workers declare and consume
 
     async def start_all(self) -> None:
         """Server, relay and the workers; returns when the server answers."""
@@ -211,9 +240,7 @@ class Bench:
                 "--concurrency",
                 str(self.args.concurrency),
             )
-        async with AsyncClient(self.address, self.key) as client:
-            await wait_ready(client)
-        await asyncio.sleep(1.0)  # workers declare and consume
+        await self.ready()
 
     async def sql(self, query: str, *params: Any) -> list[asyncpg.Record]:
         conn = await asyncpg.connect(asyncpg_dsn(self.database_url))
@@ -299,8 +326,7 @@ async def fig_lifecycle_cost(bench: Bench) -> None:
         order = ("off", "on") if round_ % 2 else ("on", "off")
         rates: dict[str, float] = {}
         for state in order:
-            for name in list(bench.procs):
-                await bench.stop(name)
+            await bench.stop_all()
             bench.extra_env = {"JOBPLANE_LIFECYCLE_EVENTS": "0"} if state == "off" else {}
             await bench.start_all()
             cpu_before = cpu_seconds(bench)
@@ -454,8 +480,7 @@ async def fig_pipeline(bench: Bench) -> None:
     job's submit → start, a pipeline's submit → last stage start, and the
     stage handoff (a stage's commit → the next stage's start).
     """
-    for name in list(bench.procs):
-        await bench.stop(name)
+    await bench.stop_all()
     bench.extra_env = {"JOBPLANE_TOPOLOGY": str(PIPELINE_TOPOLOGY)}
     await bench.start_all()
     try:
@@ -541,8 +566,7 @@ async def fig_pipeline(bench: Bench) -> None:
                 )
             )
     finally:
-        for name in list(bench.procs):
-            await bench.stop(name)
+        await bench.stop_all()
         bench.extra_env = {}
         await bench.start_all()
 
@@ -1121,33 +1145,18 @@ def _procs(bench: Bench) -> dict[str, Any]:
 
 
 def cpu_seconds(bench: Bench) -> dict[str, float]:
-    """CPU seconds used so far, by component: our processes, Postgres, RabbitMQ.
+    """CPU seconds used so far, by component: our processes (with their children,
+    e.g. a prefork pool's), Postgres, RabbitMQ.
 
     Postgres backends that exit take their time with them; the benchmark keeps
     its connections open while measuring, so that loss is small.
     """
     ours = {proc.pid: name.rstrip("0123456789") for name, proc in bench.procs.items()}
+    trees = list(ours)
     ours[os.getpid()] = "bench client"
     tick = os.sysconf("SC_CLK_TCK")
-    totals: dict[str, float] = collections.defaultdict(float)
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        comm = stat[stat.index("(") + 1 : stat.rindex(")")]
-        fields = stat[stat.rindex(")") + 2 :].split()
-        used = (int(fields[11]) + int(fields[12])) / tick
-        pid = int(entry.name)
-        if pid in ours:
-            totals[ours[pid]] += used
-        elif comm == "postgres":
-            totals["postgres"] += used
-        elif comm in ("beam.smp", "erl_child_setup", "epmd"):
-            totals["rabbitmq"] += used
-    return dict(totals)
+    used = procstat.by_component(procstat.read_processes(), ours, trees)
+    return {name: jiffies / tick for name, jiffies in used.items()}
 
 
 def _rss_kib(pid: int) -> float:
@@ -1163,7 +1172,12 @@ def table(figures: list[Figure]) -> str:
     for f in figures:
         ratio = "" if f.ratio is None else f"{f.ratio:.2f} of {f.floor}"
         rows.append((f.name, f"{f.value:,.1f}", f.unit, ratio))
-    width = [max(len(r[i]) for r in rows) for i in range(4)]
+    return columns(rows)
+
+
+def columns(rows: Sequence[Sequence[str]]) -> str:
+    """``rows`` as left-aligned columns, two spaces apart."""
+    width = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, width, strict=True)) for r in rows)
 
 
@@ -1200,7 +1214,19 @@ async def main(argv: list[str] | None = None) -> int:
             "tracing",
             "metrics",
             "ui",
+            "peers",
         ],
+    )
+    parser.add_argument(
+        "--peer-jobs", type=int, default=3000, help="no-op jobs per arm of --only peers"
+    )
+    parser.add_argument(
+        "--peer-rounds", type=int, default=2, help="rounds of --only peers, order reversed each"
+    )
+    parser.add_argument(
+        "--peer-dev-processes",
+        default="auto",
+        help="--processes of the jobplane dev arm of --only peers (1: all in one)",
     )
     parser.add_argument("--ingest-docs", type=int, default=40, help="documents of --only ingest")
     parser.add_argument("--ingest-words", type=int, default=3000, help="words per document")
@@ -1242,6 +1268,10 @@ async def main(argv: list[str] | None = None) -> int:
             await fig_open_loop(bench, rate / 2)
         if want("pipeline"):
             await fig_pipeline(bench)
+        if want("peers"):
+            from bench.peers import fig_peers
+
+            await fig_peers(bench)
         if args.only and "ingest" in args.only:  # not by default: needs S3 and Qdrant
             from bench.ingest import fig_ingest
 
@@ -1267,6 +1297,8 @@ async def main(argv: list[str] | None = None) -> int:
             print(figure.line())
         print()
         print(table(bench.figures))
+        for note in bench.notes:
+            print(note)
     return 0
 
 

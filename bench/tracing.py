@@ -38,8 +38,7 @@ async def fig_tracing(bench: Bench) -> None:
             order = ("off", "on") if round_ % 2 else ("on", "off")
             rates: dict[str, float] = {}
             for state in order:
-                for name in list(bench.procs):
-                    await bench.stop(name)
+                await bench.stop_all()
                 bench.extra_env = (
                     {
                         "OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint,
@@ -62,8 +61,7 @@ async def fig_tracing(bench: Bench) -> None:
                 f"{rates['off']:,.1f} off: ratio {ratios[-1]:.3f}",
                 file=sys.stderr,
             )
-        for name in list(bench.procs):
-            await bench.stop(name)  # SIGTERM: the last spans are flushed at exit
+        await bench.stop_all()  # SIGTERM: the last spans are flushed at exit
         spans = len(receiver.snapshot())
     bench.extra_env = {}
     await bench.start_all()
