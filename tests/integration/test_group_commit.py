@@ -1,0 +1,158 @@
+"""Group commit (ADR-0027): many claims, or many outcomes, in one statement.
+
+Each row of a group is fenced on its own, and gets what it would have got
+alone: one refused row changes nothing of itself and nothing of the others.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import replace
+from typing import Any
+
+import pytest
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from jobplane.client import JobState
+from jobplane.store.attempts import Attempt, AttemptStore, ClaimStatus
+from jobplane.topology import Topology
+from tests.support.stack import Stack, start_stack
+
+
+@pytest.fixture
+async def bare(
+    engine: AsyncEngine, database_url: str, amqp_url: str, topology: Topology
+) -> AsyncIterator[Stack]:
+    """A server alone: the test claims and writes as a worker would."""
+    stack = await start_stack(engine, database_url, amqp_url, topology, relay=False, worker=False)
+    yield stack
+    await stack.close()
+
+
+async def _history(stack: Stack, job_id: str) -> list[Any]:
+    """What the job's transitions wrote: its events, domain events and outbox rows,
+    without what differs from job to job (ids, times)."""
+    params = {"id": uuid.UUID(job_id)}
+    events = await stack.scalar(
+        "SELECT jsonb_agg(jsonb_build_array(seq, type, state, attempt, progress, message, data) "
+        "ORDER BY seq) FROM job_events WHERE job_id = :id",
+        **params,
+    )
+    domain = await stack.scalar(
+        "SELECT coalesce(jsonb_agg(jsonb_build_array(event_type, causation_id IS NULL, "
+        "payload - 'name' - 'job_id' - 'next_attempt_time' - 'labels') ORDER BY seq), '[]') "
+        "FROM events WHERE job_id = :id",
+        **params,
+    )
+    outbox = await stack.scalar(
+        "SELECT jsonb_agg(jsonb_build_array(kind, routing_key, headers, published_at IS NULL, "
+        "available_at > now() + interval '30 seconds') ORDER BY available_at) "
+        "FROM outbox WHERE job_id = :id",
+        **params,
+    )
+    return [events, domain, outbox]
+
+
+async def test_one_statement_claims_a_group_and_refuses_only_its_stale_duplicate_and_cancelled(
+    bare: Stack,
+) -> None:
+    client = bare.client()
+    store = AttemptStore(bare.engine, lease_seconds=30.0)
+    jobs = [await client.submit("demo.echo", {"n": n}) for n in range(5)]
+    envelopes = [await bare.envelope(j.id) for j in jobs]
+    # jobs[3]: cancelled while queued. jobs[4]: its current dispatch is newer
+    # than the message (a retry's), so the message is stale.
+    await client.cancel(jobs[3].name)
+    stale = replace(envelopes[4], event_id=uuid.uuid4())
+    group = [*envelopes[:3], envelopes[0], envelopes[3], stale]
+    # What a claim alone writes, for comparison.
+    single = await client.submit("demo.echo", {"n": 0})
+    assert (await store.claim(await bare.envelope(single.id), worker="w")).attempt is not None
+    alone = await _history(bare, single.id)
+
+    results = await store.claim_many([store.claim_request(e, worker="w") for e in group])
+
+    claimed = [r for r in results if r is not None]
+    assert [r.status for r in claimed] == [ClaimStatus.CLAIMED] * 3
+    assert [r.attempt.job_id for r in claimed if r.attempt] == [e.job_id for e in envelopes[:3]]
+    assert results[3:] == [None, None, None]
+    # The refused are told why, as a claim of their own would have been.
+    refused = [await store.refused_claim(store.claim_request(e)) for e in group[3:]]
+    assert [r.status for r in refused] == [
+        ClaimStatus.IN_FLIGHT,  # the duplicate: the first copy holds a live lease
+        ClaimStatus.FINISHED,
+        ClaimStatus.STALE,
+    ]
+    for job in jobs[:3]:
+        got = await client.get(job.name)
+        assert got.state is JobState.RUNNING and got.attempt == 1
+        assert await _history(bare, job.id) == alone
+    assert (await client.get(jobs[4].name)).state is JobState.QUEUED
+    assert (await client.get(jobs[4].name)).attempt == 0
+    # Each claimed attempt owns its job: its own token, its own outcome.
+    for result in claimed:
+        assert result.attempt is not None
+        await store.succeed(result.attempt, {"ok": True})
+    assert {(await client.get(j.name)).state for j in jobs[:3]} == {JobState.SUCCEEDED}
+
+
+async def test_one_fenced_out_outcome_leaves_the_others_of_its_group_committed(
+    bare: Stack,
+) -> None:
+    client = bare.client()
+    store = AttemptStore(bare.engine, lease_seconds=30.0)
+    jobs = [await client.submit("demo.echo", {"n": n}) for n in range(5)]
+    attempts: list[Attempt] = []
+    for job in jobs:
+        claim = await store.claim(await bare.envelope(job.id))
+        assert claim.attempt is not None
+        attempts.append(claim.attempt)
+    forged = replace(attempts[4], lease_token=uuid.uuid4())
+    # The same outcomes written one at a time, for comparison.
+    singles = [await client.submit("demo.echo", {"n": n}) for n in range(4)]
+    alone = []
+    for job, write in zip(
+        singles,
+        [
+            lambda a: store.succeed(a, {"k": 0}),
+            lambda a: store.fail(a, "BROKEN", "broken", retryable=False),
+            lambda a: store.schedule_retry(a, "AGAIN", "again", delay=60),
+            lambda a: store.succeed(a, {"k": 3}),
+        ],
+        strict=True,
+    ):
+        claim = await store.claim(await bare.envelope(job.id))
+        assert claim.attempt is not None
+        await write(claim.attempt)
+        alone.append(await _history(bare, job.id))
+    outcomes = [
+        store.succeeded(attempts[0], {"k": 0}),
+        store.failed(attempts[1], "BROKEN", "broken", retryable=False),
+        store.retried(attempts[2], "AGAIN", "again", delay=60),
+        store.succeeded(attempts[3], {"k": 3}),
+        store.succeeded(forged, {"k": "forged"}),
+    ]
+
+    done = await store.finish_many(outcomes)
+
+    assert done == [True, True, True, True, False]
+    states = [(await client.get(j.name)) for j in jobs]
+    assert [s.state for s in states] == [
+        JobState.SUCCEEDED,
+        JobState.FAILED,
+        JobState.QUEUED,
+        JobState.SUCCEEDED,
+        JobState.RUNNING,
+    ]
+    assert states[0].result == {"k": 0} and states[3].result == {"k": 3}
+    assert states[1].error.code == "BROKEN"
+    # Each row wrote what it writes alone: its events, its lifecycle event,
+    # the retry's next dispatch.
+    assert [await _history(bare, j.id) for j in jobs[:4]] == alone
+    assert len(alone[2][2]) == 2  # the retry's dispatch, due in a minute
+    # The fenced-out row wrote nothing.
+    assert len((await _history(bare, jobs[4].id))[0]) == 2
+    # The owner of the fenced-out row is unaffected: it ends its job itself.
+    assert await store.finish_many([store.succeeded(attempts[4], {"k": 4})]) == [True]
+    assert (await client.get(jobs[4].name)).result == {"k": 4}
