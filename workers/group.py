@@ -226,7 +226,15 @@ class Acks:
             for tag, message in list(known.items()):
                 if self.settled(message):
                     del known[tag]
-            to_ack = {m.delivery_tag: m for m in group if not self.settled(m) and m.delivery_tag}
+            # Only deliveries known outstanding on this channel take part in
+            # the plan; any other is acked alone.
+            to_ack: dict[int, AbstractIncomingMessage] = {}
+            for message in group:
+                tag = message.delivery_tag or 0
+                if known.get(tag) is message and not self.settled(message):
+                    to_ack[tag] = message
+                else:
+                    await self._ack_one(message)
             upto, singles = plan_acks(known.keys(), to_ack.keys())
             if upto is not None:
                 carrier = to_ack[upto]
