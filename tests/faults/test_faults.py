@@ -83,6 +83,14 @@ async def test_sigkill_workers_mid_handler_during_a_200_job_run(cluster: Cluster
     assert sum(w.starts for w in workers) >= 5  # the kills happened
 
 
+async def _each_ran_once(cluster: Cluster, jobs: int) -> None:
+    rows = await cluster.query(
+        "SELECT job_id, count(*) AS runs FROM fault_completions GROUP BY job_id"
+    )
+    assert len(rows) == jobs
+    assert {r["runs"] for r in rows} == {1}
+
+
 async def test_sigkill_after_outcome_commit_before_ack(cluster: Cluster) -> None:
     await cluster.server()
     await cluster.relay()
@@ -95,11 +103,7 @@ async def test_sigkill_after_outcome_commit_before_ack(cluster: Cluster) -> None
         await cluster.wait_all_terminal(names)
         await cluster.check(names)
         # The redelivered message of the crashed job was acked without a run.
-        rows = await cluster.query(
-            "SELECT job_id, count(*) AS runs FROM fault_completions GROUP BY job_id"
-        )
-        assert len(rows) == 10
-        assert {r["runs"] for r in rows} == {1}
+        await _each_ran_once(cluster, 10)
 
 
 async def test_sigkill_after_a_group_commit_before_its_acks(cluster: Cluster) -> None:
@@ -132,11 +136,7 @@ async def test_sigkill_after_a_group_commit_before_its_acks(cluster: Cluster) ->
         await cluster.wait_all_terminal(names)
         await cluster.check(names)
         # Their redelivered messages were acked without a run.
-        rows = await cluster.query(
-            "SELECT job_id, count(*) AS runs FROM fault_completions GROUP BY job_id"
-        )
-        assert len(rows) == 16
-        assert {r["runs"] for r in rows} == {1}
+        await _each_ran_once(cluster, 16)
 
 
 async def test_sigkill_relay_between_confirm_and_mark(cluster: Cluster) -> None:

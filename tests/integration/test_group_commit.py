@@ -16,7 +16,7 @@ import pytest
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from jobplane.client import JobState
+from jobplane.client import Job, JobState
 from jobplane.faults import FaultPoints, InjectedFault
 from jobplane.store.attempts import Attempt, AttemptStore, ClaimStatus
 from jobplane.topology import Topology
@@ -26,11 +26,11 @@ from tests.support.stack import Stack, eventually, start_stack
 
 
 @pytest.fixture
-async def bare(
+async def idle(
     engine: AsyncEngine, database_url: str, amqp_url: str, topology: Topology
 ) -> AsyncIterator[Stack]:
-    """A server alone: the test claims and writes as a worker would."""
-    stack = await start_stack(engine, database_url, amqp_url, topology, relay=False, worker=False)
+    """A server and a relay: the test starts the worker once the messages wait."""
+    stack = await start_stack(engine, database_url, amqp_url, topology, worker=False)
     yield stack
     await stack.close()
 
@@ -176,43 +176,44 @@ def _counting(runs: list[str], gate: asyncio.Event | None = None) -> Registry:
     return registry
 
 
-async def _all_published(stack: Stack) -> bool:
-    return bool(
-        await stack.scalar(
-            "SELECT count(*) = 0 FROM outbox WHERE kind = 'job.dispatch' AND published_at IS NULL"
+async def _queued(stack: Stack, count: int) -> list[Job]:
+    """``count`` jobs submitted, their messages all waiting in the queue."""
+    client = stack.client()
+    jobs = [await client.submit("group.op", {"n": n}) for n in range(count)]
+
+    async def published() -> bool:
+        unpublished = await stack.scalar(
+            "SELECT count(*) FROM outbox WHERE kind = 'job.dispatch' AND published_at IS NULL"
         )
-    )
+        return bool(unpublished == 0)
+
+    await eventually(published)
+    return jobs
 
 
 async def test_a_worker_claims_concurrent_deliveries_in_one_group_refusing_only_the_bad_ones(
-    engine: AsyncEngine, database_url: str, amqp_url: str, topology: Topology
+    idle: Stack, amqp_url: str, topology: Topology
 ) -> None:
     runs: list[str] = []
-    stack = await start_stack(engine, database_url, amqp_url, topology, worker=False)
-    try:
-        client = stack.client()
-        jobs = [await client.submit("group.op", {"n": n}) for n in range(6)]
-        await eventually(lambda: _all_published(stack))
-        # Delivered with the others: a cancelled job's message, a duplicate
-        # of a live one, and a stale one (not the job's current dispatch).
-        await client.cancel(jobs[5].name)
-        first = await stack.envelope(jobs[0].id)
-        await publish_raw(amqp_url, topology.exchange, first.job_type, first.encode())
-        stale = replace(await stack.envelope(jobs[1].id), event_id=uuid.uuid4())
-        await publish_raw(amqp_url, topology.exchange, stale.job_type, stale.encode())
+    stack = idle
+    client = stack.client()
+    jobs = await _queued(stack, 6)
+    # Delivered with the others: a cancelled job's message, a duplicate
+    # of a live one, and a stale one (not the job's current dispatch).
+    await client.cancel(jobs[5].name)
+    first = await stack.envelope(jobs[0].id)
+    await publish_raw(amqp_url, topology.exchange, first.job_type, first.encode())
+    stale = replace(await stack.envelope(jobs[1].id), event_id=uuid.uuid4())
+    await publish_raw(amqp_url, topology.exchange, stale.job_type, stale.encode())
 
-        # Eight deliveries, eight slots, a window long enough for all of them.
-        worker = await stack.start_worker(
-            _counting(runs), concurrency=8, prefetch=8, group_window=0.5
-        )
-        await eventually(lambda: _states(client, jobs[:5], JobState.SUCCEEDED), timeout=20)
-        await eventually(lambda: _queue_empty(amqp_url, topology))
-        assert sorted(runs) == sorted(j.name for j in jobs[:5])  # each once
-        assert worker.group_sizes["claim"] == {8: 1}  # one statement for all eight
-        assert (await client.get(jobs[5].name)).state is JobState.CANCELLED
-        assert (await client.get(jobs[1].name)).attempt == 1
-    finally:
-        await stack.close()
+    # Eight deliveries, eight slots, a window long enough for all of them.
+    worker = await stack.start_worker(_counting(runs), concurrency=8, prefetch=8, group_window=0.5)
+    await eventually(lambda: _states(client, jobs[:5], JobState.SUCCEEDED), timeout=20)
+    await eventually(lambda: _queue_empty(amqp_url, topology))
+    assert sorted(runs) == sorted(j.name for j in jobs[:5])  # each once
+    assert worker.group_sizes["claim"] == {8: 1}  # one statement for all eight
+    assert (await client.get(jobs[5].name)).state is JobState.CANCELLED
+    assert (await client.get(jobs[1].name)).attempt == 1
 
 
 async def test_a_fenced_out_attempt_in_an_outcome_group_does_not_hold_back_the_others(
@@ -265,55 +266,47 @@ class _FirstOutcomesLost(FaultPoints):
 
 
 async def test_redelivered_messages_of_ended_jobs_in_a_group_run_nothing_again(
-    engine: AsyncEngine, database_url: str, amqp_url: str, topology: Topology
+    idle: Stack, amqp_url: str, topology: Topology
 ) -> None:
     runs: list[str] = []
-    stack = await start_stack(engine, database_url, amqp_url, topology, worker=False)
-    try:
-        client = stack.client()
-        jobs = [await client.submit("group.op", {"n": n}) for n in range(8)]
-        await eventually(lambda: _all_published(stack))
-        # Four at a time: two of the first four come back redelivered, with
-        # two new ones, into the next group.
-        worker = await stack.start_worker(
-            _counting(runs),
-            concurrency=4,
-            prefetch=4,
-            group_window=0.2,
-            faults=_FirstOutcomesLost(2),
-        )
-        await eventually(lambda: _states(client, jobs, JobState.SUCCEEDED), timeout=20)
-        await eventually(lambda: _queue_empty(amqp_url, topology))
-        assert sorted(runs) == sorted(j.name for j in jobs)  # nothing ran twice
-        claims = worker.group_sizes["claim"]
-        assert sum(size * n for size, n in claims.items()) == 10  # 8 + 2 redeliveries
-        assert max(claims) >= 2
-    finally:
-        await stack.close()
+    stack = idle
+    client = stack.client()
+    jobs = await _queued(stack, 8)
+    # Four at a time: two of the first four come back redelivered, with
+    # two new ones, into the next group.
+    worker = await stack.start_worker(
+        _counting(runs),
+        concurrency=4,
+        prefetch=4,
+        group_window=0.2,
+        faults=_FirstOutcomesLost(2),
+    )
+    await eventually(lambda: _states(client, jobs, JobState.SUCCEEDED), timeout=20)
+    await eventually(lambda: _queue_empty(amqp_url, topology))
+    assert sorted(runs) == sorted(j.name for j in jobs)  # nothing ran twice
+    claims = worker.group_sizes["claim"]
+    assert sum(size * n for size, n in claims.items()) == 10  # 8 + 2 redeliveries
+    assert max(claims) >= 2
 
 
 async def test_acks_of_a_group_go_as_one_multiple_ack_where_the_tags_allow(
-    engine: AsyncEngine, database_url: str, amqp_url: str, topology: Topology
+    idle: Stack, amqp_url: str, topology: Topology
 ) -> None:
     runs: list[str] = []
     gate = asyncio.Event()
-    stack = await start_stack(engine, database_url, amqp_url, topology, worker=False)
-    try:
-        client = stack.client()
-        jobs = [await client.submit("group.op", {"n": n}) for n in range(6)]
-        await eventually(lambda: _all_published(stack))
-        worker = await stack.start_worker(
-            _counting(runs, gate), concurrency=6, prefetch=6, group_window=0.3
-        )
-        await eventually(lambda: _is(len(runs) == 6))
-        gate.set()
-        await eventually(lambda: _states(client, jobs, JobState.SUCCEEDED))
-        await eventually(lambda: _queue_empty(amqp_url, topology))
-        # Six outcomes committed together, tags 1..6 of one channel: one frame.
-        assert worker.group_sizes["outcome"] == {6: 1}
-        assert worker.acks_sent == {"multiple": 1, "single": 0}
-    finally:
-        await stack.close()
+    stack = idle
+    client = stack.client()
+    jobs = await _queued(stack, 6)
+    worker = await stack.start_worker(
+        _counting(runs, gate), concurrency=6, prefetch=6, group_window=0.3
+    )
+    await eventually(lambda: _is(len(runs) == 6))
+    gate.set()
+    await eventually(lambda: _states(client, jobs, JobState.SUCCEEDED))
+    await eventually(lambda: _queue_empty(amqp_url, topology))
+    # Six outcomes committed together, tags 1..6 of one channel: one frame.
+    assert worker.group_sizes["outcome"] == {6: 1}
+    assert worker.acks_sent == {"multiple": 1, "single": 0}
 
 
 async def _states(client: Any, jobs: list[Any], state: JobState) -> bool:
