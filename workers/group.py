@@ -1,4 +1,4 @@
-"""Group commit in the worker (ADR-0027): what concurrent deliveries ask of the
+"""Group commit in the worker (ADR-0028): what concurrent deliveries ask of the
 database within a short window goes out as one statement, and their acks as
 few frames as the broker allows.
 

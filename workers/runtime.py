@@ -189,7 +189,7 @@ class Worker:
         # The registry's lifespans: entered at start, left at stop after the handlers.
         self._lifespans = contextlib.AsyncExitStack()
         self._metrics = metrics
-        # Group commit (ADR-0027): claims and outcomes of concurrent deliveries
+        # Group commit (ADR-0028): claims and outcomes of concurrent deliveries
         # within group_window seconds go out as one statement each, and their
         # acks together; a window of 0 or less writes each one alone.
         self._claims: Batcher[ClaimRequest, ClaimResult | None] | None = None

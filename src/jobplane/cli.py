@@ -1159,7 +1159,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=2.0,
         help="milliseconds concurrent claims and outcomes wait to go out as one statement "
-        "(ADR-0027); 0: each alone",
+        "(ADR-0028); 0: each alone",
     )
     worker.add_argument(
         "--group-max", type=int, default=64, help="the largest group: it goes out at once"

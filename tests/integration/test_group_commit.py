@@ -1,4 +1,4 @@
-"""Group commit (ADR-0027): many claims, or many outcomes, in one statement.
+"""Group commit (ADR-0028): many claims, or many outcomes, in one statement.
 
 Each row of a group is fenced on its own, and gets what it would have got
 alone: one refused row changes nothing of itself and nothing of the others.

@@ -1,4 +1,4 @@
-"""The worker's groups (ADR-0027): the batcher's window and cap, and the ack plan."""
+"""The worker's groups (ADR-0028): the batcher's window and cap, and the ack plan."""
 
 from __future__ import annotations
 

@@ -209,7 +209,7 @@ class Metrics:
         )
         self.worker_groups = Histogram(
             "jobplane_worker_group_size",
-            "Claims or outcomes a worker wrote together in one group (ADR-0027), by kind.",
+            "Claims or outcomes a worker wrote together in one group (ADR-0028), by kind.",
             ("kind",),
             buckets=(1, 2, 4, 8, 16, 32, 64, 128),
             registry=registry,

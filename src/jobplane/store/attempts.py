@@ -254,7 +254,7 @@ class AttemptStore:
         return self._machine.groupable(Transition.CLAIM)
 
     async def claim_many(self, requests: Sequence[ClaimRequest]) -> list[ClaimResult | None]:
-        """Claim many deliveries in one statement (ADR-0027).
+        """Claim many deliveries in one statement (ADR-0028).
 
         For each request, in order: what :meth:`claim` returns when it
         claimed, or None when its fence refused it; the caller then learns
@@ -566,7 +566,7 @@ class AttemptStore:
 
     async def finish_many(self, outcomes: Sequence[Outcome]) -> list[bool]:
         """Commit many attempts' outcomes (none with pending progress): one statement
-        per transition among them (ADR-0027). For each, in order: whether it
+        per transition among them (ADR-0028). For each, in order: whether it
         committed (False: fenced out, nothing of it written)."""
         by_transition: dict[Transition, list[int]] = {}
         for index, outcome in enumerate(outcomes):
