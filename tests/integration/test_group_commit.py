@@ -17,8 +17,10 @@ from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from jobplane.client import Job, JobState
+from jobplane.events.envelope import Event
 from jobplane.faults import FaultPoints, InjectedFault
 from jobplane.store.attempts import Attempt, AttemptStore, ClaimStatus
+from jobplane.store.events import emitted
 from jobplane.topology import Topology
 from jobplane.workers.handlers import JobContext, Registry
 from tests.support.queues import publish_raw, ready_count
@@ -158,6 +160,48 @@ async def test_one_fenced_out_outcome_leaves_the_others_of_its_group_committed(
     # The owner of the fenced-out row is unaffected: it ends its job itself.
     assert await store.finish_many([store.succeeded(attempts[4], {"k": 4})]) == [True]
     assert (await client.get(jobs[4].name)).result == {"k": 4}
+
+
+async def test_each_attempt_of_a_group_commits_its_own_emitted_events_in_order(
+    bare: Stack,
+) -> None:
+    client = bare.client()
+    store = AttemptStore(bare.engine, lease_seconds=30.0)
+    jobs = [await client.submit("demo.echo", {"n": n}) for n in range(4)]
+    attempts: list[Attempt] = []
+    for job in jobs:
+        claim = await store.claim(await bare.envelope(job.id))
+        assert claim.attempt is not None
+        attempts.append(claim.attempt)
+    counts = [2, 0, 3, 1]
+    forged = replace(attempts[3], lease_token=uuid.uuid4())  # fenced out: none of its events
+    outcomes = []
+    for attempt, n in zip([*attempts[:3], forged], counts, strict=True):
+        made = [
+            emitted(
+                Event.new(f"thing.made{k}", {"k": k}, tenant_id=attempt.tenant_id),
+                attempt.job_id,
+            )
+            for k in range(n)
+        ]
+        outcomes.append(store.succeeded(attempt, {}, emitted=made))
+
+    assert await store.finish_many(outcomes) == [True, True, True, False]
+
+    for job, n in zip(jobs, counts, strict=True):
+        types = await bare.scalar(
+            "SELECT coalesce(jsonb_agg(event_type ORDER BY seq), '[]') FROM events "
+            "WHERE job_id = :id AND event_type LIKE 'thing.%'",
+            id=uuid.UUID(job.id),
+        )
+        expected = [f"thing.made{k}" for k in range(n)] if job is not jobs[3] else []
+        assert types == expected
+        # Each job's own events come before its job.succeeded.
+        last = await bare.scalar(
+            "SELECT event_type FROM events WHERE job_id = :id ORDER BY seq DESC LIMIT 1",
+            id=uuid.UUID(job.id),
+        )
+        assert last == ("job.started" if job is jobs[3] else "job.succeeded")
 
 
 # --- the worker: groups of concurrent deliveries --------------------------------
