@@ -43,21 +43,24 @@ from jobplane.observe.metrics import (
 from jobplane.store.attempts import (
     Attempt,
     AttemptStore,
+    ClaimRequest,
     ClaimResult,
     ClaimStatus,
     HandBack,
     LeaseLost,
+    Outcome,
     ProgressUpdate,
 )
 from jobplane.store.deployment import Deployment, this_deployment
 from jobplane.store.down import database_error_name, database_transient, until_database_up
 from jobplane.store.listen import Listener
-from jobplane.store.machine import Emitted
+from jobplane.store.machine import Emitted, Transition
 from jobplane.store.rows import CANCEL_CHANNEL, dumps
 from jobplane.tasks import cancel_and_wait
 from jobplane.topology import Ownership, Topology, ensure
 from jobplane.types import BlobRef
 from jobplane.workers.bounce import Bounced, bounce_foreign
+from jobplane.workers.group import DEFAULT_GROUP_MAX, DEFAULT_GROUP_WINDOW, Acks, Batcher
 from jobplane.workers.handlers import JobContext, Registry, with_offloaded_payload
 from jobplane.workers.outcome import Escaped, Failure, check_result, describe, invoke
 from jobplane.workers.presence import Presence
@@ -133,9 +136,13 @@ class Worker:
         blobs: BlobStore | None = None,
         inline_bytes: int | None = None,
         metrics: Metrics = NO_METRICS,
+        group_window: float = DEFAULT_GROUP_WINDOW,
+        group_max: int = DEFAULT_GROUP_MAX,
     ) -> None:
         if concurrency < 1:
             raise ValueError("concurrency must be at least 1")
+        if group_max < 1:
+            raise ValueError("group_max must be at least 1")
         self._engine = engine
         self._store = AttemptStore(engine, lease_seconds=lease_seconds)
         self._amqp_url = amqp_url
@@ -182,6 +189,28 @@ class Worker:
         # The registry's lifespans: entered at start, left at stop after the handlers.
         self._lifespans = contextlib.AsyncExitStack()
         self._metrics = metrics
+        # Group commit (ADR-0028): claims and outcomes of concurrent deliveries
+        # within group_window seconds go out as one statement each, and their
+        # acks together; a window of 0 or less writes each one alone.
+        self._claims: Batcher[ClaimRequest, ClaimResult | None] | None = None
+        self._outcomes: Batcher[Outcome, bool] | None = None
+        self._acks: Acks | None = None
+        if group_window > 0:
+            self._claims = Batcher(
+                self._store.claim_many,
+                window=group_window,
+                max_size=group_max,
+                split=_refused_for_its_values,
+                on_group=lambda size: metrics.grouped("claim", size),
+            )
+            self._outcomes = Batcher(
+                self._finish_group,
+                window=group_window,
+                max_size=group_max,
+                split=_refused_for_its_values,
+                on_group=lambda size: metrics.grouped("outcome", size),
+            )
+            self._acks = Acks()
         metrics.add_slots(self._slot_counts)
         metrics.know_topology(topology)
         metrics.know_types(registry)
@@ -205,6 +234,20 @@ class Worker:
     def busy(self) -> bool:
         """True while any delivered message is still being handled."""
         return bool(self._tasks)
+
+    @property
+    def group_sizes(self) -> dict[str, dict[int, int]]:
+        """How many claim and outcome groups of each size this worker wrote."""
+        return {
+            "claim": dict(self._claims.sizes) if self._claims else {},
+            "outcome": dict(self._outcomes.sizes) if self._outcomes else {},
+        }
+
+    @property
+    def acks_sent(self) -> dict[str, int]:
+        """basic.ack frames sent through groups: with ``multiple`` and without."""
+        acks = self._acks
+        return {"multiple": acks.multiple, "single": acks.single} if acks else {}
 
     @property
     def running_jobs(self) -> list[str]:
@@ -287,6 +330,9 @@ class Worker:
                 for running in list(self._running.values()):
                     running.stop(StopCause.SHUTDOWN)
                 await asyncio.wait(pending, timeout=10)
+        for batcher in (self._claims, self._outcomes, self._acks):
+            if batcher is not None:
+                await batcher.stop()
         if self._connection is not None:
             with contextlib.suppress(Exception):
                 await self._connection.close()
@@ -308,6 +354,8 @@ class Worker:
     async def _on_message(self, message: AbstractIncomingMessage) -> None:
         # Our own task, not aiormq's: a channel that closes must not cancel a
         # handler mid-run (its outcome is still committed; only the ack is lost).
+        if self._acks is not None:
+            self._acks.delivered(message)
         task = asyncio.create_task(self._handle_settled(message))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -321,10 +369,17 @@ class Worker:
         that repeats ends in the dead-letter queue at the delivery limit.
         """
         try:
+            await self._handle_and_nack(message)
+        finally:
+            if self._acks is not None:
+                self._acks.forget(message)
+
+    async def _handle_and_nack(self, message: AbstractIncomingMessage) -> None:
+        try:
             with tracing.delivered(message.headers):
                 await self._handle(message)
         except asyncio.CancelledError:
-            if not message.processed:
+            if not self._settled(message):
                 await _settle(message.nack(requeue=True))
             raise
         except Exception as exc:
@@ -336,12 +391,23 @@ class Worker:
                 error=describe_error(exc),
                 exc_info=exc,
             )
-            if not message.processed:
+            if not self._settled(message):
                 await _settle(message.nack(requeue=True))
             return
-        if not message.processed:
+        if not self._settled(message):
             log.error("job.message.unsettled", message_id=message.message_id)
             await _settle(message.nack(requeue=True))
+
+    def _settled(self, message: AbstractIncomingMessage) -> bool:
+        """Whether ``message`` was settled (by itself, or by a group's multiple ack)."""
+        return self._acks.settled(message) if self._acks is not None else message.processed
+
+    async def _ack(self, message: AbstractIncomingMessage) -> None:
+        """Ack after the commit: with the others of this moment when grouping."""
+        if self._acks is None:
+            await _settle(message.ack())
+        else:
+            await self._acks.ack(message)
 
     def _on_cancel_notification(self, payload: str) -> None:
         running = self._running.get(payload)
@@ -400,13 +466,13 @@ class Worker:
                 await _settle(message.nack(requeue=True))
                 return
             self._faults.hit("worker.after_outcome")
-            await _settle(message.ack())
+            await self._ack(message)
             return
         if claim.status is ClaimStatus.NOT_FOUND:
             await self._unknown_job(message, envelope, bound)
             return
         bound.info("job.message.duplicate", status=claim.status.value)
-        await _settle(message.ack())
+        await self._ack(message)
 
     @property
     def _deployment_id(self) -> str | None:
@@ -465,13 +531,51 @@ class Worker:
         whole run.
         """
         while True:
-            claim = await self._with_db_retry(lambda: self._store.claim(envelope, worker=self.id))
+            claim = await self._with_db_retry(lambda: self._claim_once(envelope))
             if claim.status is not ClaimStatus.IN_FLIGHT or not redelivered:
                 return claim
             if self._stopping:
                 raise _Stopping
             # Lease times are the database's clock: poll at a fraction of the lease.
             await asyncio.sleep(min(self._store.lease_seconds / 3, 5.0))
+
+    async def _claim_once(self, envelope: Envelope) -> ClaimResult:
+        """One claim of ``envelope``: in the next claim group, or alone."""
+        store = self._store
+        if self._claims is None or not store.groups_claims:
+            return await store.claim(envelope, worker=self.id)
+        request = store.claim_request(envelope, worker=self.id)
+        claim = await self._claims.submit(request)
+        if claim is None:
+            # Refused by its fence: why, as a claim alone finds it (in this
+            # delivery's own context, as are the statements that follow).
+            return await store.refused_claim(request)
+        if tracing.ENABLED:
+            tracing.applied(Transition.CLAIM)
+        return claim
+
+    async def _finish_group(self, outcomes: list[Outcome]) -> list[bool]:
+        done = await self._store.finish_many(outcomes)
+        # Committed, not acked: a crash here leaves every delivery of the
+        # group to be redelivered, and their claims find the jobs ended.
+        self._faults.hit("worker.after_group_commit")
+        return done
+
+    async def _write(self, outcome: Outcome, pending: list[ProgressUpdate]) -> None:
+        """Commit ``outcome``: with the next outcome group, or alone.
+
+        An outcome with pending progress commits alone, in one transaction
+        with its reports, so that its terminal event is the job's last.
+        """
+        store = self._store
+        if pending or self._outcomes is None or not store.groups(outcome):
+            await store.finish(outcome, pending)
+            return
+        if not await self._outcomes.submit(outcome):
+            attempt = outcome.attempt
+            raise LeaseLost(f"jobs/{attempt.job_id} attempt {attempt.attempt} was fenced out")
+        if tracing.ENABLED:
+            tracing.applied(outcome.transition)
 
     async def _hand_back_job(
         self, envelope: Envelope, message: AbstractIncomingMessage, bound: Any
@@ -628,7 +732,8 @@ class Worker:
             bound.warning("job.lease_lost", attempt=attempt.attempt)
             return
         if running.cause is StopCause.CANCEL_REQUESTED and not ended.returned:
-            await self._outcome(attempt, bound, lambda: store.cancelled(attempt, pending))
+            cancelled = store.was_cancelled(attempt)
+            await self._outcome(attempt, bound, lambda: self._write(cancelled, pending))
             bound.info("job.cancelled", attempt=attempt.attempt)
             self._ended(attempt, running, CANCELLED)
             return
@@ -654,13 +759,8 @@ class Worker:
                 stored = await self._offload_result(attempt, checked) if offload else checked
                 if not isinstance(stored, Failure):
                     result, ref = stored if isinstance(stored, tuple) else (stored, None)
-                    await self._outcome(
-                        attempt,
-                        bound,
-                        lambda: store.succeed(
-                            attempt, result, pending, emitted=emitted, result_blob=ref
-                        ),
-                    )
+                    succeeded = store.succeeded(attempt, result, emitted=emitted, result_blob=ref)
+                    await self._outcome(attempt, bound, lambda: self._write(succeeded, pending))
                     bound.info("job.completed", attempt=attempt.attempt, offloaded=ref is not None)
                     self._ended(attempt, running, completed(attempt.stage))
                     return
@@ -675,19 +775,10 @@ class Worker:
         exc_info = _loggable(ended.error)
         if failure.retryable and (attempt.attempts_left > 0 or refund):
             delay = failure.delay if failure.delay is not None else self._backoff(attempt)
-            await self._outcome(
-                attempt,
-                bound,
-                lambda: store.schedule_retry(
-                    attempt,
-                    failure.code,
-                    failure.message,
-                    delay=delay,
-                    pending=pending,
-                    refund=refund,
-                    details=details,
-                ),
+            retried = store.retried(
+                attempt, failure.code, failure.message, delay=delay, refund=refund, details=details
             )
+            await self._outcome(attempt, bound, lambda: self._write(retried, pending))
             bound.warning(
                 "job.retry_scheduled",
                 attempt=attempt.attempt,
@@ -701,18 +792,10 @@ class Worker:
         if failure.retryable:
             # The error was retryable, the job is not: no attempts are left.
             details["attempts_exhausted"] = True
-        await self._outcome(
-            attempt,
-            bound,
-            lambda: store.fail(
-                attempt,
-                failure.code,
-                failure.message,
-                retryable=False,
-                pending=pending,
-                details=details,
-            ),
+        failed = store.failed(
+            attempt, failure.code, failure.message, retryable=False, details=details
         )
+        await self._outcome(attempt, bound, lambda: self._write(failed, pending))
         bound.warning(
             "job.failed",
             attempt=attempt.attempt,
@@ -781,6 +864,11 @@ class Worker:
 
 class _Stopping(Exception):
     """The worker is stopping; give the message back."""
+
+
+def _refused_for_its_values(exc: BaseException) -> bool:
+    """A group's statement failed for what one of its rows holds: run each alone."""
+    return isinstance(exc, DBAPIError) and not database_transient(exc)
 
 
 @dataclass(frozen=True, slots=True)

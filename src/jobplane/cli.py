@@ -488,6 +488,8 @@ async def _worker(args: argparse.Namespace) -> int:
             queues=args.queue or None,
             lease_seconds=args.lease_seconds,
             faults=faults,
+            group_window=args.group_window / 1000,
+            group_max=args.group_max,
             max_result_bytes=settings.max_payload_bytes,
             blobs=blobs,
             inline_bytes=settings.inline_bytes,
@@ -1279,6 +1281,16 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--grace", type=float, default=10.0, help="seconds to finish on stop")
     worker.add_argument(
         "--lease-seconds", type=float, default=30.0, help="lease of an attempt; heartbeats at 1/3"
+    )
+    worker.add_argument(
+        "--group-window",
+        type=float,
+        default=2.0,
+        help="milliseconds concurrent claims and outcomes wait to go out as one statement "
+        "(ADR-0028); 0: each alone",
+    )
+    worker.add_argument(
+        "--group-max", type=int, default=64, help="the largest group: it goes out at once"
     )
     worker.set_defaults(func=_async(_worker))
 

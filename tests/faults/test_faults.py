@@ -83,6 +83,14 @@ async def test_sigkill_workers_mid_handler_during_a_200_job_run(cluster: Cluster
     assert sum(w.starts for w in workers) >= 5  # the kills happened
 
 
+async def _each_ran_once(cluster: Cluster, jobs: int) -> None:
+    rows = await cluster.query(
+        "SELECT job_id, count(*) AS runs FROM fault_completions GROUP BY job_id"
+    )
+    assert len(rows) == jobs
+    assert {r["runs"] for r in rows} == {1}
+
+
 async def test_sigkill_after_outcome_commit_before_ack(cluster: Cluster) -> None:
     await cluster.server()
     await cluster.relay()
@@ -95,11 +103,48 @@ async def test_sigkill_after_outcome_commit_before_ack(cluster: Cluster) -> None
         await cluster.wait_all_terminal(names)
         await cluster.check(names)
         # The redelivered message of the crashed job was acked without a run.
+        await _each_ran_once(cluster, 10)
+
+
+async def test_sigkill_after_a_group_commit_before_its_acks(cluster: Cluster) -> None:
+    await cluster.server()
+    await cluster.relay()
+    async with cluster.client() as client:
+        names = await cluster.submit_many(client, 16, ms=300)
+        # All dispatched before a worker starts: its first deliveries come at
+        # once, are claimed together, and end together.
+        for _ in range(300):
+            rows = await cluster.query(
+                "SELECT count(*) AS n FROM outbox "
+                "WHERE kind = 'job.dispatch' AND published_at IS NULL"
+            )
+            if rows[0]["n"] == 0:
+                break
+            await asyncio.sleep(0.1)
+        crashing = await cluster.worker(
+            "--concurrency",
+            "8",
+            "--group-window",
+            "200",
+            faults="crash:worker.after_group_commit@1",
+        )
+        assert await crashing.wait(timeout=60) == 137
+        # The group that committed held several jobs, and none was acked.
+        ended = {
+            r["id"] for r in await cluster.query("SELECT id FROM jobs WHERE end_time IS NOT NULL")
+        }
+        assert len(ended) >= 2
+        await cluster.worker("--concurrency", "8")
+        await cluster.wait_all_terminal(names)
+        await cluster.check(names)
+        # Their redelivered messages were acked without a run. (A job whose
+        # handler had returned, its outcome waiting for the next group when
+        # the process died, runs again: it was never committed.)
         rows = await cluster.query(
             "SELECT job_id, count(*) AS runs FROM fault_completions GROUP BY job_id"
         )
-        assert len(rows) == 10
-        assert {r["runs"] for r in rows} == {1}
+        assert len(rows) == 16
+        assert {r["runs"] for r in rows if r["job_id"] in ended} == {1}
 
 
 async def test_sigkill_relay_between_confirm_and_mark(cluster: Cluster) -> None:

@@ -10,11 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from typing import Any
 
-import pytest
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from jobplane.client import Job, JobState
@@ -23,16 +22,6 @@ from jobplane.topology import Topology
 from jobplane.workers.handlers import JobContext, Registry, RetryableError
 from tests.support.queues import publish_raw
 from tests.support.stack import Stack, eventually, start_stack
-
-
-@pytest.fixture
-async def bare(
-    engine: AsyncEngine, database_url: str, amqp_url: str, topology: Topology
-) -> AsyncIterator[Stack]:
-    """A server alone: the test claims and writes as a worker would."""
-    stack = await start_stack(engine, database_url, amqp_url, topology, relay=False, worker=False)
-    yield stack
-    await stack.close()
 
 
 def _writes(store: AttemptStore, attempt: Attempt) -> dict[str, Callable[[], Awaitable[Any]]]:

@@ -3,26 +3,13 @@
 from __future__ import annotations
 
 import uuid
-from collections.abc import AsyncIterator
 
 import pytest
-from sqlalchemy.ext.asyncio import AsyncEngine
 
 from jobplane.client import JobState
 from jobplane.store.attempts import AttemptStore, ClaimStatus
-from jobplane.topology import Topology
 from jobplane.types import EventType
-from tests.support.stack import Stack, start_stack
-
-
-@pytest.fixture
-async def bare(
-    engine: AsyncEngine, database_url: str, amqp_url: str, topology: Topology
-) -> AsyncIterator[Stack]:
-    """A server alone: the test claims and writes as a worker would."""
-    stack = await start_stack(engine, database_url, amqp_url, topology, relay=False, worker=False)
-    yield stack
-    await stack.close()
+from tests.support.stack import Stack
 
 
 @pytest.mark.parametrize("retryable", [False, True])

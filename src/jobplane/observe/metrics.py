@@ -207,6 +207,13 @@ class Metrics:
             ("state",),
             registry=registry,
         )
+        self.worker_groups = Histogram(
+            "jobplane_worker_group_size",
+            "Claims or outcomes a worker wrote together in one group (ADR-0028), by kind.",
+            ("kind",),
+            buckets=(1, 2, 4, 8, 16, 32, 64, 128),
+            registry=registry,
+        )
         self.failed_queue = Gauge(
             "jobplane_failed_queue_messages",
             "Messages in the failed (dead-letter) queue (read at scrape time).",
@@ -289,6 +296,14 @@ class Metrics:
         if child is None:
             child = self._children[key] = self.jobs_submitted.labels(label, queue)
         child.inc()
+
+    def grouped(self, kind: str, size: int) -> None:
+        """A worker wrote a group of ``size`` claims or outcomes (``kind``) together."""
+        key = ("grouped", kind, "")
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = self.worker_groups.labels(kind)
+        child.observe(size)
 
     def relayed(self, kind: str, outcome: str, count: int = 1) -> None:
         """``count`` outbox rows of ``kind`` handed to the broker, with ``outcome``."""
@@ -444,6 +459,7 @@ class _NoMetrics(Metrics):
             "relay_dispatch",
             "sweeper_repairs",
             "worker_slots",
+            "worker_groups",
             "failed_queue",
             "queue_messages",
             "queue_consumers",
@@ -472,6 +488,9 @@ class _NoMetrics(Metrics):
         pass
 
     def relayed(self, kind: str, outcome: str, count: int = 1) -> None:
+        pass
+
+    def grouped(self, kind: str, size: int) -> None:
         pass
 
     def add_slots(self, read: Callable[[], tuple[int, int]]) -> None:

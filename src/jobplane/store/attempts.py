@@ -139,6 +139,29 @@ class ClaimResult:
 
 
 @dataclass(frozen=True, slots=True)
+class ClaimRequest:
+    """A delivery to claim in a group: its envelope, the lease token its attempt
+    will hold, and the claim's binds (taken in the delivery's own context)."""
+
+    envelope: Envelope
+    lease_token: uuid.UUID
+    binds: Mapping[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """How an attempt ends, ready to write: its transition, its fence and values
+    (``params``), why (``cause``), and the statement's binds taken where the
+    outcome was made (its trace context)."""
+
+    attempt: Attempt
+    transition: Transition
+    params: Mapping[str, Any]
+    cause: Cause
+    binds: Mapping[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
 class ProgressUpdate:
     """One progress report of a handler, waiting to be written."""
 
@@ -178,6 +201,10 @@ _INSPECT = text(
 _ID: Returning = ("id",)
 
 
+def _claim_cause(worker: str) -> Cause:
+    return Cause("attempt started", {"worker": worker} if worker else {})
+
+
 class AttemptStore:
     """Claims attempts and writes their progress and outcome, fenced."""
 
@@ -202,7 +229,56 @@ class AttemptStore:
         data, for the dashboard's attempts; empty: none is recorded.
         """
         token = uuid.uuid4()
-        params = {
+        params = self._claim_params(envelope, token)
+        machine = self._machine
+        scope = machine.connect(self._engine, self._auto, Transition.CLAIM, Transition.EXHAUST)
+        async with scope as conn:
+            rows = await machine.apply(
+                conn, Transition.CLAIM, params, _claim_cause(worker), returning=_CLAIMED
+            )
+            if rows:
+                return await self._claimed(conn, envelope, token, rows[0])
+            return await self._refused(conn, envelope, params)
+
+    def claim_request(self, envelope: Envelope, *, worker: str = "") -> ClaimRequest:
+        """A claim of ``envelope`` for :meth:`claim_many`, its binds taken here and now."""
+        token = uuid.uuid4()
+        binds = self._machine.prepare(
+            Transition.CLAIM, self._claim_params(envelope, token), _claim_cause(worker)
+        )
+        return ClaimRequest(envelope, token, binds)
+
+    @property
+    def groups_claims(self) -> bool:
+        """Whether :meth:`claim_many` can claim (the machine has no per-row Python hook)."""
+        return self._machine.groupable(Transition.CLAIM)
+
+    async def claim_many(self, requests: Sequence[ClaimRequest]) -> list[ClaimResult | None]:
+        """Claim many deliveries in one statement (ADR-0028).
+
+        For each request, in order: what :meth:`claim` returns when it
+        claimed, or None when its fence refused it; the caller then learns
+        why with :meth:`refused_claim`, as :meth:`claim` would have.
+        """
+        machine = self._machine
+        async with self._auto.connect() as conn:
+            rows = await machine.apply_many(
+                conn, Transition.CLAIM, [r.binds for r in requests], returning=_CLAIMED
+            )
+            return [
+                None if row is None else await self._claimed(conn, r.envelope, r.lease_token, row)
+                for r, row in zip(requests, rows, strict=True)
+            ]
+
+    async def refused_claim(self, request: ClaimRequest) -> ClaimResult:
+        """Why :meth:`claim_many` refused ``request`` (fails the job when no attempt is left)."""
+        machine = self._machine
+        params = self._claim_params(request.envelope, request.lease_token)
+        async with machine.connect(self._engine, self._auto, Transition.EXHAUST) as conn:
+            return await self._refused(conn, request.envelope, params)
+
+    def _claim_params(self, envelope: Envelope, token: uuid.UUID) -> dict[str, Any]:
+        return {
             "id": envelope.job_id,
             "tenant_id": envelope.tenant_id,
             "dispatch_id": envelope.event_id,
@@ -210,55 +286,49 @@ class AttemptStore:
             "lease_token": token,
             "lease_seconds": self.lease_seconds,
         }
-        machine = self._machine
-        scope = machine.connect(self._engine, self._auto, Transition.CLAIM, Transition.EXHAUST)
-        async with scope as conn:
-            rows = await machine.apply(
-                conn,
-                Transition.CLAIM,
-                params,
-                Cause("attempt started", {"worker": worker} if worker else {}),
-                returning=_CLAIMED,
+
+    async def _claimed(
+        self, conn: AsyncConnection, envelope: Envelope, token: uuid.UUID, row: Any
+    ) -> ClaimResult:
+        stage = None
+        if row["stage"] is not None:
+            stage = await stage_run(conn, envelope.job_id, row)
+        started = (
+            None
+            if row["lifecycle_seq"] is None
+            else lifecycle_event_id(envelope.job_id, int(row["lifecycle_seq"]))
+        )
+        attempt = attempt_from_row(envelope.job_id, envelope.tenant_id, token, row, stage, started)
+        return ClaimResult(ClaimStatus.CLAIMED, attempt=attempt)
+
+    async def _refused(
+        self, conn: AsyncConnection, envelope: Envelope, params: Mapping[str, Any]
+    ) -> ClaimResult:
+        found = (await conn.execute(_INSPECT, params)).mappings().first()
+        if found is None:
+            return ClaimResult(ClaimStatus.NOT_FOUND)
+        state = JobState(found["state"])
+        if state.terminal:
+            return ClaimResult(ClaimStatus.FINISHED, state=state)
+        if (
+            str(found["dispatch_id"]) != str(envelope.event_id)
+            or found["type"] != envelope.job_type
+        ):
+            # Not this job's current dispatch (or not a message our relay
+            # wrote): the job's own message is elsewhere.
+            return ClaimResult(ClaimStatus.STALE, state=state)
+        if state is JobState.RUNNING and not found["lease_expired"]:
+            return ClaimResult(
+                ClaimStatus.IN_FLIGHT, state=state, lease_expires_at=found["lease_expires_at"]
             )
-            if rows:
-                row = rows[0]
-                stage = None
-                if row["stage"] is not None:
-                    stage = await stage_run(conn, envelope.job_id, row)
-                started = (
-                    None
-                    if row["lifecycle_seq"] is None
-                    else lifecycle_event_id(envelope.job_id, int(row["lifecycle_seq"]))
-                )
-                attempt = attempt_from_row(
-                    envelope.job_id, envelope.tenant_id, token, row, stage, started
-                )
-                return ClaimResult(ClaimStatus.CLAIMED, attempt=attempt)
-            found = (await conn.execute(_INSPECT, params)).mappings().first()
-            if found is None:
-                return ClaimResult(ClaimStatus.NOT_FOUND)
-            state = JobState(found["state"])
-            if state.terminal:
-                return ClaimResult(ClaimStatus.FINISHED, state=state)
-            if (
-                str(found["dispatch_id"]) != str(envelope.event_id)
-                or found["type"] != envelope.job_type
-            ):
-                # Not this job's current dispatch (or not a message our relay
-                # wrote): the job's own message is elsewhere.
-                return ClaimResult(ClaimStatus.STALE, state=state)
-            if state is JobState.RUNNING and not found["lease_expired"]:
-                return ClaimResult(
-                    ClaimStatus.IN_FLIGHT, state=state, lease_expires_at=found["lease_expires_at"]
-                )
-            if found["exhausted"]:
-                exhausted = await machine.apply(
-                    conn, Transition.EXHAUST, params, Cause("no attempts left"), returning=_ID
-                )
-                if exhausted:
-                    return ClaimResult(ClaimStatus.EXHAUSTED, state=JobState.FAILED)
-            # Changed between the two statements; the caller looks again.
-            return ClaimResult(ClaimStatus.IN_FLIGHT, state=state)
+        if found["exhausted"]:
+            exhausted = await self._machine.apply(
+                conn, Transition.EXHAUST, params, Cause("no attempts left"), returning=_ID
+            )
+            if exhausted:
+                return ClaimResult(ClaimStatus.EXHAUSTED, state=JobState.FAILED)
+        # Changed between the two statements; the caller looks again.
+        return ClaimResult(ClaimStatus.IN_FLIGHT, state=state)
 
     async def hand_back(
         self, envelope: Envelope, *, base_delay: float, max_delay: float
@@ -345,27 +415,8 @@ class AttemptStore:
         ``emitted``: the handler's events, for the machine's hooks to commit
         with the outcome (none of them when the attempt was fenced out).
         """
-        stage = attempt.stage
-        if stage is not None and not stage.last:
-            await self._finish(
-                attempt,
-                pending,
-                Transition.ADVANCE,
-                {"result": dumps(result), "dispatch_id": new_id()},
-                Cause(f"stage {stage.name} succeeded", emitted=emitted),
-            )
-            return
-        await self._finish(
-            attempt,
-            pending,
-            Transition.SUCCEED,
-            {
-                "result": dumps(result),
-                "result_blob": result_blob.sha256 if result_blob else None,
-                "result_blob_size": result_blob.size if result_blob else None,
-            },
-            Cause("succeeded", emitted=emitted),
-        )
+        outcome = self.succeeded(attempt, result, emitted=emitted, result_blob=result_blob)
+        await self.finish(outcome, pending)
 
     async def fail(
         self,
@@ -382,18 +433,12 @@ class AttemptStore:
         ``details`` (e.g. the traceback) go into the failed event's
         ``data.error``, not the job row.
         """
-        error = {**(details or {}), "code": code, "message": message, "retryable": retryable}
-        await self._finish(
-            attempt,
-            pending,
-            Transition.FAIL,
-            {"error_code": code, "error_message": message, "retryable": retryable},
-            Cause(message, {"error": error}),
-        )
+        outcome = self.failed(attempt, code, message, retryable=retryable, details=details)
+        await self.finish(outcome, pending)
 
     async def cancelled(self, attempt: Attempt, pending: Sequence[ProgressUpdate] = ()) -> None:
         """Commit CANCELLED, or raise :class:`LeaseLost`."""
-        await self._finish(attempt, pending, Transition.CANCELLED, {}, Cause("cancelled"))
+        await self.finish(self.was_cancelled(attempt), pending)
 
     async def schedule_retry(
         self,
@@ -412,6 +457,72 @@ class AttemptStore:
         interrupted by a shutdown, not failed by the job). ``details`` go into
         the event's ``data.error``.
         """
+        outcome = self.retried(attempt, code, message, delay=delay, refund=refund, details=details)
+        await self.finish(outcome, pending)
+
+    # The outcomes, made without writing them: for finish() or finish_many().
+
+    def succeeded(
+        self,
+        attempt: Attempt,
+        result: dict[str, Any],
+        *,
+        emitted: Sequence[Emitted] = (),
+        result_blob: BlobRef | None = None,
+    ) -> Outcome:
+        """The outcome :meth:`succeed` writes."""
+        stage = attempt.stage
+        if stage is not None and not stage.last:
+            return self._outcome(
+                attempt,
+                Transition.ADVANCE,
+                {"result": dumps(result), "dispatch_id": new_id()},
+                Cause(f"stage {stage.name} succeeded", emitted=emitted),
+            )
+        return self._outcome(
+            attempt,
+            Transition.SUCCEED,
+            {
+                "result": dumps(result),
+                "result_blob": result_blob.sha256 if result_blob else None,
+                "result_blob_size": result_blob.size if result_blob else None,
+            },
+            Cause("succeeded", emitted=emitted),
+        )
+
+    def failed(
+        self,
+        attempt: Attempt,
+        code: str,
+        message: str,
+        *,
+        retryable: bool,
+        details: Mapping[str, Any] | None = None,
+    ) -> Outcome:
+        """The outcome :meth:`fail` writes."""
+        error = {**(details or {}), "code": code, "message": message, "retryable": retryable}
+        return self._outcome(
+            attempt,
+            Transition.FAIL,
+            {"error_code": code, "error_message": message, "retryable": retryable},
+            Cause(message, {"error": error}),
+        )
+
+    def was_cancelled(self, attempt: Attempt) -> Outcome:
+        """The outcome :meth:`cancelled` writes."""
+        return self._outcome(attempt, Transition.CANCELLED, {}, Cause("cancelled"))
+
+    def retried(
+        self,
+        attempt: Attempt,
+        code: str,
+        message: str,
+        *,
+        delay: float,
+        refund: bool = False,
+        details: Mapping[str, Any] | None = None,
+    ) -> Outcome:
+        """The outcome :meth:`schedule_retry` writes."""
         extra = {
             "error_code": code,
             "error_message": message,
@@ -424,28 +535,51 @@ class AttemptStore:
             "delay_seconds": round(delay, 3),
             "next_attempt": attempt.attempt + 1,
         }
-        await self._finish(attempt, pending, Transition.SCHEDULE_RETRY, extra, Cause(message, data))
+        return self._outcome(attempt, Transition.SCHEDULE_RETRY, extra, Cause(message, data))
 
-    async def _finish(
-        self,
-        attempt: Attempt,
-        pending: Sequence[ProgressUpdate],
-        transition: Transition,
-        extra: dict[str, Any],
-        cause: Cause,
-    ) -> None:
+    def _outcome(
+        self, attempt: Attempt, transition: Transition, extra: dict[str, Any], cause: Cause
+    ) -> Outcome:
+        params = {**attempt.fence(), **extra}
+        binds = self._machine.prepare(transition, params, cause)
+        return Outcome(attempt, transition, params, cause, binds)
+
+    def groups(self, outcome: Outcome) -> bool:
+        """Whether :meth:`finish_many` can write ``outcome`` (see ``groupable``)."""
+        return self._machine.groupable(outcome.transition)
+
+    async def finish(self, outcome: Outcome, pending: Sequence[ProgressUpdate] = ()) -> None:
+        """Commit ``outcome`` (after ``pending`` progress), or raise :class:`LeaseLost`."""
         # Pending progress and the outcome commit together; the outcome alone
         # is one statement, its event and any next dispatch included.
         machine = self._machine
-        scope = machine.connect(self._engine, self._auto, transition, many=bool(pending))
+        attempt = outcome.attempt
+        scope = machine.connect(self._engine, self._auto, outcome.transition, many=bool(pending))
         async with scope as conn:
             if pending:
                 await self._progress(conn, attempt, pending)
             rows = await machine.apply(
-                conn, transition, {**attempt.fence(), **extra}, cause, returning=_ID
+                conn, outcome.transition, outcome.params, outcome.cause, returning=_ID
             )
             if not rows:
                 raise LeaseLost(f"jobs/{attempt.job_id} attempt {attempt.attempt} was fenced out")
+
+    async def finish_many(self, outcomes: Sequence[Outcome]) -> list[bool]:
+        """Commit many attempts' outcomes (none with pending progress): one statement
+        per transition among them (ADR-0028). For each, in order: whether it
+        committed (False: fenced out, nothing of it written)."""
+        by_transition: dict[Transition, list[int]] = {}
+        for index, outcome in enumerate(outcomes):
+            by_transition.setdefault(outcome.transition, []).append(index)
+        done = [False] * len(outcomes)
+        async with self._auto.connect() as conn:
+            for transition, indexes in by_transition.items():
+                rows = await self._machine.apply_many(
+                    conn, transition, [outcomes[i].binds for i in indexes], returning=_ID
+                )
+                for index, row in zip(indexes, rows, strict=True):
+                    done[index] = row is not None
+        return done
 
     async def _progress(
         self, conn: AsyncConnection, attempt: Attempt, updates: Sequence[ProgressUpdate]

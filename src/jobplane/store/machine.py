@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import enum
 import os
+import re
 import uuid
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager
@@ -548,6 +549,18 @@ class Hook:
         """The bind values :meth:`writes` use, for one application."""
         return {}
 
+    def writes_many(self, transition: Transition) -> Sequence[Write]:
+        """:meth:`writes` for the statement that applies ``transition`` to many rows at once.
+
+        The machine reads each row's scalar binds from ``j`` (``:name``
+        becomes ``j.b_name``), so the single-row SQL serves as it is. A list
+        bind (an array, e.g. the emitted events) arrives as all the rows'
+        lists end to end, with ``:name_k`` (each element's row, ``j.k``) and
+        ``:name_ord`` (its place in its row's list, from 1): a hook that binds
+        lists overrides this to join on them.
+        """
+        return self.writes(transition)
+
     def follows(self, transition: Transition) -> bool:
         """Whether :meth:`after` runs for ``transition``."""
         return False
@@ -965,6 +978,12 @@ class DomainEvents(Hook):
         self.lifecycle = lifecycle
 
     def writes(self, transition: Transition) -> Sequence[Write]:
+        return self._writes(transition, many=False)
+
+    def writes_many(self, transition: Transition) -> Sequence[Write]:
+        return self._writes(transition, many=True)
+
+    def _writes(self, transition: Transition, *, many: bool) -> Sequence[Write]:
         rule = RULES[transition]
         selects = []
         if self.lifecycle and rule.lifecycle is not None:
@@ -990,6 +1009,30 @@ class DomainEvents(Hook):
             FROM {{j}} AS j"""
             )
         if transition in _WITH_EMITTED:
+            # Many rows: each row's events are its slice of the lists (their
+            # row in :emitted_ids_k, their place in it in :emitted_ids_ord).
+            arrays = (
+                "CAST(:emitted_ids AS uuid[]), CAST(:emitted_types AS text[]),\n"
+                "                        CAST(:emitted_times AS timestamptz[]),\n"
+                "                        CAST(:emitted_correlations AS text[]),\n"
+                "                        CAST(:emitted_causations AS text[]), "
+                "CAST(:emitted_payloads AS text[]),\n"
+                "                        CAST(:emitted_hashes AS bytea[])"
+            )
+            columns = "event_id, event_type, event_time, correlation_id, causation_id, payload, "
+            if many:
+                events = (
+                    f"unnest({arrays}, CAST(:emitted_ids_k AS bigint[]), "
+                    f"CAST(:emitted_ids_ord AS bigint[]))\n"
+                    f"                     AS m({columns}request_hash, k, ord)"
+                )
+                match = "\n            WHERE m.k = j.k"
+            else:
+                events = (
+                    f"unnest({arrays})\n"
+                    f"                     WITH ORDINALITY AS m({columns}request_hash, ord)"
+                )
+                match = ""
             selects.append(
                 f"""
             SELECT m.event_id, m.event_type, m.event_time, j.tenant_id, m.correlation_id,
@@ -997,13 +1040,7 @@ class DomainEvents(Hook):
                    j.id AS job_id, CAST(j.last_seq AS bigint) * {_ORDER_SLOTS} + m.ord AS order_seq,
                    {_TRACE_COLUMNS}
             FROM {{j}} AS j,
-                 unnest(CAST(:emitted_ids AS uuid[]), CAST(:emitted_types AS text[]),
-                        CAST(:emitted_times AS timestamptz[]),
-                        CAST(:emitted_correlations AS text[]),
-                        CAST(:emitted_causations AS text[]), CAST(:emitted_payloads AS text[]),
-                        CAST(:emitted_hashes AS bytea[]))
-                     WITH ORDINALITY AS m(event_id, event_type, event_time, correlation_id,
-                                          causation_id, payload, request_hash, ord)"""
+                 {events}{match}"""
             )
         if not selects:
             return ()
@@ -1089,11 +1126,15 @@ class StateMachine:
             builtin_hooks(lifecycle=lifecycle) if hooks is None else list(hooks)
         )
         self._compiled: dict[tuple[Transition, Returning], _Compiled] = {}
+        self._many: dict[
+            tuple[Transition, Returning, str], tuple[TextClause, tuple[str, ...], tuple[str, ...]]
+        ] = {}
 
     def register(self, hook: Hook) -> Hook:
         """Add ``hook`` after those registered; statements are compiled anew."""
         self._hooks.append(hook)
         self._compiled.clear()
+        self._many.clear()
         return hook
 
     def set_lifecycle_events(self, enabled: bool) -> None:
@@ -1102,6 +1143,7 @@ class StateMachine:
             if isinstance(hook, DomainEvents):
                 hook.lifecycle = enabled
         self._compiled.clear()
+        self._many.clear()
 
     def on(self, transitions: Iterable[Transition], fn: AfterFn) -> Hook:
         """Run ``fn(conn, change)`` after each of ``transitions``, in its transaction."""
@@ -1158,6 +1200,103 @@ class StateMachine:
                     if hook.follows(done):
                         await hook.after(conn, change)
         return rows
+
+    def prepare(
+        self, transition: Transition, params: Mapping[str, Any], cause: Cause = Cause()
+    ) -> dict[str, Any]:
+        """The binds of one application of ``transition``: ``params`` and its hooks' binds.
+
+        Taken where the application is asked for, so what a hook reads from
+        the caller's context (its trace span) is the caller's, even when the
+        row is applied later with others (:meth:`apply_many`).
+        """
+        binds = dict(params)
+        for t in _group(transition):
+            for hook in self._hooks:
+                binds.update(hook.binds(t, cause))
+        return binds
+
+    def groupable(self, transition: Transition) -> bool:
+        """Whether :meth:`apply_many` can apply ``transition``: one fenced ``UPDATE``
+        built from its rule, with no :meth:`Hook.after` (which runs per row in a
+        transaction)."""
+        return transition not in _WRITTEN_OUT and not self.in_transaction(transition)
+
+    async def apply_many(
+        self,
+        conn: AsyncConnection,
+        transition: Transition,
+        rows: Sequence[Mapping[str, Any]],
+        *,
+        returning: Returning = ALL,
+    ) -> list[RowMapping | None]:
+        """Apply ``transition`` to many jobs in one statement; for each of ``rows``
+        (binds from :meth:`prepare`), in order, its changed row or None (refused).
+
+        Each row is fenced by its own binds exactly as :meth:`apply` fences
+        one, the jobs are locked in id order (two such statements never
+        deadlock), and the hooks' writes apply to each changed row as they
+        would alone. Two rows for one job change it once (either of them).
+        """
+        if not self.groupable(transition):
+            raise ValueError(f"{transition} cannot be applied to many rows in one statement")
+        if not rows:
+            return []
+        statement, scalars, lists = self._compile_many(transition, returning)
+        binds: dict[str, Any] = {name: [row[name] for row in rows] for name in scalars}
+        for name in lists:
+            values: list[Any] = []
+            ks: list[int] = []
+            ords: list[int] = []
+            for k, row in enumerate(rows, start=1):
+                items = list(row[name])
+                values.extend(items)
+                ks.extend([k] * len(items))
+                ords.extend(range(1, len(items) + 1))
+            binds[name], binds[f"{name}_k"], binds[f"{name}_ord"] = values, ks, ords
+        changed: list[RowMapping | None] = [None] * len(rows)
+        for found in (await conn.execute(statement, binds)).mappings().all():
+            changed[int(found["k"]) - 1] = found
+        return changed
+
+    def _compile_many(
+        self, transition: Transition, returning: Returning
+    ) -> tuple[TextClause, tuple[str, ...], tuple[str, ...]]:
+        key = (transition, returning, "many")
+        found = self._many.get(key)
+        if found is not None:
+            return found
+        writes = [w for h in self._hooks for w in h.writes_many(transition)]
+        needs = set(returning)
+        for w in writes:
+            needs |= w.columns
+        rule = RULES[transition]
+        raw = " ".join([rule.match, rule.sets, rule.guard, *(w.sql for w in writes)])
+        names = [n for n in dict.fromkeys(_BIND.findall(raw)) if not n.endswith(("_k", "_ord"))]
+        unknown = [n for n in names if n not in BIND_TYPES]
+        if unknown:
+            raise ValueError(f"{transition}: no SQL type for the binds {unknown} (BIND_TYPES)")
+        scalars = tuple(n for n in names if not BIND_TYPES[n].endswith("[]"))
+        lists = tuple(n for n in names if BIND_TYPES[n].endswith("[]"))
+        ctes = _changes_many(transition, needs, scalars)
+        notifies = []
+        for n, w in enumerate(writes):
+            if w.sql:
+                sql = _BIND.sub(
+                    lambda m: (
+                        m[0] if m[1] in lists or m[1].endswith(("_k", "_ord")) else f"j.b_{m[1]}"
+                    ),
+                    w.sql,
+                )
+                ctes.append(f"{w.name or f'w{n}'} AS ({sql.replace('{j}', 'j')}\n    )")
+            if w.notify:
+                notifies.append(f"{w.notify} AS n{n}")
+        wanted = [*returning, "transition", "from_state", "k"]
+        select = ", ".join([*(f"j.{c}" for c in dict.fromkeys(wanted)), *notifies])
+        sql = "WITH " + ",\n".join(ctes) + f"\nSELECT {select} FROM j"
+        compiled = (text(sql), scalars, lists)
+        self._many[key] = compiled
+        return compiled
 
     def _compile(self, transition: Transition, returning: Returning) -> _Compiled:
         key = (transition, returning)
@@ -1270,6 +1409,86 @@ def _changes(transition: Transition, needs: set[str]) -> str:
         RETURNING {_returning(needs, "jobs") or "jobs.id"},
                   CAST('{transition}' AS text) AS transition, {from_expr} AS from_state
     """
+
+
+# Statements written out rather than built from their rule (see _changes).
+_WRITTEN_OUT = frozenset(
+    {Transition.SUBMIT, Transition.PROGRESS, Transition.HAND_BACK, Transition.PARK}
+    | {Transition.UNPARK}
+)
+# A bind in a text() statement, as SQLAlchemy finds them (not a ``::`` cast).
+_BIND = re.compile(r"(?<![:\w\\]):(\w+)(?!:)")
+#: The SQL type of each bind a transition applied to many rows may use: its
+#: rows' values go into one array of it (``…[]``: a list per row, end to end).
+BIND_TYPES: Mapping[str, str] = {
+    "id": "uuid",
+    "tenant_id": "uuid",
+    "dispatch_id": "uuid",
+    "lease_token": "uuid",
+    "attempt": "int",
+    "refund": "int",
+    "type": "text",
+    "lease_seconds": "float8",
+    "delay": "float8",
+    "result": "text",
+    "result_blob": "text",
+    "result_blob_size": "bigint",
+    "error_code": "text",
+    "error_message": "text",
+    "retryable": "boolean",
+    "event_message": "text",
+    "event_data": "text",
+    "trace_parent": "text",
+    "trace_state": "text",
+    "trace_inherit": "boolean",
+    "emitted_ids": "uuid[]",
+    "emitted_types": "text[]",
+    "emitted_times": "timestamptz[]",
+    "emitted_correlations": "text[]",
+    "emitted_causations": "text[]",
+    "emitted_payloads": "text[]",
+    "emitted_hashes": "bytea[]",
+}
+
+
+def _changes_many(transition: Transition, needs: set[str], binds: Sequence[str]) -> list[str]:
+    """The CTEs that apply ``transition`` to many rows: ``i`` (each row's binds,
+    ``b_<name>``, and its index ``k``), ``locked`` (the jobs that pass their
+    row's fence, locked in id order) and ``j`` (the rows changed, with ``i``'s
+    columns). The fence, guard and sets are the rule's, reading ``i``."""
+    rule = RULES[transition]
+    if "from_state" in needs and len({p.state for p in rule.sources}) > 1:
+        raise ValueError(f"{transition}: from_state of many rows is not supported")
+    _, _, from_expr = _from_state(transition, needs)
+
+    def per_row(sql: str) -> str:
+        return _BIND.sub(lambda m: f"i.b_{m[1]}", sql)
+
+    arrays = ", ".join(f"CAST(:{n} AS {BIND_TYPES[n]}[])" for n in binds)
+    columns = ", ".join(f"b_{n}" for n in binds)
+    using = f", {rule.using}" if rule.using else ""
+    guard = f" AND {per_row(rule.guard)}" if rule.guard else ""
+    fence = f"{per_row(rule.match)} AND {where_sources(transition, 'jobs')}{guard}"
+    seq = "last_seq = jobs.last_seq + 1, " if rule.event is not None else ""
+    if rule.lifecycle is not None:
+        seq += "lifecycle_cause = jobs.lifecycle_seq, lifecycle_seq = jobs.last_seq + 1, "
+    return [
+        f"i AS (SELECT * FROM unnest({arrays}) WITH ORDINALITY AS i({columns}, k))",
+        f"""locked AS MATERIALIZED (
+        SELECT jobs.id AS l_id FROM jobs, i{using}
+        WHERE {fence}
+        ORDER BY jobs.id
+        FOR UPDATE OF jobs
+    )""",
+        f"""j AS (
+        UPDATE jobs SET state = '{rule.target.value}', {per_row(rule.sets)},
+                        {seq}update_time = now()
+        FROM i, locked{using}
+        WHERE jobs.id = locked.l_id AND {fence}
+        RETURNING {_returning(needs, "jobs") or "jobs.id"}, i.*,
+                  CAST('{transition}' AS text) AS transition, {from_expr} AS from_state
+    )""",
+    ]
 
 
 def _submit(needs: set[str]) -> str:

@@ -1,0 +1,120 @@
+"""The worker's groups (ADR-0028): the batcher's window and cap, and the ack plan."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from jobplane.workers.group import Batcher, plan_acks
+
+
+@st.composite
+def _channels(draw: st.DrawFn) -> tuple[set[int], set[int]]:
+    """Outstanding delivery tags of a channel, and the subset a group acks."""
+    unsettled = draw(st.sets(st.integers(min_value=1, max_value=200), max_size=40))
+    to_ack = draw(st.sets(st.sampled_from(sorted(unsettled)))) if unsettled else set()
+    return unsettled, to_ack
+
+
+def _broker(unsettled: set[int], upto: int | None, singles: list[int]) -> set[int]:
+    """What the broker holds outstanding after the plan; fails where the broker
+    would close the channel (an ack of a tag that is not outstanding)."""
+    outstanding = set(unsettled)
+    if upto is not None:
+        assert upto in outstanding
+        outstanding = {t for t in outstanding if t > upto}
+    for tag in singles:
+        assert tag in outstanding, f"tag {tag} acked twice or never delivered"
+        outstanding.remove(tag)
+    return outstanding
+
+
+@given(_channels())
+def test_the_plan_acks_exactly_the_group_and_nothing_still_running(
+    channel: tuple[set[int], set[int]],
+) -> None:
+    unsettled, to_ack = channel
+    upto, singles = plan_acks(unsettled, to_ack)
+    assert _broker(unsettled, upto, singles) == unsettled - to_ack
+
+
+@given(_channels())
+def test_a_multiple_ack_is_used_whenever_it_saves_a_frame(
+    channel: tuple[set[int], set[int]],
+) -> None:
+    unsettled, to_ack = channel
+    upto, singles = plan_acks(unsettled, to_ack)
+    others = unsettled - to_ack
+    lowest = [t for t in to_ack if not others or t < min(others)]
+    if len(lowest) >= 2:
+        assert upto == max(lowest)
+        assert len(singles) == len(to_ack) - len(lowest)
+    else:
+        assert upto is None and sorted(singles) == sorted(to_ack)
+
+
+def test_the_plan_of_examples() -> None:
+    assert plan_acks({1, 2, 3}, {1, 2, 3}) == (3, [])
+    assert plan_acks({1, 2, 3, 4}, {1, 2, 4}) == (2, [4])  # 3 still runs
+    assert plan_acks({2, 5, 9}, {5, 9}) == (None, [5, 9])  # 2 is below them
+    assert plan_acks({4}, {4}) == (None, [4])
+
+
+async def test_a_group_goes_at_its_window_or_at_its_cap() -> None:
+    groups: list[list[int]] = []
+
+    async def run(items: list[int]) -> list[int]:
+        groups.append(items)
+        return [i * 10 for i in items]
+
+    batcher: Batcher[int, int] = Batcher(run, window=0.05, max_size=3)
+    results = await asyncio.gather(*(batcher.submit(i) for i in range(5)))
+    assert results == [0, 10, 20, 30, 40]
+    assert groups == [[0, 1, 2], [3, 4]]  # the cap, then the window
+    assert batcher.sizes == {3: 1, 2: 1}
+    await batcher.stop()
+
+
+async def test_a_lone_item_waits_no_longer_than_the_window() -> None:
+    async def run(items: list[int]) -> list[int]:
+        return items
+
+    loop = asyncio.get_running_loop()
+    batcher: Batcher[int, int] = Batcher(run, window=0.05, max_size=64)
+    started = loop.time()
+    assert await batcher.submit(7) == 7
+    # No upper bound on a shared machine; only that the window was not skipped.
+    assert loop.time() - started >= 0.045
+    await batcher.stop()
+
+
+async def test_an_item_the_group_refuses_fails_alone() -> None:
+    class Refused(Exception):
+        pass
+
+    async def run(items: list[int]) -> list[int]:
+        if 13 in items:
+            raise Refused("13")
+        return items
+
+    batcher: Batcher[int, int] = Batcher(
+        run, window=0.01, max_size=8, split=lambda exc: isinstance(exc, Refused)
+    )
+    results = await asyncio.gather(*(batcher.submit(i) for i in (1, 13, 2)), return_exceptions=True)
+    assert results[0] == 1 and results[2] == 2
+    assert isinstance(results[1], Refused)
+    await batcher.stop()
+
+
+async def test_an_error_of_the_whole_group_reaches_every_caller() -> None:
+    async def run(items: list[int]) -> list[int]:
+        raise ConnectionError("down")
+
+    batcher: Batcher[int, int] = Batcher(run, window=0.01, max_size=8)
+    results = await asyncio.gather(*(batcher.submit(i) for i in range(3)), return_exceptions=True)
+    assert all(isinstance(r, ConnectionError) for r in results)
+    with pytest.raises(ValueError, match="at least one"):
+        Batcher(run, window=0.01, max_size=0)
