@@ -37,6 +37,7 @@ from rich.progress import (
 from rich.table import Table
 
 from jobplane.client.aio import AsyncClient, job_name_of
+from jobplane.client.batch import JobSpec
 from jobplane.client.joblines import BadLine, parse_job_lines
 from jobplane.client.progress import ProgressTracker
 from jobplane.client.subscription import SubscribedEvent
@@ -425,18 +426,7 @@ async def _submit_jsonl(client: AsyncClient, args: argparse.Namespace) -> int:
     if given:
         raise UsageError(f"--from-jsonl takes each job's fields from its line, not {given[0]}")
     path = args.from_jsonl
-    try:
-        if path == "-":
-            jobs = parse_job_lines(sys.stdin)
-        else:
-            with Path(path).open(encoding="utf-8") as lines:
-                jobs = parse_job_lines(lines)
-    except OSError as exc:
-        raise UsageError(f"cannot read {path}: {exc.strerror or exc}") from exc
-    except UnicodeDecodeError as exc:
-        raise UsageError(f"{path} is not UTF-8 text: {exc.reason}") from exc
-    except BadLine as exc:
-        raise UsageError(str(exc)) from exc
+    jobs = read_job_lines(path)
     if not jobs:
         raise UsageError(f"{path} holds no job")
     try:
@@ -917,6 +907,21 @@ _JSON_KINDS: dict[type, str] = {
     bool: "a boolean",
     type(None): "null",
 }
+
+
+def read_job_lines(path: str) -> list[tuple[int, JobSpec]]:
+    """The jobs of ``--from-jsonl PATH`` ('-': stdin), each with its line number."""
+    try:
+        if path == "-":
+            return parse_job_lines(sys.stdin)
+        with Path(path).open(encoding="utf-8") as lines:
+            return parse_job_lines(lines)
+    except OSError as exc:
+        raise UsageError(f"cannot read {path}: {exc.strerror or exc}") from exc
+    except UnicodeDecodeError as exc:
+        raise UsageError(f"{path} is not UTF-8 text: {exc.reason}") from exc
+    except BadLine as exc:
+        raise UsageError(str(exc)) from exc
 
 
 def parse_labels(items: list[str]) -> dict[str, str]:

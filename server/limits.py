@@ -54,22 +54,23 @@ class TenantLimiter:
         self._streams: dict[uuid.UUID, int] = {}
         self._buckets: dict[uuid.UUID, _Bucket] = {}
 
-    def take_submit(self, tenant: uuid.UUID, count: int = 1) -> None:
+    def take_submit(self, tenant: uuid.UUID, count: int = 1, *, taken: int = 0) -> None:
         """Spend ``count`` of the tenant's submit tokens, all or none;
         :class:`TenantLimitExceeded` if it has fewer.
 
         A token bucket: ``submit_burst`` tokens at most, refilled at
         ``submits_per_second``. The error's ``retry_delay`` is when enough
-        tokens have come; a ``count`` larger than the burst can never be
-        spent at once, and is refused without one.
+        tokens have come. ``taken``: tokens the same call spent before (a
+        batch spends one before its body is read); a call of more submits
+        than the burst can never pass, and is refused without a delay.
         """
         rate, burst = self.limits.submits_per_second, max(1, self.limits.submit_burst)
         if rate <= 0 or count <= 0:
             return
         metadata = {"limit": "submits_per_second", "max": f"{rate:g}", "burst": str(burst)}
-        if count > burst:
+        if count + taken > burst:
             raise TenantLimitExceeded(
-                f"{count} submits at once are more than this tenant's burst of {burst}; "
+                f"{count + taken} submits at once are more than this tenant's burst of {burst}; "
                 f"send at most {burst} a call",
                 metadata=metadata,
             )
@@ -88,7 +89,7 @@ class TenantLimiter:
             f"more than {rate:g} submits and publishes per second (burst {burst}) from this "
             "tenant; slow down",
             metadata=metadata,
-            retry_delay=(count - bucket.tokens) / rate,
+            retry_delay=(count + taken - bucket.tokens) / rate,
         )
 
     def _prune(self, now: float, rate: float, burst: int) -> None:

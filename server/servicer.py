@@ -108,7 +108,7 @@ class JobServiceServicer(jobs_pb2_grpc.JobServiceServicer):
         if self._limiter is not None and len(items) <= MAX_BATCH_SUBMIT:
             # The gate spent one token before the body was read; a batch is
             # one submit a job.
-            self._limiter.take_submit(tenant, len(items) - 1)
+            self._limiter.take_submit(tenant, len(items) - 1, taken=1)
         jobs = await self._service.submit_many(tenant, items)
         return jobs_pb2.BatchSubmitJobsResponse(jobs=[job_to_pb(job) for job in jobs])
 
