@@ -12,6 +12,8 @@ machine: these are measurements, not tests.
                         [--only ingest --ingest-docs N --ingest-words W]
 
 ``--only metrics`` compares throughput with metrics off and on (bench/metrics.py).
+``--only batch`` measures jobs accepted through BatchSubmitJobs and the drain
+of that backlog beside the single-job closed loop (bench/batch.py).
 ``--only blobs`` measures a blob's upload and download through jobplane
 beside the S3 server's own figures ($JOBPLANE_S3_URL, else a moto_server).
 """
@@ -1200,7 +1202,14 @@ async def main(argv: list[str] | None = None) -> int:
             "tracing",
             "metrics",
             "ui",
+            "batch",
         ],
+    )
+    parser.add_argument(
+        "--batch-jobs", type=int, default=20_000, help="jobs --only batch submits in batches"
+    )
+    parser.add_argument(
+        "--batch-callers", type=int, default=4, help="concurrent callers of --only batch"
     )
     parser.add_argument("--ingest-docs", type=int, default=40, help="documents of --only ingest")
     parser.add_argument("--ingest-words", type=int, default=3000, help="words per document")
@@ -1262,6 +1271,10 @@ async def main(argv: list[str] | None = None) -> int:
             await fig_tracing(bench)
         if want("ui"):
             await fig_ui(bench)
+        if args.only and "batch" in args.only:
+            from bench.batch import fig_batch
+
+            await fig_batch(bench)
         apply_floors(bench.figures, floor)
         for figure in bench.figures:
             print(figure.line())

@@ -7,9 +7,11 @@ counts of rows are then the batch's alone.
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 import uuid
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -23,9 +25,12 @@ from jobplane.client import (
     RequestIdReused,
     TenantLimitExceeded,
 )
+from jobplane.client.aio import MAX_RECEIVE_BYTES
 from jobplane.convert import struct_from_dict
 from jobplane.server.limits import TenantLimits
+from jobplane.server.service import MAX_BATCH_REQUEST_BYTES
 from jobplane.v1 import jobs_pb2, jobs_pb2_grpc
+from tests.integration.test_cli_and_sync import jobplane
 from tests.support.answers import check_refusal
 from tests.support.stack import Stack, eventually
 
@@ -46,7 +51,9 @@ def unlimited(stack: Stack) -> None:
 
 @pytest.fixture
 async def stub(stack: Stack) -> AsyncIterator[jobs_pb2_grpc.JobServiceAsyncStub]:
-    async with grpc.aio.insecure_channel(stack.server.address) as channel:
+    # The reply of a batch holds every payload: read as much as the SDK reads.
+    options = [("grpc.max_receive_message_length", MAX_RECEIVE_BYTES)]
+    async with grpc.aio.insecure_channel(stack.server.address, options=options) as channel:
         yield jobs_pb2_grpc.JobServiceStub(channel)
 
 
@@ -162,6 +169,23 @@ async def test_a_batch_holds_one_to_a_thousand_requests(
     assert (await stack.counts())["jobs"] == 1000
 
 
+async def test_a_thousand_jobs_of_16_kib_fit_in_one_call(
+    stack: Stack, stub: jobs_pb2_grpc.JobServiceAsyncStub
+) -> None:
+    limit = stack.server.max_receive_bytes
+    assert limit == MAX_BATCH_REQUEST_BYTES
+    requests = [item(text="x" * 16_000) for _ in range(1000)]
+    body = jobs_pb2.BatchSubmitJobsRequest(requests=requests)
+    assert 0.95 * limit < body.ByteSize() <= limit
+    assert len(await batch(stack, stub, requests)) == 1000
+    # One more and gRPC refuses the body before reading it.
+    before = await stack.counts()
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await batch(stack, stub, [*requests[:999], item(text="x" * 800_000)])
+    assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert await stack.counts() == before
+
+
 async def test_two_requests_of_a_batch_may_not_share_a_request_id(
     stack: Stack, stub: jobs_pb2_grpc.JobServiceAsyncStub
 ) -> None:
@@ -265,7 +289,7 @@ async def test_a_batch_spends_a_submit_token_a_job(
     assert (await stack.counts())["jobs"] == 8
 
 
-class _Counting(grpc.aio.UnaryUnaryClientInterceptor):  # type: ignore[misc]
+class _Counting(grpc.aio.UnaryUnaryClientInterceptor):
     """Counts the BatchSubmitJobs calls and their sizes."""
 
     def __init__(self) -> None:
@@ -324,3 +348,44 @@ async def test_the_sync_client_submits_many(stack: Stack) -> None:
             ]
 
     assert await asyncio.to_thread(run) == [str(uuid.UUID(int=i)) for i in range(3)]
+
+
+async def test_cli_submits_a_jsonl_file_and_names_a_bad_line(stack: Stack, tmp_path: Path) -> None:
+    lines = [
+        json.dumps({"type": "demo.echo", "payload": {"i": 1}, "request_id": "cli-1"}),
+        "",
+        json.dumps(
+            {"type": "demo.echo", "labels": {"team": "bi"}, "max_attempts": 2, "timeout": 5}
+        ),
+    ]
+    good = tmp_path / "jobs.jsonl"
+    good.write_text("\n".join(lines) + "\n")
+    code, out, err = await jobplane(stack, "submit", "--from-jsonl", str(good))
+    assert code == 0, err
+    printed = out.splitlines()
+    assert len(printed) == 2 and all(line.endswith(" queued") for line in printed)
+    first = await stack.client().get(printed[0].split()[0])
+    assert (first.request_id, first.payload) == ("cli-1", {"i": 1})
+    second = await stack.client().get(printed[1].split()[0])
+    assert (second.labels, second.max_attempts) == ({"team": "bi"}, 2)
+
+    # A line that is no job: its number, and nothing sent.
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("\n".join([lines[0], '{"type": "demo.echo", "colour": "red"}']) + "\n")
+    code, out, err = await jobplane(stack, "submit", "--from-jsonl", str(bad))
+    assert code == 2 and out == ""
+    assert "line 2" in err and "colour" in err
+    # A line the server refuses: its number, and nothing written.
+    jobs = await stack.scalar("SELECT count(*) FROM jobs")
+    refused_line = json.dumps({"type": "demo.echo", "max_attempts": 1000})
+    bad.write_text("\n".join([lines[2], "", refused_line]) + "\n")
+    code, out, err = await jobplane(stack, "submit", "--from-jsonl", str(bad))
+    assert code == 1 and out == ""
+    assert "line 3" in err and "max_attempts" in err
+    assert await stack.scalar("SELECT count(*) FROM jobs") == jobs
+    # From stdin, with --json.
+    code, out, err = await jobplane(
+        stack, "submit", "--from-jsonl", "-", "--json", stdin=lines[0].encode()
+    )
+    assert code == 0, err
+    assert json.loads(out)["name"] == first.name
