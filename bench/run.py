@@ -128,6 +128,8 @@ class Bench:
         self.s3: MotoServer | None = None
         self.s3_env: dict[str, str] = {}
         self.s3_kind = ""
+        self._conn: asyncpg.Connection | None = None
+        self._conn_lock = asyncio.Lock()
 
     async def __aenter__(self) -> Bench:
         await migrate(self.database_url)
@@ -157,6 +159,8 @@ class Bench:
                 await proc.wait()
         if self.s3 is not None:
             self.s3.stop()
+        if self._conn is not None:
+            await self._conn.close()
         await services.drop_database(self.database)
         await asyncio.to_thread(services.delete_vhost, self.vhost)
 
@@ -218,11 +222,13 @@ class Bench:
         await asyncio.sleep(1.0)  # workers declare and consume
 
     async def sql(self, query: str, *params: Any) -> list[asyncpg.Record]:
-        conn = await asyncpg.connect(asyncpg_dsn(self.database_url))
-        try:
-            return list(await conn.fetch(query, *params))
-        finally:
-            await conn.close()
+        # One connection for the run's queries: a connection a poll (wait_done
+        # polls ten times a second) fails the run when the shared server is
+        # at max_connections for a moment.
+        async with self._conn_lock:
+            if self._conn is None or self._conn.is_closed():
+                self._conn = await asyncpg.connect(asyncpg_dsn(self.database_url))
+            return list(await self._conn.fetch(query, *params))
 
     async def wait_done(self, count: int, job_type: str, timeout: float = 600) -> None:
         """Until ``count`` jobs of ``job_type`` (or of the bench's pipeline) have ended."""

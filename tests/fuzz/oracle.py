@@ -228,7 +228,7 @@ class Oracle:
         ]
         assert created <= len(fresh), (created, len(fresh))
         self._count(f"BatchSubmitJobs: created {min(created, 3)}{'+' if created > 3 else ''}")
-        for job, request in fresh[:2]:
+        for job, request in fresh[:1]:
             if (await self.client.get(job.name)).state is JobState.QUEUED:
                 await self.read_back(job, request)
 
