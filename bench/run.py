@@ -15,6 +15,8 @@ machine: these are measurements, not tests.
 ``--only peers`` runs the same no-op workload on Celery and Procrastinate, each in
 a virtualenv of its own, beside ``jobplane dev`` and the separate processes (bench/peers.py).
 ``--only metrics`` compares throughput with metrics off and on (bench/metrics.py).
+``--only batch`` measures jobs accepted through BatchSubmitJobs and the drain
+of that backlog beside the single-job closed loop (bench/batch.py).
 ``--only blobs`` measures a blob's upload and download through jobplane
 beside the S3 server's own figures ($JOBPLANE_S3_URL, else a moto_server).
 """
@@ -132,6 +134,8 @@ class Bench:
         self.s3: MotoServer | None = None
         self.s3_env: dict[str, str] = {}
         self.s3_kind = ""
+        self._conn: asyncpg.Connection | None = None
+        self._conn_lock = asyncio.Lock()
 
     async def __aenter__(self) -> Bench:
         await migrate(self.database_url)
@@ -161,6 +165,8 @@ class Bench:
                 await proc.wait()
         if self.s3 is not None:
             self.s3.stop()
+        if self._conn is not None:
+            await self._conn.close()
         await services.drop_database(self.database)
         await asyncio.to_thread(services.delete_vhost, self.vhost)
 
@@ -243,11 +249,13 @@ class Bench:
         await self.ready()
 
     async def sql(self, query: str, *params: Any) -> list[asyncpg.Record]:
-        conn = await asyncpg.connect(asyncpg_dsn(self.database_url))
-        try:
-            return list(await conn.fetch(query, *params))
-        finally:
-            await conn.close()
+        # One connection for the run's queries: a connection a poll (wait_done
+        # polls ten times a second) fails the run when the shared server is
+        # at max_connections for a moment.
+        async with self._conn_lock:
+            if self._conn is None or self._conn.is_closed():
+                self._conn = await asyncpg.connect(asyncpg_dsn(self.database_url))
+            return list(await self._conn.fetch(query, *params))
 
     async def wait_done(self, count: int, job_type: str, timeout: float = 600) -> None:
         """Until ``count`` jobs of ``job_type`` (or of the bench's pipeline) have ended."""
@@ -1215,6 +1223,7 @@ async def main(argv: list[str] | None = None) -> int:
             "metrics",
             "ui",
             "peers",
+            "batch",
         ],
     )
     parser.add_argument(
@@ -1227,6 +1236,12 @@ async def main(argv: list[str] | None = None) -> int:
         "--peer-dev-processes",
         default="auto",
         help="--processes of the jobplane dev arm of --only peers (1: all in one)",
+    )
+    parser.add_argument(
+        "--batch-jobs", type=int, default=20_000, help="jobs --only batch submits in batches"
+    )
+    parser.add_argument(
+        "--batch-callers", type=int, default=4, help="concurrent callers of --only batch"
     )
     parser.add_argument("--ingest-docs", type=int, default=40, help="documents of --only ingest")
     parser.add_argument("--ingest-words", type=int, default=3000, help="words per document")
@@ -1292,6 +1307,10 @@ async def main(argv: list[str] | None = None) -> int:
             await fig_tracing(bench)
         if want("ui"):
             await fig_ui(bench)
+        if args.only and "batch" in args.only:
+            from bench.batch import fig_batch
+
+            await fig_batch(bench)
         apply_floors(bench.figures, floor)
         for figure in bench.figures:
             print(figure.line())

@@ -29,6 +29,7 @@ from __future__ import annotations
 from jobplane.client._errors import WatchSequenceError
 from jobplane.client._retry import RetryPolicy
 from jobplane.client.aio import AsyncClient
+from jobplane.client.batch import JobSpec
 from jobplane.client.progress import ProgressTracker
 from jobplane.client.subscription import EventSubscription, SubscribedEvent, SubscribeStart
 from jobplane.client.sync import BlockingSubscription, Client
@@ -104,6 +105,7 @@ __all__ = [
     "JobNotFound",
     "JobNotRetryable",
     "JobPage",
+    "JobSpec",
     "JobState",
     "JobplaneError",
     "KeyScopeMismatch",

@@ -25,6 +25,7 @@ from jobplane.client._retry import (
     stream_failure,
     stream_retry_delay,
 )
+from jobplane.client.batch import MAX_BATCH_SIZE, JobSpec, batches, shifted
 from jobplane.client.subscription import EventSubscription, SubscribeStart, domain_event_of
 from jobplane.client.tls import ClientTLS
 from jobplane.convert import event_from_pb, job_from_pb, state_to_pb, struct_from_dict
@@ -32,6 +33,7 @@ from jobplane.errors import (
     BlobsDisabled,
     BlobTooLarge,
     InvalidArgument,
+    JobplaneError,
     TenantLimitExceeded,
     Unavailable,
 )
@@ -381,15 +383,75 @@ class AsyncClient:
         queue's default. ``attempt_timeout`` (seconds or a timedelta) bounds
         each attempt's run time; None means the queue's default.
         """
-        request_id = str(uuid.uuid4()) if request_id is None else request_id
-        request = jobs_pb2.SubmitJobRequest(
-            type=type,
-            payload=struct_from_dict(payload),
-            request_id=request_id,
-            correlation_id=correlation_id,
-            max_attempts=max_attempts,
-            labels=dict(labels or {}),
+        request = await self._submit_request(
+            JobSpec(
+                type,
+                payload,
+                request_id=request_id,
+                correlation_id=correlation_id,
+                max_attempts=max_attempts,
+                labels=labels,
+                attempt_timeout=attempt_timeout,
+            )
         )
+        # Without a request_id a repeated call could create a second job.
+        job = await self._call(
+            self._get_stub().SubmitJob, request, repeatable=bool(request.request_id)
+        )
+        return job_from_pb(job)
+
+    async def submit_many(
+        self,
+        specs: Iterable[JobSpec | Mapping[str, Any]],
+        *,
+        batch_size: int = MAX_BATCH_SIZE,
+    ) -> list[Job]:
+        """Create many jobs, through BatchSubmitJobs; the jobs in the order of ``specs``.
+
+        Each spec is a :class:`JobSpec` (or a mapping of its field names): the
+        arguments of :meth:`submit`, with the same meanings, a large payload
+        going as a blob as there. The specs go in calls of at most
+        ``batch_size`` (at most 1,000) and 8 MiB; each call creates all its
+        jobs or none, and is repeated on the same terms as :meth:`submit`
+        (a spec without a request_id gets a fresh UUID, so a repeated call
+        creates nothing twice). A refused spec raises the server's error with
+        ``field`` ``requests[i]…`` and ``metadata["index"]`` naming it by its
+        index ``i`` in ``specs``; the calls before it have created their jobs
+        (give request_ids to make submitting all again safe).
+        """
+        if not 1 <= batch_size <= MAX_BATCH_SIZE:
+            raise ValueError(f"batch_size must be 1 to {MAX_BATCH_SIZE}")
+        requests = [await self._submit_request(JobSpec.of(spec)) for spec in specs]
+        stub = self._get_stub()
+        jobs: list[Job] = []
+        for batch in batches(requests, size=batch_size):
+            offset = len(jobs)
+            try:
+                reply = await self._call(
+                    stub.BatchSubmitJobs,
+                    jobs_pb2.BatchSubmitJobsRequest(requests=batch),
+                    repeatable=True,
+                )
+            except JobplaneError as exc:
+                error = shifted(exc, offset)
+                if error is exc:
+                    raise
+                raise error from exc.__cause__
+            jobs.extend(job_from_pb(job) for job in reply.jobs)
+        return jobs
+
+    async def _submit_request(self, spec: JobSpec) -> jobs_pb2.SubmitJobRequest:
+        """The SubmitJobRequest of ``spec``: a request_id, and a large payload as a blob."""
+        payload = spec.payload
+        request = jobs_pb2.SubmitJobRequest(
+            type=spec.type,
+            payload=struct_from_dict(payload),
+            request_id=str(uuid.uuid4()) if spec.request_id is None else spec.request_id,
+            correlation_id=spec.correlation_id,
+            max_attempts=spec.max_attempts,
+            labels=dict(spec.labels or {}),
+        )
+        attempt_timeout = spec.attempt_timeout
         if attempt_timeout is not None:
             if not isinstance(attempt_timeout, timedelta):
                 attempt_timeout = timedelta(seconds=attempt_timeout)
@@ -409,9 +471,7 @@ class AsyncClient:
                 request.blob_references.extend(
                     f"blobs/{d}" for d in sorted(referenced_digests(payload or {}))
                 )
-        # Without a request_id a repeated call could create a second job.
-        job = await self._call(self._get_stub().SubmitJob, request, repeatable=bool(request_id))
-        return job_from_pb(job)
+        return request
 
     async def get(self, name: str | Job, *, resolve_blobs: bool = True) -> Job:
         """The job as the server stores it now.
@@ -782,4 +842,11 @@ def _event_id_text(event_id: uuid.UUID | str | None) -> str:
         return event_id
 
 
-__all__ = ["DEFAULT_ADDRESS", "MAX_RECEIVE_BYTES", "AsyncClient", "ClientTLS", "job_name_of"]
+__all__ = [
+    "DEFAULT_ADDRESS",
+    "MAX_RECEIVE_BYTES",
+    "AsyncClient",
+    "ClientTLS",
+    "JobSpec",
+    "job_name_of",
+]

@@ -37,6 +37,8 @@ from rich.progress import (
 from rich.table import Table
 
 from jobplane.client.aio import AsyncClient, job_name_of
+from jobplane.client.batch import JobSpec
+from jobplane.client.joblines import BadLine, parse_job_lines
 from jobplane.client.progress import ProgressTracker
 from jobplane.client.subscription import SubscribedEvent
 from jobplane.client.tls import ENV_CA, ENV_CLIENT_CERT, ENV_CLIENT_KEY, ENV_SERVER_NAME, ENV_SWITCH
@@ -108,7 +110,14 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         description="Submit a job and print it; with --watch, follow it until it ends "
         "(exit code 0 if it succeeded, 1 if it failed or was cancelled).",
     )
-    submit.add_argument("type", metavar="TYPE", help="job type, e.g. reports.render")
+    submit.add_argument("type", metavar="TYPE", nargs="?", help="job type, e.g. reports.render")
+    submit.add_argument(
+        "--from-jsonl",
+        metavar="FILE",
+        help="submit every job of FILE ('-' for stdin), one JSON object a line with the "
+        "fields of this command (type, payload, request_id, correlation_id, max_attempts, "
+        "labels, timeout), all in calls of up to 1,000; prints one line a job",
+    )
     payload = submit.add_mutually_exclusive_group()
     payload.add_argument("--payload", metavar="JSON", help="the payload, a JSON object")
     payload.add_argument(
@@ -374,6 +383,10 @@ def _error(message: str) -> None:
 
 
 async def _submit(client: AsyncClient, args: argparse.Namespace) -> int:
+    if args.from_jsonl is not None:
+        return await _submit_jsonl(client, args)
+    if args.type is None:
+        raise UsageError("submit needs a TYPE, or --from-jsonl FILE")
     payload = parse_payload(args.payload, args.payload_file)
     labels = parse_labels(args.label)
     job = await client.submit(
@@ -392,6 +405,45 @@ async def _submit(client: AsyncClient, args: argparse.Namespace) -> int:
     if not args.watch:
         return EXIT_OK
     return await render_watch(client, job.name, as_json=args.json)
+
+
+async def _submit_jsonl(client: AsyncClient, args: argparse.Namespace) -> int:
+    given = [
+        flag
+        for flag, value in (
+            ("TYPE", args.type),
+            ("--payload", args.payload),
+            ("--payload-file", args.payload_file),
+            ("--request-id", args.request_id),
+            ("--correlation-id", args.correlation_id),
+            ("--max-attempts", args.max_attempts),
+            ("--timeout", args.timeout),
+            ("--label", args.label),
+            ("--watch", args.watch),
+        )
+        if value
+    ]
+    if given:
+        raise UsageError(f"--from-jsonl takes each job's fields from its line, not {given[0]}")
+    path = args.from_jsonl
+    jobs = read_job_lines(path)
+    if not jobs:
+        raise UsageError(f"{path} holds no job")
+    try:
+        submitted = await client.submit_many(spec for _, spec in jobs)
+    except JobplaneError as exc:
+        index = exc.metadata.get("index")
+        if index is None or not index.isdigit() or int(index) >= len(jobs):
+            raise
+        # The server names the request by its index; the caller knows lines.
+        _error(f"line {jobs[int(index)][0]}: {exc.reason}: {exc.message}")
+        return EXIT_FAILED
+    for job in submitted:
+        if args.json:
+            print_json(job_to_json(job))
+        else:
+            print(job_line(job), flush=True)
+    return EXIT_OK
 
 
 async def _watch(client: AsyncClient, args: argparse.Namespace) -> int:
@@ -855,6 +907,21 @@ _JSON_KINDS: dict[type, str] = {
     bool: "a boolean",
     type(None): "null",
 }
+
+
+def read_job_lines(path: str) -> list[tuple[int, JobSpec]]:
+    """The jobs of ``--from-jsonl PATH`` ('-': stdin), each with its line number."""
+    try:
+        if path == "-":
+            return parse_job_lines(sys.stdin)
+        with Path(path).open(encoding="utf-8") as lines:
+            return parse_job_lines(lines)
+    except OSError as exc:
+        raise UsageError(f"cannot read {path}: {exc.strerror or exc}") from exc
+    except UnicodeDecodeError as exc:
+        raise UsageError(f"{path} is not UTF-8 text: {exc.reason}") from exc
+    except BadLine as exc:
+        raise UsageError(str(exc)) from exc
 
 
 def parse_labels(items: list[str]) -> dict[str, str]:

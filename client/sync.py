@@ -32,6 +32,7 @@ from jobplane.client.aio import (
     connection_from_env,
     inline_bytes_from_env,
 )
+from jobplane.client.batch import MAX_BATCH_SIZE, JobSpec
 from jobplane.client.subscription import EventSubscription, SubscribedEvent, SubscribeStart
 from jobplane.client.tls import ClientTLS
 from jobplane.events.envelope import Event
@@ -285,6 +286,16 @@ class Client:
                 attempt_timeout=attempt_timeout,
             )
         )
+
+    def submit_many(
+        self,
+        specs: Iterable[JobSpec | Mapping[str, Any]],
+        *,
+        batch_size: int = MAX_BATCH_SIZE,
+    ) -> list[Job]:
+        """Create many jobs at once, in the order of ``specs``; see
+        :meth:`AsyncClient.submit_many`."""
+        return self._loop.run(self._async.submit_many(specs, batch_size=batch_size))
 
     def get(self, name: str | Job, *, resolve_blobs: bool = True) -> Job:
         """The job as the server stores it now; see :meth:`AsyncClient.get`."""

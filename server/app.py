@@ -26,7 +26,7 @@ from jobplane.server.blob_servicer import MAX_CHUNK_BYTES, BlobServiceServicer
 from jobplane.server.decode import RefuseUndecodable
 from jobplane.server.events import EventService
 from jobplane.server.limits import TenantLimiter, TenantLimits
-from jobplane.server.service import JobService, max_request_bytes
+from jobplane.server.service import MAX_BATCH_REQUEST_BYTES, JobService, max_request_bytes
 from jobplane.server.servicer import EventServiceServicer, JobServiceServicer
 from jobplane.server.worker_servicer import WorkerServiceServicer
 from jobplane.server.workers import WorkerService
@@ -176,8 +176,11 @@ class JobplaneServer:
         # gRPC refuses a larger body (RESOURCE_EXHAUSTED) before reading it
         # whole: no valid request needs more.
         # An UploadBlob chunk of the largest size must fit too.
+        # A BatchSubmitJobs body may be larger than one SubmitJob's, up to its own bound.
         self.max_receive_bytes = max(
-            max_request_bytes(max_payload_bytes), MAX_CHUNK_BYTES + 64 * 1024
+            max_request_bytes(max_payload_bytes),
+            MAX_CHUNK_BYTES + 64 * 1024,
+            MAX_BATCH_REQUEST_BYTES,
         )
         self.service.metrics = self.workers.metrics = metrics
         metrics.add_streams(self.limiter.open_streams)
@@ -229,7 +232,9 @@ class JobplaneServer:
                 ("grpc.server.max_pending_requests_hard_limit", 2 * MAX_PENDING_CALLS),
             ],
         )
-        jobs_pb2_grpc.add_JobServiceServicer_to_server(JobServiceServicer(self.service), server)
+        jobs_pb2_grpc.add_JobServiceServicer_to_server(
+            JobServiceServicer(self.service, self.limiter), server
+        )
         events_pb2_grpc.add_EventServiceServicer_to_server(
             EventServiceServicer(self.events), server
         )

@@ -47,8 +47,10 @@ _WORKER: contextvars.ContextVar[WorkerIdentity | None] = contextvars.ContextVar(
 )
 
 # The calls the gate counts against a tenant's limits: writes that go through
-# the outbox spend submit tokens, streams hold stream slots.
-SUBMIT_RPCS = frozenset({"SubmitJob", "PublishEvent"})
+# the outbox spend submit tokens, streams hold stream slots. A batch spends
+# one here, before its body is read, and one for each further job once it is
+# (JobServiceServicer.BatchSubmitJobs).
+SUBMIT_RPCS = frozenset({"SubmitJob", "PublishEvent", "BatchSubmitJobs"})
 STREAM_RPCS = frozenset({"WatchJob", "SubscribeEvents"})
 
 

@@ -1,8 +1,8 @@
 """Per-tenant limits of one server process: streams held, submits per second.
 
 Streams are WatchJob and SubscribeEvents calls, counted together; submits
-are SubmitJob and PublishEvent calls (each writes an outbox row), counted
-together.
+are SubmitJob and PublishEvent calls (each writes an outbox row) and the jobs
+of BatchSubmitJobs calls (one submit a job), counted together.
 
 The counts live in the process, not in the database: with N server processes
 behind a balancer a tenant may hold N x ``max_streams`` streams and submit at
@@ -54,16 +54,26 @@ class TenantLimiter:
         self._streams: dict[uuid.UUID, int] = {}
         self._buckets: dict[uuid.UUID, _Bucket] = {}
 
-    def take_submit(self, tenant: uuid.UUID) -> None:
-        """Spend one of the tenant's submit tokens; :class:`TenantLimitExceeded` if none.
+    def take_submit(self, tenant: uuid.UUID, count: int = 1, *, taken: int = 0) -> None:
+        """Spend ``count`` of the tenant's submit tokens, all or none;
+        :class:`TenantLimitExceeded` if it has fewer.
 
         A token bucket: ``submit_burst`` tokens at most, refilled at
-        ``submits_per_second``. The error's ``retry_delay`` is when the next
-        token comes.
+        ``submits_per_second``. The error's ``retry_delay`` is when enough
+        tokens have come. ``taken``: tokens the same call spent before (a
+        batch spends one before its body is read); a call of more submits
+        than the burst can never pass, and is refused without a delay.
         """
         rate, burst = self.limits.submits_per_second, max(1, self.limits.submit_burst)
-        if rate <= 0:
+        if rate <= 0 or count <= 0:
             return
+        metadata = {"limit": "submits_per_second", "max": f"{rate:g}", "burst": str(burst)}
+        if count + taken > burst:
+            raise TenantLimitExceeded(
+                f"{count + taken} submits at once are more than this tenant's burst of {burst}; "
+                f"send at most {burst} a call",
+                metadata=metadata,
+            )
         now = self._clock()
         bucket = self._buckets.get(tenant)
         if bucket is None:
@@ -72,14 +82,14 @@ class TenantLimiter:
             bucket = self._buckets[tenant] = _Bucket(float(burst), now)
         bucket.tokens = min(float(burst), bucket.tokens + (now - bucket.stamp) * rate)
         bucket.stamp = now
-        if bucket.tokens >= 1.0:
-            bucket.tokens -= 1.0
+        if bucket.tokens >= count:
+            bucket.tokens -= count
             return
         raise TenantLimitExceeded(
             f"more than {rate:g} submits and publishes per second (burst {burst}) from this "
             "tenant; slow down",
-            metadata={"limit": "submits_per_second", "max": f"{rate:g}", "burst": str(burst)},
-            retry_delay=(1.0 - bucket.tokens) / rate,
+            metadata=metadata,
+            retry_delay=(count + taken - bucket.tokens) / rate,
         )
 
     def _prune(self, now: float, rate: float, burst: int) -> None:

@@ -24,8 +24,10 @@ from jobplane.errors import (
     BlobReferenceNotFound,
     BlobsDisabled,
     InvalidArgument,
+    JobplaneError,
     PayloadTooLarge,
     UnroutableJobType,
+    at_item,
     shown,
 )
 from jobplane.names import parse_job_name, validate_job_type
@@ -43,6 +45,11 @@ if TYPE_CHECKING:
 DEFAULT_PAGE_SIZE = 50
 MAX_PAGE_SIZE = 1000
 MAX_ATTEMPTS_LIMIT = 100
+#: The most requests one BatchSubmitJobs call may hold (AIP-233's usual bound).
+MAX_BATCH_SUBMIT = 1000
+#: The largest BatchSubmitJobs body the server reads (the SDK splits its
+#: batches below half of it): 1,000 jobs of 8 KiB payloads fit.
+MAX_BATCH_REQUEST_BYTES = 16 * 1024 * 1024
 MAX_REQUEST_ID_LENGTH = 256
 # The relay sends correlation_id as the AMQP correlation-id property, a short
 # string of at most 255 bytes: a longer one could never be published.
@@ -127,6 +134,56 @@ class JobService:
 
     async def submit(self, tenant: uuid.UUID, request: SubmitRequest) -> Job:
         """Validate whole, then write job + first event + outbox row at once."""
+        new = await self._validated(tenant, request)
+        job, created = await self._store.submit(tenant, new)
+        if created:
+            self.metrics.submitted(new.type, new.queue)
+        return job
+
+    async def submit_many(self, tenant: uuid.UUID, requests: Sequence[SubmitRequest]) -> list[Job]:
+        """:meth:`submit` for 1 to :data:`MAX_BATCH_SUBMIT` jobs, all in one transaction.
+
+        Every request is validated as :meth:`submit` validates it, in order;
+        the first refusal is raised at its index (``requests[i].field``) and
+        nothing is written. A request whose request_id the tenant has used
+        is the stored job; two requests may not share one.
+        """
+        if not requests:
+            raise InvalidArgument(
+                f"requests is empty: send 1 to {MAX_BATCH_SUBMIT}", field="requests"
+            )
+        if len(requests) > MAX_BATCH_SUBMIT:
+            raise InvalidArgument(
+                f"at most {MAX_BATCH_SUBMIT} requests in one call, not {len(requests)}",
+                field="requests",
+                metadata={"limit": str(MAX_BATCH_SUBMIT)},
+            )
+        news: list[NewJob] = []
+        first_of: dict[str, int] = {}
+        for i, request in enumerate(requests):
+            try:
+                news.append(await self._validated(tenant, request))
+            except JobplaneError as exc:
+                raise at_item(exc, i) from None
+            if request.request_id:
+                first = first_of.setdefault(request.request_id, i)
+                if first != i:
+                    raise at_item(
+                        InvalidArgument(
+                            f"request_id {shown(request.request_id)} is also that of "
+                            f"requests[{first}]: each request of a batch needs its own",
+                            field="request_id",
+                        ),
+                        i,
+                    )
+        submitted = await self._store.submit_many(tenant, news)
+        for new, (_, created) in zip(news, submitted, strict=True):
+            if created:
+                self.metrics.submitted(new.type, new.queue)
+        return [job for job, _ in submitted]
+
+    async def _validated(self, tenant: uuid.UUID, request: SubmitRequest) -> NewJob:
+        """The job ``request`` asks for, checked whole; the first refusal raised."""
         job_type = validate_job_type(request.type)
         pipeline = self._topology.pipeline(job_type)
         queue = self._topology.route(job_type)
@@ -157,8 +214,8 @@ class JobService:
             timeout = request.timeout_seconds
         payload_blob, references = await self._check_blobs(tenant, request)
         if pipeline is not None:
-            return await self._submit_pipeline(tenant, request, pipeline, payload_blob, references)
-        new = NewJob(
+            return _pipeline_job(request, pipeline, payload_blob, references)
+        return NewJob(
             type=job_type,
             queue=queue.name,
             payload=request.payload,
@@ -170,10 +227,6 @@ class JobService:
             payload_blob=payload_blob,
             blob_references=references,
         )
-        job, created = await self._store.submit(tenant, new)
-        if created:
-            self.metrics.submitted(job_type, queue.name)
-        return job
 
     async def _check_blobs(
         self, tenant: uuid.UUID, request: SubmitRequest
@@ -233,41 +286,6 @@ class JobService:
                 field="payload_blob",
             )
         return BlobRef(info.name, info.digest, info.size), references
-
-    async def _submit_pipeline(
-        self,
-        tenant: uuid.UUID,
-        request: SubmitRequest,
-        pipeline: PipelineSpec,
-        payload_blob: BlobRef | None = None,
-        references: tuple[str, ...] = (),
-    ) -> Job:
-        """A pipeline job: its stages, as the topology declares them now, go with it.
-
-        A request's max_attempts or timeout, when set, is every stage's.
-        """
-        stages = pipeline_stages(
-            pipeline, max_attempts=request.max_attempts, timeout_seconds=request.timeout_seconds
-        )
-        first = stages[0]
-        new = NewJob(
-            type=pipeline.name,
-            queue=first.queue,
-            payload=request.payload,
-            request_id=request.request_id or str(uuid.uuid4()),
-            max_attempts=request.max_attempts,
-            correlation_id=request.correlation_id,
-            labels=dict(request.labels),
-            timeout_seconds=request.timeout_seconds or 0.0,
-            pipeline_version=pipeline.version,
-            stages=stages,
-            payload_blob=payload_blob,
-            blob_references=references,
-        )
-        job, created = await self._store.submit(tenant, new)
-        if created:
-            self.metrics.submitted(pipeline.name, first.queue)
-        return job
 
     async def get(self, tenant: uuid.UUID, name: str) -> Job:
         """One job by name."""
@@ -383,6 +401,35 @@ class JobService:
             raise InvalidArgument("after_seq must not be negative", field="after_seq")
         async for event in self.feeds.watch(tenant, job_id, after_seq):
             yield event
+
+
+def _pipeline_job(
+    request: SubmitRequest,
+    pipeline: PipelineSpec,
+    payload_blob: BlobRef | None = None,
+    references: tuple[str, ...] = (),
+) -> NewJob:
+    """A pipeline job: its stages, as the topology declares them now, go with it.
+
+    A request's max_attempts or timeout, when set, is every stage's.
+    """
+    stages = pipeline_stages(
+        pipeline, max_attempts=request.max_attempts, timeout_seconds=request.timeout_seconds
+    )
+    return NewJob(
+        type=pipeline.name,
+        queue=stages[0].queue,
+        payload=request.payload,
+        request_id=request.request_id or str(uuid.uuid4()),
+        max_attempts=request.max_attempts,
+        correlation_id=request.correlation_id,
+        labels=dict(request.labels),
+        timeout_seconds=request.timeout_seconds or 0.0,
+        pipeline_version=pipeline.version,
+        stages=stages,
+        payload_blob=payload_blob,
+        blob_references=references,
+    )
 
 
 def _check_id(

@@ -19,13 +19,14 @@ from jobplane.convert import (
     seconds_from_duration,
     state_filter_from_pb,
 )
-from jobplane.errors import InvalidArgument, JobplaneError
+from jobplane.errors import InvalidArgument, JobplaneError, at_item
 from jobplane.events.convert import event_to_pb as domain_event_to_pb
 from jobplane.logs import fingerprint
 from jobplane.observe import tracing
 from jobplane.server.auth import current_identity
 from jobplane.server.events import EventService, PublishRequest
-from jobplane.server.service import JobService, SubmitRequest
+from jobplane.server.limits import TenantLimiter
+from jobplane.server.service import MAX_BATCH_SUBMIT, JobService, SubmitRequest
 from jobplane.server.status import error_for, to_grpc_status
 from jobplane.v1 import events_pb2, events_pb2_grpc, jobs_pb2, jobs_pb2_grpc
 
@@ -85,34 +86,35 @@ def _unary(
 class JobServiceServicer(jobs_pb2_grpc.JobServiceServicer):
     """The JobService RPCs, for callers :class:`~jobplane.server.auth.CallGate` admitted."""
 
-    def __init__(self, service: JobService) -> None:
+    def __init__(self, service: JobService, limiter: TenantLimiter | None = None) -> None:
         self._service = service
         self._encoded = EncodedEvents()
+        self._limiter = limiter
 
     @_unary
     async def SubmitJob(
         self, tenant: uuid.UUID, request: jobs_pb2.SubmitJobRequest
     ) -> jobs_pb2.Job:
         _bind_ids(request.request_id, request.correlation_id)
-        job = await self._service.submit(
-            tenant,
-            SubmitRequest(
-                type=request.type,
-                payload=dict_from_struct(request.payload),
-                request_id=request.request_id,
-                correlation_id=request.correlation_id,
-                max_attempts=request.max_attempts,
-                labels=dict(request.labels),
-                timeout_seconds=(
-                    seconds_from_duration(request.timeout, field="timeout")
-                    if request.HasField("timeout")
-                    else None
-                ),
-                payload_blob=request.payload_blob,
-                blob_references=tuple(request.blob_references),
-            ),
-        )
+        job = await self._service.submit(tenant, submit_request(request))
         return job_to_pb(job)
+
+    @_unary
+    async def BatchSubmitJobs(
+        self, tenant: uuid.UUID, request: jobs_pb2.BatchSubmitJobsRequest
+    ) -> jobs_pb2.BatchSubmitJobsResponse:
+        items = []
+        for i, item in enumerate(request.requests):
+            try:
+                items.append(submit_request(item))
+            except JobplaneError as exc:
+                raise at_item(exc, i) from None
+        if self._limiter is not None and len(items) <= MAX_BATCH_SUBMIT:
+            # The gate spent one token before the body was read; a batch is
+            # one submit a job.
+            self._limiter.take_submit(tenant, len(items) - 1, taken=1)
+        jobs = await self._service.submit_many(tenant, items)
+        return jobs_pb2.BatchSubmitJobsResponse(jobs=[job_to_pb(job) for job in jobs])
 
     @_unary
     async def GetJob(self, tenant: uuid.UUID, request: jobs_pb2.GetJobRequest) -> jobs_pb2.Job:
@@ -252,6 +254,25 @@ class EventServiceServicer(events_pb2_grpc.EventServiceServicer):
                 )
         except Exception as exc:
             await _abort(context, error_for(exc, "SubscribeEvents"))
+
+
+def submit_request(request: jobs_pb2.SubmitJobRequest) -> SubmitRequest:
+    """A SubmitJobRequest as plain values (the timeout checked)."""
+    return SubmitRequest(
+        type=request.type,
+        payload=dict_from_struct(request.payload),
+        request_id=request.request_id,
+        correlation_id=request.correlation_id,
+        max_attempts=request.max_attempts,
+        labels=dict(request.labels),
+        timeout_seconds=(
+            seconds_from_duration(request.timeout, field="timeout")
+            if request.HasField("timeout")
+            else None
+        ),
+        payload_blob=request.payload_blob,
+        blob_references=tuple(request.blob_references),
+    )
 
 
 def _event_time(message: Any) -> datetime:

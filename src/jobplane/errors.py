@@ -49,6 +49,19 @@ class JobplaneError(Exception):
         super().__init__(self.message)
 
 
+def at_item(error: JobplaneError, index: int, items: str = "requests") -> JobplaneError:
+    """``error`` of the item at ``index`` of a batch: the same class, reason and
+    metadata, its field under the item's path (``requests[3].payload``,
+    ``requests[3]`` for a field-less error) and ``metadata["index"]``."""
+    path = f"{items}[{index}]"
+    return type(error)(
+        f"{path}: {error.message}",
+        field=f"{path}.{error.field}" if error.field else path,
+        metadata={**error.metadata, "index": str(index)},
+        retry_delay=error.retry_delay,
+    )
+
+
 class InvalidArgument(JobplaneError):
     """The request is not valid."""
 

@@ -7,6 +7,9 @@ a valid message) and its answer is judged:
   naming the field for INVALID_ARGUMENT), is small, and wrote nothing;
 - an accepted SubmitJob can be read back by the SDK through GetJob, ListJobs
   (the whole page decodes) and WatchJob, with what was sent;
+- an accepted BatchSubmitJobs answers one job a request, in order, and wrote
+  each job it created whole (its event and dispatch) and nothing else; the
+  jobs it created read back as SubmitJob's do;
 - an accepted PublishEvent answers with a valid event of the caller's tenant
   and wrote one event and one outbox row (none for a replay), which the relay
   can publish;
@@ -40,7 +43,7 @@ from jobplane.events.convert import event_from_pb as domain_event_from_pb
 from jobplane.topology import QueueSpec, StageSpec
 from jobplane.types import EventType, Job
 from jobplane.v1 import events_pb2, jobs_pb2
-from tests.support.answers import check_refusal
+from tests.support.answers import Refusal, check_refusal
 from tests.support.stack import Stack
 
 SERVICE = jobs_pb2.DESCRIPTOR.services_by_name["JobService"]
@@ -56,6 +59,7 @@ METHODS = {
 _REPLIES: dict[str, type[message.Message]] = {
     "PublishEvent": events_pb2.Event,
     "SubmitJob": jobs_pb2.Job,
+    "BatchSubmitJobs": jobs_pb2.BatchSubmitJobsResponse,
     "GetJob": jobs_pb2.Job,
     "ListJobs": jobs_pb2.ListJobsResponse,
     "CancelJob": jobs_pb2.Job,
@@ -96,8 +100,10 @@ class Oracle:
         """The stack's key, as the SDK sends it."""
         return (("authorization", f"Bearer {self.stack.key}"),)
 
-    async def call(self, method: str, body: bytes, metadata: Metadata | None = None) -> None:
-        """Send ``body`` to ``method`` and judge the answer."""
+    async def call(
+        self, method: str, body: bytes, metadata: Metadata | None = None
+    ) -> Refusal | None:
+        """Send ``body`` to ``method`` and judge the answer: the refusal, if refused."""
         metadata = self.auth if metadata is None else metadata
         before = await self.stack.counts()
         events_before = await self.stack.scalar(_EVENT_ROWS)
@@ -113,11 +119,13 @@ class Oracle:
             after = await self.stack.counts()
             assert after == before, f"refused {method} wrote rows: {before} -> {after}"
             assert await self.stack.scalar(_EVENT_ROWS) == events_before, method
-        else:
-            self.codes[method, "OK"] += 1
-            self._count(f"{method}: OK")
-            await self._accepted(method, body, replies, before, events_before)
+            await self.check_serving()
+            return refusal
+        self.codes[method, "OK"] += 1
+        self._count(f"{method}: OK")
+        await self._accepted(method, body, replies, before, events_before)
         await self.check_serving()
+        return None
 
     async def _send(self, method: str, body: bytes, metadata: Metadata) -> list[bytes]:
         path = f"/{METHODS[method].containing_service.full_name}/{method}"
@@ -165,6 +173,9 @@ class Oracle:
             seqs = [event_from_pb(e).seq for e in decoded]  # type: ignore[arg-type]
             assert seqs == sorted(set(seqs)), seqs
             return
+        if method == "BatchSubmitJobs":
+            await self._batch_accepted(body, decoded[0], before)  # type: ignore[arg-type]
+            return
         if method == "PublishEvent":
             sent = events_pb2.PublishEventRequest.FromString(body)
             event = domain_event_from_pb(decoded[0])  # type: ignore[arg-type]
@@ -195,6 +206,26 @@ class Oracle:
         elif method == "CancelJob":
             assert job.state is JobState.CANCELLED
             await self.client.retry(job.name)
+
+    async def _batch_accepted(
+        self, body: bytes, reply: jobs_pb2.BatchSubmitJobsResponse, before: dict[str, int]
+    ) -> None:
+        sent = jobs_pb2.BatchSubmitJobsRequest.FromString(body)
+        jobs = [job_from_pb(job) for job in reply.jobs]
+        assert 1 <= len(jobs) == len(sent.requests), (len(jobs), len(sent.requests))
+        for job, request in zip(jobs, sent.requests, strict=True):
+            assert job.request_id == (request.request_id or job.request_id)
+        ids = [r.request_id for r in sent.requests if r.request_id]
+        assert len(ids) == len(set(ids)), ids
+        after = await self.stack.counts()
+        created = after["jobs"] - before["jobs"]
+        # Each job it created is whole: one event and one dispatch each.
+        assert after == {k: v + created for k, v in before.items()}, (before, after)
+        self._count(f"BatchSubmitJobs: created {min(created, 3)}{'+' if created > 3 else ''}")
+        if created == len(jobs):
+            # No replay among them: the last is the newest job (ids are
+            # time-ordered in request order), and reads back as SubmitJob's.
+            await self.read_back(jobs[-1], sent.requests[-1])
 
     async def read_back(self, job: Job, request: jobs_pb2.SubmitJobRequest) -> None:
         """The SDK reads an accepted job back as sent, through every read call."""

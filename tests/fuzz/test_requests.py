@@ -219,6 +219,7 @@ async def fuzz(
         ("CancelJob", None, 1.0),
         ("RetryJob", None, 0.5),
         ("WatchJob", None, 0.5),
+        ("BatchSubmitJobs", None, 1.0),
         ("PublishEvent", None, 1.0),
         ("PublishEvent", "payload", 0.5),
     ],
@@ -234,6 +235,51 @@ async def test_every_request_message(
     await fuzz(oracle, strategy, judge, scale=scale)
     # The draws must also get past validation, or the read-back checks never run.
     assert oracle.codes[method, "OK"] > 0, oracle.outcomes
+
+
+def _varint(value: int) -> bytes:
+    """``value`` as a protobuf varint."""
+    out = bytearray()
+    while value > 0x7F:
+        out.append(value & 0x7F | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+def _fresh_submits(n: int) -> st.SearchStrategy[list[jobs_pb2.SubmitJobRequest]]:
+    """``n`` valid SubmitJob requests, each with a request_id of its own."""
+    return st.lists(st.uuids(), min_size=n, max_size=n, unique=True).map(
+        lambda ids: [jobs_pb2.SubmitJobRequest(type="demo.echo", request_id=str(i)) for i in ids]
+    )
+
+
+async def test_one_drawn_request_among_valid_ones_decides_the_whole_batch(
+    oracle: Oracle,
+) -> None:
+    """A batch of valid requests and one drawn one: all created, or none and the
+    refusal names the drawn one's index (the oracle checks that nothing was written)."""
+    # Now and then a valid one, so that whole batches are accepted too.
+    drawn = st.one_of(
+        requests(jobs_pb2.SubmitJobRequest.DESCRIPTOR, hints(oracle.seeds)),
+        _fresh_submits(1).map(lambda one: one[0]),
+    )
+    strategy = st.integers(0, 4).flatmap(
+        lambda n: st.tuples(_fresh_submits(n), drawn, st.integers(0, n))
+    )
+
+    async def judge(case: tuple[list[jobs_pb2.SubmitJobRequest], Any, int]) -> None:
+        valid, request, at = case
+        # Encoded by hand: protobuf would parse a request nested past its
+        # depth limit again to copy it into the batch.
+        items = [r.SerializeToString() for r in [*valid[:at], request, *valid[at:]]]
+        body = b"".join(b"\x0a" + _varint(len(item)) + item for item in items)
+        refusal = await oracle.call("BatchSubmitJobs", body)
+        if refusal is not None and refusal.field is not None:
+            assert refusal.field.startswith(f"requests[{at}]"), refusal
+
+    await fuzz(oracle, strategy, judge, scale=0.5)
+    assert oracle.codes["BatchSubmitJobs", "OK"] > 0, oracle.outcomes
 
 
 def _mutations(body: bytes) -> st.SearchStrategy[bytes]:

@@ -19,7 +19,11 @@ from google.protobuf import duration_pb2
 
 from jobplane.client import InvalidArgument, JobState
 from jobplane.convert import struct_from_dict
-from jobplane.server.service import MAX_PAYLOAD_DEPTH
+from jobplane.server.service import (
+    MAX_BATCH_REQUEST_BYTES,
+    MAX_PAYLOAD_DEPTH,
+    max_request_bytes,
+)
 from jobplane.v1 import jobs_pb2, jobs_pb2_grpc
 from tests.support.answers import check_refusal
 from tests.support.stack import Stack
@@ -384,7 +388,8 @@ async def test_the_receive_limit_takes_the_largest_valid_request_and_no_more(
     stack: Stack,
 ) -> None:
     limit = stack.server.max_receive_bytes
-    assert limit < 2 * 1024 * 1024
+    # A BatchSubmitJobs body at its bound: more than the largest SubmitJob needs.
+    assert limit == MAX_BATCH_REQUEST_BYTES > max_request_bytes(256 * 1024)
     # The payload's JSON at its limit, made of what grows most as a Struct.
     numbers = [0] * ((256 * 1024 - len('{"n":[]}') + 1) // 2)
     largest = jobs_pb2.SubmitJobRequest(

@@ -15,6 +15,7 @@ from google.protobuf import json_format
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from jobplane.blobs import BlobInUse, BlobStore
+from jobplane.client import BlobNotFound
 from jobplane.convert import struct_from_dict
 from jobplane.store.engine import create_engine
 from jobplane.topology import Topology
@@ -102,6 +103,56 @@ async def test_a_large_payload_and_result_go_by_reference(offload_stack: Stack) 
     small = await client.submit("offload.echo", {"text": "x"})
     assert small.payload_blob is None and small.payload == {"text": "x"}
     await client.wait(again.name, timeout=30)
+
+
+async def test_submit_many_offloads_and_records_each_jobs_references(
+    offload_stack: Stack,
+) -> None:
+    client = offload_stack.client()
+    named = await client.upload(b"input bytes")
+    large = "jobplane " * 20_000
+    # One inline payload naming a blob, one offloaded payload naming it
+    # (its name travels as a blob_reference), one plain.
+    jobs = await client.submit_many(
+        [
+            {"type": "offload.echo", "payload": {"text": "x", "blob": named.name}},
+            {"type": "offload.echo", "payload": {"text": large, "blob": named.name}},
+            {"type": "offload.echo", "payload": {"text": "y"}},
+        ]
+    )
+    assert [j.payload_blob is not None for j in jobs] == [False, True, False]
+    roles = [
+        await offload_stack.scalar(
+            "SELECT string_agg(role, ',' ORDER BY role) FROM job_blobs "
+            "WHERE job_id = :id AND digest = :d",
+            id=job.id,
+            d=named.sha256,
+        )
+        for job in jobs
+    ]
+    # The named blob is an input of both (the trigger's, and the hook's from
+    # blob_references), and the offloaded payload the second's payload.
+    assert roles == ["input", "input", None]
+    offloaded = jobs[1].payload_blob
+    assert offloaded is not None
+    payload_role = await offload_stack.scalar(
+        "SELECT role FROM job_blobs WHERE job_id = :id AND digest = :d",
+        id=jobs[1].id,
+        d=offloaded.sha256,
+    )
+    assert payload_role == "payload"
+    # A blob the tenant does not have refuses the whole batch at its index.
+    missing = "blobs/" + "0" * 64
+    before = await offload_stack.counts()
+    with pytest.raises(BlobNotFound) as info:
+        await client.submit_many(
+            [{"type": "offload.echo", "payload": {"text": "z"}}] * 2
+            + [{"type": "offload.echo", "payload": {"blob": missing}}]
+        )
+    assert info.value.field == "requests[2].payload"
+    assert await offload_stack.counts() == before
+    done = [await client.wait(job.name, timeout=30) for job in jobs]
+    assert [j.state for j in done] == [JobState.SUCCEEDED] * 3
 
 
 async def test_a_job_referencing_blobs_on_a_worker_without_them_fails_clearly(

@@ -15,7 +15,11 @@ from tests.support.stack import Stack
 
 
 async def jobplane(
-    stack: Stack, *args: str, key: str | None = None, env: dict[str, str] | None = None
+    stack: Stack,
+    *args: str,
+    key: str | None = None,
+    env: dict[str, str] | None = None,
+    stdin: bytes | None = None,
 ) -> tuple[int, str, str]:
     env = {
         **os.environ,
@@ -30,10 +34,11 @@ async def jobplane(
         "jobplane",
         *args,
         env=env,
+        stdin=asyncio.subprocess.PIPE if stdin is not None else None,
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE,
     )
-    out, err = await asyncio.wait_for(process.communicate(), timeout=60)
+    out, err = await asyncio.wait_for(process.communicate(stdin), timeout=60)
     assert process.returncode is not None
     return process.returncode, out.decode(), err.decode()
 

@@ -23,13 +23,21 @@ from jobplane.errors import (
     JobNotFound,
     JobNotRetryable,
     RequestIdReused,
+    at_item,
     shown,
 )
 from jobplane.faults import NO_FAULTS, FaultPoints
 from jobplane.ids import new_id
 from jobplane.store.down import sqlstate
 from jobplane.store.engine import autocommit
-from jobplane.store.machine import MACHINE, Cause, NewStage, StateMachine, Transition
+from jobplane.store.machine import (
+    MACHINE,
+    SUBMIT_COLUMNS,
+    Cause,
+    NewStage,
+    StateMachine,
+    Transition,
+)
 from jobplane.store.rows import JOB_COLUMNS, dumps, event_from_row, job_from_row, stage_from_row
 from jobplane.topology import PipelineSpec
 from jobplane.types import BlobRef, Job, JobEvent, JobState, Stage, StageState
@@ -142,15 +150,32 @@ _SELECT_JOB_FOR_UPDATE = text(
 # The same request is the same stored values, compared as Postgres compares
 # them (jsonb: key order and 1 vs 1.0 do not matter), as jobplane.submit_job
 # compares them: a request replayed through the other path is the same one.
-_SELECT_BY_REQUEST = text(
+# For many requests at once (k: the request's index), bound as arrays.
+_REPLAY_COLUMNS = (
+    "request_id",
+    "type",
+    "payload",
+    "max_attempts",
+    "correlation_id",
+    "labels",
+    "timeout_seconds",
+    "payload_blob",
+)
+_SELECT_BY_REQUESTS = text(
     f"""
-    SELECT {JOB_COLUMNS}, request_hash,
-           (coalesce(pipeline, type) = :type AND payload = CAST(:payload AS jsonb)
-            AND max_attempts = :max_attempts AND correlation_id = :correlation_id
-            AND labels = CAST(:labels AS jsonb) AND timeout_seconds = :timeout_seconds
-            AND payload_blob IS NOT DISTINCT FROM CAST(:payload_blob AS text))
+    SELECT {JOB_COLUMNS}, request_hash, r.k,
+           (coalesce(pipeline, type) = r.r_type AND payload = CAST(r.r_payload AS jsonb)
+            AND max_attempts = r.r_max_attempts AND correlation_id = r.r_correlation_id
+            AND labels = CAST(r.r_labels AS jsonb) AND timeout_seconds = r.r_timeout_seconds
+            AND payload_blob IS NOT DISTINCT FROM r.r_payload_blob)
                AS same_request
-    FROM jobs WHERE tenant_id = :tenant_id AND request_id = :request_id
+    FROM unnest(CAST(:ks AS int[]), CAST(:r_request_id AS text[]), CAST(:r_type AS text[]),
+                CAST(:r_payload AS text[]), CAST(:r_max_attempts AS int[]),
+                CAST(:r_correlation_id AS text[]), CAST(:r_labels AS text[]),
+                CAST(:r_timeout_seconds AS float8[]), CAST(:r_payload_blob AS text[]))
+        AS r(k, r_request_id, r_type, r_payload, r_max_attempts, r_correlation_id, r_labels,
+             r_timeout_seconds, r_payload_blob)
+    JOIN jobs ON jobs.tenant_id = :tenant_id AND jobs.request_id = r.r_request_id
     """
 )
 
@@ -247,79 +272,74 @@ class JobStore:
         request_id and the same request returns the stored job; a different
         request with that request_id raises :class:`RequestIdReused`.
         """
-        job_id = new_id()
-        dispatch_id = new_id()
-        fingerprint = new.fingerprint()
-        params = {
-            "id": job_id,
+        (submitted,) = await self._submit(tenant_id, [new], many=False)
+        return submitted
+
+    async def submit_many(
+        self, tenant_id: uuid.UUID, news: Sequence[NewJob]
+    ) -> list[tuple[Job, bool]]:
+        """:meth:`submit` for many jobs in one transaction and one statement.
+
+        Each job in order with whether it was created now: a job whose
+        request_id the tenant has used is the stored one (not created). When
+        one of them reuses a request_id for a different request,
+        :class:`RequestIdReused` at its index (:func:`at_item`) and nothing is
+        written. The request_ids must differ from each other.
+        """
+        return await self._submit(tenant_id, news, many=True)
+
+    async def _submit(
+        self, tenant_id: uuid.UUID, news: Sequence[NewJob], *, many: bool
+    ) -> list[tuple[Job, bool]]:
+        ids = [new_id() for _ in news]
+        # Inserted in request_id order (see the machine's submit statement).
+        order = sorted(range(len(news)), key=lambda i: news[i].request_id)
+        columns = [_submit_columns(news[i], ids[i]) for i in order]
+        params: dict[str, Any] = {
             "tenant_id": tenant_id,
-            "type": new.type,
-            "queue": new.queue,
-            "payload": dumps(new.payload),
-            "max_attempts": new.max_attempts,
-            "request_id": new.request_id,
-            "request_hash": fingerprint,
-            "correlation_id": new.correlation_id,
-            "labels": dumps(new.labels),
-            "dispatch_id": dispatch_id,
-            "timeout_seconds": new.timeout_seconds,
-            "payload_blob": new.payload_blob.sha256 if new.payload_blob else None,
-            "payload_blob_size": new.payload_blob.size if new.payload_blob else None,
-            **_PLAIN,
+            **{f"new_{c}": [row[c] for row in columns] for c in SUBMIT_COLUMNS},
         }
-        if new.stages:
-            # The row runs the first stage: its type, queue, budget and share.
-            first = new.stages[0]
-            params.update(
-                type=first.type,
-                queue=first.queue,
-                max_attempts=first.max_attempts,
-                timeout_seconds=first.timeout_seconds,
-                pipeline=new.type,
-                pipeline_version=new.pipeline_version,
-                stage=0,
-                stage_name=first.name,
-                stage_base=first.base,
-                stage_span=first.span,
-            )
+        cause = Cause(
+            "queued",
+            stages=[(ids[i], news[i].stages) for i in order if news[i].stages],
+            blobs=[(ids[i], news[i].blob_references) for i in order if news[i].blob_references],
+        )
         machine = self._machine
-        cause = Cause("queued", stages=new.stages, blobs=new.blob_references)
+        replayed: dict[int, Job] = {}
         try:
-            async with machine.connect(self._engine, self._auto, Transition.SUBMIT) as conn:
+            # A batch is one transaction: a refused replay in it undoes the rest.
+            async with machine.connect(
+                self._engine, self._auto, Transition.SUBMIT, many=many
+            ) as conn:
                 created = await machine.apply(conn, Transition.SUBMIT, params, cause)
+                rows = {str(row["id"]): row for row in created}
+                missing = [i for i, job_id in enumerate(ids) if str(job_id) not in rows]
+                if missing and many:
+                    replayed = await _replayed(conn, tenant_id, news, missing, many=True)
         except IntegrityError as exc:
             # The references' trigger found a blob gone since the caller's
             # check (deleted meanwhile): nothing was written.
             if sqlstate(exc) == _FOREIGN_KEY_VIOLATION:
                 raise BlobReferenceNotFound(
-                    "the payload references a blob that does not exist", field="payload"
+                    "the payload references a blob that does not exist",
+                    field="requests" if many else "payload",
                 ) from None
             raise
         if created:
-            inserted = created[0]
             # Committed; a failure here loses only the reply (the caller's
             # retry with the same request_id gets this job).
             self._faults.hit("submit.after_commit")
-            return _submitted(job_from_row(inserted), new.stages), True
-        # A job with this request_id exists (ON CONFLICT waited for its insert
-        # to commit, so it is visible now).
-        async with self._auto.connect() as conn:
-            existing = (
-                (
-                    await conn.execute(
-                        _SELECT_BY_REQUEST,
-                        {**params, "type": new.type, "tenant_id": tenant_id},
-                    )
-                )
-                .mappings()
-                .one()
-            )
-            if bytes(existing["request_hash"]) != fingerprint and not existing["same_request"]:
-                raise RequestIdReused(
-                    f"request_id {new.request_id!r} was used for a different request",
-                    field="request_id",
-                )
-            return await _with_stages(conn, existing), False
+        if missing and not many:
+            # The job with this request_id exists: ON CONFLICT waited for its
+            # insert to commit, so it is visible now.
+            async with self._auto.connect() as conn:
+                replayed = await _replayed(conn, tenant_id, news, missing, many=False)
+        return [
+            (replayed[i], False)
+            if i in replayed
+            else (_submitted(job_from_row(rows[str(ids[i])]), news[i].stages), True)
+            for i in range(len(news))
+        ]
 
     async def get(self, tenant_id: uuid.UUID, job_id: uuid.UUID) -> Job:
         """One job of the tenant; :class:`JobNotFound` otherwise."""
@@ -571,3 +591,75 @@ def _submitted(job: Job, stages: Sequence[NewStage]) -> Job:
         for i, st in enumerate(stages)
     )
     return replace(job, stages=written)
+
+
+def _submit_columns(new: NewJob, job_id: uuid.UUID) -> dict[str, Any]:
+    """The row of ``new`` as the submit statement binds it (SUBMIT_COLUMNS)."""
+    row: dict[str, Any] = {
+        "id": job_id,
+        "type": new.type,
+        "queue": new.queue,
+        "payload": dumps(new.payload),
+        "max_attempts": new.max_attempts,
+        "request_id": new.request_id,
+        "request_hash": new.fingerprint(),
+        "correlation_id": new.correlation_id,
+        "labels": dumps(new.labels),
+        "dispatch_id": new_id(),
+        "timeout_seconds": new.timeout_seconds,
+        "payload_blob": new.payload_blob.sha256 if new.payload_blob else None,
+        "payload_blob_size": new.payload_blob.size if new.payload_blob else None,
+        **_PLAIN,
+    }
+    if new.stages:
+        # The row runs the first stage: its type, queue, budget and share.
+        first = new.stages[0]
+        row.update(
+            type=first.type,
+            queue=first.queue,
+            max_attempts=first.max_attempts,
+            timeout_seconds=first.timeout_seconds,
+            pipeline=new.type,
+            pipeline_version=new.pipeline_version,
+            stage=0,
+            stage_name=first.name,
+            stage_base=first.base,
+            stage_span=first.span,
+        )
+    return row
+
+
+async def _replayed(
+    conn: AsyncConnection,
+    tenant_id: uuid.UUID,
+    news: Sequence[NewJob],
+    indexes: Sequence[int],
+    *,
+    many: bool,
+) -> dict[int, Job]:
+    """The stored jobs of the requests at ``indexes``, whose request_ids were taken;
+    :class:`RequestIdReused` for the first that is a different request."""
+    rows = [(i, _submit_columns(news[i], uuid.UUID(int=0))) for i in indexes]
+    params = {
+        "tenant_id": tenant_id,
+        "ks": list(indexes),
+        **{f"r_{c}": [row[c] for _, row in rows] for c in _REPLAY_COLUMNS},
+        # The job's type is the pipeline's for a pipeline job.
+        "r_type": [news[i].type for i in indexes],
+    }
+    found = {
+        int(row["k"]): row for row in (await conn.execute(_SELECT_BY_REQUESTS, params)).mappings()
+    }
+    jobs: dict[int, Job] = {}
+    for i, row in rows:
+        existing = found.get(i)
+        if existing is None:
+            raise RuntimeError(f"request_id {news[i].request_id!r} conflicted but has no job")
+        if bytes(existing["request_hash"]) != row["request_hash"] and not existing["same_request"]:
+            error = RequestIdReused(
+                f"request_id {news[i].request_id!r} was used for a different request",
+                field="request_id",
+            )
+            raise at_item(error, i) if many else error
+        jobs[i] = await _with_stages(conn, existing)
+    return jobs

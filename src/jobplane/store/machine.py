@@ -496,18 +496,21 @@ class Cause:
     ``message`` and ``data`` are the job event's; ``emitted`` are the
     handler's events that must commit only if this transition applies;
     ``causation_id`` names the event that caused it, when one did;
-    ``stages`` are a new pipeline job's stages (submit only); ``blobs`` the
-    blobs it references beyond its payload's names (submit only).
+    ``stages`` are new pipeline jobs' stages, by job id (submit only);
+    ``blobs`` the blobs new jobs reference beyond their payloads' names, by
+    job id (submit only). A submit creates many jobs in one statement: each
+    job's stages and references go with it, and only a job the statement
+    created (not one whose request_id was taken) gets them.
     """
 
     message: str = ""
     data: Mapping[str, Any] = field(default_factory=dict)
     emitted: Sequence[Emitted] = ()
     causation_id: uuid.UUID | None = None
-    stages: Sequence[NewStage] = ()
-    #: Digests of blobs a new job references besides the names in its payload
-    #: (which the jobs table's trigger records): submit only.
-    blobs: Sequence[str] = ()
+    stages: Sequence[tuple[uuid.UUID, Sequence[NewStage]]] = ()
+    #: Digests of blobs new jobs reference besides the names in their payloads
+    #: (which the jobs table's trigger records), by job id: submit only.
+    blobs: Sequence[tuple[uuid.UUID, Sequence[str]]] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -740,19 +743,22 @@ _STAGE_FAILS = (
 _STAGE_RETRIES = (Transition.SCHEDULE_RETRY, Transition.EXPIRE_LEASE)
 _STAGE_WRITES: Mapping[Transition, tuple[str, frozenset[str]]] = {
     Transition.SUBMIT: (
+        # Each new job's stages (s.job_id), for the jobs the insert created.
         """
         INSERT INTO job_stages (job_id, idx, tenant_id, name, type, queue, version,
                                 max_attempts, timeout_seconds, base, span, state)
-        SELECT j.id, CAST(s.ord AS int) - 1, j.tenant_id, s.name, s.type, s.queue, s.version,
+        SELECT j.id, s.idx, j.tenant_id, s.name, s.type, s.queue, s.version,
                s.max_attempts, s.timeout_seconds, s.base, s.span,
-               CASE WHEN s.ord = 1 THEN 'queued' ELSE 'pending' END
-        FROM {j} AS j,
-             unnest(CAST(:stage_names AS text[]), CAST(:stage_types AS text[]),
+               CASE WHEN s.idx = 0 THEN 'queued' ELSE 'pending' END
+        FROM {j} AS j
+        JOIN unnest(CAST(:stage_jobs AS uuid[]), CAST(:stage_idxs AS int[]),
+                    CAST(:stage_names AS text[]), CAST(:stage_types AS text[]),
                     CAST(:stage_queues AS text[]), CAST(:stage_versions AS text[]),
                     CAST(:stage_max_attempts AS int[]), CAST(:stage_timeouts AS float8[]),
                     CAST(:stage_bases AS float8[]), CAST(:stage_spans AS float8[]))
-                 WITH ORDINALITY AS s(name, type, queue, version, max_attempts,
-                                      timeout_seconds, base, span, ord)""",
+                 AS s(job_id, idx, name, type, queue, version, max_attempts,
+                      timeout_seconds, base, span)
+          ON s.job_id = j.id""",
         frozenset({"id", "tenant_id"}),
     ),
     Transition.CLAIM: (
@@ -809,16 +815,18 @@ class Stages(Hook):
     def binds(self, transition: Transition, cause: Cause) -> Mapping[str, Any]:
         if transition is not Transition.SUBMIT:
             return {}
-        stages = cause.stages
+        rows = [(job, idx, st) for job, stages in cause.stages for idx, st in enumerate(stages)]
         return {
-            "stage_names": [st.name for st in stages],
-            "stage_types": [st.type for st in stages],
-            "stage_queues": [st.queue for st in stages],
-            "stage_versions": [st.version for st in stages],
-            "stage_max_attempts": [st.max_attempts for st in stages],
-            "stage_timeouts": [st.timeout_seconds for st in stages],
-            "stage_bases": [st.base for st in stages],
-            "stage_spans": [st.span for st in stages],
+            "stage_jobs": [job for job, _, _ in rows],
+            "stage_idxs": [idx for _, idx, _ in rows],
+            "stage_names": [st.name for _, _, st in rows],
+            "stage_types": [st.type for _, _, st in rows],
+            "stage_queues": [st.queue for _, _, st in rows],
+            "stage_versions": [st.version for _, _, st in rows],
+            "stage_max_attempts": [st.max_attempts for _, _, st in rows],
+            "stage_timeouts": [st.timeout_seconds for _, _, st in rows],
+            "stage_bases": [st.base for _, _, st in rows],
+            "stage_spans": [st.span for _, _, st in rows],
         }
 
 
@@ -835,15 +843,21 @@ class BlobReferences(Hook):
             return ()
         sql = """
         INSERT INTO job_blobs (tenant_id, job_id, digest, role)
-        SELECT j.tenant_id, j.id, d, 'input'
-        FROM {j} AS j, unnest(CAST(:input_blobs AS text[])) AS d
+        SELECT j.tenant_id, j.id, b.digest, 'input'
+        FROM {j} AS j
+        JOIN unnest(CAST(:input_blob_jobs AS uuid[]), CAST(:input_blobs AS text[]))
+            AS b(job_id, digest) ON b.job_id = j.id
         ON CONFLICT DO NOTHING"""
         return [Write(sql, columns=frozenset({"id", "tenant_id"}))]
 
     def binds(self, transition: Transition, cause: Cause) -> Mapping[str, Any]:
         if transition is not Transition.SUBMIT:
             return {}
-        return {"input_blobs": list(cause.blobs)}
+        rows = [(job, digest) for job, digests in cause.blobs for digest in digests]
+        return {
+            "input_blob_jobs": [job for job, _ in rows],
+            "input_blobs": [digest for _, digest in rows],
+        }
 
 
 class CancelSignal(Hook):
@@ -1491,22 +1505,56 @@ def _changes_many(transition: Transition, needs: set[str], binds: Sequence[str])
     ]
 
 
+#: The columns of new jobs a submit binds, each as an array of one element a
+#: job: column ``c`` of jobs is bound as ``:new_c`` (see :func:`_submit`).
+SUBMIT_COLUMNS: Mapping[str, str] = {
+    "id": "uuid",
+    "type": "text",
+    "queue": "text",
+    "payload": "text",
+    "max_attempts": "int",
+    "request_id": "text",
+    "request_hash": "bytea",
+    "correlation_id": "text",
+    "labels": "text",
+    "dispatch_id": "uuid",
+    "timeout_seconds": "float8",
+    "pipeline": "text",
+    "pipeline_version": "text",
+    "stage": "int",
+    "stage_name": "text",
+    "stage_base": "float8",
+    "stage_span": "float8",
+    "payload_blob": "text",
+    "payload_blob_size": "bigint",
+}
+
+
 def _submit(needs: set[str]) -> str:
-    # The job, and with the hooks its first event and dispatch intent, in one
-    # statement: one implicit transaction, so a job exists iff its outbox row
-    # does. On a request_id conflict nothing is written and no row comes back.
+    # The jobs, and with the hooks their first events and dispatch intents,
+    # in one statement: one transaction, so a job exists iff its outbox row
+    # does. Binds: :tenant_id and the arrays of SUBMIT_COLUMNS, one element a
+    # job (SubmitJob binds one, BatchSubmitJobs up to 1,000). Rows are
+    # inserted in array order, which the store sorts by request_id: two
+    # batches that share request_ids take their unique-index entries in the
+    # same order, so one waits for the other instead of deadlocking. A job
+    # whose request_id conflicts is not written and no row comes back for it.
+    arrays = ", ".join(f"CAST(:new_{name} AS {kind}[])" for name, kind in SUBMIT_COLUMNS.items())
     return f"""
         INSERT INTO jobs (id, tenant_id, type, queue, state, payload, max_attempts, request_id,
                           request_hash, correlation_id, labels, dispatch_id, last_seq,
                           timeout_seconds, lifecycle_seq, pipeline, pipeline_version, stage,
                           stage_name, stage_base, stage_span,
                           payload_blob, payload_blob_size)
-        VALUES (:id, :tenant_id, :type, :queue, '{RULES[Transition.SUBMIT].target.value}',
-                CAST(:payload AS jsonb), :max_attempts, :request_id, :request_hash,
-                :correlation_id, CAST(:labels AS jsonb), :dispatch_id, 1, :timeout_seconds, 1,
-                CAST(:pipeline AS text), CAST(:pipeline_version AS text), CAST(:stage AS int),
-                CAST(:stage_name AS text), :stage_base, :stage_span,
-                CAST(:payload_blob AS text), CAST(:payload_blob_size AS bigint))
+        SELECT n.id, CAST(:tenant_id AS uuid), n.type, n.queue,
+               '{RULES[Transition.SUBMIT].target.value}', CAST(n.payload AS jsonb),
+               n.max_attempts, n.request_id, n.request_hash, n.correlation_id,
+               CAST(n.labels AS jsonb), n.dispatch_id, 1, n.timeout_seconds, 1, n.pipeline,
+               n.pipeline_version, n.stage, n.stage_name, n.stage_base, n.stage_span,
+               n.payload_blob, n.payload_blob_size
+        FROM unnest({arrays})
+            WITH ORDINALITY AS n({", ".join(SUBMIT_COLUMNS)}, ord)
+        ORDER BY n.ord
         ON CONFLICT (tenant_id, request_id) DO NOTHING
         RETURNING {_returning(needs, "jobs") or "jobs.id"},
                   CAST('{Transition.SUBMIT}' AS text) AS transition,

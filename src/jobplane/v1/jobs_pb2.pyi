@@ -469,6 +469,56 @@ class SubmitJobRequest(_message.Message):
 Global___SubmitJobRequest: _TypeAlias = SubmitJobRequest  # noqa: Y015
 
 @_typing.final
+class BatchSubmitJobsRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REQUESTS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def requests(self) -> _containers.RepeatedCompositeFieldContainer[Global___SubmitJobRequest]:
+        """1 to 1,000 jobs to create. The first request that is not valid refuses
+        the whole batch, its field violation naming it by index
+        (`requests[3].payload`), and nothing is written. A request whose
+        request_id the tenant has used returns that job (or is refused as in
+        SubmitJob when it differs); two requests of one batch may not share a
+        request_id. Each request counts as one submit against the tenant's limits.
+        """
+
+    def __init__(
+        self,
+        *,
+        requests: _abc.Iterable[Global___SubmitJobRequest] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["requests", b"requests"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___BatchSubmitJobsRequest: _TypeAlias = BatchSubmitJobsRequest  # noqa: Y015
+
+@_typing.final
+class BatchSubmitJobsResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    JOBS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def jobs(self) -> _containers.RepeatedCompositeFieldContainer[Global___Job]:
+        """One job per request, in the order of the requests."""
+
+    def __init__(
+        self,
+        *,
+        jobs: _abc.Iterable[Global___Job] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["jobs", b"jobs"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___BatchSubmitJobsResponse: _TypeAlias = BatchSubmitJobsResponse  # noqa: Y015
+
+@_typing.final
 class GetJobRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 

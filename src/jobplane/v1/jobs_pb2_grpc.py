@@ -44,6 +44,11 @@ class JobServiceStub(object):
                 request_serializer=jobplane_dot_v1_dot_jobs__pb2.SubmitJobRequest.SerializeToString,
                 response_deserializer=jobplane_dot_v1_dot_jobs__pb2.Job.FromString,
                 _registered_method=True)
+        self.BatchSubmitJobs = channel.unary_unary(
+                '/jobplane.v1.JobService/BatchSubmitJobs',
+                request_serializer=jobplane_dot_v1_dot_jobs__pb2.BatchSubmitJobsRequest.SerializeToString,
+                response_deserializer=jobplane_dot_v1_dot_jobs__pb2.BatchSubmitJobsResponse.FromString,
+                _registered_method=True)
         self.GetJob = channel.unary_unary(
                 '/jobplane.v1.JobService/GetJob',
                 request_serializer=jobplane_dot_v1_dot_jobs__pb2.GetJobRequest.SerializeToString,
@@ -81,6 +86,15 @@ class JobServiceServicer(object):
 
     def SubmitJob(self, request, context):
         """Creates a job. Idempotent on (tenant, request_id).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def BatchSubmitJobs(self, request, context):
+        """Creates up to 1,000 jobs in one transaction (AIP-233): all of them or,
+        when any request is not valid, none. Each request is checked as SubmitJob
+        checks it, and is idempotent on (tenant, request_id) as SubmitJob is.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -131,6 +145,11 @@ def add_JobServiceServicer_to_server(servicer, server):
                     servicer.SubmitJob,
                     request_deserializer=jobplane_dot_v1_dot_jobs__pb2.SubmitJobRequest.FromString,
                     response_serializer=jobplane_dot_v1_dot_jobs__pb2.Job.SerializeToString,
+            ),
+            'BatchSubmitJobs': grpc.unary_unary_rpc_method_handler(
+                    servicer.BatchSubmitJobs,
+                    request_deserializer=jobplane_dot_v1_dot_jobs__pb2.BatchSubmitJobsRequest.FromString,
+                    response_serializer=jobplane_dot_v1_dot_jobs__pb2.BatchSubmitJobsResponse.SerializeToString,
             ),
             'GetJob': grpc.unary_unary_rpc_method_handler(
                     servicer.GetJob,
@@ -190,6 +209,33 @@ class JobService(object):
             '/jobplane.v1.JobService/SubmitJob',
             jobplane_dot_v1_dot_jobs__pb2.SubmitJobRequest.SerializeToString,
             jobplane_dot_v1_dot_jobs__pb2.Job.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def BatchSubmitJobs(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/jobplane.v1.JobService/BatchSubmitJobs',
+            jobplane_dot_v1_dot_jobs__pb2.BatchSubmitJobsRequest.SerializeToString,
+            jobplane_dot_v1_dot_jobs__pb2.BatchSubmitJobsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -40,6 +40,11 @@ class JobServiceStub:
     def __new__(cls, channel: _aio.Channel) -> JobServiceAsyncStub: ...
     SubmitJob: _grpc.UnaryUnaryMultiCallable[_jobs_pb2.SubmitJobRequest, _jobs_pb2.Job]
     """Creates a job. Idempotent on (tenant, request_id)."""
+    BatchSubmitJobs: _grpc.UnaryUnaryMultiCallable[_jobs_pb2.BatchSubmitJobsRequest, _jobs_pb2.BatchSubmitJobsResponse]
+    """Creates up to 1,000 jobs in one transaction (AIP-233): all of them or,
+    when any request is not valid, none. Each request is checked as SubmitJob
+    checks it, and is idempotent on (tenant, request_id) as SubmitJob is.
+    """
     GetJob: _grpc.UnaryUnaryMultiCallable[_jobs_pb2.GetJobRequest, _jobs_pb2.Job]
     """Reads one job."""
     ListJobs: _grpc.UnaryUnaryMultiCallable[_jobs_pb2.ListJobsRequest, _jobs_pb2.ListJobsResponse]
@@ -68,6 +73,11 @@ class JobServiceAsyncStub(JobServiceStub):
     def __init__(self, channel: _aio.Channel) -> None: ...
     SubmitJob: _aio.UnaryUnaryMultiCallable[_jobs_pb2.SubmitJobRequest, _jobs_pb2.Job]  # type: ignore[assignment]
     """Creates a job. Idempotent on (tenant, request_id)."""
+    BatchSubmitJobs: _aio.UnaryUnaryMultiCallable[_jobs_pb2.BatchSubmitJobsRequest, _jobs_pb2.BatchSubmitJobsResponse]  # type: ignore[assignment]
+    """Creates up to 1,000 jobs in one transaction (AIP-233): all of them or,
+    when any request is not valid, none. Each request is checked as SubmitJob
+    checks it, and is idempotent on (tenant, request_id) as SubmitJob is.
+    """
     GetJob: _aio.UnaryUnaryMultiCallable[_jobs_pb2.GetJobRequest, _jobs_pb2.Job]  # type: ignore[assignment]
     """Reads one job."""
     ListJobs: _aio.UnaryUnaryMultiCallable[_jobs_pb2.ListJobsRequest, _jobs_pb2.ListJobsResponse]  # type: ignore[assignment]
@@ -99,6 +109,17 @@ class JobServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_jobs_pb2.Job, _abc.Awaitable[_jobs_pb2.Job]]:
         """Creates a job. Idempotent on (tenant, request_id)."""
+
+    @_abc_1.abstractmethod
+    def BatchSubmitJobs(
+        self,
+        request: _jobs_pb2.BatchSubmitJobsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_jobs_pb2.BatchSubmitJobsResponse, _abc.Awaitable[_jobs_pb2.BatchSubmitJobsResponse]]:
+        """Creates up to 1,000 jobs in one transaction (AIP-233): all of them or,
+        when any request is not valid, none. Each request is checked as SubmitJob
+        checks it, and is idempotent on (tenant, request_id) as SubmitJob is.
+        """
 
     @_abc_1.abstractmethod
     def GetJob(

@@ -1,0 +1,88 @@
+"""`--only batch`: jobs accepted through BatchSubmitJobs, and the drain of that backlog.
+
+Three figures from one run: the single-job closed-loop figure (``--jobs``
+SubmitJob calls from ``--clients`` callers, first create to last end); then
+``--batch-jobs`` jobs submitted with ``submit_many`` at 1,000 a call by
+``--batch-callers`` concurrent callers, as jobs accepted a second (the
+submits alone); and the end-to-end drain of that backlog (first create to
+last end). Targets: at least 10,000 jobs/s accepted, and a drain at least as
+fast as the single-job closed loop (the backlog costs the workers nothing
+more than jobs submitted one by one).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import TYPE_CHECKING
+
+from jobplane.client import AsyncClient, JobSpec
+
+if TYPE_CHECKING:
+    from bench.run import Bench
+
+JOB_TYPE = "bench.noop"
+BATCH = 1000
+ACCEPT_TARGET = 10_000.0
+
+
+async def fig_batch(bench: Bench) -> None:
+    """The batch figures, beside the single-job rate measured first in the same run."""
+    from bench.run import Figure, closed_loop_rate
+
+    single = await closed_loop_rate(bench, JOB_TYPE)
+    before = int((await bench.sql("SELECT count(*) AS n FROM jobs"))[0]["n"])
+    n, callers = bench.args.batch_jobs, bench.args.batch_callers
+    clients = [AsyncClient(bench.address, bench.key) for _ in range(callers)]
+    marker = (await bench.sql("SELECT clock_timestamp() AS t"))[0]["t"]
+
+    async def caller(i: int) -> None:
+        mine = n // callers + (1 if i < n % callers else 0)
+        client = clients[i]
+        for start in range(0, mine, BATCH):
+            specs = [JobSpec(JOB_TYPE, {}) for _ in range(min(BATCH, mine - start))]
+            await client.submit_many(specs)
+
+    started = time.perf_counter()
+    await asyncio.gather(*(caller(i) for i in range(callers)))
+    accepted = n / (time.perf_counter() - started)
+    for client in clients:
+        await client.close()
+    await bench.wait_done(before + n, JOB_TYPE)
+    rows = await bench.sql(
+        "SELECT extract(epoch FROM max(end_time) - min(create_time)) AS span, count(*) AS n "
+        "FROM jobs WHERE tenant_id = $1 AND type = $2 AND create_time >= $3",
+        bench.tenant,
+        JOB_TYPE,
+        marker,
+    )
+    drained = float(rows[0]["n"]) / float(rows[0]["span"])
+    config = {"jobs": n, "batch": BATCH, "callers": callers, "workers": bench.args.workers}
+    bench.add(
+        Figure(
+            "batch_submit_closed_loop",
+            single,
+            "jobs/s",
+            {"jobs": bench.args.jobs, "clients": bench.args.clients},
+        )
+    )
+    bench.add(
+        Figure(
+            "batch_submit_accepted",
+            accepted,
+            "jobs/s",
+            {**config, "target": ACCEPT_TARGET},
+            floor="10,000 jobs/s target",
+            ratio=accepted / ACCEPT_TARGET,
+        )
+    )
+    bench.add(
+        Figure(
+            "batch_backlog_drain",
+            drained,
+            "jobs/s",
+            config,
+            floor="batch_submit_closed_loop",
+            ratio=drained / single,
+        )
+    )

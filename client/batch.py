@@ -1,0 +1,90 @@
+"""Many jobs at once: the specs :meth:`AsyncClient.submit_many` takes, and how
+it splits them into BatchSubmitJobs calls."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, fields
+from datetime import timedelta
+from typing import Any
+
+from jobplane.errors import JobplaneError
+from jobplane.v1 import jobs_pb2
+
+#: The most requests the server takes in one BatchSubmitJobs call.
+MAX_BATCH_SIZE = 1000
+#: The most request bytes the SDK puts in one call: half the server's bound
+#: on a batch body (16 MiB), so a call never meets it. A single request larger
+#: than this goes alone (as large as SubmitJob may send).
+MAX_BATCH_BYTES = 8 * 1024 * 1024
+# What a repeated field costs per element beyond the element: a tag and a length.
+_FRAMING_BYTES = 6
+
+
+@dataclass(frozen=True, slots=True)
+class JobSpec:
+    """One job for :meth:`~jobplane.client.AsyncClient.submit_many`: the arguments
+    of :meth:`~jobplane.client.AsyncClient.submit`, with the same meanings."""
+
+    type: str
+    payload: dict[str, Any] | None = None
+    request_id: str | None = None
+    correlation_id: str = ""
+    max_attempts: int = 0
+    labels: Mapping[str, str] | None = None
+    attempt_timeout: float | timedelta | None = None
+
+    @classmethod
+    def of(cls, spec: JobSpec | Mapping[str, Any]) -> JobSpec:
+        """``spec`` itself, or the spec a mapping of the same names describes."""
+        if isinstance(spec, JobSpec):
+            return spec
+        unknown = set(spec) - _FIELDS
+        if unknown:
+            raise TypeError(f"a job spec has no field {sorted(unknown)[0]!r}")
+        return cls(**spec)
+
+
+_FIELDS = frozenset(f.name for f in fields(JobSpec))
+
+
+def batches(
+    requests: Iterable[jobs_pb2.SubmitJobRequest],
+    *,
+    size: int = MAX_BATCH_SIZE,
+    max_bytes: int = MAX_BATCH_BYTES,
+) -> Iterator[list[jobs_pb2.SubmitJobRequest]]:
+    """``requests`` in order, in calls of at most ``size`` requests and ``max_bytes``."""
+    batch: list[jobs_pb2.SubmitJobRequest] = []
+    used = 0
+    for request in requests:
+        cost = request.ByteSize() + _FRAMING_BYTES
+        if batch and (len(batch) >= size or used + cost > max_bytes):
+            yield batch
+            batch, used = [], 0
+        batch.append(request)
+        used += cost
+    if batch:
+        yield batch
+
+
+_ITEM = re.compile(r"requests\[(\d+)\]")
+
+
+def shifted(error: JobplaneError, offset: int) -> JobplaneError:
+    """``error`` of a call whose first request is the caller's ``offset``-th,
+    naming the request by its index among all the caller's (``requests[i]``)."""
+    if offset == 0 or "index" not in error.metadata:
+        return error
+    index = int(error.metadata["index"]) + offset
+
+    def renumber(text: str) -> str:
+        return _ITEM.sub(lambda m: f"requests[{int(m.group(1)) + offset}]", text, count=1)
+
+    return type(error)(
+        renumber(error.message),
+        field=renumber(error.field) if error.field else error.field,
+        metadata={**error.metadata, "index": str(index)},
+        retry_delay=error.retry_delay,
+    )
