@@ -1233,6 +1233,13 @@ async def main(argv: list[str] | None = None) -> int:
         "--peer-rounds", type=int, default=2, help="rounds of --only peers, order reversed each"
     )
     parser.add_argument(
+        "--trace-ratio",
+        type=float,
+        default=1.0,
+        help="share of the traces --only tracing samples (1: every span; less: "
+        "parentbased_traceidratio)",
+    )
+    parser.add_argument(
         "--peer-dev-processes",
         default="auto",
         help="--processes of the jobplane dev arm of --only peers (1: all in one)",

@@ -33,6 +33,9 @@ async def fig_tracing(bench: Bench) -> None:
     # CPU ms per job by component, summed over the rounds (divided at the end).
     cpu: dict[str, dict[str, float]] = {"off": {}, "on": {}}
     spans = 0
+    # Every span sampled unless --trace-ratio asks for a share of the traces.
+    ratio = bench.args.trace_ratio
+    sampler = "always_on" if ratio >= 1 else "parentbased_traceidratio"
     with Receiver.running() as receiver:
         for round_ in range(1, ROUNDS + 1):
             order = ("off", "on") if round_ % 2 else ("on", "off")
@@ -42,7 +45,8 @@ async def fig_tracing(bench: Bench) -> None:
                 bench.extra_env = (
                     {
                         "OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint,
-                        "OTEL_TRACES_SAMPLER": "always_on",
+                        "OTEL_TRACES_SAMPLER": sampler,
+                        "OTEL_TRACES_SAMPLER_ARG": str(bench.args.trace_ratio),
                     }
                     if state == "on"
                     else {}
@@ -65,7 +69,13 @@ async def fig_tracing(bench: Bench) -> None:
         spans = len(receiver.snapshot())
     bench.extra_env = {}
     await bench.start_all()
-    config = {"jobs": bench.args.jobs, "rounds": ROUNDS, "clients": bench.args.clients}
+    config = {
+        "jobs": bench.args.jobs,
+        "rounds": ROUNDS,
+        "clients": bench.args.clients,
+        "sampler": sampler,
+        "sampled": ratio,
+    }
     for state in ("off", "on"):
         bench.add(
             Figure(
