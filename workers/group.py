@@ -93,10 +93,11 @@ class Batcher(Generic[T, R]):
         task.add_done_callback(self._tasks.discard)
 
     async def _settle(self, group: list[tuple[T, asyncio.Future[R]]]) -> None:
-        self.sizes[len(group)] += 1
-        self._on_group(len(group))
         items = [item for item, _ in group]
         try:
+            # Inside: whatever fails here still answers every waiter.
+            self.sizes[len(group)] += 1
+            self._on_group(len(group))
             try:
                 results = await self._run(items)
             except Exception as exc:
@@ -125,11 +126,20 @@ class Batcher(Generic[T, R]):
             return exc
         return result
 
-    async def stop(self) -> None:
-        """Run what is pending now, and wait for every group to end."""
+    async def stop(self, timeout: float | None = None) -> None:
+        """Run what is pending now, and wait for every group to end; after
+        ``timeout`` seconds (None: no limit), cancel those still running (their
+        waiters get the cancellation, and their deliveries go back unacked)."""
         self._flush()
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout is None else loop.time() + timeout
         while self._tasks:
-            await asyncio.wait(set(self._tasks))
+            left = None if deadline is None else max(0.0, deadline - loop.time())
+            _, late = await asyncio.wait(set(self._tasks), timeout=left)
+            if late and left == 0.0:
+                for task in late:
+                    task.cancel()
+                await asyncio.wait(late)
 
 
 def plan_acks(unsettled: Collection[int], to_ack: Collection[int]) -> tuple[int | None, list[int]]:
@@ -264,9 +274,9 @@ class Acks:
         else:
             self.single += 1
 
-    async def stop(self) -> None:
-        """Ack what is waiting now."""
-        await self._batcher.stop()
+    async def stop(self, timeout: float | None = None) -> None:
+        """Ack what is waiting now (see :meth:`Batcher.stop`)."""
+        await self._batcher.stop(timeout)
 
 
 def _channel_key(message: AbstractIncomingMessage) -> int | None:

@@ -200,7 +200,8 @@ class Worker:
                 self._store.claim_many,
                 window=group_window,
                 max_size=group_max,
-                split=_refused_for_its_values,
+                # Nothing of a failed claim group commits: each claims alone.
+                split=_not_transient,
                 on_group=lambda size: metrics.grouped("claim", size),
             )
             self._outcomes = Batcher(
@@ -332,7 +333,8 @@ class Worker:
                 await asyncio.wait(pending, timeout=10)
         for batcher in (self._claims, self._outcomes, self._acks):
             if batcher is not None:
-                await batcher.stop()
+                # Bounded: a statement stuck on a lock must not hold the stop.
+                await batcher.stop(timeout=10)
         if self._connection is not None:
             with contextlib.suppress(Exception):
                 await self._connection.close()
@@ -864,6 +866,12 @@ class Worker:
 
 class _Stopping(Exception):
     """The worker is stopping; give the message back."""
+
+
+def _not_transient(exc: BaseException) -> bool:
+    """A claim group failed for anything but a passing database error (a value, a
+    row it could not read): run each alone, so that one claim cannot fail the rest."""
+    return not (isinstance(exc, DBAPIError) and database_transient(exc))
 
 
 def _refused_for_its_values(exc: BaseException) -> bool:

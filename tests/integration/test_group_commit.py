@@ -366,3 +366,26 @@ async def _queue_empty(amqp_url: str, topology: Topology) -> bool:
 
 async def _is(value: bool) -> bool:
     return value
+
+
+async def test_a_claim_group_that_fails_after_its_statement_commits_nothing(bare: Stack) -> None:
+    client = bare.client()
+    store = AttemptStore(bare.engine, lease_seconds=30.0)
+    good, bad = [await client.submit("demo.echo", {"n": n}) for n in range(2)]
+    # A payload the attempt cannot be read from: the claim's statement takes the
+    # row, reading the attempt after it fails.
+    async with bare.engine.begin() as conn:
+        await conn.execute(
+            text("UPDATE jobs SET payload = '[[1]]' WHERE id = :id"), {"id": uuid.UUID(bad.id)}
+        )
+    requests = [store.claim_request(await bare.envelope(j.id), worker="w") for j in (good, bad)]
+    with pytest.raises((TypeError, ValueError)):
+        await store.claim_many(requests)
+    # Neither job is held under a lease nobody runs: both are still queued, and
+    # the good one's same request claims it alone.
+    for job in (good, bad):
+        assert await bare.scalar("SELECT state FROM jobs WHERE id = :id", id=job.id) == "queued"
+        assert await bare.scalar("SELECT attempt FROM jobs WHERE id = :id", id=job.id) == 0
+    [claimed] = await store.claim_many(requests[:1])
+    assert claimed is not None and claimed.status is ClaimStatus.CLAIMED
+    assert claimed.attempt is not None and claimed.attempt.lease_token == requests[0].lease_token

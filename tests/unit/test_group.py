@@ -118,3 +118,45 @@ async def test_an_error_of_the_whole_group_reaches_every_caller() -> None:
     assert all(isinstance(r, ConnectionError) for r in results)
     with pytest.raises(ValueError, match="at least one"):
         Batcher(run, window=0.01, max_size=0)
+
+
+async def test_a_failure_counting_the_group_still_answers_every_waiter() -> None:
+    def counted(size: int) -> None:
+        raise RuntimeError("metrics down")
+
+    async def run(items: list[int]) -> list[int]:
+        return items
+
+    batcher: Batcher[int, int] = Batcher(run, window=0.01, max_size=8, on_group=counted)
+    async with asyncio.timeout(5):
+        results = await asyncio.gather(
+            *(batcher.submit(i) for i in range(3)), return_exceptions=True
+        )
+    assert all(isinstance(r, RuntimeError) for r in results)
+    await batcher.stop()
+
+
+async def test_a_stop_waits_for_a_stuck_group_no_longer_than_its_timeout() -> None:
+    stuck = asyncio.Event()
+
+    async def run(items: list[int]) -> list[int]:
+        await stuck.wait()  # a statement that never returns
+        return items
+
+    batcher: Batcher[int, int] = Batcher(run, window=0.001, max_size=8)
+    waiter = asyncio.ensure_future(batcher.submit(1))
+    await asyncio.sleep(0.05)
+    async with asyncio.timeout(5):
+        await batcher.stop(timeout=0.2)
+    with pytest.raises(asyncio.CancelledError):
+        await waiter
+    # Without a timeout, a stop waits for the group to end.
+    batcher = Batcher(run, window=0.001, max_size=8)
+    waiter = asyncio.ensure_future(batcher.submit(2))
+    await asyncio.sleep(0.05)
+    stopping = asyncio.ensure_future(batcher.stop())
+    await asyncio.sleep(0.2)
+    assert not stopping.done()
+    stuck.set()
+    await stopping
+    assert await waiter == 2

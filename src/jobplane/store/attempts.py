@@ -259,9 +259,14 @@ class AttemptStore:
         For each request, in order: what :meth:`claim` returns when it
         claimed, or None when its fence refused it; the caller then learns
         why with :meth:`refused_claim`, as :meth:`claim` would have.
+
+        One transaction: the claims commit with what is read after them (a
+        stage's inputs, each attempt), or none does. A failure of any one
+        leaves every job of the group as it was, claimable again with the
+        same requests, rather than held under leases nobody runs.
         """
         machine = self._machine
-        async with self._auto.connect() as conn:
+        async with self._engine.begin() as conn:
             rows = await machine.apply_many(
                 conn, Transition.CLAIM, [r.binds for r in requests], returning=_CLAIMED
             )
