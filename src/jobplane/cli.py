@@ -11,7 +11,7 @@ import logging
 import os
 import signal
 import sys
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine, Iterator
 from contextlib import AsyncExitStack
 from datetime import datetime
 from pathlib import Path
@@ -43,15 +43,34 @@ def _run(coro: Coroutine[Any, Any, int]) -> int:
 
 
 async def _until_signal() -> None:
+    with _stop_signals() as stop:
+        await stop.wait()
+
+
+@contextlib.contextmanager
+def _stop_signals() -> Iterator[asyncio.Event]:
+    """An event set by SIGINT or SIGTERM while the block runs. Entered before
+    anything awaits, so a signal right after the process says it serves is
+    caught rather than ending it with KeyboardInterrupt."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     try:
-        await stop.wait()
+        yield stop
     finally:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)
+
+
+async def _until_stopped(stop: asyncio.Event, other: Awaitable[Any]) -> asyncio.Future[Any] | None:
+    """Until ``stop`` is set (None) or ``other`` ends first (its future, done)."""
+    stopped = asyncio.ensure_future(stop.wait())
+    ended = asyncio.ensure_future(other)
+    await asyncio.wait({stopped, ended}, return_when=asyncio.FIRST_COMPLETED)
+    for task in (stopped, ended):
+        task.cancel()
+    return ended if ended.done() and not ended.cancelled() else None
 
 
 def _settings_and_topology(log_level: str = "info") -> tuple[Settings, Topology]:
@@ -696,11 +715,14 @@ async def _dev(args: argparse.Namespace) -> int:
             else:
                 again = " ".join(map(str, ingest))
                 print(f"  jobplane ingest {again}   (again: changes nothing)\n", flush=True)
-        print("serving; Ctrl-C to stop", flush=True)
-        if parts is None:
-            await _until_signal()
-            return 0
-        return await _until_signal_or_part_exit(parts)
+        # Caught from before the line that says so: a Ctrl-C right after it stops
+        # the command in order instead of raising KeyboardInterrupt.
+        with _stop_signals() as stop:
+            print("serving; Ctrl-C to stop", flush=True)
+            if parts is None:
+                await stop.wait()
+                return 0
+            return await _until_stopped_or_part_exit(stop, parts)
 
 
 def _dev_worker(
@@ -758,14 +780,10 @@ async def _dev_parts(
     return parts
 
 
-async def _until_signal_or_part_exit(parts: Any) -> int:
-    """Until Ctrl-C or SIGTERM (0), or a worker part exits on its own (1)."""
-    signalled = asyncio.ensure_future(_until_signal())
-    exited = asyncio.ensure_future(parts.exited())
-    done, _ = await asyncio.wait({signalled, exited}, return_when=asyncio.FIRST_COMPLETED)
-    for task in (signalled, exited):
-        task.cancel()
-    if exited in done:
+async def _until_stopped_or_part_exit(stop: asyncio.Event, parts: Any) -> int:
+    """Until ``stop`` (Ctrl-C or SIGTERM: 0), or a worker part exits on its own (1)."""
+    exited = await _until_stopped(stop, parts.exited())
+    if exited is not None:
         part, status = exited.result()
         print(f"error: worker part {part} exited (status {status}); stopping", file=sys.stderr)
         return 1
@@ -808,12 +826,9 @@ async def _dev_part(args: argparse.Namespace) -> int:
         if ops is not None:
             ops.add_check("broker", worker.not_ready)
         await _start_ops(stack, ops)
-        await _started(stack, worker.start, lambda: worker.stop(GRACE))
-        signalled = asyncio.ensure_future(_until_signal())
-        orphaned = asyncio.ensure_future(parent_gone(args.parent_pid or os.getppid()))
-        await asyncio.wait({signalled, orphaned}, return_when=asyncio.FIRST_COMPLETED)
-        for task in (signalled, orphaned):
-            task.cancel()
+        with _stop_signals() as stop:
+            await _started(stack, worker.start, lambda: worker.stop(GRACE))
+            await _until_stopped(stop, parent_gone(args.parent_pid or os.getppid()))
     return 0
 
 
