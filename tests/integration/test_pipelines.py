@@ -413,18 +413,32 @@ async def test_a_late_stages_lost_lease_backs_off_by_the_stages_attempts(
     await asyncio.wait_for(stages.neural_started.wait(), 30)
     # The job's second attempt (native used the first) is the neural stage's first.
     assert await stack.scalar("SELECT attempt FROM jobs WHERE id = :id", id=job.id) == 2
-    async with engine.begin() as conn:
-        await conn.execute(
-            text("UPDATE jobs SET lease_expires_at = now() - interval '1 hour' WHERE id = :id"),
-            {"id": job.id},
-        )
+    # The stage's progress report is written first: its statement locks the
+    # row, and the sweep skips a locked row.
+    for _ in range(300):
+        if await stack.scalar(
+            "SELECT count(*) FROM job_events WHERE job_id = :id AND message = 'embedding'",
+            id=job.id,
+        ):
+            break
+        await asyncio.sleep(0.01)
     asked: list[int] = []
 
     def delay(attempt: int) -> float:
         asked.append(attempt)
         return 0.0
 
-    repaired = await SweepStore(engine).expire_leases(grace=0, limit=10, delay=delay)
+    # The worker's heartbeat may renew the lease between the rewind and the
+    # sweep (or lock the row while the sweep looks): rewind it again.
+    for _ in range(20):
+        async with engine.begin() as conn:
+            await conn.execute(
+                text("UPDATE jobs SET lease_expires_at = now() - interval '1 hour' WHERE id = :id"),
+                {"id": job.id},
+            )
+        repaired = await SweepStore(engine).expire_leases(grace=0, limit=10, delay=delay)
+        if repaired.requeued:
+            break
     assert repaired.requeued == 1
     # Backed off as the stage's first attempt, not as the job's second.
     assert asked == [1]

@@ -185,8 +185,13 @@ async def test_one_trace_from_the_caller_to_the_outcome(
         }
 
         def outcomes(job: str, count: int) -> bool:
+            # Each process exports on its own schedule: the relay's publish
+            # span may arrive after the worker's outcome.
             spans = _job_spans(receiver.snapshot(), ids[job])
-            return sum(s.name == "job outcome" for s in spans) >= count
+            return (
+                sum(s.name == "job outcome" for s in spans) >= count
+                and sum(s.name == "outbox publish" for s in spans) >= count
+            )
 
         for which, count in (("work", 1), ("flaky", 2), ("piped", 2), ("stray", 1)):
             await _until(functools.partial(outcomes, which, count), f"{which}'s outcomes")
