@@ -31,6 +31,7 @@ from jobplane.server.servicer import EventServiceServicer, JobServiceServicer
 from jobplane.server.worker_servicer import WorkerServiceServicer
 from jobplane.server.workers import WorkerService
 from jobplane.store.attempts import AttemptStore
+from jobplane.store.db import Database
 from jobplane.store.deployment import this_deployment
 from jobplane.store.events import EventStore
 from jobplane.store.held import HeldAttempts
@@ -130,6 +131,7 @@ class JobplaneServer:
         blobs: BlobStore | None = None,
         inline_bytes: int | None = None,
         metrics: Metrics = NO_METRICS,
+        db: Database | None = None,
     ) -> None:
         if not 0 < max_payload_bytes <= MAX_PAYLOAD_BYTES_LIMIT:
             # Past it, a job could be too large for the SDK to read back.
@@ -137,6 +139,9 @@ class JobplaneServer:
         self._listen = listen
         self._tls = tls
         self._engine = engine
+        # The hot statements' pool (ADR-0030): the caller's, or the server's own.
+        self._owns_db = db is None
+        self.db = db or Database(database_url)
         self._topology = topology
         self._max_payload_bytes = max_payload_bytes
         # The caller's (None: blobs disabled, BlobService answers BLOBS_DISABLED).
@@ -150,7 +155,7 @@ class JobplaneServer:
         self.key_events.on_reset(self.keys.clear_cache)
         self.limiter = TenantLimiter(limits or TenantLimits())
         self.service = JobService(
-            JobStore(engine, faults=faults),
+            JobStore(engine, self.db, faults=faults),
             self.hub,
             topology,
             max_payload_bytes=max_payload_bytes,
@@ -165,8 +170,8 @@ class JobplaneServer:
             recheck_seconds=recheck_seconds,
         )
         self.workers = WorkerService(
-            AttemptStore(engine, lease_seconds=worker_lease_seconds),
-            HeldAttempts(engine),
+            AttemptStore(self.db, lease_seconds=worker_lease_seconds),
+            HeldAttempts(self.db),
             topology,
             workers=WorkerStore(engine),
             max_result_bytes=max_payload_bytes,
@@ -202,6 +207,7 @@ class JobplaneServer:
 
     async def start(self) -> None:
         """Bind, start serving and report SERVING."""
+        await self.db.open()
         self.service.open()
         self.events.open()
         await self.hub.start()
@@ -307,6 +313,9 @@ class JobplaneServer:
         await self.event_hub.stop()
         await self.key_events.stop()
         await self.keys.close()
+        await self.service.close()
+        if self._owns_db:
+            await self.db.close()
         log.info("server.stopped")
 
     async def wait(self) -> None:

@@ -5,6 +5,7 @@ Servicers translate protobuf to these calls and back; nothing here knows gRPC.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
 import hashlib
@@ -17,6 +18,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
+from jobplane.batcher import Batcher
 from jobplane.blobs.names import parse_blob_name, referenced_digests
 from jobplane.config import MAX_OFFLOADED_JSON_BYTES
 from jobplane.errors import (
@@ -71,6 +73,11 @@ MAX_TIMEOUT_SECONDS = 7 * 24 * 3600.0
 MAX_PAYLOAD_DEPTH = 32
 # Tokens this server issues are about 150 characters.
 MAX_PAGE_TOKEN_LENGTH = 512
+#: Concurrent SubmitJob calls share a statement (ADR-0030): at most this many
+#: in one, and at most SUBMIT_GROUPS_RUNNING such statements at once; calls
+#: that arrive meanwhile wait for one to end and go out together.
+SUBMIT_GROUP_MAX = 256
+SUBMIT_GROUPS_RUNNING = 2
 
 # The Struct encoding of a payload is at most 5.5 times its JSON: a list of
 # one-digit numbers costs 2 bytes a number in JSON ("0,") and 11 in a Struct
@@ -123,6 +130,12 @@ class JobService:
         self.metrics: Metrics = NO_METRICS
         self._max_payload_bytes = max_payload_bytes
         self.feeds = FeedHub(store.read_streams, hub, recheck_seconds=recheck_seconds)
+        self._submits: Batcher[tuple[uuid.UUID, NewJob], tuple[Job, bool]] = Batcher(
+            self._submit_group,
+            window=0.0,
+            max_size=SUBMIT_GROUP_MAX,
+            max_running=SUBMIT_GROUPS_RUNNING,
+        )
 
     def open(self) -> None:
         """Accept watch streams (again)."""
@@ -132,13 +145,68 @@ class JobService:
         """End every watch stream with UNAVAILABLE, so clients resume elsewhere."""
         self.feeds.close()
 
+    async def close(self) -> None:
+        """Write the submits still waiting for a statement, and wait for them (10 s at most)."""
+        await self._submits.stop(timeout=10)
+
     async def submit(self, tenant: uuid.UUID, request: SubmitRequest) -> Job:
         """Validate whole, then write job + first event + outbox row at once."""
         new = await self._validated(tenant, request)
-        job, created = await self._store.submit(tenant, new)
+        job, created = await self._submits.submit((tenant, new))
         if created:
             self.metrics.submitted(new.type, new.queue)
         return job
+
+    async def _submit_group(
+        self, items: list[tuple[uuid.UUID, NewJob]]
+    ) -> list[tuple[Job, bool] | BaseException]:
+        """Concurrent submits: one statement per tenant, each request with its own result.
+
+        A request_id that comes twice (a caller's retry racing its first
+        call) goes in a later statement, so it finds the first one's job.
+        """
+        results: list[tuple[Job, bool] | BaseException | None] = [None] * len(items)
+        rounds: list[dict[uuid.UUID, list[int]]] = []
+        seen: dict[tuple[uuid.UUID, str], int] = {}
+        for i, (tenant, new) in enumerate(items):
+            n = seen[tenant, new.request_id] = seen.get((tenant, new.request_id), -1) + 1
+            if n == len(rounds):
+                rounds.append({})
+            rounds[n].setdefault(tenant, []).append(i)
+        for by_tenant in rounds:
+            await asyncio.gather(
+                *(
+                    self._submit_tenant(t, indexes, items, results)
+                    for t, indexes in by_tenant.items()
+                )
+            )
+        return [r if r is not None else RuntimeError("not submitted") for r in results]
+
+    async def _submit_tenant(
+        self,
+        tenant: uuid.UUID,
+        indexes: list[int],
+        items: list[tuple[uuid.UUID, NewJob]],
+        results: list[tuple[Job, bool] | BaseException | None],
+    ) -> None:
+        news = [items[i][1] for i in indexes]
+        outcome: Sequence[tuple[Job, bool] | BaseException]
+        try:
+            outcome = await self._store.submit_each(tenant, news)
+        except BlobReferenceNotFound as exc:
+            # One of them references a blob deleted since its check: whose,
+            # each alone says; the others go in.
+            outcome = [exc] if len(news) == 1 else [await self._alone(tenant, n) for n in news]
+        except Exception as exc:
+            outcome = [exc] * len(news)
+        for i, result in zip(indexes, outcome, strict=True):
+            results[i] = result
+
+    async def _alone(self, tenant: uuid.UUID, new: NewJob) -> tuple[Job, bool] | BaseException:
+        try:
+            return await self._store.submit(tenant, new)
+        except Exception as exc:
+            return exc
 
     async def submit_many(self, tenant: uuid.UUID, requests: Sequence[SubmitRequest]) -> list[Job]:
         """:meth:`submit` for 1 to :data:`MAX_BATCH_SUBMIT` jobs, all in one transaction.

@@ -11,6 +11,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from jobplane.blobs import BlobStore
 from jobplane.logs import configure
+from jobplane.store.db import Database
 from jobplane.store.engine import create_engine, migrate
 from jobplane.topology import Topology, load_topology
 from tests.support import services
@@ -89,6 +90,14 @@ async def engine(database_url: str) -> AsyncIterator[AsyncEngine]:
     engine = create_engine(database_url, pool_size=10)
     yield engine
     await engine.dispose()
+
+
+@pytest.fixture
+async def db(database_url: str) -> AsyncIterator[Database]:
+    """The test database's pool of the hot statements (ADR-0030)."""
+    db = Database(database_url)
+    yield db
+    await db.close()
 
 
 @pytest.fixture

@@ -2,26 +2,23 @@
 database within a short window goes out as one statement, and their acks as
 few frames as the broker allows.
 
-A :class:`Batcher` collects requests for at most ``window`` seconds after the
-first (or until ``max_size`` of them), runs them as one group and hands each
-caller its own result. :func:`plan_acks` decides where one ``basic.ack`` with
+A :class:`~jobplane.batcher.Batcher` collects requests for at most ``window``
+seconds after the first (or until ``max_size`` of them), runs them as one
+group and hands each caller its own result. :func:`plan_acks` decides where one ``basic.ack`` with
 ``multiple`` may settle many deliveries; :class:`Acks` applies it.
 """
 
 from __future__ import annotations
 
-import asyncio
-from collections import Counter
-from collections.abc import Awaitable, Callable, Collection, Sequence
-from typing import Any, Generic, TypeVar
+from collections.abc import Collection
+from typing import Any
 
 import structlog
 from aio_pika.abc import AbstractIncomingMessage
 
-log = structlog.get_logger("jobplane.worker")
+from jobplane.batcher import Batcher
 
-T = TypeVar("T")
-R = TypeVar("R")
+log = structlog.get_logger("jobplane.worker")
 
 #: The default window of a group, seconds: short against a job's run (a no-op
 #: job costs about 5 ms of CPU end to end), long enough for concurrent
@@ -29,117 +26,6 @@ R = TypeVar("R")
 DEFAULT_GROUP_WINDOW = 0.002
 #: The default largest group.
 DEFAULT_GROUP_MAX = 64
-
-
-class Batcher(Generic[T, R]):
-    """Runs what callers :meth:`submit` within one window as one group.
-
-    ``run`` takes the group's items and returns one result per item, in
-    order; a result that is an exception is raised to its caller alone.
-    When ``run`` raises, every caller of the group gets the exception, unless
-    ``split`` says it belongs to one item (a value the database refuses):
-    then each item runs alone, so one bad item fails only its own caller.
-    Groups run concurrently: a group never waits for the one before it.
-    """
-
-    def __init__(
-        self,
-        run: Callable[[list[T]], Awaitable[Sequence[R | BaseException]]],
-        *,
-        window: float,
-        max_size: int,
-        split: Callable[[BaseException], bool] = lambda _exc: False,
-        on_group: Callable[[int], None] = lambda _size: None,
-    ) -> None:
-        if max_size < 1:
-            raise ValueError("a group holds at least one item")
-        self._run = run
-        self._window = max(window, 0.0)
-        self._max_size = max_size
-        self._split = split
-        self._on_group = on_group
-        self._pending: list[tuple[T, asyncio.Future[R]]] = []
-        self._timer: asyncio.Handle | None = None
-        self._tasks: set[asyncio.Task[None]] = set()
-        #: How many groups of each size ran (for metrics and tests).
-        self.sizes: Counter[int] = Counter()
-
-    async def submit(self, item: T) -> R:
-        """Join the next group with ``item``; its result once the group ran."""
-        loop = asyncio.get_running_loop()
-        future: asyncio.Future[R] = loop.create_future()
-        self._pending.append((item, future))
-        if len(self._pending) >= self._max_size:
-            self._flush()
-        elif self._timer is None:
-            # Never later than the window after the first: a lone item waits
-            # at most that long.
-            self._timer = (
-                loop.call_later(self._window, self._flush)
-                if self._window > 0
-                else loop.call_soon(self._flush)
-            )
-        return await future
-
-    def _flush(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
-        group, self._pending = self._pending, []
-        if not group:
-            return
-        task = asyncio.create_task(self._settle(group))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-
-    async def _settle(self, group: list[tuple[T, asyncio.Future[R]]]) -> None:
-        items = [item for item, _ in group]
-        try:
-            # Inside: whatever fails here still answers every waiter.
-            self.sizes[len(group)] += 1
-            self._on_group(len(group))
-            try:
-                results = await self._run(items)
-            except Exception as exc:
-                if len(items) == 1 or not self._split(exc):
-                    raise
-                results = [await self._alone(item) for item in items]
-        except BaseException as exc:
-            for _, future in group:
-                if not future.done():
-                    future.set_exception(exc)
-            if not isinstance(exc, Exception):
-                raise
-            return
-        for (_, future), result in zip(group, results, strict=True):
-            if future.done():  # its caller was cancelled
-                continue
-            if isinstance(result, BaseException):
-                future.set_exception(result)
-            else:
-                future.set_result(result)
-
-    async def _alone(self, item: T) -> R | BaseException:
-        try:
-            [result] = await self._run([item])
-        except Exception as exc:
-            return exc
-        return result
-
-    async def stop(self, timeout: float | None = None) -> None:
-        """Run what is pending now, and wait for every group to end; after
-        ``timeout`` seconds (None: no limit), cancel those still running (their
-        waiters get the cancellation, and their deliveries go back unacked)."""
-        self._flush()
-        loop = asyncio.get_running_loop()
-        deadline = None if timeout is None else loop.time() + timeout
-        while self._tasks:
-            left = None if deadline is None else max(0.0, deadline - loop.time())
-            _, late = await asyncio.wait(set(self._tasks), timeout=left)
-            if late and left == 0.0:
-                for task in late:
-                    task.cancel()
-                await asyncio.wait(late)
 
 
 def plan_acks(unsettled: Collection[int], to_ack: Collection[int]) -> tuple[int | None, list[int]]:

@@ -43,6 +43,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from jobplane.errors import BlobStoreUnavailable, JobAlreadyTerminal, JobNotFound
 from jobplane.faults import NO_FAULTS, FaultPoints
 from jobplane.logs import describe_error
+from jobplane.store.db import Database
 from jobplane.store.down import database_transient
 from jobplane.store.jobs import JobStore
 from jobplane.store.maintenance import (
@@ -104,7 +105,7 @@ class _Tally:
 class Maintenance:
     """The maintenance handlers, built with the worker's own resources.
 
-    ``engine`` is the worker's (no connection of its own per job);
+    ``engine`` and ``db`` are the worker's (no connection of its own per job);
     ``blobs`` its object store (None: blobs are disabled, none to delete);
     ``index`` is the search index when ingestion is configured (None: no
     index points to erase). ``live_wait`` bounds how long one erasure
@@ -115,6 +116,7 @@ class Maintenance:
     def __init__(
         self,
         engine: AsyncEngine,
+        db: Database,
         *,
         blobs: BlobStore | None = None,
         index: TenantIndex | None = None,
@@ -123,7 +125,7 @@ class Maintenance:
         poll_interval: float = 0.5,
     ) -> None:
         self._store = MaintenanceStore(engine)
-        self._jobs = JobStore(engine)
+        self._jobs = JobStore(engine, db)
         self._blobs = blobs
         self._index = index
         self._faults = faults

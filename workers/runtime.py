@@ -25,6 +25,7 @@ from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from jobplane import broker
+from jobplane.batcher import Batcher
 from jobplane.config import DEFAULT_INLINE_BYTES, MAX_OFFLOADED_JSON_BYTES
 from jobplane.envelope import Envelope, EnvelopeError
 from jobplane.errors import BlobStoreUnavailable
@@ -51,6 +52,7 @@ from jobplane.store.attempts import (
     Outcome,
     ProgressUpdate,
 )
+from jobplane.store.db import Database
 from jobplane.store.deployment import Deployment, this_deployment
 from jobplane.store.down import database_error_name, database_transient, until_database_up
 from jobplane.store.listen import Listener
@@ -60,7 +62,7 @@ from jobplane.tasks import cancel_and_wait
 from jobplane.topology import Ownership, Topology, ensure
 from jobplane.types import BlobRef
 from jobplane.workers.bounce import Bounced, bounce_foreign
-from jobplane.workers.group import DEFAULT_GROUP_MAX, DEFAULT_GROUP_WINDOW, Acks, Batcher
+from jobplane.workers.group import DEFAULT_GROUP_MAX, DEFAULT_GROUP_WINDOW, Acks
 from jobplane.workers.handlers import JobContext, Registry, with_offloaded_payload
 from jobplane.workers.outcome import Escaped, Failure, check_result, describe, invoke
 from jobplane.workers.presence import Presence
@@ -138,13 +140,18 @@ class Worker:
         metrics: Metrics = NO_METRICS,
         group_window: float = DEFAULT_GROUP_WINDOW,
         group_max: int = DEFAULT_GROUP_MAX,
+        db: Database | None = None,
     ) -> None:
         if concurrency < 1:
             raise ValueError("concurrency must be at least 1")
         if group_max < 1:
             raise ValueError("group_max must be at least 1")
         self._engine = engine
-        self._store = AttemptStore(engine, lease_seconds=lease_seconds)
+        # The attempts' statements run on asyncpg (ADR-0030): the caller's
+        # pool, or one of the worker's own, opened and closed with it.
+        self._owns_db = db is None
+        self._db = db or Database(database_url, size=worker_pool_size(concurrency))
+        self._store = AttemptStore(self._db, lease_seconds=lease_seconds)
         self._amqp_url = amqp_url
         self._topology = topology
         self._registry = registry
@@ -264,9 +271,19 @@ class Worker:
         """
         for name in self._queues:
             self._topology.queue(name)  # unknown queue names fail here, not later
-        await self._enter_lifespans()
-        self._deployment = await until_database_up(lambda: this_deployment(self._engine), log)
-        await self._cancels.start()
+        await self._db.open()
+        try:
+            await self._enter_lifespans()
+        except BaseException:
+            await self._close_db()
+            raise
+        try:
+            self._deployment = await until_database_up(lambda: this_deployment(self._engine), log)
+            await self._cancels.start()
+        except BaseException:
+            await self._lifespans.aclose()
+            await self._close_db()
+            raise
         try:
             self.ownership = await broker.until_up(self._check_topology, log)
             self._connection = await broker.until_up(
@@ -298,6 +315,7 @@ class Worker:
                 self._connection = None
             await self._cancels.stop()
             await self._lifespans.aclose()
+            await self._close_db()
             raise
         log.info(
             "worker.started",
@@ -342,7 +360,12 @@ class Worker:
         await self._progress.stop()
         await self._cancels.stop()
         await self._lifespans.aclose()
+        await self._close_db()
         log.info("worker.stopped")
+
+    async def _close_db(self) -> None:
+        if self._owns_db:
+            await self._db.close()
 
     async def _enter_lifespans(self) -> None:
         """Enter the registry's lifespans (what its handlers share); all or none."""
@@ -862,6 +885,12 @@ class Worker:
             except Exception as exc:
                 # Beat again next time; the lease outlives a few missed beats.
                 log.warning("job.heartbeat.failed", error=describe_error(exc))
+
+
+def worker_pool_size(concurrency: int) -> int:
+    """Connections a worker's attempts use at most: concurrent groups, progress
+    and heartbeats of ``concurrency`` handlers, between 4 and 20."""
+    return max(4, min(concurrency, 20))
 
 
 class _Stopping(Exception):

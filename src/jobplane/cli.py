@@ -31,6 +31,8 @@ if TYPE_CHECKING:
     from jobplane.observe.http import OpsServer
     from jobplane.observe.metrics import Metrics
     from jobplane.server import JobplaneServer
+    from jobplane.store.db import Database
+    from jobplane.store.jobs import JobStore
     from jobplane.store.keys import KeyInfo, KeyStore
 
 
@@ -192,10 +194,20 @@ def _blob_store(settings: Settings, stack: AsyncExitStack) -> BlobStore | None:
     return store
 
 
+def _database(stack: AsyncExitStack, settings: Settings, size: int) -> Database:
+    """The process's pool of the hot statements (ADR-0030), closed with ``stack``."""
+    from jobplane.store.db import Database
+
+    db = Database(settings.database_url, size=size)
+    stack.push_async_callback(db.close)
+    return db
+
+
 def _server(
     settings: Settings,
     topology: Topology,
     engine: AsyncEngine,
+    db: Database,
     *,
     tls: bool = False,
     blobs: BlobStore | None = None,
@@ -231,6 +243,7 @@ def _server(
         blobs=blobs,
         inline_bytes=settings.inline_bytes,
         metrics=metrics or NO_METRICS,
+        db=db,
     )
 
 
@@ -249,6 +262,7 @@ async def _serve(args: argparse.Namespace) -> int:
             settings,
             topology,
             engine,
+            _database(stack, settings, settings.db_pool_size),
             tls=True,
             blobs=_blob_store(settings, stack),
             metrics=metrics,
@@ -476,7 +490,7 @@ def _registry_or_none(spec: str | None, *, demo: bool) -> Any:
 
 async def _worker(args: argparse.Namespace) -> int:
     from jobplane.store.engine import create_engine
-    from jobplane.workers.runtime import Worker
+    from jobplane.workers.runtime import Worker, worker_pool_size
 
     settings, topology = _settings_and_topology()
     _tracing("jobplane-worker", settings)
@@ -491,8 +505,9 @@ async def _worker(args: argparse.Namespace) -> int:
         stack.push_async_callback(engine.dispose)
         metrics, ops = _ops(settings, args, engine)
         blobs = _blob_store(settings, stack)
+        db = _database(stack, settings, worker_pool_size(args.concurrency))
         if not args.no_maintenance:
-            registry = await _with_maintenance(stack, registry, engine, blobs, settings, faults)
+            registry = await _with_maintenance(stack, registry, engine, db, blobs, settings, faults)
             if registry is None:
                 return 2
         worker = Worker(
@@ -513,6 +528,7 @@ async def _worker(args: argparse.Namespace) -> int:
             blobs=blobs,
             inline_bytes=settings.inline_bytes,
             metrics=metrics,
+            db=db,
         )
         if ops is not None:
             ops.add_check("broker", worker.not_ready)
@@ -546,16 +562,17 @@ async def _with_maintenance(
     stack: AsyncExitStack,
     registry: Any,
     engine: AsyncEngine,
+    db: Database,
     blobs: BlobStore | None,
     settings: Settings,
     faults: FaultPoints,
 ) -> Any:
     """``registry`` with the maintenance handlers, built on the worker's own engine
-    (None after saying in one line why they cannot be added)."""
+    and database (None after saying in one line why they cannot be added)."""
     from jobplane.workers.maintenance import Maintenance
 
     maintenance = Maintenance(
-        engine, blobs=blobs, index=_maintenance_index(stack, settings), faults=faults
+        engine, db, blobs=blobs, index=_maintenance_index(stack, settings), faults=faults
     )
     try:
         return registry.merge(maintenance.registry())
@@ -623,13 +640,14 @@ async def _dev(args: argparse.Namespace) -> int:
         watch_outbox(metrics, engine)
         _failed_queue_depth(stack, metrics, settings, topology)
         blobs = _blob_store(settings, stack)
+        db = _database(stack, settings, settings.db_pool_size)
         if processes == 1 and not args.no_maintenance:
             registry = await _with_maintenance(
-                stack, registry, engine, blobs, settings, FaultPoints(settings.faults)
+                stack, registry, engine, db, blobs, settings, FaultPoints(settings.faults)
             )
             if registry is None:
                 return 2
-        server = _server(settings, topology, engine, blobs=blobs, metrics=metrics)
+        server = _server(settings, topology, engine, db, blobs=blobs, metrics=metrics)
         relay = Relay(
             engine,
             settings.database_url,
@@ -639,7 +657,7 @@ async def _dev(args: argparse.Namespace) -> int:
             metrics=metrics,
         )
         worker = (
-            _dev_worker(settings, topology, engine, registry, args, blobs, metrics)
+            _dev_worker(settings, topology, engine, db, registry, args, blobs, metrics)
             if processes == 1
             else None
         )
@@ -729,6 +747,7 @@ def _dev_worker(
     settings: Settings,
     topology: Topology,
     engine: AsyncEngine,
+    db: Database,
     registry: Any,
     args: argparse.Namespace,
     blobs: BlobStore | None,
@@ -750,6 +769,7 @@ def _dev_worker(
         blobs=blobs,
         inline_bytes=settings.inline_bytes,
         metrics=metrics,
+        db=db,
     )
 
 
@@ -794,6 +814,7 @@ async def _dev_part(args: argparse.Namespace) -> int:
     """One worker part of ``jobplane dev --processes N`` (jobplane.devparts)."""
     from jobplane.devparts import GRACE, parent_gone, part_queues
     from jobplane.store.engine import create_engine
+    from jobplane.workers.runtime import worker_pool_size
 
     settings, topology = _settings_and_topology(log_level="warning")
     _tracing("jobplane-dev", settings)
@@ -817,12 +838,13 @@ async def _dev_part(args: argparse.Namespace) -> int:
         stack.push_async_callback(engine.dispose)
         metrics, ops = _ops(settings, args, engine)
         blobs = _blob_store(settings, stack)
+        db = _database(stack, settings, worker_pool_size(args.concurrency))
         if first and not args.no_maintenance:
             faults = FaultPoints(settings.faults)
-            registry = await _with_maintenance(stack, registry, engine, blobs, settings, faults)
+            registry = await _with_maintenance(stack, registry, engine, db, blobs, settings, faults)
             if registry is None:
                 return 2
-        worker = _dev_worker(settings, topology, engine, registry, args, blobs, metrics, queues)
+        worker = _dev_worker(settings, topology, engine, db, registry, args, blobs, metrics, queues)
         if ops is not None:
             ops.add_check("broker", worker.not_ready)
         await _start_ops(stack, ops)
@@ -1034,12 +1056,18 @@ async def _submit_maintenance(
 
 async def _wait_maintenance(engine: AsyncEngine, tenant: str, job_id: Any) -> bool:
     """Print the job's progress until it ends; True when it succeeded."""
+    from jobplane.store.db import Database
     from jobplane.store.jobs import JobStore
     from jobplane.store.maintenance import MaintenanceStore
-    from jobplane.types import JobState
 
     tenant_id = (await MaintenanceStore(engine).tenant_named(tenant)).id
-    jobs = JobStore(engine)
+    async with Database(engine.url.render_as_string(hide_password=False), size=1) as db:
+        return await _follow_maintenance(JobStore(engine, db), tenant_id, job_id)
+
+
+async def _follow_maintenance(jobs: JobStore, tenant_id: Any, job_id: Any) -> bool:
+    from jobplane.types import JobState
+
     said = ""
     while True:
         job = await jobs.get(tenant_id, job_id)

@@ -80,14 +80,14 @@ async def _assert_all_refused(
 
 async def _two_attempts(stack: Stack, job: Job) -> tuple[AttemptStore, Attempt, Attempt]:
     """A first attempt whose lease ran out, and the second attempt that took the job."""
-    store = AttemptStore(stack.engine, lease_seconds=0.1)
+    store = AttemptStore(stack.db, lease_seconds=0.1)
     envelope = await stack.envelope(job.id)
     stale = (await store.claim(envelope)).attempt
     assert stale is not None
     await asyncio.sleep(0.3)
     winner = (await store.claim(envelope)).attempt
     assert winner is not None and winner.attempt == stale.attempt + 1
-    return AttemptStore(stack.engine, lease_seconds=30.0), stale, winner
+    return AttemptStore(stack.db, lease_seconds=30.0), stale, winner
 
 
 async def test_a_stale_attempt_can_neither_schedule_a_retry_nor_cancel(bare: Stack) -> None:
@@ -105,7 +105,7 @@ async def test_a_stale_attempt_can_neither_schedule_a_retry_nor_cancel(bare: Sta
 async def test_the_lease_token_alone_decides_between_claims_of_one_attempt(bare: Stack) -> None:
     client = bare.client()
     job = await client.submit("demo.echo", {})
-    store = AttemptStore(bare.engine, lease_seconds=30.0)
+    store = AttemptStore(bare.db, lease_seconds=30.0)
     owner = (await store.claim(await bare.envelope(job.id))).attempt
     assert owner is not None
     # Same job, same attempt number, another token: not the owner.
@@ -119,7 +119,7 @@ async def test_the_lease_token_alone_decides_between_claims_of_one_attempt(bare:
 
 async def test_an_attempt_cannot_write_after_its_job_ended(bare: Stack) -> None:
     client = bare.client()
-    store = AttemptStore(bare.engine, lease_seconds=30.0)
+    store = AttemptStore(bare.db, lease_seconds=30.0)
     endings: dict[str, Callable[[Attempt], Awaitable[None]]] = {
         "succeed": lambda a: store.succeed(a, {}),
         "fail": lambda a: store.fail(a, "BROKEN", "broken", retryable=False),
@@ -137,7 +137,7 @@ async def test_an_attempt_cannot_write_after_its_job_ended(bare: Stack) -> None:
 async def test_an_old_dispatch_cannot_claim_a_retry_that_is_due_later(bare: Stack) -> None:
     client = bare.client()
     job = await client.submit("demo.echo", {})
-    store = AttemptStore(bare.engine, lease_seconds=30.0)
+    store = AttemptStore(bare.db, lease_seconds=30.0)
     first = await bare.envelope(job.id)
     attempt = (await store.claim(first)).attempt
     assert attempt is not None
@@ -208,7 +208,7 @@ async def _retry_pending(stack: Stack, name: str) -> bool:
 
 async def test_an_outcome_commits_the_progress_still_pending_before_it(bare: Stack) -> None:
     client = bare.client()
-    store = AttemptStore(bare.engine, lease_seconds=30.0)
+    store = AttemptStore(bare.db, lease_seconds=30.0)
     pending = [ProgressUpdate(0.25, "quarter", {"n": 1}), ProgressUpdate(0.75, "most", {"n": 2})]
     endings: dict[str, tuple[Callable[[Attempt], Awaitable[None]], JobState]] = {
         "succeeded": (lambda a: store.succeed(a, {"ok": True}, pending), JobState.SUCCEEDED),

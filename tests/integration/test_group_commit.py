@@ -65,7 +65,7 @@ async def test_one_statement_claims_a_group_and_refuses_only_its_stale_duplicate
     bare: Stack,
 ) -> None:
     client = bare.client()
-    store = AttemptStore(bare.engine, lease_seconds=30.0)
+    store = AttemptStore(bare.db, lease_seconds=30.0)
     jobs = [await client.submit("demo.echo", {"n": n}) for n in range(5)]
     envelopes = [await bare.envelope(j.id) for j in jobs]
     # jobs[3]: cancelled while queued. jobs[4]: its current dispatch is newer
@@ -108,7 +108,7 @@ async def test_one_fenced_out_outcome_leaves_the_others_of_its_group_committed(
     bare: Stack,
 ) -> None:
     client = bare.client()
-    store = AttemptStore(bare.engine, lease_seconds=30.0)
+    store = AttemptStore(bare.db, lease_seconds=30.0)
     jobs = [await client.submit("demo.echo", {"n": n}) for n in range(5)]
     attempts: list[Attempt] = []
     for job in jobs:
@@ -166,7 +166,7 @@ async def test_each_attempt_of_a_group_commits_its_own_emitted_events_in_order(
     bare: Stack,
 ) -> None:
     client = bare.client()
-    store = AttemptStore(bare.engine, lease_seconds=30.0)
+    store = AttemptStore(bare.db, lease_seconds=30.0)
     jobs = [await client.submit("demo.echo", {"n": n}) for n in range(4)]
     attempts: list[Attempt] = []
     for job in jobs:
@@ -370,7 +370,7 @@ async def _is(value: bool) -> bool:
 
 async def test_a_claim_group_that_fails_after_its_statement_commits_nothing(bare: Stack) -> None:
     client = bare.client()
-    store = AttemptStore(bare.engine, lease_seconds=30.0)
+    store = AttemptStore(bare.db, lease_seconds=30.0)
     good, bad = [await client.submit("demo.echo", {"n": n}) for n in range(2)]
     # A payload the attempt cannot be read from: the claim's statement takes the
     # row, reading the attempt after it fails.

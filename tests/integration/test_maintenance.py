@@ -22,7 +22,7 @@ pytestmark = pytest.mark.stack(worker=False)
 
 
 async def _start_worker(stack: Stack, **options: Any) -> None:
-    maintenance = Maintenance(stack.engine, live_wait=10.0, poll_interval=0.1, **options)
+    maintenance = Maintenance(stack.engine, stack.db, live_wait=10.0, poll_interval=0.1, **options)
     await stack.start_worker(demo_registry.merge(maintenance.registry()))
 
 
@@ -405,7 +405,9 @@ async def test_an_erasure_stopped_after_a_batch_is_finished_by_the_next(stack: S
     from jobplane.faults import FaultPoints
 
     # Every batch of this worker's erasures fails right after it committed.
-    maintenance = Maintenance(stack.engine, faults=FaultPoints(["maintenance.erasure.batch"]))
+    maintenance = Maintenance(
+        stack.engine, stack.db, faults=FaultPoints(["maintenance.erasure.batch"])
+    )
     failing = await stack.start_worker(demo_registry.merge(maintenance.registry()))
     await aged_jobs(stack.engine, stack.tenant_id, 30, age_days=3)
     client = stack.client()

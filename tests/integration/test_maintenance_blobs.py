@@ -75,7 +75,9 @@ async def _put_key(store: BlobStore, key: str) -> None:
 async def test_retention_collects_old_unreferenced_blobs_and_erasure_all(
     stack: Stack, blobs: BlobStore
 ) -> None:
-    maintenance = Maintenance(stack.engine, blobs=blobs, live_wait=10.0, poll_interval=0.1)
+    maintenance = Maintenance(
+        stack.engine, stack.db, blobs=blobs, live_wait=10.0, poll_interval=0.1
+    )
     await stack.start_worker(demo_registry.merge(maintenance.registry()))
     await stack.new_key("globex")
     acme = stack.tenant_id
@@ -145,7 +147,7 @@ async def test_retention_collects_old_unreferenced_blobs_and_erasure_all(
 async def test_erasure_refuses_to_leave_blobs_where_no_object_store_is(
     stack: Stack, blobs: BlobStore
 ) -> None:
-    maintenance = Maintenance(stack.engine, live_wait=10.0, poll_interval=0.1)
+    maintenance = Maintenance(stack.engine, stack.db, live_wait=10.0, poll_interval=0.1)
     await stack.start_worker(demo_registry.merge(maintenance.registry()))
     await blobs.put_bytes(stack.tenant_id, b"kept until an erasure with a store")
     client = stack.client()

@@ -36,7 +36,7 @@ def _points(tenant: str, file: str, count: int) -> list[Point]:
 async def test_erasure_deletes_the_tenants_index_points_only(stack: Stack, tmp_path: Path) -> None:
     async with open_index(Settings(qdrant_path=tmp_path / "qdrant")) as index:
         await stack.start_worker(
-            demo_registry.merge(Maintenance(stack.engine, index=index).registry())
+            demo_registry.merge(Maintenance(stack.engine, stack.db, index=index).registry())
         )
         await stack.new_key("globex")
         acme = str(stack.tenant_id)

@@ -30,6 +30,7 @@ from jobplane.observe.metrics import (
     watch_outbox,
 )
 from jobplane.server import JobplaneServer
+from jobplane.server.limits import TenantLimits
 from jobplane.topology import Topology
 from jobplane.workers.demo import registry as demo_registry
 from jobplane.workers.relay import Relay
@@ -174,7 +175,9 @@ async def test_made_up_job_types_are_counted_as_other(
     metrics = Metrics()
     servers = Servers(engine, database_url, topology)
     try:
-        server = await servers.start(metrics=metrics)
+        # 2,000 submits as fast as they go: past the default rate of a tenant.
+        unlimited = TenantLimits(submits_per_second=0)
+        server = await servers.start(metrics=metrics, limits=unlimited)
         key, _tenant = await server.keys.create_key("acme")
         client = servers.client(server, key)
         made_up = [f"made.up.t{n}" for n in range(2000)]

@@ -116,7 +116,7 @@ async def test_hand_back_is_fenced_and_parks_without_a_live_worker(
     try:
         client = stack.client()
         queue = topology.queues[0].name
-        attempts = AttemptStore(engine)
+        attempts = AttemptStore(stack.db)
         workers = WorkerStore(engine)
         job = await client.submit("reports.render", {"n": 1})
         envelope = await stack.envelope(job.id)

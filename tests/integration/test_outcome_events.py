@@ -16,7 +16,7 @@ from tests.support.stack import Stack
 async def test_a_failure_event_carries_the_error(bare: Stack, retryable: bool) -> None:
     client = bare.client()
     job = await client.submit("demo.echo", {})
-    store = AttemptStore(bare.engine)
+    store = AttemptStore(bare.db)
     attempt = (await store.claim(await bare.envelope(job.id))).attempt
     assert attempt is not None
     await store.fail(attempt, "BROKEN_INPUT", "the input was broken", retryable=retryable)
@@ -33,7 +33,7 @@ async def test_a_failure_event_carries_the_error(bare: Stack, retryable: bool) -
 async def test_a_retry_event_says_why_when_and_which_attempt_comes_next(bare: Stack) -> None:
     client = bare.client()
     job = await client.submit("demo.echo", {})
-    store = AttemptStore(bare.engine)
+    store = AttemptStore(bare.db)
     attempt = (await store.claim(await bare.envelope(job.id))).attempt
     assert attempt is not None
     await store.schedule_retry(attempt, "FLAKY", "try again", delay=42.1234)
@@ -61,7 +61,7 @@ async def test_a_retry_event_says_why_when_and_which_attempt_comes_next(bare: St
 async def test_a_cancelled_attempt_ends_with_a_cancelled_event(bare: Stack) -> None:
     client = bare.client()
     job = await client.submit("demo.echo", {})
-    store = AttemptStore(bare.engine)
+    store = AttemptStore(bare.db)
     attempt = (await store.claim(await bare.envelope(job.id))).attempt
     assert attempt is not None
     await store.cancelled(attempt)
@@ -74,7 +74,7 @@ async def test_a_cancelled_attempt_ends_with_a_cancelled_event(bare: Stack) -> N
 async def test_only_a_refunded_retry_leaves_the_attempt_uncounted(bare: Stack) -> None:
     client = bare.client()
     job = await client.submit("demo.echo", {}, max_attempts=1)
-    store = AttemptStore(bare.engine)
+    store = AttemptStore(bare.db)
     first = (await store.claim(await bare.envelope(job.id))).attempt
     assert first is not None
     # Interrupted (a worker shutting down): the one allowed attempt is given back.

@@ -112,7 +112,7 @@ async def test_sweeper_requeues_an_expired_lease_and_fails_when_none_left(
         again = await client.submit("demo.echo", {"n": 1}, max_attempts=2)
         doomed = await client.submit("demo.echo", {"n": 2}, max_attempts=1)
         # A worker claims both, then dies: its messages are gone, its leases run out.
-        attempts = AttemptStore(engine, lease_seconds=0.2)
+        attempts = AttemptStore(stack.db, lease_seconds=0.2)
         for job in (again, doomed):
             claim = await attempts.claim(await stack.envelope(job.id))
             assert claim.status is ClaimStatus.CLAIMED
@@ -168,7 +168,7 @@ async def test_redelivery_of_a_dead_workers_message_waits_out_the_lease(
             )
         )
         # Claimed by a worker that then died holding its message.
-        attempts = AttemptStore(engine, lease_seconds=1.0)
+        attempts = AttemptStore(stack.db, lease_seconds=1.0)
         assert (await attempts.claim(await stack.envelope(job.id))).status is (ClaimStatus.CLAIMED)
         await _redeliver(amqp_url, stack.topology.queues[0].name)
         await stack.start_worker(lease_seconds=1.0)
@@ -188,7 +188,7 @@ async def test_a_first_delivery_of_a_running_job_is_a_copy_and_frees_its_slot(
         job = await client.submit("demo.echo", {"x": 1})
         # Another worker runs it under a long lease; this message is a copy
         # (a relay that published twice), not the one that worker holds.
-        attempts = AttemptStore(engine, lease_seconds=600.0)
+        attempts = AttemptStore(stack.db, lease_seconds=600.0)
         assert (await attempts.claim(await stack.envelope(job.id))).status is (ClaimStatus.CLAIMED)
         await stack.start_worker(prefetch=1, concurrency=1)
         # With one slot, a copy waiting out a ten-minute lease would hold it.
@@ -319,7 +319,7 @@ async def test_a_fenced_out_attempt_cannot_write(
         client = stack.client()
         job = await client.submit("demo.echo", {})
         envelope = await stack.envelope(job.id)
-        attempts = AttemptStore(engine, lease_seconds=0.1)
+        attempts = AttemptStore(stack.db, lease_seconds=0.1)
         stale = (await attempts.claim(envelope)).attempt
         assert stale is not None
         await asyncio.sleep(0.3)

@@ -21,17 +21,19 @@ from typing import Any
 
 import pytest
 from sqlalchemy import text
-from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
+from sqlalchemy.ext.asyncio import AsyncEngine
 
 from jobplane.envelope import Envelope
 from jobplane.events.envelope import Event
 from jobplane.ids import new_id
 from jobplane.store.attempts import AttemptStore, ClaimStatus, LeaseLost, ProgressUpdate
+from jobplane.store.db import Conn, Database
 from jobplane.store.events import emitted
 from jobplane.store.jobs import JobStore, NewJob
 from jobplane.store.machine import (
     MACHINE,
     RULES,
+    AnyConn,
     Cause,
     Change,
     Emitted,
@@ -86,17 +88,18 @@ async def _place(
     job_type = f"machine.{phase.value}"
     # A stage to advance to, or to restart at: a pipeline job of two stages.
     staged = transition in (Transition.ADVANCE, Transition.RESTART)
-    job, _ = await JobStore(engine).submit(
-        tenant,
-        NewJob(
-            type="machine.pipeline" if staged else job_type,
-            queue=_QUEUE,
-            payload={"phase": phase.value},
-            request_id=f"{transition}-{phase.value}",
-            max_attempts=3,
-            stages=_two_stages(job_type) if staged else (),
-        ),
-    )
+    async with Database(engine.url.render_as_string(hide_password=False)) as db:
+        job, _ = await JobStore(engine, db).submit(
+            tenant,
+            NewJob(
+                type="machine.pipeline" if staged else job_type,
+                queue=_QUEUE,
+                payload={"phase": phase.value},
+                request_id=f"{transition}-{phase.value}",
+                max_attempts=3,
+                stages=_two_stages(job_type) if staged else (),
+            ),
+        )
     job_id = uuid.UUID(job.id)
     token = uuid.uuid4()
     # Guards: an attempt left or none, a parked job, no cancel requested yet.
@@ -346,9 +349,11 @@ async def test_each_transition_applies_exactly_from_its_sources(
         ), where
 
 
-async def test_submit_creates_a_queued_job_once(engine: AsyncEngine, tenant: uuid.UUID) -> None:
+async def test_submit_creates_a_queued_job_once(
+    engine: AsyncEngine, db: Database, tenant: uuid.UUID
+) -> None:
     """SUBMIT starts from no row; a replay finds the job in any state and changes nothing."""
-    store = JobStore(engine)
+    store = JobStore(engine, db)
     for phase in Phase:
         job = await _place(engine, tenant, phase, Transition.SUBMIT)
         before = await _snapshot(engine, job.job_id)
@@ -406,9 +411,11 @@ class _Recorder(Hook):
     def follows(self, transition: Transition) -> bool:
         return True
 
-    async def after(self, conn: AsyncConnection, change: Change) -> None:
+    async def after(self, conn: AnyConn, change: Change) -> None:
         self.changes.append(change)
-        self.in_transaction.append(conn.in_transaction())
+        self.in_transaction.append(
+            conn.raw.is_in_transaction() if isinstance(conn, Conn) else conn.in_transaction()
+        )
         if change.transition is self.fail_on:
             raise RuntimeError("the hook refuses")
 
@@ -434,10 +441,10 @@ def _envelope(job: Placed) -> Envelope:
 
 
 async def test_the_hook_gets_each_change_with_the_state_it_came_from(
-    engine: AsyncEngine, tenant: uuid.UUID, hooked: tuple[StateMachine, _Recorder]
+    engine: AsyncEngine, db: Database, tenant: uuid.UUID, hooked: tuple[StateMachine, _Recorder]
 ) -> None:
     machine, recorder = hooked
-    store = AttemptStore(engine, machine=machine)
+    store = AttemptStore(db, machine=machine)
     queued = await _place(engine, tenant, Phase.QUEUED, Transition.CLAIM)
     expired = await _place(engine, tenant, Phase.RUNNING_EXPIRED, Transition.CLAIM)
     for job in (queued, expired):
@@ -463,14 +470,14 @@ async def test_the_hook_gets_each_change_with_the_state_it_came_from(
 
 
 async def test_a_hook_that_fails_undoes_its_transition(
-    engine: AsyncEngine, tenant: uuid.UUID
+    engine: AsyncEngine, db: Database, tenant: uuid.UUID
 ) -> None:
     machine = StateMachine()
     machine.register(_Recorder(fail_on=Transition.CLAIM))
     job = await _place(engine, tenant, Phase.QUEUED, Transition.CLAIM)
     before = await _snapshot(engine, job.job_id)
     with pytest.raises(RuntimeError, match="the hook refuses"):
-        await AttemptStore(engine, machine=machine).claim(_envelope(job))
+        await AttemptStore(db, machine=machine).claim(_envelope(job))
     assert await _snapshot(engine, job.job_id) == before
 
 
@@ -496,7 +503,7 @@ class _EmittedLog(Hook):
 
 
 async def test_hook_writes_commit_only_with_the_winning_attempt(
-    engine: AsyncEngine, tenant: uuid.UUID
+    engine: AsyncEngine, db: Database, tenant: uuid.UUID
 ) -> None:
     async with engine.begin() as conn:
         await conn.execute(
@@ -504,7 +511,7 @@ async def test_hook_writes_commit_only_with_the_winning_attempt(
         )
     machine = StateMachine()
     machine.register(_EmittedLog())
-    store = AttemptStore(engine, machine=machine, lease_seconds=30)
+    store = AttemptStore(db, machine=machine, lease_seconds=30)
     job = await _place(engine, tenant, Phase.QUEUED, Transition.CLAIM)
     first = await store.claim(_envelope(job))
     assert first.attempt is not None

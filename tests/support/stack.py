@@ -17,6 +17,7 @@ from jobplane.client import AsyncClient
 from jobplane.envelope import Envelope
 from jobplane.faults import NO_FAULTS, FaultPoints
 from jobplane.server import JobplaneServer
+from jobplane.store.db import Database
 from jobplane.topology import Topology
 from jobplane.workers.demo import registry as demo_registry
 from jobplane.workers.handlers import Registry
@@ -40,6 +41,11 @@ class Stack:
     blobs: BlobStore | None = None
     clients: list[AsyncClient] = field(default_factory=list)
     workers: list[Worker] = field(default_factory=list)
+
+    @property
+    def db(self) -> Database:
+        """The server's pool of the hot statements (ADR-0030), for stores a test makes."""
+        return self.server.db
 
     def client(self, key: str | None = None, **kwargs: Any) -> AsyncClient:
         """An SDK client of this stack's server (closed with the stack)."""

@@ -8,7 +8,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from jobplane.workers.group import Batcher, plan_acks
+from jobplane.batcher import Batcher
+from jobplane.workers.group import plan_acks
 
 
 @st.composite

@@ -343,6 +343,7 @@ async def standalone_backend(
 ) -> Backend:
     """A backend of its own for ``jobplane ui`` (no gRPC server in the process):
     the same services and listeners a server has, closed with ``stack``."""
+    from jobplane.store.db import Database
     from jobplane.store.events import EventStore
     from jobplane.store.jobs import JobStore
     from jobplane.store.keys import KEYS_CHANNEL
@@ -355,7 +356,8 @@ async def standalone_backend(
     keys = KeyStore(engine)
     key_events.on_notify(keys.forget)
     key_events.on_reset(keys.clear_cache)
-    jobs = JobService(JobStore(engine), hub, topology, max_payload_bytes=max_payload_bytes)
+    db = await stack.enter_async_context(Database(database_url))
+    jobs = JobService(JobStore(engine, db), hub, topology, max_payload_bytes=max_payload_bytes)
     events = EventService(EventStore(engine), event_hub, max_payload_bytes=max_payload_bytes)
     jobs.open()
     events.open()

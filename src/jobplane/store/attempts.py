@@ -17,11 +17,10 @@ from datetime import datetime
 from typing import Any
 
 from sqlalchemy import text
-from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from jobplane.envelope import Envelope
 from jobplane.ids import new_id
-from jobplane.store.engine import autocommit
+from jobplane.store.db import Conn, Database
 from jobplane.store.machine import (
     HEARTBEAT,
     MACHINE,
@@ -210,15 +209,14 @@ class AttemptStore:
 
     def __init__(
         self,
-        engine: AsyncEngine,
+        db: Database,
         *,
         lease_seconds: float = 30.0,
         machine: StateMachine = MACHINE,
     ) -> None:
-        self._engine = engine
         # Claims, heartbeats, progress and most outcomes are one statement
-        # each: atomic alone, without BEGIN/COMMIT round trips.
-        self._auto = autocommit(engine)
+        # each: atomic alone (autocommit), without BEGIN/COMMIT round trips.
+        self._db = db
         self._machine = machine
         self.lease_seconds = lease_seconds
 
@@ -231,7 +229,7 @@ class AttemptStore:
         token = uuid.uuid4()
         params = self._claim_params(envelope, token)
         machine = self._machine
-        scope = machine.connect(self._engine, self._auto, Transition.CLAIM, Transition.EXHAUST)
+        scope = machine.session(self._db, Transition.CLAIM, Transition.EXHAUST)
         async with scope as conn:
             rows = await machine.apply(
                 conn, Transition.CLAIM, params, _claim_cause(worker), returning=_CLAIMED
@@ -266,7 +264,7 @@ class AttemptStore:
         same requests, rather than held under leases nobody runs.
         """
         machine = self._machine
-        async with self._engine.begin() as conn:
+        async with self._db.begin() as conn:
             rows = await machine.apply_many(
                 conn, Transition.CLAIM, [r.binds for r in requests], returning=_CLAIMED
             )
@@ -279,7 +277,7 @@ class AttemptStore:
         """Why :meth:`claim_many` refused ``request`` (fails the job when no attempt is left)."""
         machine = self._machine
         params = self._claim_params(request.envelope, request.lease_token)
-        async with machine.connect(self._engine, self._auto, Transition.EXHAUST) as conn:
+        async with machine.session(self._db, Transition.EXHAUST) as conn:
             return await self._refused(conn, request.envelope, params)
 
     def _claim_params(self, envelope: Envelope, token: uuid.UUID) -> dict[str, Any]:
@@ -293,7 +291,7 @@ class AttemptStore:
         }
 
     async def _claimed(
-        self, conn: AsyncConnection, envelope: Envelope, token: uuid.UUID, row: Any
+        self, conn: Conn, envelope: Envelope, token: uuid.UUID, row: Any
     ) -> ClaimResult:
         stage = None
         if row["stage"] is not None:
@@ -307,9 +305,9 @@ class AttemptStore:
         return ClaimResult(ClaimStatus.CLAIMED, attempt=attempt)
 
     async def _refused(
-        self, conn: AsyncConnection, envelope: Envelope, params: Mapping[str, Any]
+        self, conn: Conn, envelope: Envelope, params: Mapping[str, Any]
     ) -> ClaimResult:
-        found = (await conn.execute(_INSPECT, params)).mappings().first()
+        found = await conn.fetchrow(_INSPECT, params)
         if found is None:
             return ClaimResult(ClaimStatus.NOT_FOUND)
         state = JobState(found["state"])
@@ -351,16 +349,14 @@ class AttemptStore:
             "max_delay": max_delay,
         }
         machine = self._machine
-        async with machine.connect(
-            self._engine, self._auto, Transition.HAND_BACK, Transition.PARK
-        ) as conn:
+        async with machine.session(self._db, Transition.HAND_BACK, Transition.PARK) as conn:
             rows = await machine.apply(
                 conn, Transition.HAND_BACK, params, returning=("handled", "waiting_reason")
             )
             if rows:
                 status = HandBack.HANDED_BACK if rows[0]["handled"] else HandBack.PARKED
                 return status, str(rows[0]["waiting_reason"])
-            found = (await conn.execute(_INSPECT, params)).first()
+            found = await conn.fetchrow(_INSPECT, params)
         return (HandBack.NOT_FOUND if found is None else HandBack.NOT_QUEUED), ""
 
     async def unpark(self, types: Sequence[str], queues: Sequence[str], *, limit: int = 500) -> int:
@@ -369,24 +365,22 @@ class AttemptStore:
             return 0
         params = {"types": list(types), "queues": list(queues), "limit": limit}
         machine = self._machine
-        async with machine.connect(self._engine, self._auto, Transition.UNPARK) as conn:
+        async with machine.session(self._db, Transition.UNPARK) as conn:
             return len(await machine.apply(conn, Transition.UNPARK, params, returning=_ID))
 
     async def heartbeat(self, attempt: Attempt) -> bool:
         """Extend the lease; returns whether cancellation was requested."""
-        async with self._auto.connect() as conn:
-            row = (
-                await conn.execute(
-                    HEARTBEAT, {**attempt.fence(), "lease_seconds": self.lease_seconds}
-                )
-            ).first()
+        async with self._db.connect() as conn:
+            row = await conn.fetchrow(
+                HEARTBEAT, {**attempt.fence(), "lease_seconds": self.lease_seconds}
+            )
         if row is None:
             raise LeaseLost(f"jobs/{attempt.job_id} attempt {attempt.attempt} lost its lease")
         return bool(row[0])
 
     async def write_progress(self, attempt: Attempt, updates: Sequence[ProgressUpdate]) -> bool:
         """Store progress events in one statement; returns whether cancel was requested."""
-        async with self._machine.connect(self._engine, self._auto, Transition.PROGRESS) as conn:
+        async with self._machine.session(self._db, Transition.PROGRESS) as conn:
             return await self._progress(conn, attempt, updates)
 
     async def write_progress_many(
@@ -398,7 +392,7 @@ class AttemptStore:
         requested, or None when the attempt was fenced out (nothing of it was
         written).
         """
-        async with self._machine.connect(self._engine, self._auto, Transition.PROGRESS) as conn:
+        async with self._machine.session(self._db, Transition.PROGRESS) as conn:
             return await self._progress_many(conn, batches)
 
     async def succeed(
@@ -559,7 +553,7 @@ class AttemptStore:
         # is one statement, its event and any next dispatch included.
         machine = self._machine
         attempt = outcome.attempt
-        scope = machine.connect(self._engine, self._auto, outcome.transition, many=bool(pending))
+        scope = machine.session(self._db, outcome.transition, many=bool(pending))
         async with scope as conn:
             if pending:
                 await self._progress(conn, attempt, pending)
@@ -577,7 +571,7 @@ class AttemptStore:
         for index, outcome in enumerate(outcomes):
             by_transition.setdefault(outcome.transition, []).append(index)
         done = [False] * len(outcomes)
-        async with self._auto.connect() as conn:
+        async with self._db.connect() as conn:
             for transition, indexes in by_transition.items():
                 rows = await self._machine.apply_many(
                     conn, transition, [outcomes[i].binds for i in indexes], returning=_ID
@@ -587,7 +581,7 @@ class AttemptStore:
         return done
 
     async def _progress(
-        self, conn: AsyncConnection, attempt: Attempt, updates: Sequence[ProgressUpdate]
+        self, conn: Conn, attempt: Attempt, updates: Sequence[ProgressUpdate]
     ) -> bool:
         written = await self._progress_many(conn, [(attempt, updates)])
         if written[0] is None:
@@ -595,7 +589,7 @@ class AttemptStore:
         return written[0]
 
     async def _progress_many(
-        self, conn: AsyncConnection, batches: Sequence[tuple[Attempt, Sequence[ProgressUpdate]]]
+        self, conn: Conn, batches: Sequence[tuple[Attempt, Sequence[ProgressUpdate]]]
     ) -> list[bool | None]:
         names = (
             "ids attempts tokens ns last_progress last_message ks ords progresses messages datas"
@@ -656,13 +650,13 @@ def attempt_from_row(
     )
 
 
-async def stage_run(conn: AsyncConnection, job_id: uuid.UUID, row: Any) -> StageRun:
+async def stage_run(conn: Conn, job_id: uuid.UUID, row: Any) -> StageRun:
     """The stage a claimed ``row`` of a pipeline job runs, with the results before it.
 
     ``row`` has the job's ``stage``, ``pipeline`` and ``pipeline_version``.
     """
     index = int(row["stage"])
-    stages = (await conn.execute(_STAGES, {"id": job_id})).mappings().all()
+    stages = await conn.fetch(_STAGES, {"id": job_id})
     inputs = {
         s["name"]: _obj(s["result"]) for s in stages if s["idx"] < index and s["result"] is not None
     }

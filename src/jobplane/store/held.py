@@ -11,10 +11,9 @@ from __future__ import annotations
 import uuid
 
 from sqlalchemy import text
-from sqlalchemy.ext.asyncio import AsyncEngine
 
 from jobplane.store.attempts import Attempt, attempt_from_row, stage_run
-from jobplane.store.engine import autocommit
+from jobplane.store.db import Database
 from jobplane.store.machine import ATTEMPT_FENCE, Transition, where_sources
 
 # The states the attempt's own writes start from (the machine's table): an
@@ -39,14 +38,14 @@ class HeldAttempts:
     :class:`Attempt` that a write depends on, this must fill too.
     """
 
-    def __init__(self, engine: AsyncEngine) -> None:
-        self._auto = autocommit(engine)
+    def __init__(self, db: Database) -> None:
+        self._db = db
 
     async def get(self, job_id: uuid.UUID, attempt: int, lease_token: uuid.UUID) -> Attempt | None:
         """The running attempt with this fence; None when it holds the job no longer."""
         params = {"id": job_id, "attempt": attempt, "lease_token": lease_token}
-        async with self._auto.connect() as conn:
-            row = (await conn.execute(_HELD, params)).mappings().first()
+        async with self._db.connect() as conn:
+            row = await conn.fetchrow(_HELD, params)
             if row is None:
                 return None
             # A pipeline's stage attempt succeeds by advancing to the next stage.

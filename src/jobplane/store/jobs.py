@@ -22,21 +22,26 @@ from jobplane.errors import (
     JobAlreadyTerminal,
     JobNotFound,
     JobNotRetryable,
+    JobplaneError,
     RequestIdReused,
     at_item,
     shown,
 )
 from jobplane.faults import NO_FAULTS, FaultPoints
 from jobplane.ids import new_id
+from jobplane.store.db import Conn, Database
 from jobplane.store.down import sqlstate
 from jobplane.store.engine import autocommit
 from jobplane.store.machine import (
     MACHINE,
     SUBMIT_COLUMNS,
+    AnyConn,
     Cause,
     NewStage,
+    Row,
     StateMachine,
     Transition,
+    fetch_rows,
 )
 from jobplane.store.rows import JOB_COLUMNS, dumps, event_from_row, job_from_row, stage_from_row
 from jobplane.topology import PipelineSpec
@@ -254,11 +259,14 @@ class JobStore:
     def __init__(
         self,
         engine: AsyncEngine,
+        db: Database,
         *,
         faults: FaultPoints = NO_FAULTS,
         machine: StateMachine = MACHINE,
     ) -> None:
         self._engine = engine
+        # Submits and the watch read run on asyncpg (ADR-0030).
+        self._db = db
         # Single statements need no BEGIN/COMMIT round trips of their own.
         self._auto = autocommit(engine)
         self._faults = faults
@@ -272,8 +280,44 @@ class JobStore:
         request_id and the same request returns the stored job; a different
         request with that request_id raises :class:`RequestIdReused`.
         """
-        (submitted,) = await self._submit(tenant_id, [new], many=False)
+        (submitted,) = await self.submit_each(tenant_id, [new])
+        if isinstance(submitted, BaseException):
+            raise submitted
         return submitted
+
+    async def submit_each(
+        self, tenant_id: uuid.UUID, news: Sequence[NewJob]
+    ) -> list[tuple[Job, bool] | JobplaneError]:
+        """:meth:`submit` for several independent requests in one statement.
+
+        Each request has its own result, in order: its job and whether it was
+        created now, or the :class:`RequestIdReused` it alone is refused with
+        (nothing of it written); the others are unaffected. The request_ids
+        must differ from each other. A blob one of them references that was
+        deleted since the caller checked it refuses the statement
+        (:class:`BlobReferenceNotFound`, nothing written): submit each alone
+        to learn whose.
+        """
+        ids = [new_id() for _ in news]
+        async with self._machine.session(self._db, Transition.SUBMIT) as conn:
+            rows = await self._insert(conn, tenant_id, news, ids, field="payload")
+        missing = [i for i, job_id in enumerate(ids) if str(job_id) not in rows]
+        if len(missing) < len(news):
+            # Committed; a failure here loses only the replies (the callers'
+            # retries with the same request_ids get these jobs).
+            self._faults.hit("submit.after_commit")
+        replays: dict[int, Job | JobplaneError] = {}
+        if missing:
+            # Their request_ids exist: ON CONFLICT waited for those inserts to
+            # commit, so they are visible now.
+            async with self._db.connect() as conn:
+                replays = await _replays(conn, tenant_id, news, missing)
+        return [
+            (_submitted(job_from_row(rows[str(ids[i])]), news[i].stages), True)
+            if i not in replays
+            else (replay if isinstance(replay := replays[i], JobplaneError) else (replay, False))
+            for i in range(len(news))
+        ]
 
     async def submit_many(
         self, tenant_id: uuid.UUID, news: Sequence[NewJob]
@@ -286,12 +330,37 @@ class JobStore:
         :class:`RequestIdReused` at its index (:func:`at_item`) and nothing is
         written. The request_ids must differ from each other.
         """
-        return await self._submit(tenant_id, news, many=True)
-
-    async def _submit(
-        self, tenant_id: uuid.UUID, news: Sequence[NewJob], *, many: bool
-    ) -> list[tuple[Job, bool]]:
         ids = [new_id() for _ in news]
+        replayed: dict[int, Job] = {}
+        # A batch is one transaction: a refused replay in it undoes the rest.
+        async with self._machine.session(self._db, Transition.SUBMIT, many=True) as conn:
+            rows = await self._insert(conn, tenant_id, news, ids, field="requests")
+            missing = [i for i, job_id in enumerate(ids) if str(job_id) not in rows]
+            if missing:
+                for i, replay in (await _replays(conn, tenant_id, news, missing)).items():
+                    if isinstance(replay, JobplaneError):
+                        raise at_item(replay, i)
+                    replayed[i] = replay
+        if rows:
+            self._faults.hit("submit.after_commit")
+        return [
+            (replayed[i], False)
+            if i in replayed
+            else (_submitted(job_from_row(rows[str(ids[i])]), news[i].stages), True)
+            for i in range(len(news))
+        ]
+
+    async def _insert(
+        self,
+        conn: Conn,
+        tenant_id: uuid.UUID,
+        news: Sequence[NewJob],
+        ids: Sequence[uuid.UUID],
+        *,
+        field: str,
+    ) -> dict[str, Row]:
+        """Insert ``news`` under ``ids`` (a taken request_id is skipped); the rows
+        written, by job id."""
         # Inserted in request_id order (see the machine's submit statement).
         order = sorted(range(len(news)), key=lambda i: news[i].request_id)
         columns = [_submit_columns(news[i], ids[i]) for i in order]
@@ -304,42 +373,17 @@ class JobStore:
             stages=[(ids[i], news[i].stages) for i in order if news[i].stages],
             blobs=[(ids[i], news[i].blob_references) for i in order if news[i].blob_references],
         )
-        machine = self._machine
-        replayed: dict[int, Job] = {}
         try:
-            # A batch is one transaction: a refused replay in it undoes the rest.
-            async with machine.connect(
-                self._engine, self._auto, Transition.SUBMIT, many=many
-            ) as conn:
-                created = await machine.apply(conn, Transition.SUBMIT, params, cause)
-                rows = {str(row["id"]): row for row in created}
-                missing = [i for i, job_id in enumerate(ids) if str(job_id) not in rows]
-                if missing and many:
-                    replayed = await _replayed(conn, tenant_id, news, missing, many=True)
+            created = await self._machine.apply(conn, Transition.SUBMIT, params, cause)
         except IntegrityError as exc:
             # The references' trigger found a blob gone since the caller's
             # check (deleted meanwhile): nothing was written.
             if sqlstate(exc) == _FOREIGN_KEY_VIOLATION:
                 raise BlobReferenceNotFound(
-                    "the payload references a blob that does not exist",
-                    field="requests" if many else "payload",
+                    "the payload references a blob that does not exist", field=field
                 ) from None
             raise
-        if created:
-            # Committed; a failure here loses only the reply (the caller's
-            # retry with the same request_id gets this job).
-            self._faults.hit("submit.after_commit")
-        if missing and not many:
-            # The job with this request_id exists: ON CONFLICT waited for its
-            # insert to commit, so it is visible now.
-            async with self._auto.connect() as conn:
-                replayed = await _replayed(conn, tenant_id, news, missing, many=False)
-        return [
-            (replayed[i], False)
-            if i in replayed
-            else (_submitted(job_from_row(rows[str(ids[i])]), news[i].stages), True)
-            for i in range(len(news))
-        ]
+        return {str(row["id"]): row for row in created}
 
     async def get(self, tenant_id: uuid.UUID, job_id: uuid.UUID) -> Job:
         """One job of the tenant; :class:`JobNotFound` otherwise."""
@@ -517,21 +561,18 @@ class JobStore:
     ) -> list[StreamRead | None]:
         """:meth:`read_stream` for many (tenant, job, after_seq) at once, in one
         statement; None for a job that does not exist (for that tenant)."""
-        async with self._auto.connect() as conn:
-            rows = (
-                await conn.execute(
-                    _READ_STREAMS,
-                    {
-                        "ids": [job_id for _, job_id, _ in wanted],
-                        "tenants": [tenant for tenant, _, _ in wanted],
-                        "afters": [after for _, _, after in wanted],
-                        "limit": limit,
-                    },
-                )
-            ).mappings()
-            by_k: dict[int, list[Any]] = {}
-            for row in rows:
-                by_k.setdefault(int(row["k"]), []).append(row)
+        rows = await self._db.fetch(
+            _READ_STREAMS,
+            {
+                "ids": [job_id for _, job_id, _ in wanted],
+                "tenants": [tenant for tenant, _, _ in wanted],
+                "afters": [after for _, _, after in wanted],
+                "limit": limit,
+            },
+        )
+        by_k: dict[int, list[Any]] = {}
+        for row in rows:
+            by_k.setdefault(int(row["k"]), []).append(row)
         reads: list[StreamRead | None] = []
         for k, (_, _, after_seq) in enumerate(wanted, start=1):
             found = by_k.get(k)
@@ -565,13 +606,13 @@ class JobStore:
         return job_from_row(row)
 
 
-async def _with_stages(conn: AsyncConnection, row: Any) -> Job:
+async def _with_stages(conn: AnyConn, row: Any) -> Job:
     """The job of ``row``, with its stages when it is a pipeline job."""
     job = job_from_row(row)
     if row["pipeline"] is None:
         return job
-    found = await conn.execute(_SELECT_STAGES, {"id": row["id"], "tenant_id": row["tenant_id"]})
-    return replace(job, stages=tuple(stage_from_row(r) for r in found.mappings()))
+    found = await fetch_rows(conn, _SELECT_STAGES, {"id": row["id"], "tenant_id": row["tenant_id"]})
+    return replace(job, stages=tuple(stage_from_row(r) for r in found))
 
 
 def _submitted(job: Job, stages: Sequence[NewStage]) -> Job:
@@ -629,16 +670,11 @@ def _submit_columns(new: NewJob, job_id: uuid.UUID) -> dict[str, Any]:
     return row
 
 
-async def _replayed(
-    conn: AsyncConnection,
-    tenant_id: uuid.UUID,
-    news: Sequence[NewJob],
-    indexes: Sequence[int],
-    *,
-    many: bool,
-) -> dict[int, Job]:
-    """The stored jobs of the requests at ``indexes``, whose request_ids were taken;
-    :class:`RequestIdReused` for the first that is a different request."""
+async def _replays(
+    conn: Conn, tenant_id: uuid.UUID, news: Sequence[NewJob], indexes: Sequence[int]
+) -> dict[int, Job | JobplaneError]:
+    """For the requests at ``indexes``, whose request_ids were taken: the stored
+    job, or :class:`RequestIdReused` when it was stored for a different request."""
     rows = [(i, _submit_columns(news[i], uuid.UUID(int=0))) for i in indexes]
     params = {
         "tenant_id": tenant_id,
@@ -647,19 +683,17 @@ async def _replayed(
         # The job's type is the pipeline's for a pipeline job.
         "r_type": [news[i].type for i in indexes],
     }
-    found = {
-        int(row["k"]): row for row in (await conn.execute(_SELECT_BY_REQUESTS, params)).mappings()
-    }
-    jobs: dict[int, Job] = {}
+    found = {int(row["k"]): row for row in await conn.fetch(_SELECT_BY_REQUESTS, params)}
+    replays: dict[int, Job | JobplaneError] = {}
     for i, row in rows:
         existing = found.get(i)
         if existing is None:
             raise RuntimeError(f"request_id {news[i].request_id!r} conflicted but has no job")
         if bytes(existing["request_hash"]) != row["request_hash"] and not existing["same_request"]:
-            error = RequestIdReused(
+            replays[i] = RequestIdReused(
                 f"request_id {news[i].request_id!r} was used for a different request",
                 field="request_id",
             )
-            raise at_item(error, i) if many else error
-        jobs[i] = await _with_stages(conn, existing)
-    return jobs
+        else:
+            replays[i] = await _with_stages(conn, existing)
+    return replays

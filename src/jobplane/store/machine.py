@@ -40,10 +40,11 @@ from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from sqlalchemy import RowMapping, TextClause, text
+from sqlalchemy import TextClause, text
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from jobplane.observe import tracing
+from jobplane.store.db import Conn, Database
 from jobplane.store.rows import (
     CANCEL_CHANNEL,
     DOMAIN_EVENTS_CHANNEL,
@@ -56,6 +57,11 @@ from jobplane.types import EventType, JobState
 
 if TYPE_CHECKING:
     from jobplane.events.envelope import Event
+
+#: A connection a transition runs on: the hot paths' asyncpg one, or SQLAlchemy's.
+AnyConn = Conn | AsyncConnection
+#: A changed row as either connection returns it; read by column name.
+Row = Any
 
 
 class Phase(enum.Enum):
@@ -518,7 +524,7 @@ class Change:
     """A transition that applied to one job: what :meth:`Hook.after` receives."""
 
     transition: Transition
-    row: RowMapping  # the job after it: every column of ``jobs``
+    row: Row  # the job after it: every column of ``jobs``
     from_state: JobState | None  # None for a new job
     cause: Cause
 
@@ -568,11 +574,15 @@ class Hook:
         """Whether :meth:`after` runs for ``transition``."""
         return False
 
-    async def after(self, conn: AsyncConnection, change: Change) -> None:
-        """Python after the statement, for each changed row, before the commit."""
+    async def after(self, conn: AnyConn, change: Change) -> None:
+        """Python after the statement, for each changed row, before the commit.
+
+        ``conn`` is the transition's own: a :class:`~jobplane.store.db.Conn`
+        on the hot paths, SQLAlchemy's ``AsyncConnection`` elsewhere.
+        """
 
 
-AfterFn = Callable[[AsyncConnection, Change], Awaitable[None]]
+AfterFn = Callable[["AnyConn", Change], Awaitable[None]]
 
 
 class _After(Hook):
@@ -583,7 +593,7 @@ class _After(Hook):
     def follows(self, transition: Transition) -> bool:
         return transition in self._transitions
 
-    async def after(self, conn: AsyncConnection, change: Change) -> None:
+    async def after(self, conn: AnyConn, change: Change) -> None:
         await self._fn(conn, change)
 
 
@@ -1178,19 +1188,27 @@ class StateMachine:
             return engine.begin()
         return auto.connect()
 
+    def session(
+        self, db: Database, *transitions: Transition, many: bool = False
+    ) -> AbstractAsyncContextManager[Conn]:
+        """:meth:`connect` on the hot paths' :class:`~jobplane.store.db.Database`."""
+        if many or self.in_transaction(*transitions):
+            return db.begin()
+        return db.connect()
+
     def statement(self, transition: Transition, returning: Returning = ALL) -> TextClause:
         """The statement of ``transition`` (or of its group, for the hand-back)."""
         return self._compile(transition, returning).statement
 
     async def apply(
         self,
-        conn: AsyncConnection,
+        conn: AnyConn,
         transition: Transition,
         params: Mapping[str, Any],
         cause: Cause = Cause(),
         *,
         returning: Returning = ALL,
-    ) -> Sequence[RowMapping]:
+    ) -> Sequence[Row]:
         """Run ``transition``; the changed rows (none when it was refused).
 
         Hooks' writes ran in the statement; their :meth:`Hook.after` run now,
@@ -1202,7 +1220,7 @@ class StateMachine:
         for t in _group(transition):
             for hook in compiled.hooks:
                 binds.update(hook.binds(t, cause))
-        rows = (await conn.execute(compiled.statement, binds)).mappings().all()
+        rows = await fetch_rows(conn, compiled.statement, binds)
         if tracing.ENABLED and rows:
             tracing.applied(transition)
         if compiled.after:
@@ -1238,12 +1256,12 @@ class StateMachine:
 
     async def apply_many(
         self,
-        conn: AsyncConnection,
+        conn: AnyConn,
         transition: Transition,
         rows: Sequence[Mapping[str, Any]],
         *,
         returning: Returning = ALL,
-    ) -> list[RowMapping | None]:
+    ) -> list[Row | None]:
         """Apply ``transition`` to many jobs in one statement; for each of ``rows``
         (binds from :meth:`prepare`), in order, its changed row or None (refused).
 
@@ -1268,8 +1286,8 @@ class StateMachine:
                 ks.extend([k] * len(items))
                 ords.extend(range(1, len(items) + 1))
             binds[name], binds[f"{name}_k"], binds[f"{name}_ord"] = values, ks, ords
-        changed: list[RowMapping | None] = [None] * len(rows)
-        for found in (await conn.execute(statement, binds)).mappings().all():
+        changed: list[Row | None] = [None] * len(rows)
+        for found in await fetch_rows(conn, statement, binds):
             changed[int(found["k"]) - 1] = found
         return changed
 
@@ -1346,6 +1364,15 @@ class StateMachine:
         compiled = _Compiled(text(sql), hooks, after)
         self._compiled[key] = compiled
         return compiled
+
+
+async def fetch_rows(
+    conn: AnyConn, statement: TextClause, binds: Mapping[str, Any]
+) -> Sequence[Row]:
+    """``statement``'s rows on either kind of connection, read by column name."""
+    if isinstance(conn, Conn):
+        return await conn.fetch(statement, binds)
+    return (await conn.execute(statement, binds)).mappings().all()
 
 
 def _group(transition: Transition) -> tuple[Transition, ...]:

@@ -1,0 +1,293 @@
+"""The hot statements' way to Postgres: an asyncpg pool, no ORM layer in between.
+
+Every job passes through a handful of statements — submit, claim, progress,
+outcome, the relay's claim and mark, the watch read — and each of them through
+SQLAlchemy's execution layer cost 200-300 µs of the caller's CPU (building an
+execution context, result metadata for a textual statement on every call, a
+greenlet switch into the driver and back), several times what asyncpg itself
+spends on the statement (docs/performance.md). Those statements run here,
+straight on asyncpg (ADR-0030):
+
+- The SQL is the same text: ``:name`` binds (as in SQLAlchemy's ``text()``,
+  whose rules they follow) are rewritten to ``$n`` once per statement and
+  the binds are passed by position from then on.
+- asyncpg prepares each statement once per connection and keeps it (the
+  cache is sized for every statement the machine compiles, however long).
+- json and jsonb come and go as SQLAlchemy's asyncpg dialect passes them: a
+  value bound to one is JSON text already (``rows.dumps``); a column read is
+  decoded. The same statement gives the same values on either path.
+- A failure is raised as SQLAlchemy's ``DBAPIError`` family (``IntegrityError``
+  for class 23), carrying asyncpg's error as ``orig`` and never the binds:
+  the callers' one vocabulary of database errors, and ``store.down``'s
+  classification, work unchanged whichever path ran the statement.
+- A connection goes back to the pool without asyncpg's reset statement (no
+  statement here leaves session state behind; an open transaction is still
+  rolled back), which would cost a round trip per use.
+
+Each part that runs hot statements (the server, a worker, a relay) owns its
+:class:`Database`: opened when it starts, closed when it stops, like its
+LISTEN connections.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+from collections.abc import AsyncIterator, Mapping
+from contextlib import asynccontextmanager, suppress
+from dataclasses import dataclass
+from typing import Any, TypeAlias
+
+import asyncpg
+from asyncpg.pool import PoolConnectionProxy
+from sqlalchemy.exc import DBAPIError, IntegrityError
+from sqlalchemy.sql.elements import TextClause
+
+from jobplane.store.engine import asyncpg_dsn
+
+# The bind syntax of SQLAlchemy's text(): ":name", not "::type" and not "\:".
+_BIND = re.compile(r"(?<![:\w\\]):(\w+)(?!:)")
+_ESCAPED_COLON = re.compile(r"\\:")
+
+#: Prepared statements kept per connection: every statement of the hot paths
+#: and the machine's compiled transitions, with room to spare.
+STATEMENT_CACHE_SIZE = 512
+#: The longest statement text kept prepared (a grouped transition's is ~20 KiB).
+MAX_CACHEABLE_STATEMENT = 1024 * 1024
+
+
+@dataclass(frozen=True, slots=True)
+class Sql:
+    """A statement with ``$n`` placeholders and the bind name each stands for."""
+
+    text: str
+    names: tuple[str, ...]
+
+    def args(self, binds: Mapping[str, Any]) -> list[Any]:
+        """The positional arguments for ``binds`` (a missing one is a KeyError)."""
+        return [binds[name] for name in self.names]
+
+
+_COMPILED: dict[str, Sql] = {}
+#: A connection of the pool, as asyncpg hands it out.
+Raw: TypeAlias = "PoolConnectionProxy[asyncpg.Record]"
+
+
+def positional(statement: TextClause | str) -> Sql:
+    """``statement`` with its ``:name`` binds as ``$1``, ``$2`` …; computed once per text.
+
+    A name bound twice is one placeholder, as in SQLAlchemy's ``text()``.
+    """
+    source = statement.text if isinstance(statement, TextClause) else statement
+    found = _COMPILED.get(source)
+    if found is not None:
+        return found
+    order: dict[str, int] = {}
+
+    def number(match: re.Match[str]) -> str:
+        index = order.setdefault(match[1], len(order) + 1)
+        return f"${index}"
+
+    sql = _ESCAPED_COLON.sub(":", _BIND.sub(number, source))
+    compiled = Sql(sql, tuple(order))
+    _COMPILED[source] = compiled
+    return compiled
+
+
+def _wrapped(exc: BaseException, sql: str, conn: Raw | None) -> DBAPIError:
+    """``exc`` as the DBAPIError SQLAlchemy would have raised for it (binds hidden).
+
+    A connection it left unusable is closed here, so the pool replaces it
+    instead of handing it to the next caller.
+    """
+    state = getattr(exc, "sqlstate", None)
+    kind = IntegrityError if isinstance(state, str) and state.startswith("23") else DBAPIError
+    lost = isinstance(exc, _LOST) or (conn is not None and conn.is_closed())
+    if lost and conn is not None and not conn.is_closed():
+        conn.terminate()
+    return kind(sql, None, exc, hide_parameters=True, connection_invalidated=lost)
+
+
+# The connection is gone (the statement may be fine). asyncpg's internal
+# error is a protocol caught in a state it should not be in: after a session
+# the server ended mid-statement, say.
+_LOST: tuple[type[BaseException], ...] = (
+    OSError,
+    asyncpg.PostgresConnectionError,
+    asyncpg.ConnectionDoesNotExistError,
+    asyncpg.InternalClientError,
+)
+# What a statement on asyncpg can raise besides a cancellation: Postgres's
+# refusals, the driver's own, and the socket's (TimeoutError is an OSError).
+_FAILURES: tuple[type[BaseException], ...] = (
+    asyncpg.PostgresError,
+    asyncpg.InterfaceError,
+    asyncpg.InternalClientError,
+    OSError,
+)
+
+
+class Conn:
+    """One pooled connection: statements with ``:name`` binds, rows as asyncpg Records.
+
+    A Record reads like SQLAlchemy's RowMapping: ``row["column"]``.
+    """
+
+    __slots__ = ("raw",)
+
+    def __init__(self, raw: Raw) -> None:
+        self.raw = raw
+
+    async def fetch(
+        self, statement: TextClause | str, binds: Mapping[str, Any] | None = None
+    ) -> list[asyncpg.Record]:
+        """Every row ``statement`` returns."""
+        sql = positional(statement)
+        try:
+            rows: list[asyncpg.Record] = await self.raw.fetch(sql.text, *sql.args(binds or {}))
+        except _FAILURES as exc:
+            raise _wrapped(exc, sql.text, self.raw) from exc
+        return rows
+
+    async def fetchrow(
+        self, statement: TextClause | str, binds: Mapping[str, Any] | None = None
+    ) -> asyncpg.Record | None:
+        """The first row, or None."""
+        rows = await self.fetch(statement, binds)
+        return rows[0] if rows else None
+
+    async def fetchval(
+        self, statement: TextClause | str, binds: Mapping[str, Any] | None = None
+    ) -> Any:
+        """The first column of the first row, or None."""
+        row = await self.fetchrow(statement, binds)
+        return None if row is None else row[0]
+
+    async def execute(
+        self, statement: TextClause | str, binds: Mapping[str, Any] | None = None
+    ) -> None:
+        """Run ``statement`` for its effect."""
+        sql = positional(statement)
+        try:
+            await self.raw.execute(sql.text, *sql.args(binds or {}))
+        except _FAILURES as exc:
+            raise _wrapped(exc, sql.text, self.raw) from exc
+
+
+def _json_text(value: Any) -> str:
+    if not isinstance(value, str):
+        raise TypeError(f"a json bind takes JSON text (rows.dumps), not {type(value).__name__}")
+    return value
+
+
+async def _init(conn: asyncpg.Connection) -> None:
+    # As SQLAlchemy's asyncpg dialect: JSON text in, decoded values out.
+    for name in ("json", "jsonb"):
+        await conn.set_type_codec(
+            name, schema="pg_catalog", encoder=_json_text, decoder=json.loads, format="text"
+        )
+
+
+async def _keep_session(conn: asyncpg.Connection) -> None:
+    """Nothing: statements here leave no session state (see the module's docstring)."""
+
+
+class Database:
+    """A pool of asyncpg connections for one part of a process (server, worker, relay).
+
+    The pool is made at :meth:`open` (or at first use) and connects on
+    demand, so a database that is down now is an error of the statements
+    that need it, not of the start. Its owner closes it; a later use opens
+    it again.
+    """
+
+    def __init__(self, url: str, *, size: int = 10, acquire_timeout: float = 30.0) -> None:
+        self._dsn = asyncpg_dsn(url)
+        self._size = size
+        self._acquire_timeout = acquire_timeout
+        self._pool: asyncpg.Pool | None = None
+        self._opening = asyncio.Lock()
+
+    async def __aenter__(self) -> Database:
+        await self.open()
+        return self
+
+    async def __aexit__(self, *_: object) -> None:
+        await self.close()
+
+    @property
+    def size(self) -> int:
+        """The most connections the pool holds."""
+        return self._size
+
+    async def open(self) -> None:
+        """Make the pool (it connects on first use)."""
+        await self._opened()
+
+    async def close(self) -> None:
+        """Close every connection (a statement still running is waited for, briefly)."""
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            try:
+                await asyncio.wait_for(pool.close(), timeout=10)
+            except Exception:
+                pool.terminate()
+
+    async def _opened(self) -> asyncpg.Pool:
+        pool = self._pool
+        if pool is not None:
+            return pool
+        async with self._opening:
+            if self._pool is None:
+                self._pool = await asyncpg.create_pool(
+                    self._dsn,
+                    min_size=0,
+                    max_size=self._size,
+                    init=_init,
+                    reset=_keep_session,
+                    statement_cache_size=STATEMENT_CACHE_SIZE,
+                    max_cacheable_statement_size=MAX_CACHEABLE_STATEMENT,
+                )
+            return self._pool
+
+    @asynccontextmanager
+    async def connect(self) -> AsyncIterator[Conn]:
+        """A connection in autocommit: each statement its own transaction."""
+        pool = await self._opened()
+        try:
+            raw = await pool.acquire(timeout=self._acquire_timeout)
+        except _FAILURES as exc:
+            raise _wrapped(exc, "(connect)", None) from exc
+        try:
+            yield Conn(raw)
+        finally:
+            await pool.release(raw)
+
+    @asynccontextmanager
+    async def begin(self) -> AsyncIterator[Conn]:
+        """A connection in a transaction, committed when the block ends normally."""
+        async with self.connect() as conn:
+            transaction = conn.raw.transaction()
+            try:
+                await transaction.start()
+            except _FAILURES as exc:
+                raise _wrapped(exc, "BEGIN", conn.raw) from exc
+            try:
+                yield conn
+            except BaseException:
+                if not conn.raw.is_closed():
+                    with suppress(*_FAILURES):
+                        await transaction.rollback()
+                raise
+            try:
+                await transaction.commit()
+            except _FAILURES as exc:
+                raise _wrapped(exc, "COMMIT", conn.raw) from exc
+
+    async def fetch(
+        self, statement: TextClause | str, binds: Mapping[str, Any] | None = None
+    ) -> list[asyncpg.Record]:
+        """One statement in a transaction of its own; its rows."""
+        async with self.connect() as conn:
+            return await conn.fetch(statement, binds)
