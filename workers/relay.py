@@ -94,6 +94,7 @@ from jobplane.logs import describe_error, fingerprint
 from jobplane.names import job_name
 from jobplane.observe import tracing
 from jobplane.observe.metrics import NO_METRICS, Metrics
+from jobplane.store.db import Database
 from jobplane.store.deployment import Deployment, this_deployment
 from jobplane.store.down import database_transient
 from jobplane.store.events import EventFeed, FeedEvent
@@ -226,10 +227,15 @@ class Relay:
         unroutable_after: float = 300.0,
         unroutable_returns: int = 5,
         metrics: Metrics = NO_METRICS,
+        db: Database | None = None,
     ) -> None:
         self._metrics = metrics
         self._engine = engine
-        self._store = OutboxStore(engine)
+        # The outbox's and the feed's statements run on asyncpg (ADR-0030):
+        # the caller's pool, or one of the relay's own, opened and closed with it.
+        self._owns_db = db is None
+        self._db = db or Database(database_url, size=4)
+        self._store = OutboxStore(self._db)
         self._amqp_url = amqp_url
         self._topology = topology
         self._batch_size = batch_size
@@ -237,7 +243,7 @@ class Relay:
         self._publish_timeout = publish_timeout
         self._faults = faults
         self._wakeups = Listener(database_url, OUTBOX_CHANNEL)
-        self._feed = EventFeed(engine)
+        self._feed = EventFeed(self._db)
         self._event_batch_size = event_batch_size
         self._event_wakeups = Listener(database_url, DOMAIN_EVENTS_CHANNEL)
         self._task: asyncio.Task[None] | None = None
@@ -273,6 +279,7 @@ class Relay:
         account cannot work with the broker as it is; a broker or database
         that is down is waited for in the background instead.
         """
+        await self._db.open()
         await self._wakeups.start()
         try:
             await self._event_wakeups.start()
@@ -285,6 +292,7 @@ class Relay:
             else:
                 await self._event_wakeups.stop()
                 await self._wakeups.stop()
+                await self._close_db()
                 raise
         self._task = asyncio.create_task(self._run(), name="jobplane-relay")
         self._feed_task = asyncio.create_task(self._run_feed(), name="jobplane-relay-events")
@@ -307,6 +315,11 @@ class Relay:
                     self._link = None
                 await self._event_wakeups.stop()
                 await self._wakeups.stop()
+                await self._close_db()
+
+    async def _close_db(self) -> None:
+        if self._owns_db:
+            await self._db.close()
 
     async def _open(self) -> _Link:
         """Connect, check the topology and open a confirming channel."""

@@ -655,6 +655,7 @@ async def _dev(args: argparse.Namespace) -> int:
             topology,
             sweeper=Sweeper(engine, metrics=metrics),
             metrics=metrics,
+            db=db,
         )
         worker = (
             _dev_worker(settings, topology, engine, db, registry, args, blobs, metrics)

@@ -207,7 +207,7 @@ async def test_only_returns_in_a_row_count_towards_unroutable(
     engine: AsyncEngine, database_url: str, amqp_url: str, topology: Topology
 ) -> None:
     stack = await start_stack(engine, database_url, amqp_url, topology, relay=False, worker=False)
-    store = OutboxStore(engine)
+    store = OutboxStore(stack.db)
     try:
         await _insert_job(stack, "demo.echo")
         for _ in range(2):
@@ -251,7 +251,7 @@ async def test_giving_up_on_a_row_of_a_parked_job_settles_the_row(
     engine: AsyncEngine, database_url: str, amqp_url: str, topology: Topology
 ) -> None:
     stack = await start_stack(engine, database_url, amqp_url, topology, relay=False, worker=False)
-    store = OutboxStore(engine)
+    store = OutboxStore(stack.db)
     try:
         job_id = await _insert_job(stack, "demo.echo")
         # The job was parked (no dispatch) while this row was still due.

@@ -44,6 +44,7 @@ from jobplane.events.envelope import (
     encode,
     validate_pattern,
 )
+from jobplane.store.db import Conn, Database
 from jobplane.store.engine import autocommit
 from jobplane.store.machine import Emitted
 from jobplane.store.rows import DOMAIN_EVENTS_CHANNEL, dumps
@@ -448,7 +449,7 @@ class FeedBatch:
     when). :meth:`advance` moves the position; it commits with the block.
     """
 
-    def __init__(self, conn: AsyncConnection, events: list[FeedEvent], *, held: bool) -> None:
+    def __init__(self, conn: Conn, events: list[FeedEvent], *, held: bool) -> None:
         self._conn = conn
         self.events = events
         self.held = held
@@ -480,8 +481,8 @@ class FeedBatch:
 class EventFeed:
     """The relays' cursor over ``events``: each event published at least once, in commit order."""
 
-    def __init__(self, engine: AsyncEngine) -> None:
-        self._engine = engine
+    def __init__(self, db: Database) -> None:
+        self._db = db
 
     @asynccontextmanager
     async def claim(self, limit: int) -> AsyncIterator[FeedBatch | None]:
@@ -490,19 +491,14 @@ class EventFeed:
         None when another relay holds it. Moves made in the block commit
         with it; if the block raises, the position stays where it was.
         """
-        async with self._engine.begin() as conn:
-            if not (await conn.execute(_FEED_LOCK, {"key": FEED_LOCK_KEY})).scalar_one():
+        async with self._db.begin() as conn:
+            if not await conn.fetchval(_FEED_LOCK, {"key": FEED_LOCK_KEY}):
                 yield None
                 return
-            at = (await conn.execute(_FEED_POSITION)).one()
-            rows = (
-                (
-                    await conn.execute(
-                        _FEED_READ, {"txid": at.txid, "seq": int(at.seq), "limit": limit}
-                    )
-                )
-                .mappings()
-                .all()
+            at = await conn.fetchrow(_FEED_POSITION)
+            assert at is not None  # the table has its one row (migration 0010)
+            rows = await conn.fetch(
+                _FEED_READ, {"txid": at["txid"], "seq": int(at["seq"]), "limit": limit}
             )
             events: list[FeedEvent] = []
             held = False

@@ -28,9 +28,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sqlalchemy import TextClause, text
-from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from jobplane.envelope import Envelope
+from jobplane.store.db import Conn, Database
 from jobplane.store.machine import MACHINE, Cause, Transition, where_sources
 
 # An event row of a job (order_key: the job) waits while a row in front of
@@ -191,7 +191,7 @@ class OutboxRow:
 class OutboxBatch:
     """Rows claimed in an open transaction; marks are written before it commits."""
 
-    def __init__(self, conn: AsyncConnection, rows: list[OutboxRow]) -> None:
+    def __init__(self, conn: Conn, rows: list[OutboxRow]) -> None:
         self._conn = conn
         self.rows = rows
 
@@ -226,7 +226,7 @@ class OutboxBatch:
         """
         if not ids:
             return []
-        result = await self._conn.execute(
+        result = await self._conn.fetch(
             _MARK_RETURNED,
             {
                 "ids": [str(i) for i in ids],
@@ -235,7 +235,7 @@ class OutboxBatch:
                 "after": give_up_after,
             },
         )
-        return [uuid.UUID(str(r.id)) for r in result if r.give_up]
+        return [uuid.UUID(str(r["id"])) for r in result if r["give_up"]]
 
     async def fail(self, row: OutboxRow, code: str, message: str) -> GiveUp:
         """Give up on ``row``: no longer due, and a dispatch's job FAILED with ``code``.
@@ -253,11 +253,11 @@ class OutboxBatch:
             await self._conn.execute(_MARK_FAILED, {"id": row.id, "error": message})
             return GiveUp.NO_JOB
         ids = {"job_id": row.job_id, "dispatch_id": row.id}
-        job = (await self._conn.execute(_LOCK_JOB, ids)).first()
+        job = await self._conn.fetchrow(_LOCK_JOB, ids)
         if job is None:
             return GiveUp.BUSY
         await self._conn.execute(_MARK_FAILED, {"id": row.id, "error": message})
-        if not job.current:
+        if not job["current"]:
             return GiveUp.MOVED_ON
         await MACHINE.apply(
             self._conn,
@@ -272,8 +272,8 @@ class OutboxBatch:
 class OutboxStore:
     """Claims due outbox rows for publishing."""
 
-    def __init__(self, engine: AsyncEngine) -> None:
-        self._engine = engine
+    def __init__(self, db: Database) -> None:
+        self._db = db
 
     @asynccontextmanager
     async def claim(
@@ -289,7 +289,7 @@ class OutboxStore:
             statements, params = _CLAIM_DUE_EXCEPT, {"skip": [str(i) for i in skip]}
         else:
             statements, params = _CLAIM_DUE, {}
-        async with self._engine.begin() as conn:
+        async with self._db.begin() as conn:
             dispatches = await self._batch(conn, statements[0], {"limit": limit, **params})
             others = await self._batch(conn, statements[1], {"limit": limit, **params})
             yield OutboxBatch(conn, dispatches.rows + others.rows)
@@ -301,25 +301,23 @@ class OutboxStore:
         The batch is empty when the row is locked elsewhere, published or
         failed meanwhile.
         """
-        async with self._engine.begin() as conn:
+        async with self._db.begin() as conn:
             yield await self._batch(conn, _CLAIM_ONE, {"limit": 1, "id": row_id})
 
     @staticmethod
-    async def _batch(
-        conn: AsyncConnection, statement: TextClause, params: dict[str, Any]
-    ) -> OutboxBatch:
-        result = await conn.execute(statement, params)
+    async def _batch(conn: Conn, statement: TextClause, params: dict[str, Any]) -> OutboxBatch:
+        result = await conn.fetch(statement, params)
         rows = [
             OutboxRow(
-                id=uuid.UUID(str(r.id)),
-                kind=OutboxKind(r.kind),
-                tenant_id=uuid.UUID(str(r.tenant_id)),
-                routing_key=r.routing_key,
-                correlation_id=r.correlation_id,
-                exchange=r.exchange,
-                body=None if r.body is None else bytes(r.body),
-                headers=_headers(r.headers),
-                job_id=None if r.job_id is None else uuid.UUID(str(r.job_id)),
+                id=r["id"],
+                kind=OutboxKind(r["kind"]),
+                tenant_id=r["tenant_id"],
+                routing_key=r["routing_key"],
+                correlation_id=r["correlation_id"],
+                exchange=r["exchange"],
+                body=None if r["body"] is None else bytes(r["body"]),
+                headers=_headers(r["headers"]),
+                job_id=r["job_id"],
             )
             for r in result
         ]
@@ -327,8 +325,8 @@ class OutboxStore:
 
     async def seconds_until_due(self) -> float | None:
         """Seconds until the earliest unpublished row is due (<= 0: now), or None."""
-        async with self._engine.connect() as conn:
-            value = (await conn.execute(_NEXT_DUE)).scalar_one_or_none()
+        async with self._db.connect() as conn:
+            value = await conn.fetchval(_NEXT_DUE)
         return None if value is None else float(value)
 
 
