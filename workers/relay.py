@@ -98,7 +98,7 @@ from jobplane.store.db import Database
 from jobplane.store.deployment import Deployment, this_deployment
 from jobplane.store.down import database_transient
 from jobplane.store.events import EventFeed, FeedEvent
-from jobplane.store.listen import Listener
+from jobplane.store.listen import Listener, Subscription
 from jobplane.store.outbox import GiveUp, OutboxBatch, OutboxKind, OutboxRow, OutboxStore
 from jobplane.store.rows import DOMAIN_EVENTS_CHANNEL, OUTBOX_CHANNEL
 from jobplane.tasks import cancel_and_wait
@@ -228,17 +228,21 @@ class Relay:
         unroutable_returns: int = 5,
         metrics: Metrics = NO_METRICS,
         db: Database | None = None,
+        in_flight: int = 4,
     ) -> None:
         self._metrics = metrics
         self._engine = engine
         # The outbox's and the feed's statements run on asyncpg (ADR-0030):
         # the caller's pool, or one of the relay's own, opened and closed with it.
         self._owns_db = db is None
-        self._db = db or Database(database_url, size=4)
+        # A connection for each batch in flight, the feed's, and one to spare.
+        self._db = db or Database(database_url, size=max(1, in_flight) + 2)
         self._store = OutboxStore(self._db)
         self._amqp_url = amqp_url
         self._topology = topology
         self._batch_size = batch_size
+        # Batches claimed and not yet recorded, at most (see _pipeline).
+        self._in_flight = max(1, in_flight)
         self._poll_seconds = poll_seconds
         self._publish_timeout = publish_timeout
         self._faults = faults
@@ -357,11 +361,8 @@ class Relay:
                 try:
                     if self._link is None:
                         self._link = await self._open()
-                    while not self._link.closed:
-                        moved = await self.relay_once(self._link.exchange, self._link.events)
-                        delay = 0.5
-                        if moved < self._batch_size:
-                            await wakeup.wait(await self._idle_seconds())
+                    await self._pipeline(self._link, wakeup)
+                    delay = 0.5
                     log.warning("broker.unavailable", error="the channel closed", retry_in=delay)
                 except asyncio.CancelledError:
                     raise
@@ -617,16 +618,67 @@ class Relay:
             return self._poll_seconds * 5
         return max(0.01, min(due, self._poll_seconds))
 
+    async def _pipeline(self, link: _Link, wakeup: Subscription) -> None:
+        """Relay batches while the link is open, up to ``in_flight`` of them at once.
+
+        A batch that came back full says more rows are due: the next one is
+        claimed while it is still being published and confirmed (its rows
+        are locked, so the next claim skips them) instead of after its marks
+        commit. A batch that is not full ends the burst: the batches in
+        flight end, then the relay waits for new rows. A batch that failed
+        ends the pipeline with its error.
+        """
+        running: set[asyncio.Task[int]] = set()
+
+        def reap() -> None:
+            for task in [t for t in running if t.done()]:
+                running.discard(task)
+                task.result()
+
+        try:
+            while not link.closed:
+                reap()
+                if len(running) >= self._in_flight:
+                    await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
+                    continue
+                claimed: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+                task = asyncio.create_task(self._relay_batch(link.exchange, link.events, claimed))
+                running.add(task)
+                # Until its rows are claimed (or it ended: no rows, or an error).
+                await asyncio.wait({task, claimed}, return_when=asyncio.FIRST_COMPLETED)
+                if claimed.done() and claimed.result() >= self._batch_size:
+                    continue
+                if running:
+                    await asyncio.wait(running)
+                    reap()
+                await wakeup.wait(await self._idle_seconds())
+        finally:
+            for task in running:
+                task.cancel()
+            if running:
+                await asyncio.wait(running)
+
     async def relay_once(self, exchange: AbstractExchange, events: AbstractExchange) -> int:
         """Publish one batch of due rows; returns how many rows it took.
 
         Job dispatches go to ``exchange``, events to ``events`` (or to the
         exchange their row names).
         """
+        return await self._relay_batch(exchange, events, None)
+
+    async def _relay_batch(
+        self,
+        exchange: AbstractExchange,
+        events: AbstractExchange,
+        claimed: asyncio.Future[int] | None,
+    ) -> int:
+        """:meth:`relay_once`; ``claimed`` learns how many rows it took as soon as it knows."""
         outcomes: list[_Outcome] | None = None
         began = time.monotonic()
         try:
             async with self._store.claim(self._batch_size, skip=self._holding()) as batch:
+                if claimed is not None and not claimed.done():
+                    claimed.set_result(len(batch.rows))
                 if not batch.rows:
                     return 0
                 started = time.monotonic()

@@ -21,7 +21,7 @@ from sqlalchemy import text
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from jobplane.store.engine import create_engine
+from jobplane.store.db import Database
 from jobplane.store.sweeps import LeaseRepair, SweepStore
 from jobplane.topology import Topology
 from jobplane.workers.relay import Relay
@@ -35,14 +35,14 @@ async def test_a_database_outage_keeps_the_broker_link(
     engine: AsyncEngine, database_url: str, amqp_url: str, topology: Topology
 ) -> None:
     stack = await start_stack(engine, database_url, amqp_url, topology, relay=False)
-    small = create_engine(database_url, pool_size=1, pool_timeout=0.2)
-    relay = Relay(small, database_url, amqp_url, topology, poll_seconds=0.1)
+    small = Database(database_url, size=1, acquire_timeout=0.2)
+    relay = Relay(engine, database_url, amqp_url, topology, poll_seconds=0.1, db=small)
     try:
         await relay.start()
         assert relay.connects == 1
         # The relay's only pooled connection is taken: its statements time out.
         async with small.connect() as taken:
-            await taken.execute(text("SELECT 1"))
+            await taken.execute("SELECT 1")
             await eventually(lambda: _at_least(lambda: relay.database_errors, 2))
         client = stack.client()
         job = await client.submit("demo.echo", {})
@@ -51,7 +51,7 @@ async def test_a_database_outage_keeps_the_broker_link(
         assert relay.connects == 1 and relay.connected
     finally:
         await relay.stop()
-        await small.dispose()
+        await small.close()
         await stack.close()
 
 
