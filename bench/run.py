@@ -161,8 +161,13 @@ class Bench:
     async def __aexit__(self, *exc: object) -> None:
         for proc in self.procs.values():
             if proc.returncode is None:
-                proc.kill()
-                await proc.wait()
+                # SIGTERM first: a process under --profile writes its stats as it stops.
+                proc.terminate()
+                try:
+                    await asyncio.wait_for(proc.wait(), 15)
+                except TimeoutError:
+                    proc.kill()
+                    await proc.wait()
         if self.s3 is not None:
             self.s3.stop()
         if self._conn is not None:
@@ -212,8 +217,12 @@ class Bench:
         return proc
 
     async def start(self, name: str, *args: str) -> asyncio.subprocess.Process:
-        """Start `jobplane ARGS` as process ``name``."""
-        return await self.spawn(name, [sys.executable, "-m", "jobplane", *args])
+        """Start `jobplane ARGS` as process ``name`` (under cProfile with --profile)."""
+        profile: Path | None = self.args.profile
+        if profile is None:
+            return await self.spawn(name, [sys.executable, "-m", "jobplane", *args])
+        out = str(profile / f"{name}.prof")
+        return await self.spawn(name, [sys.executable, "-m", "bench.profiled", out, *args])
 
     async def stop(self, name: str) -> None:
         """SIGTERM process ``name`` and wait for it."""
@@ -1250,6 +1259,13 @@ async def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--batch-callers", type=int, default=4, help="concurrent callers of --only batch"
     )
+    parser.add_argument(
+        "--profile",
+        type=Path,
+        default=None,
+        help="run each jobplane process under cProfile (by CPU time), its stats in "
+        "DIR/NAME.prof (slower: for where the time goes, not for the figures)",
+    )
     parser.add_argument("--ingest-docs", type=int, default=40, help="documents of --only ingest")
     parser.add_argument("--ingest-words", type=int, default=3000, help="words per document")
     parser.add_argument(
@@ -1262,6 +1278,8 @@ async def main(argv: list[str] | None = None) -> int:
         help="finished jobs (with events and outbox rows) already in the tables",
     )
     args = parser.parse_args(argv)
+    if args.profile is not None:
+        args.profile.mkdir(parents=True, exist_ok=True)
     want: Callable[[str], bool] = lambda name: not args.only or name in args.only  # noqa: E731
     async with Bench(args) as bench:
         floor: dict[str, float] = {}

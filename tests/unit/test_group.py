@@ -161,3 +161,60 @@ async def test_a_stop_waits_for_a_stuck_group_no_longer_than_its_timeout() -> No
     stuck.set()
     await stopping
     assert await waiter == 2
+
+
+async def test_with_max_running_the_calls_that_wait_go_out_together() -> None:
+    running = 0
+    most = 0
+    gate = asyncio.Event()
+    groups: list[list[int]] = []
+
+    async def run(items: list[int]) -> list[int]:
+        nonlocal running, most
+        running += 1
+        most = max(most, running)
+        groups.append(items)
+        if len(groups) == 1:
+            await gate.wait()  # the first group holds its statement
+        running -= 1
+        return items
+
+    batcher: Batcher[int, int] = Batcher(run, window=0.0, max_size=100, max_running=1)
+    first = asyncio.ensure_future(batcher.submit(0))
+    await asyncio.sleep(0.01)
+    assert groups == [[0]]  # a lone call goes at the loop's next turn
+    rest = [asyncio.ensure_future(batcher.submit(i)) for i in range(1, 6)]
+    await asyncio.sleep(0.01)
+    assert groups == [[0]]  # they wait for the running group
+    gate.set()
+    assert await asyncio.gather(first, *rest) == [0, 1, 2, 3, 4, 5]
+    assert groups == [[0], [1, 2, 3, 4, 5]]
+    assert most == 1
+    await batcher.stop()
+
+
+async def test_max_running_keeps_the_cap_of_a_group() -> None:
+    gate = asyncio.Event()
+    groups: list[list[int]] = []
+
+    async def run(items: list[int]) -> list[int]:
+        groups.append(items)
+        await gate.wait()
+        return items
+
+    batcher: Batcher[int, int] = Batcher(run, window=0.0, max_size=2, max_running=2)
+    calls = [asyncio.ensure_future(batcher.submit(i)) for i in range(7)]
+    await asyncio.sleep(0.01)
+    assert groups == [[0, 1], [2, 3]]  # two running, three waiting
+    gate.set()
+    assert await asyncio.gather(*calls) == list(range(7))
+    assert groups == [[0, 1], [2, 3], [4, 5], [6]]
+    await batcher.stop()
+
+
+def test_max_running_is_at_least_one() -> None:
+    async def run(items: list[int]) -> list[int]:
+        return items
+
+    with pytest.raises(ValueError, match="max_running"):
+        Batcher(run, window=0.0, max_size=1, max_running=0)

@@ -214,6 +214,12 @@ class Metrics:
             buckets=(1, 2, 4, 8, 16, 32, 64, 128),
             registry=registry,
         )
+        self.submit_groups = Histogram(
+            "jobplane_submit_group_size",
+            "Concurrent SubmitJob calls a server wrote in one statement (ADR-0030).",
+            buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256),
+            registry=registry,
+        )
         self.failed_queue = Gauge(
             "jobplane_failed_queue_messages",
             "Messages in the failed (dead-letter) queue (read at scrape time).",
@@ -304,6 +310,10 @@ class Metrics:
         if child is None:
             child = self._children[key] = self.worker_groups.labels(kind)
         child.observe(size)
+
+    def submit_grouped(self, size: int) -> None:
+        """A server wrote ``size`` concurrent submits in one statement."""
+        self.submit_groups.observe(size)
 
     def relayed(self, kind: str, outcome: str, count: int = 1) -> None:
         """``count`` outbox rows of ``kind`` handed to the broker, with ``outcome``."""
@@ -460,6 +470,7 @@ class _NoMetrics(Metrics):
             "sweeper_repairs",
             "worker_slots",
             "worker_groups",
+            "submit_groups",
             "failed_queue",
             "queue_messages",
             "queue_consumers",
@@ -491,6 +502,9 @@ class _NoMetrics(Metrics):
         pass
 
     def grouped(self, kind: str, size: int) -> None:
+        pass
+
+    def submit_grouped(self, size: int) -> None:
         pass
 
     def add_slots(self, read: Callable[[], tuple[int, int]]) -> None:

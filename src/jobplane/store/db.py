@@ -46,9 +46,10 @@ from sqlalchemy.sql.elements import TextClause
 
 from jobplane.store.engine import asyncpg_dsn
 
-# The bind syntax of SQLAlchemy's text(): ":name", not "::type" and not "\:".
-_BIND = re.compile(r"(?<![:\w\\]):(\w+)(?!:)")
-_ESCAPED_COLON = re.compile(r"\\:")
+# The bind syntax of SQLAlchemy's text() (its own two expressions): ":name",
+# not "::type", and "\:name" for a colon that is not a bind.
+_BIND = re.compile(r"(?<![:\w\\]):(\w+)(?![:\w])")
+_ESCAPED = re.compile(r"\\(:\w*)(?![:\w])")
 
 #: Prepared statements kept per connection: every statement of the hot paths
 #: and the machine's compiled transitions, with room to spare.
@@ -89,7 +90,7 @@ def positional(statement: TextClause | str) -> Sql:
         index = order.setdefault(match[1], len(order) + 1)
         return f"${index}"
 
-    sql = _ESCAPED_COLON.sub(":", _BIND.sub(number, source))
+    sql = _ESCAPED.sub(lambda m: m[1], _BIND.sub(number, source))
     compiled = Sql(sql, tuple(order))
     _COMPILED[source] = compiled
     return compiled
@@ -103,10 +104,19 @@ def _wrapped(exc: BaseException, sql: str, conn: Raw | None) -> DBAPIError:
     """
     state = getattr(exc, "sqlstate", None)
     kind = IntegrityError if isinstance(state, str) and state.startswith("23") else DBAPIError
-    lost = isinstance(exc, _LOST) or (conn is not None and conn.is_closed())
-    if lost and conn is not None and not conn.is_closed():
+    lost = isinstance(exc, _LOST) or (conn is not None and _closed(conn))
+    if lost and conn is not None and not _closed(conn):
         conn.terminate()
     return kind(sql, None, exc, hide_parameters=True, connection_invalidated=lost)
+
+
+def _closed(conn: Raw) -> bool:
+    """Whether ``conn`` is closed: a connection lost mid-statement may have been
+    handed back to the pool already, and its proxy answers nothing more."""
+    try:
+        return conn.is_closed()
+    except asyncpg.InterfaceError:
+        return True
 
 
 # The connection is gone (the statement may be fine). asyncpg's internal
@@ -276,7 +286,7 @@ class Database:
             try:
                 yield conn
             except BaseException:
-                if not conn.raw.is_closed():
+                if not _closed(conn.raw):
                     with suppress(*_FAILURES):
                         await transaction.rollback()
                 raise

@@ -1458,7 +1458,7 @@ _WRITTEN_OUT = frozenset(
     | {Transition.UNPARK}
 )
 # A bind in a text() statement, as SQLAlchemy finds them (not a ``::`` cast).
-_BIND = re.compile(r"(?<![:\w\\]):(\w+)(?!:)")
+_BIND = re.compile(r"(?<![:\w\\]):(\w+)(?![:\w])")
 #: The SQL type of each bind a transition applied to many rows may use: its
 #: rows' values go into one array of it (``…[]``: a list per row, end to end).
 BIND_TYPES: Mapping[str, str] = {
