@@ -1,0 +1,117 @@
+"""The relay's pipeline of batches (ADR-0030): how many are in flight, and when it waits."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, cast
+
+import pytest
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from jobplane.store.listen import Subscription
+from jobplane.topology import load_topology
+from jobplane.workers.relay import Relay
+
+BATCH = 10
+
+
+class _Link:
+    def __init__(self) -> None:
+        self.closed = False
+        self.exchange = self.events = object()
+
+
+class _Script:
+    """Batches of the given sizes, each published in ``publish`` seconds; then the link closes."""
+
+    def __init__(self, relay: Relay, link: _Link, sizes: list[int], *, fail: int = -1) -> None:
+        self.sizes = sizes
+        self.link = link
+        self.fail = fail
+        self.running = 0
+        self.most = 0
+        self.started = 0
+        self.waited_with: list[int] = []
+        relay._relay_batch = self.batch  # type: ignore[method-assign,assignment]
+
+        async def idle() -> float:
+            return 0.0
+
+        relay._idle_seconds = idle  # type: ignore[method-assign]
+
+    async def batch(self, _exchange: Any, _events: Any, claimed: asyncio.Future[int] | None) -> int:
+        index = self.started
+        self.started += 1
+        if index >= len(self.sizes):
+            self.link.closed = True
+            size = 0
+        else:
+            size = self.sizes[index]
+        assert claimed is not None
+        claimed.set_result(size)
+        self.running += 1
+        self.most = max(self.most, self.running)
+        try:
+            await asyncio.sleep(0.02)  # published, confirmed, marked
+            if index == self.fail:
+                raise ConnectionResetError("the batch failed")
+        finally:
+            self.running -= 1
+        return size
+
+
+class _Wakeup(Subscription):
+    def __init__(self, script: _Script) -> None:
+        super().__init__()
+        self.script = script
+
+    async def wait(self, timeout: float) -> None:
+        self.script.waited_with.append(self.script.running)
+
+
+def _relay(in_flight: int) -> Relay:
+    url = "postgresql://unused@127.0.0.1:1/unused"
+    return Relay(
+        cast(AsyncEngine, None),
+        url,
+        "amqp://unused",
+        load_topology(),
+        batch_size=BATCH,
+        in_flight=in_flight,
+    )
+
+
+async def test_full_batches_keep_the_window_full() -> None:
+    relay, link = _relay(in_flight=3), _Link()
+    script = _Script(relay, link, [BATCH] * 12)
+    await relay._pipeline(link, _Wakeup(script))  # type: ignore[arg-type]
+    assert script.most == 3
+    # Every batch of the backlog, then one that found nothing and ended the burst.
+    assert script.started == 13
+
+
+async def test_a_batch_that_is_not_full_ends_the_burst_before_the_wait() -> None:
+    relay, link = _relay(in_flight=4), _Link()
+    script = _Script(relay, link, [BATCH, BATCH, 3, BATCH, 0])
+    await relay._pipeline(link, _Wakeup(script))  # type: ignore[arg-type]
+    # It waited for new rows twice (after 3 and after 0), each time with nothing in flight.
+    assert script.waited_with[:2] == [0, 0]
+    assert script.most == 3  # two full ones and the short one overlapped
+
+
+async def test_one_in_flight_is_one_batch_after_the_other() -> None:
+    relay, link = _relay(in_flight=1), _Link()
+    script = _Script(relay, link, [BATCH] * 5)
+    await relay._pipeline(link, _Wakeup(script))  # type: ignore[arg-type]
+    assert script.most == 1
+
+
+async def test_a_failed_batch_ends_the_pipeline_with_its_error() -> None:
+    relay, link = _relay(in_flight=4), _Link()
+    script = _Script(relay, link, [BATCH] * 50, fail=2)
+    with pytest.raises(ConnectionResetError):
+        await relay._pipeline(link, _Wakeup(script))  # type: ignore[arg-type]
+    # The others were stopped with it: nothing runs on.
+    await asyncio.sleep(0.05)
+    assert script.running == 0
+    assert script.started < 50
