@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncEngine
 
     from jobplane.blobs import BlobStore
+    from jobplane.devparts import Layout
     from jobplane.observe.http import OpsServer
     from jobplane.observe.metrics import Metrics
     from jobplane.server import JobplaneServer
@@ -608,11 +609,13 @@ def _with_ingest(registry: Any, files: list[Path], settings: Settings, topology:
 
 
 async def _dev(args: argparse.Namespace) -> int:
-    from jobplane.devparts import resolve_processes
+    from jobplane.devparts import Layout, resolve_processes
     from jobplane.store.engine import create_engine, migrate
     from jobplane.workers.relay import Relay
     from jobplane.workers.sweeper import Sweeper
 
+    if args.relay_part:
+        return await _dev_relay_part(args)
     if args.worker_part is not None:
         return await _dev_part(args)
     try:
@@ -647,15 +650,20 @@ async def _dev(args: argparse.Namespace) -> int:
             )
             if registry is None:
                 return 2
+        layout = Layout(processes)
         server = _server(settings, topology, engine, db, blobs=blobs, metrics=metrics)
-        relay = Relay(
-            engine,
-            settings.database_url,
-            settings.amqp_url,
-            topology,
-            sweeper=Sweeper(engine, metrics=metrics),
-            metrics=metrics,
-            db=db,
+        relay = (
+            None
+            if layout.relay_apart
+            else Relay(
+                engine,
+                settings.database_url,
+                settings.amqp_url,
+                topology,
+                sweeper=Sweeper(engine, metrics=metrics),
+                metrics=metrics,
+                db=db,
+            )
         )
         worker = (
             _dev_worker(settings, topology, engine, db, registry, args, blobs, metrics)
@@ -664,15 +672,20 @@ async def _dev(args: argparse.Namespace) -> int:
         )
         if ops is not None:
             ops.add_check("grpc", server.not_ready)
-            ops.add_check("relay", lambda: None if relay.connected else "no broker channel")
+            if relay is not None:
+                in_process = relay
+                ops.add_check(
+                    "relay", lambda: None if in_process.connected else "no broker channel"
+                )
             if worker is not None:
                 ops.add_check("worker", worker.not_ready)
         await _start_ops(stack, ops)
         # The parts start before gRPC's threads do (a fork beside them warns),
         # and stop first: before the relay and the server.
-        parts = None if worker is not None else await _dev_parts(stack, args, processes - 1, ops)
+        parts = None if worker is not None else await _dev_parts(stack, args, layout, ops)
         await _started(stack, server.start, server.stop)
-        await _started(stack, relay.start, relay.stop)
+        if relay is not None:
+            await _started(stack, relay.start, relay.stop)
         if worker is not None:
             await _started(stack, worker.start, lambda: worker.stop(5.0))
         if parts is not None:
@@ -686,16 +699,17 @@ async def _dev(args: argparse.Namespace) -> int:
         )
         ui_line = f"  dashboard: {ui.url}   (sign in with the api key)\n" if ui else ""
         if parts is None:
-            layout = "1 (server, relay and worker in this one, --processes 1)"
+            shown = "1 (server, relay and worker in this one, --processes 1)"
         else:
-            pids = ", ".join(map(str, parts.pids))
-            layout = (
-                f"{processes} (server and relay in this one, pid {os.getpid()}; workers {pids})"
-            )
+            pids = parts.pids
+            here = "server" if layout.relay_apart else "server and relay"
+            apart = f"relay {pids[-1]}; " if layout.relay_apart else ""
+            workers = ", ".join(map(str, pids[: layout.workers]))
+            shown = f"{processes} ({here} in this one, pid {os.getpid()}; {apart}workers {workers})"
         print(
             f"\njobplane dev is up.\n"
             f"  address:  {server.address}\n"
-            f"  processes: {layout}\n"
+            f"  processes: {shown}\n"
             f"  api key:  {key}   (tenant {args.tenant!r})\n"
             f"{ui_line}"
             f"  worker key: {worker_key}   (WorkerService, docs/workers.md)\n\n"
@@ -775,39 +789,78 @@ def _dev_worker(
 
 
 async def _dev_parts(
-    stack: AsyncExitStack, args: argparse.Namespace, count: int, ops: OpsServer | None
+    stack: AsyncExitStack, args: argparse.Namespace, layout: Layout, ops: OpsServer | None
 ) -> Any:
-    """Start ``count`` worker parts (jobplane.devparts), stopped with ``stack``."""
-    from jobplane.devparts import Parts, part_command, part_metrics
+    """Start the worker parts (and the relay's, when apart) of ``layout``
+    (jobplane.devparts), stopped with ``stack``."""
+    from jobplane.devparts import Parts, part_command, part_metrics, relay_command
 
     listen = ops.listen if ops is not None else None
-    parts = Parts(
-        [
-            part_command(
-                i,
-                parent_pid=os.getpid(),
-                metrics_listen=part_metrics(listen, i),
-                handlers=args.handlers,
-                concurrency=args.concurrency,
-                no_maintenance=args.no_maintenance,
-                ingest=args.ingest or (),
+    commands = [
+        part_command(
+            i,
+            parent_pid=os.getpid(),
+            metrics_listen=part_metrics(listen, i),
+            handlers=args.handlers,
+            concurrency=args.concurrency,
+            no_maintenance=args.no_maintenance,
+            ingest=args.ingest or (),
+        )
+        for i in range(layout.workers)
+    ]
+    names = [f"worker part {i}" for i in range(layout.workers)]
+    if layout.relay_apart:
+        commands.append(
+            relay_command(
+                parent_pid=os.getpid(), metrics_listen=part_metrics(listen, layout.workers)
             )
-            for i in range(count)
-        ]
-    )
+        )
+        names.append("relay part")
+    parts = Parts(commands, names)
     await _started(stack, parts.start, parts.stop)
     if ops is not None:
-        ops.add_check("workers", parts.not_ready)
+        ops.add_check("parts", parts.not_ready)
     return parts
 
 
 async def _until_stopped_or_part_exit(stop: asyncio.Event, parts: Any) -> int:
-    """Until ``stop`` (Ctrl-C or SIGTERM: 0), or a worker part exits on its own (1)."""
+    """Until ``stop`` (Ctrl-C or SIGTERM: 0), or a part exits on its own (1)."""
     exited = await _until_stopped(stop, parts.exited())
     if exited is not None:
         part, status = exited.result()
-        print(f"error: worker part {part} exited (status {status}); stopping", file=sys.stderr)
+        print(f"error: {part} exited (status {status}); stopping", file=sys.stderr)
         return 1
+    return 0
+
+
+async def _dev_relay_part(args: argparse.Namespace) -> int:
+    """The relay part of ``jobplane dev --processes N`` (jobplane.devparts): the relay
+    and the sweeper."""
+    from jobplane.devparts import parent_gone
+    from jobplane.store.engine import create_engine
+    from jobplane.workers.relay import Relay
+    from jobplane.workers.sweeper import Sweeper
+
+    settings, topology = _settings_and_topology(log_level="warning")
+    _tracing("jobplane-dev", settings)
+    engine = create_engine(settings.database_url, pool_size=4)
+    async with AsyncExitStack() as stack:
+        stack.push_async_callback(engine.dispose)
+        metrics, ops = _ops(settings, args, engine)
+        relay = Relay(
+            engine,
+            settings.database_url,
+            settings.amqp_url,
+            topology,
+            sweeper=Sweeper(engine, metrics=metrics),
+            metrics=metrics,
+        )
+        if ops is not None:
+            ops.add_check("relay", lambda: None if relay.connected else "no broker channel")
+        await _start_ops(stack, ops)
+        with _stop_signals() as stop:
+            await _started(stack, relay.start, relay.stop)
+            await _until_stopped(stop, parent_gone(args.parent_pid or os.getppid()))
     return 0
 
 
@@ -1345,11 +1398,14 @@ def build_parser() -> argparse.ArgumentParser:
     dev.add_argument(
         "--processes",
         default="auto",
-        help="1: all in this process; N: server and relay here, workers in N-1 child "
-        "processes; auto (the default): one per CPU, at most 4",
+        help="1: all in this process; 2: server and relay here, a worker in a child "
+        "process; N>2: the server here, the relay and N-2 workers in child processes; "
+        "auto (the default): 1 on one CPU, else a worker per CPU but one beside the "
+        "server and the relay (3 on two CPUs), at most 6",
     )
-    # A worker part of `dev --processes N` (jobplane.devparts); not for users.
+    # A part of `dev --processes N` (jobplane.devparts); not for users.
     dev.add_argument("--worker-part", type=int, default=None, help=argparse.SUPPRESS)
+    dev.add_argument("--relay-part", action="store_true", help=argparse.SUPPRESS)
     dev.add_argument("--parent-pid", type=int, default=None, help=argparse.SUPPRESS)
     dev.add_argument("--demo", action="store_true", help="submit a demo job and show it live")
     dev.add_argument("--demo-steps", type=int, default=20)

@@ -1,14 +1,17 @@
 """``jobplane dev --processes N``: one command, its parts in N processes.
 
-A Python process runs on one core at a time. With ``--processes`` 2 or more
-(``auto``: one per CPU, at most :data:`MOST_AUTO`), ``jobplane dev`` keeps the
-server, the relay (and sweeper) and the dashboard in its own process and runs
-the workers as child processes: part 0 with every handler dev has (the demos,
-``--handlers``, maintenance, ``--ingest``'s stages), parts 1.. with the demos
-and ``--handlers`` on every queue but the ingest stages' own (their
-local-mode index allows one process: :func:`part_queues`). A maintenance job
-a part without its handler receives is handed back to one that has it
-(ADR-0007).
+A Python process runs on one core at a time, and the server, the relay and
+a worker each batch what arrives while they are busy (ADR-0028, ADR-0030):
+one that waits for another on a shared event loop batches less and costs
+more a job. With ``--processes`` 2, ``jobplane dev`` keeps the server, the
+relay (and sweeper) and the dashboard in its own process and runs one worker
+as a child process; with 3 or more (``auto`` on two CPUs or more), the relay
+runs in a child process of its own too, and the workers in the rest (see
+:class:`Layout`). Worker part 0 has every handler dev has (the demos,
+``--handlers``, maintenance, ``--ingest``'s stages), parts 1.. the demos and
+``--handlers`` on every queue but the ingest stages' own (their local-mode
+index allows one process: :func:`part_queues`). A maintenance job a part
+without its handler receives is handed back to one that has it (ADR-0007).
 
 The parts stop with the command: on Ctrl-C or SIGTERM the parent stops its
 workers first (SIGTERM, then SIGKILL after the grace), and a part whose
@@ -29,8 +32,8 @@ from dataclasses import dataclass, field
 from jobplane.config import ListenAddress
 from jobplane.topology import Topology
 
-#: ``--processes auto`` uses one process per CPU, but no more than this.
-MOST_AUTO = 4
+#: ``--processes auto`` uses no more processes than this.
+MOST_AUTO = 6
 #: The most ``--processes`` takes.
 MOST = 64
 #: Seconds a part has to finish its handlers once asked to stop.
@@ -38,17 +41,43 @@ GRACE = 10.0
 
 
 def resolve_processes(value: str, cpus: int | None = None) -> int:
-    """``--processes``: ``auto`` (one per CPU, 1..:data:`MOST_AUTO`) or 1..:data:`MOST`.
+    """``--processes``: ``auto`` or 1..:data:`MOST`.
 
-    Anything else raises ValueError saying what is allowed.
+    ``auto``: 1 on one CPU; on more, the server, the relay and a worker per
+    CPU but the first, each in a process of its own (3 on two CPUs), at most
+    :data:`MOST_AUTO`. Anything else raises ValueError saying what is allowed.
     """
     raw = value.strip().lower()
     if raw == "auto":
-        found = os.cpu_count() if cpus is None else cpus
-        return max(1, min(found or 1, MOST_AUTO))
+        found = (os.cpu_count() if cpus is None else cpus) or 1
+        return 1 if found <= 1 else min(found + 1, MOST_AUTO)
     if not raw.isascii() or not raw.isdigit() or not 1 <= int(raw) <= MOST:
         raise ValueError(f"--processes must be auto or a number of 1..{MOST}, not {value!r}")
     return int(raw)
+
+
+@dataclass(frozen=True, slots=True)
+class Layout:
+    """Where the parts of ``jobplane dev --processes N`` run.
+
+    1: all in the command's process. 2: the server and the relay in it, a
+    worker in a child process. 3 or more: the server in it, the relay in a
+    child process, workers in the rest.
+    """
+
+    processes: int
+
+    @property
+    def relay_apart(self) -> bool:
+        """Whether the relay (and sweeper) runs in a child process of its own."""
+        return self.processes >= 3
+
+    @property
+    def workers(self) -> int:
+        """Worker parts in child processes (0: the worker runs in the command)."""
+        if self.processes == 1:
+            return 0
+        return self.processes - 1 - int(self.relay_apart)
 
 
 def part_queues(topology: Topology) -> list[str]:
@@ -106,11 +135,30 @@ def part_command(
     return command
 
 
+def relay_command(*, parent_pid: int, metrics_listen: str) -> list[str]:
+    """The command line of the relay part (``jobplane dev --relay-part``)."""
+    return [
+        sys.executable,
+        "-m",
+        "jobplane",
+        "dev",
+        "--relay-part",
+        "--parent-pid",
+        str(parent_pid),
+        "--metrics-listen",
+        metrics_listen,
+    ]
+
+
 @dataclass
 class Parts:
-    """The worker parts of one ``jobplane dev``: started, watched, stopped."""
+    """The parts of one ``jobplane dev``: started, watched, stopped.
+
+    ``names`` say which part each command is ("worker part 0", "relay part").
+    """
 
     commands: list[list[str]]
+    names: list[str]
     grace: float = GRACE
     _procs: list[asyncio.subprocess.Process] = field(default_factory=list)
 
@@ -126,13 +174,13 @@ class Parts:
 
     def not_ready(self) -> str | None:
         """A readiness check: None while every part runs, else which one exited."""
-        for i, proc in enumerate(self._procs):
+        for name, proc in zip(self.names, self._procs, strict=True):
             if proc.returncode is not None:
-                return f"worker part {i} exited (status {proc.returncode})"
+                return f"{name} exited (status {proc.returncode})"
         return None
 
-    async def exited(self) -> tuple[int, int]:
-        """Wait until a part exits; (its part number, its exit status)."""
+    async def exited(self) -> tuple[str, int]:
+        """Wait until a part exits; (its name, its exit status)."""
         waits = {asyncio.ensure_future(p.wait()): i for i, p in enumerate(self._procs)}
         try:
             done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
@@ -140,7 +188,7 @@ class Parts:
             for task in waits:
                 task.cancel()
         first = min(done, key=lambda t: waits[t])
-        return waits[first], first.result()
+        return self.names[waits[first]], first.result()
 
     async def stop(self) -> None:
         """SIGTERM every part still running; SIGKILL what is left after the grace."""

@@ -40,6 +40,7 @@ class Dev:
     address: str
     key: str
     parts: list[int]
+    relay: int | None
 
 
 def _alive(pid: int) -> bool:
@@ -97,7 +98,15 @@ async def _dev(database_url: str, amqp_url: str, *args: str) -> AsyncIterator[De
         assert address and key and layout, out
         workers = re.search(r"workers ([\d, ]+)\)", layout.group(0))
         parts = [int(p) for p in workers.group(1).split(", ")] if workers else []
-        yield Dev(process, lines, address.group(1), key.group(1), parts)
+        relay = re.search(r"relay (\d+);", layout.group(0))
+        yield Dev(
+            process,
+            lines,
+            address.group(1),
+            key.group(1),
+            parts,
+            int(relay.group(1)) if relay else None,
+        )
     finally:
         if process.returncode is None:
             process.kill()
@@ -129,9 +138,11 @@ async def _claimed_by(engine: AsyncEngine, names: list[str]) -> dict[str, int]:
 async def test_workers_run_in_child_processes_and_stop_with_one_ctrl_c(
     engine: AsyncEngine, database_url: str, vhost_url: str
 ) -> None:
-    async with _dev(database_url, vhost_url, "--processes", "3", "--concurrency", "2") as dev:
+    async with _dev(database_url, vhost_url, "--processes", "4", "--concurrency", "2") as dev:
+        # The server here; the relay and two workers in processes of their own.
         assert len(dev.parts) == 2 and os.getpid() not in dev.parts, dev.lines
-        assert all(_alive(p) for p in dev.parts)
+        assert dev.relay is not None and dev.relay not in (*dev.parts, dev.process.pid)
+        assert all(_alive(p) for p in (*dev.parts, dev.relay))
         async with AsyncClient(dev.address, dev.key) as client:
             jobs = [
                 await client.submit("demo.progress", {"steps": 2, "interval_ms": 40})
@@ -148,6 +159,33 @@ async def test_workers_run_in_child_processes_and_stop_with_one_ctrl_c(
             code = await dev.process.wait()
         out = await _rest(dev)
         assert code == 0, out
+        assert await _gone([*dev.parts, dev.relay], within=5)
+
+
+async def test_two_processes_keep_the_relay_beside_the_server(
+    engine: AsyncEngine, database_url: str, vhost_url: str
+) -> None:
+    async with _dev(database_url, vhost_url, "--processes", "2") as dev:
+        assert dev.relay is None and len(dev.parts) == 1, dev.lines
+        assert any("server and relay in this one" in line for line in dev.lines), dev.lines
+        async with AsyncClient(dev.address, dev.key) as client:
+            job = await client.submit("demo.progress", {"steps": 1, "interval_ms": 1})
+            assert (await client.wait(job.name, timeout=30)).state.name == "SUCCEEDED"
+        assert await _claimed_by(engine, [job.name]) == {job.name: dev.parts[0]}
+        dev.process.send_signal(signal.SIGTERM)
+        async with asyncio.timeout(30):
+            assert await dev.process.wait() == 0
+
+
+async def test_a_relay_part_that_dies_ends_the_command(database_url: str, vhost_url: str) -> None:
+    async with _dev(database_url, vhost_url, "--processes", "3") as dev:
+        assert dev.relay is not None and len(dev.parts) == 1, dev.lines
+        os.kill(dev.relay, signal.SIGKILL)
+        async with asyncio.timeout(30):
+            code = await dev.process.wait()
+        out = await _rest(dev)
+        assert code == 1, out
+        assert "error: relay part exited (status -9); stopping" in out
         assert await _gone(dev.parts, within=5)
 
 
@@ -168,7 +206,7 @@ async def test_one_process_runs_it_all_in_the_command(
 
 
 async def test_a_worker_part_that_dies_ends_the_command(database_url: str, vhost_url: str) -> None:
-    async with _dev(database_url, vhost_url, "--processes", "3") as dev:
+    async with _dev(database_url, vhost_url, "--processes", "4") as dev:
         dead, other = dev.parts
         os.kill(dead, signal.SIGKILL)
         async with asyncio.timeout(30):
@@ -176,7 +214,8 @@ async def test_a_worker_part_that_dies_ends_the_command(database_url: str, vhost
         out = await _rest(dev)
         assert code == 1, out
         assert "error: worker part 0 exited (status -9); stopping" in out
-        assert await _gone([other], within=5)
+        assert dev.relay is not None
+        assert await _gone([other, dev.relay], within=5)
 
 
 async def test_worker_parts_stop_when_the_command_is_killed_outright(

@@ -14,18 +14,41 @@ from jobplane.config import ListenAddress
 from jobplane.devparts import (
     MOST,
     MOST_AUTO,
+    Layout,
     part_command,
     part_metrics,
     part_queues,
+    relay_command,
     resolve_processes,
 )
 from jobplane.topology import load_topology
 
 
 @given(st.integers(min_value=0, max_value=512))
-def test_auto_is_one_per_cpu_within_bounds(cpus: int) -> None:
-    assert resolve_processes("auto", cpus=cpus) == max(1, min(cpus, MOST_AUTO))
-    assert resolve_processes(" AUTO ", cpus=cpus) == resolve_processes("auto", cpus=cpus)
+def test_auto_gives_server_relay_and_workers_their_own_processes(cpus: int) -> None:
+    found = resolve_processes("auto", cpus=cpus)
+    assert resolve_processes(" AUTO ", cpus=cpus) == found
+    if cpus <= 1:
+        assert found == 1
+    else:
+        # The server and the relay, and a worker per CPU but the first.
+        assert found == min(cpus + 1, MOST_AUTO)
+        layout = Layout(found)
+        assert layout.relay_apart and layout.workers == found - 2 >= 1
+
+
+def test_the_layouts() -> None:
+    assert (Layout(1).relay_apart, Layout(1).workers) == (False, 0)
+    assert (Layout(2).relay_apart, Layout(2).workers) == (False, 1)
+    assert (Layout(3).relay_apart, Layout(3).workers) == (True, 1)
+    assert (Layout(6).relay_apart, Layout(6).workers) == (True, 4)
+
+
+def test_the_relay_parts_command_line_is_one_the_dev_parser_takes() -> None:
+    command = relay_command(parent_pid=77, metrics_listen="127.0.0.1:9466")
+    args = build_parser().parse_args(command[3:])
+    assert args.relay_part and args.worker_part is None
+    assert (args.parent_pid, args.metrics_listen) == (77, "127.0.0.1:9466")
 
 
 @given(st.integers(min_value=1, max_value=MOST))
@@ -90,6 +113,7 @@ def test_a_parts_command_line_is_one_the_dev_parser_takes() -> None:
 def test_dev_defaults_to_automatic_processes() -> None:
     assert build_parser().parse_args(["dev"]).processes == "auto"
     assert build_parser().parse_args(["dev"]).worker_part is None
+    assert not build_parser().parse_args(["dev"]).relay_part
 
 
 def test_later_parts_leave_the_ingest_stage_queues_to_part_zero() -> None:
