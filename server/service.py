@@ -58,6 +58,8 @@ MAX_REQUEST_ID_LENGTH = 256
 MAX_CORRELATION_ID_BYTES = 255
 MAX_LABELS = 64
 _LABEL_KEY = re.compile(r"[a-z0-9]([a-z0-9._/-]{0,61}[a-z0-9])?")
+# What an id may not hold: the C0 control characters.
+_CONTROL = re.compile(r"[\x00-\x1f]")
 MAX_LABEL_VALUE = 256
 MAX_BLOB_REFERENCES = 10_000
 MAX_REASON_LENGTH = 1024
@@ -518,7 +520,7 @@ def _check_id(
         raise InvalidArgument(
             f"{field_name} is longer than {max_bytes} bytes in UTF-8", field=field_name
         )
-    if any(ord(c) < 32 for c in value):
+    if _CONTROL.search(value):
         raise InvalidArgument(f"{field_name} has control characters", field=field_name)
 
 

@@ -78,7 +78,8 @@ from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from jobplane import broker
-from jobplane.envelope import AMQP_TYPE, DEPLOYMENT_HEADER, MAX_ENVELOPE_BYTES
+from jobplane.amqp import Properties
+from jobplane.envelope import AMQP_TYPE, DEPLOYMENT_HEADER, MAX_ENVELOPE_BYTES, Envelope
 from jobplane.events.envelope import (
     MAX_EVENT_BYTES,
     TRACEPARENT_HEADER,
@@ -581,21 +582,19 @@ class Relay:
         layers cost a fifth of each. Not mandatory: with no queue bound the
         broker drops the event and confirms it, and that is a publish.
         """
-        properties = amqp_properties(event, traceparent=traceparent, tracestate=tracestate)
+        properties = spec_properties(
+            amqp_properties(event, traceparent=traceparent, tracestate=tracestate)
+        )
         if not _surely_publishable(event, routing_key, body, traceparent, tracestate):
             check_publishable(
-                aio_pika.Message(body, **properties),
-                exchange,
-                routing_key,
-                mandatory=False,
-                max_body=MAX_EVENT_BYTES,
+                body, properties, exchange, routing_key, mandatory=False, max_body=MAX_EVENT_BYTES
             )
         try:
             confirmation = await channel.basic_publish(
                 body,
                 exchange=exchange,
                 routing_key=routing_key,
-                properties=spec_properties(properties),
+                properties=properties,
                 mandatory=False,
                 wait=False,
             )
@@ -894,27 +893,23 @@ class Relay:
     ) -> None:
         deployment = self._deployment.id if self._deployment is not None else None
         envelope = replace(row.envelope, deployment=deployment)
-        message = aio_pika.Message(
-            envelope.encode(),
-            content_type="application/json",
-            delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
-            message_id=str(envelope.event_id),
-            correlation_id=envelope.correlation_id or None,
-            type=AMQP_TYPE,
-            headers={
-                "job_id": str(envelope.job_id),
-                **({DEPLOYMENT_HEADER: envelope.deployment} if envelope.deployment else {}),
-                **trace_headers,
-            },
-        )
-        check_publishable(message, exchange.name, envelope.job_type, mandatory=True)
+        body = envelope.encode()
+        properties = dispatch_properties(envelope, trace_headers)
+        if not _fits_at_once(envelope.job_type, body, properties, max_body=MAX_ENVELOPE_BYTES):
+            check_publishable(body, properties, exchange.name, envelope.job_type, mandatory=True)
+        # Straight through aiormq, as the events are: aio-pika's message and
+        # exchange layers cost a seventh of a dispatch, for nothing it adds here.
+        channel = await _underlay(exchange)
         try:
-            confirmation = await exchange.publish(
-                message,
-                routing_key=envelope.job_type,
-                mandatory=True,
-                timeout=self._publish_timeout,
-            )
+            async with asyncio.timeout(self._publish_timeout):
+                confirmation = await channel.basic_publish(
+                    body,
+                    exchange=exchange.name,
+                    routing_key=envelope.job_type,
+                    properties=properties,
+                    mandatory=True,
+                    wait=False,
+                )
         except aiormq.exceptions.PublishError as exc:  # a return, on a raising channel
             raise Returned("not confirmed: returned unroutable") from exc
         except (TypeError, ValueError, pamqp.exceptions.PAMQPException) as exc:
@@ -957,11 +952,7 @@ class Relay:
             event = decode(row.body)
         except EventError as exc:
             raise Unpublishable(f"its body is not an event: {_short(exc)}") from exc
-        if not isinstance(events, aio_pika.Exchange):
-            raise TypeError(f"an aio-pika exchange was expected, not {type(events).__name__}")
-        channel = await events.channel.get_underlay_channel()
-        if not isinstance(channel, aiormq.Channel):  # for basic_publish(wait=False)
-            raise TypeError(f"an aiormq channel was expected, not {type(channel).__name__}")
+        channel = await _underlay(events)
         async with asyncio.timeout(self._publish_timeout):
             await self._send_event(
                 channel,
@@ -974,13 +965,63 @@ class Relay:
             )
 
 
+async def _underlay(exchange: AbstractExchange) -> aiormq.Channel:
+    """The aiormq channel under ``exchange``'s aio-pika channel (for basic_publish(wait=False))."""
+    if not isinstance(exchange, aio_pika.Exchange):
+        raise TypeError(f"an aio-pika exchange was expected, not {type(exchange).__name__}")
+    channel = await exchange.channel.get_underlay_channel()
+    if not isinstance(channel, aiormq.Channel):
+        raise TypeError(f"an aiormq channel was expected, not {type(channel).__name__}")
+    return channel
+
+
+def dispatch_properties(envelope: Envelope, trace_headers: Mapping[str, str]) -> Properties:
+    """A job dispatch's AMQP properties (docs/workers.md): byte for byte what
+    ``aio_pika.Message`` made of them when the relay published through it (a
+    unit test compares them)."""
+    return Properties(
+        content_type="application/json",
+        headers={
+            "job_id": str(envelope.job_id),
+            **({DEPLOYMENT_HEADER: envelope.deployment} if envelope.deployment else {}),
+            **trace_headers,
+        },
+        delivery_mode=int(aio_pika.DeliveryMode.PERSISTENT),
+        priority=0,
+        correlation_id=envelope.correlation_id or None,
+        message_id=str(envelope.event_id),
+        message_type=AMQP_TYPE,
+    )
+
+
+def _fits_at_once(
+    routing_key: str, body: bytes, properties: aiormq.spec.Basic.Properties, *, max_body: int
+) -> bool:
+    """True when a message is far within every AMQP limit, without encoding a frame:
+    short strings of at most 63 characters (252 bytes of UTF-8 at most), and all
+    its strings at four bytes a character beside the fixed properties fit the
+    smallest frame. Anything else takes :func:`check_publishable`."""
+    headers: dict[str, str] = {}
+    for key, value in (properties.headers or {}).items():
+        if not isinstance(value, str):
+            return False
+        headers[key] = value
+    shorts = (routing_key, properties.correlation_id or "", properties.message_id or "")
+    strings = sum(map(len, shorts)) + sum(len(k) + len(v) for k, v in headers.items())
+    return (
+        max(map(len, shorts)) <= 63
+        and 4 * strings + 512 <= _MIN_FRAME_MAX
+        and len(body) <= max_body
+    )
+
+
 def spec_properties(properties: dict[str, Any]) -> aiormq.spec.Basic.Properties:
     """``aio_pika.Message(body, **properties).properties``, built directly.
 
     ``properties`` as :func:`jobplane.events.envelope.amqp_properties` makes
     them; the result is what aio-pika would send (a unit test compares them).
     """
-    return aiormq.spec.Basic.Properties(
+    return Properties(
         app_id=properties["app_id"],
         content_type=properties["content_type"],
         correlation_id=properties["correlation_id"],
@@ -1047,14 +1088,15 @@ def _subject(row: OutboxRow) -> dict[str, str]:
 
 
 def check_publishable(
-    message: aio_pika.Message,
+    body: bytes,
+    properties: aiormq.spec.Basic.Properties,
     exchange: str,
     routing_key: str,
     *,
     mandatory: bool = True,
     max_body: int = MAX_ENVELOPE_BYTES,
 ) -> None:
-    """Raise :class:`Unpublishable` unless AMQP can carry ``message`` as it is.
+    """Raise :class:`Unpublishable` unless AMQP can carry ``body`` with ``properties``.
 
     Encodes the method and header frames the way the client will, without
     sending them: a string over 255 bytes (correlation id, routing key), a
@@ -1062,11 +1104,11 @@ def check_publishable(
     size, a body over ``max_body``. Checked before the publish, so one bad
     row never reaches (or closes) the channel its batch shares.
     """
-    if len(message.body) > max_body:
-        raise Unpublishable(f"body of {len(message.body)} bytes exceeds {max_body}")
+    if len(body) > max_body:
+        raise Unpublishable(f"body of {len(body)} bytes exceeds {max_body}")
     for name, value in (
         ("routing key (job type)", routing_key),
-        ("correlation id", message.correlation_id),
+        ("correlation id", properties.correlation_id),
     ):
         size = len((value or "").encode("utf-8", "surrogatepass"))
         if size > _SHORT_STRING:
@@ -1078,9 +1120,7 @@ def check_publishable(
             ),
             1,
         )
-        header = pamqp.frame.marshal(
-            pamqp.header.ContentHeader(0, len(message.body), message.properties), 1
-        )
+        header = pamqp.frame.marshal(pamqp.header.ContentHeader(0, len(body), properties), 1)
     except (TypeError, ValueError, pamqp.exceptions.PAMQPException) as exc:
         raise Unpublishable(_short(exc)) from exc
     if len(header) > _MIN_FRAME_MAX:

@@ -8,13 +8,20 @@ types to subscription patterns too (:mod:`jobplane.events.envelope`);
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 # The events exchange when the topology file names none; the same default as
 # jobplane.events.EXCHANGE, the consumers' default.
 EVENTS_EXCHANGE = "jobplane.events"
 
 
+@lru_cache(maxsize=4096)
 def topic_matches(pattern: str, key: str) -> bool:
-    """AMQP topic matching: ``*`` is one word, ``#`` zero or more."""
+    """AMQP topic matching: ``*`` is one word, ``#`` zero or more.
+
+    Cached: every submit routes its type through the topology's bindings,
+    and a deployment has few of both.
+    """
     return _match(pattern.split("."), key.split("."))
 
 

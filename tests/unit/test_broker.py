@@ -3,17 +3,27 @@
 from __future__ import annotations
 
 import asyncio
+import uuid
 from typing import Any
 
 import aio_pika
 import aiormq
 import pytest
 import structlog
+from hypothesis import given
+from hypothesis import strategies as st
+from pamqp.frame import marshal
+from pamqp.header import ContentHeader
 
 from jobplane import broker
-from jobplane.envelope import MAX_ENVELOPE_BYTES
+from jobplane.envelope import AMQP_TYPE, DEPLOYMENT_HEADER, MAX_ENVELOPE_BYTES, Envelope
 from jobplane.workers.bounce import bounce_delay
-from jobplane.workers.relay import Unpublishable, check_publishable
+from jobplane.workers.relay import (
+    Unpublishable,
+    _fits_at_once,
+    check_publishable,
+    dispatch_properties,
+)
 
 
 @pytest.mark.parametrize("robust", [False, True])
@@ -104,16 +114,65 @@ def test_a_message_amqp_cannot_carry_is_unpublishable(
     kwargs: dict[str, Any], routing_key: str, says: str
 ) -> None:
     with pytest.raises(Unpublishable) as refused:
-        check_publishable(_message(**kwargs), "jobplane.jobs", routing_key)
+        check_publishable(*_parts(_message(**kwargs)), "jobplane.jobs", routing_key)
     assert says in str(refused.value)
 
 
 def test_the_longest_short_strings_are_publishable() -> None:
-    check_publishable(_message(correlation_id="c" * 255), "jobplane.jobs", "k" * 255)
+    check_publishable(*_parts(_message(correlation_id="c" * 255)), "jobplane.jobs", "k" * 255)
     big = aio_pika.Message(b"x" * MAX_ENVELOPE_BYTES, message_id="m")
-    check_publishable(big, "jobplane.jobs", "demo.echo")
+    check_publishable(*_parts(big), "jobplane.jobs", "demo.echo")
     with pytest.raises(Unpublishable):
-        check_publishable(aio_pika.Message(big.body + b"x"), "jobplane.jobs", "demo.echo")
+        check_publishable(*_parts(aio_pika.Message(big.body + b"x")), "jobplane.jobs", "demo.echo")
+
+
+def _parts(message: aio_pika.Message) -> tuple[bytes, aiormq.spec.Basic.Properties]:
+    return message.body, message.properties
+
+
+_ID = st.uuids()
+
+
+@given(
+    job_type=st.text(min_size=1, max_size=300),
+    correlation_id=st.text(max_size=300),
+    deployment=st.one_of(st.none(), st.text(max_size=40)),
+    trace=st.dictionaries(st.sampled_from(["traceparent", "tracestate"]), st.text(max_size=600)),
+    ids=st.tuples(_ID, _ID, _ID),
+)
+def test_a_dispatch_is_what_aio_pika_sent_and_a_quick_yes_is_never_wrong(
+    job_type: str,
+    correlation_id: str,
+    deployment: str | None,
+    trace: dict[str, str],
+    ids: tuple[uuid.UUID, uuid.UUID, uuid.UUID],
+) -> None:
+    envelope = Envelope(ids[0], ids[1], ids[2], job_type, correlation_id, deployment=deployment)
+    ours = dispatch_properties(envelope, trace)
+    # What the relay published through aio-pika before it went straight to aiormq.
+    theirs = aio_pika.Message(
+        envelope.encode(),
+        content_type="application/json",
+        delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
+        message_id=str(envelope.event_id),
+        correlation_id=envelope.correlation_id or None,
+        type=AMQP_TYPE,
+        headers={
+            "job_id": str(envelope.job_id),
+            **({DEPLOYMENT_HEADER: envelope.deployment} if envelope.deployment else {}),
+            **trace,
+        },
+    ).properties
+    body = envelope.encode()
+    try:
+        expected = marshal(ContentHeader(0, len(body), theirs), 1)
+    except Exception as exc:
+        with pytest.raises(type(exc)):
+            marshal(ContentHeader(0, len(body), ours), 1)
+    else:
+        assert marshal(ContentHeader(0, len(body), ours), 1) == expected
+    if _fits_at_once(job_type, body, ours, max_body=MAX_ENVELOPE_BYTES):
+        check_publishable(body, ours, "jobplane.jobs", job_type)
 
 
 def test_bounce_delay_grows_and_never_holds_a_delivery_long() -> None:
