@@ -94,7 +94,24 @@ class _Running:
         self.task = task
         self.started = time.monotonic()
         self.cause: StopCause | None = None
-        self.stopped = asyncio.Event()
+        # Done when the task ends or the runtime stops it, whichever is first:
+        # one future and a callback a job, not a task waiting on an event.
+        self._woken: asyncio.Future[None] = task.get_loop().create_future()
+        task.add_done_callback(self._wake)
+
+    def _wake(self, *_: object) -> None:
+        if not self._woken.done():
+            self._woken.set_result(None)
+
+    async def ended_or_stopped(self, timeout: float) -> None:
+        """Until the task ended or was stopped, or ``timeout`` seconds passed."""
+        if self._woken.done():
+            return
+        timer = self.task.get_loop().call_later(timeout, self._wake)
+        try:
+            await asyncio.shield(self._woken)
+        finally:
+            timer.cancel()
 
     @property
     def error(self) -> BaseException | None:
@@ -107,7 +124,7 @@ class _Running:
     def stop(self, cause: StopCause) -> None:
         if self.cause is None and not self.task.done():
             self.cause = cause
-            self.stopped.set()
+            self._wake()
             self.task.cancel()
 
 
@@ -671,14 +688,24 @@ class Worker:
         )
         holder.append(running)
         self._running[key] = running
-        heartbeat = asyncio.create_task(self._heartbeat(attempt, running))
+        # The heartbeat starts at its first beat: a job that ends before it
+        # (most do) costs no task for it.
+        beating: list[asyncio.Task[None]] = []
+
+        def first_beat() -> None:
+            if not running.task.done():
+                beating.append(asyncio.create_task(self._heartbeat(attempt, running)))
+
+        first = asyncio.get_running_loop().call_later(self._first_beat(), first_beat)
         try:
             ended = await self._wait(running, attempt, bound)
         except BaseException:
             running.stop(StopCause.SHUTDOWN)  # never leave a handler running unowned
             raise
         finally:
-            await cancel_and_wait(heartbeat)
+            first.cancel()
+            for heartbeat in beating:
+                await cancel_and_wait(heartbeat)
             self._running.pop(key, None)
             tracing.end_run(span, running.error)
         pending = await writer.drain()
@@ -710,16 +737,8 @@ class Worker:
         unowned (its writes are fenced out).
         """
         task = running.task
-        stopped = asyncio.create_task(running.stopped.wait())
-        try:
-            done, _ = await asyncio.wait(
-                {task, stopped},
-                timeout=attempt.timeout_seconds,
-                return_when=asyncio.FIRST_COMPLETED,
-            )
-        finally:
-            stopped.cancel()
-        if task not in done:
+        await running.ended_or_stopped(attempt.timeout_seconds)
+        if not task.done():
             running.stop(StopCause.TIMEOUT)
             finished, _ = await asyncio.wait({task}, timeout=self._cancel_grace)
             if not finished:
@@ -867,15 +886,24 @@ class Worker:
             except LeaseLost:
                 bound.warning("job.outcome.fenced_out")
 
+    def _first_beat(self) -> float:
+        """Seconds from a handler's start to its first heartbeat.
+
+        Early: a cancel that landed between our claim and the running-job
+        registration missed the LISTEN path, and the row is where it waits.
+        Short jobs end before it and pay nothing.
+        """
+        return min(self._store.lease_seconds / 3, 1.0)
+
     async def _heartbeat(self, attempt: Attempt, running: _Running) -> None:
+        """Beat now (the first beat is due), then every third of the lease."""
         interval = self._store.lease_seconds / 3
-        # The first beat comes early: a cancel that landed between our claim
-        # and the running-job registration missed the LISTEN path, and the
-        # row is where it waits. Short jobs end before it and pay nothing.
-        delay = min(interval, 1.0)
+        delay = 0.0
         while not running.task.done():
             await asyncio.sleep(delay)
             delay = interval
+            if running.task.done():
+                return
             try:
                 if await self._store.heartbeat(attempt):
                     running.stop(StopCause.CANCEL_REQUESTED)
