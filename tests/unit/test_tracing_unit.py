@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from opentelemetry import context as otel_context
 from opentelemetry import trace
-from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace import TracerProvider, sampling
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import NonRecordingSpan, SpanContext, StatusCode, TraceFlags
@@ -244,3 +244,74 @@ def test_a_failure_is_kept_by_its_type_never_its_message(on: InMemorySpanExporte
         assert span.attributes["jobplane.job.type"] == "reports.render"
     assert outcome.attributes is not None
     assert outcome.attributes["error.type"] == "ValueError"
+
+
+@pytest.mark.parametrize(
+    ("sampler", "skips"),
+    [
+        (sampling.ParentBased(sampling.ALWAYS_ON), True),
+        (sampling.ParentBased(sampling.TraceIdRatioBased(0.1)), True),
+        (sampling.ALWAYS_ON, False),
+        (sampling.TraceIdRatioBased(0.5), False),
+        (
+            sampling.ParentBased(sampling.ALWAYS_ON, remote_parent_not_sampled=sampling.ALWAYS_ON),
+            False,
+        ),
+    ],
+)
+def test_the_sampler_says_whether_an_unsampled_trace_makes_spans(
+    sampler: sampling.Sampler, skips: bool
+) -> None:
+    assert tracing._drops_unsampled_children(sampler) is skips
+
+
+def _unsampled(trace_id: int, span_id: int) -> str:
+    return f"00-{trace_id:032x}-{span_id:016x}-00"
+
+
+def test_an_unsampled_trace_makes_no_spans_and_carries_its_context(
+    on: InMemorySpanExporter, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(tracing, "_SKIP_UNSAMPLED", True)
+    row = {"traceparent": _unsampled(0xABC, 0xDEF), "tracestate": "k=v"}
+    # The relay: the message carries the row's context as it is.
+    with tracing.publish_span(
+        row, exchange="x", routing_key="a.b", message_id="m", job_id="j", tenant_id="t"
+    ) as headers:
+        pass
+    assert headers == row
+    # The worker: no claim, run or outcome span; what it writes carries the trace on.
+    attempt = Attempt(
+        job_id=uuid.uuid4(),
+        tenant_id=uuid.uuid4(),
+        type="reports.render",
+        payload={},
+        attempt=1,
+        max_attempts=3,
+        retry_base=0,
+        lease_token=uuid.uuid4(),
+        correlation_id="",
+        request_id="r",
+        queue="default",
+    )
+    with tracing.delivered(headers):
+        with tracing.claim_span(object(), object()) as claim:  # type: ignore[arg-type]
+            assert claim is None
+        assert tracing.start_run(attempt) is None
+        with tracing.outcome_span(attempt) as outcome:
+            assert outcome is None
+            binds = tracing.trace_binds()
+    assert on.get_finished_spans() == ()
+    assert binds["trace_parent"] == row["traceparent"] and binds["trace_state"] == "k=v"
+    # A sampled trace still makes its spans.
+    with tracing.publish_span(
+        {"traceparent": _parent(0xABC, 0xDEF)},
+        exchange="x",
+        routing_key="a.b",
+        message_id="m",
+        job_id="j",
+        tenant_id="t",
+    ):
+        pass
+    (span,) = on.get_finished_spans()
+    assert span.name == "outbox publish" and span.context.trace_id == 0xABC

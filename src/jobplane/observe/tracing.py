@@ -84,6 +84,11 @@ _PROPAGATOR = TraceContextTextMapPropagator()
 _TRACER: trace.Tracer = trace.NoOpTracer()
 _PROVIDER: Any = None
 _NULL: contextlib.nullcontext[None] = contextlib.nullcontext()
+# Whether the sampler drops every child of a parent that was not sampled (the
+# parent-based samplers do, the default among them): then a delivery or an
+# outbox row whose context says "not sampled" makes no span at all, and only
+# its context is carried on (see _unsampled).
+_SKIP_UNSAMPLED = False
 
 # Attribute names (docs/tracing.md lists them).
 JOB_ID = "jobplane.job.id"
@@ -143,8 +148,43 @@ def configure_tracing(service_name: str, settings: Settings | None = None) -> bo
     trace.set_tracer_provider(provider)
     _PROVIDER = provider
     _TRACER = provider.get_tracer("jobplane", __version__)
+    _set_skip_unsampled(_drops_unsampled_children(provider.sampler))
     ENABLED = True
     return True
+
+
+def _set_skip_unsampled(skip: bool) -> None:
+    global _SKIP_UNSAMPLED  # noqa: PLW0603 - set with the provider, read on the hot paths
+    _SKIP_UNSAMPLED = skip
+
+
+def _drops_unsampled_children(sampler: Any) -> bool:
+    """Whether ``sampler`` drops a span whose parent, remote or local, was not sampled:
+    asked of the sampler itself, so any sampler of OTEL_TRACES_SAMPLER is judged
+    by what it does."""
+    from opentelemetry.sdk.trace.sampling import Decision
+
+    for remote in (True, False):
+        parent = trace.SpanContext(
+            trace_id=1, span_id=1, is_remote=remote, trace_flags=trace.TraceFlags(0)
+        )
+        context = trace.set_span_in_context(trace.NonRecordingSpan(parent))
+        try:
+            decision = sampler.should_sample(context, 1, "jobplane probe").decision
+        except Exception:
+            return False
+        if decision is not Decision.DROP:
+            return False
+    return True
+
+
+def _unsampled(context: otel_context.Context | None = None) -> bool:
+    """True when ``context`` (the current one by default) continues a trace that is
+    not sampled, and the sampler would drop every span made under it."""
+    if not _SKIP_UNSAMPLED:
+        return False
+    found = trace.get_current_span(context).get_span_context()
+    return found.is_valid and not found.trace_flags.sampled
 
 
 def shutdown_tracing() -> None:
@@ -153,6 +193,7 @@ def shutdown_tracing() -> None:
     provider, _PROVIDER = _PROVIDER, None
     ENABLED = False
     _TRACER = trace.NoOpTracer()
+    _set_skip_unsampled(False)
     if provider is not None:
         provider.shutdown()
 
@@ -252,7 +293,14 @@ def publish_span(
     tenant_id: str,
 ) -> contextlib.AbstractContextManager[Mapping[str, str]]:
     """``outbox publish``: a producer span, child of the context the outbox row
-    carries; the block gets the headers that carry it on to the message."""
+    carries; the block gets the headers that carry it on to the message.
+
+    A row of a trace that is not sampled makes no span: its context goes on
+    to the message as it came.
+    """
+    parent = extract(row_headers)
+    if _unsampled(parent):
+        return contextlib.nullcontext(_inject(parent))
     attributes = {
         "messaging.system": "rabbitmq",
         "messaging.operation.type": "send",
@@ -265,7 +313,7 @@ def publish_span(
     }
     span = _TRACER.start_span(
         "outbox publish",
-        context=extract(row_headers),
+        context=parent,
         kind=SpanKind.PRODUCER,
         attributes=attributes,
         record_exception=False,
@@ -296,8 +344,9 @@ def _attached(context: otel_context.Context) -> Iterator[object]:
 def claim_span(
     envelope: Envelope, message: AbstractIncomingMessage
 ) -> contextlib.AbstractContextManager[Span | None]:
-    """``job claim``: the consumer span of a delivery, around the fenced claim."""
-    if not ENABLED:
+    """``job claim``: the consumer span of a delivery, around the fenced claim
+    (none for a delivery of a trace that is not sampled)."""
+    if not ENABLED or _unsampled():
         return _NULL
     attributes: dict[str, Any] = {
         "messaging.system": "rabbitmq",
@@ -337,8 +386,9 @@ def _attempt_attributes(attempt: Attempt) -> dict[str, Any]:
 
 
 def start_run(attempt: Attempt) -> Span | None:
-    """``job run <type>``: the handler's span (None when off); end it with :func:`end_run`."""
-    if not ENABLED:
+    """``job run <type>``: the handler's span (None when off, or for a trace that is not
+    sampled); end it with :func:`end_run`."""
+    if not ENABLED or _unsampled():
         return None
     return _TRACER.start_span(
         f"job run {attempt.type}", kind=SpanKind.INTERNAL, attributes=_attempt_attributes(attempt)
@@ -376,8 +426,9 @@ def progress_event(progress: float) -> None:
 
 
 def outcome_span(attempt: Attempt) -> contextlib.AbstractContextManager[Span | None]:
-    """``job outcome``: the span of the attempt's outcome write (its transition named)."""
-    if not ENABLED:
+    """``job outcome``: the span of the attempt's outcome write (its transition named;
+    none for a trace that is not sampled)."""
+    if not ENABLED or _unsampled():
         return _NULL
     attributes = {JOB_ID: str(attempt.job_id), JOB_TYPE: attempt.type, ATTEMPT: attempt.attempt}
     return _span("job outcome", SpanKind.INTERNAL, attributes)
