@@ -329,6 +329,12 @@ async def test_one_trace_from_the_caller_to_the_outcome(
         # The garbage traceparent: a new trace, its SubmitJob span a root.
         trail = _job_spans(spans, ids["stray"])
         stray_publish = _one(trail, name="outbox publish")
+        # The server exports on its own schedule: its span may come after the others.
+        await _until(
+            lambda: any(s.span_id == stray_publish.parent_id for s in receiver.snapshot()),
+            "the stray SubmitJob's span",
+        )
+        servers = [s for s in receiver.snapshot() if s.name == SUBMIT]
         stray_submit = _one(servers, span_id=stray_publish.parent_id)
         assert stray_submit.parent_id == ""
         assert stray_submit.trace_id != caller_trace

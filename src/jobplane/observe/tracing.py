@@ -456,11 +456,13 @@ class _Current:
     SDK's ``use_span`` without its generator and its exception recording.
     """
 
-    __slots__ = ("_span", "_token")
+    __slots__ = ("_mark", "_span", "_token")
 
-    def __init__(self, span: Span) -> None:
+    def __init__(self, span: Span, *, mark_errors: bool = True) -> None:
         self._span = span
         self._token: object = None
+        # False: the caller sets the span's status itself (the server, by the call's code).
+        self._mark = mark_errors
 
     def __enter__(self) -> Any:
         self._token = otel_context.attach(trace.set_span_in_context(self._span))
@@ -470,7 +472,7 @@ class _Current:
         try:
             otel_context.detach(self._token)  # type: ignore[arg-type]
         finally:
-            if error is not None:
+            if error is not None and self._mark:
                 _failed(self._span, error)
             self._span.end()
 
@@ -570,14 +572,19 @@ def _traced(handler: Handler, method: str) -> Handler:
     service, _, rpc = name.partition("/")
     attributes = {"rpc.system": "grpc", "rpc.service": service, "rpc.method": rpc}
 
-    def start(context: Context) -> contextlib.AbstractContextManager[Span]:
-        return _TRACER.start_as_current_span(
-            name,
-            context=_from_metadata(context.invocation_metadata()),
-            kind=SpanKind.SERVER,
-            attributes=attributes,
-            record_exception=False,
-            set_status_on_exception=False,
+    def start(context: Context) -> _Current:
+        # The span made current by _Current (no generator, no exception
+        # recording): most calls' spans are not sampled, and cost only this.
+        return _Current(
+            _TRACER.start_span(
+                name,
+                context=_from_metadata(context.invocation_metadata()),
+                kind=SpanKind.SERVER,
+                attributes=attributes,
+                record_exception=False,
+                set_status_on_exception=False,
+            ),
+            mark_errors=False,
         )
 
     if handler.unary_unary is not None:
