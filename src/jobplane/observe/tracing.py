@@ -89,6 +89,12 @@ _NULL: contextlib.nullcontext[None] = contextlib.nullcontext()
 # outbox row whose context says "not sampled" makes no span at all, and only
 # its context is carried on (see _unsampled).
 _SKIP_UNSAMPLED = False
+# The headers of the trace a worker's delivery continues, while it is one
+# that makes no span (set by delivered()): every write of the delivery
+# carries them without asking OpenTelemetry for the current span again.
+_QUIET: contextvars.ContextVar[Mapping[str, str] | None] = contextvars.ContextVar(
+    "jobplane_quiet_trace", default=None
+)
 
 # Attribute names (docs/tracing.md lists them).
 JOB_ID = "jobplane.job.id"
@@ -183,6 +189,8 @@ def _unsampled(context: otel_context.Context | None = None) -> bool:
     not sampled, and the sampler would drop every span made under it."""
     if not _SKIP_UNSAMPLED:
         return False
+    if context is None and _QUIET.get() is not None:
+        return True
     found = trace.get_current_span(context).get_span_context()
     return found.is_valid and not found.trace_flags.sampled
 
@@ -243,7 +251,8 @@ def current_headers() -> Mapping[str, str]:
     """``traceparent`` (and ``tracestate``) of the current span; empty when off or none."""
     if not ENABLED:
         return NO_HEADERS
-    return _inject()
+    quiet = _QUIET.get()
+    return _inject() if quiet is None else quiet
 
 
 def outgoing(traceparent: str | None, tracestate: str | None) -> tuple[str | None, str | None]:
@@ -251,7 +260,7 @@ def outgoing(traceparent: str | None, tracestate: str | None) -> tuple[str | Non
     when tracing is on, else the caller's (``traceparent``, ``tracestate``) as given."""
     if not ENABLED:
         return traceparent, tracestate
-    carrier = _inject()
+    carrier = _QUIET.get() or _inject()
     if TRACEPARENT not in carrier:
         return traceparent, tracestate
     return carrier[TRACEPARENT], carrier.get(TRACESTATE)
@@ -266,7 +275,7 @@ def trace_binds() -> Mapping[str, Any]:
     """
     if not ENABLED:
         return NO_TRACE
-    carrier = _inject()
+    carrier = _QUIET.get() or _inject()
     parent = carrier.get(TRACEPARENT)
     if parent is None:
         return {"trace_parent": None, "trace_state": None, "trace_inherit": True}
@@ -275,6 +284,8 @@ def trace_binds() -> Mapping[str, Any]:
 
 def applied(transition: Transition) -> None:
     """Name ``transition`` on the current span (it applied under it)."""
+    if _QUIET.get() is not None:
+        return
     span = trace.get_current_span()
     if span.is_recording():
         span.set_attribute(TRANSITION, transition.value)
@@ -329,15 +340,18 @@ def delivered(headers: Mapping[str, Any] | None) -> contextlib.AbstractContextMa
     """The context of a delivered message, current for the block (its spans' parent)."""
     if not ENABLED:
         return _NULL
-    return _attached(extract(headers))
+    context = extract(headers)
+    return _attached(context, _inject(context) if _unsampled(context) else None)
 
 
 @contextlib.contextmanager
-def _attached(context: otel_context.Context) -> Iterator[object]:
+def _attached(context: otel_context.Context, quiet: Mapping[str, str] | None) -> Iterator[object]:
     token = otel_context.attach(context)
+    marked = _QUIET.set(quiet)
     try:
         yield None
     finally:
+        _QUIET.reset(marked)
         otel_context.detach(token)
 
 
