@@ -17,6 +17,9 @@ async def noop(ctx: JobContext) -> dict[str, Any]:
     return {}
 
 
+# The relay figure's backlog (figure 5): run, once published, as any no-op job.
+registry.add("bench.relay", noop)
+
 # The same, under the types of the lifecycle-events and metrics comparisons (one type per
 # half of each round, so each counts only its own jobs).
 for _round in range(1, 10):

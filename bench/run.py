@@ -444,6 +444,17 @@ async def fig_open_loop(bench: Bench, rate: float) -> None:
     bench.add(Figure("e2e_throughput_open_loop", len(rows) / span, "jobs/s", config))
     bench.add(Figure("submit_to_start_p50", percentile(start, 50), "ms", config))
     bench.add(Figure("submit_to_start_p99", percentile(start, 99), "ms", config))
+    # Where it went: the dispatch's mark (after the broker's confirm) is the relay's share.
+    marked = await bench.sql(
+        "SELECT extract(epoch FROM o.published_at - j.create_time) * 1000 AS ms "
+        "FROM jobs j JOIN outbox o ON o.job_id = j.id AND o.kind = 'job.dispatch' "
+        "WHERE j.tenant_id = $1 AND j.type = 'bench.noop' AND j.payload = '{\"open\": true}'",
+        bench.tenant,
+    )
+    relayed = [float(r["ms"]) for r in marked]
+    if relayed:
+        bench.add(Figure("submit_to_relay_mark_p50", percentile(relayed, 50), "ms", config))
+        bench.add(Figure("submit_to_relay_mark_p99", percentile(relayed, 99), "ms", config))
 
 
 async def open_loop(
@@ -1266,6 +1277,13 @@ async def main(argv: list[str] | None = None) -> int:
         help="run each jobplane process under cProfile (by CPU time), its stats in "
         "DIR/NAME.prof (slower: for where the time goes, not for the figures)",
     )
+    parser.add_argument(
+        "--open-rate",
+        type=float,
+        default=0.0,
+        help="jobs/s of the open loop (default: half the closed loop's); to compare "
+        "two commits' latency at one load",
+    )
     parser.add_argument("--ingest-docs", type=int, default=40, help="documents of --only ingest")
     parser.add_argument("--ingest-words", type=int, default=3000, help="words per document")
     parser.add_argument(
@@ -1305,7 +1323,7 @@ async def main(argv: list[str] | None = None) -> int:
 
             await fig_metrics(bench)
         if want("open"):
-            await fig_open_loop(bench, rate / 2)
+            await fig_open_loop(bench, args.open_rate or rate / 2)
         if want("pipeline"):
             await fig_pipeline(bench)
         if want("peers"):

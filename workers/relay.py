@@ -620,12 +620,11 @@ class Relay:
     async def _pipeline(self, link: _Link, wakeup: Subscription) -> None:
         """Relay batches while the link is open, up to ``in_flight`` of them at once.
 
-        A batch that came back full says more rows are due: the next one is
-        claimed while it is still being published and confirmed (its rows
-        are locked, so the next claim skips them) instead of after its marks
-        commit. A batch that is not full ends the burst: the batches in
-        flight end, then the relay waits for new rows. A batch that failed
-        ends the pipeline with its error.
+        A batch is claimed while the ones before it are still being published
+        and confirmed (their rows are locked, so the claim skips them): at
+        once when the batch before came back full (more rows are due), else
+        as soon as new rows are committed (a notification) or the next row
+        falls due. A batch that failed ends the pipeline with its error.
         """
         running: set[asyncio.Task[int]] = set()
 
@@ -640,6 +639,8 @@ class Relay:
                 if len(running) >= self._in_flight:
                     await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
                     continue
+                # Before the claim's snapshot: a row committed after it wakes the next.
+                wakeup.clear()
                 claimed: asyncio.Future[int] = asyncio.get_running_loop().create_future()
                 task = asyncio.create_task(self._relay_batch(link.exchange, link.events, claimed))
                 running.add(task)
@@ -647,10 +648,16 @@ class Relay:
                 await asyncio.wait({task, claimed}, return_when=asyncio.FIRST_COMPLETED)
                 if claimed.done() and claimed.result() >= self._batch_size:
                     continue
-                if running:
-                    await asyncio.wait(running)
-                    reap()
-                await wakeup.wait(await self._idle_seconds())
+                reap()
+                if not running:
+                    await wakeup.wait(await self._idle_seconds())
+                    continue
+                # Rows in flight count as due: wait for new ones, or for a batch to end.
+                woken = asyncio.ensure_future(wakeup.wait(self._poll_seconds))
+                try:
+                    await asyncio.wait({woken, *running}, return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    woken.cancel()
         finally:
             for task in running:
                 task.cancel()

@@ -90,13 +90,30 @@ async def test_full_batches_keep_the_window_full() -> None:
     assert script.started == 13
 
 
-async def test_a_batch_that_is_not_full_ends_the_burst_before_the_wait() -> None:
+class _Silent(_Wakeup):
+    """No notification ever comes: only a batch's end or the poll wakes the relay."""
+
+    async def wait(self, timeout: float) -> None:
+        self.script.waited_with.append(self.script.running)
+        await asyncio.sleep(timeout)
+
+
+async def test_after_a_short_batch_the_next_claim_waits_for_news() -> None:
     relay, link = _relay(in_flight=4), _Link()
-    script = _Script(relay, link, [BATCH, BATCH, 3, BATCH, 0])
+    relay._poll_seconds = 10.0  # no poll within the test: a batch's end must wake it
+    script = _Script(relay, link, [3, 3, 3, 0])
+    await relay._pipeline(link, _Silent(script))  # type: ignore[arg-type]
+    # No claim while a short batch was in flight: each waited for the one before.
+    assert script.most == 1
+    assert script.waited_with[:3] == [1, 1, 1]
+
+
+async def test_rows_committed_during_a_short_batch_are_claimed_at_once() -> None:
+    relay, link = _relay(in_flight=4), _Link()
+    script = _Script(relay, link, [3, 3, 3, 0])
+    # Every wait finds a notification already there: the next claim overlaps.
     await relay._pipeline(link, _Wakeup(script))  # type: ignore[arg-type]
-    # It waited for new rows twice (after 3 and after 0), each time with nothing in flight.
-    assert script.waited_with[:2] == [0, 0]
-    assert script.most == 3  # two full ones and the short one overlapped
+    assert script.most > 1
 
 
 async def test_one_in_flight_is_one_batch_after_the_other() -> None:

@@ -37,6 +37,10 @@ class Subscription:
         """Ask the subscriber to read again."""
         self._event.set()
 
+    def clear(self) -> None:
+        """Forget a wake-up: only one that comes after this ends the next wait."""
+        self._event.clear()
+
     async def wait(self, timeout: float) -> None:
         """Until woken or ``timeout`` seconds pass; then clear the flag."""
         with contextlib.suppress(TimeoutError):
