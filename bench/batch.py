@@ -28,7 +28,7 @@ ACCEPT_TARGET = 10_000.0
 
 async def fig_batch(bench: Bench) -> None:
     """The batch figures, beside the single-job rate measured first in the same run."""
-    from bench.run import Figure, closed_loop_rate
+    from bench.run import Figure, closed_loop_rate, cpu_seconds
 
     single = await closed_loop_rate(bench, JOB_TYPE)
     before = int((await bench.sql("SELECT count(*) AS n FROM jobs"))[0]["n"])
@@ -43,12 +43,15 @@ async def fig_batch(bench: Bench) -> None:
             specs = [JobSpec(JOB_TYPE, {}) for _ in range(min(BATCH, mine - start))]
             await client.submit_many(specs)
 
+    used = cpu_seconds(bench)
     started = time.perf_counter()
     await asyncio.gather(*(caller(i) for i in range(callers)))
     accepted = n / (time.perf_counter() - started)
     for client in clients:
         await client.close()
     await bench.wait_done(before + n, JOB_TYPE)
+    # Where the submit and the drain spent their CPU, per job.
+    spent = {c: (s - used.get(c, 0.0)) * 1000 / n for c, s in cpu_seconds(bench).items()}
     rows = await bench.sql(
         "SELECT extract(epoch FROM max(end_time) - min(create_time)) AS span, count(*) AS n "
         "FROM jobs WHERE tenant_id = $1 AND type = $2 AND create_time >= $3",
@@ -86,3 +89,5 @@ async def fig_batch(bench: Bench) -> None:
             ratio=drained / single,
         )
     )
+    for component, ms in sorted(spent.items()):
+        bench.add(Figure(f"batch_cpu_per_job_{component.replace(' ', '_')}", ms, "ms", config))

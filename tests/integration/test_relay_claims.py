@@ -9,10 +9,14 @@ relays in one pass.
 from __future__ import annotations
 
 import uuid
+from typing import Any
 
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from jobplane.client import JobSpec
+from jobplane.store import outbox
+from jobplane.store.db import Database
 from jobplane.topology import Topology
 from tests.support.event_api import all_published
 from tests.support.queues import ready_count
@@ -108,3 +112,31 @@ async def _scalar_is(stack: Stack, sql: str, expected: int) -> bool:
 
 async def _ready_is(amqp_url: str, queue: str, expected: int) -> bool:
     return await ready_count(amqp_url, queue) == expected
+
+
+async def test_a_backlog_of_dispatches_costs_the_other_rows_claim_nothing(
+    engine: AsyncEngine, db: Database, database_url: str, amqp_url: str, topology: Topology
+) -> None:
+    """The claim of rows that are not dispatches (parked events) reads none of the
+    due dispatches: a backlog would otherwise be read whole on every pass."""
+    stack = await start_stack(engine, database_url, amqp_url, topology, relay=False, worker=False)
+    try:
+        jobs = await stack.client().submit_many([JobSpec("demo.echo", {}) for _ in range(500)])
+        assert len(jobs) == 500
+        async with db.begin() as conn:
+            await conn.execute("ANALYZE outbox")
+            plan = await conn.fetch(
+                "EXPLAIN (ANALYZE, FORMAT JSON) " + outbox._CLAIM_DUE[1].text, {"limit": 100}
+            )
+        read = _rows_read(plan[0][0][0]["Plan"])
+        assert read == 0, plan[0][0]
+    finally:
+        await stack.close()
+
+
+def _rows_read(node: dict[str, Any]) -> int:
+    """Rows the plan's scans produced or removed by a filter: what it read."""
+    own = 0
+    if "Scan" in node["Node Type"]:
+        own = int(node.get("Actual Rows", 0)) + int(node.get("Rows Removed by Filter", 0))
+    return own + sum(_rows_read(child) for child in node.get("Plans", []))

@@ -23,6 +23,8 @@ straight on asyncpg (ADR-0030):
 - A connection goes back to the pool without asyncpg's reset statement (no
   statement here leaves session state behind; an open transaction is still
   rolled back), which would cost a round trip per use.
+- JIT compilation is off for these sessions: the statements are short, and
+  a plan Postgres misestimates as costly would be compiled on every run.
 
 Each part that runs hot statements (the server, a worker, a relay) owns its
 :class:`Database`: opened when it starts, closed when it stops, like its
@@ -258,6 +260,9 @@ class Database:
                     reset=_keep_session,
                     statement_cache_size=STATEMENT_CACHE_SIZE,
                     max_cacheable_statement_size=MAX_CACHEABLE_STATEMENT,
+                    # Short statements: compiling one (JIT) costs more than it
+                    # saves, and a misestimated plan would pay it every time.
+                    server_settings={"jit": "off"},
                 )
             return self._pool
 
