@@ -1513,11 +1513,22 @@ def _changes_many(transition: Transition, needs: set[str], binds: Sequence[str])
     seq = "last_seq = jobs.last_seq + 1, " if rule.event is not None else ""
     if rule.lifecycle is not None:
         seq += "lifecycle_cause = jobs.lifecycle_seq, lifecycle_seq = jobs.last_seq + 1, "
+    # The rows are locked by id alone, through the primary key, and fenced by
+    # the UPDATE that follows (which sees the locked version). Locked by the
+    # fence, a prepared statement's generic plan, made while the table was
+    # small, reached them through a partial index on their state instead: every
+    # queued or running job, and every dead entry left by those passed through,
+    # read for each group (34 ms a claim behind a backlog of 20,000 jobs).
+    if "id" in binds:
+        lock = """SELECT jobs.id AS l_id FROM jobs
+        WHERE jobs.id = ANY(CAST(:id AS uuid[]))"""
+    else:
+        lock = f"""SELECT jobs.id AS l_id FROM jobs, i{using}
+        WHERE {fence}"""
     return [
         f"i AS (SELECT * FROM unnest({arrays}) WITH ORDINALITY AS i({columns}, k))",
         f"""locked AS MATERIALIZED (
-        SELECT jobs.id AS l_id FROM jobs, i{using}
-        WHERE {fence}
+        {lock}
         ORDER BY jobs.id
         FOR UPDATE OF jobs
     )""",
@@ -1609,8 +1620,8 @@ def _progress(needs: set[str]) -> str:
                                  CAST(:last_progress AS float8[]), CAST(:last_message AS text[]))
                 WITH ORDINALITY AS i(id, attempt, lease_token, n, last_progress, last_message, k)
         ), locked AS (
-            SELECT jobs.id FROM jobs JOIN i USING (id)
-            WHERE {fence}
+            SELECT jobs.id FROM jobs
+            WHERE jobs.id = ANY(CAST(:ids AS uuid[]))
             ORDER BY jobs.id
             FOR UPDATE OF jobs
         )
