@@ -11,8 +11,10 @@ straight on asyncpg (ADR-0030):
 - The SQL is the same text: ``:name`` binds (as in SQLAlchemy's ``text()``,
   whose rules they follow) are rewritten to ``$n`` once per statement and
   the binds are passed by position from then on.
-- asyncpg prepares each statement once per connection and keeps it (the
-  cache is sized for every statement the machine compiles, however long).
+- asyncpg prepares each statement once per connection and keeps it for
+  half a minute (the cache is sized for every statement the machine
+  compiles, however long): then it is planned again for the tables as they
+  have grown.
 - json and jsonb come and go as SQLAlchemy's asyncpg dialect passes them: a
   value bound to one is JSON text already (``rows.dumps``); a column read is
   decoded. The same statement gives the same values on either path.
@@ -58,6 +60,12 @@ _ESCAPED = re.compile(r"\\(:\w*)(?![:\w])")
 STATEMENT_CACHE_SIZE = 512
 #: The longest statement text kept prepared (a grouped transition's is ~20 KiB).
 MAX_CACHEABLE_STATEMENT = 1024 * 1024
+#: Seconds a prepared statement is kept before it is prepared again. Postgres
+#: settles on a generic plan after a statement's first runs, costed for the
+#: tables as they are then: made while a new deployment's jobs table held a
+#: few rows, a plan that scans it stays cheap-looking as it grows to millions.
+#: Prepared again, the statement is planned for the tables as they are now.
+STATEMENT_LIFETIME = 30
 
 
 @dataclass(frozen=True, slots=True)
@@ -260,6 +268,7 @@ class Database:
                     reset=_keep_session,
                     statement_cache_size=STATEMENT_CACHE_SIZE,
                     max_cacheable_statement_size=MAX_CACHEABLE_STATEMENT,
+                    max_cached_statement_lifetime=STATEMENT_LIFETIME,
                     # Short statements: compiling one (JIT) costs more than it
                     # saves, and a misestimated plan would pay it every time.
                     server_settings={"jit": "off"},
