@@ -648,6 +648,10 @@ class Relay:
                 await asyncio.wait({task, claimed}, return_when=asyncio.FIRST_COMPLETED)
                 if claimed.done() and claimed.result() >= self._batch_size:
                     continue
+                if claimed.done() and claimed.result() == 0:
+                    # Nothing was due: let this empty batch end, so that only
+                    # batches with rows in flight wake the wait below.
+                    await asyncio.wait({task})
                 reap()
                 if not running:
                     await wakeup.wait(await self._idle_seconds())

@@ -24,8 +24,17 @@ class _Link:
 class _Script:
     """Batches of the given sizes, each published in ``publish`` seconds; then the link closes."""
 
-    def __init__(self, relay: Relay, link: _Link, sizes: list[int], *, fail: int = -1) -> None:
+    def __init__(
+        self,
+        relay: Relay,
+        link: _Link,
+        sizes: list[int],
+        *,
+        fail: int = -1,
+        slow: dict[int, float] | None = None,
+    ) -> None:
         self.sizes = sizes
+        self.slow = slow or {}
         self.link = link
         self.fail = fail
         self.running = 0
@@ -52,7 +61,7 @@ class _Script:
         self.running += 1
         self.most = max(self.most, self.running)
         try:
-            await asyncio.sleep(0.02)  # published, confirmed, marked
+            await asyncio.sleep(self.slow.get(index, 0.02))  # published, confirmed, marked
             if index == self.fail:
                 raise ConnectionResetError("the batch failed")
         finally:
@@ -132,3 +141,16 @@ async def test_a_failed_batch_ends_the_pipeline_with_its_error() -> None:
     await asyncio.sleep(0.05)
     assert script.running == 0
     assert script.started < 50
+
+
+async def test_an_empty_claim_beside_a_batch_in_flight_waits_for_news() -> None:
+    relay, link = _relay(in_flight=4), _Link()
+    relay._poll_seconds = 10.0
+    # A full batch that takes a while, then nothing due: the relay must not
+    # claim again and again while it runs.
+    script = _Script(relay, link, [BATCH, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0], slow={0: 0.3})
+    task = asyncio.create_task(relay._pipeline(link, _Silent(script)))  # type: ignore[arg-type]
+    await asyncio.sleep(0.2)
+    assert script.started == 2  # the full batch, and the claim that found nothing
+    link.closed = True
+    await asyncio.wait_for(task, 5)
