@@ -1244,6 +1244,7 @@ async def main(argv: list[str] | None = None) -> int:
             "ui",
             "peers",
             "batch",
+            "store",
         ],
     )
     parser.add_argument(
@@ -1330,6 +1331,10 @@ async def main(argv: list[str] | None = None) -> int:
             from bench.peers import fig_peers
 
             await fig_peers(bench)
+        if args.only and "store" in args.only:  # not by default: a measure of parts
+            from bench.store import fig_store
+
+            await fig_store(bench)
         if args.only and "ingest" in args.only:  # not by default: needs S3 and Qdrant
             from bench.ingest import fig_ingest
 
