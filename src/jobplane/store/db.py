@@ -28,9 +28,10 @@ straight on asyncpg (ADR-0030):
 - JIT compilation is off for these sessions: the statements are short, and
   a plan Postgres misestimates as costly would be compiled on every run.
 
-Each part that runs hot statements (the server, a worker, a relay) owns its
-:class:`Database`: opened when it starts, closed when it stops, like its
-LISTEN connections.
+Each part that runs hot statements (the server, a worker, a relay) takes a
+:class:`Database` from its caller, as it takes the engine (the commands make
+one in their lifespan), or owns one of its own: opened when it starts, closed
+when it stops, like its LISTEN connections.
 """
 
 from __future__ import annotations
