@@ -53,7 +53,7 @@ from jobplane.store import events as events_store
 from jobplane.store import jobs as job_store
 from jobplane.store.engine import asyncpg_dsn, create_engine, migrate
 from jobplane.store.keys import KeyStore
-from jobplane.store.machine import MACHINE, Transition
+from jobplane.store.machine import MACHINE, Cause, Transition
 from jobplane.topics import EVENTS_EXCHANGE
 from jobplane.v1 import events_pb2, events_pb2_grpc
 from tests.faults.cluster import free_port
@@ -1092,7 +1092,6 @@ async def check_plans(bench: Bench) -> None:
     now, and report any sequential scan of jobs, job_events, outbox or events."""
     some = await bench.sql("SELECT id, tenant_id FROM jobs LIMIT 1")
     job_id, tenant = some[0]["id"], some[0]["tenant_id"]
-    event = {"event_type": "started", "event_message": "", "event_data": "{}"}
     feed = (await bench.sql("SELECT txid::text AS txid, seq FROM event_relay"))[0]
     statements: dict[str, tuple[Any, dict[str, Any]]] = {
         "relay event feed": (
@@ -1100,7 +1099,8 @@ async def check_plans(bench: Bench) -> None:
             {"txid": feed["txid"], "seq": feed["seq"], "limit": 500},
         ),
         "sweeper events behind": (sweeps._EVENTS_BEHIND, {"older_than": 60.0}),
-        "relay claim": (outbox._CLAIM_DUE, {"limit": 100}),
+        "relay claim": (outbox._CLAIM_DUE[0], {"limit": 100}),
+        "relay claim of other rows": (outbox._CLAIM_DUE[1], {"limit": 100}),
         "relay next due": (outbox._NEXT_DUE, {}),
         "sweeper expired leases": (sweeps._EXPIRED, {"grace": 5.0, "limit": 100}),
         "sweeper stuck outbox": (sweeps._STUCK_OUTBOX, {"older_than": 60.0}),
@@ -1114,14 +1114,18 @@ async def check_plans(bench: Bench) -> None:
         ),
         "worker claim": (
             MACHINE.statement(Transition.CLAIM, attempts._CLAIMED),
-            {
-                "id": job_id,
-                "tenant_id": tenant,
-                "dispatch_id": uuid.uuid4(),
-                "lease_token": uuid.uuid4(),
-                "lease_seconds": 30.0,
-                **event,
-            },
+            MACHINE.prepare(
+                Transition.CLAIM,
+                {
+                    "id": job_id,
+                    "tenant_id": tenant,
+                    "dispatch_id": uuid.uuid4(),
+                    "type": "bench.noop",
+                    "lease_token": uuid.uuid4(),
+                    "lease_seconds": 30.0,
+                },
+                Cause("attempt started"),
+            ),
         ),
     }
     engine = create_engine(bench.database_url, pool_size=1)
