@@ -6,10 +6,12 @@ import asyncio
 import uuid
 
 import pytest
+from sqlalchemy import text
 from sqlalchemy.exc import DBAPIError, IntegrityError
 
 from jobplane.store.db import Database
 from jobplane.store.down import database_down, database_transient, sqlstate
+from jobplane.store.engine import connect_raw, create_engine
 
 
 async def test_json_goes_in_as_text_and_comes_out_decoded(db: Database) -> None:
@@ -106,3 +108,46 @@ async def test_concurrent_first_uses_make_one_pool(database_url: str) -> None:
         assert len(set(pids)) <= 3
     finally:
         await db.close()
+
+
+async def _end_other_sessions(database_url: str) -> int:
+    """Terminate every other session of this test's database; how many there were."""
+    killer = await connect_raw(database_url)
+    try:
+        ended: int = await killer.fetchval(
+            "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
+            "WHERE datname = current_database() AND pid <> pg_backend_pid()"
+        )
+    finally:
+        await killer.close()
+    # The server's notice of the end reaches the idle sockets on the next turns
+    # of the loop.
+    await asyncio.sleep(0.3)
+    return ended
+
+
+async def test_an_idle_connection_the_server_ended_is_not_handed_out(database_url: str) -> None:
+    async with Database(database_url, size=2) as db:
+        async with db.connect() as one, db.connect() as two:
+            before = {await one.fetchval("SELECT pg_backend_pid()")}
+            before.add(await two.fetchval("SELECT pg_backend_pid()"))
+        assert await _end_other_sessions(database_url) >= 2
+        async with db.connect() as conn:
+            assert await conn.fetchval("SELECT pg_backend_pid()") not in before
+
+
+async def test_the_engines_idle_connection_the_server_ended_is_not_handed_out(
+    database_url: str,
+) -> None:
+    engine = create_engine(database_url, pool_size=2)
+    try:
+        async with engine.connect() as one, engine.connect() as two:
+            before = {(await one.execute(text("SELECT pg_backend_pid()"))).scalar_one()}
+            before.add((await two.execute(text("SELECT pg_backend_pid()"))).scalar_one())
+        assert await _end_other_sessions(database_url) >= 2
+        for _ in range(3):  # every pooled connection in turn, none of them dead
+            async with engine.connect() as conn:
+                pid = (await conn.execute(text("SELECT pg_backend_pid()"))).scalar_one()
+            assert pid not in before
+    finally:
+        await engine.dispose()

@@ -7,8 +7,11 @@ from importlib import resources
 from typing import Any
 
 import asyncpg
+from sqlalchemy import event
 from sqlalchemy.engine import make_url
+from sqlalchemy.exc import DisconnectionError
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
+from sqlalchemy.pool import ConnectionPoolEntry, PoolProxiedConnection
 
 
 def sqlalchemy_url(url: str) -> str:
@@ -30,8 +33,13 @@ def create_engine(url: str, *, pool_size: int = 10, **kwargs: Any) -> AsyncEngin
     connection instead of opening (and closing) overflow ones, each of which
     costs Postgres a new backend process. A failing statement's error never
     carries its parameters (tenants' payloads) into a message or a log.
+
+    A pooled connection the server has closed while it sat idle (a restart,
+    a failover, ``pg_terminate_backend``) is not handed out: the pool checks
+    asyncpg's own view of the socket at checkout, which costs no round trip,
+    and connects again instead of failing the caller's statement.
     """
-    return create_async_engine(
+    engine = create_async_engine(
         sqlalchemy_url(url),
         pool_size=pool_size,
         max_overflow=0,
@@ -39,6 +47,17 @@ def create_engine(url: str, *, pool_size: int = 10, **kwargs: Any) -> AsyncEngin
         hide_parameters=True,
         **kwargs,
     )
+    event.listen(engine.sync_engine.pool, "checkout", _refuse_closed)
+    return engine
+
+
+def _refuse_closed(
+    dbapi_connection: Any, record: ConnectionPoolEntry, proxy: PoolProxiedConnection
+) -> None:
+    raw = record.driver_connection
+    if isinstance(raw, asyncpg.Connection) and raw.is_closed():
+        # The pool discards the connection and checks out another (up to 3 times).
+        raise DisconnectionError("the server closed this pooled connection")
 
 
 async def connect_raw(url: str) -> asyncpg.Connection:
