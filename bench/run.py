@@ -434,9 +434,21 @@ async def fig_throughput(bench: Bench) -> float:
     return float(rate)
 
 
+#: Seconds of quiet before the open loop (see fig_open_loop).
+OPEN_LOOP_PAUSE = 5.0
+
+
 async def fig_open_loop(bench: Bench, rate: float) -> None:
-    """Figures 1 (open loop) and 2: a fixed submit rate; submit → start latency."""
+    """Figures 1 (open loop) and 2: a fixed submit rate; submit → start latency.
+
+    In the steady state at that rate: after the relay has published the
+    lifecycle events of what ran before (a closed loop leaves thousands, and
+    every dispatch would wait behind them) and a pause for the autovacuum
+    and checkpoint work they leave.
+    """
     seconds = bench.args.seconds
+    await _events_published(bench)
+    await asyncio.sleep(OPEN_LOOP_PAUSE)
     rows = await open_loop(bench, "bench.noop", rate, seconds)
     start = [float(r["start_ms"]) for r in rows]
     span = (max(r["end_time"] for r in rows) - min(r["create_time"] for r in rows)).total_seconds()

@@ -76,9 +76,12 @@ _CLAIM_ONE = text(_CLAIM_SQL.format(where="id = :id"))
 # Any outcome but a return ends a run of returns (see the module docstring);
 # the sweeper's re-publish too.
 RETURNS_RESET = "returns = 0, first_returned_at = NULL"
+# The time of the mark itself, after the broker's confirm: now() would be the
+# start of the batch's transaction, before the rows were even published.
 _MARK_PUBLISHED = text(
-    "UPDATE outbox SET published_at = now(), publish_attempts = publish_attempts + 1, "
-    f"{RETURNS_RESET} WHERE id = ANY(CAST(:ids AS uuid[]))"
+    "UPDATE outbox SET published_at = clock_timestamp(), "
+    f"publish_attempts = publish_attempts + 1, {RETURNS_RESET} "
+    "WHERE id = ANY(CAST(:ids AS uuid[]))"
 )
 _BACKOFF = "now() + make_interval(secs => least(30, 0.5 * 2 ^ least(publish_attempts, 6)))"
 _MARK_RETRY = text(
