@@ -315,3 +315,54 @@ def test_an_unsampled_trace_makes_no_spans_and_carries_its_context(
         pass
     (span,) = on.get_finished_spans()
     assert span.name == "outbox publish" and span.context.trace_id == 0xABC
+
+
+_TRACEPARENTS = st.one_of(
+    st.builds(
+        "{}-{:032x}-{:016x}-{:02x}{}".format,
+        st.sampled_from(["00", "01", "ff", "0A"]),
+        st.integers(0, 2**128 - 1) | st.just(0),
+        st.integers(0, 2**64 - 1) | st.just(0),
+        st.integers(0, 255),
+        st.sampled_from(["", "-", "-x", " "]),
+    ),
+    st.text(max_size=60),
+    st.binary(max_size=60),
+)
+
+
+@settings(deadline=None)
+@given(parent=_TRACEPARENTS, state=st.none() | st.text(max_size=20))
+def test_an_unsampled_context_carried_on_as_it_came_is_what_the_propagator_makes(
+    parent: str | bytes, state: str | None
+) -> None:
+    carrier: dict[str, Any] = {"traceparent": parent}
+    if state is not None:
+        carrier["tracestate"] = state
+    assert tracing._passed_on(carrier) is None  # the sampler keeps such spans: no short path
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(tracing, "_SKIP_UNSAMPLED", True)
+        passed = tracing._passed_on(carrier)
+        context = tracing.extract(carrier)
+        if passed is None:
+            return
+        # Only what the propagator reads as a valid trace that is not sampled,
+        # and exactly what it would have written back.
+        assert tracing._unsampled(context)
+        assert passed == tracing._inject(context)
+        found = trace.get_current_span(tracing._remote(passed["traceparent"])).get_span_context()
+        assert found == trace.get_current_span(context).get_span_context()
+
+
+def test_the_short_path_takes_the_plain_form_jobplane_writes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(tracing, "_SKIP_UNSAMPLED", True)
+    plain = {"traceparent": _unsampled(0xABC, 0xDEF)}
+    assert tracing._passed_on(plain) == plain
+    assert tracing._passed_on({"traceparent": _unsampled(0xABC, 0xDEF).encode()}) == plain
+    random_flag = {"traceparent": _unsampled(0xABC, 0xDEF)[:-2] + "02"}
+    assert tracing._passed_on(random_flag) == random_flag
+    # Sampled, or with a tracestate to check: the propagator's way.
+    assert tracing._passed_on({"traceparent": _parent(0xABC, 0xDEF)}) is None
+    assert tracing._passed_on({**plain, "tracestate": "k=v"}) is None

@@ -33,6 +33,7 @@ import asyncio
 import contextlib
 import contextvars
 import inspect
+import re
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any, Final, TypeAlias
 
@@ -227,6 +228,50 @@ class _StringGetter(Getter[Mapping[str, Any]]):
 _GETTER = _StringGetter()
 
 
+# A version-00 traceparent whose sampled flag (bit 0 of the flags) is clear:
+# the form jobplane itself writes for a trace that is not sampled.
+_PLAINLY_UNSAMPLED = re.compile(r"00-([0-9a-f]{32})-([0-9a-f]{16})-[0-9a-f][02468ace]")
+_ZERO_TRACE = "0" * 32
+_ZERO_SPAN = "0" * 16
+
+
+def _passed_on(carrier: Mapping[str, Any] | None) -> Mapping[str, str] | None:
+    """``carrier``'s trace context as it came, when it plainly continues a trace that
+    is not sampled and the sampler drops every span under it; else None.
+
+    The hops that make no span for such a trace (the relay's publish, the
+    worker's writes) carry it on unchanged: parsing it into OpenTelemetry's
+    context and formatting it back would give the same ``traceparent``. Only
+    the plain form is taken (version 00, valid ids, no ``tracestate``);
+    anything else goes through the propagator.
+    """
+    if not _SKIP_UNSAMPLED or not carrier or TRACESTATE in carrier:
+        return None
+    parent = carrier.get(TRACEPARENT)
+    if isinstance(parent, bytes):
+        parent = parent.decode("latin-1")
+    if not isinstance(parent, str) or len(parent) != 55:
+        return None
+    found = _PLAINLY_UNSAMPLED.fullmatch(parent)
+    if found is None or found[1] == _ZERO_TRACE or found[2] == _ZERO_SPAN:
+        return None
+    return {TRACEPARENT: parent}
+
+
+def _remote(parent: str) -> otel_context.Context:
+    """The context of a traceparent :func:`_passed_on` took (so known to be well formed
+    and not sampled): what the propagator's extract makes of it, without its checks."""
+    span = trace.NonRecordingSpan(
+        trace.SpanContext(
+            trace_id=int(parent[3:35], 16),
+            span_id=int(parent[36:52], 16),
+            is_remote=True,
+            trace_flags=trace.TraceFlags(int(parent[53:55], 16)),
+        )
+    )
+    return trace.set_span_in_context(span, otel_context.Context())
+
+
 def extract(carrier: Mapping[str, Any] | None) -> otel_context.Context:
     """The trace context in ``carrier``'s ``traceparent``/``tracestate``; an empty
     context (a new trace) for anything missing or malformed."""
@@ -309,6 +354,9 @@ def publish_span(
     A row of a trace that is not sampled makes no span: its context goes on
     to the message as it came.
     """
+    passed = _passed_on(row_headers)
+    if passed is not None:
+        return contextlib.nullcontext(passed)
     parent = extract(row_headers)
     if _unsampled(parent):
         return contextlib.nullcontext(_inject(parent))
@@ -340,6 +388,11 @@ def delivered(headers: Mapping[str, Any] | None) -> contextlib.AbstractContextMa
     """The context of a delivered message, current for the block (its spans' parent)."""
     if not ENABLED:
         return _NULL
+    passed = _passed_on(headers)
+    if passed is not None:
+        # Current for the handler (its own calls out carry the trace on), and
+        # carried on as it came by the delivery's writes.
+        return _attached(_remote(passed[TRACEPARENT]), passed)
     context = extract(headers)
     return _attached(context, _inject(context) if _unsampled(context) else None)
 
@@ -663,6 +716,8 @@ _CODES = {code.value[0]: code for code in grpc.StatusCode}
 
 
 def _finish(span: Span, context: Context, error: BaseException | None = None) -> None:
+    if not span.is_recording():  # a call the sampler dropped: nothing to note
+        return
     found: Any = context.code()
     code = _CODES.get(found) if isinstance(found, int) else found
     if not isinstance(code, grpc.StatusCode) or (error is not None and code is grpc.StatusCode.OK):
