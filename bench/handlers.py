@@ -19,10 +19,15 @@ async def noop(ctx: JobContext) -> dict[str, Any]:
 
 # The relay figure's backlog (figure 5): run, once published, as any no-op job.
 registry.add("bench.relay", noop)
+# What each comparison's processes run before they are measured (Bench.warm_up).
+registry.add("bench.warm_up", noop)
+
+#: The most rounds an on/off comparison runs (bench.run's --rounds).
+MAX_ROUNDS = 20
 
 # The same, under the types of the lifecycle-events and metrics comparisons (one type per
 # half of each round, so each counts only its own jobs).
-for _round in range(1, 10):
+for _round in range(1, MAX_ROUNDS + 1):
     for _state in ("off", "on"):
         registry.add(f"bench.noop_lifecycle_{_state}_{_round}", noop)
         registry.add(f"bench.noop_tracing_{_state}_{_round}", noop)

@@ -23,7 +23,6 @@ from tests.faults.cluster import free_port
 if TYPE_CHECKING:
     from bench.run import Bench
 
-ROUNDS = 3
 SCRAPE_SECONDS = 5.0
 TARGET = 0.95
 
@@ -52,6 +51,7 @@ async def _start(bench: Bench, metrics: bool) -> list[int]:
             *listen(),
         )
     await bench.ready()
+    await bench.warm_up()
     return ports
 
 
@@ -93,7 +93,7 @@ async def fig_metrics(bench: Bench) -> None:
     ratios: list[float] = []
     totals: dict[str, list[float]] = {"off": [], "on": []}
     scrapes: list[float] = []
-    for round_ in range(1, ROUNDS + 1):
+    for round_ in range(1, bench.args.rounds + 1):
         order = ("off", "on") if round_ % 2 else ("on", "off")
         rates: dict[str, float] = {}
         for state in order:
@@ -113,7 +113,7 @@ async def fig_metrics(bench: Bench) -> None:
         )
     config = {
         "jobs": bench.args.jobs,
-        "rounds": ROUNDS,
+        "rounds": bench.args.rounds,
         "clients": bench.args.clients,
         "scrape_every_s": SCRAPE_SECONDS,
         **_procs(bench),

@@ -45,6 +45,7 @@ from sqlalchemy import text
 
 from bench import procstat
 from bench.blobs import MiB, s3_env, straight_to_s3, through_jobplane, write_file
+from bench.handlers import MAX_ROUNDS
 from jobplane import broker
 from jobplane.blobs.store import PART_BYTES
 from jobplane.client import AsyncClient
@@ -130,6 +131,7 @@ class Bench:
         self.notes: list[str] = []
         # Set for the processes started next (e.g. lifecycle events off).
         self.extra_env: dict[str, str] = {}
+        self._warmed = 0
         # The S3 server of the blob figures: $JOBPLANE_S3_URL's, else a moto_server.
         self.s3: MotoServer | None = None
         self.s3_env: dict[str, str] = {}
@@ -257,6 +259,21 @@ class Bench:
             )
         await self.ready()
 
+    async def warm_up(self) -> None:
+        """Run :data:`WARM_UP_JOBS` no-op jobs through the processes just started.
+
+        For the on/off comparisons: a process that is still importing, or
+        connecting, or paying a first use (a first export of spans, a first
+        statement prepared) when the measured loop starts would count that
+        once-a-process cost against the jobs of the half it starts, and the
+        halves differ in what they load.
+        """
+        await submit_closed_loop(
+            self.address, self.key, WARM_UP_TYPE, WARM_UP_JOBS, self.args.clients, {}
+        )
+        self._warmed += WARM_UP_JOBS
+        await self.wait_done(self._warmed, WARM_UP_TYPE)
+
     async def sql(self, query: str, *params: Any) -> list[asyncpg.Record]:
         # One connection for the run's queries: a connection a poll (wait_done
         # polls ten times a second) fails the run when the shared server is
@@ -307,6 +324,11 @@ async def submit_closed_loop(
     return elapsed
 
 
+#: The no-op jobs :meth:`Bench.warm_up` runs, and their type.
+WARM_UP_JOBS = 300
+WARM_UP_TYPE = "bench.warm_up"
+
+
 async def closed_loop_rate(bench: Bench, job_type: str) -> float:
     """``--jobs`` no-op jobs of ``job_type`` from ``--clients`` callers: jobs/s from
     the first create to the last end."""
@@ -322,13 +344,10 @@ async def closed_loop_rate(bench: Bench, job_type: str) -> float:
     return float(rows[0]["n"]) / float(rows[0]["span"])
 
 
-LIFECYCLE_ROUNDS = 3
-
-
 async def fig_lifecycle_cost(bench: Bench) -> None:
     """The end-to-end no-op figure with lifecycle events off and on, in one run.
 
-    Three rounds of ``--jobs`` each, every process restarted for each half
+    ``--rounds`` rounds (3) of ``--jobs`` each, every process restarted for each half
     (JOBPLANE_LIFECYCLE_EVENTS=0, or the default), the order alternating
     (off-on, on-off, off-on) so that a machine that gets slower or faster
     during the run, or the tables growing, weigh on both sides alike. The
@@ -339,13 +358,15 @@ async def fig_lifecycle_cost(bench: Bench) -> None:
     ratios: list[float] = []
     totals: dict[str, list[float]] = {"off": [], "on": []}
     cpu: dict[str, dict[str, float]] = {"off": {}, "on": {}}
-    for round_ in range(1, LIFECYCLE_ROUNDS + 1):
+    for round_ in range(1, bench.args.rounds + 1):
         order = ("off", "on") if round_ % 2 else ("on", "off")
         rates: dict[str, float] = {}
         for state in order:
             await bench.stop_all()
             bench.extra_env = {"JOBPLANE_LIFECYCLE_EVENTS": "0"} if state == "off" else {}
             await bench.start_all()
+            await bench.warm_up()
+            await _events_published(bench)
             cpu_before = cpu_seconds(bench)
             job_type = f"bench.noop_lifecycle_{state}_{round_}"
             rates[state] = await closed_loop_rate(bench, job_type)
@@ -354,7 +375,7 @@ async def fig_lifecycle_cost(bench: Bench) -> None:
             cpu_after = cpu_seconds(bench)
             for c in cpu_after:
                 used = (cpu_after[c] - cpu_before.get(c, 0.0)) * 1000 / bench.args.jobs
-                cpu[state][c] = cpu[state].get(c, 0.0) + used / LIFECYCLE_ROUNDS
+                cpu[state][c] = cpu[state].get(c, 0.0) + used / bench.args.rounds
             totals[state].append(rates[state])
         ratios.append(rates["on"] / rates["off"])
         print(
@@ -371,7 +392,7 @@ async def fig_lifecycle_cost(bench: Bench) -> None:
                 "jobs/s",
                 {
                     "jobs": bench.args.jobs,
-                    "rounds": LIFECYCLE_ROUNDS,
+                    "rounds": bench.args.rounds,
                     "clients": bench.args.clients,
                     **_procs(bench),
                 },
@@ -391,11 +412,11 @@ async def fig_lifecycle_cost(bench: Bench) -> None:
             "lifecycle_events_cost",
             (1 - ratio) * 100,
             "% of jobs/s",
-            {"rounds": LIFECYCLE_ROUNDS, "ratios": [round(r, 3) for r in ratios]},
+            {"rounds": bench.args.rounds, "ratios": [round(r, 3) for r in ratios]},
         )
     )
     print(
-        f"lifecycle events: median ratio {ratio:.3f} over {LIFECYCLE_ROUNDS} rounds, "
+        f"lifecycle events: median ratio {ratio:.3f} over {bench.args.rounds} rounds, "
         f"cost {(1 - ratio) * 100:.1f} % (at most 15 %)",
         file=sys.stderr,
     )
@@ -1225,6 +1246,13 @@ def columns(rows: Sequence[Sequence[str]]) -> str:
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, width, strict=True)) for r in rows)
 
 
+def _rounds(value: str) -> int:
+    rounds = int(value)
+    if not 1 <= rounds <= MAX_ROUNDS:
+        raise argparse.ArgumentTypeError(f"between 1 and {MAX_ROUNDS}")
+    return rounds
+
+
 async def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="bench", description=__doc__.splitlines()[0])
     parser.add_argument("--jobs", type=int, default=5000)
@@ -1268,6 +1296,13 @@ async def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--peer-rounds", type=int, default=2, help="rounds of --only peers, order reversed each"
+    )
+    parser.add_argument(
+        "--rounds",
+        type=_rounds,
+        default=3,
+        help="alternating on/off rounds of --only tracing, metrics and lifecycle (the "
+        "cost is their median ratio; more rounds, less of a noisy machine's spread)",
     )
     parser.add_argument(
         "--trace-ratio",

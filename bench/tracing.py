@@ -1,6 +1,6 @@
 """The tracing figure (`--only tracing`): end-to-end throughput with tracing on and off.
 
-Three rounds of ``--jobs`` no-op jobs each, every process restarted for each
+``--rounds`` rounds (3) of ``--jobs`` no-op jobs each, every process restarted for each
 half, the order alternating (off-on, on-off, off-on) as for the lifecycle
 figure. On: every process exports over OTLP/HTTP (the batch processor's
 defaults) to a receiver on loopback in this process, which decodes each
@@ -19,7 +19,6 @@ from tests.otlp_receiver import Receiver
 if TYPE_CHECKING:
     from bench.run import Bench
 
-ROUNDS = 3
 #: The most throughput tracing may cost (on / off at least 0.95).
 TARGET_COST = 0.05
 
@@ -37,7 +36,7 @@ async def fig_tracing(bench: Bench) -> None:
     ratio = bench.args.trace_ratio
     sampler = "always_on" if ratio >= 1 else "parentbased_traceidratio"
     with Receiver.running() as receiver:
-        for round_ in range(1, ROUNDS + 1):
+        for round_ in range(1, bench.args.rounds + 1):
             order = ("off", "on") if round_ % 2 else ("on", "off")
             rates: dict[str, float] = {}
             for state in order:
@@ -52,12 +51,13 @@ async def fig_tracing(bench: Bench) -> None:
                     else {}
                 )
                 await bench.start_all()
+                await bench.warm_up()
                 before = cpu_seconds(bench)
                 rates[state] = await closed_loop_rate(bench, f"bench.noop_tracing_{state}_{round_}")
                 after = cpu_seconds(bench)
                 for c, used in after.items():
                     per_job = (used - before.get(c, 0.0)) * 1000 / bench.args.jobs
-                    cpu[state][c] = cpu[state].get(c, 0.0) + per_job / ROUNDS
+                    cpu[state][c] = cpu[state].get(c, 0.0) + per_job / bench.args.rounds
                 totals[state].append(rates[state])
             ratios.append(rates["on"] / rates["off"])
             print(
@@ -71,7 +71,7 @@ async def fig_tracing(bench: Bench) -> None:
     await bench.start_all()
     config = {
         "jobs": bench.args.jobs,
-        "rounds": ROUNDS,
+        "rounds": bench.args.rounds,
         "clients": bench.args.clients,
         "sampler": sampler,
         "sampled": ratio,
