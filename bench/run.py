@@ -455,6 +455,21 @@ async def fig_throughput(bench: Bench) -> float:
     return float(rate)
 
 
+#: The latency targets (p50, p99 in ms): submit → start at half the closed
+#: loop's rate, and progress → watcher.
+LATENCY_TARGETS = {"submit_to_start": (5.0, 25.0), "progress_to_watcher": (10.0, 50.0)}
+
+
+def latency_targets(
+    bench: Bench, name: str, values: list[float], targets: tuple[float, float]
+) -> None:
+    """Each percentile of ``values`` against its target, as a line after the table."""
+    for p, bound in zip((50, 99), targets, strict=True):
+        value = percentile(values, p)
+        verdict = "met" if value <= bound else "missed"
+        bench.notes.append(f"{name}_p{p}: {value:.1f} ms (target <= {bound:g} ms): {verdict}")
+
+
 #: Seconds of quiet before the open loop (see fig_open_loop).
 OPEN_LOOP_PAUSE = 5.0
 
@@ -477,6 +492,7 @@ async def fig_open_loop(bench: Bench, rate: float) -> None:
     bench.add(Figure("e2e_throughput_open_loop", len(rows) / span, "jobs/s", config))
     bench.add(Figure("submit_to_start_p50", percentile(start, 50), "ms", config))
     bench.add(Figure("submit_to_start_p99", percentile(start, 99), "ms", config))
+    latency_targets(bench, "submit_to_start", start, LATENCY_TARGETS["submit_to_start"])
     # Where it went: the dispatch's mark (after the broker's confirm) is the relay's share.
     marked = await bench.sql(
         "SELECT extract(epoch FROM o.published_at - j.create_time) * 1000 AS ms "
@@ -677,6 +693,7 @@ async def fig_progress(bench: Bench) -> None:
         bench.add(Figure(f"progress_cpu_{component.replace(' ', '_')}", used, "s", config))
     bench.add(Figure("progress_to_watcher_p50", percentile(latencies, 50), "ms", config))
     bench.add(Figure("progress_to_watcher_p99", percentile(latencies, 99), "ms", config))
+    latency_targets(bench, "progress_to_watcher", latencies, LATENCY_TARGETS["progress_to_watcher"])
     bench.add(Figure("progress_stamp_to_write_p50", percentile(to_write, 50), "ms", config))
     bench.add(Figure("progress_write_to_watcher_p50", percentile(from_write, 50), "ms", config))
     bench.add(Figure("progress_stamp_to_write_p99", percentile(to_write, 99), "ms", config))
