@@ -756,9 +756,10 @@ async def publish_closed_loop(address: str, key: str, count: int, clients: int) 
     return elapsed
 
 
-async def _events_published(bench: Bench) -> None:
+async def _events_published(bench: Bench, timeout: float = 600) -> None:
     """Until the relay has published every event."""
-    while True:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
         rows = await bench.sql(
             "SELECT count(*) AS n FROM events e, event_relay r "
             "WHERE (e.txid, e.seq) > (r.txid, r.seq)"
@@ -766,6 +767,7 @@ async def _events_published(bench: Bench) -> None:
         if rows[0]["n"] == 0:
             return
         await asyncio.sleep(0.02)
+    raise TimeoutError(f"the relay did not publish every event within {timeout:g}s")
 
 
 async def fig_events(bench: Bench) -> None:

@@ -56,7 +56,7 @@ def _refuse_closed(
 ) -> None:
     raw = record.driver_connection
     if isinstance(raw, asyncpg.Connection) and raw.is_closed():
-        # The pool discards the connection and checks out another (up to 3 times).
+        # The pool discards the connection and connects again in its place.
         raise DisconnectionError("the server closed this pooled connection")
 
 
