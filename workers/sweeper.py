@@ -18,6 +18,12 @@
   and looks at no more than ``republish_scan`` QUEUED jobs per pass,
   continuing where its last pass stopped.
 
+- Statistics a hot table has outgrown: a young table whose rows changed since
+  its last ANALYZE outnumber the rows it had then is analyzed at once, so
+  plans made while it was empty (prepared statements keep theirs) are made
+  again; autovacuum visits a database once a minute, and a fresh one taking
+  thousands of jobs a second outgrows its plans before that.
+
 Safe to run in many processes at once: rows are taken with SKIP LOCKED and
 re-checked under the lock. A sweep that fails is logged and the next one runs
 on time: a sweeper never stops on its own.
@@ -106,6 +112,9 @@ class Sweeper:
         if time.monotonic() >= self._next_republish:
             republished = await self._republish()
             self._next_republish = time.monotonic() + self._republish_every
+        analyzed = await self._store.analyze_grown()
+        if analyzed:
+            log.info("sweeper.tables.analyzed", tables=analyzed)
         stuck = await self._store.stuck_outbox(older_than=self._stuck_after)
         lag = await self._store.events_behind(older_than=self._stuck_after)
         report = SweepReport(

@@ -7,14 +7,16 @@ condition under the lock, so any number of sweepers may run at once.
 from __future__ import annotations
 
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from sqlalchemy import text
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from jobplane.ids import new_id
+from jobplane.store.down import sqlstate
 from jobplane.store.engine import autocommit
 from jobplane.store.machine import MACHINE, Cause, StateMachine, Transition, state_is
 from jobplane.store.outbox import RETURNS_RESET, OutboxKind
@@ -102,6 +104,27 @@ _REPUBLISH = text(
 # transaction-level lock ends with the pass, or with its session.
 _REPUBLISH_LOCK = text("SELECT pg_try_advisory_xact_lock(:key)")
 REPUBLISH_LOCK_KEY = 0x6A70_7265_7075_6231  # "jprepub1"
+# Early statistics (see SweepStore.analyze_grown): the tables the hot paths'
+# prepared statements read, those whose changes since their last ANALYZE
+# (automatic or not) outnumber the rows they had then, and at least
+# :min_changes of them: a young table doubling, which autovacuum's launcher
+# (one visit a database a minute) is too slow for; an established table
+# never qualifies.
+HOT_TABLES = ("jobs", "outbox", "events", "job_events", "job_stages")
+_GROWN = text(
+    """
+    SELECT s.relname
+    FROM pg_stat_user_tables s JOIN pg_class c ON c.oid = s.relid
+    WHERE s.schemaname = current_schema() AND s.relname = ANY(CAST(:tables AS text[]))
+      AND s.n_mod_since_analyze >= :min_changes
+      AND s.n_mod_since_analyze > greatest(c.reltuples, 0)
+    ORDER BY s.relname
+    """
+)
+_ANALYZE_LOCK_KEY = 0x6A70_616E_616C_7931  # "jpanaly1"
+# Behind autovacuum's own ANALYZE of the table, give up rather than wait.
+_ANALYZE_LOCK_TIMEOUT = text("SET LOCAL lock_timeout = '1s'")
+_LOCK_NOT_AVAILABLE = "55P03"
 _START = uuid.UUID(int=0)
 _ID = ("id",)
 
@@ -148,6 +171,41 @@ class SweepStore:
         self._auto = autocommit(engine)
         self._machine = machine
         self._cursor = _START
+
+    async def analyze_grown(
+        self, *, tables: Sequence[str] = HOT_TABLES, min_changes: int = 1000
+    ) -> list[str]:
+        """ANALYZE each of ``tables`` that outgrew its statistics; their names.
+
+        Postgres drops the cached plans of a table it analyzes, so the hot
+        paths' prepared statements are planned again for the table as it is:
+        a plan made while a table was empty (a sequential scan where an index
+        belongs) does not outlive the first thousands of rows. One sweeper
+        at a time per database; nothing when another holds the lock, or when
+        autovacuum is analyzing the table. A role that does not own the
+        tables gets Postgres's warning and nothing done.
+        """
+        try:
+            async with self._engine.begin() as conn:
+                if not (await conn.execute(_REPUBLISH_LOCK, {"key": _ANALYZE_LOCK_KEY})).scalar():
+                    return []
+                grown = [
+                    str(name)
+                    for name in (
+                        await conn.execute(
+                            _GROWN, {"tables": list(tables), "min_changes": min_changes}
+                        )
+                    ).scalars()
+                ]
+                await conn.execute(_ANALYZE_LOCK_TIMEOUT)
+                for name in grown:
+                    # A name of a table that exists, as the catalog spells it.
+                    await conn.execute(text(f'ANALYZE "{name}"'))
+        except DBAPIError as exc:
+            if sqlstate(exc) == _LOCK_NOT_AVAILABLE:
+                return []
+            raise
+        return grown
 
     async def expire_leases(
         self, *, grace: float, limit: int, delay: Callable[[int], float]
