@@ -115,7 +115,7 @@ async def _end_other_sessions(database_url: str) -> int:
     killer = await connect_raw(database_url)
     try:
         ended: int = await killer.fetchval(
-            "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
+            "SELECT count(pg_terminate_backend(pid, 5000)) FROM pg_stat_activity "
             "WHERE datname = current_database() AND pid <> pg_backend_pid()"
         )
     finally:
