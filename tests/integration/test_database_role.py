@@ -68,3 +68,24 @@ async def test_the_processes_run_with_a_dml_only_role(
             await stack.close()
     finally:
         await engine.dispose()
+
+
+async def test_the_sweepers_early_analyze_leaves_tables_it_does_not_own(
+    dml_url: str, engine: AsyncEngine
+) -> None:
+    from jobplane.store.sweeps import SweepStore
+
+    async with engine.begin() as conn:  # as the owner
+        await conn.execute(text("CREATE TABLE t_owned (id int) WITH (autovacuum_enabled = false)"))
+        await conn.execute(text("INSERT INTO t_owned SELECT generate_series(1, 2000)"))
+    async with engine.connect() as conn:
+        await conn.execute(text("SELECT pg_stat_force_next_flush()"))
+        await conn.commit()
+    runtime = create_engine(dml_url, pool_size=1)
+    try:
+        # Grown past the rule, but ANALYZE would only warn for this role, every sweep.
+        assert await SweepStore(runtime).analyze_grown(tables=("t_owned",)) == []
+    finally:
+        await runtime.dispose()
+    # The owner's sweeper does it.
+    assert await SweepStore(engine).analyze_grown(tables=("t_owned",)) == ["t_owned"]

@@ -118,6 +118,9 @@ _GROWN = text(
     WHERE s.schemaname = current_schema() AND s.relname = ANY(CAST(:tables AS text[]))
       AND s.n_mod_since_analyze >= :min_changes
       AND s.n_mod_since_analyze > greatest(c.reltuples, 0)
+      -- Postgres lets the table's owner analyze it (and a superuser, who holds
+      -- every role); for another role ANALYZE only warns, every sweep.
+      AND pg_has_role(c.relowner, 'USAGE')
     ORDER BY s.relname
     """
 )
@@ -182,8 +185,8 @@ class SweepStore:
         a plan made while a table was empty (a sequential scan where an index
         belongs) does not outlive the first thousands of rows. One sweeper
         at a time per database; nothing when another holds the lock, or when
-        autovacuum is analyzing the table. A role that does not own the
-        tables gets Postgres's warning and nothing done.
+        autovacuum is analyzing the table, or for a table whose owner this
+        role is not (the least-privilege runtime role: autovacuum's pace).
         """
         try:
             async with self._engine.begin() as conn:
