@@ -24,7 +24,7 @@ async def _add_rows(engine: AsyncEngine, first: int, count: int) -> None:
             ),
             {"a": first, "b": first + count - 1},
         )
-    # This session's counts reach the shared statistics now, not within a second.
+    # This connection's counts reach the shared statistics now, not within a second.
     async with engine.connect() as conn:
         await conn.execute(text("SELECT pg_stat_force_next_flush()"))
         await conn.commit()
