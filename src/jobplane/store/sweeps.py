@@ -102,7 +102,7 @@ _REPUBLISH = text(
 # One re-publish pass at a time across all sweepers of a database: the pass
 # is repair, and two at once would only read the same backlog twice. A
 # transaction-level lock ends with the pass, or with its session.
-_REPUBLISH_LOCK = text("SELECT pg_try_advisory_xact_lock(:key)")
+_TRY_LOCK = text("SELECT pg_try_advisory_xact_lock(:key)")
 REPUBLISH_LOCK_KEY = 0x6A70_7265_7075_6231  # "jprepub1"
 # Early statistics (see SweepStore.analyze_grown): the tables the hot paths'
 # prepared statements read, those whose changes since their last ANALYZE
@@ -188,18 +188,16 @@ class SweepStore:
         autovacuum is analyzing the table, or for a table whose owner this
         role is not (the least-privilege runtime role: autovacuum's pace).
         """
+        binds = {"tables": list(tables), "min_changes": min_changes}
+        # Most sweeps find nothing: one statement, no transaction or lock.
+        async with self._auto.connect() as conn:
+            if not (await conn.execute(_GROWN, binds)).first():
+                return []
         try:
             async with self._engine.begin() as conn:
-                if not (await conn.execute(_REPUBLISH_LOCK, {"key": _ANALYZE_LOCK_KEY})).scalar():
+                if not (await conn.execute(_TRY_LOCK, {"key": _ANALYZE_LOCK_KEY})).scalar():
                     return []
-                grown = [
-                    str(name)
-                    for name in (
-                        await conn.execute(
-                            _GROWN, {"tables": list(tables), "min_changes": min_changes}
-                        )
-                    ).scalars()
-                ]
+                grown = [str(name) for name in (await conn.execute(_GROWN, binds)).scalars()]
                 await conn.execute(_ANALYZE_LOCK_TIMEOUT)
                 for name in grown:
                     # A name of a table that exists, as the catalog spells it.
@@ -291,7 +289,7 @@ class SweepStore:
         scanned = 0
         lap_done = False
         async with self._engine.begin() as conn:
-            locked = await conn.execute(_REPUBLISH_LOCK, {"key": REPUBLISH_LOCK_KEY})
+            locked = await conn.execute(_TRY_LOCK, {"key": REPUBLISH_LOCK_KEY})
             if not locked.scalar_one():
                 return None
             while scanned < scan and not lap_done:
