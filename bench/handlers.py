@@ -32,6 +32,8 @@ for _round in range(1, MAX_ROUNDS + 1):
         registry.add(f"bench.noop_lifecycle_{_state}_{_round}", noop)
         registry.add(f"bench.noop_tracing_{_state}_{_round}", noop)
         registry.add(f"bench.noop_metrics_{_state}_{_round}", noop)
+    # The rounds of bench.paired (each arm on a database of its own).
+    registry.add(f"bench.noop_paired_{_round}", noop)
 
 
 # The jobplane arms of --only peers (bench/peers.py), each round and its warm-up.

@@ -1265,6 +1265,16 @@ def columns(rows: Sequence[Sequence[str]]) -> str:
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, width, strict=True)) for r in rows)
 
 
+def _shares(value: str) -> list[float]:
+    try:
+        shares = [float(part) for part in value.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError("numbers between 0 and 1, comma-separated") from None
+    if not shares or any(not 0 <= share <= 1 for share in shares) or len(set(shares)) < len(shares):
+        raise argparse.ArgumentTypeError("distinct numbers between 0 and 1, comma-separated")
+    return shares
+
+
 def _rounds(value: str) -> int:
     rounds = int(value)
     if not 1 <= rounds <= MAX_ROUNDS:
@@ -1325,10 +1335,10 @@ async def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--trace-ratio",
-        type=float,
-        default=1.0,
-        help="share of the traces --only tracing samples (1: every span; less: "
-        "parentbased_traceidratio)",
+        type=_shares,
+        default=[0.1, 1.0],
+        help="shares of the traces --only tracing samples, comma-separated, an arm each "
+        "(1: every span, always_on; less: parentbased_traceidratio); default 0.1,1",
     )
     parser.add_argument(
         "--peer-dev-processes",

@@ -1,0 +1,111 @@
+"""On/off comparisons with every arm running at once, each on a database and vhost of its own.
+
+The figures that restart the processes for each half of a round (metrics,
+lifecycle) pay for it in noise: each half has its own start, its own
+warm-up, and a machine that drifts between the halves' starts (this one's
+rate swings by a fifth within minutes) weighs on one side. Here each arm is
+a :class:`~bench.run.Bench` of its own (server, relay and workers with the
+arm's environment), started and warmed up once; the rounds then load the
+arms in turn, the order reversed every other round (A-B-C, C-B-A, ...) so
+a drift weighs on every arm alike, and compare them within each round. An
+arm that is not being loaded idles (its relay's listen, its workers'
+heartbeats, its sweeper): every arm idles as long as the others run.
+
+Each arm's database is analyzed after its warm-up and after each of its
+loops (outside what is measured). Otherwise the arms' plans differ by
+chance: a statement prepared before the sweeper's first ANALYZE of a young
+table keeps a plan made for an empty table until it runs, and when that
+happens differs from arm to arm (one arm read seven times the rows of the
+other in the same rounds). A comparison of two arms must not measure that.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import sys
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from bench.run import Bench
+
+
+@dataclass
+class Arm:
+    """One side of a comparison: its name and the environment its processes get."""
+
+    name: str
+    env: dict[str, str]
+    #: jobs/s of each round, in round order.
+    rates: list[float] = field(default_factory=list)
+    #: CPU ms per job by component, the mean over the rounds.
+    cpu: dict[str, float] = field(default_factory=dict)
+
+
+async def paired_rounds(
+    bench: Bench,
+    arms: list[Arm],
+    label: str,
+    *,
+    settled: Callable[[Bench], Awaitable[None]] | None = None,
+    warmed: Callable[[], None] | None = None,
+) -> None:
+    """Start every arm, warm each up, then run ``--rounds`` rounds of ``--jobs`` jobs on
+    each arm in turn; fills each arm's ``rates`` and ``cpu``.
+
+    ``settled``: awaited on an arm after its warm-up and after each of its
+    loops (e.g. until its relay has published every event), so what a loop
+    leaves behind is counted in it and not in the next arm's. ``warmed``:
+    called once every arm is warmed up and settled, before the first round.
+    The main bench's processes are stopped while the arms run and started
+    again after.
+    """
+    from bench.run import Bench, closed_loop_rate, cpu_seconds
+
+    rounds = bench.args.rounds
+    await bench.stop_all()
+    async with contextlib.AsyncExitStack() as stack:
+        benches: dict[str, Bench] = {}
+        for arm in arms:
+            args = argparse.Namespace(**vars(bench.args))
+            if args.profile is not None:  # --profile: each arm's stats in a folder of its own
+                args.profile = args.profile / arm.name
+                args.profile.mkdir(parents=True, exist_ok=True)
+            twin = await stack.enter_async_context(Bench(args))
+            twin.extra_env = dict(arm.env)
+            await twin.start_all()
+            benches[arm.name] = twin
+            print(f"{label}, arm {arm.name}: database {twin.database}", file=sys.stderr)
+        for arm in arms:
+            await benches[arm.name].warm_up()
+            if settled is not None:
+                await settled(benches[arm.name])
+            await benches[arm.name].sql("ANALYZE")
+        if warmed is not None:
+            warmed()
+        for round_ in range(1, rounds + 1):
+            order = arms if round_ % 2 else arms[::-1]
+            for arm in order:
+                twin = benches[arm.name]
+                before = cpu_seconds(twin)
+                # A type a round: the arm's database holds every round's jobs.
+                arm.rates.append(await closed_loop_rate(twin, f"bench.noop_paired_{round_}"))
+                if settled is not None:
+                    await settled(twin)
+                after = cpu_seconds(twin)
+                for component, used in after.items():
+                    per_job = (used - before.get(component, 0.0)) * 1000 / bench.args.jobs
+                    arm.cpu[component] = arm.cpu.get(component, 0.0) + per_job / rounds
+                await twin.sql("ANALYZE")
+            rates = ", ".join(f"{arm.name} {arm.rates[-1]:,.1f}" for arm in arms)
+            print(f"{label}, round {round_}: jobs/s {rates}", file=sys.stderr)
+        for twin in benches.values():
+            await twin.stop_all()  # SIGTERM: what a process holds (spans) goes out
+    await bench.start_all()
+
+
+def round_ratios(arm: Arm, base: Arm) -> list[float]:
+    """``arm``'s rate over ``base``'s, round by round."""
+    return [a / b for a, b in zip(arm.rates, base.rates, strict=True)]
