@@ -893,9 +893,9 @@ class Relay:
             row.headers,
             exchange=exchange.name,
             routing_key=row.routing_key,
-            message_id=str(row.id),
-            job_id=str(row.job_id),
-            tenant_id=str(row.tenant_id),
+            message_id=row.id,
+            job_id=row.job_id,
+            tenant_id=row.tenant_id,
         ) as trace_headers:
             return await self._publish_dispatch(exchange, row, trace_headers)
 

@@ -344,12 +344,13 @@ def publish_span(
     *,
     exchange: str,
     routing_key: str,
-    message_id: str,
-    job_id: str,
-    tenant_id: str,
+    message_id: object,
+    job_id: object,
+    tenant_id: object,
 ) -> contextlib.AbstractContextManager[Mapping[str, str]]:
     """``outbox publish``: a producer span, child of the context the outbox row
     carries; the block gets the headers that carry it on to the message.
+    ``message_id``, ``job_id`` and ``tenant_id`` are made strings only for a span.
 
     A row of a trace that is not sampled makes no span: its context goes on
     to the message as it came.
@@ -366,9 +367,9 @@ def publish_span(
         "messaging.operation.name": "publish",
         "messaging.destination.name": exchange,
         "messaging.rabbitmq.destination.routing_key": routing_key,
-        "messaging.message.id": message_id,
-        JOB_ID: job_id,
-        TENANT_ID: tenant_id,
+        "messaging.message.id": str(message_id),
+        JOB_ID: str(job_id),
+        TENANT_ID: str(tenant_id),
     }
     span = _TRACER.start_span(
         "outbox publish",
