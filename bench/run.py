@@ -1265,6 +1265,10 @@ def columns(rows: Sequence[Sequence[str]]) -> str:
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, width, strict=True)) for r in rows)
 
 
+#: The most sampled shares --only tracing compares in one run (bench.paired).
+MAX_SHARES = 2
+
+
 def _shares(value: str) -> list[float]:
     try:
         shares = [float(part) for part in value.split(",")]
@@ -1272,6 +1276,10 @@ def _shares(value: str) -> list[float]:
         raise argparse.ArgumentTypeError("numbers between 0 and 1, comma-separated") from None
     if not shares or any(not 0 <= share <= 1 for share in shares) or len(set(shares)) < len(shares):
         raise argparse.ArgumentTypeError("distinct numbers between 0 and 1, comma-separated")
+    if len(shares) > MAX_SHARES:
+        # Each share is an arm beside tracing off, all running at once, each
+        # with its own connections: Postgres's default 100 take three arms.
+        raise argparse.ArgumentTypeError(f"at most {MAX_SHARES} shares in one run")
     return shares
 
 

@@ -31,7 +31,7 @@ def test_sampled_shares_are_read_in_order() -> None:
     assert _shares("0") == [0.0]
 
 
-@pytest.mark.parametrize("value", ["", "x", "1.5", "-0.1", "0.1,0.1", "0.1,,1"])
+@pytest.mark.parametrize("value", ["", "x", "1.5", "-0.1", "0.1,0.1", "0.1,,1", "0,0.1,1"])
 def test_a_share_out_of_range_repeated_or_not_a_number_is_refused(value: str) -> None:
     with pytest.raises(argparse.ArgumentTypeError):
         _shares(value)
