@@ -238,6 +238,29 @@ class Bench:
         for name in list(self.procs):
             await self.stop(name)
 
+    async def start_server(self) -> None:
+        """``jobplane serve``, on another port if it cannot bind its own: the port was
+        free when it was picked, and another process (another arm's, another
+        run's) may have taken it since."""
+        for _ in range(5):
+            server = await self.start("server", "serve")
+            async with AsyncClient(self.address, self.key) as client:
+                for _ in range(200):
+                    if server.returncode is not None:
+                        break
+                    try:
+                        await client.list(page_size=1)
+                    except Exception:
+                        await asyncio.sleep(0.05)
+                    else:
+                        return
+            if server.returncode is None:
+                return  # slow to answer, not dead: ready() waits on
+            del self.procs["server"]
+            self.port = free_port()
+            self.address = f"127.0.0.1:{self.port}"
+        raise RuntimeError(f"jobplane serve did not start: see {self.workdir / 'server.log'}")
+
     async def ready(self) -> None:
         """Once the server answers and the workers have had time to consume."""
         async with AsyncClient(self.address, self.key) as client:
@@ -246,7 +269,7 @@ class Bench:
 
     async def start_all(self) -> None:
         """Server, relay and the workers; returns when the server answers."""
-        await self.start("server", "serve")
+        await self.start_server()
         await self.start("relay", "relay")
         for i in range(self.args.workers):
             await self.start(

@@ -17,6 +17,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from jobplane import heap
 from jobplane.config import ConfigError, ListenAddress, Settings, parse_listen
 from jobplane.console import installed_version
 from jobplane.errors import JobplaneError
@@ -59,6 +60,8 @@ def _stop_signals() -> Iterator[asyncio.Event]:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    # The process is up: what it holds now lives as long as it does.
+    heap.settle()
     try:
         yield stop
     finally:
