@@ -64,15 +64,19 @@ from tests.support.s3 import MotoServer
 ROOT = Path(__file__).resolve().parent.parent
 
 
-async def wait_ready(client: AsyncClient) -> None:
-    """Until the server answers a call (at most about 10 s)."""
+async def wait_ready(client: AsyncClient, server: asyncio.subprocess.Process | None = None) -> bool:
+    """Until the server answers a call (True): at most about 10 s, or until its
+    process, when given, has exited (False)."""
     for _ in range(200):
+        if server is not None and server.returncode is not None:
+            return False
         try:
             await client.list(page_size=1)
         except Exception:
             await asyncio.sleep(0.05)
         else:
-            return
+            return True
+    return False
 
 
 @dataclass
@@ -245,17 +249,8 @@ class Bench:
         for _ in range(5):
             server = await self.start("server", "serve")
             async with AsyncClient(self.address, self.key) as client:
-                for _ in range(200):
-                    if server.returncode is not None:
-                        break
-                    try:
-                        await client.list(page_size=1)
-                    except Exception:
-                        await asyncio.sleep(0.05)
-                    else:
-                        return
-            if server.returncode is None:
-                return  # slow to answer, not dead: ready() waits on
+                if await wait_ready(client, server) or server.returncode is None:
+                    return  # answering, or slow to answer but not dead: ready() waits on
             del self.procs["server"]
             self.port = free_port()
             self.address = f"127.0.0.1:{self.port}"
