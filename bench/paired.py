@@ -23,13 +23,20 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import statistics
 import sys
 from collections.abc import Awaitable, Callable
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from bench.run import Bench
+
+#: Rounds of a paired figure unless ``--rounds`` says: short loops, many
+#: rounds. This machine's rate drifts by a fifth within minutes; the median
+#: of eight ratios moves less with one slow phase than the median of three.
+DEFAULT_ROUNDS = 8
 
 
 @dataclass
@@ -42,6 +49,15 @@ class Arm:
     rates: list[float] = field(default_factory=list)
     #: CPU ms per job by component, the mean over the rounds.
     cpu: dict[str, float] = field(default_factory=dict)
+    #: Each process's ops listener (/metrics) on a port picked for it, kept in
+    #: its bench's ``ops_ports`` (else a port of the system's choosing).
+    ops_ports: bool = False
+
+
+def rounds_of(bench: Bench) -> int:
+    """The rounds of a paired figure: ``--rounds``, else :data:`DEFAULT_ROUNDS`."""
+    rounds: int | None = bench.args.rounds
+    return DEFAULT_ROUNDS if rounds is None else rounds
 
 
 async def paired_rounds(
@@ -51,20 +67,22 @@ async def paired_rounds(
     *,
     settled: Callable[[Bench], Awaitable[None]] | None = None,
     warmed: Callable[[], None] | None = None,
+    during: Callable[[Arm, Bench], AbstractAsyncContextManager[object]] | None = None,
 ) -> None:
-    """Start every arm, warm each up, then run ``--rounds`` rounds of ``--jobs`` jobs on
-    each arm in turn; fills each arm's ``rates`` and ``cpu``.
+    """Start every arm, warm each up, then run :func:`rounds_of` rounds of ``--jobs`` jobs
+    on each arm in turn; fills each arm's ``rates`` and ``cpu``.
 
     ``settled``: awaited on an arm after its warm-up and after each of its
     loops (e.g. until its relay has published every event), so what a loop
     leaves behind is counted in it and not in the next arm's. ``warmed``:
     called once every arm is warmed up and settled, before the first round.
-    The main bench's processes are stopped while the arms run and started
-    again after.
+    ``during``: entered around each of an arm's loops (e.g. a scraper of its
+    metrics while it is loaded). The main bench's processes are stopped
+    while the arms run and started again after.
     """
     from bench.run import Bench, closed_loop_rate, cpu_seconds
 
-    rounds = bench.args.rounds
+    rounds = rounds_of(bench)
     await bench.stop_all()
     async with contextlib.AsyncExitStack() as stack:
         benches: dict[str, Bench] = {}
@@ -75,6 +93,7 @@ async def paired_rounds(
                 args.profile.mkdir(parents=True, exist_ok=True)
             twin = await stack.enter_async_context(Bench(args))
             twin.extra_env = dict(arm.env)
+            twin.pin_ops_ports = arm.ops_ports
             await twin.start_all()
             benches[arm.name] = twin
             print(f"{label}, arm {arm.name}: database {twin.database}", file=sys.stderr)
@@ -90,8 +109,10 @@ async def paired_rounds(
             for arm in order:
                 twin = benches[arm.name]
                 before = cpu_seconds(twin)
-                # A type a round: the arm's database holds every round's jobs.
-                arm.rates.append(await closed_loop_rate(twin, f"bench.noop_paired_{round_}"))
+                async with contextlib.nullcontext() if during is None else during(arm, twin):
+                    # A type a round: the arm's database holds every round's jobs.
+                    job_type = f"bench.noop_paired_{round_}"
+                    arm.rates.append(await closed_loop_rate(twin, job_type))
                 if settled is not None:
                     await settled(twin)
                 after = cpu_seconds(twin)
@@ -109,3 +130,18 @@ async def paired_rounds(
 def round_ratios(arm: Arm, base: Arm) -> list[float]:
     """``arm``'s rate over ``base``'s, round by round."""
     return [a / b for a, b in zip(arm.rates, base.rates, strict=True)]
+
+
+def cost_ratio(arm: Arm, base: Arm) -> float:
+    """The figure's ratio: the median of the rounds' ``arm`` / ``base`` rates."""
+    return statistics.median(round_ratios(arm, base))
+
+
+def cpu_change(arm: Arm, base: Arm) -> float:
+    """How much more CPU a job costs the machine on ``arm`` than on ``base`` (0.05: 5 %)."""
+    return sum(arm.cpu.values()) / sum(base.cpu.values()) - 1
+
+
+def cpu_split(arm: Arm, base: Arm) -> str:
+    """Each component's CPU ms per job, ``base`` → ``arm``."""
+    return ", ".join(f"{c} {base.cpu.get(c, 0.0):.2f} → {arm.cpu[c]:.2f}" for c in sorted(arm.cpu))

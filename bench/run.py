@@ -62,6 +62,8 @@ from tests.support import services
 from tests.support.s3 import MotoServer
 
 ROOT = Path(__file__).resolve().parent.parent
+#: The commands that serve an ops listener (/metrics, /livez, /readyz).
+OPS_COMMANDS = frozenset({"serve", "relay", "worker"})
 
 
 async def wait_ready(client: AsyncClient, server: asyncio.subprocess.Process | None = None) -> bool:
@@ -135,6 +137,10 @@ class Bench:
         self.notes: list[str] = []
         # Set for the processes started next (e.g. lifecycle events off).
         self.extra_env: dict[str, str] = {}
+        # True: each server, relay and worker started next gets its ops
+        # listener on a port picked here, kept by process name in ops_ports.
+        self.pin_ops_ports = False
+        self.ops_ports: dict[str, int] = {}
         self._warmed = 0
         # The S3 server of the blob figures: $JOBPLANE_S3_URL's, else a moto_server.
         self.s3: MotoServer | None = None
@@ -224,6 +230,9 @@ class Bench:
 
     async def start(self, name: str, *args: str) -> asyncio.subprocess.Process:
         """Start `jobplane ARGS` as process ``name`` (under cProfile with --profile)."""
+        if self.pin_ops_ports and args and args[0] in OPS_COMMANDS:
+            self.ops_ports[name] = free_port()
+            args = (*args, "--metrics-listen", f"127.0.0.1:{self.ops_ports[name]}")
         profile: Path | None = self.args.profile
         if profile is None:
             return await self.spawn(name, [sys.executable, "-m", "jobplane", *args])
@@ -365,76 +374,49 @@ async def closed_loop_rate(bench: Bench, job_type: str) -> float:
 async def fig_lifecycle_cost(bench: Bench) -> None:
     """The end-to-end no-op figure with lifecycle events off and on, in one run.
 
-    ``--rounds`` rounds (3) of ``--jobs`` each, every process restarted for each half
-    (JOBPLANE_LIFECYCLE_EVENTS=0, or the default), the order alternating
-    (off-on, on-off, off-on) so that a machine that gets slower or faster
-    during the run, or the tables growing, weigh on both sides alike. The
-    cost is the median of the rounds' ratios. Events must cost at most 15 %.
-    A round with events ends when the relays have published every event,
-    so what publishing them costs is in its CPU figures.
+    Two arms running at once (:mod:`bench.paired`), one with
+    JOBPLANE_LIFECYCLE_EVENTS=0, loaded in turn for :func:`rounds_of` rounds
+    of ``--jobs`` each, the order reversed every other round. The cost is
+    the median of the rounds' ratios; events must cost at most 15 %. An
+    arm's loop ends when its relay has published every event, so what
+    publishing them costs is in its CPU figures.
     """
-    ratios: list[float] = []
-    totals: dict[str, list[float]] = {"off": [], "on": []}
-    cpu: dict[str, dict[str, float]] = {"off": {}, "on": {}}
-    for round_ in range(1, bench.args.rounds + 1):
-        order = ("off", "on") if round_ % 2 else ("on", "off")
-        rates: dict[str, float] = {}
-        for state in order:
-            await bench.stop_all()
-            bench.extra_env = {"JOBPLANE_LIFECYCLE_EVENTS": "0"} if state == "off" else {}
-            await bench.start_all()
-            await bench.warm_up()
-            await _events_published(bench)
-            cpu_before = cpu_seconds(bench)
-            job_type = f"bench.noop_lifecycle_{state}_{round_}"
-            rates[state] = await closed_loop_rate(bench, job_type)
-            if state == "on":
-                await _events_published(bench)
-            cpu_after = cpu_seconds(bench)
-            for c in cpu_after:
-                used = (cpu_after[c] - cpu_before.get(c, 0.0)) * 1000 / bench.args.jobs
-                cpu[state][c] = cpu[state].get(c, 0.0) + used / bench.args.rounds
-            totals[state].append(rates[state])
-        ratios.append(rates["on"] / rates["off"])
-        print(
-            f"lifecycle events, round {round_}: {rates['on']:,.1f} jobs/s with, "
-            f"{rates['off']:,.1f} without: ratio {ratios[-1]:.3f}",
-            file=sys.stderr,
-        )
-    bench.extra_env = {}
-    for state in ("off", "on"):
+    from bench.paired import Arm, cost_ratio, cpu_split, paired_rounds, round_ratios, rounds_of
+
+    arms = {"off": Arm("off", {"JOBPLANE_LIFECYCLE_EVENTS": "0"}), "on": Arm("on", {})}
+    await paired_rounds(bench, list(arms.values()), "lifecycle events", settled=_events_published)
+    config = {
+        "jobs": bench.args.jobs,
+        "rounds": rounds_of(bench),
+        "clients": bench.args.clients,
+        "arms": "running at once, loaded in turn",
+        **_procs(bench),
+    }
+    for state, arm in arms.items():
         bench.add(
             Figure(
-                f"e2e_throughput_lifecycle_{state}",
-                statistics.median(totals[state]),
-                "jobs/s",
-                {
-                    "jobs": bench.args.jobs,
-                    "rounds": bench.args.rounds,
-                    "clients": bench.args.clients,
-                    **_procs(bench),
-                },
+                f"e2e_throughput_lifecycle_{state}", statistics.median(arm.rates), "jobs/s", config
             )
         )
-        for component, ms in sorted(cpu[state].items()):
+        for component, ms in sorted(arm.cpu.items()):
             name = component.replace(" ", "_")
             bench.add(Figure(f"cpu_per_job_lifecycle_{state}_{name}", ms, "ms", {}))
-        print(
-            f"lifecycle events {state}: CPU ms per job "
-            + ", ".join(f"{c} {ms:.2f}" for c, ms in sorted(cpu[state].items())),
-            file=sys.stderr,
-        )
-    ratio = statistics.median(ratios)
+    print(
+        f"lifecycle events, CPU ms per job off → on: {cpu_split(arms['on'], arms['off'])}",
+        file=sys.stderr,
+    )
+    ratio = cost_ratio(arms["on"], arms["off"])
+    ratios = round_ratios(arms["on"], arms["off"])
     bench.add(
         Figure(
             "lifecycle_events_cost",
             (1 - ratio) * 100,
             "% of jobs/s",
-            {"rounds": bench.args.rounds, "ratios": [round(r, 3) for r in ratios]},
+            {"rounds": len(ratios), "ratios": [round(r, 3) for r in ratios]},
         )
     )
     print(
-        f"lifecycle events: median ratio {ratio:.3f} over {bench.args.rounds} rounds, "
+        f"lifecycle events: median ratio {ratio:.3f} over {len(ratios)} rounds, "
         f"cost {(1 - ratio) * 100:.1f} % (at most 15 %)",
         file=sys.stderr,
     )
@@ -1355,9 +1337,10 @@ async def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--rounds",
         type=_rounds,
-        default=3,
-        help="alternating on/off rounds of --only tracing, metrics and lifecycle (the "
-        "cost is their median ratio; more rounds, less of a noisy machine's spread)",
+        default=None,
+        help="rounds of --only tracing, metrics and lifecycle, their arms loaded in turn "
+        "(the cost is the median ratio; more rounds, less of a noisy machine's spread; "
+        "default 8)",
     )
     parser.add_argument(
         "--trace-ratio",

@@ -3,7 +3,7 @@
 One arm with tracing off and one with it on for each share of traces
 sampled (``--trace-ratio``, 0.1 and 1 by default: one trace in ten,
 ``parentbased_traceidratio``, and every span, ``always_on``), all running
-at once and loaded in turn (:mod:`bench.paired`): ``--rounds`` rounds of
+at once and loaded in turn (:mod:`bench.paired`): ``--rounds`` rounds (8) of
 ``--jobs`` no-op jobs on each arm. On, every process exports over OTLP/HTTP
 (the batch processor's defaults) to a receiver on loopback in this
 process, one receiver an arm, which keeps each request as a collector
@@ -21,7 +21,7 @@ import statistics
 import sys
 from typing import TYPE_CHECKING
 
-from bench.paired import Arm, paired_rounds, round_ratios
+from bench.paired import Arm, cost_ratio, cpu_change, cpu_split, paired_rounds, rounds_of
 from tests.otlp_receiver import Receiver
 
 if TYPE_CHECKING:
@@ -74,7 +74,7 @@ async def fig_tracing(bench: Bench) -> None:
         spans = {r: len(receivers[r].snapshot()) - warm[r] for r in ratios}
     config = {
         "jobs": bench.args.jobs,
-        "rounds": bench.args.rounds,
+        "rounds": rounds_of(bench),
         "clients": bench.args.clients,
         "arms": "running at once, loaded in turn",
         **_procs(bench),
@@ -100,19 +100,16 @@ async def fig_tracing(bench: Bench) -> None:
                     {**sampled, "off": round(off.cpu.get(c, 0.0), 3)},
                 )
             )
-        split = ", ".join(
-            f"{c} {off.cpu.get(c, 0.0):.2f} → {arm.cpu[c]:.2f}" for c in sorted(arm.cpu)
-        )
+        split = cpu_split(arm, off)
         print(f"tracing {label}, CPU ms per job off → on: {split}", file=sys.stderr)
-        cpu_ratio = sum(off.cpu.values()) / sum(arm.cpu.values())
-        ratio = statistics.median(round_ratios(arm, off))
+        ratio = cost_ratio(arm, off)
         name = "tracing_throughput_ratio" if r < 1 else "tracing_throughput_ratio_all_sampled"
         bench.add(Figure(name, ratio, "on/off", {**sampled, "spans": spans[r]}))
         verdict = "within" if ratio >= 1 - TARGET_COST else "over"
         note = (
             f"tracing, {'every trace' if r >= 1 else f'{r:.0%} of traces'} sampled: costs "
             f"{1 - ratio:.1%} of the throughput ({verdict} the {TARGET_COST:.0%} target), "
-            f"machine CPU per job {1 / cpu_ratio - 1:+.1%}; {spans[r]:,} spans received"
+            f"machine CPU per job {cpu_change(arm, off):+.1%}; {spans[r]:,} spans received"
         )
         print(note, file=sys.stderr)
         bench.notes.append(note)
