@@ -25,14 +25,10 @@ registry.add("bench.warm_up", noop)
 #: The most rounds an on/off comparison runs (bench.run's --rounds).
 MAX_ROUNDS = 20
 
-# The same, under the types of the lifecycle-events and metrics comparisons (one type per
-# half of each round, so each counts only its own jobs).
+# The same, under a type a round of the paired comparisons (bench.paired: tracing,
+# metrics, lifecycle events; each arm on a database of its own, so a round's type
+# counts only that round's jobs).
 for _round in range(1, MAX_ROUNDS + 1):
-    for _state in ("off", "on"):
-        registry.add(f"bench.noop_lifecycle_{_state}_{_round}", noop)
-        registry.add(f"bench.noop_tracing_{_state}_{_round}", noop)
-        registry.add(f"bench.noop_metrics_{_state}_{_round}", noop)
-    # The rounds of bench.paired (each arm on a database of its own).
     registry.add(f"bench.noop_paired_{_round}", noop)
 
 
