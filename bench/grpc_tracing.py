@@ -27,6 +27,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from bench import procstat
 from tests.faults.cluster import free_port
 from tests.otlp_receiver import Receiver
 
@@ -73,8 +74,8 @@ async def _load(port: int, calls: int) -> None:
 
 
 def _cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    stat = procstat.parse_pid_stat(pid, Path(f"/proc/{pid}/stat").read_text())
+    return stat.jiffies / os.sysconf("SC_CLK_TCK")
 
 
 def _arm(share: float | None, endpoint: str, calls: int) -> float:

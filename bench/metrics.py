@@ -20,7 +20,7 @@ import urllib.request
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
-from bench.paired import Arm, cost_ratio, cpu_change, cpu_split, paired_rounds, rounds_of
+from bench.paired import Arm, cost_note, cost_ratio, cpu_split, paired_rounds, rounds_of
 
 if TYPE_CHECKING:
     from bench.run import Bench
@@ -106,11 +106,7 @@ async def fig_metrics(bench: Bench) -> None:
             {**config, "target": f">= {TARGET} (at most 5 % cost)", "met": ratio >= TARGET},
         )
     )
-    note = (
-        f"metrics: cost {1 - ratio:.1%} of the throughput "
-        f"({'within' if ratio >= TARGET else 'over'} the 5% target), "
-        f"machine CPU per job {cpu_change(on, off):+.1%}"
-    )
+    note = cost_note("metrics", on, off, 1 - TARGET)
     print(note, file=sys.stderr)
     bench.notes.append(note)
     bench.add(Figure("metrics_cpu_per_job", per_job_seconds() * 1e6, "us"))

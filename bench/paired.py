@@ -142,6 +142,17 @@ def cpu_change(arm: Arm, base: Arm) -> float:
     return sum(arm.cpu.values()) / sum(base.cpu.values()) - 1
 
 
+def cost_note(what: str, arm: Arm, base: Arm, target: float) -> str:
+    """The figure's line: ``what`` costs so much of the throughput, within or over
+    ``target`` (0.05: at most 5 %), and the machine's CPU per job it adds."""
+    ratio = cost_ratio(arm, base)
+    verdict = "within" if ratio >= 1 - target else "over"
+    return (
+        f"{what}: costs {1 - ratio:.1%} of the throughput ({verdict} the {target:.0%} target), "
+        f"machine CPU per job {cpu_change(arm, base):+.1%}"
+    )
+
+
 def cpu_split(arm: Arm, base: Arm) -> str:
     """Each component's CPU ms per job, ``base`` → ``arm``."""
     return ", ".join(f"{c} {base.cpu.get(c, 0.0):.2f} → {arm.cpu[c]:.2f}" for c in sorted(arm.cpu))

@@ -381,7 +381,7 @@ async def fig_lifecycle_cost(bench: Bench) -> None:
     arm's loop ends when its relay has published every event, so what
     publishing them costs is in its CPU figures.
     """
-    from bench.paired import Arm, cost_ratio, cpu_split, paired_rounds, round_ratios, rounds_of
+    from bench.paired import Arm, cpu_split, paired_rounds, round_ratios, rounds_of
 
     arms = {"off": Arm("off", {"JOBPLANE_LIFECYCLE_EVENTS": "0"}), "on": Arm("on", {})}
     await paired_rounds(bench, list(arms.values()), "lifecycle events", settled=_events_published)
@@ -405,8 +405,8 @@ async def fig_lifecycle_cost(bench: Bench) -> None:
         f"lifecycle events, CPU ms per job off → on: {cpu_split(arms['on'], arms['off'])}",
         file=sys.stderr,
     )
-    ratio = cost_ratio(arms["on"], arms["off"])
     ratios = round_ratios(arms["on"], arms["off"])
+    ratio = statistics.median(ratios)
     bench.add(
         Figure(
             "lifecycle_events_cost",

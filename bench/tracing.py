@@ -21,7 +21,7 @@ import statistics
 import sys
 from typing import TYPE_CHECKING
 
-from bench.paired import Arm, cost_ratio, cpu_change, cpu_split, paired_rounds, rounds_of
+from bench.paired import Arm, cost_note, cost_ratio, cpu_split, paired_rounds, rounds_of
 from tests.otlp_receiver import Receiver
 
 if TYPE_CHECKING:
@@ -105,11 +105,8 @@ async def fig_tracing(bench: Bench) -> None:
         ratio = cost_ratio(arm, off)
         name = "tracing_throughput_ratio" if r < 1 else "tracing_throughput_ratio_all_sampled"
         bench.add(Figure(name, ratio, "on/off", {**sampled, "spans": spans[r]}))
-        verdict = "within" if ratio >= 1 - TARGET_COST else "over"
-        note = (
-            f"tracing, {'every trace' if r >= 1 else f'{r:.0%} of traces'} sampled: costs "
-            f"{1 - ratio:.1%} of the throughput ({verdict} the {TARGET_COST:.0%} target), "
-            f"machine CPU per job {cpu_change(arm, off):+.1%}; {spans[r]:,} spans received"
-        )
+        sampling = "every trace" if r >= 1 else f"{r:.0%} of traces"
+        note = f"{cost_note(f'tracing, {sampling} sampled', arm, off, TARGET_COST)}; "
+        note += f"{spans[r]:,} spans received"
         print(note, file=sys.stderr)
         bench.notes.append(note)

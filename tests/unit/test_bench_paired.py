@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from bench.paired import (
     DEFAULT_ROUNDS,
     Arm,
+    cost_note,
     cost_ratio,
     cpu_change,
     cpu_split,
@@ -104,3 +105,15 @@ async def test_pinned_ops_ports_are_passed_to_each_serving_process(
     assert len(set(bench.ops_ports.values())) == 3
     await bench.start("sweep", "sweep")
     assert "sweep" not in bench.ops_ports
+
+
+def test_the_cost_note_says_within_or_over_the_target() -> None:
+    off = Arm("off", {}, rates=[100.0, 100.0, 100.0], cpu={"server": 1.0})
+    cheap = Arm("on", {}, rates=[97.0, 98.0, 90.0], cpu={"server": 1.02})
+    dear = Arm("on", {}, rates=[90.0, 91.0, 99.0], cpu={"server": 1.1})
+    assert cost_note("metrics", cheap, off, 0.05) == (
+        "metrics: costs 3.0% of the throughput (within the 5% target), machine CPU per job +2.0%"
+    )
+    assert cost_note("tracing", dear, off, 0.05) == (
+        "tracing: costs 9.0% of the throughput (over the 5% target), machine CPU per job +10.0%"
+    )
