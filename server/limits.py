@@ -18,6 +18,12 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from jobplane.config import (
+    DEFAULT_TENANT_MAX_STREAMS,
+    DEFAULT_TENANT_SUBMIT_BURST,
+    DEFAULT_TENANT_SUBMITS_PER_SECOND,
+    Settings,
+)
 from jobplane.errors import TenantLimitExceeded
 
 # What a refused watch is told to wait: a slot frees when one of the
@@ -30,11 +36,23 @@ _PRUNE_AT = 10_000
 
 @dataclass(frozen=True, slots=True)
 class TenantLimits:
-    """The limits of each tenant in one server process; 0 turns a limit off."""
+    """The limits of each tenant in one server process; 0 turns a limit off.
 
-    max_streams: int = 1000
-    submits_per_second: float = 500.0
-    submit_burst: int = 1000
+    The defaults are the settings' (``JOBPLANE_TENANT_…`` unset).
+    """
+
+    max_streams: int = DEFAULT_TENANT_MAX_STREAMS
+    submits_per_second: float = DEFAULT_TENANT_SUBMITS_PER_SECOND
+    submit_burst: int = DEFAULT_TENANT_SUBMIT_BURST
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> TenantLimits:
+        """The limits ``settings`` set."""
+        return cls(
+            max_streams=settings.tenant_max_streams,
+            submits_per_second=settings.tenant_submits_per_second,
+            submit_burst=settings.tenant_submit_burst,
+        )
 
 
 @dataclass(slots=True)

@@ -238,11 +238,7 @@ def _server(
         max_payload_bytes=settings.max_payload_bytes,
         faults=FaultPoints(settings.faults),
         tls=server_tls,
-        limits=TenantLimits(
-            max_streams=settings.tenant_max_streams,
-            submits_per_second=settings.tenant_submits_per_second,
-            submit_burst=settings.tenant_submit_burst,
-        ),
+        limits=TenantLimits.from_settings(settings),
         worker_lease_seconds=settings.worker_lease_seconds,
         blobs=blobs,
         inline_bytes=settings.inline_bytes,

@@ -46,6 +46,14 @@ DEFAULT_UI_LISTEN = "127.0.0.1:8080"
 #: The shortest JOBPLANE_UI_SECRET accepted.
 MIN_UI_SECRET = 32
 
+#: Per-tenant limits of one server process, by default (docs/security.md). The
+#: submit rate is well above what one server takes, so a tenant alone never
+#: meets it: the limit keeps one tenant from taking a process from the others,
+#: it is no quota.
+DEFAULT_TENANT_MAX_STREAMS = 1000
+DEFAULT_TENANT_SUBMITS_PER_SECOND = 10_000.0
+DEFAULT_TENANT_SUBMIT_BURST = 10_000
+
 #: The longest lease of a WorkerService attempt: a dead worker's job waits this long.
 MAX_WORKER_LEASE = 3600.0
 
@@ -86,9 +94,9 @@ class Settings:
     tls_key: Path | None = None
     tls_client_ca: Path | None = None
     # Per tenant and per server process; 0 turns a limit off.
-    tenant_max_streams: int = 1000
-    tenant_submits_per_second: float = 500.0
-    tenant_submit_burst: int = 1000
+    tenant_max_streams: int = DEFAULT_TENANT_MAX_STREAMS
+    tenant_submits_per_second: float = DEFAULT_TENANT_SUBMITS_PER_SECOND
+    tenant_submit_burst: int = DEFAULT_TENANT_SUBMIT_BURST
     # The lease a WorkerService claim or heartbeat gives (docs/workers.md).
     worker_lease_seconds: float = 30.0
     # Object storage (S3-compatible; docs/adr/0020-blobs.md). No URL: blobs are disabled.

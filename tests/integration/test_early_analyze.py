@@ -15,11 +15,11 @@ TABLE = "t_growing"
 NO_AUTOVACUUM = "WITH (autovacuum_enabled = false)"
 
 
-async def _add_rows(engine: AsyncEngine, first: int, count: int) -> None:
+async def _add_rows(engine: AsyncEngine, first: int, count: int, *, table: str = TABLE) -> None:
     async with engine.begin() as conn:
         await conn.execute(
             text(
-                f"INSERT INTO {TABLE} SELECT g, 'x' "
+                f"INSERT INTO {table} SELECT g, 'x' "
                 "FROM generate_series(CAST(:a AS int), CAST(:b AS int)) g"
             ),
             {"a": first, "b": first + count - 1},
@@ -60,6 +60,25 @@ async def test_a_table_is_analyzed_when_its_changes_outnumber_its_rows(
     assert await store.analyze_grown(tables=tables) == []
     await _add_rows(engine, 2501, 1000)
     assert await store.analyze_grown(tables=tables) == [TABLE]
+
+
+async def test_the_minimum_is_exactly_1000_changes(engine: AsyncEngine) -> None:
+    # docs/testing.md and ADR-0031: at 1,000 changes, not below. Three empty
+    # tables given 999, 1,000 and 1,001 rows: every one's changes outnumber
+    # its rows (none), so the minimum alone decides.
+    tables = {count: f"t_changes_{count}" for count in (999, 1000, 1001)}
+    async with engine.begin() as conn:
+        for table in tables.values():
+            await conn.execute(
+                text(f"CREATE TABLE {table} (id int PRIMARY KEY, v text) " + NO_AUTOVACUUM)
+            )
+    for count, table in tables.items():
+        await _add_rows(engine, 1, count, table=table)
+    store = SweepStore(engine)
+    assert await store.analyze_grown(tables=tuple(tables.values())) == [
+        tables[1000],
+        tables[1001],
+    ]
 
 
 async def test_a_plan_made_on_the_empty_table_is_made_again(engine: AsyncEngine) -> None:

@@ -7,6 +7,7 @@ import json
 import os
 import secrets
 import sys
+import time
 from collections.abc import AsyncIterator
 
 import pytest
@@ -108,6 +109,45 @@ async def test_rotation_with_a_grace_period(servers: Servers) -> None:
         await server.keys.rotate(old.key_id)
     with pytest.raises(KeyNotFound):
         await server.keys.revoke("key_doesnotexist")
+
+
+@pytest.mark.parametrize("ending", ["rotate", "revoke"])
+async def test_a_key_ending_later_is_refused_within_a_second_of_its_end(
+    servers: Servers, ending: str
+) -> None:
+    # However long the server caches keys, it keeps one no longer than its end.
+    server = await servers.start(key_cache_seconds=60)
+    admin = await servers.start()
+    old = await admin.keys.create("acme")
+    client = servers.client(server, old.key)
+    await client.list()
+    assert server.keys.cached == 1
+    if ending == "rotate":
+        _new, ended = await admin.keys.rotate(old.key_id, grace=2)
+    else:
+        ended = await admin.keys.revoke(old.key_id, after=2)
+    assert ended.active and ended.revoke_time is not None
+    # The server heard of it and dropped the key; the next call caches it again.
+    remaining = await _seconds_left(servers.engine, old.key_id)
+    end = time.monotonic() + remaining
+    assert remaining > 0.5, remaining
+    while time.monotonic() < end - 0.3:
+        await client.list()  # still valid until its end
+        await asyncio.sleep(0.1)
+    await asyncio.sleep(max(0.0, end - time.monotonic()))
+    assert await refused_within(client, REVOCATION_BOUND)
+    # Its tenant's new key, or another, works on.
+    await servers.client(server, (await admin.keys.create("acme")).key).list()
+
+
+async def _seconds_left(engine: AsyncEngine, key_id: str) -> float:
+    """Seconds until the key's end, by the database's clock."""
+    async with engine.connect() as conn:
+        left = await conn.execute(
+            text("SELECT extract(epoch FROM revoke_time - now()) FROM api_keys WHERE key_id = :k"),
+            {"k": key_id},
+        )
+        return float(left.scalar_one())
 
 
 async def test_keys_commands(servers: Servers) -> None:

@@ -14,7 +14,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from jobplane.client import AsyncClient, JobEvent, RetryPolicy, TenantLimitExceeded
 from jobplane.client._errors import rich_status
-from jobplane.config import MAX_PAYLOAD_BYTES_LIMIT
+from jobplane.config import MAX_PAYLOAD_BYTES_LIMIT, Settings
 from jobplane.server.limits import TenantLimits
 from jobplane.topology import Topology
 from jobplane.v1 import jobs_pb2, jobs_pb2_grpc
@@ -209,3 +209,34 @@ async def test_a_job_at_the_payload_ceiling_reads_back_through_the_sdk(servers: 
     listed = (await client.list()).jobs
     assert [j.name for j in listed] == [job.name]
     assert listed[0].result == got.result
+
+
+async def test_a_tenant_alone_meets_no_submit_limit_on_the_defaults(servers: Servers) -> None:
+    # As `jobplane serve` starts with no JOBPLANE_TENANT_* set: 64 callers
+    # submitting as fast as one server takes them are never refused. Raw
+    # stubs, since the SDK would wait out a short refusal and hide it.
+    server = await servers.start(limits=TenantLimits.from_settings(Settings.from_env({})))
+    # The limiter's clock stands still: every submit counts as arriving at
+    # one instant, so what passes does not depend on how fast this machine
+    # takes them (a loaded one would stay under any rate).
+    server.limiter._clock = lambda: 0.0
+    key, _tenant = await server.keys.create_key("alone")
+    metadata = (("authorization", f"Bearer {key}"),)
+    callers, each = 64, 32
+    refused: list[grpc.StatusCode] = []
+    async with grpc.aio.insecure_channel(server.address) as channel:
+        stub = jobs_pb2_grpc.JobServiceStub(channel)
+
+        async def caller(c: int) -> None:
+            for n in range(each):
+                try:
+                    await stub.SubmitJob(
+                        jobs_pb2.SubmitJobRequest(type="demo.echo", request_id=f"{c}-{n}"),
+                        metadata=metadata,
+                    )
+                except grpc.aio.AioRpcError as exc:
+                    refused.append(exc.code())
+
+        await asyncio.gather(*(caller(c) for c in range(callers)))
+    assert refused == []
+    assert await _jobs(servers.engine) == callers * each

@@ -30,8 +30,10 @@ from sqlalchemy import text
 from jobplane.client import EventType, JobState
 from jobplane.convert import struct_from_dict
 from jobplane.envelope import Envelope
+from jobplane.store.sweeps import SweepStore
 from jobplane.store.workers import WorkerStore
 from jobplane.v1 import jobs_pb2, jobs_pb2_grpc, workers_pb2, workers_pb2_grpc
+from jobplane.workers.handlers import JobContext, Registry, RetryableError
 from tests.support.answers import check_refusal
 from tests.support.stack import Stack, eventually
 
@@ -417,6 +419,127 @@ async def test_cancelled_is_refused_until_cancel_was_requested(
         workers_pb2.ReportCancelledRequest(attempt=claim.attempt), metadata=metadata
     )
     assert (await stack.client().get(name)).state is JobState.CANCELLED
+
+
+# A job whose every attempt fails retryably, by either kind of worker.
+FLAKY_CODE = "FOREIGN_FLAKE"
+flaky_registry = Registry()
+
+
+@flaky_registry.handler("python.flaky")
+async def _always_flaky(ctx: JobContext) -> dict[str, Any]:
+    raise RetryableError(f"flaked on attempt {ctx.attempt}", code=FLAKY_CODE, delay=0)
+
+
+async def _ended(stack: Stack, name: str) -> dict[str, Any]:
+    """What a user and the database show of a job that ended."""
+    client = stack.client()
+    done = await client.get(name)
+    events = [e async for e in client.watch(name)]
+    last = events[-1]
+    error = {**last.data.get("error", {}), "message": last.message}
+    pending = await stack.scalar(
+        "SELECT next_attempt_time IS NOT NULL FROM jobs WHERE id = :id",
+        id=name.removeprefix("jobs/"),
+    )
+    return {
+        "state": done.state,
+        "error": done.error and (done.error.code, done.error.message, done.error.retryable),
+        "attempts": (done.attempt, done.attempts_used, done.max_attempts),
+        "events": [e.type for e in events],
+        "final": {k: error.get(k) for k in ("code", "message", "retryable", "attempts_exhausted")},
+        "next attempt pending": pending,
+    }
+
+
+def _exhausted(code: str, message: str) -> dict[str, Any]:
+    """:func:`_ended` of a job of 3 attempts whose last ended with ``code`` and ``message``."""
+    return {
+        "state": JobState.FAILED,
+        "error": (code, message, False),
+        "attempts": (3, 3, 3),
+        "events": [
+            EventType.QUEUED,
+            *[EventType.STARTED, EventType.RETRY_SCHEDULED] * 2,
+            EventType.STARTED,
+            EventType.FAILED,
+        ],
+        "final": {"code": code, "message": message, "retryable": False, "attempts_exhausted": True},
+        "next attempt pending": False,
+    }
+
+
+async def test_a_retryable_failure_of_the_last_attempt_fails_the_job_at_once(
+    stack: Stack, workers: Workers
+) -> None:
+    # With no attempt left, the worker's own error ends the job: no retry is
+    # scheduled to end later as ATTEMPTS_EXHAUSTED. The same as the Python
+    # worker's, which runs the same job after.
+    stub, metadata = workers
+    job = await stack.client().submit("reports.flaky", {}, max_attempts=3)
+    for n in (1, 2, 3):
+        envelope = await stack.envelope(job.name.removeprefix("jobs/"))
+        claim = await stub.ClaimJob(
+            workers_pb2.ClaimJobRequest(message_body=envelope.encode()), metadata=metadata
+        )
+        assert claim.status == Claim.STATUS_CLAIMED
+        assert (claim.attempt.attempt, claim.attempts_left) == (n, 3 - n)
+        failed = await stub.FailJob(
+            workers_pb2.FailJobRequest(
+                attempt=claim.attempt,
+                code=FLAKY_CODE,
+                message=f"flaked on attempt {n}",
+                retryable=True,
+                retry_delay=duration_pb2.Duration(),
+            ),
+            metadata=metadata,
+        )
+        assert failed.retry_scheduled is (n < 3)
+    assert not failed.HasField("retry_delay")
+    # The last message, delivered again, finds the job ended.
+    again = await stub.ClaimJob(
+        workers_pb2.ClaimJobRequest(message_body=envelope.encode()), metadata=metadata
+    )
+    assert again.status == Claim.STATUS_FINISHED
+    foreign = await _ended(stack, job.name)
+    assert foreign == _exhausted(FLAKY_CODE, "flaked on attempt 3")
+
+    await stack.start_worker(flaky_registry)
+    python_job = await stack.client().submit("python.flaky", {}, max_attempts=3)
+    await stack.client().wait(python_job.name, timeout=30)
+    assert await _ended(stack, python_job.name) == foreign
+
+
+async def test_a_lease_that_runs_out_on_the_last_attempt_fails_the_job_at_once(
+    stack: Stack, workers: Workers
+) -> None:
+    stub, metadata = workers
+    job = await stack.client().submit("reports.hung", {}, max_attempts=3)
+    job_id = job.name.removeprefix("jobs/")
+    sweeps = SweepStore(stack.engine)
+    for n in (1, 2, 3):
+        envelope = await stack.envelope(job_id)
+        claim = await stub.ClaimJob(
+            workers_pb2.ClaimJobRequest(message_body=envelope.encode()), metadata=metadata
+        )
+        assert (claim.status, claim.attempt.attempt) == (Claim.STATUS_CLAIMED, n)
+        # The worker stops heartbeating: its lease runs out.
+        async with stack.engine.begin() as conn:
+            await conn.execute(
+                text("UPDATE jobs SET lease_expires_at = now() - interval '1 hour' WHERE id = :id"),
+                {"id": job_id},
+            )
+        repaired = await sweeps.expire_leases(grace=0, limit=10, delay=lambda _n: 0.0)
+        assert (repaired.requeued, repaired.failed) == ((1, 0) if n < 3 else (0, 1))
+    message = "attempt 3 stopped heartbeating (its worker died or hung); no attempts left"
+    assert await _ended(stack, job.name) == _exhausted("LEASE_EXPIRED", message)
+    # The worker that held it comes back too late: nothing it says is written.
+    with pytest.raises(grpc.aio.AioRpcError) as late:
+        await stub.FailJob(
+            workers_pb2.FailJobRequest(attempt=claim.attempt, code=FLAKY_CODE, retryable=True),
+            metadata=metadata,
+        )
+    assert check_refusal(late.value).reason == "LEASE_LOST"
 
 
 async def test_worker_keys_and_tenant_keys_each_call_only_their_services(

@@ -119,6 +119,21 @@ def test_token_bucket() -> None:
         limiter.take_submit(tenant)
 
 
+def test_a_tenant_alone_meets_no_submit_limit_on_the_defaults() -> None:
+    # One server takes a few thousand submits a second at most
+    # (docs/performance.md); a tenant alone on the defaults is never refused,
+    # whether its submits come at once or steadily.
+    limits = TenantLimits.from_settings(Settings.from_env({}))
+    assert limits == TenantLimits()  # a server started without settings has the same
+    now = [0.0]
+    tenant = uuid.uuid4()
+    limiter = TenantLimiter(limits, clock=lambda: now[0])
+    limiter.take_submit(tenant, 5000)
+    for _ in range(10_000):  # then 5,000 a second for 10 s
+        now[0] += 0.001
+        limiter.take_submit(tenant, 5)
+
+
 def test_stream_slots() -> None:
     tenant = uuid.uuid4()
     limiter = TenantLimiter(TenantLimits(max_streams=2))
