@@ -307,14 +307,14 @@ class Worker:
         try:
             await self._enter_lifespans()
         except BaseException:
-            await self._close_db()
+            await self._close_pools()
             raise
         try:
             self._deployment = await until_database_up(lambda: this_deployment(self._engine), log)
             await self._cancels.start()
         except BaseException:
             await self._lifespans.aclose()
-            await self._close_db()
+            await self._close_pools()
             raise
         try:
             self.ownership = await broker.until_up(self._check_topology, log)
@@ -347,7 +347,7 @@ class Worker:
                 self._connection = None
             await self._cancels.stop()
             await self._lifespans.aclose()
-            await self._close_db()
+            await self._close_pools()
             raise
         log.info(
             "worker.started",
@@ -392,10 +392,11 @@ class Worker:
         await self._progress.stop()
         await self._cancels.stop()
         await self._lifespans.aclose()
-        await self._close_db()
+        await self._close_pools()
         log.info("worker.stopped")
 
-    async def _close_db(self) -> None:
+    async def _close_pools(self) -> None:
+        """Close the worker's database pool (its own) and its handler threads."""
         if self._threads is not None:
             # Not waited for: a handler thread given up on may never return.
             self._threads.shutdown(wait=False, cancel_futures=True)
