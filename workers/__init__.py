@@ -3,12 +3,25 @@
 from __future__ import annotations
 
 from jobplane.workers.handlers import (
+    AttemptStopped,
     EmitError,
     Handler,
     JobContext,
     PermanentError,
     Registry,
     RetryableError,
+    SyncHandler,
+    SyncJobContext,
 )
 
-__all__ = ["EmitError", "Handler", "JobContext", "PermanentError", "Registry", "RetryableError"]
+__all__ = [
+    "AttemptStopped",
+    "EmitError",
+    "Handler",
+    "JobContext",
+    "PermanentError",
+    "Registry",
+    "RetryableError",
+    "SyncHandler",
+    "SyncJobContext",
+]

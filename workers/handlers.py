@@ -9,16 +9,21 @@
         await ctx.progress(0.5, "half way")
         return {"url": "..."}
 
-A handler is an ``async def``: the registry refuses a plain function (run
-blocking code with ``await asyncio.to_thread(...)``). It returns a JSON object
-(the result; None means ``{}``) or raises. :class:`PermanentError` fails the
-job at once; :class:`RetryableError` (or any other exception) uses another
-attempt while the job has any left.
+A handler is an ``async def`` taking a :class:`JobContext`, or a plain
+``def`` taking a :class:`SyncJobContext`: the worker runs a plain one in a
+bounded pool of threads (``JOBPLANE_SYNC_THREADS``, default its concurrency),
+with the same context whose methods it may call from its thread. It returns a
+JSON object (the result; None means ``{}``) or raises. :class:`PermanentError`
+fails the job at once; :class:`RetryableError` (or any other exception) uses
+another attempt while the job has any left. docs/handlers.md is the reference.
 """
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import contextlib
+import contextvars
 import dataclasses
 import importlib
 import inspect
@@ -28,9 +33,18 @@ import os
 import sys
 import traceback
 import uuid
-from collections.abc import AsyncIterable, AsyncIterator, Callable, Coroutine, Iterator, Mapping
+from collections.abc import (
+    AsyncIterable,
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Coroutine,
+    Iterator,
+    Mapping,
+)
+from concurrent.futures import Executor
 from contextlib import AbstractAsyncContextManager
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar, cast
 
 from jobplane.blobs.payloads import payload_from_blob
 from jobplane.errors import (
@@ -49,7 +63,9 @@ from jobplane.store.rows import check_payload_size, dumps
 from jobplane.workers.values import clean_text, json_problem, json_size, safe_str
 
 if TYPE_CHECKING:
-    from jobplane.blobs.store import BlobReader, BlobStore
+    from jobplane.blobs.store import BlobInfo, BlobReader
+
+T = TypeVar("T")
 
 #: Bytes of an emitted event's payload when the worker does not say (its
 #: payload limit, JOBPLANE_MAX_PAYLOAD_BYTES, as for results).
@@ -89,6 +105,54 @@ class ProgressSink(Protocol):
         """Queue one update for writing."""
 
 
+class BlobAccess(Protocol):
+    """What a context needs of an object store: :class:`jobplane.blobs.BlobStore`
+    in a worker, an in-memory one in :mod:`jobplane.testing`."""
+
+    def open(self, tenant_id: uuid.UUID, name: str) -> AbstractAsyncContextManager[BlobReader]:
+        """The tenant's blob, streamed."""
+        ...
+
+    async def read_bytes(
+        self, tenant_id: uuid.UUID, name: str, *, limit: int | None = None
+    ) -> bytes:
+        """The tenant's whole blob."""
+        ...
+
+    async def put_bytes(
+        self, tenant_id: uuid.UUID, data: bytes, *, content_type: str | None = None
+    ) -> BlobInfo:
+        """Store ``data`` as a blob of the tenant."""
+        ...
+
+    async def put_stream(
+        self,
+        tenant_id: uuid.UUID,
+        chunks: AsyncIterable[bytes],
+        *,
+        content_type: str | None = None,
+    ) -> BlobInfo:
+        """Store the bytes of ``chunks`` as a blob of the tenant."""
+        ...
+
+    async def reference(
+        self, tenant_id: uuid.UUID, job_id: uuid.UUID, digest: str, role: str
+    ) -> None:
+        """Record that the job references the blob."""
+        ...
+
+
+class AttemptStopped(asyncio.CancelledError):
+    """The worker stopped this attempt (its job was cancelled, it ran past its
+    timeout, the worker is shutting down or lost the lease).
+
+    Raised in a plain ``def`` handler at its next call of a context method; an
+    ``async def`` handler gets the :class:`asyncio.CancelledError` of its task
+    instead. A cancellation, not an error: catch it only to clean up, then
+    let it go on.
+    """
+
+
 class EmitError(ValueError):
     """``ctx.emit`` refused an event; ``field`` names what is wrong with it."""
 
@@ -106,12 +170,17 @@ class JobContext:
         sink: ProgressSink,
         *,
         max_event_payload_bytes: int = DEFAULT_EVENT_PAYLOAD_BYTES,
-        blobs: BlobStore | None = None,
+        blobs: BlobAccess | None = None,
         payload: dict[str, Any] | None = None,
+        threads: Executor | None = None,
     ) -> None:
         self._attempt = attempt
         self._sink = sink
         self._blobs = blobs
+        # Where a plain ``def`` handler runs (None: the event loop's default executor).
+        self._threads = threads
+        # Set by the worker when it stops the attempt; read from a handler's thread.
+        self._stopped = False
         # An offloaded payload, read from its blob by the worker.
         self._payload = payload
         self._max_event_payload_bytes = max_event_payload_bytes
@@ -191,7 +260,7 @@ class JobContext:
             await store.reference(tenant, self._attempt.job_id, info.digest, "output")
         return info.name
 
-    def _blob_store(self) -> BlobStore:
+    def _blob_store(self) -> BlobAccess:
         if self._blobs is None:
             raise PermanentError(
                 "this worker has no object store (JOBPLANE_S3_URL is not set): "
@@ -199,6 +268,20 @@ class JobContext:
                 code=BlobsDisabled.reason,
             )
         return self._blobs
+
+    @property
+    def cancelled(self) -> bool:
+        """True once the worker stopped this attempt (see :class:`AttemptStopped`).
+
+        A plain ``def`` handler that computes without calling the context checks
+        it to stop early; an ``async def`` handler is cancelled at its next
+        ``await`` anyway.
+        """
+        return self._stopped
+
+    def _stop(self) -> None:
+        """The worker stopped the attempt: from now on :attr:`cancelled` is True."""
+        self._stopped = True
 
     @property
     def attempt(self) -> int:
@@ -381,7 +464,237 @@ def _correlation(attempt: Attempt) -> str:
     return str(attempt.job_id)
 
 
+class SyncJobContext:
+    """What a plain ``def`` handler gets: :class:`JobContext` with methods it calls
+    from its thread.
+
+    The attributes are the job's, as on :class:`JobContext`. ``progress``,
+    ``read_blob`` and ``put_blob`` run on the worker's event loop and return
+    when done there; ``emit`` is :meth:`JobContext.emit`. Once the worker stops
+    the attempt, :attr:`cancelled` is True and every method raises
+    :class:`AttemptStopped`. Streaming a blob (``open_blob``) is for async
+    handlers only.
+    """
+
+    def __init__(
+        self, ctx: JobContext, loop: asyncio.AbstractEventLoop, context: contextvars.Context
+    ) -> None:
+        self._ctx = ctx
+        self._loop = loop
+        # The handler task's context variables (its trace span, its log
+        # fields), for what runs on the loop on the thread's behalf.
+        self._context = context
+
+    @property
+    def async_context(self) -> JobContext:
+        """The :class:`JobContext` of this attempt (for code that is given one)."""
+        return self._ctx
+
+    @property
+    def name(self) -> str:
+        """``jobs/{id}``"""
+        return self._ctx.name
+
+    @property
+    def id(self) -> str:
+        """The job id."""
+        return self._ctx.id
+
+    @property
+    def type(self) -> str:
+        """The job type."""
+        return self._ctx.type
+
+    @property
+    def payload(self) -> dict[str, Any]:
+        """The submitted payload (do not mutate it); an offloaded one, read whole."""
+        return self._ctx.payload
+
+    @property
+    def tenant_id(self) -> str:
+        """The job's tenant."""
+        return self._ctx.tenant_id
+
+    @property
+    def attempt(self) -> int:
+        """This attempt's number, from 1."""
+        return self._ctx.attempt
+
+    @property
+    def max_attempts(self) -> int:
+        """Attempts the job may use."""
+        return self._ctx.max_attempts
+
+    @property
+    def correlation_id(self) -> str:
+        """The caller's correlation id."""
+        return self._ctx.correlation_id
+
+    @property
+    def request_id(self) -> str:
+        """The idempotency key the job was submitted with."""
+        return self._ctx.request_id
+
+    @property
+    def pipeline(self) -> str:
+        """The pipeline this job runs ("" for a plain job)."""
+        return self._ctx.pipeline
+
+    @property
+    def pipeline_version(self) -> str:
+        """The version of the pipeline as submitted."""
+        return self._ctx.pipeline_version
+
+    @property
+    def stage(self) -> str:
+        """The pipeline stage this attempt runs ("" for a plain job)."""
+        return self._ctx.stage
+
+    @property
+    def stage_version(self) -> str:
+        """The version the topology gives this stage."""
+        return self._ctx.stage_version
+
+    @property
+    def inputs(self) -> Mapping[str, dict[str, Any]]:
+        """The results of the pipeline's earlier stages, by stage name, in order."""
+        return self._ctx.inputs
+
+    @property
+    def previous(self) -> dict[str, Any] | None:
+        """The result of the stage just before this one, or None."""
+        return self._ctx.previous
+
+    @property
+    def emitted(self) -> tuple[Emitted, ...]:
+        """The events emitted so far, in order."""
+        return self._ctx.emitted
+
+    @property
+    def cancelled(self) -> bool:
+        """True once the worker stopped this attempt: return, or call any method
+        (it raises :class:`AttemptStopped`)."""
+        return self._ctx.cancelled
+
+    def progress(
+        self, fraction: float, message: str = "", data: dict[str, Any] | None = None
+    ) -> None:
+        """:meth:`JobContext.progress`, from the handler's thread."""
+        self._on_loop(lambda: self._ctx.progress(fraction, message, data))
+
+    def emit(self, *args: Any, **kwargs: Any) -> uuid.UUID:
+        """:meth:`JobContext.emit` (the same arguments); returns the event's id."""
+        self._check()
+        # Kept in the context's list, which the worker reads only after the
+        # handler's thread has ended: no need to go through the loop.
+        return self._ctx.emit(*args, **kwargs)
+
+    def read_blob(self, name: str, *, limit: int | None = None) -> bytes:
+        """:meth:`JobContext.read_blob`, from the handler's thread."""
+        return self._on_loop(lambda: self._ctx.read_blob(name, limit=limit))
+
+    def put_blob(self, data: bytes, *, content_type: str | None = None) -> str:
+        """:meth:`JobContext.put_blob` of ``data``, from the handler's thread; its name."""
+        return self._on_loop(lambda: self._ctx.put_blob(data, content_type=content_type))
+
+    def _check(self) -> None:
+        if self._ctx.cancelled:
+            raise AttemptStopped(f"{self._ctx.name} attempt {self._ctx.attempt} was stopped")
+
+    def _on_loop(self, make: Callable[[], Awaitable[T]]) -> T:
+        """Run ``make()`` as a task of the worker's loop and wait for its answer."""
+        self._check()
+        done: concurrent.futures.Future[T] = concurrent.futures.Future()
+
+        async def run() -> T:
+            return await make()
+
+        def start() -> None:
+            if not done.set_running_or_notify_cancel():
+                return
+            task = self._loop.create_task(run(), context=self._context)
+
+            def finish(task: asyncio.Task[T]) -> None:
+                if task.cancelled():
+                    done.set_exception(AttemptStopped("the worker stopped the call"))
+                elif (error := task.exception()) is not None:
+                    done.set_exception(error)
+                else:
+                    done.set_result(task.result())
+
+            task.add_done_callback(finish)
+
+        try:
+            self._loop.call_soon_threadsafe(start)
+        except RuntimeError:  # the loop is closed: the worker is gone
+            raise AttemptStopped("the worker has stopped") from None
+        while True:
+            try:
+                return done.result(timeout=1.0)
+            except concurrent.futures.TimeoutError:
+                # A worker that gave up on this thread may close its loop:
+                # never wait on a loop that will not answer.
+                if self._loop.is_closed():
+                    done.cancel()
+                    raise AttemptStopped("the worker has stopped") from None
+
+
+#: An ``async def`` handler.
 Handler = Callable[[JobContext], Coroutine[Any, Any, dict[str, Any]]]
+#: A plain ``def`` handler, run in a thread.
+SyncHandler = Callable[[SyncJobContext], "dict[str, Any] | None"]
+
+
+class Threaded:
+    """A plain ``def`` handler as an async one: it runs in the context's threads.
+
+    The thread cannot be interrupted: a stop (the task's cancellation) marks
+    the context stopped, and the task waits for the thread to see it, return
+    or raise, so that its slot is not given to another job while it runs (the
+    worker gives up on it after its grace period, as on an async handler
+    that ignores its cancellation).
+    """
+
+    def __init__(self, fn: SyncHandler) -> None:
+        self.fn = fn
+        self.__qualname__ = _qualname(fn)
+
+    async def __call__(self, ctx: JobContext) -> dict[str, Any]:
+        loop = asyncio.get_running_loop()
+        sync_ctx = SyncJobContext(ctx, loop, contextvars.copy_context())
+        # A copy of its own for the thread: a context is entered by one at a time.
+        run = contextvars.copy_context().run
+        thread: asyncio.Future[Any] = loop.run_in_executor(ctx._threads, run, self.fn, sync_ctx)
+        while True:
+            try:
+                returned = await asyncio.shield(thread)
+                break
+            except asyncio.CancelledError:
+                if thread.done():
+                    raise  # the thread's own AttemptStopped: the stop ends the task
+                ctx._stop()
+        if inspect.isawaitable(returned):
+            # A plain function that returns a coroutine (a wrapper, a partial):
+            # awaited on the loop, where it can be cancelled.
+            result: dict[str, Any] = await returned
+            return result
+        return returned  # type: ignore[no-any-return]
+
+
+def handler_kind(fn: object) -> str:
+    """``"async"``, ``"sync"``, or why the runtime cannot run ``fn``."""
+    if _is_async(fn):
+        return "async"
+    if not callable(fn):
+        return "not callable"
+    if inspect.isclass(fn):
+        return "a class (calling it makes an instance, not a result)"
+    if inspect.isasyncgenfunction(fn) or inspect.isgeneratorfunction(fn):
+        return "a generator function (it must return its result)"
+    call = inspect.getattr_static(type(fn), "__call__", None)
+    if inspect.isasyncgenfunction(call) or inspect.isgeneratorfunction(call):
+        return "a generator function (it must return its result)"
+    return "sync"
 
 
 def with_offloaded_payload(handler: Handler, *, max_bytes: int) -> Handler:
@@ -404,6 +717,8 @@ def with_offloaded_payload(handler: Handler, *, max_bytes: int) -> Handler:
 
     return run
 
+
+F = TypeVar("F", bound="Handler | SyncHandler")
 
 #: What :meth:`Registry.lifespan` takes: a factory of an async context manager.
 Lifespan = Callable[[], AbstractAsyncContextManager[object]]
@@ -432,27 +747,31 @@ class Registry:
         """The registered lifespans, in order."""
         return tuple(self._lifespans)
 
-    def handler(self, job_type: str) -> Callable[[Handler], Handler]:
-        """Decorator: register ``fn`` for ``job_type``."""
+    def handler(self, job_type: str) -> Callable[[F], F]:
+        """Decorator: register ``fn`` (``async def`` or plain ``def``) for ``job_type``."""
 
-        def register(fn: Handler) -> Handler:
+        def register(fn: F) -> F:
             self.add(job_type, fn)
             return fn
 
         return register
 
-    def add(self, job_type: str, fn: Handler) -> None:
-        """Register ``fn`` for ``job_type``; it must be an ``async def`` (else TypeError)."""
+    def add(self, job_type: str, fn: Handler | SyncHandler) -> None:
+        """Register ``fn`` for ``job_type``: an ``async def``, or a plain ``def`` the
+        worker runs in a thread (anything else: TypeError)."""
         validate_job_type(job_type)
-        if not _is_async(fn):
-            what = "not callable" if not callable(fn) else "not an async function"
+        kind = handler_kind(fn)
+        if kind not in ("async", "sync"):
             raise TypeError(
-                f"the handler for {job_type!r} ({_qualname(fn)}) is {what}: handlers must be "
-                "`async def` (run blocking code with `await asyncio.to_thread(...)`)"
+                f"the handler for {job_type!r} ({_qualname(fn)}) is {kind}: handlers are "
+                "`async def` or plain `def` functions taking the job's context"
             )
         if job_type in self._handlers:
             raise ValueError(f"a handler for {job_type!r} is already registered")
-        self._handlers[job_type] = fn
+        if kind == "async":
+            self._handlers[job_type] = cast(Handler, fn)
+        else:
+            self._handlers[job_type] = Threaded(cast(SyncHandler, fn))
 
     def get(self, job_type: str) -> Handler | None:
         """The handler of ``job_type``, or None."""

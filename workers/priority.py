@@ -15,10 +15,16 @@ waiting delivery runs next (ADR-0019):
   class's pass by ``1 / weight``, so a class that keeps waiting gets
   ``weight / sum(weights)`` of the grants it competes for: high before
   normal before low, and none of them starves.
-- **Prefetch by class.** The top class may fill every slot (prefetch
-  ``concurrency``); the others only what they may run at once
-  (``concurrency - reserve``): the worker holds no lower-class message it
-  could not start, so another worker can take it.
+- **Prefetch by class.** A class's prefetch is what it may run at once (the
+  top class ``concurrency``, the others ``concurrency - reserve``) plus its
+  weighted share of the slots, ``ceil(concurrency * weight / sum(weights))``:
+  the turns choose only between deliveries that wait in the worker, and a
+  freed slot's next delivery is still on its way from the broker when the
+  slot is granted. Without the share, a class that filled its slots had
+  nothing waiting whenever one of them freed, the other class took the slot,
+  and a backlog in a high and a low queue ran one for one instead of 4 : 1.
+  The share is what the class gets of ``concurrency`` grants, so it lasts a
+  whole round of them.
 
 A worker whose queues all have one priority keeps plain slots: no reserve,
 and a delivery starts at once whenever the prefetch let it in.
@@ -29,6 +35,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import math
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 
 from aio_pika.abc import AbstractChannel, AbstractConnection, AbstractIncomingMessage, AbstractQueue
@@ -89,10 +96,14 @@ class Slots:
         return self._held
 
     def prefetch(self, priority: str) -> int:
-        """The prefetch for a queue of ``priority``: what its class may run at once."""
-        if self.class_of(priority) == self.top:
-            return self.concurrency
-        return self.concurrency - self.reserve
+        """The prefetch for a queue of ``priority``: what its class may run at once,
+        and (among several classes) its weighted share of the slots waiting."""
+        cls = self.class_of(priority)
+        may_run = self.concurrency if cls == self.top else self.concurrency - self.reserve
+        if len(self.classes) == 1:
+            return may_run
+        total = sum(WEIGHTS[c] for c in self.classes)
+        return may_run + math.ceil(self.concurrency * WEIGHTS[cls] / total)
 
     def class_of(self, priority: str) -> str:
         """``priority`` if the worker has such queues, else its lowest class."""

@@ -15,6 +15,7 @@ import contextlib
 import enum
 import time
 from collections.abc import Awaitable, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -90,8 +91,10 @@ class StopCause(enum.Enum):
 class _Running:
     """A handler task and why (if at all) the runtime stopped it."""
 
-    def __init__(self, task: asyncio.Task[Any]) -> None:
+    def __init__(self, task: asyncio.Task[Any], on_stop: Callable[[], None] = lambda: None) -> None:
         self.task = task
+        # Tells the handler's context (a thread cannot be cancelled; it reads it).
+        self._on_stop = on_stop
         self.started = time.monotonic()
         self.cause: StopCause | None = None
         # Done when the task ends or the runtime stops it, whichever is first:
@@ -124,6 +127,7 @@ class _Running:
     def stop(self, cause: StopCause) -> None:
         if self.cause is None and not self.task.done():
             self.cause = cause
+            self._on_stop()
             self._wake()
             self.task.cancel()
 
@@ -158,11 +162,18 @@ class Worker:
         group_window: float = DEFAULT_GROUP_WINDOW,
         group_max: int = DEFAULT_GROUP_MAX,
         db: Database | None = None,
+        sync_threads: int | None = None,
     ) -> None:
         if concurrency < 1:
             raise ValueError("concurrency must be at least 1")
         if group_max < 1:
             raise ValueError("group_max must be at least 1")
+        if sync_threads is not None and sync_threads < 1:
+            raise ValueError("sync_threads must be at least 1")
+        # Plain ``def`` handlers run in these threads; no more than the slots
+        # by default, since a thread only ever runs a slot's handler.
+        self._sync_threads = sync_threads or concurrency
+        self._threads: ThreadPoolExecutor | None = None
         self._engine = engine
         # The attempts' statements run on asyncpg (ADR-0030): the caller's
         # pool, or one of the worker's own, opened and closed with it.
@@ -289,17 +300,21 @@ class Worker:
         for name in self._queues:
             self._topology.queue(name)  # unknown queue names fail here, not later
         await self._db.open()
+        # Threads start only when a plain handler first runs.
+        self._threads = ThreadPoolExecutor(
+            max_workers=self._sync_threads, thread_name_prefix="jobplane-handler"
+        )
         try:
             await self._enter_lifespans()
         except BaseException:
-            await self._close_db()
+            await self._close_pools()
             raise
         try:
             self._deployment = await until_database_up(lambda: this_deployment(self._engine), log)
             await self._cancels.start()
         except BaseException:
             await self._lifespans.aclose()
-            await self._close_db()
+            await self._close_pools()
             raise
         try:
             self.ownership = await broker.until_up(self._check_topology, log)
@@ -332,7 +347,7 @@ class Worker:
                 self._connection = None
             await self._cancels.stop()
             await self._lifespans.aclose()
-            await self._close_db()
+            await self._close_pools()
             raise
         log.info(
             "worker.started",
@@ -377,10 +392,15 @@ class Worker:
         await self._progress.stop()
         await self._cancels.stop()
         await self._lifespans.aclose()
-        await self._close_db()
+        await self._close_pools()
         log.info("worker.stopped")
 
-    async def _close_db(self) -> None:
+    async def _close_pools(self) -> None:
+        """Close the worker's database pool (its own) and its handler threads."""
+        if self._threads is not None:
+            # Not waited for: a handler thread given up on may never return.
+            self._threads.shutdown(wait=False, cancel_futures=True)
+            self._threads = None
         if self._owns_db:
             await self._db.close()
 
@@ -672,7 +692,11 @@ class Worker:
 
         writer = ProgressWriter(self._progress, attempt, on_cancel_requested=cancel_requested)
         ctx = JobContext(
-            attempt, writer, max_event_payload_bytes=self._max_result_bytes, blobs=self._blobs
+            attempt,
+            writer,
+            max_event_payload_bytes=self._max_result_bytes,
+            blobs=self._blobs,
+            threads=self._threads,
         )
         if attempt.payload_blob is not None:
             handler = with_offloaded_payload(handler, max_bytes=MAX_OFFLOADED_JSON_BYTES)
@@ -684,7 +708,8 @@ class Worker:
         running = _Running(
             asyncio.create_task(
                 invoke(handler, ctx), name=f"job-{key}", context=tracing.run_context(span)
-            )
+            ),
+            on_stop=ctx._stop,
         )
         holder.append(running)
         self._running[key] = running

@@ -529,6 +529,7 @@ async def _worker(args: argparse.Namespace) -> int:
             inline_bytes=settings.inline_bytes,
             metrics=metrics,
             db=db,
+            sync_threads=settings.sync_threads,
         )
         if ops is not None:
             ops.add_check("broker", worker.not_ready)
@@ -784,6 +785,7 @@ def _dev_worker(
         inline_bytes=settings.inline_bytes,
         metrics=metrics,
         db=db,
+        sync_threads=settings.sync_threads,
     )
 
 

@@ -99,6 +99,8 @@ class Settings:
     tenant_submit_burst: int = DEFAULT_TENANT_SUBMIT_BURST
     # The lease a WorkerService claim or heartbeat gives (docs/workers.md).
     worker_lease_seconds: float = 30.0
+    # Threads a worker runs plain ``def`` handlers in; None: its concurrency.
+    sync_threads: int | None = None
     # Object storage (S3-compatible; docs/adr/0020-blobs.md). No URL: blobs are disabled.
     s3_url: str | None = None
     s3_bucket: str = "jobplane"
@@ -210,6 +212,11 @@ class Settings:
                 env, "JOBPLANE_TENANT_SUBMIT_BURST", base.tenant_submit_burst
             ),
             worker_lease_seconds=lease,
+            sync_threads=(
+                _positive_int(env, "JOBPLANE_SYNC_THREADS", 1)
+                if env.get("JOBPLANE_SYNC_THREADS", "").strip()
+                else None
+            ),
         )
         return _with_dashboard(
             env, _with_metrics(env, _with_tracing(env, _with_ingest(env, _with_s3(env, settings))))

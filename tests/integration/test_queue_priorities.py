@@ -16,7 +16,14 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from jobplane.topology import Topology
 from tests.support import services
-from tests.support.priorities import CONCURRENCY, Board, mixed_topology, submit
+from tests.support.priorities import (
+    CONCURRENCY,
+    Board,
+    mixed_topology,
+    submit,
+    two_class_topology,
+)
+from tests.support.queues import ready_count
 from tests.support.stack import eventually, start_stack
 
 
@@ -104,5 +111,53 @@ async def test_low_jobs_keep_a_share_while_high_jobs_keep_arriving(
         assert high >= 2 * low, (high, low)
         assert board.ended["low"] >= 10
         assert board.peak <= CONCURRENCY
+    finally:
+        await stack.close()
+
+
+@pytest.fixture
+async def one_high_one_low(amqp_url: str, topology: Topology) -> AsyncIterator[Topology]:
+    """One high queue and one low queue, under this test's names."""
+    pair = two_class_topology(topology)
+    yield pair
+    await services.delete_topology(amqp_url, pair)
+
+
+async def test_a_backlog_in_a_high_and_a_low_queue_starts_four_high_for_one_low_with_defaults(
+    engine: AsyncEngine, database_url: str, amqp_url: str, one_high_one_low: Topology
+) -> None:
+    # The worker's defaults: no concurrency, prefetch or reserve given. With a
+    # prefetch of only what each class may run, the high queue had no delivery
+    # waiting whenever its slots had just freed (the next one was still on its
+    # way from the broker), so the low queue took the slot: one for one.
+    board = Board()
+    stack = await start_stack(engine, database_url, amqp_url, one_high_one_low, worker=False)
+    try:
+        client = stack.client()
+        await submit(client, "hi.a.work", 150)
+        await submit(client, "lo.work", 150)
+        queues = [q.name for q in one_high_one_low.queues]
+
+        async def both_queued() -> bool:
+            counts = [await ready_count(amqp_url, name) for name in queues]
+            return counts == [150, 150]
+
+        await eventually(both_queued, timeout=30)
+        worker = await stack.start_worker(board.registry({"high": 0.02, "low": 0.02}))
+        slots = worker._slots.concurrency
+
+        async def enough_started() -> bool:
+            return len(board.starts) >= slots + 100
+
+        await eventually(enough_started, timeout=60)
+        # After the first fill (the slots taken as deliveries arrived, before
+        # any choice), while both queues still hold a backlog.
+        window = [cls for cls, _ in board.starts[slots : slots + 100]]
+        high = window.count("high")
+        low = window.count("low")
+        assert board.ended["high"] < 150 and board.ended["low"] < 150
+        # Weights 4 : 1: eighty of a hundred; one for one would be fifty.
+        assert 70 <= high <= 90, (high, low, "".join(c[0] for c in window))
+        assert board.peak <= slots
     finally:
         await stack.close()

@@ -35,6 +35,7 @@ from jobplane.store.workers import WorkerStore
 from jobplane.v1 import jobs_pb2, jobs_pb2_grpc, workers_pb2, workers_pb2_grpc
 from jobplane.workers.handlers import JobContext, Registry, RetryableError
 from tests.support.answers import check_refusal
+from tests.support.queues import publish_raw, ready_count
 from tests.support.stack import Stack, eventually
 
 pytestmark = pytest.mark.stack(worker=False)
@@ -398,6 +399,28 @@ async def test_a_message_of_no_job_here_is_dead_lettered_unless_another_deployme
         Claim.STATUS_NOT_FOUND,
         Claim.STATUS_OTHER_DEPLOYMENT,
     ]
+
+
+async def test_the_foreign_worker_dead_letters_a_message_the_server_calls_malformed(
+    stack: Stack, foreign_worker: StartForeign
+) -> None:
+    worker = await foreign_worker()
+    topology = stack.topology
+    await publish_raw(stack.amqp_url, topology.exchange, "reports.render", b"{not json")
+
+    async def rejected() -> bool:
+        return bool(worker.said("settled", settle="reject"))
+
+    await eventually(rejected, timeout=20)
+    [malformed] = worker.said("malformed")
+    assert "message_body is not a dispatch envelope" in malformed["details"]
+    # Dead-lettered once, not redelivered until the delivery limit.
+
+    async def in_the_failed_queue() -> bool:
+        return await ready_count(stack.amqp_url, topology.failed_queue) == 1
+
+    await eventually(in_the_failed_queue, timeout=20)
+    assert len(worker.said("settled")) == 1 and not worker.said("crashed")
 
 
 async def test_cancelled_is_refused_until_cancel_was_requested(

@@ -27,6 +27,16 @@ def mixed_topology(topology: Topology) -> Topology:
     return replace(topology, queues=queues)
 
 
+def two_class_topology(topology: Topology) -> Topology:
+    """One high queue (``hi.a.#``) and one low queue (``lo.#``), named as ``topology``."""
+    base = topology.queues[0]
+    queues = (
+        replace(base, name=f"{base.name}.hi-a", bindings=("hi.a.#",), priority="high"),
+        replace(base, name=f"{base.name}.lo", bindings=("lo.#",), priority="low"),
+    )
+    return replace(topology, queues=queues)
+
+
 @dataclass
 class Board:
     """What the handlers saw: who runs now, the most at once, every start."""

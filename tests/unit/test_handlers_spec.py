@@ -14,7 +14,15 @@ from typing import Any
 import pytest
 
 from jobplane.cli import main
-from jobplane.workers.handlers import HandlersError, JobContext, Registry, load_registry
+from jobplane.config import ConfigError, Settings
+from jobplane.workers.handlers import (
+    HandlersError,
+    JobContext,
+    Registry,
+    SyncJobContext,
+    Threaded,
+    load_registry,
+)
 
 MODULES = {
     "jpspec_ok": """
@@ -31,13 +39,13 @@ MODULES = {
     "jpspec_syntax": "def broken(:\n",
     "jpspec_exits": "import sys\nsys.exit(3)\n",
     "jpspec_empty": "from jobplane.workers import Registry\nregistry = Registry()\n",
-    "jpspec_sync": """
+    "jpspec_gen": """
         from jobplane.workers import Registry
         registry = Registry()
 
-        @registry.handler("spec.sync")
+        @registry.handler("spec.gen")
         def job(ctx):
-            return {}
+            yield {}
     """,
     "jpspec_dup": """
         from jobplane.workers import Registry
@@ -98,9 +106,9 @@ def run_main(argv: list[str]) -> int:
         (["jpspec_syntax:registry"], "SyntaxError: "),
         (["jpspec_exits:registry"], "importing 'jpspec_exits' failed: SystemExit: 3"),
         (["jpspec_empty:registry"], "jpspec_empty:registry has no handlers registered"),
-        (["jpspec_sync:registry"], "is not an async function: handlers must be `async def`"),
-        # The line of the plain function.
-        pytest.param(["jpspec_sync:registry"], "jpspec_sync.py:5)", marks=pytest.mark.source_lines),
+        (["jpspec_gen:registry"], "is a generator function (it must return its result)"),
+        # The line of the generator function.
+        pytest.param(["jpspec_gen:registry"], "jpspec_gen.py:5)", marks=pytest.mark.source_lines),
         (["jpspec_dup:registry", "--demo"], "a handler for 'demo.echo' is already registered"),
     ],
 )
@@ -134,11 +142,11 @@ class AsyncCallable:
 
 
 class SyncCallable:
-    def __call__(self, ctx: JobContext) -> dict[str, Any]:
+    def __call__(self, ctx: SyncJobContext) -> dict[str, Any]:
         return {}
 
 
-def _sync_handler(ctx: JobContext) -> dict[str, Any]:
+def _sync_handler(ctx: SyncJobContext) -> dict[str, Any]:
     return {}
 
 
@@ -146,23 +154,52 @@ async def _async_generator(ctx: JobContext) -> AsyncIterator[dict[str, Any]]:
     yield {}
 
 
-def test_the_registry_takes_async_functions_and_refuses_the_rest() -> None:
+def _sync_generator(ctx: JobContext) -> Iterator[dict[str, Any]]:
+    yield {}
+
+
+class GeneratorCallable:
+    def __call__(self, ctx: JobContext) -> Iterator[dict[str, Any]]:
+        yield {}
+
+
+def test_the_registry_takes_async_and_plain_functions_and_refuses_the_rest() -> None:
     registry = Registry()
     registry.add("a.plain", _async_handler)
     registry.add("a.instance", AsyncCallable())
     registry.add("a.partial", functools.partial(_async_handler))
-    assert list(registry) == ["a.instance", "a.partial", "a.plain"]
-    refused: list[Any] = [
-        _sync_handler,
-        lambda ctx: {},
-        SyncCallable(),
-        AsyncCallable,  # the class: calling it makes an instance, not a coroutine
-        _async_generator,
-        42,
+    # Plain functions run in the worker's threads, behind an async face.
+    registry.add("s.plain", _sync_handler)
+    registry.add("s.lambda", lambda ctx: {})
+    registry.add("s.instance", SyncCallable())
+    assert list(registry) == [
+        "a.instance",
+        "a.partial",
+        "a.plain",
+        "s.instance",
+        "s.lambda",
+        "s.plain",
     ]
-    for n, fn in enumerate(refused):
-        with pytest.raises(TypeError, match="handlers must be `async def`"):
+    assert registry.get("a.plain") is _async_handler
+    assert isinstance(registry.get("s.plain"), Threaded)
+    # A merged registry keeps them as they were wrapped.
+    assert isinstance(registry.merge(Registry()).get("s.plain"), Threaded)
+    refused: list[tuple[Any, str]] = [
+        (AsyncCallable, "is a class"),  # calling it makes an instance, not a result
+        (_async_generator, "is a generator function"),
+        (_sync_generator, "is a generator function"),
+        (GeneratorCallable(), "is a generator function"),
+        (42, "is not callable"),
+    ]
+    for n, (fn, why) in enumerate(refused):
+        with pytest.raises(TypeError, match=why):
             registry.add(f"b.refused{n}", fn)
-    assert len(registry) == 3
-    with pytest.raises(TypeError, match="is not callable"):
-        registry.add("b.number", 42)  # type: ignore[arg-type]
+    assert len(registry) == 6
+
+
+def test_the_sync_threads_setting() -> None:
+    assert Settings.from_env({}).sync_threads is None  # the worker's concurrency
+    assert Settings.from_env({"JOBPLANE_SYNC_THREADS": "3"}).sync_threads == 3
+    for bad in ("0", "-1", "many"):
+        with pytest.raises(ConfigError, match="JOBPLANE_SYNC_THREADS"):
+            Settings.from_env({"JOBPLANE_SYNC_THREADS": bad})

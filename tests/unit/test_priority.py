@@ -38,7 +38,12 @@ def test_reserve_and_prefetch() -> None:
     assert [default_reserve(c) for c in (1, 2, 4, 8, 16)] == [0, 1, 1, 2, 4]
     mixed = Slots(8, ["low", "high", "normal"])
     assert mixed.classes == ("high", "normal", "low") and mixed.reserve == 2
-    assert [mixed.prefetch(p) for p in ("high", "normal", "low")] == [8, 6, 6]
+    # What each class may run, and its weighted share of the 8 slots waiting
+    # (4/7, 2/7, 1/7 of them, rounded up): the turns have something to choose.
+    assert [mixed.prefetch(p) for p in ("high", "normal", "low")] == [8 + 5, 6 + 3, 6 + 2]
+    pair = Slots(8, ["high", "low"])
+    assert [pair.prefetch(p) for p in ("high", "low")] == [8 + 7, 6 + 2]
+    assert [Slots(1, ["high", "low"]).prefetch(p) for p in ("high", "low")] == [2, 2]
     # One priority: plain slots, every delivery may fill them all.
     plain = Slots(8, ["low", "low"])
     assert plain.reserve == 0 and plain.prefetch("low") == 8

@@ -73,6 +73,22 @@ def reason(error: grpc.aio.AioRpcError) -> str:
     return ""
 
 
+def bad_field(error: grpc.aio.AioRpcError) -> str:
+    """The field an INVALID_ARGUMENT names (its BadRequest detail); "" for other answers."""
+    if error.code() != grpc.StatusCode.INVALID_ARGUMENT:
+        return ""
+    for key, value in error.trailing_metadata() or ():
+        if key == "grpc-status-details-bin" and isinstance(value, bytes):
+            from google.rpc import error_details_pb2, status_pb2
+
+            status = status_pb2.Status.FromString(value)
+            for detail in status.details:
+                bad = error_details_pb2.BadRequest()
+                if detail.Unpack(bad) and bad.field_violations:
+                    return str(bad.field_violations[0].field)
+    return ""
+
+
 class ForeignWorker:
     def __init__(
         self, stub: Any, key: str, channel: aiormq.abc.AbstractChannel, types: list[str]
@@ -141,6 +157,17 @@ class ForeignWorker:
         return await getattr(self._stub, method)(request, metadata=self._metadata, timeout=10)
 
     async def _handle(self, message: aiormq.abc.DeliveredMessage) -> str:
+        try:
+            return await self._handle_message(message)
+        except grpc.aio.AioRpcError as exc:
+            if bad_field(exc) != "message_body":
+                raise
+            # The message itself is malformed: no retry changes that. It goes
+            # to the failed queue for an operator, not back to the queue.
+            say("malformed", details=exc.details())
+            return "reject"
+
+    async def _handle_message(self, message: aiormq.abc.DeliveredMessage) -> str:
         # The type is the routing key (and the body's `type`): no claim without a handler.
         if message.routing_key not in self._types:
             back = await self._call(

@@ -1,0 +1,327 @@
+"""Unit-test handlers without Postgres or RabbitMQ.
+
+::
+
+    from jobplane.testing import MemoryBlobs, run_handler
+
+    async def test_render() -> None:
+        outcome = await run_handler(registry, "reports.render", {"rows": 3})
+        assert outcome.status == "succeeded"
+        assert outcome.result == {"pages": 1}
+        assert [p.progress for p in outcome.progress] == [0.5, 1.0]
+        assert [e.event_type for e in outcome.emitted] == ["report.rendered"]
+
+The handler gets the worker's own :class:`~jobplane.workers.JobContext` (a
+plain ``def`` handler the worker's :class:`~jobplane.workers.SyncJobContext`,
+from a thread), with a recording progress sink and an in-memory object store
+in place of the worker's; what it returns or raises is judged by the worker's
+own rules (:func:`jobplane.workers.outcome.check_result` and
+:func:`~jobplane.workers.outcome.describe`). Emitted events are checked as
+the worker checks them. Nothing here is written anywhere.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import uuid
+from collections.abc import AsyncIterable, AsyncIterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal, cast
+
+from jobplane.blobs.names import blob_name, parse_blob_name
+from jobplane.blobs.store import BlobInfo, BlobReader
+from jobplane.errors import BlobNotFound, BlobTooLarge
+from jobplane.events.envelope import Event
+from jobplane.store.attempts import Attempt, ProgressUpdate, StageRun
+from jobplane.workers.handlers import (
+    DEFAULT_EVENT_PAYLOAD_BYTES,
+    Handler,
+    JobContext,
+    Registry,
+    SyncHandler,
+    Threaded,
+    handler_kind,
+)
+from jobplane.workers.outcome import Escaped, check_result, describe, invoke
+
+__all__ = ["HandlerError", "MemoryBlobs", "Outcome", "run_handler", "run_handler_sync"]
+
+#: How an attempt ended, as the worker would record it.
+Status = Literal["succeeded", "retry", "failed", "cancelled"]
+
+
+class _Body:
+    """The bytes of an in-memory blob, read as a :class:`BlobReader` reads an S3 body."""
+
+    def __init__(self, data: bytes) -> None:
+        self._data = data
+        self._at = 0
+
+    async def read(self, n: int | None = None) -> bytes:
+        end = len(self._data) if n is None else min(len(self._data), self._at + n)
+        chunk = self._data[self._at : end]
+        self._at = end
+        return chunk
+
+
+class MemoryBlobs:
+    """An object store in memory: the blobs a handler reads and writes in a test.
+
+    ``name = blobs.add(b"...")`` stores an input (its name is
+    ``blobs/{sha256}``, as in a worker); :attr:`contents` has every blob by
+    name and :attr:`references` what jobs referenced (job id, name, role).
+    Blobs are not kept apart by tenant.
+    """
+
+    def __init__(self) -> None:
+        self.contents: dict[str, bytes] = {}
+        self.content_types: dict[str, str] = {}
+        self.references: list[tuple[uuid.UUID, str, str]] = []
+
+    def add(self, data: bytes, *, content_type: str = "") -> str:
+        """Store ``data``; its name."""
+        name = blob_name(hashlib.sha256(data).hexdigest())
+        self.contents[name] = bytes(data)
+        self.content_types.setdefault(name, content_type)
+        return name
+
+    def _info(self, name: str) -> BlobInfo:
+        try:
+            digest = parse_blob_name(name)
+        except ValueError:
+            raise BlobNotFound(f"no blob named {name[:80]!r}") from None
+        if name not in self.contents:
+            raise BlobNotFound(f"no blob named {name}")
+        return BlobInfo(name, digest, len(self.contents[name]), self.content_types.get(name, ""))
+
+    def open(
+        self, tenant_id: uuid.UUID, name: str
+    ) -> contextlib.AbstractAsyncContextManager[BlobReader]:
+        """The blob, streamed (:class:`~jobplane.errors.BlobNotFound` when absent)."""
+        return self._open(name)
+
+    @contextlib.asynccontextmanager
+    async def _open(self, name: str) -> AsyncIterator[BlobReader]:
+        info = self._info(name)
+        yield BlobReader(info, _Body(self.contents[name]))
+
+    async def read_bytes(
+        self, tenant_id: uuid.UUID, name: str, *, limit: int | None = None
+    ) -> bytes:
+        """The whole blob; :class:`~jobplane.errors.BlobTooLarge` over ``limit`` bytes."""
+        info = self._info(name)
+        if limit is not None and info.size > limit:
+            raise BlobTooLarge(f"{name} has {info.size} bytes, more than {limit}")
+        return self.contents[name]
+
+    async def put_bytes(
+        self, tenant_id: uuid.UUID, data: bytes, *, content_type: str | None = None
+    ) -> BlobInfo:
+        """Store ``data``."""
+        return self._info(self.add(data, content_type=content_type or ""))
+
+    async def put_stream(
+        self,
+        tenant_id: uuid.UUID,
+        chunks: AsyncIterable[bytes],
+        *,
+        content_type: str | None = None,
+    ) -> BlobInfo:
+        """Store the bytes of ``chunks``."""
+        data = b"".join([bytes(chunk) async for chunk in chunks])
+        return await self.put_bytes(tenant_id, data, content_type=content_type)
+
+    async def reference(
+        self, tenant_id: uuid.UUID, job_id: uuid.UUID, digest: str, role: str
+    ) -> None:
+        """Record that the job references the blob."""
+        self.references.append((job_id, blob_name(digest), role))
+
+
+class _Recorder:
+    """The progress sink: every report, in order."""
+
+    def __init__(self) -> None:
+        self.updates: list[ProgressUpdate] = []
+
+    async def add(self, update: ProgressUpdate) -> None:
+        self.updates.append(update)
+
+
+@dataclass(frozen=True)
+class HandlerError:
+    """The error an attempt ended with, as the worker stores it."""
+
+    code: str
+    message: str
+    #: Whether another attempt may run (a :class:`~jobplane.workers.PermanentError`: no).
+    retryable: bool
+    #: The delay a :class:`~jobplane.workers.RetryableError` asked for (None: the backoff).
+    delay: float | None
+    #: What the handler raised (None when the worker's rules refused its result).
+    exception: BaseException | None
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What one attempt of a handler did, and how the worker would record it."""
+
+    #: ``succeeded``; ``retry`` (a retryable error with attempts left); ``failed``;
+    #: ``cancelled`` (stopped by ``cancel_after``).
+    status: Status
+    #: The stored result (``{}`` for None) when it succeeded.
+    result: dict[str, Any] | None
+    error: HandlerError | None
+    #: Every progress report, in order (fraction clamped, message cut, as stored).
+    progress: list[ProgressUpdate]
+    #: The events the handler emitted; a worker publishes them only with a success.
+    emitted: list[Event]
+    #: The blobs the handler stored (``ctx.put_blob``), by name.
+    blobs: dict[str, bytes]
+    #: The attempt's context, for anything else a test wants to look at.
+    context: JobContext = field(repr=False)
+
+
+async def run_handler(
+    handler: Registry | Handler | SyncHandler,
+    job_type: str = "test.job",
+    payload: dict[str, Any] | None = None,
+    *,
+    attempt: int = 1,
+    max_attempts: int = 3,
+    job_id: uuid.UUID | None = None,
+    tenant_id: uuid.UUID | None = None,
+    correlation_id: str = "",
+    request_id: str = "",
+    timeout_seconds: float = 3600.0,
+    pipeline: str = "",
+    pipeline_version: str = "",
+    stage: str = "",
+    stage_version: str = "",
+    inputs: Mapping[str, dict[str, Any]] | None = None,
+    blobs: MemoryBlobs | None = None,
+    cancel_after: float | None = None,
+    max_result_bytes: int = DEFAULT_EVENT_PAYLOAD_BYTES,
+) -> Outcome:
+    """Run one attempt of ``handler`` (or ``job_type``'s handler in a registry).
+
+    The keyword arguments are the attempt's fields as the handler sees them
+    (``ctx.attempt``, ``ctx.stage``, ``ctx.inputs``, …); ``stage`` makes it a
+    pipeline stage's attempt. ``blobs`` is the object store the handler
+    reads and writes (a new empty one by default). ``cancel_after`` stops the
+    attempt after that many seconds as the worker stops a cancelled job:
+    ``ctx.cancelled`` turns True, an async handler's task is cancelled and a
+    plain handler's next context call raises
+    :class:`~jobplane.workers.AttemptStopped`.
+    """
+    fn = _handler_of(handler, job_type)
+    store = MemoryBlobs() if blobs is None else blobs
+    stage_run = None
+    if stage:
+        given = dict(inputs or {})
+        stage_run = StageRun(
+            pipeline=pipeline,
+            pipeline_version=pipeline_version,
+            name=stage,
+            index=len(given),
+            count=len(given) + 1,
+            version=stage_version,
+            inputs=given,
+        )
+    elif pipeline or inputs:
+        raise ValueError("a pipeline's attempt names its stage (stage=...)")
+    the_attempt = Attempt(
+        job_id=job_id or uuid.uuid4(),
+        tenant_id=tenant_id or uuid.uuid4(),
+        type=job_type,
+        payload=dict(payload or {}),
+        attempt=attempt,
+        max_attempts=max_attempts,
+        retry_base=0,
+        lease_token=uuid.uuid4(),
+        correlation_id=correlation_id,
+        request_id=request_id or str(uuid.uuid4()),
+        timeout_seconds=timeout_seconds,
+        stage=stage_run,
+    )
+    recorder = _Recorder()
+    ctx = JobContext(the_attempt, recorder, max_event_payload_bytes=max_result_bytes, blobs=store)
+    task = asyncio.create_task(invoke(fn, ctx), name=f"test-{the_attempt.job_id}")
+    stopped = False
+    if cancel_after is not None:
+        done, _ = await asyncio.wait({task}, timeout=cancel_after)
+        if not done:
+            stopped = True
+            ctx._stop()
+            task.cancel()
+    await asyncio.wait({task})
+    status: Status
+    result: dict[str, Any] | None = None
+    error: HandlerError | None = None
+    if task.cancelled():
+        if not stopped:
+            raise asyncio.CancelledError("the handler's task was cancelled, not by cancel_after")
+        status = "cancelled"
+    elif (raised := task.exception()) is not None:
+        if stopped:
+            status = "cancelled"  # as the worker records a stopped attempt that raised
+        else:
+            failure = describe(raised)
+            original = raised.original if isinstance(raised, Escaped) else raised
+            error = HandlerError(
+                failure.code, failure.message, failure.retryable, failure.delay, original
+            )
+            retry = failure.retryable and the_attempt.attempts_left > 0
+            status = "retry" if retry else "failed"
+    else:
+        checked = check_result(task.result(), max_bytes=max_result_bytes)
+        if isinstance(checked, dict):
+            status, result = "succeeded", checked
+        else:
+            failure = describe(checked)
+            error = HandlerError(failure.code, failure.message, False, None, None)
+            status = "failed"
+    written = {
+        name: store.contents[name]
+        for job, name, role in store.references
+        if job == the_attempt.job_id and role == "output"
+    }
+    return Outcome(
+        status=status,
+        result=result,
+        error=error,
+        progress=list(recorder.updates),
+        emitted=[made.event for made in ctx.emitted],
+        blobs=written,
+        context=ctx,
+    )
+
+
+def run_handler_sync(
+    handler: Registry | Handler | SyncHandler,
+    job_type: str = "test.job",
+    payload: dict[str, Any] | None = None,
+    **fields: Any,
+) -> Outcome:
+    """:func:`run_handler` for a test that has no event loop (plain pytest)."""
+    return asyncio.run(run_handler(handler, job_type, payload, **fields))
+
+
+def _handler_of(handler: Registry | Handler | SyncHandler, job_type: str) -> Handler:
+    """The async callable the worker would run: a registry's, or ``handler`` wrapped
+    as the registry wraps it."""
+    if isinstance(handler, Registry):
+        found = handler.get(job_type)
+        if found is None:
+            raise LookupError(
+                f"the registry has no handler for {job_type!r} (it has: {', '.join(handler)})"
+            )
+        return found
+    kind = handler_kind(handler)
+    if kind == "async":
+        return cast(Handler, handler)
+    if kind == "sync":
+        return Threaded(cast(SyncHandler, handler))
+    raise TypeError(f"{handler!r} is {kind}: not a handler")

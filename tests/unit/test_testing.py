@@ -1,0 +1,192 @@
+"""jobplane.testing: a handler's attempt without Postgres or RabbitMQ, judged as
+the worker judges it."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+import uuid
+from typing import Any
+
+import pytest
+
+from jobplane.testing import MemoryBlobs, run_handler, run_handler_sync
+from jobplane.workers import (
+    AttemptStopped,
+    JobContext,
+    PermanentError,
+    Registry,
+    RetryableError,
+    SyncJobContext,
+)
+
+registry = Registry()
+
+
+@registry.handler("t.async")
+async def _async(ctx: JobContext) -> dict[str, Any]:
+    await ctx.progress(0.5, "half", {"rows": ctx.payload["rows"]})
+    ctx.emit("report.rendered", {"rows": ctx.payload["rows"]})
+    name = await ctx.put_blob(b"%PDF", content_type="application/pdf")
+    return {"pdf": name, "attempt": ctx.attempt}
+
+
+@registry.handler("t.sync")
+def _sync(ctx: SyncJobContext) -> dict[str, Any]:
+    source = ctx.read_blob(ctx.payload["source"])
+    ctx.progress(2.0, "x" * 5000)  # clamped and cut as the worker stores them
+    ctx.emit("text.upper", {"n": len(source)})
+    name = ctx.put_blob(source.upper())
+    return {"out": name, "thread": threading.current_thread().name}
+
+
+async def test_an_async_handler_records_progress_emits_blobs_and_its_result() -> None:
+    outcome = await run_handler(registry, "t.async", {"rows": 3}, attempt=2)
+    assert outcome.status == "succeeded" and outcome.error is None
+    assert outcome.result is not None and outcome.result["attempt"] == 2
+    assert [(p.progress, p.message, p.data) for p in outcome.progress] == [
+        (0.5, "half", {"rows": 3})
+    ]
+    assert [(e.event_type, e.payload) for e in outcome.emitted] == [
+        ("report.rendered", {"rows": 3})
+    ]
+    assert outcome.blobs == {outcome.result["pdf"]: b"%PDF"}
+    assert outcome.context.type == "t.async"
+
+
+async def test_a_sync_handler_runs_in_a_thread_with_the_same_context() -> None:
+    blobs = MemoryBlobs()
+    source = blobs.add(b"hello")
+    outcome = await run_handler(registry, "t.sync", {"source": source}, blobs=blobs)
+    assert outcome.status == "succeeded", outcome.error
+    assert outcome.result is not None
+    assert outcome.result["thread"] != threading.current_thread().name
+    assert outcome.blobs == {outcome.result["out"]: b"HELLO"}
+    [report] = outcome.progress
+    assert report.progress == 1.0 and len(report.message) == 4096
+    assert [e.event_type for e in outcome.emitted] == ["text.upper"]
+
+
+async def test_errors_are_retried_or_failed_as_the_worker_decides() -> None:
+    async def flaky(ctx: JobContext) -> dict[str, Any]:
+        raise RetryableError("later", delay=5, code="BUSY")
+
+    retry = await run_handler(flaky, attempt=1, max_attempts=2)
+    assert retry.status == "retry"
+    assert retry.error is not None and (retry.error.code, retry.error.delay) == ("BUSY", 5.0)
+    assert isinstance(retry.error.exception, RetryableError)
+    last = await run_handler(flaky, attempt=2, max_attempts=2)
+    assert last.status == "failed" and last.error is not None and last.error.retryable
+
+    def permanent(ctx: SyncJobContext) -> dict[str, Any]:
+        raise PermanentError("never", code="NOPE")
+
+    failed = await run_handler(permanent)
+    assert failed.status == "failed" and failed.error is not None
+    assert (failed.error.code, failed.error.retryable) == ("NOPE", False)
+
+    def crashes(ctx: SyncJobContext) -> dict[str, Any]:
+        raise KeyError("k")
+
+    crashed = await run_handler(crashes)
+    assert crashed.status == "retry" and crashed.error is not None
+    assert crashed.error.code == "HANDLER_ERROR" and "KeyError" in crashed.error.message
+
+    async def bad_result(ctx: JobContext) -> Any:
+        return [1, 2]
+
+    refused = await run_handler(bad_result)
+    assert refused.status == "failed" and refused.error is not None
+    assert refused.error.code == "BAD_RESULT" and refused.error.exception is None
+
+
+async def test_emitted_events_are_dropped_unless_the_attempt_succeeds() -> None:
+    async def emits_then_fails(ctx: JobContext) -> dict[str, Any]:
+        ctx.emit("thing.tried", {})
+        raise PermanentError("no")
+
+    outcome = await run_handler(emits_then_fails)
+    # Kept here to look at; the status says a worker would publish none.
+    assert outcome.status == "failed" and len(outcome.emitted) == 1
+
+
+async def test_a_pipeline_stage_sees_its_stage_and_the_earlier_results() -> None:
+    async def summarize(ctx: JobContext) -> dict[str, Any]:
+        return {
+            "pipeline": ctx.pipeline,
+            "stage": ctx.stage,
+            "version": ctx.stage_version,
+            "inputs": list(ctx.inputs),
+            "previous": ctx.previous,
+        }
+
+    outcome = await run_handler(
+        summarize,
+        "aidj.summarize",
+        {"track": 1},
+        pipeline="aidj.analyze",
+        stage="summarize",
+        stage_version="v2",
+        inputs={"decode": {"frames": 10}, "tempo": {"bpm": 120}},
+    )
+    assert outcome.result == {
+        "pipeline": "aidj.analyze",
+        "stage": "summarize",
+        "version": "v2",
+        "inputs": ["decode", "tempo"],
+        "previous": {"bpm": 120},
+    }
+    plain = await run_handler(summarize)
+    assert plain.result is not None and plain.result["stage"] == "" and plain.result["inputs"] == []
+
+
+async def test_cancel_after_stops_async_and_sync_handlers_as_the_worker_does() -> None:
+    async def sleeps(ctx: JobContext) -> dict[str, Any]:
+        await asyncio.sleep(60)
+        return {}
+
+    outcome = await run_handler(sleeps, cancel_after=0.05)
+    assert outcome.status == "cancelled" and outcome.context.cancelled
+
+    seen: list[str] = []
+
+    def loops(ctx: SyncJobContext) -> dict[str, Any]:
+        deadline = time.monotonic() + 30
+        while not ctx.cancelled and time.monotonic() < deadline:
+            time.sleep(0.005)
+        seen.append("saw it")
+        try:
+            ctx.progress(0.9)  # raises: the attempt is stopped
+        except AttemptStopped:
+            seen.append("stopped at the call")
+            raise
+        seen.append("went on")
+        return {}
+
+    stopped = await run_handler(loops, cancel_after=0.05)
+    assert stopped.status == "cancelled"
+    assert seen == ["saw it", "stopped at the call"] and stopped.progress == []
+    assert stopped.error is None
+
+
+async def test_a_registry_without_the_type_says_what_it_has() -> None:
+    with pytest.raises(LookupError, match=r"t\.async, t\.sync"):
+        await run_handler(registry, "t.missing")
+
+
+def test_run_handler_sync_needs_no_event_loop() -> None:
+    job_id = uuid.uuid4()
+
+    def named(ctx: SyncJobContext) -> dict[str, Any]:
+        return {"name": ctx.name, "correlation": ctx.correlation_id}
+
+    outcome = run_handler_sync(named, "t.named", job_id=job_id, correlation_id="c-1")
+    assert outcome.result == {"name": f"jobs/{job_id}", "correlation": "c-1"}
+
+
+def test_the_sync_context_has_every_attribute_of_the_async_one() -> None:
+    # The plain handler's face must not drift from the async one's.
+    public = {n for n in dir(JobContext) if not n.startswith("_")}
+    missing = public - set(dir(SyncJobContext))
+    assert missing == {"open_blob"}, missing  # streaming is for async handlers
