@@ -104,6 +104,7 @@ from jobplane.store.outbox import GiveUp, OutboxBatch, OutboxKind, OutboxRow, Ou
 from jobplane.store.rows import DOMAIN_EVENTS_CHANNEL, OUTBOX_CHANNEL
 from jobplane.tasks import cancel_and_wait
 from jobplane.topology import Ownership, Topology, TopologyMissing, ensure
+from jobplane.types import WaitingCode
 from jobplane.workers.sweeper import Sweeper
 
 log = structlog.get_logger("jobplane.relay")
@@ -768,6 +769,29 @@ class Relay:
                 for o in returned
                 if o.row.id in unroutable
             ]
+            # Until then the job says why it waits (GetJob, the CLI, the
+            # dashboard), not only this relay's log.
+            noted = await batch.note_waiting(
+                [
+                    (o.row, WaitingCode.UNROUTABLE, self._waiting_message(o.row))
+                    for o in returned
+                    if o.row.id not in unroutable
+                ]
+            )
+            for row in noted:
+                log.warning(
+                    "job.waiting",
+                    **_subject(row),
+                    code=WaitingCode.UNROUTABLE.value,
+                    type=row.routing_key,
+                    exchange=row.exchange or self._topology.exchange,
+                )
+        # Published at last (the topology applied): the reason is gone. Only
+        # a row that failed before can have left one.
+        await batch.note_waiting(
+            [(o.row, "", "") for o in confirmed if o.row.retried],
+            clears=WaitingCode.UNROUTABLE,
+        )
         recorded = _Recorded(published=len(confirmed), confirmed=[o.row for o in confirmed])
         for row, code, message in give_up:
             result = await batch.fail(row, code, message)
@@ -884,6 +908,16 @@ class Relay:
             f"came back unroutable {self._unroutable_returns} times in a row over at least "
             f"{self._unroutable_after:g}s (the broker's bindings differ from the topology; "
             "run `jobplane topology apply`)"
+        )
+
+    def _waiting_message(self, row: OutboxRow) -> str:
+        exchange = row.exchange or self._topology.exchange
+        return (
+            f"the broker returned its dispatch: no queue is bound for routing key "
+            f"{row.routing_key!r} (its job type) on exchange {exchange!r}: apply a topology "
+            "that routes it (`jobplane topology apply`). Retried until then; the job fails "
+            f"with {JOB_TYPE_UNROUTABLE} if it still comes back after "
+            f"{self._unroutable_returns} returns over {self._unroutable_after:g}s"
         )
 
     async def _publish(self, exchange: AbstractExchange, row: OutboxRow) -> None:
