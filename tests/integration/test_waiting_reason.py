@@ -18,9 +18,11 @@ import pytest
 from markupsafe import escape
 
 from jobplane.client import JobState
+from jobplane.observe.metrics import Metrics, watch_outbox
 from jobplane.topology import declare
 from jobplane.types import Job, WaitingCode
 from tests.integration.test_cli_and_sync import jobplane
+from tests.integration.test_observability import samples
 from tests.support.dashboard import UiStack, browserless, ui_stack
 from tests.support.stack import Stack, eventually
 
@@ -74,6 +76,9 @@ async def test_an_unroutable_dispatch_says_why_until_the_topology_routes_it(stac
     listed = (await stack.client().list()).jobs
     assert [(j.name, j.waiting_code) for j in listed] == [(job.name, "UNROUTABLE")]
     assert listed[0].waiting_reason == job.waiting_reason
+    metrics = Metrics()
+    watch_outbox(metrics, stack.engine)
+    assert await _waiting(metrics) == {"UNROUTABLE": 1.0, "NO_LIVE_WORKER": 0.0, "HANDED_BACK": 0.0}
     # A fact about now, not history: no event in the job's stream.
     assert await stack.scalar("SELECT last_seq FROM jobs") == 1
     # Still retried on its schedule, not given up on.
@@ -94,10 +99,22 @@ async def test_an_unroutable_dispatch_says_why_until_the_topology_routes_it(stac
     assert cleared.state is JobState.QUEUED
     assert (cleared.waiting_code, cleared.waiting_reason) == ("", "")
     assert await stack.scalar("SELECT waiting_code IS NULL FROM jobs") is True
+    assert (await _waiting(metrics))["UNROUTABLE"] == 0
 
     await stack.start_worker()
     done = await asyncio.wait_for(stack.client().wait(job.name), timeout=30)
     assert done.state is JobState.SUCCEEDED
+
+
+async def _waiting(metrics: Metrics) -> dict[str, float]:
+    """``jobplane_jobs_waiting`` by code, as a scrape reads it."""
+    await metrics.refresh()
+    found = samples((await metrics.exposition()).decode())
+    return {
+        dict(labels)["code"]: count
+        for (name, labels), count in found.items()
+        if name == "jobplane_jobs_waiting"
+    }
 
 
 async def test_the_cli_shows_why_a_job_waits(stack: Stack) -> None:
@@ -117,6 +134,9 @@ async def test_the_cli_shows_why_a_job_waits(stack: Stack) -> None:
         "UNROUTABLE",
         job.waiting_reason,
     )
+    # Cancelled, it waits for nothing any more.
+    await stack.client().cancel(job.name)
+    assert await stack.scalar("SELECT waiting_code IS NULL AND waiting_reason IS NULL FROM jobs")
 
 
 @pytest.fixture

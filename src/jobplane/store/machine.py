@@ -128,6 +128,9 @@ NEXT_STAGE = "s.job_id = jobs.id AND s.idx = jobs.stage + 1"
 # ... the stage of the given index does (RetryJob from a named stage).
 NAMED_STAGE = "s.job_id = jobs.id AND s.idx = :stage"
 CANCEL_NOT_REQUESTED = "cancel_requested_at IS NULL"
+# A job that stops waiting (claimed, ended, dispatched anew) has no reason to
+# wait: only a QUEUED job ever has one.
+NOT_WAITING = "waiting_reason = NULL, waiting_code = NULL"
 # A reason noted again as it is changes nothing (no update_time, no row version).
 CHANGES_REASON = (
     "(waiting_code IS DISTINCT FROM :waiting_code "
@@ -204,7 +207,7 @@ RULES: Mapping[Transition, Rule] = {
         # A new attempt starts from nothing: its STARTED event must not carry
         # the last attempt's progress.
         "cancel_reason = NULL, progress = stage_base, progress_message = '', "
-        "waiting_reason = NULL, waiting_code = NULL, handbacks = 0",
+        f"{NOT_WAITING}, handbacks = 0",
         lifecycle=Lifecycle.STARTED,
     ),
     Transition.EXHAUST: Rule(
@@ -216,7 +219,7 @@ RULES: Mapping[Transition, Rule] = {
         sets="end_time = now(), error_code = 'ATTEMPTS_EXHAUSTED', "
         "error_message = 'no attempts left (max_attempts reached)', error_retryable = false, "
         "lease_token = NULL, lease_expires_at = NULL, dispatch_id = NULL, "
-        "next_attempt_time = NULL",
+        f"next_attempt_time = NULL, {NOT_WAITING}",
         lifecycle=Lifecycle.FAILED,
     ),
     Transition.PROGRESS: Rule(
@@ -247,7 +250,7 @@ RULES: Mapping[Transition, Rule] = {
         sets=f"{_AT_STAGE}, retry_base = jobs.attempt, dispatch_id = :dispatch_id, "
         "lease_token = NULL, lease_expires_at = NULL, next_attempt_time = NULL, error_code = NULL, "
         "error_message = NULL, error_retryable = false, cancel_requested_at = NULL, "
-        "cancel_reason = NULL, waiting_reason = NULL, waiting_code = NULL, handbacks = 0",
+        f"cancel_reason = NULL, {NOT_WAITING}, handbacks = 0",
         message="format('stage %s succeeded; %s is next', p.name, j.stage_name)",
         data="jsonb_build_object('stage', p.name, 'next_stage', j.stage_name)",
         lifecycle=Lifecycle.STAGE_SUCCEEDED,
@@ -313,7 +316,7 @@ RULES: Mapping[Transition, Rule] = {
         EventType.QUEUED,
         dispatch=True,
         guard=PARKED,
-        sets="dispatch_id = gen_random_uuid(), waiting_reason = NULL, waiting_code = NULL, "
+        sets=f"dispatch_id = gen_random_uuid(), {NOT_WAITING}, "
         "handbacks = 0, next_attempt_time = NULL",
         message="format('dispatched again: a worker that handles %s is live', j.type)",
         data="'{}'::jsonb",
@@ -324,7 +327,7 @@ RULES: Mapping[Transition, Rule] = {
         BY_ID,
         EventType.CANCELLED,
         sets="end_time = now(), error_code = 'CANCELLED', error_message = :reason, "
-        "error_retryable = false, dispatch_id = NULL, next_attempt_time = NULL",
+        f"error_retryable = false, dispatch_id = NULL, next_attempt_time = NULL, {NOT_WAITING}",
         lifecycle=Lifecycle.CANCELLED,
     ),
     Transition.REQUEST_CANCEL: Rule(
@@ -348,7 +351,7 @@ RULES: Mapping[Transition, Rule] = {
         "progress = stage_base, progress_message = '', cancel_requested_at = NULL, "
         "cancel_reason = NULL, "
         "lease_token = NULL, lease_expires_at = NULL, next_attempt_time = NULL, "
-        "start_time = NULL, end_time = NULL, waiting_reason = NULL, waiting_code = NULL, "
+        f"start_time = NULL, end_time = NULL, {NOT_WAITING}, "
         "handbacks = 0",
         lifecycle=Lifecycle.QUEUED,
     ),
@@ -365,7 +368,7 @@ RULES: Mapping[Transition, Rule] = {
         "error_message = NULL, error_retryable = false, "
         "cancel_requested_at = NULL, cancel_reason = NULL, lease_token = NULL, "
         "lease_expires_at = NULL, next_attempt_time = NULL, start_time = NULL, "
-        "end_time = NULL, waiting_reason = NULL, waiting_code = NULL, handbacks = 0",
+        f"end_time = NULL, {NOT_WAITING}, handbacks = 0",
         lifecycle=Lifecycle.QUEUED,
         using="job_stages s",
     ),
@@ -401,7 +404,7 @@ RULES: Mapping[Transition, Rule] = {
         dispatch=True,
         # A parked job dispatched by an operator waits for no worker now.
         sets="dispatch_id = :dispatch_id, lease_token = NULL, lease_expires_at = NULL, "
-        "next_attempt_time = NULL, waiting_reason = NULL, waiting_code = NULL",
+        f"next_attempt_time = NULL, {NOT_WAITING}",
         lifecycle=Lifecycle.QUEUED,
     ),
     Transition.RELAY_FAIL: Rule(
@@ -411,7 +414,7 @@ RULES: Mapping[Transition, Rule] = {
         EventType.FAILED,
         sets="error_code = :code, error_message = :message, error_retryable = false, "
         "dispatch_id = NULL, next_attempt_time = NULL, lease_token = NULL, "
-        "lease_expires_at = NULL, end_time = now()",
+        f"lease_expires_at = NULL, end_time = now(), {NOT_WAITING}",
         lifecycle=Lifecycle.FAILED,
     ),
     Transition.WAIT: Rule(
