@@ -21,7 +21,9 @@ in the events table). What the broker did:
   ``JOB_TYPE_UNROUTABLE``. The server refuses types its topology file does
   not route, so a return means the broker's bindings differ from the file
   (not applied yet, being re-applied, a queue deleted): worth minutes of
-  patience, not a job QUEUED for ever;
+  patience, not a job QUEUED for ever. Meanwhile the job says why it waits
+  (``waiting_code`` UNROUTABLE, the fix in ``waiting_reason``), cleared
+  when its dispatch is published;
 - a message the broker can never take (a correlation id or routing key
   longer than AMQP's 255-byte short strings, a body over the envelope limit,
   an event row whose body is not an event): the row is failed and a
