@@ -16,14 +16,19 @@ from collections.abc import AsyncIterator
 import aio_pika
 import pytest
 from markupsafe import escape
+from sqlalchemy import text
 
 from jobplane.client import JobState
 from jobplane.observe.metrics import Metrics, watch_outbox
-from jobplane.topology import declare
+from jobplane.store.engine import create_engine, migrate
+from jobplane.store.keys import KeyStore
+from jobplane.topology import Topology, declare
 from jobplane.types import Job, WaitingCode
 from tests.integration.test_cli_and_sync import jobplane
 from tests.integration.test_observability import samples
+from tests.support import services
 from tests.support.dashboard import UiStack, browserless, ui_stack
+from tests.support.rows import insert_job
 from tests.support.stack import Stack, eventually
 
 pytestmark = [pytest.mark.stack(relay=False, worker=False), pytest.mark.timeout(180)]
@@ -158,3 +163,32 @@ async def test_the_dashboard_shows_why_a_job_waits(ui: UiStack) -> None:
     assert '<p class="waiting" id="job-waiting"><code>UNROUTABLE</code> ' in page
     assert escape(job.waiting_reason) in page
     assert f'title="{escape(job.waiting_reason)}">UNROUTABLE</small>' in listing
+
+
+async def test_reasons_written_before_0016_get_their_codes(run_id: str, topology: Topology) -> None:
+    async with services.database_at(run_id, "0015") as url:
+        engine = create_engine(url, pool_size=2)
+        try:
+            keys = KeyStore(engine)
+            _key, tenant = await keys.create_key("acme")
+            await keys.close()
+            queue = topology.queues[0].name
+            parked, _ = await insert_job(engine, tenant, queue, "demo.echo")
+            handed, _ = await insert_job(engine, tenant, queue, "demo.echo")
+            plain, _ = await insert_job(engine, tenant, queue, "demo.echo")
+            async with engine.begin() as conn:
+                # As the hand-back statement of 0015's code left them.
+                await conn.execute(
+                    text(
+                        "UPDATE jobs SET waiting_reason = 'why', dispatch_id = CASE "
+                        "WHEN id = :parked THEN NULL ELSE dispatch_id END WHERE id <> :plain"
+                    ),
+                    {"parked": parked, "plain": plain},
+                )
+            await migrate(url, create=False)
+            async with engine.connect() as conn:
+                found = await conn.execute(text("SELECT id, waiting_code FROM jobs"))
+                codes = {row.id: row.waiting_code for row in found}
+        finally:
+            await engine.dispose()
+    assert codes == {parked: "NO_LIVE_WORKER", handed: "HANDED_BACK", plain: None}
