@@ -204,11 +204,14 @@ class _Recorded:
     published: int = 0
     failed: list[tuple[OutboxRow, str, str, bool]] = field(default_factory=list)
     confirmed: list[OutboxRow] = field(default_factory=list)
+    #: Dispatches whose job says now that it waits for a route.
+    unroutable: list[OutboxRow] = field(default_factory=list)
 
     def add(self, other: _Recorded) -> None:
         self.published += other.published
         self.failed += other.failed
         self.confirmed += other.confirmed
+        self.unroutable += other.unroutable
 
 
 class Relay:
@@ -759,6 +762,7 @@ class Relay:
             (o.row, DISPATCH_FAILED, f"the broker cannot accept it: {o.error}")
             for o in by_fate[_Fate.UNPUBLISHABLE]
         ]
+        noted: list[OutboxRow] = []
         if returned := by_fate[_Fate.RETURNED]:
             unroutable = await batch.mark_returned(
                 [o.row.id for o in returned],
@@ -780,21 +784,15 @@ class Relay:
                     if o.row.id not in unroutable
                 ]
             )
-            for row in noted:
-                log.warning(
-                    "job.waiting",
-                    **_subject(row),
-                    code=WaitingCode.UNROUTABLE.value,
-                    type=row.routing_key,
-                    exchange=row.exchange or self._topology.exchange,
-                )
         # Published at last (the topology applied): the reason is gone. Only
         # a row that failed before can have left one.
         await batch.note_waiting(
             [(o.row, "", "") for o in confirmed if o.row.retried],
             clears=WaitingCode.UNROUTABLE,
         )
-        recorded = _Recorded(published=len(confirmed), confirmed=[o.row for o in confirmed])
+        recorded = _Recorded(
+            published=len(confirmed), confirmed=[o.row for o in confirmed], unroutable=noted
+        )
         for row, code, message in give_up:
             result = await batch.fail(row, code, message)
             if result is GiveUp.BUSY:
@@ -894,6 +892,14 @@ class Relay:
             for row in recorded.confirmed:
                 if row.job_id is not None:
                     log.info("job.dispatched", **_dispatched(row, self._topology))
+        for row in recorded.unroutable:
+            log.warning(
+                "job.waiting",
+                **_subject(row),
+                code=WaitingCode.UNROUTABLE.value,
+                type=row.routing_key,
+                exchange=row.exchange or self._topology.exchange,
+            )
         for row, code, message, job_failed in recorded.failed:
             self.failed += 1
             log.error(
