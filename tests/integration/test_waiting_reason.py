@@ -87,7 +87,8 @@ async def test_an_unroutable_dispatch_says_why_until_the_topology_routes_it(stac
     # A fact about now, not history: no event in the job's stream.
     assert await stack.scalar("SELECT last_seq FROM jobs") == 1
     # Still retried on its schedule, not given up on.
-    assert await stack.scalar("SELECT failed_at IS NULL AND returns >= 1 FROM outbox") is True
+    retried = "SELECT failed_at IS NULL AND returns >= 1 FROM outbox WHERE job_id = :id"
+    assert await stack.scalar(retried, id=job.id) is True
 
     await _apply(stack)
 
