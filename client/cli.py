@@ -728,8 +728,8 @@ def job_details(job: Job) -> str:
         rows.append(("ended", _time(job.end_time)))
     if job.next_attempt_time:
         rows.append(("next attempt", _time(job.next_attempt_time)))
-    if job.waiting_reason:
-        rows.append(("waiting", job.waiting_reason))
+    if job.waiting_reason or job.waiting_code:
+        rows.append(("waiting", ": ".join(filter(None, (job.waiting_code, job.waiting_reason)))))
     rows.append(("request id", job.request_id))
     if job.correlation_id:
         rows.append(("correlation id", job.correlation_id))
@@ -864,7 +864,9 @@ def _state_text(job: Job) -> str:
         JobState.CANCELLED: "yellow",
         JobState.RUNNING: "cyan",
     }.get(job.state)
-    return f"[{style}]{job.state.value}[/{style}]" if style else job.state.value
+    text = f"[{style}]{job.state.value}[/{style}]" if style else job.state.value
+    # Why a QUEUED job does not start, by its code: `get` shows the message and the fix.
+    return f"{text} [dim]({escape(job.waiting_code)})[/dim]" if job.waiting_code else text
 
 
 def _time(value: datetime) -> str:

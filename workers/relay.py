@@ -21,7 +21,9 @@ in the events table). What the broker did:
   ``JOB_TYPE_UNROUTABLE``. The server refuses types its topology file does
   not route, so a return means the broker's bindings differ from the file
   (not applied yet, being re-applied, a queue deleted): worth minutes of
-  patience, not a job QUEUED for ever;
+  patience, not a job QUEUED for ever. Meanwhile the job says why it waits
+  (``waiting_code`` UNROUTABLE, the fix in ``waiting_reason``), cleared
+  when its dispatch is published;
 - a message the broker can never take (a correlation id or routing key
   longer than AMQP's 255-byte short strings, a body over the envelope limit,
   an event row whose body is not an event): the row is failed and a
@@ -104,6 +106,7 @@ from jobplane.store.outbox import GiveUp, OutboxBatch, OutboxKind, OutboxRow, Ou
 from jobplane.store.rows import DOMAIN_EVENTS_CHANNEL, OUTBOX_CHANNEL
 from jobplane.tasks import cancel_and_wait
 from jobplane.topology import Ownership, Topology, TopologyMissing, ensure
+from jobplane.types import WaitingCode
 from jobplane.workers.sweeper import Sweeper
 
 log = structlog.get_logger("jobplane.relay")
@@ -201,11 +204,14 @@ class _Recorded:
     published: int = 0
     failed: list[tuple[OutboxRow, str, str, bool]] = field(default_factory=list)
     confirmed: list[OutboxRow] = field(default_factory=list)
+    #: Dispatches whose job says now that it waits for a route.
+    unroutable: list[OutboxRow] = field(default_factory=list)
 
     def add(self, other: _Recorded) -> None:
         self.published += other.published
         self.failed += other.failed
         self.confirmed += other.confirmed
+        self.unroutable += other.unroutable
 
 
 class Relay:
@@ -756,6 +762,7 @@ class Relay:
             (o.row, DISPATCH_FAILED, f"the broker cannot accept it: {o.error}")
             for o in by_fate[_Fate.UNPUBLISHABLE]
         ]
+        noted: list[OutboxRow] = []
         if returned := by_fate[_Fate.RETURNED]:
             unroutable = await batch.mark_returned(
                 [o.row.id for o in returned],
@@ -768,7 +775,24 @@ class Relay:
                 for o in returned
                 if o.row.id in unroutable
             ]
-        recorded = _Recorded(published=len(confirmed), confirmed=[o.row for o in confirmed])
+            # Until then the job says why it waits (GetJob, the CLI, the
+            # dashboard), not only this relay's log.
+            noted = await batch.note_waiting(
+                [
+                    (o.row, WaitingCode.UNROUTABLE, self._waiting_message(o.row))
+                    for o in returned
+                    if o.row.id not in unroutable
+                ]
+            )
+        # Published at last (the topology applied): the reason is gone. Only
+        # a row that failed before can have left one.
+        await batch.note_waiting(
+            [(o.row, "", "") for o in confirmed if o.row.retried],
+            clears=WaitingCode.UNROUTABLE,
+        )
+        recorded = _Recorded(
+            published=len(confirmed), confirmed=[o.row for o in confirmed], unroutable=noted
+        )
         for row, code, message in give_up:
             result = await batch.fail(row, code, message)
             if result is GiveUp.BUSY:
@@ -868,6 +892,14 @@ class Relay:
             for row in recorded.confirmed:
                 if row.job_id is not None:
                     log.info("job.dispatched", **_dispatched(row, self._topology))
+        for row in recorded.unroutable:
+            log.warning(
+                "job.waiting",
+                **_subject(row),
+                code=WaitingCode.UNROUTABLE.value,
+                type=row.routing_key,
+                exchange=row.exchange or self._topology.exchange,
+            )
         for row, code, message, job_failed in recorded.failed:
             self.failed += 1
             log.error(
@@ -884,6 +916,16 @@ class Relay:
             f"came back unroutable {self._unroutable_returns} times in a row over at least "
             f"{self._unroutable_after:g}s (the broker's bindings differ from the topology; "
             "run `jobplane topology apply`)"
+        )
+
+    def _waiting_message(self, row: OutboxRow) -> str:
+        exchange = row.exchange or self._topology.exchange
+        return (
+            f"the broker returned its dispatch: no queue is bound for routing key "
+            f"{row.routing_key!r} (its job type) on exchange {exchange!r}: apply a topology "
+            "that routes it (`jobplane topology apply`). Retried until then; the job fails "
+            f"with {JOB_TYPE_UNROUTABLE} if it still comes back after "
+            f"{self._unroutable_returns} returns over {self._unroutable_after:g}s"
         )
 
     async def _publish(self, exchange: AbstractExchange, row: OutboxRow) -> None:

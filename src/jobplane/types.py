@@ -48,6 +48,25 @@ class EventType(enum.Enum):
         return self in (EventType.SUCCEEDED, EventType.FAILED, EventType.CANCELLED)
 
 
+class WaitingCode(enum.StrEnum):
+    """Why a QUEUED job has not started: :attr:`Job.waiting_code`'s known values.
+
+    A code is stable; the message beside it (:attr:`Job.waiting_reason`) is
+    for people. A newer server may send a code this SDK does not list yet:
+    ``Job.waiting_code`` stays a plain string.
+    """
+
+    #: No live worker handles the job's type on its queue: it waits, parked,
+    #: for one to start.
+    NO_LIVE_WORKER = "NO_LIVE_WORKER"
+    #: Workers without its handler gave it back; a live one that has it exists.
+    HANDED_BACK = "HANDED_BACK"
+    #: The broker returned its dispatch: no queue is bound for its type on
+    #: the jobs exchange (the broker's topology lacks the route). Retried;
+    #: fixed by applying the topology.
+    UNROUTABLE = "UNROUTABLE"
+
+
 @dataclass(frozen=True, slots=True)
 class JobError:
     """Why a job failed or was cancelled."""
@@ -140,7 +159,7 @@ class Job:
     last_seq: int = 0
     timeout: timedelta = timedelta(hours=1)
     #: Why a QUEUED job has not started yet, when known (e.g. no live worker
-    #: handles its type); empty otherwise.
+    #: handles its type), and what fixes it; empty otherwise.
     waiting_reason: str = ""
     #: Attempts counted against ``max_attempts`` since submit or the last
     #: retry (``attempt`` counts every attempt ever started).
@@ -158,6 +177,9 @@ class Job:
     #: The blob holding the result when the worker offloaded it (``result``
     #: is then ``{}`` unless the SDK read it back).
     result_blob: BlobRef | None = None
+    #: The stable code of ``waiting_reason`` (a :class:`WaitingCode` value,
+    #: e.g. ``UNROUTABLE``); empty when the job is not waiting for a known reason.
+    waiting_code: str = ""
 
     @property
     def id(self) -> str:

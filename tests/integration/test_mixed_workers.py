@@ -127,11 +127,11 @@ async def test_hand_back_is_fenced_and_parks_without_a_live_worker(
         assert reason == f"no live worker handles type reports.render on queue {queue}"
         parked = await client.get(job.name)
         assert (parked.state, parked.attempt, parked.last_seq) == (JobState.QUEUED, 0, 2)
-        assert parked.waiting_reason == reason
+        assert (parked.waiting_code, parked.waiting_reason) == ("NO_LIVE_WORKER", reason)
         # An operator's re-dispatch (dlq replay) sends it again: it waits for
         # no worker now, whatever happens next.
         replayed = await SweepStore(engine).redispatch(stack.tenant_id, uuid.UUID(job.id), "r")
-        assert replayed is not None and replayed.waiting_reason == ""
+        assert replayed is not None and (replayed.waiting_code, replayed.waiting_reason) == ("", "")
         status, _ = await attempts.hand_back(
             await stack.envelope(job.id), base_delay=0.01, max_delay=0.1
         )
@@ -200,7 +200,7 @@ async def test_hand_back_is_fenced_and_parks_without_a_live_worker(
             0,
             before.last_seq,
         )
-        assert after.waiting_reason == reason
+        assert (after.waiting_code, after.waiting_reason) == ("HANDED_BACK", reason)
         handed = await stack.envelope(job.id)
         delay = await stack.scalar(
             "SELECT extract(epoch FROM o.available_at - j.update_time) FROM outbox o "
@@ -212,7 +212,8 @@ async def test_hand_back_is_fenced_and_parks_without_a_live_worker(
         claim = await attempts.claim(handed)
         assert claim.status is ClaimStatus.CLAIMED and claim.attempt is not None
         assert claim.attempt.attempt == 1
-        assert (await client.get(job.name)).waiting_reason == ""
+        claimed = await client.get(job.name)
+        assert (claimed.waiting_code, claimed.waiting_reason) == ("", "")
 
         missing = Envelope(uuid.uuid4(), uuid.uuid4(), stack.tenant_id, "reports.render")
         assert (await attempts.hand_back(missing, base_delay=0, max_delay=0))[0] is (

@@ -226,6 +226,13 @@ def _params(transition: Transition, job: Placed) -> dict[str, Any]:
                 "code": "DISPATCH_FAILED",
                 "message": "no",
             }
+        case Transition.WAIT:
+            return {
+                "id": job.job_id,
+                "dispatch_id": job.dispatch_id,
+                "waiting_code": "UNROUTABLE",
+                "waiting_reason": "no route",
+            }
     raise AssertionError(f"no binds for {transition}")
 
 

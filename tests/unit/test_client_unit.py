@@ -804,6 +804,18 @@ def test_get_never_shows_more_attempts_than_allowed_nor_a_final_retryable() -> N
     assert "waiting" not in _fields(cli.job_details(job()))
 
 
+def test_get_and_list_show_why_a_job_waits_by_its_code() -> None:
+    waiting = dataclasses.replace(
+        job(JobState.QUEUED),
+        waiting_code="UNROUTABLE",
+        waiting_reason="no queue is bound for routing key 'demo.echo'",
+    )
+    shown = _fields(cli.job_details(waiting))
+    assert shown["waiting"] == "UNROUTABLE: no queue is bound for routing key 'demo.echo'"
+    assert cli._state_text(waiting) == "queued [dim](UNROUTABLE)[/dim]"
+    assert cli._state_text(job(JobState.QUEUED)) == "queued"
+
+
 def test_details_and_event_lines_show_a_pipeline_jobs_stages() -> None:
     started = datetime(2026, 12, 1, tzinfo=UTC)
     stages = (

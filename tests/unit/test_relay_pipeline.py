@@ -3,14 +3,19 @@
 from __future__ import annotations
 
 import asyncio
+import uuid
 from typing import Any, cast
 
 import pytest
+import structlog
 from sqlalchemy.ext.asyncio import AsyncEngine
+from structlog.testing import capture_logs
 
 from jobplane.store.listen import Subscription
+from jobplane.store.outbox import OutboxKind, OutboxRow
 from jobplane.topology import load_topology
-from jobplane.workers.relay import Relay
+from jobplane.workers import relay as relay_module
+from jobplane.workers.relay import Relay, _Recorded
 
 BATCH = 10
 
@@ -154,3 +159,27 @@ async def test_an_empty_claim_beside_a_batch_in_flight_waits_for_news() -> None:
     assert script.started == 2  # the full batch, and the claim that found nothing
     link.closed = True
     await asyncio.wait_for(task, 5)
+
+
+def test_a_job_noted_unroutable_is_logged_once_its_record_committed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A logger not used before: a cached one would write past capture_logs.
+    monkeypatch.setattr(relay_module, "log", structlog.get_logger("jobplane.relay.noted"))
+    relay = _relay(1)
+    job_id = uuid.uuid4()
+    row = OutboxRow(uuid.uuid4(), OutboxKind.JOB_DISPATCH, uuid.uuid4(), "demo.echo", job_id=job_id)
+    with capture_logs() as logs:
+        relay._report(_Recorded())
+        relay._report(_Recorded(unroutable=[row]))
+    assert logs == [
+        {
+            "event": "job.waiting",
+            "log_level": "warning",
+            "job": f"jobs/{job_id}",
+            "event_id": str(row.id),
+            "code": "UNROUTABLE",
+            "type": "demo.echo",
+            "exchange": load_topology().exchange,
+        }
+    ]

@@ -176,6 +176,13 @@ class Metrics:
             "Outbox rows not due yet: scheduled retries (read at scrape time).",
             registry=registry,
         )
+        self.jobs_waiting = Gauge(
+            "jobplane_jobs_waiting",
+            "QUEUED jobs that wait for a known reason, by its code (e.g. UNROUTABLE: the "
+            "broker has no route for their dispatch), read at scrape time.",
+            ("code",),
+            registry=registry,
+        )
         self.relay_published = Counter(
             "jobplane_relay_published_total",
             "Outbox rows the relay handed to the broker, by what the broker did "
@@ -464,6 +471,7 @@ class _NoMetrics(Metrics):
             "outbox_backlog",
             "outbox_oldest",
             "outbox_scheduled",
+            "jobs_waiting",
             "relay_published",
             "relay_confirm",
             "relay_dispatch",
@@ -535,18 +543,32 @@ _OUTBOX_BACKLOG = """
            extract(epoch FROM now() - min(available_at)) AS oldest
     FROM outbox WHERE published_at IS NULL AND failed_at IS NULL
 """
+# Only a QUEUED job has a waiting code (every transition out of QUEUED clears
+# it): the jobs_waiting index holds exactly them, a few rows.
+_JOBS_WAITING = """
+    SELECT waiting_code, count(*) AS jobs FROM jobs
+    WHERE waiting_code IS NOT NULL GROUP BY waiting_code
+"""
 
 
 def watch_outbox(metrics: Metrics, engine: AsyncEngine) -> None:
-    """Report the outbox's due rows, how long the longest-due one waits, and the
-    rows scheduled for later, read at each scrape."""
+    """Report the outbox's due rows, how long the longest-due one waits, the
+    rows scheduled for later, and the jobs waiting by reason, read at each scrape."""
     from sqlalchemy import text
 
+    from jobplane.types import WaitingCode
+
     statement = text(_OUTBOX_BACKLOG)
+    waiting = text(_JOBS_WAITING)
 
     async def read() -> None:
         async with engine.connect() as conn:
             row = (await conn.execute(statement)).one()
+            codes = {str(r.waiting_code): int(r.jobs) for r in await conn.execute(waiting)}
+        # The known codes always have a series (0 when no job waits so); the
+        # codes are the server's own, never a tenant's, so the labels stay few.
+        for code in dict.fromkeys([*WaitingCode, *codes]):
+            metrics.jobs_waiting.labels(str(code)).set(codes.get(code, 0))
         metrics.outbox_backlog.set(int(row.rows))
         metrics.outbox_scheduled.set(int(row.scheduled))
         # Negative when every row is scheduled for later: none is due.

@@ -53,7 +53,7 @@ from jobplane.store.rows import (
     OUTBOX_CHANNEL,
     dumps,
 )
-from jobplane.types import EventType, JobState
+from jobplane.types import EventType, JobState, WaitingCode
 
 if TYPE_CHECKING:
     from jobplane.events.envelope import Event
@@ -103,6 +103,7 @@ class Transition(enum.StrEnum):
     EXPIRE_LAST_LEASE = "expire_last_lease"  # ... and no attempt is left: FAILED
     REDISPATCH = "redispatch"  # an operator dispatches a waiting job again
     RELAY_FAIL = "relay_fail"  # the relay can never publish the job's dispatch: FAILED
+    WAIT = "wait"  # the relay says why a job's dispatch waits (or that it no longer does)
 
 
 class Lifecycle(enum.StrEnum):
@@ -127,6 +128,14 @@ NEXT_STAGE = "s.job_id = jobs.id AND s.idx = jobs.stage + 1"
 # ... the stage of the given index does (RetryJob from a named stage).
 NAMED_STAGE = "s.job_id = jobs.id AND s.idx = :stage"
 CANCEL_NOT_REQUESTED = "cancel_requested_at IS NULL"
+# A job that stops waiting (claimed, ended, dispatched anew) has no reason to
+# wait: only a QUEUED job ever has one.
+NOT_WAITING = "waiting_reason = NULL, waiting_code = NULL"
+# A reason noted again as it is changes nothing (no update_time, no row version).
+CHANGES_REASON = (
+    "(waiting_code IS DISTINCT FROM :waiting_code "
+    "OR waiting_reason IS DISTINCT FROM :waiting_reason)"
+)
 # Said by the hand-back statement itself, which decides between the two.
 LIVE_WORKER = "a live worker handles the job's type on its queue"
 NO_LIVE_WORKER = "no live worker handles the job's type on its queue"
@@ -198,7 +207,7 @@ RULES: Mapping[Transition, Rule] = {
         # A new attempt starts from nothing: its STARTED event must not carry
         # the last attempt's progress.
         "cancel_reason = NULL, progress = stage_base, progress_message = '', "
-        "waiting_reason = NULL, handbacks = 0",
+        f"{NOT_WAITING}, handbacks = 0",
         lifecycle=Lifecycle.STARTED,
     ),
     Transition.EXHAUST: Rule(
@@ -210,7 +219,7 @@ RULES: Mapping[Transition, Rule] = {
         sets="end_time = now(), error_code = 'ATTEMPTS_EXHAUSTED', "
         "error_message = 'no attempts left (max_attempts reached)', error_retryable = false, "
         "lease_token = NULL, lease_expires_at = NULL, dispatch_id = NULL, "
-        "next_attempt_time = NULL",
+        f"next_attempt_time = NULL, {NOT_WAITING}",
         lifecycle=Lifecycle.FAILED,
     ),
     Transition.PROGRESS: Rule(
@@ -241,7 +250,7 @@ RULES: Mapping[Transition, Rule] = {
         sets=f"{_AT_STAGE}, retry_base = jobs.attempt, dispatch_id = :dispatch_id, "
         "lease_token = NULL, lease_expires_at = NULL, next_attempt_time = NULL, error_code = NULL, "
         "error_message = NULL, error_retryable = false, cancel_requested_at = NULL, "
-        "cancel_reason = NULL, waiting_reason = NULL, handbacks = 0",
+        f"cancel_reason = NULL, {NOT_WAITING}, handbacks = 0",
         message="format('stage %s succeeded; %s is next', p.name, j.stage_name)",
         data="jsonb_build_object('stage', p.name, 'next_stage', j.stage_name)",
         lifecycle=Lifecycle.STAGE_SUCCEEDED,
@@ -287,7 +296,7 @@ RULES: Mapping[Transition, Rule] = {
         dispatch=True,
         guard=LIVE_WORKER,
         sets="dispatch_id = :new_dispatch_id, next_attempt_time = now() + a jittered "
-        "delay doubling with each hand-back, handbacks + 1, waiting_reason",
+        "delay doubling with each hand-back, handbacks + 1, waiting_reason, waiting_code",
     ),
     Transition.PARK: Rule(
         frozenset({Phase.QUEUED}),
@@ -295,7 +304,8 @@ RULES: Mapping[Transition, Rule] = {
         BY_DISPATCH,
         EventType.QUEUED,
         guard=NO_LIVE_WORKER,
-        sets="dispatch_id = NULL, next_attempt_time = NULL, handbacks + 1, waiting_reason",
+        sets="dispatch_id = NULL, next_attempt_time = NULL, handbacks + 1, waiting_reason, "
+        "waiting_code",
         message="j.waiting_reason",
         data="jsonb_build_object('waiting_reason', j.waiting_reason)",
     ),
@@ -306,8 +316,8 @@ RULES: Mapping[Transition, Rule] = {
         EventType.QUEUED,
         dispatch=True,
         guard=PARKED,
-        sets="dispatch_id = gen_random_uuid(), waiting_reason = NULL, handbacks = 0, "
-        "next_attempt_time = NULL",
+        sets=f"dispatch_id = gen_random_uuid(), {NOT_WAITING}, "
+        "handbacks = 0, next_attempt_time = NULL",
         message="format('dispatched again: a worker that handles %s is live', j.type)",
         data="'{}'::jsonb",
     ),
@@ -317,7 +327,7 @@ RULES: Mapping[Transition, Rule] = {
         BY_ID,
         EventType.CANCELLED,
         sets="end_time = now(), error_code = 'CANCELLED', error_message = :reason, "
-        "error_retryable = false, dispatch_id = NULL, next_attempt_time = NULL",
+        f"error_retryable = false, dispatch_id = NULL, next_attempt_time = NULL, {NOT_WAITING}",
         lifecycle=Lifecycle.CANCELLED,
     ),
     Transition.REQUEST_CANCEL: Rule(
@@ -341,7 +351,8 @@ RULES: Mapping[Transition, Rule] = {
         "progress = stage_base, progress_message = '', cancel_requested_at = NULL, "
         "cancel_reason = NULL, "
         "lease_token = NULL, lease_expires_at = NULL, next_attempt_time = NULL, "
-        "start_time = NULL, end_time = NULL, waiting_reason = NULL, handbacks = 0",
+        f"start_time = NULL, end_time = NULL, {NOT_WAITING}, "
+        "handbacks = 0",
         lifecycle=Lifecycle.QUEUED,
     ),
     Transition.RESTART: Rule(
@@ -357,7 +368,7 @@ RULES: Mapping[Transition, Rule] = {
         "error_message = NULL, error_retryable = false, "
         "cancel_requested_at = NULL, cancel_reason = NULL, lease_token = NULL, "
         "lease_expires_at = NULL, next_attempt_time = NULL, start_time = NULL, "
-        "end_time = NULL, waiting_reason = NULL, handbacks = 0",
+        f"end_time = NULL, {NOT_WAITING}, handbacks = 0",
         lifecycle=Lifecycle.QUEUED,
         using="job_stages s",
     ),
@@ -393,7 +404,7 @@ RULES: Mapping[Transition, Rule] = {
         dispatch=True,
         # A parked job dispatched by an operator waits for no worker now.
         sets="dispatch_id = :dispatch_id, lease_token = NULL, lease_expires_at = NULL, "
-        "next_attempt_time = NULL, waiting_reason = NULL",
+        f"next_attempt_time = NULL, {NOT_WAITING}",
         lifecycle=Lifecycle.QUEUED,
     ),
     Transition.RELAY_FAIL: Rule(
@@ -403,8 +414,18 @@ RULES: Mapping[Transition, Rule] = {
         EventType.FAILED,
         sets="error_code = :code, error_message = :message, error_retryable = false, "
         "dispatch_id = NULL, next_attempt_time = NULL, lease_token = NULL, "
-        "lease_expires_at = NULL, end_time = now()",
+        f"lease_expires_at = NULL, end_time = now(), {NOT_WAITING}",
         lifecycle=Lifecycle.FAILED,
+    ),
+    Transition.WAIT: Rule(
+        frozenset({Phase.QUEUED}),
+        JobState.QUEUED,
+        # Fenced on the dispatch the relay holds: a job that moved on (another
+        # dispatch, parked) has its own reason, or none.
+        "id = :id AND dispatch_id = :dispatch_id",
+        None,  # a reason is a fact about now, not history: WatchJob sees no event
+        guard=CHANGES_REASON,
+        sets="waiting_code = :waiting_code, waiting_reason = :waiting_reason",
     ),
 }
 
@@ -1482,6 +1503,8 @@ BIND_TYPES: Mapping[str, str] = {
     "trace_parent": "text",
     "trace_state": "text",
     "trace_inherit": "boolean",
+    "waiting_code": "text",
+    "waiting_reason": "text",
     "emitted_ids": "uuid[]",
     "emitted_types": "text[]",
     "emitted_times": "timestamptz[]",
@@ -1673,6 +1696,8 @@ def _hand_back(needs: set[str]) -> str:
                             'workers without its handler)', jobs.type, jobs.handbacks + 1)
                 ELSE format('no live worker handles type %s on queue %s', jobs.type, jobs.queue)
                 END,
+            waiting_code = CASE WHEN live.handled THEN '{WaitingCode.HANDED_BACK}'
+                ELSE '{WaitingCode.NO_LIVE_WORKER}' END,
             last_seq = jobs.last_seq + CASE WHEN live.handled THEN 0 ELSE 1 END,
             update_time = now()
         FROM live

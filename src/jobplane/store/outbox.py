@@ -45,7 +45,8 @@ IN_TURN = """(order_key IS NULL OR NOT EXISTS (
 # other relay holds, and a relay that dies releases its rows with its
 # transaction.
 _CLAIM_SQL = """
-    SELECT id, tenant_id, kind, job_id, routing_key, correlation_id, exchange, body, headers
+    SELECT id, tenant_id, kind, job_id, routing_key, correlation_id, exchange, body, headers,
+           last_error IS NOT NULL AS retried
     FROM outbox
     WHERE published_at IS NULL AND failed_at IS NULL AND {where}
     ORDER BY available_at
@@ -129,6 +130,14 @@ _LOCK_JOB = text(
     f"AND {where_sources(Transition.RELAY_FAIL)}, false) AS current "
     "FROM jobs WHERE id = :job_id FOR UPDATE SKIP LOCKED"
 )
+# The jobs of the batch's dispatches whose waiting reason the relay may note
+# or clear. The batch holds its outbox rows, and a cancel locks the job before
+# them: a job locked elsewhere is skipped, never waited for (its reason is
+# noted at the next return, or the transition under way settles it).
+_LOCK_WAITING = text(
+    "SELECT id, waiting_code FROM jobs WHERE id = ANY(CAST(:ids AS uuid[])) "
+    f"AND {where_sources(Transition.WAIT)} ORDER BY id FOR UPDATE SKIP LOCKED"
+)
 # A row waiting for its turn is not due: the row in front of it is (or is
 # being published, and its relay takes the next one).
 _NEXT_DUE = text(
@@ -176,6 +185,9 @@ class OutboxRow:
     headers: dict[str, str] = field(default_factory=dict)
     #: Set for a job dispatch only.
     job_id: uuid.UUID | None = None
+    #: A publish of it failed before (a return, a nack): its job may carry a
+    #: waiting reason the relay clears once it is published.
+    retried: bool = False
 
     @property
     def envelope(self) -> Envelope:
@@ -239,6 +251,45 @@ class OutboxBatch:
             },
         )
         return [uuid.UUID(str(r["id"])) for r in result if r["give_up"]]
+
+    async def note_waiting(
+        self, reasons: Sequence[tuple[OutboxRow, str, str]], *, clears: str = ""
+    ) -> list[OutboxRow]:
+        """Say on each dispatch's job why it waits: ``(row, code, message)``, the
+        :data:`~jobplane.store.machine.Transition.WAIT` of jobs still waiting for
+        that very dispatch. An empty code clears the job's reason, and only when
+        its code is ``clears`` (a reason someone else gave stays).
+
+        Returns the rows whose job's reason changed; a job locked elsewhere
+        is left as it is.
+        """
+        by_job = {row.job_id: (row, code, message) for row, code, message in reasons if row.job_id}
+        if not by_job:
+            return []
+        locked = await self._conn.fetch(_LOCK_WAITING, {"ids": [str(i) for i in by_job]})
+        wanted = [
+            by_job[r["id"]] for r in locked if by_job[r["id"]][1] or r["waiting_code"] == clears
+        ]
+        if not wanted:
+            return []
+        changed = await MACHINE.apply_many(
+            self._conn,
+            Transition.WAIT,
+            [
+                MACHINE.prepare(
+                    Transition.WAIT,
+                    {
+                        "id": row.job_id,
+                        "dispatch_id": row.id,
+                        "waiting_code": code or None,
+                        "waiting_reason": message[:1000] if code else None,
+                    },
+                )
+                for row, code, message in wanted
+            ],
+            returning=("id",),
+        )
+        return [row for (row, _, _), done in zip(wanted, changed, strict=True) if done is not None]
 
     async def fail(self, row: OutboxRow, code: str, message: str) -> GiveUp:
         """Give up on ``row``: no longer due, and a dispatch's job FAILED with ``code``.
@@ -321,6 +372,7 @@ class OutboxStore:
                 body=None if r["body"] is None else bytes(r["body"]),
                 headers=_headers(r["headers"]),
                 job_id=r["job_id"],
+                retried=bool(r["retried"]),
             )
             for r in result
         ]

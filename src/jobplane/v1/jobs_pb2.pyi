@@ -101,6 +101,7 @@ class Job(_message.Message):
     PIPELINE_VERSION_FIELD_NUMBER: _builtins.int
     PAYLOAD_BLOB_FIELD_NUMBER: _builtins.int
     RESULT_BLOB_FIELD_NUMBER: _builtins.int
+    WAITING_CODE_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """Resource name, `jobs/{job}`."""
     type: _builtins.str
@@ -125,8 +126,9 @@ class Job(_message.Message):
     only what happens next.
     """
     waiting_reason: _builtins.str
-    """Why a QUEUED job has not started yet, when the workers know: e.g. no
-    live worker handles its type. Empty otherwise.
+    """Why a QUEUED job has not started yet, and what fixes it, for people:
+    e.g. no live worker handles its type, or the broker has no route for
+    its dispatch. Empty otherwise. `waiting_code` says which, stably.
     """
     attempts_used: _builtins.int
     """Attempts counted against max_attempts since the job was submitted or
@@ -138,6 +140,14 @@ class Job(_message.Message):
     """A pipeline job's stage that runs or waits now; empty for a plain job."""
     pipeline_version: _builtins.str
     """The pipeline's version as declared when the job was submitted."""
+    waiting_code: _builtins.str
+    """The stable UPPER_SNAKE code of `waiting_reason`, set while a QUEUED job
+    waits for a known reason: NO_LIVE_WORKER (parked until a worker that
+    handles its type is live), HANDED_BACK (workers without its handler gave
+    it back), UNROUTABLE (the broker returned its dispatch: no queue is bound
+    for its type; retried until the topology is applied). Empty otherwise.
+    More codes may come; treat an unknown one as "waiting".
+    """
     @_builtins.property
     def payload(self) -> _struct_pb2.Struct: ...
     @_builtins.property
@@ -219,10 +229,11 @@ class Job(_message.Message):
         pipeline_version: _builtins.str = ...,
         payload_blob: Global___BlobRef | None = ...,
         result_blob: Global___BlobRef | None = ...,
+        waiting_code: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["create_time", b"create_time", "end_time", b"end_time", "error", b"error", "next_attempt_time", b"next_attempt_time", "payload", b"payload", "payload_blob", b"payload_blob", "result", b"result", "result_blob", b"result_blob", "start_time", b"start_time", "timeout", b"timeout", "update_time", b"update_time"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "attempts_used", b"attempts_used", "cancel_requested", b"cancel_requested", "correlation_id", b"correlation_id", "create_time", b"create_time", "end_time", b"end_time", "error", b"error", "labels", b"labels", "last_seq", b"last_seq", "max_attempts", b"max_attempts", "name", b"name", "next_attempt_time", b"next_attempt_time", "payload", b"payload", "payload_blob", b"payload_blob", "pipeline_version", b"pipeline_version", "progress", b"progress", "progress_message", b"progress_message", "request_id", b"request_id", "result", b"result", "result_blob", b"result_blob", "stage", b"stage", "stages", b"stages", "start_time", b"start_time", "state", b"state", "timeout", b"timeout", "type", b"type", "update_time", b"update_time", "waiting_reason", b"waiting_reason"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "attempts_used", b"attempts_used", "cancel_requested", b"cancel_requested", "correlation_id", b"correlation_id", "create_time", b"create_time", "end_time", b"end_time", "error", b"error", "labels", b"labels", "last_seq", b"last_seq", "max_attempts", b"max_attempts", "name", b"name", "next_attempt_time", b"next_attempt_time", "payload", b"payload", "payload_blob", b"payload_blob", "pipeline_version", b"pipeline_version", "progress", b"progress", "progress_message", b"progress_message", "request_id", b"request_id", "result", b"result", "result_blob", b"result_blob", "stage", b"stage", "stages", b"stages", "start_time", b"start_time", "state", b"state", "timeout", b"timeout", "type", b"type", "update_time", b"update_time", "waiting_code", b"waiting_code", "waiting_reason", b"waiting_reason"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
