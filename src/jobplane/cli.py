@@ -358,7 +358,8 @@ async def _ui(args: argparse.Namespace) -> int:
     engine = create_engine(settings.database_url, pool_size=settings.db_pool_size)
     async with AsyncExitStack() as stack:
         stack.push_async_callback(engine.dispose)
-        limiter = TenantLimiter(TenantLimits(max_streams=settings.tenant_max_streams))
+        # Built as `serve` builds its own, so each JOBPLANE_TENANT_… setting means the same.
+        limiter = TenantLimiter(TenantLimits.from_settings(settings))
         backend = await standalone_backend(
             stack,
             engine,
