@@ -358,7 +358,8 @@ async def _ui(args: argparse.Namespace) -> int:
     engine = create_engine(settings.database_url, pool_size=settings.db_pool_size)
     async with AsyncExitStack() as stack:
         stack.push_async_callback(engine.dispose)
-        limiter = TenantLimiter(TenantLimits(max_streams=settings.tenant_max_streams))
+        # Built as `serve` builds its own, so each JOBPLANE_TENANT_… setting means the same.
+        limiter = TenantLimiter(TenantLimits.from_settings(settings))
         backend = await standalone_backend(
             stack,
             engine,
@@ -956,7 +957,7 @@ async def _keys(args: argparse.Namespace) -> int:
     except (KeyNotFound, KeyRevoked) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    except ValueError as exc:  # a tenant name or grace out of range
+    except ValueError as exc:  # a tenant name, --grace or --after out of range
         print(f"error: {exc}", file=sys.stderr)
         return 2
     finally:
@@ -984,10 +985,14 @@ async def _keys_command(keys: KeyStore, args: argparse.Namespace) -> int:
             _print_keys(listed)
         return 0
     if args.keys == "revoke":
-        info = await keys.revoke(args.key_id)
-        print(f"revoked {info.key_id} (tenant {info.tenant!r})", file=sys.stderr)
+        info = await keys.revoke(args.key_id, after=_key_seconds(args.after, "--after"))
+        if info.active and info.revoke_time is not None:
+            ends = info.revoke_time.isoformat(timespec="seconds")
+            print(f"{info.key_id} (tenant {info.tenant!r}) ends at {ends}", file=sys.stderr)
+        else:
+            print(f"revoked {info.key_id} (tenant {info.tenant!r})", file=sys.stderr)
         return 0
-    created, old = await keys.rotate(args.key_id, grace=args.grace)
+    created, old = await keys.rotate(args.key_id, grace=_key_seconds(args.grace, "--grace"))
     print(created.key)
     ends = old.revoke_time.isoformat(timespec="seconds") if old.revoke_time else "-"
     owner = "worker key" if not created.tenant else f"for tenant {created.tenant!r}"
@@ -1139,6 +1144,24 @@ async def _follow_maintenance(jobs: JobStore, tenant_id: Any, job_id: Any) -> bo
         await asyncio.sleep(0.5)
 
 
+# Far past any key's life, and keeps now() + SECONDS within Postgres' timestamps.
+_KEY_SECONDS_MAX = 100 * 365 * 86_400
+
+
+def _key_seconds(value: str, flag: str) -> float:
+    """SECONDS of ``keys revoke --after`` and ``rotate --grace``, checked here rather than
+    by argparse so that a bad one is a single line (ValueError) like the command's others."""
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = float("nan")
+    if not 0 <= seconds <= _KEY_SECONDS_MAX:  # also refuses nan and inf
+        raise ValueError(
+            f"{flag} must be a number of seconds from 0 to {_KEY_SECONDS_MAX:,}, got {value!r}"
+        )
+    return seconds
+
+
 def _key_json(info: KeyInfo) -> dict[str, Any]:
     def when(value: datetime | None) -> str | None:
         return value.isoformat() if value else None
@@ -1179,7 +1202,10 @@ def _print_keys(listed: list[KeyInfo]) -> None:
             "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
         )
     if any(info.active and info.revoke_time for info in listed):
-        print("* still valid until then (rotated with a grace period)", file=sys.stderr)
+        print(
+            "* still valid until then (rotated with a grace period or revoked for later)",
+            file=sys.stderr,
+        )
 
 
 async def _workers(args: argparse.Namespace) -> int:
@@ -1452,8 +1478,14 @@ def build_parser() -> argparse.ArgumentParser:
     keys_list = keys.add_parser("list", help="list keys by id (never the keys themselves)")
     keys_list.add_argument("--tenant", help="only this tenant's keys")
     keys_list.add_argument("--json", action="store_true", help="one JSON object per key")
-    revoke = keys.add_parser("revoke", help="revoke a key now, on every server")
+    revoke = keys.add_parser("revoke", help="revoke a key now or later, on every server")
     revoke.add_argument("key_id", metavar="KEY_ID", help="the key's id (key_...)")
+    revoke.add_argument(
+        "--after",
+        metavar="SECONDS",
+        default="0",
+        help="the key keeps working this long (default: revoked at once)",
+    )
     rotate = keys.add_parser(
         "rotate", help="create a new key for the key's tenant and revoke the old one"
     )
@@ -1461,8 +1493,7 @@ def build_parser() -> argparse.ArgumentParser:
     rotate.add_argument(
         "--grace",
         metavar="SECONDS",
-        type=float,
-        default=0.0,
+        default="0",
         help="the old key keeps working this long (default: revoked at once)",
     )
     for parser_ in (create, keys_list, revoke, rotate):

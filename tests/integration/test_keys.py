@@ -191,6 +191,58 @@ async def test_keys_commands(servers: Servers) -> None:
     assert err.strip().count("\n") == 0 and "key_nosuchkey" in err
 
 
+async def test_keys_revoke_after(servers: Servers) -> None:
+    # `keys revoke --after 2`: the key works on a running server until its end,
+    # and is refused within a second of it.
+    server = await servers.start()
+    created = await server.keys.create("acme")
+    client = servers.client(server, created.key)
+    await client.list()
+
+    code, _out, err = await jobplane(
+        servers.database_url, "keys", "revoke", created.key_id, "--after", "2"
+    )
+    assert code == 0, err
+    assert created.key_id in err and "ends at" in err
+    remaining = await _seconds_left(servers.engine, created.key_id)
+    end = time.monotonic() + remaining
+    assert 0.5 < remaining <= 2, remaining
+    assert (await server.keys.get_key(created.key_id)).active
+    while time.monotonic() < end - 0.3:
+        await client.list()  # still valid until its end
+        await asyncio.sleep(0.1)
+    await asyncio.sleep(max(0.0, end - time.monotonic()))
+    assert await refused_within(client, REVOCATION_BOUND)
+    assert not (await server.keys.get_key(created.key_id)).active
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["revoke", "--after", "-1"],
+        ["revoke", "--after", "soon"],
+        ["revoke", "--after", "nan"],
+        ["revoke", "--after", "1e300"],
+        ["rotate", "--grace", "-5"],
+        ["rotate", "--grace", "inf"],
+    ],
+)
+async def test_keys_bad_seconds_change_nothing(servers: Servers, argv: list[str]) -> None:
+    server = await servers.start()
+    created = await server.keys.create("acme")
+    command, flag, value = argv
+
+    code, out, err = await jobplane(
+        servers.database_url, "keys", command, created.key_id, flag, value
+    )
+    assert (code, out) == (2, ""), err
+    assert err.strip().count("\n") == 0 and flag in err and repr(value) in err, err
+    # Still the tenant's only key, valid with no end.
+    [info] = await server.keys.list_keys("acme")
+    assert (info.key_id, info.active, info.revoke_time) == (created.key_id, True, None)
+    await servers.client(server, created.key).list()
+
+
 def reported_key_id(stderr: str) -> str:
     """The key id `keys create` reports on stderr."""
     words = [w for w in stderr.split() if w.startswith("key_")]

@@ -134,6 +134,34 @@ def test_a_tenant_alone_meets_no_submit_limit_on_the_defaults() -> None:
         limiter.take_submit(tenant, 5)
 
 
+async def test_the_dashboard_alone_takes_the_limits_the_server_does(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # `jobplane ui` builds its limiter from every limit setting, as `serve` does.
+    from jobplane import cli
+    from jobplane.dashboard import app
+
+    class Built(Exception):
+        """The backend's arguments, seen: stop before any service is needed."""
+
+    seen: list[TenantLimiter] = []
+
+    async def standalone_backend(*_args: object, limiter: TenantLimiter, **_kw: object) -> None:
+        seen.append(limiter)
+        raise Built
+
+    monkeypatch.setattr(app, "standalone_backend", standalone_backend)
+    monkeypatch.setattr(cli, "configure", lambda *args, **kwargs: None)
+    monkeypatch.setenv("JOBPLANE_TENANT_MAX_STREAMS", "7")
+    monkeypatch.setenv("JOBPLANE_TENANT_SUBMITS_PER_SECOND", "2.5")
+    monkeypatch.setenv("JOBPLANE_TENANT_SUBMIT_BURST", "3")
+    with pytest.raises(Built):
+        await cli._ui(cli.build_parser().parse_args(["ui", "--listen", "127.0.0.1:0"]))
+    assert [limiter.limits for limiter in seen] == [
+        TenantLimits(max_streams=7, submits_per_second=2.5, submit_burst=3)
+    ]
+
+
 def test_stream_slots() -> None:
     tenant = uuid.uuid4()
     limiter = TenantLimiter(TenantLimits(max_streams=2))
