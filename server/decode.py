@@ -87,8 +87,14 @@ def _guard(handler: Handler, method: str) -> Handler:
         try:
             return decode(body)
         except (DecodeError, ValueError) as exc:
-            deep = None if request_type is None else too_deep_json(request_type, body)
-            return _Undecodable(name, str(exc), deep)
+            error = str(exc)
+            deep = None
+            # Only when protobuf says it went too deep ("Exceeded
+            # upb_DecodeOptions_MaxDepth"): any other undecodable body would
+            # be read twice for nothing.
+            if request_type is not None and "depth" in error.lower():
+                deep = too_deep_json(request_type, body)
+            return _Undecodable(name, error, deep)
 
     if handler.unary_unary is not None:
         unary: Any = handler.unary_unary
@@ -149,6 +155,12 @@ _JSON_LEVELS = frozenset({"google.protobuf.Struct", "google.protobuf.ListValue"}
 _JSON = _JSON_LEVELS | {"google.protobuf.Value"}
 
 
+# Messages read at most in search of a JSON value too deep: a deep one takes
+# about three per level, and a body this search cannot settle quickly is
+# left MALFORMED_REQUEST rather than read at length on the event loop.
+_MAX_MESSAGES_READ = 20_000
+
+
 class _Broken(Exception):
     """The body is not protobuf's wire format."""
 
@@ -162,9 +174,11 @@ def too_deep_json(message: Descriptor, body: bytes, *, limit: int = MAX_JSON_DEP
     our limit makes the whole body undecodable, and the decoder does not say
     where. Read on the wire format with the request's descriptors, without
     recursion, it is found and refused like one just past the limit, with its
-    field. Anything that does not parse on the way gives None.
+    field. Anything that does not parse on the way gives None, and so does a
+    body that takes more than a bounded number of messages to read through.
     """
     data = memoryview(body)
+    budget = _MAX_MESSAGES_READ
     # A message to read: where it is, its type, its path (or, inside a JSON
     # value, the path of the field holding that value) and its JSON levels.
     pending: list[tuple[int, int, Descriptor, str, bool, int]] = [
@@ -173,6 +187,9 @@ def too_deep_json(message: Descriptor, body: bytes, *, limit: int = MAX_JSON_DEP
     try:
         while pending:
             start, end, descriptor, path, in_json, levels = pending.pop()
+            budget -= 1
+            if budget < 0:
+                return None
             seen: dict[int, int] = {}
             for number, inner_start, inner_end in _length_delimited(data, start, end):
                 field = descriptor.fields_by_number.get(number)
@@ -188,6 +205,10 @@ def too_deep_json(message: Descriptor, body: bytes, *, limit: int = MAX_JSON_DEP
                 inner_levels = levels + (inner.full_name in _JSON_LEVELS)
                 if inner_levels > limit:
                     return inner_path
+                if inner_levels + (inner_end - inner_start) // 2 <= limit:
+                    # Each level below needs two bytes at least (its tag and
+                    # length): this one is too small to go past the limit.
+                    continue
                 pending.append(
                     (
                         inner_start,

@@ -56,3 +56,13 @@ def test_a_batchs_request_is_named_by_its_index() -> None:
 )
 def test_a_body_that_is_not_protobuf_names_nothing(body: bytes) -> None:
     assert too_deep_json(jobs_pb2.SubmitJobRequest.DESCRIPTOR, body) is None
+
+
+def test_the_search_reads_a_bounded_number_of_messages() -> None:
+    """A body full of values just within the limit is not read through at length
+    (its refusal stays MALFORMED_REQUEST); one that is not still is."""
+    deep = wire_field(2, deep_struct([True] * 60))
+    within = wire_field(2, deep_struct([True] * (LIMIT - 1)))
+    descriptor = jobs_pb2.SubmitJobRequest.DESCRIPTOR
+    assert too_deep_json(descriptor, deep + within * 100) == "payload"
+    assert too_deep_json(descriptor, deep + within * 1000) is None
