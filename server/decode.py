@@ -10,15 +10,18 @@ status like every other refusal.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import grpc
+from google.protobuf import descriptor_pool
+from google.protobuf.descriptor import Descriptor
 from google.protobuf.message import DecodeError
 
-from jobplane.errors import MalformedRequest, shown
+from jobplane.errors import InvalidArgument, MalformedRequest, shown
 from jobplane.server.status import to_grpc_status
+from jobplane.workers.values import MAX_JSON_DEPTH
 
 if TYPE_CHECKING:
     Handler = grpc.RpcMethodHandler[Any, Any]
@@ -30,8 +33,16 @@ class _Undecodable:
 
     method: str
     error: str
+    #: The JSON field nested past the limit, when that is why it did not decode.
+    too_deep: str | None = None
 
-    def refusal(self) -> MalformedRequest:
+    def refusal(self) -> InvalidArgument:
+        if self.too_deep is not None:
+            return InvalidArgument(
+                f"{self.too_deep} is nested more than {MAX_JSON_DEPTH} objects or arrays deep",
+                field=self.too_deep,
+                metadata={"limit": str(MAX_JSON_DEPTH)},
+            )
         return MalformedRequest(
             f"the body is not a valid request of {self.method}: {shown(self.error, 160)}"
         )
@@ -61,20 +72,29 @@ class RefuseUndecodable(grpc.aio.ServerInterceptor):
         # own handler, which is the same for every call of a method.
         guarded = self._guarded.get(method)
         if guarded is None:
-            guarded = self._guarded[method] = _guard(handler, method.rsplit("/", 1)[-1])
+            guarded = self._guarded[method] = _guard(handler, method)
         return guarded
 
 
-def _guard(handler: Handler, name: str) -> Handler:
+def _guard(handler: Handler, method: str) -> Handler:
     decode = handler.request_deserializer
     if decode is None or handler.request_streaming:
         return handler
+    name = method.rsplit("/", 1)[-1]
+    request_type = _request_type(method)
 
     def tolerant(body: bytes) -> Any:
         try:
             return decode(body)
         except (DecodeError, ValueError) as exc:
-            return _Undecodable(name, str(exc))
+            error = str(exc)
+            deep = None
+            # Only when protobuf says it went too deep ("Exceeded
+            # upb_DecodeOptions_MaxDepth"): any other undecodable body would
+            # be read twice for nothing.
+            if request_type is not None and "depth" in error.lower():
+                deep = too_deep_json(request_type, body)
+            return _Undecodable(name, error, deep)
 
     if handler.unary_unary is not None:
         unary: Any = handler.unary_unary
@@ -117,3 +137,126 @@ def _passing_bytes(serialize: Callable[[Any], bytes] | None) -> Callable[[Any], 
         return encode(response)
 
     return serialized
+
+
+def _request_type(method: str) -> Descriptor | None:
+    """The request message of ``/package.Service/Method``, from the default pool."""
+    try:
+        service, name = method.lstrip("/").rsplit("/", 1)
+        found = descriptor_pool.Default().FindServiceByName(service).FindMethodByName(name)
+    except (KeyError, ValueError):
+        return None
+    return None if found is None else found.input_type
+
+
+# A JSON value in a request: a Struct or ListValue level is one object or
+# array; a Value holds one.
+_JSON_LEVELS = frozenset({"google.protobuf.Struct", "google.protobuf.ListValue"})
+_JSON = _JSON_LEVELS | {"google.protobuf.Value"}
+
+
+# Messages read at most in search of a JSON value too deep: a deep one takes
+# about three per level, and a body this search cannot settle quickly is
+# left MALFORMED_REQUEST rather than read at length on the event loop.
+_MAX_MESSAGES_READ = 20_000
+
+
+class _Broken(Exception):
+    """The body is not protobuf's wire format."""
+
+
+def too_deep_json(message: Descriptor, body: bytes, *, limit: int = MAX_JSON_DEPTH) -> str | None:
+    """The field of a JSON value in ``body`` nested more than ``limit`` objects or
+    arrays deep (``payload``, ``reports[0].data``), or None.
+
+    Protobuf stops decoding at 100 levels of messages, and a JSON object costs
+    three of them (Struct, map entry, Value): a value nested a few levels past
+    our limit makes the whole body undecodable, and the decoder does not say
+    where. Read on the wire format with the request's descriptors, without
+    recursion, it is found and refused like one just past the limit, with its
+    field. Anything that does not parse on the way gives None, and so does a
+    body that takes more than a bounded number of messages to read through.
+    """
+    data = memoryview(body)
+    budget = _MAX_MESSAGES_READ
+    # A message to read: where it is, its type, its path (or, inside a JSON
+    # value, the path of the field holding that value) and its JSON levels.
+    pending: list[tuple[int, int, Descriptor, str, bool, int]] = [
+        (0, len(data), message, "", False, 0)
+    ]
+    try:
+        while pending:
+            start, end, descriptor, path, in_json, levels = pending.pop()
+            budget -= 1
+            if budget < 0:
+                return None
+            seen: dict[int, int] = {}
+            for number, inner_start, inner_end in _length_delimited(data, start, end):
+                field = descriptor.fields_by_number.get(number)
+                inner = None if field is None else field.message_type
+                if field is None or inner is None:
+                    continue
+                inner_path = path
+                if not in_json:
+                    index = seen[number] = seen.get(number, -1) + 1
+                    inner_path = f"{path}.{field.name}" if path else field.name
+                    if field.is_repeated and not inner.GetOptions().map_entry:
+                        inner_path += f"[{index}]"
+                inner_levels = levels + (inner.full_name in _JSON_LEVELS)
+                if inner_levels > limit:
+                    return inner_path
+                if inner_levels + (inner_end - inner_start) // 2 <= limit:
+                    # Each level below needs two bytes at least (its tag and
+                    # length): this one is too small to go past the limit.
+                    continue
+                pending.append(
+                    (
+                        inner_start,
+                        inner_end,
+                        inner,
+                        inner_path,
+                        in_json or inner.full_name in _JSON,
+                        inner_levels,
+                    )
+                )
+    except _Broken:
+        return None
+    return None
+
+
+def _length_delimited(data: memoryview, start: int, end: int) -> Iterator[tuple[int, int, int]]:
+    """The length-delimited fields of the message in ``data[start:end]``: (number,
+    where its bytes start, where they end). Other fields are stepped over."""
+    at = start
+    while at < end:
+        tag, at = _varint(data, at, end)
+        number, wire = tag >> 3, tag & 7
+        if wire == 0:
+            _, at = _varint(data, at, end)
+        elif wire == 1:
+            at += 8
+        elif wire == 5:
+            at += 4
+        elif wire == 2:
+            size, at = _varint(data, at, end)
+            if at + size > end:
+                raise _Broken
+            yield number, at, at + size
+            at += size
+        else:
+            raise _Broken  # groups: no message of ours has them
+        if at > end or number == 0:
+            raise _Broken
+
+
+def _varint(data: memoryview, at: int, end: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        if at >= end or shift > 63:
+            raise _Broken
+        byte = data[at]
+        at += 1
+        value |= (byte & 0x7F) << shift
+        if not byte & 0x80:
+            return value, at
+        shift += 7

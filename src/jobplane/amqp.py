@@ -8,13 +8,15 @@ per message (docs/performance.md). :class:`Properties` is pamqp's
 properties, a delivery mode and priority, a timestamp, headers of string
 values — straight to bytes, and hands anything else to pamqp's own
 encoding, so the bytes (and the errors) are pamqp's either way: a unit test
-holds the two to the same output with hypothesis.
+holds the two to the same output with hypothesis. One difference, on both
+paths: the timestamp is its time rounded down to the second in integers,
+where pamqp's float rounds a far year's ``…59.999999`` up.
 """
 
 from __future__ import annotations
 
 import struct
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import aiormq
@@ -23,6 +25,8 @@ _BASE = aiormq.spec.Basic.Properties
 _FLAGS = struct.Struct(">H")
 _LONG = struct.Struct(">I")
 _STAMP = struct.Struct(">Q")
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+_SECOND = timedelta(seconds=1)
 _SHORT_STRINGS = frozenset(
     name for name in _BASE.__slots__ if getattr(_BASE, f"_{name}", "") == "shortstr"
 )
@@ -65,12 +69,25 @@ def _octet(value: Any) -> bytes:
     return bytes((value,))
 
 
+def whole_seconds(value: datetime) -> int:
+    """The seconds since 1970 of ``value`` (naive: UTC), rounded down.
+
+    In integers: ``int(value.timestamp())`` goes through a float, which far
+    from 1970 holds too few digits to keep ``…59.999999`` below the next
+    second and rounds it up (pamqp encodes a datetime that way).
+    """
+    if value.tzinfo is None or value.tzinfo.utcoffset(value) is None:
+        value = value.replace(tzinfo=UTC)
+    return (value - _EPOCH) // _SECOND
+
+
 def _timestamp(value: Any) -> bytes:
     if type(value) is not datetime:
         raise _Unusual
-    if value.tzinfo is None or value.tzinfo.utcoffset(value) is None:
-        value = value.replace(tzinfo=UTC)
-    return _STAMP.pack(int(value.timestamp()))
+    seconds = whole_seconds(value)
+    if seconds < 0:
+        raise _Unusual  # pamqp's error, from its own encoding
+    return _STAMP.pack(seconds)
 
 
 _ENCODERS = {
@@ -96,5 +113,12 @@ class Properties(_BASE):
                 flags |= flag
                 parts.append(_ENCODERS[name](value))
         except _Unusual:
+            stamp = self.timestamp
+            if type(stamp) is datetime and whole_seconds(stamp) >= 0:
+                # Rounded down to a whole second first: a float holds that
+                # exactly, so pamqp's encoding writes it as whole_seconds does.
+                fields = {name: getattr(self, name) for name in _BASE.__slots__}
+                fields["timestamp"] = _EPOCH + timedelta(seconds=whole_seconds(stamp))
+                return bytes(_BASE(**fields).marshal())
             return bytes(super().marshal())
         return _FLAGS.pack(flags) + b"".join(parts)

@@ -25,6 +25,7 @@ from jobplane.store.engine import create_engine, migrate
 from jobplane.store.events import NewEvent, append
 from jobplane.store.keys import KeyStore
 from jobplane.topology import Topology
+from jobplane.workers.relay import PublishFailed, Relay
 from jobplane.workers.sweeper import Sweeper
 from tests.support import services
 from tests.support.event_api import all_published, bound_queue
@@ -245,3 +246,71 @@ async def test_events_written_before_0010_are_published_once_through_their_outbo
         await engine.dispose()
     assert [m.message_id for m in messages] == [str(new[0].event.event_id)]
     assert old_id is not None
+
+
+async def test_a_refusal_mid_batch_moves_the_position_past_the_confirmed_prefix_only(
+    stack: Stack, amqp_url: str
+) -> None:
+    """A batch whose third event the broker refuses (nacks) and whose others it
+    confirms: the position moves past the first two only, the refused one is
+    published again (alone) on the next passes, and the one behind it after."""
+    # The stack's relay declared the topology; this test drives the feed's passes itself.
+    assert stack.relay is not None
+    await stack.relay.stop()
+    relay = Relay(stack.engine, stack.database_url, amqp_url, stack.topology, db=stack.db)
+    connection = await aio_pika.connect(amqp_url)
+    async with connection:
+        channel = await connection.channel(publisher_confirms=True)
+        exchange = await channel.get_exchange(stack.topology.events_exchange)
+        full = await channel.declare_queue(
+            f"test.full.{uuid.uuid4().hex[:8]}",
+            durable=True,
+            arguments={"x-max-length": 0, "x-overflow": "reject-publish"},
+        )
+        await full.bind(exchange, routing_key="refused.#")
+        async with bound_queue(amqp_url, exchange.name, ["fine.#"]) as (name, queue):
+            kinds = ["fine.one", "fine.two", "refused.three", "fine.four"]
+            async with stack.engine.begin() as conn:
+                written = await append(
+                    conn, stack.tenant_id, [_event(stack, k, n) for n, k in enumerate(kinds)]
+                )
+            ids = [str(e.event.event_id) for e in written]
+            positions = [(e.position.txid, e.position.seq) for e in written]
+            assert positions == sorted(positions)
+            start = await _position(stack)
+            # Settled: a transaction still open anywhere on the server (other
+            # databases' too) holds them back from the feed for a while.
+            await eventually(
+                lambda: stack.scalar(
+                    "SELECT bool_and(txid < pg_snapshot_xmin(pg_current_snapshot())) FROM events"
+                ),
+                timeout=30,
+            )
+
+            with pytest.raises(PublishFailed):
+                await relay.publish_events_once(channel)
+            assert await _position(stack) == positions[1]
+            # The whole batch went out; the two in front of the refusal and
+            # the one behind it were confirmed.
+            first = [m.message_id for m in await take_all(amqp_url, name)]
+            assert first == [ids[0], ids[1], ids[3]]
+
+            # Refused again: tried alone, and the position stays.
+            with pytest.raises(PublishFailed):
+                await relay.publish_events_once(channel)
+            assert await _position(stack) == positions[1]
+            assert await take_all(amqp_url, name) == []
+
+            # Once the broker takes it, it goes out, then the one behind it.
+            await full.delete(if_unused=False, if_empty=False)
+            await queue.bind(exchange.name, routing_key="refused.#")
+            again = await relay.publish_events_once(channel)
+            assert again.published == 1
+            assert await _position(stack) == positions[2]
+            rest = await relay.publish_events_once(channel)
+            assert rest.published == 1
+            assert await _position(stack) == positions[3]
+            later = [m.message_id for m in await take_all(amqp_url, name)]
+    assert later == ids[2:]
+    assert start < positions[0]
+    assert relay.events_published == 4 and relay.events_parked == 0

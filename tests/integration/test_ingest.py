@@ -220,6 +220,10 @@ async def test_an_unparsable_file_fails_at_once(
     done = await ingestion.run(file, data, **extra)
     assert done.state is JobState.FAILED
     assert done.error is not None and done.error.code == "UNSUPPORTED_FORMAT"
+    # What is refused is its type (a name or content type ingestion does not
+    # read), or bytes that are not the type they claim: never a text decoding.
+    assert "decode" not in done.error.message and "UTF-8" not in done.error.message
+    assert "not one ingestion reads" in done.error.message or file == "broken.pdf"
     assert done.stages[0].name == "parse" and done.stages[0].attempts == 1
     assert [s.state.name for s in done.stages[1:]] == ["PENDING"] * 3
     assert await ingestion.points(file=file) == []

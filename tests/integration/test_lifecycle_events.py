@@ -10,6 +10,7 @@ that failed, was retried or lost its lease.
 from __future__ import annotations
 
 import asyncio
+import json
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
@@ -39,7 +40,7 @@ _stale_gate: dict[str, asyncio.Event] = {}
 @registry.handler("life.ok")
 async def _ok(ctx: JobContext) -> dict[str, Any]:
     ctx.emit("thing.made", {"n": 1})
-    ctx.emit("thing.checked", {"n": 2}, causation_id="outside-cause")
+    ctx.emit("thing.checked", {"n": 2}, causation_id="outside-cause", project_id="web")
     return {"ok": True}
 
 
@@ -175,10 +176,13 @@ async def test_a_jobs_lifecycle_and_emitted_events_arrive_in_order_on_both_paths
     assert made.correlation_id == checked.correlation_id == "order-42"
     assert made.causation_id == str(started.event_id)
     assert checked.causation_id == "outside-cause"
+    # The project a handler names travels with its event (none when not named).
+    assert (made.project_id, checked.project_id) == (None, "web")
     assert (made.payload, checked.payload) == ({"n": 1}, {"n": 2})
     # The exchange: the same events, in the same order, once each, with the
     # documented properties and a body decode reads (compact, as encode writes).
     assert [m.routing_key for m in messages] == wanted
+    assert [json.loads(m.body)["project_id"] for m in messages] == [None, None, None, "web", None]
     for message, event in zip(messages, streamed, strict=True):
         assert decode(message.body) == event
         assert message.body == encode(decode(message.body))

@@ -2,15 +2,23 @@
 
 from __future__ import annotations
 
+import calendar
+import struct
+import uuid
 from datetime import UTC, datetime, timedelta, timezone
 from typing import Any
 
+import aio_pika
 import aiormq
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from jobplane.amqp import Properties
+from jobplane.events import Event, amqp_properties
+from jobplane.workers.relay import spec_properties
+
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 
 _TEXT = st.text(max_size=40)
 _VALUES = st.one_of(
@@ -83,3 +91,55 @@ def test_an_octet_out_of_range_is_refused_as_pamqp_refuses_it(value: int) -> Non
     assert _marshal(Properties, {"priority": value}) == _marshal(
         aiormq.spec.Basic.Properties, {"priority": value}
     )
+
+
+# Every microsecond of every year the envelope allows, and the last
+# microsecond of a second in particular: far from 1970 a float holds the
+# seconds too coarsely to keep ".999999" below the next whole second.
+_LAST = datetime(9999, 12, 31, 23, 59, 59, 999999)
+_ANY_STAMPS = st.one_of(
+    st.datetimes(min_value=datetime(1970, 1, 1), max_value=_LAST, timezones=st.just(UTC)),
+    st.datetimes(min_value=datetime(1970, 1, 1), max_value=_LAST).map(
+        lambda value: value.replace(microsecond=999999)
+    ),
+    st.datetimes(
+        min_value=datetime(1970, 1, 2),
+        max_value=datetime(9999, 12, 30),
+        timezones=st.sampled_from([timezone(timedelta(hours=5)), timezone(-timedelta(hours=3.5))]),
+    ).map(lambda value: value.replace(microsecond=999999)),
+)
+
+
+def _whole_seconds(value: datetime) -> int:
+    """The seconds since 1970 of ``value`` (naive: UTC), rounded down, in integers."""
+    return calendar.timegm(value.utctimetuple())
+
+
+def _at(seconds: int) -> datetime:
+    """A whole second as a datetime: a float holds it exactly, whoever encodes it."""
+    return _EPOCH + timedelta(seconds=seconds)
+
+
+@given(_ANY_STAMPS)
+def test_the_timestamp_is_whole_seconds_rounded_down_in_any_year(value: datetime) -> None:
+    seconds = _whole_seconds(value)
+    assert Properties(timestamp=value).marshal()[2:] == struct.pack(">Q", seconds)
+    # pamqp's own encoding, where a header sends the short path to it.
+    headers: dict[str, Any] = {"n": 1}
+    assert Properties(timestamp=value, headers=headers).marshal() == (
+        aiormq.spec.Basic.Properties(timestamp=_at(seconds), headers=headers).marshal()
+    )
+
+
+@given(_ANY_STAMPS)
+def test_an_events_timestamp_property_is_its_time_rounded_down(value: datetime) -> None:
+    """Both ways an event reaches the broker: the relay's properties, and
+    aio-pika's (``aio_pika.Message(body, **amqp_properties(event))``)."""
+    if value.tzinfo is None:
+        value = value.replace(tzinfo=UTC)
+    event = Event.new("thing.made", {}, tenant_id=uuid.uuid4(), timestamp=value)
+    properties = amqp_properties(event)
+    whole = {**properties, "timestamp": _at(_whole_seconds(value))}
+    assert spec_properties(properties).marshal() == spec_properties(whole).marshal()
+    sent = aio_pika.Message(b"{}", **properties).properties.marshal()
+    assert sent == aio_pika.Message(b"{}", **whole).properties.marshal()

@@ -90,7 +90,11 @@ def test_detect(data: bytes, kwargs: dict[str, str], expected: str) -> None:
     [
         (b"%PDF-1.4\nthis is no pdf at all", {}, "PDF cannot be read"),
         (minimal_pdf(["x"])[:120], {"file": "cut.pdf"}, "PDF cannot be read"),
-        (bytes(range(256)) * 8, {"file": "blob.bin"}, "not UTF-8"),
+        # Neither named nor declared a type ingestion reads, and not text:
+        # refused as a type, not as text that failed to decode.
+        (bytes(range(256)) * 8, {"file": "blob.bin"}, "type '.bin' is not one ingestion reads"),
+        (b"\x89PNG\r\n\x1a\n\x00\x00", {"file": "photo"}, "no type ingestion reads"),
+        (b"\x00\x01\x02\x03" * 100, {"file": "a.dat"}, "type '.dat' is not one ingestion reads"),
         (b"\x00\x01\x02\x03" * 100, {"file": "zeros.txt"}, "binary data"),
         (b"PK\x03\x04", {"content_type": "application/zip"}, "application/zip"),
         (b"x", {"content_type": "image/png"}, "image/png"),

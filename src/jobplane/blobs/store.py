@@ -501,7 +501,11 @@ class BlobStore:
             async for chunk in chunks:
                 total += len(chunk)
                 if total > self.max_blob_bytes:
-                    raise BlobTooLarge(f"the blob is larger than {self.max_blob_bytes} bytes")
+                    # The bytes are at fault (UploadBlob's chunks), as the
+                    # declared size is when it says too much.
+                    raise BlobTooLarge(
+                        f"the blob is larger than {self.max_blob_bytes} bytes", field="chunk"
+                    )
                 if size is not None and total > size:
                     raise BlobSizeMismatch(
                         f"the blob has more than the declared {size} bytes", field="size"

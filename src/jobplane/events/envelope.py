@@ -265,7 +265,10 @@ def amqp_properties(
         "message_id": str(event.event_id),
         "type": event.event_type,
         "correlation_id": event.correlation_id,
-        "timestamp": event.timestamp,
+        # Whole seconds, rounded down, as the broker carries them: given the
+        # microseconds, aio-pika's encoding (through a float) rounds a far
+        # year's ``…59.999999`` up. A timestamp is always in UTC here.
+        "timestamp": event.timestamp.replace(microsecond=0),
         "app_id": APP_ID,
         "headers": headers,
     }

@@ -1045,6 +1045,7 @@ class DomainEvents(Hook):
             SELECT {_event_id_sql("j.id", "j.lifecycle_seq")} AS event_id,
                    CAST('{rule.lifecycle.value}' AS text) AS event_type,
                    clock_timestamp() AS event_time, j.tenant_id, {correlation} AS correlation_id,
+                   CAST(NULL AS text) AS project_id,
                    CASE WHEN j.lifecycle_cause IS NOT NULL THEN CAST({cause} AS text) END
                        AS causation_id,
                    {_lifecycle_payload(rule.lifecycle)} AS payload,
@@ -1060,11 +1061,15 @@ class DomainEvents(Hook):
                 "CAST(:emitted_ids AS uuid[]), CAST(:emitted_types AS text[]),\n"
                 "                        CAST(:emitted_times AS timestamptz[]),\n"
                 "                        CAST(:emitted_correlations AS text[]),\n"
+                "                        CAST(:emitted_projects AS text[]),\n"
                 "                        CAST(:emitted_causations AS text[]), "
                 "CAST(:emitted_payloads AS text[]),\n"
                 "                        CAST(:emitted_hashes AS bytea[])"
             )
-            columns = "event_id, event_type, event_time, correlation_id, causation_id, payload, "
+            columns = (
+                "event_id, event_type, event_time, correlation_id, project_id, causation_id, "
+                "payload, "
+            )
             if many:
                 events = (
                     f"unnest({arrays}, CAST(:emitted_ids_k AS bigint[]), "
@@ -1081,7 +1086,8 @@ class DomainEvents(Hook):
             selects.append(
                 f"""
             SELECT m.event_id, m.event_type, m.event_time, j.tenant_id, m.correlation_id,
-                   m.causation_id, CAST(m.payload AS jsonb) AS payload, m.request_hash,
+                   m.project_id, m.causation_id, CAST(m.payload AS jsonb) AS payload,
+                   m.request_hash,
                    j.id AS job_id, CAST(j.last_seq AS bigint) * {_ORDER_SLOTS} + m.ord AS order_seq,
                    {_TRACE_COLUMNS}
             FROM {{j}} AS j,
@@ -1099,9 +1105,10 @@ class DomainEvents(Hook):
             Write(
                 f"""
         INSERT INTO events (tenant_id, event_id, event_type, event_time, correlation_id,
-                            causation_id, payload, request_hash, job_id, traceparent, tracestate)
-        SELECT tenant_id, event_id, event_type, event_time, correlation_id, causation_id,
-               payload, request_hash, job_id, traceparent, tracestate
+                            project_id, causation_id, payload, request_hash, job_id,
+                            traceparent, tracestate)
+        SELECT tenant_id, event_id, event_type, event_time, correlation_id, project_id,
+               causation_id, payload, request_hash, job_id, traceparent, tracestate
         FROM ({union}
         ) AS x
         ORDER BY order_seq
@@ -1124,6 +1131,7 @@ class DomainEvents(Hook):
             "emitted_types": [e.event.event_type for e in emitted],
             "emitted_times": [e.event.timestamp for e in emitted],
             "emitted_correlations": [e.event.correlation_id for e in emitted],
+            "emitted_projects": [e.event.project_id for e in emitted],
             "emitted_causations": [e.event.causation_id for e in emitted],
             "emitted_payloads": [dumps(e.event.payload) for e in emitted],
             "emitted_hashes": [e.request_hash for e in emitted],
@@ -1509,6 +1517,7 @@ BIND_TYPES: Mapping[str, str] = {
     "emitted_types": "text[]",
     "emitted_times": "timestamptz[]",
     "emitted_correlations": "text[]",
+    "emitted_projects": "text[]",
     "emitted_causations": "text[]",
     "emitted_payloads": "text[]",
     "emitted_hashes": "bytea[]",

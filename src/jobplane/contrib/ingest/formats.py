@@ -61,33 +61,61 @@ class Document:
 
 def detect(data: bytes, *, file: str = "", content_type: str | None = None) -> str:
     """The format of ``data`` (one of :data:`FORMATS`), else :class:`UnsupportedFormat`."""
+    return _detect(data, file, content_type)[0]
+
+
+def _detect(data: bytes, file: str, content_type: str | None) -> tuple[str, bool]:
+    """The format, and whether it is text only for want of any other (nothing named
+    a type, and the bytes look like no other)."""
     declared = (content_type or "").split(";")[0].strip().lower()
     if declared not in _UNTYPED:
         found = _BY_TYPE.get(declared)
         if found is None:
             raise UnsupportedFormat(f"content type {declared!r} is not one ingestion reads")
-        return found
-    dot = file.rfind(".")
-    if dot >= 0 and (found := _BY_EXTENSION.get(file[dot:].lower())) is not None:
-        return found
+        return found, False
+    if (found := _BY_EXTENSION.get(_extension(file))) is not None:
+        return found, False
     head = data[:1024].lstrip()
     if head.startswith(b"%PDF-"):
-        return "pdf"
+        return "pdf", False
     lowered = head[:256].lower()
     if lowered.startswith((b"<!doctype html", b"<html")) or b"<body" in lowered:
-        return "html"
-    return "text"
+        return "html", False
+    return "text", True
+
+
+def _extension(file: str) -> str:
+    """The file name's extension, lowercase with its dot ("" when it has none)."""
+    name = file.rsplit("/", 1)[-1]
+    dot = name.rfind(".")
+    return name[dot:].lower() if dot >= 0 else ""
 
 
 def parse(data: bytes, *, file: str = "", content_type: str | None = None) -> Document:
     """Detect the format of ``data`` and extract its text (normalised, see :func:`tidy`)."""
-    kind = detect(data, file=file, content_type=content_type)
+    kind, guessed = _detect(data, file, content_type)
     if kind == "pdf":
         return _pdf(data)
     charset = _charset(content_type)
     if charset is None and kind == "html":
         charset = _meta_charset(data)
-    text = decode_text(data, charset)
+    try:
+        text = decode_text(data, charset)
+    except UnsupportedFormat:
+        if not guessed:
+            raise  # named text, and it is not: the bytes are at fault
+        # Nothing named a type ingestion reads, and the bytes are not text:
+        # the file is of some other type (an image, an archive), not broken text.
+        extension = _extension(file)
+        if extension:
+            raise UnsupportedFormat(
+                f"type {extension!r} is not one ingestion reads "
+                "(text, Markdown, HTML or PDF), and the bytes are not text"
+            ) from None
+        raise UnsupportedFormat(
+            "the file names no type ingestion reads (text, Markdown, HTML or PDF), "
+            "and the bytes are not text"
+        ) from None
     if kind == "html":
         return Document("html", tidy(html_text(text)), 1)
     return Document(kind, tidy(text), 1)
