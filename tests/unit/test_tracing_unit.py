@@ -75,6 +75,34 @@ def test_a_malformed_traceparent_is_a_new_trace(value: str) -> None:
     assert not trace.get_current_span(context).get_span_context().is_valid
 
 
+@settings(deadline=None)  # timing is not what these check; shared machines are slow
+@given(
+    st.sampled_from(["00", "01", "ff"]),
+    st.integers(0, 2**128 - 1),
+    st.integers(0, 2**64 - 1),
+    st.sampled_from(["00", "01", "02"]),
+    st.sampled_from(["", "-more"]),
+)
+def test_a_log_line_reads_the_trace_id_the_propagator_would(
+    version: str, trace_id: int, span_id: int, flags: str, more: str
+) -> None:
+    parent = f"{version}-{trace_id:032x}-{span_id:016x}-{flags}{more}"
+    found = trace.get_current_span(tracing.extract({"traceparent": parent})).get_span_context()
+    expected = f"{found.trace_id:032x}" if found.is_valid else None
+    assert tracing.trace_id_of({"traceparent": parent}) == expected
+
+
+@settings(deadline=None)  # timing is not what these check; shared machines are slow
+@given(_CARRIERS)
+def test_a_log_line_reads_a_trace_id_only_from_a_valid_traceparent(
+    carrier: dict[str, Any],
+) -> None:
+    found = tracing.trace_id_of(carrier)
+    if found is not None:
+        context = trace.get_current_span(tracing.extract(carrier)).get_span_context()
+        assert context.is_valid and found == f"{context.trace_id:032x}"
+
+
 def test_off_costs_a_check_and_gives_shared_no_ops() -> None:
     assert tracing.ENABLED is False
     assert tracing.current_headers() is tracing.NO_HEADERS

@@ -258,6 +258,36 @@ def _passed_on(carrier: Mapping[str, Any] | None) -> Mapping[str, str] | None:
     return {TRACEPARENT: parent}
 
 
+# What a log line reads of a stored traceparent: its trace id. The form the
+# propagator accepts: version 00's four fields, a later version's may go on.
+_TRACE_ID = re.compile(r"([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-[0-9a-f]{2}(-.*)?")
+
+
+def trace_id_of(headers: Mapping[str, Any] | None) -> str | None:
+    """The trace id (32 hex digits) of ``headers``' ``traceparent``; None when it has
+    none or it is not well formed.
+
+    For a log line about a row or message whose span is not current (the relay
+    logs a dispatch after its batch is confirmed): read from the string as it
+    was stored, without the propagator's parse, as the short path carries it.
+    """
+    if not headers:
+        return None
+    parent = headers.get(TRACEPARENT)
+    if not isinstance(parent, str):
+        return None
+    found = _TRACE_ID.fullmatch(parent)
+    if (
+        found is None
+        or found[2] == _ZERO_TRACE
+        or found[3] == _ZERO_SPAN
+        or found[1] == "ff"
+        or (found[1] == "00" and found[4] is not None)
+    ):
+        return None
+    return found[2]
+
+
 def _remote(parent: str) -> otel_context.Context:
     """The context of a traceparent :func:`_passed_on` took (so known to be well formed
     and not sampled): what the propagator's extract makes of it, without its checks."""
