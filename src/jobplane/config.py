@@ -475,6 +475,15 @@ def parse_origin(value: str, *, name: str) -> str:
     return f"{parts.scheme.lower()}://{parts.netloc.lower()}"
 
 
+def requested_log_format(env: Mapping[str, str] | None = None) -> str:
+    """``JOBPLANE_LOG_FORMAT`` as asked for, "console" when unset or not one of
+    :data:`LOG_FORMATS`: the format of a start-up error's line, when the settings
+    themselves could not be read."""
+    env = os.environ if env is None else env
+    found = env.get("JOBPLANE_LOG_FORMAT", "").strip().lower()
+    return found if found in LOG_FORMATS else "console"
+
+
 def _choice(env: Mapping[str, str], name: str, choices: tuple[str, ...]) -> str | None:
     """``name``'s value, lower-cased, when it is one of ``choices``; None when unset.
 
