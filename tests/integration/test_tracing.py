@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import importlib.util
 import json
+import os
 import signal
 import sys
 import time
@@ -465,5 +467,81 @@ async def test_every_log_line_of_a_job_names_its_trace(
             assert [(r["event"], r.get("trace_id")) for r in lines] == [
                 (r["event"], trace_id) for r in lines
             ]
+    finally:
+        await cluster.close()
+
+
+@pytest.mark.parametrize(
+    ("env", "fix"),
+    [
+        (
+            {"OTEL_EXPORTER_OTLP_PROTOCOL": "grpc"},
+            "pip install opentelemetry-exporter-otlp-proto-grpc",
+        ),
+        ({"OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/json"}, "set http/protobuf"),
+        ({"OTEL_PROPAGATORS": "tracecontext,b3"}, "pip install opentelemetry-propagator-b3"),
+    ],
+    ids=["grpc", "http-json", "b3"],
+)
+async def test_what_no_installed_package_does_is_refused_in_one_line(
+    database_url: str, env: dict[str, str], fix: str
+) -> None:
+    if "grpc" in fix and importlib.util.find_spec("opentelemetry.exporter.otlp.proto.grpc"):
+        pytest.fail("the OTLP/gRPC exporter is installed here: this case tests its absence")
+    if "b3" in fix and importlib.util.find_spec("opentelemetry.propagators.b3"):
+        pytest.fail("the B3 propagator is installed here: this case tests its absence")
+    process = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "jobplane",
+        "relay",
+        env={
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join((str(ROOT / "src"), str(ROOT))),
+            "JOBPLANE_DATABASE_URL": database_url,
+            "OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:9",
+            **env,
+        },
+        cwd=ROOT,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+    )
+    out, _ = await asyncio.wait_for(process.communicate(), 60)
+    (line,) = out.decode().splitlines()
+    assert process.returncode == 2
+    assert line.startswith("error: ") and fix in line, line
+
+
+@pytest.mark.parametrize("propagators", ["baggage", "none"])
+async def test_a_server_without_tracecontext_reads_no_callers_traceparent(
+    database_url: str,
+    amqp_url: str,
+    topology: Topology,
+    tmp_path: Path,
+    receiver: Receiver,
+    caller: tuple[TracerProvider, InMemorySpanExporter],
+    propagators: str,
+) -> None:
+    provider, _ = caller
+    env = {
+        "OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint,
+        "OTEL_BSP_SCHEDULE_DELAY": "100",
+        "OTEL_PROPAGATORS": propagators,
+    }
+    cluster = await _cluster(database_url, amqp_url, topology, tmp_path, env)
+    try:
+        await cluster.server()
+        tracer = provider.get_tracer("the caller")
+        async with AsyncClient(cluster.address, cluster.key, tracing=True) as client:
+            with tracer.start_as_current_span("caller") as span:
+                await client.submit("trace.work", {"n": 1})
+        caller_trace = f"{span.get_span_context().trace_id:032x}"
+        await _until(
+            lambda: any(s.name == SUBMIT for s in receiver.snapshot()), "the SubmitJob span"
+        )
+        (submit,) = [s for s in receiver.snapshot() if s.name == SUBMIT]
+        # The SDK sent its traceparent; this server was told not to read one.
+        assert submit.parent_id == ""
+        assert submit.trace_id != caller_trace
     finally:
         await cluster.close()
