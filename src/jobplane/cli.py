@@ -383,9 +383,7 @@ async def _ui(args: argparse.Namespace) -> int:
     settings, topology = _settings_and_topology()
     listen, setting = _ui_listen(settings, args.listen, "--listen", DEFAULT_UI_LISTEN)
     if listen is None:
-        print(
-            "error: the dashboard is off (JOBPLANE_UI_LISTEN=off); give --listen", file=sys.stderr
-        )
+        _error_line("the dashboard is off (JOBPLANE_UI_LISTEN=off); give --listen")
         return 2
     engine = create_engine(settings.database_url, pool_size=settings.db_pool_size)
     async with AsyncExitStack() as stack:
@@ -527,7 +525,7 @@ def _registry_or_none(spec: str | None, *, demo: bool) -> Any:
     try:
         return _registry(spec, demo=demo)
     except (ValueError, TypeError) as exc:  # HandlersError, or two handlers for one type
-        print(f"error: {exc}", file=sys.stderr)
+        _error_line(str(exc))
         return None
 
 
@@ -620,7 +618,7 @@ async def _with_maintenance(
     try:
         return registry.merge(maintenance.registry())
     except ValueError as exc:  # the loaded handlers register a maintenance type too
-        print(f"error: {exc} (run the worker with --no-maintenance)", file=sys.stderr)
+        _error_line(f"{exc} (run the worker with --no-maintenance)")
         return None
 
 
@@ -636,7 +634,7 @@ def _with_ingest(registry: Any, files: list[Path], settings: Settings, topology:
     elif topology.pipeline("ingest.file") is None:
         problem = "--ingest needs the ingest.file pipeline: JOBPLANE_TOPOLOGY=builtin:ingest"
     if problem:
-        print(f"error: {problem}", file=sys.stderr)
+        _error_line(problem)
         return None
     from jobplane.contrib.ingest import STAGE_TYPES
     from jobplane.contrib.ingest import registry as ingest_registry
@@ -646,7 +644,7 @@ def _with_ingest(registry: Any, files: list[Path], settings: Settings, topology:
     try:
         return registry.merge(ingest_registry)
     except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        _error_line(str(exc))
         return None
 
 
@@ -663,7 +661,7 @@ async def _dev(args: argparse.Namespace) -> int:
     try:
         processes = resolve_processes(args.processes)
     except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        _error_line(str(exc))
         return 2
     settings, topology = _settings_and_topology(log_level="warning")
     _tracing("jobplane-dev", settings)

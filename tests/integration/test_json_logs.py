@@ -133,24 +133,38 @@ async def test_a_command_in_json_mode_writes_only_json_lines(
         assert len(up["processes"]) == 3  # this one, a worker part and the relay's
 
 
-async def test_a_refused_setting_in_json_mode_is_one_json_line(
-    database_url: str, amqp_url: str, topology: Topology, tmp_path: Path
+@pytest.mark.parametrize(
+    ("args", "env", "says"),
+    [
+        (["serve"], {"JOBPLANE_DB_POOL_SIZE": "none"}, "JOBPLANE_DB_POOL_SIZE"),
+        (["worker", "--handlers", "tests.no_such_module:registry"], {}, "no_such_module"),
+        (["ui"], {"JOBPLANE_UI_LISTEN": "off"}, "give --listen"),
+    ],
+    ids=["setting", "handlers", "ui-off"],
+)
+async def test_a_command_that_cannot_start_says_why_in_one_json_line(
+    args: list[str],
+    env: dict[str, str],
+    says: str,
+    database_url: str,
+    amqp_url: str,
+    topology: Topology,
+    tmp_path: Path,
 ) -> None:
     path = tmp_path / "topology.toml"
     path.write_text(topology_toml(topology))
-    env = {**_env(database_url, amqp_url, path), "JOBPLANE_DB_POOL_SIZE": "none"}
     process = await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
         "jobplane",
-        "serve",
-        env=env,
+        *args,
+        env={**_env(database_url, amqp_url, path), **env},
         cwd=ROOT,
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.STDOUT,
     )
-    out, _ = await process.communicate()
+    out, _ = await asyncio.wait_for(process.communicate(), 60)
     assert process.returncode == 2
     (line,) = _objects(out.decode().splitlines())
     assert line["event"] == "command.failed" and line["level"] == "error"
-    assert "JOBPLANE_DB_POOL_SIZE" in line["error"]
+    assert says in line["error"]
