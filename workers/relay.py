@@ -1117,7 +1117,7 @@ def _surely_publishable(
 def _dispatched(row: OutboxRow, topology: Topology) -> dict[str, str]:
     """The fields of a ``job.dispatched`` line."""
     queue = topology.route(row.routing_key)
-    return {
+    fields = {
         "job": job_name(row.job_id) if row.job_id is not None else "",
         "event_id": str(row.id),
         "tenant_id": str(row.tenant_id),
@@ -1126,6 +1126,18 @@ def _dispatched(row: OutboxRow, topology: Topology) -> dict[str, str]:
         "queue": queue.name if queue is not None else "",
         "exchange": row.exchange or topology.exchange,
     }
+    return _with_trace(fields, row)
+
+
+def _with_trace(fields: dict[str, str], row: OutboxRow) -> dict[str, str]:
+    """``fields`` and, with tracing on, the ``trace_id`` of the row's context: the
+    line is logged after the publish span ended (or with none, for a trace not
+    sampled), so the log's own processor finds no span to name."""
+    if tracing.ENABLED:
+        trace_id = tracing.trace_id_of(row.headers)
+        if trace_id is not None:
+            fields["trace_id"] = trace_id
+    return fields
 
 
 def _failed_event(row: OutboxRow) -> str:
@@ -1136,7 +1148,7 @@ def _failed_event(row: OutboxRow) -> str:
 def _subject(row: OutboxRow) -> dict[str, str]:
     """What a log line about ``row`` names: its job, or its event type."""
     if row.job_id is not None:
-        return {"job": job_name(row.job_id), "event_id": str(row.id)}
+        return _with_trace({"job": job_name(row.job_id), "event_id": str(row.id)}, row)
     return {"outbox_id": str(row.id), "kind": row.kind.value, "event_type": row.routing_key}
 
 

@@ -40,6 +40,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from jobplane.logs import describe_error
 from jobplane.names import job_name
+from jobplane.observe import tracing
 from jobplane.observe.metrics import NO_METRICS, Metrics
 from jobplane.store.down import database_transient
 from jobplane.store.sweeps import SweepStore
@@ -146,12 +147,19 @@ class Sweeper:
             log.debug("sweeper.republish.skipped", reason="another sweeper's pass is running")
             return 0
         for dispatch in done.republished:
+            # No span here: the line names the job's trace from its dispatch's context.
+            trace_id = (
+                tracing.trace_id_of({tracing.TRACEPARENT: dispatch.traceparent})
+                if tracing.ENABLED and dispatch.traceparent
+                else None
+            )
             log.warning(
                 "sweeper.dispatch.republished",
                 job=job_name(dispatch.job_id),
                 event_id=str(dispatch.dispatch_id),
                 republish=dispatch.count,
                 next_after=self._republish_after * 2**dispatch.count,
+                **({} if trace_id is None else {"trace_id": trace_id}),
             )
         log.debug("sweeper.republish.pass", scanned=done.scanned, lap_done=done.lap_done)
         return len(done.republished)

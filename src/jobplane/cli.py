@@ -18,11 +18,17 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from jobplane import heap
-from jobplane.config import ConfigError, ListenAddress, Settings, parse_listen
+from jobplane.config import (
+    ConfigError,
+    ListenAddress,
+    Settings,
+    parse_listen,
+    requested_log_format,
+)
 from jobplane.console import installed_version
 from jobplane.errors import JobplaneError
 from jobplane.faults import FaultPoints
-from jobplane.logs import configure, set_job_prefixes
+from jobplane.logs import configure, json_line, json_lines, scrub, set_job_prefixes
 from jobplane.topology import Topology, TopologyError, load_topology
 
 if TYPE_CHECKING:
@@ -85,6 +91,27 @@ def _settings_and_topology(log_level: str = "info") -> tuple[Settings, Topology]
     topology = load_topology(settings.topology_path)
     set_job_prefixes(settings.log_job_prefix, {q.name: q.log_prefix for q in topology.queues})
     return settings, topology
+
+
+def _say(event: str | None, text: str, *, level: str = "info", **fields: Any) -> None:
+    """Tell the operator ``text`` on stderr; with JSON logs, log ``event`` with
+    ``fields`` instead (None: a log line already says it), so that every line the
+    process writes is one JSON object."""
+    if not json_lines():
+        print(text, file=sys.stderr, flush=True)
+    elif event is not None:
+        import structlog
+
+        getattr(structlog.get_logger("jobplane.cli"), level)(event, **fields)
+
+
+def _error_line(message: str) -> None:
+    """``error: message`` on stderr: a ``command.failed`` JSON line when JSON logs were
+    asked for (the settings may be what failed, so asked of the environment)."""
+    if json_lines() or requested_log_format() == "json":
+        print(json_line("command.failed", "error", error=scrub(message)), file=sys.stderr)
+    else:
+        print(f"error: {message}", file=sys.stderr)
 
 
 #: Each command's ops listener (/metrics, /livez, /readyz) when JOBPLANE_METRICS_LISTEN is
@@ -275,10 +302,11 @@ async def _serve(args: argparse.Namespace) -> int:
         transport = "plaintext"
         if settings.tls_cert is not None:
             transport = "mutual TLS" if settings.tls_client_ca is not None else "TLS"
-        print(f"jobplane serving on {server.address} ({transport})", file=sys.stderr)
+        # server.started and ui.listening are these lines' log events.
+        _say(None, f"jobplane serving on {server.address} ({transport})")
         ui = await _server_dashboard(stack, settings, server, args.ui_listen, default=None)
         if ui is not None:
-            print(f"dashboard on {ui.url}", file=sys.stderr)
+            _say(None, f"dashboard on {ui.url}")
         await _until_signal()
     return 0
 
@@ -351,9 +379,7 @@ async def _ui(args: argparse.Namespace) -> int:
     settings, topology = _settings_and_topology()
     listen, setting = _ui_listen(settings, args.listen, "--listen", DEFAULT_UI_LISTEN)
     if listen is None:
-        print(
-            "error: the dashboard is off (JOBPLANE_UI_LISTEN=off); give --listen", file=sys.stderr
-        )
+        _error_line("the dashboard is off (JOBPLANE_UI_LISTEN=off); give --listen")
         return 2
     engine = create_engine(settings.database_url, pool_size=settings.db_pool_size)
     async with AsyncExitStack() as stack:
@@ -370,7 +396,7 @@ async def _ui(args: argparse.Namespace) -> int:
             max_payload_bytes=settings.max_payload_bytes,
         )
         ui = await _dashboard(stack, settings, backend, listen, setting)
-        print(f"dashboard on {ui.url}", file=sys.stderr)
+        _say(None, f"dashboard on {ui.url}")  # logged as ui.listening
         await _until_signal()
     return 0
 
@@ -452,13 +478,24 @@ async def _sweep(args: argparse.Namespace) -> int:
                 # A loop outlives a broker restart; a single pass reports it (main).
                 if args.once or not broker.broker_down(exc):
                     raise
-                print(f"broker unavailable, outbox not drained: {exc!r}", file=sys.stderr)
+                _say(
+                    "broker.unavailable",
+                    f"broker unavailable, outbox not drained: {exc!r}",
+                    level="warning",
+                    error=repr(exc),
+                    retry_in=args.interval,
+                )
                 published = 0
-            print(
+            _say(
+                "sweep.done",
                 f"leases: {report.requeued} requeued, {report.failed} failed; "
                 f"dispatches: {report.republished} re-published; "
                 f"outbox: {published} published, {report.stuck_outbox} were stuck",
-                file=sys.stderr,
+                requeued=report.requeued,
+                failed=report.failed,
+                republished=report.republished,
+                published=published,
+                stuck_outbox=report.stuck_outbox,
             )
             if args.once:
                 return 0
@@ -485,7 +522,7 @@ def _registry_or_none(spec: str | None, *, demo: bool) -> Any:
     try:
         return _registry(spec, demo=demo)
     except (ValueError, TypeError) as exc:  # HandlersError, or two handlers for one type
-        print(f"error: {exc}", file=sys.stderr)
+        _error_line(str(exc))
         return None
 
 
@@ -579,7 +616,7 @@ async def _with_maintenance(
     try:
         return registry.merge(maintenance.registry())
     except ValueError as exc:  # the loaded handlers register a maintenance type too
-        print(f"error: {exc} (run the worker with --no-maintenance)", file=sys.stderr)
+        _error_line(f"{exc} (run the worker with --no-maintenance)")
         return None
 
 
@@ -595,7 +632,7 @@ def _with_ingest(registry: Any, files: list[Path], settings: Settings, topology:
     elif topology.pipeline("ingest.file") is None:
         problem = "--ingest needs the ingest.file pipeline: JOBPLANE_TOPOLOGY=builtin:ingest"
     if problem:
-        print(f"error: {problem}", file=sys.stderr)
+        _error_line(problem)
         return None
     from jobplane.contrib.ingest import STAGE_TYPES
     from jobplane.contrib.ingest import registry as ingest_registry
@@ -605,7 +642,7 @@ def _with_ingest(registry: Any, files: list[Path], settings: Settings, topology:
     try:
         return registry.merge(ingest_registry)
     except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        _error_line(str(exc))
         return None
 
 
@@ -622,7 +659,7 @@ async def _dev(args: argparse.Namespace) -> int:
     try:
         processes = resolve_processes(args.processes)
     except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        _error_line(str(exc))
         return 2
     settings, topology = _settings_and_topology(log_level="warning")
     _tracing("jobplane-dev", settings)
@@ -707,18 +744,31 @@ async def _dev(args: argparse.Namespace) -> int:
             apart = f"relay {pids[-1]}; " if layout.relay_apart else ""
             workers = ", ".join(map(str, pids[: layout.workers]))
             shown = f"{processes} ({here} in this one, pid {os.getpid()}; {apart}workers {workers})"
-        print(
-            f"\njobplane dev is up.\n"
-            f"  address:  {server.address}\n"
-            f"  processes: {shown}\n"
-            f"  api key:  {key}   (tenant {args.tenant!r})\n"
-            f"{ui_line}"
-            f"  worker key: {worker_key}   (WorkerService, docs/workers.md)\n\n"
-            f"  export JOBPLANE_ADDRESS={server.address} JOBPLANE_API_KEY={key}\n"
-            f'  jobplane submit demo.progress --payload \'{{"steps": 20, "interval_ms": 150}}\''
-            " --watch\n",
-            flush=True,
-        )
+        if json_lines():
+            # The key is what this line is for: printed, not logged (a log line masks it).
+            up = json_line(
+                "dev.ready",
+                address=server.address,
+                processes=[os.getpid(), *(parts.pids if parts is not None else ())],
+                api_key=key,
+                tenant=args.tenant,
+                dashboard=ui.url if ui is not None else None,
+                worker_key=worker_key,
+            )
+            print(up, flush=True)
+        else:
+            print(
+                f"\njobplane dev is up.\n"
+                f"  address:  {server.address}\n"
+                f"  processes: {shown}\n"
+                f"  api key:  {key}   (tenant {args.tenant!r})\n"
+                f"{ui_line}"
+                f"  worker key: {worker_key}   (WorkerService, docs/workers.md)\n\n"
+                f"  export JOBPLANE_ADDRESS={server.address} JOBPLANE_API_KEY={key}\n"
+                f'  jobplane submit demo.progress --payload \'{{"steps": 20, "interval_ms": 150}}\''
+                " --watch\n",
+                flush=True,
+            )
         if args.demo:
             from jobplane.client import AsyncClient
             from jobplane.client.cli import render_watch
@@ -727,32 +777,41 @@ async def _dev(args: argparse.Namespace) -> int:
                 job = await client.submit(
                     "demo.progress", {"steps": args.demo_steps, "interval_ms": 150}
                 )
-                print(f"submitted {job.name} (demo.progress); its live progress:", flush=True)
-                if ui is not None:
-                    print(f"  on the dashboard: {ui.url}{job.name}", flush=True)
-                await render_watch(client, job.name)
+                if json_lines():
+                    print(json_line("dev.demo.submitted", job=job.name), flush=True)
+                else:
+                    print(f"submitted {job.name} (demo.progress); its live progress:", flush=True)
+                    if ui is not None:
+                        print(f"  on the dashboard: {ui.url}{job.name}", flush=True)
+                # Its events as JSON objects too, with JSON logs.
+                await render_watch(client, job.name, as_json=json_lines())
         if ingest:
             from jobplane.client import AsyncClient
             from jobplane.contrib.ingest.cli import ingest_files
 
-            print(
-                f"\ningesting {', '.join(map(str, ingest))} (ingest.file: parse, chunk, embed, "
-                f"index into Qdrant at {settings.qdrant_location}):",
-                flush=True,
-            )
+            if not json_lines():
+                print(
+                    f"\ningesting {', '.join(map(str, ingest))} (ingest.file: parse, chunk, "
+                    f"embed, index into Qdrant at {settings.qdrant_location}):",
+                    flush=True,
+                )
             try:
                 async with AsyncClient(server.address, key) as client:
                     mode = "live" if sys.stdout.isatty() else "lines"
-                    await ingest_files(client, ingest, mode=mode)
+                    await ingest_files(client, ingest, mode="json" if json_lines() else mode)
             except JobplaneError as exc:
-                print(f"error: the ingestion could not run: {exc}", file=sys.stderr)
+                _error_line(f"the ingestion could not run: {exc}")
             else:
-                again = " ".join(map(str, ingest))
-                print(f"  jobplane ingest {again}   (again: changes nothing)\n", flush=True)
+                if not json_lines():
+                    again = " ".join(map(str, ingest))
+                    print(f"  jobplane ingest {again}   (again: changes nothing)\n", flush=True)
         # Caught from before the line that says so: a Ctrl-C right after it stops
         # the command in order instead of raising KeyboardInterrupt.
         with _stop_signals() as stop:
-            print("serving; Ctrl-C to stop", flush=True)
+            if json_lines():
+                print(json_line("dev.serving"), flush=True)
+            else:
+                print("serving; Ctrl-C to stop", flush=True)
             if parts is None:
                 await stop.wait()
                 return 0
@@ -830,7 +889,7 @@ async def _until_stopped_or_part_exit(stop: asyncio.Event, parts: Any) -> int:
     exited = await _until_stopped(stop, parts.exited())
     if exited is not None:
         part, status = exited.result()
-        print(f"error: {part} exited (status {status}); stopping", file=sys.stderr)
+        _error_line(f"{part} exited (status {status}); stopping")
         return 1
     return 0
 
@@ -1633,7 +1692,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         code = args.func(args)
     except (ConfigError, TopologyError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        _error_line(str(exc))
         code = 2
     except KeyboardInterrupt:
         code = 130
@@ -1647,7 +1706,7 @@ def main(argv: list[str] | None = None) -> None:
         message = _fatal_message(exc)
         if message is None:
             raise
-        print(f"error: {message}", file=sys.stderr)
+        _error_line(message)
         code = 1
     with contextlib.suppress(Exception):
         sys.stdout.flush()

@@ -131,6 +131,12 @@ class Settings:
     trace_exporters: tuple[str, ...] = ()
     #: OTEL_SERVICE_NAME, which wins over each command's own service name.
     trace_service_name: str | None = None
+    #: The OTLP exporter's protocol: ``http/protobuf``, or ``grpc`` when its
+    #: package is installed (OTEL_EXPORTER_OTLP_[TRACES_]PROTOCOL).
+    trace_protocol: str = "http/protobuf"
+    #: OTEL_PROPAGATORS: what reads a caller's trace context from a call's
+    #: metadata (docs/tracing.md); empty: none is read.
+    trace_propagators: tuple[str, ...] = ("tracecontext",)
 
     # Metrics and health.
     #: The ops listener (/metrics, /livez, /readyz): host:port, or None when
@@ -310,6 +316,18 @@ TRACE_SAMPLERS = (
     "parentbased_traceidratio",
 )
 _TRUE = ("true", "1", "yes", "on")
+#: The OTLP/gRPC exporter: its module, and the package that brings it.
+OTLP_GRPC_MODULE = "opentelemetry.exporter.otlp.proto.grpc"
+OTLP_GRPC_PACKAGE = "opentelemetry-exporter-otlp-proto-grpc"
+#: The packages of OpenTelemetry's propagators that are not installed with
+#: jobplane, by their OTEL_PROPAGATORS name.
+PROPAGATOR_PACKAGES = {
+    "b3": "opentelemetry-propagator-b3",
+    "b3multi": "opentelemetry-propagator-b3",
+    "jaeger": "opentelemetry-propagator-jaeger",
+    "xray": "opentelemetry-propagator-aws-xray",
+    "ottrace": "opentelemetry-propagator-ot-trace",
+}
 
 
 def _with_tracing(env: Mapping[str, str], base: Settings) -> Settings:
@@ -336,15 +354,13 @@ def _with_tracing(env: Mapping[str, str], base: Settings) -> Settings:
     if not raw and endpoint:
         names = ("otlp",)
     names = tuple(n for n in names if n != "none")
+    protocol = "http/protobuf"
     if "otlp" in names:
         for name in ("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "OTEL_EXPORTER_OTLP_PROTOCOL"):
-            protocol = env.get(name, "").strip()
-            if protocol:
-                if protocol != "http/protobuf":
-                    raise ConfigError(
-                        f"{name} must be http/protobuf (the OTLP exporter installed), "
-                        f"not {protocol!r}"
-                    )
+            found = env.get(name, "").strip()
+            if found:
+                _check_protocol(name, found)
+                protocol = found
                 break
     sampler = env.get("OTEL_TRACES_SAMPLER", "").strip().lower()
     if sampler and sampler not in TRACE_SAMPLERS:
@@ -359,7 +375,62 @@ def _with_tracing(env: Mapping[str, str], base: Settings) -> Settings:
         base,
         trace_exporters=names,
         trace_service_name=env.get("OTEL_SERVICE_NAME", "").strip() or None,
+        trace_protocol=protocol,
+        trace_propagators=_propagators(env) if names else base.trace_propagators,
     )
+
+
+def _check_protocol(name: str, protocol: str) -> None:
+    """Refuse an OTLP protocol no installed exporter speaks, saying what would."""
+    if protocol == "grpc":
+        if not _importable(OTLP_GRPC_MODULE):
+            raise ConfigError(
+                f"{name}=grpc needs OpenTelemetry's OTLP/gRPC exporter: "
+                f"pip install {OTLP_GRPC_PACKAGE} (or set {name}=http/protobuf)"
+            )
+    elif protocol == "http/json":
+        raise ConfigError(
+            f"{name}=http/json: OpenTelemetry's Python SDK has no OTLP/JSON exporter; "
+            "set http/protobuf (or grpc)"
+        )
+    elif protocol != "http/protobuf":
+        raise ConfigError(f"{name} must be http/protobuf or grpc, not {protocol!r}")
+
+
+def _importable(module: str) -> bool:
+    from importlib.util import find_spec
+
+    try:
+        return find_spec(module) is not None
+    except ModuleNotFoundError:  # a parent package is missing
+        return False
+
+
+def _propagators(env: Mapping[str, str]) -> tuple[str, ...]:
+    """OTEL_PROPAGATORS' names, each one an installed propagator's; unset:
+    ``tracecontext``; ``none``: none."""
+    names = tuple(
+        dict.fromkeys(n.strip() for n in env.get("OTEL_PROPAGATORS", "").split(",") if n.strip())
+    )
+    if not names:
+        return ("tracecontext",)
+    if "none" in names:
+        return ()
+    from importlib.metadata import entry_points
+
+    installed = {e.name for e in entry_points(group="opentelemetry_propagator")}
+    for name in names:
+        if name not in installed:
+            package = PROPAGATOR_PACKAGES.get(name)
+            raise ConfigError(
+                f"OTEL_PROPAGATORS names {name!r}, which is not installed: "
+                + (
+                    f"pip install {package}"
+                    if package
+                    else f"the installed ones are {', '.join(sorted(installed))}"
+                )
+            )
+    return names
 
 
 @dataclass(frozen=True, slots=True)
@@ -488,6 +559,15 @@ def parse_origin(value: str, *, name: str) -> str:
             f"optional port only), not {value!r}"
         )
     return f"{parts.scheme.lower()}://{parts.netloc.lower()}"
+
+
+def requested_log_format(env: Mapping[str, str] | None = None) -> str:
+    """``JOBPLANE_LOG_FORMAT`` as asked for, "console" when unset or not one of
+    :data:`LOG_FORMATS`: the format of a start-up error's line, when the settings
+    themselves could not be read."""
+    env = os.environ if env is None else env
+    found = env.get("JOBPLANE_LOG_FORMAT", "").strip().lower()
+    return found if found in LOG_FORMATS else "console"
 
 
 def _choice(env: Mapping[str, str], name: str, choices: tuple[str, ...]) -> str | None:

@@ -11,6 +11,7 @@ a database error by its class and SQLSTATE only (:func:`format_exception`).
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import re
 import sys
@@ -247,6 +248,32 @@ def _stdlib_formatter(renderer: structlog.types.Processor) -> logging.Formatter:
     )
 
 
+# Whether configure() chose JSON lines: then what a command says to its
+# operator is logged too, never printed as text (json_lines()).
+_json_lines = False
+
+
+def json_lines() -> bool:
+    """True when logging is configured for JSON: every line a process writes to its
+    operator must then be one JSON object."""
+    return _json_lines
+
+
+def json_line(event: str, level: str = "info", **fields: Any) -> str:
+    """One line as the JSON renderer writes it, with no secret masked: for what a
+    command shows on purpose (``jobplane dev``'s API key), never for a log line."""
+    from datetime import UTC, datetime
+
+    line = {
+        **fields,
+        "event": event,
+        "level": level,
+        "logger": "jobplane.cli",
+        "timestamp": datetime.now(UTC).isoformat().replace("+00:00", "Z"),
+    }
+    return json.dumps(line, default=str)
+
+
 def configure(level: str = "info", fmt: str = "console", *, job_prefix: str | None = None) -> None:
     """Route structlog, and the standard library's logging (grpc, aio-pika, asyncpg,
     asyncio, ...), to stderr at ``level``, rendered alike (one JSON object a line in
@@ -255,6 +282,8 @@ def configure(level: str = "info", fmt: str = "console", *, job_prefix: str | No
     Other libraries' records are shown from warning up (from ``level`` up when it
     is higher). ``job_prefix``: see :func:`set_job_prefixes` (None keeps it).
     """
+    global _json_lines  # noqa: PLW0603 - set once with the rest of logging
+    _json_lines = fmt == "json"
     numeric = logging.getLevelNamesMapping().get(level.upper(), logging.INFO)
     if job_prefix is not None:
         set_job_prefixes(job_prefix, _prefixes[1])

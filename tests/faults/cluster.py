@@ -187,7 +187,8 @@ class Cluster:
             "JOBPLANE_TOPOLOGY": str(path),
             "JOBPLANE_LISTEN": f"127.0.0.1:{self.port}",
             "JOBPLANE_LOG_LEVEL": "info",
-            "PYTHONPATH": str(ROOT),
+            # This tree's source first: the installed jobplane may be another checkout's.
+            "PYTHONPATH": os.pathsep.join((str(ROOT / "src"), str(ROOT))),
         }
 
     @property

@@ -15,13 +15,18 @@ from dataclasses import replace
 from typing import Any
 
 import aio_pika
+import pytest
+import structlog
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
+from structlog.testing import capture_logs
 
 from jobplane.client import JobState
+from jobplane.observe import tracing
 from jobplane.store import sweeps
 from jobplane.store.outbox import GiveUp, OutboxStore
 from jobplane.topology import Topology
+from jobplane.workers import sweeper as sweeper_module
 from jobplane.workers.relay import Relay
 from jobplane.workers.sweeper import Sweeper
 from tests.support.rows import insert_job
@@ -352,5 +357,36 @@ async def test_a_republish_pass_looks_at_a_bounded_part_of_the_backlog(
             await conn.execute(text("UPDATE outbox SET published_at = now() - interval '1 day'"))
         done = await store.republish_unclaimed(after=60.0, scan=10)
         assert done is not None and len(done.republished) == 5 and done.lap_done
+    finally:
+        await stack.close()
+
+
+async def test_a_republished_dispatchs_line_names_the_jobs_trace(
+    engine: AsyncEngine,
+    database_url: str,
+    amqp_url: str,
+    topology: Topology,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    stack = await start_stack(engine, database_url, amqp_url, topology, relay=False, worker=False)
+    try:
+        await _lost_dispatches(stack, 1)
+        trace_id = uuid.uuid4().hex
+        async with engine.begin() as conn:
+            await conn.execute(
+                text(
+                    "UPDATE outbox SET headers = "
+                    "jsonb_build_object('traceparent', CAST(:parent AS text))"
+                ),
+                {"parent": f"00-{trace_id}-{'1' * 16}-00"},
+            )
+        # Tracing on, as configure_tracing leaves it, without a provider; a
+        # logger not yet used, so capture_logs sees its lines.
+        monkeypatch.setattr(tracing, "ENABLED", True)
+        monkeypatch.setattr(sweeper_module, "log", structlog.get_logger("jobplane.sweeper"))
+        with capture_logs() as logs:
+            assert (await Sweeper(engine, republish_every=0.0).sweep_once()).republished == 1
+        (line,) = [e for e in logs if e["event"] == "sweeper.dispatch.republished"]
+        assert line["trace_id"] == trace_id
     finally:
         await stack.close()

@@ -89,13 +89,13 @@ async def dev(database_url: str, vhost_url: str) -> AsyncIterator[Dev]:
         async for raw in process.stdout:
             line = raw.decode(errors="replace").strip()
             running.lines.append(line)
-            if line.startswith("{") and '"ops.listening"' in line:
-                running.ops = str(json.loads(line)["address"])
-            elif line.startswith("address:"):
-                running.address = line.split()[1]
-            elif line.startswith("api key:"):
-                running.key = line.split()[2]
-            elif line.startswith("serving; Ctrl-C"):
+            record = json.loads(line) if line.startswith("{") else {}
+            if record.get("event") == "ops.listening":
+                running.ops = str(record["address"])
+            elif record.get("event") == "dev.ready":
+                running.address = str(record["address"])
+                running.key = str(record["api_key"])
+            elif record.get("event") == "dev.serving":
                 up.set()
 
     reader = asyncio.create_task(read())

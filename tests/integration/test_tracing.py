@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import importlib.util
 import json
+import os
 import signal
 import sys
 import time
@@ -28,7 +30,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 import jobplane.client.tracing as client_tracing
 from jobplane.client import AsyncClient, Client, JobNotFound, JobState
 from jobplane.topology import PipelineSpec, StageSpec, Topology
-from tests.faults.cluster import ROOT, Cluster
+from tests.faults.cluster import ROOT, Cluster, Proc
 from tests.integration.tracing_handlers import STAGES
 from tests.otlp_receiver import ReceivedSpan, Receiver
 
@@ -83,9 +85,9 @@ async def _cluster(
     return cluster
 
 
-async def _worker(cluster: Cluster) -> None:
+async def _worker(cluster: Cluster) -> Proc:
     args = ["worker", "--handlers", "tests.integration.tracing_handlers:registry"]
-    await cluster._spawn([*args, "--lease-seconds", "5", "--grace", "1"], "worker.started")
+    return await cluster._spawn([*args, "--lease-seconds", "5", "--grace", "1"], "worker.started")
 
 
 async def _until(
@@ -395,5 +397,151 @@ async def test_tracing_off_exports_nothing(
         )
         out, _ = await probe.communicate()
         assert out.decode().split() == ["False", "ProxyTracerProvider", "False"]
+    finally:
+        await cluster.close()
+
+
+def _json_lines(*procs: Proc) -> list[dict[str, Any]]:
+    """Every line the processes logged, each one JSON object."""
+    return [
+        json.loads(line)
+        for proc in procs
+        for line in proc.log.read_text().splitlines()
+        if line.strip()
+    ]
+
+
+async def test_every_log_line_of_a_job_names_its_trace(
+    database_url: str,
+    amqp_url: str,
+    topology: Topology,
+    tmp_path: Path,
+    receiver: Receiver,
+    caller: tuple[TracerProvider, InMemorySpanExporter],
+) -> None:
+    provider, _ = caller
+    # A trace the caller samples, and one no process samples (the ratio 0 at
+    # the server's root): the relay and the worker carry the latter on as it came.
+    env = {
+        "OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint,
+        "OTEL_BSP_SCHEDULE_DELAY": "100",
+        "OTEL_TRACES_SAMPLER": "parentbased_traceidratio",
+        "OTEL_TRACES_SAMPLER_ARG": "0",
+        "JOBPLANE_LOG_FORMAT": "json",
+    }
+    cluster = await _cluster(database_url, amqp_url, topology, tmp_path, env)
+    try:
+        await cluster.server()
+        relay = await cluster.relay()
+        worker = await _worker(cluster)
+        tracer = provider.get_tracer("the caller")
+        async with AsyncClient(cluster.address, cluster.key, tracing=True) as client:
+            with tracer.start_as_current_span("caller") as span:
+                sampled = await client.submit("trace.flaky", {}, max_attempts=3)
+        async with AsyncClient(cluster.address, cluster.key) as client:
+            unsampled = await client.submit("trace.flaky", {}, max_attempts=3)
+            for job in (sampled, unsampled):
+                assert (await client.wait(job.name, timeout=30)).state is JobState.SUCCEEDED
+        rows = await cluster.query(
+            "SELECT headers->>'traceparent' AS parent FROM outbox WHERE job_id = $1",
+            uuid.UUID(unsampled.name.removeprefix("jobs/")),
+        )
+        (unsampled_trace,) = {r["parent"].split("-")[1] for r in rows}
+        assert {int(r["parent"].split("-")[3], 16) & 1 for r in rows} == {0}  # not sampled
+        traces = {
+            sampled.name: f"{span.get_span_context().trace_id:032x}",
+            unsampled.name: unsampled_trace,
+        }
+        wanted = ("job.dispatched", "job.received", "job.started", "job.completed")
+
+        def logged() -> bool:
+            events = [(r.get("job"), r.get("event")) for r in _json_lines(relay, worker)]
+            return all((job, event) in events for job in traces for event in wanted)
+
+        await _until(logged, "every line of both jobs")
+        for name, trace_id in traces.items():
+            lines = [r for r in _json_lines(relay, worker) if r.get("job") == name]
+            names = [r["event"] for r in lines]
+            assert names.count("job.dispatched") == 2, names  # the first attempt and the retry
+            assert "job.retry_scheduled" in names, names
+            assert [(r["event"], r.get("trace_id")) for r in lines] == [
+                (r["event"], trace_id) for r in lines
+            ]
+    finally:
+        await cluster.close()
+
+
+@pytest.mark.parametrize(
+    ("env", "fix"),
+    [
+        (
+            {"OTEL_EXPORTER_OTLP_PROTOCOL": "grpc"},
+            "pip install opentelemetry-exporter-otlp-proto-grpc",
+        ),
+        ({"OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/json"}, "set http/protobuf"),
+        ({"OTEL_PROPAGATORS": "tracecontext,b3"}, "pip install opentelemetry-propagator-b3"),
+    ],
+    ids=["grpc", "http-json", "b3"],
+)
+async def test_what_no_installed_package_does_is_refused_in_one_line(
+    database_url: str, env: dict[str, str], fix: str
+) -> None:
+    if "grpc" in fix and importlib.util.find_spec("opentelemetry.exporter.otlp.proto.grpc"):
+        pytest.fail("the OTLP/gRPC exporter is installed here: this case tests its absence")
+    if "b3" in fix and importlib.util.find_spec("opentelemetry.propagators.b3"):
+        pytest.fail("the B3 propagator is installed here: this case tests its absence")
+    process = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "jobplane",
+        "relay",
+        env={
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join((str(ROOT / "src"), str(ROOT))),
+            "JOBPLANE_DATABASE_URL": database_url,
+            "OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:9",
+            **env,
+        },
+        cwd=ROOT,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+    )
+    out, _ = await asyncio.wait_for(process.communicate(), 60)
+    (line,) = out.decode().splitlines()
+    assert process.returncode == 2
+    assert line.startswith("error: ") and fix in line, line
+
+
+@pytest.mark.parametrize("propagators", ["baggage", "none"])
+async def test_a_server_without_tracecontext_reads_no_callers_traceparent(
+    database_url: str,
+    amqp_url: str,
+    topology: Topology,
+    tmp_path: Path,
+    receiver: Receiver,
+    caller: tuple[TracerProvider, InMemorySpanExporter],
+    propagators: str,
+) -> None:
+    provider, _ = caller
+    env = {
+        "OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint,
+        "OTEL_BSP_SCHEDULE_DELAY": "100",
+        "OTEL_PROPAGATORS": propagators,
+    }
+    cluster = await _cluster(database_url, amqp_url, topology, tmp_path, env)
+    try:
+        await cluster.server()
+        tracer = provider.get_tracer("the caller")
+        async with AsyncClient(cluster.address, cluster.key, tracing=True) as client:
+            with tracer.start_as_current_span("caller") as span:
+                await client.submit("trace.work", {"n": 1})
+        caller_trace = f"{span.get_span_context().trace_id:032x}"
+        await _until(
+            lambda: any(s.name == SUBMIT for s in receiver.snapshot()), "the SubmitJob span"
+        )
+        (submit,) = [s for s in receiver.snapshot() if s.name == SUBMIT]
+        # The SDK sent its traceparent; this server was told not to read one.
+        assert submit.parent_id == ""
+        assert submit.trace_id != caller_trace
     finally:
         await cluster.close()

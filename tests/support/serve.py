@@ -22,13 +22,17 @@ class Serve:
     reader: asyncio.Task[None] | None = None
 
     async def read(self, started: asyncio.Event) -> None:
-        """Collect stderr lines; set ``started`` at the "serving on" line."""
+        """Collect stderr lines; set ``started`` at the "serving on" line (its
+        ``server.started`` log line with JSON logs)."""
         assert self.process.stderr is not None
         async for raw in self.process.stderr:
             line = raw.decode(errors="replace").rstrip("\n")
             self.lines.append(line)
             if line.startswith("jobplane serving on "):
                 self.address = line.split()[3]
+                started.set()
+            elif line.startswith("{") and '"server.started"' in line:
+                self.address = str(json.loads(line)["address"])
                 started.set()
 
     def records(self) -> list[dict[str, object]]:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Iterator
+from importlib.metadata import entry_points
+from importlib.util import find_spec
 from typing import Any
 
 import pytest
@@ -11,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from opentelemetry import context as otel_context
 from opentelemetry import trace
+from opentelemetry.baggage import get_baggage
 from opentelemetry.sdk.trace import TracerProvider, sampling
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
@@ -73,6 +76,34 @@ def test_a_valid_traceparent_round_trips(trace_id: int, span_id: int) -> None:
 def test_a_malformed_traceparent_is_a_new_trace(value: str) -> None:
     context = tracing.extract({"traceparent": value, "tracestate": "a=b"})
     assert not trace.get_current_span(context).get_span_context().is_valid
+
+
+@settings(deadline=None)  # timing is not what these check; shared machines are slow
+@given(
+    st.sampled_from(["00", "01", "ff"]),
+    st.integers(0, 2**128 - 1),
+    st.integers(0, 2**64 - 1),
+    st.sampled_from(["00", "01", "02"]),
+    st.sampled_from(["", "-more"]),
+)
+def test_a_log_line_reads_the_trace_id_the_propagator_would(
+    version: str, trace_id: int, span_id: int, flags: str, more: str
+) -> None:
+    parent = f"{version}-{trace_id:032x}-{span_id:016x}-{flags}{more}"
+    found = trace.get_current_span(tracing.extract({"traceparent": parent})).get_span_context()
+    expected = f"{found.trace_id:032x}" if found.is_valid else None
+    assert tracing.trace_id_of({"traceparent": parent}) == expected
+
+
+@settings(deadline=None)  # timing is not what these check; shared machines are slow
+@given(_CARRIERS)
+def test_a_log_line_reads_a_trace_id_only_from_a_valid_traceparent(
+    carrier: dict[str, Any],
+) -> None:
+    found = tracing.trace_id_of(carrier)
+    if found is not None:
+        context = trace.get_current_span(tracing.extract(carrier)).get_span_context()
+        assert context.is_valid and found == f"{context.trace_id:032x}"
 
 
 def test_off_costs_a_check_and_gives_shared_no_ops() -> None:
@@ -366,3 +397,71 @@ def test_the_short_path_takes_the_plain_form_jobplane_writes(
     # Sampled, or with a tracestate to check: the propagator's way.
     assert tracing._passed_on({"traceparent": _parent(0xABC, 0xDEF)}) is None
     assert tracing._passed_on({**plain, "tracestate": "k=v"}) is None
+
+
+def _installed(propagator: str) -> bool:
+    return any(e.name == propagator for e in entry_points(group="opentelemetry_propagator"))
+
+
+def test_otel_propagators_name_installed_propagators_or_are_refused() -> None:
+    on = {"OTEL_TRACES_EXPORTER": "console"}
+    assert _settings(**on).trace_propagators == ("tracecontext",)
+    assert _settings(**on, OTEL_PROPAGATORS="tracecontext, baggage").trace_propagators == (
+        "tracecontext",
+        "baggage",
+    )
+    assert _settings(**on, OTEL_PROPAGATORS="none").trace_propagators == ()
+    with pytest.raises(ConfigError, match=r"OTEL_PROPAGATORS names 'w3c'.*the installed ones"):
+        _settings(**on, OTEL_PROPAGATORS="tracecontext,w3c")
+    # One OpenTelemetry has, in a package of its own: the line names the package.
+    if _installed("b3"):
+        assert _settings(**on, OTEL_PROPAGATORS="b3").trace_propagators == ("b3",)
+    else:
+        with pytest.raises(ConfigError, match="pip install opentelemetry-propagator-b3"):
+            _settings(**on, OTEL_PROPAGATORS="b3")
+    # Tracing off reads no caller's context: nothing to check.
+    assert _settings(OTEL_PROPAGATORS="b3").trace_propagators == ("tracecontext",)
+
+
+def test_the_otlp_protocol_is_one_an_installed_exporter_speaks() -> None:
+    on = {"OTEL_TRACES_EXPORTER": "otlp"}
+    assert _settings(**on).trace_protocol == "http/protobuf"
+    assert (
+        _settings(**on, OTEL_EXPORTER_OTLP_PROTOCOL="http/protobuf").trace_protocol
+        == "http/protobuf"
+    )
+    with pytest.raises(ConfigError, match=r"http/json: .* set http/protobuf"):
+        _settings(**on, OTEL_EXPORTER_OTLP_TRACES_PROTOCOL="http/json")
+    with pytest.raises(ConfigError, match="must be http/protobuf or grpc, not 'thrift'"):
+        _settings(**on, OTEL_EXPORTER_OTLP_PROTOCOL="thrift")
+    grpc_installed = find_spec("opentelemetry.exporter.otlp") is not None and (
+        find_spec("opentelemetry.exporter.otlp.proto.grpc") is not None
+    )
+    if grpc_installed:
+        assert _settings(**on, OTEL_EXPORTER_OTLP_PROTOCOL="grpc").trace_protocol == "grpc"
+    else:
+        with pytest.raises(ConfigError, match="pip install opentelemetry-exporter-otlp-proto-grpc"):
+            _settings(**on, OTEL_EXPORTER_OTLP_PROTOCOL="grpc")
+
+
+@pytest.mark.parametrize(
+    ("names", "traced", "with_baggage"),
+    [
+        (("tracecontext",), True, False),
+        (("tracecontext", "baggage"), True, True),
+        (("baggage",), False, True),
+        ((), False, False),
+    ],
+)
+def test_the_server_reads_a_callers_context_with_the_propagators_named(
+    monkeypatch: pytest.MonkeyPatch,
+    names: tuple[str, ...],
+    traced: bool,
+    with_baggage: bool,
+) -> None:
+    monkeypatch.setattr(tracing, "_CALLERS", tracing._propagator(names))
+    metadata = [("traceparent", _parent(7, 9)), ("baggage", "order=o-1")]
+    context = tracing._from_metadata(metadata)
+    found = trace.get_current_span(context).get_span_context()
+    assert (found.is_valid and found.trace_id == 7) is traced
+    assert (get_baggage("order", context) == "o-1") is with_baggage

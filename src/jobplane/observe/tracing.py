@@ -8,11 +8,13 @@ pay one boolean test.
 
 On, :func:`configure_tracing` installs the SDK's tracer provider (the
 sampler of ``OTEL_TRACES_SAMPLER``) with a batch span processor and the
-OTLP/HTTP exporter, flushed when the process exits. The trace context
-crosses every hop in W3C form (``traceparent``, ``tracestate``), through
-OpenTelemetry's own propagator, never formatted by hand:
+OTLP exporter (over HTTP, or gRPC when its package is installed), flushed
+when the process exits. The trace context crosses every hop of jobplane's
+own in W3C form (``traceparent``, ``tracestate``), through OpenTelemetry's
+own propagator, never formatted by hand:
 
-- gRPC metadata → the server span (:class:`ServerTracing`);
+- gRPC metadata → the server span (:class:`ServerTracing`), read by the
+  propagators ``OTEL_PROPAGATORS`` names (W3C's by default);
 - the current span → the ``headers`` of the outbox row a transition writes,
   and the ``traceparent`` of its domain events (:func:`trace_binds`, read by
   the state machine's hooks inside the transition's statement);
@@ -32,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
+import importlib
 import inspect
 import re
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Mapping
@@ -40,7 +43,7 @@ from typing import TYPE_CHECKING, Any, Final, TypeAlias
 import grpc
 from opentelemetry import context as otel_context
 from opentelemetry import trace
-from opentelemetry.propagators.textmap import Getter
+from opentelemetry.propagators.textmap import Getter, TextMapPropagator
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
@@ -82,6 +85,10 @@ NO_TRACE: Mapping[str, Any] = {"trace_parent": None, "trace_state": None, "trace
 NO_HEADERS: Mapping[str, str] = {}
 
 _PROPAGATOR = TraceContextTextMapPropagator()
+# What reads a caller's context from a call's metadata: OTEL_PROPAGATORS'
+# (configure_tracing). Between jobplane's own hops (rows, messages) the
+# context is always W3C's, through _PROPAGATOR.
+_CALLERS: TextMapPropagator = _PROPAGATOR
 _TRACER: trace.Tracer = trace.NoOpTracer()
 _PROVIDER: Any = None
 _NULL: contextlib.nullcontext[None] = contextlib.nullcontext()
@@ -145,7 +152,13 @@ def configure_tracing(service_name: str, settings: Settings | None = None) -> bo
     provider = TracerProvider(resource=resource, shutdown_on_exit=True)
     for name in settings.trace_exporters:
         exporter: SpanExporter
-        if name == "otlp":
+        if name == "otlp" and settings.trace_protocol == "grpc":
+            # Installed apart (the settings checked it is): imported by name.
+            grpc_exporter: Any = importlib.import_module(
+                "opentelemetry.exporter.otlp.proto.grpc.trace_exporter"
+            )
+            exporter = grpc_exporter.OTLPSpanExporter()
+        elif name == "otlp":
             from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 
             exporter = OTLPSpanExporter()
@@ -153,11 +166,33 @@ def configure_tracing(service_name: str, settings: Settings | None = None) -> bo
             exporter = ConsoleSpanExporter(service_name=service_name)
         provider.add_span_processor(BatchSpanProcessor(exporter))
     trace.set_tracer_provider(provider)
+    _set_callers(_propagator(settings.trace_propagators))
     _PROVIDER = provider
     _TRACER = provider.get_tracer("jobplane", __version__)
     _set_skip_unsampled(_drops_unsampled_children(provider.sampler))
     ENABLED = True
     return True
+
+
+def _propagator(names: tuple[str, ...]) -> TextMapPropagator:
+    """The propagators ``names`` (OTEL_PROPAGATORS'), in order, as one."""
+    if names == ("tracecontext",):
+        return _PROPAGATOR
+    from importlib.metadata import entry_points
+
+    from opentelemetry.propagators.composite import CompositePropagator
+
+    return CompositePropagator(
+        [
+            next(iter(entry_points(group="opentelemetry_propagator", name=name))).load()()
+            for name in names
+        ]
+    )
+
+
+def _set_callers(propagator: TextMapPropagator) -> None:
+    global _CALLERS  # noqa: PLW0603 - set with the provider, read by the server's calls
+    _CALLERS = propagator
 
 
 def _set_skip_unsampled(skip: bool) -> None:
@@ -203,6 +238,7 @@ def shutdown_tracing() -> None:
     ENABLED = False
     _TRACER = trace.NoOpTracer()
     _set_skip_unsampled(False)
+    _set_callers(_PROPAGATOR)
     if provider is not None:
         provider.shutdown()
 
@@ -256,6 +292,36 @@ def _passed_on(carrier: Mapping[str, Any] | None) -> Mapping[str, str] | None:
     if found is None or found[1] == _ZERO_TRACE or found[2] == _ZERO_SPAN:
         return None
     return {TRACEPARENT: parent}
+
+
+# What a log line reads of a stored traceparent: its trace id. The form the
+# propagator accepts: version 00's four fields, a later version's may go on.
+_TRACE_ID = re.compile(r"([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-[0-9a-f]{2}(-.*)?")
+
+
+def trace_id_of(headers: Mapping[str, Any] | None) -> str | None:
+    """The trace id (32 hex digits) of ``headers``' ``traceparent``; None when it has
+    none or it is not well formed.
+
+    For a log line about a row or message whose span is not current (the relay
+    logs a dispatch after its batch is confirmed): read from the string as it
+    was stored, without the propagator's parse, as the short path carries it.
+    """
+    if not headers:
+        return None
+    parent = headers.get(TRACEPARENT)
+    if not isinstance(parent, str):
+        return None
+    found = _TRACE_ID.fullmatch(parent)
+    if (
+        found is None
+        or found[2] == _ZERO_TRACE
+        or found[3] == _ZERO_SPAN
+        or found[1] == "ff"
+        or (found[1] == "00" and found[4] is not None)
+    ):
+        return None
+    return found[2]
 
 
 def _remote(parent: str) -> otel_context.Context:
@@ -592,7 +658,7 @@ _METADATA = _MetadataGetter()
 
 def _from_metadata(metadata: Any) -> otel_context.Context:
     try:
-        return _PROPAGATOR.extract(
+        return _CALLERS.extract(
             tuple(metadata or ()), context=otel_context.Context(), getter=_METADATA
         )
     except Exception:

@@ -89,9 +89,9 @@ _REPUBLISH = text(
         UPDATE outbox o SET published_at = NULL, available_at = now(),
             republish_count = o.republish_count + 1, {RETURNS_RESET}
         FROM due WHERE o.id = due.id
-        RETURNING o.id, o.job_id, o.republish_count
+        RETURNING o.id, o.job_id, o.republish_count, o.headers->>'traceparent' AS traceparent
     )
-    SELECT w.scanned, w.last, r.id, r.job_id, r.republish_count,
+    SELECT w.scanned, w.last, r.id, r.job_id, r.republish_count, r.traceparent,
         CASE WHEN r.id IS NOT NULL THEN pg_notify('{OUTBOX_CHANNEL}', '') END AS notified
     FROM (
         SELECT (SELECT count(*) FROM scanned) AS scanned,
@@ -139,6 +139,8 @@ class Republished:
     job_id: uuid.UUID
     dispatch_id: uuid.UUID
     count: int
+    #: The dispatch's stored trace context (its log line names the trace).
+    traceparent: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -303,7 +305,10 @@ class SweepStore:
                 scanned += int(head.scanned)
                 found += [
                     Republished(
-                        uuid.UUID(str(r.job_id)), uuid.UUID(str(r.id)), int(r.republish_count)
+                        uuid.UUID(str(r.job_id)),
+                        uuid.UUID(str(r.id)),
+                        int(r.republish_count),
+                        r.traceparent,
                     )
                     for r in rows
                     if r.id is not None
