@@ -24,12 +24,10 @@ Create Date: 2026-11-30
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-from types import ModuleType
-
 from alembic import op
 from sqlalchemy import text
+
+from jobplane.migrations.frozen import frozen_sql
 
 revision = "0010"
 down_revision = "0009"
@@ -64,74 +62,16 @@ ON CONFLICT (id) DO NOTHING
 _INDEX = "CREATE INDEX CONCURRENTLY IF NOT EXISTS events_cursor ON events (txid, seq)"
 
 
-def _revision(name: str) -> ModuleType:
-    path = Path(__file__).with_name(name)
-    spec = importlib.util.spec_from_file_location(f"jobplane_migration_{path.stem}", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def _edit(source: str, edits: list[tuple[str, str]]) -> str:
-    for old, new in edits:
-        if source.count(old) != 1:
-            raise RuntimeError(f"migration 0010: expected one {old[:60]!r} in the function")
-        source = source.replace(old, new)
-    return source
-
-
-# 0008's submit_job, its job.queued written without an outbox row.
-_SUBMIT_OUTBOX_ROW = """                IF FOUND THEN
-                    INSERT INTO outbox (id, tenant_id, kind, routing_key, correlation_id, body,
-                                        headers, order_key, order_seq)
-                    VALUES (gen_random_uuid(), v_tenant, 'event', 'job.queued', v_correlation,
-                            convert_to(v_body, 'UTF8'),
-                            jsonb_build_object('correlation_id', v_correlation), v_id,
-                            1 * 1024 + 1023);
-                    PERFORM pg_notify('jobplane_domain_events', v_tenant::text);
-                END IF;
-"""
-_SUBMIT_NOTIFY = """                IF FOUND THEN
-                    PERFORM pg_notify('jobplane_domain_events', v_tenant::text);
-                END IF;
-"""
-
-# 0009's publish_event: the trace context into the events row, no outbox row.
-_PUBLISH_INSERT = (
-    """                        causation_id, payload, request_hash)
-    VALUES (v_tenant, v_event_id::uuid, v_type, v_time, v_project, v_correlation, v_causation,
-            v_payload,""",
-    """                        causation_id, payload, traceparent, tracestate, request_hash)
-    VALUES (v_tenant, v_event_id::uuid, v_type, v_time, v_project, v_correlation, v_causation,
-            v_payload, v_traceparent, v_tracestate,""",
-)
-
-
-def _publish_event_sql(previous: str) -> str:
-    start = previous.index("    -- The envelope of docs/events.md (jobplane.events.encode)")
-    end = previous.index("    PERFORM pg_notify('jobplane_domain_events', v_tenant::text);")
-    # The trace context is checked before the insert; the body, headers and
-    # outbox row after it go, and with them the relays' outbox wake-up.
-    return _edit(previous[:start] + previous[end:], [_PUBLISH_INSERT])
-
-
-def _submit_job_sql(previous: str) -> str:
-    # The envelope's body was the outbox row's; the relay builds it now. A
-    # lifecycle event's fingerprint is empty, as the state machine writes it:
-    # a PublishEvent taking its id is compared by value.
-    start = previous.index("                v_body := '{{\"v\":' || '1'")
-    end = previous.index("                INSERT INTO events (tenant_id, event_id, event_type,")
-    return _edit(
-        previous[:start] + previous[end:],
-        [
-            (_SUBMIT_OUTBOX_ROW, _SUBMIT_NOTIFY),
-            (
-                "sha256(convert_to(v_body, 'UTF8'))",
-                "CAST('' AS bytea)",
-            ),
-        ],
-    )
+# The functions as 0008 (submit_job) and 0009 (publish_event) wrote them,
+# with these changes. submit_job: job.queued's envelope body was its outbox
+# row's, and the relay builds it now, so neither is written; its
+# fingerprint is empty, as the state machine writes a lifecycle event's (a
+# PublishEvent taking its id is compared by value). publish_event: the trace
+# context, checked before the insert, goes into the events row; the body,
+# headers and outbox row after it go, and with them the relays' outbox
+# wake-up.
+_SUBMIT_JOB = "0010_submit_job.sql"
+_PUBLISH_EVENT = "0010_publish_event.sql"
 
 
 def upgrade() -> None:
@@ -139,20 +79,17 @@ def upgrade() -> None:
     op.execute(_FEED)
     op.execute(_START)
     schema = op.get_bind().execute(text("SELECT quote_ident(current_schema())")).scalar_one()
-    submit = _revision("0008_lifecycle_events.py")._SUBMIT_JOB
-    op.execute(_submit_job_sql(submit).format(schema=schema))
-    publish = _revision("0009_publish_event_in_transaction.py")._PUBLISH_EVENT
     # CREATE OR REPLACE keeps both functions' grants.
-    op.execute(_publish_event_sql(publish).replace("@SCHEMA@", schema))
+    op.execute(frozen_sql(_SUBMIT_JOB, schema))
+    op.execute(frozen_sql(_PUBLISH_EVENT, schema))
     with op.get_context().autocommit_block():
         op.execute(_INDEX)
 
 
 def downgrade() -> None:
     schema = op.get_bind().execute(text("SELECT quote_ident(current_schema())")).scalar_one()
-    op.execute(_revision("0008_lifecycle_events.py")._SUBMIT_JOB.format(schema=schema))
-    publish = _revision("0009_publish_event_in_transaction.py")._PUBLISH_EVENT
-    op.execute(publish.replace("@SCHEMA@", schema))
+    op.execute(frozen_sql("0008_submit_job.sql", schema))
+    op.execute(frozen_sql("0009_publish_event.sql", schema))
     # Events after the position were never published through an outbox row:
     # give them one, so the relay of revision 0009 publishes them.
     op.execute(

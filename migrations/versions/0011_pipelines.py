@@ -29,12 +29,10 @@ Create Date: 2026-12-01
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-from types import ModuleType
-
 from alembic import op
 from sqlalchemy import text
+
+from jobplane.migrations.frozen import frozen_sql
 
 revision = "0011"
 down_revision = "0010"
@@ -96,38 +94,8 @@ ALTER TABLE jobs DROP COLUMN IF EXISTS pipeline
 _BY_PIPELINE = "jobs (tenant_id, pipeline, create_time DESC, id DESC) WHERE pipeline IS NOT NULL"
 
 
-def _revision(name: str) -> ModuleType:
-    path = Path(__file__).with_name(name)
-    spec = importlib.util.spec_from_file_location(f"jobplane_migration_{path.stem}", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def _previous_submit_job() -> str:
-    """0010's ``jobplane.submit_job``, as 0010 derives it."""
-    previous = _revision("0010_publish_events_by_cursor.py")
-    source: str = previous._submit_job_sql(_revision("0008_lifecycle_events.py")._SUBMIT_JOB)
-    return source
-
-
-_ROUTE_LOOKUP = """    SELECT queue, max_attempts, timeout_seconds INTO v_route
-    FROM job_routes WHERE ('.' || v_type) ~ regex ORDER BY rank LIMIT 1;"""
-_REFUSE_PIPELINE = """    IF EXISTS (SELECT 1 FROM job_pipelines WHERE name = v_type) THEN
-        RAISE EXCEPTION 'INVALID_ARGUMENT: type % is a pipeline: submit it with SubmitJob, '
-            'which writes its stages', quote_literal(v_type)
-            USING ERRCODE = 'JP001', COLUMN = 'type';
-    END IF;
-
-"""
-
-
-def _submit_job_sql() -> str:
-    source = _previous_submit_job()
-    if source.count(_ROUTE_LOOKUP) != 1:
-        raise RuntimeError("migration 0011: expected one route lookup in submit_job")
-    return source.replace(_ROUTE_LOOKUP, _REFUSE_PIPELINE + _ROUTE_LOOKUP)
+# 0010's function, refusing a pipeline's name before it looks up a route.
+_SUBMIT_JOB = "0011_submit_job.sql"
 
 
 def upgrade() -> None:
@@ -135,14 +103,14 @@ def upgrade() -> None:
         op.execute(statement)
     schema = op.get_bind().execute(text("SELECT quote_ident(current_schema())")).scalar_one()
     # CREATE OR REPLACE keeps the function's grants.
-    op.execute(_submit_job_sql().format(schema=schema))
+    op.execute(frozen_sql(_SUBMIT_JOB, schema))
     with op.get_context().autocommit_block():
         _build_index("jobs_tenant_pipeline_newest", _BY_PIPELINE)
 
 
 def downgrade() -> None:
     schema = op.get_bind().execute(text("SELECT quote_ident(current_schema())")).scalar_one()
-    op.execute(_previous_submit_job().format(schema=schema))
+    op.execute(frozen_sql("0010_submit_job.sql", schema))
     with op.get_context().autocommit_block():
         op.execute("DROP INDEX CONCURRENTLY IF EXISTS jobs_tenant_pipeline_newest")
     for statement in filter(str.strip, _DOWN.split(";\n")):

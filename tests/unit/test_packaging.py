@@ -14,7 +14,7 @@ from packaging.utils import canonicalize_name
 
 from jobplane import console
 from tests.support.sdk_modules import LOADED_BY_GRPC_WHEN_INSTALLED, SERVER_MODULES
-from tests.support.wheel import built_wheel, requirements, wheel_metadata
+from tests.support.wheel import ROOT, built_wheel, requirements, wheel_metadata
 
 SDK = {"grpcio", "grpcio-status", "protobuf", "googleapis-common-protos", "uuid6"}
 SERVER = {
@@ -69,6 +69,19 @@ def test_the_wheel_has_its_license_classifiers_and_urls() -> None:
     urls = dict(u.split(", ", 1) for u in metadata.get_all("Project-URL") or [])
     assert {"Homepage", "Documentation", "Source"} <= set(urls)
     assert all(url.startswith("https://") for url in urls.values())
+
+
+def test_the_wheel_carries_the_sql_api_files_and_their_frozen_copies() -> None:
+    """jobplane.store.sqlapi reads the live files; migrations read the frozen copies."""
+    names = set(zipfile.ZipFile(built_wheel()).namelist())
+    live = sorted(ROOT.joinpath("src/jobplane/store/sql").glob("*.sql"))
+    frozen = sorted(ROOT.joinpath("migrations/sql").glob("*.sql"))
+    assert {"submit_job.sql", "publish_event.sql"} <= {p.name for p in live}
+    assert frozen
+    expected = {f"jobplane/store/sql/{p.name}" for p in live}
+    expected |= {f"jobplane/migrations/sql/{p.name}" for p in frozen}
+    expected.add("jobplane/migrations/frozen.py")
+    assert expected <= names, sorted(expected - names)
 
 
 @pytest.mark.parametrize(

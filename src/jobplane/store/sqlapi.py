@@ -1,11 +1,14 @@
 """Calls of jobplane's SQL API (schema ``jobplane``), for :mod:`jobplane.txn`.
 
-The functions themselves are created by migrations (0007: ``submit_job``,
-0009: ``publish_event``);
-a change to one is a new migration, so that a database says what it runs.
+The functions' current definitions are the files in ``store/sql/``
+(``submit_job.sql``, ``publish_event.sql``, ...). Migrations create them,
+each from a frozen copy of its own; a change to one is a new migration with a
+new copy, so that a database says what it runs (ADR-0035).
 """
 
 from __future__ import annotations
+
+from importlib.resources import files
 
 from sqlalchemy import text
 
@@ -38,3 +41,19 @@ SQLSTATE_REASONS = {
     "JP005": "TENANT_NOT_FOUND",
     "JP006": "EVENT_ID_REUSED",
 }
+
+
+def sql_files(schema: str) -> dict[str, str]:
+    """The current definitions, ``store/sql/{name}.sql`` by name, for tables in ``schema``.
+
+    ``schema`` replaces ``@SCHEMA@``: a migration fixes it in a function's
+    ``search_path`` as the schema it runs in (its ``current_schema()``).
+    """
+    directory = files("jobplane.store") / "sql"
+    return {
+        entry.name.removesuffix(".sql"): entry.read_text(encoding="utf-8").replace(
+            "@SCHEMA@", schema
+        )
+        for entry in sorted(directory.iterdir(), key=lambda e: e.name)
+        if entry.name.endswith(".sql")
+    }
