@@ -44,6 +44,9 @@ async def test_attempt_timeout_cancels_and_retries_then_fails(
         assert done.state is JobState.FAILED
         assert done.error is not None and done.error.code == "TIMEOUT"
         assert started == [1, 2]
+        # Retryable, but no attempt was left: the failed event says so.
+        last = [e async for e in client.watch(job.name)][-1]
+        assert last.data["error"]["attempts_exhausted"] is True
     finally:
         await stack.close()
 
