@@ -28,6 +28,7 @@ from grpc_tools import protoc  # type: ignore[import-untyped]
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from jobplane.attempt_end import RetryPolicy
 from jobplane.client import EventType, JobState
 from jobplane.convert import struct_from_dict
 from jobplane.envelope import Envelope
@@ -36,6 +37,7 @@ from jobplane.store.workers import WorkerStore
 from jobplane.topology import Topology
 from jobplane.v1 import jobs_pb2, jobs_pb2_grpc, workers_pb2, workers_pb2_grpc
 from jobplane.workers.handlers import JobContext, Registry, RetryableError
+from jobplane.workers.sweeper import lease_expired
 from tests.support.answers import check_refusal
 from tests.support.queues import publish_raw, ready_count
 from tests.support.s3 import MotoServer, blob_store
@@ -555,7 +557,9 @@ async def test_a_lease_that_runs_out_on_the_last_attempt_fails_the_job_at_once(
                 text("UPDATE jobs SET lease_expires_at = now() - interval '1 hour' WHERE id = :id"),
                 {"id": job_id},
             )
-        repaired = await sweeps.expire_leases(grace=0, limit=10, delay=lambda _n: 0.0)
+        repaired = await sweeps.expire_leases(
+            grace=0, limit=10, decide=lambda lease: lease_expired(lease, RetryPolicy(0.0, 0.0))
+        )
         assert (repaired.requeued, repaired.failed) == ((1, 0) if n < 3 else (0, 1))
     message = "attempt 3 stopped heartbeating (its worker died or hung); no attempts left"
     assert await _ended(stack, job.name) == _exhausted("LEASE_EXPIRED", message)

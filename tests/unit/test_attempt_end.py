@@ -1,21 +1,26 @@
 """How an attempt that did not succeed ends: the one decision every caller writes.
 
 The decision is pure, so its rules are tested here once; the callers (the
-Python worker, WorkerService) are tested for writing it in
-tests/integration/test_worker_service.py.
+Python worker, WorkerService, the sweeper) are tested for writing it in
+tests/integration (test_worker_service.py, test_recovery.py).
 """
 
 from __future__ import annotations
 
 import random
+import uuid
+from typing import Any
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from sqlalchemy.ext.asyncio import create_async_engine
 
 from jobplane.attempt_end import Decision, EndCause, Fail, Retry, RetryPolicy, decide
+from jobplane.store.sweeps import EventsBehind, ExpiredLease, LeaseRepair, SweepStore
 from jobplane.topology import parse_topology
 from jobplane.workers.outcome import Failure
+from jobplane.workers.sweeper import Sweeper, lease_expired
 
 delays = st.floats(min_value=0.0, max_value=7 * 24 * 3600.0, allow_nan=False)
 attempts = st.integers(min_value=1, max_value=10_000)
@@ -158,3 +163,67 @@ def test_a_queues_policy_is_its_retry_base_and_max_delay(
     queue: str, override: float | None, expected: RetryPolicy
 ) -> None:
     assert RetryPolicy.of_queue(TOPOLOGY, queue, base_override=override) == expected
+
+
+class _MemorySweeps(SweepStore):
+    """Expired leases held in memory: the sweeper's decisions, recorded, not written."""
+
+    def __init__(self, leases: list[ExpiredLease]) -> None:
+        # An engine that is never connected: every statement the sweep makes is faked.
+        super().__init__(create_async_engine("postgresql+asyncpg://nobody@127.0.0.1:1/none"))
+        self.leases = leases
+        self.decided: list[Decision] = []
+
+    async def expire_leases(self, **kwargs: Any) -> LeaseRepair:
+        self.decided += [kwargs["decide"](lease) for lease in self.leases]
+        self.leases = []
+        retried = sum(isinstance(d, Retry) for d in self.decided)
+        return LeaseRepair(requeued=retried, failed=len(self.decided) - retried)
+
+    async def republish_unclaimed(self, **kwargs: Any) -> None:
+        return None
+
+    async def analyze_grown(self, **kwargs: Any) -> list[str]:
+        return []
+
+    async def stuck_outbox(self, **kwargs: Any) -> int:
+        return 0
+
+    async def events_behind(self, **kwargs: Any) -> EventsBehind:
+        return EventsBehind(0, None)
+
+
+def _lease(queue: str, attempt: int, max_attempts: int = 3) -> ExpiredLease:
+    return ExpiredLease(uuid.uuid4(), attempt + 4, attempt, max_attempts, queue)
+
+
+@pytest.mark.parametrize("attempt", [1, 2])
+async def test_the_sweepers_lease_expiry_backs_off_by_the_queues_policy(attempt: int) -> None:
+    sweeper = Sweeper(
+        create_async_engine("postgresql+asyncpg://nobody@127.0.0.1:1/none"), topology=TOPOLOGY
+    )
+    store = _MemorySweeps([_lease("slow", attempt) for _ in range(50)])
+    sweeper._store = store
+    await sweeper.sweep_once()
+    assert all(isinstance(d, Retry) for d in store.decided)
+    waits = [d.delay for d in store.decided if isinstance(d, Retry)]
+    # 400 s, then 800 s capped at 500 s: half of it at least, with jitter.
+    ceiling = min(400.0 * 2 ** (attempt - 1), 500.0)
+    assert all(ceiling / 2 <= w <= ceiling for w in waits)
+    assert len(set(waits)) > 1
+
+
+def test_an_expired_lease_is_the_attempts_retryable_failure() -> None:
+    # By the budget's attempt (a stage's), not the job's: attempt 5 is the stage's 1st.
+    retried = lease_expired(_lease("slow", 1), RetryPolicy(400.0, 500.0))
+    assert isinstance(retried, Retry) and 200.0 <= retried.delay <= 400.0
+    assert (retried.code, retried.message, retried.details) == (
+        "LEASE_EXPIRED",
+        "attempt 5 stopped heartbeating (its worker died or hung)",
+        {},
+    )
+    assert lease_expired(_lease("slow", 3), RetryPolicy()) == Fail(
+        "LEASE_EXPIRED",
+        "attempt 7 stopped heartbeating (its worker died or hung); no attempts left",
+        {"attempts_exhausted": True},
+    )
