@@ -3,8 +3,8 @@
 A worker outside this package consumes the dispatch messages itself and
 reports through WorkerService (docs/workers.md). Every call here is one of
 :class:`~jobplane.store.attempts.AttemptStore`'s, the very transitions the
-Python worker makes, with the same retry policy
-(:func:`jobplane.workers.retry.retry_delay`): the two kinds of worker cannot
+Python worker makes, with the same decision of how a failed attempt ends
+(:func:`jobplane.attempt_end.decide`): the two kinds of worker cannot
 disagree about what a claim or an outcome does. Nothing here knows gRPC.
 
 A worker may also register (the types it runs, the queues it reads) so that
@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import structlog
 
 from jobplane import __version__
+from jobplane.attempt_end import Decision, Retry, RetryPolicy, decide
 from jobplane.blobs.payloads import payload_from_blob
 from jobplane.config import DEFAULT_INLINE_BYTES
 from jobplane.envelope import Envelope
@@ -64,8 +65,7 @@ from jobplane.store.workers import WorkerStore
 from jobplane.topology import Topology, TopologyError
 from jobplane.types import BlobRef, JobState
 from jobplane.workers.handlers import MAX_PROGRESS_DATA_BYTES, MAX_PROGRESS_MESSAGE
-from jobplane.workers.outcome import MAX_ERROR_MESSAGE, MAX_RETRY_DELAY, check_result
-from jobplane.workers.retry import retry_delay
+from jobplane.workers.outcome import MAX_ERROR_MESSAGE, MAX_RETRY_DELAY, Failure, check_result
 from jobplane.workers.values import TOO_LARGE, json_problem, json_size
 
 if TYPE_CHECKING:
@@ -358,12 +358,22 @@ class WorkerService:
             except ValueError as exc:
                 code, message = "PAYLOAD_INVALID", str(exc)
         log.warning("worker_service.payload_unavailable", job=job_name(attempt.job_id), code=code)
-        if retryable and attempt.attempts_left > 0:
-            delay = retry_delay(self._topology, attempt.queue, attempt.budget_attempt)
-            await self._store.schedule_retry(attempt, code, message, delay=delay)
+        decision = self._decide(attempt, Failure(code, message, retryable))
+        if isinstance(decision, Retry):
+            await self._store.schedule_retry(
+                attempt, decision.code, decision.message, delay=decision.delay
+            )
             return ClaimResult(ClaimStatus.STALE)
-        await self._store.fail(attempt, code, message, retryable=False)
+        await self._store.fail(
+            attempt, decision.code, decision.message, retryable=False, details=decision.details
+        )
         return ClaimResult(ClaimStatus.FINISHED, state=JobState.FAILED)
+
+    def _decide(self, attempt: Attempt, failure: Failure) -> Decision:
+        """How ``attempt`` ends with ``failure``: the Python worker's decision
+        (jobplane.attempt_end), with the queue's backoff."""
+        policy = RetryPolicy.of_queue(self._topology, attempt.queue)
+        return decide(attempt.budget_attempt, attempt.max_attempts, failure, policy)
 
     async def heartbeat(self, fence: Fence) -> bool:
         """Extend the lease; whether cancellation was requested."""
@@ -407,7 +417,7 @@ class WorkerService:
         pending: Sequence[ProgressUpdate],
     ) -> Failed:
         """A retry when ``retryable`` and attempts are left, else FAILED: the Python
-        worker's rule (jobplane.workers.runtime), with its backoff."""
+        worker's decision (jobplane.attempt_end), with the queue's backoff."""
         code = code or DEFAULT_ERROR_CODE
         if not ERROR_CODE.fullmatch(code):
             raise InvalidArgument(
@@ -427,26 +437,28 @@ class WorkerService:
                 )
         attempt = await self._attempt(fence)
         bound = self._bind(attempt).bind(attempt=fence.attempt, code=code)
-        if retryable and attempt.attempts_left > 0:
-            wait = (
-                delay
-                if delay is not None
-                else retry_delay(self._topology, attempt.queue, attempt.budget_attempt)
-            )
+        decision = self._decide(attempt, Failure(code, message, retryable, delay=delay))
+        if isinstance(decision, Retry):
+            wait = decision.delay
             await self._fenced(
                 fence,
-                self._store.schedule_retry(attempt, code, message, delay=wait, pending=pending),
+                self._store.schedule_retry(
+                    attempt, decision.code, decision.message, delay=wait, pending=pending
+                ),
             )
             self._forget(fence)
             bound.warning("job.retry_scheduled", delay=wait, error=message)
             self.metrics.attempt_ended(attempt.type, attempt.queue, RETRY)
             return Failed(True, wait)
-        # The error was retryable, the job is not: no attempts are left.
-        details = {"attempts_exhausted": True} if retryable else {}
         await self._fenced(
             fence,
             self._store.fail(
-                attempt, code, message, retryable=False, pending=pending, details=details
+                attempt,
+                decision.code,
+                decision.message,
+                retryable=False,
+                pending=pending,
+                details=decision.details,
             ),
         )
         self._forget(fence)

@@ -26,6 +26,7 @@ from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from jobplane import broker
+from jobplane.attempt_end import EndCause, Retry, RetryPolicy, decide
 from jobplane.batcher import Batcher
 from jobplane.config import DEFAULT_INLINE_BYTES, MAX_OFFLOADED_JSON_BYTES
 from jobplane.envelope import Envelope, EnvelopeError
@@ -69,7 +70,6 @@ from jobplane.workers.outcome import Escaped, Failure, check_result, describe, i
 from jobplane.workers.presence import Presence
 from jobplane.workers.priority import Slots, SlotsClosed, consume
 from jobplane.workers.progress import ProgressFlusher, ProgressWriter
-from jobplane.workers.retry import retry_delay
 
 if TYPE_CHECKING:
     from jobplane.blobs.store import BlobStore
@@ -806,12 +806,10 @@ class Worker:
             bound.info("job.cancelled", attempt=attempt.attempt)
             self._ended(attempt, running, CANCELLED)
             return
-        refund = False
+        cause = EndCause.FAILED
         if running.cause is StopCause.SHUTDOWN and not ended.returned:
-            failure = Failure(
-                "WORKER_SHUTDOWN", "the worker shut down during the attempt", True, delay=0
-            )
-            refund = True
+            failure = Failure("WORKER_SHUTDOWN", "the worker shut down during the attempt", True)
+            cause = EndCause.SHUTDOWN
         elif running.cause is StopCause.TIMEOUT and not ended.returned:
             failure = Failure(
                 "TIMEOUT",
@@ -839,37 +837,40 @@ class Worker:
                 failure = Failure(failure.code, failure.message, retryable=False)
         else:
             failure = describe(ended.error or RuntimeError("the handler ended without a result"))
-        details: dict[str, Any] = {"traceback": failure.traceback} if failure.traceback else {}
+        decision = decide(
+            attempt.budget_attempt, attempt.max_attempts, failure, self._policy(attempt), cause
+        )
         # The traceback goes to the log once, with the event that ends the attempt.
         exc_info = _loggable(ended.error)
-        if failure.retryable and (attempt.attempts_left > 0 or refund):
-            delay = failure.delay if failure.delay is not None else self._backoff(attempt)
+        if isinstance(decision, Retry):
             retried = store.retried(
-                attempt, failure.code, failure.message, delay=delay, refund=refund, details=details
+                attempt,
+                decision.code,
+                decision.message,
+                delay=decision.delay,
+                refund=decision.refund,
+                details=decision.details,
             )
             await self._outcome(attempt, bound, lambda: self._write(retried, pending))
             bound.warning(
                 "job.retry_scheduled",
                 attempt=attempt.attempt,
-                delay=delay,
-                code=failure.code,
-                error=failure.message,
+                delay=decision.delay,
+                code=decision.code,
+                error=decision.message,
                 exc_info=exc_info,
             )
             self._ended(attempt, running, RETRY)
             return
-        if failure.retryable:
-            # The error was retryable, the job is not: no attempts are left.
-            details["attempts_exhausted"] = True
         failed = store.failed(
-            attempt, failure.code, failure.message, retryable=False, details=details
+            attempt, decision.code, decision.message, retryable=False, details=decision.details
         )
         await self._outcome(attempt, bound, lambda: self._write(failed, pending))
         bound.warning(
             "job.failed",
             attempt=attempt.attempt,
-            code=failure.code,
-            error=failure.message,
+            code=decision.code,
+            error=decision.message,
             exc_info=exc_info,
         )
         self._ended(attempt, running, FAILED)
@@ -878,13 +879,10 @@ class Worker:
         seconds = time.monotonic() - running.started
         self._metrics.attempt_ended(attempt.type, attempt.queue, outcome, seconds)
 
-    def _backoff(self, attempt: Attempt) -> float:
+    def _policy(self, attempt: Attempt) -> RetryPolicy:
         # The same policy as WorkerService's (jobplane.server.workers).
-        return retry_delay(
-            self._topology,
-            attempt.queue,
-            attempt.budget_attempt,
-            base_override=self._retry_base_delay,
+        return RetryPolicy.of_queue(
+            self._topology, attempt.queue, base_override=self._retry_base_delay
         )
 
     async def _outcome(

@@ -1,7 +1,9 @@
 """The sweeper: repair for what did not advance. It is not the main path.
 
 - Jobs RUNNING under a lease that ran out (their worker died or hung): a new
-  attempt through the outbox, or FAILED when none is left.
+  attempt through the outbox, due after the queue's backoff, or FAILED when
+  none is left, as :func:`jobplane.attempt_end.decide` says for any failed
+  attempt.
 - Outbox rows due for too long and still unpublished: reported; the relay
   that runs the sweeper publishes them (``jobplane sweep --once`` does one
   relay pass itself).
@@ -38,16 +40,26 @@ from dataclasses import dataclass
 import structlog
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from jobplane.attempt_end import Decision, EndCause, RetryPolicy, decide
 from jobplane.logs import describe_error
 from jobplane.names import job_name
 from jobplane.observe import tracing
 from jobplane.observe.metrics import NO_METRICS, Metrics
 from jobplane.store.down import database_transient
-from jobplane.store.sweeps import SweepStore
+from jobplane.store.sweeps import ExpiredLease, SweepStore
 from jobplane.tasks import cancel_and_wait
-from jobplane.workers.retry import backoff
+from jobplane.topology import Topology
+from jobplane.workers.outcome import Failure
 
 log = structlog.get_logger("jobplane.sweeper")
+
+
+def lease_expired(lease: ExpiredLease, policy: RetryPolicy) -> Decision:
+    """How an attempt whose lease ran out ends: as a retryable failure (LEASE_EXPIRED)
+    of that attempt, by the decision every failed attempt gets."""
+    message = f"attempt {lease.attempt} stopped heartbeating (its worker died or hung)"
+    failure = Failure("LEASE_EXPIRED", message, retryable=True)
+    return decide(lease.budget_attempt, lease.max_attempts, failure, policy, EndCause.LEASE_EXPIRED)
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,18 +84,24 @@ class Sweeper:
         lease_grace: float = 5.0,
         stuck_after: float = 60.0,
         batch_size: int = 100,
-        retry_base_delay: float = 1.0,
+        topology: Topology | None = None,
+        retry_base_delay: float | None = None,
         republish_after: float = 600.0,
         republish_every: float | None = None,
         republish_scan: int = 10_000,
         metrics: Metrics = NO_METRICS,
     ) -> None:
-        """``republish_every`` defaults to a tenth of ``republish_after``, at least 30 s."""
+        """``republish_every`` defaults to a tenth of ``republish_after``, at least 30 s.
+
+        An expired lease is retried with its queue's backoff in ``topology``
+        (``retry_base_delay`` replaces the base), as a failed attempt is.
+        """
         self.metrics = metrics
         self._store = SweepStore(engine)
         self._lease_grace = lease_grace
         self._stuck_after = stuck_after
         self._batch_size = batch_size
+        self._topology = topology or Topology()
         self._retry_base_delay = retry_base_delay
         self._republish_after = republish_after
         self._republish_every = (
@@ -93,6 +111,12 @@ class Sweeper:
         self._next_republish = 0.0  # monotonic; the first sweep runs the pass
         self._task: asyncio.Task[None] | None = None
 
+    def _decide(self, lease: ExpiredLease) -> Decision:
+        policy = RetryPolicy.of_queue(
+            self._topology, lease.queue, base_override=self._retry_base_delay
+        )
+        return lease_expired(lease, policy)
+
     async def sweep_once(self) -> SweepReport:
         """One pass; repeats the lease repair while whole batches come back.
 
@@ -101,9 +125,7 @@ class Sweeper:
         requeued = failed = 0
         while True:
             repair = await self._store.expire_leases(
-                grace=self._lease_grace,
-                limit=self._batch_size,
-                delay=lambda attempt: backoff(attempt, base=self._retry_base_delay),
+                grace=self._lease_grace, limit=self._batch_size, decide=self._decide
             )
             requeued += repair.requeued
             failed += repair.failed

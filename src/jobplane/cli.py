@@ -425,6 +425,7 @@ async def _relay(args: argparse.Namespace) -> int:
             if args.no_sweep
             else Sweeper(
                 engine,
+                topology=topology,
                 lease_grace=args.lease_grace,
                 republish_after=args.republish_after,
                 metrics=metrics,
@@ -459,6 +460,7 @@ async def _sweep(args: argparse.Namespace) -> int:
             await _start_ops(stack, ops)
         sweeper = Sweeper(
             engine,
+            topology=topology,
             lease_grace=args.lease_grace,
             republish_after=args.republish_after,
             metrics=metrics,
@@ -698,7 +700,7 @@ async def _dev(args: argparse.Namespace) -> int:
                 settings.database_url,
                 settings.amqp_url,
                 topology,
-                sweeper=Sweeper(engine, metrics=metrics),
+                sweeper=Sweeper(engine, topology=topology, metrics=metrics),
                 metrics=metrics,
                 db=db,
             )
@@ -913,7 +915,7 @@ async def _dev_relay_part(args: argparse.Namespace) -> int:
             settings.database_url,
             settings.amqp_url,
             topology,
-            sweeper=Sweeper(engine, metrics=metrics),
+            sweeper=Sweeper(engine, topology=topology, metrics=metrics),
             metrics=metrics,
         )
         if ops is not None:

@@ -30,6 +30,7 @@ from collections.abc import AsyncIterable, AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, cast
 
+from jobplane.attempt_end import Retry, RetryPolicy, decide
 from jobplane.blobs.names import blob_name, parse_blob_name
 from jobplane.blobs.store import BlobInfo, BlobReader
 from jobplane.errors import BlobNotFound, BlobTooLarge
@@ -273,8 +274,11 @@ async def run_handler(
             error = HandlerError(
                 failure.code, failure.message, failure.retryable, failure.delay, original
             )
-            retry = failure.retryable and the_attempt.attempts_left > 0
-            status = "retry" if retry else "failed"
+            # The worker's own decision; the backoff it picks is not reported.
+            decision = decide(
+                the_attempt.budget_attempt, the_attempt.max_attempts, failure, RetryPolicy()
+            )
+            status = "retry" if isinstance(decision, Retry) else "failed"
     else:
         checked = check_result(task.result(), max_bytes=max_result_bytes)
         if isinstance(checked, dict):

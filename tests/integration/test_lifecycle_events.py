@@ -20,6 +20,7 @@ import pytest
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from jobplane.attempt_end import RetryPolicy
 from jobplane.events import Event, amqp_properties, decode, encode
 from jobplane.events.convert import event_from_pb
 from jobplane.names import parse_job_name
@@ -28,6 +29,7 @@ from jobplane.store.sweeps import SweepStore
 from jobplane.topology import Topology
 from jobplane.types import JobState
 from jobplane.workers.handlers import EmitError, JobContext, PermanentError, Registry
+from jobplane.workers.sweeper import lease_expired
 from tests.support.event_api import all_published, bound_queue, event_api
 from tests.support.events import take_all
 from tests.support.stack import Stack, start_stack
@@ -250,7 +252,9 @@ async def test_an_attempt_that_lost_its_lease_publishes_none_of_its_events(
                 text("UPDATE jobs SET lease_expires_at = now() - interval '1 hour' WHERE id = :id"),
                 {"id": job_id},
             )
-        await SweepStore(engine).expire_leases(grace=0, limit=10, delay=lambda n: 0.0)
+        await SweepStore(engine).expire_leases(
+            grace=0, limit=10, decide=lambda lease: lease_expired(lease, RetryPolicy(0.0, 0.0))
+        )
         assert await stack.scalar("SELECT state FROM jobs WHERE id = :id", id=job_id) != "running"
         done = await stack.client().wait(job.name, timeout=30)
         assert done.state is JobState.SUCCEEDED and done.attempt == 2

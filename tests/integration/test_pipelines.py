@@ -404,7 +404,9 @@ async def test_the_sql_submit_refuses_a_pipeline_name(pipeline: tuple[Stack, Sta
 async def test_a_late_stages_lost_lease_backs_off_by_the_stages_attempts(
     pipeline: tuple[Stack, Stages], engine: AsyncEngine
 ) -> None:
-    from jobplane.store.sweeps import SweepStore
+    from jobplane.attempt_end import Decision, RetryPolicy
+    from jobplane.store.sweeps import ExpiredLease, SweepStore
+    from jobplane.workers.sweeper import lease_expired
 
     stack, stages = pipeline
     client = stack.client()
@@ -424,9 +426,9 @@ async def test_a_late_stages_lost_lease_backs_off_by_the_stages_attempts(
         await asyncio.sleep(0.01)
     asked: list[int] = []
 
-    def delay(attempt: int) -> float:
-        asked.append(attempt)
-        return 0.0
+    def decide(lease: ExpiredLease) -> Decision:
+        asked.append(lease.budget_attempt)
+        return lease_expired(lease, RetryPolicy(0.0, 0.0))
 
     # The worker's heartbeat may renew the lease between the rewind and the
     # sweep (or lock the row while the sweep looks): rewind it again.
@@ -436,7 +438,7 @@ async def test_a_late_stages_lost_lease_backs_off_by_the_stages_attempts(
                 text("UPDATE jobs SET lease_expires_at = now() - interval '1 hour' WHERE id = :id"),
                 {"id": job.id},
             )
-        repaired = await SweepStore(engine).expire_leases(grace=0, limit=10, delay=delay)
+        repaired = await SweepStore(engine).expire_leases(grace=0, limit=10, decide=decide)
         if repaired.requeued:
             break
     assert repaired.requeued == 1

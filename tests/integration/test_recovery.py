@@ -10,6 +10,7 @@ from typing import Any
 import aio_pika
 import grpc
 from grpc_health.v1 import health_pb2
+from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from jobplane.client import JobState
@@ -44,6 +45,9 @@ async def test_attempt_timeout_cancels_and_retries_then_fails(
         assert done.state is JobState.FAILED
         assert done.error is not None and done.error.code == "TIMEOUT"
         assert started == [1, 2]
+        # Retryable, but no attempt was left: the failed event says so.
+        last = [e async for e in client.watch(job.name)][-1]
+        assert last.data["error"]["attempts_exhausted"] is True
     finally:
         await stack.close()
 
@@ -140,6 +144,55 @@ async def test_sweeper_requeues_an_expired_lease_and_fails_when_none_left(
         events = [e async for e in client.watch(again.name)]
         assert [e.seq for e in events] == list(range(1, len(events) + 1))
         assert EventType.RETRY_SCHEDULED in [e.type for e in events]
+    finally:
+        await stack.close()
+
+
+async def test_the_sweepers_retry_of_an_expired_lease_backs_off_by_its_queue(
+    engine: AsyncEngine, database_url: str, amqp_url: str, topology: Topology
+) -> None:
+    # Far from the defaults (1 s, capped at 300 s): a wait of the default
+    # backoff cannot pass for the queue's.
+    slow = replace(
+        topology,
+        queues=tuple(
+            replace(q, retry_base_delay=400.0, retry_max_delay=500.0) for q in topology.queues
+        ),
+    )
+    stack = await start_stack(engine, database_url, amqp_url, slow, relay=False, worker=False)
+    try:
+        job = await stack.client().submit("demo.echo", {}, max_attempts=3)
+        attempts = AttemptStore(stack.db)
+        sweeper = Sweeper(engine, topology=slow, lease_grace=0.0)
+        waits = []
+        for _ in range(2):
+            claim = await attempts.claim(await stack.envelope(job.id))
+            assert claim.status is ClaimStatus.CLAIMED
+            # Its worker died: the lease ran out long ago.
+            async with engine.begin() as conn:
+                await conn.execute(
+                    text(
+                        "UPDATE jobs SET lease_expires_at = now() - interval '1 h' WHERE id = :id"
+                    ),
+                    {"id": job.id},
+                )
+            assert (await sweeper.sweep_once()).requeued == 1
+            waits.append(
+                await stack.scalar(
+                    "SELECT extract(epoch FROM next_attempt_time - now()) FROM jobs WHERE id = :id",
+                    id=job.id,
+                )
+            )
+            due = await stack.scalar(
+                "SELECT extract(epoch FROM o.available_at - j.next_attempt_time) "
+                "FROM jobs j JOIN outbox o ON o.id = j.dispatch_id WHERE j.id = :id",
+                id=job.id,
+            )
+            assert abs(due) < 1  # the new dispatch is due when the job says
+        # 400 s at most, at least half of it; then 800 s capped at 500 s, at least half.
+        # (A second of slack for the time between the sweep and the read.)
+        assert 199 <= waits[0] <= 400, waits
+        assert 249 <= waits[1] <= 500, waits
     finally:
         await stack.close()
 

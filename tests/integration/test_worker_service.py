@@ -26,17 +26,22 @@ import pytest
 from google.protobuf import duration_pb2
 from grpc_tools import protoc  # type: ignore[import-untyped]
 from sqlalchemy import text
+from sqlalchemy.ext.asyncio import AsyncEngine
 
+from jobplane.attempt_end import RetryPolicy
 from jobplane.client import EventType, JobState
 from jobplane.convert import struct_from_dict
 from jobplane.envelope import Envelope
 from jobplane.store.sweeps import SweepStore
 from jobplane.store.workers import WorkerStore
+from jobplane.topology import Topology
 from jobplane.v1 import jobs_pb2, jobs_pb2_grpc, workers_pb2, workers_pb2_grpc
 from jobplane.workers.handlers import JobContext, Registry, RetryableError
+from jobplane.workers.sweeper import lease_expired
 from tests.support.answers import check_refusal
 from tests.support.queues import publish_raw, ready_count
-from tests.support.stack import Stack, eventually
+from tests.support.s3 import MotoServer, blob_store
+from tests.support.stack import Stack, eventually, start_stack
 
 pytestmark = pytest.mark.stack(worker=False)
 
@@ -457,7 +462,7 @@ async def _always_flaky(ctx: JobContext) -> dict[str, Any]:
 async def _ended(stack: Stack, name: str) -> dict[str, Any]:
     """What a user and the database show of a job that ended."""
     client = stack.client()
-    done = await client.get(name)
+    done = await client.get(name, resolve_blobs=False)
     events = [e async for e in client.watch(name)]
     last = events[-1]
     error = {**last.data.get("error", {}), "message": last.message}
@@ -552,7 +557,9 @@ async def test_a_lease_that_runs_out_on_the_last_attempt_fails_the_job_at_once(
                 text("UPDATE jobs SET lease_expires_at = now() - interval '1 hour' WHERE id = :id"),
                 {"id": job_id},
             )
-        repaired = await sweeps.expire_leases(grace=0, limit=10, delay=lambda _n: 0.0)
+        repaired = await sweeps.expire_leases(
+            grace=0, limit=10, decide=lambda lease: lease_expired(lease, RetryPolicy(0.0, 0.0))
+        )
         assert (repaired.requeued, repaired.failed) == ((1, 0) if n < 3 else (0, 1))
     message = "attempt 3 stopped heartbeating (its worker died or hung); no attempts left"
     assert await _ended(stack, job.name) == _exhausted("LEASE_EXPIRED", message)
@@ -563,6 +570,42 @@ async def test_a_lease_that_runs_out_on_the_last_attempt_fails_the_job_at_once(
             metadata=metadata,
         )
     assert check_refusal(late.value).reason == "LEASE_LOST"
+
+
+async def test_a_payload_out_of_reach_on_the_last_attempt_fails_the_job_at_once(
+    engine: AsyncEngine, database_url: str, amqp_url: str, topology: Topology
+) -> None:
+    # The claim that cannot hand out a payload by reference (the object store
+    # is down) ends the attempt as a retryable failure: retried while
+    # attempts are left, then FAILED as a FailJob would be.
+    s3 = MotoServer()
+    s3.start()
+    blobs = blob_store(engine, s3.url)
+    stack = await start_stack(
+        engine, database_url, amqp_url, topology, relay=False, worker=False, blobs=blobs
+    )
+    try:
+        metadata = (("authorization", f"Bearer {(await stack.server.keys.create_worker()).key}"),)
+        job = await stack.client().submit("reports.render", {"text": "y" * 100_000}, max_attempts=3)
+        job_id = job.name.removeprefix("jobs/")
+        assert await stack.scalar("SELECT payload_blob FROM jobs WHERE id = :id", id=job_id)
+        s3.stop()
+        async with grpc.aio.insecure_channel(stack.server.address) as channel:
+            stub: workers_pb2_grpc.WorkerServiceAsyncStub = workers_pb2_grpc.WorkerServiceStub(
+                channel
+            )
+            for n in (1, 2, 3):
+                envelope = await stack.envelope(job_id)
+                claim = await stub.ClaimJob(
+                    workers_pb2.ClaimJobRequest(message_body=envelope.encode()), metadata=metadata
+                )
+                assert claim.status == (Claim.STATUS_STALE if n < 3 else Claim.STATUS_FINISHED)
+        ended = await _ended(stack, job.name)
+        assert ended == _exhausted("BLOB_STORE_UNAVAILABLE", ended["final"]["message"])
+    finally:
+        await stack.close()
+        await blobs.close()
+        s3.stop()
 
 
 async def test_worker_keys_and_tenant_keys_each_call_only_their_services(

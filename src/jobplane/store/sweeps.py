@@ -15,6 +15,7 @@ from sqlalchemy import text
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from jobplane.attempt_end import Decision, Retry
 from jobplane.ids import new_id
 from jobplane.store.down import sqlstate
 from jobplane.store.engine import autocommit
@@ -25,7 +26,7 @@ from jobplane.types import Job, JobState
 
 _EXPIRED = text(
     f"""
-    SELECT id, attempt, retry_base, max_attempts
+    SELECT id, attempt, retry_base, max_attempts, queue
     FROM jobs
     WHERE {state_is(JobState.RUNNING)}
         AND lease_expires_at < now() - make_interval(secs => :grace)
@@ -161,6 +162,18 @@ class RepublishPass:
 
 
 @dataclass(frozen=True, slots=True)
+class ExpiredLease:
+    """A RUNNING attempt whose lease ran out, as the sweeper's decision needs it."""
+
+    job_id: uuid.UUID
+    attempt: int
+    #: The attempt's number within its budget, from 1 (Attempt.budget_attempt).
+    budget_attempt: int
+    max_attempts: int
+    queue: str
+
+
+@dataclass(frozen=True, slots=True)
 class LeaseRepair:
     """What one pass over expired leases did."""
 
@@ -211,47 +224,50 @@ class SweepStore:
         return grown
 
     async def expire_leases(
-        self, *, grace: float, limit: int, delay: Callable[[int], float]
+        self, *, grace: float, limit: int, decide: Callable[[ExpiredLease], Decision]
     ) -> LeaseRepair:
         """Jobs whose worker stopped heartbeating: a new attempt, or FAILED when none is left.
 
-        The lost attempt counts: a job that kills its worker every time ends
-        FAILED after max_attempts instead of looping.
+        ``decide`` says which, for each lease, and this writes it. The lost
+        attempt counts: a job that kills its worker every time ends FAILED
+        after max_attempts instead of looping.
         """
         requeued = failed = 0
         async with self._engine.begin() as conn:
             rows = (await conn.execute(_EXPIRED, {"grace": grace, "limit": limit})).all()
             for row in rows:
+                lease = ExpiredLease(
+                    job_id=row.id,
+                    attempt=int(row.attempt),
+                    # The budget's attempt: a stage's (Attempt.budget_attempt).
+                    budget_attempt=int(row.attempt - row.retry_base),
+                    max_attempts=int(row.max_attempts),
+                    queue=str(row.queue),
+                )
+                decision = decide(lease)
                 params: dict[str, Any] = {"id": row.id, "attempt": row.attempt}
-                message = f"attempt {row.attempt} stopped heartbeating (its worker died or hung)"
-                if row.attempt - row.retry_base < row.max_attempts:
+                error = {**decision.details, "code": decision.code}
+                if isinstance(decision, Retry):
                     # The hooks write the new dispatch, due after the delay.
                     await self._machine.apply(
                         conn,
                         Transition.EXPIRE_LEASE,
                         {
                             **params,
-                            "message": message,
+                            "message": decision.message,
                             "dispatch_id": new_id(),
-                            # The budget's attempt: a stage's (Attempt.budget_attempt).
-                            "delay": delay(int(row.attempt - row.retry_base)),
+                            "delay": decision.delay,
                         },
-                        Cause(message, {"error": {"code": "LEASE_EXPIRED", "retryable": True}}),
+                        Cause(decision.message, {"error": {**error, "retryable": True}}),
                         returning=_ID,
                     )
                     requeued += 1
                 else:
-                    final = f"{message}; no attempts left"
-                    error = {
-                        "code": "LEASE_EXPIRED",
-                        "retryable": False,
-                        "attempts_exhausted": True,
-                    }
                     await self._machine.apply(
                         conn,
                         Transition.EXPIRE_LAST_LEASE,
-                        {**params, "message": final},
-                        Cause(final, {"error": error}),
+                        {**params, "message": decision.message},
+                        Cause(decision.message, {"error": {**error, "retryable": False}}),
                         returning=_ID,
                     )
                     failed += 1
