@@ -66,7 +66,13 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         metavar="HOST:PORT",
         help="server address (default: $JOBPLANE_ADDRESS, else 127.0.0.1:50051)",
     )
-    group.add_argument("--api-key", metavar="KEY", help="API key (default: $JOBPLANE_API_KEY)")
+    key = group.add_mutually_exclusive_group()
+    key.add_argument("--api-key", metavar="KEY", help="API key (default: $JOBPLANE_API_KEY)")
+    key.add_argument(
+        "--api-key-file",
+        metavar="PATH",
+        help="read the API key from PATH, e.g. a mounted secret ('-' for stdin)",
+    )
     group.add_argument(
         "--call-timeout",
         metavar="SECONDS",
@@ -325,16 +331,21 @@ def command(fn: Command) -> Callable[[argparse.Namespace], int]:
 
     def run(args: argparse.Namespace) -> int:
         try:
+            api_key = _read_key_file(args.api_key_file) or args.api_key
+            if args.api_key_file is not None and not (api_key or "").strip():
+                _error(f"no API key in {args.api_key_file}")
+                return EXIT_USAGE
             client = AsyncClient.from_env(
                 address=args.address,
-                api_key=args.api_key,
+                api_key=api_key,
                 timeout=args.call_timeout,
                 env=_with_tls_flags(args),
             )
         except OSError as exc:
             _error(f"cannot read {exc.filename}: {exc.strerror or exc}")
             return EXIT_USAGE
-        except ValueError as exc:
+        except (ValueError, JobplaneError) as exc:
+            # A malformed key or setting: one line, not gRPC's traceback.
             _error(str(exc))
             return EXIT_USAGE
         if client.api_key is None:
@@ -356,6 +367,15 @@ def command(fn: Command) -> Callable[[argparse.Namespace], int]:
             return EXIT_FAILED
 
     return run
+
+
+def _read_key_file(path: str | None) -> str | None:
+    """The key in ``path`` ('-': stdin), or None without a path; the client strips it."""
+    if path is None:
+        return None
+    if path == "-":
+        return sys.stdin.read()
+    return Path(path).read_text(encoding="utf-8", errors="replace")
 
 
 def _with_tls_flags(args: argparse.Namespace) -> dict[str, str]:

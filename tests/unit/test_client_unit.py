@@ -584,6 +584,30 @@ def test_from_env_reads_address_and_key(monkeypatch: pytest.MonkeyPatch) -> None
     assert (client.address, client.api_key) == ("127.0.0.1:50051", None)
 
 
+@pytest.mark.parametrize("raw", ["k1\n", "k1\r\n", "  k1\t", "\nk1\n\n"])
+def test_api_key_is_used_without_surrounding_whitespace(raw: str) -> None:
+    client = AsyncClient("h:1", raw)
+    assert client.api_key == "k1"
+    assert client._metadata == (("authorization", "Bearer k1"),)
+    assert Client("h:1", raw).api_key == "k1"
+    env = {"JOBPLANE_API_KEY": raw}
+    assert AsyncClient.from_env(env=env).api_key == "k1"
+    # A blank argument does not hide the environment's key.
+    assert Client.from_env(api_key="\n", env=env).api_key == "k1"
+    assert AsyncClient("h:1", " \n").api_key is None
+
+
+@pytest.mark.parametrize("raw", ["jp_se\ncret", "jp_se\x00cret", "jp_séc", "jp_\x7fsecret"])
+def test_malformed_api_key_is_one_invalid_argument(raw: str) -> None:
+    with pytest.raises(InvalidArgument) as caught:
+        AsyncClient("h:1", raw)
+    assert caught.value.field == "api_key"
+    assert "\n" not in str(caught.value)
+    assert "secret" not in str(caught.value) and "cret" not in str(caught.value)
+    with pytest.raises(InvalidArgument):
+        Client.from_env(env={"JOBPLANE_API_KEY": raw})
+
+
 async def test_closed_client_refuses_calls() -> None:
     client = AsyncClient("127.0.0.1:1", "key")
     await client.close()
