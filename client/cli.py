@@ -768,17 +768,17 @@ def job_details(job: Job) -> str:
         version = f" {job.pipeline_version}" if job.pipeline_version else ""
         rows.append(("pipeline", f"{job.type}{version}, at stage {job.stage}"))
         for n, stage in enumerate(job.stages, start=1):
-            rows.append((f"stage {n}", stage_text(stage)))
+            rows.append((f"stage {n}", stage_text(stage, job)))
     width = max(len(k) for k, _ in rows) + 1
     return "\n".join(f"{k + ':':<{width}} {v}" for k, v in rows)
 
 
-def stage_text(stage: Stage) -> str:
+def stage_text(stage: Stage, job: Job | None = None) -> str:
     """One stage of a pipeline job on one line: name, state, attempts, time, error."""
     version = f"@{stage.version}" if stage.version else ""
     text = f"{stage.name}{version} ({stage.type}) {stage.state.value}"
     if stage.attempts:
-        text += f", {stage.attempts} of {stage.max_attempts} attempts"
+        text += f", {stage_attempts_text(stage, job)}"
     if stage.start_time and stage.end_time:
         text += f", {(stage.end_time - stage.start_time).total_seconds():.3f}s"
     if stage.error is not None:
@@ -788,11 +788,37 @@ def stage_text(stage: Stage) -> str:
 
 def attempts_text(job: Job) -> str:
     """``used of max``, and every attempt ever started when RetryJob (or a refund) made
-    them differ: never "attempt 4 of 3"."""
+    them differ: never "attempt 4 of 3".
+
+    A pipeline job's ``attempts_used`` and ``max_attempts`` are its current
+    stage's, while ``attempt`` counts the attempts of all its stages: shown
+    side by side they would be two different counts of one thing. Its row
+    says only the job's own count; each stage's row has the stage's.
+    """
+    if job.stages:
+        return f"{job.attempt} started in all (each stage's own count below)"
     text = f"{job.attempts_used} of {job.max_attempts} used"
     if job.attempt != job.attempts_used:
         text += f" ({job.attempt} started in all)"
     return text
+
+
+def stage_attempts_text(stage: Stage, job: Job | None = None) -> str:
+    """A stage's attempts: ``n of max``, never "5 of 3" once RetryJob ran it again.
+
+    The budget (``max_attempts``) starts over at each retry, and the stage's
+    ``attempts`` never does; the job's ``attempts_used`` is what the current
+    stage used of the budget since the last retry.
+    """
+    current = job is not None and job.stage == stage.name
+    if current and job is not None and job.attempts_used != stage.attempts:
+        return (
+            f"{stage.attempts} attempts in all, "
+            f"{job.attempts_used} of {stage.max_attempts} since the last retry"
+        )
+    if stage.attempts > stage.max_attempts:
+        return f"{stage.attempts} attempts in all, at most {stage.max_attempts} between retries"
+    return f"{stage.attempts} of {stage.max_attempts} attempts"
 
 
 def job_to_json(job: Job) -> dict[str, Any]:
