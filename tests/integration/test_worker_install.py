@@ -59,9 +59,10 @@ NOT_LOADED = {
 }
 
 
-@pytest.fixture(scope="module")
-def python() -> Path:
-    return worker_python()
+@pytest.fixture(scope="module", params=["newest", "lowest"])
+def python(request: pytest.FixtureRequest) -> Path:
+    """The worker install on what pip chooses for it, and on the floors of its ranges."""
+    return worker_python(lowest=request.param == "lowest")
 
 
 def installed(python: Path) -> dict[str, str]:
