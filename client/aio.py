@@ -120,6 +120,28 @@ def _tls_of(tls: ClientTLS | bool | None) -> ClientTLS | None:
     return ClientTLS() if tls else None
 
 
+def clean_api_key(api_key: str | None) -> str | None:
+    """``api_key`` without the whitespace around it; None when nothing is left.
+
+    Keys are read from files and secrets, which end in a newline more often
+    than not; gRPC refuses such a metadata value with a traceback that names
+    neither the key nor the cause. What gRPC cannot send after stripping
+    (characters outside printable ASCII) raises :class:`InvalidArgument`
+    with ``field="api_key"``, in one line that does not repeat the key.
+    """
+    if api_key is None:
+        return None
+    key = api_key.strip()
+    for position, char in enumerate(key):
+        if not " " <= char <= "~":
+            raise InvalidArgument(
+                f"the API key is malformed: character {position + 1} is {char!a}, "
+                "and a key is printable ASCII",
+                field="api_key",
+            )
+    return key or None
+
+
 def connection_from_env(
     address: str | None = None,
     api_key: str | None = None,
@@ -133,7 +155,7 @@ def connection_from_env(
     env = os.environ if env is None else env
     return (
         address or env.get("JOBPLANE_ADDRESS") or DEFAULT_ADDRESS,
-        api_key or env.get("JOBPLANE_API_KEY") or None,
+        clean_api_key(api_key) or clean_api_key(env.get("JOBPLANE_API_KEY")),
         ClientTLS.from_env(env) if tls is None else _tls_of(tls),
     )
 
@@ -148,6 +170,10 @@ class AsyncClient:
     ``tls`` is a :class:`ClientTLS` (certificates, mutual TLS, the expected
     server name), or True for TLS that trusts the system's roots; None or
     False speak plaintext.
+
+    ``api_key`` is used without the whitespace around it (a key read from
+    a file ends in a newline); a key gRPC cannot send raises
+    :class:`~jobplane.errors.InvalidArgument` (``field="api_key"``) here.
 
     ``tracing=True`` sends the caller's OpenTelemetry trace context with
     every call, each in a client span (:mod:`jobplane.client.tracing`; needs
@@ -178,6 +204,7 @@ class AsyncClient:
             self._interceptors[:0] = client_interceptors()
         self._inline_bytes = inline_bytes
         self._address = address
+        api_key = clean_api_key(api_key)
         self._api_key = api_key
         self._timeout = timeout
         self._watch_retry = watch_retry or RetryPolicy()

@@ -66,7 +66,13 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         metavar="HOST:PORT",
         help="server address (default: $JOBPLANE_ADDRESS, else 127.0.0.1:50051)",
     )
-    group.add_argument("--api-key", metavar="KEY", help="API key (default: $JOBPLANE_API_KEY)")
+    key = group.add_mutually_exclusive_group()
+    key.add_argument("--api-key", metavar="KEY", help="API key (default: $JOBPLANE_API_KEY)")
+    key.add_argument(
+        "--api-key-file",
+        metavar="PATH",
+        help="read the API key from PATH, e.g. a mounted secret ('-' for stdin)",
+    )
     group.add_argument(
         "--call-timeout",
         metavar="SECONDS",
@@ -325,16 +331,21 @@ def command(fn: Command) -> Callable[[argparse.Namespace], int]:
 
     def run(args: argparse.Namespace) -> int:
         try:
+            api_key = _read_key_file(args.api_key_file) or args.api_key
+            if args.api_key_file is not None and not (api_key or "").strip():
+                _error(f"no API key in {args.api_key_file}")
+                return EXIT_USAGE
             client = AsyncClient.from_env(
                 address=args.address,
-                api_key=args.api_key,
+                api_key=api_key,
                 timeout=args.call_timeout,
                 env=_with_tls_flags(args),
             )
         except OSError as exc:
             _error(f"cannot read {exc.filename}: {exc.strerror or exc}")
             return EXIT_USAGE
-        except ValueError as exc:
+        except (ValueError, JobplaneError) as exc:
+            # A malformed key or setting: one line, not gRPC's traceback.
             _error(str(exc))
             return EXIT_USAGE
         if client.api_key is None:
@@ -356,6 +367,15 @@ def command(fn: Command) -> Callable[[argparse.Namespace], int]:
             return EXIT_FAILED
 
     return run
+
+
+def _read_key_file(path: str | None) -> str | None:
+    """The key in ``path`` ('-': stdin), or None without a path; the client strips it."""
+    if path is None:
+        return None
+    if path == "-":
+        return sys.stdin.read()
+    return Path(path).read_text(encoding="utf-8", errors="replace")
 
 
 def _with_tls_flags(args: argparse.Namespace) -> dict[str, str]:
@@ -748,17 +768,17 @@ def job_details(job: Job) -> str:
         version = f" {job.pipeline_version}" if job.pipeline_version else ""
         rows.append(("pipeline", f"{job.type}{version}, at stage {job.stage}"))
         for n, stage in enumerate(job.stages, start=1):
-            rows.append((f"stage {n}", stage_text(stage)))
+            rows.append((f"stage {n}", stage_text(stage, job)))
     width = max(len(k) for k, _ in rows) + 1
     return "\n".join(f"{k + ':':<{width}} {v}" for k, v in rows)
 
 
-def stage_text(stage: Stage) -> str:
+def stage_text(stage: Stage, job: Job | None = None) -> str:
     """One stage of a pipeline job on one line: name, state, attempts, time, error."""
     version = f"@{stage.version}" if stage.version else ""
     text = f"{stage.name}{version} ({stage.type}) {stage.state.value}"
     if stage.attempts:
-        text += f", {stage.attempts} of {stage.max_attempts} attempts"
+        text += f", {stage_attempts_text(stage, job)}"
     if stage.start_time and stage.end_time:
         text += f", {(stage.end_time - stage.start_time).total_seconds():.3f}s"
     if stage.error is not None:
@@ -768,11 +788,37 @@ def stage_text(stage: Stage) -> str:
 
 def attempts_text(job: Job) -> str:
     """``used of max``, and every attempt ever started when RetryJob (or a refund) made
-    them differ: never "attempt 4 of 3"."""
+    them differ: never "attempt 4 of 3".
+
+    A pipeline job's ``attempts_used`` and ``max_attempts`` are its current
+    stage's, while ``attempt`` counts the attempts of all its stages: shown
+    side by side they would be two different counts of one thing. Its row
+    says only the job's own count; each stage's row has the stage's.
+    """
+    if job.stages:
+        return f"{job.attempt} started in all (each stage's own count below)"
     text = f"{job.attempts_used} of {job.max_attempts} used"
     if job.attempt != job.attempts_used:
         text += f" ({job.attempt} started in all)"
     return text
+
+
+def stage_attempts_text(stage: Stage, job: Job | None = None) -> str:
+    """A stage's attempts: ``n of max``, never "5 of 3" once RetryJob ran it again.
+
+    The budget (``max_attempts``) starts over at each retry, and the stage's
+    ``attempts`` never does; the job's ``attempts_used`` is what the current
+    stage used of the budget since the last retry.
+    """
+    current = job is not None and job.stage == stage.name
+    if current and job is not None and job.attempts_used != stage.attempts:
+        return (
+            f"{stage.attempts} attempts in all, "
+            f"{job.attempts_used} of {stage.max_attempts} since the last retry"
+        )
+    if stage.attempts > stage.max_attempts:
+        return f"{stage.attempts} attempts in all, at most {stage.max_attempts} between retries"
+    return f"{stage.attempts} of {stage.max_attempts} attempts"
 
 
 def job_to_json(job: Job) -> dict[str, Any]:

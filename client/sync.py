@@ -8,6 +8,7 @@ import enum
 import os
 import threading
 import uuid
+import weakref
 from collections.abc import (
     AsyncGenerator,
     AsyncIterator,
@@ -62,11 +63,20 @@ async def _next(agen: AsyncIterator[T]) -> T | _End:
 class _LoopThread:
     """An event loop running in a daemon thread, started on first use."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, stopped: bool = False) -> None:
         self._lock = threading.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
-        self._stopped = False
+        self._stopped = stopped
+        # Why calls are refused once stopped.
+        self._stopped_because = "the client has been closed"
+        # Set in a forked child: the thread is the parent's, gone here.
+        self._forked = False
+
+    @property
+    def started(self) -> bool:
+        """True once the loop's thread has been started (stopped or not)."""
+        return self._loop is not None
 
     @property
     def running(self) -> bool:
@@ -81,7 +91,7 @@ class _LoopThread:
     def _ensure(self) -> asyncio.AbstractEventLoop:
         with self._lock:
             if self._stopped:
-                raise RuntimeError("the client has been closed")
+                raise RuntimeError(self._stopped_because)
             if self._loop is None:
                 loop = asyncio.new_event_loop()
                 ready = threading.Event()
@@ -112,6 +122,10 @@ class _LoopThread:
 
     def run(self, coro: Coroutine[Any, Any, T]) -> T:
         """Run ``coro`` on the loop and return its result in the calling thread."""
+        if self._forked:
+            # Its thread did not survive fork(): waiting for it would hang.
+            coro.close()
+            raise RuntimeError(_BEGUN_BEFORE_FORK)
         if self.in_loop_thread:
             coro.close()
             raise RuntimeError("a blocking client call was made from its own event loop")
@@ -147,12 +161,19 @@ class _LoopThread:
                 finished.wait(_CANCEL_GRACE)
             raise
 
-    def stop(self) -> None:
+    def forked(self) -> None:
+        """Mark this loop as the parent's, in a forked child: no call may wait for it."""
+        self._forked = True
+
+    def stop(self, because: str | None = None) -> None:
         """Stop the loop and join its thread. Safe to call twice."""
+        if self._forked:
+            return
         with self._lock:
             if self._stopped:
                 return
             self._stopped = True
+            self._stopped_because = because or self._stopped_because
             loop, thread = self._loop, self._thread
         if loop is None or thread is None:
             return
@@ -161,12 +182,51 @@ class _LoopThread:
             thread.join()
 
 
+_BEGUN_BEFORE_FORK = (
+    "a watch, subscription or page iteration begun before fork() cannot go on; start it again"
+)
+
+# The blocking clients of this process. gunicorn --preload, Celery's prefork
+# pool and multiprocessing's fork start method fork a process that may hold
+# one, and gRPC survives fork() only when no thread of the process is inside
+# it: with a channel open, its poller thread always is, and the child's first
+# call crashes or hangs. So each client closes its channel and stops its loop
+# before fork(); parent and child each open new ones on their next call.
+_clients: weakref.WeakSet[Client] = weakref.WeakSet()
+# What a child inherited still open (a call began in another thread while the
+# process forked): never used nor closed there, as closing a channel shuts
+# down sockets the parent still reads.
+_inherited: list[tuple[AsyncClient, _LoopThread]] = []
+
+
+def _close_before_fork() -> None:
+    for client in list(_clients):
+        client._close_for_fork()
+
+
+def _renew_after_fork() -> None:
+    for client in list(_clients):
+        client._renew_in_child()
+
+
+if hasattr(os, "register_at_fork"):  # Not on Windows, which cannot fork.
+    os.register_at_fork(before=_close_before_fork, after_in_child=_renew_after_fork)
+
+
 class Client:
     """A blocking client of one jobplane server; the twin of :class:`AsyncClient`.
 
     Calls run on a private event loop in a background thread, so the client is
     safe to share between threads. Use it as a context manager, or call
     :meth:`close` when done. ``tls`` is as for :class:`AsyncClient`.
+
+    A client made before ``os.fork()`` (gunicorn ``--preload``, Celery's
+    prefork pool, multiprocessing's fork start method) works in the parent
+    and in the children: it closes its channel before the fork, and each
+    process opens its own on its next call. A watch, subscription or page
+    iteration open at the fork cannot go on (RuntimeError, in parent and
+    child alike); start it again. gRPC survives a fork only when no channel
+    is open, so other gRPC channels of the process must be closed too.
     """
 
     def __init__(
@@ -194,6 +254,41 @@ class Client:
             interceptors=interceptors,
         )
         self._loop = _LoopThread()
+        self._tracing = tracing
+        self._interceptors = tuple(interceptors)
+        _clients.add(self)
+
+    def _fresh(self, old: AsyncClient) -> AsyncClient:
+        """A new, unopened :class:`AsyncClient` with the settings of ``old``."""
+        return AsyncClient(
+            old.address,
+            old.api_key,
+            timeout=old.timeout,
+            watch_retry=old.watch_retry,
+            tls=old.tls,
+            inline_bytes=old._inline_bytes,
+            tracing=self._tracing,
+            interceptors=self._interceptors,
+        )
+
+    def _close_for_fork(self) -> None:
+        """Before fork(): close the channel and stop the loop; the next call opens new ones."""
+        loop = self._loop
+        if not loop.running or loop.in_loop_thread:
+            return
+        with contextlib.suppress(Exception):
+            loop.run(self._async.close())
+        loop.stop(_BEGUN_BEFORE_FORK)
+        self._async, self._loop = self._fresh(self._async), _LoopThread()
+
+    def _renew_in_child(self) -> None:
+        """In a forked child, leave what is still open to the parent and start over."""
+        old, loop = self._async, self._loop
+        if not loop.started:
+            return
+        loop.forked()
+        _inherited.append((old, loop))
+        self._async, self._loop = self._fresh(old), _LoopThread(stopped=loop._stopped)
 
     @classmethod
     def from_env(
@@ -418,19 +513,25 @@ class Client:
         )
 
     def _pull(self, agen: AsyncGenerator[T, None]) -> Generator[T, None, None]:
-        """A plain generator over ``agen``, each step run on the loop."""
-        try:
-            while True:
-                item = self._loop.run(_next(agen))
-                if item is _End.END:
-                    return
-                yield item
-        finally:
-            # Closing runs the async generator's cleanup (it cancels the
-            # stream) now rather than at loop shutdown.
-            if self._loop.running and not self._loop.in_loop_thread:
-                with contextlib.suppress(RuntimeError):
-                    self._loop.run(agen.aclose())
+        """A plain generator over ``agen``, each step run on the loop of now."""
+        # The loop is taken now, not at the first step: after a fork the
+        # client has a new loop, but ``agen`` is still the parent's.
+        return _pulled(self._loop, agen)
+
+
+def _pulled(loop: _LoopThread, agen: AsyncGenerator[T, None]) -> Generator[T, None, None]:
+    try:
+        while True:
+            item = loop.run(_next(agen))
+            if item is _End.END:
+                return
+            yield item
+    finally:
+        # Closing runs the async generator's cleanup (it cancels the
+        # stream) now rather than at loop shutdown.
+        if loop.running and not loop.in_loop_thread:
+            with contextlib.suppress(RuntimeError):
+                loop.run(agen.aclose())
 
 
 class BlockingSubscription:

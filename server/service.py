@@ -401,7 +401,6 @@ class JobService:
             after=cursor,
             state=state,
             job_type=job_type or None,
-            pipeline=bool(job_type) and self._topology.pipeline(job_type) is not None,
             labels=labels or None,
             created_after=created_after,
             created_before=created_before,

@@ -25,7 +25,7 @@ from jobplane.config import (
     parse_listen,
     requested_log_format,
 )
-from jobplane.console import installed_version
+from jobplane.console import extra_install, installed_version, missing_modules
 from jobplane.errors import JobplaneError
 from jobplane.faults import FaultPoints
 from jobplane.logs import configure, json_line, json_lines, scrub, set_job_prefixes
@@ -136,6 +136,7 @@ def _ops(
     from jobplane.observe.metrics import NO_METRICS, Metrics
 
     flag = getattr(args, "metrics_listen", None)
+    asked = True
     if flag is not None:
         address = parse_listen(flag, name="--metrics-listen")
         setting = "--metrics-listen"
@@ -144,8 +145,19 @@ def _ops(
     else:
         address = parse_listen(METRICS_DEFAULTS[args.command])
         setting = "JOBPLANE_METRICS_LISTEN (unset: the default)"
+        asked = False
     if address is None:
         return NO_METRICS, None
+    if missing_modules(_METRICS_MODULES):
+        if not asked:
+            # The worker install (ADR-0033) has no listener unless asked for one.
+            import structlog
+
+            structlog.get_logger("jobplane.ops").warning(
+                "ops.listener.off", reason="metrics extra missing", install=extra_install("metrics")
+            )
+            return NO_METRICS, None
+        _needs(f"{setting} (the ops listener)", "metrics", _METRICS_MODULES)
     from jobplane.observe.http import OpsServer, database_check
 
     metrics = Metrics()
@@ -177,9 +189,32 @@ def _failed_queue_depth(
         stack.push_async_callback(depth.close)
 
 
+#: What the ops listener imports: the ``metrics`` extra.
+_METRICS_MODULES = ("prometheus_client", "aiohttp")
+
+
+def _needs(what: str, extra: str, modules: tuple[str, ...]) -> None:
+    """A ConfigError (one line, exit 2) when ``what`` is configured and ``extra`` is
+    not installed: the worker install (ADR-0033) leaves blobs, tracing's exporters and
+    the ops listener to extras of their own."""
+    missing = missing_modules(modules)
+    if missing:
+        raise ConfigError(
+            f"{what} needs {', '.join(missing)}, not installed here: {extra_install(extra)}"
+        )
+
+
 def _tracing(service_name: str, settings: Settings) -> None:
     """Tracing on when the OTEL_* variables ask for it (docs/tracing.md)."""
     from jobplane.observe.tracing import configure_tracing
+
+    if settings.trace_exporters:
+        exporters = ("opentelemetry.exporter.otlp.proto.http",)
+        _needs(
+            f"tracing (OTEL_TRACES_EXPORTER={','.join(settings.trace_exporters)})",
+            "otlp",
+            ("opentelemetry.sdk", *(exporters if "otlp" in settings.trace_exporters else ())),
+        )
 
     configure_tracing(service_name, settings)
 
@@ -218,6 +253,7 @@ def _blob_store(settings: Settings, stack: AsyncExitStack) -> BlobStore | None:
     """
     if not settings.blobs_enabled:
         return None
+    _needs("JOBPLANE_S3_URL (blobs)", "blobs", ("aioboto3",))
     from jobplane.blobs import BlobStore
 
     store: BlobStore = BlobStore.from_settings(settings)

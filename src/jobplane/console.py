@@ -4,9 +4,10 @@ With the server install (``pip install 'jobplane[server]'``) it is the whole
 command, :func:`jobplane.cli.main`. With the SDK alone it still runs the
 client commands (submit, watch, get, list, cancel, retry, events, blobs,
 ingest), which need only the API and, for their progress bars and tables,
-rich (``pip install 'jobplane[cli]'``); a server command (serve, relay,
-worker, migrate, keys, ...) then says in one line which install it needs and
-exits 2, as a usage error does.
+rich (``pip install 'jobplane[cli]'``); with the worker install
+(``pip install 'jobplane[worker]'``, ADR-0033) ``jobplane worker`` too. A
+server command it cannot run (serve, relay, migrate, keys, ...) then says in
+one line which install it needs and exits 2, as a usage error does.
 
 Nothing here imports more than the standard library until it knows which
 install it is on.
@@ -20,6 +21,7 @@ from importlib.util import find_spec
 
 SERVER_INSTALL = "pip install 'jobplane[server]'"
 CLI_INSTALL = "pip install 'jobplane[cli]'"
+WORKER_INSTALL = "pip install 'jobplane[worker]'"
 EXIT_USAGE = 2
 
 #: Import names of the server install's libraries (the ``server`` extra);
@@ -42,6 +44,19 @@ SERVER_MODULES = (
     "jinja2",
     "aiohttp",
 )
+#: Import names of the worker install's libraries (the ``worker`` extra,
+#: ADR-0033): with them, ``jobplane worker`` runs without the server install.
+WORKER_MODULES = (
+    "aio_pika",
+    "pamqp",
+    "sqlalchemy",
+    "asyncpg",
+    "structlog",
+    "rich",
+    "opentelemetry.trace",
+)
+#: The server commands the worker install runs.
+WORKER_COMMANDS = frozenset({"worker"})
 #: The commands of :func:`jobplane.cli.build_parser` that are not client
 #: commands (tests/unit/test_packaging.py checks this against the parser).
 SERVER_COMMANDS = frozenset(
@@ -74,7 +89,17 @@ def installed_version() -> str:
 
 def missing_server_modules() -> list[str]:
     """The server install's libraries that cannot be imported here."""
-    return [name for name in SERVER_MODULES if not _importable(name)]
+    return missing_modules(SERVER_MODULES)
+
+
+def missing_modules(names: tuple[str, ...]) -> list[str]:
+    """Those of ``names`` (import names, dotted or not) that cannot be imported here."""
+    return [name for name in names if not _importable(name)]
+
+
+def extra_install(extra: str) -> str:
+    """The pip command that installs ``extra``."""
+    return f"pip install 'jobplane[{extra}]'"
 
 
 def _importable(name: str) -> bool:
@@ -87,7 +112,9 @@ def _importable(name: str) -> bool:
 def main(argv: list[str] | None = None) -> None:
     """Entry point of the ``jobplane`` console script."""
     args = list(sys.argv[1:] if argv is None else argv)
-    if not missing_server_modules():
+    if not missing_server_modules() or (
+        _command(args) in WORKER_COMMANDS and not missing_modules(WORKER_MODULES)
+    ):
         from jobplane.cli import main as server_main
 
         server_main(args)
@@ -95,9 +122,20 @@ def main(argv: list[str] | None = None) -> None:
     raise SystemExit(client_main(args))
 
 
+def _command(argv: list[str]) -> str | None:
+    return next((arg for arg in argv if not arg.startswith("-")), None)
+
+
 def client_main(argv: list[str]) -> int:
     """The command without the server install: the client commands only."""
-    command = next((arg for arg in argv if not arg.startswith("-")), None)
+    command = _command(argv)
+    if command in WORKER_COMMANDS:
+        print(
+            f"error: jobplane {command}: this command needs the worker install: "
+            f"{WORKER_INSTALL} (or the server install: {SERVER_INSTALL})",
+            file=sys.stderr,
+        )
+        return EXIT_USAGE
     if command in SERVER_COMMANDS:
         print(
             f"error: jobplane {command}: this command needs the server install: {SERVER_INSTALL}",

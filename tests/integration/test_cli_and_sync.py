@@ -96,6 +96,42 @@ async def test_cli_errors_are_clear(stack: Stack) -> None:
     assert (await stack.counts())["jobs"] == 0
 
 
+async def test_key_with_a_trailing_newline_works(stack: Stack, tmp_path: Path) -> None:
+    job = await stack.client(stack.key + "\n").submit("demo.echo", {"n": 1})
+    assert (await stack.client(stack.key + "\r\n").get(job.name)).name == job.name
+    code, out, err = await jobplane(stack, "get", job.name, key=stack.key + "\n")
+    assert code == 0, err
+    assert job.name in out
+    key_file = tmp_path / "key"
+    key_file.write_text(stack.key + "\n")
+    code, out, err = await jobplane(
+        stack, "get", job.name, "--api-key-file", str(key_file), env={"JOBPLANE_API_KEY": ""}
+    )
+    assert code == 0, err
+    assert job.name in out
+
+
+async def test_malformed_key_is_one_line_and_exit_2(stack: Stack, tmp_path: Path) -> None:
+    bad = stack.key[:10] + "\x07" + stack.key[10:]
+    key_file = tmp_path / "key"
+    key_file.write_bytes(stack.key.encode() + b"\xff\n")
+    for args, key in (
+        (("get", "jobs/x"), bad),
+        (("get", "jobs/x", "--api-key", bad), None),
+        (("list", "--api-key-file", str(key_file)), None),
+    ):
+        code, out, err = await jobplane(stack, *args, key=key)
+        assert code == 2, err
+        assert out == ""
+        assert len(err.splitlines()) == 1, err
+        assert err.startswith("error: the API key is malformed"), err
+        assert stack.key not in err
+    empty = tmp_path / "empty"
+    empty.write_text("\n")
+    code, _out, err = await jobplane(stack, "list", "--api-key-file", str(empty))
+    assert (code, err) == (2, f"error: no API key in {empty}\n")
+
+
 async def test_sync_client(stack: Stack) -> None:
     def use() -> None:
         with Client(stack.server.address, stack.key) as client:

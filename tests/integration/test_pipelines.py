@@ -221,6 +221,30 @@ async def test_a_failed_stage_fails_the_job_and_retry_resumes_there(
     assert stages.seen[(job.id, "neural")]["inputs"] == {"native": {"tempo": 120, "track": "t-2"}}
 
 
+async def test_a_server_whose_topology_lacks_the_pipeline_still_lists_its_jobs(
+    pipeline: tuple[Stack, Stages],
+    engine: AsyncEngine,
+    database_url: str,
+    amqp_url: str,
+    topology: Topology,
+) -> None:
+    stack, _stages = pipeline
+    job = await stack.client().submit(_PIPELINE, {"track": "t-listed"})
+    plain = await stack.client().submit("index.upsert", {})
+    # A server on the same database with the default topology: no pipelines.
+    other = await start_stack(engine, database_url, amqp_url, topology, relay=False, worker=False)
+    try:
+        assert topology.pipeline(_PIPELINE) is None
+        client = other.client(stack.key)
+        listed = await client.list(type=_PIPELINE)
+        assert [j.name for j in listed.jobs] == [job.name]
+        assert [j.name async for j in client.iter_jobs(type=_PIPELINE, page_size=1)] == [job.name]
+        # A stage's type lists the plain jobs of that type, not the pipeline's jobs.
+        assert [j.name for j in (await client.list(type="index.upsert")).jobs] == [plain.name]
+    finally:
+        await other.close()
+
+
 async def test_retry_from_a_named_stage_reruns_it_and_the_later_ones(
     pipeline: tuple[Stack, Stages],
 ) -> None:

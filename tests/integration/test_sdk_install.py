@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 
 from jobplane.client import JobState
-from jobplane.console import SERVER_COMMANDS
+from jobplane.console import SERVER_COMMANDS, WORKER_COMMANDS
 from tests.support.sdk_modules import SERVER_MODULES
 from tests.support.sdk_venv import lowest_pins, sdk_python
 from tests.support.stack import Stack
@@ -123,7 +123,7 @@ async def test_the_sdk_alone_runs_a_job(stack: Stack, python: Path, pins: dict[s
 async def test_the_command_without_the_server_install(stack: Stack, python: Path) -> None:
     jobplane = str(python.parent / "jobplane")
     env = {"JOBPLANE_ADDRESS": stack.server.address, "JOBPLANE_API_KEY": stack.key}
-    for command in sorted(SERVER_COMMANDS):
+    for command in sorted(SERVER_COMMANDS - WORKER_COMMANDS):
         code, out, err = await run(jobplane, command, env=env)
         assert code == 2, (command, err)
         assert out == ""
@@ -131,6 +131,12 @@ async def test_the_command_without_the_server_install(stack: Stack, python: Path
             f"error: jobplane {command}: this command needs the server install: "
             "pip install 'jobplane[server]'\n"
         )
+    code, out, err = await run(jobplane, "worker", env=env)
+    assert (code, out) == (2, "")
+    assert err == (
+        "error: jobplane worker: this command needs the worker install: "
+        "pip install 'jobplane[worker]' (or the server install: pip install 'jobplane[server]')\n"
+    )
     # A client command runs, with the cli extra's rich and no server library.
     code, out, err = await run(
         jobplane, "submit", "demo.echo", "--payload", '{"n": 1}', "--watch", "--json", env=env

@@ -584,6 +584,30 @@ def test_from_env_reads_address_and_key(monkeypatch: pytest.MonkeyPatch) -> None
     assert (client.address, client.api_key) == ("127.0.0.1:50051", None)
 
 
+@pytest.mark.parametrize("raw", ["k1\n", "k1\r\n", "  k1\t", "\nk1\n\n"])
+def test_api_key_is_used_without_surrounding_whitespace(raw: str) -> None:
+    client = AsyncClient("h:1", raw)
+    assert client.api_key == "k1"
+    assert client._metadata == (("authorization", "Bearer k1"),)
+    assert Client("h:1", raw).api_key == "k1"
+    env = {"JOBPLANE_API_KEY": raw}
+    assert AsyncClient.from_env(env=env).api_key == "k1"
+    # A blank argument does not hide the environment's key.
+    assert Client.from_env(api_key="\n", env=env).api_key == "k1"
+    assert AsyncClient("h:1", " \n").api_key is None
+
+
+@pytest.mark.parametrize("raw", ["jp_se\ncret", "jp_se\x00cret", "jp_séc", "jp_\x7fsecret"])
+def test_malformed_api_key_is_one_invalid_argument(raw: str) -> None:
+    with pytest.raises(InvalidArgument) as caught:
+        AsyncClient("h:1", raw)
+    assert caught.value.field == "api_key"
+    assert "\n" not in str(caught.value)
+    assert "secret" not in str(caught.value) and "cret" not in str(caught.value)
+    with pytest.raises(InvalidArgument):
+        Client.from_env(env={"JOBPLANE_API_KEY": raw})
+
+
 async def test_closed_client_refuses_calls() -> None:
     client = AsyncClient("127.0.0.1:1", "key")
     await client.close()
@@ -843,7 +867,12 @@ def test_details_and_event_lines_show_a_pipeline_jobs_stages() -> None:
         Stage("index", "index.upsert", "qdrant-1", StageState.PENDING, 0, 5, timedelta(seconds=60)),
     )
     failed = dataclasses.replace(
-        job(JobState.FAILED), stage="neural", stages=stages, pipeline_version="2026.12"
+        job(JobState.FAILED),
+        stage="neural",
+        stages=stages,
+        pipeline_version="2026.12",
+        attempt=4,
+        attempts_used=3,
     )
     shown = _fields(cli.job_details(failed))
     assert shown["pipeline"] == f"{failed.type} 2026.12, at stage neural"
@@ -861,6 +890,47 @@ def test_details_and_event_lines_show_a_pipeline_jobs_stages() -> None:
     assert "[" not in cli.event_line(dataclasses.replace(event, stage=""))
     args = parser().parse_args(["retry", "jobs/x", "--from-stage", "native"])
     assert args.from_stage == "native"
+
+
+def test_get_shows_one_count_of_a_retried_pipeline_jobs_attempts() -> None:
+    """As the server reports a pipeline job whose neural stage used its 3
+    attempts, was retried and succeeded at the second: 7 attempts in all."""
+    stages = (
+        Stage("native", "native.analyze", "", StageState.SUCCEEDED, 1, 3, timedelta(60)),
+        Stage("neural", "neural.embed", "", StageState.SUCCEEDED, 5, 3, timedelta(60)),
+        Stage("index", "index.upsert", "", StageState.SUCCEEDED, 1, 5, timedelta(60)),
+    )
+    done = dataclasses.replace(
+        job(JobState.SUCCEEDED),
+        type="aidj.analyze",
+        stage="index",
+        stages=stages,
+        attempt=7,
+        attempts_used=1,
+        max_attempts=5,
+    )
+    shown = _fields(cli.job_details(done))
+    # The job's own count only: not its current stage's budget beside it.
+    assert shown["attempts"] == "7 started in all (each stage's own count below)"
+    assert shown["stage 1"].endswith("1 of 3 attempts")
+    assert shown["stage 2"].endswith("5 attempts in all, at most 3 between retries")
+    assert shown["stage 3"].endswith("1 of 5 attempts")
+    # Retried and queued again: the stage's budget starts over, its count does not.
+    requeued = dataclasses.replace(
+        done,
+        state=JobState.QUEUED,
+        stage="neural",
+        attempt=4,
+        attempts_used=0,
+        max_attempts=3,
+        stages=(stages[0], dataclasses.replace(stages[1], attempts=3), stages[2]),
+    )
+    shown = _fields(cli.job_details(requeued))
+    assert shown["attempts"] == "4 started in all (each stage's own count below)"
+    assert shown["stage 2"].endswith("3 attempts in all, 0 of 3 since the last retry")
+    for text in (cli.job_details(done), cli.job_details(requeued)):
+        for used, allowed in re.findall(r"(\d+) of (\d+)", text):
+            assert int(used) <= int(allowed), text
 
 
 def _fields(text: str) -> dict[str, str]:

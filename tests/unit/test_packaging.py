@@ -37,6 +37,14 @@ SERVER = {
     "aiohttp",
 }
 # Modules the SDK must never load (the contract's list and what they bring).
+#: The worker install (ADR-0033): what `jobplane worker` imports, and the
+#: extras of what it does only when configured.
+WORKER = {"aio-pika", "pamqp", "sqlalchemy", "asyncpg", "structlog", "rich", "uvloop"}
+WORKER_EXTRAS = {
+    "blobs": {"aioboto3"},
+    "metrics": {"prometheus-client", "aiohttp"},
+    "otlp": {"opentelemetry-sdk", "opentelemetry-exporter-otlp-proto-http"},
+}
 
 
 def test_the_base_install_is_the_sdk_and_the_server_is_an_extra() -> None:
@@ -153,3 +161,47 @@ def test_the_command_checks_for_every_library_of_the_server_extra() -> None:
     # uvloop: the server runs without it (on Windows it is not installed).
     unchecked = {canonicalize_name(r.name) for r in server} - checked - {"uvloop"}
     assert not unchecked, f"add their modules to jobplane.console.SERVER_MODULES: {unchecked}"
+
+
+def test_the_worker_install_is_the_worker_and_its_options_are_extras() -> None:
+    metadata = wheel_metadata(built_wheel())
+    worker = {r.name.lower() for r in requirements(metadata, "worker")}
+    assert worker == WORKER | {"opentelemetry-api"}
+    # Nothing of the object store, tracing's exporter, metrics, the dashboard or
+    # the gRPC server: those are the server's, or an extra of their own.
+    assert not worker & (SERVER - WORKER - {"opentelemetry-api"})
+    for extra, wanted in WORKER_EXTRAS.items():
+        assert {r.name.lower() for r in requirements(metadata, extra)} == wanted, extra
+    server = {r.name.lower() for r in requirements(metadata, "server")}
+    assert worker | set().union(*WORKER_EXTRAS.values()) <= server
+
+
+def test_the_command_checks_for_every_library_of_the_worker_extra() -> None:
+    """A library added to the worker extra needs its module in console.WORKER_MODULES."""
+    owners = packages_distributions()
+    checked = {
+        canonicalize_name(distribution)
+        for module in console.WORKER_MODULES
+        for distribution in owners.get(module.split(".")[0], [])
+    }
+    worker = requirements(wheel_metadata(built_wheel()), "worker")
+    unchecked = {canonicalize_name(r.name) for r in worker} - checked - {"uvloop"}
+    assert not unchecked, f"add their modules to jobplane.console.WORKER_MODULES: {unchecked}"
+
+
+def test_the_worker_path_imports_no_optional_library() -> None:
+    """In a fresh interpreter of the dev venv, where every library is installed: the
+    worker command's modules load none of what an extra of the worker brings."""
+    program = (
+        "import json, sys\n"
+        "import jobplane.cli, jobplane.workers.runtime, jobplane.workers.maintenance\n"
+        "import jobplane.observe.metrics\n"
+        "jobplane.cli.build_parser()\n"
+        "print(json.dumps(sorted(sys.modules)))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", program], capture_output=True, text=True, check=True
+    ).stdout
+    loaded = set(json.loads(out))
+    optional = ("aioboto3", "botocore", "prometheus_client", "aiohttp", "opentelemetry.sdk")
+    assert sorted(m for m in loaded if m.startswith(optional)) == []

@@ -31,9 +31,9 @@ from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any, cast
 
 import structlog
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 if TYPE_CHECKING:
+    from prometheus_client import CollectorRegistry
     from sqlalchemy.ext.asyncio import AsyncEngine
 
     from jobplane.topology import Topology
@@ -96,7 +96,12 @@ class Metrics:
     enabled = True
 
     def __init__(self) -> None:
-        self.registry = registry = CollectorRegistry(auto_describe=True)
+        # Imported here: a worker without the metrics extra (ADR-0033) uses
+        # NO_METRICS and never builds one.
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+        self.registry: CollectorRegistry = CollectorRegistry(auto_describe=True)
+        registry = self.registry
         self._refreshers: list[tuple[str, Refresher]] = []
         self._slots: list[Callable[[], tuple[int, int]]] = []
         self._streams: list[Callable[[], int]] = []
@@ -425,6 +430,8 @@ class Metrics:
 
     async def exposition(self) -> bytes:
         """The Prometheus text of this process, refreshed."""
+        from prometheus_client import generate_latest
+
         await self.refresh()
         return generate_latest(self.registry)
 
@@ -455,7 +462,6 @@ class _NoMetrics(Metrics):
 
     def __init__(self) -> None:  # no registry: nothing is built
         null = cast("Any", _Null())
-        self.registry = CollectorRegistry(auto_describe=False)
         self._refreshers, self._slots, self._streams, self._pools = [], [], [], []
         self._types = set()
         for name in (

@@ -405,17 +405,16 @@ class JobStore:
         after: ListCursor | None = None,
         state: JobState | None = None,
         job_type: str | None = None,
-        pipeline: bool = False,
         labels: dict[str, str] | None = None,
         created_after: datetime | None = None,
         created_before: datetime | None = None,
     ) -> list[Job]:
         """Up to ``limit`` jobs, newest first, strictly after ``after``.
 
-        ``job_type`` names a pipeline when ``pipeline``: its jobs, whatever
-        stage they are at; otherwise plain jobs of that type. ``labels``: jobs
-        that carry all of them; ``created_after`` (inclusive) and
-        ``created_before`` (exclusive) bound the create time.
+        ``job_type``: plain jobs of that type and the jobs of the pipeline of
+        that name, whatever stage they are at. ``labels``: jobs that carry all
+        of them; ``created_after`` (inclusive) and ``created_before``
+        (exclusive) bound the create time.
         """
         where = ["tenant_id = :tenant_id"]
         params: dict[str, Any] = {"tenant_id": tenant_id, "limit": limit}
@@ -431,17 +430,30 @@ class JobStore:
         if state is not None:
             where.append("state = :state")
             params["state"] = state.value
-        if job_type is not None:
-            where.append("pipeline = :type" if pipeline else "type = :type AND pipeline IS NULL")
-            params["type"] = job_type
         if after is not None:
             where.append("(create_time, id) < (:after_time, :after_id)")
             params["after_time"] = after.create_time
             params["after_id"] = after.job_id
-        sql = text(
-            f"SELECT {JOB_COLUMNS} FROM jobs WHERE {' AND '.join(where)} "
-            "ORDER BY create_time DESC, id DESC LIMIT :limit"
-        )
+        order = "ORDER BY create_time DESC, id DESC LIMIT :limit"
+        if job_type is None:
+            sql = text(f"SELECT {JOB_COLUMNS} FROM jobs WHERE {' AND '.join(where)} {order}")
+        else:
+            # A pipeline job is stored under the pipeline's name (its type is
+            # the running stage's), a plain job under its type. Both are read
+            # from the rows, not from the topology: a server whose topology
+            # no longer (or not yet) declares the pipeline still lists its
+            # jobs. Each half walks its own newest-first index.
+            params["type"] = job_type
+            halves = (
+                " AND ".join([*where, "pipeline = :type"]),
+                " AND ".join([*where, "type = :type", "pipeline IS NULL"]),
+            )
+            sql = text(
+                " UNION ALL ".join(
+                    f"(SELECT {JOB_COLUMNS} FROM jobs WHERE {h} {order})" for h in halves
+                )
+                + f" {order}"
+            )
         async with self._auto.connect() as conn:
             rows = (await conn.execute(sql, params)).mappings().all()
         return [job_from_row(r) for r in rows]
