@@ -4,6 +4,21 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
+import struct
+import threading
+from typing import Literal
+
+#: How an address in front of a service that is down answers a connection it
+#: accepted: a FIN at once, or a reset (RST).
+HangUp = Literal["close", "reset"]
+
+
+def _hang_up(sock: socket.socket, how: HangUp) -> None:
+    if how == "reset":
+        # Linger 0: close() sends RST instead of FIN.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    sock.close()
 
 
 class CuttableProxy:
@@ -11,6 +26,9 @@ class CuttableProxy:
 
     def __init__(self, target_host: str, target_port: int) -> None:
         self._target = (target_host, target_port)
+        #: When set, each connection is accepted and ended that way instead of
+        #: forwarded: a load balancer in front of a target that is down.
+        self.hang_up: HangUp | None = None
         self._server: asyncio.Server | None = None
         self._pipes: set[asyncio.Task[None]] = set()
         self._writers: set[asyncio.StreamWriter] = set()
@@ -34,6 +52,14 @@ class CuttableProxy:
         self._writers.clear()
 
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if self.hang_up == "reset":
+            sock = writer.get_extra_info("socket")
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            writer.transport.abort()
+            return
+        if self.hang_up == "close":
+            writer.close()
+            return
         try:
             up_reader, up_writer = await asyncio.open_connection(*self._target)
         except OSError:
@@ -55,3 +81,38 @@ class CuttableProxy:
         finally:
             with contextlib.suppress(Exception):
                 dst.transport.abort()
+
+
+class HangingUpListener:
+    """A loopback address that accepts every connection and ends it at once.
+
+    It runs on a thread of its own, so it hangs up as fast as a process in
+    front of a dead service does, not when the test's event loop gets to it.
+    """
+
+    def __init__(self, how: HangUp = "close") -> None:
+        self._how = how
+        self._sock = socket.create_server(("127.0.0.1", 0))
+        self._sock.settimeout(0.1)
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._serve, name="hanging-up", daemon=True)
+        self.port: int = self._sock.getsockname()[1]
+        self.accepted = 0
+
+    def __enter__(self) -> HangingUpListener:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self._stopping.set()
+        self._thread.join(timeout=5)
+        self._sock.close()
+
+    def _serve(self) -> None:
+        while not self._stopping.is_set():
+            try:
+                conn, _ = self._sock.accept()
+            except TimeoutError:
+                continue
+            self.accepted += 1
+            _hang_up(conn, self._how)
