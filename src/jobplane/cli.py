@@ -443,7 +443,9 @@ async def _relay(args: argparse.Namespace) -> int:
 
 async def _sweep(args: argparse.Namespace) -> int:
     from jobplane import broker
+    from jobplane.logs import describe_error
     from jobplane.observe.metrics import watch_outbox
+    from jobplane.store.down import database_down
     from jobplane.store.engine import create_engine
     from jobplane.workers.relay import Relay
     from jobplane.workers.sweeper import Sweeper
@@ -471,20 +473,44 @@ async def _sweep(args: argparse.Namespace) -> int:
             unroutable_after=args.unroutable_after,
         )
         while True:
-            report = await sweeper.sweep_once()
+            try:
+                report = await sweeper.sweep_once()
+            except Exception as exc:
+                # A loop outlives a database restart or failover; a single pass
+                # reports it (main).
+                if args.once or not database_down(exc):
+                    raise
+                _say(
+                    "database.unavailable",
+                    f"database unavailable, not swept: {describe_error(exc)}",
+                    level="warning",
+                    error=describe_error(exc),
+                    retry_in=args.interval,
+                )
+                await asyncio.sleep(args.interval)
+                continue
             try:
                 published = await relay.drain_once()
             except Exception as exc:
                 # A loop outlives a broker restart; a single pass reports it (main).
-                if args.once or not broker.broker_down(exc):
+                if args.once or not (broker.broker_down(exc) or database_down(exc)):
                     raise
-                _say(
-                    "broker.unavailable",
-                    f"broker unavailable, outbox not drained: {exc!r}",
-                    level="warning",
-                    error=repr(exc),
-                    retry_in=args.interval,
-                )
+                if broker.broker_down(exc):
+                    _say(
+                        "broker.unavailable",
+                        f"broker unavailable, outbox not drained: {exc!r}",
+                        level="warning",
+                        error=repr(exc),
+                        retry_in=args.interval,
+                    )
+                else:
+                    _say(
+                        "database.unavailable",
+                        f"database unavailable, outbox not drained: {describe_error(exc)}",
+                        level="warning",
+                        error=describe_error(exc),
+                        retry_in=args.interval,
+                    )
                 published = 0
             _say(
                 "sweep.done",

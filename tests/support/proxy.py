@@ -116,3 +116,51 @@ class HangingUpListener:
                 continue
             self.accepted += 1
             _hang_up(conn, self._how)
+
+
+# What a Postgres that is starting up (or shutting down) answers a new session.
+_STARTING_UP = (
+    ("S", "FATAL"),
+    ("V", "FATAL"),
+    ("C", "57P03"),
+    ("M", "the database system is starting up"),
+)
+_SSL_REQUEST = 80877103
+_GSSENC_REQUEST = 80877104
+
+
+class PostgresProxy(CuttableProxy):
+    """A :class:`CuttableProxy` to Postgres that can answer as a restarting server does.
+
+    With ``starting_up`` set, a new session is refused at its start with
+    SQLSTATE 57P03 ("the database system is starting up"), as every restart
+    and failover refuses sessions for a while; sessions already open are
+    forwarded as before.
+    """
+
+    def __init__(self, target_host: str, target_port: int) -> None:
+        super().__init__(target_host, target_port)
+        self.starting_up = False
+        self.refused = 0
+
+    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if not self.starting_up:
+            await super()._accept(reader, writer)
+            return
+        try:
+            while True:
+                (length,) = struct.unpack("!I", await reader.readexactly(4))
+                body = await reader.readexactly(length - 4)
+                (code,) = struct.unpack("!I", body[:4])
+                if code not in (_SSL_REQUEST, _GSSENC_REQUEST):
+                    break
+                writer.write(b"N")  # no TLS, no GSS: the startup message follows
+                await writer.drain()
+            fields = b"".join(k.encode() + v.encode() + b"\0" for k, v in _STARTING_UP) + b"\0"
+            writer.write(b"E" + struct.pack("!I", len(fields) + 4) + fields)
+            await writer.drain()
+            self.refused += 1
+        except (OSError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            writer.close()
