@@ -1206,7 +1206,8 @@ async def _wait_maintenance(engine: AsyncEngine, tenant: str, job_id: Any) -> bo
     from jobplane.store.maintenance import MaintenanceStore
 
     tenant_id = (await MaintenanceStore(engine).tenant_named(tenant)).id
-    async with Database(engine.url.render_as_string(hide_password=False), size=1) as db:
+    # The configured URL, not the engine's: that shows a URL of several hosts bare.
+    async with Database(Settings.from_env().database_url, size=1) as db:
         return await _follow_maintenance(JobStore(engine, db), tenant_id, job_id)
 
 

@@ -10,6 +10,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from jobplane.store.dsn import connect_options
+
 DEFAULT_DATABASE_URL = "postgresql://postgres@127.0.0.1:5432/jobplane"
 DEFAULT_AMQP_URL = "amqp://guest:guest@127.0.0.1:5672/"
 DEFAULT_LISTEN = "127.0.0.1:50051"
@@ -194,7 +196,7 @@ class Settings:
             raise ConfigError("JOBPLANE_TLS_CLIENT_CA needs JOBPLANE_TLS_CERT and JOBPLANE_TLS_KEY")
         settings = replace(
             base,
-            database_url=env.get("JOBPLANE_DATABASE_URL", base.database_url),
+            database_url=_database_url(env, base.database_url),
             amqp_url=env.get("JOBPLANE_AMQP_URL", base.amqp_url),
             listen=env.get("JOBPLANE_LISTEN", base.listen),
             address=env.get("JOBPLANE_ADDRESS", base.address),
@@ -227,6 +229,16 @@ class Settings:
         return _with_dashboard(
             env, _with_metrics(env, _with_tracing(env, _with_ingest(env, _with_s3(env, settings))))
         )
+
+
+def _database_url(env: Mapping[str, str], default: str) -> str:
+    """JOBPLANE_DATABASE_URL, in libpq's URL form (docs/operations.md), checked."""
+    url = env.get("JOBPLANE_DATABASE_URL", default)
+    try:
+        connect_options(url)
+    except ValueError as exc:  # the reason never quotes the URL (it may hold a password)
+        raise ConfigError(f"JOBPLANE_DATABASE_URL: {exc}") from None
+    return url
 
 
 def _with_s3(env: Mapping[str, str], base: Settings) -> Settings:

@@ -62,3 +62,10 @@ def test_each_path_of_a_database_error_reads_alike(state: str, down: bool) -> No
 def test_a_database_that_is_down_is_unavailable_to_callers(state: str) -> None:
     for error in (_asyncpg_error(state), _through_sqlalchemy(_asyncpg_error(state))):
         assert error_for(error, "GetJob").code is grpc.StatusCode.UNAVAILABLE
+
+
+def test_a_server_without_tls_for_a_url_that_requires_it_is_a_refusal_not_an_outage() -> None:
+    # asyncpg's error for sslmode=require when the server answers it has no TLS.
+    refused = ConnectionError('PostgreSQL server at "127.0.0.1:5432" rejected SSL upgrade')
+    assert not database_down(refused)
+    assert database_down(ConnectionRefusedError(111, "Connect call failed"))
