@@ -280,7 +280,7 @@ async def _serve(args: argparse.Namespace) -> int:
 
     settings, topology = _settings_and_topology()
     _tracing("jobplane-server", settings)
-    engine = create_engine(settings.database_url, pool_size=settings.db_pool_size)
+    engine = create_engine(settings.database_url, pool_size=settings.db_engine_pool_size)
     async with AsyncExitStack() as stack:
         stack.push_async_callback(engine.dispose)
         metrics, ops = _ops(settings, args, engine)
@@ -381,7 +381,7 @@ async def _ui(args: argparse.Namespace) -> int:
     if listen is None:
         _error_line("the dashboard is off (JOBPLANE_UI_LISTEN=off); give --listen")
         return 2
-    engine = create_engine(settings.database_url, pool_size=settings.db_pool_size)
+    engine = create_engine(settings.database_url, pool_size=settings.db_engine_pool_size)
     async with AsyncExitStack() as stack:
         stack.push_async_callback(engine.dispose)
         # Built as `serve` builds its own, so each JOBPLANE_TENANT_… setting means the same.
@@ -394,6 +394,7 @@ async def _ui(args: argparse.Namespace) -> int:
             topology,
             limiter=limiter,
             max_payload_bytes=settings.max_payload_bytes,
+            db_pool_size=settings.db_pool_size,
         )
         ui = await _dashboard(stack, settings, backend, listen, setting)
         _say(None, f"dashboard on {ui.url}")  # logged as ui.listening
@@ -404,12 +405,12 @@ async def _ui(args: argparse.Namespace) -> int:
 async def _relay(args: argparse.Namespace) -> int:
     from jobplane.observe.metrics import watch_outbox
     from jobplane.store.engine import create_engine
-    from jobplane.workers.relay import Relay
+    from jobplane.workers.relay import Relay, relay_pool_size
     from jobplane.workers.sweeper import Sweeper
 
     settings, topology = _settings_and_topology()
     _tracing("jobplane-relay", settings)
-    engine = create_engine(settings.database_url, pool_size=4)
+    engine = create_engine(settings.database_url, pool_size=settings.db_engine_pool_size)
     async with AsyncExitStack() as stack:
         stack.push_async_callback(engine.dispose)
         metrics, ops = _ops(settings, args, engine)
@@ -432,6 +433,7 @@ async def _relay(args: argparse.Namespace) -> int:
             sweep_interval=args.sweep_interval,
             unroutable_after=args.unroutable_after,
             metrics=metrics,
+            db=_database(stack, settings, min(settings.db_pool_size, relay_pool_size())),
         )
         if ops is not None:
             ops.add_check("broker", lambda: None if relay.connected else "no broker channel")
@@ -447,12 +449,12 @@ async def _sweep(args: argparse.Namespace) -> int:
     from jobplane.observe.metrics import watch_outbox
     from jobplane.store.down import database_down
     from jobplane.store.engine import create_engine
-    from jobplane.workers.relay import Relay
+    from jobplane.workers.relay import Relay, relay_pool_size
     from jobplane.workers.sweeper import Sweeper
 
     settings, topology = _settings_and_topology()
     _tracing("jobplane-sweep", settings)
-    engine = create_engine(settings.database_url, pool_size=2)
+    engine = create_engine(settings.database_url, pool_size=settings.db_engine_pool_size)
     stack = AsyncExitStack()
     try:
         metrics, ops = _ops(settings, args, engine)
@@ -471,6 +473,7 @@ async def _sweep(args: argparse.Namespace) -> int:
             settings.amqp_url,
             topology,
             unroutable_after=args.unroutable_after,
+            db=_database(stack, settings, min(settings.db_pool_size, relay_pool_size())),
         )
         while True:
             try:
@@ -561,15 +564,15 @@ async def _worker(args: argparse.Namespace) -> int:
     registry = _registry_or_none(args.handlers, demo=args.demo or not args.handlers)
     if registry is None:
         return 2
-    engine = create_engine(
-        settings.database_url, pool_size=min(settings.db_pool_size, max(4, args.concurrency))
-    )
+    engine = create_engine(settings.database_url, pool_size=settings.db_engine_pool_size)
     faults = FaultPoints(settings.faults)
     async with AsyncExitStack() as stack:
         stack.push_async_callback(engine.dispose)
         metrics, ops = _ops(settings, args, engine)
         blobs = _blob_store(settings, stack)
-        db = _database(stack, settings, worker_pool_size(args.concurrency))
+        db = _database(
+            stack, settings, min(settings.db_pool_size, worker_pool_size(args.concurrency))
+        )
         if not args.no_maintenance:
             registry = await _with_maintenance(stack, registry, engine, db, blobs, settings, faults)
             if registry is None:
@@ -700,7 +703,7 @@ async def _dev(args: argparse.Namespace) -> int:
     from jobplane.observe.metrics import watch_outbox
 
     await migrate(settings.database_url)
-    engine = create_engine(settings.database_url)
+    engine = create_engine(settings.database_url, pool_size=settings.db_engine_pool_size)
     async with AsyncExitStack() as stack:
         stack.push_async_callback(engine.dispose)
         metrics, ops = _ops(settings, args, engine)
@@ -925,12 +928,12 @@ async def _dev_relay_part(args: argparse.Namespace) -> int:
     and the sweeper."""
     from jobplane.devparts import parent_gone
     from jobplane.store.engine import create_engine
-    from jobplane.workers.relay import Relay
+    from jobplane.workers.relay import Relay, relay_pool_size
     from jobplane.workers.sweeper import Sweeper
 
     settings, topology = _settings_and_topology(log_level="warning")
     _tracing("jobplane-dev", settings)
-    engine = create_engine(settings.database_url, pool_size=4)
+    engine = create_engine(settings.database_url, pool_size=settings.db_engine_pool_size)
     async with AsyncExitStack() as stack:
         stack.push_async_callback(engine.dispose)
         metrics, ops = _ops(settings, args, engine)
@@ -941,6 +944,7 @@ async def _dev_relay_part(args: argparse.Namespace) -> int:
             topology,
             sweeper=Sweeper(engine, metrics=metrics),
             metrics=metrics,
+            db=_database(stack, settings, min(settings.db_pool_size, relay_pool_size())),
         )
         if ops is not None:
             ops.add_check("relay", lambda: None if relay.connected else "no broker channel")
@@ -972,14 +976,14 @@ async def _dev_part(args: argparse.Namespace) -> int:
                 return 2
     else:
         queues = part_queues(topology)
-    engine = create_engine(
-        settings.database_url, pool_size=min(settings.db_pool_size, max(4, args.concurrency))
-    )
+    engine = create_engine(settings.database_url, pool_size=settings.db_engine_pool_size)
     async with AsyncExitStack() as stack:
         stack.push_async_callback(engine.dispose)
         metrics, ops = _ops(settings, args, engine)
         blobs = _blob_store(settings, stack)
-        db = _database(stack, settings, worker_pool_size(args.concurrency))
+        db = _database(
+            stack, settings, min(settings.db_pool_size, worker_pool_size(args.concurrency))
+        )
         if first and not args.no_maintenance:
             faults = FaultPoints(settings.faults)
             registry = await _with_maintenance(stack, registry, engine, db, blobs, settings, faults)

@@ -79,9 +79,14 @@ class Settings:
     api_key: str | None = None
     topology_path: Path | None = None
     max_payload_bytes: int = 256 * 1024
-    # Postgres connections per process (a fixed pool: opening and closing
-    # connections under load costs Postgres a process each time).
-    db_pool_size: int = 20
+    # Postgres connections a process's pools hold at most (docs/operations.md,
+    # "Connections per process"): fixed pools, since opening and closing
+    # connections under load costs Postgres a process each time. The hot
+    # statements' asyncpg pool (ADR-0030; a worker's at most its concurrency)…
+    db_pool_size: int = 6
+    # …and the SQLAlchemy engine's, for the rest (keys, listings, cancels,
+    # sweeps, metrics): small, since the hot paths do not use it.
+    db_engine_pool_size: int = 2
     # None: the process decides (info; warning for `jobplane dev`, whose
     # terminal shows the demo's progress bar).
     log_level: str | None = None
@@ -184,6 +189,7 @@ class Settings:
                 "(4 MiB); pass larger data by reference"
             )
         pool = _positive_int(env, "JOBPLANE_DB_POOL_SIZE", base.db_pool_size)
+        engine_pool = _positive_int(env, "JOBPLANE_DB_ENGINE_POOL_SIZE", base.db_engine_pool_size)
         lease = _seconds(
             env, "JOBPLANE_WORKER_LEASE_SECONDS", base.worker_lease_seconds, 1.0, MAX_WORKER_LEASE
         )
@@ -204,6 +210,7 @@ class Settings:
             topology_path=Path(topology) if topology else None,
             max_payload_bytes=max_payload,
             db_pool_size=pool,
+            db_engine_pool_size=engine_pool,
             log_level=_choice(env, "JOBPLANE_LOG_LEVEL", LOG_LEVELS),
             log_format=_choice(env, "JOBPLANE_LOG_FORMAT", LOG_FORMATS) or base.log_format,
             faults=frozenset(f.strip() for f in faults),
