@@ -1706,6 +1706,11 @@ def _fatal_message(exc: Exception) -> str | None:
 def _without_password(url: str) -> str:
     from sqlalchemy.engine import make_url
 
+    from jobplane.store.dsn import SCHEMES, redacted
+
+    if url.partition("://")[0] in SCHEMES:  # libpq's forms too (several hosts, ?password=)
+        return redacted(url)
+
     try:
         return make_url(url).render_as_string(hide_password=True)
     except Exception:  # an AMQP URL SQLAlchemy cannot parse: say only the scheme

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from jobplane.config import ConfigError, Settings
-from jobplane.store.dsn import connect_options, database_name, with_database
+from jobplane.store.dsn import connect_options, database_name, redacted, with_database
 
 
 @pytest.mark.parametrize(
@@ -74,3 +74,10 @@ def test_the_database_of_a_url_of_several_hosts() -> None:
     assert (
         with_database("postgresql://u@h/?dbname=other", "postgres") == "postgresql://u@h/postgres"
     )
+
+
+def test_a_url_is_shown_without_its_passwords() -> None:
+    url = "postgresql://u:s3cret@h1:5432,h2:5433/db?sslpassword=k3y&sslmode=require"
+    shown = redacted(url)
+    assert shown == "postgresql://u:***@h1:5432,h2:5433/db?sslpassword=***&sslmode=require"
+    assert redacted("postgresql://u@h/db?password=s3cret") == "postgresql://u@h/db?password=***"

@@ -107,3 +107,20 @@ def with_database(url: str, database: str) -> str:
     )
     path = "/" + quote(database, safe="")
     return urlunsplit((parts.scheme, parts.netloc, path, query, parts.fragment))
+
+
+_SECRETS = frozenset({"password", "sslpassword"})
+
+
+def redacted(url: str) -> str:
+    """``url`` fit to show: its password, in the user part or a parameter, as ``***``."""
+    parts = urlsplit(url.strip())
+    netloc = parts.netloc
+    userinfo, at, hosts = netloc.rpartition("@")
+    if at and ":" in userinfo:
+        netloc = f"{userinfo.split(':', 1)[0]}:***@{hosts}"
+    query = "&".join(
+        f"{pair.partition('=')[0]}=***" if name in _SECRETS else pair
+        for name, _value, pair in _params(parts.query)
+    )
+    return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
