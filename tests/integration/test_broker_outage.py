@@ -78,8 +78,10 @@ def test_an_address_that_accepts_and_hangs_up_is_the_broker_down(how: HangUp) ->
     assert not runner.is_alive()
     assert len(errors) == 100
     assert [e for e in errors if not broker.broker_down(e)] == []
-    # Said as a connection error, not as the iterator's end.
-    assert {type(e) for e in errors} <= {aiormq.exceptions.AMQPConnectionError}
+    # Said as a connection error (a loaded machine may time one out), never as
+    # the iterator's end.
+    assert not [e for e in errors if isinstance(e, StopAsyncIteration)]
+    assert any(isinstance(e, aiormq.exceptions.AMQPConnectionError) for e in errors)
 
 
 @pytest.mark.parametrize("how", ["close", "reset"])
