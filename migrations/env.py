@@ -6,9 +6,8 @@ import asyncio
 
 from alembic import context
 from sqlalchemy import Connection
-from sqlalchemy.ext.asyncio import create_async_engine
 
-from jobplane.store.engine import sqlalchemy_url
+from jobplane.store.engine import create_engine
 
 
 def _run(connection: Connection) -> None:
@@ -20,8 +19,9 @@ def _run(connection: Connection) -> None:
 async def _online() -> None:
     url = context.config.get_main_option("sqlalchemy.url")
     assert url, "sqlalchemy.url must be set by jobplane.store.migrate"
-    # Migrations may copy tenant rows; their values stay out of error messages.
-    engine = create_async_engine(sqlalchemy_url(url), hide_parameters=True)
+    # One connection, made as every process makes them (libpq-style URLs); the
+    # engine hides statement parameters (tenant rows a migration copies).
+    engine = create_engine(url, pool_size=1)
     try:
         async with engine.connect() as conn:
             await conn.run_sync(_run)

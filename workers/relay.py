@@ -214,6 +214,12 @@ class _Recorded:
         self.unroutable += other.unroutable
 
 
+def relay_pool_size(in_flight: int = 4) -> int:
+    """Connections a relay's statements use at most: one for each batch in flight,
+    the feed's, and one to spare."""
+    return max(1, in_flight) + 2
+
+
 class Relay:
     """Moves due outbox rows to RabbitMQ; any number may run at once."""
 
@@ -242,8 +248,7 @@ class Relay:
         # The outbox's and the feed's statements run on asyncpg (ADR-0030):
         # the caller's pool, or one of the relay's own, opened and closed with it.
         self._owns_db = db is None
-        # A connection for each batch in flight, the feed's, and one to spare.
-        self._db = db or Database(database_url, size=max(1, in_flight) + 2)
+        self._db = db or Database(database_url, size=relay_pool_size(in_flight))
         self._store = OutboxStore(self._db)
         self._amqp_url = amqp_url
         self._topology = topology

@@ -53,7 +53,27 @@ DOWN: tuple[type[BaseException], ...] = (
 
 def broker_down(exc: BaseException) -> bool:
     """True when ``exc`` means the broker is unreachable now (not that it refused us)."""
+    if isinstance(exc, StopAsyncIteration):
+        return _hung_up(exc)
     return isinstance(exc, DOWN) and not isinstance(exc, REFUSALS)
+
+
+def _hung_up(exc: StopAsyncIteration) -> bool:
+    """Whether aiormq's frame reader raised ``exc``: the socket ended before a frame.
+
+    That is how a connection ends that an address accepts and closes at once (a
+    load balancer or proxy in front of a broker that is down, a broker still
+    booting): aiormq's reader, finding the stream already at its end, stops
+    iterating instead of raising a connection error. aio-pika's
+    CONNECTION_EXCEPTIONS name StopAsyncIteration too; here only aiormq's is
+    an outage, so one escaping our own code stays the bug it is.
+    """
+    tb = exc.__traceback__
+    module = ""
+    while tb is not None:
+        module = str(tb.tb_frame.f_globals.get("__name__", ""))
+        tb = tb.tb_next
+    return module.startswith("aiormq.")
 
 
 def access_refused(exc: BaseException) -> bool:
@@ -90,7 +110,12 @@ async def connect(url: str, *, timeout: float = 10.0, robust: bool = False) -> A
     connection = factory(make_url(url))
     try:
         await connection.connect(timeout=timeout)
-    except BaseException:
+    except BaseException as exc:
         await connection.close()
+        if isinstance(exc, StopAsyncIteration) and _hung_up(exc):
+            # Said as what it is, for the logs and the one-line fatal message.
+            raise aiormq.exceptions.AMQPConnectionError(
+                "the broker's address closed the connection before the AMQP handshake"
+            ) from exc
         raise
     return connection

@@ -316,7 +316,7 @@ async def _serve(args: argparse.Namespace) -> int:
 
     settings, topology = _settings_and_topology()
     _tracing("jobplane-server", settings)
-    engine = create_engine(settings.database_url, pool_size=settings.db_pool_size)
+    engine = create_engine(settings.database_url, pool_size=settings.db_engine_pool_size)
     async with AsyncExitStack() as stack:
         stack.push_async_callback(engine.dispose)
         metrics, ops = _ops(settings, args, engine)
@@ -417,7 +417,7 @@ async def _ui(args: argparse.Namespace) -> int:
     if listen is None:
         _error_line("the dashboard is off (JOBPLANE_UI_LISTEN=off); give --listen")
         return 2
-    engine = create_engine(settings.database_url, pool_size=settings.db_pool_size)
+    engine = create_engine(settings.database_url, pool_size=settings.db_engine_pool_size)
     async with AsyncExitStack() as stack:
         stack.push_async_callback(engine.dispose)
         # Built as `serve` builds its own, so each JOBPLANE_TENANT_… setting means the same.
@@ -430,6 +430,7 @@ async def _ui(args: argparse.Namespace) -> int:
             topology,
             limiter=limiter,
             max_payload_bytes=settings.max_payload_bytes,
+            db_pool_size=settings.db_pool_size,
         )
         ui = await _dashboard(stack, settings, backend, listen, setting)
         _say(None, f"dashboard on {ui.url}")  # logged as ui.listening
@@ -440,12 +441,12 @@ async def _ui(args: argparse.Namespace) -> int:
 async def _relay(args: argparse.Namespace) -> int:
     from jobplane.observe.metrics import watch_outbox
     from jobplane.store.engine import create_engine
-    from jobplane.workers.relay import Relay
+    from jobplane.workers.relay import Relay, relay_pool_size
     from jobplane.workers.sweeper import Sweeper
 
     settings, topology = _settings_and_topology()
     _tracing("jobplane-relay", settings)
-    engine = create_engine(settings.database_url, pool_size=4)
+    engine = create_engine(settings.database_url, pool_size=settings.db_engine_pool_size)
     async with AsyncExitStack() as stack:
         stack.push_async_callback(engine.dispose)
         metrics, ops = _ops(settings, args, engine)
@@ -469,6 +470,7 @@ async def _relay(args: argparse.Namespace) -> int:
             sweep_interval=args.sweep_interval,
             unroutable_after=args.unroutable_after,
             metrics=metrics,
+            db=_database(stack, settings, min(settings.db_pool_size, relay_pool_size())),
         )
         if ops is not None:
             ops.add_check("broker", lambda: None if relay.connected else "no broker channel")
@@ -480,14 +482,16 @@ async def _relay(args: argparse.Namespace) -> int:
 
 async def _sweep(args: argparse.Namespace) -> int:
     from jobplane import broker
+    from jobplane.logs import describe_error
     from jobplane.observe.metrics import watch_outbox
+    from jobplane.store.down import database_down
     from jobplane.store.engine import create_engine
-    from jobplane.workers.relay import Relay
+    from jobplane.workers.relay import Relay, relay_pool_size
     from jobplane.workers.sweeper import Sweeper
 
     settings, topology = _settings_and_topology()
     _tracing("jobplane-sweep", settings)
-    engine = create_engine(settings.database_url, pool_size=2)
+    engine = create_engine(settings.database_url, pool_size=settings.db_engine_pool_size)
     stack = AsyncExitStack()
     try:
         metrics, ops = _ops(settings, args, engine)
@@ -507,22 +511,47 @@ async def _sweep(args: argparse.Namespace) -> int:
             settings.amqp_url,
             topology,
             unroutable_after=args.unroutable_after,
+            db=_database(stack, settings, min(settings.db_pool_size, relay_pool_size())),
         )
         while True:
-            report = await sweeper.sweep_once()
+            try:
+                report = await sweeper.sweep_once()
+            except Exception as exc:
+                # A loop outlives a database restart or failover; a single pass
+                # reports it (main).
+                if args.once or not database_down(exc):
+                    raise
+                _say(
+                    "database.unavailable",
+                    f"database unavailable, not swept: {describe_error(exc)}",
+                    level="warning",
+                    error=describe_error(exc),
+                    retry_in=args.interval,
+                )
+                await asyncio.sleep(args.interval)
+                continue
             try:
                 published = await relay.drain_once()
             except Exception as exc:
                 # A loop outlives a broker restart; a single pass reports it (main).
-                if args.once or not broker.broker_down(exc):
+                if args.once or not (broker.broker_down(exc) or database_down(exc)):
                     raise
-                _say(
-                    "broker.unavailable",
-                    f"broker unavailable, outbox not drained: {exc!r}",
-                    level="warning",
-                    error=repr(exc),
-                    retry_in=args.interval,
-                )
+                if broker.broker_down(exc):
+                    _say(
+                        "broker.unavailable",
+                        f"broker unavailable, outbox not drained: {exc!r}",
+                        level="warning",
+                        error=repr(exc),
+                        retry_in=args.interval,
+                    )
+                else:
+                    _say(
+                        "database.unavailable",
+                        f"database unavailable, outbox not drained: {describe_error(exc)}",
+                        level="warning",
+                        error=describe_error(exc),
+                        retry_in=args.interval,
+                    )
                 published = 0
             _say(
                 "sweep.done",
@@ -573,15 +602,15 @@ async def _worker(args: argparse.Namespace) -> int:
     registry = _registry_or_none(args.handlers, demo=args.demo or not args.handlers)
     if registry is None:
         return 2
-    engine = create_engine(
-        settings.database_url, pool_size=min(settings.db_pool_size, max(4, args.concurrency))
-    )
+    engine = create_engine(settings.database_url, pool_size=settings.db_engine_pool_size)
     faults = FaultPoints(settings.faults)
     async with AsyncExitStack() as stack:
         stack.push_async_callback(engine.dispose)
         metrics, ops = _ops(settings, args, engine)
         blobs = _blob_store(settings, stack)
-        db = _database(stack, settings, worker_pool_size(args.concurrency))
+        db = _database(
+            stack, settings, min(settings.db_pool_size, worker_pool_size(args.concurrency))
+        )
         if not args.no_maintenance:
             registry = await _with_maintenance(stack, registry, engine, db, blobs, settings, faults)
             if registry is None:
@@ -712,7 +741,7 @@ async def _dev(args: argparse.Namespace) -> int:
     from jobplane.observe.metrics import watch_outbox
 
     await migrate(settings.database_url)
-    engine = create_engine(settings.database_url)
+    engine = create_engine(settings.database_url, pool_size=settings.db_engine_pool_size)
     async with AsyncExitStack() as stack:
         stack.push_async_callback(engine.dispose)
         metrics, ops = _ops(settings, args, engine)
@@ -937,12 +966,12 @@ async def _dev_relay_part(args: argparse.Namespace) -> int:
     and the sweeper."""
     from jobplane.devparts import parent_gone
     from jobplane.store.engine import create_engine
-    from jobplane.workers.relay import Relay
+    from jobplane.workers.relay import Relay, relay_pool_size
     from jobplane.workers.sweeper import Sweeper
 
     settings, topology = _settings_and_topology(log_level="warning")
     _tracing("jobplane-dev", settings)
-    engine = create_engine(settings.database_url, pool_size=4)
+    engine = create_engine(settings.database_url, pool_size=settings.db_engine_pool_size)
     async with AsyncExitStack() as stack:
         stack.push_async_callback(engine.dispose)
         metrics, ops = _ops(settings, args, engine)
@@ -953,6 +982,7 @@ async def _dev_relay_part(args: argparse.Namespace) -> int:
             topology,
             sweeper=Sweeper(engine, topology=topology, metrics=metrics),
             metrics=metrics,
+            db=_database(stack, settings, min(settings.db_pool_size, relay_pool_size())),
         )
         if ops is not None:
             ops.add_check("relay", lambda: None if relay.connected else "no broker channel")
@@ -984,14 +1014,14 @@ async def _dev_part(args: argparse.Namespace) -> int:
                 return 2
     else:
         queues = part_queues(topology)
-    engine = create_engine(
-        settings.database_url, pool_size=min(settings.db_pool_size, max(4, args.concurrency))
-    )
+    engine = create_engine(settings.database_url, pool_size=settings.db_engine_pool_size)
     async with AsyncExitStack() as stack:
         stack.push_async_callback(engine.dispose)
         metrics, ops = _ops(settings, args, engine)
         blobs = _blob_store(settings, stack)
-        db = _database(stack, settings, worker_pool_size(args.concurrency))
+        db = _database(
+            stack, settings, min(settings.db_pool_size, worker_pool_size(args.concurrency))
+        )
         if first and not args.no_maintenance:
             faults = FaultPoints(settings.faults)
             registry = await _with_maintenance(stack, registry, engine, db, blobs, settings, faults)
@@ -1218,7 +1248,8 @@ async def _wait_maintenance(engine: AsyncEngine, tenant: str, job_id: Any) -> bo
     from jobplane.store.maintenance import MaintenanceStore
 
     tenant_id = (await MaintenanceStore(engine).tenant_named(tenant)).id
-    async with Database(engine.url.render_as_string(hide_password=False), size=1) as db:
+    # The configured URL, not the engine's: that shows a URL of several hosts bare.
+    async with Database(Settings.from_env().database_url, size=1) as db:
         return await _follow_maintenance(JobStore(engine, db), tenant_id, job_id)
 
 
@@ -1712,6 +1743,11 @@ def _fatal_message(exc: Exception) -> str | None:
 
 def _without_password(url: str) -> str:
     from sqlalchemy.engine import make_url
+
+    from jobplane.store.dsn import SCHEMES, redacted
+
+    if url.partition("://")[0] in SCHEMES:  # libpq's forms too (several hosts, ?password=)
+        return redacted(url)
 
     try:
         return make_url(url).render_as_string(hide_password=True)

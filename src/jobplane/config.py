@@ -10,6 +10,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from jobplane.store.dsn import connect_options
+
 DEFAULT_DATABASE_URL = "postgresql://postgres@127.0.0.1:5432/jobplane"
 DEFAULT_AMQP_URL = "amqp://guest:guest@127.0.0.1:5672/"
 DEFAULT_LISTEN = "127.0.0.1:50051"
@@ -77,9 +79,14 @@ class Settings:
     api_key: str | None = None
     topology_path: Path | None = None
     max_payload_bytes: int = 256 * 1024
-    # Postgres connections per process (a fixed pool: opening and closing
-    # connections under load costs Postgres a process each time).
-    db_pool_size: int = 20
+    # Postgres connections a process's pools hold at most (docs/operations.md,
+    # "Connections per process"): fixed pools, since opening and closing
+    # connections under load costs Postgres a process each time. The hot
+    # statements' asyncpg pool (ADR-0030; a worker's at most its concurrency)…
+    db_pool_size: int = 6
+    # …and the SQLAlchemy engine's, for the rest (keys, listings, cancels,
+    # sweeps, metrics): small, since the hot paths do not use it.
+    db_engine_pool_size: int = 2
     # None: the process decides (info; warning for `jobplane dev`, whose
     # terminal shows the demo's progress bar).
     log_level: str | None = None
@@ -182,6 +189,7 @@ class Settings:
                 "(4 MiB); pass larger data by reference"
             )
         pool = _positive_int(env, "JOBPLANE_DB_POOL_SIZE", base.db_pool_size)
+        engine_pool = _positive_int(env, "JOBPLANE_DB_ENGINE_POOL_SIZE", base.db_engine_pool_size)
         lease = _seconds(
             env, "JOBPLANE_WORKER_LEASE_SECONDS", base.worker_lease_seconds, 1.0, MAX_WORKER_LEASE
         )
@@ -194,7 +202,7 @@ class Settings:
             raise ConfigError("JOBPLANE_TLS_CLIENT_CA needs JOBPLANE_TLS_CERT and JOBPLANE_TLS_KEY")
         settings = replace(
             base,
-            database_url=env.get("JOBPLANE_DATABASE_URL", base.database_url),
+            database_url=_database_url(env, base.database_url),
             amqp_url=env.get("JOBPLANE_AMQP_URL", base.amqp_url),
             listen=env.get("JOBPLANE_LISTEN", base.listen),
             address=env.get("JOBPLANE_ADDRESS", base.address),
@@ -202,6 +210,7 @@ class Settings:
             topology_path=Path(topology) if topology else None,
             max_payload_bytes=max_payload,
             db_pool_size=pool,
+            db_engine_pool_size=engine_pool,
             log_level=_choice(env, "JOBPLANE_LOG_LEVEL", LOG_LEVELS),
             log_format=_choice(env, "JOBPLANE_LOG_FORMAT", LOG_FORMATS) or base.log_format,
             faults=frozenset(f.strip() for f in faults),
@@ -227,6 +236,16 @@ class Settings:
         return _with_dashboard(
             env, _with_metrics(env, _with_tracing(env, _with_ingest(env, _with_s3(env, settings))))
         )
+
+
+def _database_url(env: Mapping[str, str], default: str) -> str:
+    """JOBPLANE_DATABASE_URL, in libpq's URL form (docs/operations.md), checked."""
+    url = env.get("JOBPLANE_DATABASE_URL", default)
+    try:
+        connect_options(url)
+    except ValueError as exc:  # the reason never quotes the URL (it may hold a password)
+        raise ConfigError(f"JOBPLANE_DATABASE_URL: {exc}") from None
+    return url
 
 
 def _with_s3(env: Mapping[str, str], base: Settings) -> Settings:

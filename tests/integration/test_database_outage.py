@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import sys
 import uuid
 from collections import Counter
+from pathlib import Path
 
 import asyncpg
 import grpc
@@ -20,9 +23,13 @@ from sqlalchemy.engine import make_url
 
 from jobplane.client import JobState
 from jobplane.store.down import database_down
+from jobplane.store.engine import create_engine
+from jobplane.topology import Topology
 from jobplane.v1 import jobs_pb2, jobs_pb2_grpc
+from tests.faults.cluster import topology_toml
 from tests.support import services
-from tests.support.stack import Stack
+from tests.support.proxy import PostgresProxy
+from tests.support.stack import Stack, start_stack
 
 
 async def _terminate_sessions(database: str) -> int:
@@ -132,3 +139,103 @@ async def test_database_down_tells_a_lost_session_from_a_refused_statement(stack
         assert database_down(lost.value), repr(lost.value)
     finally:
         await conn.close()
+
+
+async def test_a_database_starting_up_is_unavailable_to_callers_and_waited_out(
+    database_url: str, amqp_url: str, topology: Topology
+) -> None:
+    # 57P03 ("the database system is starting up") is what every restart and
+    # failover answers new sessions for a while: the database is down.
+    target = make_url(database_url)
+    database = target.database
+    assert database
+    proxy = PostgresProxy(target.host or "127.0.0.1", target.port or 5432)
+    await proxy.start()
+    proxied = target.set(host="127.0.0.1", port=proxy.port).render_as_string(False)
+    engine = create_engine(proxied, pool_size=4)
+    stack = await start_stack(engine, proxied, amqp_url, topology)
+    channel = grpc.aio.insecure_channel(stack.server.address)
+    try:
+        client = stack.client()
+        first = await client.submit("demo.echo", {"warm": True})
+        assert (await client.wait(first.name, timeout=20)).state is JobState.SUCCEEDED
+
+        proxy.starting_up = True
+        assert await _terminate_sessions(database) > 0  # the restart: every session ends
+        stub = jobs_pb2_grpc.JobServiceStub(channel)
+        metadata = (("authorization", f"Bearer {stack.key}"),)
+        codes: Counter[str] = Counter()
+        for i in range(10):
+            request = jobs_pb2.SubmitJobRequest(type="demo.echo", request_id=f"starting-{i}")
+            try:
+                await stub.SubmitJob(request, metadata=metadata, timeout=10)
+                codes["OK"] += 1
+            except grpc.aio.AioRpcError as exc:
+                codes[exc.code().name] += 1
+            try:
+                await stub.GetJob(
+                    jobs_pb2.GetJobRequest(name=first.name), metadata=metadata, timeout=10
+                )
+                codes["OK"] += 1
+            except grpc.aio.AioRpcError as exc:
+                codes[exc.code().name] += 1
+            await asyncio.sleep(0.1)
+        assert proxy.refused > 0, "no session was refused: the test proved nothing"
+        assert codes["UNAVAILABLE"] > 0
+        assert set(codes) <= {"OK", "UNAVAILABLE"}, codes
+
+        proxy.starting_up = False  # the database is up again
+        job = await client.submit("demo.echo", {"after": True})
+        assert (await client.wait(job.name, timeout=60)).state is JobState.SUCCEEDED
+    finally:
+        await channel.close()
+        await stack.close()
+        await engine.dispose()
+        await proxy.cut()
+
+
+async def _line_with(stream: asyncio.StreamReader, text: str, seen: list[str]) -> None:
+    while True:
+        line = (await stream.readline()).decode()
+        if not line:
+            raise AssertionError(f"the process ended before saying {text!r}: {seen}")
+        seen.append(line)
+        if text in line:
+            return
+
+
+async def test_the_sweep_loop_waits_out_a_database_starting_up(
+    database_url: str, amqp_url: str, topology: Topology, tmp_path: Path
+) -> None:
+    target = make_url(database_url)
+    proxy = PostgresProxy(target.host or "127.0.0.1", target.port or 5432)
+    proxy.starting_up = True
+    await proxy.start()
+    path = tmp_path / "topology.toml"
+    path.write_text(topology_toml(topology))
+    env = {
+        **os.environ,
+        "JOBPLANE_DATABASE_URL": target.set(host="127.0.0.1", port=proxy.port).render_as_string(
+            False
+        ),
+        "JOBPLANE_AMQP_URL": amqp_url,
+        "JOBPLANE_TOPOLOGY": str(path),
+        "JOBPLANE_METRICS_LISTEN": "off",
+    }
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "jobplane", "sweep", "--interval", "0.2",
+        env=env, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    assert process.stderr is not None
+    seen: list[str] = []
+    try:
+        await asyncio.wait_for(_line_with(process.stderr, "database unavailable", seen), 60)
+        proxy.starting_up = False
+        await asyncio.wait_for(_line_with(process.stderr, "leases: 0 requeued", seen), 60)
+        assert process.returncode is None
+        assert proxy.refused > 0
+    finally:
+        if process.returncode is None:
+            process.terminate()
+        await asyncio.wait_for(process.wait(), 30)
+        await proxy.cut()

@@ -64,6 +64,25 @@ def test_broker_down_tells_an_outage_from_a_refusal(error: BaseException, down: 
     assert broker.broker_down(error) is down
 
 
+async def test_a_stream_that_ended_before_a_frame_is_the_broker_down() -> None:
+    # What aiormq raises when an address accepts the connection and closes it
+    # before the handshake (a proxy in front of a broker that is down).
+    reader = asyncio.StreamReader()
+    reader.feed_eof()
+    with pytest.raises(StopAsyncIteration) as raised:
+        await aiormq.connection.FrameReceiver(reader).get_frame()
+    assert broker.broker_down(raised.value)
+
+
+async def test_a_stop_async_iteration_of_our_own_is_no_outage() -> None:
+    async def ours() -> None:
+        raise StopAsyncIteration
+
+    with pytest.raises(StopAsyncIteration) as raised:
+        await ours()
+    assert not broker.broker_down(raised.value)
+
+
 def test_access_refused() -> None:
     assert broker.access_refused(aiormq.exceptions.ChannelAccessRefused("ACCESS_REFUSED"))
     assert not broker.access_refused(aiormq.exceptions.ChannelNotFoundEntity("NOT_FOUND"))

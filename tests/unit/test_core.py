@@ -110,6 +110,7 @@ def test_settings_from_env() -> None:
             "JOBPLANE_MAX_PAYLOAD_BYTES": "1024",
             "JOBPLANE_FAULTS": "a, b",
             "JOBPLANE_DB_POOL_SIZE": "7",
+            "JOBPLANE_DB_ENGINE_POOL_SIZE": "3",
         }
     )
     assert settings.database_url == "postgresql://u@h/db"
@@ -117,12 +118,17 @@ def test_settings_from_env() -> None:
     assert settings.max_payload_bytes == 1024
     assert settings.faults == frozenset({"a", "b"})
     assert settings.db_pool_size == 7
+    assert settings.db_engine_pool_size == 3
+    # Small by default: docs/operations.md's bounds of each process follow from them.
+    assert (Settings().db_pool_size, Settings().db_engine_pool_size) == (6, 2)
     assert Settings.from_env({}).listen == "127.0.0.1:50051"
     with pytest.raises(ConfigError):
         Settings.from_env({"JOBPLANE_MAX_PAYLOAD_BYTES": "lots"})
     for bad in ("0", "-1", "many"):
         with pytest.raises(ConfigError):
             Settings.from_env({"JOBPLANE_DB_POOL_SIZE": bad})
+        with pytest.raises(ConfigError):
+            Settings.from_env({"JOBPLANE_DB_ENGINE_POOL_SIZE": bad})
 
 
 def test_log_settings_are_checked_at_start() -> None:

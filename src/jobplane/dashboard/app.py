@@ -340,6 +340,7 @@ async def standalone_backend(
     *,
     limiter: TenantLimiter,
     max_payload_bytes: int,
+    db_pool_size: int = 10,
 ) -> Backend:
     """A backend of its own for ``jobplane ui`` (no gRPC server in the process):
     the same services and listeners a server has, closed with ``stack``."""
@@ -356,7 +357,7 @@ async def standalone_backend(
     keys = KeyStore(engine)
     key_events.on_notify(keys.forget)
     key_events.on_reset(keys.clear_cache)
-    db = await stack.enter_async_context(Database(database_url))
+    db = await stack.enter_async_context(Database(database_url, size=db_pool_size))
     jobs = JobService(JobStore(engine, db), hub, topology, max_payload_bytes=max_payload_bytes)
     events = EventService(EventStore(engine), event_hub, max_payload_bytes=max_payload_bytes)
     jobs.open()

@@ -49,7 +49,7 @@ from asyncpg.pool import PoolConnectionProxy
 from sqlalchemy.exc import DBAPIError, IntegrityError
 from sqlalchemy.sql.elements import TextClause
 
-from jobplane.store.engine import asyncpg_dsn
+from jobplane.store.dsn import connect_options
 
 # The bind syntax of SQLAlchemy's text() (its own two expressions): ":name",
 # not "::type", and "\:name" for a colon that is not a bind.
@@ -224,7 +224,7 @@ class Database:
     """
 
     def __init__(self, url: str, *, size: int = 10, acquire_timeout: float = 30.0) -> None:
-        self._dsn = asyncpg_dsn(url)
+        self._connect = connect_options(url)
         self._size = size
         self._acquire_timeout = acquire_timeout
         self._pool: asyncpg.Pool | None = None
@@ -262,7 +262,8 @@ class Database:
         async with self._opening:
             if self._pool is None:
                 self._pool = await asyncpg.create_pool(
-                    self._dsn,
+                    self._connect.dsn,
+                    **self._connect.kwargs,
                     min_size=0,
                     max_size=self._size,
                     init=_init,

@@ -51,6 +51,8 @@ def database_down(exc: BaseException) -> bool:
     current: BaseException | None = exc
     while current is not None and id(current) not in seen:
         seen.add(id(current))
+        if _tls_refused(current):
+            return False
         if isinstance(current, DBAPIError):
             if current.connection_invalidated:
                 return True
@@ -60,6 +62,16 @@ def database_down(exc: BaseException) -> bool:
             return True
         current = current.__cause__ or current.__context__
     return False
+
+
+def _tls_refused(exc: BaseException) -> bool:
+    """Whether the server answered that it has no TLS to a URL that requires it.
+
+    That is the server's configuration, not an outage: it answers the same
+    to every try (sslmode=require against a server without TLS), so it is said
+    once rather than waited out. asyncpg raises it as a bare ConnectionError.
+    """
+    return isinstance(exc, ConnectionError) and "rejected SSL upgrade" in str(exc)
 
 
 def _down(exc: BaseException) -> bool:

@@ -1,4 +1,10 @@
-"""Engines, connections, database creation and migrations."""
+"""Engines, connections, database creation and migrations.
+
+Every connection is opened by ``asyncpg.connect`` from the DSN
+:func:`jobplane.store.dsn.connect_options` makes of the configured URL, so
+libpq's URL forms (sslmode, several hosts, target_session_attrs) work the same
+for SQLAlchemy's pool, the hot statements' pool and the LISTEN connection.
+"""
 
 from __future__ import annotations
 
@@ -9,21 +15,28 @@ from typing import Any
 import asyncpg
 from sqlalchemy import event
 from sqlalchemy.engine import make_url
-from sqlalchemy.exc import DisconnectionError
+from sqlalchemy.exc import ArgumentError, DisconnectionError
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 from sqlalchemy.pool import ConnectionPoolEntry, PoolProxiedConnection
 
-
-def sqlalchemy_url(url: str) -> str:
-    """``postgresql://…`` as SQLAlchemy's asyncpg URL."""
-    parsed = make_url(url)
-    return parsed.set(drivername="postgresql+asyncpg").render_as_string(hide_password=False)
+from jobplane.store.dsn import connect_options, database_name, with_database
 
 
 def asyncpg_dsn(url: str) -> str:
-    """``postgresql+asyncpg://…`` as a plain libpq-style DSN for asyncpg."""
-    parsed = make_url(url)
-    return parsed.set(drivername="postgresql").render_as_string(hide_password=False)
+    """``url`` (libpq's form, or ``postgresql+asyncpg://…``) as the DSN asyncpg parses."""
+    return connect_options(url).dsn
+
+
+def _engine_url(url: str) -> str:
+    """What the engine shows as its URL (it never connects by it: see create_engine).
+
+    A URL SQLAlchemy cannot parse (several hosts) shows as the bare dialect.
+    """
+    try:
+        parsed = make_url(url)
+    except (ArgumentError, ValueError):
+        return "postgresql+asyncpg://"
+    return parsed.set(drivername="postgresql+asyncpg").render_as_string(hide_password=False)
 
 
 def create_engine(url: str, *, pool_size: int = 10, **kwargs: Any) -> AsyncEngine:
@@ -38,9 +51,20 @@ def create_engine(url: str, *, pool_size: int = 10, **kwargs: Any) -> AsyncEngin
     a failover, ``pg_terminate_backend``) is not handed out: the pool checks
     asyncpg's own view of the socket at checkout, which costs no round trip,
     and connects again instead of failing the caller's statement.
+
+    Connections are opened by asyncpg from the libpq-style URL (module
+    docstring): SQLAlchemy would hand the URL's parameters (``sslmode``) to
+    asyncpg as keyword arguments it does not take.
     """
+    options = connect_options(url)
+
+    async def connect() -> asyncpg.Connection:
+        conn: asyncpg.Connection = await asyncpg.connect(options.dsn, **options.kwargs)
+        return conn
+
     engine = create_async_engine(
-        sqlalchemy_url(url),
+        _engine_url(url),
+        async_creator=connect,
         pool_size=pool_size,
         max_overflow=0,
         pool_pre_ping=False,
@@ -62,19 +86,17 @@ def _refuse_closed(
 
 async def connect_raw(url: str) -> asyncpg.Connection:
     """A dedicated asyncpg connection (for LISTEN), outside the pool."""
-    conn: asyncpg.Connection = await asyncpg.connect(asyncpg_dsn(url))
+    options = connect_options(url)
+    conn: asyncpg.Connection = await asyncpg.connect(options.dsn, **options.kwargs)
     return conn
 
 
 async def ensure_database(url: str) -> bool:
     """Create the database named in ``url`` when it is missing; True if created."""
-    parsed = make_url(url)
-    name = parsed.database
+    name = database_name(url)
     if not name:
         raise ValueError("the database URL names no database")
-    admin = await asyncpg.connect(
-        asyncpg_dsn(parsed.set(database="postgres").render_as_string(False))
-    )
+    admin = await connect_raw(with_database(url, "postgres"))
     try:
         exists = await admin.fetchval("SELECT 1 FROM pg_database WHERE datname = $1", name)
         if exists:

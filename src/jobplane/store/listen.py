@@ -4,6 +4,12 @@ A notification carries only a key (a job id, or nothing) and means "read
 again"; the tables are the truth. When the connection comes back every
 subscriber is woken, and subscribers also re-read on a slow timer of their
 own, so a lost notification costs latency, never correctness.
+
+Every :class:`Listener` of a process (an event loop) on one database shares
+that one connection, whatever its channel: a server listens on three
+channels, a relay on two, `jobplane dev` in one process on six, and each
+would otherwise hold a Postgres backend of its own for it
+(docs/operations.md, "Connections per process").
 """
 
 from __future__ import annotations
@@ -11,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import uuid
+import weakref
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 
@@ -61,18 +68,31 @@ class Listener:
         self._subs: defaultdict[str | None, set[Subscription]] = defaultdict(set)
         self._callbacks: list[Callable[[str], None]] = []
         self._reset_callbacks: list[Callable[[], None]] = []
-        self._task: asyncio.Task[None] | None = None
+        self._link: _Link | None = None
         self._connected = asyncio.Event()
+
+    @property
+    def channel(self) -> str:
+        """The channel this listener LISTENs on."""
+        return self._channel
 
     async def start(self) -> None:
         """Start listening; returns once the first LISTEN is in place."""
-        self._task = asyncio.create_task(self._run(), name=f"listen-{self._channel}")
+        self._link = _Link.of(self._url, self._reconnect_delay)
+        await self._link.attach(self)
         await asyncio.wait_for(self._connected.wait(), timeout=30)
 
     async def stop(self) -> None:
         """Stop listening and wake every subscriber."""
-        await cancel_and_wait(self._task)
-        self._task = None
+        link, self._link = self._link, None
+        if link is not None:
+            await link.detach(self)
+        self.wake_all()
+
+    def _listening(self) -> None:
+        """The LISTEN is in place (again): anything committed meanwhile is read again."""
+        log.info("listen.connected", channel=self._channel)
+        self._connected.set()
         self.wake_all()
 
     @contextlib.contextmanager
@@ -120,37 +140,110 @@ class Listener:
         for callback in self._reset_callbacks:
             callback()
 
+
+class _Link:
+    """The LISTEN connection its process's Listeners on one database share.
+
+    It connects when the first listener attaches and closes when the last
+    detaches. Whatever goes wrong, it reconnects (the processes that rely on
+    it have no other way to hear of changes) and LISTENs on every attached
+    channel again; each listener wakes its subscribers when its connection is
+    lost and again when it is back.
+    """
+
+    _links: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[str, _Link]] = (
+        weakref.WeakKeyDictionary()
+    )
+
+    def __init__(self, url: str, reconnect_delay: float) -> None:
+        self._url = url
+        self._reconnect_delay = reconnect_delay
+        self._listeners: list[Listener] = []
+        self._conn: asyncpg.Connection | None = None
+        # One operation at a time on the connection: LISTEN, UNLISTEN, the ping.
+        self._lock = asyncio.Lock()
+        self._task: asyncio.Task[None] | None = None
+
+    @classmethod
+    def of(cls, url: str, reconnect_delay: float) -> _Link:
+        """This event loop's link to ``url`` (made at first use)."""
+        links = cls._links.setdefault(asyncio.get_running_loop(), {})
+        link = links.get(url)
+        if link is None:
+            link = links[url] = cls(url, reconnect_delay)
+        return link
+
+    async def attach(self, listener: Listener) -> None:
+        """LISTEN on ``listener``'s channel too, now if connected, else at connect."""
+        async with self._lock:
+            self._listeners.append(listener)
+            conn = self._conn
+            if conn is not None and not conn.is_closed():
+                try:
+                    await conn.add_listener(listener.channel, listener._on_notify)
+                except Exception as exc:
+                    # The connection is going: the reconnect LISTENs on it.
+                    log.warning("listen.error", channel=listener.channel, error=repr(exc))
+                else:
+                    listener._listening()
+        if self._task is None or self._task.done():
+            self._task = asyncio.create_task(self._run(), name="listen")
+
+    async def detach(self, listener: Listener) -> None:
+        """UNLISTEN ``listener``'s channel; the last one out closes the connection."""
+        async with self._lock:
+            if listener in self._listeners:
+                self._listeners.remove(listener)
+            conn = self._conn
+            if self._listeners and conn is not None and not conn.is_closed():
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(
+                        conn.remove_listener(listener.channel, listener._on_notify), timeout=2
+                    )
+            if self._listeners:
+                return
+            links = self._links.get(asyncio.get_running_loop(), {})
+            if links.get(self._url) is self:
+                del links[self._url]
+            task, self._task = self._task, None
+        await cancel_and_wait(task)
+
     async def _run(self) -> None:
         while True:
             conn: asyncpg.Connection | None = None
+            channels: list[str] = []
             try:
                 conn = await connect_raw(self._url)
                 lost = asyncio.Event()
                 conn.add_termination_listener(lambda _c, lost=lost: lost.set())
-                await conn.add_listener(self._channel, self._on_notify)
-                log.info("listen.connected", channel=self._channel)
-                self._connected.set()
-                # Anything committed while we were not listening: read again.
-                self.wake_all()
+                async with self._lock:
+                    listening = list(self._listeners)
+                    for listener in listening:
+                        await conn.add_listener(listener.channel, listener._on_notify)
+                    self._conn = conn
+                channels = [listener.channel for listener in listening]
+                for listener in listening:
+                    listener._listening()
                 while not lost.is_set():
                     with contextlib.suppress(TimeoutError):
                         await asyncio.wait_for(lost.wait(), timeout=5)
                     if not lost.is_set():
                         # A half-open socket shows itself only when used.
-                        await asyncio.wait_for(conn.fetchval("SELECT 1"), timeout=5)
-                log.warning("listen.lost", channel=self._channel)
+                        async with self._lock:
+                            await asyncio.wait_for(conn.fetchval("SELECT 1"), timeout=5)
+                log.warning("listen.lost", channels=channels)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
-                # Whatever went wrong, the listener reconnects: the processes
-                # that rely on it have no other way to hear of changes.
                 if database_down(exc) or sqlstate(exc) is not None:
-                    log.warning("listen.error", channel=self._channel, error=describe_error(exc))
+                    log.warning("listen.error", channels=channels, error=describe_error(exc))
                 else:
-                    log.error("listen.error", channel=self._channel, exc_info=exc)
+                    log.error("listen.error", channels=channels, exc_info=exc)
             finally:
+                self._conn = None
                 if conn is not None and not conn.is_closed():
                     with contextlib.suppress(Exception):
                         await asyncio.wait_for(conn.close(), timeout=2)
-            self.wake_all()
+            for listener in list(self._listeners):
+                listener.wake_all()
             await asyncio.sleep(self._reconnect_delay)

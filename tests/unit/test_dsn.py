@@ -1,0 +1,83 @@
+"""Database URLs in libpq's form, made into what asyncpg is given."""
+
+from __future__ import annotations
+
+import pytest
+
+from jobplane.config import ConfigError, Settings
+from jobplane.store.dsn import connect_options, database_name, redacted, with_database
+
+
+@pytest.mark.parametrize(
+    ("url", "dsn"),
+    [
+        ("postgresql://u:p@h/db", "postgresql://u:p@h/db"),
+        ("postgres://u@h:5433/db?sslmode=require", "postgresql://u@h:5433/db?sslmode=require"),
+        ("postgresql+asyncpg://u@h/db", "postgresql://u@h/db"),
+        (
+            "postgresql://u@h1:5432,h2:5433/db?target_session_attrs=read-write",
+            "postgresql://u@h1:5432,h2:5433/db?target_session_attrs=read-write",
+        ),
+        (
+            "postgresql://u@h/db?sslmode=verify-full&sslrootcert=%2Fetc%2Fca.pem"
+            "&sslcert=/c.pem&sslkey=/k.pem",
+            "postgresql://u@h/db?sslmode=verify-full&sslrootcert=%2Fetc%2Fca.pem"
+            "&sslcert=/c.pem&sslkey=/k.pem",
+        ),
+        # libpq's own parameters asyncpg does not take are translated or dropped.
+        (
+            "postgresql://u@h/db?sslmode=require&channel_binding=prefer&connect_timeout=10",
+            "postgresql://u@h/db?sslmode=require",
+        ),
+    ],
+)
+def test_a_libpq_url_becomes_a_dsn_asyncpg_parses(url: str, dsn: str) -> None:
+    assert connect_options(url).dsn == dsn
+
+
+def test_connect_timeout_becomes_asyncpgs_timeout() -> None:
+    assert connect_options("postgresql://h/db?connect_timeout=10").kwargs == {"timeout": 10.0}
+    assert connect_options("postgresql://h/db?connect_timeout=0").kwargs == {}
+
+
+@pytest.mark.parametrize(
+    ("url", "says"),
+    [
+        ("mysql://h/db", "starts with postgresql://"),
+        ("postgresql://h/db?sslmode=on", "sslmode must be one of"),
+        ("postgresql://h/db?target_session_attrs=primary-ish", "target_session_attrs must be"),
+        ("postgresql://h/db?channel_binding=require", "channel_binding=require is not supported"),
+        ("postgresql://h/db?connect_timeout=soon", "connect_timeout must be seconds"),
+    ],
+)
+def test_a_url_that_cannot_work_is_refused_before_connecting(url: str, says: str) -> None:
+    with pytest.raises(ValueError, match=says):
+        connect_options(url)
+
+
+def test_the_configuration_refuses_such_a_url_without_quoting_it() -> None:
+    url = "postgresql://u:secret@h/db?sslmode=on"
+    with pytest.raises(ConfigError, match="JOBPLANE_DATABASE_URL: sslmode") as refused:
+        Settings.from_env({"JOBPLANE_DATABASE_URL": url})
+    assert "secret" not in str(refused.value)
+    ok = "postgresql://u@h1:5432,h2:5433/db?sslmode=prefer&target_session_attrs=read-write"
+    assert Settings.from_env({"JOBPLANE_DATABASE_URL": ok}).database_url == ok
+
+
+def test_the_database_of_a_url_of_several_hosts() -> None:
+    url = "postgresql://u@h1:5432,h2:5433/jobs?sslmode=require"
+    assert database_name(url) == "jobs"
+    assert (
+        with_database(url, "postgres") == "postgresql://u@h1:5432,h2:5433/postgres?sslmode=require"
+    )
+    assert database_name("postgresql://u@h/?dbname=other") == "other"
+    assert (
+        with_database("postgresql://u@h/?dbname=other", "postgres") == "postgresql://u@h/postgres"
+    )
+
+
+def test_a_url_is_shown_without_its_passwords() -> None:
+    url = "postgresql://u:s3cret@h1:5432,h2:5433/db?sslpassword=k3y&sslmode=require"
+    shown = redacted(url)
+    assert shown == "postgresql://u:***@h1:5432,h2:5433/db?sslpassword=***&sslmode=require"
+    assert redacted("postgresql://u@h/db?password=s3cret") == "postgresql://u@h/db?password=***"
