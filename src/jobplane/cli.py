@@ -178,10 +178,12 @@ def _failed_queue_depth(
 
 
 def _tracing(service_name: str, settings: Settings) -> None:
-    """Tracing on when the OTEL_* variables ask for it (docs/tracing.md)."""
-    from jobplane.observe.tracing import configure_tracing
+    """Tracing on when the OTEL_* variables ask for it (docs/tracing.md), the
+    store's transitions with it; off, the store is given no observer."""
+    from jobplane.observe.tracing import configure_tracing, register_transitions
 
-    configure_tracing(service_name, settings)
+    if configure_tracing(service_name, settings):
+        register_transitions()
 
 
 async def _started(
