@@ -205,8 +205,9 @@ def _needs(what: str, extra: str, modules: tuple[str, ...]) -> None:
 
 
 def _tracing(service_name: str, settings: Settings) -> None:
-    """Tracing on when the OTEL_* variables ask for it (docs/tracing.md)."""
-    from jobplane.observe.tracing import configure_tracing
+    """Tracing on when the OTEL_* variables ask for it (docs/tracing.md), the
+    store's transitions with it; off, the store is given no observer."""
+    from jobplane.observe.tracing import configure_tracing, register_transitions
 
     if settings.trace_exporters:
         exporters = ("opentelemetry.exporter.otlp.proto.http",)
@@ -216,7 +217,8 @@ def _tracing(service_name: str, settings: Settings) -> None:
             ("opentelemetry.sdk", *(exporters if "otlp" in settings.trace_exporters else ())),
         )
 
-    configure_tracing(service_name, settings)
+    if configure_tracing(service_name, settings):
+        register_transitions()
 
 
 async def _started(

@@ -21,10 +21,12 @@ from jobplane.store.machine import (
     where_phases,
     where_sources,
 )
+from jobplane.store.machine.stages import STAGE_STEPS, STAGE_WRITES, stage_update
 from jobplane.types import JobState
 
-_STORE = Path(machine.__file__).parent
-_OTHERS = sorted(p for p in _STORE.glob("*.py") if p.name != "machine.py")
+# The machine is a package of the store; every other module is checked.
+_STORE = Path(machine.__file__).parent.parent
+_OTHERS = sorted(_STORE.glob("*.py"))
 # What only the machine may write: a job's state, its row, its events.
 _FORBIDDEN = {
     "a job state literal": re.compile(
@@ -93,3 +95,29 @@ def test_each_statement_sets_the_declared_state_and_matches_the_declared_sources
             Transition.UNPARK,
         ):
             assert f"'{rule.target.value}'" in sql, transition
+
+
+def test_stage_writes_come_from_the_stage_table() -> None:
+    machine_ = StateMachine()
+    for transition, step in STAGE_STEPS.items():
+        sql = stage_update(step)
+        # Each stage it touches gets the state the table declares, and the
+        # transition's statement carries that update.
+        for becomes in step.becomes.values():
+            assert f"'{becomes.state}'" in sql, transition
+        assert STAGE_WRITES[transition] == (sql, step.columns)
+        assert sql.replace("{j}", "j") in machine_.statement(transition).text, transition
+    cancel = stage_update(STAGE_STEPS[Transition.CANCEL])
+    assert "'cancelled' ELSE 'skipped'" in cancel
+    assert "s.state NOT IN ('succeeded', 'failed')" in cancel
+    # Only a pipeline job's transitions that leave its stage as it was have no step.
+    assert set(Transition) - set(STAGE_STEPS) == {
+        Transition.SUBMIT,
+        Transition.PROGRESS,
+        Transition.HAND_BACK,
+        Transition.PARK,
+        Transition.UNPARK,
+        Transition.REQUEST_CANCEL,
+        Transition.REDISPATCH,
+        Transition.WAIT,
+    }

@@ -17,7 +17,8 @@ own propagator, never formatted by hand:
   propagators ``OTEL_PROPAGATORS`` names (W3C's by default);
 - the current span → the ``headers`` of the outbox row a transition writes,
   and the ``traceparent`` of its domain events (:func:`trace_binds`, read by
-  the state machine's hooks inside the transition's statement);
+  the state machine's hooks inside the transition's statement, through
+  :class:`TransitionTracing`, the observer the process registers);
 - an outbox row's headers → the relay's ``outbox publish`` span → the AMQP
   message's headers (:func:`publish_span`);
 - a delivered message's headers → the worker's ``job claim``, ``job run
@@ -48,6 +49,7 @@ from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from jobplane import __version__
+from jobplane.store import observers
 
 if TYPE_CHECKING:
     from aio_pika.abc import AbstractIncomingMessage
@@ -79,8 +81,9 @@ MAX_TRACESTATE = 512
 # version is cut to its first 55 by the propagator, but nothing that long is read.
 _MAX_TRACEPARENT = 512
 
-#: What a transition's statement binds when there is no trace context.
-NO_TRACE: Mapping[str, Any] = {"trace_parent": None, "trace_state": None, "trace_inherit": False}
+#: What a transition's statement binds when there is no trace context (the
+#: store's own, for when nothing observes its transitions).
+NO_TRACE: Mapping[str, Any] = observers.NO_TRACE
 #: Message headers when there is nothing to carry.
 NO_HEADERS: Mapping[str, str] = {}
 
@@ -400,6 +403,30 @@ def applied(transition: Transition) -> None:
     span = trace.get_current_span()
     if span.is_recording():
         span.set_attribute(TRANSITION, transition.value)
+
+
+class TransitionTracing:
+    """The store's :class:`~jobplane.store.observers.Observer` when tracing is on.
+
+    Registered by the process where it turns tracing on
+    (:func:`register_transitions`): the store imports no tracing, and with
+    none registered calls nothing.
+    """
+
+    def binds(self) -> Mapping[str, Any]:
+        """:func:`trace_binds`."""
+        return trace_binds()
+
+    def applied(self, transition: Transition) -> None:
+        """:func:`applied`, while tracing is on."""
+        if ENABLED:
+            applied(transition)
+
+
+def register_transitions() -> None:
+    """Trace the store's transitions: their dispatches and events carry the
+    current span's context, and the span names the transition."""
+    observers.register(TransitionTracing())
 
 
 # --- the relay ---------------------------------------------------------------
