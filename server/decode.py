@@ -155,14 +155,31 @@ _JSON_LEVELS = frozenset({"google.protobuf.Struct", "google.protobuf.ListValue"}
 _JSON = _JSON_LEVELS | {"google.protobuf.Value"}
 
 
-# Messages read at most in search of a JSON value too deep: a deep one takes
-# about three per level, and a body this search cannot settle quickly is
-# left MALFORMED_REQUEST rather than read at length on the event loop.
-_MAX_MESSAGES_READ = 20_000
+# Fields (of any wire type) and messages read at most in search of a JSON
+# value too deep: a deep one takes about three messages of one or two fields
+# per level, and a body this search cannot settle quickly is left
+# MALFORMED_REQUEST rather than read at length on the event loop. Every field
+# counts, the ones stepped over too: a body of a million one-byte fields is
+# as long to walk as one of a million messages.
+MAX_FIELDS_READ = 50_000
 
 
 class _Broken(Exception):
-    """The body is not protobuf's wire format."""
+    """The body is not protobuf's wire format (or is too long to read through)."""
+
+
+class _Budget:
+    """What is left of :data:`MAX_FIELDS_READ` for one search."""
+
+    __slots__ = ("left",)
+
+    def __init__(self, left: int) -> None:
+        self.left = left
+
+    def spend(self) -> None:
+        self.left -= 1
+        if self.left < 0:
+            raise _Broken
 
 
 def too_deep_json(message: Descriptor, body: bytes, *, limit: int = MAX_JSON_DEPTH) -> str | None:
@@ -178,7 +195,7 @@ def too_deep_json(message: Descriptor, body: bytes, *, limit: int = MAX_JSON_DEP
     body that takes more than a bounded number of messages to read through.
     """
     data = memoryview(body)
-    budget = _MAX_MESSAGES_READ
+    budget = _Budget(MAX_FIELDS_READ)
     # A message to read: where it is, its type, its path (or, inside a JSON
     # value, the path of the field holding that value) and its JSON levels.
     pending: list[tuple[int, int, Descriptor, str, bool, int]] = [
@@ -187,11 +204,9 @@ def too_deep_json(message: Descriptor, body: bytes, *, limit: int = MAX_JSON_DEP
     try:
         while pending:
             start, end, descriptor, path, in_json, levels = pending.pop()
-            budget -= 1
-            if budget < 0:
-                return None
+            budget.spend()
             seen: dict[int, int] = {}
-            for number, inner_start, inner_end in _length_delimited(data, start, end):
+            for number, inner_start, inner_end in _length_delimited(data, start, end, budget):
                 field = descriptor.fields_by_number.get(number)
                 inner = None if field is None else field.message_type
                 if field is None or inner is None:
@@ -224,11 +239,15 @@ def too_deep_json(message: Descriptor, body: bytes, *, limit: int = MAX_JSON_DEP
     return None
 
 
-def _length_delimited(data: memoryview, start: int, end: int) -> Iterator[tuple[int, int, int]]:
+def _length_delimited(
+    data: memoryview, start: int, end: int, budget: _Budget
+) -> Iterator[tuple[int, int, int]]:
     """The length-delimited fields of the message in ``data[start:end]``: (number,
-    where its bytes start, where they end). Other fields are stepped over."""
+    where its bytes start, where they end). Other fields are stepped over, each
+    spending ``budget`` as one read does."""
     at = start
     while at < end:
+        budget.spend()
         tag, at = _varint(data, at, end)
         number, wire = tag >> 3, tag & 7
         if wire == 0:

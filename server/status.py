@@ -15,7 +15,7 @@ from grpc_status import rpc_status
 
 from jobplane.errors import ERROR_DOMAIN, InternalError, JobplaneError
 from jobplane.logs import describe_error
-from jobplane.store.down import DatabaseUnavailable, database_down
+from jobplane.store.down import DatabaseUnavailable, database_down, pool_exhausted
 
 log = structlog.get_logger("jobplane.server")
 
@@ -31,6 +31,9 @@ def error_for(exc: Exception, rpc: str) -> JobplaneError:
         return exc
     if database_down(exc):
         log.warning("rpc.database_unavailable", rpc=rpc, error=describe_error(exc))
+        return DB_UNAVAILABLE
+    if pool_exhausted(exc):  # the database answers: the pool is too small for the load
+        log.warning("rpc.database_pool_exhausted", rpc=rpc, error=describe_error(exc))
         return DB_UNAVAILABLE
     log.error("rpc.failed", rpc=rpc, exc_info=exc)
     return InternalError()

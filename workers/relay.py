@@ -220,6 +220,12 @@ def relay_pool_size(in_flight: int = 4) -> int:
     return max(1, in_flight) + 2
 
 
+def relay_in_flight(pool_size: int) -> int:
+    """Batches a relay whose pool holds ``pool_size`` connections has them for: each
+    holds one through its publish and confirm, beside the feed's and the spare."""
+    return max(1, pool_size - 2)
+
+
 class Relay:
     """Moves due outbox rows to RabbitMQ; any number may run at once."""
 

@@ -272,6 +272,16 @@ def _database(stack: AsyncExitStack, settings: Settings, size: int) -> Database:
     return db
 
 
+def _relay_pool(stack: AsyncExitStack, settings: Settings) -> tuple[Database, int]:
+    """A relay's pool (at most JOBPLANE_DB_POOL_SIZE) and the batches in flight it
+    has the connections for: more batches than connections would wait for one
+    another's, and time out as a full pool."""
+    from jobplane.workers.relay import relay_in_flight, relay_pool_size
+
+    size = min(settings.db_pool_size, relay_pool_size())
+    return _database(stack, settings, size), relay_in_flight(size)
+
+
 def _server(
     settings: Settings,
     topology: Topology,
@@ -443,7 +453,7 @@ async def _ui(args: argparse.Namespace) -> int:
 async def _relay(args: argparse.Namespace) -> int:
     from jobplane.observe.metrics import watch_outbox
     from jobplane.store.engine import create_engine
-    from jobplane.workers.relay import Relay, relay_pool_size
+    from jobplane.workers.relay import Relay
     from jobplane.workers.sweeper import Sweeper
 
     settings, topology = _settings_and_topology()
@@ -454,6 +464,7 @@ async def _relay(args: argparse.Namespace) -> int:
         metrics, ops = _ops(settings, args, engine)
         watch_outbox(metrics, engine)
         _failed_queue_depth(stack, metrics, settings, topology)
+        relay_db, in_flight = _relay_pool(stack, settings)
         relay = Relay(
             engine,
             settings.database_url,
@@ -472,7 +483,8 @@ async def _relay(args: argparse.Namespace) -> int:
             sweep_interval=args.sweep_interval,
             unroutable_after=args.unroutable_after,
             metrics=metrics,
-            db=_database(stack, settings, min(settings.db_pool_size, relay_pool_size())),
+            db=relay_db,
+            in_flight=in_flight,
         )
         if ops is not None:
             ops.add_check("broker", lambda: None if relay.connected else "no broker channel")
@@ -486,9 +498,9 @@ async def _sweep(args: argparse.Namespace) -> int:
     from jobplane import broker
     from jobplane.logs import describe_error
     from jobplane.observe.metrics import watch_outbox
-    from jobplane.store.down import database_down
+    from jobplane.store.down import database_down, database_unavailable
     from jobplane.store.engine import create_engine
-    from jobplane.workers.relay import Relay, relay_pool_size
+    from jobplane.workers.relay import Relay
     from jobplane.workers.sweeper import Sweeper
 
     settings, topology = _settings_and_topology()
@@ -507,13 +519,15 @@ async def _sweep(args: argparse.Namespace) -> int:
             republish_after=args.republish_after,
             metrics=metrics,
         )
+        relay_db, in_flight = _relay_pool(stack, settings)
         relay = Relay(
             engine,
             settings.database_url,
             settings.amqp_url,
             topology,
             unroutable_after=args.unroutable_after,
-            db=_database(stack, settings, min(settings.db_pool_size, relay_pool_size())),
+            db=relay_db,
+            in_flight=in_flight,
         )
         while True:
             try:
@@ -536,7 +550,7 @@ async def _sweep(args: argparse.Namespace) -> int:
                 published = await relay.drain_once()
             except Exception as exc:
                 # A loop outlives a broker restart; a single pass reports it (main).
-                if args.once or not (broker.broker_down(exc) or database_down(exc)):
+                if args.once or not (broker.broker_down(exc) or database_unavailable(exc)):
                     raise
                 if broker.broker_down(exc):
                     _say(
@@ -718,7 +732,7 @@ def _with_ingest(registry: Any, files: list[Path], settings: Settings, topology:
 async def _dev(args: argparse.Namespace) -> int:
     from jobplane.devparts import Layout, resolve_processes
     from jobplane.store.engine import create_engine, migrate
-    from jobplane.workers.relay import Relay
+    from jobplane.workers.relay import Relay, relay_in_flight
     from jobplane.workers.sweeper import Sweeper
 
     if args.relay_part:
@@ -770,6 +784,7 @@ async def _dev(args: argparse.Namespace) -> int:
                 sweeper=Sweeper(engine, topology=topology, metrics=metrics),
                 metrics=metrics,
                 db=db,
+                in_flight=relay_in_flight(db.size),
             )
         )
         worker = (
@@ -968,7 +983,7 @@ async def _dev_relay_part(args: argparse.Namespace) -> int:
     and the sweeper."""
     from jobplane.devparts import parent_gone
     from jobplane.store.engine import create_engine
-    from jobplane.workers.relay import Relay, relay_pool_size
+    from jobplane.workers.relay import Relay
     from jobplane.workers.sweeper import Sweeper
 
     settings, topology = _settings_and_topology(log_level="warning")
@@ -977,6 +992,7 @@ async def _dev_relay_part(args: argparse.Namespace) -> int:
     async with AsyncExitStack() as stack:
         stack.push_async_callback(engine.dispose)
         metrics, ops = _ops(settings, args, engine)
+        relay_db, in_flight = _relay_pool(stack, settings)
         relay = Relay(
             engine,
             settings.database_url,
@@ -984,7 +1000,8 @@ async def _dev_relay_part(args: argparse.Namespace) -> int:
             topology,
             sweeper=Sweeper(engine, topology=topology, metrics=metrics),
             metrics=metrics,
-            db=_database(stack, settings, min(settings.db_pool_size, relay_pool_size())),
+            db=relay_db,
+            in_flight=in_flight,
         )
         if ops is not None:
             ops.add_check("relay", lambda: None if relay.connected else "no broker channel")

@@ -5,12 +5,20 @@ from __future__ import annotations
 import asyncio
 import uuid
 
+import grpc
 import pytest
 from sqlalchemy import text
 from sqlalchemy.exc import DBAPIError, IntegrityError
 
+from jobplane.server.status import error_for
 from jobplane.store.db import Database
-from jobplane.store.down import database_down, database_transient, sqlstate
+from jobplane.store.down import (
+    database_down,
+    database_transient,
+    database_unavailable,
+    pool_exhausted,
+    sqlstate,
+)
 from jobplane.store.engine import connect_raw, create_engine
 
 
@@ -86,13 +94,23 @@ async def test_a_session_ended_mid_statement_is_down_and_replaced(database_url: 
             assert await conn.fetchval("SELECT pg_backend_pid()") != pid
 
 
-async def test_a_full_pool_times_out_as_a_database_that_is_down(database_url: str) -> None:
+async def test_a_full_pool_times_out_as_exhausted_not_as_a_database_that_is_down(
+    database_url: str,
+) -> None:
     async with Database(database_url, size=1, acquire_timeout=0.1) as db:
         async with db.connect():
             with pytest.raises(DBAPIError) as waited:
                 async with db.connect():
                     pass
-        assert database_down(waited.value)
+        # The database answers: the wait was the pool's. Retried, and answered
+        # UNAVAILABLE, as an outage is, but not said to be one.
+        assert pool_exhausted(waited.value)
+        assert not database_down(waited.value)
+        assert not waited.value.connection_invalidated
+        assert database_unavailable(waited.value) and database_transient(waited.value)
+        assert error_for(waited.value, "GetJob").code is grpc.StatusCode.UNAVAILABLE
+        async with db.connect() as conn:  # the pool's connection is still good
+            assert await conn.fetchval("SELECT 1") == 1
 
 
 async def test_concurrent_first_uses_make_one_pool(database_url: str) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import socket
+
 import asyncpg
 import grpc
 import pytest
@@ -12,8 +14,8 @@ from sqlalchemy.dialects.postgresql.asyncpg import (
 from sqlalchemy.exc import DBAPIError
 
 from jobplane.server.status import error_for
-from jobplane.store.db import _wrapped
-from jobplane.store.down import database_down, database_transient
+from jobplane.store.db import Database, _wrapped
+from jobplane.store.down import database_down, database_transient, pool_exhausted
 
 # (SQLSTATE, down): a restart or failover refuses or ends sessions (57P01-57P03,
 # class 08); a statement refused for what it is stays refused.
@@ -69,3 +71,19 @@ def test_a_server_without_tls_for_a_url_that_requires_it_is_a_refusal_not_an_out
     refused = ConnectionError('PostgreSQL server at "127.0.0.1:5432" rejected SSL upgrade')
     assert not database_down(refused)
     assert database_down(ConnectionRefusedError(111, "Connect call failed"))
+
+
+async def test_a_connection_timed_out_while_being_made_is_the_database_down() -> None:
+    """The pool's wait covers making a connection too: timed out there, with room
+    in the pool, it is the database that did not answer, not a full pool."""
+    with socket.create_server(("127.0.0.1", 0)) as silent:  # accepts, never answers
+        port = silent.getsockname()[1]
+        db = Database(f"postgresql://u@127.0.0.1:{port}/db", size=1, acquire_timeout=0.3)
+        try:
+            with pytest.raises(DBAPIError) as waited:
+                async with db.connect():
+                    pass
+        finally:
+            await db.close()
+    assert database_down(waited.value)
+    assert not pool_exhausted(waited.value)

@@ -7,7 +7,7 @@ from google.protobuf.message import DecodeError
 from hypothesis import given
 from hypothesis import strategies as st
 
-from jobplane.server.decode import too_deep_json
+from jobplane.server.decode import MAX_FIELDS_READ, too_deep_json
 from jobplane.v1 import jobs_pb2, workers_pb2
 from tests.support.deep_json import deep_struct, wire_field
 
@@ -66,3 +66,13 @@ def test_the_search_reads_a_bounded_number_of_messages() -> None:
     descriptor = jobs_pb2.SubmitJobRequest.DESCRIPTOR
     assert too_deep_json(descriptor, deep + within * 100) == "payload"
     assert too_deep_json(descriptor, deep + within * 1000) is None
+
+
+def test_the_search_counts_every_field_it_steps_over() -> None:
+    """One-byte fields of no interest spend the search's budget as messages do: a
+    body of more of them than the bound is not walked through to its deep value."""
+    filler = b"\x78\x00"  # field 15 (unknown to the request), varint 0
+    deep = wire_field(2, deep_struct([True] * 60))
+    descriptor = jobs_pb2.SubmitJobRequest.DESCRIPTOR
+    assert too_deep_json(descriptor, filler * (MAX_FIELDS_READ - 1000) + deep) == "payload"
+    assert too_deep_json(descriptor, filler * MAX_FIELDS_READ + deep) is None

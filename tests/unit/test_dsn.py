@@ -48,6 +48,9 @@ def test_connect_timeout_becomes_asyncpgs_timeout() -> None:
         ("postgresql://h/db?target_session_attrs=primary-ish", "target_session_attrs must be"),
         ("postgresql://h/db?channel_binding=require", "channel_binding=require is not supported"),
         ("postgresql://h/db?connect_timeout=soon", "connect_timeout must be seconds"),
+        ("postgresql://h/a?dbname=b", "database is named more than once"),
+        ("postgresql://h/a?database=a", "database is named more than once"),
+        ("postgresql://h/?dbname=a&database=b", "database is named more than once"),
     ],
 )
 def test_a_url_that_cannot_work_is_refused_before_connecting(url: str, says: str) -> None:
@@ -74,6 +77,15 @@ def test_the_database_of_a_url_of_several_hosts() -> None:
     assert (
         with_database("postgresql://u@h/?dbname=other", "postgres") == "postgresql://u@h/postgres"
     )
+
+
+def test_a_database_named_twice_is_refused_where_it_is_read() -> None:
+    # asyncpg connects to the path's database: ensure_database must never
+    # create another one from the parameter.
+    with pytest.raises(ValueError, match="named more than once"):
+        database_name("postgresql://h/a?dbname=b")
+    with pytest.raises(ConfigError, match="JOBPLANE_DATABASE_URL: the database is named"):
+        Settings.from_env({"JOBPLANE_DATABASE_URL": "postgresql://h/a?dbname=b"})
 
 
 def test_a_url_is_shown_without_its_passwords() -> None:

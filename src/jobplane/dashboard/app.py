@@ -41,7 +41,7 @@ from jobplane.errors import (
 from jobplane.server.events import EventService
 from jobplane.server.limits import TenantLimiter
 from jobplane.server.service import JobService
-from jobplane.store.down import database_down
+from jobplane.store.down import database_unavailable
 from jobplane.store.keys import KeyIdentity, KeyStore
 from jobplane.topology import Topology
 
@@ -176,7 +176,7 @@ async def guard(
     except Unavailable as exc:
         return error_page(request, 503, "Unavailable", exc.message)
     except Exception as exc:
-        if not database_down(exc):
+        if not database_unavailable(exc):
             raise
         return error_page(request, 503, "Unavailable", "The database cannot be reached now.")
 

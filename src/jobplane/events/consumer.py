@@ -51,7 +51,7 @@ from jobplane.events.envelope import (
 )
 from jobplane.faults import NO_FAULTS, FaultPoints
 from jobplane.logs import describe_error
-from jobplane.store.down import database_down
+from jobplane.store.down import database_unavailable
 from jobplane.topology import TopologyMissing
 
 log = structlog.get_logger("jobplane.events")
@@ -407,7 +407,7 @@ class Consumer:
             try:
                 return await self._apply_once(event)
             except Exception as exc:
-                if not (isinstance(exc, _DATABASE_ERRORS) and database_down(exc)):
+                if not (isinstance(exc, _DATABASE_ERRORS) and database_unavailable(exc)):
                     raise
                 if self._stopping.is_set():
                     raise _Stopping from exc

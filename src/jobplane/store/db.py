@@ -45,11 +45,15 @@ from dataclasses import dataclass
 from typing import Any, TypeAlias
 
 import asyncpg
+import structlog
 from asyncpg.pool import PoolConnectionProxy
 from sqlalchemy.exc import DBAPIError, IntegrityError
 from sqlalchemy.sql.elements import TextClause
 
+from jobplane.store.down import PoolExhausted
 from jobplane.store.dsn import connect_options
+
+log = structlog.get_logger("jobplane.db")
 
 # The bind syntax of SQLAlchemy's text() (its own two expressions): ":name",
 # not "::type", and "\:name" for a colon that is not a bind.
@@ -283,6 +287,16 @@ class Database:
         pool = await self._opened()
         try:
             raw = await pool.acquire(timeout=self._acquire_timeout)
+        except TimeoutError as exc:
+            if pool.get_size() < self._size or pool.get_idle_size():
+                # A connection was being made, not waited for: the database.
+                raise _wrapped(exc, "(connect)", None) from exc
+            log.warning("database.pool.exhausted", size=self._size, waited=self._acquire_timeout)
+            exhausted = PoolExhausted(
+                f"no connection of the pool's {self._size} came free "
+                f"in {self._acquire_timeout:g} s (JOBPLANE_DB_POOL_SIZE)"
+            )
+            raise DBAPIError("(connect)", None, exhausted, hide_parameters=True) from exhausted
         except _FAILURES as exc:
             raise _wrapped(exc, "(connect)", None) from exc
         try:

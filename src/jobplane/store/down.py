@@ -2,11 +2,16 @@
 
 A statement can fail because Postgres refused *it* (a constraint, a bug: the
 same statement fails again) or because the database could not be reached or
-dropped the session (a restart, a failover, ``pg_terminate_backend``, no
-pooled connection free in time: the same statement works later). Callers
-treat the second kind alike everywhere — the server answers UNAVAILABLE so
-clients repeat the call; workers, relays and sweepers wait and try again —
-so it is decided here, once.
+dropped the session (a restart, a failover, ``pg_terminate_backend``: the
+same statement works later). Callers treat the second kind alike everywhere
+— the server answers UNAVAILABLE so clients repeat the call; workers, relays
+and sweepers wait and try again — so it is decided here, once.
+
+No connection of a process's own pool coming free in time is neither: the
+database answers, the process asks more of it at once than its pool holds.
+It is retried as the database down is (:func:`database_unavailable`), but
+said as what it is (:class:`PoolExhausted`), so that an operator raises the
+pool's size rather than looks for an outage.
 """
 
 from __future__ import annotations
@@ -41,12 +46,38 @@ class DatabaseUnavailable(Unavailable):
     """The database is unreachable or busy right now; the call may be repeated."""
 
 
+class PoolExhausted(Exception):
+    """Every connection of the pool was in use for as long as a statement may wait
+    for one: the process needs more connections at once than its pool holds."""
+
+
+def pool_exhausted(exc: BaseException) -> bool:
+    """True when ``exc`` is (or wraps) :class:`PoolExhausted`."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, PoolExhausted):
+            return True
+        orig = current.orig if isinstance(current, DBAPIError) else None
+        current = orig if isinstance(orig, BaseException) else current.__cause__
+    return False
+
+
+def database_unavailable(exc: BaseException) -> bool:
+    """True when the same call may work later with nothing changed: the database is
+    down (:func:`database_down`) or the process's pool had no connection free."""
+    return pool_exhausted(exc) or database_down(exc)
+
+
 def database_down(exc: BaseException) -> bool:
     """True when ``exc`` means the database (not the statement) failed.
 
     Looks through SQLAlchemy's wrapper and the exception chain, since drivers
     wrap the socket error that says what happened.
     """
+    if pool_exhausted(exc):
+        return False  # the wait that timed out was the pool's (its TimeoutError is an OSError)
     seen: set[int] = set()
     current: BaseException | None = exc
     while current is not None and id(current) not in seen:
@@ -96,7 +127,7 @@ def database_transient(exc: BaseException) -> bool:
     transient refusal); False when Postgres or the driver refused the statement for
     what it is (an error without a SQLSTATE that is not a lost connection is the
     driver refusing a value: it would refuse it again)."""
-    if database_down(exc):
+    if database_unavailable(exc):
         return True
     state = sqlstate(exc)
     return state is not None and state[:2] in _TRANSIENT_CLASSES
@@ -130,13 +161,14 @@ T = TypeVar("T")
 async def until_database_up(
     op: Callable[[], Awaitable[T]], log: Any, *, max_delay: float = 10.0
 ) -> T:
-    """``op()``, repeated with a growing backoff while the database is down."""
+    """``op()``, repeated with a growing backoff while the database is down (or the
+    pool has no connection free)."""
     delay = 0.5
     while True:
         try:
             return await op()
         except Exception as exc:
-            if not database_down(exc):
+            if not database_unavailable(exc):
                 raise
             log.warning("database.unavailable", error=describe_error(exc), retry_in=delay)
         await asyncio.sleep(delay)

@@ -59,6 +59,7 @@ def connect_options(url: str) -> ConnectOptions:
         )
     kwargs: dict[str, Any] = {}
     kept: list[str] = []
+    _named_database(parts.path, parts.query)
     for name, value, pair in _params(parts.query):
         if name == "connect_timeout":
             try:
@@ -93,10 +94,21 @@ def connect_options(url: str) -> ConnectOptions:
 def database_name(url: str) -> str | None:
     """The database ``url`` names (its path, or a ``dbname`` parameter); None if none."""
     parts = urlsplit(url.strip())
-    for name, value, _pair in _params(parts.query):
-        if name in ("dbname", "database") and value:
-            return value
-    return unquote(parts.path.lstrip("/")) or None
+    return _named_database(parts.path, parts.query)
+
+
+def _named_database(path: str, query: str) -> str | None:
+    """The one database of a URL's path and query; a ValueError if they name more.
+
+    asyncpg takes the path's over a parameter's, and one parameter over the
+    other: with two, the database ``ensure_database`` creates would not be the
+    one every connection goes to.
+    """
+    named = [value for name, value, _pair in _params(query) if name in ("dbname", "database")]
+    named = [value for value in [unquote(path.lstrip("/")), *named] if value]
+    if len(named) > 1:
+        raise ValueError("the database is named more than once (path, dbname, database)")
+    return named[0] if named else None
 
 
 def with_database(url: str, database: str) -> str:

@@ -78,8 +78,12 @@ class Listener:
 
     async def start(self) -> None:
         """Start listening; returns once the first LISTEN is in place."""
-        self._link = _Link.of(self._url, self._reconnect_delay)
-        await self._link.attach(self)
+        # A link whose last listener was leaving while this one waited to
+        # attach is closed: this one takes the link made after it.
+        link = _Link.of(self._url, self._reconnect_delay)
+        while not await link.attach(self):
+            link = _Link.of(self._url, self._reconnect_delay)
+        self._link = link
         await asyncio.wait_for(self._connected.wait(), timeout=30)
 
     async def stop(self) -> None:
@@ -163,6 +167,8 @@ class _Link:
         # One operation at a time on the connection: LISTEN, UNLISTEN, the ping.
         self._lock = asyncio.Lock()
         self._task: asyncio.Task[None] | None = None
+        # Set when the last listener leaves: the link is no longer this loop's.
+        self._closed = False
 
     @classmethod
     def of(cls, url: str, reconnect_delay: float) -> _Link:
@@ -173,9 +179,14 @@ class _Link:
             link = links[url] = cls(url, reconnect_delay)
         return link
 
-    async def attach(self, listener: Listener) -> None:
-        """LISTEN on ``listener``'s channel too, now if connected, else at connect."""
+    async def attach(self, listener: Listener) -> bool:
+        """LISTEN on ``listener``'s channel too, now if connected, else at connect.
+
+        False, attaching nothing, if the link closed while this waited for it.
+        """
         async with self._lock:
+            if self._closed:
+                return False
             self._listeners.append(listener)
             conn = self._conn
             if conn is not None and not conn.is_closed():
@@ -188,6 +199,7 @@ class _Link:
                     listener._listening()
         if self._task is None or self._task.done():
             self._task = asyncio.create_task(self._run(), name="listen")
+        return True
 
     async def detach(self, listener: Listener) -> None:
         """UNLISTEN ``listener``'s channel; the last one out closes the connection."""
@@ -202,6 +214,7 @@ class _Link:
                     )
             if self._listeners:
                 return
+            self._closed = True
             links = self._links.get(asyncio.get_running_loop(), {})
             if links.get(self._url) is self:
                 del links[self._url]
@@ -240,7 +253,10 @@ class _Link:
                 else:
                     log.error("listen.error", channels=channels, exc_info=exc)
             finally:
-                self._conn = None
+                # Only its own: a task cancelled late must not forget the
+                # connection a newer one made.
+                if self._conn is conn:
+                    self._conn = None
                 if conn is not None and not conn.is_closed():
                     with contextlib.suppress(Exception):
                         await asyncio.wait_for(conn.close(), timeout=2)
