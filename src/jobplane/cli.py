@@ -208,7 +208,7 @@ def _needs(what: str, extra: str, modules: tuple[str, ...]) -> None:
 def _tracing(service_name: str, settings: Settings) -> None:
     """Tracing on when the OTEL_* variables ask for it (docs/tracing.md), the
     store's transitions with it; off, the store is given no observer."""
-    from jobplane.observe.tracing import configure_tracing, register_transitions
+    from jobplane.observe.tracing import configure_tracing, register_logs, register_transitions
 
     if settings.trace_exporters:
         exporters = ("opentelemetry.exporter.otlp.proto.http",)
@@ -220,6 +220,7 @@ def _tracing(service_name: str, settings: Settings) -> None:
 
     if configure_tracing(service_name, settings):
         register_transitions()
+        register_logs()
 
 
 def _worker_interceptors(metrics: Metrics) -> list[Interceptor]:

@@ -1,16 +1,22 @@
-"""The worker runtime imports no observability: the process hands the worker
-its interceptors."""
+"""The worker runtime and logging import no observability: the process hands
+the worker its interceptors and registers the log lines' trace ids."""
 
 from __future__ import annotations
 
 import ast
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from jobplane import cli
+from jobplane import cli, logs
+from jobplane.config import Settings
 from jobplane.observe import tracing
 from jobplane.observe.metrics import NO_METRICS, Metrics, WorkerMetrics
+from jobplane.store import observers
 from jobplane.store.attempts import ClaimResult, ClaimStatus
 from jobplane.store.machine import Transition
 from jobplane.topology import Topology
@@ -19,6 +25,20 @@ from jobplane.workers.interceptors import Interceptor, chain
 from tests.support.interceptors import Recording
 
 _WORKERS = Path(runtime.__file__).parent
+
+
+def _loaded(*modules: str) -> list[str]:
+    """The jobplane modules a fresh interpreter loads for importing ``modules``."""
+    program = (
+        "import json, sys\n"
+        + "".join(f"import {m}\n" for m in modules)
+        + "print(json.dumps(sorted(m for m in sys.modules if m.startswith('jobplane.'))))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", program], capture_output=True, text=True, check=True
+    )
+    loaded: list[str] = json.loads(out.stdout)
+    return loaded
 
 
 def _imports(path: Path) -> set[str]:
@@ -35,6 +55,39 @@ def _imports(path: Path) -> set[str]:
 def test_the_runtime_imports_no_observe(module: str) -> None:
     imported = _imports(_WORKERS / module)
     assert sorted(i for i in imported if i.startswith("jobplane.observe")) == []
+
+
+def test_the_store_and_the_runtime_load_no_tracing_nor_metrics() -> None:
+    loaded = _loaded("jobplane.store.jobs", "jobplane.store.sweeps", "jobplane.workers.runtime")
+    assert "jobplane.workers.runtime" in loaded
+    assert "jobplane.store.down" in loaded  # which imports describe_error from logs
+    assert [m for m in loaded if m.startswith("jobplane.observe")] == []
+
+
+def test_logging_loads_no_tracing() -> None:
+    loaded = _loaded("jobplane.logs")
+    assert [m for m in loaded if m.startswith("jobplane.observe")] == []
+
+
+@pytest.fixture
+def unregistered() -> Iterator[None]:
+    before = (observers.OBSERVER, logs._TRACE_IDS)
+    observers.register(None)
+    logs.register_trace_ids(None)
+    yield
+    observers.register(before[0])
+    logs.register_trace_ids(before[1])
+
+
+@pytest.mark.usefixtures("unregistered")
+def test_the_process_registers_log_trace_ids_only_when_tracing_is_on(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    cli._tracing("jobplane-test", Settings())
+    assert logs._TRACE_IDS is None
+    monkeypatch.setattr(tracing, "configure_tracing", lambda *_: True)
+    cli._tracing("jobplane-test", Settings())
+    assert logs._TRACE_IDS is tracing.log_trace_ids
 
 
 def test_the_process_hands_its_worker_tracing_when_on_and_metrics_when_served(

@@ -45,6 +45,7 @@ from collections.abc import (
     Iterable,
     Iterator,
     Mapping,
+    MutableMapping,
 )
 from typing import TYPE_CHECKING, Any, Final, TypeAlias
 
@@ -429,6 +430,25 @@ class TransitionTracing:
         """:func:`applied`, while tracing is on."""
         if ENABLED:
             applied(transition)
+
+
+def log_trace_ids(_logger: Any, _name: str, event_dict: MutableMapping[str, Any]) -> Any:
+    """While tracing is on, a line logged inside a span names its ``trace_id`` and
+    ``span_id`` (hex, as trace backends show them), so a trace's lines are found by
+    its id. Registered with logging by :func:`register_logs`."""
+    if ENABLED:
+        context = trace.get_current_span().get_span_context()
+        if context.is_valid:
+            event_dict.setdefault("trace_id", format(context.trace_id, "032x"))
+            event_dict.setdefault("span_id", format(context.span_id, "016x"))
+    return event_dict
+
+
+def register_logs() -> None:
+    """Name the current trace and span on every log line (:func:`log_trace_ids`)."""
+    from jobplane import logs
+
+    logs.register_trace_ids(log_trace_ids)
 
 
 def register_transitions() -> None:
