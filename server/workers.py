@@ -31,7 +31,16 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import structlog
 
 from jobplane import __version__
-from jobplane.attempt_end import Decision, Retry, RetryPolicy, decide
+from jobplane.attempt_end import (
+    CANCELLED,
+    FAILED,
+    RETRY,
+    Decision,
+    Retry,
+    RetryPolicy,
+    completed,
+    decide,
+)
 from jobplane.blobs.payloads import payload_from_blob
 from jobplane.config import DEFAULT_INLINE_BYTES
 from jobplane.envelope import Envelope
@@ -49,7 +58,7 @@ from jobplane.errors import (
 from jobplane.ids import new_id
 from jobplane.logs import fingerprint
 from jobplane.names import job_name, parse_job_name, validate_job_type
-from jobplane.observe.metrics import CANCELLED, FAILED, NO_METRICS, RETRY, Metrics, completed
+from jobplane.observe.metrics import NO_METRICS, Metrics
 from jobplane.store.attempts import (
     Attempt,
     AttemptStore,

@@ -11,7 +11,6 @@ import structlog
 from sqlalchemy.exc import DBAPIError
 
 from jobplane.logs import describe_error
-from jobplane.observe import tracing
 from jobplane.store.attempts import Attempt, AttemptStore, LeaseLost, ProgressUpdate
 from jobplane.store.down import database_error_name, database_transient
 from jobplane.tasks import cancel_and_wait
@@ -149,11 +148,15 @@ class ProgressWriter:
         *,
         high_water: int = 500,
         on_cancel_requested: Callable[[], None] = lambda: None,
+        on_progress: Callable[[float], None] | None = None,
     ) -> None:
         self._flusher = flusher
         self.attempt = attempt
         self._high_water = high_water
         self._on_cancel_requested = on_cancel_requested
+        # The process's interceptor sees each report (tracing: an event on the
+        # handler's span); None when nothing observes the worker.
+        self._on_progress = on_progress
         self._pending: list[ProgressUpdate] = []
         self._error: BaseException | None = None
         self.inflight: asyncio.Future[None] | None = None
@@ -162,7 +165,8 @@ class ProgressWriter:
         """Queue ``update``; raise what the last flush found (e.g. LeaseLost)."""
         if self._error is not None:
             raise self._error
-        tracing.progress_event(update.progress)
+        if self._on_progress is not None:
+            self._on_progress(update.progress)
         self._pending.append(update)
         self._flusher.mark(self)
         if len(self._pending) >= self._high_water:

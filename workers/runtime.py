@@ -26,7 +26,16 @@ from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from jobplane import broker
-from jobplane.attempt_end import EndCause, Retry, RetryPolicy, decide
+from jobplane.attempt_end import (
+    CANCELLED,
+    FAILED,
+    RETRY,
+    EndCause,
+    Retry,
+    RetryPolicy,
+    completed,
+    decide,
+)
 from jobplane.batcher import Batcher
 from jobplane.config import DEFAULT_INLINE_BYTES, MAX_OFFLOADED_JSON_BYTES
 from jobplane.envelope import Envelope, EnvelopeError
@@ -34,15 +43,6 @@ from jobplane.errors import BlobStoreUnavailable
 from jobplane.faults import NO_FAULTS, FaultPoints
 from jobplane.logs import describe_error, fingerprint
 from jobplane.names import job_name
-from jobplane.observe import tracing
-from jobplane.observe.metrics import (
-    CANCELLED,
-    FAILED,
-    NO_METRICS,
-    RETRY,
-    Metrics,
-    completed,
-)
 from jobplane.store.attempts import (
     Attempt,
     AttemptStore,
@@ -66,6 +66,7 @@ from jobplane.types import BlobRef
 from jobplane.workers.bounce import Bounced, bounce_foreign
 from jobplane.workers.group import DEFAULT_GROUP_MAX, DEFAULT_GROUP_WINDOW, Acks
 from jobplane.workers.handlers import JobContext, Registry, with_offloaded_payload
+from jobplane.workers.interceptors import Interceptor, chain
 from jobplane.workers.outcome import Escaped, Failure, check_result, describe, invoke
 from jobplane.workers.presence import Presence
 from jobplane.workers.priority import Slots, SlotsClosed, consume
@@ -77,6 +78,10 @@ if TYPE_CHECKING:
 log = structlog.get_logger("jobplane.worker")
 
 T = TypeVar("T")
+
+
+def _ungrouped(_size: int) -> None:
+    """A group went out, and nothing observes the worker."""
 
 
 class StopCause(enum.Enum):
@@ -158,7 +163,7 @@ class Worker:
         reserve: int | None = None,
         blobs: BlobStore | None = None,
         inline_bytes: int | None = None,
-        metrics: Metrics = NO_METRICS,
+        interceptors: Sequence[Interceptor] = (),
         group_window: float = DEFAULT_GROUP_WINDOW,
         group_max: int = DEFAULT_GROUP_MAX,
         db: Database | None = None,
@@ -223,7 +228,10 @@ class Worker:
         )
         # The registry's lifespans: entered at start, left at stop after the handlers.
         self._lifespans = contextlib.AsyncExitStack()
-        self._metrics = metrics
+        # What the process observes of this worker (tracing, metrics): read
+        # once at each seam, None when it observes nothing.
+        self._intercept = intercept = chain(interceptors)
+        on_group = None if intercept is None else intercept.grouped
         # Group commit (ADR-0028): claims and outcomes of concurrent deliveries
         # within group_window seconds go out as one statement each, and their
         # acks together; a window of 0 or less writes each one alone.
@@ -237,19 +245,18 @@ class Worker:
                 max_size=group_max,
                 # Nothing of a failed claim group commits: each claims alone.
                 split=_not_transient,
-                on_group=lambda size: metrics.grouped("claim", size),
+                on_group=_ungrouped if on_group is None else lambda size: on_group("claim", size),
             )
             self._outcomes = Batcher(
                 self._finish_group,
                 window=group_window,
                 max_size=group_max,
                 split=_refused_for_its_values,
-                on_group=lambda size: metrics.grouped("outcome", size),
+                on_group=_ungrouped if on_group is None else lambda n: on_group("outcome", n),
             )
             self._acks = Acks()
-        metrics.add_slots(self._slot_counts)
-        metrics.know_topology(topology)
-        metrics.know_types(registry)
+        if intercept is not None:
+            intercept.known(self._slot_counts, topology, registry)
 
     def _slot_counts(self) -> tuple[int, int]:
         return (self._slots.running, self._concurrency) if self._consumers else (0, 0)
@@ -438,8 +445,12 @@ class Worker:
 
     async def _handle_and_nack(self, message: AbstractIncomingMessage) -> None:
         try:
-            with tracing.delivered(message.headers):
+            intercept = self._intercept
+            if intercept is None:
                 await self._handle(message)
+            else:
+                with intercept.delivered(message.headers):
+                    await self._handle(message)
         except asyncio.CancelledError:
             if not self._settled(message):
                 await _settle(message.nack(requeue=True))
@@ -512,9 +523,14 @@ class Worker:
         self, envelope: Envelope, message: AbstractIncomingMessage, bound: Any
     ) -> None:
         try:
-            with tracing.claim_span(envelope, message) as span:
-                claim = await self._claim(envelope, redelivered=bool(message.redelivered))
-                tracing.claimed(span, claim)
+            redelivered = bool(message.redelivered)
+            intercept = self._intercept
+            if intercept is None:
+                claim = await self._claim(envelope, redelivered=redelivered)
+            else:
+                claim = await intercept.claim(
+                    envelope, message, lambda: self._claim(envelope, redelivered=redelivered)
+                )
         except _Stopping:
             await _settle(message.nack(requeue=True))
             return
@@ -612,8 +628,9 @@ class Worker:
             # Refused by its fence: why, as a claim alone finds it (in this
             # delivery's own context, as are the statements that follow).
             return await store.refused_claim(request)
-        if tracing.ENABLED:
-            tracing.applied(Transition.CLAIM)
+        intercept = self._intercept
+        if intercept is not None:
+            intercept.applied(Transition.CLAIM)
         return claim
 
     async def _finish_group(self, outcomes: list[Outcome]) -> list[bool]:
@@ -636,8 +653,9 @@ class Worker:
         if not await self._outcomes.submit(outcome):
             attempt = outcome.attempt
             raise LeaseLost(f"jobs/{attempt.job_id} attempt {attempt.attempt} was fenced out")
-        if tracing.ENABLED:
-            tracing.applied(outcome.transition)
+        intercept = self._intercept
+        if intercept is not None:
+            intercept.applied(outcome.transition)
 
     async def _hand_back_job(
         self, envelope: Envelope, message: AbstractIncomingMessage, bound: Any
@@ -690,7 +708,12 @@ class Worker:
             if holder:
                 holder[0].stop(StopCause.CANCEL_REQUESTED)
 
-        writer = ProgressWriter(self._progress, attempt, on_cancel_requested=cancel_requested)
+        writer = ProgressWriter(
+            self._progress,
+            attempt,
+            on_cancel_requested=cancel_requested,
+            on_progress=None if self._intercept is None else self._intercept.progress,
+        )
         ctx = JobContext(
             attempt,
             writer,
@@ -701,13 +724,13 @@ class Worker:
         if attempt.payload_blob is not None:
             handler = with_offloaded_payload(handler, max_bytes=MAX_OFFLOADED_JSON_BYTES)
         bound.info("job.started", attempt=attempt.attempt, type=attempt.type)
-        self._metrics.attempt_started(
-            attempt.type, attempt.queue, attempt.attempt, attempt.create_time
-        )
-        span = tracing.start_run(attempt)
+        intercept = self._intercept
+        run = None if intercept is None else intercept.started(attempt)
         running = _Running(
             asyncio.create_task(
-                invoke(handler, ctx), name=f"job-{key}", context=tracing.run_context(span)
+                invoke(handler, ctx),
+                name=f"job-{key}",
+                context=None if run is None else run.context(),
             ),
             on_stop=ctx._stop,
         )
@@ -732,10 +755,14 @@ class Worker:
             for heartbeat in beating:
                 await cancel_and_wait(heartbeat)
             self._running.pop(key, None)
-            tracing.end_run(span, running.error)
+            if run is not None:
+                run.ended(running.error)
         pending = await writer.drain()
-        with tracing.outcome_span(attempt):
+        if intercept is None:
             await self._record(attempt, running, ended, pending, bound, ctx.emitted)
+        else:
+            with intercept.outcome(attempt):
+                await self._record(attempt, running, ended, pending, bound, ctx.emitted)
 
     async def _offload_result(
         self, attempt: Attempt, result: dict[str, Any]
@@ -876,8 +903,9 @@ class Worker:
         self._ended(attempt, running, FAILED)
 
     def _ended(self, attempt: Attempt, running: _Running, outcome: str) -> None:
-        seconds = time.monotonic() - running.started
-        self._metrics.attempt_ended(attempt.type, attempt.queue, outcome, seconds)
+        intercept = self._intercept
+        if intercept is not None:
+            intercept.ended(attempt, outcome, time.monotonic() - running.started)
 
     def _policy(self, attempt: Attempt) -> RetryPolicy:
         # The same policy as WorkerService's (jobplane.server.workers).

@@ -24,6 +24,19 @@ from jobplane.topology import Topology, TopologyError
 if TYPE_CHECKING:
     from jobplane.workers.outcome import Failure
 
+#: How an attempt ended, as the worker tells its interceptors (the metrics'
+#: ``outcome`` label).
+COMPLETED, FAILED, CANCELLED, RETRY = "completed", "failed", "cancelled", "retry_scheduled"
+#: A pipeline stage before the last completed: the job goes on to the next stage.
+ADVANCED = "advanced"
+
+
+def completed(stage: Any) -> str:
+    """The outcome of a completed attempt of ``stage`` (an attempt's StageRun or None):
+    :data:`ADVANCED` for a stage before the pipeline's last, else :data:`COMPLETED`."""
+    return ADVANCED if stage is not None and not stage.last else COMPLETED
+
+
 #: Past this many doublings the ceiling is the cap anyway; 2.0 ** 1024 overflows.
 _MAX_DOUBLINGS = 1000
 

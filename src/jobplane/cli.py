@@ -42,6 +42,7 @@ if TYPE_CHECKING:
     from jobplane.store.db import Database
     from jobplane.store.jobs import JobStore
     from jobplane.store.keys import KeyInfo, KeyStore
+    from jobplane.workers.interceptors import Interceptor
 
 
 def _run(coro: Coroutine[Any, Any, int]) -> int:
@@ -207,7 +208,7 @@ def _needs(what: str, extra: str, modules: tuple[str, ...]) -> None:
 def _tracing(service_name: str, settings: Settings) -> None:
     """Tracing on when the OTEL_* variables ask for it (docs/tracing.md), the
     store's transitions with it; off, the store is given no observer."""
-    from jobplane.observe.tracing import configure_tracing, register_transitions
+    from jobplane.observe.tracing import configure_tracing, register_logs, register_transitions
 
     if settings.trace_exporters:
         exporters = ("opentelemetry.exporter.otlp.proto.http",)
@@ -219,6 +220,21 @@ def _tracing(service_name: str, settings: Settings) -> None:
 
     if configure_tracing(service_name, settings):
         register_transitions()
+        register_logs()
+
+
+def _worker_interceptors(metrics: Metrics) -> list[Interceptor]:
+    """What this process observes of its worker: tracing, when :func:`_tracing`
+    turned it on, and ``metrics``, when it serves them; neither, nothing."""
+    from jobplane.observe import tracing
+    from jobplane.observe.metrics import WorkerMetrics
+
+    interceptors: list[Interceptor] = []
+    if tracing.ENABLED:
+        interceptors.append(tracing.WorkerTracing())
+    if metrics.enabled:
+        interceptors.append(WorkerMetrics(metrics))
+    return interceptors
 
 
 async def _started(
@@ -648,7 +664,7 @@ async def _worker(args: argparse.Namespace) -> int:
             max_result_bytes=settings.max_payload_bytes,
             blobs=blobs,
             inline_bytes=settings.inline_bytes,
-            metrics=metrics,
+            interceptors=_worker_interceptors(metrics),
             db=db,
             sync_threads=settings.sync_threads,
         )
@@ -927,7 +943,7 @@ def _dev_worker(
         max_result_bytes=settings.max_payload_bytes,
         blobs=blobs,
         inline_bytes=settings.inline_bytes,
-        metrics=metrics,
+        interceptors=_worker_interceptors(metrics),
         db=db,
         sync_threads=settings.sync_threads,
     )

@@ -21,10 +21,7 @@ from typing import Any, TextIO, cast
 
 import asyncpg
 import structlog
-from opentelemetry import trace as _otel_trace
 from structlog.typing import EventDict, ExcInfo, WrappedLogger
-
-from jobplane.observe import tracing as _tracing
 
 _SECRETS = re.compile(r"\bjp_[A-Za-z0-9_-]{32,}|(?i:\bbearer\s+)[^\s'\",]+")
 _DATABASE_MODULES = ("asyncpg", "sqlalchemy")
@@ -216,16 +213,26 @@ def stdlib_formatter(fmt: str = "console") -> logging.Formatter:
     return _stdlib_formatter(_renderer(fmt))
 
 
-def _trace_ids(_logger: WrappedLogger, _name: str, event_dict: EventDict) -> EventDict:
-    """While tracing is on, a line logged inside a span names its ``trace_id`` and
-    ``span_id`` (hex, as trace backends show them), so a trace's lines are found by
-    its id. Off: one boolean test."""
-    if _tracing.ENABLED:
-        context = _otel_trace.get_current_span().get_span_context()
-        if context.is_valid:
-            event_dict.setdefault("trace_id", format(context.trace_id, "032x"))
-            event_dict.setdefault("span_id", format(context.span_id, "016x"))
-    return event_dict
+#: The trace-id processor the process registered (None: none; see
+#: :func:`register_trace_ids`). Read it as ``_TRACE_IDS`` at each line.
+_TRACE_IDS: structlog.types.Processor | None = None
+
+
+def register_trace_ids(processor: structlog.types.Processor | None) -> None:
+    """Have every line go through ``processor`` (None: none): the process registers
+    tracing's (``jobplane.observe.tracing.log_trace_ids``) where it turns tracing on,
+    so logging imports no tracing."""
+    global _TRACE_IDS  # noqa: PLW0603 - the one switch every line reads
+    _TRACE_IDS = processor
+
+
+def _trace_ids(logger: WrappedLogger, name: str, event_dict: EventDict) -> EventDict:
+    """The registered trace-id processor's fields on the line; none registered:
+    one test."""
+    processor = _TRACE_IDS
+    if processor is None:
+        return event_dict
+    return cast("EventDict", processor(logger, name, event_dict))
 
 
 def _stdlib_formatter(renderer: structlog.types.Processor) -> logging.Formatter:

@@ -27,6 +27,7 @@ from jobplane.observe.metrics import (
     OTHER_TYPE,
     FailedQueueDepth,
     Metrics,
+    WorkerMetrics,
     watch_outbox,
 )
 from jobplane.server import JobplaneServer
@@ -131,7 +132,7 @@ async def test_readyz_names_the_broker_while_it_is_unreachable(
         topology,
         demo_registry,
         lease_seconds=5.0,
-        metrics=ops.metrics,
+        interceptors=[WorkerMetrics(ops.metrics)],
     )
     ops.add_check("broker", worker.not_ready)
     status, body = await _get(ops, "/readyz")

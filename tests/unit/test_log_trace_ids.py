@@ -1,5 +1,7 @@
 """While tracing is on, a line logged inside a span names its trace and span,
-whether jobplane or another library (through the standard library) logs it."""
+whether jobplane or another library (through the standard library) logs it.
+The process registers tracing's processor with logging where it turns tracing
+on (``jobplane.cli._tracing``); these tests register it as it does."""
 
 from __future__ import annotations
 
@@ -13,13 +15,17 @@ import pytest
 import structlog
 from opentelemetry.sdk.trace import TracerProvider
 
+from jobplane import logs
 from jobplane.logs import configure
 from jobplane.observe import tracing
 
 
 @pytest.fixture
 def reconfigured() -> Iterator[None]:
+    before = logs._TRACE_IDS
+    tracing.register_logs()
     yield
+    logs.register_trace_ids(before)
     configure("warning")
 
 

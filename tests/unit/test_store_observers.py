@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from jobplane import cli, store
+from jobplane import cli, logs, store
 from jobplane.config import Settings
 from jobplane.observe import tracing
 from jobplane.store import observers
@@ -33,10 +33,12 @@ class _Context:
 
 @pytest.fixture
 def no_observer() -> Iterator[None]:
-    before = observers.OBSERVER
+    # Logging's trace ids too: turning tracing on registers both.
+    before = (observers.OBSERVER, logs._TRACE_IDS)
     observers.register(None)
     yield
-    observers.register(before)
+    observers.register(before[0])
+    logs.register_trace_ids(before[1])
 
 
 def test_no_module_of_the_store_imports_observe() -> None:
@@ -52,8 +54,7 @@ def test_no_module_of_the_store_imports_observe() -> None:
 
 
 def test_the_state_machine_loads_no_observe() -> None:
-    # A fresh interpreter: the machine and everything it imports. (The rest of
-    # the store reaches tracing through jobplane.logs, which is not the store's.)
+    # A fresh interpreter: the machine and everything it imports.
     program = (
         "import json, sys\n"
         "import jobplane.store.machine\n"

@@ -26,30 +26,26 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any, cast
 
 import structlog
 
+# The outcomes of an attempt (the ``outcome`` label), named where attempts end.
+from jobplane.attempt_end import ADVANCED, RETRY
+
 if TYPE_CHECKING:
+    from aio_pika.abc import AbstractIncomingMessage
     from prometheus_client import CollectorRegistry
     from sqlalchemy.ext.asyncio import AsyncEngine
 
+    from jobplane.envelope import Envelope
+    from jobplane.store.attempts import Attempt, ClaimResult
+    from jobplane.store.machine import Transition
     from jobplane.topology import Topology
 
 log = structlog.get_logger("jobplane.metrics")
-
-#: The outcomes of an attempt (the ``outcome`` label).
-COMPLETED, FAILED, CANCELLED, RETRY = "completed", "failed", "cancelled", "retry_scheduled"
-#: A pipeline stage before the last completed: the job goes on to the next stage.
-ADVANCED = "advanced"
-
-
-def completed(stage: Any) -> str:
-    """The outcome of a completed attempt of ``stage`` (an attempt's StageRun or None):
-    :data:`ADVANCED` for a stage before the pipeline's last, else :data:`COMPLETED`."""
-    return ADVANCED if stage is not None and not stage.last else COMPLETED
 
 
 #: Seconds: from a millisecond to an hour (run times, waits).
@@ -539,6 +535,68 @@ class _NoMetrics(Metrics):
 
 #: Counts nothing (metrics off, or a part given no metrics).
 NO_METRICS: Metrics = _NoMetrics()
+
+
+class WorkerMetrics:
+    """A worker's :class:`~jobplane.workers.interceptors.Interceptor` that counts:
+    its slots, groups and attempts into ``metrics``.
+
+    Handed to the worker by the process that serves metrics (the CLI); the
+    worker imports no metrics, and given none counts nothing.
+    """
+
+    def __init__(self, metrics: Metrics) -> None:
+        self.metrics = metrics
+
+    def known(
+        self, slots: Callable[[], tuple[int, int]], topology: Topology, types: Iterable[str]
+    ) -> None:
+        """The worker's slots as a gauge; its topology's and types' label values."""
+        self.metrics.add_slots(slots)
+        self.metrics.know_topology(topology)
+        self.metrics.know_types(types)
+
+    def delivered(
+        self, headers: Mapping[str, Any] | None
+    ) -> contextlib.AbstractContextManager[Any]:
+        """Nothing to count around a delivery."""
+        return _NO_BLOCK
+
+    async def claim(
+        self,
+        envelope: Envelope,
+        message: AbstractIncomingMessage,
+        claim: Callable[[], Awaitable[ClaimResult]],
+    ) -> ClaimResult:
+        """The claim, uncounted (its attempt counts when it starts)."""
+        return await claim()
+
+    def applied(self, transition: Transition) -> None:
+        """Nothing counts a transition."""
+
+    def grouped(self, kind: str, size: int) -> None:
+        """One group of ``size`` ``kind`` writes."""
+        self.metrics.grouped(kind, size)
+
+    def started(self, attempt: Attempt) -> None:
+        """An attempt started (and, a first, the job with its wait)."""
+        self.metrics.attempt_started(
+            attempt.type, attempt.queue, attempt.attempt, attempt.create_time
+        )
+
+    def progress(self, progress: float) -> None:
+        """Progress is not counted."""
+
+    def outcome(self, attempt: Attempt) -> contextlib.AbstractContextManager[Any]:
+        """Nothing to count around an outcome's write."""
+        return _NO_BLOCK
+
+    def ended(self, attempt: Attempt, outcome: str, seconds: float) -> None:
+        """An attempt ended with ``outcome`` after ``seconds`` of its handler."""
+        self.metrics.attempt_ended(attempt.type, attempt.queue, outcome, seconds)
+
+
+_NO_BLOCK = contextlib.nullcontext()
 
 
 # A row is due from its available_at (a scheduled retry's is in the future);

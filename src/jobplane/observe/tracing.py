@@ -38,7 +38,15 @@ import contextvars
 import importlib
 import inspect
 import re
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Mapping
+from collections.abc import (
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Iterable,
+    Iterator,
+    Mapping,
+    MutableMapping,
+)
 from typing import TYPE_CHECKING, Any, Final, TypeAlias
 
 import grpc
@@ -58,6 +66,7 @@ if TYPE_CHECKING:
     from jobplane.envelope import Envelope
     from jobplane.store.attempts import Attempt, ClaimResult
     from jobplane.store.machine import Transition
+    from jobplane.topology import Topology
 
 __all__ = [
     "ENABLED",
@@ -423,6 +432,25 @@ class TransitionTracing:
             applied(transition)
 
 
+def log_trace_ids(_logger: Any, _name: str, event_dict: MutableMapping[str, Any]) -> Any:
+    """While tracing is on, a line logged inside a span names its ``trace_id`` and
+    ``span_id`` (hex, as trace backends show them), so a trace's lines are found by
+    its id. Registered with logging by :func:`register_logs`."""
+    if ENABLED:
+        context = trace.get_current_span().get_span_context()
+        if context.is_valid:
+            event_dict.setdefault("trace_id", format(context.trace_id, "032x"))
+            event_dict.setdefault("span_id", format(context.span_id, "016x"))
+    return event_dict
+
+
+def register_logs() -> None:
+    """Name the current trace and span on every log line (:func:`log_trace_ids`)."""
+    from jobplane import logs
+
+    logs.register_trace_ids(log_trace_ids)
+
+
 def register_transitions() -> None:
     """Trace the store's transitions: their dispatches and events carry the
     current span's context, and the span names the transition."""
@@ -593,6 +621,80 @@ def outcome_span(attempt: Attempt) -> contextlib.AbstractContextManager[Span | N
         return _NULL
     attributes = {JOB_ID: str(attempt.job_id), JOB_TYPE: attempt.type, ATTEMPT: attempt.attempt}
     return _span("job outcome", SpanKind.INTERNAL, attributes)
+
+
+class WorkerTracing:
+    """A worker's :class:`~jobplane.workers.interceptors.Interceptor` that traces:
+    the delivery's context, the ``job claim``, ``job run <type>`` and ``job
+    outcome`` spans, progress events and the transitions a group applied.
+
+    Handed to the worker by the process where it turns tracing on (the CLI's
+    :func:`worker_interceptors`); the worker imports no tracing.
+    """
+
+    def known(
+        self, slots: Callable[[], tuple[int, int]], topology: Topology, types: Iterable[str]
+    ) -> None:
+        """Nothing of the worker's make-up is traced."""
+
+    def delivered(
+        self, headers: Mapping[str, Any] | None
+    ) -> contextlib.AbstractContextManager[Any]:
+        """:func:`delivered`."""
+        return delivered(headers)
+
+    async def claim(
+        self,
+        envelope: Envelope,
+        message: AbstractIncomingMessage,
+        claim: Callable[[], Awaitable[ClaimResult]],
+    ) -> ClaimResult:
+        """The claim inside :func:`claim_span`, what it found on the span."""
+        with claim_span(envelope, message) as span:
+            found = await claim()
+            claimed(span, found)
+        return found
+
+    def applied(self, transition: Transition) -> None:
+        """:func:`applied`, while tracing is on."""
+        if ENABLED:
+            applied(transition)
+
+    def grouped(self, kind: str, size: int) -> None:
+        """A group is not traced (each of its deliveries names its transition)."""
+
+    def started(self, attempt: Attempt) -> _Run | None:
+        """:func:`start_run` (None when it makes no span)."""
+        span = start_run(attempt)
+        return None if span is None else _Run(span)
+
+    def progress(self, progress: float) -> None:
+        """:func:`progress_event`."""
+        progress_event(progress)
+
+    def outcome(self, attempt: Attempt) -> contextlib.AbstractContextManager[Any]:
+        """:func:`outcome_span`."""
+        return outcome_span(attempt)
+
+    def ended(self, attempt: Attempt, outcome: str, seconds: float) -> None:
+        """The outcome is on the ``job outcome`` span's transition already."""
+
+
+class _Run:
+    """The ``job run <type>`` span of one attempt."""
+
+    __slots__ = ("_span",)
+
+    def __init__(self, span: Span) -> None:
+        self._span = span
+
+    def context(self) -> Any:
+        """:func:`run_context`."""
+        return run_context(self._span)
+
+    def ended(self, error: BaseException | None) -> None:
+        """:func:`end_run`."""
+        end_run(self._span, error)
 
 
 def _span(name: str, kind: SpanKind, attributes: dict[str, Any]) -> _Current:

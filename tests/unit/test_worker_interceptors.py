@@ -1,0 +1,154 @@
+"""The worker runtime and logging import no observability: the process hands
+the worker its interceptors and registers the log lines' trace ids."""
+
+from __future__ import annotations
+
+import ast
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from jobplane import cli, logs
+from jobplane.config import Settings
+from jobplane.observe import tracing
+from jobplane.observe.metrics import NO_METRICS, Metrics, WorkerMetrics
+from jobplane.store import observers
+from jobplane.store.attempts import ClaimResult, ClaimStatus
+from jobplane.store.machine import Transition
+from jobplane.topology import Topology
+from jobplane.workers import runtime
+from jobplane.workers.interceptors import Interceptor, chain
+from tests.support.interceptors import Recording
+
+_WORKERS = Path(runtime.__file__).parent
+
+
+def _loaded(*modules: str) -> list[str]:
+    """The jobplane modules a fresh interpreter loads for importing ``modules``."""
+    program = (
+        "import json, sys\n"
+        + "".join(f"import {m}\n" for m in modules)
+        + "print(json.dumps(sorted(m for m in sys.modules if m.startswith('jobplane.'))))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", program], capture_output=True, text=True, check=True
+    )
+    loaded: list[str] = json.loads(out.stdout)
+    return loaded
+
+
+def _imports(path: Path) -> set[str]:
+    imported: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            imported |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            imported |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
+    return imported
+
+
+@pytest.mark.parametrize("module", ["runtime.py", "progress.py", "interceptors.py"])
+def test_the_runtime_imports_no_observe(module: str) -> None:
+    imported = _imports(_WORKERS / module)
+    assert sorted(i for i in imported if i.startswith("jobplane.observe")) == []
+
+
+def test_the_store_and_the_runtime_load_no_tracing_nor_metrics() -> None:
+    loaded = _loaded("jobplane.store.jobs", "jobplane.store.sweeps", "jobplane.workers.runtime")
+    assert "jobplane.workers.runtime" in loaded
+    assert "jobplane.store.down" in loaded  # which imports describe_error from logs
+    assert [m for m in loaded if m.startswith("jobplane.observe")] == []
+
+
+def test_logging_loads_no_tracing() -> None:
+    loaded = _loaded("jobplane.logs")
+    assert [m for m in loaded if m.startswith("jobplane.observe")] == []
+
+
+@pytest.fixture
+def unregistered() -> Iterator[None]:
+    before = (observers.OBSERVER, logs._TRACE_IDS)
+    observers.register(None)
+    logs.register_trace_ids(None)
+    yield
+    observers.register(before[0])
+    logs.register_trace_ids(before[1])
+
+
+@pytest.mark.usefixtures("unregistered")
+def test_the_process_registers_log_trace_ids_only_when_tracing_is_on(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    cli._tracing("jobplane-test", Settings())
+    assert logs._TRACE_IDS is None
+    monkeypatch.setattr(tracing, "configure_tracing", lambda *_: True)
+    cli._tracing("jobplane-test", Settings())
+    assert logs._TRACE_IDS is tracing.log_trace_ids
+
+
+def test_the_process_hands_its_worker_tracing_when_on_and_metrics_when_served(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    assert cli._worker_interceptors(NO_METRICS) == []
+    metrics = Metrics()
+    (counting,) = cli._worker_interceptors(metrics)
+    assert isinstance(counting, WorkerMetrics) and counting.metrics is metrics
+    monkeypatch.setattr(tracing, "ENABLED", True)
+    traced, counting = cli._worker_interceptors(metrics)
+    assert isinstance(traced, tracing.WorkerTracing)
+    assert isinstance(counting, WorkerMetrics)
+    assert [type(i) for i in cli._worker_interceptors(NO_METRICS)] == [tracing.WorkerTracing]
+
+
+def test_no_interceptor_is_none_and_one_is_itself() -> None:
+    seen: list[str] = []
+    one = Recording("a", seen)
+    assert chain([]) is None
+    assert chain([one]) is one
+
+
+async def test_a_chain_calls_each_in_order_the_first_outermost() -> None:
+    seen: list[str] = []
+    first = Recording("a", seen)
+    both: Interceptor | None = chain([first, Recording("b", seen, run=False), Recording("c", seen)])
+    assert both is not None
+    found = ClaimResult(ClaimStatus.CLAIMED, None)
+
+    async def claim() -> ClaimResult:
+        seen.append("claim")
+        return found
+
+    both.known(lambda: (0, 2), Topology(queues=()), iter(["x", "y"]))
+    with both.delivered({}):
+        assert await both.claim(object(), object(), claim) is found  # type: ignore[arg-type]
+    run = both.started(object())  # type: ignore[arg-type]
+    assert run is not None
+    assert run.context() is first.contexts[0]  # the first run that gives one
+    run.ended(ValueError())
+    both.progress(0.5)
+    with both.outcome(object()):  # type: ignore[arg-type]
+        both.applied(Transition.SUCCEED)
+    both.grouped("outcome", 3)
+    both.ended(object(), "completed", 1.0)  # type: ignore[arg-type]
+    assert seen == [
+        *(f"{n}.known:(0, 2):x,y" for n in "abc"),
+        *(f"{n}.delivered>" for n in "abc"),
+        *(f"{n}.claim>" for n in "abc"),
+        "claim",
+        *(f"{n}.{w}" for n in "cba" for w in ("claimed:claimed", "<claim")),
+        *(f"{n}.<delivered" for n in "cba"),
+        *(f"{n}.started" for n in "abc"),
+        "a.context",
+        "c.run.ended:ValueError",
+        "a.run.ended:ValueError",
+        *(f"{n}.progress:0.5" for n in "abc"),
+        *(f"{n}.outcome>" for n in "abc"),
+        *(f"{n}.applied:succeed" for n in "abc"),
+        *(f"{n}.<outcome" for n in "cba"),
+        *(f"{n}.grouped:outcome:3" for n in "abc"),
+        *(f"{n}.ended:completed" for n in "abc"),
+    ]

@@ -1,0 +1,191 @@
+"""What a process may observe of a worker's deliveries: the interceptors it hands in.
+
+The worker runtime imports no observability. A process that traces or counts
+passes :class:`Interceptor` implementations to the worker it builds
+(``jobplane.observe.tracing.WorkerTracing``,
+``jobplane.observe.metrics.WorkerMetrics``, chosen by the CLI), as
+temporalio's worker is handed its interceptors rather than importing them;
+it is the store's :mod:`jobplane.store.observers` on the worker's side. With
+none the worker calls nothing: each seam reads its interceptor once and goes
+on when it is None, so the off path costs one test.
+
+This module imports nothing of the worker, the store or the broker at run
+time, so an implementation imports it without loading the runtime.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from aio_pika.abc import AbstractIncomingMessage
+
+    from jobplane.envelope import Envelope
+    from jobplane.store.attempts import Attempt, ClaimResult
+    from jobplane.store.machine import Transition
+    from jobplane.topology import Topology
+
+
+class Run(Protocol):
+    """One attempt's run as an interceptor sees it, from start to end."""
+
+    def context(self) -> Any:
+        """The contextvars the handler's task runs in (None: a copy of the current ones)."""
+        ...
+
+    def ended(self, error: BaseException | None) -> None:
+        """The handler returned or raised ``error``."""
+        ...
+
+
+class Interceptor(Protocol):
+    """Sees a worker's seams: deliveries, claims, runs and outcomes.
+
+    Every method runs in the delivery's own context (its task), so what a
+    context manager makes current is current for what the worker does inside.
+    """
+
+    def known(
+        self, slots: Callable[[], tuple[int, int]], topology: Topology, types: Iterable[str]
+    ) -> None:
+        """The worker was built: its slots (running, total), topology and handled types."""
+        ...
+
+    def delivered(
+        self, headers: Mapping[str, Any] | None
+    ) -> contextlib.AbstractContextManager[Any]:
+        """Around the whole handling of a delivery carrying ``headers``."""
+        ...
+
+    async def claim(
+        self,
+        envelope: Envelope,
+        message: AbstractIncomingMessage,
+        claim: Callable[[], Awaitable[ClaimResult]],
+    ) -> ClaimResult:
+        """Around the fenced claim of ``envelope``: awaits ``claim()`` and returns its result."""
+        ...
+
+    def applied(self, transition: Transition) -> None:
+        """``transition`` (a claim or an outcome) committed within a group."""
+        ...
+
+    def grouped(self, kind: str, size: int) -> None:
+        """A group of ``size`` ``kind`` writes (``claim`` or ``outcome``) went out as one."""
+        ...
+
+    def started(self, attempt: Attempt) -> Run | None:
+        """The handler of ``attempt`` is about to start (None: nothing to follow)."""
+        ...
+
+    def progress(self, progress: float) -> None:
+        """The handler reported ``progress``, in its own context."""
+        ...
+
+    def outcome(self, attempt: Attempt) -> contextlib.AbstractContextManager[Any]:
+        """Around the write of ``attempt``'s outcome."""
+        ...
+
+    def ended(self, attempt: Attempt, outcome: str, seconds: float) -> None:
+        """``attempt`` ended with ``outcome`` (:mod:`jobplane.attempt_end`'s labels)
+        after its handler ran ``seconds``."""
+        ...
+
+
+def chain(interceptors: Sequence[Interceptor]) -> Interceptor | None:
+    """The one interceptor a worker calls for ``interceptors``, in order (None: none)."""
+    if not interceptors:
+        return None
+    if len(interceptors) == 1:
+        return interceptors[0]
+    return _Chain(tuple(interceptors))
+
+
+class _Chain:
+    """Several interceptors as one: the first given is the outermost."""
+
+    def __init__(self, interceptors: tuple[Interceptor, ...]) -> None:
+        self._all = interceptors
+
+    def known(
+        self, slots: Callable[[], tuple[int, int]], topology: Topology, types: Iterable[str]
+    ) -> None:
+        names = list(types)
+        for each in self._all:
+            each.known(slots, topology, names)
+
+    @contextlib.contextmanager
+    def delivered(self, headers: Mapping[str, Any] | None) -> Iterator[None]:
+        with contextlib.ExitStack() as stack:
+            for each in self._all:
+                stack.enter_context(each.delivered(headers))
+            yield
+
+    async def claim(
+        self,
+        envelope: Envelope,
+        message: AbstractIncomingMessage,
+        claim: Callable[[], Awaitable[ClaimResult]],
+    ) -> ClaimResult:
+        inner = claim
+        for each in reversed(self._all):
+            inner = _bound_claim(each, envelope, message, inner)
+        return await inner()
+
+    def applied(self, transition: Transition) -> None:
+        for each in self._all:
+            each.applied(transition)
+
+    def grouped(self, kind: str, size: int) -> None:
+        for each in self._all:
+            each.grouped(kind, size)
+
+    def started(self, attempt: Attempt) -> Run | None:
+        runs = [run for each in self._all if (run := each.started(attempt)) is not None]
+        if not runs:
+            return None
+        return runs[0] if len(runs) == 1 else _Runs(runs)
+
+    def progress(self, progress: float) -> None:
+        for each in self._all:
+            each.progress(progress)
+
+    @contextlib.contextmanager
+    def outcome(self, attempt: Attempt) -> Iterator[None]:
+        with contextlib.ExitStack() as stack:
+            for each in self._all:
+                stack.enter_context(each.outcome(attempt))
+            yield
+
+    def ended(self, attempt: Attempt, outcome: str, seconds: float) -> None:
+        for each in self._all:
+            each.ended(attempt, outcome, seconds)
+
+
+def _bound_claim(
+    interceptor: Interceptor,
+    envelope: Envelope,
+    message: AbstractIncomingMessage,
+    inner: Callable[[], Awaitable[ClaimResult]],
+) -> Callable[[], Awaitable[ClaimResult]]:
+    return lambda: interceptor.claim(envelope, message, inner)
+
+
+class _Runs:
+    """Several runs as one: the handler's context is the first that gives one."""
+
+    def __init__(self, runs: list[Run]) -> None:
+        self._runs = runs
+
+    def context(self) -> Any:
+        for run in self._runs:
+            found = run.context()
+            if found is not None:
+                return found
+        return None
+
+    def ended(self, error: BaseException | None) -> None:
+        for run in reversed(self._runs):
+            run.ended(error)
