@@ -36,6 +36,7 @@ from jobplane.client.aio import (
 from jobplane.client.batch import MAX_BATCH_SIZE, JobSpec
 from jobplane.client.subscription import EventSubscription, SubscribedEvent, SubscribeStart
 from jobplane.client.tls import ClientTLS
+from jobplane.errors import JobplaneError, Unavailable
 from jobplane.events.envelope import Event
 from jobplane.types import Blob, BlobPage, Job, JobEvent, JobPage, JobState
 
@@ -45,6 +46,9 @@ T = TypeVar("T")
 _CANCEL_GRACE = 5.0
 # Longest uninterruptible wait for a result.
 _POLL = 0.25
+# How long fork() waits for calls other threads have in flight on a client
+# before closing its channel under them.
+_FORK_GRACE = 5.0
 
 
 class _End(enum.Enum):
@@ -72,6 +76,13 @@ class _LoopThread:
         self._stopped_because = "the client has been closed"
         # Set in a forked child: the thread is the parent's, gone here.
         self._forked = False
+        # Calls of other threads waiting for their result (not a stream's
+        # steps), which a fork lets finish before it closes the channel.
+        self._calls = 0
+        self._idle = threading.Condition()
+        # Set when a fork is closing the channel: a call that fails after it
+        # failed for the fork.
+        self._forking = False
 
     @property
     def started(self) -> bool:
@@ -120,8 +131,12 @@ class _LoopThread:
             loop.run_until_complete(loop.shutdown_default_executor())
             loop.close()
 
-    def run(self, coro: Coroutine[Any, Any, T]) -> T:
-        """Run ``coro`` on the loop and return its result in the calling thread."""
+    def run(self, coro: Coroutine[Any, Any, T], *, call: bool = True) -> T:
+        """Run ``coro`` on the loop and return its result in the calling thread.
+
+        ``call``: a call a fork waits for (:meth:`settle`); a stream's next
+        item, which may never come, is not one.
+        """
         if self._forked:
             # Its thread did not survive fork(): waiting for it would hang.
             coro.close()
@@ -131,8 +146,11 @@ class _LoopThread:
             raise RuntimeError("a blocking client call was made from its own event loop")
         try:
             loop = self._ensure()
-        except RuntimeError:
+        except RuntimeError as exc:
             coro.close()
+            if call and self._forking:
+                # Begun on the loop a fork was stopping: as a call it cut.
+                raise Unavailable(_CUT_BY_FORK) from exc
             raise
         finished = threading.Event()
 
@@ -143,6 +161,9 @@ class _LoopThread:
                 finished.set()
 
         future = asyncio.run_coroutine_threadsafe(guarded(), loop)
+        if call:
+            with self._idle:
+                self._calls += 1
         try:
             # Waiting in slices keeps Ctrl-C working where a lock wait cannot
             # be interrupted (Windows, or a signal taken by another thread).
@@ -153,6 +174,18 @@ class _LoopThread:
                     # Also what a coroutine that timed out raises: tell the two apart.
                     if future.done():
                         return future.result()
+        except JobplaneError:
+            raise
+        except Exception as exc:
+            if self._forking:
+                # Whatever gRPC or the loop raised for a channel closed under
+                # the call (channel closed, cancelled): for a call, the one
+                # retryable error a caller already handles; for a stream, what
+                # its next step after the fork says too.
+                if call:
+                    raise Unavailable(_CUT_BY_FORK) from exc
+                raise RuntimeError(_BEGUN_BEFORE_FORK) from exc
+            raise
         except BaseException:
             if not future.done():
                 # Interrupted while waiting (KeyboardInterrupt): cancel the
@@ -160,6 +193,18 @@ class _LoopThread:
                 future.cancel()
                 finished.wait(_CANCEL_GRACE)
             raise
+        finally:
+            if call:
+                with self._idle:
+                    self._calls -= 1
+                    self._idle.notify_all()
+
+    def settle(self, timeout: float) -> None:
+        """Wait up to ``timeout`` seconds for the calls in flight to end; those
+        still running after it are cut short (:class:`Unavailable`) by the stop."""
+        self._forking = True
+        with self._idle:
+            self._idle.wait_for(lambda: self._calls == 0, timeout)
 
     def forked(self) -> None:
         """Mark this loop as the parent's, in a forked child: no call may wait for it."""
@@ -182,6 +227,7 @@ class _LoopThread:
             thread.join()
 
 
+_CUT_BY_FORK = "the call was cut short by fork(), which closed the client's channel; retry it"
 _BEGUN_BEFORE_FORK = (
     "a watch, subscription or page iteration begun before fork() cannot go on; start it again"
 )
@@ -223,10 +269,13 @@ class Client:
     A client made before ``os.fork()`` (gunicorn ``--preload``, Celery's
     prefork pool, multiprocessing's fork start method) works in the parent
     and in the children: it closes its channel before the fork, and each
-    process opens its own on its next call. A watch, subscription or page
-    iteration open at the fork cannot go on (RuntimeError, in parent and
-    child alike); start it again. gRPC survives a fork only when no channel
-    is open, so other gRPC channels of the process must be closed too.
+    process opens its own on its next call. A call another thread has in
+    flight at the fork is given a few seconds to end before the channel is
+    closed; one still running then fails with :class:`Unavailable` (retry it).
+    A watch, subscription or page iteration open at the fork cannot go on
+    (RuntimeError, in parent and child alike); start it again. gRPC survives
+    a fork only when no channel is open, so other gRPC channels of the
+    process must be closed too.
     """
 
     def __init__(
@@ -276,8 +325,11 @@ class Client:
         loop = self._loop
         if not loop.running or loop.in_loop_thread:
             return
+        # A unary call of another thread would fail with the channel closed
+        # under it: it is given time to end first.
+        loop.settle(_FORK_GRACE)
         with contextlib.suppress(Exception):
-            loop.run(self._async.close())
+            loop.run(self._async.close(), call=False)
         loop.stop(_BEGUN_BEFORE_FORK)
         self._async, self._loop = self._fresh(self._async), _LoopThread()
 
@@ -522,7 +574,7 @@ class Client:
 def _pulled(loop: _LoopThread, agen: AsyncGenerator[T, None]) -> Generator[T, None, None]:
     try:
         while True:
-            item = loop.run(_next(agen))
+            item = loop.run(_next(agen), call=False)
             if item is _End.END:
                 return
             yield item
@@ -567,7 +619,7 @@ class BlockingSubscription:
         if self._done:
             raise StopIteration
         try:
-            item = self._loop.run(_next(self._subscription))
+            item = self._loop.run(_next(self._subscription), call=False)
         except BaseException:
             self.close()
             raise

@@ -23,7 +23,8 @@ in the events table). What the broker did:
   (not applied yet, being re-applied, a queue deleted): worth minutes of
   patience, not a job QUEUED for ever. Meanwhile the job says why it waits
   (``waiting_code`` UNROUTABLE, the fix in ``waiting_reason``), cleared
-  when its dispatch is published;
+  when its dispatch is published (a job locked elsewhere at that moment is
+  skipped, never waited for: its claim clears the reason);
 - a message the broker can never take (a correlation id or routing key
   longer than AMQP's 255-byte short strings, a body over the envelope limit,
   an event row whose body is not an event): the row is failed and a

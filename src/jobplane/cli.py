@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from jobplane import heap
 from jobplane.config import (
+    OTLP_GRPC_MODULE,
     ConfigError,
     ListenAddress,
     Settings,
@@ -208,19 +209,23 @@ def _needs(what: str, extra: str, modules: tuple[str, ...]) -> None:
 def _tracing(service_name: str, settings: Settings) -> None:
     """Tracing on when the OTEL_* variables ask for it (docs/tracing.md), the
     store's transitions with it; off, the store is given no observer."""
-    from jobplane.observe.tracing import configure_tracing, register_logs, register_transitions
+    from jobplane.observe.tracing import configure_tracing
 
     if settings.trace_exporters:
-        exporters = ("opentelemetry.exporter.otlp.proto.http",)
+        # The exporter of the protocol asked for: with grpc, the settings
+        # accepted the gRPC exporter alone, so the HTTP one is not required.
+        exporter = (
+            OTLP_GRPC_MODULE
+            if settings.trace_protocol == "grpc"
+            else "opentelemetry.exporter.otlp.proto.http"
+        )
         _needs(
             f"tracing (OTEL_TRACES_EXPORTER={','.join(settings.trace_exporters)})",
             "otlp",
-            ("opentelemetry.sdk", *(exporters if "otlp" in settings.trace_exporters else ())),
+            ("opentelemetry.sdk", *((exporter,) if "otlp" in settings.trace_exporters else ())),
         )
 
-    if configure_tracing(service_name, settings):
-        register_transitions()
-        register_logs()
+    configure_tracing(service_name, settings)
 
 
 def _worker_interceptors(metrics: Metrics) -> list[Interceptor]:

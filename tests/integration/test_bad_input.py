@@ -26,6 +26,7 @@ from jobplane.server.service import (
 )
 from jobplane.v1 import jobs_pb2, jobs_pb2_grpc
 from tests.support.answers import check_refusal
+from tests.support.deep_json import deep_struct, wire_field
 from tests.support.stack import Stack
 
 # Only the server: no relay or worker writes rows while a test counts them.
@@ -250,33 +251,14 @@ async def test_errors_do_not_echo_unbounded_input(
 # -- what later calls and the broker must be able to carry -------------------
 
 
-def _len(data: bytes) -> bytes:
-    n = len(data)
-    out = bytearray()
-    while True:
-        byte, n = n & 0x7F, n >> 7
-        out.append(byte | (0x80 if n else 0))
-        if not n:
-            return bytes(out)
-
-
 def _submit_body(payload_struct: bytes, job_type: str = "demo.echo") -> bytes:
-    type_bytes = job_type.encode()
-    return b"\x0a" + _len(type_bytes) + type_bytes + b"\x12" + _len(payload_struct) + payload_struct
+    # SubmitJobRequest.type (field 1) and .payload (field 2), on the wire.
+    return wire_field(1, job_type.encode()) + wire_field(2, payload_struct)
 
 
 def _raw_struct(depth: int) -> bytes:
-    """A Struct ``depth`` objects deep, {"a": {"a": ... {}}}, as bytes.
-
-    Built on the wire: Struct.update and CopyFrom parse what they copy and
-    refuse such depths themselves.
-    """
-    struct = b""
-    for _ in range(depth - 1):
-        value = b"\x2a" + _len(struct) + struct
-        entry = b"\x0a\x01a" + b"\x12" + _len(value) + value
-        struct = b"\x0a" + _len(entry) + entry
-    return struct
+    """A Struct ``depth`` objects deep, {"a": {"a": ... {}}}, as bytes."""
+    return deep_struct([False] * (depth - 1))
 
 
 async def test_payload_nested_deeper_than_the_limit_is_refused(stack: Stack) -> None:

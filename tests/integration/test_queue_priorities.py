@@ -143,7 +143,10 @@ async def test_a_backlog_in_a_high_and_a_low_queue_starts_four_high_for_one_low_
             return counts == [150, 150]
 
         await eventually(both_queued, timeout=30)
-        worker = await stack.start_worker(board.registry({"high": 0.02, "low": 0.02}))
+        # Jobs of 0.1 s, not a few ms: on a loaded machine a slot freed by a
+        # job that short can wait longer for the next high delivery than the
+        # job took, and the ratio measured is the machine's, not the worker's.
+        worker = await stack.start_worker(board.registry({"high": 0.1, "low": 0.1}))
         slots = worker._slots.concurrency
 
         async def enough_started() -> bool:
@@ -156,8 +159,9 @@ async def test_a_backlog_in_a_high_and_a_low_queue_starts_four_high_for_one_low_
         high = window.count("high")
         low = window.count("low")
         assert board.ended["high"] < 150 and board.ended["low"] < 150
-        # Weights 4 : 1: eighty of a hundred; one for one would be fifty.
-        assert 70 <= high <= 90, (high, low, "".join(c[0] for c in window))
+        # Weights 4 : 1: eighty of a hundred; one for one would be fifty, the
+        # short prefetch's sixty to forty still fails: high at least twice low.
+        assert 67 <= high <= 93, (high, low, "".join(c[0] for c in window))
         assert board.peak <= slots
     finally:
         await stack.close()

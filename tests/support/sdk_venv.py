@@ -11,6 +11,7 @@ import hashlib
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from packaging.requirements import Requirement
@@ -44,17 +45,24 @@ def lowest_pins() -> dict[str, str]:
 
 def sdk_python(pins: dict[str, str]) -> Path:
     """The interpreter of the venv holding ``pins`` and this run's wheel (no dependencies)."""
-    listing = "\n".join(f"{name}=={version}" for name, version in sorted(pins.items()))
-    key = hashlib.sha256(f"{sys.version}\n{listing}".encode()).hexdigest()[:16]
-    venv = CACHE / key
+    listing = [f"{name}=={version}" for name, version in sorted(pins.items())]
+    return cached_venv(CACHE, listing, lambda python: _pip(python, "install", *listing))
+
+
+def cached_venv(cache: Path, wanted: list[str], install: Callable[[Path], None]) -> Path:
+    """The interpreter of a venv under ``cache`` named by Python's version and
+    ``wanted``, made by ``install(python)`` when not there yet; this run's wheel
+    is installed into it each time (no dependencies)."""
+    key = hashlib.sha256("\n".join([sys.version, *wanted]).encode()).hexdigest()[:16]
+    venv = cache / key
     python = venv / "bin" / "python"
     stamp = venv / ".complete"
     if not stamp.exists():
         # Written last: a venv whose install was cut short is made again whole.
         shutil.rmtree(venv, ignore_errors=True)
         subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-        _pip(python, "install", *listing.splitlines())
-        stamp.write_text(listing + "\n")
+        install(python)
+        stamp.write_text("\n".join(wanted) + "\n")
     _pip(python, "install", "--no-deps", "--force-reinstall", str(built_wheel()))
     return python
 

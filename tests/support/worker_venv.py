@@ -8,15 +8,11 @@ until they change; this run's wheel is installed into it each time.
 
 from __future__ import annotations
 
-import hashlib
-import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 from packaging.requirements import Requirement
 
-from tests.support.sdk_venv import _pip, floor
+from tests.support.sdk_venv import _pip, cached_venv, floor
 from tests.support.wheel import ROOT, built_wheel, requirements, wheel_metadata
 
 CACHE = ROOT / ".cache" / "worker-venv"
@@ -32,21 +28,14 @@ def worker_python(*, lowest: bool = False) -> Path:
         if r.marker is None or r.marker.evaluate({"extra": "worker"})
     ]
     wanted = sorted(_pinned(r) if lowest else str(r) for r in chosen)
-    key = hashlib.sha256("\n".join([sys.version, *wanted]).encode()).hexdigest()[:16]
-    venv = CACHE / key
-    python = venv / "bin" / "python"
-    stamp = venv / ".complete"
-    if not stamp.exists():
-        # Written last: a venv whose install was cut short is made again whole.
-        shutil.rmtree(venv, ignore_errors=True)
-        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+
+    def install(python: Path) -> None:
         if lowest:
             _pip(python, "install", *wanted)
         else:
             _pip(python, "install", f"{built_wheel()}[worker]")
-        stamp.write_text("\n".join(wanted) + "\n")
-    _pip(python, "install", "--no-deps", "--force-reinstall", str(built_wheel()))
-    return python
+
+    return cached_venv(CACHE, wanted, install)
 
 
 def _pinned(requirement: Requirement) -> str:

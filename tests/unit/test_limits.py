@@ -22,6 +22,7 @@ from jobplane.server.service import (
 from jobplane.store.engine import create_engine
 from jobplane.topology import load_topology
 from jobplane.v1 import jobs_pb2
+from tests.support.deep_json import wire_field
 
 
 @pytest.mark.parametrize("max_payload", [1024, 64 * 1024, 256 * 1024])
@@ -82,15 +83,6 @@ def test_shown_keeps_a_short_value_whole() -> None:
     assert shown("jobs/x") == "'jobs/x'"
 
 
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while True:
-        byte, n = n & 0x7F, n >> 7
-        out.append(byte | (0x80 if n else 0))
-        if not n:
-            return bytes(out)
-
-
 def _worst_struct_bytes(json_bytes: int) -> tuple[bytes, int]:
     """The Struct of ``{"n": [0, 0, ...]}`` as long as ``json_bytes`` allows, and its length.
 
@@ -100,9 +92,9 @@ def _worst_struct_bytes(json_bytes: int) -> tuple[bytes, int]:
     # ListValue.values (field 1) holding a Value of number_value (field 2, fixed64) 0.
     values = b"\x0a\x09\x11" + b"\x00" * 8
     listed = values * count
-    value = b"\x32" + _varint(len(listed)) + listed  # Value.list_value (field 6)
-    entry = b"\x0a\x01n" + b"\x12" + _varint(len(value)) + value  # map entry "n" -> value
-    return b"\x0a" + _varint(len(entry)) + entry, count  # Struct.fields (field 1)
+    value = wire_field(6, listed)  # Value.list_value
+    entry = wire_field(1, b"n") + wire_field(2, value)  # map entry "n" -> value
+    return wire_field(1, entry), count  # Struct.fields
 
 
 def test_the_sdk_reads_the_largest_job_the_server_can_hold() -> None:

@@ -14,7 +14,6 @@ import pytest
 
 from jobplane import cli, logs, store
 from jobplane.config import Settings
-from jobplane.observe import tracing
 from jobplane.store import observers
 from jobplane.store.machine import Cause, StateMachine, Transition
 
@@ -83,13 +82,9 @@ def test_a_registered_observer_gives_the_trace_binds(no_observer: None) -> None:
     )
 
 
-def test_the_process_registers_tracing_only_when_it_is_on(
-    no_observer: None, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    # Off (no exporter asked for): the store is given nothing to call.
+def test_the_process_registers_no_observer_when_tracing_is_off(no_observer: None) -> None:
+    # Off (no exporter asked for): the store is given nothing to call. On,
+    # configure_tracing registers tracing's observer itself
+    # (test_tracing_unit.py::test_configure_tracing_alone_traces_the_store_transitions).
     cli._tracing("jobplane-test", Settings())
     assert observers.OBSERVER is None
-    # On: tracing's observer, registered where the process turns tracing on.
-    monkeypatch.setattr(tracing, "configure_tracing", lambda *_: True)
-    cli._tracing("jobplane-test", Settings())
-    assert isinstance(observers.OBSERVER, tracing.TransitionTracing)

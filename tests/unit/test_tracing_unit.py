@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 import uuid
 from collections.abc import Iterator
 from importlib.metadata import entry_points
@@ -19,7 +22,8 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import NonRecordingSpan, SpanContext, StatusCode, TraceFlags
 
-from jobplane.config import ConfigError, Settings
+from jobplane import cli
+from jobplane.config import OTLP_GRPC_MODULE, ConfigError, Settings
 from jobplane.observe import tracing
 from jobplane.store.attempts import Attempt
 
@@ -244,6 +248,54 @@ def test_configure_with_tracing_off_installs_nothing() -> None:
     assert tracing.configure_tracing("jobplane-test", Settings()) is False
     assert tracing.ENABLED is False
     assert not isinstance(trace.get_tracer_provider(), TracerProvider)
+
+
+def test_configure_tracing_alone_traces_the_store_transitions() -> None:
+    # A fresh interpreter: configure_tracing installs the global provider. No
+    # other call (a Worker embedded in an application, a benchmark) is needed
+    # for a transition's dispatch to carry the current span's context.
+    program = (
+        "import json\n"
+        "from jobplane.config import Settings\n"
+        "from jobplane.observe import tracing\n"
+        "from jobplane import logs\n"
+        "from jobplane.store import observers\n"
+        "on = tracing.configure_tracing('t', Settings(trace_exporters=('console',)))\n"
+        "with tracing.trace.get_tracer('t').start_as_current_span('s') as span:\n"
+        "    binds = observers.trace_binds()\n"
+        "    line = logs._TRACE_IDS(None, 'info', {}) if logs._TRACE_IDS else {}\n"
+        "    trace_id = format(span.get_span_context().trace_id, '032x')\n"
+        "found = [on, binds['trace_parent'], line.get('trace_id'), trace_id]\n"
+        "print(json.dumps(found), flush=True)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", program], capture_output=True, text=True, check=True, timeout=60
+    )
+    on, parent, logged, trace_id = json.loads(out.stdout.splitlines()[0])
+    assert on is True
+    assert parent is not None
+    assert parent.split("-")[1] == trace_id
+    # ... and its log lines name the trace without a call of their own.
+    assert logged == trace_id
+
+
+def test_otlp_over_grpc_needs_the_grpc_exporter_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The gRPC exporter installed, the HTTP one not: what the settings accept
+    # for OTEL_EXPORTER_OTLP_PROTOCOL=grpc, the CLI must start with.
+    asked: list[str] = []
+
+    def missing(names: tuple[str, ...]) -> list[str]:
+        asked.extend(names)
+        return [n for n in names if n.startswith("opentelemetry.exporter.otlp.proto.http")]
+
+    monkeypatch.setattr(cli, "missing_modules", missing)
+    monkeypatch.setattr(tracing, "configure_tracing", lambda *_: False)
+    grpc = Settings(trace_exporters=("otlp",), trace_protocol="grpc")
+    cli._tracing("jobplane-test", grpc)
+    assert OTLP_GRPC_MODULE in asked
+    # Over HTTP the HTTP exporter is still required.
+    with pytest.raises(ConfigError, match=r"opentelemetry\.exporter\.otlp\.proto\.http"):
+        cli._tracing("jobplane-test", Settings(trace_exporters=("otlp",)))
 
 
 def test_a_failure_is_kept_by_its_type_never_its_message(on: InMemorySpanExporter) -> None:

@@ -80,14 +80,11 @@ def unregistered() -> Iterator[None]:
 
 
 @pytest.mark.usefixtures("unregistered")
-def test_the_process_registers_log_trace_ids_only_when_tracing_is_on(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def test_the_process_registers_no_log_trace_ids_when_tracing_is_off() -> None:
+    # On, configure_tracing registers them itself
+    # (test_tracing_unit.py::test_configure_tracing_alone_traces_the_store_transitions).
     cli._tracing("jobplane-test", Settings())
     assert logs._TRACE_IDS is None
-    monkeypatch.setattr(tracing, "configure_tracing", lambda *_: True)
-    cli._tracing("jobplane-test", Settings())
-    assert logs._TRACE_IDS is tracing.log_trace_ids
 
 
 def test_the_process_hands_its_worker_tracing_when_on_and_metrics_when_served(

@@ -139,8 +139,9 @@ def configure_tracing(service_name: str, settings: Settings | None = None) -> bo
     (parent-based always-on by default), the batch processor's limits
     ``OTEL_BSP_*``'s and the exporter's endpoint, headers, timeout and
     compression ``OTEL_EXPORTER_OTLP_*``'s, as the SDK reads them. Spans
-    still queued are exported when the process exits. A second call changes
-    nothing.
+    still queued are exported when the process exits. The store's
+    transitions are traced with it (:func:`register_transitions`) and its log
+    lines name the trace (:func:`register_logs`). A second call changes nothing.
     """
     global ENABLED, _TRACER, _PROVIDER  # noqa: PLW0603 - the one switch the hot paths read
     if settings is None:
@@ -182,6 +183,11 @@ def configure_tracing(service_name: str, settings: Settings | None = None) -> bo
     _PROVIDER = provider
     _TRACER = provider.get_tracer("jobplane", __version__)
     _set_skip_unsampled(_drops_unsampled_children(provider.sampler))
+    # Here rather than by each caller: a process that turns tracing on (the
+    # CLI, a Worker embedded in an application, a benchmark) would otherwise
+    # trace its calls while its transitions and log lines carried no trace.
+    register_transitions()
+    register_logs()
     ENABLED = True
     return True
 
@@ -417,8 +423,8 @@ def applied(transition: Transition) -> None:
 class TransitionTracing:
     """The store's :class:`~jobplane.store.observers.Observer` when tracing is on.
 
-    Registered by the process where it turns tracing on
-    (:func:`register_transitions`): the store imports no tracing, and with
+    Registered where tracing is turned on (:func:`configure_tracing` calls
+    :func:`register_transitions`): the store imports no tracing, and with
     none registered calls nothing.
     """
 
@@ -453,7 +459,10 @@ def register_logs() -> None:
 
 def register_transitions() -> None:
     """Trace the store's transitions: their dispatches and events carry the
-    current span's context, and the span names the transition."""
+    current span's context, and the span names the transition.
+
+    :func:`configure_tracing` calls it; call it alone only where tracing is
+    turned on by other means (a test's own tracer provider)."""
     observers.register(TransitionTracing())
 
 

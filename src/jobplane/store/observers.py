@@ -2,7 +2,7 @@
 
 The store imports no observability. A process that traces registers an
 :class:`Observer` at start (``jobplane.observe.tracing.TransitionTracing``,
-registered by the CLI where it configures tracing), as temporalio's
+registered by ``configure_tracing`` when it turns tracing on), as temporalio's
 interceptors are passed in rather than imported. With none registered the
 store calls nothing: each use reads :data:`OBSERVER` once and goes on when it
 is None, so the off path costs one test, as before.
