@@ -44,9 +44,10 @@ from collections.abc import (
 )
 from concurrent.futures import Executor
 from contextlib import AbstractAsyncContextManager
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar, cast
+from typing import Any, Protocol, TypeVar, cast
 
 from jobplane.blobs.payloads import payload_from_blob
+from jobplane.blobs.reader import BlobInfo, BlobReader
 from jobplane.errors import (
     BlobNotFound,
     BlobsDisabled,
@@ -61,9 +62,6 @@ from jobplane.store.events import emitted
 from jobplane.store.machine import MAX_EMITTED_BYTES, MAX_EMITTED_EVENTS, Emitted
 from jobplane.store.rows import check_payload_size, dumps
 from jobplane.workers.values import clean_text, json_problem, json_size, safe_str
-
-if TYPE_CHECKING:
-    from jobplane.blobs.store import BlobInfo, BlobReader
 
 T = TypeVar("T")
 

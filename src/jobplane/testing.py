@@ -32,7 +32,7 @@ from typing import Any, Literal, cast
 
 from jobplane.attempt_end import Retry, RetryPolicy, decide
 from jobplane.blobs.names import blob_name, parse_blob_name
-from jobplane.blobs.store import BlobInfo, BlobReader
+from jobplane.blobs.reader import BlobInfo, BlobReader
 from jobplane.errors import BlobNotFound, BlobTooLarge
 from jobplane.events.envelope import Event
 from jobplane.store.attempts import Attempt, ProgressUpdate, StageRun

@@ -4,6 +4,8 @@ the worker judges it."""
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -190,3 +192,19 @@ def test_the_sync_context_has_every_attribute_of_the_async_one() -> None:
     public = {n for n in dir(JobContext) if not n.startswith("_")}
     missing = public - set(dir(SyncJobContext))
     assert missing == {"open_blob"}, missing  # streaming is for async handlers
+
+
+def test_jobplane_testing_imports_without_the_object_store_drivers() -> None:
+    # The worker install (jobplane[worker]) has no aioboto3, botocore or aiohttp.
+    program = (
+        "import sys\n"
+        "class Absent:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.partition('.')[0] in ('aioboto3', 'aiobotocore', 'botocore', 'aiohttp'):\n"
+        "            raise ModuleNotFoundError(f'No module named {name!r}', name=name)\n"
+        "sys.meta_path.insert(0, Absent())\n"
+        "import jobplane.testing\n"
+        "outcome = jobplane.testing.run_handler_sync(lambda ctx: {'ok': ctx.type})\n"
+        "assert outcome.result == {'ok': 'test.job'}, outcome\n"
+    )
+    subprocess.run([sys.executable, "-c", program], check=True, timeout=60)
