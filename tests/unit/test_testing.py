@@ -4,6 +4,7 @@ the worker judges it."""
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import subprocess
 import sys
 import threading
@@ -192,6 +193,45 @@ def test_the_sync_context_has_every_attribute_of_the_async_one() -> None:
     public = {n for n in dir(JobContext) if not n.startswith("_")}
     missing = public - set(dir(SyncJobContext))
     assert missing == {"open_blob"}, missing  # streaming is for async handlers
+
+
+async def _doubles(ctx: Any, n: int) -> dict[str, Any]:
+    await ctx.progress(0.5)
+    return {"n": n * 2}
+
+
+def _without_wraps(fn: Any) -> Any:
+    def wrapper(ctx: Any) -> Any:
+        return fn(ctx, 2)
+
+    return wrapper
+
+
+@pytest.mark.parametrize(
+    "handler",
+    [lambda ctx: _doubles(ctx, 2), _without_wraps(_doubles)],
+    ids=["lambda", "decorator-without-wraps"],
+)
+async def test_a_plain_function_that_returns_a_coroutine_fails_the_job_and_holds_no_loop(
+    handler: Any,
+) -> None:
+    # Classed plain (it is no `async def`): its coroutine, built in the thread
+    # with the thread's context, must not be awaited on the loop, where its
+    # `await ctx.progress()` would wait for the loop it blocks.
+    outcome = await asyncio.wait_for(run_handler(handler), 10)
+    assert outcome.status == "failed"
+    assert outcome.error is not None and outcome.error.code == "BAD_HANDLER"
+    assert "register the async function itself" in outcome.error.message
+
+
+async def test_the_sync_context_refuses_a_call_from_the_loop_s_own_thread() -> None:
+    # Waiting there for a task of the same loop would never end.
+    outcome = await run_handler(_async, "t.async", {"rows": 1})
+    sync_ctx = SyncJobContext(
+        outcome.context, asyncio.get_running_loop(), contextvars.copy_context()
+    )
+    with pytest.raises(RuntimeError, match="from the event loop"):
+        sync_ctx.progress(0.5)
 
 
 def test_jobplane_testing_imports_without_the_object_store_drivers() -> None:
