@@ -189,10 +189,11 @@ def test_run_handler_sync_needs_no_event_loop() -> None:
 
 
 def test_the_sync_context_has_every_attribute_of_the_async_one() -> None:
-    # The plain handler's face must not drift from the async one's.
+    # The plain handler's face must not drift from the async one's, either way.
     public = {n for n in dir(JobContext) if not n.startswith("_")}
-    missing = public - set(dir(SyncJobContext))
-    assert missing == {"open_blob"}, missing  # streaming is for async handlers
+    sync_public = {n for n in dir(SyncJobContext) if not n.startswith("_")}
+    assert public - sync_public == {"open_blob"}  # streaming is for async handlers
+    assert sync_public - public == {"async_context"}
 
 
 async def _doubles(ctx: Any, n: int) -> dict[str, Any]:
@@ -232,6 +233,37 @@ async def test_the_sync_context_refuses_a_call_from_the_loop_s_own_thread() -> N
     )
     with pytest.raises(RuntimeError, match="from the event loop"):
         sync_ctx.progress(0.5)
+
+
+async def test_cancel_after_gives_up_on_a_plain_handler_that_ignores_the_stop() -> None:
+    release = threading.Event()
+
+    def deaf(ctx: SyncJobContext) -> dict[str, Any]:
+        release.wait(10)
+        return {}
+
+    try:
+        with pytest.raises(TimeoutError, match=r"deaf.* did not end within 0\.2 s"):
+            await run_handler(deaf, cancel_after=0.05, grace=0.2)
+    finally:
+        release.set()
+
+
+def test_run_handler_sync_gives_up_on_a_plain_handler_that_ignores_the_stop() -> None:
+    release = threading.Event()
+
+    def deaf(ctx: SyncJobContext) -> dict[str, Any]:
+        release.wait(30)
+        return {}
+
+    started = time.monotonic()
+    try:
+        with pytest.raises(TimeoutError, match="deaf"):
+            # Its event loop ends too, without waiting for the handler's thread.
+            run_handler_sync(deaf, cancel_after=0.05, grace=0.2)
+        assert time.monotonic() - started < 20
+    finally:
+        release.set()
 
 
 def test_jobplane_testing_imports_without_the_object_store_drivers() -> None:
