@@ -70,8 +70,6 @@ class HandlerThreads(Executor):
                     future.set_result(result)
             del item, future, call  # not held while idle
             with self._lock:
-                if self._shutdown:
-                    return
                 self._idle += 1
 
     @property
@@ -80,8 +78,9 @@ class HandlerThreads(Executor):
         return self._shutdown
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
-        """Take no more work; cancel what has not started (``cancel_futures``); wait
-        for the threads only when asked (a thread given up on may never return)."""
+        """Take no more work; cancel what has not started (``cancel_futures``; else
+        it still runs); wait for the threads only when asked (a thread given up
+        on may never return)."""
         with self._lock:
             self._shutdown = True
             threads = list(self._threads)

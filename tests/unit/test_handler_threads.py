@@ -43,6 +43,25 @@ def test_work_not_yet_taken_by_a_thread_can_be_cancelled() -> None:
         threads.shutdown()
 
 
+def test_shutdown_runs_what_was_submitted_unless_told_to_cancel_it() -> None:
+    threads = HandlerThreads(1)
+    release = threading.Event()
+    busy = threads.submit(release.wait, 10)
+    queued = threads.submit(lambda: "ran")
+    threads.shutdown(wait=False)
+    release.set()
+    assert busy.result(timeout=10) is True and queued.result(timeout=10) == "ran"
+
+    threads = HandlerThreads(1)
+    release.clear()
+    busy = threads.submit(release.wait, 10)
+    queued = threads.submit(lambda: "ran")
+    threads.shutdown(wait=False, cancel_futures=True)
+    release.set()
+    assert busy.result(timeout=10) is True and queued.cancelled()
+    threads.shutdown()
+
+
 def test_a_thread_that_never_returns_does_not_hold_the_process_at_exit() -> None:
     program = (
         "import time\n"
