@@ -24,7 +24,8 @@ from jobplane.server.status import error_for, to_grpc_status
 from jobplane.v1 import blobs_pb2, blobs_pb2_grpc
 
 if TYPE_CHECKING:
-    from jobplane.blobs.store import BlobInfo, BlobStore
+    from jobplane.blobs.reader import BlobInfo
+    from jobplane.blobs.store import BlobStore
 
 Context = grpc.aio.ServicerContext[Any, Any]
 Req = TypeVar("Req")

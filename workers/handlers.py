@@ -44,9 +44,10 @@ from collections.abc import (
 )
 from concurrent.futures import Executor
 from contextlib import AbstractAsyncContextManager
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar, cast
+from typing import Any, Protocol, TypeVar, cast
 
 from jobplane.blobs.payloads import payload_from_blob
+from jobplane.blobs.reader import BlobInfo, BlobReader
 from jobplane.errors import (
     BlobNotFound,
     BlobsDisabled,
@@ -60,10 +61,8 @@ from jobplane.store.attempts import Attempt, ProgressUpdate
 from jobplane.store.events import emitted
 from jobplane.store.machine import MAX_EMITTED_BYTES, MAX_EMITTED_EVENTS, Emitted
 from jobplane.store.rows import check_payload_size, dumps
+from jobplane.workers.threads import HandlerThreads
 from jobplane.workers.values import clean_text, json_problem, json_size, safe_str
-
-if TYPE_CHECKING:
-    from jobplane.blobs.store import BlobInfo, BlobReader
 
 T = TypeVar("T")
 
@@ -604,6 +603,17 @@ class SyncJobContext:
     def _on_loop(self, make: Callable[[], Awaitable[T]]) -> T:
         """Run ``make()`` as a task of the worker's loop and wait for its answer."""
         self._check()
+        try:
+            running: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+        except RuntimeError:  # no loop running here: a thread's call, as meant
+            running = None
+        if running is self._loop:
+            # Waiting here for a task of this loop would block the only thread
+            # that can run it, for ever.
+            raise RuntimeError(
+                "a SyncJobContext is called from the event loop's own thread: an async "
+                "handler uses its JobContext (ctx.async_context) and awaits it"
+            )
         done: concurrent.futures.Future[T] = concurrent.futures.Future()
 
         async def run() -> T:
@@ -652,7 +662,9 @@ class Threaded:
     the context stopped, and the task waits for the thread to see it, return
     or raise, so that its slot is not given to another job while it runs (the
     worker gives up on it after its grace period, as on an async handler
-    that ignores its cancellation).
+    that ignores its cancellation). A handler still waiting for a free thread
+    when stopped never runs. A plain function that returns an awaitable (a
+    wrapper of an async function) fails the job: ``BAD_HANDLER``.
     """
 
     def __init__(self, fn: SyncHandler) -> None:
@@ -664,21 +676,49 @@ class Threaded:
         sync_ctx = SyncJobContext(ctx, loop, contextvars.copy_context())
         # A copy of its own for the thread: a context is entered by one at a time.
         run = contextvars.copy_context().run
-        thread: asyncio.Future[Any] = loop.run_in_executor(ctx._threads, run, self.fn, sync_ctx)
-        while True:
-            try:
-                returned = await asyncio.shield(thread)
-                break
-            except asyncio.CancelledError:
-                if thread.done():
-                    raise  # the thread's own AttemptStopped: the stop ends the task
-                ctx._stop()
+        # A context without the worker's threads (a test's) gets one of its own.
+        threads = ctx._threads if ctx._threads is not None else HandlerThreads(1)
+        try:
+            work = threads.submit(run, self.fn, sync_ctx)
+            thread = asyncio.wrap_future(work)
+            while True:
+                try:
+                    returned = await asyncio.shield(thread)
+                    break
+                except asyncio.CancelledError:
+                    if thread.done():
+                        raise  # the thread's own AttemptStopped: the stop ends the task
+                    if isinstance(threads, HandlerThreads) and threads.closed:
+                        # The worker closed its threads, given up on this one:
+                        # nothing is left to wait for (a process that ends
+                        # cancels its last tasks, and must not wait on a thread).
+                        thread.cancel()
+                        raise
+                    ctx._stop()
+                    if work.cancel():
+                        # Still waiting for a thread: it never runs for a job it
+                        # no longer owns.
+                        raise AttemptStopped(
+                            f"{ctx.name} attempt {ctx.attempt} was stopped before a thread took it"
+                        ) from None
+        finally:
+            if threads is not ctx._threads:
+                threads.shutdown(wait=False)
         if inspect.isawaitable(returned):
-            # A plain function that returns a coroutine (a wrapper, a partial):
-            # awaited on the loop, where it can be cancelled.
-            result: dict[str, Any] = await returned
-            return result
-        return returned  # type: ignore[no-any-return]
+            # Its coroutine was made in the thread, with the thread's context:
+            # awaited on the loop, a context call in it would block the loop
+            # waiting for the loop. Such a wrapper (a lambda, a decorator
+            # without functools.wraps) hides the async function it calls.
+            if inspect.iscoroutine(returned):
+                returned.close()
+            raise PermanentError(
+                f"the handler {self.__qualname__} is a plain function that returned "
+                f"{type(returned).__name__}: register the async function itself (a "
+                "wrapper of one must be an `async def` too)",
+                code="BAD_HANDLER",
+            )
+        # None is the empty result, as for an async handler (check_result).
+        return cast("dict[str, Any]", returned)
 
 
 def handler_kind(fn: object) -> str:

@@ -15,7 +15,6 @@ import contextlib
 import enum
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -71,6 +70,7 @@ from jobplane.workers.outcome import Escaped, Failure, check_result, describe, i
 from jobplane.workers.presence import Presence
 from jobplane.workers.priority import Slots, SlotsClosed, consume
 from jobplane.workers.progress import ProgressFlusher, ProgressWriter
+from jobplane.workers.threads import HandlerThreads
 
 if TYPE_CHECKING:
     from jobplane.blobs.store import BlobStore
@@ -178,7 +178,7 @@ class Worker:
         # Plain ``def`` handlers run in these threads; no more than the slots
         # by default, since a thread only ever runs a slot's handler.
         self._sync_threads = sync_threads or concurrency
-        self._threads: ThreadPoolExecutor | None = None
+        self._threads: HandlerThreads | None = None
         self._engine = engine
         # The attempts' statements run on asyncpg (ADR-0030): the caller's
         # pool, or one of the worker's own, opened and closed with it.
@@ -307,10 +307,9 @@ class Worker:
         for name in self._queues:
             self._topology.queue(name)  # unknown queue names fail here, not later
         await self._db.open()
-        # Threads start only when a plain handler first runs.
-        self._threads = ThreadPoolExecutor(
-            max_workers=self._sync_threads, thread_name_prefix="jobplane-handler"
-        )
+        # Threads start only when a plain handler first runs; daemons, so that
+        # one given up on cannot keep the process from exiting.
+        self._threads = HandlerThreads(self._sync_threads, thread_name_prefix="jobplane-handler")
         try:
             await self._enter_lifespans()
         except BaseException:
@@ -405,7 +404,8 @@ class Worker:
     async def _close_pools(self) -> None:
         """Close the worker's database pool (its own) and its handler threads."""
         if self._threads is not None:
-            # Not waited for: a handler thread given up on may never return.
+            # Not joined: a handler thread given up on may never return. Its
+            # threads are daemons, so the process still exits when it is done.
             self._threads.shutdown(wait=False, cancel_futures=True)
             self._threads = None
         if self._owns_db:

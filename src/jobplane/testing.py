@@ -32,7 +32,7 @@ from typing import Any, Literal, cast
 
 from jobplane.attempt_end import Retry, RetryPolicy, decide
 from jobplane.blobs.names import blob_name, parse_blob_name
-from jobplane.blobs.store import BlobInfo, BlobReader
+from jobplane.blobs.reader import BlobInfo, BlobReader
 from jobplane.errors import BlobNotFound, BlobTooLarge
 from jobplane.events.envelope import Event
 from jobplane.store.attempts import Attempt, ProgressUpdate, StageRun
@@ -46,6 +46,7 @@ from jobplane.workers.handlers import (
     handler_kind,
 )
 from jobplane.workers.outcome import Escaped, check_result, describe, invoke
+from jobplane.workers.threads import HandlerThreads
 
 __all__ = ["HandlerError", "MemoryBlobs", "Outcome", "run_handler", "run_handler_sync"]
 
@@ -204,6 +205,7 @@ async def run_handler(
     inputs: Mapping[str, dict[str, Any]] | None = None,
     blobs: MemoryBlobs | None = None,
     cancel_after: float | None = None,
+    grace: float = 10.0,
     max_result_bytes: int = DEFAULT_EVENT_PAYLOAD_BYTES,
 ) -> Outcome:
     """Run one attempt of ``handler`` (or ``job_type``'s handler in a registry).
@@ -215,7 +217,9 @@ async def run_handler(
     attempt after that many seconds as the worker stops a cancelled job:
     ``ctx.cancelled`` turns True, an async handler's task is cancelled and a
     plain handler's next context call raises
-    :class:`~jobplane.workers.AttemptStopped`.
+    :class:`~jobplane.workers.AttemptStopped`. A handler that has not ended
+    ``grace`` seconds after that raises :class:`TimeoutError` (the worker
+    gives up on it then too); its thread is left to run.
     """
     fn = _handler_of(handler, job_type)
     store = MemoryBlobs() if blobs is None else blobs
@@ -248,7 +252,32 @@ async def run_handler(
         stage=stage_run,
     )
     recorder = _Recorder()
-    ctx = JobContext(the_attempt, recorder, max_event_payload_bytes=max_result_bytes, blobs=store)
+    # A plain handler's thread, as the worker's: a daemon, left behind once
+    # given up on (closing the pool lets its task end).
+    threads = HandlerThreads(1, thread_name_prefix="jobplane-handler")
+    ctx = JobContext(
+        the_attempt,
+        recorder,
+        max_event_payload_bytes=max_result_bytes,
+        blobs=store,
+        threads=threads,
+    )
+    try:
+        return await _run(fn, ctx, store, recorder, cancel_after, grace, max_result_bytes)
+    finally:
+        threads.shutdown(wait=False, cancel_futures=True)
+
+
+async def _run(
+    fn: Handler,
+    ctx: JobContext,
+    store: MemoryBlobs,
+    recorder: _Recorder,
+    cancel_after: float | None,
+    grace: float,
+    max_result_bytes: int,
+) -> Outcome:
+    the_attempt = ctx._attempt
     task = asyncio.create_task(invoke(fn, ctx), name=f"test-{the_attempt.job_id}")
     stopped = False
     if cancel_after is not None:
@@ -257,6 +286,17 @@ async def run_handler(
             stopped = True
             ctx._stop()
             task.cancel()
+            done, _ = await asyncio.wait({task}, timeout=grace)
+            if not done:
+                if ctx._threads is not None:
+                    ctx._threads.shutdown(wait=False)
+                task.cancel()  # a plain handler's task ends once its threads are closed
+                name = getattr(fn, "__qualname__", None) or repr(fn)
+                raise TimeoutError(
+                    f"the handler {name} did not end within {grace} s of its stop "
+                    "(cancel_after): a plain handler checks ctx.cancelled or calls its "
+                    "context, an async one lets its CancelledError go on"
+                )
     await asyncio.wait({task})
     status: Status
     result: dict[str, Any] | None = None

@@ -2,15 +2,19 @@
 
 Progress and emits from the handler's thread reach Postgres as an async
 handler's do; a cancel reaches the thread through ``ctx.cancelled`` and the
-next context call; an error retries or fails the job as any handler's; the
-lease is extended while the thread runs.
+next context call, and a handler still waiting for a thread never runs; an
+error retries or fails the job as any handler's; the lease is extended while
+the thread runs; a thread that never returns does not keep the worker's
+process from exiting.
 """
 
 from __future__ import annotations
 
+import signal
 import threading
 import time
 import uuid
+from pathlib import Path
 from typing import Any
 
 from sqlalchemy.ext.asyncio import AsyncEngine
@@ -18,6 +22,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from jobplane.client import EventType, JobState
 from jobplane.topology import Topology
 from jobplane.workers.handlers import AttemptStopped, PermanentError, Registry, SyncJobContext
+from tests.faults.cluster import Cluster
 from tests.support.stack import Stack, eventually, start_stack
 
 registry = Registry()
@@ -69,6 +74,30 @@ def _long(ctx: SyncJobContext) -> dict[str, Any]:
     time.sleep(4.5)
     ctx.progress(1.0, "done")
     return {"slept": 4.5}
+
+
+# Holds the worker's only handler thread until the test lets it go.
+release = threading.Event()
+
+
+@registry.handler("sync.blocker")
+def _blocker(ctx: SyncJobContext) -> dict[str, Any]:
+    seen.setdefault(ctx.id, {})["started"] = True
+    release.wait(60)
+    return {}
+
+
+@registry.handler("sync.deaf")
+def _deaf(ctx: SyncJobContext) -> dict[str, Any]:
+    # Ignores every stop: only the end of its process ends it.
+    time.sleep(3600)
+    return {}
+
+
+@registry.handler("sync.queued")
+def _queued(ctx: SyncJobContext) -> dict[str, Any]:
+    seen.setdefault(ctx.id, {})["ran"] = True
+    return {}
 
 
 async def _start(
@@ -180,4 +209,77 @@ async def test_the_lease_of_a_sync_handler_is_extended_while_its_thread_runs(
         assert done.state is JobState.SUCCEEDED, done.error
         assert done.attempt == 1
     finally:
+        await stack.close()
+
+
+async def test_a_cancelled_sync_handler_still_waiting_for_a_thread_never_runs(
+    engine: AsyncEngine, database_url: str, amqp_url: str, topology: Topology
+) -> None:
+    release.clear()
+    stack = await _start(engine, database_url, amqp_url, topology, concurrency=2, sync_threads=1)
+    try:
+        client = stack.client()
+        blocker = await client.submit("sync.blocker", {})
+
+        async def blocking() -> bool:
+            return bool(seen.get(blocker.id, {}).get("started"))
+
+        await eventually(blocking, timeout=30)
+        queued = await client.submit("sync.queued", {})
+
+        async def claimed() -> bool:
+            return queued.name in stack.worker.running_jobs if stack.worker else False
+
+        # Claimed and in a slot, its work item behind the blocker's in the pool.
+        await eventually(claimed, timeout=30)
+        await client.cancel(queued.name, reason="not wanted")
+        assert (await client.wait(queued.name, timeout=30)).state is JobState.CANCELLED
+
+        async def dropped() -> bool:
+            return queued.name not in stack.worker.running_jobs if stack.worker else True
+
+        # Its slot is free at once, not after the blocker's thread.
+        await eventually(dropped, timeout=10)
+        release.set()
+        assert (await client.wait(blocker.name, timeout=30)).state is JobState.SUCCEEDED
+
+        async def idle() -> bool:
+            return not stack.worker or not stack.worker.running_jobs
+
+        await eventually(idle, timeout=10)
+        assert "ran" not in seen.get(queued.id, {})
+    finally:
+        release.set()
+        await stack.close()
+
+
+async def test_a_worker_exits_on_sigterm_though_a_sync_handler_ignores_its_stop(
+    engine: AsyncEngine,
+    database_url: str,
+    amqp_url: str,
+    topology: Topology,
+    tmp_path: Path,
+) -> None:
+    stack = await start_stack(engine, database_url, amqp_url, topology, worker=False)
+    cluster = Cluster(database_url, amqp_url, topology, tmp_path)
+    try:
+        args = ["worker", "--handlers", f"{__name__}:registry", "--no-maintenance"]
+        worker = await cluster._spawn([*args, "--grace", "1"], "worker.started")
+        job = await stack.client().submit("sync.deaf", {})
+
+        async def running() -> bool:
+            state = await stack.scalar(
+                "SELECT state FROM jobs WHERE id = :id", id=uuid.UUID(job.id)
+            )
+            return bool(state == "running")
+
+        await eventually(running, timeout=30)
+        sent = time.monotonic()
+        worker.kill(signal.SIGTERM)
+        # Its grace (1 s), then the worker's wait for stopped handlers (10 s),
+        # then its exit: a pool thread that is joined at exit would hang it.
+        assert await worker.wait(timeout=60) == 0, worker.log.read_text()[-3000:]
+        assert time.monotonic() - sent < 45
+    finally:
+        await cluster.close()
         await stack.close()

@@ -103,6 +103,26 @@ def test_the_worker_install_holds_no_server_library(python: Path) -> None:
     assert NOT_INSTALLED & set(distributions) == set()
 
 
+def test_jobplane_testing_imports_on_the_worker_install(python: Path, tmp_path: Path) -> None:
+    # A handler's unit tests run where its worker does: no object store driver there.
+    program = (
+        "import json, sys\n"
+        "import jobplane.testing\n"
+        "print(json.dumps(sorted({m.split('.')[0] for m in sys.modules})))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    done = subprocess.run(
+        [str(python), "-c", program],
+        check=False,
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=env,
+    )
+    assert done.returncode == 0, done.stderr
+    assert set(json.loads(done.stdout)) & NOT_LOADED == set()
+
+
 async def test_jobplane_worker_from_the_worker_install_runs_jobs(
     stack: Stack, python: Path, tmp_path: Path
 ) -> None:

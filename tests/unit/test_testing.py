@@ -4,6 +4,9 @@ the worker judges it."""
 from __future__ import annotations
 
 import asyncio
+import contextvars
+import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -186,7 +189,94 @@ def test_run_handler_sync_needs_no_event_loop() -> None:
 
 
 def test_the_sync_context_has_every_attribute_of_the_async_one() -> None:
-    # The plain handler's face must not drift from the async one's.
+    # The plain handler's face must not drift from the async one's, either way.
     public = {n for n in dir(JobContext) if not n.startswith("_")}
-    missing = public - set(dir(SyncJobContext))
-    assert missing == {"open_blob"}, missing  # streaming is for async handlers
+    sync_public = {n for n in dir(SyncJobContext) if not n.startswith("_")}
+    assert public - sync_public == {"open_blob"}  # streaming is for async handlers
+    assert sync_public - public == {"async_context"}
+
+
+async def _doubles(ctx: Any, n: int) -> dict[str, Any]:
+    await ctx.progress(0.5)
+    return {"n": n * 2}
+
+
+def _without_wraps(fn: Any) -> Any:
+    def wrapper(ctx: Any) -> Any:
+        return fn(ctx, 2)
+
+    return wrapper
+
+
+@pytest.mark.parametrize(
+    "handler",
+    [lambda ctx: _doubles(ctx, 2), _without_wraps(_doubles)],
+    ids=["lambda", "decorator-without-wraps"],
+)
+async def test_a_plain_function_that_returns_a_coroutine_fails_the_job_and_holds_no_loop(
+    handler: Any,
+) -> None:
+    # Classed plain (it is no `async def`): its coroutine, built in the thread
+    # with the thread's context, must not be awaited on the loop, where its
+    # `await ctx.progress()` would wait for the loop it blocks.
+    outcome = await asyncio.wait_for(run_handler(handler), 10)
+    assert outcome.status == "failed"
+    assert outcome.error is not None and outcome.error.code == "BAD_HANDLER"
+    assert "register the async function itself" in outcome.error.message
+
+
+async def test_the_sync_context_refuses_a_call_from_the_loop_s_own_thread() -> None:
+    # Waiting there for a task of the same loop would never end.
+    outcome = await run_handler(_async, "t.async", {"rows": 1})
+    sync_ctx = SyncJobContext(
+        outcome.context, asyncio.get_running_loop(), contextvars.copy_context()
+    )
+    with pytest.raises(RuntimeError, match="from the event loop"):
+        sync_ctx.progress(0.5)
+
+
+async def test_cancel_after_gives_up_on_a_plain_handler_that_ignores_the_stop() -> None:
+    release = threading.Event()
+
+    def deaf(ctx: SyncJobContext) -> dict[str, Any]:
+        release.wait(10)
+        return {}
+
+    try:
+        with pytest.raises(TimeoutError, match=r"deaf.* did not end within 0\.2 s"):
+            await run_handler(deaf, cancel_after=0.05, grace=0.2)
+    finally:
+        release.set()
+
+
+def test_run_handler_sync_gives_up_on_a_plain_handler_that_ignores_the_stop() -> None:
+    release = threading.Event()
+
+    def deaf(ctx: SyncJobContext) -> dict[str, Any]:
+        release.wait(30)
+        return {}
+
+    started = time.monotonic()
+    try:
+        with pytest.raises(TimeoutError, match="deaf"):
+            # Its event loop ends too, without waiting for the handler's thread.
+            run_handler_sync(deaf, cancel_after=0.05, grace=0.2)
+        assert time.monotonic() - started < 20
+    finally:
+        release.set()
+
+
+def test_jobplane_testing_imports_without_the_object_store_drivers() -> None:
+    # The worker install (jobplane[worker]) has no aioboto3, botocore or aiohttp.
+    program = (
+        "import sys\n"
+        "class Absent:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.partition('.')[0] in ('aioboto3', 'aiobotocore', 'botocore', 'aiohttp'):\n"
+        "            raise ModuleNotFoundError(f'No module named {name!r}', name=name)\n"
+        "sys.meta_path.insert(0, Absent())\n"
+        "import jobplane.testing\n"
+        "outcome = jobplane.testing.run_handler_sync(lambda ctx: {'ok': ctx.type})\n"
+        "assert outcome.result == {'ok': 'test.job'}, outcome\n"
+    )
+    subprocess.run([sys.executable, "-c", program], check=True, timeout=60)

@@ -1,7 +1,8 @@
 """Object storage by reference: blobs named ``blobs/{sha256}``, per tenant (ADR-0020).
 
 The store (and aioboto3) is imported on first use of one of its names, so
-that :mod:`jobplane.blobs.names` costs the SDK nothing.
+that :mod:`jobplane.blobs.names` and :mod:`jobplane.blobs.reader` cost the SDK
+and the worker install nothing.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from jobplane.blobs.names import BLOB_NAME_PATTERN, blob_name, is_blob_name, parse_blob_name
+from jobplane.blobs.reader import BlobInfo, BlobReader
 from jobplane.errors import (
     BlobInUse,
     BlobNotFound,
@@ -20,9 +22,9 @@ from jobplane.errors import (
 )
 
 if TYPE_CHECKING:
-    from jobplane.blobs.store import PART_BYTES, BlobInfo, BlobReader, BlobStore
+    from jobplane.blobs.store import PART_BYTES, BlobStore
 
-_FROM_STORE = frozenset({"PART_BYTES", "BlobInfo", "BlobReader", "BlobStore"})
+_FROM_STORE = frozenset({"PART_BYTES", "BlobStore"})
 
 
 def __getattr__(name: str) -> Any:

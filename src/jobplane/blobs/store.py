@@ -27,7 +27,6 @@ import contextlib
 import hashlib
 import uuid
 from collections.abc import AsyncIterable, AsyncIterator, Iterable, Sequence
-from dataclasses import dataclass
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
@@ -40,6 +39,7 @@ from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from jobplane.blobs.names import blob_name, parse_blob_name, parse_digest
+from jobplane.blobs.reader import BlobInfo, BlobReader
 from jobplane.errors import (
     BlobInUse,
     BlobNotFound,
@@ -66,17 +66,6 @@ _MAX_COPY_BYTES = 5 * 1024**3
 _COPY_PART_BYTES = 1024**3
 
 _NOT_FOUND_CODES = frozenset({"NoSuchKey", "404", "NotFound"})
-
-
-@dataclass(frozen=True, slots=True)
-class BlobInfo:
-    """A stored blob: its name, sha256, size in bytes and content type."""
-
-    name: str
-    digest: str
-    size: int
-    content_type: str = ""
-    created_at: datetime | None = None
 
 
 def _tenant(tenant_id: uuid.UUID | str) -> uuid.UUID:
@@ -185,28 +174,12 @@ def _info(row: Any) -> BlobInfo:
     )
 
 
-class BlobReader:
-    """An open blob: ``info``, ``await read(n)``, ``async for chunk in iter_chunks(size)``."""
-
-    def __init__(self, info: BlobInfo, body: Any) -> None:
-        self.info = info
-        self._body = body
+class _S3Reader(BlobReader):
+    """A :class:`BlobReader` of an S3 body: S3's failures as :class:`BlobStoreUnavailable`."""
 
     async def read(self, n: int = -1) -> bytes:
-        """Up to ``n`` bytes (all that are left when ``n`` < 0); ``b""`` at the end."""
         async with _s3_errors():
-            data: bytes = await self._body.read(None if n < 0 else n)
-        return data
-
-    async def iter_chunks(self, size: int = 1024 * 1024) -> AsyncIterator[bytes]:
-        """The rest of the blob in chunks of at most ``size`` bytes."""
-        if size <= 0:
-            raise ValueError("chunk size must be positive")
-        while True:
-            chunk = await self.read(size)
-            if not chunk:
-                return
-            yield chunk
+            return await super().read(n)
 
 
 class BlobStore:
@@ -616,7 +589,7 @@ class BlobStore:
             ) from None
         body = got["Body"]
         try:
-            yield BlobReader(info, body)
+            yield _S3Reader(info, body)
         finally:
             body.close()
 
