@@ -201,7 +201,8 @@ class Bench:
             # tenant opens 10,000 streams and submits as fast as it can.
             "JOBPLANE_TENANT_MAX_STREAMS": "0",
             "JOBPLANE_TENANT_SUBMITS_PER_SECOND": "0",
-            "PYTHONPATH": str(ROOT),
+            # This checkout's jobplane, whichever checkout the installed one is.
+            "PYTHONPATH": os.pathsep.join((str(ROOT / "src"), str(ROOT))),
             **self.extra_env,
         }
 
