@@ -362,7 +362,11 @@ async def _serve(args: argparse.Namespace) -> int:
             # Not ready until the gRPC port serves, and again from the start of its drain.
             ops.add_check("grpc", server.not_ready)
         await _start_ops(stack, ops)
-        await _started(stack, server.start, server.stop)
+        await _started(stack, lambda: server.start(report_serving=False), server.stop)
+        # SERVING once the topology is on the broker: a consumer that binds to the
+        # events exchange when health says so finds it.
+        declared = asyncio.create_task(_serving_once_declared(settings, topology, server))
+        stack.push_async_callback(_cancelled, declared)
         transport = "plaintext"
         if settings.tls_cert is not None:
             transport = "mutual TLS" if settings.tls_client_ca is not None else "TLS"
@@ -373,6 +377,19 @@ async def _serve(args: argparse.Namespace) -> int:
             _say(None, f"dashboard on {ui.url}")
         await _until_signal()
     return 0
+
+
+async def _serving_once_declared(settings: Settings, topology: Topology, server: Any) -> None:
+    from jobplane.topology import until_declared
+
+    await until_declared(settings.amqp_url, topology)
+    await server.report_serving()
+
+
+async def _cancelled(task: asyncio.Task[Any]) -> None:
+    from jobplane.tasks import cancel_and_wait
+
+    await cancel_and_wait(task)
 
 
 # -- Dashboard (docs/dashboard.md) --------------------------------------------
@@ -748,6 +765,7 @@ def _with_ingest(registry: Any, files: list[Path], settings: Settings, topology:
 async def _dev(args: argparse.Namespace) -> int:
     from jobplane.devparts import Layout, resolve_processes
     from jobplane.store.engine import create_engine, migrate
+    from jobplane.topology import apply
     from jobplane.workers.relay import Relay, relay_in_flight
     from jobplane.workers.sweeper import Sweeper
 
@@ -818,6 +836,10 @@ async def _dev(args: argparse.Namespace) -> int:
             if worker is not None:
                 ops.add_check("worker", worker.not_ready)
         await _start_ops(stack, ops)
+        # The topology this command runs, bindings and all, before anything says
+        # it serves: its routes exist on the broker even where another topology
+        # was declared before (the relay and the workers only add what is missing).
+        await apply(settings.amqp_url, topology)
         # The parts start before gRPC's threads do (a fork beside them warns),
         # and stop first: before the relay and the server.
         parts = None if worker is not None else await _dev_parts(stack, args, layout, ops)
