@@ -138,15 +138,20 @@ def _ops(
 
     flag = getattr(args, "metrics_listen", None)
     asked = True
+    # A default taken by another process of this host does not stop this one;
+    # an address asked for does (a dev part's is derived from a default one).
+    fallback = False
     if flag is not None:
         address = parse_listen(flag, name="--metrics-listen")
         setting = "--metrics-listen"
+        fallback = bool(getattr(args, "metrics_fallback", False))
     elif settings.metrics_listen_set:
         address, setting = settings.metrics_listen, "JOBPLANE_METRICS_LISTEN"
     else:
         address = parse_listen(METRICS_DEFAULTS[args.command])
         setting = "JOBPLANE_METRICS_LISTEN (unset: the default)"
         asked = False
+        fallback = True
     if address is None:
         return NO_METRICS, None
     if missing_modules(_METRICS_MODULES):
@@ -163,7 +168,7 @@ def _ops(
 
     metrics = Metrics()
     metrics.add_pool(engine)
-    ops = OpsServer(address, metrics, setting=setting)
+    ops = OpsServer(address, metrics, setting=setting, fallback=fallback)
     ops.add_check("database", database_check(engine))
     return metrics, ops
 
@@ -979,6 +984,7 @@ async def _dev_parts(
     from jobplane.devparts import Parts, part_command, part_metrics, relay_command
 
     listen = ops.listen if ops is not None else None
+    fallback = ops is not None and ops.fallback
     commands = [
         part_command(
             i,
@@ -988,6 +994,7 @@ async def _dev_parts(
             concurrency=args.concurrency,
             no_maintenance=args.no_maintenance,
             ingest=args.ingest or (),
+            metrics_fallback=fallback,
         )
         for i in range(layout.workers)
     ]
@@ -995,7 +1002,9 @@ async def _dev_parts(
     if layout.relay_apart:
         commands.append(
             relay_command(
-                parent_pid=os.getpid(), metrics_listen=part_metrics(listen, layout.workers)
+                parent_pid=os.getpid(),
+                metrics_listen=part_metrics(listen, layout.workers),
+                metrics_fallback=fallback,
             )
         )
         names.append("relay part")
@@ -1619,6 +1628,7 @@ def build_parser() -> argparse.ArgumentParser:
     dev.add_argument("--worker-part", type=int, default=None, help=argparse.SUPPRESS)
     dev.add_argument("--relay-part", action="store_true", help=argparse.SUPPRESS)
     dev.add_argument("--parent-pid", type=int, default=None, help=argparse.SUPPRESS)
+    dev.add_argument("--metrics-fallback", action="store_true", help=argparse.SUPPRESS)
     dev.add_argument("--demo", action="store_true", help="submit a demo job and show it live")
     dev.add_argument("--demo-steps", type=int, default=20)
     dev.add_argument("--ui-listen", help="the dashboard's host:port (off: none; 127.0.0.1:8080)")

@@ -110,8 +110,13 @@ def part_command(
     concurrency: int,
     no_maintenance: bool,
     ingest: Sequence[str],
+    metrics_fallback: bool = False,
 ) -> list[str]:
-    """The command line of worker part ``part`` (``jobplane dev --worker-part``)."""
+    """The command line of worker part ``part`` (``jobplane dev --worker-part``).
+
+    ``metrics_fallback``: ``metrics_listen`` derives from a default, and a free
+    port does when it is taken.
+    """
     command = [
         sys.executable,
         "-m",
@@ -126,6 +131,8 @@ def part_command(
         "--metrics-listen",
         metrics_listen,
     ]
+    if metrics_fallback:
+        command.append("--metrics-fallback")
     if handlers:
         command += ["--handlers", handlers]
     if no_maintenance:
@@ -135,7 +142,9 @@ def part_command(
     return command
 
 
-def relay_command(*, parent_pid: int, metrics_listen: str) -> list[str]:
+def relay_command(
+    *, parent_pid: int, metrics_listen: str, metrics_fallback: bool = False
+) -> list[str]:
     """The command line of the relay part (``jobplane dev --relay-part``)."""
     return [
         sys.executable,
@@ -147,6 +156,7 @@ def relay_command(*, parent_pid: int, metrics_listen: str) -> list[str]:
         str(parent_pid),
         "--metrics-listen",
         metrics_listen,
+        *(["--metrics-fallback"] if metrics_fallback else []),
     ]
 
 
