@@ -167,7 +167,7 @@ async def test_one_ctrl_c_while_ingesting_stops_everything_and_the_local_s3_serv
     env = {
         "JOBPLANE_DATABASE_URL": database_url,
         "JOBPLANE_AMQP_URL": vhost_url,
-        "JOBPLANE_TOPOLOGY": "builtin:ingest",
+        "JOBPLANE_TOPOLOGY": "builtin:dev",
         "JOBPLANE_DEV_S3_PORT": str(s3_port),
         "JOBPLANE_S3_ACCESS_KEY_ID": "dev",
         "JOBPLANE_S3_SECRET_ACCESS_KEY": "dev",
