@@ -912,7 +912,8 @@ async def _dev(args: argparse.Namespace) -> int:
                 f"{ui_line}"
                 f"  worker key: {worker_key}   (WorkerService, docs/workers.md)\n\n"
                 f"  export JOBPLANE_ADDRESS={server.address} JOBPLANE_API_KEY={key}\n"
-                f'  jobplane submit demo.progress --payload \'{{"steps": 20, "interval_ms": 150}}\''
+                f"  {_jobplane_command()} submit demo.progress"
+                f' --payload \'{{"steps": 20, "interval_ms": 150}}\''
                 " --watch\n",
                 flush=True,
             )
@@ -965,6 +966,24 @@ def _exit_now(code: int) -> NoReturn:
         sys.stdout.flush()
         sys.stderr.flush()
     os._exit(code)
+
+
+def _jobplane_command() -> str:
+    """How a new shell runs this jobplane: ``jobplane`` when its PATH finds this very
+    install without a virtualenv to activate (installed for the system, or linked
+    onto PATH as pipx does), else the script's path (``.venv/bin/jobplane``, relative
+    to the current directory when it is under it)."""
+    import shutil
+
+    script = Path(sys.executable).parent / "jobplane"
+    found = shutil.which("jobplane")
+    if found is not None and Path(found).resolve() == script.resolve():
+        linked = Path(found).parent != script.parent
+        if linked or sys.prefix == sys.base_prefix:
+            return "jobplane"
+    with contextlib.suppress(ValueError):
+        return str(script.relative_to(Path.cwd()))
+    return str(script)
 
 
 class _AtOnce:
@@ -1023,7 +1042,8 @@ async def _dev_show(
         else:
             if not json_lines():
                 again = " ".join(map(str, ingest))
-                print(f"  jobplane ingest {again}   (again: changes nothing)\n", flush=True)
+                command = _jobplane_command()
+                print(f"  {command} ingest {again}   (again: changes nothing)\n", flush=True)
 
 
 def _dev_worker(

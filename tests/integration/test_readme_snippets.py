@@ -104,6 +104,7 @@ async def test_the_first_snippets_run_against_make_dev(
         )
     try:
         address, key = await _address_and_key(output, process)
+        await _printed_commands_run_in_a_new_shell(_text(output), tmp_path)
         first_ran = await _run_snippet(first, {"api_key": key}, address)
         done = first_ran["done"]
         assert done.result["url"].startswith("https://example.invalid/"), done
@@ -130,6 +131,28 @@ async def test_the_first_snippets_run_against_make_dev(
             except TimeoutError:
                 process.kill()
                 await process.wait()
+
+
+async def _printed_commands_run_in_a_new_shell(out: str, home: Path) -> None:
+    """The export and submit lines `jobplane dev` printed, pasted into a new shell:
+    no virtualenv on its PATH, nothing of this process's environment."""
+    lines = [line.strip() for line in out.splitlines()]
+    export = next(line for line in lines if line.startswith("export JOBPLANE_ADDRESS="))
+    submit = next(line for line in lines if " submit demo.progress " in line)
+    shell = await asyncio.create_subprocess_exec(
+        "/bin/bash",
+        "--noprofile",
+        "--norc",
+        "-c",
+        f"{export}\n{submit}\n",
+        env={"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": str(home)},
+        cwd=ROOT,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+    )
+    shown, _ = await asyncio.wait_for(shell.communicate(), timeout=120)
+    assert shell.returncode == 0, f"{submit}\n{shown.decode(errors='replace')}"
+    assert b"succeeded" in shown, shown
 
 
 def _text(path: Path) -> str:

@@ -1,10 +1,14 @@
-"""builtin:dev, the topology `make dev` runs: every job type routed, and the ingest
-pipeline exactly as builtin:ingest declares it."""
+"""What `make dev` runs: builtin:dev (every job type routed, the ingest pipeline
+exactly as builtin:ingest declares it), and the commands it prints."""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
+import pytest
+
+from jobplane.cli import _jobplane_command
 from jobplane.devparts import part_queues
 from jobplane.topology import load_topology
 
@@ -27,3 +31,19 @@ def test_the_ingest_pipeline_is_builtin_ingests() -> None:
     assert [tuple(getattr(s, k) for k in keep) for s in dev.stages] == [
         tuple(getattr(s, k) for k in keep) for s in ingest.stages
     ]
+
+
+def test_dev_prints_the_path_of_a_jobplane_a_new_shell_would_not_find(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    bin_dir = tmp_path / ".venv" / "bin"
+    bin_dir.mkdir(parents=True)
+    (bin_dir / "jobplane").write_text("")
+    monkeypatch.setattr(sys, "executable", str(bin_dir / "python"))
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")
+    monkeypatch.chdir(tmp_path)
+    assert _jobplane_command() == ".venv/bin/jobplane"
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    assert _jobplane_command() == str(bin_dir / "jobplane")
