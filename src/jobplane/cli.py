@@ -764,7 +764,10 @@ def _with_ingest(registry: Any, files: list[Path], settings: Settings, topology:
     elif not settings.blobs_enabled:
         problem = "--ingest needs a blob store: set JOBPLANE_S3_URL (make dev starts one)"
     elif topology.pipeline("ingest.file") is None:
-        problem = "--ingest needs the ingest.file pipeline: JOBPLANE_TOPOLOGY=builtin:ingest"
+        problem = (
+            "--ingest needs the ingest.file pipeline: JOBPLANE_TOPOLOGY=builtin:dev (make "
+            "dev's) or JOBPLANE_TOPOLOGY=builtin:ingest"
+        )
     if problem:
         _error_line(problem)
         return None
@@ -1746,7 +1749,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         metavar="FILE",
         help="also run the ingest handlers, then upload FILE and show its ingestion live "
-        "(repeatable; needs JOBPLANE_S3_URL and JOBPLANE_TOPOLOGY=builtin:ingest)",
+        "(repeatable; needs JOBPLANE_S3_URL and JOBPLANE_TOPOLOGY=builtin:dev or builtin:ingest)",
     )
     dev.set_defaults(func=_dev_command)
     for parser_, command in ((serve, "serve"), (relay, "relay"), (worker, "worker")):
