@@ -152,6 +152,16 @@ async def test_one_ctrl_c_during_the_demo_stops_every_part(
         await _assert_all_stopped(dev)
 
 
+@pytest.mark.parametrize("after", [0.5, 1.5, 3.0])
+async def test_one_ctrl_c_while_starting_stops_every_part(
+    database_url: str, vhost_url: str, after: float
+) -> None:
+    env = {"JOBPLANE_DATABASE_URL": database_url, "JOBPLANE_AMQP_URL": vhost_url}
+    async with _dev(_jobplane_dev("--demo", "--processes", "3"), env) as dev:
+        await asyncio.sleep(after)  # migrating, applying the topology, starting the parts
+        await _assert_all_stopped(dev)
+
+
 async def test_one_ctrl_c_while_serving_stops_every_part(database_url: str, vhost_url: str) -> None:
     env = {"JOBPLANE_DATABASE_URL": database_url, "JOBPLANE_AMQP_URL": vhost_url}
     async with _dev(_jobplane_dev("--processes", "3"), env) as dev:
