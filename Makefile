@@ -34,16 +34,21 @@ services:
 
 ## Run jobplane against the local services, show one demo job live, then
 ## upload a file and show its ingestion into Qdrant (local mode) stage by stage.
-## Without JOBPLANE_S3_URL, blobs go to a local S3 server (scripts/dev-s3.sh).
+## Without JOBPLANE_S3_URL, blobs go to a local S3 server that stops with it
+## (scripts/dev-s3.sh).
 DEV_INGEST ?= examples/ingest/guide.pdf examples/ingest/pipelines.md
 ## The demo job's steps (150 ms each): long enough to open it on the dashboard.
 DEV_DEMO_STEPS ?= 200
+## Handlers besides the demos: the README's reports.render, so its first snippets run.
+DEV_HANDLERS ?= examples.reports:registry
+## builtin:dev routes every job type (yours too) and has the ingest.file pipeline.
 dev: $(STAMP) services
-	JOBPLANE_S3_URL=$$(VENV=$(VENV) scripts/dev-s3.sh) \
 	JOBPLANE_S3_ACCESS_KEY_ID=$${JOBPLANE_S3_ACCESS_KEY_ID:-dev} \
 	JOBPLANE_S3_SECRET_ACCESS_KEY=$${JOBPLANE_S3_SECRET_ACCESS_KEY:-dev} \
-	JOBPLANE_TOPOLOGY=$${JOBPLANE_TOPOLOGY:-builtin:ingest} \
-	$(BIN)/jobplane dev --demo --demo-steps $(DEV_DEMO_STEPS) $(foreach f,$(DEV_INGEST),--ingest $(f))
+	JOBPLANE_TOPOLOGY=$${JOBPLANE_TOPOLOGY:-builtin:dev} \
+	VENV=$(VENV) scripts/dev-s3.sh \
+	$(BIN)/jobplane dev --handlers $(DEV_HANDLERS) --demo --demo-steps $(DEV_DEMO_STEPS) \
+	  $(foreach f,$(DEV_INGEST),--ingest $(f))
 
 ## Everything CI runs: lint, types, unit + integration tests on real services.
 test: $(STAMP) services lint typecheck

@@ -193,6 +193,7 @@ class JobplaneServer:
         self.health = HealthServicer()
         self._server: grpc.aio.Server | None = None
         self._serving = False
+        self._stopping = False
         self.port: int = 0
 
     @property
@@ -205,8 +206,14 @@ class JobplaneServer:
         """Why this server takes no calls now (None: it serves), for ``/readyz``."""
         return None if self._serving else "not serving"
 
-    async def start(self) -> None:
-        """Bind, start serving and report SERVING."""
+    async def start(self, *, report_serving: bool = True) -> None:
+        """Bind, start serving and report SERVING.
+
+        ``report_serving=False``: health stays NOT_SERVING (and ``/readyz`` not
+        ready) until :meth:`report_serving` says the process is usable, e.g.
+        once the topology exists on the broker: a caller that binds a queue to
+        the events exchange the moment health says SERVING must find it.
+        """
         await self.db.open()
         self.service.open()
         self.events.open()
@@ -264,16 +271,26 @@ class JobplaneServer:
             self.port = server.add_secure_port(self._listen, self._tls.credentials())
         if self.port == 0:
             raise OSError(f"cannot listen on {self._listen}")
+        # grpc's health servicer says SERVING for "" until told otherwise.
+        for service in ("", *API_SERVICES, WORKER_SERVICE_NAME):
+            await self.health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
         await server.start()
         self._server = server
-        for service in ("", *API_SERVICES, WORKER_SERVICE_NAME):
-            await self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
-        self._serving = True
         log.info(
             "server.started",
             address=self.address,
             transport=self._tls.mode if self._tls else "plaintext",
         )
+        if report_serving:
+            await self.report_serving()
+
+    async def report_serving(self) -> None:
+        """Report SERVING (health and ``/readyz``); nothing once :meth:`stop` began."""
+        if self._server is None or self._stopping:
+            return
+        for service in ("", *API_SERVICES, WORKER_SERVICE_NAME):
+            await self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
+        self._serving = True
 
     async def _sync_submit_rules(self) -> None:
         """Give ``jobplane.submit_job`` this server's routes and payload limit.
@@ -301,6 +318,7 @@ class JobplaneServer:
     async def stop(self, grace: float = 5.0) -> None:
         """Report NOT_SERVING, end watch streams (clients resume elsewhere), stop."""
         self._serving = False
+        self._stopping = True
         for service in ("", *API_SERVICES, WORKER_SERVICE_NAME):
             await self.health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
         self.service.close_streams()

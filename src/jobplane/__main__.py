@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
-from jobplane.console import main
+try:
+    from jobplane.console import main
+except KeyboardInterrupt:  # Ctrl-C while importing: the command had not begun
+    raise SystemExit(130) from None
 
 main()

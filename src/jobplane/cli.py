@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import atexit
 import contextlib
 import json
 import logging
@@ -15,7 +16,7 @@ from collections.abc import Awaitable, Callable, Coroutine, Iterator
 from contextlib import AsyncExitStack
 from datetime import datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from jobplane import heap
 from jobplane.config import (
@@ -60,16 +61,28 @@ async def _until_signal() -> None:
 
 
 @contextlib.contextmanager
-def _stop_signals() -> Iterator[asyncio.Event]:
+def _stop_signals(
+    *, settle: bool = True, again: Callable[[], None] | None = None
+) -> Iterator[asyncio.Event]:
     """An event set by SIGINT or SIGTERM while the block runs. Entered before
     anything awaits, so a signal right after the process says it serves is
-    caught rather than ending it with KeyboardInterrupt."""
+    caught rather than ending it with KeyboardInterrupt.
+
+    ``again``: called at a signal that comes once the event is set (a second
+    Ctrl-C while stopping). ``settle``: the process is up (see jobplane.heap)."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
+
+    def signalled() -> None:
+        if stop.is_set() and again is not None:
+            again()
+        stop.set()
+
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    # The process is up: what it holds now lives as long as it does.
-    heap.settle()
+        loop.add_signal_handler(sig, signalled)
+    if settle:
+        # The process is up: what it holds now lives as long as it does.
+        heap.settle()
     try:
         yield stop
     finally:
@@ -139,15 +152,20 @@ def _ops(
 
     flag = getattr(args, "metrics_listen", None)
     asked = True
+    # A default taken by another process of this host does not stop this one;
+    # an address asked for does (a dev part's is derived from a default one).
+    fallback = False
     if flag is not None:
         address = parse_listen(flag, name="--metrics-listen")
         setting = "--metrics-listen"
+        fallback = bool(getattr(args, "metrics_fallback", False))
     elif settings.metrics_listen_set:
         address, setting = settings.metrics_listen, "JOBPLANE_METRICS_LISTEN"
     else:
         address = parse_listen(METRICS_DEFAULTS[args.command])
         setting = "JOBPLANE_METRICS_LISTEN (unset: the default)"
         asked = False
+        fallback = True
     if address is None:
         return NO_METRICS, None
     if missing_modules(_METRICS_MODULES):
@@ -164,7 +182,7 @@ def _ops(
 
     metrics = Metrics()
     metrics.add_pool(engine)
-    ops = OpsServer(address, metrics, setting=setting)
+    ops = OpsServer(address, metrics, setting=setting, fallback=fallback)
     ops.add_check("database", database_check(engine))
     return metrics, ops
 
@@ -367,7 +385,11 @@ async def _serve(args: argparse.Namespace) -> int:
             # Not ready until the gRPC port serves, and again from the start of its drain.
             ops.add_check("grpc", server.not_ready)
         await _start_ops(stack, ops)
-        await _started(stack, server.start, server.stop)
+        await _started(stack, lambda: server.start(report_serving=False), server.stop)
+        # SERVING once the topology is on the broker: a consumer that binds to the
+        # events exchange when health says so finds it.
+        declared = asyncio.create_task(_serving_once_declared(settings, topology, server))
+        stack.push_async_callback(_cancelled, declared)
         transport = "plaintext"
         if settings.tls_cert is not None:
             transport = "mutual TLS" if settings.tls_client_ca is not None else "TLS"
@@ -378,6 +400,19 @@ async def _serve(args: argparse.Namespace) -> int:
             _say(None, f"dashboard on {ui.url}")
         await _until_signal()
     return 0
+
+
+async def _serving_once_declared(settings: Settings, topology: Topology, server: Any) -> None:
+    from jobplane.topology import until_declared
+
+    await until_declared(settings.amqp_url, topology)
+    await server.report_serving()
+
+
+async def _cancelled(task: asyncio.Task[Any]) -> None:
+    from jobplane.tasks import cancel_and_wait
+
+    await cancel_and_wait(task)
 
 
 # -- Dashboard (docs/dashboard.md) --------------------------------------------
@@ -734,7 +769,10 @@ def _with_ingest(registry: Any, files: list[Path], settings: Settings, topology:
     elif not settings.blobs_enabled:
         problem = "--ingest needs a blob store: set JOBPLANE_S3_URL (make dev starts one)"
     elif topology.pipeline("ingest.file") is None:
-        problem = "--ingest needs the ingest.file pipeline: JOBPLANE_TOPOLOGY=builtin:ingest"
+        problem = (
+            "--ingest needs the ingest.file pipeline: JOBPLANE_TOPOLOGY=builtin:dev (make "
+            "dev's) or JOBPLANE_TOPOLOGY=builtin:ingest"
+        )
     if problem:
         _error_line(problem)
         return None
@@ -751,8 +789,9 @@ def _with_ingest(registry: Any, files: list[Path], settings: Settings, topology:
 
 
 async def _dev(args: argparse.Namespace) -> int:
-    from jobplane.devparts import Layout, resolve_processes
+    from jobplane.devparts import GRACE, Layout, resolve_processes
     from jobplane.store.engine import create_engine, migrate
+    from jobplane.topology import apply
     from jobplane.workers.relay import Relay, relay_in_flight
     from jobplane.workers.sweeper import Sweeper
 
@@ -780,7 +819,13 @@ async def _dev(args: argparse.Namespace) -> int:
     await migrate(settings.database_url)
     engine = create_engine(settings.database_url, pool_size=settings.db_engine_pool_size)
     async with AsyncExitStack() as stack:
+        stack.push(_stopped_in_order(args))
         stack.push_async_callback(engine.dispose)
+        # One Ctrl-C (a SIGINT to every process of the group) stops every phase
+        # (the start, the demo, the ingestion, serving) in order and within
+        # jobplane.devparts.GRACE a part; a second stops at once.
+        at_once = _AtOnce()
+        stop = stack.enter_context(_stop_signals(settle=False, again=at_once))
         metrics, ops = _ops(settings, args, engine)
         watch_outbox(metrics, engine)
         _failed_queue_depth(stack, metrics, settings, topology)
@@ -823,14 +868,19 @@ async def _dev(args: argparse.Namespace) -> int:
             if worker is not None:
                 ops.add_check("worker", worker.not_ready)
         await _start_ops(stack, ops)
+        # The topology this command runs, bindings and all, before anything says
+        # it serves: its routes exist on the broker even where another topology
+        # was declared before (the relay and the workers only add what is missing).
+        await apply(settings.amqp_url, topology)
         # The parts start before gRPC's threads do (a fork beside them warns),
         # and stop first: before the relay and the server.
         parts = None if worker is not None else await _dev_parts(stack, args, layout, ops)
-        await _started(stack, server.start, server.stop)
+        at_once.parts = parts
+        await _started(stack, server.start, lambda: server.stop(GRACE))
         if relay is not None:
             await _started(stack, relay.start, relay.stop)
         if worker is not None:
-            await _started(stack, worker.start, lambda: worker.stop(5.0))
+            await _started(stack, worker.start, lambda: worker.stop(GRACE))
         if parts is not None:
             stack.push_async_callback(parts.stop)
         key, _tenant = await server.keys.create_key(args.tenant)
@@ -870,57 +920,138 @@ async def _dev(args: argparse.Namespace) -> int:
                 f"{ui_line}"
                 f"  worker key: {worker_key}   (WorkerService, docs/workers.md)\n\n"
                 f"  export JOBPLANE_ADDRESS={server.address} JOBPLANE_API_KEY={key}\n"
-                f'  jobplane submit demo.progress --payload \'{{"steps": 20, "interval_ms": 150}}\''
+                f"  {_jobplane_command()} submit demo.progress"
+                f' --payload \'{{"steps": 20, "interval_ms": 150}}\''
                 " --watch\n",
                 flush=True,
             )
-        if args.demo:
-            from jobplane.client import AsyncClient
-            from jobplane.client.cli import render_watch
+        showing = asyncio.create_task(_dev_show(args, settings, server.address, key, ui, ingest))
+        stopped = asyncio.create_task(stop.wait())
+        try:
+            await asyncio.wait({showing, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stopped.cancel()
+            await _cancelled(showing)  # its error, if it raised one
+        if stop.is_set():
+            return 0
+        heap.settle()
+        if json_lines():
+            print(json_line("dev.serving"), flush=True)
+        else:
+            print("serving; Ctrl-C to stop", flush=True)
+        if parts is None:
+            await stop.wait()
+            return 0
+        return await _until_stopped_or_part_exit(stop, parts)
 
-            async with AsyncClient(server.address, key) as client:
-                job = await client.submit(
-                    "demo.progress", {"steps": args.demo_steps, "interval_ms": 150}
-                )
-                if json_lines():
-                    print(json_line("dev.demo.submitted", job=job.name), flush=True)
-                else:
-                    print(f"submitted {job.name} (demo.progress); its live progress:", flush=True)
-                    if ui is not None:
-                        print(f"  on the dashboard: {ui.url}{job.name}", flush=True)
-                # Its events as JSON objects too, with JSON logs.
-                await render_watch(client, job.name, as_json=json_lines())
-        if ingest:
-            from jobplane.client import AsyncClient
-            from jobplane.contrib.ingest.cli import ingest_files
 
-            if not json_lines():
-                print(
-                    f"\ningesting {', '.join(map(str, ingest))} (ingest.file: parse, chunk, "
-                    f"embed, index into Qdrant at {settings.qdrant_location}):",
-                    flush=True,
-                )
-            try:
-                async with AsyncClient(server.address, key) as client:
-                    mode = "live" if sys.stdout.isatty() else "lines"
-                    await ingest_files(client, ingest, mode="json" if json_lines() else mode)
-            except JobplaneError as exc:
-                _error_line(f"the ingestion could not run: {exc}")
-            else:
-                if not json_lines():
-                    again = " ".join(map(str, ingest))
-                    print(f"  jobplane ingest {again}   (again: changes nothing)\n", flush=True)
-        # Caught from before the line that says so: a Ctrl-C right after it stops
-        # the command in order instead of raising KeyboardInterrupt.
-        with _stop_signals() as stop:
+def _dev_command(args: argparse.Namespace) -> int:
+    """``jobplane dev`` (and its parts), which end without the interpreter's teardown."""
+    code = _run(_dev(args))
+    if getattr(args, "stopped_in_order", False):
+        _exit_now(code)
+    return code
+
+
+def _stopped_in_order(args: argparse.Namespace) -> Callable[..., None]:
+    """An exit callback of the outermost stack: marks ``args`` when it closed without
+    an error (every part it started stopped)."""
+
+    def closed(exc_type: type[BaseException] | None, *_: object) -> None:
+        if exc_type is None:
+            args.stopped_in_order = True
+
+    return closed
+
+
+def _exit_now(code: int) -> NoReturn:
+    """Exit once everything was stopped in order, skipping the interpreter's teardown:
+    collecting the heap of a process that served, relayed and worked takes seconds on
+    a loaded machine, and one Ctrl-C must free the ports and end within two. The exit
+    handlers still run (logging, tracing's last spans)."""
+    atexit._run_exitfuncs()
+    with contextlib.suppress(Exception):
+        sys.stdout.flush()
+        sys.stderr.flush()
+    os._exit(code)
+
+
+def _jobplane_command() -> str:
+    """How a new shell runs this jobplane: ``jobplane`` when its PATH finds this very
+    install without a virtualenv to activate (installed for the system, or linked
+    onto PATH as pipx does), else the script's path (``.venv/bin/jobplane``, relative
+    to the current directory when it is under it)."""
+    import shutil
+
+    script = Path(sys.executable).parent / "jobplane"
+    found = shutil.which("jobplane")
+    if found is not None and Path(found).resolve() == script.resolve():
+        linked = Path(found).parent != script.parent
+        if linked or sys.prefix == sys.base_prefix:
+            return "jobplane"
+    with contextlib.suppress(ValueError):
+        return str(script.relative_to(Path.cwd()))
+    return str(script)
+
+
+class _AtOnce:
+    """A second Ctrl-C of ``jobplane dev``: kill its parts and exit now."""
+
+    parts: Any = None
+
+    def __call__(self) -> None:
+        print("\nstopping at once", file=sys.stderr, flush=True)
+        if self.parts is not None:
+            self.parts.kill()
+        os._exit(130)
+
+
+async def _dev_show(
+    args: argparse.Namespace,
+    settings: Settings,
+    address: str,
+    key: str,
+    ui: Any,
+    ingest: list[Path],
+) -> None:
+    """``jobplane dev --demo`` and ``--ingest``: the demo job live, then the files' ingestion."""
+    from jobplane.client import AsyncClient
+
+    if args.demo:
+        from jobplane.client.cli import render_watch
+
+        async with AsyncClient(address, key) as client:
+            job = await client.submit(
+                "demo.progress", {"steps": args.demo_steps, "interval_ms": 150}
+            )
             if json_lines():
-                print(json_line("dev.serving"), flush=True)
+                print(json_line("dev.demo.submitted", job=job.name), flush=True)
             else:
-                print("serving; Ctrl-C to stop", flush=True)
-            if parts is None:
-                await stop.wait()
-                return 0
-            return await _until_stopped_or_part_exit(stop, parts)
+                print(f"submitted {job.name} (demo.progress); its live progress:", flush=True)
+                if ui is not None:
+                    print(f"  on the dashboard: {ui.url}{job.name}", flush=True)
+            # Its events as JSON objects too, with JSON logs.
+            await render_watch(client, job.name, as_json=json_lines())
+    if ingest:
+        from jobplane.contrib.ingest.cli import ingest_files
+
+        if not json_lines():
+            print(
+                f"\ningesting {', '.join(map(str, ingest))} (ingest.file: parse, chunk, "
+                f"embed, index into Qdrant at {settings.qdrant_location}):",
+                flush=True,
+            )
+        try:
+            async with AsyncClient(address, key) as client:
+                mode = "live" if sys.stdout.isatty() else "lines"
+                await ingest_files(client, ingest, mode="json" if json_lines() else mode)
+        except JobplaneError as exc:
+            _error_line(f"the ingestion could not run: {exc}")
+        else:
+            if not json_lines():
+                again = " ".join(map(str, ingest))
+                command = _jobplane_command()
+                print(f"  {command} ingest {again}   (again: changes nothing)\n", flush=True)
 
 
 def _dev_worker(
@@ -962,6 +1093,7 @@ async def _dev_parts(
     from jobplane.devparts import Parts, part_command, part_metrics, relay_command
 
     listen = ops.listen if ops is not None else None
+    fallback = ops is not None and ops.fallback
     commands = [
         part_command(
             i,
@@ -971,6 +1103,7 @@ async def _dev_parts(
             concurrency=args.concurrency,
             no_maintenance=args.no_maintenance,
             ingest=args.ingest or (),
+            metrics_fallback=fallback,
         )
         for i in range(layout.workers)
     ]
@@ -978,7 +1111,9 @@ async def _dev_parts(
     if layout.relay_apart:
         commands.append(
             relay_command(
-                parent_pid=os.getpid(), metrics_listen=part_metrics(listen, layout.workers)
+                parent_pid=os.getpid(),
+                metrics_listen=part_metrics(listen, layout.workers),
+                metrics_fallback=fallback,
             )
         )
         names.append("relay part")
@@ -1011,6 +1146,7 @@ async def _dev_relay_part(args: argparse.Namespace) -> int:
     _tracing("jobplane-dev", settings)
     engine = create_engine(settings.database_url, pool_size=settings.db_engine_pool_size)
     async with AsyncExitStack() as stack:
+        stack.push(_stopped_in_order(args))
         stack.push_async_callback(engine.dispose)
         metrics, ops = _ops(settings, args, engine)
         relay_db, in_flight = _relay_pool(stack, settings)
@@ -1027,9 +1163,11 @@ async def _dev_relay_part(args: argparse.Namespace) -> int:
         if ops is not None:
             ops.add_check("relay", lambda: None if relay.connected else "no broker channel")
         await _start_ops(stack, ops)
-        with _stop_signals() as stop:
-            await _started(stack, relay.start, relay.stop)
-            await _until_stopped(stop, parent_gone(args.parent_pid or os.getppid()))
+        # Caught until the part has stopped: the parent's SIGTERM after a Ctrl-C
+        # must not end it halfway through stopping.
+        stop = stack.enter_context(_stop_signals())
+        await _started(stack, relay.start, relay.stop)
+        await _until_stopped(stop, parent_gone(args.parent_pid or os.getppid()))
     return 0
 
 
@@ -1056,6 +1194,7 @@ async def _dev_part(args: argparse.Namespace) -> int:
         queues = part_queues(topology)
     engine = create_engine(settings.database_url, pool_size=settings.db_engine_pool_size)
     async with AsyncExitStack() as stack:
+        stack.push(_stopped_in_order(args))
         stack.push_async_callback(engine.dispose)
         metrics, ops = _ops(settings, args, engine)
         blobs = _blob_store(settings, stack)
@@ -1071,9 +1210,10 @@ async def _dev_part(args: argparse.Namespace) -> int:
         if ops is not None:
             ops.add_check("broker", worker.not_ready)
         await _start_ops(stack, ops)
-        with _stop_signals() as stop:
-            await _started(stack, worker.start, lambda: worker.stop(GRACE))
-            await _until_stopped(stop, parent_gone(args.parent_pid or os.getppid()))
+        # Caught until the part has stopped (see _dev_relay_part).
+        stop = stack.enter_context(_stop_signals())
+        await _started(stack, worker.start, lambda: worker.stop(GRACE))
+        await _until_stopped(stop, parent_gone(args.parent_pid or os.getppid()))
     return 0
 
 
@@ -1602,6 +1742,7 @@ def build_parser() -> argparse.ArgumentParser:
     dev.add_argument("--worker-part", type=int, default=None, help=argparse.SUPPRESS)
     dev.add_argument("--relay-part", action="store_true", help=argparse.SUPPRESS)
     dev.add_argument("--parent-pid", type=int, default=None, help=argparse.SUPPRESS)
+    dev.add_argument("--metrics-fallback", action="store_true", help=argparse.SUPPRESS)
     dev.add_argument("--demo", action="store_true", help="submit a demo job and show it live")
     dev.add_argument("--demo-steps", type=int, default=20)
     dev.add_argument("--ui-listen", help="the dashboard's host:port (off: none; 127.0.0.1:8080)")
@@ -1613,9 +1754,9 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         metavar="FILE",
         help="also run the ingest handlers, then upload FILE and show its ingestion live "
-        "(repeatable; needs JOBPLANE_S3_URL and JOBPLANE_TOPOLOGY=builtin:ingest)",
+        "(repeatable; needs JOBPLANE_S3_URL and JOBPLANE_TOPOLOGY=builtin:dev or builtin:ingest)",
     )
-    dev.set_defaults(func=_async(_dev))
+    dev.set_defaults(func=_dev_command)
     for parser_, command in ((serve, "serve"), (relay, "relay"), (worker, "worker")):
         _metrics_option(parser_, command)
     _metrics_option(sweep, "sweep")

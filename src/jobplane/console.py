@@ -115,9 +115,12 @@ def main(argv: list[str] | None = None) -> None:
     if not missing_server_modules() or (
         _command(args) in WORKER_COMMANDS and not missing_modules(WORKER_MODULES)
     ):
-        from jobplane.cli import main as server_main
+        try:
+            from jobplane.cli import main as server_main
 
-        server_main(args)
+            server_main(args)
+        except KeyboardInterrupt:  # Ctrl-C before the command catches it (while importing)
+            raise SystemExit(130) from None
         return
     raise SystemExit(client_main(args))
 

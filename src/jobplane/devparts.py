@@ -14,7 +14,7 @@ index allows one process: :func:`part_queues`). A maintenance job a part
 without its handler receives is handed back to one that has it (ADR-0007).
 
 The parts stop with the command: on Ctrl-C or SIGTERM the parent stops its
-workers first (SIGTERM, then SIGKILL after the grace), and a part whose
+workers first (SIGTERM, then SIGKILL after :data:`KILL_AFTER`), and a part whose
 parent is gone (killed outright) stops by itself. A part that
 exits on its own ends the command, with its exit status.
 """
@@ -36,8 +36,12 @@ from jobplane.topology import Topology
 MOST_AUTO = 6
 #: The most ``--processes`` takes.
 MOST = 64
-#: Seconds a part has to finish its handlers once asked to stop.
-GRACE = 10.0
+#: Seconds a part (the command too) gives its handlers and calls to finish once
+#: asked to stop; a handler cut short runs again, as after a crash. Short: one
+#: Ctrl-C stops every part within two seconds.
+GRACE = 0.5
+#: Seconds the command waits for its parts to stop before it kills them.
+KILL_AFTER = 1.0
 
 
 def resolve_processes(value: str, cpus: int | None = None) -> int:
@@ -110,8 +114,13 @@ def part_command(
     concurrency: int,
     no_maintenance: bool,
     ingest: Sequence[str],
+    metrics_fallback: bool = False,
 ) -> list[str]:
-    """The command line of worker part ``part`` (``jobplane dev --worker-part``)."""
+    """The command line of worker part ``part`` (``jobplane dev --worker-part``).
+
+    ``metrics_fallback``: ``metrics_listen`` derives from a default, and a free
+    port does when it is taken.
+    """
     command = [
         sys.executable,
         "-m",
@@ -126,6 +135,8 @@ def part_command(
         "--metrics-listen",
         metrics_listen,
     ]
+    if metrics_fallback:
+        command.append("--metrics-fallback")
     if handlers:
         command += ["--handlers", handlers]
     if no_maintenance:
@@ -135,7 +146,9 @@ def part_command(
     return command
 
 
-def relay_command(*, parent_pid: int, metrics_listen: str) -> list[str]:
+def relay_command(
+    *, parent_pid: int, metrics_listen: str, metrics_fallback: bool = False
+) -> list[str]:
     """The command line of the relay part (``jobplane dev --relay-part``)."""
     return [
         sys.executable,
@@ -147,6 +160,7 @@ def relay_command(*, parent_pid: int, metrics_listen: str) -> list[str]:
         str(parent_pid),
         "--metrics-listen",
         metrics_listen,
+        *(["--metrics-fallback"] if metrics_fallback else []),
     ]
 
 
@@ -159,7 +173,7 @@ class Parts:
 
     commands: list[list[str]]
     names: list[str]
-    grace: float = GRACE
+    grace: float = KILL_AFTER
     _procs: list[asyncio.subprocess.Process] = field(default_factory=list)
 
     async def start(self) -> None:
@@ -189,6 +203,13 @@ class Parts:
                 task.cancel()
         first = min(done, key=lambda t: waits[t])
         return self.names[waits[first]], first.result()
+
+    def kill(self) -> None:
+        """SIGKILL every part still running, now."""
+        for proc in self._procs:
+            if proc.returncode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    proc.kill()
 
     async def stop(self) -> None:
         """SIGTERM every part still running; SIGKILL what is left after the grace."""

@@ -13,6 +13,9 @@ RabbitMQ *configure* permission). Relays and workers only check it
 declaration of what is missing, which works for an account that may
 configure (``jobplane dev`` on a fresh vhost) and otherwise ends in one
 :class:`TopologyMissing` line. Their accounts need no configure rights.
+``jobplane serve`` reports SERVING only once the topology is there
+(:func:`until_declared`: the same check, tried again until it passes), and
+``jobplane dev`` applies the topology it runs, bindings included (:func:`apply`).
 
 The topology also records its owner: a small classic queue (``<exchange>.owner``)
 holding one message with the id of the deployment that declared it first.
@@ -38,6 +41,7 @@ import aiormq
 import structlog
 from aio_pika.abc import AbstractChannel, AbstractConnection, AbstractExchange
 
+from jobplane import broker
 from jobplane.broker import access_refused
 from jobplane.config import check_log_prefix
 from jobplane.names import is_job_type
@@ -451,6 +455,28 @@ async def ensure(
     Then the owner queue is read (see :func:`claim_ownership`); a topology
     owned by another deployment is logged as an error (``topology.owner.conflict``).
     """
+    await declare_missing(connection, topology)
+    ownership = await claim_ownership(connection, topology, deployment)
+    if ownership.conflict:
+        log.error(
+            "topology.owner.conflict",
+            exchange=topology.exchange,
+            owner=ownership.describe_owner(),
+            this=str(deployment),
+            consequence="both deployments consume these queues; each hands the other's "
+            "messages back, which costs latency. Give each deployment its own vhost or "
+            "topology names (JOBPLANE_TOPOLOGY)",
+        )
+    return ownership
+
+
+async def declare_missing(connection: AbstractConnection, topology: Topology) -> list[str]:
+    """Check the topology on the broker and declare it when part of it is missing.
+
+    Returns what was missing (empty: all there). Passive checks need no
+    permission; when something is missing and this account may not declare it,
+    raises :class:`TopologyMissing` naming what is missing.
+    """
     checks = [
         (f"exchange {topology.exchange!r}", "exchange", topology.exchange),
         (f"exchange {topology.dead_letter_exchange!r}", "exchange", topology.dead_letter_exchange),
@@ -472,18 +498,38 @@ async def ensure(
                 "that may configure"
             ) from exc
         log.info("topology.declared", missing=missing)
-    ownership = await claim_ownership(connection, topology, deployment)
-    if ownership.conflict:
-        log.error(
-            "topology.owner.conflict",
-            exchange=topology.exchange,
-            owner=ownership.describe_owner(),
-            this=str(deployment),
-            consequence="both deployments consume these queues; each hands the other's "
-            "messages back, which costs latency. Give each deployment its own vhost or "
-            "topology names (JOBPLANE_TOPOLOGY)",
-        )
-    return ownership
+    return missing
+
+
+async def apply(amqp_url: str, topology: Topology) -> None:
+    """Declare all of ``topology`` on the broker at ``amqp_url``, the bindings of queues
+    that exist already among it (``jobplane dev``: the routes it runs exist)."""
+    connection = await broker.connect(amqp_url)
+    async with connection, _channel(connection) as channel:
+        await declare(channel, topology)
+
+
+async def until_declared(amqp_url: str, topology: Topology) -> None:
+    """Return once ``topology`` is on the broker at ``amqp_url``: checked, and what is
+    missing declared when this account may; otherwise tried again with a growing
+    backoff (a broker down, or an account that must wait for ``jobplane topology apply``).
+    """
+
+    async def check() -> None:
+        connection = await broker.connect(amqp_url)
+        async with connection:
+            await declare_missing(connection, topology)
+
+    delay = 0.5
+    while True:
+        try:
+            await broker.until_up(check, log)
+        except Exception as exc:  # refused, or missing and not ours to declare: say so, wait
+            log.error("topology.unavailable", error=str(exc) or repr(exc), retry_in=delay)
+        else:
+            return
+        await asyncio.sleep(delay)
+        delay = min(delay * 2, 10.0)
 
 
 async def claim_ownership(

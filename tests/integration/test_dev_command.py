@@ -40,7 +40,7 @@ def _env(database_url: str, amqp_url: str, moto: MotoServer, data_dir: Path) -> 
         "JOBPLANE_AMQP_URL": amqp_url,
         "JOBPLANE_LISTEN": "127.0.0.1:0",
         "JOBPLANE_UI_LISTEN": "127.0.0.1:0",
-        "JOBPLANE_TOPOLOGY": "builtin:ingest",
+        "JOBPLANE_TOPOLOGY": "builtin:dev",
         "JOBPLANE_S3_URL": moto.url,
         "JOBPLANE_S3_BUCKET": new_bucket(),
         "JOBPLANE_S3_ACCESS_KEY_ID": "testing",

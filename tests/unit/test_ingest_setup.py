@@ -32,7 +32,7 @@ def test_the_shipped_topology_gives_each_stage_its_own_queue() -> None:
 
 
 def test_an_unknown_builtin_topology_names_the_known_ones() -> None:
-    with pytest.raises(TopologyError, match="ships default, ingest"):
+    with pytest.raises(TopologyError, match="ships default, dev, ingest"):
         load_topology(Path("builtin:nope"))
 
 

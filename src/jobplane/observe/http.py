@@ -15,6 +15,7 @@ gRPC server, the relay or the worker (``jobplane dev``: one for all three).
 from __future__ import annotations
 
 import asyncio
+import errno
 import inspect
 import json
 from collections.abc import Awaitable, Callable
@@ -26,7 +27,7 @@ from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from jobplane.aioweb import start_site
-from jobplane.config import ListenAddress
+from jobplane.config import ConfigError, ListenAddress
 from jobplane.observe.metrics import Metrics
 
 log = structlog.get_logger("jobplane.ops")
@@ -60,10 +61,18 @@ class OpsServer:
     """``/metrics``, ``/livez``, ``/readyz`` on one address; ``start()``, then ``stop()``."""
 
     def __init__(
-        self, address: ListenAddress, metrics: Metrics, *, setting: str = "JOBPLANE_METRICS_LISTEN"
+        self,
+        address: ListenAddress,
+        metrics: Metrics,
+        *,
+        setting: str = "JOBPLANE_METRICS_LISTEN",
+        fallback: bool = False,
     ) -> None:
         self._address = address
         self._setting = setting
+        # A default address, not one asked for: when it is taken (a second
+        # worker on one host), any free port of its host does, said in the log.
+        self._fallback = fallback
         self.metrics = metrics
         self._checks: dict[str, Check] = {}
         self._runner: web.AppRunner | None = None
@@ -75,6 +84,11 @@ class OpsServer:
         return str(ListenAddress(self._address.host, self.port or self._address.port))
 
     @property
+    def fallback(self) -> bool:
+        """Whether the address is a default, given up for a free port when taken."""
+        return self._fallback
+
+    @property
     def listen(self) -> ListenAddress:
         """The address as configured (port 0: any free one)."""
         return self._address
@@ -84,19 +98,36 @@ class OpsServer:
         self._checks[name] = check
 
     async def start(self) -> None:
-        """Bind and serve; a taken port is a ConfigError naming the setting."""
-        app = web.Application()
-        app.router.add_get("/metrics", self._metrics)
-        app.router.add_get("/livez", self._livez)
-        app.router.add_get("/readyz", self._readyz)
-        self._runner, self.port = await start_site(
-            app, self._address, setting=self._setting, access_log=None, handle_signals=False
-        )
+        """Bind and serve; a taken port is a ConfigError naming the setting (a
+        default one: any free port of its host, logged as ``ops.port.taken``)."""
+        try:
+            self._runner, self.port = await self._start_on(self._address)
+        except ConfigError as exc:
+            cause = exc.__cause__
+            taken = isinstance(cause, OSError) and cause.errno == errno.EADDRINUSE
+            if not (self._fallback and taken and self._address.port != 0):
+                raise
+            self._runner, self.port = await self._start_on(ListenAddress(self._address.host, 0))
+            log.warning(
+                "ops.port.taken",
+                default=str(self._address),
+                address=self.address,
+                hint=f"{self._setting} or --metrics-listen picks one",
+            )
         log.info(
             "ops.listening",
             address=self.address,
             metrics=f"http://{self.address}/metrics",
             health=f"http://{self.address}/readyz",
+        )
+
+    async def _start_on(self, address: ListenAddress) -> tuple[web.AppRunner, int]:
+        app = web.Application()
+        app.router.add_get("/metrics", self._metrics)
+        app.router.add_get("/livez", self._livez)
+        app.router.add_get("/readyz", self._readyz)
+        return await start_site(
+            app, address, setting=self._setting, access_log=None, handle_signals=False
         )
 
     async def stop(self) -> None:
