@@ -10,9 +10,11 @@ import pytest
 
 from jobplane.config import ConfigError, Settings
 from jobplane.envelope import Envelope
-from jobplane.errors import InvalidArgument
+from jobplane.errors import AttemptLeaseLost, InvalidArgument, WorkerNotFound
+from jobplane.names import job_name
 from jobplane.server.worker_servicer import _stage_fields, claim_to_pb
 from jobplane.server.workers import (
+    REGISTRATION_TTL,
     Claimed,
     Fence,
     Registration,
@@ -20,7 +22,7 @@ from jobplane.server.workers import (
     parse_worker_name,
     worker_name,
 )
-from jobplane.store.attempts import Attempt, ClaimResult, ClaimStatus
+from jobplane.store.attempts import Attempt, ClaimResult, ClaimStatus, LeaseLost
 from jobplane.topology import load_topology
 from jobplane.v1 import workers_pb2
 
@@ -182,3 +184,90 @@ def test_worker_names() -> None:
     assert parse_worker_name(worker_name(worker_id)) == worker_id
     for bad in ("", str(worker_id), f"jobs/{worker_id}", f"workers/{worker_id}x", "workers/"):
         assert _field(lambda bad=bad: parse_worker_name(bad)) == "name"
+
+
+class _Store:
+    """The AttemptStore calls these tests reach; a heartbeat's lease can be lost."""
+
+    lease_seconds = 30.0
+
+    def __init__(self) -> None:
+        self.lost = False
+        self.unparked: list[tuple[list[str], list[str]]] = []
+
+    async def heartbeat(self, attempt: Attempt) -> bool:
+        if self.lost:
+            raise LeaseLost(f"{attempt.job_id} moved on")
+        return False
+
+    async def unpark(self, types: Any, queues: Any) -> int:
+        self.unparked.append((list(types), list(queues)))
+        return 0
+
+
+class _Held:
+    """HeldAttempts over a dict; counts the reads."""
+
+    def __init__(self, *attempts: Attempt) -> None:
+        self.attempts = {(a.job_id, a.attempt, a.lease_token): a for a in attempts}
+        self.reads = 0
+
+    async def get(self, job_id: uuid.UUID, attempt: int, lease_token: uuid.UUID) -> Attempt | None:
+        self.reads += 1
+        return self.attempts.get((job_id, attempt, lease_token))
+
+
+class _Workers:
+    """WorkerStore.renew: the registration's types and queues, or None when it is gone."""
+
+    def __init__(self, found: tuple[list[str], list[str]] | None) -> None:
+        self.found = found
+        self.renewed: list[tuple[uuid.UUID, float]] = []
+
+    async def renew(self, worker_id: uuid.UUID, *, ttl: float) -> Any:
+        self.renewed.append((worker_id, ttl))
+        return self.found
+
+
+def _service(store: _Store, held: _Held, workers: _Workers | None = None) -> WorkerService:
+    fakes: Any = (store, held, workers)
+    return WorkerService(fakes[0], fakes[1], load_topology(), workers=fakes[2])
+
+
+async def test_a_renewal_extends_the_registration_and_unparks_what_it_runs() -> None:
+    store, worker_id = _Store(), uuid.uuid4()
+    workers = _Workers((["reports.render"], ["jobplane.default"]))
+    await _service(store, _Held(), workers).renew(worker_id)
+    assert workers.renewed == [(worker_id, REGISTRATION_TTL)]
+    assert store.unparked == [(["reports.render"], ["jobplane.default"])]
+
+
+async def test_renewing_a_worker_that_is_gone_names_it() -> None:
+    store, worker_id = _Store(), uuid.uuid4()
+    with pytest.raises(WorkerNotFound) as refused:
+        await _service(store, _Held(), _Workers(None)).renew(worker_id)
+    assert refused.value.message == f"{worker_name(worker_id)} is not registered, or stopped"
+    assert store.unparked == []
+
+
+async def test_a_lease_lost_at_the_write_is_lease_lost_and_the_attempt_forgotten() -> None:
+    attempt, store = _attempt(), _Store()
+    held = _Held(attempt)
+    service = _service(store, held)
+    fence = Fence(attempt.job_id, attempt.attempt, attempt.lease_token)
+    assert await service.heartbeat(fence) is False
+    assert await service.heartbeat(fence) is False
+    assert held.reads == 1  # kept by its fence after the first read
+    store.lost = True
+    with pytest.raises(AttemptLeaseLost) as lost:
+        await service.heartbeat(fence)
+    assert lost.value.message == (
+        f"{job_name(attempt.job_id)} attempt 1 does not hold the job with this lease token "
+        "(the lease ran out and another attempt took it, or the job moved on); "
+        "nothing was written"
+    )
+    # Forgotten: the next call reads the attempt again (and finds it gone).
+    held.attempts.clear()
+    with pytest.raises(AttemptLeaseLost):
+        await service.heartbeat(fence)
+    assert held.reads == 2
