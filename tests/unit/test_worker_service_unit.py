@@ -7,11 +7,15 @@ import uuid
 from typing import Any
 
 import pytest
+import structlog
+from structlog.testing import capture_logs
 
 from jobplane.config import ConfigError, Settings
 from jobplane.envelope import Envelope
-from jobplane.errors import AttemptLeaseLost, InvalidArgument, WorkerNotFound
+from jobplane.errors import AttemptLeaseLost, CancelNotRequested, InvalidArgument, WorkerNotFound
 from jobplane.names import job_name
+from jobplane.observe.metrics import CANCELLED, FAILED, RETRY, completed
+from jobplane.server import workers as workers_module
 from jobplane.server.worker_servicer import _stage_fields, claim_to_pb
 from jobplane.server.workers import (
     REGISTRATION_TTL,
@@ -22,7 +26,7 @@ from jobplane.server.workers import (
     parse_worker_name,
     worker_name,
 )
-from jobplane.store.attempts import Attempt, ClaimResult, ClaimStatus, LeaseLost
+from jobplane.store.attempts import Attempt, ClaimResult, ClaimStatus, LeaseLost, ProgressUpdate
 from jobplane.topology import load_topology
 from jobplane.v1 import workers_pb2
 
@@ -187,18 +191,36 @@ def test_worker_names() -> None:
 
 
 class _Store:
-    """The AttemptStore calls these tests reach; a heartbeat's lease can be lost."""
+    """The AttemptStore calls WorkerService makes, recorded; the lease can be lost at any."""
 
     lease_seconds = 30.0
 
     def __init__(self) -> None:
-        self.lost = False
+        self.lost: str | None = None  # the write whose fence fails
+        self.cancel = False
+        self.calls: list[tuple[str, dict[str, Any]]] = []
         self.unparked: list[tuple[list[str], list[str]]] = []
 
+    def _write(self, name: str, **args: Any) -> None:
+        if self.lost == name:
+            raise LeaseLost("moved on")
+        self.calls.append((name, args))
+
     async def heartbeat(self, attempt: Attempt) -> bool:
-        if self.lost:
-            raise LeaseLost(f"{attempt.job_id} moved on")
-        return False
+        self._write("heartbeat")
+        return self.cancel
+
+    async def succeed(self, attempt: Attempt, result: Any, pending: Any = (), **kw: Any) -> None:
+        self._write("succeed", result=result, pending=pending, **kw)
+
+    async def fail(self, attempt: Attempt, code: str, message: str, **kw: Any) -> None:
+        self._write("fail", code=code, message=message, **kw)
+
+    async def schedule_retry(self, attempt: Attempt, code: str, message: str, **kw: Any) -> None:
+        self._write("schedule_retry", code=code, message=message, **kw)
+
+    async def cancelled(self, attempt: Attempt, pending: Any = ()) -> None:
+        self._write("cancelled", pending=pending)
 
     async def unpark(self, types: Any, queues: Any) -> int:
         self.unparked.append((list(types), list(queues)))
@@ -258,7 +280,7 @@ async def test_a_lease_lost_at_the_write_is_lease_lost_and_the_attempt_forgotten
     assert await service.heartbeat(fence) is False
     assert await service.heartbeat(fence) is False
     assert held.reads == 1  # kept by its fence after the first read
-    store.lost = True
+    store.lost = "heartbeat"
     with pytest.raises(AttemptLeaseLost) as lost:
         await service.heartbeat(fence)
     assert lost.value.message == (
@@ -271,3 +293,170 @@ async def test_a_lease_lost_at_the_write_is_lease_lost_and_the_attempt_forgotten
     with pytest.raises(AttemptLeaseLost):
         await service.heartbeat(fence)
     assert held.reads == 2
+
+
+class _Metrics:
+    def __init__(self) -> None:
+        self.ended: list[tuple[str, str, str]] = []
+
+    def attempt_ended(self, job_type: str, queue: str, outcome: str) -> None:
+        self.ended.append((job_type, queue, outcome))
+
+
+@pytest.fixture
+def log_lines(monkeypatch: pytest.MonkeyPatch) -> Any:
+    # A logger not yet used: one used by an earlier test in this process is
+    # cached (cache_logger_on_first_use) and would write past capture_logs.
+    monkeypatch.setattr(workers_module, "log", structlog.get_logger("jobplane.server"))
+    with capture_logs() as lines:
+        yield lines
+
+
+def _outcome_setup(**changes: Any) -> tuple[WorkerService, _Store, _Held, _Metrics, Fence]:
+    attempt, store, metrics = _attempt(**changes), _Store(), _Metrics()
+    held = _Held(attempt)
+    service = _service(store, held)
+    service.metrics = metrics  # type: ignore[assignment]
+    return (
+        service,
+        store,
+        held,
+        metrics,
+        Fence(attempt.job_id, attempt.attempt, attempt.lease_token),
+    )
+
+
+async def _forgotten(service: WorkerService, held: _Held, fence: Fence) -> bool:
+    """Whether the outcome let go of the attempt: the next call reads it again."""
+    reads = held.reads
+    held.attempts.clear()
+    with pytest.raises(AttemptLeaseLost):
+        await service.heartbeat(fence)
+    return held.reads == reads + 1
+
+
+def _events(lines: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    return {line["event"]: line for line in lines}
+
+
+PENDING = [ProgressUpdate(0.5, "half", {})]
+
+
+async def test_a_retryable_failure_with_attempts_left_schedules_the_queues_backoff(
+    log_lines: list[dict[str, Any]],
+) -> None:
+    service, store, held, metrics, fence = _outcome_setup(attempt=2)
+    failed = await service.fail(fence, "", "boom", retryable=True, delay=None, pending=PENDING)
+    assert failed.retry_scheduled is True and failed.delay is not None
+    # Attempt 2 of the queue's backoff: base·2, at least half of it.
+    queue = load_topology().queue("jobplane.default")
+    assert queue.retry_base_delay <= failed.delay <= 2 * queue.retry_base_delay
+    assert store.calls == [
+        (
+            "schedule_retry",
+            {"code": "HANDLER_ERROR", "message": "boom", "delay": failed.delay, "pending": PENDING},
+        )
+    ]
+    assert metrics.ended == [("reports.render", "jobplane.default", RETRY)]
+    line = _events(log_lines)["job.retry_scheduled"]
+    assert (line["attempt"], line["code"], line["delay"], line["error"]) == (
+        2,
+        "HANDLER_ERROR",
+        failed.delay,
+        "boom",
+    )
+    assert await _forgotten(service, held, fence)
+
+
+async def test_a_retry_delay_given_by_the_worker_is_the_delay() -> None:
+    service, store, _held, _metrics, fence = _outcome_setup()
+    failed = await service.fail(fence, "SLOW", "later", retryable=True, delay=2.5, pending=[])
+    assert (failed.retry_scheduled, failed.delay) == (True, 2.5)
+    assert store.calls[0][1]["delay"] == 2.5
+
+
+@pytest.mark.parametrize(
+    ("retryable", "attempt", "details"),
+    [(False, 1, {}), (True, 3, {"attempts_exhausted": True})],
+    ids=["permanent", "last-attempt"],
+)
+async def test_a_failure_without_a_retry_fails_the_job(
+    retryable: bool, attempt: int, details: dict[str, Any], log_lines: list[dict[str, Any]]
+) -> None:
+    service, store, held, metrics, fence = _outcome_setup(attempt=attempt)
+    failed = await service.fail(
+        fence, "BAD_INPUT", "no", retryable=retryable, delay=None, pending=PENDING
+    )
+    assert (failed.retry_scheduled, failed.delay) == (False, None)
+    assert store.calls == [
+        (
+            "fail",
+            {
+                "code": "BAD_INPUT",
+                "message": "no",
+                "retryable": False,
+                "pending": PENDING,
+                "details": details,
+            },
+        )
+    ]
+    assert metrics.ended == [("reports.render", "jobplane.default", FAILED)]
+    line = _events(log_lines)["job.failed"]
+    assert (line["attempt"], line["code"], line["error"]) == (attempt, "BAD_INPUT", "no")
+    assert await _forgotten(service, held, fence)
+
+
+async def test_a_success_stores_the_result_after_the_pending_reports(
+    log_lines: list[dict[str, Any]],
+) -> None:
+    service, store, held, metrics, fence = _outcome_setup()
+    await service.complete(fence, {"pages": 3}, PENDING)
+    assert store.calls == [
+        ("succeed", {"result": {"pages": 3}, "pending": PENDING, "result_blob": None})
+    ]
+    assert metrics.ended == [("reports.render", "jobplane.default", completed(None))]
+    assert _events(log_lines)["job.completed"]["attempt"] == 1
+    assert await _forgotten(service, held, fence)
+
+
+async def test_cancelled_ends_the_attempt_once_cancel_was_requested(
+    log_lines: list[dict[str, Any]],
+) -> None:
+    service, store, held, metrics, fence = _outcome_setup()
+    with pytest.raises(CancelNotRequested):
+        await service.cancelled(fence, PENDING)
+    assert [name for name, _ in store.calls] == ["heartbeat"]
+    store.cancel = True
+    await service.cancelled(fence, PENDING)
+    assert store.calls[-1] == ("cancelled", {"pending": PENDING})
+    assert metrics.ended == [("reports.render", "jobplane.default", CANCELLED)]
+    assert _events(log_lines)["job.cancelled"]["attempt"] == 1
+    assert await _forgotten(service, held, fence)
+
+
+OUTCOMES: dict[str, tuple[str, Any]] = {
+    "heartbeat": ("heartbeat", lambda service, fence: service.heartbeat(fence)),
+    "complete": ("succeed", lambda service, fence: service.complete(fence, {}, [])),
+    "fail": (
+        "fail",
+        lambda service, fence: service.fail(
+            fence, "X", "", retryable=False, delay=None, pending=[]
+        ),
+    ),
+    "retry": (
+        "schedule_retry",
+        lambda service, fence: service.fail(fence, "X", "", retryable=True, delay=None, pending=[]),
+    ),
+    "cancelled": ("cancelled", lambda service, fence: service.cancelled(fence, [])),
+    "cancelled-check": ("heartbeat", lambda service, fence: service.cancelled(fence, [])),
+}
+
+
+@pytest.mark.parametrize("call", list(OUTCOMES))
+async def test_every_call_whose_write_loses_the_lease_is_lease_lost(call: str) -> None:
+    service, store, held, _metrics, fence = _outcome_setup()
+    store.lost, make = OUTCOMES[call]
+    store.cancel = True
+    with pytest.raises(AttemptLeaseLost, match="attempt 1 does not hold"):
+        await make(service, fence)
+    assert await _forgotten(service, held, fence)
