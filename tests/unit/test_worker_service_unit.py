@@ -10,6 +10,7 @@ import pytest
 import structlog
 from structlog.testing import capture_logs
 
+from jobplane.blobs.store import BlobInfo
 from jobplane.config import ConfigError, Settings
 from jobplane.envelope import Envelope
 from jobplane.errors import AttemptLeaseLost, CancelNotRequested, InvalidArgument, WorkerNotFound
@@ -26,9 +27,20 @@ from jobplane.server.workers import (
     parse_worker_name,
     worker_name,
 )
-from jobplane.store.attempts import Attempt, ClaimResult, ClaimStatus, LeaseLost, ProgressUpdate
+from jobplane.store.attempts import (
+    Attempt,
+    ClaimResult,
+    ClaimStatus,
+    LeaseLost,
+    ProgressUpdate,
+    StageRun,
+)
+from jobplane.store.rows import dumps
 from jobplane.topology import load_topology
+from jobplane.types import BlobRef
 from jobplane.v1 import workers_pb2
+from jobplane.workers.handlers import PermanentError
+from jobplane.workers.outcome import check_result
 
 Claim = workers_pb2.ClaimJobResponse
 
@@ -251,9 +263,11 @@ class _Workers:
         return self.found
 
 
-def _service(store: _Store, held: _Held, workers: _Workers | None = None) -> WorkerService:
+def _service(
+    store: _Store, held: _Held, workers: _Workers | None = None, **options: Any
+) -> WorkerService:
     fakes: Any = (store, held, workers)
-    return WorkerService(fakes[0], fakes[1], load_topology(), workers=fakes[2])
+    return WorkerService(fakes[0], fakes[1], load_topology(), workers=fakes[2], **options)
 
 
 async def test_a_renewal_extends_the_registration_and_unparks_what_it_runs() -> None:
@@ -460,3 +474,51 @@ async def test_every_call_whose_write_loses_the_lease_is_lease_lost(call: str) -
     with pytest.raises(AttemptLeaseLost, match="attempt 1 does not hold"):
         await make(service, fence)
     assert await _forgotten(service, held, fence)
+
+
+async def test_a_result_that_cannot_be_stored_is_refused_with_its_code() -> None:
+    service, store, _held, _metrics, fence = _outcome_setup()
+    bad = {"ratio": float("nan")}
+    problem = check_result(bad, max_bytes=256 * 1024)
+    assert isinstance(problem, PermanentError)
+    with pytest.raises(InvalidArgument) as refused:
+        await service.complete(fence, bad, [])
+    assert (refused.value.field, refused.value.message) == ("result", str(problem))
+    assert refused.value.metadata == {"code": problem.code}
+    assert store.calls == []
+
+
+class _Blobs:
+    """BlobStore.put_bytes, recorded."""
+
+    def __init__(self) -> None:
+        self.put: list[tuple[uuid.UUID, bytes, str | None]] = []
+
+    async def put_bytes(
+        self, tenant_id: uuid.UUID, data: bytes, *, content_type: str | None = None
+    ) -> BlobInfo:
+        self.put.append((tenant_id, data, content_type))
+        return BlobInfo(f"blobs/{len(data)}", f"sha-{len(data)}", len(data))
+
+
+async def test_a_result_over_the_inline_limit_goes_to_a_blob_unless_a_stage_returns_it() -> None:
+    small, large = {"a": 1}, {"text": "x" * 50}
+    for stage, result, offloaded in (
+        (None, small, False),
+        (None, large, True),
+        # A stage's result feeds the next stage: kept inline.
+        (StageRun("p", "v1", "split", 0, 2, "v1", {}), large, False),
+    ):
+        attempt, store, blobs = _attempt(stage=stage), _Store(), _Blobs()
+        service = _service(store, _Held(attempt), blobs=blobs, inline_bytes=len(dumps(small)) + 1)
+        await service.complete(Fence(attempt.job_id, 1, attempt.lease_token), result, [])
+        body = dumps(result).encode()
+        if offloaded:
+            assert blobs.put == [(attempt.tenant_id, body, "application/json")]
+            ref = BlobRef(f"blobs/{len(body)}", f"sha-{len(body)}", len(body))
+            assert store.calls == [("succeed", {"result": {}, "pending": [], "result_blob": ref})]
+        else:
+            assert blobs.put == []
+            assert store.calls == [
+                ("succeed", {"result": result, "pending": [], "result_blob": None})
+            ]
