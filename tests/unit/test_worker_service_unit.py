@@ -21,6 +21,7 @@ from jobplane.server.worker_servicer import _stage_fields, claim_to_pb
 from jobplane.server.workers import (
     REGISTRATION_TTL,
     Claimed,
+    Failed,
     Fence,
     Registration,
     WorkerService,
@@ -36,11 +37,11 @@ from jobplane.store.attempts import (
     StageRun,
 )
 from jobplane.store.rows import dumps
-from jobplane.topology import load_topology
+from jobplane.topology import load_topology, parse_topology
 from jobplane.types import BlobRef
 from jobplane.v1 import workers_pb2
 from jobplane.workers.handlers import PermanentError
-from jobplane.workers.outcome import check_result
+from jobplane.workers.outcome import MAX_ERROR_MESSAGE, MAX_RETRY_DELAY, check_result
 
 Claim = workers_pb2.ClaimJobResponse
 
@@ -211,28 +212,30 @@ class _Store:
         self.lost: str | None = None  # the write whose fence fails
         self.cancel = False
         self.calls: list[tuple[str, dict[str, Any]]] = []
+        self.fences: list[dict[str, Any]] = []
         self.unparked: list[tuple[list[str], list[str]]] = []
 
-    def _write(self, name: str, **args: Any) -> None:
+    def _write(self, name: str, attempt: Attempt, **args: Any) -> None:
+        self.fences.append(attempt.fence())  # what the real statement binds
         if self.lost == name:
             raise LeaseLost("moved on")
         self.calls.append((name, args))
 
     async def heartbeat(self, attempt: Attempt) -> bool:
-        self._write("heartbeat")
+        self._write("heartbeat", attempt)
         return self.cancel
 
     async def succeed(self, attempt: Attempt, result: Any, pending: Any = (), **kw: Any) -> None:
-        self._write("succeed", result=result, pending=pending, **kw)
+        self._write("succeed", attempt, result=result, pending=pending, **kw)
 
     async def fail(self, attempt: Attempt, code: str, message: str, **kw: Any) -> None:
-        self._write("fail", code=code, message=message, **kw)
+        self._write("fail", attempt, code=code, message=message, **kw)
 
     async def schedule_retry(self, attempt: Attempt, code: str, message: str, **kw: Any) -> None:
-        self._write("schedule_retry", code=code, message=message, **kw)
+        self._write("schedule_retry", attempt, code=code, message=message, **kw)
 
     async def cancelled(self, attempt: Attempt, pending: Any = ()) -> None:
-        self._write("cancelled", pending=pending)
+        self._write("cancelled", attempt, pending=pending)
 
     async def unpark(self, types: Any, queues: Any) -> int:
         self.unparked.append((list(types), list(queues)))
@@ -522,3 +525,49 @@ async def test_a_result_over_the_inline_limit_goes_to_a_blob_unless_a_stage_retu
             assert store.calls == [
                 ("succeed", {"result": result, "pending": [], "result_blob": None})
             ]
+
+
+async def test_a_failure_report_is_checked_before_anything_is_written() -> None:
+    service, store, held, _metrics, fence = _outcome_setup()
+
+    async def refused(code: str = "X", message: str = "", **options: Any) -> InvalidArgument:
+        options = {"retryable": True, "delay": None, "pending": [], **options}
+        with pytest.raises(InvalidArgument) as error:
+            await service.fail(fence, code, message, **options)
+        return error.value
+
+    bad_code = await refused("lower")
+    assert (bad_code.field, bad_code.message) == (
+        "code",
+        "code 'lower' must be UPPER_SNAKE: A-Z first, then A-Z, 0-9, '_'; at most 64 characters",
+    )
+    assert (await refused("A" * 65)).field == "code"
+    assert (await refused(message="x" * (MAX_ERROR_MESSAGE + 1))).field == "message"
+    permanent = await refused(retryable=False, delay=1.0)
+    assert (permanent.field, permanent.message) == (
+        "retry_delay",
+        "retry_delay is for a retryable failure only",
+    )
+    for delay in (-0.001, MAX_RETRY_DELAY + 0.001):
+        out_of_range = await refused(delay=delay)
+        assert (out_of_range.field, out_of_range.message) == (
+            "retry_delay",
+            f"retry_delay must be 0 .. {MAX_RETRY_DELAY:g} seconds",
+        )
+    assert store.calls == [] and held.reads == 0
+    # Both ends of the range are delays (the held attempt is read again for each).
+    for delay in (0.0, MAX_RETRY_DELAY):
+        failed = await service.fail(fence, "X", "", retryable=True, delay=delay, pending=[])
+        assert failed == Failed(True, delay)
+
+
+async def test_a_retry_waits_the_backoff_of_the_attempts_own_queue() -> None:
+    topology = parse_topology(
+        {"queues": [{"name": "slow", "retry_base_delay": 40.0, "retry_max_delay": 600.0}]}
+    )
+    attempt, store = _attempt(queue="slow"), _Store()
+    fakes: Any = (store, _Held(attempt))
+    service = WorkerService(fakes[0], fakes[1], topology, workers=fakes[1])
+    fence = Fence(attempt.job_id, attempt.attempt, attempt.lease_token)
+    failed = await service.fail(fence, "X", "", retryable=True, delay=None, pending=[])
+    assert failed.delay is not None and 20.0 <= failed.delay <= 40.0
