@@ -15,7 +15,7 @@ from jobplane.config import ConfigError, Settings
 from jobplane.envelope import Envelope
 from jobplane.errors import AttemptLeaseLost, CancelNotRequested, InvalidArgument, WorkerNotFound
 from jobplane.names import job_name
-from jobplane.observe.metrics import CANCELLED, FAILED, RETRY, completed
+from jobplane.observe.metrics import ADVANCED, CANCELLED, COMPLETED, FAILED, RETRY, completed
 from jobplane.server import workers as workers_module
 from jobplane.server.worker_servicer import _stage_fields, claim_to_pb
 from jobplane.server.workers import (
@@ -225,6 +225,10 @@ class _Store:
         self._write("heartbeat", attempt)
         return self.cancel
 
+    async def write_progress(self, attempt: Attempt, updates: Any) -> bool:
+        self._write("write_progress", attempt, updates=updates)
+        return self.cancel
+
     async def succeed(self, attempt: Attempt, result: Any, pending: Any = (), **kw: Any) -> None:
         self._write("succeed", attempt, result=result, pending=pending, **kw)
 
@@ -305,11 +309,12 @@ async def test_a_lease_lost_at_the_write_is_lease_lost_and_the_attempt_forgotten
         "(the lease ran out and another attempt took it, or the job moved on); "
         "nothing was written"
     )
-    # Forgotten: the next call reads the attempt again (and finds it gone).
+    # Forgotten: the next call reads the attempt again, finds it gone, and says so alike.
     held.attempts.clear()
-    with pytest.raises(AttemptLeaseLost):
+    with pytest.raises(AttemptLeaseLost) as gone:
         await service.heartbeat(fence)
     assert held.reads == 2
+    assert gone.value.message == lost.value.message
 
 
 class _Metrics:
@@ -512,8 +517,10 @@ async def test_a_result_over_the_inline_limit_goes_to_a_blob_unless_a_stage_retu
         # A stage's result feeds the next stage: kept inline.
         (StageRun("p", "v1", "split", 0, 2, "v1", {}), large, False),
     ):
-        attempt, store, blobs = _attempt(stage=stage), _Store(), _Blobs()
-        service = _service(store, _Held(attempt), blobs=blobs, inline_bytes=len(dumps(small)) + 1)
+        attempt, store, blobs, metrics = _attempt(stage=stage), _Store(), _Blobs(), _Metrics()
+        # A result of exactly the inline limit stays inline.
+        service = _service(store, _Held(attempt), blobs=blobs, inline_bytes=len(dumps(small)))
+        service.metrics = metrics  # type: ignore[assignment]
         await service.complete(Fence(attempt.job_id, 1, attempt.lease_token), result, [])
         body = dumps(result).encode()
         if offloaded:
@@ -525,6 +532,24 @@ async def test_a_result_over_the_inline_limit_goes_to_a_blob_unless_a_stage_retu
             assert store.calls == [
                 ("succeed", {"result": result, "pending": [], "result_blob": None})
             ]
+        # The first of two stages advances the job; a plain job completes.
+        assert metrics.ended == [
+            ("reports.render", "jobplane.default", COMPLETED if stage is None else ADVANCED)
+        ]
+
+
+async def test_progress_is_written_for_the_attempt_and_answers_the_cancel_flag() -> None:
+    service, store, _held, _metrics, fence = _outcome_setup()
+    assert await service.progress(fence, PENDING) is False
+    store.cancel = True
+    assert await service.progress(fence, PENDING) is True
+    assert store.calls == [("write_progress", {"updates": PENDING})] * 2
+    assert (
+        store.fences == [_attempt(job_id=fence.job_id, lease_token=fence.lease_token).fence()] * 2
+    )
+    store.lost = "write_progress"
+    with pytest.raises(AttemptLeaseLost, match="attempt 1 does not hold"):
+        await service.progress(fence, PENDING)
 
 
 async def test_a_failure_report_is_checked_before_anything_is_written() -> None:
