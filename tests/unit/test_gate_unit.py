@@ -2,16 +2,28 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextvars
 import uuid
 from typing import Any
 
 import grpc
 import pytest
+import structlog
 
+from jobplane.errors import Unauthenticated
+from jobplane.logs import fingerprint
 from jobplane.server import auth
-from jobplane.server.auth import CallGate, LogSampler, current_identity
+from jobplane.server.auth import CallGate, LogSampler, current_identity, current_worker
 from jobplane.server.limits import TenantLimiter, TenantLimits
-from jobplane.store.keys import KEY_PREFIX, KeyIdentity, _new_key, key_shaped
+from jobplane.store.keys import (
+    KEY_PREFIX,
+    KeyIdentity,
+    KeyScope,
+    WorkerIdentity,
+    _new_key,
+    key_shaped,
+)
 
 SERVICE = "jobplane.v1.JobService"
 GOOD = _new_key()
@@ -192,3 +204,113 @@ async def test_below_debug_a_unary_call_runs_the_servicers_own_handler(
     # A watch still takes a stream slot, so it keeps its wrapper.
     watch = await gate.intercept_service(_continuation, Details("WatchJob", GOOD))
     assert watch is not HANDLERS["WatchJob"]
+
+
+class Context:
+    """What a refusal handler uses of the call's context."""
+
+    def __init__(self) -> None:
+        self.status: grpc.Status | None = None
+
+    async def abort_with_status(self, status: grpc.Status) -> None:
+        self.status = status
+
+
+class WorkerKeys(Keys):
+    """One known key, a worker's."""
+
+    def __init__(self) -> None:
+        self.worker = WorkerIdentity("key_fedcba9876543210")
+
+    async def resolve(self, key: str) -> Any:
+        return self.worker if key == GOOD else None
+
+
+async def _refused_with(handler: Any) -> tuple[grpc.StatusCode, str]:
+    context = Context()
+    await handler.unary_unary(object(), context)
+    assert context.status is not None
+    return context.status.code, context.status.details
+
+
+async def test_a_key_of_the_other_scope_is_refused_and_a_worker_key_served_as_a_worker(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(auth, "log", Log())
+    store: Any = WorkerKeys()
+    tenant_gate = CallGate(SERVICE, store, TenantLimiter(TenantLimits()), clock=Clock())
+    refused = await tenant_gate.intercept_service(_continuation, Details("GetJob", GOOD))
+    assert await _refused_with(refused) == (
+        grpc.StatusCode.PERMISSION_DENIED,
+        "a worker key cannot call GetJob; it needs a tenant key",
+    )
+    worker_gate = CallGate(
+        SERVICE, store, TenantLimiter(TenantLimits()), clock=Clock(), scope=KeyScope.WORKER
+    )
+
+    async def admitted() -> Any:
+        handler = await worker_gate.intercept_service(_continuation, Details("GetJob", GOOD))
+        assert handler is HANDLERS["GetJob"]  # admitted: the servicer's own handler
+        return current_worker(), structlog.contextvars.get_contextvars()
+
+    worker, bound = await asyncio.create_task(admitted())
+    assert worker == store.worker
+    assert (bound["api_key_id"], bound["rpc"]) == (store.worker.key_id, "GetJob")
+    assert "tenant_id" not in bound
+    # A tenant key at the worker gate is refused alike.
+    tenant_keys: Any = Keys()
+    worker_only = CallGate(
+        SERVICE, tenant_keys, TenantLimiter(TenantLimits()), clock=Clock(), scope=KeyScope.WORKER
+    )
+    refused = await worker_only.intercept_service(_continuation, Details("GetJob", GOOD))
+    assert await _refused_with(refused) == (
+        grpc.StatusCode.PERMISSION_DENIED,
+        "a tenant key cannot call GetJob; it needs a worker key",
+    )
+
+
+async def test_outside_an_admitted_call_there_is_no_caller() -> None:
+    async def outside() -> None:
+        with pytest.raises(Unauthenticated, match="the call was not authenticated"):
+            current_identity()
+        with pytest.raises(Unauthenticated, match="not authenticated with a worker key"):
+            current_worker()
+
+    # A fresh context: no gate ran in it.
+    await asyncio.create_task(outside(), context=contextvars.Context())
+
+
+async def test_an_admitted_call_binds_its_tenant_key_and_request_id() -> None:
+    keys = Keys()
+    gate = _gate(keys)
+
+    async def admitted(metadata: tuple[tuple[str, str], ...]) -> dict[str, Any]:
+        details = Details("GetJob", GOOD)
+        details.invocation_metadata = (*details.invocation_metadata, *metadata)
+        await gate.intercept_service(_continuation, details)
+        return structlog.contextvars.get_contextvars()
+
+    bound = await asyncio.create_task(admitted((("x-request-id", "req-7"),)))
+    assert bound["tenant_id"] == str(keys.identity.tenant_id)
+    assert (bound["api_key_id"], bound["rpc"]) == (keys.identity.key_id, "GetJob")
+    assert bound["request_id"] == fingerprint("req-7")
+    assert "request_id" not in await asyncio.create_task(admitted(()))
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        grpc.unary_unary_rpc_method_handler,
+        grpc.unary_stream_rpc_method_handler,
+        grpc.stream_unary_rpc_method_handler,
+        grpc.stream_stream_rpc_method_handler,
+    ],
+    ids=["unary-unary", "unary-stream", "stream-unary", "stream-stream"],
+)
+def test_a_refusal_has_the_shape_of_the_call_it_answers(make: Any) -> None:
+    handler = make(_servicer)
+    refusal = auth._refusal(handler, Unauthenticated())
+    assert (refusal.request_streaming, refusal.response_streaming) == (
+        handler.request_streaming,
+        handler.response_streaming,
+    )
