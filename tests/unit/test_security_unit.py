@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import uuid
 from pathlib import Path
+from typing import Any
 
 import asyncpg
 import grpc
@@ -166,15 +167,15 @@ def test_a_call_of_more_submits_than_the_burst_is_refused_without_a_delay() -> N
 
 def test_past_many_tenants_full_buckets_are_dropped(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(limits, "_PRUNE_AT", 3)
-    now = [0.0]
+    now = [100.0]
     limiter = TenantLimiter(
-        TenantLimits(submits_per_second=1, submit_burst=2), clock=lambda: now[0]
+        TenantLimits(submits_per_second=2, submit_burst=2), clock=lambda: now[0]
     )
     spent, refilled, idle, new = (uuid.uuid4() for _ in range(4))
     limiter.take_submit(spent, 2)
     limiter.take_submit(refilled)
     limiter.take_submit(idle)
-    now[0] += 1.0  # refilled and idle are full again; spent has one token of two
+    now[0] += 0.5  # refilled and idle are full again; spent has one token of two
     limiter.take_submit(new)  # the fourth tenant: the full buckets go
     assert sorted(limiter._buckets, key=str) == sorted([spent, new], key=str)
     # The bucket kept still holds what the tenant spent: one token, not a fresh burst.
@@ -266,11 +267,22 @@ def test_bearer_token(metadata: tuple[tuple[str, str], ...], token: str) -> None
 
 
 @pytest.mark.parametrize(
-    "metadata", [(), (("authorization", "Basic abc"),), (("authorization", "Bearer "),)]
+    ("metadata", "message"),
+    [
+        ((), "missing 'authorization: Bearer <key>' metadata"),
+        ((("authorization", "Basic abc"),), "the API key is not valid"),
+        ((("authorization", "Bearer "),), "the API key is not valid"),
+        # Binary metadata (a -bin key's bytes) is no bearer key either.
+        ((("authorization", b"Bearer jp_abc"),), "the API key is not valid"),
+    ],
+    ids=["missing", "basic", "empty", "bytes"],
 )
-def test_bearer_token_missing_or_malformed(metadata: tuple[tuple[str, str], ...]) -> None:
-    with pytest.raises(Unauthenticated):
+def test_bearer_token_missing_or_malformed(
+    metadata: tuple[tuple[str, Any], ...], message: str
+) -> None:
+    with pytest.raises(Unauthenticated) as refused:
         bearer_token(metadata)
+    assert refused.value.message == message
 
 
 def test_tls_and_limit_settings(tmp_path: Path) -> None:
