@@ -301,6 +301,7 @@ def test_tls_and_limit_settings(tmp_path: Path) -> None:
     assert settings.tenant_max_streams == 0
     assert settings.tenant_submits_per_second == 2.5
     assert settings.tenant_submit_burst == 10
+    assert TenantLimits.from_settings(settings) == TenantLimits(0, 2.5, 10)
     defaults = Settings.from_env({})
     assert defaults.tls_cert is None
     assert defaults.tenant_max_streams > 0 and defaults.tenant_submits_per_second > 0
