@@ -184,14 +184,18 @@ async def test_refusals_are_logged_once_a_second_per_reason(
     ]
     assert len({id(handler) for handler in refusals}) == 1  # one handler answers them all
     assert await gate.intercept_service(_continuation, Details("GetJob", None)) is not None
-    assert [(e, kw["reason"], kw["suppressed"]) for e, kw in log.lines] == [
-        ("auth.refused", "the API key is not valid", 0),
-        ("auth.refused", "missing 'authorization: Bearer <key>' metadata", 0),
+    assert [(e, kw["rpc"], kw["reason"], kw["suppressed"]) for e, kw in log.lines] == [
+        ("auth.refused", "GetJob", "the API key is not valid", 0),
+        ("auth.refused", "GetJob", "missing 'authorization: Bearer <key>' metadata", 0),
     ]
     clock.now += 1.0
     await gate.intercept_service(_continuation, Details("GetJob", "jp_short"))
     assert log.lines[-1][1]["suppressed"] == 99
     assert len(log.lines) == 3
+    # A refusal answers in its own call's shape: a watch's is a stream.
+    watch = await gate.intercept_service(_continuation, Details("WatchJob", _new_key()))
+    first: Any = refusals[0]
+    assert watch is not None and watch.response_streaming and not first.response_streaming
 
 
 async def test_below_debug_a_unary_call_runs_the_servicers_own_handler(
@@ -346,6 +350,12 @@ async def test_submits_spend_tokens_at_the_gate_and_other_services_pass_untouche
     refused = await gate.intercept_service(continuation, Details("SubmitJob", GOOD))
     code, _message = await _refused_with(refused)
     assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    # Another tenant's key has a bucket of its own.
+    keys.identity = KeyIdentity(uuid.uuid4(), "key_1111111111111111")
+    assert (
+        await gate.intercept_service(continuation, Details("SubmitJob", GOOD))
+        is (handlers["SubmitJob"])
+    )
     # The second service named is gated too; a service not named passes as it is, keyless.
     other = Details("GetJob", None)
     other.method = "/jobplane.v1.EventService/GetJob"
