@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import uuid
 from typing import Any
 
@@ -330,8 +331,14 @@ def log_lines(monkeypatch: pytest.MonkeyPatch) -> Any:
     # A logger not yet used: one used by an earlier test in this process is
     # cached (cache_logger_on_first_use) and would write past capture_logs.
     monkeypatch.setattr(workers_module, "log", structlog.get_logger("jobplane.server"))
-    with capture_logs() as lines:
-        yield lines
+    # A server started earlier in the process may have set a level above info.
+    saved = structlog.get_config()
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.DEBUG))
+    try:
+        with capture_logs() as lines:
+            yield lines
+    finally:
+        structlog.configure(**saved)
 
 
 def _outcome_setup(**changes: Any) -> tuple[WorkerService, _Store, _Held, _Metrics, Fence]:
