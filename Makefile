@@ -72,7 +72,7 @@ events-node: $(STAMP) services
 fuzz: $(STAMP) services
 	HYPOTHESIS_PROFILE=deep $(BIN)/python -m pytest -s tests/fuzz $(PYTEST_ARGS)
 
-## Mutation testing of store/, workers/ and server/feeds.py (not part of `make test`).
+## Mutation testing of store/, workers/ and server/ (not part of `make test`).
 ## Narrow it with a mutant glob: make mutate MUTATE='jobplane.store.attempts.*'
 MUTATE ?=
 MUTATE_JOBS ?= 2

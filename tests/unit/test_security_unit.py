@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import uuid
 from pathlib import Path
+from typing import Any
 
 import asyncpg
 import grpc
@@ -15,6 +16,7 @@ from jobplane.client._errors import error_from_rpc
 from jobplane.config import ConfigError, Settings
 from jobplane.errors import TenantLimitExceeded, Unauthenticated
 from jobplane.logs import describe_error, format_exception, scrub, stdlib_formatter
+from jobplane.server import limits
 from jobplane.server.auth import bearer_token
 from jobplane.server.limits import TenantLimiter, TenantLimits
 from jobplane.server.status import to_grpc_status
@@ -119,6 +121,69 @@ def test_token_bucket() -> None:
         limiter.take_submit(tenant)
 
 
+def test_a_batch_takes_its_submits_all_or_none() -> None:
+    now = [0.0]
+    tenant = uuid.uuid4()
+    limiter = TenantLimiter(
+        TenantLimits(submits_per_second=4, submit_burst=5), clock=lambda: now[0]
+    )
+    limiter.take_submit(tenant, 0)  # nothing to take, nothing taken
+    limiter.take_submit(tenant, 3)
+    with pytest.raises(TenantLimitExceeded) as short:
+        limiter.take_submit(tenant, 3)  # 2 left: none of the 3 is taken
+    # The batch's first token went at the gate (taken=1): its retry spends it again,
+    # so the delay counts it too.
+    with pytest.raises(TenantLimitExceeded) as short_taken:
+        limiter.take_submit(tenant, 3, taken=1)
+    assert short.value.retry_delay == pytest.approx((3 - 2) / 4)
+    assert short_taken.value.retry_delay == pytest.approx((3 + 1 - 2) / 4)
+    assert short.value.message == (
+        "more than 4 submits and publishes per second (burst 5) from this tenant; slow down"
+    )
+    limiter.take_submit(tenant, 2)
+    with pytest.raises(TenantLimitExceeded):
+        limiter.take_submit(tenant)
+
+
+def test_a_call_of_more_submits_than_the_burst_is_refused_without_a_delay() -> None:
+    tenant = uuid.uuid4()
+    limiter = TenantLimiter(TenantLimits(submits_per_second=4, submit_burst=5))
+    limiter.take_submit(tenant, 5)  # the burst itself passes
+    for count, taken in ((6, 0), (5, 1)):
+        with pytest.raises(TenantLimitExceeded) as refused:
+            limiter.take_submit(tenant, count, taken=taken)
+        assert refused.value.retry_delay is None
+        assert refused.value.message == (
+            "6 submits at once are more than this tenant's burst of 5; send at most 5 a call"
+        )
+        assert refused.value.metadata == {"limit": "submits_per_second", "max": "4", "burst": "5"}
+    # A burst set to 0 is a burst of one.
+    zero = TenantLimiter(TenantLimits(submits_per_second=1, submit_burst=0))
+    zero.take_submit(tenant)
+    with pytest.raises(TenantLimitExceeded) as one:
+        zero.take_submit(tenant)
+    assert one.value.metadata["burst"] == "1"
+
+
+def test_past_many_tenants_full_buckets_are_dropped(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(limits, "_PRUNE_AT", 3)
+    now = [100.0]
+    limiter = TenantLimiter(
+        TenantLimits(submits_per_second=2, submit_burst=2), clock=lambda: now[0]
+    )
+    spent, refilled, idle, new = (uuid.uuid4() for _ in range(4))
+    limiter.take_submit(spent, 2)
+    limiter.take_submit(refilled)
+    limiter.take_submit(idle)
+    now[0] += 0.5  # refilled and idle are full again; spent has one token of two
+    limiter.take_submit(new)  # the fourth tenant: the full buckets go
+    assert sorted(limiter._buckets, key=str) == sorted([spent, new], key=str)
+    # The bucket kept still holds what the tenant spent: one token, not a fresh burst.
+    limiter.take_submit(spent)
+    with pytest.raises(TenantLimitExceeded):
+        limiter.take_submit(spent)
+
+
 def test_a_tenant_alone_meets_no_submit_limit_on_the_defaults() -> None:
     # One server takes a few thousand submits a second at most
     # (docs/performance.md); a tenant alone on the defaults is never refused,
@@ -176,6 +241,19 @@ def test_stream_slots() -> None:
     limiter.release_stream(tenant)
     limiter.release_stream(tenant)
     assert limiter.streams(tenant) == 0
+    assert info.value.retry_delay == 2.0
+    assert info.value.message == (
+        "this tenant already has 2 watch and subscribe streams open on this server; "
+        "close some first"
+    )
+    assert info.value.metadata == {"limit": "watch_streams", "max": "2"}
+    other = uuid.uuid4()
+    limiter.acquire_stream(tenant)
+    limiter.acquire_stream(other)
+    limiter.acquire_stream(other)
+    assert limiter.open_streams() == 3
+    limiter.release_stream(other)
+    assert (limiter.streams(other), limiter.open_streams()) == (1, 2)
 
 
 def test_zero_turns_a_limit_off() -> None:
@@ -217,11 +295,22 @@ def test_bearer_token(metadata: tuple[tuple[str, str], ...], token: str) -> None
 
 
 @pytest.mark.parametrize(
-    "metadata", [(), (("authorization", "Basic abc"),), (("authorization", "Bearer "),)]
+    ("metadata", "message"),
+    [
+        ((), "missing 'authorization: Bearer <key>' metadata"),
+        ((("authorization", "Basic abc"),), "the API key is not valid"),
+        ((("authorization", "Bearer "),), "the API key is not valid"),
+        # Binary metadata (a -bin key's bytes) is no bearer key either.
+        ((("authorization", b"Bearer jp_abc"),), "the API key is not valid"),
+    ],
+    ids=["missing", "basic", "empty", "bytes"],
 )
-def test_bearer_token_missing_or_malformed(metadata: tuple[tuple[str, str], ...]) -> None:
-    with pytest.raises(Unauthenticated):
+def test_bearer_token_missing_or_malformed(
+    metadata: tuple[tuple[str, Any], ...], message: str
+) -> None:
+    with pytest.raises(Unauthenticated) as refused:
         bearer_token(metadata)
+    assert refused.value.message == message
 
 
 def test_tls_and_limit_settings(tmp_path: Path) -> None:
@@ -240,6 +329,7 @@ def test_tls_and_limit_settings(tmp_path: Path) -> None:
     assert settings.tenant_max_streams == 0
     assert settings.tenant_submits_per_second == 2.5
     assert settings.tenant_submit_burst == 10
+    assert TenantLimits.from_settings(settings) == TenantLimits(0, 2.5, 10)
     defaults = Settings.from_env({})
     assert defaults.tls_cert is None
     assert defaults.tenant_max_streams > 0 and defaults.tenant_submits_per_second > 0
