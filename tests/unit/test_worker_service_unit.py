@@ -11,12 +11,12 @@ import pytest
 import structlog
 from structlog.testing import capture_logs
 
-from jobplane.blobs.store import BlobInfo
+from jobplane.attempt_end import ADVANCED, CANCELLED, COMPLETED, FAILED, RETRY, completed
+from jobplane.blobs.reader import BlobInfo
 from jobplane.config import ConfigError, Settings
 from jobplane.envelope import Envelope
 from jobplane.errors import AttemptLeaseLost, CancelNotRequested, InvalidArgument, WorkerNotFound
 from jobplane.names import job_name
-from jobplane.observe.metrics import ADVANCED, CANCELLED, COMPLETED, FAILED, RETRY, completed
 from jobplane.server import workers as workers_module
 from jobplane.server.worker_servicer import _stage_fields, claim_to_pb
 from jobplane.server.workers import (
