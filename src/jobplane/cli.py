@@ -44,7 +44,7 @@ if TYPE_CHECKING:
     from jobplane.store.db import Database
     from jobplane.store.jobs import JobStore
     from jobplane.store.keys import KeyInfo, KeyStore
-    from jobplane.workers.interceptors import Interceptor
+    from jobplane.workers.interceptors import Interceptor, RelayInterceptor
 
 
 def _run(coro: Coroutine[Any, Any, int]) -> int:
@@ -257,6 +257,20 @@ def _worker_interceptors(metrics: Metrics) -> list[Interceptor]:
         interceptors.append(tracing.WorkerTracing())
     if metrics.enabled:
         interceptors.append(WorkerMetrics(metrics))
+    return interceptors
+
+
+def _relay_interceptors(metrics: Metrics) -> list[RelayInterceptor]:
+    """What this process observes of its relay and sweeper: tracing, when
+    :func:`_tracing` turned it on, and ``metrics``, when it serves them."""
+    from jobplane.observe import tracing
+    from jobplane.observe.metrics import RelayMetrics
+
+    interceptors: list[RelayInterceptor] = []
+    if tracing.ENABLED:
+        interceptors.append(tracing.RelayTracing())
+    if metrics.enabled:
+        interceptors.append(RelayMetrics(metrics))
     return interceptors
 
 
@@ -521,6 +535,7 @@ async def _relay(args: argparse.Namespace) -> int:
         watch_outbox(metrics, engine)
         _failed_queue_depth(stack, metrics, settings, topology)
         relay_db, in_flight = _relay_pool(stack, settings)
+        observed = _relay_interceptors(metrics)
         relay = Relay(
             engine,
             settings.database_url,
@@ -534,11 +549,11 @@ async def _relay(args: argparse.Namespace) -> int:
                 topology=topology,
                 lease_grace=args.lease_grace,
                 republish_after=args.republish_after,
-                metrics=metrics,
+                interceptors=observed,
             ),
             sweep_interval=args.sweep_interval,
             unroutable_after=args.unroutable_after,
-            metrics=metrics,
+            interceptors=observed,
             db=relay_db,
             in_flight=in_flight,
         )
@@ -553,7 +568,7 @@ async def _relay(args: argparse.Namespace) -> int:
 async def _sweep(args: argparse.Namespace) -> int:
     from jobplane import broker
     from jobplane.logs import describe_error
-    from jobplane.observe.metrics import watch_outbox
+    from jobplane.observe.metrics import NO_METRICS, watch_outbox
     from jobplane.store.down import database_down, database_unavailable
     from jobplane.store.engine import create_engine
     from jobplane.workers.relay import Relay
@@ -573,15 +588,17 @@ async def _sweep(args: argparse.Namespace) -> int:
             topology=topology,
             lease_grace=args.lease_grace,
             republish_after=args.republish_after,
-            metrics=metrics,
+            interceptors=_relay_interceptors(metrics),
         )
         relay_db, in_flight = _relay_pool(stack, settings)
+        # Its one pass traces as the relay does; its rows are counted by the relays.
         relay = Relay(
             engine,
             settings.database_url,
             settings.amqp_url,
             topology,
             unroutable_after=args.unroutable_after,
+            interceptors=_relay_interceptors(NO_METRICS),
             db=relay_db,
             in_flight=in_flight,
         )
@@ -839,6 +856,7 @@ async def _dev(args: argparse.Namespace) -> int:
                 return 2
         layout = Layout(processes)
         server = _server(settings, topology, engine, db, blobs=blobs, metrics=metrics)
+        observed = _relay_interceptors(metrics)
         relay = (
             None
             if layout.relay_apart
@@ -847,8 +865,8 @@ async def _dev(args: argparse.Namespace) -> int:
                 settings.database_url,
                 settings.amqp_url,
                 topology,
-                sweeper=Sweeper(engine, topology=topology, metrics=metrics),
-                metrics=metrics,
+                sweeper=Sweeper(engine, topology=topology, interceptors=observed),
+                interceptors=observed,
                 db=db,
                 in_flight=relay_in_flight(db.size),
             )
@@ -1150,13 +1168,14 @@ async def _dev_relay_part(args: argparse.Namespace) -> int:
         stack.push_async_callback(engine.dispose)
         metrics, ops = _ops(settings, args, engine)
         relay_db, in_flight = _relay_pool(stack, settings)
+        observed = _relay_interceptors(metrics)
         relay = Relay(
             engine,
             settings.database_url,
             settings.amqp_url,
             topology,
-            sweeper=Sweeper(engine, topology=topology, metrics=metrics),
-            metrics=metrics,
+            sweeper=Sweeper(engine, topology=topology, interceptors=observed),
+            interceptors=observed,
             db=relay_db,
             in_flight=in_flight,
         )
