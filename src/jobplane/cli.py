@@ -101,8 +101,13 @@ async def _until_stopped(stop: asyncio.Event, other: Awaitable[Any]) -> asyncio.
 
 
 def _settings_and_topology(log_level: str = "info") -> tuple[Settings, Topology]:
+    from jobplane.store.machine import MACHINE
+
     settings = Settings.from_env()
     configure(settings.log_level or log_level, settings.log_format)
+    # Every command reading these settings writes transitions (or syncs the
+    # submit rules) with them: the machine's switch follows them here, once.
+    MACHINE.set_lifecycle_events(settings.lifecycle_events)
     topology = load_topology(settings.topology_path)
     set_job_prefixes(settings.log_job_prefix, {q.name: q.log_prefix for q in topology.queues})
     return settings, topology
@@ -290,7 +295,12 @@ async def _migrate(_args: argparse.Namespace) -> int:
     print("database is at the latest migration", file=sys.stderr)
     engine = create_engine(settings.database_url, pool_size=1)
     try:
-        await sync_submit_rules(engine, topology, max_payload_bytes=settings.max_payload_bytes)
+        await sync_submit_rules(
+            engine,
+            topology,
+            max_payload_bytes=settings.max_payload_bytes,
+            lifecycle_events=settings.lifecycle_events,
+        )
     finally:
         await engine.dispose()
     print("routes of jobplane.submit_job are the topology's", file=sys.stderr)
@@ -1614,7 +1624,12 @@ async def _topology_apply(args: argparse.Namespace) -> int:
         engine = create_engine(settings.database_url, pool_size=1)
         try:
             deployment = await this_deployment(engine)
-            await sync_submit_rules(engine, topology, max_payload_bytes=settings.max_payload_bytes)
+            await sync_submit_rules(
+                engine,
+                topology,
+                max_payload_bytes=settings.max_payload_bytes,
+                lifecycle_events=settings.lifecycle_events,
+            )
         except (DBAPIError, OSError) as exc:
             print(
                 f"owner not recorded (Postgres: {_first_line(exc)}); "
