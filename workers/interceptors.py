@@ -1,16 +1,19 @@
-"""What a process may observe of a worker's deliveries: the interceptors it hands in.
+"""What a process may observe of a worker's deliveries and a relay's publishes: the
+interceptors it hands in.
 
-The worker runtime imports no observability. A process that traces or counts
-passes :class:`Interceptor` implementations to the worker it builds
-(``jobplane.observe.tracing.WorkerTracing``,
-``jobplane.observe.metrics.WorkerMetrics``, chosen by the CLI), as
-temporalio's worker is handed its interceptors rather than importing them;
-it is the store's :mod:`jobplane.store.observers` on the worker's side. With
-none the worker calls nothing: each seam reads its interceptor once and goes
-on when it is None, so the off path costs one test.
+The worker runtime, the relay and the sweeper import no observability. A
+process that traces or counts passes :class:`Interceptor` implementations to
+the worker it builds (``jobplane.observe.tracing.WorkerTracing``,
+``jobplane.observe.metrics.WorkerMetrics``, chosen by the CLI) and
+:class:`RelayInterceptor` ones to its relay and sweeper
+(``tracing.RelayTracing``, ``metrics.RelayMetrics``), as temporalio's worker
+is handed its interceptors rather than importing them; it is the store's
+:mod:`jobplane.store.observers` on the worker's side. With none a part calls
+nothing: each seam reads its interceptor once and goes on when it is None,
+so the off path costs one test.
 
-This module imports nothing of the worker, the store or the broker at run
-time, so an implementation imports it without loading the runtime.
+This module imports nothing of the worker, the relay, the store or the broker
+at run time, so an implementation imports it without loading them.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ if TYPE_CHECKING:
     from jobplane.store.attempts import Attempt, ClaimResult
     from jobplane.store.machine import Transition
     from jobplane.topology import Topology
+    from jobplane.workers.sweeper import SweepReport
 
 
 class Run(Protocol):
@@ -189,3 +193,117 @@ class _Runs:
     def ended(self, error: BaseException | None) -> None:
         for run in reversed(self._runs):
             run.ended(error)
+
+
+class RelayInterceptor(Protocol):
+    """Sees a relay's and a sweeper's seams: publishes, what the broker did, repairs."""
+
+    def publish(
+        self,
+        row_headers: Mapping[str, str],
+        *,
+        exchange: str,
+        routing_key: str,
+        message_id: object,
+        job_id: object,
+        tenant_id: object,
+    ) -> contextlib.AbstractContextManager[Mapping[str, str]]:
+        """Around the publish of a dispatch whose outbox row carries ``row_headers``;
+        the block gets the headers the message carries on (empty: none)."""
+        ...
+
+    def trace_id(self, headers: Mapping[str, Any] | None) -> str | None:
+        """The trace a log line about a row carrying ``headers`` names (None: none).
+
+        The line is logged with no span of the row's current, so the log's own
+        trace ids cannot name it.
+        """
+        ...
+
+    def relayed(self, kind: str, outcome: str, count: int) -> None:
+        """``count`` messages of ``kind`` were handed to the broker, with ``outcome``."""
+        ...
+
+    def confirmed(self, seconds: float) -> None:
+        """A batch's publishes were confirmed (or not) after ``seconds``."""
+        ...
+
+    def batched(self, seconds: float) -> None:
+        """A batch went from its claim to its record in ``seconds``."""
+        ...
+
+    def repaired(self, report: SweepReport) -> None:
+        """A sweep ended with ``report``."""
+        ...
+
+
+#: The headers a publish carries on when nothing adds any.
+NO_HEADERS: Mapping[str, str] = {}
+
+
+def chain_relay(interceptors: Sequence[RelayInterceptor]) -> RelayInterceptor | None:
+    """The one interceptor a relay or sweeper calls for ``interceptors``, in order
+    (None: none)."""
+    if not interceptors:
+        return None
+    if len(interceptors) == 1:
+        return interceptors[0]
+    return _RelayChain(tuple(interceptors))
+
+
+class _RelayChain:
+    """Several relay interceptors as one: the first given is the outermost."""
+
+    def __init__(self, interceptors: tuple[RelayInterceptor, ...]) -> None:
+        self._all = interceptors
+
+    @contextlib.contextmanager
+    def publish(
+        self,
+        row_headers: Mapping[str, str],
+        *,
+        exchange: str,
+        routing_key: str,
+        message_id: object,
+        job_id: object,
+        tenant_id: object,
+    ) -> Iterator[Mapping[str, str]]:
+        headers: dict[str, str] = {}
+        with contextlib.ExitStack() as stack:
+            for each in self._all:
+                headers.update(
+                    stack.enter_context(
+                        each.publish(
+                            row_headers,
+                            exchange=exchange,
+                            routing_key=routing_key,
+                            message_id=message_id,
+                            job_id=job_id,
+                            tenant_id=tenant_id,
+                        )
+                    )
+                )
+            yield headers
+
+    def trace_id(self, headers: Mapping[str, Any] | None) -> str | None:
+        for each in self._all:
+            found = each.trace_id(headers)
+            if found is not None:
+                return found
+        return None
+
+    def relayed(self, kind: str, outcome: str, count: int) -> None:
+        for each in self._all:
+            each.relayed(kind, outcome, count)
+
+    def confirmed(self, seconds: float) -> None:
+        for each in self._all:
+            each.confirmed(seconds)
+
+    def batched(self, seconds: float) -> None:
+        for each in self._all:
+            each.batched(seconds)
+
+    def repaired(self, report: SweepReport) -> None:
+        for each in self._all:
+            each.repaired(report)

@@ -66,7 +66,7 @@ import enum
 import logging
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -96,8 +96,6 @@ from jobplane.events.envelope import (
 from jobplane.faults import NO_FAULTS, FaultPoints
 from jobplane.logs import describe_error, fingerprint
 from jobplane.names import job_name
-from jobplane.observe import tracing
-from jobplane.observe.metrics import NO_METRICS, Metrics
 from jobplane.store.db import Database
 from jobplane.store.deployment import Deployment, this_deployment
 from jobplane.store.down import database_transient
@@ -108,6 +106,7 @@ from jobplane.store.rows import DOMAIN_EVENTS_CHANNEL, OUTBOX_CHANNEL
 from jobplane.tasks import cancel_and_wait
 from jobplane.topology import Ownership, Topology, TopologyMissing, ensure
 from jobplane.types import WaitingCode
+from jobplane.workers.interceptors import NO_HEADERS, RelayInterceptor, chain_relay
 from jobplane.workers.sweeper import Sweeper
 
 log = structlog.get_logger("jobplane.relay")
@@ -246,11 +245,13 @@ class Relay:
         sweep_interval: float = 5.0,
         unroutable_after: float = 300.0,
         unroutable_returns: int = 5,
-        metrics: Metrics = NO_METRICS,
+        interceptors: Sequence[RelayInterceptor] = (),
         db: Database | None = None,
         in_flight: int = 4,
     ) -> None:
-        self._metrics = metrics
+        """``interceptors`` see the relay's publishes and what the broker did
+        (the process hands tracing's and metrics'; none: nothing is observed)."""
+        self._intercept = chain_relay(interceptors)
         self._engine = engine
         # The outbox's and the feed's statements run on asyncpg (ADR-0030):
         # the caller's pool, or one of the relay's own, opened and closed with it.
@@ -553,7 +554,9 @@ class Relay:
         if failure is None:
             self._head_failures = None
         self.events_published += done - parked
-        self._metrics.relayed("event_feed", "confirmed", done - parked)
+        intercept = self._intercept
+        if intercept is not None:
+            intercept.relayed("event_feed", "confirmed", done - parked)
         self.events_parked += parked
         if failure is not None:
             raise PublishFailed(f"event feed: {failure!r}") from failure
@@ -711,7 +714,8 @@ class Relay:
                     return 0
                 started = time.monotonic()
                 outcomes = await self._publish_all(exchange, events, batch.rows)
-                self._metrics.relay_confirm.observe(time.monotonic() - started)
+                if self._intercept is not None:
+                    self._intercept.confirmed(time.monotonic() - started)
                 self._faults.hit("relay.after_confirm")
                 recorded = await self._record(batch, outcomes)
         except DBAPIError as exc:
@@ -726,7 +730,8 @@ class Relay:
             # published again, and counted then.
             self._count(outcomes)
             self._report(recorded)
-        self._metrics.relay_dispatch.observe(time.monotonic() - began)
+        if self._intercept is not None:
+            self._intercept.batched(time.monotonic() - began)
         log.debug(
             "relay.batch",
             published=recorded.published,
@@ -758,8 +763,11 @@ class Relay:
         return outcomes
 
     def _count(self, outcomes: list[_Outcome]) -> None:
+        intercept = self._intercept
+        if intercept is None:
+            return
         for outcome in outcomes:
-            self._metrics.relayed(outcome.row.kind.value, outcome.fate.value)
+            intercept.relayed(outcome.row.kind.value, outcome.fate.value, 1)
 
     async def _record(self, batch: OutboxBatch, outcomes: list[_Outcome]) -> _Recorded:
         """Write what the broker did with each row, in ``batch``'s transaction."""
@@ -874,7 +882,7 @@ class Relay:
             self._held[row.id] = time.monotonic() + _HOLD_SECONDS
             log.error(
                 "relay.dispatch.held",
-                **_subject(row),
+                **_subject(row, self._intercept),
                 error=describe_error(exc),
                 retry_in=_HOLD_SECONDS,
                 hint="the database refuses every change to this outbox row; an operator must look",
@@ -882,7 +890,7 @@ class Relay:
             return _Recorded()
         log.error(
             _failed_event(row),
-            **_subject(row),
+            **_subject(row, self._intercept),
             code=DISPATCH_FAILED,
             error=message,
             job_failed=False,
@@ -903,11 +911,11 @@ class Relay:
         if recorded.confirmed and log.is_enabled_for(logging.INFO):
             for row in recorded.confirmed:
                 if row.job_id is not None:
-                    log.info("job.dispatched", **_dispatched(row, self._topology))
+                    log.info("job.dispatched", **_dispatched(row, self._topology, self._intercept))
         for row in recorded.unroutable:
             log.warning(
                 "job.waiting",
-                **_subject(row),
+                **_subject(row, self._intercept),
                 code=WaitingCode.UNROUTABLE.value,
                 type=row.routing_key,
                 exchange=row.exchange or self._topology.exchange,
@@ -916,7 +924,7 @@ class Relay:
             self.failed += 1
             log.error(
                 _failed_event(row),
-                **_subject(row),
+                **_subject(row, self._intercept),
                 code=code,
                 error=message,
                 job_failed=job_failed,
@@ -941,9 +949,10 @@ class Relay:
         )
 
     async def _publish(self, exchange: AbstractExchange, row: OutboxRow) -> None:
-        if not tracing.ENABLED:
-            return await self._publish_dispatch(exchange, row, tracing.NO_HEADERS)
-        with tracing.publish_span(
+        intercept = self._intercept
+        if intercept is None:
+            return await self._publish_dispatch(exchange, row, NO_HEADERS)
+        with intercept.publish(
             row.headers,
             exchange=exchange.name,
             routing_key=row.routing_key,
@@ -1126,7 +1135,9 @@ def _surely_publishable(
     return short <= 63 and 4 * strings + 512 <= _MIN_FRAME_MAX and len(body) <= MAX_EVENT_BYTES
 
 
-def _dispatched(row: OutboxRow, topology: Topology) -> dict[str, str]:
+def _dispatched(
+    row: OutboxRow, topology: Topology, intercept: RelayInterceptor | None
+) -> dict[str, str]:
     """The fields of a ``job.dispatched`` line."""
     queue = topology.route(row.routing_key)
     fields = {
@@ -1138,15 +1149,17 @@ def _dispatched(row: OutboxRow, topology: Topology) -> dict[str, str]:
         "queue": queue.name if queue is not None else "",
         "exchange": row.exchange or topology.exchange,
     }
-    return _with_trace(fields, row)
+    return _with_trace(fields, row, intercept)
 
 
-def _with_trace(fields: dict[str, str], row: OutboxRow) -> dict[str, str]:
-    """``fields`` and, with tracing on, the ``trace_id`` of the row's context: the
-    line is logged after the publish span ended (or with none, for a trace not
-    sampled), so the log's own processor finds no span to name."""
-    if tracing.ENABLED:
-        trace_id = tracing.trace_id_of(row.headers)
+def _with_trace(
+    fields: dict[str, str], row: OutboxRow, intercept: RelayInterceptor | None
+) -> dict[str, str]:
+    """``fields`` and, with tracing handed over, the ``trace_id`` of the row's
+    context: the line is logged after the publish span ended (or with none, for
+    a trace not sampled), so the log's own processor finds no span to name."""
+    if intercept is not None:
+        trace_id = intercept.trace_id(row.headers)
         if trace_id is not None:
             fields["trace_id"] = trace_id
     return fields
@@ -1157,10 +1170,11 @@ def _failed_event(row: OutboxRow) -> str:
     return "relay.event.failed" if row.kind is OutboxKind.EVENT else "relay.dispatch.failed"
 
 
-def _subject(row: OutboxRow) -> dict[str, str]:
+def _subject(row: OutboxRow, intercept: RelayInterceptor | None) -> dict[str, str]:
     """What a log line about ``row`` names: its job, or its event type."""
     if row.job_id is not None:
-        return _with_trace({"job": job_name(row.job_id), "event_id": str(row.id)}, row)
+        fields = {"job": job_name(row.job_id), "event_id": str(row.id)}
+        return _with_trace(fields, row, intercept)
     return {"outbox_id": str(row.id), "kind": row.kind.value, "event_type": row.routing_key}
 
 

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import structlog
@@ -43,15 +44,17 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from jobplane.attempt_end import Decision, EndCause, RetryPolicy, decide
 from jobplane.logs import describe_error
 from jobplane.names import job_name
-from jobplane.observe import tracing
-from jobplane.observe.metrics import NO_METRICS, Metrics
 from jobplane.store.down import database_transient
 from jobplane.store.sweeps import ExpiredLease, SweepStore
 from jobplane.tasks import cancel_and_wait
 from jobplane.topology import Topology
+from jobplane.workers.interceptors import RelayInterceptor, chain_relay
 from jobplane.workers.outcome import Failure
 
 log = structlog.get_logger("jobplane.sweeper")
+
+# The header a dispatch's stored context goes by (W3C trace context).
+_TRACEPARENT = "traceparent"
 
 
 def lease_expired(lease: ExpiredLease, policy: RetryPolicy) -> Decision:
@@ -89,14 +92,16 @@ class Sweeper:
         republish_after: float = 600.0,
         republish_every: float | None = None,
         republish_scan: int = 10_000,
-        metrics: Metrics = NO_METRICS,
+        interceptors: Sequence[RelayInterceptor] = (),
     ) -> None:
         """``republish_every`` defaults to a tenth of ``republish_after``, at least 30 s.
 
         An expired lease is retried with its queue's backoff in ``topology``
         (``retry_base_delay`` replaces the base), as a failed attempt is.
+        ``interceptors`` see each sweep's report and name the traces of its
+        lines (the process hands tracing's and metrics'; none: nothing).
         """
-        self.metrics = metrics
+        self._intercept = chain_relay(interceptors)
         self._store = SweepStore(engine)
         self._lease_grace = lease_grace
         self._stuck_after = stuck_after
@@ -147,7 +152,8 @@ class Sweeper:
             republished=republished,
             events_behind=lag.count,
         )
-        self.metrics.count_repairs(report)
+        if self._intercept is not None:
+            self._intercept.repaired(report)
         if requeued or failed:
             log.warning("sweeper.leases.expired", requeued=requeued, failed=failed)
         if stuck:
@@ -168,11 +174,12 @@ class Sweeper:
         if done is None:
             log.debug("sweeper.republish.skipped", reason="another sweeper's pass is running")
             return 0
+        intercept = self._intercept
         for dispatch in done.republished:
             # No span here: the line names the job's trace from its dispatch's context.
             trace_id = (
-                tracing.trace_id_of({tracing.TRACEPARENT: dispatch.traceparent})
-                if tracing.ENABLED and dispatch.traceparent
+                intercept.trace_id({_TRACEPARENT: dispatch.traceparent})
+                if intercept is not None and dispatch.traceparent
                 else None
             )
             log.warning(

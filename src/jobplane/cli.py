@@ -44,7 +44,7 @@ if TYPE_CHECKING:
     from jobplane.store.db import Database
     from jobplane.store.jobs import JobStore
     from jobplane.store.keys import KeyInfo, KeyStore
-    from jobplane.workers.interceptors import Interceptor
+    from jobplane.workers.interceptors import Interceptor, RelayInterceptor
 
 
 def _run(coro: Coroutine[Any, Any, int]) -> int:
@@ -101,8 +101,13 @@ async def _until_stopped(stop: asyncio.Event, other: Awaitable[Any]) -> asyncio.
 
 
 def _settings_and_topology(log_level: str = "info") -> tuple[Settings, Topology]:
+    from jobplane.store.machine import MACHINE
+
     settings = Settings.from_env()
     configure(settings.log_level or log_level, settings.log_format)
+    # Every command reading these settings writes transitions (or syncs the
+    # submit rules) with them: the machine's switch follows them here, once.
+    MACHINE.set_lifecycle_events(settings.lifecycle_events)
     topology = load_topology(settings.topology_path)
     set_job_prefixes(settings.log_job_prefix, {q.name: q.log_prefix for q in topology.queues})
     return settings, topology
@@ -260,6 +265,20 @@ def _worker_interceptors(metrics: Metrics) -> list[Interceptor]:
     return interceptors
 
 
+def _relay_interceptors(metrics: Metrics) -> list[RelayInterceptor]:
+    """What this process observes of its relay and sweeper: tracing, when
+    :func:`_tracing` turned it on, and ``metrics``, when it serves them."""
+    from jobplane.observe import tracing
+    from jobplane.observe.metrics import RelayMetrics
+
+    interceptors: list[RelayInterceptor] = []
+    if tracing.ENABLED:
+        interceptors.append(tracing.RelayTracing())
+    if metrics.enabled:
+        interceptors.append(RelayMetrics(metrics))
+    return interceptors
+
+
 async def _started(
     stack: AsyncExitStack, start: Callable[[], Awaitable[None]], stop: Callable[[], Awaitable[None]]
 ) -> None:
@@ -276,7 +295,12 @@ async def _migrate(_args: argparse.Namespace) -> int:
     print("database is at the latest migration", file=sys.stderr)
     engine = create_engine(settings.database_url, pool_size=1)
     try:
-        await sync_submit_rules(engine, topology, max_payload_bytes=settings.max_payload_bytes)
+        await sync_submit_rules(
+            engine,
+            topology,
+            max_payload_bytes=settings.max_payload_bytes,
+            lifecycle_events=settings.lifecycle_events,
+        )
     finally:
         await engine.dispose()
     print("routes of jobplane.submit_job are the topology's", file=sys.stderr)
@@ -521,6 +545,7 @@ async def _relay(args: argparse.Namespace) -> int:
         watch_outbox(metrics, engine)
         _failed_queue_depth(stack, metrics, settings, topology)
         relay_db, in_flight = _relay_pool(stack, settings)
+        observed = _relay_interceptors(metrics)
         relay = Relay(
             engine,
             settings.database_url,
@@ -534,11 +559,11 @@ async def _relay(args: argparse.Namespace) -> int:
                 topology=topology,
                 lease_grace=args.lease_grace,
                 republish_after=args.republish_after,
-                metrics=metrics,
+                interceptors=observed,
             ),
             sweep_interval=args.sweep_interval,
             unroutable_after=args.unroutable_after,
-            metrics=metrics,
+            interceptors=observed,
             db=relay_db,
             in_flight=in_flight,
         )
@@ -553,7 +578,7 @@ async def _relay(args: argparse.Namespace) -> int:
 async def _sweep(args: argparse.Namespace) -> int:
     from jobplane import broker
     from jobplane.logs import describe_error
-    from jobplane.observe.metrics import watch_outbox
+    from jobplane.observe.metrics import NO_METRICS, watch_outbox
     from jobplane.store.down import database_down, database_unavailable
     from jobplane.store.engine import create_engine
     from jobplane.workers.relay import Relay
@@ -573,15 +598,17 @@ async def _sweep(args: argparse.Namespace) -> int:
             topology=topology,
             lease_grace=args.lease_grace,
             republish_after=args.republish_after,
-            metrics=metrics,
+            interceptors=_relay_interceptors(metrics),
         )
         relay_db, in_flight = _relay_pool(stack, settings)
+        # Its one pass traces as the relay does; its rows are counted by the relays.
         relay = Relay(
             engine,
             settings.database_url,
             settings.amqp_url,
             topology,
             unroutable_after=args.unroutable_after,
+            interceptors=_relay_interceptors(NO_METRICS),
             db=relay_db,
             in_flight=in_flight,
         )
@@ -839,6 +866,7 @@ async def _dev(args: argparse.Namespace) -> int:
                 return 2
         layout = Layout(processes)
         server = _server(settings, topology, engine, db, blobs=blobs, metrics=metrics)
+        observed = _relay_interceptors(metrics)
         relay = (
             None
             if layout.relay_apart
@@ -847,8 +875,8 @@ async def _dev(args: argparse.Namespace) -> int:
                 settings.database_url,
                 settings.amqp_url,
                 topology,
-                sweeper=Sweeper(engine, topology=topology, metrics=metrics),
-                metrics=metrics,
+                sweeper=Sweeper(engine, topology=topology, interceptors=observed),
+                interceptors=observed,
                 db=db,
                 in_flight=relay_in_flight(db.size),
             )
@@ -1150,13 +1178,14 @@ async def _dev_relay_part(args: argparse.Namespace) -> int:
         stack.push_async_callback(engine.dispose)
         metrics, ops = _ops(settings, args, engine)
         relay_db, in_flight = _relay_pool(stack, settings)
+        observed = _relay_interceptors(metrics)
         relay = Relay(
             engine,
             settings.database_url,
             settings.amqp_url,
             topology,
-            sweeper=Sweeper(engine, topology=topology, metrics=metrics),
-            metrics=metrics,
+            sweeper=Sweeper(engine, topology=topology, interceptors=observed),
+            interceptors=observed,
             db=relay_db,
             in_flight=in_flight,
         )
@@ -1595,7 +1624,12 @@ async def _topology_apply(args: argparse.Namespace) -> int:
         engine = create_engine(settings.database_url, pool_size=1)
         try:
             deployment = await this_deployment(engine)
-            await sync_submit_rules(engine, topology, max_payload_bytes=settings.max_payload_bytes)
+            await sync_submit_rules(
+                engine,
+                topology,
+                max_payload_bytes=settings.max_payload_bytes,
+                lifecycle_events=settings.lifecycle_events,
+            )
         except (DBAPIError, OSError) as exc:
             print(
                 f"owner not recorded (Postgres: {_first_line(exc)}); "

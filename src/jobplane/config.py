@@ -106,6 +106,8 @@ class Settings:
     tenant_submit_burst: int = DEFAULT_TENANT_SUBMIT_BURST
     # The lease a WorkerService claim or heartbeat gives (docs/workers.md).
     worker_lease_seconds: float = 30.0
+    # Whether job transitions publish their lifecycle events (docs/events.md).
+    lifecycle_events: bool = True
     # Threads a worker runs plain ``def`` handlers in; None: its concurrency.
     sync_threads: int | None = None
     # Object storage (S3-compatible; docs/adr/0020-blobs.md). No URL: blobs are disabled.
@@ -227,6 +229,9 @@ class Settings:
                 env, "JOBPLANE_TENANT_SUBMIT_BURST", base.tenant_submit_burst
             ),
             worker_lease_seconds=lease,
+            # Anything but an explicit no leaves them on, their default.
+            lifecycle_events=env.get("JOBPLANE_LIFECYCLE_EVENTS", "").strip().lower()
+            not in {"0", "false", "no", "off"},
             sync_threads=(
                 _positive_int(env, "JOBPLANE_SYNC_THREADS", 1)
                 if env.get("JOBPLANE_SYNC_THREADS", "").strip()

@@ -380,12 +380,12 @@ async def test_a_republished_dispatchs_line_names_the_jobs_trace(
                 ),
                 {"parent": f"00-{trace_id}-{'1' * 16}-00"},
             )
-        # Tracing on, as configure_tracing leaves it, without a provider; a
-        # logger not yet used, so capture_logs sees its lines.
-        monkeypatch.setattr(tracing, "ENABLED", True)
+        # Tracing handed over, as the CLI does when it is on (no provider
+        # needed); a logger not yet used, so capture_logs sees its lines.
         monkeypatch.setattr(sweeper_module, "log", structlog.get_logger("jobplane.sweeper"))
+        traced = Sweeper(engine, republish_every=0.0, interceptors=[tracing.RelayTracing()])
         with capture_logs() as logs:
-            assert (await Sweeper(engine, republish_every=0.0).sweep_once()).republished == 1
+            assert (await traced.sweep_once()).republished == 1
         (line,) = [e for e in logs if e["event"] == "sweeper.dispatch.republished"]
         assert line["trace_id"] == trace_id
     finally:

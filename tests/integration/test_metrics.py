@@ -27,6 +27,7 @@ from jobplane.observe.metrics import (
     OTHER_TYPE,
     FailedQueueDepth,
     Metrics,
+    RelayMetrics,
     WorkerMetrics,
     watch_outbox,
 )
@@ -360,7 +361,13 @@ async def test_a_batch_published_again_is_counted_once(
     stack = await start_stack(engine, database_url, amqp_url, topology, relay=False, worker=False)
     metrics, faults = Metrics(), _FailOnce()
     relay = Relay(
-        engine, database_url, amqp_url, topology, poll_seconds=0.2, faults=faults, metrics=metrics
+        engine,
+        database_url,
+        amqp_url,
+        topology,
+        poll_seconds=0.2,
+        faults=faults,
+        interceptors=[RelayMetrics(metrics)],
     )
     try:
         await stack.client().submit("demo.echo", {})

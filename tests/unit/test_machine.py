@@ -7,11 +7,15 @@ SQL: those come from :mod:`jobplane.store.machine`.
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
+from jobplane.config import Settings
 from jobplane.store import machine
 from jobplane.store.machine import (
     RULES,
@@ -121,3 +125,35 @@ def test_stage_writes_come_from_the_stage_table() -> None:
         Transition.REDISPATCH,
         Transition.WAIT,
     }
+
+
+@pytest.mark.parametrize(
+    ("value", "on"),
+    [(None, True), ("1", True), ("yes", True), ("0", False), ("off", False), (" False ", False)],
+)
+def test_the_settings_say_whether_transitions_publish_lifecycle_events(
+    value: str | None, on: bool
+) -> None:
+    env = {} if value is None else {"JOBPLANE_LIFECYCLE_EVENTS": value}
+    assert Settings.from_env(env).lifecycle_events is on
+
+
+def test_the_machine_reads_no_environment_and_the_process_sets_its_lifecycle_events() -> None:
+    # A fresh interpreter: MACHINE is built at import, and the CLI sets it for good.
+    program = (
+        "from jobplane import cli\n"
+        "from jobplane.store.machine import MACHINE, DomainEvents, StateMachine\n"
+        "def on(m):\n"
+        "    (hook,) = [h for h in m._hooks if isinstance(h, DomainEvents)]\n"
+        "    return hook.lifecycle\n"
+        "print(on(MACHINE), on(StateMachine()))\n"
+        "cli._settings_and_topology()\n"
+        "print(on(MACHINE))\n"
+    )
+    env = {**os.environ, "JOBPLANE_LIFECYCLE_EVENTS": "0", "JOBPLANE_TOPOLOGY": ""}
+    out = subprocess.run(
+        [sys.executable, "-c", program], capture_output=True, text=True, check=True, env=env
+    )
+    assert out.stdout.split() == ["True", "True", "False"]
+    for path in sorted(_STORE.rglob("*.py")):
+        assert "os.environ" not in path.read_text(), path

@@ -1,5 +1,5 @@
-"""The worker runtime and logging import no observability: the process hands
-the worker its interceptors and registers the log lines' trace ids."""
+"""The worker runtime, the relay, the sweeper and logging import no observability:
+the process hands them their interceptors and registers the log lines' trace ids."""
 
 from __future__ import annotations
 
@@ -15,13 +15,14 @@ import pytest
 from jobplane import cli, logs
 from jobplane.config import Settings
 from jobplane.observe import tracing
-from jobplane.observe.metrics import NO_METRICS, Metrics, WorkerMetrics
+from jobplane.observe.metrics import NO_METRICS, Metrics, RelayMetrics, WorkerMetrics
 from jobplane.store import observers
 from jobplane.store.attempts import ClaimResult, ClaimStatus
 from jobplane.store.machine import Transition
 from jobplane.topology import Topology
 from jobplane.workers import runtime
-from jobplane.workers.interceptors import Interceptor, chain
+from jobplane.workers.interceptors import Interceptor, RelayInterceptor, chain, chain_relay
+from jobplane.workers.sweeper import SweepReport
 from tests.support.interceptors import Recording
 
 _WORKERS = Path(runtime.__file__).parent
@@ -51,7 +52,9 @@ def _imports(path: Path) -> set[str]:
     return imported
 
 
-@pytest.mark.parametrize("module", ["runtime.py", "progress.py", "interceptors.py"])
+@pytest.mark.parametrize(
+    "module", ["runtime.py", "progress.py", "interceptors.py", "relay.py", "sweeper.py"]
+)
 def test_the_runtime_imports_no_observe(module: str) -> None:
     imported = _imports(_WORKERS / module)
     assert sorted(i for i in imported if i.startswith("jobplane.observe")) == []
@@ -61,6 +64,12 @@ def test_the_store_and_the_runtime_load_no_tracing_nor_metrics() -> None:
     loaded = _loaded("jobplane.store.jobs", "jobplane.store.sweeps", "jobplane.workers.runtime")
     assert "jobplane.workers.runtime" in loaded
     assert "jobplane.store.down" in loaded  # which imports describe_error from logs
+    assert [m for m in loaded if m.startswith("jobplane.observe")] == []
+
+
+def test_the_relay_and_the_sweeper_load_no_tracing_nor_metrics() -> None:
+    loaded = _loaded("jobplane.workers.relay", "jobplane.workers.sweeper")
+    assert {"jobplane.workers.relay", "jobplane.workers.sweeper"} <= set(loaded)
     assert [m for m in loaded if m.startswith("jobplane.observe")] == []
 
 
@@ -99,6 +108,51 @@ def test_the_process_hands_its_worker_tracing_when_on_and_metrics_when_served(
     assert isinstance(traced, tracing.WorkerTracing)
     assert isinstance(counting, WorkerMetrics)
     assert [type(i) for i in cli._worker_interceptors(NO_METRICS)] == [tracing.WorkerTracing]
+
+
+def test_the_process_hands_its_relay_tracing_when_on_and_metrics_when_served(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    assert cli._relay_interceptors(NO_METRICS) == []
+    metrics = Metrics()
+    (counting,) = cli._relay_interceptors(metrics)
+    assert isinstance(counting, RelayMetrics) and counting.metrics is metrics
+    monkeypatch.setattr(tracing, "ENABLED", True)
+    traced, counting = cli._relay_interceptors(metrics)
+    assert isinstance(traced, tracing.RelayTracing)
+    assert isinstance(counting, RelayMetrics)
+    assert [type(i) for i in cli._relay_interceptors(NO_METRICS)] == [tracing.RelayTracing]
+
+
+def test_relay_interceptors_chain_in_order_and_the_traced_one_names_the_trace() -> None:
+    trace = "1" * 32
+    parent = f"00-{trace}-{'2' * 16}-00"  # not sampled: no span, the context goes on
+    metrics = Metrics()
+    one = RelayMetrics(metrics)
+    assert chain_relay([]) is None
+    assert chain_relay([one]) is one
+    both: RelayInterceptor | None = chain_relay([tracing.RelayTracing(), one])
+    assert both is not None
+    assert both.trace_id({"traceparent": parent}) == trace
+    assert both.trace_id({}) is None
+    with both.publish(
+        {"traceparent": parent},
+        exchange="jobs",
+        routing_key="demo.echo",
+        message_id="m",
+        job_id="j",
+        tenant_id="t",
+    ) as headers:
+        assert headers == {"traceparent": parent}
+    both.relayed("job_dispatch", "confirmed", 2)
+    both.confirmed(0.5)
+    both.batched(0.75)
+    both.repaired(SweepReport(requeued=1, failed=0, stuck_outbox=0, republished=3))
+    assert metrics.relay_published.labels("job_dispatch", "confirmed")._value.get() == 2
+    assert metrics.relay_confirm._sum.get() == 0.5
+    assert metrics.relay_dispatch._sum.get() == 0.75
+    assert metrics.sweeper_repairs.labels("lease_requeued")._value.get() == 1
+    assert metrics.sweeper_repairs.labels("dispatch_republished")._value.get() == 3
 
 
 def test_no_interceptor_is_none_and_one_is_itself() -> None:

@@ -44,6 +44,7 @@ if TYPE_CHECKING:
     from jobplane.store.attempts import Attempt, ClaimResult
     from jobplane.store.machine import Transition
     from jobplane.topology import Topology
+    from jobplane.workers.sweeper import SweepReport
 
 log = structlog.get_logger("jobplane.metrics")
 
@@ -597,6 +598,53 @@ class WorkerMetrics:
 
 
 _NO_BLOCK = contextlib.nullcontext()
+
+
+class RelayMetrics:
+    """A relay's and a sweeper's :class:`~jobplane.workers.interceptors.RelayInterceptor`
+    that counts: messages relayed, batches' confirms and records, repairs.
+
+    Handed to them by the process that serves metrics (the CLI); the relay and
+    the sweeper import no metrics, and given none count nothing.
+    """
+
+    def __init__(self, metrics: Metrics) -> None:
+        self.metrics = metrics
+
+    def publish(
+        self,
+        row_headers: Mapping[str, str],
+        *,
+        exchange: str,
+        routing_key: str,
+        message_id: object,
+        job_id: object,
+        tenant_id: object,
+    ) -> contextlib.AbstractContextManager[Mapping[str, str]]:
+        """Nothing to count around a publish (its outcome counts), no headers to add."""
+        return _NO_HEADERS
+
+    def trace_id(self, headers: Mapping[str, Any] | None) -> None:
+        """Metrics name no trace."""
+
+    def relayed(self, kind: str, outcome: str, count: int) -> None:
+        """``count`` messages of ``kind`` relayed with ``outcome``."""
+        self.metrics.relayed(kind, outcome, count)
+
+    def confirmed(self, seconds: float) -> None:
+        """A batch's publish and confirm took ``seconds``."""
+        self.metrics.relay_confirm.observe(seconds)
+
+    def batched(self, seconds: float) -> None:
+        """A batch's claim to record took ``seconds``."""
+        self.metrics.relay_dispatch.observe(seconds)
+
+    def repaired(self, report: SweepReport) -> None:
+        """What a sweep repaired."""
+        self.metrics.count_repairs(report)
+
+
+_NO_HEADERS: contextlib.AbstractContextManager[Mapping[str, str]] = contextlib.nullcontext({})
 
 
 # A row is due from its available_at (a scheduled retry's is in the future);

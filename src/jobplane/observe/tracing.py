@@ -67,6 +67,7 @@ if TYPE_CHECKING:
     from jobplane.store.attempts import Attempt, ClaimResult
     from jobplane.store.machine import Transition
     from jobplane.topology import Topology
+    from jobplane.workers.sweeper import SweepReport
 
 __all__ = [
     "ENABLED",
@@ -510,6 +511,51 @@ def publish_span(
         set_status_on_exception=False,
     )
     return _Publishing(span)
+
+
+class RelayTracing:
+    """A relay's and a sweeper's :class:`~jobplane.workers.interceptors.RelayInterceptor`
+    that traces: the ``outbox publish`` span, and the trace ids of their lines.
+
+    Handed to them by the process that turned tracing on (the CLI); the relay
+    and the sweeper import no tracing.
+    """
+
+    def publish(
+        self,
+        row_headers: Mapping[str, str],
+        *,
+        exchange: str,
+        routing_key: str,
+        message_id: object,
+        job_id: object,
+        tenant_id: object,
+    ) -> contextlib.AbstractContextManager[Mapping[str, str]]:
+        """The :func:`publish_span` of the dispatch."""
+        return publish_span(
+            row_headers,
+            exchange=exchange,
+            routing_key=routing_key,
+            message_id=message_id,
+            job_id=job_id,
+            tenant_id=tenant_id,
+        )
+
+    def trace_id(self, headers: Mapping[str, Any] | None) -> str | None:
+        """The :func:`trace_id_of` the stored context."""
+        return trace_id_of(headers)
+
+    def relayed(self, kind: str, outcome: str, count: int) -> None:
+        """Not traced."""
+
+    def confirmed(self, seconds: float) -> None:
+        """Not traced (each publish has its span)."""
+
+    def batched(self, seconds: float) -> None:
+        """Not traced."""
+
+    def repaired(self, report: SweepReport) -> None:
+        """Not traced (each republished dispatch's line names its trace)."""
 
 
 # --- the worker --------------------------------------------------------------

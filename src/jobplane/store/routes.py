@@ -20,7 +20,6 @@ from dataclasses import dataclass
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
-from jobplane.store.machine import lifecycle_events_enabled
 from jobplane.topology import Topology
 
 # Any fixed number: the key of the advisory lock that orders concurrent syncs.
@@ -94,17 +93,15 @@ async def sync_submit_rules(
     topology: Topology,
     *,
     max_payload_bytes: int,
-    lifecycle_events: bool | None = None,
+    lifecycle_events: bool = True,
 ) -> bool:
     """Make ``job_routes`` and ``submit_settings`` say what ``topology`` and the limits say.
 
     ``lifecycle_events``: whether ``jobplane.submit_job`` writes ``job.queued``
-    as the servers do (None: as ``JOBPLANE_LIFECYCLE_EVENTS`` says).
+    as the servers do (the process passes its settings' ``lifecycle_events``).
     Returns whether anything was written. Needs only SELECT, INSERT, UPDATE
     and DELETE on the two tables (the servers' database role has them).
     """
-    if lifecycle_events is None:
-        lifecycle_events = lifecycle_events_enabled()
     wanted = routes_of(topology)
     pipelines = sorted(p.name for p in topology.pipelines)
     if isinstance(engine, AsyncConnection):

@@ -53,12 +53,10 @@ from jobplane.store.machine.hooks import (
     Write,
 )
 from jobplane.store.machine.lifecycle import (
-    LIFECYCLE_ENV,
     MAX_EMITTED_BYTES,
     MAX_EMITTED_EVENTS,
     DomainEvents,
     lifecycle_event_id,
-    lifecycle_events_enabled,
 )
 from jobplane.store.machine.table import (
     ATTEMPT_FENCE,
@@ -77,7 +75,6 @@ __all__ = [
     "ATTEMPT_FENCE",
     "BIND_TYPES",
     "HEARTBEAT",
-    "LIFECYCLE_ENV",
     "MACHINE",
     "MAX_EMITTED_BYTES",
     "MAX_EMITTED_EVENTS",
@@ -106,7 +103,6 @@ __all__ = [
     "builtin_hooks",
     "fetch_rows",
     "lifecycle_event_id",
-    "lifecycle_events_enabled",
     "state_is",
     "where_phases",
     "where_sources",

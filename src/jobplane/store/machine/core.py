@@ -35,20 +35,19 @@ from jobplane.store.machine.hooks import (
     Stages,
     _After,
 )
-from jobplane.store.machine.lifecycle import DomainEvents, lifecycle_events_enabled
+from jobplane.store.machine.lifecycle import DomainEvents
 from jobplane.store.machine.table import RULES, Transition
 from jobplane.store.rows import JOB_FIELDS
 from jobplane.types import JobState
 
 
-def builtin_hooks(*, lifecycle: bool | None = None) -> list[Hook]:
+def builtin_hooks(*, lifecycle: bool = True) -> list[Hook]:
     """What every transition writes: its event, its dispatch, its signal, its domain events.
 
-    ``lifecycle``: whether transitions publish their lifecycle events (None:
-    as ``JOBPLANE_LIFECYCLE_EVENTS`` says, on unless it is ``0``).
+    ``lifecycle``: whether transitions publish their lifecycle events (a
+    process sets :data:`MACHINE`'s from its settings'
+    ``JOBPLANE_LIFECYCLE_EVENTS``: :meth:`StateMachine.set_lifecycle_events`).
     """
-    if lifecycle is None:
-        lifecycle = lifecycle_events_enabled()
     return [
         JobEvents(),
         Dispatches(),
@@ -77,9 +76,7 @@ class _Compiled:
 class StateMachine:
     """Compiles each transition's statement with its hooks' writes, and applies it."""
 
-    def __init__(
-        self, hooks: Iterable[Hook] | None = None, *, lifecycle: bool | None = None
-    ) -> None:
+    def __init__(self, hooks: Iterable[Hook] | None = None, *, lifecycle: bool = True) -> None:
         self._hooks: list[Hook] = (
             builtin_hooks(lifecycle=lifecycle) if hooks is None else list(hooks)
         )

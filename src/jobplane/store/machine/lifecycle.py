@@ -6,7 +6,6 @@ Written by the :class:`DomainEvents` hook in the transition's own statement
 
 from __future__ import annotations
 
-import os
 import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -16,8 +15,6 @@ from jobplane.store.machine.hooks import Cause, Hook, Write
 from jobplane.store.machine.table import RULES, Lifecycle, Transition
 from jobplane.store.rows import DOMAIN_EVENTS_CHANNEL, dumps
 
-#: The variable that turns lifecycle events off (``0``); they are on by default.
-LIFECYCLE_ENV = "JOBPLANE_LIFECYCLE_EVENTS"
 #: Events a handler may emit in one attempt, and their encoded bytes in all.
 MAX_EMITTED_EVENTS = 100
 MAX_EMITTED_BYTES = 1024 * 1024
@@ -27,12 +24,6 @@ MAX_EMITTED_BYTES = 1024 * 1024
 # transaction) follows it.
 _ORDER_SLOTS = 1024
 _LIFECYCLE_ORD = _ORDER_SLOTS - 1
-
-
-def lifecycle_events_enabled(env: Mapping[str, str] | None = None) -> bool:
-    """Whether ``JOBPLANE_LIFECYCLE_EVENTS`` leaves lifecycle events on (all but 0/false/off)."""
-    value = (os.environ if env is None else env).get(LIFECYCLE_ENV, "").strip().lower()
-    return value not in {"0", "false", "no", "off"}
 
 
 def lifecycle_event_id(job_id: uuid.UUID, seq: int) -> uuid.UUID:
