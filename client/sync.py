@@ -7,6 +7,7 @@ import contextlib
 import enum
 import os
 import threading
+import time
 import uuid
 import weakref
 from collections.abc import (
@@ -15,6 +16,7 @@ from collections.abc import (
     Coroutine,
     Generator,
     Iterable,
+    Iterator,
     Mapping,
     Sequence,
 )
@@ -55,6 +57,10 @@ class _End(enum.Enum):
     END = enum.auto()
 
 
+class _CutByFork(Exception):
+    """A resumable call's loop was stopped by fork(): run it again on the client's new one."""
+
+
 async def _next(agen: AsyncIterator[T]) -> T | _End:
     # StopAsyncIteration must not cross the thread boundary as an exception:
     # the future would report it, but it is not a failure.
@@ -80,6 +86,9 @@ class _LoopThread:
         # steps), which a fork lets finish before it closes the channel.
         self._calls = 0
         self._idle = threading.Condition()
+        # Long polls on the loop (Client.wait): a fork cuts them short at
+        # once, then waits for their threads to let go of the old channel.
+        self._polls = 0
         # Set when a fork is closing the channel: a call that fails after it
         # failed for the fork.
         self._forking = False
@@ -131,11 +140,13 @@ class _LoopThread:
             loop.run_until_complete(loop.shutdown_default_executor())
             loop.close()
 
-    def run(self, coro: Coroutine[Any, Any, T], *, call: bool = True) -> T:
+    def run(self, coro: Coroutine[Any, Any, T], *, call: bool = True, resumable: bool = False) -> T:
         """Run ``coro`` on the loop and return its result in the calling thread.
 
         ``call``: a call a fork waits for (:meth:`settle`); a stream's next
-        item, which may never come, is not one.
+        item, which may never come, is not one. ``resumable``: a long poll
+        (:meth:`Client.wait`) the caller runs again when a fork cuts it
+        short, told by :class:`_CutByFork`; the fork does not wait for it.
         """
         if self._forked:
             # Its thread did not survive fork(): waiting for it would hang.
@@ -148,6 +159,8 @@ class _LoopThread:
             loop = self._ensure()
         except RuntimeError as exc:
             coro.close()
+            if resumable and self._forking:
+                raise _CutByFork from exc
             if call and self._forking:
                 # Begun on the loop a fork was stopping: as a call it cut.
                 raise Unavailable(_CUT_BY_FORK) from exc
@@ -174,9 +187,13 @@ class _LoopThread:
                     # Also what a coroutine that timed out raises: tell the two apart.
                     if future.done():
                         return future.result()
-        except JobplaneError:
-            raise
         except Exception as exc:
+            if resumable and self._forking:
+                # Whatever it failed with (the channel closed under it, the
+                # loop stopped), the fork caused it.
+                raise _CutByFork from exc
+            if isinstance(exc, JobplaneError):
+                raise
             if self._forking:
                 # Whatever gRPC or the loop raised for a channel closed under
                 # the call (channel closed, cancelled): for a call, the one
@@ -205,6 +222,23 @@ class _LoopThread:
         self._forking = True
         with self._idle:
             self._idle.wait_for(lambda: self._calls == 0, timeout)
+
+    @contextlib.contextmanager
+    def polling(self) -> Iterator[None]:
+        """Count a long poll run on the loop for :meth:`release` while the block runs."""
+        with self._idle:
+            self._polls += 1
+        try:
+            yield
+        finally:
+            with self._idle:
+                self._polls -= 1
+                self._idle.notify_all()
+
+    def release(self, timeout: float) -> None:
+        """After :meth:`stop`, wait up to ``timeout`` seconds for the polls it cut short to end."""
+        with self._idle:
+            self._idle.wait_for(lambda: self._polls == 0, timeout)
 
     def forked(self) -> None:
         """Mark this loop as the parent's, in a forked child: no call may wait for it."""
@@ -239,6 +273,11 @@ _BEGUN_BEFORE_FORK = (
 # call crashes or hangs. So each client closes its channel and stops its loop
 # before fork(); parent and child each open new ones on their next call.
 _clients: weakref.WeakSet[Client] = weakref.WeakSet()
+# Clear from the hook before a fork to the one after it in the parent: a wait
+# the fork cut short goes on only then, as a channel it opened in between
+# would be open at the fork.
+_not_forking = threading.Event()
+_not_forking.set()
 # What a child inherited still open (a call began in another thread while the
 # process forked): never used nor closed there, as closing a channel shuts
 # down sockets the parent still reads.
@@ -246,17 +285,29 @@ _inherited: list[tuple[AsyncClient, _LoopThread]] = []
 
 
 def _close_before_fork() -> None:
+    _not_forking.clear()
     for client in list(_clients):
         client._close_for_fork()
 
 
+def _after_fork_in_parent() -> None:
+    _not_forking.set()
+
+
 def _renew_after_fork() -> None:
+    global _not_forking  # noqa: PLW0603 - the parent's, copied as its other threads left it
+    _not_forking = threading.Event()
+    _not_forking.set()
     for client in list(_clients):
         client._renew_in_child()
 
 
 if hasattr(os, "register_at_fork"):  # Not on Windows, which cannot fork.
-    os.register_at_fork(before=_close_before_fork, after_in_child=_renew_after_fork)
+    os.register_at_fork(
+        before=_close_before_fork,
+        after_in_parent=_after_fork_in_parent,
+        after_in_child=_renew_after_fork,
+    )
 
 
 class Client:
@@ -272,10 +323,12 @@ class Client:
     process opens its own on its next call. A call another thread has in
     flight at the fork is given a few seconds to end before the channel is
     closed; one still running then fails with :class:`Unavailable` (retry it).
-    A watch, subscription or page iteration open at the fork cannot go on
-    (RuntimeError, in parent and child alike); start it again. gRPC survives
-    a fork only when no channel is open, so other gRPC channels of the
-    process must be closed too.
+    :meth:`wait`, which may last as long as the job, does not hold up a fork:
+    cut short by it, it goes on over the new channel once the fork is done,
+    within its ``timeout``. A watch, subscription or page iteration open at
+    the fork cannot go on (RuntimeError, in parent and child alike); start it
+    again. gRPC survives a fork only when no channel is open, so other gRPC
+    channels of the process must be closed too.
     """
 
     def __init__(
@@ -331,6 +384,10 @@ class Client:
         with contextlib.suppress(Exception):
             loop.run(self._async.close(), call=False)
         loop.stop(_BEGUN_BEFORE_FORK)
+        # The error a cut wait raised holds the old channel's call, and
+        # gRPC's poller thread runs until the channel is freed: a child
+        # forked with it running crashes. Their threads let go at once.
+        loop.release(_FORK_GRACE)
         self._async, self._loop = self._fresh(self._async), _LoopThread()
 
     def _renew_in_child(self) -> None:
@@ -494,8 +551,33 @@ class Client:
     def wait(
         self, name: str | Job, timeout: float | None = None, *, resolve_blobs: bool = True
     ) -> Job:
-        """Wait until the job ends and return it; :class:`TimeoutError` after ``timeout``."""
-        return self._loop.run(self._async.wait(name, timeout, resolve_blobs=resolve_blobs))
+        """Wait until the job ends and return it; :class:`TimeoutError` after ``timeout``.
+
+        A fork in another thread does not wait for it, nor end it: the wait
+        starts again over the client's new channel once the fork is done.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            loop = self._loop
+            with loop.polling():
+                try:
+                    # A long poll, not a call a fork waits for: the job may
+                    # run for hours, and every fork would stall for the grace.
+                    return loop.run(
+                        self._async.wait(name, left, resolve_blobs=resolve_blobs),
+                        call=False,
+                        resumable=True,
+                    )
+                except _CutByFork:
+                    # Let go of the error (it holds the old channel) before
+                    # the fork is told this wait is out of the way.
+                    pass
+            # It only reads, so starting again is safe. The wait for the fork
+            # is bounded: a fork is over in moments, and a wait must not hang
+            # on a hook after it that never comes.
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            _not_forking.wait(_FORK_GRACE if left is None else min(left, _FORK_GRACE))
 
     def upload(self, source: Source, *, content_type: str | None = None) -> Blob:
         """Store a file, stream or bytes as a blob; see :meth:`AsyncClient.upload`."""

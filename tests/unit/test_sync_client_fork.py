@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from jobplane.client import Client, Unavailable, sync
+from jobplane.client import AsyncClient, Client, Unavailable, sync
 
 
 @pytest.fixture
@@ -23,6 +23,9 @@ def client() -> Iterator[Client]:
     made = Client("127.0.0.1:1", "key")
     yield made
     made.close()
+    # The tests run the hook before a fork without forking: the one after
+    # it, in the parent, ends what the first began.
+    sync._after_fork_in_parent()
 
 
 def _in_thread(call: Callable[[], Any]) -> tuple[threading.Thread, list[object]]:
@@ -102,3 +105,41 @@ def test_a_stream_waiting_for_its_next_item_does_not_hold_up_a_fork(
     # Refused as a watch begun before the fork is, not as a call cut short.
     assert len(outcome) == 1 and type(outcome[0]) is RuntimeError, outcome
     assert "before fork()" in str(outcome[0])
+
+
+def test_a_wait_does_not_hold_up_a_fork_and_goes_on_after_it(
+    client: Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(sync, "_FORK_GRACE", 20.0)
+    waits: list[tuple[AsyncClient, float | None]] = []
+    started = threading.Event()
+
+    async def wait(
+        self: AsyncClient, name: str, timeout: float | None = None, *, resolve_blobs: bool = True
+    ) -> str:
+        waits.append((self, timeout))
+        if len(waits) == 1:
+            # A long poll: the job does not end while the fork goes on.
+            started.set()
+            await asyncio.sleep(60)
+        return f"{name} ended"
+
+    monkeypatch.setattr(AsyncClient, "wait", wait)
+    thread, outcome = _in_thread(lambda: client.wait("jobs/j", timeout=50))
+    assert started.wait(30)
+    begun = time.monotonic()
+    sync._close_before_fork()
+    # Not held up for the grace: a wait is no call the fork waits for.
+    assert time.monotonic() - begun < 10
+    # The wait goes on only once the fork is done: a channel it opened
+    # before would be open at the fork.
+    time.sleep(0.3)
+    assert len(waits) == 1 and outcome == []
+    sync._after_fork_in_parent()
+    thread.join(30)
+    # The parent's own call goes on over the client's new channel, within
+    # what is left of its timeout.
+    assert outcome == ["jobs/j ended"]
+    (first, _), (second, left) = waits
+    assert second is client._async and second is not first
+    assert left is not None and 0 < left <= 50

@@ -4,7 +4,8 @@ Argv: ADDRESS API_KEY MODE, MODE ``fork`` (os.fork, as gunicorn ``--preload``
 does) or ``pool`` (a multiprocessing pool with the fork start method, as
 Celery's prefork pool does). Prints one JSON object: what the parent, and the
 children through their exit codes, saw. A watch begun before the fork is
-refused on both sides. A child that hangs is ended by its alarm.
+refused on both sides. A child that hangs is ended by its alarm. MODE ``wait``
+forks while another thread of the parent waits for a running job.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ import multiprocessing
 import os
 import signal
 import sys
+import threading
+import time
 import traceback
 from collections.abc import Iterator
 
@@ -53,9 +56,37 @@ def in_child(who: str, events: Iterator[object] | None = None) -> bool:
         return False
 
 
+def wait_across_fork(seen: dict[str, object]) -> None:
+    """Fork while another thread waits for a job that outlasts the fork."""
+    job = client.submit("demo.progress", {"steps": 40, "interval_ms": 200})
+    ended: list[object] = []
+
+    def wait() -> None:
+        try:
+            ended.append(client.wait(job, timeout=CHILD_SECONDS - 10).state.value)
+        except BaseException as exc:
+            ended.append(repr(exc))
+
+    waiter = threading.Thread(target=wait)
+    waiter.start()
+    # Long enough for the wait to be in its watch of the job.
+    time.sleep(1.5)
+    begun = time.monotonic()
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0 if in_child("child") else 1)
+    seen["fork seconds"] = time.monotonic() - begun
+    _, status = os.waitpid(pid, 0)
+    seen["children"] = [os.waitstatus_to_exitcode(status) == 0]
+    waiter.join(CHILD_SECONDS)
+    seen["wait"] = ended
+
+
 def main() -> None:
     seen: dict[str, object] = {"before": echo("parent before")}
-    if MODE == "fork":
+    if MODE == "wait":
+        wait_across_fork(seen)
+    elif MODE == "fork":
         events = client.watch(client.submit("demo.echo", {}))
         next(events)
         pid = os.fork()
