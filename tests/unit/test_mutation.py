@@ -123,21 +123,37 @@ def test_the_report_counts_tried_mutants_and_lists_survivors(sample: ModuleType)
     assert not any("m.x_g" in line for line in lines)
 
 
-def test_also_copy_leaves_the_mutated_paths_alone_and_copies_the_rest() -> None:
+def test_also_copy_leaves_the_mutated_modules_alone_and_copies_the_rest() -> None:
     # A copied file takes its source's mtime, and mutmut regenerates a module
     # whose mutated file is not newer than its source: copying a mutated
-    # path would make every run regenerate every mutant.
+    # module would make every run regenerate every mutant. mutmut copies a
+    # source path's other files only when they are missing, so those (the
+    # store's SQL) must be copied to reach the tests when edited.
     settings = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["mutmut"]
-    mutated = {Path(p) for p in settings["source_paths"]}
-    copied = {Path(p) for p in settings["also_copy"]}
-    package = ROOT / "src" / "jobplane"
+    mutated = [Path(p) for p in settings["source_paths"]]
+    copied = [Path(p) for p in settings["also_copy"]]
     for path in copied:
         assert (ROOT / path).exists(), path
-        assert not any(path == m or m in path.parents or path in m.parents for m in mutated), path
+
+    def files(path: Path) -> set[Path]:
+        if (ROOT / path).is_file():
+            return {path}
+        return {
+            f.relative_to(ROOT)
+            for f in (ROOT / path).rglob("*")
+            if f.is_file() and "__pycache__" not in f.parts
+        }
+
+    in_mutated = set().union(*(files(m) for m in mutated))
+    in_copied = set().union(*(files(c) for c in copied))
+    overwritten = {f for f in in_mutated & in_copied if f.suffix == ".py"}
+    assert not overwritten, f"also_copy overwrites mutated modules: {sorted(map(str, overwritten))}"
+    stale = {f for f in in_mutated - in_copied if f.suffix != ".py"}
+    assert not stale, f"add to [tool.mutmut] also_copy: {sorted(map(str, stale))}"
     entries = {
         Path("src/jobplane") / e.name
-        for e in package.iterdir()
+        for e in (ROOT / "src" / "jobplane").iterdir()
         if e.name != "__pycache__" and not e.name.endswith(".egg-info")
     }
-    missing = entries - mutated - copied
+    missing = entries - set(mutated) - set(copied)
     assert not missing, f"add to [tool.mutmut] also_copy: {sorted(map(str, missing))}"
