@@ -74,11 +74,20 @@ fuzz: $(STAMP) services
 
 ## Mutation testing of store/, workers/ and server/ (not part of `make test`).
 ## Narrow it with a mutant glob: make mutate MUTATE='jobplane.store.attempts.*'
+## Or run a random sample and get the kill rate with a 95% interval:
+## make mutate MUTATE_SAMPLE=300 MUTATE_SEED=1
 MUTATE ?=
 MUTATE_JOBS ?= 2
+MUTATE_SAMPLE ?=
+MUTATE_SEED ?= 1
 mutate: $(STAMP) services
+ifeq ($(MUTATE_SAMPLE),)
 	$(BIN)/mutmut run --max-children $(MUTATE_JOBS) $(MUTATE)
 	$(BIN)/python scripts/mutation_report.py $(MUTATE)
+else
+	$(BIN)/python scripts/mutation_sample.py --size $(MUTATE_SAMPLE) --seed $(MUTATE_SEED) \
+	  --jobs $(MUTATE_JOBS) $(MUTATE)
+endif
 
 unit: $(STAMP)
 	$(BIN)/python -m pytest tests/unit $(PYTEST_ARGS)

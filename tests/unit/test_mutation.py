@@ -1,0 +1,159 @@
+"""The mutation sample's draw and interval, and the mutmut configuration it relies on."""
+
+from __future__ import annotations
+
+import importlib.util
+import tomllib
+from collections import Counter
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def sample() -> ModuleType:
+    spec = importlib.util.spec_from_file_location(
+        "mutation_sample", ROOT / "scripts" / "mutation_sample.py"
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _names(sizes: dict[str, int]) -> list[str]:
+    return [
+        f"jobplane.{module}.xǁCǁf__mutmut_{i}" if i % 2 else f"jobplane.{module}.x_f__mutmut_{i}"
+        for module, size in sizes.items()
+        for i in range(1, size + 1)
+    ]
+
+
+@pytest.mark.parametrize(
+    ("caught", "tried", "low", "high"),
+    [
+        (270, 300, 0.8608, 0.9291),
+        (0, 10, 0.0, 0.2775),
+        (10, 10, 0.7225, 1.0),
+        (5, 10, 0.2366, 0.7634),
+        (87, 119, 0.6454, 0.8023),
+    ],
+)
+def test_wilson_interval_gives_known_values(
+    sample: ModuleType, caught: int, tried: int, low: float, high: float
+) -> None:
+    got_low, got_high = sample.wilson(caught, tried)
+    assert got_low == pytest.approx(low, abs=5e-4)
+    assert got_high == pytest.approx(high, abs=5e-4)
+
+
+def test_wilson_interval_of_nothing_tried_is_everything(sample: ModuleType) -> None:
+    assert sample.wilson(0, 0) == (0.0, 1.0)
+
+
+def test_module_of_reads_both_kinds_of_mutant_name(sample: ModuleType) -> None:
+    assert sample.module_of("jobplane.store.attempts.x_fail__mutmut_7") == "jobplane.store.attempts"
+    assert (
+        sample.module_of("jobplane.server.limits.xǁTenantLimiterǁ_prune__mutmut_3")
+        == "jobplane.server.limits"
+    )
+
+
+def test_the_same_seed_draws_the_same_sample_whatever_the_listing_order(
+    sample: ModuleType,
+) -> None:
+    names = _names({"store.a": 400, "server.b": 250, "workers.c": 50})
+    first = sample.draw(names, 30, seed=1)
+    assert len(first) == len(set(first)) == 30
+    assert set(first) <= set(names)
+    assert sample.draw(list(reversed(names)), 30, seed=1) == first
+    assert sample.draw(names, 30, seed=2) != first
+    assert sample.draw(names, 30, seed=1, stratify=False) == sample.draw(
+        list(reversed(names)), 30, seed=1, stratify=False
+    )
+
+
+def test_a_sample_larger_than_the_population_is_the_population(sample: ModuleType) -> None:
+    names = _names({"store.a": 3, "server.b": 2})
+    assert sample.draw(names, 10, seed=1) == sorted(names)
+    assert sample.draw(names, 10, seed=1, stratify=False) == sorted(names)
+
+
+def test_each_module_gets_its_proportional_share(sample: ModuleType) -> None:
+    sizes = {"store.a": 700, "server.b": 200, "workers.c": 100}
+    drawn = Counter(sample.module_of(n) for n in sample.draw(_names(sizes), 50, seed=7))
+    assert drawn == {"jobplane.store.a": 35, "jobplane.server.b": 10, "jobplane.workers.c": 5}
+
+
+def test_largest_remainders_fill_the_sample_exactly(sample: ModuleType) -> None:
+    # Quotas 2.8, 0.8 and 0.4: floors give 2, the two largest remainders one each.
+    assert sample.allocate({"a": 7, "b": 2, "c": 1}, 4) == {"a": 3, "b": 1, "c": 0}
+    shares = sample.allocate({f"m{i}": 13 + 7 * i for i in range(40)}, 300)
+    assert sum(shares.values()) == 300
+
+
+@pytest.mark.parametrize("stratify", [True, False])
+def test_every_mutant_is_about_as_likely_to_be_drawn(sample: ModuleType, stratify: bool) -> None:
+    # 60 mutants in modules of 30, 20 and 10, samples of 6: each mutant's
+    # chance is 1/10, so 3,000 draws pick each about 300 times (sd ≈ 16).
+    names = _names({"store.a": 30, "server.b": 20, "workers.c": 10})
+    hits = Counter(
+        name for seed in range(3000) for name in sample.draw(names, 6, seed, stratify=stratify)
+    )
+    assert set(hits) == set(names)
+    assert all(225 <= hits[name] <= 375 for name in names), hits.most_common()
+
+
+def test_the_report_counts_tried_mutants_and_lists_survivors(sample: ModuleType) -> None:
+    names = ["m.x_f__mutmut_1", "m.x_f__mutmut_2", "m.x_f__mutmut_3", "m.x_f__mutmut_4"]
+    status = {
+        names[0]: "killed",
+        names[1]: "timeout",
+        names[2]: "survived",
+        names[3]: "not checked",
+        "m.x_g__mutmut_1": "killed",
+    }
+    lines = sample.report(names, status, 5)
+    assert "      sample: 4 of 5 mutants (3 tried)" in lines
+    assert "   kill rate: 2/3 = 66.7% (95% CI 20.8% to 93.9%, Wilson)" in lines
+    assert "  survived: m.x_f__mutmut_3" in lines
+    assert not any("m.x_g" in line for line in lines)
+
+
+def test_also_copy_leaves_the_mutated_modules_alone_and_copies_the_rest() -> None:
+    # A copied file takes its source's mtime, and mutmut regenerates a module
+    # whose mutated file is not newer than its source: copying a mutated
+    # module would make every run regenerate every mutant. mutmut copies a
+    # source path's other files only when they are missing, so those (the
+    # store's SQL) must be copied to reach the tests when edited.
+    settings = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["mutmut"]
+    mutated = [Path(p) for p in settings["source_paths"]]
+    copied = [Path(p) for p in settings["also_copy"]]
+    for path in copied:
+        assert (ROOT / path).exists(), path
+
+    def files(path: Path) -> set[Path]:
+        if (ROOT / path).is_file():
+            return {path}
+        return {
+            f.relative_to(ROOT)
+            for f in (ROOT / path).rglob("*")
+            if f.is_file() and "__pycache__" not in f.parts
+        }
+
+    in_mutated = set().union(*(files(m) for m in mutated))
+    in_copied = set().union(*(files(c) for c in copied))
+    overwritten = {f for f in in_mutated & in_copied if f.suffix == ".py"}
+    assert not overwritten, f"also_copy overwrites mutated modules: {sorted(map(str, overwritten))}"
+    stale = {f for f in in_mutated - in_copied if f.suffix != ".py"}
+    assert not stale, f"add to [tool.mutmut] also_copy: {sorted(map(str, stale))}"
+    entries = {
+        Path("src/jobplane") / e.name
+        for e in (ROOT / "src" / "jobplane").iterdir()
+        if e.name != "__pycache__" and not e.name.endswith(".egg-info")
+    }
+    missing = entries - set(mutated) - set(copied)
+    assert not missing, f"add to [tool.mutmut] also_copy: {sorted(map(str, missing))}"
