@@ -1127,7 +1127,9 @@ async def _dev_parts(
 async def _until_stopped_or_part_exit(stop: asyncio.Event, parts: Any) -> int:
     """Until ``stop`` (Ctrl-C or SIGTERM: 0), or a part exits on its own (1)."""
     exited = await _until_stopped(stop, parts.exited())
-    if exited is not None:
+    # A Ctrl-C reaches the parts too, and they leave fast: one may have exited by
+    # the time this process looks, and the stop is still the reason.
+    if exited is not None and not stop.is_set():
         part, status = exited.result()
         _error_line(f"{part} exited (status {status}); stopping")
         return 1
