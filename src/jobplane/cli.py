@@ -398,7 +398,12 @@ async def _serve(args: argparse.Namespace) -> int:
         ui = await _server_dashboard(stack, settings, server, args.ui_listen, default=None)
         if ui is not None:
             _say(None, f"dashboard on {ui.url}")
-        await _until_signal()
+        with _stop_signals() as stop:
+            ended = await _until_stopped(stop, declared)
+            if ended is not None:
+                # A broker error that waiting does not mend (until_declared) ends serve.
+                ended.result()
+                await stop.wait()
     return 0
 
 
