@@ -794,9 +794,11 @@ def _with_ingest(registry: Any, files: list[Path], settings: Settings, topology:
 
 
 async def _dev(args: argparse.Namespace) -> int:
+    from jobplane.broker import until_up
     from jobplane.devparts import GRACE, Layout, resolve_processes
     from jobplane.store.engine import create_engine, migrate
     from jobplane.topology import apply
+    from jobplane.topology import log as topology_log
     from jobplane.workers.relay import Relay, relay_in_flight
     from jobplane.workers.sweeper import Sweeper
 
@@ -876,11 +878,22 @@ async def _dev(args: argparse.Namespace) -> int:
         # The topology this command runs, bindings and all, before anything says
         # it serves: its routes exist on the broker even where another topology
         # was declared before (the relay and the workers only add what is missing).
-        await apply(settings.amqp_url, topology)
+        # A broker down is waited for, as the relay and the workers wait for it.
+        applied = await _until_stopped(
+            stop, until_up(lambda: apply(settings.amqp_url, topology), topology_log)
+        )
+        if applied is not None:
+            applied.result()  # an error waiting does not mend: its one line
+        # A Ctrl-C during the start stops it at the next step: what started so far
+        # stops with the stack.
+        if stop.is_set():
+            return 0
         # The parts start before gRPC's threads do (a fork beside them warns),
         # and stop first: before the relay and the server.
         parts = None if worker is not None else await _dev_parts(stack, args, layout, ops)
         at_once.parts = parts
+        if stop.is_set():
+            return 0
         await _started(stack, server.start, lambda: server.stop(GRACE))
         if relay is not None:
             await _started(stack, relay.start, relay.stop)
@@ -895,6 +908,8 @@ async def _dev(args: argparse.Namespace) -> int:
         ui = await _server_dashboard(
             stack, settings, server, args.ui_listen, default=DEFAULT_UI_LISTEN
         )
+        if stop.is_set():
+            return 0
         ui_line = f"  dashboard: {ui.url}   (sign in with the api key)\n" if ui else ""
         if parts is None:
             shown = "1 (server, relay and worker in this one, --processes 1)"

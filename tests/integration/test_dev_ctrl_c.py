@@ -75,11 +75,11 @@ class Dev:
     ports: list[int]
     lines: list[str] = field(default_factory=list)
 
-    async def until_line(self, part: str, timeout: float = 120) -> None:
-        """Read the output until a line that holds ``part``."""
+    async def until_line(self, part: str, timeout: float = 120, count: int = 1) -> None:
+        """Read the output until ``count`` lines hold ``part``."""
         assert self.process.stdout is not None
         async with asyncio.timeout(timeout):
-            while not any(part in line for line in self.lines):
+            while sum(part in line for line in self.lines) < count:
                 raw = await self.process.stdout.readline()
                 assert raw, "\n".join(self.lines)
                 self.lines.append(raw.decode(errors="replace").rstrip("\n"))
@@ -216,3 +216,16 @@ async def test_one_ctrl_c_while_ingesting_stops_everything_and_the_local_s3_serv
         assert not _free(s3_port)
         await _assert_all_stopped(dev)
         assert _free(s3_port), "\n".join(dev.lines)
+
+
+async def test_dev_waits_for_a_broker_that_is_down_and_one_ctrl_c_stops_the_wait(
+    database_url: str,
+) -> None:
+    # Nothing listens on this port: the broker is down, as far as dev can tell.
+    down = f"amqp://guest:guest@127.0.0.1:{free_port()}/"
+    env = {"JOBPLANE_DATABASE_URL": database_url, "JOBPLANE_AMQP_URL": down}
+    async with _dev(_jobplane_dev("--processes", "3"), env) as dev:
+        await dev.until_line("broker.unavailable")
+        await dev.until_line("broker.unavailable", count=2)  # still waiting, not exited
+        await _assert_all_stopped(dev)
+        assert "jobplane dev is up" not in "\n".join(dev.lines)
