@@ -422,7 +422,12 @@ async def _serve(args: argparse.Namespace) -> int:
         ui = await _server_dashboard(stack, settings, server, args.ui_listen, default=None)
         if ui is not None:
             _say(None, f"dashboard on {ui.url}")
-        await _until_signal()
+        with _stop_signals() as stop:
+            ended = await _until_stopped(stop, declared)
+            if ended is not None:
+                # A broker error that waiting does not mend (until_declared) ends serve.
+                ended.result()
+                await stop.wait()
     return 0
 
 
@@ -816,9 +821,11 @@ def _with_ingest(registry: Any, files: list[Path], settings: Settings, topology:
 
 
 async def _dev(args: argparse.Namespace) -> int:
+    from jobplane.broker import until_up
     from jobplane.devparts import GRACE, Layout, resolve_processes
     from jobplane.store.engine import create_engine, migrate
     from jobplane.topology import apply
+    from jobplane.topology import log as topology_log
     from jobplane.workers.relay import Relay, relay_in_flight
     from jobplane.workers.sweeper import Sweeper
 
@@ -899,11 +906,22 @@ async def _dev(args: argparse.Namespace) -> int:
         # The topology this command runs, bindings and all, before anything says
         # it serves: its routes exist on the broker even where another topology
         # was declared before (the relay and the workers only add what is missing).
-        await apply(settings.amqp_url, topology)
+        # A broker down is waited for, as the relay and the workers wait for it.
+        applied = await _until_stopped(
+            stop, until_up(lambda: apply(settings.amqp_url, topology), topology_log)
+        )
+        if applied is not None:
+            applied.result()  # an error waiting does not mend: its one line
+        # A Ctrl-C during the start stops it at the next step: what started so far
+        # stops with the stack.
+        if stop.is_set():
+            return 0
         # The parts start before gRPC's threads do (a fork beside them warns),
         # and stop first: before the relay and the server.
         parts = None if worker is not None else await _dev_parts(stack, args, layout, ops)
         at_once.parts = parts
+        if stop.is_set():
+            return 0
         await _started(stack, server.start, lambda: server.stop(GRACE))
         if relay is not None:
             await _started(stack, relay.start, relay.stop)
@@ -918,6 +936,8 @@ async def _dev(args: argparse.Namespace) -> int:
         ui = await _server_dashboard(
             stack, settings, server, args.ui_listen, default=DEFAULT_UI_LISTEN
         )
+        if stop.is_set():
+            return 0
         ui_line = f"  dashboard: {ui.url}   (sign in with the api key)\n" if ui else ""
         if parts is None:
             shown = "1 (server, relay and worker in this one, --processes 1)"
@@ -1155,7 +1175,9 @@ async def _dev_parts(
 async def _until_stopped_or_part_exit(stop: asyncio.Event, parts: Any) -> int:
     """Until ``stop`` (Ctrl-C or SIGTERM: 0), or a part exits on its own (1)."""
     exited = await _until_stopped(stop, parts.exited())
-    if exited is not None:
+    # A Ctrl-C reaches the parts too, and they leave fast: one may have exited by
+    # the time this process looks, and the stop is still the reason.
+    if exited is not None and not stop.is_set():
         part, status = exited.result()
         _error_line(f"{part} exited (status {status}); stopping")
         return 1

@@ -38,10 +38,13 @@ MOST_AUTO = 6
 MOST = 64
 #: Seconds a part (the command too) gives its handlers and calls to finish once
 #: asked to stop; a handler cut short runs again, as after a crash. Short: one
-#: Ctrl-C stops every part within two seconds.
+#: Ctrl-C normally stops every part within two seconds.
 GRACE = 0.5
-#: Seconds the command waits for its parts to stop before it kills them.
-KILL_AFTER = 1.0
+#: Seconds the command waits for its parts to stop before it kills them: well past
+#: :data:`GRACE`, so a part that cut its handlers short still writes their outcome
+#: (a stop refunds the attempt; a part killed before it does leaves the job to the
+#: sweeper, and an expired lease counts the attempt) on a loaded machine.
+KILL_AFTER = 3.0
 
 
 def resolve_processes(value: str, cpus: int | None = None) -> int:

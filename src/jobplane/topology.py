@@ -513,6 +513,8 @@ async def until_declared(amqp_url: str, topology: Topology) -> None:
     """Return once ``topology`` is on the broker at ``amqp_url``: checked, and what is
     missing declared when this account may; otherwise tried again with a growing
     backoff (a broker down, or an account that must wait for ``jobplane topology apply``).
+    Any other error (a wrong password, a vhost not permitted, TLS) is raised: trying
+    again would not mend it.
     """
 
     async def check() -> None:
@@ -524,7 +526,7 @@ async def until_declared(amqp_url: str, topology: Topology) -> None:
     while True:
         try:
             await broker.until_up(check, log)
-        except Exception as exc:  # refused, or missing and not ours to declare: say so, wait
+        except TopologyMissing as exc:  # missing and not ours to declare: say so, wait
             log.error("topology.unavailable", error=str(exc) or repr(exc), retry_in=delay)
         else:
             return

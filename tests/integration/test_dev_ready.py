@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import signal
 import sys
 import uuid
 from collections.abc import AsyncIterator, Iterator
@@ -24,6 +23,7 @@ from jobplane.client import AsyncClient
 from jobplane.topology import declare, load_topology
 from tests.support import services
 from tests.support.s3 import free_port
+from tests.support.serve import interrupt
 
 EVENTS_EXCHANGE = "jobplane.events"
 
@@ -48,13 +48,7 @@ async def _command(
         try:
             yield process
         finally:
-            if process.returncode is None:
-                process.send_signal(signal.SIGINT)
-                try:
-                    await asyncio.wait_for(process.wait(), timeout=30)
-                except TimeoutError:
-                    process.kill()
-                    await process.wait()
+            await interrupt(process)
 
 
 def _text(path: Path) -> str:

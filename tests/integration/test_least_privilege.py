@@ -13,13 +13,14 @@ import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
-from urllib.parse import urlsplit
+from urllib.parse import urlsplit, urlunsplit
 
 import pytest
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from jobplane.broker import REFUSALS
 from jobplane.client import JobState
-from jobplane.topology import Topology, TopologyMissing
+from jobplane.topology import Topology, TopologyMissing, until_declared
 from jobplane.workers.demo import registry as demo_registry
 from jobplane.workers.relay import Relay
 from jobplane.workers.runtime import Worker
@@ -134,3 +135,17 @@ async def test_after_topology_apply_a_restricted_account_runs_jobs(
         assert done.state is JobState.SUCCEEDED
     finally:
         await stack.close()
+
+
+async def test_serve_stops_waiting_for_the_topology_at_a_refusal_waiting_cannot_mend(
+    amqp_url: str, topology: Topology
+) -> None:
+    # serve waits (topology.unavailable) while the broker is down or the topology is
+    # missing; a wrong password stays wrong, so it is raised (serve's one line).
+    parts = urlsplit(amqp_url)
+    wrong = urlunsplit(
+        parts._replace(netloc=f"guest:not-the-password@{parts.hostname}:{parts.port}")
+    )
+    async with asyncio.timeout(60):
+        with pytest.raises(REFUSALS):
+            await until_declared(wrong, topology)

@@ -5,16 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import errno
-import os
 import re
 import socket
-import sys
 import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 from jobplane.cli import METRICS_DEFAULTS
-from tests.support.serve import serve_process
+from tests.support.serve import serve_process, start_serve
 
 
 @contextmanager
@@ -60,19 +58,8 @@ async def test_a_taken_port_asked_for_stops_the_process_in_one_line(database_url
         sock.bind(("127.0.0.1", 0))
         sock.listen()
         address = f"127.0.0.1:{sock.getsockname()[1]}"
-        process = await asyncio.create_subprocess_exec(
-            sys.executable,
-            "-m",
-            "jobplane",
-            "serve",
-            env={
-                **os.environ,
-                "JOBPLANE_DATABASE_URL": database_url,
-                "JOBPLANE_LISTEN": "127.0.0.1:0",
-                "JOBPLANE_METRICS_LISTEN": address,
-            },
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE,
+        process = await start_serve(
+            database_url, stdout=asyncio.subprocess.PIPE, JOBPLANE_METRICS_LISTEN=address
         )
         _, err = await asyncio.wait_for(process.communicate(), timeout=60)
     assert process.returncode == 2

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import os
 import re
-import signal
 import sys
 import textwrap
 import uuid
@@ -22,6 +21,7 @@ import pytest
 
 from jobplane.client import AsyncClient
 from tests.support import services
+from tests.support.serve import interrupt
 
 ROOT = Path(__file__).resolve().parents[2]
 README = (ROOT / "README.md").read_text()
@@ -124,13 +124,7 @@ async def test_the_first_snippets_run_against_make_dev(
                         break
             assert "no live worker handles" in (await jobs.get(other.name)).waiting_reason
     finally:
-        if process.returncode is None:
-            process.send_signal(signal.SIGINT)
-            try:
-                await asyncio.wait_for(process.wait(), timeout=30)
-            except TimeoutError:
-                process.kill()
-                await process.wait()
+        await interrupt(process)
 
 
 async def _printed_commands_run_in_a_new_shell(out: str, home: Path) -> None:

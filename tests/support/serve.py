@@ -1,4 +1,5 @@
-"""`jobplane serve` as a process of its own, with everything it writes to stderr."""
+"""`jobplane serve` (and other commands) as a process of its own, with everything it
+writes to stderr."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import signal
 import sys
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -48,10 +50,11 @@ class Serve:
             await asyncio.wait_for(self.reader, timeout=10)
 
 
-@contextlib.asynccontextmanager
-async def serve_process(database_url: str, **env: str) -> AsyncIterator[Serve]:
-    """Run `jobplane serve` on a free port of loopback with ``env`` added."""
-    process = await asyncio.create_subprocess_exec(
+async def start_serve(
+    database_url: str, *, stdout: Any = None, **env: str
+) -> asyncio.subprocess.Process:
+    """`jobplane serve` on a free port of loopback with ``env`` added, its stderr piped."""
+    return await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
         "jobplane",
@@ -62,8 +65,27 @@ async def serve_process(database_url: str, **env: str) -> AsyncIterator[Serve]:
             "JOBPLANE_LISTEN": "127.0.0.1:0",
             **env,
         },
+        stdout=stdout,
         stderr=asyncio.subprocess.PIPE,
     )
+
+
+async def interrupt(process: asyncio.subprocess.Process) -> None:
+    """A Ctrl-C (SIGINT) to ``process`` if it still runs; SIGKILL if it has not
+    exited 30 seconds later."""
+    if process.returncode is None:
+        process.send_signal(signal.SIGINT)
+        try:
+            await asyncio.wait_for(process.wait(), timeout=30)
+        except TimeoutError:
+            process.kill()
+            await process.wait()
+
+
+@contextlib.asynccontextmanager
+async def serve_process(database_url: str, **env: str) -> AsyncIterator[Serve]:
+    """Run `jobplane serve` on a free port of loopback with ``env`` added."""
+    process = await start_serve(database_url, **env)
     running = Serve(process)
     started = asyncio.Event()
     reader = running.reader = asyncio.create_task(running.read(started))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import sys
 from pathlib import Path
 
@@ -9,12 +10,14 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from jobplane.cli import build_parser
+from jobplane.cli import _until_stopped_or_part_exit, build_parser
 from jobplane.config import ListenAddress
 from jobplane.devparts import (
+    GRACE,
     MOST,
     MOST_AUTO,
     Layout,
+    Parts,
     part_command,
     part_metrics,
     part_queues,
@@ -121,3 +124,32 @@ def test_later_parts_leave_the_ingest_stage_queues_to_part_zero() -> None:
     assert part_queues(ingest) == ["jobplane.default"]
     plain = load_topology(None)
     assert part_queues(plain) == [q.name for q in plain.queues]
+
+
+def test_parts_get_time_past_their_grace_to_write_what_they_cut_short() -> None:
+    # A part cancels its handlers after GRACE, then writes their refunded outcome
+    # and acks; a SIGKILL before that counts the attempt (the sweeper's lease expiry).
+    assert Parts([], []).grace >= GRACE + 2.0
+
+
+class _ExitedAtOnce:
+    """Parts of which one exited (status 0) as the Ctrl-C reached it too."""
+
+    async def exited(self) -> tuple[str, int]:
+        return "worker part 0", 0
+
+
+async def test_a_part_leaving_at_the_same_ctrl_c_is_a_stop_not_a_crash(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    stop = asyncio.Event()
+    stop.set()
+    assert await _until_stopped_or_part_exit(stop, _ExitedAtOnce()) == 0
+    assert "exited" not in capsys.readouterr().err
+
+
+async def test_a_part_exiting_on_its_own_ends_the_command_with_1(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert await _until_stopped_or_part_exit(asyncio.Event(), _ExitedAtOnce()) == 1
+    assert "worker part 0 exited (status 0)" in capsys.readouterr().err
