@@ -50,9 +50,10 @@ dev: $(STAMP) services
 	$(BIN)/jobplane dev --handlers $(DEV_HANDLERS) --demo --demo-steps $(DEV_DEMO_STEPS) \
 	  $(foreach f,$(DEV_INGEST),--ingest $(f))
 
-## Everything CI runs: lint, types, unit + integration tests on real services.
+## Everything CI runs: lint, types, unit + integration tests on real services;
+## the slowest thirty tests are listed at the end, to keep the run short.
 test: $(STAMP) services lint typecheck
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest --durations=30 $(PYTEST_ARGS)
 
 ## Only the fault-injection suite (part of `make test` too).
 faults: $(STAMP) services
