@@ -11,22 +11,21 @@ yet are reported but left out of the rate.
 from __future__ import annotations
 
 import fnmatch
-import subprocess
 import sys
 from collections import Counter
 from pathlib import Path
 
+# Beside this file: `python scripts/mutation_report.py` has scripts/ on its path.
+from mutation_sample import outcomes as all_outcomes
+
 
 def main(patterns: list[str]) -> int:
-    mutmut = Path(sys.executable).with_name("mutmut")
-    listing = subprocess.run(
-        [str(mutmut), "results", "--all", "true"], capture_output=True, text=True, check=True
-    ).stdout
-    outcomes: dict[str, str] = {}
-    for line in listing.splitlines():
-        name, sep, status = line.strip().rpartition(": ")
-        if sep and (not patterns or any(fnmatch.fnmatch(name, p) for p in patterns)):
-            outcomes[name] = status
+    listed = all_outcomes(Path(sys.executable).with_name("mutmut"))
+    outcomes = {
+        name: status
+        for name, status in listed.items()
+        if not patterns or any(fnmatch.fnmatch(name, p) for p in patterns)
+    }
     counts = Counter(outcomes.values())
     tried = sum(n for status, n in counts.items() if status not in ("not checked", "skipped"))
     caught = counts["killed"] + counts["timeout"]
