@@ -73,7 +73,7 @@ from jobplane.store.rows import dumps
 from jobplane.store.workers import WorkerStore
 from jobplane.topology import Topology, TopologyError
 from jobplane.types import BlobRef, JobState
-from jobplane.workers.handlers import MAX_PROGRESS_DATA_BYTES, MAX_PROGRESS_MESSAGE
+from jobplane.workers.context import MAX_PROGRESS_DATA_BYTES, MAX_PROGRESS_MESSAGE
 from jobplane.workers.outcome import MAX_ERROR_MESSAGE, MAX_RETRY_DELAY, Failure, check_result
 from jobplane.workers.values import TOO_LARGE, json_problem, json_size
 

@@ -17,7 +17,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from jobplane.workers.handlers import JobContext, PermanentError, RetryableError
+from jobplane.workers.context import JobContext
+from jobplane.workers.errors import PermanentError, RetryableError
 from jobplane.workers.values import TOO_LARGE, clean_text, json_problem, json_size, safe_str
 
 MAX_ERROR_MESSAGE = 4096

@@ -32,6 +32,12 @@ def safe_str(value: object) -> str:
         return f"<{type(value).__name__} whose str() raised {type(exc).__name__}>"
 
 
+def qualname(fn: object) -> str:
+    """``module.qualname`` of a handler (or of its class), for messages that name it."""
+    name = getattr(fn, "__qualname__", None) or type(fn).__qualname__
+    return f"{getattr(fn, '__module__', None) or '?'}.{name}"
+
+
 def clean_text(text: str, limit: int, *, keep_end: bool = False) -> str:
     """``text`` as Postgres stores it: NUL and lone surrogates escaped, at most ``limit`` chars.
 

@@ -36,16 +36,10 @@ from jobplane.blobs.reader import BlobInfo, BlobReader
 from jobplane.errors import BlobNotFound, BlobTooLarge
 from jobplane.events.envelope import Event
 from jobplane.store.attempts import Attempt, ProgressUpdate, StageRun
-from jobplane.workers.handlers import (
-    DEFAULT_EVENT_PAYLOAD_BYTES,
-    Handler,
-    JobContext,
-    Registry,
-    SyncHandler,
-    Threaded,
-    handler_kind,
-)
+from jobplane.workers.context import DEFAULT_EVENT_PAYLOAD_BYTES, Handler, JobContext
 from jobplane.workers.outcome import Escaped, check_result, describe, invoke
+from jobplane.workers.plain import SyncHandler, Threaded
+from jobplane.workers.registry import Registry, handler_kind
 from jobplane.workers.threads import HandlerThreads
 
 __all__ = ["HandlerError", "MemoryBlobs", "Outcome", "run_handler", "run_handler_sync"]

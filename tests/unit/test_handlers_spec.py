@@ -15,14 +15,9 @@ import pytest
 
 from jobplane.cli import main
 from jobplane.config import ConfigError, Settings
-from jobplane.workers.handlers import (
-    HandlersError,
-    JobContext,
-    Registry,
-    SyncJobContext,
-    Threaded,
-    load_registry,
-)
+from jobplane.workers.handlers import JobContext, Registry, SyncJobContext
+from jobplane.workers.loader import HandlersError, load_registry
+from jobplane.workers.plain import Threaded
 
 MODULES = {
     "jpspec_ok": """

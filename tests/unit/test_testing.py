@@ -196,6 +196,37 @@ def test_the_sync_context_has_every_attribute_of_the_async_one() -> None:
     assert sync_public - public == {"async_context"}
 
 
+async def test_each_attribute_of_the_sync_context_reads_its_namesake() -> None:
+    # The sync context declares its job attributes as getters of the async
+    # one's: each must read the attribute it is named after, and say what it does.
+    async def emits(ctx: JobContext) -> dict[str, Any]:
+        ctx.emit("report.rendered")
+        return {}
+
+    outcome = await run_handler(
+        emits,
+        "t.attributes",
+        {"rows": 1},
+        attempt=2,
+        max_attempts=5,
+        correlation_id="corr",
+        request_id="req",
+        pipeline="pipe",
+        pipeline_version="v1",
+        stage="render",
+        stage_version="v2",
+        inputs={"parse": {"n": 1}},
+    )
+    ctx = outcome.context
+    sync_ctx = SyncJobContext(ctx, asyncio.get_running_loop(), contextvars.copy_context())
+    attributes = [n for n, v in vars(JobContext).items() if isinstance(v, property)]
+    values = {n: getattr(ctx, n) for n in attributes}
+    assert len({repr(v) for v in values.values()}) == len(values), values  # tell them apart
+    for name in attributes:
+        assert getattr(sync_ctx, name) == values[name], name
+        assert getattr(SyncJobContext, name).__doc__, name
+
+
 async def _doubles(ctx: Any, n: int) -> dict[str, Any]:
     await ctx.progress(0.5)
     return {"n": n * 2}
