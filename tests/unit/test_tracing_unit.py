@@ -24,7 +24,7 @@ from opentelemetry.trace import NonRecordingSpan, SpanContext, StatusCode, Trace
 
 from jobplane import cli
 from jobplane.config import OTLP_GRPC_MODULE, ConfigError, Settings
-from jobplane.observe import tracing
+from jobplane.observe import trace_context, trace_server, trace_setup, tracing
 from jobplane.store.attempts import Attempt
 
 _HEADER_VALUES = st.one_of(
@@ -187,7 +187,7 @@ def test_binds_carry_the_current_span_and_drop_a_long_tracestate(
 @settings(deadline=None)  # timing is not what these check; shared machines are slow
 @given(st.lists(st.tuples(st.text(max_size=12), _HEADER_VALUES), max_size=5))
 def test_metadata_of_anything_extracts_without_raising(metadata: list[tuple[str, Any]]) -> None:
-    tracing._from_metadata(metadata)
+    trace_server._from_metadata(metadata)
 
 
 def _settings(**env: str) -> Settings:
@@ -345,7 +345,7 @@ def test_a_failure_is_kept_by_its_type_never_its_message(on: InMemorySpanExporte
 def test_the_sampler_says_whether_an_unsampled_trace_makes_spans(
     sampler: sampling.Sampler, skips: bool
 ) -> None:
-    assert tracing._drops_unsampled_children(sampler) is skips
+    assert trace_setup.drops_unsampled_children(sampler) is skips
 
 
 def _unsampled(trace_id: int, span_id: int) -> str:
@@ -432,8 +432,10 @@ def test_an_unsampled_context_carried_on_as_it_came_is_what_the_propagator_makes
         # Only what the propagator reads as a valid trace that is not sampled,
         # and exactly what it would have written back.
         assert tracing._unsampled(context)
-        assert passed == tracing._inject(context)
-        found = trace.get_current_span(tracing._remote(passed["traceparent"])).get_span_context()
+        assert passed == trace_context.inject(context)
+        found = trace.get_current_span(
+            trace_context.remote(passed["traceparent"])
+        ).get_span_context()
         assert found == trace.get_current_span(context).get_span_context()
 
 
@@ -511,9 +513,9 @@ def test_the_server_reads_a_callers_context_with_the_propagators_named(
     traced: bool,
     with_baggage: bool,
 ) -> None:
-    monkeypatch.setattr(tracing, "_CALLERS", tracing._propagator(names))
+    monkeypatch.setattr(tracing, "_CALLERS", trace_setup.propagator(names))
     metadata = [("traceparent", _parent(7, 9)), ("baggage", "order=o-1")]
-    context = tracing._from_metadata(metadata)
+    context = trace_server._from_metadata(metadata)
     found = trace.get_current_span(context).get_span_context()
     assert (found.is_valid and found.trace_id == 7) is traced
     assert (get_baggage("order", context) == "o-1") is with_baggage

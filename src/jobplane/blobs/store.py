@@ -18,6 +18,11 @@ Invariants (docs/adr/0020-blobs.md):
   meanwhile waits, and completes its object after the delete.
 - The tenant is always the caller's (the authenticated key, or the job row):
   a name only ever reaches that tenant's own key.
+
+The parts: :mod:`jobplane.blobs.s3` (the client's set-up, S3's failures),
+:mod:`jobplane.blobs.uploads` (the streamed upload and its limits) and
+:mod:`jobplane.blobs.names` (a blob's name); this module holds the rows and
+what joins them to the objects.
 """
 
 from __future__ import annotations
@@ -32,19 +37,25 @@ from typing import TYPE_CHECKING, Any
 
 import aioboto3
 import structlog
-from aiohttp import ClientError as HTTPClientError
-from botocore.config import Config
-from botocore.exceptions import BotoCoreError, ClientError
+from botocore.exceptions import ClientError
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from jobplane.blobs.names import blob_name, parse_blob_name, parse_digest
 from jobplane.blobs.reader import BlobInfo, BlobReader
+from jobplane.blobs.s3 import (
+    S3_DOWN,
+    S3Reader,
+    client_config,
+    ensure_bucket,
+    s3_errors,
+    unavailable,
+)
+from jobplane.blobs.uploads import Multipart, Parts, copy_object
 from jobplane.errors import (
     BlobInUse,
     BlobNotFound,
     BlobsDisabled,
-    BlobSizeMismatch,
     BlobStoreUnavailable,
     BlobTooLarge,
     DigestMismatch,
@@ -57,15 +68,12 @@ if TYPE_CHECKING:
 
     from jobplane.config import Settings
 
+__all__ = ["PART_BYTES", "S3_DOWN", "BlobStore", "unavailable"]
+
 log = structlog.get_logger("jobplane.blobs")
 
 #: Bytes of one multipart part (S3's least is 5 MiB, except the last).
 PART_BYTES = 8 * 1024 * 1024
-#: S3's largest single CopyObject; larger objects are copied in parts.
-_MAX_COPY_BYTES = 5 * 1024**3
-_COPY_PART_BYTES = 1024**3
-
-_NOT_FOUND_CODES = frozenset({"NoSuchKey", "404", "NotFound"})
 
 
 def _tenant(tenant_id: uuid.UUID | str) -> uuid.UUID:
@@ -77,37 +85,6 @@ def _digest_of(name: str) -> str:
         return parse_blob_name(name)
     except ValueError as exc:
         raise BlobNotFound(str(exc), field="name") from None
-
-
-def unavailable(exc: BaseException) -> BlobStoreUnavailable:
-    """The error to raise for an S3 failure."""
-    return BlobStoreUnavailable(f"the object store is unavailable: {describe_error(exc)}")
-
-
-#: What a call to S3 raises when S3 is down, slow or refuses: all retryable.
-S3_DOWN: tuple[type[BaseException], ...] = (
-    BotoCoreError,
-    HTTPClientError,
-    OSError,
-    asyncio.TimeoutError,
-)
-
-
-def _not_found(exc: ClientError) -> bool:
-    return str(exc.response.get("Error", {}).get("Code", "")) in _NOT_FOUND_CODES
-
-
-@contextlib.asynccontextmanager
-async def _s3_errors() -> AsyncIterator[None]:
-    """S3's failures as :class:`BlobStoreUnavailable` (a missing key is the caller's to map)."""
-    try:
-        yield
-    except ClientError as exc:
-        if _not_found(exc):
-            raise
-        raise unavailable(exc) from exc
-    except S3_DOWN as exc:
-        raise unavailable(exc) from exc
 
 
 _LOCK = text("SELECT pg_advisory_xact_lock(hashtextextended(:key, 0))")
@@ -172,14 +149,6 @@ def _info(row: Any) -> BlobInfo:
         content_type=row.content_type,
         created_at=row.created_at,
     )
-
-
-class _S3Reader(BlobReader):
-    """A :class:`BlobReader` of an S3 body: S3's failures as :class:`BlobStoreUnavailable`."""
-
-    async def read(self, n: int = -1) -> bytes:
-        async with _s3_errors():
-            return await super().read(n)
 
 
 class BlobStore:
@@ -277,84 +246,20 @@ class BlobStore:
         async with self._opening:
             ready = self._client
             if ready is None:
-                config = Config(
-                    # Each open download and upload holds one (the server caps
-                    # them per tenant); botocore's default of 10 is too few.
-                    max_pool_connections=64,
-                    connect_timeout=5,
-                    read_timeout=60,
-                    retries={"max_attempts": 3, "mode": "standard"},
-                    s3={"addressing_style": "path"},
-                    # Checksums only where S3 requires them: MinIO and other
-                    # S3-compatible servers do not all accept the newer ones.
-                    request_checksum_calculation="when_required",
-                    response_checksum_validation="when_required",
-                )
                 client = self._session.client(
                     "s3",
                     endpoint_url=self.url,
                     region_name=self._region,
                     aws_access_key_id=self._access_key_id,
                     aws_secret_access_key=self._secret_access_key,
-                    config=config,
+                    config=client_config(),
                 )
                 opened: S3Client = await self._stack.enter_async_context(client)
                 self._client = ready = opened
             if not self._bucket_ready:
-                await self._ensure_bucket(ready)
+                await ensure_bucket(ready, self.bucket, self._region, self.prefix)
                 self._bucket_ready = True
             return ready
-
-    async def _ensure_bucket(self, s3: S3Client) -> None:
-        async with _s3_errors():
-            try:
-                await s3.head_bucket(Bucket=self.bucket)
-            except ClientError as exc:
-                if not _not_found(exc):
-                    raise
-            else:
-                return
-            try:
-                if self._region == "us-east-1":
-                    await s3.create_bucket(Bucket=self.bucket)
-                else:
-                    await s3.create_bucket(
-                        Bucket=self.bucket,
-                        CreateBucketConfiguration={"LocationConstraint": self._region},  # type: ignore[typeddict-item]
-                    )
-                log.info("blobs.bucket.created", bucket=self.bucket)
-            except ClientError as exc:
-                code = exc.response.get("Error", {}).get("Code", "")
-                if code not in ("BucketAlreadyOwnedByYou", "BucketAlreadyExists"):
-                    raise
-                return
-            await self._expire_abandoned_uploads(s3)
-
-    async def _expire_abandoned_uploads(self, s3: S3Client) -> None:
-        """On a bucket this store made: abort multipart uploads left unfinished for a day.
-
-        A server that dies mid-upload cannot abort its upload; the object store
-        would keep its parts (and bill them) for ever. A bucket made elsewhere
-        keeps the lifecycle rules its owner gave it (docs: ADR-0020).
-        """
-        try:
-            await s3.put_bucket_lifecycle_configuration(
-                Bucket=self.bucket,
-                LifecycleConfiguration={
-                    "Rules": [
-                        {
-                            "ID": "jobplane-abort-abandoned-uploads",
-                            "Status": "Enabled",
-                            "Filter": {"Prefix": self.prefix},
-                            "AbortIncompleteMultipartUpload": {"DaysAfterInitiation": 1},
-                        }
-                    ]
-                },
-            )
-        except ClientError as exc:  # a server without lifecycle rules: uploads still work
-            log.warning("blobs.bucket.lifecycle_refused", bucket=self.bucket, error=str(exc))
-
-    # -- rows ---------------------------------------------------------------
 
     @contextlib.asynccontextmanager
     async def _locked(self, tenant_id: uuid.UUID, digest: str) -> AsyncIterator[AsyncConnection]:
@@ -464,106 +369,51 @@ class BlobStore:
         # S3 takes at most 10,000 parts: a larger blob needs larger parts.
         part_bytes = max(self.part_bytes, -(-(size or self.max_blob_bytes) // 10_000))
         s3 = await self._s3()
-        upload = _Multipart(s3, self.bucket, self.key(tenant, digest) if digest else None)
-        hasher = hashlib.sha256()
-        # The chunks of the part being gathered: joined once, when a part is full.
-        held: list[bytes] = []
-        held_bytes = 0
-        total = 0
+        upload = Multipart(s3, self.bucket, self.key(tenant, digest) if digest else None)
+        parts = Parts(max_bytes=self.max_blob_bytes, size=size, part_bytes=part_bytes)
         try:
             async for chunk in chunks:
-                total += len(chunk)
-                if total > self.max_blob_bytes:
-                    # The bytes are at fault (UploadBlob's chunks), as the
-                    # declared size is when it says too much.
-                    raise BlobTooLarge(
-                        f"the blob is larger than {self.max_blob_bytes} bytes", field="chunk"
-                    )
-                if size is not None and total > size:
-                    raise BlobSizeMismatch(
-                        f"the blob has more than the declared {size} bytes", field="size"
-                    )
-                hasher.update(chunk)
-                held.append(chunk)
-                held_bytes += len(chunk)
-                if held_bytes >= part_bytes:
+                part = parts.add(chunk)
+                if part is not None:
                     if upload.key is None:
                         upload.key = self._staging_key(tenant)
-                    part = b"".join(held)
-                    held.clear()
-                    held_bytes = 0
                     await upload.part(part, ctype)
-                    del part
-            if size is not None and total != size:
-                raise BlobSizeMismatch(
-                    f"the blob has {total} bytes, not the declared {size}", field="size"
-                )
-            actual = hasher.hexdigest()
-            if digest is not None and actual != digest:
-                raise DigestMismatch(
-                    f"the bytes have sha256 {actual}, not the declared {digest}", field="sha256"
-                )
-            final = self.key(tenant, actual)
-            if not upload.started:
-                # Small: one PUT of what is held (less than a part).
-                async with self._locked(tenant, actual) as conn:
-                    async with _s3_errors():
-                        await s3.put_object(
-                            Bucket=self.bucket, Key=final, Body=b"".join(held), ContentType=ctype
-                        )
-                    return await self._insert(conn, tenant, actual, total, ctype)
-            if held:
-                part = b"".join(held)
-                held.clear()
-                await upload.part(part, ctype)
-            if upload.key == final:
-                async with self._locked(tenant, actual) as conn:
-                    await upload.complete()
-                    return await self._insert(conn, tenant, actual, total, ctype)
-            # Streamed without a declared digest: complete under a staging
-            # key, then copy to the name the bytes turned out to have.
-            await upload.complete()
-            async with self._locked(tenant, actual) as conn:
-                await self._copy(s3, upload.key or "", final, total, ctype)
-                return await self._insert(conn, tenant, actual, total, ctype)
+                    del part  # not held while the next chunk comes
+            return await self._complete(s3, upload, parts, tenant, parts.digest(digest), ctype)
         finally:
             await upload.discard()
 
-    async def _copy(self, s3: S3Client, source: str, key: str, size: int, ctype: str) -> None:
-        src = {"Bucket": self.bucket, "Key": source}
-        async with _s3_errors():
-            if size <= _MAX_COPY_BYTES:
-                await s3.copy_object(Bucket=self.bucket, Key=key, CopySource=src)  # type: ignore[arg-type]
-                return
-            created = await s3.create_multipart_upload(
-                Bucket=self.bucket, Key=key, ContentType=ctype
-            )
-            upload_id = created["UploadId"]
-            try:
-                parts = []
-                for number, start in enumerate(range(0, size, _COPY_PART_BYTES), start=1):
-                    end = min(start + _COPY_PART_BYTES, size) - 1
-                    copied = await s3.upload_part_copy(
-                        Bucket=self.bucket,
-                        Key=key,
-                        UploadId=upload_id,
-                        PartNumber=number,
-                        CopySource=src,  # type: ignore[arg-type]
-                        CopySourceRange=f"bytes={start}-{end}",
+    async def _complete(
+        self,
+        s3: S3Client,
+        upload: Multipart,
+        parts: Parts,
+        tenant: uuid.UUID,
+        digest: str,
+        ctype: str,
+    ) -> BlobInfo:
+        """Every chunk came: the object under the blob's name, then its row."""
+        final = self.key(tenant, digest)
+        if not upload.started:
+            # Small: one PUT of what is held (less than a part).
+            async with self._locked(tenant, digest) as conn:
+                async with s3_errors():
+                    await s3.put_object(
+                        Bucket=self.bucket, Key=final, Body=parts.rest(), ContentType=ctype
                     )
-                    parts.append({"PartNumber": number, "ETag": copied["CopyPartResult"]["ETag"]})
-                await s3.complete_multipart_upload(
-                    Bucket=self.bucket,
-                    Key=key,
-                    UploadId=upload_id,
-                    MultipartUpload={"Parts": parts},  # type: ignore[typeddict-item]
-                )
-            except BaseException:
-                with contextlib.suppress(Exception):
-                    await s3.abort_multipart_upload(Bucket=self.bucket, Key=key, UploadId=upload_id)
-                raise
-
-    # -- reads --------------------------------------------------------------
+                return await self._insert(conn, tenant, digest, parts.total, ctype)
+        if parts.holding:
+            await upload.part(parts.rest(), ctype)
+        if upload.key == final:
+            async with self._locked(tenant, digest) as conn:
+                await upload.complete()
+                return await self._insert(conn, tenant, digest, parts.total, ctype)
+        # Streamed without a declared digest: complete under a staging
+        # key, then copy to the name the bytes turned out to have.
+        await upload.complete()
+        async with self._locked(tenant, digest) as conn:
+            await copy_object(s3, self.bucket, upload.key or "", final, parts.total, ctype)
+            return await self._insert(conn, tenant, digest, parts.total, ctype)
 
     @contextlib.asynccontextmanager
     async def open(self, tenant_id: uuid.UUID | str, name: str) -> AsyncIterator[BlobReader]:
@@ -575,7 +425,7 @@ class BlobStore:
         info = await self.stat(tenant_id, name)
         s3 = await self._s3()
         try:
-            async with _s3_errors():
+            async with s3_errors():
                 got = await s3.get_object(Bucket=self.bucket, Key=self.key(tenant_id, info.digest))
         except ClientError as exc:
             # Deleted since the row was read (the row goes first): not found.
@@ -589,7 +439,7 @@ class BlobStore:
             ) from None
         body = got["Body"]
         try:
-            yield _S3Reader(info, body)
+            yield S3Reader(info, body)
         finally:
             body.close()
 
@@ -692,7 +542,7 @@ class BlobStore:
                     await conn.execute(_DELETE_ROW, params)
                 s3 = await self._s3()
                 try:
-                    async with _s3_errors():
+                    async with s3_errors():
                         await s3.delete_object(Bucket=self.bucket, Key=self.key(tenant, digest))
                 except Exception as exc:
                     # The row is gone: the object is an orphan, never served
@@ -718,14 +568,14 @@ class BlobStore:
         await self._delete_keys(s3, [self.key(tenant_id, d) for d in digests])
 
     async def _list_keys(self, s3: S3Client, prefix: str) -> AsyncIterator[str]:
-        async with _s3_errors():
+        async with s3_errors():
             paginator = s3.get_paginator("list_objects_v2")
             async for page in paginator.paginate(Bucket=self.bucket, Prefix=prefix):
                 for item in page.get("Contents", []):
                     yield item["Key"]
 
     async def _delete_keys(self, s3: S3Client, keys: Sequence[str]) -> None:
-        async with _s3_errors():
+        async with s3_errors():
             for start in range(0, len(keys), 1000):
                 batch = [{"Key": k} for k in keys[start : start + 1000]]
                 await s3.delete_objects(
@@ -736,64 +586,3 @@ class BlobStore:
 
 def _lock_key(tenant_id: uuid.UUID, digest: str) -> str:
     return f"blob:{tenant_id}:{digest}"
-
-
-class _Multipart:
-    """One multipart upload, started at its first part; aborted unless completed."""
-
-    def __init__(self, s3: S3Client, bucket: str, key: str | None) -> None:
-        self._s3 = s3
-        self._bucket = bucket
-        self.key = key
-        self._upload_id: str | None = None
-        self._parts: list[dict[str, Any]] = []
-        self._completed = False
-
-    @property
-    def started(self) -> bool:
-        return self._upload_id is not None
-
-    async def part(self, data: bytes, content_type: str) -> None:
-        assert self.key is not None
-        async with _s3_errors():
-            if self._upload_id is None:
-                created = await self._s3.create_multipart_upload(
-                    Bucket=self._bucket, Key=self.key, ContentType=content_type
-                )
-                self._upload_id = created["UploadId"]
-            number = len(self._parts) + 1
-            sent = await self._s3.upload_part(
-                Bucket=self._bucket,
-                Key=self.key,
-                UploadId=self._upload_id,
-                PartNumber=number,
-                Body=data,
-            )
-        self._parts.append({"PartNumber": number, "ETag": sent["ETag"]})
-
-    async def complete(self) -> None:
-        assert self.key is not None and self._upload_id is not None
-        async with _s3_errors():
-            await self._s3.complete_multipart_upload(
-                Bucket=self._bucket,
-                Key=self.key,
-                UploadId=self._upload_id,
-                MultipartUpload={"Parts": self._parts},  # type: ignore[typeddict-item]
-            )
-        self._completed = True
-
-    async def discard(self) -> None:
-        """Abort the upload when it was not completed; delete a completed staging object."""
-        if self._upload_id is None or self.key is None:
-            return
-        try:
-            if not self._completed:
-                await asyncio.shield(
-                    self._s3.abort_multipart_upload(
-                        Bucket=self._bucket, Key=self.key, UploadId=self._upload_id
-                    )
-                )
-            elif "/staging/" in self.key:
-                await asyncio.shield(self._s3.delete_object(Bucket=self._bucket, Key=self.key))
-        except Exception as exc:  # a leftover part or staging object, not an error to raise
-            log.warning("blobs.upload.leftover", key=self.key, error=describe_error(exc))
