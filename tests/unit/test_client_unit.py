@@ -976,7 +976,7 @@ async def test_a_repeatable_call_is_repeated_until_its_deadline(
     # A database failover makes the server answer UNAVAILABLE for seconds,
     # not for three quick repeats.
     monkeypatch.setattr(
-        "jobplane.client.aio._UNARY_RETRY",
+        "jobplane.client._channel.UNARY_RETRY",
         RetryPolicy(initial_delay=0.001, max_delay=0.02, max_elapsed=None, jitter=0),
     )
     client = AsyncClient("127.0.0.1:1", "key", timeout=5.0)
