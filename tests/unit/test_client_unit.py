@@ -37,6 +37,7 @@ from jobplane.client import (
     WatchSequenceError,
     cli,
 )
+from jobplane.client._cli_render import state_text
 from jobplane.client._errors import error_from_rpc, is_retryable, is_transient
 from jobplane.client._retry import Backoff, EventCursor
 from jobplane.convert import event_to_pb
@@ -836,8 +837,8 @@ def test_get_and_list_show_why_a_job_waits_by_its_code() -> None:
     )
     shown = _fields(cli.job_details(waiting))
     assert shown["waiting"] == "UNROUTABLE: no queue is bound for routing key 'demo.echo'"
-    assert cli._state_text(waiting) == "queued [dim](UNROUTABLE)[/dim]"
-    assert cli._state_text(job(JobState.QUEUED)) == "queued"
+    assert state_text(waiting) == "queued [dim](UNROUTABLE)[/dim]"
+    assert state_text(job(JobState.QUEUED)) == "queued"
 
 
 def test_details_and_event_lines_show_a_pipeline_jobs_stages() -> None:
