@@ -343,6 +343,7 @@ def _jsonable(value: Any) -> Any:
 
 
 def state_text(job: Job) -> str:
+    """The STATE cell of ``list`` on a terminal (rich markup): coloured, with a waiting code."""
     style = {
         JobState.SUCCEEDED: "green",
         JobState.FAILED: "red",
