@@ -1,25 +1,18 @@
-"""The blocking client: an :class:`AsyncClient` driven on a private event loop."""
+"""The blocking client: an :class:`AsyncClient` driven on a private event loop.
+
+The loop's thread and the bridge to it are in ``_loop``; this module holds the
+client, its subscriptions, and what keeps a client working across fork().
+"""
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-import enum
 import os
 import threading
 import time
 import uuid
 import weakref
-from collections.abc import (
-    AsyncGenerator,
-    AsyncIterator,
-    Coroutine,
-    Generator,
-    Iterable,
-    Iterator,
-    Mapping,
-    Sequence,
-)
+from collections.abc import AsyncGenerator, Generator, Iterable, Mapping, Sequence
 from datetime import datetime, timedelta
 from types import TracebackType
 from typing import IO, Any, Self, TypeVar
@@ -27,6 +20,7 @@ from typing import IO, Any, Self, TypeVar
 import grpc
 
 from jobplane.client._blobs import Source
+from jobplane.client._loop import BEGUN_BEFORE_FORK, CutByFork, End, LoopThread, next_item
 from jobplane.client._retry import RetryPolicy
 from jobplane.client.aio import (
     DEFAULT_ADDRESS,
@@ -38,233 +32,15 @@ from jobplane.client.aio import (
 from jobplane.client.batch import MAX_BATCH_SIZE, JobSpec
 from jobplane.client.subscription import EventSubscription, SubscribedEvent, SubscribeStart
 from jobplane.client.tls import ClientTLS
-from jobplane.errors import JobplaneError, Unavailable
 from jobplane.events.envelope import Event
 from jobplane.types import Blob, BlobPage, Job, JobEvent, JobPage, JobState
 
 T = TypeVar("T")
 
-# How long an interrupted call may take to wind down on the loop.
-_CANCEL_GRACE = 5.0
-# Longest uninterruptible wait for a result.
-_POLL = 0.25
 # How long fork() waits for calls other threads have in flight on a client
 # before closing its channel under them.
 _FORK_GRACE = 5.0
 
-
-class _End(enum.Enum):
-    END = enum.auto()
-
-
-class _CutByFork(Exception):
-    """A resumable call's loop was stopped by fork(): run it again on the client's new one."""
-
-
-async def _next(agen: AsyncIterator[T]) -> T | _End:
-    # StopAsyncIteration must not cross the thread boundary as an exception:
-    # the future would report it, but it is not a failure.
-    try:
-        return await anext(agen)
-    except StopAsyncIteration:
-        return _End.END
-
-
-class _LoopThread:
-    """An event loop running in a daemon thread, started on first use."""
-
-    def __init__(self, *, stopped: bool = False) -> None:
-        self._lock = threading.Lock()
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
-        self._stopped = stopped
-        # Why calls are refused once stopped.
-        self._stopped_because = "the client has been closed"
-        # Set in a forked child: the thread is the parent's, gone here.
-        self._forked = False
-        # Calls of other threads waiting for their result (not a stream's
-        # steps), which a fork lets finish before it closes the channel.
-        self._calls = 0
-        self._idle = threading.Condition()
-        # Long polls on the loop (Client.wait): a fork cuts them short at
-        # once, then waits for their threads to let go of the old channel.
-        self._polls = 0
-        # Set when a fork is closing the channel: a call that fails after it
-        # failed for the fork.
-        self._forking = False
-
-    @property
-    def started(self) -> bool:
-        """True once the loop's thread has been started (stopped or not)."""
-        return self._loop is not None
-
-    @property
-    def running(self) -> bool:
-        """True between the first :meth:`run` and :meth:`stop`."""
-        return self._loop is not None and not self._stopped
-
-    @property
-    def in_loop_thread(self) -> bool:
-        """True when called from the loop's own thread."""
-        return self._thread is not None and threading.current_thread() is self._thread
-
-    def _ensure(self) -> asyncio.AbstractEventLoop:
-        with self._lock:
-            if self._stopped:
-                raise RuntimeError(self._stopped_because)
-            if self._loop is None:
-                loop = asyncio.new_event_loop()
-                ready = threading.Event()
-                thread = threading.Thread(
-                    target=self._main, args=(loop, ready), name="jobplane-client", daemon=True
-                )
-                thread.start()
-                ready.wait()
-                self._loop, self._thread = loop, thread
-            return self._loop
-
-    @staticmethod
-    def _main(loop: asyncio.AbstractEventLoop, ready: threading.Event) -> None:
-        asyncio.set_event_loop(loop)
-        loop.call_soon(ready.set)
-        try:
-            loop.run_forever()
-        finally:
-            # Whatever is still pending (e.g. a watch the caller abandoned)
-            # is cancelled and finalised here, not by the garbage collector.
-            pending = asyncio.all_tasks(loop)
-            for task in pending:
-                task.cancel()
-            loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
-            loop.run_until_complete(loop.shutdown_asyncgens())
-            loop.run_until_complete(loop.shutdown_default_executor())
-            loop.close()
-
-    def run(self, coro: Coroutine[Any, Any, T], *, call: bool = True, resumable: bool = False) -> T:
-        """Run ``coro`` on the loop and return its result in the calling thread.
-
-        ``call``: a call a fork waits for (:meth:`settle`); a stream's next
-        item, which may never come, is not one. ``resumable``: a long poll
-        (:meth:`Client.wait`) the caller runs again when a fork cuts it
-        short, told by :class:`_CutByFork`; the fork does not wait for it.
-        """
-        if self._forked:
-            # Its thread did not survive fork(): waiting for it would hang.
-            coro.close()
-            raise RuntimeError(_BEGUN_BEFORE_FORK)
-        if self.in_loop_thread:
-            coro.close()
-            raise RuntimeError("a blocking client call was made from its own event loop")
-        try:
-            loop = self._ensure()
-        except RuntimeError as exc:
-            coro.close()
-            if resumable and self._forking:
-                raise _CutByFork from exc
-            if call and self._forking:
-                # Begun on the loop a fork was stopping: as a call it cut.
-                raise Unavailable(_CUT_BY_FORK) from exc
-            raise
-        finished = threading.Event()
-
-        async def guarded() -> T:
-            try:
-                return await coro
-            finally:
-                finished.set()
-
-        future = asyncio.run_coroutine_threadsafe(guarded(), loop)
-        if call:
-            with self._idle:
-                self._calls += 1
-        try:
-            # Waiting in slices keeps Ctrl-C working where a lock wait cannot
-            # be interrupted (Windows, or a signal taken by another thread).
-            while True:
-                try:
-                    return future.result(timeout=_POLL)
-                except TimeoutError:
-                    # Also what a coroutine that timed out raises: tell the two apart.
-                    if future.done():
-                        return future.result()
-        except Exception as exc:
-            if resumable and self._forking:
-                # Whatever it failed with (the channel closed under it, the
-                # loop stopped), the fork caused it.
-                raise _CutByFork from exc
-            if isinstance(exc, JobplaneError):
-                raise
-            if self._forking:
-                # Whatever gRPC or the loop raised for a channel closed under
-                # the call (channel closed, cancelled): for a call, the one
-                # retryable error a caller already handles; for a stream, what
-                # its next step after the fork says too.
-                if call:
-                    raise Unavailable(_CUT_BY_FORK) from exc
-                raise RuntimeError(_BEGUN_BEFORE_FORK) from exc
-            raise
-        except BaseException:
-            if not future.done():
-                # Interrupted while waiting (KeyboardInterrupt): cancel the
-                # call and let it unwind before the caller goes on.
-                future.cancel()
-                finished.wait(_CANCEL_GRACE)
-            raise
-        finally:
-            if call:
-                with self._idle:
-                    self._calls -= 1
-                    self._idle.notify_all()
-
-    def settle(self, timeout: float) -> None:
-        """Wait up to ``timeout`` seconds for the calls in flight to end; those
-        still running after it are cut short (:class:`Unavailable`) by the stop."""
-        self._forking = True
-        with self._idle:
-            self._idle.wait_for(lambda: self._calls == 0, timeout)
-
-    @contextlib.contextmanager
-    def polling(self) -> Iterator[None]:
-        """Count a long poll run on the loop for :meth:`release` while the block runs."""
-        with self._idle:
-            self._polls += 1
-        try:
-            yield
-        finally:
-            with self._idle:
-                self._polls -= 1
-                self._idle.notify_all()
-
-    def release(self, timeout: float) -> None:
-        """After :meth:`stop`, wait up to ``timeout`` seconds for the polls it cut short to end."""
-        with self._idle:
-            self._idle.wait_for(lambda: self._polls == 0, timeout)
-
-    def forked(self) -> None:
-        """Mark this loop as the parent's, in a forked child: no call may wait for it."""
-        self._forked = True
-
-    def stop(self, because: str | None = None) -> None:
-        """Stop the loop and join its thread. Safe to call twice."""
-        if self._forked:
-            return
-        with self._lock:
-            if self._stopped:
-                return
-            self._stopped = True
-            self._stopped_because = because or self._stopped_because
-            loop, thread = self._loop, self._thread
-        if loop is None or thread is None:
-            return
-        loop.call_soon_threadsafe(loop.stop)
-        if not self.in_loop_thread:
-            thread.join()
-
-
-_CUT_BY_FORK = "the call was cut short by fork(), which closed the client's channel; retry it"
-_BEGUN_BEFORE_FORK = (
-    "a watch, subscription or page iteration begun before fork() cannot go on; start it again"
-)
 
 # The blocking clients of this process. gunicorn --preload, Celery's prefork
 # pool and multiprocessing's fork start method fork a process that may hold
@@ -281,7 +57,7 @@ _not_forking.set()
 # What a child inherited still open (a call began in another thread while the
 # process forked): never used nor closed there, as closing a channel shuts
 # down sockets the parent still reads.
-_inherited: list[tuple[AsyncClient, _LoopThread]] = []
+_inherited: list[tuple[AsyncClient, LoopThread]] = []
 
 
 def _close_before_fork() -> None:
@@ -355,7 +131,7 @@ class Client:
             tracing=tracing,
             interceptors=interceptors,
         )
-        self._loop = _LoopThread()
+        self._loop = LoopThread()
         self._tracing = tracing
         self._interceptors = tuple(interceptors)
         _clients.add(self)
@@ -383,12 +159,12 @@ class Client:
         loop.settle(_FORK_GRACE)
         with contextlib.suppress(Exception):
             loop.run(self._async.close(), call=False)
-        loop.stop(_BEGUN_BEFORE_FORK)
+        loop.stop(BEGUN_BEFORE_FORK)
         # The error a cut wait raised holds the old channel's call, and
         # gRPC's poller thread runs until the channel is freed: a child
         # forked with it running crashes. Their threads let go at once.
         loop.release(_FORK_GRACE)
-        self._async, self._loop = self._fresh(self._async), _LoopThread()
+        self._async, self._loop = self._fresh(self._async), LoopThread()
 
     def _renew_in_child(self) -> None:
         """In a forked child, leave what is still open to the parent and start over."""
@@ -397,7 +173,7 @@ class Client:
             return
         loop.forked()
         _inherited.append((old, loop))
-        self._async, self._loop = self._fresh(old), _LoopThread(stopped=loop._stopped)
+        self._async, self._loop = self._fresh(old), LoopThread(stopped=loop._stopped)
 
     @classmethod
     def from_env(
@@ -569,7 +345,7 @@ class Client:
                         call=False,
                         resumable=True,
                     )
-                except _CutByFork:
+                except CutByFork:
                     # Let go of the error (it holds the old channel) before
                     # the fork is told this wait is out of the way.
                     pass
@@ -653,11 +429,11 @@ class Client:
         return _pulled(self._loop, agen)
 
 
-def _pulled(loop: _LoopThread, agen: AsyncGenerator[T, None]) -> Generator[T, None, None]:
+def _pulled(loop: LoopThread, agen: AsyncGenerator[T, None]) -> Generator[T, None, None]:
     try:
         while True:
-            item = loop.run(_next(agen), call=False)
-            if item is _End.END:
+            item = loop.run(next_item(agen), call=False)
+            if item is End.END:
                 return
             yield item
     finally:
@@ -676,7 +452,7 @@ class BlockingSubscription:
     stream.
     """
 
-    def __init__(self, loop: _LoopThread, subscription: EventSubscription) -> None:
+    def __init__(self, loop: LoopThread, subscription: EventSubscription) -> None:
         self._loop = loop
         self._subscription = subscription
         self._done = False
@@ -701,11 +477,11 @@ class BlockingSubscription:
         if self._done:
             raise StopIteration
         try:
-            item = self._loop.run(_next(self._subscription), call=False)
+            item = self._loop.run(next_item(self._subscription), call=False)
         except BaseException:
             self.close()
             raise
-        if item is _End.END:
+        if item is End.END:
             self._done = True
             raise StopIteration
         return item

@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from jobplane.client import AsyncClient, Unavailable, _blobs, aio
+from jobplane.client import AsyncClient, Unavailable, _blob_calls, _blobs
 from jobplane.client._blobs import Source
 from jobplane.v1 import blobs_pb2
 
@@ -29,7 +29,7 @@ async def test_an_upload_of_bytes_is_repeated_until_the_deadline(
         attempts += 1
         return real(source, content_type)
 
-    monkeypatch.setattr(aio, "upload_requests", counted)
+    monkeypatch.setattr(_blob_calls, "upload_requests", counted)
     async with AsyncClient("127.0.0.1:1", "key", timeout=0.6) as client:
         started = time.monotonic()
         with pytest.raises(Unavailable):

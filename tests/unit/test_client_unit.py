@@ -37,6 +37,7 @@ from jobplane.client import (
     WatchSequenceError,
     cli,
 )
+from jobplane.client._cli_render import state_text
 from jobplane.client._errors import error_from_rpc, is_retryable, is_transient
 from jobplane.client._retry import Backoff, EventCursor
 from jobplane.convert import event_to_pb
@@ -836,8 +837,8 @@ def test_get_and_list_show_why_a_job_waits_by_its_code() -> None:
     )
     shown = _fields(cli.job_details(waiting))
     assert shown["waiting"] == "UNROUTABLE: no queue is bound for routing key 'demo.echo'"
-    assert cli._state_text(waiting) == "queued [dim](UNROUTABLE)[/dim]"
-    assert cli._state_text(job(JobState.QUEUED)) == "queued"
+    assert state_text(waiting) == "queued [dim](UNROUTABLE)[/dim]"
+    assert state_text(job(JobState.QUEUED)) == "queued"
 
 
 def test_details_and_event_lines_show_a_pipeline_jobs_stages() -> None:
@@ -976,7 +977,7 @@ async def test_a_repeatable_call_is_repeated_until_its_deadline(
     # A database failover makes the server answer UNAVAILABLE for seconds,
     # not for three quick repeats.
     monkeypatch.setattr(
-        "jobplane.client.aio._UNARY_RETRY",
+        "jobplane.client._channel.UNARY_RETRY",
         RetryPolicy(initial_delay=0.001, max_delay=0.02, max_elapsed=None, jitter=0),
     )
     client = AsyncClient("127.0.0.1:1", "key", timeout=5.0)

@@ -9,7 +9,7 @@ import math
 import pytest
 from google.protobuf import duration_pb2, struct_pb2
 
-from jobplane.client.aio import _CHANNEL_OPTIONS, MAX_RECEIVE_BYTES
+from jobplane.client._channel import _CHANNEL_OPTIONS, MAX_RECEIVE_BYTES
 from jobplane.config import MAX_PAYLOAD_BYTES_LIMIT, ConfigError, Settings
 from jobplane.convert import dict_from_struct, seconds_from_duration, struct_from_dict
 from jobplane.errors import InvalidArgument, shown
