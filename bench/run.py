@@ -49,7 +49,7 @@ from bench.handlers import MAX_ROUNDS
 from jobplane import broker
 from jobplane.blobs.store import PART_BYTES
 from jobplane.client import AsyncClient
-from jobplane.store import attempts, job_reads, outbox, sweeps
+from jobplane.store import claims, job_reads, outbox, sweeps
 from jobplane.store import events as events_store
 from jobplane.store.engine import asyncpg_dsn, create_engine, migrate
 from jobplane.store.keys import KeyStore
@@ -1165,7 +1165,7 @@ async def check_plans(bench: Bench) -> None:
             {"ids": [job_id], "tenants": [tenant], "afters": [0], "limit": 500},
         ),
         "worker claim": (
-            MACHINE.statement(Transition.CLAIM, attempts._CLAIMED),
+            MACHINE.statement(Transition.CLAIM, claims.CLAIMED),
             MACHINE.prepare(
                 Transition.CLAIM,
                 {
