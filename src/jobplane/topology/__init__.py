@@ -31,7 +31,6 @@ checking a topology file) and :mod:`~jobplane.topology.on_broker`
 from __future__ import annotations
 
 from jobplane.topology.model import (
-    PRIORITIES,
     PipelineSpec,
     QueueSpec,
     StageSpec,
@@ -49,7 +48,13 @@ from jobplane.topology.on_broker import (
     log,
     until_declared,
 )
-from jobplane.topology.parse import BUILTIN, MAX_STAGES, load_topology, parse_topology
+from jobplane.topology.parse import (
+    BUILTIN,
+    MAX_STAGES,
+    PRIORITIES,
+    load_topology,
+    parse_topology,
+)
 
 __all__ = [
     "BUILTIN",

@@ -6,9 +6,6 @@ from dataclasses import dataclass, field, replace
 
 from jobplane.topics import EVENTS_EXCHANGE, topic_matches
 
-#: A queue's ``priority``, highest first (what it means: jobplane.workers.priority).
-PRIORITIES = ("high", "normal", "low")
-
 
 class TopologyError(ValueError):
     """The topology file is not valid."""
@@ -26,7 +23,7 @@ class QueueSpec:
     bindings: tuple[str, ...]
     delivery_limit: int = 5
     max_attempts: int = 3
-    #: One of PRIORITIES: how a worker orders its slots (jobplane.workers.priority).
+    #: One of PRIORITIES (in parse.py): how a worker orders its slots (jobplane.workers.priority).
     priority: str = "normal"
     # Defaults for jobs of this queue: attempt timeout, and the backoff of
     # retries (exponential from retry_base_delay, capped, with jitter).

@@ -13,7 +13,6 @@ from jobplane.config import check_log_prefix
 from jobplane.names import is_job_type
 from jobplane.topics import EVENTS_EXCHANGE
 from jobplane.topology.model import (
-    PRIORITIES,
     PipelineSpec,
     QueueSpec,
     StageSpec,
@@ -21,6 +20,8 @@ from jobplane.topology.model import (
     TopologyError,
 )
 
+#: A queue's ``priority``, highest first (what it means: jobplane.workers.priority).
+PRIORITIES = ("high", "normal", "low")
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,200}$")
 _PATTERN = re.compile(r"^(\*|#|[a-z0-9_-]+)(\.(\*|#|[a-z0-9_-]+))*$")
 
