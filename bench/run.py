@@ -49,9 +49,8 @@ from bench.handlers import MAX_ROUNDS
 from jobplane import broker
 from jobplane.blobs.store import PART_BYTES
 from jobplane.client import AsyncClient
-from jobplane.store import attempts, outbox, sweeps
+from jobplane.store import claims, job_reads, outbox, sweeps
 from jobplane.store import events as events_store
-from jobplane.store import jobs as job_store
 from jobplane.store.engine import asyncpg_dsn, create_engine, migrate
 from jobplane.store.keys import KeyStore
 from jobplane.store.machine import MACHINE, Cause, Transition
@@ -1162,11 +1161,11 @@ async def check_plans(bench: Bench) -> None:
             {"after": 600.0, "limit": 1000, "cursor": uuid.UUID(int=0)},
         ),
         "watch read": (
-            job_store._READ_STREAMS,
+            job_reads.READ_STREAMS,
             {"ids": [job_id], "tenants": [tenant], "afters": [0], "limit": 500},
         ),
         "worker claim": (
-            MACHINE.statement(Transition.CLAIM, attempts._CLAIMED),
+            MACHINE.statement(Transition.CLAIM, claims.CLAIMED),
             MACHINE.prepare(
                 Transition.CLAIM,
                 {

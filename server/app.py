@@ -28,8 +28,8 @@ from jobplane.server.events import EventService
 from jobplane.server.limits import TenantLimiter, TenantLimits
 from jobplane.server.service import MAX_BATCH_REQUEST_BYTES, JobService, max_request_bytes
 from jobplane.server.servicer import EventServiceServicer, JobServiceServicer
+from jobplane.server.worker_protocol import WorkerService
 from jobplane.server.worker_servicer import WorkerServiceServicer
-from jobplane.server.workers import WorkerService
 from jobplane.store.attempts import AttemptStore
 from jobplane.store.db import Database
 from jobplane.store.deployment import this_deployment

@@ -1,33 +1,23 @@
-"""The job service: request validation and the rules of each call.
+"""The job service: the rules of each call.
 
 Servicers translate protobuf to these calls and back; nothing here knows gRPC.
+A submit request's checks are :mod:`jobplane.server.job_requests`, the list's
+page tokens :mod:`jobplane.server.page_tokens`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import base64
-import binascii
-import hashlib
-import json
-import math
-import re
 import uuid
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass, field
-from datetime import UTC, datetime
-from typing import TYPE_CHECKING, Any
+from datetime import datetime
+from typing import TYPE_CHECKING
 
 from jobplane.batcher import Batcher
-from jobplane.blobs.names import parse_blob_name, referenced_digests
-from jobplane.config import MAX_OFFLOADED_JSON_BYTES
 from jobplane.errors import (
-    BlobNotFound,
     BlobReferenceNotFound,
-    BlobsDisabled,
     InvalidArgument,
     JobplaneError,
-    PayloadTooLarge,
     UnroutableJobType,
     at_item,
     shown,
@@ -35,46 +25,55 @@ from jobplane.errors import (
 from jobplane.names import parse_job_name, validate_job_type
 from jobplane.observe.metrics import NO_METRICS, Metrics
 from jobplane.server.feeds import FeedHub
-from jobplane.store.jobs import JobStore, ListCursor, NewJob, pipeline_stages
+from jobplane.server.job_requests import (
+    MAX_ATTEMPTS_LIMIT,
+    MAX_BATCH_REQUEST_BYTES,
+    MAX_BATCH_SUBMIT,
+    MAX_CORRELATION_ID_BYTES,
+    MAX_PAYLOAD_DEPTH,
+    MAX_REQUEST_ID_LENGTH,
+    MAX_TIMEOUT_SECONDS,
+    MIN_TIMEOUT_SECONDS,
+    STRUCT_BYTES_PER_JSON_BYTE,
+    SubmitRequest,
+    check_blobs,
+    check_id,
+    check_labels,
+    check_payload,
+    max_request_bytes,
+    pipeline_job,
+)
+from jobplane.server.page_tokens import decode_token, encode_token, extra_filters, filter_key
+from jobplane.store.jobs import JobStore, ListCursor, NewJob
 from jobplane.store.listen import Listener
 from jobplane.store.rows import check_payload_size
-from jobplane.topology import PipelineSpec, Topology
-from jobplane.types import BlobRef, Job, JobEvent, JobPage, JobState
+from jobplane.topology import Topology
+from jobplane.types import Job, JobEvent, JobPage, JobState
 
 if TYPE_CHECKING:
     from jobplane.blobs.store import BlobStore
 
+# Named here by the servicers, the server and the tests, wherever defined.
+__all__ = [
+    "DEFAULT_PAGE_SIZE",
+    "MAX_BATCH_REQUEST_BYTES",
+    "MAX_BATCH_SUBMIT",
+    "MAX_CORRELATION_ID_BYTES",
+    "MAX_PAGE_SIZE",
+    "MAX_PAYLOAD_DEPTH",
+    "MAX_REASON_LENGTH",
+    "STRUCT_BYTES_PER_JSON_BYTE",
+    "SUBMIT_GROUPS_RUNNING",
+    "SUBMIT_GROUP_MAX",
+    "JobService",
+    "SubmitRequest",
+    "check_payload",
+    "max_request_bytes",
+]
+
 DEFAULT_PAGE_SIZE = 50
 MAX_PAGE_SIZE = 1000
-MAX_ATTEMPTS_LIMIT = 100
-#: The most requests one BatchSubmitJobs call may hold (AIP-233's usual bound).
-MAX_BATCH_SUBMIT = 1000
-#: The largest BatchSubmitJobs body the server reads (the SDK splits its
-#: batches below half of it): 1,000 jobs of 8 KiB payloads fit.
-MAX_BATCH_REQUEST_BYTES = 16 * 1024 * 1024
-MAX_REQUEST_ID_LENGTH = 256
-# The relay sends correlation_id as the AMQP correlation-id property, a short
-# string of at most 255 bytes: a longer one could never be published.
-MAX_CORRELATION_ID_BYTES = 255
-MAX_LABELS = 64
-_LABEL_KEY = re.compile(r"[a-z0-9]([a-z0-9._/-]{0,61}[a-z0-9])?")
-# What an id may not hold: the C0 control characters.
-_CONTROL = re.compile(r"[\x00-\x1f]")
-MAX_LABEL_VALUE = 256
-MAX_BLOB_REFERENCES = 10_000
 MAX_REASON_LENGTH = 1024
-# A job's timeout is read back in whole milliseconds or finer; anything
-# shorter would read back as no time at all.
-MIN_TIMEOUT_SECONDS = 0.001
-MAX_TIMEOUT_SECONDS = 7 * 24 * 3600.0
-# Objects and arrays on the deepest path of a payload, the payload itself
-# counted. protobuf refuses to decode messages nested more than 100 deep, and
-# every object level of a Struct costs three of those (Struct, map entry,
-# Value): a Job inside a ListJobsResponse holds 33 object levels at most, so
-# 32 leaves one to spare, for the client that decodes the list.
-MAX_PAYLOAD_DEPTH = 32
-# Tokens this server issues are about 150 characters.
-MAX_PAGE_TOKEN_LENGTH = 512
 #: Concurrent SubmitJob calls share a statement (ADR-0030): at most this many
 #: in one, and at most SUBMIT_GROUPS_RUNNING such statements at once; calls
 #: that arrive meanwhile wait for it to end and go out together. One at a
@@ -82,36 +81,6 @@ MAX_PAGE_TOKEN_LENGTH = 512
 #: around it, and the calls that arrive meanwhile are what makes a group.
 SUBMIT_GROUP_MAX = 256
 SUBMIT_GROUPS_RUNNING = 1
-
-# The Struct encoding of a payload is at most 5.5 times its JSON: a list of
-# one-digit numbers costs 2 bytes a number in JSON ("0,") and 11 in a Struct
-# (a Value of a tag and 8 bytes, framed as a list element). Everything else a
-# SubmitJobRequest holds at its limits (64 labels of 256 four-byte characters,
-# the ids, the type) takes less than 72 KiB.
-STRUCT_BYTES_PER_JSON_BYTE = 5.5
-REQUEST_OVERHEAD_BYTES = 128 * 1024
-
-
-def max_request_bytes(max_payload_bytes: int) -> int:
-    """The largest body a valid request can need, for the server's receive limit."""
-    return math.ceil(max_payload_bytes * STRUCT_BYTES_PER_JSON_BYTE) + REQUEST_OVERHEAD_BYTES
-
-
-@dataclass(frozen=True, slots=True)
-class SubmitRequest:
-    """A SubmitJob call, as plain values."""
-
-    type: str
-    payload: dict[str, Any]
-    request_id: str = ""
-    correlation_id: str = ""
-    max_attempts: int = 0
-    labels: dict[str, str] = field(default_factory=dict)
-    timeout_seconds: float | None = None
-    #: ``blobs/{sha256}`` of the caller's blob holding the payload; ``payload`` empty.
-    payload_blob: str = ""
-    #: Names of blobs the job uses that the payload does not show.
-    blob_references: tuple[str, ...] = ()
 
 
 class JobService:
@@ -277,9 +246,9 @@ class JobService:
                 f"max_attempts must be 0 (queue default) .. {MAX_ATTEMPTS_LIMIT}",
                 field="max_attempts",
             )
-        _check_id(request.request_id, "request_id", max_chars=MAX_REQUEST_ID_LENGTH)
-        _check_id(request.correlation_id, "correlation_id", max_bytes=MAX_CORRELATION_ID_BYTES)
-        _check_labels(request.labels)
+        check_id(request.request_id, "request_id", max_chars=MAX_REQUEST_ID_LENGTH)
+        check_id(request.correlation_id, "correlation_id", max_bytes=MAX_CORRELATION_ID_BYTES)
+        check_labels(request.labels)
         timeout = queue.timeout_seconds
         if request.timeout_seconds is not None:
             if not MIN_TIMEOUT_SECONDS <= request.timeout_seconds <= MAX_TIMEOUT_SECONDS:
@@ -289,9 +258,9 @@ class JobService:
                     field="timeout",
                 )
             timeout = request.timeout_seconds
-        payload_blob, references = await self._check_blobs(tenant, request)
+        payload_blob, references = await check_blobs(self._blobs, tenant, request)
         if pipeline is not None:
-            return _pipeline_job(request, pipeline, payload_blob, references)
+            return pipeline_job(request, pipeline, payload_blob, references)
         return NewJob(
             type=job_type,
             queue=queue.name,
@@ -304,65 +273,6 @@ class JobService:
             payload_blob=payload_blob,
             blob_references=references,
         )
-
-    async def _check_blobs(
-        self, tenant: uuid.UUID, request: SubmitRequest
-    ) -> tuple[BlobRef | None, tuple[str, ...]]:
-        """Refuse references to blobs the tenant does not have; the payload's blob, if
-        any, and the digests of ``blob_references``.
-
-        The references are recorded with the job, in the statement that inserts
-        it: the payload's names by the table's trigger (migration 0013), the
-        others by the machine's BlobReferences hook.
-        """
-        digests = referenced_digests(request.payload)
-        if request.payload_blob and request.payload:
-            raise InvalidArgument(
-                "payload_blob replaces payload: send one of them", field="payload_blob"
-            )
-        if len(request.blob_references) > MAX_BLOB_REFERENCES:
-            raise InvalidArgument(
-                f"at most {MAX_BLOB_REFERENCES} blob_references", field="blob_references"
-            )
-        extra: set[str] = set()
-        for name in request.blob_references:
-            try:
-                extra.add(parse_blob_name(name))
-            except ValueError as exc:
-                raise InvalidArgument(str(exc), field="blob_references") from None
-        references = tuple(sorted(extra - digests))
-        if not digests and not extra and not request.payload_blob:
-            return None, ()
-        if self._blobs is None:
-            raise BlobsDisabled(
-                "this server has no object store: a payload cannot reference blobs",
-                field="payload_blob" if request.payload_blob else "payload",
-            )
-        missing = (digests | extra) - await self._blobs.owned(tenant, digests | extra)
-        if missing:
-            raise BlobReferenceNotFound(
-                f"the job references blobs/{min(missing)}, which does not exist",
-                field="payload" if missing & digests else "blob_references",
-            )
-        if not request.payload_blob:
-            return None, references
-        try:
-            parse_blob_name(request.payload_blob)
-            info = await self._blobs.stat(tenant, request.payload_blob)
-        except (ValueError, BlobNotFound) as exc:
-            raise BlobReferenceNotFound(
-                f"payload_blob: {exc}"
-                if isinstance(exc, ValueError)
-                else f"payload_blob {shown(request.payload_blob)} does not exist",
-                field="payload_blob",
-            ) from None
-        if info.size > MAX_OFFLOADED_JSON_BYTES:
-            raise PayloadTooLarge(
-                f"a payload by reference may have at most {MAX_OFFLOADED_JSON_BYTES} bytes "
-                f"(the worker reads it whole), not {info.size}",
-                field="payload_blob",
-            )
-        return BlobRef(info.name, info.digest, info.size), references
 
     async def get(self, tenant: uuid.UUID, name: str) -> Job:
         """One job by name."""
@@ -391,10 +301,10 @@ class JobService:
         if job_type:
             validate_job_type(job_type)
         if labels:
-            _check_labels(labels)
-        extra = _extra_filters(labels, created_after, created_before)
-        filters = _filter_key(state, job_type, extra)
-        cursor = _decode_token(page_token, filters) if page_token else None
+            check_labels(labels)
+        extra = extra_filters(labels, created_after, created_before)
+        filters = filter_key(state, job_type, extra)
+        cursor = decode_token(page_token, filters) if page_token else None
         jobs = await self._store.list_jobs(
             tenant,
             limit=limit + 1,
@@ -409,7 +319,7 @@ class JobService:
         if len(jobs) > limit:
             jobs = jobs[:limit]
             cursor = ListCursor(jobs[-1].create_time, uuid.UUID(jobs[-1].id))
-            next_token = _encode_token(cursor, filters)
+            next_token = encode_token(cursor, filters)
         return JobPage(jobs=jobs, next_page_token=next_token)
 
     def page_token_after(self, job: Job, *, state: JobState | None, job_type: str) -> str:
@@ -419,7 +329,7 @@ class JobService:
         reply under a size), and lets the client continue after the last one.
         """
         cursor = ListCursor(job.create_time, uuid.UUID(job.id))
-        return _encode_token(cursor, _filter_key(state, job_type))
+        return encode_token(cursor, filter_key(state, job_type))
 
     async def count_states(self, tenant: uuid.UUID, *, cap: int = 10_000) -> dict[JobState, int]:
         """The tenant's jobs in each state, each count stopping at ``cap``."""
@@ -477,176 +387,3 @@ class JobService:
             raise InvalidArgument("after_seq must not be negative", field="after_seq")
         async for event in self.feeds.watch(tenant, job_id, after_seq):
             yield event
-
-
-def _pipeline_job(
-    request: SubmitRequest,
-    pipeline: PipelineSpec,
-    payload_blob: BlobRef | None = None,
-    references: tuple[str, ...] = (),
-) -> NewJob:
-    """A pipeline job: its stages, as the topology declares them now, go with it.
-
-    A request's max_attempts or timeout, when set, is every stage's.
-    """
-    stages = pipeline_stages(
-        pipeline, max_attempts=request.max_attempts, timeout_seconds=request.timeout_seconds
-    )
-    return NewJob(
-        type=pipeline.name,
-        queue=stages[0].queue,
-        payload=request.payload,
-        request_id=request.request_id or str(uuid.uuid4()),
-        max_attempts=request.max_attempts,
-        correlation_id=request.correlation_id,
-        labels=dict(request.labels),
-        timeout_seconds=request.timeout_seconds or 0.0,
-        pipeline_version=pipeline.version,
-        stages=stages,
-        payload_blob=payload_blob,
-        blob_references=references,
-    )
-
-
-def _check_id(
-    value: str, field_name: str, *, max_chars: int | None = None, max_bytes: int | None = None
-) -> None:
-    if max_chars is not None and len(value) > max_chars:
-        raise InvalidArgument(
-            f"{field_name} is longer than {max_chars} characters", field=field_name
-        )
-    if max_bytes is not None and len(value.encode()) > max_bytes:
-        raise InvalidArgument(
-            f"{field_name} is longer than {max_bytes} bytes in UTF-8", field=field_name
-        )
-    if _CONTROL.search(value):
-        raise InvalidArgument(f"{field_name} has control characters", field=field_name)
-
-
-def _check_labels(labels: dict[str, str]) -> None:
-    if len(labels) > MAX_LABELS:
-        raise InvalidArgument(f"at most {MAX_LABELS} labels", field="labels")
-    for key, value in labels.items():
-        if not _LABEL_KEY.fullmatch(key):
-            # The field names the map, not the key: the key is what is wrong,
-            # and it may be of any length.
-            raise InvalidArgument(
-                f"label key {shown(key)} must be 1..63 lowercase letters, digits, "
-                "'.', '_', '-', '/'",
-                field="labels",
-            )
-        if len(value) > MAX_LABEL_VALUE:
-            raise InvalidArgument(
-                f"label {key!r} is longer than {MAX_LABEL_VALUE} characters",
-                field=f"labels[{key}]",
-            )
-        if "\x00" in value:
-            raise InvalidArgument(f"label {key!r} has a NUL character", field=f"labels[{key}]")
-
-
-def check_payload(payload: dict[str, Any]) -> None:
-    """Refuse what JSON, Postgres' jsonb or a client's decoder cannot carry.
-
-    Postgres refuses NUL in jsonb strings and keys, JSON has no NaN or
-    Infinity, and a payload nested deeper than :data:`MAX_PAYLOAD_DEPTH` could
-    be stored and read alone but not inside a list of jobs.
-    """
-    # Iterative, so no payload can exhaust the interpreter's stack here; each
-    # entry keeps its parent's trail rather than a path string, which would
-    # copy every ancestor's key for every value.
-    pending: list[tuple[Any, int, _Trail]] = [(payload, 1, None)]
-    while pending:
-        value, depth, trail = pending.pop()
-        if isinstance(value, dict | list) and depth > MAX_PAYLOAD_DEPTH:
-            raise InvalidArgument(
-                f"payload is nested more than {MAX_PAYLOAD_DEPTH} objects or arrays deep "
-                f"at {_path(trail)}",
-                field="payload",
-                metadata={"limit": str(MAX_PAYLOAD_DEPTH)},
-            )
-        if isinstance(value, dict):
-            for key, item in value.items():
-                if "\x00" in key:
-                    raise InvalidArgument(
-                        f"payload has a key with a NUL character at {_path((trail, key))}",
-                        field="payload",
-                    )
-                pending.append((item, depth + 1, (trail, key)))
-        elif isinstance(value, list):
-            pending.extend((item, depth + 1, (trail, i)) for i, item in enumerate(value))
-        elif isinstance(value, str) and "\x00" in value:
-            raise InvalidArgument(f"payload has a NUL character at {_path(trail)}", field="payload")
-        elif isinstance(value, float) and not math.isfinite(value):
-            raise InvalidArgument(
-                f"payload has {value} at {_path(trail)}; JSON numbers are finite",
-                field="payload",
-            )
-
-
-# Where a value sits in a payload: (the parent's trail, key or index), None at the top.
-_Trail = tuple[Any, str | int] | None
-
-
-def _path(trail: _Trail) -> str:
-    steps: list[str] = []
-    while trail is not None:
-        trail, step = trail
-        steps.append(f"[{step}]" if isinstance(step, int) else f".{step}")
-    return shown("payload" + "".join(reversed(steps)))
-
-
-def _extra_filters(
-    labels: dict[str, str] | None, after: datetime | None, before: datetime | None
-) -> str:
-    """The filters past state and type, as text for the token's filter key ("" for none)."""
-    if not labels and after is None and before is None:
-        return ""
-    return json.dumps(
-        [
-            sorted((labels or {}).items()),
-            after.isoformat() if after else "",
-            before.isoformat() if before else "",
-        ]
-    )
-
-
-def _filter_key(state: JobState | None, job_type: str, extra: str = "") -> str:
-    raw = f"{state.value if state else ''}|{job_type}"
-    if extra:
-        raw += f"|{extra}"
-    return hashlib.sha256(raw.encode()).hexdigest()[:16]
-
-
-def _encode_token(cursor: ListCursor, filters: str) -> str:
-    raw = json.dumps(
-        {"t": cursor.create_time.isoformat(), "i": str(cursor.job_id), "f": filters},
-        separators=(",", ":"),
-    )
-    return base64.urlsafe_b64encode(raw.encode()).decode().rstrip("=")
-
-
-def _decode_token(token: str, filters: str) -> ListCursor:
-    bad = InvalidArgument("page_token is not a token this server created", field="page_token")
-    if len(token) > MAX_PAGE_TOKEN_LENGTH:
-        raise bad
-    try:
-        data = json.loads(base64.urlsafe_b64decode(token + "=" * (-len(token) % 4)))
-    except (ValueError, binascii.Error, RecursionError):
-        raise bad from None
-    if not isinstance(data, dict) or not all(isinstance(data.get(k), str) for k in ("t", "i", "f")):
-        raise bad
-    try:
-        create_time = datetime.fromisoformat(data["t"])
-        job_id = uuid.UUID(data["i"])
-        if create_time.tzinfo is None:
-            raise bad
-        # Postgres compares in UTC; a time with no UTC equivalent is no cursor.
-        utc_time = create_time.astimezone(UTC)
-    except (ValueError, OverflowError):
-        raise bad from None
-    if data["f"] != filters:
-        raise InvalidArgument(
-            "page_token was created for other filters; keep state and type the same",
-            field="page_token",
-        )
-    return ListCursor(utc_time, job_id)

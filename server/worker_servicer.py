@@ -15,7 +15,7 @@ from jobplane.errors import InvalidArgument
 from jobplane.names import job_name
 from jobplane.server.auth import current_worker
 from jobplane.server.status import error_for, to_grpc_status
-from jobplane.server.workers import (
+from jobplane.server.worker_protocol import (
     REGISTRATION_TTL,
     RENEW_INTERVAL,
     Claimed,

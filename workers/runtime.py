@@ -908,7 +908,7 @@ class Worker:
             intercept.ended(attempt, outcome, time.monotonic() - running.started)
 
     def _policy(self, attempt: Attempt) -> RetryPolicy:
-        # The same policy as WorkerService's (jobplane.server.workers).
+        # The same policy as WorkerService's (jobplane.server.worker_protocol).
         return RetryPolicy.of_queue(
             self._topology, attempt.queue, base_override=self._retry_base_delay
         )

@@ -1,7 +1,7 @@
 """How an attempt that did not succeed ends: one decision, then a write (ADR-0034).
 
 The Python worker (``jobplane.workers.runtime``), WorkerService
-(``jobplane.server.workers``, for workers in any language) and the sweeper
+(``jobplane.server.worker_protocol``, for workers in any language) and the sweeper
 (an attempt whose lease ran out) each ask :func:`decide` and only write its
 answer: a :class:`Retry` after a delay, or :class:`Fail`. The function reads
 no clock but the jitter's random source and writes nothing, so every rule of

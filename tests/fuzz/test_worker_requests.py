@@ -25,7 +25,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hypothesis import strategies as st
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from jobplane.server.workers import Registration, worker_name
+from jobplane.server.worker_protocol import Registration, worker_name
 from jobplane.topology import Topology
 from jobplane.v1 import workers_pb2
 from tests.fuzz.conftest import PROFILE

@@ -17,9 +17,8 @@ from jobplane.config import ConfigError, Settings
 from jobplane.envelope import Envelope
 from jobplane.errors import AttemptLeaseLost, CancelNotRequested, InvalidArgument, WorkerNotFound
 from jobplane.names import job_name
-from jobplane.server import workers as workers_module
-from jobplane.server.worker_servicer import _stage_fields, claim_to_pb
-from jobplane.server.workers import (
+from jobplane.server import worker_protocol as protocol_module
+from jobplane.server.worker_protocol import (
     REGISTRATION_TTL,
     Claimed,
     Failed,
@@ -29,6 +28,7 @@ from jobplane.server.workers import (
     parse_worker_name,
     worker_name,
 )
+from jobplane.server.worker_servicer import _stage_fields, claim_to_pb
 from jobplane.store.attempts import (
     Attempt,
     ClaimResult,
@@ -330,7 +330,7 @@ class _Metrics:
 def log_lines(monkeypatch: pytest.MonkeyPatch) -> Any:
     # A logger not yet used: one used by an earlier test in this process is
     # cached (cache_logger_on_first_use) and would write past capture_logs.
-    monkeypatch.setattr(workers_module, "log", structlog.get_logger("jobplane.server"))
+    monkeypatch.setattr(protocol_module, "log", structlog.get_logger("jobplane.server"))
     # A server started earlier in the process may have set a level above info.
     saved = structlog.get_config()
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.DEBUG))

@@ -1,6 +1,6 @@
 """An attempt read back by its fence, for a worker that reports over gRPC.
 
-A worker of :mod:`jobplane.server.workers` holds only the fence of its
+A worker of :mod:`jobplane.server.worker_protocol` holds only the fence of its
 attempt (job, attempt, lease token); the outcome rules need the rest of it
 (attempts left, the queue's backoff). Reading it is no write and no check:
 every write is still fenced by the statement that makes it.

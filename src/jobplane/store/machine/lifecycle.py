@@ -138,94 +138,12 @@ class DomainEvents(Hook):
         rule = RULES[transition]
         selects = []
         if self.lifecycle and rule.lifecycle is not None:
-            # The job's correlation id, or its id when it has none (or one
-            # no envelope can carry: only a row written around the checks).
-            correlation = (
-                "CASE WHEN octet_length(j.correlation_id) BETWEEN 1 AND 255 AND j.correlation_id "
-                "!~ ('[' || chr(1) || '-' || chr(31) || chr(127) || ']') "
-                "THEN j.correlation_id ELSE CAST(j.id AS text) END"
-            )
-            cause = _event_id_sql("j.id", "j.lifecycle_cause")
-            selects.append(
-                f"""
-            SELECT {_event_id_sql("j.id", "j.lifecycle_seq")} AS event_id,
-                   CAST('{rule.lifecycle.value}' AS text) AS event_type,
-                   clock_timestamp() AS event_time, j.tenant_id, {correlation} AS correlation_id,
-                   CAST(NULL AS text) AS project_id,
-                   CASE WHEN j.lifecycle_cause IS NOT NULL THEN CAST({cause} AS text) END
-                       AS causation_id,
-                   {_lifecycle_payload(rule.lifecycle)} AS payload,
-                   CAST('' AS bytea) AS request_hash,
-                   j.id AS job_id, CAST(j.last_seq AS bigint) * {_ORDER_SLOTS} + {_LIFECYCLE_ORD}
-                       AS order_seq, {_TRACE_COLUMNS}
-            FROM {{j}} AS j"""
-            )
+            selects.append(_lifecycle_select(rule.lifecycle))
         if transition in _WITH_EMITTED:
-            # Many rows: each row's events are its slice of the lists (their
-            # row in :emitted_ids_k, their place in it in :emitted_ids_ord).
-            arrays = (
-                "CAST(:emitted_ids AS uuid[]), CAST(:emitted_types AS text[]),\n"
-                "                        CAST(:emitted_times AS timestamptz[]),\n"
-                "                        CAST(:emitted_correlations AS text[]),\n"
-                "                        CAST(:emitted_projects AS text[]),\n"
-                "                        CAST(:emitted_causations AS text[]), "
-                "CAST(:emitted_payloads AS text[]),\n"
-                "                        CAST(:emitted_hashes AS bytea[])"
-            )
-            columns = (
-                "event_id, event_type, event_time, correlation_id, project_id, causation_id, "
-                "payload, "
-            )
-            if many:
-                events = (
-                    f"unnest({arrays}, CAST(:emitted_ids_k AS bigint[]), "
-                    f"CAST(:emitted_ids_ord AS bigint[]))\n"
-                    f"                     AS m({columns}request_hash, k, ord)"
-                )
-                match = "\n            WHERE m.k = j.k"
-            else:
-                events = (
-                    f"unnest({arrays})\n"
-                    f"                     WITH ORDINALITY AS m({columns}request_hash, ord)"
-                )
-                match = ""
-            selects.append(
-                f"""
-            SELECT m.event_id, m.event_type, m.event_time, j.tenant_id, m.correlation_id,
-                   m.project_id, m.causation_id, CAST(m.payload AS jsonb) AS payload,
-                   m.request_hash,
-                   j.id AS job_id, CAST(j.last_seq AS bigint) * {_ORDER_SLOTS} + m.ord AS order_seq,
-                   {_TRACE_COLUMNS}
-            FROM {{j}} AS j,
-                 {events}{match}"""
-            )
+            selects.append(_emitted_select(many=many))
         if not selects:
             return ()
-        union = "\n            UNION ALL".join(selects)
-        # Inserted in order_seq order: a transition's events take their seq
-        # (the feed's order within its transaction) in the order they happened.
-        # A lifecycle event has no fingerprint (an empty one): nothing
-        # publishes it again but a PublishEvent taking its id, which is then
-        # compared by value.
-        return [
-            Write(
-                f"""
-        INSERT INTO events (tenant_id, event_id, event_type, event_time, correlation_id,
-                            project_id, causation_id, payload, request_hash, job_id,
-                            traceparent, tracestate)
-        SELECT tenant_id, event_id, event_type, event_time, correlation_id, project_id,
-               causation_id, payload, request_hash, job_id, traceparent, tracestate
-        FROM ({union}
-        ) AS x
-        ORDER BY order_seq
-        ON CONFLICT (tenant_id, event_id) DO NOTHING""",
-                columns=_LIFECYCLE_COLUMNS,
-            ),
-            Write(
-                notify=f"pg_notify('{DOMAIN_EVENTS_CHANNEL}', CAST(j.tenant_id AS text))",
-                columns=frozenset({"tenant_id"}),
-            ),
-        ]
+        return _inserts("\n            UNION ALL".join(selects))
 
     def binds(self, transition: Transition, cause: Cause) -> Mapping[str, Any]:
         if transition not in _WITH_EMITTED:
@@ -242,3 +160,94 @@ class DomainEvents(Hook):
             "emitted_payloads": [dumps(e.event.payload) for e in emitted],
             "emitted_hashes": [e.request_hash for e in emitted],
         }
+
+
+def _lifecycle_select(lifecycle: Lifecycle) -> str:
+    """The SELECT of a transition's lifecycle event, one row per job row ``{j}``."""
+    # The job's correlation id, or its id when it has none (or one
+    # no envelope can carry: only a row written around the checks).
+    correlation = (
+        "CASE WHEN octet_length(j.correlation_id) BETWEEN 1 AND 255 AND j.correlation_id "
+        "!~ ('[' || chr(1) || '-' || chr(31) || chr(127) || ']') "
+        "THEN j.correlation_id ELSE CAST(j.id AS text) END"
+    )
+    cause = _event_id_sql("j.id", "j.lifecycle_cause")
+    return f"""
+            SELECT {_event_id_sql("j.id", "j.lifecycle_seq")} AS event_id,
+                   CAST('{lifecycle.value}' AS text) AS event_type,
+                   clock_timestamp() AS event_time, j.tenant_id, {correlation} AS correlation_id,
+                   CAST(NULL AS text) AS project_id,
+                   CASE WHEN j.lifecycle_cause IS NOT NULL THEN CAST({cause} AS text) END
+                       AS causation_id,
+                   {_lifecycle_payload(lifecycle)} AS payload,
+                   CAST('' AS bytea) AS request_hash,
+                   j.id AS job_id, CAST(j.last_seq AS bigint) * {_ORDER_SLOTS} + {_LIFECYCLE_ORD}
+                       AS order_seq, {_TRACE_COLUMNS}
+            FROM {{j}} AS j"""
+
+
+def _emitted_select(*, many: bool) -> str:
+    """The SELECT of a handler's emitted events, unnested from the bound lists."""
+    # Many rows: each row's events are its slice of the lists (their
+    # row in :emitted_ids_k, their place in it in :emitted_ids_ord).
+    arrays = (
+        "CAST(:emitted_ids AS uuid[]), CAST(:emitted_types AS text[]),\n"
+        "                        CAST(:emitted_times AS timestamptz[]),\n"
+        "                        CAST(:emitted_correlations AS text[]),\n"
+        "                        CAST(:emitted_projects AS text[]),\n"
+        "                        CAST(:emitted_causations AS text[]), "
+        "CAST(:emitted_payloads AS text[]),\n"
+        "                        CAST(:emitted_hashes AS bytea[])"
+    )
+    columns = (
+        "event_id, event_type, event_time, correlation_id, project_id, causation_id, payload, "
+    )
+    if many:
+        events = (
+            f"unnest({arrays}, CAST(:emitted_ids_k AS bigint[]), "
+            f"CAST(:emitted_ids_ord AS bigint[]))\n"
+            f"                     AS m({columns}request_hash, k, ord)"
+        )
+        match = "\n            WHERE m.k = j.k"
+    else:
+        events = (
+            f"unnest({arrays})\n"
+            f"                     WITH ORDINALITY AS m({columns}request_hash, ord)"
+        )
+        match = ""
+    return f"""
+            SELECT m.event_id, m.event_type, m.event_time, j.tenant_id, m.correlation_id,
+                   m.project_id, m.causation_id, CAST(m.payload AS jsonb) AS payload,
+                   m.request_hash,
+                   j.id AS job_id, CAST(j.last_seq AS bigint) * {_ORDER_SLOTS} + m.ord AS order_seq,
+                   {_TRACE_COLUMNS}
+            FROM {{j}} AS j,
+                 {events}{match}"""
+
+
+def _inserts(union: str) -> list[Write]:
+    """The writes storing the selected events, and waking the relays that publish them."""
+    # Inserted in order_seq order: a transition's events take their seq
+    # (the feed's order within its transaction) in the order they happened.
+    # A lifecycle event has no fingerprint (an empty one): nothing
+    # publishes it again but a PublishEvent taking its id, which is then
+    # compared by value.
+    return [
+        Write(
+            f"""
+        INSERT INTO events (tenant_id, event_id, event_type, event_time, correlation_id,
+                            project_id, causation_id, payload, request_hash, job_id,
+                            traceparent, tracestate)
+        SELECT tenant_id, event_id, event_type, event_time, correlation_id, project_id,
+               causation_id, payload, request_hash, job_id, traceparent, tracestate
+        FROM ({union}
+        ) AS x
+        ORDER BY order_seq
+        ON CONFLICT (tenant_id, event_id) DO NOTHING""",
+            columns=_LIFECYCLE_COLUMNS,
+        ),
+        Write(
+            notify=f"pg_notify('{DOMAIN_EVENTS_CHANNEL}', CAST(j.tenant_id AS text))",
+            columns=frozenset({"tenant_id"}),
+        ),
+    ]

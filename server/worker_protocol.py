@@ -15,17 +15,18 @@ A worker holds only its attempt's fence (job, attempt, lease token). The
 attempts this process claimed, or read back once, are kept by fence: a fence
 names one attempt for ever, and whether it still holds is decided by each
 write's own statement, never by what is kept here.
+
+What a worker sends (an envelope, a fence, reports, a registration) is
+checked in :mod:`jobplane.server.worker_requests` before any call here runs.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 import re
 import uuid
 from collections import OrderedDict
 from collections.abc import Awaitable, Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import structlog
@@ -57,8 +58,28 @@ from jobplane.errors import (
 )
 from jobplane.ids import new_id
 from jobplane.logs import fingerprint
-from jobplane.names import job_name, parse_job_name, validate_job_type
+from jobplane.names import job_name
 from jobplane.observe.metrics import NO_METRICS, Metrics
+from jobplane.server.worker_requests import (
+    MAX_CONCURRENCY,
+    MAX_QUEUES,
+    MAX_REPORTS,
+    MAX_TYPES,
+    MAX_WORKER_LABEL,
+    REGISTRATION_TTL,
+    RENEW_INTERVAL,
+    Claimed,
+    Failed,
+    Fence,
+    Registration,
+    check_envelope,
+    check_registration,
+    check_reports,
+    check_text,
+    lost_message,
+    parse_worker_name,
+    worker_name,
+)
 from jobplane.store.attempts import (
     Attempt,
     AttemptStore,
@@ -71,112 +92,49 @@ from jobplane.store.attempts import (
 from jobplane.store.held import HeldAttempts
 from jobplane.store.rows import dumps
 from jobplane.store.workers import WorkerStore
-from jobplane.topology import Topology, TopologyError
+from jobplane.topology import Topology
 from jobplane.types import BlobRef, JobState
-from jobplane.workers.context import MAX_PROGRESS_DATA_BYTES, MAX_PROGRESS_MESSAGE
 from jobplane.workers.outcome import MAX_ERROR_MESSAGE, MAX_RETRY_DELAY, Failure, check_result
-from jobplane.workers.values import TOO_LARGE, json_problem, json_size
 
 if TYPE_CHECKING:
     from jobplane.blobs.store import BlobStore
+
+# Named here by the servicer and the tests, wherever defined.
+__all__ = [
+    "DEFAULT_ERROR_CODE",
+    "ERROR_CODE",
+    "HANDBACK_DELAY",
+    "HANDBACK_MAX_DELAY",
+    "MAX_CONCURRENCY",
+    "MAX_QUEUES",
+    "MAX_REPORTS",
+    "MAX_TYPES",
+    "MAX_WORKER_LABEL",
+    "REGISTRATION_TTL",
+    "RENEW_INTERVAL",
+    "Claimed",
+    "Failed",
+    "Fence",
+    "Registration",
+    "WorkerService",
+    "log",
+    "parse_worker_name",
+    "worker_name",
+]
 
 log = structlog.get_logger("jobplane.server")
 
 T = TypeVar("T")
 
-#: Progress reports one call may carry.
-MAX_REPORTS = 100
 #: An error code: UPPER_SNAKE, as the Python worker's (jobplane.workers.outcome).
 ERROR_CODE = re.compile(r"[A-Z][A-Z0-9_]{0,63}")
 DEFAULT_ERROR_CODE = "HANDLER_ERROR"
 # Attempts kept by fence; past it the oldest are read back when next used.
 _KEPT_ATTEMPTS = 10_000
-#: A registration's renewal interval and lifetime: the Python worker's presence
-#: (jobplane.workers.presence) beats every 5 s and may miss three beats.
-RENEW_INTERVAL = 5.0
-REGISTRATION_TTL = RENEW_INTERVAL * 3 + 1.0
-MAX_TYPES = 1000
-MAX_QUEUES = 100
-MAX_CONCURRENCY = 10_000
-MAX_WORKER_LABEL = 255
 # A hand-back's new dispatch is due after 0.5 s · 2^handbacks, at most 10 s,
 # as the Python worker's (jobplane.workers.runtime.Worker's defaults).
 HANDBACK_DELAY = 0.5
 HANDBACK_MAX_DELAY = 10.0
-_WORKER_PREFIX = "workers/"
-
-
-def worker_name(worker_id: uuid.UUID) -> str:
-    """``workers/{id}``"""
-    return f"{_WORKER_PREFIX}{worker_id}"
-
-
-def parse_worker_name(name: str, *, field: str = "name") -> uuid.UUID:
-    """The id in ``workers/{id}``; INVALID_ARGUMENT when malformed."""
-    bad = InvalidArgument(f"{field} must look like workers/{{id}}, got {shown(name)}", field=field)
-    raw = name.removeprefix(_WORKER_PREFIX)
-    if raw == name:
-        raise bad
-    try:
-        parsed = uuid.UUID(raw)
-    except ValueError:
-        raise bad from None
-    if str(parsed) != raw.lower():
-        raise bad
-    return parsed
-
-
-@dataclass(frozen=True, slots=True)
-class Registration:
-    """What a worker says of itself when it registers."""
-
-    types: list[str]
-    queues: list[str]
-    concurrency: int
-    host: str = ""
-    pid: int = 0
-    version: str = ""
-
-
-@dataclass(frozen=True, slots=True)
-class Fence:
-    """What a worker holds of its attempt: (job, attempt, lease token)."""
-
-    job_id: uuid.UUID
-    attempt: int
-    lease_token: uuid.UUID
-
-    @classmethod
-    def parse(cls, job: str, attempt: int, lease_token: str, *, field: str = "attempt") -> Fence:
-        """From a request's AttemptRef; INVALID_ARGUMENT naming the bad part."""
-        job_id = parse_job_name(job, field=f"{field}.job")
-        if attempt < 1:
-            raise InvalidArgument(
-                f"{field}.attempt must be at least 1, got {attempt}", field=f"{field}.attempt"
-            )
-        return cls(job_id, attempt, _uuid(lease_token, f"{field}.lease_token"))
-
-
-@dataclass(frozen=True, slots=True)
-class Claimed:
-    """A claim's answer: the store's result, and how long lease and wait are.
-
-    ``other_deployment``: no such job here, and the message names another
-    deployment (ADR-0006): it is that deployment's to run.
-    """
-
-    result: ClaimResult
-    lease_seconds: float
-    retry_after: float
-    other_deployment: bool = False
-
-
-@dataclass(frozen=True, slots=True)
-class Failed:
-    """What a FailJob did: a retry scheduled after ``delay`` seconds, or FAILED."""
-
-    retry_scheduled: bool
-    delay: float | None = None
 
 
 class WorkerService:
@@ -217,37 +175,15 @@ class WorkerService:
         return self._store.lease_seconds
 
     # -- requests -----------------------------------------------------------
+    # -- requests -----------------------------------------------------------
 
     @staticmethod
     def envelope(
         body: bytes, *, event_id: str, job_id: str, tenant_id: str, job_type: str
     ) -> Envelope:
         """The envelope a claim names: the message body, or its four fields."""
-        fields = {"event_id": event_id, "job_id": job_id, "tenant_id": tenant_id, "type": job_type}
-        if body:
-            given = next((name for name, value in fields.items() if value), None)
-            if given is not None:
-                raise InvalidArgument(
-                    f"give message_body or the envelope's fields, not both ({given} is set)",
-                    field=given,
-                )
-            try:
-                return Envelope.decode(body)
-            except ValueError as exc:
-                raise InvalidArgument(
-                    f"message_body is not a dispatch envelope: {shown(str(exc), 160)}",
-                    field="message_body",
-                ) from None
-        for name, value in fields.items():
-            if not value:
-                raise InvalidArgument(
-                    f"{name} is required (or message_body instead of the fields)", field=name
-                )
-        return Envelope(
-            event_id=_uuid(event_id, "event_id"),
-            job_id=_uuid(job_id, "job_id"),
-            tenant_id=_uuid(tenant_id, "tenant_id"),
-            job_type=validate_job_type(job_type),
+        return check_envelope(
+            body, event_id=event_id, job_id=job_id, tenant_id=tenant_id, job_type=job_type
         )
 
     @staticmethod
@@ -258,56 +194,11 @@ class WorkerService:
         required: bool = False,
     ) -> list[ProgressUpdate]:
         """Checked progress reports; INVALID_ARGUMENT naming the first bad one's field."""
-        if required and not reports:
-            raise InvalidArgument(f"{field} needs at least one report", field=field)
-        if len(reports) > MAX_REPORTS:
-            raise InvalidArgument(f"{field} holds more than {MAX_REPORTS} reports", field=field)
-        updates = []
-        for i, (progress, message, data) in enumerate(reports):
-            at = f"{field}[{i}]"
-            if not math.isfinite(progress):
-                raise InvalidArgument(
-                    f"{at}.progress must be a finite number", field=f"{at}.progress"
-                )
-            _check_text(message, MAX_PROGRESS_MESSAGE, f"{at}.message")
-            problem = json_problem(data, max_bytes=MAX_PROGRESS_DATA_BYTES)
-            if problem is None and json_size(data) > MAX_PROGRESS_DATA_BYTES:
-                problem = TOO_LARGE.format(max_bytes=MAX_PROGRESS_DATA_BYTES)
-            if problem is not None:
-                raise InvalidArgument(
-                    f"{at}.data cannot be stored: {shown(problem, 160)}", field=f"{at}.data"
-                )
-            updates.append(ProgressUpdate(min(1.0, max(0.0, progress)), message, data))
-        return updates
+        return check_reports(reports, field=field, required=required)
 
     def registration(self, registration: Registration) -> Registration:
         """``registration`` checked; INVALID_ARGUMENT naming the first bad field."""
-        if not 1 <= len(registration.types) <= MAX_TYPES:
-            raise InvalidArgument(f"types must hold 1..{MAX_TYPES} job types", field="types")
-        for i, job_type in enumerate(registration.types):
-            validate_job_type(job_type, field=f"types[{i}]")
-        if not 1 <= len(registration.queues) <= MAX_QUEUES:
-            raise InvalidArgument(f"queues must hold 1..{MAX_QUEUES} queues", field="queues")
-        for i, queue in enumerate(registration.queues):
-            try:
-                self._topology.queue(queue)
-            except TopologyError:
-                raise InvalidArgument(
-                    f"queues[{i}] {shown(queue)} is no queue of the topology",
-                    field=f"queues[{i}]",
-                ) from None
-        if not 1 <= registration.concurrency <= MAX_CONCURRENCY:
-            raise InvalidArgument(f"concurrency must be 1..{MAX_CONCURRENCY}", field="concurrency")
-        for name in ("host", "version"):
-            value = getattr(registration, name)
-            if len(value) > MAX_WORKER_LABEL or any(ord(c) < 32 for c in value):
-                raise InvalidArgument(
-                    f"{name} must be at most {MAX_WORKER_LABEL} characters, no control characters",
-                    field=name,
-                )
-        if registration.pid < 0:
-            raise InvalidArgument("pid must not be negative", field="pid")
-        return registration
+        return check_registration(self._topology, registration)
 
     # -- calls ----------------------------------------------------------------
 
@@ -434,7 +325,7 @@ class WorkerService:
                 "at most 64 characters",
                 field="code",
             )
-        _check_text(message, MAX_ERROR_MESSAGE, "message")
+        check_text(message, MAX_ERROR_MESSAGE, "message")
         if delay is not None:
             if not retryable:
                 raise InvalidArgument(
@@ -564,7 +455,7 @@ class WorkerService:
             return kept
         attempt = await self._held.get(fence.job_id, fence.attempt, fence.lease_token)
         if attempt is None:
-            raise AttemptLeaseLost(_lost(fence))
+            raise AttemptLeaseLost(lost_message(fence))
         self._keep(attempt)
         return attempt
 
@@ -573,7 +464,7 @@ class WorkerService:
             return await write
         except LeaseLost:
             self._forget(fence)
-            raise AttemptLeaseLost(_lost(fence)) from None
+            raise AttemptLeaseLost(lost_message(fence)) from None
 
     def _keep(self, attempt: Attempt) -> None:
         fence = Fence(attempt.job_id, attempt.attempt, attempt.lease_token)
@@ -584,25 +475,3 @@ class WorkerService:
 
     def _forget(self, fence: Fence) -> None:
         self._kept.pop(fence, None)
-
-
-def _lost(fence: Fence) -> str:
-    return (
-        f"{job_name(fence.job_id)} attempt {fence.attempt} does not hold the job with this "
-        "lease token (the lease ran out and another attempt took it, or the job moved on); "
-        "nothing was written"
-    )
-
-
-def _uuid(value: str, field: str) -> uuid.UUID:
-    try:
-        return uuid.UUID(value)
-    except ValueError:
-        raise InvalidArgument(f"{field} {shown(value)} is not a UUID", field=field) from None
-
-
-def _check_text(value: str, limit: int, field: str) -> None:
-    if len(value) > limit:
-        raise InvalidArgument(f"{field} is longer than {limit} characters", field=field)
-    if "\x00" in value:
-        raise InvalidArgument(f"{field} has a NUL character", field=field)

@@ -1,0 +1,227 @@
+"""A claim of a delivered job: the attempt it starts, and what else a delivery may find.
+
+:class:`~jobplane.store.attempts.AttemptStore` claims through the machine's
+CLAIM transition; what is here is the attempt that claim hands the worker
+(the fence of its later writes), the answers a claim or a hand-back can
+give, and how a claimed row is read back into an :class:`Attempt`.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import text
+
+from jobplane.envelope import Envelope
+from jobplane.store.db import Conn
+from jobplane.store.machine import Cause, Returning
+from jobplane.types import BlobRef, JobState
+
+
+class ClaimStatus(enum.Enum):
+    """What a worker found when it tried to claim a delivered job."""
+
+    CLAIMED = "claimed"
+    NOT_FOUND = "not_found"  # no such job for that tenant: dead-letter the message
+    FINISHED = "finished"  # terminal already: a duplicate, ack it
+    STALE = "stale"  # the message is for an older dispatch: ack it
+    IN_FLIGHT = "in_flight"  # another attempt holds a live lease
+    EXHAUSTED = "exhausted"  # no attempts left; the job was failed now
+
+
+class HandBack(enum.Enum):
+    """What became of a job a worker without its handler gave back."""
+
+    HANDED_BACK = "handed_back"  # a new dispatch is due shortly, for another worker
+    PARKED = "parked"  # no live worker handles it: no dispatch until one starts
+    NOT_QUEUED = "not_queued"  # finished, running, or the message is stale: ack it
+    NOT_FOUND = "not_found"  # no such job for that tenant: dead-letter the message
+
+
+@dataclass(frozen=True, slots=True)
+class StageRun:
+    """The stage of a pipeline job an attempt runs, and what the stages before it returned."""
+
+    pipeline: str
+    pipeline_version: str
+    name: str
+    index: int
+    count: int
+    version: str
+    #: The results of the stages before this one, by stage name, in order.
+    inputs: Mapping[str, dict[str, Any]]
+
+    @property
+    def last(self) -> bool:
+        """Whether this is the pipeline's last stage."""
+        return self.index == self.count - 1
+
+
+@dataclass(frozen=True, slots=True)
+class Attempt:
+    """A claimed attempt: what the handler needs, and the fence of its writes."""
+
+    job_id: uuid.UUID
+    tenant_id: uuid.UUID
+    type: str
+    payload: dict[str, Any]
+    attempt: int
+    max_attempts: int
+    retry_base: int
+    lease_token: uuid.UUID
+    correlation_id: str
+    request_id: str
+    timeout_seconds: float = 3600.0
+    queue: str = ""
+    #: The event_id of this attempt's ``job.started`` (the default cause of
+    #: the events its handler emits); None for a job from before lifecycle
+    #: events had ids.
+    started_event_id: uuid.UUID | None = None
+    #: The pipeline stage this attempt runs; None for a plain job.
+    stage: StageRun | None = None
+    #: The blob holding the payload when it was submitted by reference
+    #: (``payload`` is then ``{}``; the worker reads the blob for the handler).
+    payload_blob: BlobRef | None = None
+    #: When the job was submitted (for the submit-to-start metric); None when not read.
+    create_time: datetime | None = None
+
+    @property
+    def attempts_left(self) -> int:
+        """Attempts still allowed after this one."""
+        return self.max_attempts - (self.attempt - self.retry_base)
+
+    @property
+    def budget_attempt(self) -> int:
+        """This attempt's number within its budget, from 1: the stage's for a pipeline job.
+
+        ``attempt`` counts every attempt of the job, across its stages; a
+        retry's backoff grows with this one, or a late stage's first retry
+        would wait as long as if it had failed for every earlier stage's
+        attempts too.
+        """
+        return self.attempt - self.retry_base
+
+    def fence(self) -> dict[str, Any]:
+        """Bind parameters of the fence."""
+        return {"id": self.job_id, "attempt": self.attempt, "lease_token": self.lease_token}
+
+
+@dataclass(frozen=True, slots=True)
+class ClaimResult:
+    """The outcome of :meth:`AttemptStore.claim`."""
+
+    status: ClaimStatus
+    attempt: Attempt | None = None
+    lease_expires_at: datetime | None = None
+    state: JobState | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ClaimRequest:
+    """A delivery to claim in a group: its envelope, the lease token its attempt
+    will hold, and the claim's binds (taken in the delivery's own context)."""
+
+    envelope: Envelope
+    lease_token: uuid.UUID
+    binds: Mapping[str, Any]
+
+
+CLAIMED: Returning = (
+    "type",
+    "payload",
+    "payload_blob",
+    "payload_blob_size",
+    "attempt",
+    "max_attempts",
+    "retry_base",
+    "correlation_id",
+    "request_id",
+    "timeout_seconds",
+    "queue",
+    "lifecycle_seq",
+    "pipeline",
+    "pipeline_version",
+    "stage",
+    "create_time",
+)
+# A pipeline job's stages, for the one that runs: its version, and the
+# results of those before it.
+_STAGES = text("SELECT idx, name, version, result FROM job_stages WHERE job_id = :id ORDER BY idx")
+INSPECT = text(
+    """
+    SELECT state, dispatch_id, type, lease_expires_at, lease_expires_at < now() AS lease_expired,
+           attempt - retry_base >= max_attempts AS exhausted
+    FROM jobs WHERE id = :id AND tenant_id = :tenant_id
+    """
+)
+
+
+def claim_cause(worker: str) -> Cause:
+    """Why an attempt started: its worker, for the dashboard's attempts."""
+    return Cause("attempt started", {"worker": worker} if worker else {})
+
+
+def attempt_from_row(
+    job_id: uuid.UUID,
+    tenant_id: uuid.UUID,
+    lease_token: uuid.UUID,
+    row: Any,
+    stage: StageRun | None,
+    started_event_id: uuid.UUID | None = None,
+) -> Attempt:
+    """The :class:`Attempt` of a claimed (or read back) job ``row`` under ``lease_token``."""
+    return Attempt(
+        job_id=job_id,
+        tenant_id=tenant_id,
+        type=row["type"],
+        payload=_obj(row["payload"]),
+        attempt=int(row["attempt"]),
+        max_attempts=int(row["max_attempts"]),
+        retry_base=int(row["retry_base"]),
+        lease_token=lease_token,
+        correlation_id=row["correlation_id"],
+        request_id=row["request_id"],
+        timeout_seconds=float(row["timeout_seconds"]),
+        queue=row["queue"],
+        started_event_id=started_event_id,
+        stage=stage,
+        payload_blob=(
+            BlobRef(f"blobs/{digest}", digest, int(row.get("payload_blob_size") or 0))
+            if (digest := row.get("payload_blob"))
+            else None
+        ),
+        create_time=row.get("create_time"),
+    )
+
+
+async def stage_run(conn: Conn, job_id: uuid.UUID, row: Any) -> StageRun:
+    """The stage a claimed ``row`` of a pipeline job runs, with the results before it.
+
+    ``row`` has the job's ``stage``, ``pipeline`` and ``pipeline_version``.
+    """
+    index = int(row["stage"])
+    stages = await conn.fetch(_STAGES, {"id": job_id})
+    inputs = {
+        s["name"]: _obj(s["result"]) for s in stages if s["idx"] < index and s["result"] is not None
+    }
+    current = next(s for s in stages if s["idx"] == index)
+    return StageRun(
+        pipeline=str(row["pipeline"]),
+        pipeline_version=str(row["pipeline_version"] or ""),
+        name=str(current["name"]),
+        index=index,
+        count=len(stages),
+        version=str(current["version"]),
+        inputs=inputs,
+    )
+
+
+def _obj(value: Any) -> dict[str, Any]:
+    parsed = json.loads(value) if isinstance(value, str) else value
+    return dict(parsed)

@@ -1,0 +1,225 @@
+"""The submit path of the job table: a validated request, its row, and its replays.
+
+:class:`~jobplane.store.jobs.JobStore` writes a new job through the machine's
+SUBMIT transition; what is here turns a request into the row that statement
+binds, and finds the stored job of a request_id already taken.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from datetime import timedelta
+from typing import Any
+
+from sqlalchemy import text
+
+from jobplane.errors import JobplaneError, RequestIdReused
+from jobplane.ids import new_id
+from jobplane.store.db import Conn
+from jobplane.store.job_reads import with_stages
+from jobplane.store.machine import NewStage
+from jobplane.store.rows import JOB_COLUMNS, dumps
+from jobplane.topology import PipelineSpec
+from jobplane.types import BlobRef, Job, Stage, StageState
+
+
+@dataclass(frozen=True, slots=True)
+class NewJob:
+    """A validated SubmitJob request."""
+
+    type: str
+    queue: str
+    payload: dict[str, Any]
+    request_id: str
+    max_attempts: int
+    correlation_id: str = ""
+    labels: dict[str, str] = field(default_factory=dict)
+    timeout_seconds: float = 3600.0
+    #: A pipeline job's stages (``type`` is then the pipeline's name, and
+    #: max_attempts / timeout_seconds what the request set: 0 for the stages' own).
+    stages: tuple[NewStage, ...] = ()
+    pipeline_version: str = ""
+    #: The payload by reference (``payload`` is then ``{}``).
+    payload_blob: BlobRef | None = None
+    #: Digests of blobs the job references beyond its payload's names.
+    blob_references: tuple[str, ...] = ()
+
+    def fingerprint(self) -> bytes:
+        """A digest of the request, stored with the job: equal digests are the same request.
+
+        (Different digests may still be: the replay check compares the stored values.)
+        """
+        canonical = dumps(
+            {
+                "type": self.type,
+                "payload": self.payload,
+                "max_attempts": self.max_attempts,
+                "correlation_id": self.correlation_id,
+                "labels": self.labels,
+                "timeout_seconds": self.timeout_seconds,
+                # Only when set: the digests of jobs submitted before stay theirs.
+                **({"payload_blob": self.payload_blob.sha256} if self.payload_blob else {}),
+                **(
+                    {"blob_references": sorted(self.blob_references)}
+                    if self.blob_references
+                    else {}
+                ),
+            }
+        )
+        return hashlib.sha256(canonical.encode()).digest()
+
+
+def pipeline_stages(
+    pipeline: PipelineSpec, *, max_attempts: int = 0, timeout_seconds: float | None = None
+) -> tuple[NewStage, ...]:
+    """The stages of a new job of ``pipeline``, each with its share of the job's progress.
+
+    ``max_attempts`` and ``timeout_seconds``, when set, replace every stage's own.
+    """
+    total = sum(stage.weight for stage in pipeline.stages)
+    stages = []
+    done = 0.0
+    for stage in pipeline.stages:
+        stages.append(
+            NewStage(
+                name=stage.name,
+                type=stage.type,
+                queue=stage.queue,
+                version=stage.version,
+                max_attempts=max_attempts or stage.max_attempts,
+                timeout_seconds=timeout_seconds or stage.timeout_seconds,
+                base=done / total,
+                span=stage.weight / total,
+            )
+        )
+        done += stage.weight
+    return tuple(stages)
+
+
+# A plain job's pipeline columns.
+_PLAIN: dict[str, Any] = {
+    "pipeline": None,
+    "pipeline_version": None,
+    "stage": None,
+    "stage_name": None,
+    "stage_base": 0.0,
+    "stage_span": 1.0,
+}
+# The same request is the same stored values, compared as Postgres compares
+# them (jsonb: key order and 1 vs 1.0 do not matter), as jobplane.submit_job
+# compares them: a request replayed through the other path is the same one.
+# For many requests at once (k: the request's index), bound as arrays.
+_REPLAY_COLUMNS = (
+    "request_id",
+    "type",
+    "payload",
+    "max_attempts",
+    "correlation_id",
+    "labels",
+    "timeout_seconds",
+    "payload_blob",
+)
+_SELECT_BY_REQUESTS = text(
+    f"""
+    SELECT {JOB_COLUMNS}, request_hash, r.k,
+           (coalesce(pipeline, type) = r.r_type AND payload = CAST(r.r_payload AS jsonb)
+            AND max_attempts = r.r_max_attempts AND correlation_id = r.r_correlation_id
+            AND labels = CAST(r.r_labels AS jsonb) AND timeout_seconds = r.r_timeout_seconds
+            AND payload_blob IS NOT DISTINCT FROM r.r_payload_blob)
+               AS same_request
+    FROM unnest(CAST(:ks AS int[]), CAST(:r_request_id AS text[]), CAST(:r_type AS text[]),
+                CAST(:r_payload AS text[]), CAST(:r_max_attempts AS int[]),
+                CAST(:r_correlation_id AS text[]), CAST(:r_labels AS text[]),
+                CAST(:r_timeout_seconds AS float8[]), CAST(:r_payload_blob AS text[]))
+        AS r(k, r_request_id, r_type, r_payload, r_max_attempts, r_correlation_id, r_labels,
+             r_timeout_seconds, r_payload_blob)
+    JOIN jobs ON jobs.tenant_id = :tenant_id AND jobs.request_id = r.r_request_id
+    """
+)
+
+
+def submitted(job: Job, stages: Sequence[NewStage]) -> Job:
+    """A job just submitted, with its stages as the submit wrote them."""
+    if not stages:
+        return job
+    written = tuple(
+        Stage(
+            name=st.name,
+            type=st.type,
+            version=st.version,
+            state=StageState.QUEUED if i == 0 else StageState.PENDING,
+            attempts=0,
+            max_attempts=st.max_attempts,
+            timeout=timedelta(seconds=st.timeout_seconds),
+        )
+        for i, st in enumerate(stages)
+    )
+    return replace(job, stages=written)
+
+
+def submit_columns(new: NewJob, job_id: uuid.UUID) -> dict[str, Any]:
+    """The row of ``new`` as the submit statement binds it (SUBMIT_COLUMNS)."""
+    row: dict[str, Any] = {
+        "id": job_id,
+        "type": new.type,
+        "queue": new.queue,
+        "payload": dumps(new.payload),
+        "max_attempts": new.max_attempts,
+        "request_id": new.request_id,
+        "request_hash": new.fingerprint(),
+        "correlation_id": new.correlation_id,
+        "labels": dumps(new.labels),
+        "dispatch_id": new_id(),
+        "timeout_seconds": new.timeout_seconds,
+        "payload_blob": new.payload_blob.sha256 if new.payload_blob else None,
+        "payload_blob_size": new.payload_blob.size if new.payload_blob else None,
+        **_PLAIN,
+    }
+    if new.stages:
+        # The row runs the first stage: its type, queue, budget and share.
+        first = new.stages[0]
+        row.update(
+            type=first.type,
+            queue=first.queue,
+            max_attempts=first.max_attempts,
+            timeout_seconds=first.timeout_seconds,
+            pipeline=new.type,
+            pipeline_version=new.pipeline_version,
+            stage=0,
+            stage_name=first.name,
+            stage_base=first.base,
+            stage_span=first.span,
+        )
+    return row
+
+
+async def find_replays(
+    conn: Conn, tenant_id: uuid.UUID, news: Sequence[NewJob], indexes: Sequence[int]
+) -> dict[int, Job | JobplaneError]:
+    """For the requests at ``indexes``, whose request_ids were taken: the stored
+    job, or :class:`RequestIdReused` when it was stored for a different request."""
+    rows = [(i, submit_columns(news[i], uuid.UUID(int=0))) for i in indexes]
+    params = {
+        "tenant_id": tenant_id,
+        "ks": list(indexes),
+        **{f"r_{c}": [row[c] for _, row in rows] for c in _REPLAY_COLUMNS},
+        # The job's type is the pipeline's for a pipeline job.
+        "r_type": [news[i].type for i in indexes],
+    }
+    found = {int(row["k"]): row for row in await conn.fetch(_SELECT_BY_REQUESTS, params)}
+    replays: dict[int, Job | JobplaneError] = {}
+    for i, row in rows:
+        existing = found.get(i)
+        if existing is None:
+            raise RuntimeError(f"request_id {news[i].request_id!r} conflicted but has no job")
+        if bytes(existing["request_hash"]) != row["request_hash"] and not existing["same_request"]:
+            replays[i] = RequestIdReused(
+                f"request_id {news[i].request_id!r} was used for a different request",
+                field="request_id",
+            )
+        else:
+            replays[i] = await with_stages(conn, existing)
+    return replays

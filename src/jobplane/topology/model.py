@@ -1,0 +1,125 @@
+"""The topology as jobplane holds it: queues, pipelines and their stages, and its errors."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from jobplane.topics import EVENTS_EXCHANGE, topic_matches
+
+
+class TopologyError(ValueError):
+    """The topology file is not valid."""
+
+
+class TopologyMissing(TopologyError):
+    """Part of the topology is missing on the broker and this account may not declare it."""
+
+
+@dataclass(frozen=True, slots=True)
+class QueueSpec:
+    """One quorum queue and the routing-key patterns bound to it."""
+
+    name: str
+    bindings: tuple[str, ...]
+    delivery_limit: int = 5
+    max_attempts: int = 3
+    #: One of PRIORITIES (in parse.py): how a worker orders its slots (jobplane.workers.priority).
+    priority: str = "normal"
+    # Defaults for jobs of this queue: attempt timeout, and the backoff of
+    # retries (exponential from retry_base_delay, capped, with jitter).
+    timeout_seconds: float = 3600.0
+    retry_base_delay: float = 1.0
+    retry_max_delay: float = 300.0
+    #: Put before the ``job.*`` log event names of this queue's jobs (``ingestion.``);
+    #: empty: JOBPLANE_LOG_JOB_PREFIX's.
+    log_prefix: str = ""
+
+    def takes(self, routing_key: str) -> bool:
+        """True when one of the bindings matches ``routing_key``."""
+        return any(topic_matches(p, routing_key) for p in self.bindings)
+
+
+@dataclass(frozen=True, slots=True)
+class StageSpec:
+    """One stage of a pipeline: a job type of its own, on the queue that takes it."""
+
+    name: str
+    type: str
+    queue: str
+    max_attempts: int
+    timeout_seconds: float
+    #: The algorithm, model or configuration version of the stage; a stage's
+    #: result is keyed by (job, stage, version).
+    version: str = ""
+    #: The stage's share of the job's progress, relative to the other stages.
+    weight: float = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class PipelineSpec:
+    """A named, versioned, ordered chain of stages, submitted as one job (ADR-0017)."""
+
+    name: str
+    stages: tuple[StageSpec, ...]
+    version: str = ""
+
+    def stage_index(self, name: str) -> int | None:
+        """The index of the stage called ``name``, or None."""
+        for i, stage in enumerate(self.stages):
+            if stage.name == name:
+                return i
+        return None
+
+
+@dataclass(frozen=True, slots=True)
+class Topology:
+    """Exchange, queues, dead-letter path and pipelines of one deployment."""
+
+    exchange: str = "jobplane.jobs"
+    dead_letter_exchange: str = "jobplane.jobs.dlx"
+    failed_queue: str = "jobplane.failed"
+    queues: tuple[QueueSpec, ...] = field(default_factory=tuple)
+    #: The topic exchange of domain events (routing key: the event type).
+    events_exchange: str = EVENTS_EXCHANGE
+    pipelines: tuple[PipelineSpec, ...] = field(default_factory=tuple)
+
+    def pipeline(self, name: str) -> PipelineSpec | None:
+        """The pipeline called ``name``, or None."""
+        for pipeline in self.pipelines:
+            if pipeline.name == name:
+                return pipeline
+        return None
+
+    def route(self, job_type: str) -> QueueSpec | None:
+        """The first queue that takes ``job_type``, or None."""
+        for queue in self.queues:
+            if queue.takes(job_type):
+                return queue
+        return None
+
+    def queue(self, name: str) -> QueueSpec:
+        """The queue called ``name``."""
+        for queue in self.queues:
+            if queue.name == name:
+                return queue
+        raise TopologyError(f"no queue named {name!r} in the topology")
+
+    @property
+    def owner_queue(self) -> str:
+        """The queue that records which deployment owns this topology."""
+        return f"{self.exchange}.owner"
+
+    def prefixed(self, prefix: str) -> Topology:
+        """The same topology with every exchange and queue name prefixed."""
+        return replace(
+            self,
+            exchange=prefix + self.exchange,
+            dead_letter_exchange=prefix + self.dead_letter_exchange,
+            failed_queue=prefix + self.failed_queue,
+            queues=tuple(replace(q, name=prefix + q.name) for q in self.queues),
+            events_exchange=prefix + self.events_exchange,
+            pipelines=tuple(
+                replace(p, stages=tuple(replace(s, queue=prefix + s.queue) for s in p.stages))
+                for p in self.pipelines
+            ),
+        )
