@@ -56,6 +56,10 @@ def _imports(path: Path) -> set[str]:
     "module",
     [
         "runtime.py",
+        "delivery.py",
+        "attempt.py",
+        "running.py",
+        "recording.py",
         "progress.py",
         "interceptors.py",
         "relay.py",
