@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import structlog
@@ -51,6 +52,18 @@ T = TypeVar("T")
 
 class Stopping(Exception):
     """The worker is stopping; give the message back."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Ending:
+    """An attempt whose end is being recorded: what its writes and log lines name."""
+
+    attempt: Attempt
+    running: Running
+    #: Progress reported and not yet written: committed with the outcome.
+    pending: list[ProgressUpdate]
+    #: The log bound to the job's delivery.
+    bound: Any
 
 
 class OutcomeRecording:
@@ -114,9 +127,9 @@ class OutcomeRecording:
         if running.cause is StopCause.LEASE_LOST:
             bound.warning("job.lease_lost", attempt=attempt.attempt)
             return
+        end = _Ending(attempt, running, pending, bound)
         if running.cause is StopCause.CANCEL_REQUESTED and not ended.returned:
-            cancelled = self._store.was_cancelled(attempt)
-            await self._outcome(attempt, bound, lambda: self._write(cancelled, pending))
+            await self._commit(end, self._store.was_cancelled(attempt))
             bound.info("job.cancelled", attempt=attempt.attempt)
             self._ended(attempt, running, CANCELLED)
             return
@@ -131,27 +144,20 @@ class OutcomeRecording:
                 retryable=True,
             )
         elif ended.returned:
-            refused = await self._record_result(
-                attempt, running, ended.result, pending, bound, emitted
-            )
+            refused = await self._record_result(end, ended.result, emitted)
             if refused is None:
                 return
             failure = refused
         else:
             failure = describe(ended.error or RuntimeError("the handler ended without a result"))
-        await self._record_failure(attempt, running, ended, pending, bound, failure, cause)
+        await self._record_failure(end, failure, cause, ended.error)
 
     async def _record_result(
-        self,
-        attempt: Attempt,
-        running: Running,
-        returned: Any,
-        pending: list[ProgressUpdate],
-        bound: Any,
-        emitted: Sequence[Emitted],
+        self, end: _Ending, returned: Any, emitted: Sequence[Emitted]
     ) -> Failure | None:
         """Commit the success of an attempt whose handler returned ``returned``, or
         say why it cannot be stored (None: it succeeded)."""
+        attempt = end.attempt
         # With an object store, a plain job's result may be larger than
         # the inline limit: it goes to a blob, the row keeps its name.
         offload = self._blobs is not None and attempt.stage is None
@@ -164,31 +170,26 @@ class OutcomeRecording:
         if isinstance(stored, Failure):
             return stored
         result, ref = stored if isinstance(stored, tuple) else (stored, None)
-        succeeded = self._store.succeeded(attempt, result, emitted=emitted, result_blob=ref)
-        await self._outcome(attempt, bound, lambda: self._write(succeeded, pending))
-        bound.info("job.completed", attempt=attempt.attempt, offloaded=ref is not None)
-        self._ended(attempt, running, completed(attempt.stage))
+        await self._commit(
+            end, self._store.succeeded(attempt, result, emitted=emitted, result_blob=ref)
+        )
+        end.bound.info("job.completed", attempt=attempt.attempt, offloaded=ref is not None)
+        self._ended(attempt, end.running, completed(attempt.stage))
         return None
 
     async def _record_failure(
-        self,
-        attempt: Attempt,
-        running: Running,
-        ended: Ended,
-        pending: list[ProgressUpdate],
-        bound: Any,
-        failure: Failure,
-        cause: EndCause,
+        self, end: _Ending, failure: Failure, cause: EndCause, error: BaseException | None
     ) -> None:
-        """Commit the retry or the failure the queue's policy decides for ``failure``."""
-        store = self._store
+        """Commit the retry or the failure the queue's policy decides for ``failure``
+        (``error``: what the handler raised, if it did)."""
+        attempt, store, bound = end.attempt, self._store, end.bound
         decision = decide(
             attempt.budget_attempt, attempt.max_attempts, failure, self._policy(attempt), cause
         )
         # The traceback goes to the log once, with the event that ends the attempt.
-        exc_info = _loggable(ended.error)
+        exc_info = _loggable(error)
         if isinstance(decision, Retry):
-            retried = store.retried(
+            outcome = store.retried(
                 attempt,
                 decision.code,
                 decision.message,
@@ -196,29 +197,26 @@ class OutcomeRecording:
                 refund=decision.refund,
                 details=decision.details,
             )
-            await self._outcome(attempt, bound, lambda: self._write(retried, pending))
-            bound.warning(
-                "job.retry_scheduled",
-                attempt=attempt.attempt,
-                delay=decision.delay,
-                code=decision.code,
-                error=decision.message,
-                exc_info=exc_info,
+            event, ended_as, fields = "job.retry_scheduled", RETRY, {"delay": decision.delay}
+        else:
+            outcome = store.failed(
+                attempt, decision.code, decision.message, retryable=False, details=decision.details
             )
-            self._ended(attempt, running, RETRY)
-            return
-        failed = store.failed(
-            attempt, decision.code, decision.message, retryable=False, details=decision.details
-        )
-        await self._outcome(attempt, bound, lambda: self._write(failed, pending))
+            event, ended_as, fields = "job.failed", FAILED, {}
+        await self._commit(end, outcome)
         bound.warning(
-            "job.failed",
+            event,
             attempt=attempt.attempt,
+            **fields,
             code=decision.code,
             error=decision.message,
             exc_info=exc_info,
         )
-        self._ended(attempt, running, FAILED)
+        self._ended(attempt, end.running, ended_as)
+
+    async def _commit(self, end: _Ending, outcome: Outcome) -> None:
+        """Commit ``outcome`` with the attempt's pending progress."""
+        await self._outcome(end.attempt, end.bound, lambda: self._write(outcome, end.pending))
 
     def _ended(self, attempt: Attempt, running: Running, outcome: str) -> None:
         intercept = self._intercept
