@@ -61,6 +61,8 @@ Here: the :class:`Relay`, what it is made of and its start and stop. Its
 parts: the outbox loop (``relay_outbox``), the record of what the broker did
 (``relay_record``), the broker link and its reconnects (``relay_link``), the
 event feed (``relay_feed``) and the AMQP messages themselves (``relay_messages``).
+Each part is a base class of :class:`Relay` holding its methods; the relay's
+constructor sets up the state they share.
 """
 
 from __future__ import annotations

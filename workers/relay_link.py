@@ -29,6 +29,8 @@ log = structlog.get_logger("jobplane.relay")
 
 @dataclass(slots=True)
 class Link:
+    """One connection to the broker and the relay's confirming channels on it."""
+
     connection: AbstractConnection
     channel: AbstractChannel
     exchange: AbstractExchange

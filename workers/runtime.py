@@ -10,7 +10,9 @@ Whatever goes wrong while a message is handled, it ends acked or nacked.
 Here: the :class:`Worker`, what it is made of and its start and stop. Its
 parts: consuming deliveries (``workers/delivery.py``), running a handler
 attempt (``workers/attempt.py``, ``workers/running.py``) and recording its
-outcome (``workers/recording.py``).
+outcome (``workers/recording.py``). Each part is a base class of
+:class:`Worker` holding its methods; the worker's constructor sets up the
+state they share.
 """
 
 from __future__ import annotations
