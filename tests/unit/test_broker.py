@@ -20,10 +20,10 @@ from jobplane.envelope import AMQP_TYPE, DEPLOYMENT_HEADER, MAX_ENVELOPE_BYTES, 
 from jobplane.workers.bounce import bounce_delay
 from jobplane.workers.relay import (
     Unpublishable,
-    _fits_at_once,
     check_publishable,
     dispatch_properties,
 )
+from jobplane.workers.relay_messages import fits_at_once
 
 
 @pytest.mark.parametrize("robust", [False, True])
@@ -190,7 +190,7 @@ def test_a_dispatch_is_what_aio_pika_sent_and_a_quick_yes_is_never_wrong(
             marshal(ContentHeader(0, len(body), ours), 1)
     else:
         assert marshal(ContentHeader(0, len(body), ours), 1) == expected
-    if _fits_at_once(job_type, body, ours, max_body=MAX_ENVELOPE_BYTES):
+    if fits_at_once(job_type, body, ours, max_body=MAX_ENVELOPE_BYTES):
         check_publishable(body, ours, "jobplane.jobs", job_type)
 
 

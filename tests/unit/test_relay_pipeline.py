@@ -14,8 +14,9 @@ from structlog.testing import capture_logs
 from jobplane.store.listen import Subscription
 from jobplane.store.outbox import OutboxKind, OutboxRow
 from jobplane.topology import load_topology
-from jobplane.workers import relay as relay_module
-from jobplane.workers.relay import Relay, _Recorded
+from jobplane.workers import relay_record
+from jobplane.workers.relay import Relay
+from jobplane.workers.relay_record import Recorded
 
 BATCH = 10
 
@@ -165,13 +166,13 @@ def test_a_job_noted_unroutable_is_logged_once_its_record_committed(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # A logger not used before: a cached one would write past capture_logs.
-    monkeypatch.setattr(relay_module, "log", structlog.get_logger("jobplane.relay.noted"))
+    monkeypatch.setattr(relay_record, "log", structlog.get_logger("jobplane.relay.noted"))
     relay = _relay(1)
     job_id = uuid.uuid4()
     row = OutboxRow(uuid.uuid4(), OutboxKind.JOB_DISPATCH, uuid.uuid4(), "demo.echo", job_id=job_id)
     with capture_logs() as logs:
-        relay._report(_Recorded())
-        relay._report(_Recorded(unroutable=[row]))
+        relay._report(Recorded())
+        relay._report(Recorded(unroutable=[row]))
     assert logs == [
         {
             "event": "job.waiting",

@@ -53,7 +53,23 @@ def _imports(path: Path) -> set[str]:
 
 
 @pytest.mark.parametrize(
-    "module", ["runtime.py", "progress.py", "interceptors.py", "relay.py", "sweeper.py"]
+    "module",
+    [
+        "runtime.py",
+        "delivery.py",
+        "attempt.py",
+        "running.py",
+        "recording.py",
+        "progress.py",
+        "interceptors.py",
+        "relay.py",
+        "relay_feed.py",
+        "relay_link.py",
+        "relay_messages.py",
+        "relay_outbox.py",
+        "relay_record.py",
+        "sweeper.py",
+    ],
 )
 def test_the_runtime_imports_no_observe(module: str) -> None:
     imported = _imports(_WORKERS / module)
