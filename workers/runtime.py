@@ -40,6 +40,7 @@ from jobplane.config import DEFAULT_INLINE_BYTES, MAX_OFFLOADED_JSON_BYTES
 from jobplane.envelope import Envelope, EnvelopeError
 from jobplane.errors import BlobStoreUnavailable
 from jobplane.faults import NO_FAULTS, FaultPoints
+from jobplane.lifecycle import Lifecycle
 from jobplane.logs import describe_error, fingerprint
 from jobplane.names import job_name
 from jobplane.store.attempts import (
@@ -137,8 +138,13 @@ class _Running:
             self.task.cancel()
 
 
-class Worker:
-    """Consumes the topology's queues and runs the registry's handlers."""
+class Worker(Lifecycle):
+    """Consumes the topology's queues and runs the registry's handlers.
+
+    ``async with Worker(...) as worker:`` starts it and stops it with the
+    default grace (or ``await start()``, then ``await stop(grace)``); :meth:`run`
+    is a whole process's life.
+    """
 
     def __init__(
         self,

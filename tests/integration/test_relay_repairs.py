@@ -178,14 +178,16 @@ class _BrokenStore(SweepStore):
 async def test_a_failing_sweeper_keeps_sweeping_and_the_relay_stops(
     engine: AsyncEngine, database_url: str, amqp_url: str, topology: Topology, failure: Exception
 ) -> None:
-    sweeper = Sweeper(engine)
+    sweeper = Sweeper(engine, interval=0.01)
     broken = _BrokenStore(engine, [failure])
     sweeper._store = broken
-    relay = Relay(engine, database_url, amqp_url, topology, sweeper=sweeper, sweep_interval=0.01)
+    relay = Relay(engine, database_url, amqp_url, topology)
     await relay.start()
+    await sweeper.start()
     try:
         await eventually(lambda: _at_least(lambda: broken.calls, 3))
     finally:
+        await sweeper.stop()
         await relay.stop()
     assert not relay.connected
 
