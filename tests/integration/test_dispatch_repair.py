@@ -29,6 +29,7 @@ from jobplane.topology import Topology
 from jobplane.workers import sweeper as sweeper_module
 from jobplane.workers.relay import Relay
 from jobplane.workers.sweeper import Sweeper
+from tests.support.parts import Started
 from tests.support.rows import insert_job
 from tests.support.stack import Stack, eventually, start_stack
 
@@ -53,49 +54,46 @@ async def _events(stack: Stack, job_id: str) -> list[tuple[int, str, str]]:
 
 
 async def test_rows_the_broker_cannot_accept_fail_their_jobs_and_the_batch_goes_on(
-    engine: AsyncEngine, database_url: str, amqp_url: str, topology: Topology
+    engine: AsyncEngine, database_url: str, amqp_url: str, topology: Topology, started: Started
 ) -> None:
-    stack = await start_stack(engine, database_url, amqp_url, topology, relay=False)
-    try:
-        # One batch: good rows around the two bad ones.
-        good = [await _insert_job(stack, "demo.echo") for _ in range(2)]
-        long_correlation = await _insert_job(stack, "demo.echo", correlation_id="c" * 256)
-        long_key = await _insert_job(stack, "demo." + "k" * 300)
-        good += [await _insert_job(stack, "demo.echo", correlation_id="c" * 255)]
+    stack = await started(start_stack(engine, database_url, amqp_url, topology, relay=False))
+    # One batch: good rows around the two bad ones.
+    good = [await _insert_job(stack, "demo.echo") for _ in range(2)]
+    long_correlation = await _insert_job(stack, "demo.echo", correlation_id="c" * 256)
+    long_key = await _insert_job(stack, "demo." + "k" * 300)
+    good += [await _insert_job(stack, "demo.echo", correlation_id="c" * 255)]
 
-        relay = await stack.start_relay()
-        client = stack.client()
-        for job_id in good:
-            done = await asyncio.wait_for(client.wait(f"jobs/{job_id}"), timeout=20)
-            assert done.state is JobState.SUCCEEDED
-        for job_id, says in ((long_correlation, "correlation id"), (long_key, "routing key")):
-            job = await asyncio.wait_for(client.wait(f"jobs/{job_id}"), timeout=20)
-            assert job.state is JobState.FAILED
-            assert job.error is not None and job.error.code == "DISPATCH_FAILED"
-            assert says in job.error.message and not job.error.retryable
-            assert await _events(stack, job_id) == [
-                (1, "queued", "None"),
-                (2, "failed", "DISPATCH_FAILED"),
-            ]
-        assert (
-            await stack.scalar(
-                "SELECT count(*) FROM outbox WHERE kind = 'job.dispatch' "
-                "AND failed_at IS NOT NULL AND published_at IS NULL"
-            )
-            == 2
+    relay = await stack.start_relay()
+    client = stack.client()
+    for job_id in good:
+        done = await asyncio.wait_for(client.wait(f"jobs/{job_id}"), timeout=20)
+        assert done.state is JobState.SUCCEEDED
+    for job_id, says in ((long_correlation, "correlation id"), (long_key, "routing key")):
+        job = await asyncio.wait_for(client.wait(f"jobs/{job_id}"), timeout=20)
+        assert job.state is JobState.FAILED
+        assert job.error is not None and job.error.code == "DISPATCH_FAILED"
+        assert says in job.error.message and not job.error.retryable
+        assert await _events(stack, job_id) == [
+            (1, "queued", "None"),
+            (2, "failed", "DISPATCH_FAILED"),
+        ]
+    assert (
+        await stack.scalar(
+            "SELECT count(*) FROM outbox WHERE kind = 'job.dispatch' "
+            "AND failed_at IS NOT NULL AND published_at IS NULL"
         )
-        assert (
-            await stack.scalar(
-                "SELECT count(*) FROM outbox WHERE kind = 'job.dispatch' "
-                "AND published_at IS NULL AND failed_at IS NULL"
-            )
-            == 0
+        == 2
+    )
+    assert (
+        await stack.scalar(
+            "SELECT count(*) FROM outbox WHERE kind = 'job.dispatch' "
+            "AND published_at IS NULL AND failed_at IS NULL"
         )
-        # Still on its first connection: the bad rows never reached the channel.
-        assert relay.connects == 1 and relay.connected
-        assert relay.failed == 2
-    finally:
-        await stack.close()
+        == 0
+    )
+    # Still on its first connection: the bad rows never reached the channel.
+    assert relay.connects == 1 and relay.connected
+    assert relay.failed == 2
 
 
 async def test_a_dispatch_returned_for_too_long_fails_as_unroutable(
@@ -302,63 +300,61 @@ async def _lost_dispatches(stack: Stack, count: int) -> None:
 
 
 async def test_one_sweeper_at_a_time_republishes_on_its_own_schedule(
-    engine: AsyncEngine, database_url: str, amqp_url: str, topology: Topology
+    engine: AsyncEngine, database_url: str, amqp_url: str, topology: Topology, started: Started
 ) -> None:
-    stack = await start_stack(engine, database_url, amqp_url, topology, relay=False, worker=False)
-    try:
-        await _lost_dispatches(stack, 1)
-        # Another sweeper's pass holds the lock: this one leaves the pass to it.
-        async with engine.connect() as other:
-            await other.execute(
-                text("SELECT pg_advisory_xact_lock(:key)"), {"key": sweeps.REPUBLISH_LOCK_KEY}
-            )
-            assert (await Sweeper(engine, republish_every=0.0).sweep_once()).republished == 0
-            await other.rollback()
-
-        hourly = Sweeper(engine, republish_after=60.0, republish_every=3600.0)
-        assert (await hourly.sweep_once()).republished == 1
-        await _lost_dispatches(stack, 1)
-        # Leases and stuck rows are swept every time; lost dispatches once an hour here.
-        assert (await hourly.sweep_once()).republished == 0
-        assert (
-            await stack.scalar(
-                "SELECT count(*) FROM outbox WHERE kind = 'job.dispatch' AND published_at IS NULL"
-            )
-            == 1
+    stack = await started(
+        start_stack(engine, database_url, amqp_url, topology, relay=False, worker=False)
+    )
+    await _lost_dispatches(stack, 1)
+    # Another sweeper's pass holds the lock: this one leaves the pass to it.
+    async with engine.connect() as other:
+        await other.execute(
+            text("SELECT pg_advisory_xact_lock(:key)"), {"key": sweeps.REPUBLISH_LOCK_KEY}
         )
-    finally:
-        await stack.close()
+        assert (await Sweeper(engine, republish_every=0.0).sweep_once()).republished == 0
+        await other.rollback()
+
+    hourly = Sweeper(engine, republish_after=60.0, republish_every=3600.0)
+    assert (await hourly.sweep_once()).republished == 1
+    await _lost_dispatches(stack, 1)
+    # Leases and stuck rows are swept every time; lost dispatches once an hour here.
+    assert (await hourly.sweep_once()).republished == 0
+    assert (
+        await stack.scalar(
+            "SELECT count(*) FROM outbox WHERE kind = 'job.dispatch' AND published_at IS NULL"
+        )
+        == 1
+    )
 
 
 async def test_a_republish_pass_looks_at_a_bounded_part_of_the_backlog(
-    engine: AsyncEngine, database_url: str, amqp_url: str, topology: Topology
+    engine: AsyncEngine, database_url: str, amqp_url: str, topology: Topology, started: Started
 ) -> None:
-    stack = await start_stack(engine, database_url, amqp_url, topology, relay=False, worker=False)
-    try:
-        await _lost_dispatches(stack, 5)
-        store = sweeps.SweepStore(engine)
-        passes = []
-        while True:
-            done = await store.republish_unclaimed(after=60.0, scan=2, window=1)
-            assert done is not None
-            passes.append((len(done.republished), done.scanned, done.lap_done))
-            if done.lap_done:
-                break
-        # Each pass reads two QUEUED jobs at most and goes on where the last stopped.
-        assert passes == [(2, 2, False), (2, 2, False), (1, 1, True)]
-        assert (
-            await stack.scalar(
-                "SELECT count(*) FROM outbox WHERE kind = 'job.dispatch' AND republish_count = 1"
-            )
-            == 5
+    stack = await started(
+        start_stack(engine, database_url, amqp_url, topology, relay=False, worker=False)
+    )
+    await _lost_dispatches(stack, 5)
+    store = sweeps.SweepStore(engine)
+    passes = []
+    while True:
+        done = await store.republish_unclaimed(after=60.0, scan=2, window=1)
+        assert done is not None
+        passes.append((len(done.republished), done.scanned, done.lap_done))
+        if done.lap_done:
+            break
+    # Each pass reads two QUEUED jobs at most and goes on where the last stopped.
+    assert passes == [(2, 2, False), (2, 2, False), (1, 1, True)]
+    assert (
+        await stack.scalar(
+            "SELECT count(*) FROM outbox WHERE kind = 'job.dispatch' AND republish_count = 1"
         )
-        # After a lap the next pass starts again from the first.
-        async with engine.begin() as conn:
-            await conn.execute(text("UPDATE outbox SET published_at = now() - interval '1 day'"))
-        done = await store.republish_unclaimed(after=60.0, scan=10)
-        assert done is not None and len(done.republished) == 5 and done.lap_done
-    finally:
-        await stack.close()
+        == 5
+    )
+    # After a lap the next pass starts again from the first.
+    async with engine.begin() as conn:
+        await conn.execute(text("UPDATE outbox SET published_at = now() - interval '1 day'"))
+    done = await store.republish_unclaimed(after=60.0, scan=10)
+    assert done is not None and len(done.republished) == 5 and done.lap_done
 
 
 async def test_a_republished_dispatchs_line_names_the_jobs_trace(
@@ -367,26 +363,26 @@ async def test_a_republished_dispatchs_line_names_the_jobs_trace(
     amqp_url: str,
     topology: Topology,
     monkeypatch: pytest.MonkeyPatch,
+    started: Started,
 ) -> None:
-    stack = await start_stack(engine, database_url, amqp_url, topology, relay=False, worker=False)
-    try:
-        await _lost_dispatches(stack, 1)
-        trace_id = uuid.uuid4().hex
-        async with engine.begin() as conn:
-            await conn.execute(
-                text(
-                    "UPDATE outbox SET headers = "
-                    "jsonb_build_object('traceparent', CAST(:parent AS text))"
-                ),
-                {"parent": f"00-{trace_id}-{'1' * 16}-00"},
-            )
-        # Tracing handed over, as the CLI does when it is on (no provider
-        # needed); a logger not yet used, so capture_logs sees its lines.
-        monkeypatch.setattr(sweeper_module, "log", structlog.get_logger("jobplane.sweeper"))
-        traced = Sweeper(engine, republish_every=0.0, interceptors=[tracing.RelayTracing()])
-        with capture_logs() as logs:
-            assert (await traced.sweep_once()).republished == 1
-        (line,) = [e for e in logs if e["event"] == "sweeper.dispatch.republished"]
-        assert line["trace_id"] == trace_id
-    finally:
-        await stack.close()
+    stack = await started(
+        start_stack(engine, database_url, amqp_url, topology, relay=False, worker=False)
+    )
+    await _lost_dispatches(stack, 1)
+    trace_id = uuid.uuid4().hex
+    async with engine.begin() as conn:
+        await conn.execute(
+            text(
+                "UPDATE outbox SET headers = "
+                "jsonb_build_object('traceparent', CAST(:parent AS text))"
+            ),
+            {"parent": f"00-{trace_id}-{'1' * 16}-00"},
+        )
+    # Tracing handed over, as the CLI does when it is on (no provider
+    # needed); a logger not yet used, so capture_logs sees its lines.
+    monkeypatch.setattr(sweeper_module, "log", structlog.get_logger("jobplane.sweeper"))
+    traced = Sweeper(engine, republish_every=0.0, interceptors=[tracing.RelayTracing()])
+    with capture_logs() as logs:
+        assert (await traced.sweep_once()).republished == 1
+    (line,) = [e for e in logs if e["event"] == "sweeper.dispatch.republished"]
+    assert line["trace_id"] == trace_id

@@ -38,6 +38,7 @@ from jobplane.workers.demo import registry as demo_registry
 from jobplane.workers.relay import Relay
 from jobplane.workers.runtime import Worker
 from tests.integration.test_observability import samples, value
+from tests.support.parts import Started
 from tests.support.proxy import CuttableProxy
 from tests.support.servers import Servers
 from tests.support.stack import eventually, start_stack
@@ -69,28 +70,32 @@ async def _scrape(ops: OpsServer) -> dict[tuple[str, frozenset[tuple[str, str]]]
 
 
 async def test_the_outbox_backlog_shows_while_no_relay_runs(
-    engine: AsyncEngine, database_url: str, amqp_url: str, topology: Topology, ops: OpsServer
+    engine: AsyncEngine,
+    database_url: str,
+    amqp_url: str,
+    topology: Topology,
+    ops: OpsServer,
+    started: Started,
 ) -> None:
     watch_outbox(ops.metrics, engine)
-    stack = await start_stack(engine, database_url, amqp_url, topology, relay=False, worker=False)
-    try:
-        client = stack.client()
-        for n in range(3):
-            await client.submit("demo.echo", {"n": n})
-        await asyncio.sleep(0.3)
+    stack = await started(
+        start_stack(engine, database_url, amqp_url, topology, relay=False, worker=False)
+    )
+    client = stack.client()
+    for n in range(3):
+        await client.submit("demo.echo", {"n": n})
+    await asyncio.sleep(0.3)
+    found = await _scrape(ops)
+    assert value(found, "jobplane_outbox_backlog_rows") == 3
+    assert value(found, "jobplane_outbox_oldest_age_seconds") >= 0.3
+    await stack.start_relay()
+
+    async def drained() -> bool:
         found = await _scrape(ops)
-        assert value(found, "jobplane_outbox_backlog_rows") == 3
-        assert value(found, "jobplane_outbox_oldest_age_seconds") >= 0.3
-        await stack.start_relay()
+        backlog = value(found, "jobplane_outbox_backlog_rows")
+        return backlog == 0 and value(found, "jobplane_outbox_oldest_age_seconds") == 0
 
-        async def drained() -> bool:
-            found = await _scrape(ops)
-            backlog = value(found, "jobplane_outbox_backlog_rows")
-            return backlog == 0 and value(found, "jobplane_outbox_oldest_age_seconds") == 0
-
-        await eventually(drained)
-    finally:
-        await stack.close()
+    await eventually(drained)
 
 
 async def test_the_failed_queue_depth_counts_a_dead_letter(
@@ -202,36 +207,40 @@ async def test_made_up_job_types_are_counted_as_other(
 
 
 async def test_a_retry_scheduled_for_later_is_not_a_backlog(
-    engine: AsyncEngine, database_url: str, amqp_url: str, topology: Topology, ops: OpsServer
+    engine: AsyncEngine,
+    database_url: str,
+    amqp_url: str,
+    topology: Topology,
+    ops: OpsServer,
+    started: Started,
 ) -> None:
     watch_outbox(ops.metrics, engine)
-    stack = await start_stack(engine, database_url, amqp_url, topology, relay=False, worker=False)
-    try:
-        job = await stack.client().submit("demo.echo", {})
-        # Its rows as a retry's dispatch is: written ten minutes ago, due in an hour.
-        async with engine.begin() as conn:
-            moved = await conn.execute(
-                text(
-                    "UPDATE outbox SET create_time = now() - interval '10 minutes', "
-                    "available_at = now() + interval '1 hour' "
-                    "WHERE job_id = :job AND published_at IS NULL"
-                ),
-                {"job": uuid.UUID(job.name.removeprefix("jobs/"))},
-            )
-        assert moved.rowcount >= 1
-        found = await _scrape(ops)
-        assert value(found, "jobplane_outbox_backlog_rows") == 0
-        assert value(found, "jobplane_outbox_oldest_age_seconds") == 0
-        assert value(found, "jobplane_outbox_scheduled_rows") == moved.rowcount
-        # Due a minute ago: now it is a backlog, a minute old.
-        async with engine.begin() as conn:
-            await conn.execute(text("UPDATE outbox SET available_at = now() - interval '1 minute'"))
-        found = await _scrape(ops)
-        assert value(found, "jobplane_outbox_backlog_rows") == moved.rowcount
-        assert 60 <= value(found, "jobplane_outbox_oldest_age_seconds") < 120
-        assert value(found, "jobplane_outbox_scheduled_rows") == 0
-    finally:
-        await stack.close()
+    stack = await started(
+        start_stack(engine, database_url, amqp_url, topology, relay=False, worker=False)
+    )
+    job = await stack.client().submit("demo.echo", {})
+    # Its rows as a retry's dispatch is: written ten minutes ago, due in an hour.
+    async with engine.begin() as conn:
+        moved = await conn.execute(
+            text(
+                "UPDATE outbox SET create_time = now() - interval '10 minutes', "
+                "available_at = now() + interval '1 hour' "
+                "WHERE job_id = :job AND published_at IS NULL"
+            ),
+            {"job": uuid.UUID(job.name.removeprefix("jobs/"))},
+        )
+    assert moved.rowcount >= 1
+    found = await _scrape(ops)
+    assert value(found, "jobplane_outbox_backlog_rows") == 0
+    assert value(found, "jobplane_outbox_oldest_age_seconds") == 0
+    assert value(found, "jobplane_outbox_scheduled_rows") == moved.rowcount
+    # Due a minute ago: now it is a backlog, a minute old.
+    async with engine.begin() as conn:
+        await conn.execute(text("UPDATE outbox SET available_at = now() - interval '1 minute'"))
+    found = await _scrape(ops)
+    assert value(found, "jobplane_outbox_backlog_rows") == moved.rowcount
+    assert 60 <= value(found, "jobplane_outbox_oldest_age_seconds") < 120
+    assert value(found, "jobplane_outbox_scheduled_rows") == 0
 
 
 async def test_readyz_waits_for_the_grpc_port_and_fails_from_its_drain(

@@ -19,6 +19,7 @@ from jobplane.store import outbox
 from jobplane.store.db import Database
 from jobplane.topology import Topology
 from tests.support.event_api import all_published
+from tests.support.parts import Started
 from tests.support.queues import ready_count
 from tests.support.stack import Stack, eventually, start_stack
 
@@ -115,23 +116,27 @@ async def _ready_is(amqp_url: str, queue: str, expected: int) -> bool:
 
 
 async def test_a_backlog_of_dispatches_costs_the_other_rows_claim_nothing(
-    engine: AsyncEngine, db: Database, database_url: str, amqp_url: str, topology: Topology
+    engine: AsyncEngine,
+    db: Database,
+    database_url: str,
+    amqp_url: str,
+    topology: Topology,
+    started: Started,
 ) -> None:
     """The claim of rows that are not dispatches (parked events) reads none of the
     due dispatches: a backlog would otherwise be read whole on every pass."""
-    stack = await start_stack(engine, database_url, amqp_url, topology, relay=False, worker=False)
-    try:
-        jobs = await stack.client().submit_many([JobSpec("demo.echo", {}) for _ in range(500)])
-        assert len(jobs) == 500
-        async with db.begin() as conn:
-            await conn.execute("ANALYZE outbox")
-            plan = await conn.fetch(
-                "EXPLAIN (ANALYZE, FORMAT JSON) " + outbox._CLAIM_DUE[1].text, {"limit": 100}
-            )
-        read = _rows_read(plan[0][0][0]["Plan"])
-        assert read == 0, plan[0][0]
-    finally:
-        await stack.close()
+    stack = await started(
+        start_stack(engine, database_url, amqp_url, topology, relay=False, worker=False)
+    )
+    jobs = await stack.client().submit_many([JobSpec("demo.echo", {}) for _ in range(500)])
+    assert len(jobs) == 500
+    async with db.begin() as conn:
+        await conn.execute("ANALYZE outbox")
+        plan = await conn.fetch(
+            "EXPLAIN (ANALYZE, FORMAT JSON) " + outbox._CLAIM_DUE[1].text, {"limit": 100}
+        )
+    read = _rows_read(plan[0][0][0]["Plan"])
+    assert read == 0, plan[0][0]
 
 
 def _rows_read(node: dict[str, Any]) -> int:
