@@ -42,7 +42,7 @@ def _silent(started: list[str], stopped: list[str]) -> Registry:
 async def test_a_cancel_notification_stops_a_handler_that_reports_nothing(
     engine: AsyncEngine, database_url: str, amqp_url: str, topology: Topology, started: Started
 ) -> None:
-    started: list[str] = []
+    began: list[str] = []
     stopped: list[str] = []
     # A lease this long puts the heartbeat after the first one far beyond the
     # test's time limit: only the notification can stop the handler here.
@@ -52,13 +52,13 @@ async def test_a_cancel_notification_stops_a_handler_that_reports_nothing(
             database_url,
             amqp_url,
             topology,
-            registry=_silent(started, stopped),
+            registry=_silent(began, stopped),
             worker_options={"lease_seconds": 600.0},
         )
     )
     client = stack.client()
     job = await client.submit("silent.wait", {})
-    await eventually(lambda: _is(started == [job.name]))
+    await eventually(lambda: _is(began == [job.name]))
     claimed = await _lease_expiry(stack, job.id)
     # The early first heartbeat (which would also see a cancel) is behind us.
     await eventually(lambda: _lease_extended(stack, job.id, claimed))
@@ -73,7 +73,7 @@ async def test_a_cancel_notification_stops_a_handler_that_reports_nothing(
 async def test_a_heartbeat_stops_a_silent_handler_whose_cancel_notification_was_lost(
     engine: AsyncEngine, database_url: str, amqp_url: str, topology: Topology, started: Started
 ) -> None:
-    started: list[str] = []
+    began: list[str] = []
     stopped: list[str] = []
     stack = await started(
         start_stack(
@@ -81,13 +81,13 @@ async def test_a_heartbeat_stops_a_silent_handler_whose_cancel_notification_was_
             database_url,
             amqp_url,
             topology,
-            registry=_silent(started, stopped),
+            registry=_silent(began, stopped),
             worker_options={"lease_seconds": 1.5},
         )
     )
     client = stack.client()
     job = await client.submit("silent.wait", {})
-    await eventually(lambda: _is(started == [job.name]))
+    await eventually(lambda: _is(began == [job.name]))
     # The request as the API stores it, without its notification (NOTIFY
     # is only a hint: one lost costs latency, never the cancel).
     async with engine.begin() as conn:

@@ -74,10 +74,10 @@ async def test_high_wait_behind_long_low_jobs(
         submitted = time.monotonic()
         (job,) = await submit(client, job_type, 1)
 
-        async def started(job: str = job) -> bool:
+        async def began(job: str = job) -> bool:
             return job in board.started
 
-        await eventually(started, timeout=30, interval=0.005)
+        await eventually(began, timeout=30, interval=0.005)
         waits.append(board.started[job] - submitted)
         await asyncio.sleep(0.05)
     print(

@@ -58,10 +58,10 @@ async def test_a_high_job_starts_at_once_behind_a_full_set_of_long_low_jobs(
         submitted = time.monotonic()
         (job,) = await submit(client, job_type, 1)
 
-        async def started(job: str = job) -> bool:
+        async def began(job: str = job) -> bool:
             return job in board.started
 
-        await eventually(started, timeout=30, interval=0.01)
+        await eventually(began, timeout=30, interval=0.01)
         waits.append(board.started[job] - submitted)
     # Each started long before a low job of the full set could end (the
     # first of them ends low_seconds after the set filled): none waited

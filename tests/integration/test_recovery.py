@@ -28,12 +28,12 @@ from tests.support.stack import Stack, eventually, start_stack
 async def test_attempt_timeout_cancels_and_retries_then_fails(
     engine: AsyncEngine, database_url: str, amqp_url: str, topology: Topology, started: Started
 ) -> None:
-    started: list[int] = []
+    began: list[int] = []
     registry = Registry()
 
     @registry.handler("slow.op")
     async def slow(ctx: JobContext) -> dict[str, Any]:
-        started.append(ctx.attempt)
+        began.append(ctx.attempt)
         await asyncio.sleep(30)
         return {}
 
@@ -44,7 +44,7 @@ async def test_attempt_timeout_cancels_and_retries_then_fails(
     done = await asyncio.wait_for(client.wait(job.name), timeout=20)
     assert done.state is JobState.FAILED
     assert done.error is not None and done.error.code == "TIMEOUT"
-    assert started == [1, 2]
+    assert began == [1, 2]
     # Retryable, but no attempt was left: the failed event says so.
     last = [e async for e in client.watch(job.name)][-1]
     assert last.data["error"]["attempts_exhausted"] is True
