@@ -251,7 +251,7 @@ def _free_port() -> int:
 
 
 async def test_relay_does_not_mark_a_returned_publish(
-    engine: AsyncEngine, database_url: str, amqp_url: str, topology: Topology
+    engine: AsyncEngine, database_url: str, amqp_url: str, topology: Topology, started: Started
 ) -> None:
     from dataclasses import replace
 
@@ -259,36 +259,27 @@ async def test_relay_does_not_mark_a_returned_publish(
 
     # The server accepts the type, but the exchange the relay declared has no
     # binding for it: the broker returns the mandatory message.
-    stack = await start_stack(engine, database_url, amqp_url, topology, relay=False, worker=False)
+    stack = await started(
+        start_stack(engine, database_url, amqp_url, topology, relay=False, worker=False)
+    )
     narrow = replace(topology, queues=(replace(topology.queues[0], bindings=("reports.*",)),))
-    relay = Relay(engine, database_url, amqp_url, narrow, poll_seconds=0.1)
-    await relay.start()
-    try:
-        await stack.client().submit("demo.echo", {})
-        await eventually(
-            lambda: stack.scalar(
-                "SELECT publish_attempts >= 1 FROM outbox WHERE kind = 'job.dispatch'"
-            )
-        )
-        assert await stack.scalar(
-            "SELECT published_at IS NULL FROM outbox WHERE kind = 'job.dispatch'"
-        )
-        assert "not confirmed" in await stack.scalar(
-            "SELECT last_error FROM outbox WHERE kind = 'job.dispatch'"
-        )
+    relay = await started(Relay(engine, database_url, amqp_url, narrow, poll_seconds=0.1))
+    await stack.client().submit("demo.echo", {})
+    await eventually(
+        lambda: stack.scalar("SELECT publish_attempts >= 1 FROM outbox WHERE kind = 'job.dispatch'")
+    )
+    assert await stack.scalar("SELECT published_at IS NULL FROM outbox WHERE kind = 'job.dispatch'")
+    assert "not confirmed" in await stack.scalar(
+        "SELECT last_error FROM outbox WHERE kind = 'job.dispatch'"
+    )
 
-        # Its job.queued is published (by the event feed); the dispatch never counts.
-        async def queued_event_published() -> bool:
-            return relay.events_published >= 1
+    # Its job.queued is published (by the event feed); the dispatch never counts.
+    async def queued_event_published() -> bool:
+        return relay.events_published >= 1
 
-        await eventually(queued_event_published)
-        assert relay.published == 0
-        assert await stack.scalar(
-            "SELECT published_at IS NULL FROM outbox WHERE kind = 'job.dispatch'"
-        )
-    finally:
-        await relay.stop()
-        await stack.close()
+    await eventually(queued_event_published)
+    assert relay.published == 0
+    assert await stack.scalar("SELECT published_at IS NULL FROM outbox WHERE kind = 'job.dispatch'")
 
 
 async def test_unreadable_and_unknown_messages_go_to_the_failed_queue(stack: Stack) -> None:

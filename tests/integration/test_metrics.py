@@ -177,22 +177,19 @@ async def test_a_taken_port_is_refused_by_name(engine: AsyncEngine, ops: OpsServ
 
 
 async def test_made_up_job_types_are_counted_as_other(
-    engine: AsyncEngine, database_url: str, topology: Topology
+    engine: AsyncEngine, database_url: str, topology: Topology, started: Started
 ) -> None:
     metrics = Metrics()
-    servers = Servers(engine, database_url, topology)
-    try:
-        # 2,000 submits as fast as they go: past the default rate of a tenant.
-        unlimited = TenantLimits(submits_per_second=0)
-        server = await servers.start(metrics=metrics, limits=unlimited)
-        key, _tenant = await server.keys.create_key("acme")
-        client = servers.client(server, key)
-        made_up = [f"made.up.t{n}" for n in range(2000)]
-        for start in range(0, len(made_up), 100):
-            await asyncio.gather(*(client.submit(t, {}) for t in made_up[start : start + 100]))
-        found = samples((await metrics.exposition()).decode())
-    finally:
-        await servers.close()
+    servers = await started(Servers(engine, database_url, topology))
+    # 2,000 submits as fast as they go: past the default rate of a tenant.
+    unlimited = TenantLimits(submits_per_second=0)
+    server = await servers.start(metrics=metrics, limits=unlimited)
+    key, _tenant = await server.keys.create_key("acme")
+    client = servers.client(server, key)
+    made_up = [f"made.up.t{n}" for n in range(2000)]
+    for start in range(0, len(made_up), 100):
+        await asyncio.gather(*(client.submit(t, {}) for t in made_up[start : start + 100]))
+    found = samples((await metrics.exposition()).decode())
     submitted = {
         dict(labels)["type"]: count
         for (name, labels), count in found.items()
