@@ -1,5 +1,5 @@
 """One lifecycle for every long-running part: the server, the worker, the relay
-and the sweeper ([ADR-0037](../../docs/adr/0037-lifecycles-as-context-managers.md)).
+and the sweeper (ADR-0037).
 
 A part defines ``start()`` and ``stop()``; :class:`Lifecycle` makes it an async
 context manager (``async with part:`` starts it and stops it gracefully,
