@@ -148,7 +148,7 @@ async def test_same_message_delivered_twice_runs_the_handler_once(
 
 
 async def test_relay_keeps_rows_while_broker_is_unreachable(
-    engine: AsyncEngine, database_url: str, amqp_url: str, topology: Topology
+    engine: AsyncEngine, database_url: str, amqp_url: str, topology: Topology, started: Started
 ) -> None:
     from urllib.parse import urlsplit
 
@@ -156,36 +156,33 @@ async def test_relay_keeps_rows_while_broker_is_unreachable(
     proxy = CuttableProxy(target.hostname or "127.0.0.1", target.port or 5672)
     await proxy.start()
     await proxy.cut()  # the broker is unreachable from the start
+    started.callback(proxy.cut)
     proxied = amqp_url.replace(f"{target.hostname}:{target.port}", f"127.0.0.1:{proxy.port}")
 
-    stack = await start_stack(engine, database_url, amqp_url, topology, relay=False)
-    try:
-        await stack.start_relay(proxied)
-        client = stack.client()
-        jobs = [await client.submit("demo.echo", {"i": i}) for i in range(5)]
-        await asyncio.sleep(1.5)
-        assert (
-            await stack.scalar(
-                "SELECT count(*) FROM outbox WHERE kind = 'job.dispatch' AND published_at IS NULL"
-            )
-            == 5
+    stack = await started(start_stack(engine, database_url, amqp_url, topology, relay=False))
+    await stack.start_relay(proxied)
+    client = stack.client()
+    jobs = [await client.submit("demo.echo", {"i": i}) for i in range(5)]
+    await asyncio.sleep(1.5)
+    assert (
+        await stack.scalar(
+            "SELECT count(*) FROM outbox WHERE kind = 'job.dispatch' AND published_at IS NULL"
         )
-        states = [(await client.get(j.name)).state for j in jobs]
-        assert states == [JobState.QUEUED] * 5
+        == 5
+    )
+    states = [(await client.get(j.name)).state for j in jobs]
+    assert states == [JobState.QUEUED] * 5
 
-        await proxy.start()  # the broker is back
-        for job in jobs:
-            done = await asyncio.wait_for(client.wait(job.name), timeout=30)
-            assert done.state is JobState.SUCCEEDED
-        assert (
-            await stack.scalar(
-                "SELECT count(*) FROM outbox WHERE kind = 'job.dispatch' AND published_at IS NULL"
-            )
-            == 0
+    await proxy.start()  # the broker is back
+    for job in jobs:
+        done = await asyncio.wait_for(client.wait(job.name), timeout=30)
+        assert done.state is JobState.SUCCEEDED
+    assert (
+        await stack.scalar(
+            "SELECT count(*) FROM outbox WHERE kind = 'job.dispatch' AND published_at IS NULL"
         )
-    finally:
-        await stack.close()
-        await proxy.cut()
+        == 0
+    )
 
 
 async def test_sdk_watch_survives_a_server_restart(

@@ -10,7 +10,7 @@ or not. A test of the stop itself calls ``stop()`` on its own.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from contextlib import AbstractAsyncContextManager, AsyncExitStack
 from typing import Any, Protocol, TypeVar, overload
 
@@ -42,6 +42,7 @@ class Started:
     the worker, the relay, the sweeper, a client, a pool) or an awaitable of
     something already started with a ``close()`` (``start_stack(...)``).
     ``grace=`` stops a server or worker with that grace instead of its default.
+    :meth:`callback` adds a closing step of the test's own to the same order.
     """
 
     def __init__(self, stack: AsyncExitStack) -> None:
@@ -66,3 +67,8 @@ class Started:
             self._stack.push_async_callback(made.close)
             return made
         return await self._stack.enter_async_context(part)
+
+    def callback(self, close: Callable[..., Awaitable[object]], *args: object) -> None:
+        """Also await ``close(*args)`` at teardown, in its place among the parts: for
+        what a test opened that is no part (an engine it made, a proxy it cut)."""
+        self._stack.push_async_callback(close, *args)

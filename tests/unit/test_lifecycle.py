@@ -97,6 +97,11 @@ async def test_started_stops_everything_it_started_last_first() -> None:
         started = Started(stack)
         first = await started(_Part("first", seen))
         assert await started(made()) is not None
+
+        async def note(line: str) -> None:
+            seen.append(line)
+
+        started.callback(note, "callback")
         assert await started(_Part("graced", seen), grace=0.5) is not first
         seen.append("test")
     assert seen == [
@@ -105,6 +110,7 @@ async def test_started_stops_everything_it_started_last_first() -> None:
         "start graced",
         "test",
         "stop graced 0.5",
+        "callback",
         "close made",
         "stop first 5.0",
     ]
