@@ -99,28 +99,30 @@ async def test_the_outbox_backlog_shows_while_no_relay_runs(
 
 
 async def test_the_failed_queue_depth_counts_a_dead_letter(
-    engine: AsyncEngine, database_url: str, amqp_url: str, topology: Topology, ops: OpsServer
+    engine: AsyncEngine,
+    database_url: str,
+    amqp_url: str,
+    topology: Topology,
+    ops: OpsServer,
+    started: Started,
 ) -> None:
     depth = FailedQueueDepth(ops.metrics, amqp_url, topology.failed_queue)
-    stack = await start_stack(engine, database_url, amqp_url, topology, relay=False)
-    try:
+    await started(start_stack(engine, database_url, amqp_url, topology, relay=False))
+    started.callback(depth.close)
+    found = await _scrape(ops)
+    assert value(found, "jobplane_failed_queue_messages", queue=topology.failed_queue) == 0
+    # A message no envelope decodes from: the worker rejects it to the dead letters.
+    connection = await aio_pika.connect(amqp_url)
+    async with connection:
+        channel = await connection.channel()
+        exchange = await channel.get_exchange(topology.exchange)
+        await exchange.publish(aio_pika.Message(b"not an envelope"), routing_key="demo.echo")
+
+    async def dead_lettered() -> bool:
         found = await _scrape(ops)
-        assert value(found, "jobplane_failed_queue_messages", queue=topology.failed_queue) == 0
-        # A message no envelope decodes from: the worker rejects it to the dead letters.
-        connection = await aio_pika.connect(amqp_url)
-        async with connection:
-            channel = await connection.channel()
-            exchange = await channel.get_exchange(topology.exchange)
-            await exchange.publish(aio_pika.Message(b"not an envelope"), routing_key="demo.echo")
+        return value(found, "jobplane_failed_queue_messages", queue=topology.failed_queue) == 1
 
-        async def dead_lettered() -> bool:
-            found = await _scrape(ops)
-            return value(found, "jobplane_failed_queue_messages", queue=topology.failed_queue) == 1
-
-        await eventually(dead_lettered)
-    finally:
-        await depth.close()
-        await stack.close()
+    await eventually(dead_lettered)
 
 
 async def test_readyz_names_the_broker_while_it_is_unreachable(
@@ -272,37 +274,39 @@ async def test_readyz_waits_for_the_grpc_port_and_fails_from_its_drain(
 
 
 async def test_a_queue_without_consumers_shows_its_messages(
-    engine: AsyncEngine, database_url: str, amqp_url: str, topology: Topology, ops: OpsServer
+    engine: AsyncEngine,
+    database_url: str,
+    amqp_url: str,
+    topology: Topology,
+    ops: OpsServer,
+    started: Started,
 ) -> None:
     queue = topology.queues[0].name
     depth = FailedQueueDepth(
         ops.metrics, amqp_url, topology.failed_queue, [q.name for q in topology.queues]
     )
-    stack = await start_stack(engine, database_url, amqp_url, topology, worker=False)
-    try:
-        await stack.client().submit("demo.echo", {})
+    stack = await started(start_stack(engine, database_url, amqp_url, topology, worker=False))
+    started.callback(depth.close)
+    await stack.client().submit("demo.echo", {})
 
-        async def waiting() -> bool:
-            found = await _scrape(ops)
-            return value(found, "jobplane_queue_messages", queue=queue) >= 1
-
-        await eventually(waiting)
+    async def waiting() -> bool:
         found = await _scrape(ops)
-        assert value(found, "jobplane_queue_consumers", queue=queue) == 0
-        assert ("jobplane_queue_messages", frozenset({("queue", queue)})) in found
-        await stack.start_worker()
+        return value(found, "jobplane_queue_messages", queue=queue) >= 1
 
-        async def consumed() -> bool:
-            found = await _scrape(ops)
-            return (
-                value(found, "jobplane_queue_consumers", queue=queue) >= 1
-                and value(found, "jobplane_queue_messages", queue=queue) == 0
-            )
+    await eventually(waiting)
+    found = await _scrape(ops)
+    assert value(found, "jobplane_queue_consumers", queue=queue) == 0
+    assert ("jobplane_queue_messages", frozenset({("queue", queue)})) in found
+    await stack.start_worker()
 
-        await eventually(consumed)
-    finally:
-        await depth.close()
-        await stack.close()
+    async def consumed() -> bool:
+        found = await _scrape(ops)
+        return (
+            value(found, "jobplane_queue_consumers", queue=queue) >= 1
+            and value(found, "jobplane_queue_messages", queue=queue) == 0
+        )
+
+    await eventually(consumed)
 
 
 async def test_overlapping_scrapes_share_one_broker_connection(
