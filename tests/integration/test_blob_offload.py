@@ -255,25 +255,20 @@ async def test_worker_service_hands_out_offloaded_payloads_and_offloads_results(
 
 
 async def test_blobs_with_a_dml_only_role(
-    dml_url: str, amqp_url: str, topology: Topology, moto: MotoServer
+    dml_url: str, amqp_url: str, topology: Topology, moto: MotoServer, started: Started
 ) -> None:
     engine = create_engine(dml_url, pool_size=4)
-    try:
-        async with blob_store(engine, moto.url) as store:
-            stack = await start_stack(
-                engine, dml_url, amqp_url, topology, registry=registry, blobs=store
-            )
-            try:
-                client = stack.client()
-                blob = await client.upload(b"x" * 1000)
-                # A reference (the trigger's insert), an offloaded payload and result.
-                job = await client.submit("offload.echo", {"text": "z" * 70_000, "in": blob.name})
-                done = await client.wait(job.name, timeout=30)
-                assert done.state is JobState.SUCCEEDED, done.error
-                assert done.result_blob is not None
-                with pytest.raises(BlobInUse):
-                    await client.delete_blob(blob.name)
-            finally:
-                await stack.close()
-    finally:
-        await engine.dispose()
+    started.callback(engine.dispose)
+    store = await started(blob_store(engine, moto.url))
+    stack = await started(
+        start_stack(engine, dml_url, amqp_url, topology, registry=registry, blobs=store)
+    )
+    client = stack.client()
+    blob = await client.upload(b"x" * 1000)
+    # A reference (the trigger's insert), an offloaded payload and result.
+    job = await client.submit("offload.echo", {"text": "z" * 70_000, "in": blob.name})
+    done = await client.wait(job.name, timeout=30)
+    assert done.state is JobState.SUCCEEDED, done.error
+    assert done.result_blob is not None
+    with pytest.raises(BlobInUse):
+        await client.delete_blob(blob.name)
