@@ -18,6 +18,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from jobplane.config import MAX_PAYLOAD_BYTES_LIMIT
 from jobplane.faults import NO_FAULTS, FaultPoints
+from jobplane.lifecycle import Lifecycle
 from jobplane.observe import tracing
 from jobplane.observe.metrics import NO_METRICS, Metrics
 from jobplane.observe.tracing import ServerTracing
@@ -73,6 +74,20 @@ API_SERVICES = (SERVICE_NAME, EVENT_SERVICE_NAME, BLOB_SERVICE_NAME)
 WORKER_SERVICE_NAME = workers_pb2.DESCRIPTOR.services_by_name["WorkerService"].full_name
 
 
+def _max_receive_bytes(max_payload_bytes: int) -> int:
+    """The largest request body gRPC reads: past it, it refuses the body
+    (RESOURCE_EXHAUSTED) before reading it whole, as no valid request needs more.
+
+    An UploadBlob chunk of the largest size must fit too, and a BatchSubmitJobs
+    body may be larger than one SubmitJob's, up to its own bound.
+    """
+    return max(
+        max_request_bytes(max_payload_bytes),
+        MAX_CHUNK_BYTES + 64 * 1024,
+        MAX_BATCH_REQUEST_BYTES,
+    )
+
+
 @dataclass(frozen=True, slots=True)
 class ServerTLS:
     """The server's certificate chain and key (PEM); with ``client_ca``, mutual TLS.
@@ -106,8 +121,9 @@ class ServerTLS:
         return "mtls" if self.client_ca is not None else "tls"
 
 
-class JobplaneServer:
-    """One server process: ``await start()``, then ``await stop()``.
+class JobplaneServer(Lifecycle):
+    """One server process: ``async with JobplaneServer(...) as server:`` (or
+    ``await start()``, then ``await stop()``; :meth:`run` for a whole process).
 
     The engine belongs to the caller; the server owns its LISTEN connections
     (job events, domain events, and key revocations) and the gRPC server. ``tls`` serves
@@ -178,15 +194,7 @@ class JobplaneServer:
             blobs=blobs,
             inline_bytes=inline_bytes,
         )
-        # gRPC refuses a larger body (RESOURCE_EXHAUSTED) before reading it
-        # whole: no valid request needs more.
-        # An UploadBlob chunk of the largest size must fit too.
-        # A BatchSubmitJobs body may be larger than one SubmitJob's, up to its own bound.
-        self.max_receive_bytes = max(
-            max_request_bytes(max_payload_bytes),
-            MAX_CHUNK_BYTES + 64 * 1024,
-            MAX_BATCH_REQUEST_BYTES,
-        )
+        self.max_receive_bytes = _max_receive_bytes(max_payload_bytes)
         self.service.metrics = self.workers.metrics = metrics
         metrics.add_streams(self.limiter.open_streams)
         metrics.know_topology(topology)

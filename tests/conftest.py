@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import os
 from collections.abc import AsyncIterator, Iterator
+from contextlib import AsyncExitStack
 
 import pytest
 from sqlalchemy.ext.asyncio import AsyncEngine
@@ -15,6 +16,7 @@ from jobplane.store.db import Database
 from jobplane.store.engine import create_engine, migrate
 from jobplane.topology import Topology, load_topology
 from tests.support import services
+from tests.support.parts import Started
 from tests.support.s3 import MotoServer, blob_store
 from tests.support.stack import Stack, start_stack
 
@@ -131,3 +133,12 @@ async def stack(
     running = await start_stack(engine, database_url, amqp_url, topology, **parts)
     yield running
     await running.close()
+
+
+@pytest.fixture
+async def started() -> AsyncIterator[Started]:
+    """A factory: ``await started(part)`` starts a part the test made (server,
+    worker, relay, sweeper, ``start_stack(...)``, client); each is stopped at the
+    test's end, the last started first (:mod:`tests.support.parts`)."""
+    async with AsyncExitStack() as stack:
+        yield Started(stack)

@@ -76,6 +76,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from jobplane import broker
 from jobplane.faults import NO_FAULTS, FaultPoints
+from jobplane.lifecycle import Lifecycle
 from jobplane.logs import describe_error
 from jobplane.store.db import Database
 from jobplane.store.deployment import Deployment
@@ -98,7 +99,6 @@ from jobplane.workers.relay_messages import (
     spec_properties,
 )
 from jobplane.workers.relay_record import DISPATCH_FAILED, JOB_TYPE_UNROUTABLE
-from jobplane.workers.sweeper import Sweeper
 
 __all__ = [
     "DISPATCH_FAILED",
@@ -130,8 +130,14 @@ def relay_in_flight(pool_size: int) -> int:
     return max(1, pool_size - 2)
 
 
-class Relay(EventFeedPublishing, BrokerLink):
-    """Moves due outbox rows to RabbitMQ; any number may run at once."""
+class Relay(EventFeedPublishing, BrokerLink, Lifecycle):
+    """Moves due outbox rows to RabbitMQ; any number may run at once.
+
+    ``async with Relay(...) as relay:`` (or ``await start()``, then ``await
+    stop()``); :meth:`run` is a whole process's life. The sweeper is a part of
+    its own (:class:`~jobplane.workers.sweeper.Sweeper`): a process that runs
+    both starts each.
+    """
 
     def __init__(
         self,
@@ -145,8 +151,6 @@ class Relay(EventFeedPublishing, BrokerLink):
         poll_seconds: float = 1.0,
         publish_timeout: float = 10.0,
         faults: FaultPoints = NO_FAULTS,
-        sweeper: Sweeper | None = None,
-        sweep_interval: float = 5.0,
         unroutable_after: float = 300.0,
         unroutable_returns: int = 5,
         interceptors: Sequence[RelayInterceptor] = (),
@@ -176,8 +180,6 @@ class Relay(EventFeedPublishing, BrokerLink):
         self._event_wakeups = Listener(database_url, DOMAIN_EVENTS_CHANNEL)
         self._task: asyncio.Task[None] | None = None
         self._feed_task: asyncio.Task[None] | None = None
-        self._sweeper = sweeper
-        self._sweep_interval = sweep_interval
         self._unroutable_after = unroutable_after
         self._unroutable_returns = unroutable_returns
         self._deployment: Deployment | None = None
@@ -224,26 +226,20 @@ class Relay(EventFeedPublishing, BrokerLink):
                 raise
         self._task = asyncio.create_task(self._run(), name="jobplane-relay")
         self._feed_task = asyncio.create_task(self._run_feed(), name="jobplane-relay-events")
-        if self._sweeper is not None:
-            self._sweeper.start(self._sweep_interval)
 
     async def stop(self) -> None:
         """Stop; a batch in flight is rolled back and stays due."""
         try:
-            if self._sweeper is not None:
-                await self._sweeper.stop()
+            await cancel_and_wait(self._feed_task)
+            await cancel_and_wait(self._task)
         finally:
-            try:
-                await cancel_and_wait(self._feed_task)
-                await cancel_and_wait(self._task)
-            finally:
-                self._task = self._feed_task = None
-                if self._link is not None:
-                    await self._link.close()
-                    self._link = None
-                await self._event_wakeups.stop()
-                await self._wakeups.stop()
-                await self._close_db()
+            self._task = self._feed_task = None
+            if self._link is not None:
+                await self._link.close()
+                self._link = None
+            await self._event_wakeups.stop()
+            await self._wakeups.stop()
+            await self._close_db()
 
     async def _close_db(self) -> None:
         if self._owns_db:

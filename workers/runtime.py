@@ -30,6 +30,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from jobplane import broker
 from jobplane.config import DEFAULT_INLINE_BYTES
 from jobplane.faults import NO_FAULTS, FaultPoints
+from jobplane.lifecycle import Lifecycle
 from jobplane.names import job_name
 from jobplane.store.attempts import AttemptStore
 from jobplane.store.db import Database
@@ -56,8 +57,13 @@ __all__ = ["StopCause", "Worker", "worker_pool_size"]
 log = structlog.get_logger("jobplane.worker")
 
 
-class Worker(Deliveries):
-    """Consumes the topology's queues and runs the registry's handlers."""
+class Worker(Deliveries, Lifecycle):
+    """Consumes the topology's queues and runs the registry's handlers.
+
+    ``async with Worker(...) as worker:`` starts it and stops it with the
+    default grace (or ``await start()``, then ``await stop(grace)``); :meth:`run`
+    is a whole process's life.
+    """
 
     def __init__(
         self,

@@ -5,8 +5,8 @@
   none is left, as :func:`jobplane.attempt_end.decide` says for any failed
   attempt.
 - Outbox rows due for too long and still unpublished: reported; the relay
-  that runs the sweeper publishes them (``jobplane sweep --once`` does one
-  relay pass itself).
+  that runs beside the sweeper (``jobplane relay`` runs both) publishes them
+  (``jobplane sweep --once`` does one relay pass itself).
 - Events committed over ``stuck_after`` seconds ago that no relay has
   published (the event feed is behind: no relay runs, the broker is away,
   or a long transaction holds the feed's horizon): reported.
@@ -42,6 +42,7 @@ import structlog
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from jobplane.attempt_end import Decision, EndCause, RetryPolicy, decide
+from jobplane.lifecycle import Lifecycle
 from jobplane.logs import describe_error
 from jobplane.names import job_name
 from jobplane.store.down import database_transient
@@ -77,8 +78,13 @@ class SweepReport:
     events_behind: int = 0
 
 
-class Sweeper:
-    """Finds expired leases, stuck outbox rows and lost dispatches."""
+class Sweeper(Lifecycle):
+    """Finds expired leases, stuck outbox rows and lost dispatches.
+
+    A part of its own beside the relays: ``async with Sweeper(...)`` sweeps every
+    ``interval`` seconds in the background until the block ends (or ``await
+    start()``, then ``await stop()``); :meth:`sweep_once` is one pass.
+    """
 
     def __init__(
         self,
@@ -93,6 +99,7 @@ class Sweeper:
         republish_every: float | None = None,
         republish_scan: int = 10_000,
         interceptors: Sequence[RelayInterceptor] = (),
+        interval: float = 5.0,
     ) -> None:
         """``republish_every`` defaults to a tenth of ``republish_after``, at least 30 s.
 
@@ -100,6 +107,7 @@ class Sweeper:
         (``retry_base_delay`` replaces the base), as a failed attempt is.
         ``interceptors`` see each sweep's report and name the traces of its
         lines (the process hands tracing's and metrics'; none: nothing).
+        ``interval``: seconds between the background sweeps, once started.
         """
         self._intercept = chain_relay(interceptors)
         self._store = SweepStore(engine)
@@ -114,6 +122,7 @@ class Sweeper:
         )
         self._republish_scan = republish_scan
         self._next_republish = 0.0  # monotonic; the first sweep runs the pass
+        self._interval = interval
         self._task: asyncio.Task[None] | None = None
 
     def _decide(self, lease: ExpiredLease) -> Decision:
@@ -193,9 +202,9 @@ class Sweeper:
         log.debug("sweeper.republish.pass", scanned=done.scanned, lap_done=done.lap_done)
         return len(done.republished)
 
-    def start(self, interval: float) -> None:
-        """Sweep every ``interval`` seconds in the background."""
-        self._task = asyncio.create_task(self._loop(interval), name="jobplane-sweeper")
+    async def start(self) -> None:
+        """Sweep every ``interval`` seconds in the background (the first sweep after one)."""
+        self._task = asyncio.create_task(self._loop(self._interval), name="jobplane-sweeper")
 
     async def stop(self) -> None:
         """Stop the background loop; never raises what ended it."""

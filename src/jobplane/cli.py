@@ -557,7 +557,13 @@ async def _relay(args: argparse.Namespace) -> int:
             settings.amqp_url,
             topology,
             faults=FaultPoints(settings.faults),
-            sweeper=None
+            unroutable_after=args.unroutable_after,
+            interceptors=observed,
+            db=relay_db,
+            in_flight=in_flight,
+        )
+        sweeper = (
+            None
             if args.no_sweep
             else Sweeper(
                 engine,
@@ -565,17 +571,15 @@ async def _relay(args: argparse.Namespace) -> int:
                 lease_grace=args.lease_grace,
                 republish_after=args.republish_after,
                 interceptors=observed,
-            ),
-            sweep_interval=args.sweep_interval,
-            unroutable_after=args.unroutable_after,
-            interceptors=observed,
-            db=relay_db,
-            in_flight=in_flight,
+                interval=args.sweep_interval,
+            )
         )
         if ops is not None:
             ops.add_check("broker", lambda: None if relay.connected else "no broker channel")
         await _start_ops(stack, ops)
         await _started(stack, relay.start, relay.stop)
+        if sweeper is not None:
+            await stack.enter_async_context(sweeper)
         await _until_signal()
     return 0
 
@@ -882,7 +886,6 @@ async def _dev(args: argparse.Namespace) -> int:
                 settings.database_url,
                 settings.amqp_url,
                 topology,
-                sweeper=Sweeper(engine, topology=topology, interceptors=observed),
                 interceptors=observed,
                 db=db,
                 in_flight=relay_in_flight(db.size),
@@ -925,6 +928,8 @@ async def _dev(args: argparse.Namespace) -> int:
         await _started(stack, server.start, lambda: server.stop(GRACE))
         if relay is not None:
             await _started(stack, relay.start, relay.stop)
+            sweeper = Sweeper(engine, topology=topology, interceptors=observed)
+            await stack.enter_async_context(sweeper)
         if worker is not None:
             await _started(stack, worker.start, lambda: worker.stop(GRACE))
         if parts is not None:
@@ -1206,7 +1211,6 @@ async def _dev_relay_part(args: argparse.Namespace) -> int:
             settings.database_url,
             settings.amqp_url,
             topology,
-            sweeper=Sweeper(engine, topology=topology, interceptors=observed),
             interceptors=observed,
             db=relay_db,
             in_flight=in_flight,
@@ -1218,6 +1222,7 @@ async def _dev_relay_part(args: argparse.Namespace) -> int:
         # must not end it halfway through stopping.
         stop = stack.enter_context(_stop_signals())
         await _started(stack, relay.start, relay.stop)
+        await stack.enter_async_context(Sweeper(engine, topology=topology, interceptors=observed))
         await _until_stopped(stop, parent_gone(args.parent_pid or os.getppid()))
     return 0
 

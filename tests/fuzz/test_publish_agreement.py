@@ -43,6 +43,7 @@ from jobplane.topology import QueueSpec, Topology
 from jobplane.v1 import events_pb2, events_pb2_grpc
 from tests.fuzz.conftest import PROFILE
 from tests.fuzz.strategies import Chain, integers, plain, texts
+from tests.support.parts import Started
 
 pytestmark = [
     pytest.mark.timeout(300 if PROFILE == "quick" else 3600),
@@ -270,11 +271,11 @@ class Sides:
 
 
 @pytest.fixture
-async def sides(engine: AsyncEngine, database_url: str) -> AsyncIterator[Sides]:
+async def sides(engine: AsyncEngine, database_url: str, started: Started) -> AsyncIterator[Sides]:
     server = JobplaneServer(
         engine, database_url, _TOPOLOGY, listen="127.0.0.1:0", max_payload_bytes=_LIMIT
     )
-    await server.start()  # which writes its limit for the SQL side
+    await started(server, grace=0.5)  # which writes its limit for the SQL side
     conn: asyncpg.Connection = await asyncpg.connect(asyncpg_dsn(database_url))
     try:
         async with grpc.aio.insecure_channel(server.address) as channel:
@@ -282,7 +283,6 @@ async def sides(engine: AsyncEngine, database_url: str) -> AsyncIterator[Sides]:
             yield Sides(server, events_pb2_grpc.EventServiceStub(channel), conn, tables)
     finally:
         await conn.close()
-        await server.stop(grace=0.5)
 
 
 def _as_the_server_reads(request: Request) -> dict[str, Any]:

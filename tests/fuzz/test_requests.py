@@ -26,6 +26,7 @@ from jobplane.v1 import jobs_pb2
 from tests.fuzz.conftest import PROFILE
 from tests.fuzz.oracle import METHODS, Metadata, Oracle, Seeds, raw_channel, seed
 from tests.fuzz.strategies import Hints, fill_struct, json_values, plain, requests, texts
+from tests.support.parts import Started
 from tests.support.stack import eventually, start_stack
 
 # The quick profile's whole run stays within a minute; a deep one runs long.
@@ -133,31 +134,28 @@ def hints(seeds: Seeds) -> Hints:
 
 @pytest.fixture
 async def oracle(
-    engine: AsyncEngine, database_url: str, amqp_url: str, topology: Topology
+    engine: AsyncEngine, database_url: str, amqp_url: str, topology: Topology, started: Started
 ) -> AsyncIterator[Oracle]:
     """A server and relay (no worker: jobs stay where the oracle puts them)."""
     # With a pipeline: its jobs are submitted, read, cancelled and retried too.
     staged = replace(topology, pipelines=(_pipeline(topology.queues[0].name),))
-    stack = await start_stack(engine, database_url, amqp_url, staged, worker=False)
-    try:
-        client = stack.client()
-        seeds = await seed(stack, client)
-        async with raw_channel(stack) as channel:
-            judge = Oracle(stack, channel, client, seeds)
-            yield judge
-        # Shown with `pytest -s` (as `make fuzz` runs): what the run reached.
-        print(f"\n{sum(judge.codes.values())} calls:")
-        for outcome, n in sorted(judge.outcomes.items()):
-            print(f"{n:6d}  {outcome}")
-        # Whatever was accepted, the broker took: no row the relay cannot publish.
-        await eventually(_all_published(judge), timeout=20)
-        failed = await stack.scalar(
-            "SELECT count(*) FROM jobs WHERE error_code IS DISTINCT FROM 'CANCELLED' "
-            "AND error_code IS NOT NULL"
-        )
-        assert failed == 0
-    finally:
-        await stack.close()
+    stack = await started(start_stack(engine, database_url, amqp_url, staged, worker=False))
+    client = stack.client()
+    seeds = await seed(stack, client)
+    async with raw_channel(stack) as channel:
+        judge = Oracle(stack, channel, client, seeds)
+        yield judge
+    # Shown with `pytest -s` (as `make fuzz` runs): what the run reached.
+    print(f"\n{sum(judge.codes.values())} calls:")
+    for outcome, n in sorted(judge.outcomes.items()):
+        print(f"{n:6d}  {outcome}")
+    # Whatever was accepted, the broker took: no row the relay cannot publish.
+    await eventually(_all_published(judge), timeout=20)
+    failed = await stack.scalar(
+        "SELECT count(*) FROM jobs WHERE error_code IS DISTINCT FROM 'CANCELLED' "
+        "AND error_code IS NOT NULL"
+    )
+    assert failed == 0
 
 
 def _all_published(oracle: Oracle) -> Callable[[], Coroutine[Any, Any, bool]]:

@@ -44,6 +44,7 @@ from jobplane.store.machine import lifecycle_event_id
 from jobplane.topology import QueueSpec, Topology
 from tests.fuzz.conftest import PROFILE
 from tests.fuzz.strategies import Chain, integers, plain, texts
+from tests.support.parts import Started
 
 pytestmark = [
     pytest.mark.timeout(300 if PROFILE == "quick" else 3600),
@@ -241,18 +242,17 @@ def _placeholders(row: dict[str, Any], job_id: Any) -> dict[str, Any]:
 
 
 @pytest.fixture
-async def sides(engine: AsyncEngine, database_url: str) -> AsyncIterator[Sides]:
+async def sides(engine: AsyncEngine, database_url: str, started: Started) -> AsyncIterator[Sides]:
     server = JobplaneServer(
         engine, database_url, _TOPOLOGY, listen="127.0.0.1:0", max_payload_bytes=_LIMIT
     )
-    await server.start()  # which writes its routes and limit for the SQL side
+    await started(server, grace=0.5)  # which writes its routes and limit for the SQL side
     conn: asyncpg.Connection = await asyncpg.connect(asyncpg_dsn(database_url))
     try:
         tables = [r["table_name"] for r in await conn.fetch(_TABLES)]
         yield Sides(server, conn, tables)
     finally:
         await conn.close()
-        await server.stop(grace=0.5)
 
 
 def _as_the_server_reads(request: Request) -> tuple[dict[str, Any], float | None]:

@@ -33,6 +33,7 @@ from tests.fuzz.oracle import HANG_SECONDS
 from tests.fuzz.strategies import Hints, floats, requests, texts
 from tests.fuzz.test_requests import fuzz
 from tests.support.answers import check_refusal
+from tests.support.parts import Started
 from tests.support.stack import Stack, start_stack
 
 pytestmark = [
@@ -135,50 +136,47 @@ def hints(seeds: WorkerSeeds) -> Hints:
 
 @pytest.fixture
 async def oracle(
-    engine: AsyncEngine, database_url: str, amqp_url: str, topology: Topology
+    engine: AsyncEngine, database_url: str, amqp_url: str, topology: Topology, started: Started
 ) -> AsyncIterator[WorkerOracle]:
     """A server and relay (no worker), some attempts claimed, a worker key."""
-    stack = await start_stack(engine, database_url, amqp_url, topology, worker=False)
-    try:
-        client = stack.client()
-        refs, bodies, job_ids, dispatch_ids = [], [], [], []
-        for n in range(8):
-            job = await client.submit("fuzz.work", {"n": n})
-            envelope = await stack.envelope(job.id)
-            bodies.append(envelope.encode())
-            job_ids.append(str(envelope.job_id))
-            dispatch_ids.append(str(envelope.event_id))
-            if n < 6:  # two stay queued, for claims to take
-                claimed = await stack.server.workers.claim(envelope)
-                attempt = claimed.result.attempt
-                assert attempt is not None
-                refs.append(
-                    workers_pb2.AttemptRef(
-                        job=job.name, attempt=attempt.attempt, lease_token=str(attempt.lease_token)
-                    )
+    stack = await started(start_stack(engine, database_url, amqp_url, topology, worker=False))
+    client = stack.client()
+    refs, bodies, job_ids, dispatch_ids = [], [], [], []
+    for n in range(8):
+        job = await client.submit("fuzz.work", {"n": n})
+        envelope = await stack.envelope(job.id)
+        bodies.append(envelope.encode())
+        job_ids.append(str(envelope.job_id))
+        dispatch_ids.append(str(envelope.event_id))
+        if n < 6:  # two stay queued, for claims to take
+            claimed = await stack.server.workers.claim(envelope)
+            attempt = claimed.result.attempt
+            assert attempt is not None
+            refs.append(
+                workers_pb2.AttemptRef(
+                    job=job.name, attempt=attempt.attempt, lease_token=str(attempt.lease_token)
                 )
-        bodies.append(b'{"v":1}')
-        queues = [q.name for q in stack.topology.queues]
-        registered = [
-            await stack.server.workers.register(Registration(["fuzz.work"], queues, 1))
-            for _ in range(3)
-        ]
-        seeds = WorkerSeeds(
-            refs,
-            bodies,
-            job_ids,
-            dispatch_ids,
-            str(stack.tenant_id),
-            queues,
-            [worker_name(w) for w in registered],
-        )
-        key = (await stack.server.keys.create_worker()).key
-        async with grpc.aio.insecure_channel(stack.server.address) as channel:
-            judge = WorkerOracle(stack, channel, key, seeds)
-            yield judge
-        print(f"\n{sum(judge.codes.values())} calls: {dict(judge.codes)}")
-    finally:
-        await stack.close()
+            )
+    bodies.append(b'{"v":1}')
+    queues = [q.name for q in stack.topology.queues]
+    registered = [
+        await stack.server.workers.register(Registration(["fuzz.work"], queues, 1))
+        for _ in range(3)
+    ]
+    seeds = WorkerSeeds(
+        refs,
+        bodies,
+        job_ids,
+        dispatch_ids,
+        str(stack.tenant_id),
+        queues,
+        [worker_name(w) for w in registered],
+    )
+    key = (await stack.server.keys.create_worker()).key
+    async with grpc.aio.insecure_channel(stack.server.address) as channel:
+        judge = WorkerOracle(stack, channel, key, seeds)
+        yield judge
+    print(f"\n{sum(judge.codes.values())} calls: {dict(judge.codes)}")
 
 
 @pytest.mark.parametrize("method", sorted(METHODS))

@@ -18,74 +18,74 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from jobplane.client import JobState
 from jobplane.topology import Topology
 from jobplane.workers.handlers import JobContext, Registry
+from tests.support.parts import Started
 from tests.support.queues import ready_count
 from tests.support.stack import Stack, eventually, start_stack
 
 
 async def test_the_message_stays_unacked_while_the_outcome_waits_for_its_commit(
-    engine: AsyncEngine, database_url: str, amqp_url: str, topology: Topology
+    engine: AsyncEngine, database_url: str, amqp_url: str, topology: Topology, started: Started
 ) -> None:
-    started: list[str] = []
+    began: list[str] = []
     returned: list[str] = []
     release = asyncio.Event()
     registry = Registry()
 
     @registry.handler("hold.me")
     async def hold(ctx: JobContext) -> dict[str, Any]:
-        started.append(ctx.name)
+        began.append(ctx.name)
         if ctx.payload.get("hold"):
             await release.wait()
         returned.append(ctx.name)
         return {"done": True}
 
-    stack = await start_stack(
-        engine,
-        database_url,
-        amqp_url,
-        topology,
-        registry=registry,
-        worker_options={"prefetch": 1},
+    stack = await started(
+        start_stack(
+            engine,
+            database_url,
+            amqp_url,
+            topology,
+            registry=registry,
+            worker_options={"prefetch": 1},
+        )
     )
     queue = topology.queues[0].name
-    try:
-        client = stack.client()
-        first = await client.submit("hold.me", {"hold": True})
-        await eventually(lambda: _is(started == [first.name]))
+    client = stack.client()
+    first = await client.submit("hold.me", {"hold": True})
+    await eventually(lambda: _is(began == [first.name]))
 
-        # Another connection holds the job's row lock, so the outcome the
-        # worker writes once the handler returns waits for it, uncommitted.
-        async with engine.connect() as blocker, blocker.begin():
-            await blocker.execute(
-                text("SELECT 1 FROM jobs WHERE id = :id FOR UPDATE"), {"id": uuid.UUID(first.id)}
+    # Another connection holds the job's row lock, so the outcome the
+    # worker writes once the handler returns waits for it, uncommitted.
+    async with engine.connect() as blocker, blocker.begin():
+        await blocker.execute(
+            text("SELECT 1 FROM jobs WHERE id = :id FOR UPDATE"), {"id": uuid.UUID(first.id)}
+        )
+        release.set()
+        await eventually(lambda: _is(returned == [first.name]))
+        await eventually(lambda: _outcome_waits_on_a_lock(stack))
+
+        second = await client.submit("hold.me", {"hold": False})
+        await eventually(
+            lambda: stack.scalar(
+                "SELECT published_at IS NOT NULL FROM outbox WHERE job_id = :id",
+                id=uuid.UUID(second.id),
             )
-            release.set()
-            await eventually(lambda: _is(returned == [first.name]))
-            await eventually(lambda: _outcome_waits_on_a_lock(stack))
+        )
+        # Long enough for the broker to deliver the second message if the
+        # first one had been acked (it takes milliseconds).
+        await asyncio.sleep(1.0)
+        assert await ready_count(amqp_url, queue) == 1
+        assert began == [first.name]
+        assert (await client.get(second.name)).state is JobState.QUEUED
+        assert (await client.get(first.name)).state is JobState.RUNNING
 
-            second = await client.submit("hold.me", {"hold": False})
-            await eventually(
-                lambda: stack.scalar(
-                    "SELECT published_at IS NOT NULL FROM outbox WHERE job_id = :id",
-                    id=uuid.UUID(second.id),
-                )
-            )
-            # Long enough for the broker to deliver the second message if the
-            # first one had been acked (it takes milliseconds).
-            await asyncio.sleep(1.0)
-            assert await ready_count(amqp_url, queue) == 1
-            assert started == [first.name]
-            assert (await client.get(second.name)).state is JobState.QUEUED
-            assert (await client.get(first.name)).state is JobState.RUNNING
-
-        # The lock is gone: the outcome commits, then the ack frees the slot.
-        done = await asyncio.wait_for(client.wait(first.name), timeout=20)
-        assert done.state is JobState.SUCCEEDED
-        after = await asyncio.wait_for(client.wait(second.name), timeout=20)
-        assert after.state is JobState.SUCCEEDED
-        assert started == [first.name, second.name]
-        assert await ready_count(amqp_url, queue) == 0
-    finally:
-        await stack.close()
+    # The lock is gone: the outcome commits, then the ack frees the slot.
+    done = await asyncio.wait_for(client.wait(first.name), timeout=20)
+    assert done.state is JobState.SUCCEEDED
+    after = await asyncio.wait_for(client.wait(second.name), timeout=20)
+    assert after.state is JobState.SUCCEEDED
+    assert began == [first.name, second.name]
+    assert await ready_count(amqp_url, queue) == 0
 
 
 async def _outcome_waits_on_a_lock(stack: Stack) -> bool:

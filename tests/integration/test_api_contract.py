@@ -22,6 +22,7 @@ from jobplane.errors import InternalError
 from jobplane.faults import FaultPoints
 from jobplane.topology import Topology
 from jobplane.v1 import jobs_pb2, jobs_pb2_grpc
+from tests.support.parts import Started
 from tests.support.stack import Stack, start_stack
 
 
@@ -166,22 +167,21 @@ async def test_unknown_job_is_not_found(stack: Stack) -> None:
 
 
 async def test_unroutable_type_is_refused(
-    engine: AsyncEngine, database_url: str, amqp_url: str, topology: Topology
+    engine: AsyncEngine, database_url: str, amqp_url: str, topology: Topology, started: Started
 ) -> None:
     from dataclasses import replace
 
     narrow = replace(topology, queues=(replace(topology.queues[0], bindings=("reports.*",)),))
-    stack = await start_stack(engine, database_url, amqp_url, narrow, relay=False, worker=False)
-    try:
-        client = stack.client()
-        with pytest.raises(InvalidArgument) as info:
-            await client.submit("billing.charge", {})
-        assert info.value.reason == "JOB_TYPE_UNROUTABLE"
-        job = await client.submit("reports.render", {})
-        assert job.state is JobState.QUEUED
-        assert (await stack.counts())["jobs"] == 1
-    finally:
-        await stack.close()
+    stack = await started(
+        start_stack(engine, database_url, amqp_url, narrow, relay=False, worker=False)
+    )
+    client = stack.client()
+    with pytest.raises(InvalidArgument) as info:
+        await client.submit("billing.charge", {})
+    assert info.value.reason == "JOB_TYPE_UNROUTABLE"
+    job = await client.submit("reports.render", {})
+    assert job.state is JobState.QUEUED
+    assert (await stack.counts())["jobs"] == 1
 
 
 async def test_failure_at_the_outbox_insert_leaves_no_job_and_no_event(
@@ -214,25 +214,24 @@ async def test_failure_at_the_outbox_insert_leaves_no_job_and_no_event(
 
 
 async def test_a_submit_whose_reply_is_lost_is_found_again_by_its_request_id(
-    engine: AsyncEngine, database_url: str, amqp_url: str, topology: Topology
+    engine: AsyncEngine, database_url: str, amqp_url: str, topology: Topology, started: Started
 ) -> None:
-    stack = await start_stack(
-        engine,
-        database_url,
-        amqp_url,
-        topology,
-        relay=False,
-        worker=False,
-        faults=FaultPoints({"submit.after_commit"}),
+    stack = await started(
+        start_stack(
+            engine,
+            database_url,
+            amqp_url,
+            topology,
+            relay=False,
+            worker=False,
+            faults=FaultPoints({"submit.after_commit"}),
+        )
     )
-    try:
-        client = stack.client()
-        with pytest.raises(InternalError):
-            await client.submit("demo.echo", {"x": 1}, request_id="lost-reply")
-        assert await stack.counts() == {"jobs": 1, "job_events": 1, "outbox": 1}
-        # The same request again finds the committed job instead of a second one.
-        again = await client.submit("demo.echo", {"x": 1}, request_id="lost-reply")
-        assert again.request_id == "lost-reply"
-        assert await stack.counts() == {"jobs": 1, "job_events": 1, "outbox": 1}
-    finally:
-        await stack.close()
+    client = stack.client()
+    with pytest.raises(InternalError):
+        await client.submit("demo.echo", {"x": 1}, request_id="lost-reply")
+    assert await stack.counts() == {"jobs": 1, "job_events": 1, "outbox": 1}
+    # The same request again finds the committed job instead of a second one.
+    again = await client.submit("demo.echo", {"x": 1}, request_id="lost-reply")
+    assert again.request_id == "lost-reply"
+    assert await stack.counts() == {"jobs": 1, "job_events": 1, "outbox": 1}

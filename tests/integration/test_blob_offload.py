@@ -24,6 +24,7 @@ from jobplane.v1 import workers_pb2, workers_pb2_grpc
 from jobplane.workers.handlers import JobContext, Registry
 from tests.integration import test_database_role
 from tests.integration.test_worker_service_pipelines import _next_message
+from tests.support.parts import Started
 from tests.support.s3 import MotoServer, blob_store
 from tests.support.stack import Stack, eventually, start_stack
 
@@ -162,19 +163,19 @@ async def test_a_job_referencing_blobs_on_a_worker_without_them_fails_clearly(
     amqp_url: str,
     topology: Topology,
     blobs: BlobStore,
+    started: Started,
 ) -> None:
-    stack = await start_stack(
-        engine, database_url, amqp_url, topology, registry=registry, worker=False, blobs=blobs
+    stack = await started(
+        start_stack(
+            engine, database_url, amqp_url, topology, registry=registry, worker=False, blobs=blobs
+        )
     )
-    try:
-        await stack.start_worker(registry, blobs=None)
-        client = stack.client()
-        submitted = await client.submit("offload.echo", {"text": "y" * 100_000})
-        done = await client.wait(submitted.name, timeout=30)
-        assert done.state is JobState.FAILED
-        assert done.error is not None and done.error.code == "BLOBS_DISABLED"
-    finally:
-        await stack.close()
+    await stack.start_worker(registry, blobs=None)
+    client = stack.client()
+    submitted = await client.submit("offload.echo", {"text": "y" * 100_000})
+    done = await client.wait(submitted.name, timeout=30)
+    assert done.state is JobState.FAILED
+    assert done.error is not None and done.error.code == "BLOBS_DISABLED"
 
 
 async def test_an_outage_while_a_handler_reads_is_retried(
@@ -217,60 +218,57 @@ async def test_an_outage_while_a_handler_reads_is_retried(
 
 
 async def test_worker_service_hands_out_offloaded_payloads_and_offloads_results(
-    engine: AsyncEngine, database_url: str, amqp_url: str, topology: Topology, blobs: BlobStore
+    engine: AsyncEngine,
+    database_url: str,
+    amqp_url: str,
+    topology: Topology,
+    blobs: BlobStore,
+    started: Started,
 ) -> None:
-    stack = await start_stack(engine, database_url, amqp_url, topology, worker=False, blobs=blobs)
-    try:
-        key = (await stack.server.keys.create_worker()).key
-        metadata = (("authorization", f"Bearer {key}"),)
-        client = stack.client()
-        text = "w" * 100_000
-        job = await client.submit("offload.echo", {"text": text})
-        assert job.payload_blob is not None
-        body = await _next_message(stack.amqp_url, stack.topology.queues[0].name)
-        async with grpc.aio.insecure_channel(stack.server.address) as channel:
-            stub: workers_pb2_grpc.WorkerServiceAsyncStub = workers_pb2_grpc.WorkerServiceStub(
-                channel
-            )
-            claim = await stub.ClaimJob(
-                workers_pb2.ClaimJobRequest(message_body=body), metadata=metadata
-            )
-            assert claim.status == workers_pb2.ClaimJobResponse.STATUS_CLAIMED
-            assert json_format.MessageToDict(claim.payload) == {"text": text}
-            await stub.CompleteJob(
-                workers_pb2.CompleteJobRequest(
-                    attempt=claim.attempt, result=struct_from_dict({"echo": text})
-                ),
-                metadata=metadata,
-            )
-        done = await client.get(job.name)
-        assert done.state is JobState.SUCCEEDED and done.result == {"echo": text}
-        assert done.result_blob is not None
-        assert (await client.get(job.name, resolve_blobs=False)).result == {}
-    finally:
-        await stack.close()
+    stack = await started(
+        start_stack(engine, database_url, amqp_url, topology, worker=False, blobs=blobs)
+    )
+    key = (await stack.server.keys.create_worker()).key
+    metadata = (("authorization", f"Bearer {key}"),)
+    client = stack.client()
+    text = "w" * 100_000
+    job = await client.submit("offload.echo", {"text": text})
+    assert job.payload_blob is not None
+    body = await _next_message(stack.amqp_url, stack.topology.queues[0].name)
+    async with grpc.aio.insecure_channel(stack.server.address) as channel:
+        stub: workers_pb2_grpc.WorkerServiceAsyncStub = workers_pb2_grpc.WorkerServiceStub(channel)
+        claim = await stub.ClaimJob(
+            workers_pb2.ClaimJobRequest(message_body=body), metadata=metadata
+        )
+        assert claim.status == workers_pb2.ClaimJobResponse.STATUS_CLAIMED
+        assert json_format.MessageToDict(claim.payload) == {"text": text}
+        await stub.CompleteJob(
+            workers_pb2.CompleteJobRequest(
+                attempt=claim.attempt, result=struct_from_dict({"echo": text})
+            ),
+            metadata=metadata,
+        )
+    done = await client.get(job.name)
+    assert done.state is JobState.SUCCEEDED and done.result == {"echo": text}
+    assert done.result_blob is not None
+    assert (await client.get(job.name, resolve_blobs=False)).result == {}
 
 
 async def test_blobs_with_a_dml_only_role(
-    dml_url: str, amqp_url: str, topology: Topology, moto: MotoServer
+    dml_url: str, amqp_url: str, topology: Topology, moto: MotoServer, started: Started
 ) -> None:
     engine = create_engine(dml_url, pool_size=4)
-    try:
-        async with blob_store(engine, moto.url) as store:
-            stack = await start_stack(
-                engine, dml_url, amqp_url, topology, registry=registry, blobs=store
-            )
-            try:
-                client = stack.client()
-                blob = await client.upload(b"x" * 1000)
-                # A reference (the trigger's insert), an offloaded payload and result.
-                job = await client.submit("offload.echo", {"text": "z" * 70_000, "in": blob.name})
-                done = await client.wait(job.name, timeout=30)
-                assert done.state is JobState.SUCCEEDED, done.error
-                assert done.result_blob is not None
-                with pytest.raises(BlobInUse):
-                    await client.delete_blob(blob.name)
-            finally:
-                await stack.close()
-    finally:
-        await engine.dispose()
+    started.callback(engine.dispose)
+    store = await started(blob_store(engine, moto.url))
+    stack = await started(
+        start_stack(engine, dml_url, amqp_url, topology, registry=registry, blobs=store)
+    )
+    client = stack.client()
+    blob = await client.upload(b"x" * 1000)
+    # A reference (the trigger's insert), an offloaded payload and result.
+    job = await client.submit("offload.echo", {"text": "z" * 70_000, "in": blob.name})
+    done = await client.wait(job.name, timeout=30)
+    assert done.state is JobState.SUCCEEDED, done.error
+    assert done.result_blob is not None
+    with pytest.raises(BlobInUse):
+        await client.delete_blob(blob.name)

@@ -28,6 +28,7 @@ from jobplane.client._errors import error_from_rpc
 from jobplane.topology import Topology
 from jobplane.v1 import blobs_pb2, blobs_pb2_grpc, jobs_pb2
 from tests.integration.test_cli_and_sync import jobplane
+from tests.support.parts import Started
 from tests.support.s3 import MotoServer, blob_store
 from tests.support.stack import Stack, start_stack
 
@@ -145,23 +146,27 @@ async def test_bad_uploads_are_refused(blob_stack: Stack) -> None:
 
 
 async def test_the_total_limit(
-    engine: AsyncEngine, database_url: str, amqp_url: str, topology: Topology, moto: MotoServer
+    engine: AsyncEngine,
+    database_url: str,
+    amqp_url: str,
+    topology: Topology,
+    moto: MotoServer,
+    started: Started,
 ) -> None:
-    async with blob_store(engine, moto.url, max_blob_bytes=2 * MiB) as store:
-        stack = await start_stack(
+    store = await started(blob_store(engine, moto.url, max_blob_bytes=2 * MiB))
+    stack = await started(
+        start_stack(
             engine, database_url, amqp_url, topology, relay=False, worker=False, blobs=store
         )
-        try:
-            with pytest.raises(grpc.aio.AioRpcError) as caught:
-                await _upload_raw(stack, stack.key, blobs_pb2.UploadBlobHeader(), [b"x" * MiB] * 3)
-            # Named like the declared size's refusal: here the bytes are at fault.
-            assert _reason(caught.value) == (grpc.StatusCode.INVALID_ARGUMENT, "chunk:BlobTooLarge")
-            with pytest.raises(grpc.aio.AioRpcError) as declared:
-                await _upload_raw(stack, stack.key, blobs_pb2.UploadBlobHeader(size=3 * MiB), [])
-            assert _reason(declared.value)[1] == "size:BlobTooLarge"
-            assert await _count(stack, "blobs") == 0
-        finally:
-            await stack.close()
+    )
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await _upload_raw(stack, stack.key, blobs_pb2.UploadBlobHeader(), [b"x" * MiB] * 3)
+    # Named like the declared size's refusal: here the bytes are at fault.
+    assert _reason(caught.value) == (grpc.StatusCode.INVALID_ARGUMENT, "chunk:BlobTooLarge")
+    with pytest.raises(grpc.aio.AioRpcError) as declared:
+        await _upload_raw(stack, stack.key, blobs_pb2.UploadBlobHeader(size=3 * MiB), [])
+    assert _reason(declared.value)[1] == "size:BlobTooLarge"
+    assert await _count(stack, "blobs") == 0
 
 
 async def test_tenant_walls(blob_stack: Stack) -> None:

@@ -28,6 +28,7 @@ from jobplane.topology import Topology
 from jobplane.v1 import jobs_pb2, jobs_pb2_grpc
 from tests.faults.cluster import topology_toml
 from tests.support import services
+from tests.support.parts import Started
 from tests.support.proxy import PostgresProxy
 from tests.support.stack import Stack, start_stack
 
@@ -142,7 +143,7 @@ async def test_database_down_tells_a_lost_session_from_a_refused_statement(stack
 
 
 async def test_a_database_starting_up_is_unavailable_to_callers_and_waited_out(
-    database_url: str, amqp_url: str, topology: Topology
+    database_url: str, amqp_url: str, topology: Topology, started: Started
 ) -> None:
     # 57P03 ("the database system is starting up") is what every restart and
     # failover answers new sessions for a while: the database is down.
@@ -151,47 +152,43 @@ async def test_a_database_starting_up_is_unavailable_to_callers_and_waited_out(
     assert database
     proxy = PostgresProxy(target.host or "127.0.0.1", target.port or 5432)
     await proxy.start()
+    started.callback(proxy.cut)
     proxied = target.set(host="127.0.0.1", port=proxy.port).render_as_string(False)
     engine = create_engine(proxied, pool_size=4)
-    stack = await start_stack(engine, proxied, amqp_url, topology)
-    channel = grpc.aio.insecure_channel(stack.server.address)
-    try:
-        client = stack.client()
-        first = await client.submit("demo.echo", {"warm": True})
-        assert (await client.wait(first.name, timeout=20)).state is JobState.SUCCEEDED
+    started.callback(engine.dispose)
+    stack = await started(start_stack(engine, proxied, amqp_url, topology))
+    channel = await started(grpc.aio.insecure_channel(stack.server.address))
+    client = stack.client()
+    first = await client.submit("demo.echo", {"warm": True})
+    assert (await client.wait(first.name, timeout=20)).state is JobState.SUCCEEDED
 
-        proxy.starting_up = True
-        assert await _terminate_sessions(database) > 0  # the restart: every session ends
-        stub = jobs_pb2_grpc.JobServiceStub(channel)
-        metadata = (("authorization", f"Bearer {stack.key}"),)
-        codes: Counter[str] = Counter()
-        for i in range(10):
-            request = jobs_pb2.SubmitJobRequest(type="demo.echo", request_id=f"starting-{i}")
-            try:
-                await stub.SubmitJob(request, metadata=metadata, timeout=10)
-                codes["OK"] += 1
-            except grpc.aio.AioRpcError as exc:
-                codes[exc.code().name] += 1
-            try:
-                await stub.GetJob(
-                    jobs_pb2.GetJobRequest(name=first.name), metadata=metadata, timeout=10
-                )
-                codes["OK"] += 1
-            except grpc.aio.AioRpcError as exc:
-                codes[exc.code().name] += 1
-            await asyncio.sleep(0.1)
-        assert proxy.refused > 0, "no session was refused: the test proved nothing"
-        assert codes["UNAVAILABLE"] > 0
-        assert set(codes) <= {"OK", "UNAVAILABLE"}, codes
+    proxy.starting_up = True
+    assert await _terminate_sessions(database) > 0  # the restart: every session ends
+    stub = jobs_pb2_grpc.JobServiceStub(channel)
+    metadata = (("authorization", f"Bearer {stack.key}"),)
+    codes: Counter[str] = Counter()
+    for i in range(10):
+        request = jobs_pb2.SubmitJobRequest(type="demo.echo", request_id=f"starting-{i}")
+        try:
+            await stub.SubmitJob(request, metadata=metadata, timeout=10)
+            codes["OK"] += 1
+        except grpc.aio.AioRpcError as exc:
+            codes[exc.code().name] += 1
+        try:
+            await stub.GetJob(
+                jobs_pb2.GetJobRequest(name=first.name), metadata=metadata, timeout=10
+            )
+            codes["OK"] += 1
+        except grpc.aio.AioRpcError as exc:
+            codes[exc.code().name] += 1
+        await asyncio.sleep(0.1)
+    assert proxy.refused > 0, "no session was refused: the test proved nothing"
+    assert codes["UNAVAILABLE"] > 0
+    assert set(codes) <= {"OK", "UNAVAILABLE"}, codes
 
-        proxy.starting_up = False  # the database is up again
-        job = await client.submit("demo.echo", {"after": True})
-        assert (await client.wait(job.name, timeout=60)).state is JobState.SUCCEEDED
-    finally:
-        await channel.close()
-        await stack.close()
-        await engine.dispose()
-        await proxy.cut()
+    proxy.starting_up = False  # the database is up again
+    job = await client.submit("demo.echo", {"after": True})
+    assert (await client.wait(job.name, timeout=60)).state is JobState.SUCCEEDED
 
 
 async def _line_with(stream: asyncio.StreamReader, text: str, seen: list[str]) -> None:

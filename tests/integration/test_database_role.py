@@ -17,6 +17,7 @@ from jobplane.client import JobState
 from jobplane.store.engine import asyncpg_dsn, create_engine
 from jobplane.store.keys import KeyStore
 from jobplane.topology import Topology
+from tests.support.parts import Started
 from tests.support.servers import refused_within
 from tests.support.stack import start_stack
 
@@ -42,32 +43,27 @@ async def dml_url(database_url: str) -> AsyncIterator[str]:
 
 
 async def test_the_processes_run_with_a_dml_only_role(
-    dml_url: str, amqp_url: str, topology: Topology
+    dml_url: str, amqp_url: str, topology: Topology, started: Started
 ) -> None:
     engine: AsyncEngine = create_engine(dml_url, pool_size=4)
-    try:
-        # The role really is limited: no DDL.
-        async with engine.connect() as conn:
-            with pytest.raises(ProgrammingError, match="permission denied"):
-                await conn.execute(text("CREATE TABLE intruder (id int)"))
-        stack = await start_stack(engine, dml_url, amqp_url, topology)
-        try:
-            client = stack.client()
-            job = await client.submit("demo.progress", {"steps": 2, "interval_ms": 10})
-            events = [e async for e in client.watch(job.name)]
-            assert events[-1].state is JobState.SUCCEEDED
-            done = await asyncio.wait_for(client.wait(job.name), timeout=20)
-            assert done.state is JobState.SUCCEEDED
-            # Key administration too: revoke notifies the server.
-            keys = KeyStore(engine)
-            created = await keys.create("other")
-            await stack.client(created.key).list()
-            await keys.revoke(created.key_id)
-            assert await refused_within(stack.client(created.key), 1.0)
-        finally:
-            await stack.close()
-    finally:
-        await engine.dispose()
+    started.callback(engine.dispose)
+    # The role really is limited: no DDL.
+    async with engine.connect() as conn:
+        with pytest.raises(ProgrammingError, match="permission denied"):
+            await conn.execute(text("CREATE TABLE intruder (id int)"))
+    stack = await started(start_stack(engine, dml_url, amqp_url, topology))
+    client = stack.client()
+    job = await client.submit("demo.progress", {"steps": 2, "interval_ms": 10})
+    events = [e async for e in client.watch(job.name)]
+    assert events[-1].state is JobState.SUCCEEDED
+    done = await asyncio.wait_for(client.wait(job.name), timeout=20)
+    assert done.state is JobState.SUCCEEDED
+    # Key administration too: revoke notifies the server.
+    keys = KeyStore(engine)
+    created = await keys.create("other")
+    await stack.client(created.key).list()
+    await keys.revoke(created.key_id)
+    assert await refused_within(stack.client(created.key), 1.0)
 
 
 async def test_the_sweepers_early_analyze_leaves_tables_it_does_not_own(

@@ -16,6 +16,7 @@ from jobplane.client import JobState
 from jobplane.store.engine import create_engine
 from jobplane.topology import Topology
 from tests.support import services
+from tests.support.parts import Started
 from tests.support.stack import start_stack
 
 
@@ -49,7 +50,7 @@ async def database_name(run_id: str) -> AsyncIterator[str]:
 
 @pytest.mark.parametrize("sslmode", ["disable", "prefer"])
 async def test_a_url_of_two_hosts_with_libpq_parameters_migrates_and_runs_a_job(
-    database_name: str, amqp_url: str, topology: Topology, sslmode: str
+    database_name: str, amqp_url: str, topology: Topology, sslmode: str, started: Started
 ) -> None:
     server = urlsplit(services.PG_ADMIN_URL)
     live = f"{server.hostname}:{server.port or 5432}"
@@ -62,24 +63,21 @@ async def test_a_url_of_two_hosts_with_libpq_parameters_migrates_and_runs_a_job(
     assert code == 0, err
 
     engine = create_engine(url, pool_size=2)
-    stack = await start_stack(engine, url, amqp_url, topology)
-    try:
-        client = stack.client()
-        job = await client.submit("demo.echo", {"url": "libpq"})
-        assert (await client.wait(job.name, timeout=60)).state is JobState.SUCCEEDED
-        # The URL's server settings reached the sessions of every pool.
-        async with engine.connect() as conn:
-            names = await conn.scalar(
-                text(
-                    "SELECT count(*) FROM pg_stat_activity "
-                    "WHERE datname = :db AND application_name = 'jp-urls'"
-                ),
-                {"db": database_name},
-            )
-        assert names and names >= 3  # this engine's, the hot pools', the LISTENs'
-    finally:
-        await stack.close()
-        await engine.dispose()
+    started.callback(engine.dispose)
+    stack = await started(start_stack(engine, url, amqp_url, topology))
+    client = stack.client()
+    job = await client.submit("demo.echo", {"url": "libpq"})
+    assert (await client.wait(job.name, timeout=60)).state is JobState.SUCCEEDED
+    # The URL's server settings reached the sessions of every pool.
+    async with engine.connect() as conn:
+        names = await conn.scalar(
+            text(
+                "SELECT count(*) FROM pg_stat_activity "
+                "WHERE datname = :db AND application_name = 'jp-urls'"
+            ),
+            {"db": database_name},
+        )
+    assert names and names >= 3  # this engine's, the hot pools', the LISTENs'
 
 
 async def test_sslmode_require_against_a_server_without_tls_is_one_line(

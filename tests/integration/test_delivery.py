@@ -16,12 +16,13 @@ from jobplane.envelope import Envelope
 from jobplane.topology import Topology
 from jobplane.types import EventType
 from jobplane.workers.handlers import JobContext, Registry
+from tests.support.parts import Started
 from tests.support.proxy import CuttableProxy
 from tests.support.stack import Stack, eventually, start_stack
 
 
 async def test_cancel_queued_job_is_immediate_and_never_runs(
-    engine: AsyncEngine, database_url: str, amqp_url: str, topology: Topology
+    engine: AsyncEngine, database_url: str, amqp_url: str, topology: Topology, started: Started
 ) -> None:
     ran: list[str] = []
     registry = Registry()
@@ -32,51 +33,47 @@ async def test_cancel_queued_job_is_immediate_and_never_runs(
         return {}
 
     # No worker yet: the job stays QUEUED (its message may already be in the queue).
-    stack = await start_stack(engine, database_url, amqp_url, topology, worker=False)
-    try:
-        client = stack.client()
-        job = await client.submit("demo.echo", {})
-        await eventually(
-            lambda: stack.scalar(
-                "SELECT count(*) = 1 FROM outbox WHERE kind = 'job.dispatch' "
-                "AND published_at IS NOT NULL"
-            )
+    stack = await started(start_stack(engine, database_url, amqp_url, topology, worker=False))
+    client = stack.client()
+    job = await client.submit("demo.echo", {})
+    await eventually(
+        lambda: stack.scalar(
+            "SELECT count(*) = 1 FROM outbox WHERE kind = 'job.dispatch' "
+            "AND published_at IS NOT NULL"
         )
-        cancelled = await client.cancel(job.name, reason="changed my mind")
-        assert cancelled.state is JobState.CANCELLED
-        assert cancelled.error is not None and cancelled.error.message == "changed my mind"
+    )
+    cancelled = await client.cancel(job.name, reason="changed my mind")
+    assert cancelled.state is JobState.CANCELLED
+    assert cancelled.error is not None and cancelled.error.message == "changed my mind"
 
-        # The worker now receives the message and must do nothing with it.
-        await stack.start_worker(registry)
-        probe = await client.submit("demo.echo", {})
-        await asyncio.wait_for(client.wait(probe.name), timeout=20)
-        await eventually(lambda: _queue_drained(stack))
-        assert ran == [probe.name]
-        final = await client.get(job.name)
-        assert final.state is JobState.CANCELLED
-        events = [e async for e in client.watch(job.name)]
-        assert [e.type for e in events] == [EventType.QUEUED, EventType.CANCELLED]
-    finally:
-        await stack.close()
+    # The worker now receives the message and must do nothing with it.
+    await stack.start_worker(registry)
+    probe = await client.submit("demo.echo", {})
+    await asyncio.wait_for(client.wait(probe.name), timeout=20)
+    await eventually(lambda: _queue_drained(stack))
+    assert ran == [probe.name]
+    final = await client.get(job.name)
+    assert final.state is JobState.CANCELLED
+    events = [e async for e in client.watch(job.name)]
+    assert [e.type for e in events] == [EventType.QUEUED, EventType.CANCELLED]
 
 
 async def test_cancel_pending_dispatch_drops_the_outbox_row(
-    engine: AsyncEngine, database_url: str, amqp_url: str, topology: Topology
+    engine: AsyncEngine, database_url: str, amqp_url: str, topology: Topology, started: Started
 ) -> None:
-    stack = await start_stack(engine, database_url, amqp_url, topology, relay=False, worker=False)
-    try:
-        client = stack.client()
-        job = await client.submit("demo.echo", {})
-        assert (
-            await stack.scalar(
-                "SELECT count(*) FROM outbox WHERE kind = 'job.dispatch' AND published_at IS NULL"
-            )
-            == 1
+    stack = await started(
+        start_stack(engine, database_url, amqp_url, topology, relay=False, worker=False)
+    )
+    client = stack.client()
+    job = await client.submit("demo.echo", {})
+    assert (
+        await stack.scalar(
+            "SELECT count(*) FROM outbox WHERE kind = 'job.dispatch' AND published_at IS NULL"
         )
-        await client.cancel(job.name)
-        assert await stack.scalar("SELECT count(*) FROM outbox WHERE kind = 'job.dispatch'") == 0
-    finally:
-        await stack.close()
+        == 1
+    )
+    await client.cancel(job.name)
+    assert await stack.scalar("SELECT count(*) FROM outbox WHERE kind = 'job.dispatch'") == 0
 
 
 async def test_cancel_running_job_stops_the_handler_within_two_seconds(stack: Stack) -> None:
@@ -115,7 +112,7 @@ async def test_cancel_running_job_stops_the_handler_within_two_seconds(stack: St
 
 
 async def test_same_message_delivered_twice_runs_the_handler_once(
-    engine: AsyncEngine, database_url: str, amqp_url: str, topology: Topology
+    engine: AsyncEngine, database_url: str, amqp_url: str, topology: Topology, started: Started
 ) -> None:
     runs: dict[str, int] = {}
     registry = Registry()
@@ -126,35 +123,32 @@ async def test_same_message_delivered_twice_runs_the_handler_once(
         await asyncio.sleep(0.3)  # long enough for the twin to arrive mid-run
         return {"runs": runs[ctx.name]}
 
-    stack = await start_stack(engine, database_url, amqp_url, topology, worker=False)
-    try:
-        client = stack.client()
-        job = await client.submit("count.me", {})
-        await eventually(
-            lambda: stack.scalar(
-                "SELECT count(*) = 1 FROM outbox WHERE kind = 'job.dispatch' "
-                "AND published_at IS NOT NULL"
-            )
+    stack = await started(start_stack(engine, database_url, amqp_url, topology, worker=False))
+    client = stack.client()
+    job = await client.submit("count.me", {})
+    await eventually(
+        lambda: stack.scalar(
+            "SELECT count(*) = 1 FROM outbox WHERE kind = 'job.dispatch' "
+            "AND published_at IS NOT NULL"
         )
-        # Publish the very same dispatch again, as a relay crash after the
-        # confirm would: both copies now wait in the queue.
-        await _publish_copy(stack, uuid.UUID(job.id))
-        await stack.start_worker(registry, concurrency=4)
-        done = await asyncio.wait_for(client.wait(job.name), timeout=20)
-        assert done.state is JobState.SUCCEEDED
-        await eventually(lambda: _queue_drained(stack))
+    )
+    # Publish the very same dispatch again, as a relay crash after the
+    # confirm would: both copies now wait in the queue.
+    await _publish_copy(stack, uuid.UUID(job.id))
+    await stack.start_worker(registry, concurrency=4)
+    done = await asyncio.wait_for(client.wait(job.name), timeout=20)
+    assert done.state is JobState.SUCCEEDED
+    await eventually(lambda: _queue_drained(stack))
 
-        # And once more after it finished: acked without running.
-        await _publish_copy(stack, uuid.UUID(job.id))
-        await eventually(lambda: _queue_drained(stack))
-        assert runs == {job.name: 1}
-        assert (await client.get(job.name)).attempt == 1
-    finally:
-        await stack.close()
+    # And once more after it finished: acked without running.
+    await _publish_copy(stack, uuid.UUID(job.id))
+    await eventually(lambda: _queue_drained(stack))
+    assert runs == {job.name: 1}
+    assert (await client.get(job.name)).attempt == 1
 
 
 async def test_relay_keeps_rows_while_broker_is_unreachable(
-    engine: AsyncEngine, database_url: str, amqp_url: str, topology: Topology
+    engine: AsyncEngine, database_url: str, amqp_url: str, topology: Topology, started: Started
 ) -> None:
     from urllib.parse import urlsplit
 
@@ -162,67 +156,63 @@ async def test_relay_keeps_rows_while_broker_is_unreachable(
     proxy = CuttableProxy(target.hostname or "127.0.0.1", target.port or 5672)
     await proxy.start()
     await proxy.cut()  # the broker is unreachable from the start
+    started.callback(proxy.cut)
     proxied = amqp_url.replace(f"{target.hostname}:{target.port}", f"127.0.0.1:{proxy.port}")
 
-    stack = await start_stack(engine, database_url, amqp_url, topology, relay=False)
-    try:
-        await stack.start_relay(proxied)
-        client = stack.client()
-        jobs = [await client.submit("demo.echo", {"i": i}) for i in range(5)]
-        await asyncio.sleep(1.5)
-        assert (
-            await stack.scalar(
-                "SELECT count(*) FROM outbox WHERE kind = 'job.dispatch' AND published_at IS NULL"
-            )
-            == 5
+    stack = await started(start_stack(engine, database_url, amqp_url, topology, relay=False))
+    await stack.start_relay(proxied)
+    client = stack.client()
+    jobs = [await client.submit("demo.echo", {"i": i}) for i in range(5)]
+    await asyncio.sleep(1.5)
+    assert (
+        await stack.scalar(
+            "SELECT count(*) FROM outbox WHERE kind = 'job.dispatch' AND published_at IS NULL"
         )
-        states = [(await client.get(j.name)).state for j in jobs]
-        assert states == [JobState.QUEUED] * 5
+        == 5
+    )
+    states = [(await client.get(j.name)).state for j in jobs]
+    assert states == [JobState.QUEUED] * 5
 
-        await proxy.start()  # the broker is back
-        for job in jobs:
-            done = await asyncio.wait_for(client.wait(job.name), timeout=30)
-            assert done.state is JobState.SUCCEEDED
-        assert (
-            await stack.scalar(
-                "SELECT count(*) FROM outbox WHERE kind = 'job.dispatch' AND published_at IS NULL"
-            )
-            == 0
+    await proxy.start()  # the broker is back
+    for job in jobs:
+        done = await asyncio.wait_for(client.wait(job.name), timeout=30)
+        assert done.state is JobState.SUCCEEDED
+    assert (
+        await stack.scalar(
+            "SELECT count(*) FROM outbox WHERE kind = 'job.dispatch' AND published_at IS NULL"
         )
-    finally:
-        await stack.close()
-        await proxy.cut()
+        == 0
+    )
 
 
 async def test_sdk_watch_survives_a_server_restart(
-    engine: AsyncEngine, database_url: str, amqp_url: str, topology: Topology
+    engine: AsyncEngine, database_url: str, amqp_url: str, topology: Topology, started: Started
 ) -> None:
     port = _free_port()
-    stack = await start_stack(engine, database_url, amqp_url, topology, listen=f"127.0.0.1:{port}")
-    try:
-        client = stack.client()
-        job = await client.submit("demo.progress", {"steps": 40, "interval_ms": 50})
-        seen: list[JobEvent] = []
+    stack = await started(
+        start_stack(engine, database_url, amqp_url, topology, listen=f"127.0.0.1:{port}")
+    )
+    client = stack.client()
+    job = await client.submit("demo.progress", {"steps": 40, "interval_ms": 50})
+    seen: list[JobEvent] = []
 
-        async def watch() -> None:
-            async for event in client.watch(job.name):
-                seen.append(event)
+    async def watch() -> None:
+        async for event in client.watch(job.name):
+            seen.append(event)
 
-        watcher = asyncio.create_task(watch())
-        await eventually(lambda: _async(len(seen) >= 5))
+    watcher = asyncio.create_task(watch())
+    await eventually(lambda: _async(len(seen) >= 5))
 
-        # Restart the server mid-stream; the worker keeps writing events.
-        await stack.server.stop(grace=0)
-        await asyncio.sleep(0.7)
-        await stack.server.start()
-        await asyncio.wait_for(watcher, timeout=30)
+    # Restart the server mid-stream; the worker keeps writing events.
+    await stack.server.stop(grace=0)
+    await asyncio.sleep(0.7)
+    await stack.server.start()
+    await asyncio.wait_for(watcher, timeout=30)
 
-        seqs = [e.seq for e in seen]
-        assert seqs == list(range(1, len(seen) + 1)), seqs
-        assert seen[-1].type is EventType.SUCCEEDED
-        assert (await client.get(job.name)).last_seq == len(seen)
-    finally:
-        await stack.close()
+    seqs = [e.seq for e in seen]
+    assert seqs == list(range(1, len(seen) + 1)), seqs
+    assert seen[-1].type is EventType.SUCCEEDED
+    assert (await client.get(job.name)).last_seq == len(seen)
 
 
 async def _publish_copy(stack: Stack, job_id: uuid.UUID) -> None:
@@ -258,7 +248,7 @@ def _free_port() -> int:
 
 
 async def test_relay_does_not_mark_a_returned_publish(
-    engine: AsyncEngine, database_url: str, amqp_url: str, topology: Topology
+    engine: AsyncEngine, database_url: str, amqp_url: str, topology: Topology, started: Started
 ) -> None:
     from dataclasses import replace
 
@@ -266,36 +256,27 @@ async def test_relay_does_not_mark_a_returned_publish(
 
     # The server accepts the type, but the exchange the relay declared has no
     # binding for it: the broker returns the mandatory message.
-    stack = await start_stack(engine, database_url, amqp_url, topology, relay=False, worker=False)
+    stack = await started(
+        start_stack(engine, database_url, amqp_url, topology, relay=False, worker=False)
+    )
     narrow = replace(topology, queues=(replace(topology.queues[0], bindings=("reports.*",)),))
-    relay = Relay(engine, database_url, amqp_url, narrow, poll_seconds=0.1)
-    await relay.start()
-    try:
-        await stack.client().submit("demo.echo", {})
-        await eventually(
-            lambda: stack.scalar(
-                "SELECT publish_attempts >= 1 FROM outbox WHERE kind = 'job.dispatch'"
-            )
-        )
-        assert await stack.scalar(
-            "SELECT published_at IS NULL FROM outbox WHERE kind = 'job.dispatch'"
-        )
-        assert "not confirmed" in await stack.scalar(
-            "SELECT last_error FROM outbox WHERE kind = 'job.dispatch'"
-        )
+    relay = await started(Relay(engine, database_url, amqp_url, narrow, poll_seconds=0.1))
+    await stack.client().submit("demo.echo", {})
+    await eventually(
+        lambda: stack.scalar("SELECT publish_attempts >= 1 FROM outbox WHERE kind = 'job.dispatch'")
+    )
+    assert await stack.scalar("SELECT published_at IS NULL FROM outbox WHERE kind = 'job.dispatch'")
+    assert "not confirmed" in await stack.scalar(
+        "SELECT last_error FROM outbox WHERE kind = 'job.dispatch'"
+    )
 
-        # Its job.queued is published (by the event feed); the dispatch never counts.
-        async def queued_event_published() -> bool:
-            return relay.events_published >= 1
+    # Its job.queued is published (by the event feed); the dispatch never counts.
+    async def queued_event_published() -> bool:
+        return relay.events_published >= 1
 
-        await eventually(queued_event_published)
-        assert relay.published == 0
-        assert await stack.scalar(
-            "SELECT published_at IS NULL FROM outbox WHERE kind = 'job.dispatch'"
-        )
-    finally:
-        await relay.stop()
-        await stack.close()
+    await eventually(queued_event_published)
+    assert relay.published == 0
+    assert await stack.scalar("SELECT published_at IS NULL FROM outbox WHERE kind = 'job.dispatch'")
 
 
 async def test_unreadable_and_unknown_messages_go_to_the_failed_queue(stack: Stack) -> None:

@@ -21,6 +21,7 @@ from jobplane.store.deployment import this_deployment
 from jobplane.store.engine import create_engine
 from jobplane.topology import Topology
 from tests.support import services
+from tests.support.parts import Started
 from tests.support.stack import Stack, eventually, start_stack
 
 _other = itertools.count(1)
@@ -51,42 +52,37 @@ async def test_two_deployments_on_one_vhost_run_all_their_jobs(
     other_database: str,
     amqp_url: str,
     topology: Topology,
+    started: Started,
 ) -> None:
     other_engine = create_engine(other_database, pool_size=10)
-    a = b = None
-    try:
-        ids = [await this_deployment(engine), await this_deployment(other_engine)]
-        assert ids[0].id != ids[1].id  # cloned from one template, still two identities
+    started.callback(other_engine.dispose)
+    ids = [await this_deployment(engine), await this_deployment(other_engine)]
+    assert ids[0].id != ids[1].id  # cloned from one template, still two identities
 
-        # A declares the topology first (it owns it) and has no worker yet.
-        a = await start_stack(engine, database_url, amqp_url, topology, worker=False)
-        b = await start_stack(other_engine, other_database, amqp_url, topology)
-        assert b.relay is not None and b.relay.ownership is not None
-        assert b.worker is not None and b.worker.ownership is not None
-        for ownership in (b.relay.ownership, b.worker.ownership):
-            assert ownership.conflict
-            assert ownership.owner_id == ids[0].id and ownership.ours.id == ids[1].id
-        assert a.relay is not None and a.relay.ownership is not None
-        assert not a.relay.ownership.conflict
+    # A declares the topology first (it owns it) and has no worker yet.
+    a = await started(start_stack(engine, database_url, amqp_url, topology, worker=False))
+    b = await started(start_stack(other_engine, other_database, amqp_url, topology))
+    assert b.relay is not None and b.relay.ownership is not None
+    assert b.worker is not None and b.worker.ownership is not None
+    for ownership in (b.relay.ownership, b.worker.ownership):
+        assert ownership.conflict
+        assert ownership.owner_id == ids[0].id and ownership.ours.id == ids[1].id
+    assert a.relay is not None and a.relay.ownership is not None
+    assert not a.relay.ownership.conflict
 
-        # Only B's worker consumes: A's messages reach it and must come back.
-        a_client, b_client = a.client(), b.client()
-        a_jobs = [await a_client.submit("demo.echo", {"of": "a", "i": i}) for i in range(5)]
-        await eventually(lambda: _at_least(b, 5))
-        await a.start_worker()
-        b_jobs = [await b_client.submit("demo.echo", {"of": "b", "i": i}) for i in range(5)]
-        a_jobs += [await a_client.submit("demo.echo", {"of": "a", "i": i}) for i in range(5, 10)]
+    # Only B's worker consumes: A's messages reach it and must come back.
+    a_client, b_client = a.client(), b.client()
+    a_jobs = [await a_client.submit("demo.echo", {"of": "a", "i": i}) for i in range(5)]
+    await eventually(lambda: _at_least(b, 5))
+    await a.start_worker()
+    b_jobs = [await b_client.submit("demo.echo", {"of": "b", "i": i}) for i in range(5)]
+    a_jobs += [await a_client.submit("demo.echo", {"of": "a", "i": i}) for i in range(5, 10)]
 
-        for client, jobs in ((a_client, a_jobs), (b_client, b_jobs)):
-            for job in jobs:
-                done = await asyncio.wait_for(client.wait(job.name), timeout=30)
-                assert done.state is JobState.SUCCEEDED, done
-        assert await _failed_messages(amqp_url, topology) == 0
-    finally:
-        for stack in (a, b):
-            if stack is not None:
-                await stack.close()
-        await other_engine.dispose()
+    for client, jobs in ((a_client, a_jobs), (b_client, b_jobs)):
+        for job in jobs:
+            done = await asyncio.wait_for(client.wait(job.name), timeout=30)
+            assert done.state is JobState.SUCCEEDED, done
+    assert await _failed_messages(amqp_url, topology) == 0
 
 
 async def _at_least(stack: Stack, bounced: int) -> bool:

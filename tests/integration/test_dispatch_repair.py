@@ -29,6 +29,7 @@ from jobplane.topology import Topology
 from jobplane.workers import sweeper as sweeper_module
 from jobplane.workers.relay import Relay
 from jobplane.workers.sweeper import Sweeper
+from tests.support.parts import Started
 from tests.support.rows import insert_job
 from tests.support.stack import Stack, eventually, start_stack
 
@@ -53,88 +54,82 @@ async def _events(stack: Stack, job_id: str) -> list[tuple[int, str, str]]:
 
 
 async def test_rows_the_broker_cannot_accept_fail_their_jobs_and_the_batch_goes_on(
-    engine: AsyncEngine, database_url: str, amqp_url: str, topology: Topology
+    engine: AsyncEngine, database_url: str, amqp_url: str, topology: Topology, started: Started
 ) -> None:
-    stack = await start_stack(engine, database_url, amqp_url, topology, relay=False)
-    try:
-        # One batch: good rows around the two bad ones.
-        good = [await _insert_job(stack, "demo.echo") for _ in range(2)]
-        long_correlation = await _insert_job(stack, "demo.echo", correlation_id="c" * 256)
-        long_key = await _insert_job(stack, "demo." + "k" * 300)
-        good += [await _insert_job(stack, "demo.echo", correlation_id="c" * 255)]
+    stack = await started(start_stack(engine, database_url, amqp_url, topology, relay=False))
+    # One batch: good rows around the two bad ones.
+    good = [await _insert_job(stack, "demo.echo") for _ in range(2)]
+    long_correlation = await _insert_job(stack, "demo.echo", correlation_id="c" * 256)
+    long_key = await _insert_job(stack, "demo." + "k" * 300)
+    good += [await _insert_job(stack, "demo.echo", correlation_id="c" * 255)]
 
-        relay = await stack.start_relay()
-        client = stack.client()
-        for job_id in good:
-            done = await asyncio.wait_for(client.wait(f"jobs/{job_id}"), timeout=20)
-            assert done.state is JobState.SUCCEEDED
-        for job_id, says in ((long_correlation, "correlation id"), (long_key, "routing key")):
-            job = await asyncio.wait_for(client.wait(f"jobs/{job_id}"), timeout=20)
-            assert job.state is JobState.FAILED
-            assert job.error is not None and job.error.code == "DISPATCH_FAILED"
-            assert says in job.error.message and not job.error.retryable
-            assert await _events(stack, job_id) == [
-                (1, "queued", "None"),
-                (2, "failed", "DISPATCH_FAILED"),
-            ]
-        assert (
-            await stack.scalar(
-                "SELECT count(*) FROM outbox WHERE kind = 'job.dispatch' "
-                "AND failed_at IS NOT NULL AND published_at IS NULL"
-            )
-            == 2
+    relay = await stack.start_relay()
+    client = stack.client()
+    for job_id in good:
+        done = await asyncio.wait_for(client.wait(f"jobs/{job_id}"), timeout=20)
+        assert done.state is JobState.SUCCEEDED
+    for job_id, says in ((long_correlation, "correlation id"), (long_key, "routing key")):
+        job = await asyncio.wait_for(client.wait(f"jobs/{job_id}"), timeout=20)
+        assert job.state is JobState.FAILED
+        assert job.error is not None and job.error.code == "DISPATCH_FAILED"
+        assert says in job.error.message and not job.error.retryable
+        assert await _events(stack, job_id) == [
+            (1, "queued", "None"),
+            (2, "failed", "DISPATCH_FAILED"),
+        ]
+    assert (
+        await stack.scalar(
+            "SELECT count(*) FROM outbox WHERE kind = 'job.dispatch' "
+            "AND failed_at IS NOT NULL AND published_at IS NULL"
         )
-        assert (
-            await stack.scalar(
-                "SELECT count(*) FROM outbox WHERE kind = 'job.dispatch' "
-                "AND published_at IS NULL AND failed_at IS NULL"
-            )
-            == 0
+        == 2
+    )
+    assert (
+        await stack.scalar(
+            "SELECT count(*) FROM outbox WHERE kind = 'job.dispatch' "
+            "AND published_at IS NULL AND failed_at IS NULL"
         )
-        # Still on its first connection: the bad rows never reached the channel.
-        assert relay.connects == 1 and relay.connected
-        assert relay.failed == 2
-    finally:
-        await stack.close()
+        == 0
+    )
+    # Still on its first connection: the bad rows never reached the channel.
+    assert relay.connects == 1 and relay.connected
+    assert relay.failed == 2
 
 
 async def test_a_dispatch_returned_for_too_long_fails_as_unroutable(
-    engine: AsyncEngine, database_url: str, amqp_url: str, topology: Topology
+    engine: AsyncEngine, database_url: str, amqp_url: str, topology: Topology, started: Started
 ) -> None:
     # The server accepts demo.echo, but the broker's only queue binds reports.*
     # (a topology that differs from the server's file): every publish returns.
-    stack = await start_stack(engine, database_url, amqp_url, topology, relay=False, worker=False)
-    narrow = replace(topology, queues=(replace(topology.queues[0], bindings=("reports.*",)),))
-    relay = Relay(
-        engine,
-        database_url,
-        amqp_url,
-        narrow,
-        poll_seconds=0.1,
-        unroutable_after=0.5,
-        unroutable_returns=2,
+    stack = await started(
+        start_stack(engine, database_url, amqp_url, topology, relay=False, worker=False)
     )
-    await relay.start()
-    try:
-        client = stack.client()
-        job = await client.submit("demo.echo", {})
-        done = await asyncio.wait_for(client.wait(job.name), timeout=20)
-        assert done.state is JobState.FAILED
-        assert done.error is not None and done.error.code == "JOB_TYPE_UNROUTABLE"
-        assert await stack.scalar("SELECT returns >= 2 FROM outbox WHERE kind = 'job.dispatch'")
-        assert [e[1:] for e in await _events(stack, job.id)] == [
-            ("queued", "None"),
-            ("failed", "JOB_TYPE_UNROUTABLE"),
-        ]
-        # Nothing it published was the dispatch: only the job's lifecycle events.
-        assert relay.connects == 1
-        assert relay.published <= await stack.scalar("SELECT count(*) FROM events")
-        assert await stack.scalar(
-            "SELECT published_at IS NULL FROM outbox WHERE kind = 'job.dispatch'"
+    narrow = replace(topology, queues=(replace(topology.queues[0], bindings=("reports.*",)),))
+    relay = await started(
+        Relay(
+            engine,
+            database_url,
+            amqp_url,
+            narrow,
+            poll_seconds=0.1,
+            unroutable_after=0.5,
+            unroutable_returns=2,
         )
-    finally:
-        await relay.stop()
-        await stack.close()
+    )
+    client = stack.client()
+    job = await client.submit("demo.echo", {})
+    done = await asyncio.wait_for(client.wait(job.name), timeout=20)
+    assert done.state is JobState.FAILED
+    assert done.error is not None and done.error.code == "JOB_TYPE_UNROUTABLE"
+    assert await stack.scalar("SELECT returns >= 2 FROM outbox WHERE kind = 'job.dispatch'")
+    assert [e[1:] for e in await _events(stack, job.id)] == [
+        ("queued", "None"),
+        ("failed", "JOB_TYPE_UNROUTABLE"),
+    ]
+    # Nothing it published was the dispatch: only the job's lifecycle events.
+    assert relay.connects == 1
+    assert relay.published <= await stack.scalar("SELECT count(*) FROM events")
+    assert await stack.scalar("SELECT published_at IS NULL FROM outbox WHERE kind = 'job.dispatch'")
 
 
 async def _purge(stack: Stack) -> int:
@@ -147,52 +142,46 @@ async def _purge(stack: Stack) -> int:
 
 
 async def test_the_sweeper_republishes_a_dispatch_the_broker_lost(
-    engine: AsyncEngine, database_url: str, amqp_url: str, topology: Topology
+    engine: AsyncEngine, database_url: str, amqp_url: str, topology: Topology, started: Started
 ) -> None:
-    stack = await start_stack(engine, database_url, amqp_url, topology, worker=False)
+    stack = await started(start_stack(engine, database_url, amqp_url, topology, worker=False))
     sweeper = Sweeper(engine, republish_after=10.0, republish_every=0.0)
-    try:
-        client = stack.client()
-        job = await client.submit("demo.echo", {"lost": True})
-        await eventually(
-            lambda: stack.scalar(
-                "SELECT published_at IS NOT NULL FROM outbox WHERE kind = 'job.dispatch'"
+    client = stack.client()
+    job = await client.submit("demo.echo", {"lost": True})
+    await eventually(
+        lambda: stack.scalar(
+            "SELECT published_at IS NOT NULL FROM outbox WHERE kind = 'job.dispatch'"
+        )
+    )
+    assert await _purge(stack) == 1  # the broker lost it
+
+    async def age(seconds: float) -> None:
+        async with engine.begin() as conn:
+            await conn.execute(
+                text("UPDATE outbox SET published_at = now() - make_interval(secs => :s)"),
+                {"s": seconds},
             )
-        )
-        assert await _purge(stack) == 1  # the broker lost it
 
-        async def age(seconds: float) -> None:
-            async with engine.begin() as conn:
-                await conn.execute(
-                    text("UPDATE outbox SET published_at = now() - make_interval(secs => :s)"),
-                    {"s": seconds},
-                )
-
-        await age(9.0)  # younger than the bound: a deep queue may still hold it
-        assert (await sweeper.sweep_once()).republished == 0
-        await age(11.0)
-        assert (await sweeper.sweep_once()).republished == 1
-        assert (
-            await stack.scalar("SELECT republish_count FROM outbox WHERE kind = 'job.dispatch'")
-            == 1
+    await age(9.0)  # younger than the bound: a deep queue may still hold it
+    assert (await sweeper.sweep_once()).republished == 0
+    await age(11.0)
+    assert (await sweeper.sweep_once()).republished == 1
+    assert await stack.scalar("SELECT republish_count FROM outbox WHERE kind = 'job.dispatch'") == 1
+    await eventually(
+        lambda: stack.scalar(
+            "SELECT published_at IS NOT NULL FROM outbox WHERE kind = 'job.dispatch'"
         )
-        await eventually(
-            lambda: stack.scalar(
-                "SELECT published_at IS NOT NULL FROM outbox WHERE kind = 'job.dispatch'"
-            )
-        )
-        # The next re-publish of this dispatch waits twice as long.
-        await age(19.0)
-        assert (await sweeper.sweep_once()).republished == 0
+    )
+    # The next re-publish of this dispatch waits twice as long.
+    await age(19.0)
+    assert (await sweeper.sweep_once()).republished == 0
 
-        await stack.start_worker()
-        done = await asyncio.wait_for(client.wait(job.name), timeout=20)
-        assert done.state is JobState.SUCCEEDED and done.attempt == 1
-        # A claimed (here: finished) job's dispatch is never re-published.
-        await age(3600.0)
-        assert (await sweeper.sweep_once()).republished == 0
-    finally:
-        await stack.close()
+    await stack.start_worker()
+    done = await asyncio.wait_for(client.wait(job.name), timeout=20)
+    assert done.state is JobState.SUCCEEDED and done.attempt == 1
+    # A claimed (here: finished) job's dispatch is never re-published.
+    await age(3600.0)
+    assert (await sweeper.sweep_once()).republished == 0
 
 
 async def _returned(store: OutboxStore, *, returns: int) -> list[uuid.UUID]:
@@ -209,83 +198,79 @@ async def _make_due(engine: AsyncEngine) -> None:
 
 
 async def test_only_returns_in_a_row_count_towards_unroutable(
-    engine: AsyncEngine, database_url: str, amqp_url: str, topology: Topology
+    engine: AsyncEngine, database_url: str, amqp_url: str, topology: Topology, started: Started
 ) -> None:
-    stack = await start_stack(engine, database_url, amqp_url, topology, relay=False, worker=False)
+    stack = await started(
+        start_stack(engine, database_url, amqp_url, topology, relay=False, worker=False)
+    )
     store = OutboxStore(stack.db)
-    try:
-        await _insert_job(stack, "demo.echo")
-        for _ in range(2):
-            assert await _returned(store, returns=3) == []
-            await _make_due(engine)
-        # A nack (or a timeout) between returns ends the run.
-        async with store.claim(10) as batch:
-            await batch.mark_retry([row.id for row in batch.rows], "nacked")
-        assert await stack.scalar("SELECT returns FROM outbox WHERE kind = 'job.dispatch'") == 0
-        for _ in range(2):
-            await _make_due(engine)
-            assert await _returned(store, returns=3) == []
+    await _insert_job(stack, "demo.echo")
+    for _ in range(2):
+        assert await _returned(store, returns=3) == []
         await _make_due(engine)
-        (given_up,) = await _returned(store, returns=3)  # three in a row
-        assert given_up == await stack.scalar("SELECT id FROM outbox WHERE kind = 'job.dispatch'")
+    # A nack (or a timeout) between returns ends the run.
+    async with store.claim(10) as batch:
+        await batch.mark_retry([row.id for row in batch.rows], "nacked")
+    assert await stack.scalar("SELECT returns FROM outbox WHERE kind = 'job.dispatch'") == 0
+    for _ in range(2):
+        await _make_due(engine)
+        assert await _returned(store, returns=3) == []
+    await _make_due(engine)
+    (given_up,) = await _returned(store, returns=3)  # three in a row
+    assert given_up == await stack.scalar("SELECT id FROM outbox WHERE kind = 'job.dispatch'")
 
-        # A publish ends a run too, and so does the sweeper's re-publish.
-        await _make_due(engine)
-        async with store.claim(10) as batch:
-            await batch.mark_published([row.id for row in batch.rows])
-        assert await stack.scalar(
-            "SELECT (returns, first_returned_at) FROM outbox WHERE kind = 'job.dispatch'"
-        ) == (0, None)
-        async with engine.begin() as conn:
-            await conn.execute(
-                text(
-                    "UPDATE outbox SET returns = 7, first_returned_at = now() - interval '1 hour', "
-                    "published_at = now() - interval '1 hour'"
-                )
+    # A publish ends a run too, and so does the sweeper's re-publish.
+    await _make_due(engine)
+    async with store.claim(10) as batch:
+        await batch.mark_published([row.id for row in batch.rows])
+    assert await stack.scalar(
+        "SELECT (returns, first_returned_at) FROM outbox WHERE kind = 'job.dispatch'"
+    ) == (0, None)
+    async with engine.begin() as conn:
+        await conn.execute(
+            text(
+                "UPDATE outbox SET returns = 7, first_returned_at = now() - interval '1 hour', "
+                "published_at = now() - interval '1 hour'"
             )
-        sweeper = Sweeper(engine, republish_after=60.0)
-        assert (await sweeper.sweep_once()).republished == 1
-        assert await stack.scalar(
-            "SELECT (returns, first_returned_at) FROM outbox WHERE kind = 'job.dispatch'"
-        ) == (0, None)
-    finally:
-        await stack.close()
+        )
+    sweeper = Sweeper(engine, republish_after=60.0)
+    assert (await sweeper.sweep_once()).republished == 1
+    assert await stack.scalar(
+        "SELECT (returns, first_returned_at) FROM outbox WHERE kind = 'job.dispatch'"
+    ) == (0, None)
 
 
 async def test_giving_up_on_a_row_of_a_parked_job_settles_the_row(
-    engine: AsyncEngine, database_url: str, amqp_url: str, topology: Topology
+    engine: AsyncEngine, database_url: str, amqp_url: str, topology: Topology, started: Started
 ) -> None:
-    stack = await start_stack(engine, database_url, amqp_url, topology, relay=False, worker=False)
+    stack = await started(
+        start_stack(engine, database_url, amqp_url, topology, relay=False, worker=False)
+    )
     store = OutboxStore(stack.db)
-    try:
-        job_id = await _insert_job(stack, "demo.echo")
-        # The job was parked (no dispatch) while this row was still due.
-        async with engine.begin() as conn:
-            await conn.execute(text("UPDATE jobs SET dispatch_id = NULL"))
+    job_id = await _insert_job(stack, "demo.echo")
+    # The job was parked (no dispatch) while this row was still due.
+    async with engine.begin() as conn:
+        await conn.execute(text("UPDATE jobs SET dispatch_id = NULL"))
 
-        # A job locked by another transaction is busy: nothing is written.
-        async with engine.connect() as holder:
-            await holder.execute(text("SELECT 1 FROM jobs FOR UPDATE"))
-            async with store.claim(10) as batch:
-                assert await batch.fail(batch.rows[0], "DISPATCH_FAILED", "x") is GiveUp.BUSY
-            await holder.rollback()
-        assert (
-            await stack.scalar("SELECT failed_at FROM outbox WHERE kind = 'job.dispatch'") is None
-        )
+    # A job locked by another transaction is busy: nothing is written.
+    async with engine.connect() as holder:
+        await holder.execute(text("SELECT 1 FROM jobs FOR UPDATE"))
+        async with store.claim(10) as batch:
+            assert await batch.fail(batch.rows[0], "DISPATCH_FAILED", "x") is GiveUp.BUSY
+        await holder.rollback()
+    assert await stack.scalar("SELECT failed_at FROM outbox WHERE kind = 'job.dispatch'") is None
 
-        async with store.claim(10) as batch:
-            assert await batch.fail(batch.rows[0], "DISPATCH_FAILED", "x") is GiveUp.MOVED_ON
-        assert await stack.scalar(
-            "SELECT failed_at IS NOT NULL FROM outbox WHERE kind = 'job.dispatch'"
-        )
-        # The parked job is left as it was: it waits for a worker, not for this row.
-        assert await stack.scalar(
-            "SELECT (state, dispatch_id) FROM jobs WHERE id = :id", id=uuid.UUID(job_id)
-        ) == ("queued", None)
-        async with store.claim(10) as batch:
-            assert batch.rows == []  # settled, not due again
-    finally:
-        await stack.close()
+    async with store.claim(10) as batch:
+        assert await batch.fail(batch.rows[0], "DISPATCH_FAILED", "x") is GiveUp.MOVED_ON
+    assert await stack.scalar(
+        "SELECT failed_at IS NOT NULL FROM outbox WHERE kind = 'job.dispatch'"
+    )
+    # The parked job is left as it was: it waits for a worker, not for this row.
+    assert await stack.scalar(
+        "SELECT (state, dispatch_id) FROM jobs WHERE id = :id", id=uuid.UUID(job_id)
+    ) == ("queued", None)
+    async with store.claim(10) as batch:
+        assert batch.rows == []  # settled, not due again
 
 
 async def _lost_dispatches(stack: Stack, count: int) -> None:
@@ -302,63 +287,61 @@ async def _lost_dispatches(stack: Stack, count: int) -> None:
 
 
 async def test_one_sweeper_at_a_time_republishes_on_its_own_schedule(
-    engine: AsyncEngine, database_url: str, amqp_url: str, topology: Topology
+    engine: AsyncEngine, database_url: str, amqp_url: str, topology: Topology, started: Started
 ) -> None:
-    stack = await start_stack(engine, database_url, amqp_url, topology, relay=False, worker=False)
-    try:
-        await _lost_dispatches(stack, 1)
-        # Another sweeper's pass holds the lock: this one leaves the pass to it.
-        async with engine.connect() as other:
-            await other.execute(
-                text("SELECT pg_advisory_xact_lock(:key)"), {"key": sweeps.REPUBLISH_LOCK_KEY}
-            )
-            assert (await Sweeper(engine, republish_every=0.0).sweep_once()).republished == 0
-            await other.rollback()
-
-        hourly = Sweeper(engine, republish_after=60.0, republish_every=3600.0)
-        assert (await hourly.sweep_once()).republished == 1
-        await _lost_dispatches(stack, 1)
-        # Leases and stuck rows are swept every time; lost dispatches once an hour here.
-        assert (await hourly.sweep_once()).republished == 0
-        assert (
-            await stack.scalar(
-                "SELECT count(*) FROM outbox WHERE kind = 'job.dispatch' AND published_at IS NULL"
-            )
-            == 1
+    stack = await started(
+        start_stack(engine, database_url, amqp_url, topology, relay=False, worker=False)
+    )
+    await _lost_dispatches(stack, 1)
+    # Another sweeper's pass holds the lock: this one leaves the pass to it.
+    async with engine.connect() as other:
+        await other.execute(
+            text("SELECT pg_advisory_xact_lock(:key)"), {"key": sweeps.REPUBLISH_LOCK_KEY}
         )
-    finally:
-        await stack.close()
+        assert (await Sweeper(engine, republish_every=0.0).sweep_once()).republished == 0
+        await other.rollback()
+
+    hourly = Sweeper(engine, republish_after=60.0, republish_every=3600.0)
+    assert (await hourly.sweep_once()).republished == 1
+    await _lost_dispatches(stack, 1)
+    # Leases and stuck rows are swept every time; lost dispatches once an hour here.
+    assert (await hourly.sweep_once()).republished == 0
+    assert (
+        await stack.scalar(
+            "SELECT count(*) FROM outbox WHERE kind = 'job.dispatch' AND published_at IS NULL"
+        )
+        == 1
+    )
 
 
 async def test_a_republish_pass_looks_at_a_bounded_part_of_the_backlog(
-    engine: AsyncEngine, database_url: str, amqp_url: str, topology: Topology
+    engine: AsyncEngine, database_url: str, amqp_url: str, topology: Topology, started: Started
 ) -> None:
-    stack = await start_stack(engine, database_url, amqp_url, topology, relay=False, worker=False)
-    try:
-        await _lost_dispatches(stack, 5)
-        store = sweeps.SweepStore(engine)
-        passes = []
-        while True:
-            done = await store.republish_unclaimed(after=60.0, scan=2, window=1)
-            assert done is not None
-            passes.append((len(done.republished), done.scanned, done.lap_done))
-            if done.lap_done:
-                break
-        # Each pass reads two QUEUED jobs at most and goes on where the last stopped.
-        assert passes == [(2, 2, False), (2, 2, False), (1, 1, True)]
-        assert (
-            await stack.scalar(
-                "SELECT count(*) FROM outbox WHERE kind = 'job.dispatch' AND republish_count = 1"
-            )
-            == 5
+    stack = await started(
+        start_stack(engine, database_url, amqp_url, topology, relay=False, worker=False)
+    )
+    await _lost_dispatches(stack, 5)
+    store = sweeps.SweepStore(engine)
+    passes = []
+    while True:
+        done = await store.republish_unclaimed(after=60.0, scan=2, window=1)
+        assert done is not None
+        passes.append((len(done.republished), done.scanned, done.lap_done))
+        if done.lap_done:
+            break
+    # Each pass reads two QUEUED jobs at most and goes on where the last stopped.
+    assert passes == [(2, 2, False), (2, 2, False), (1, 1, True)]
+    assert (
+        await stack.scalar(
+            "SELECT count(*) FROM outbox WHERE kind = 'job.dispatch' AND republish_count = 1"
         )
-        # After a lap the next pass starts again from the first.
-        async with engine.begin() as conn:
-            await conn.execute(text("UPDATE outbox SET published_at = now() - interval '1 day'"))
-        done = await store.republish_unclaimed(after=60.0, scan=10)
-        assert done is not None and len(done.republished) == 5 and done.lap_done
-    finally:
-        await stack.close()
+        == 5
+    )
+    # After a lap the next pass starts again from the first.
+    async with engine.begin() as conn:
+        await conn.execute(text("UPDATE outbox SET published_at = now() - interval '1 day'"))
+    done = await store.republish_unclaimed(after=60.0, scan=10)
+    assert done is not None and len(done.republished) == 5 and done.lap_done
 
 
 async def test_a_republished_dispatchs_line_names_the_jobs_trace(
@@ -367,26 +350,26 @@ async def test_a_republished_dispatchs_line_names_the_jobs_trace(
     amqp_url: str,
     topology: Topology,
     monkeypatch: pytest.MonkeyPatch,
+    started: Started,
 ) -> None:
-    stack = await start_stack(engine, database_url, amqp_url, topology, relay=False, worker=False)
-    try:
-        await _lost_dispatches(stack, 1)
-        trace_id = uuid.uuid4().hex
-        async with engine.begin() as conn:
-            await conn.execute(
-                text(
-                    "UPDATE outbox SET headers = "
-                    "jsonb_build_object('traceparent', CAST(:parent AS text))"
-                ),
-                {"parent": f"00-{trace_id}-{'1' * 16}-00"},
-            )
-        # Tracing handed over, as the CLI does when it is on (no provider
-        # needed); a logger not yet used, so capture_logs sees its lines.
-        monkeypatch.setattr(sweeper_module, "log", structlog.get_logger("jobplane.sweeper"))
-        traced = Sweeper(engine, republish_every=0.0, interceptors=[tracing.RelayTracing()])
-        with capture_logs() as logs:
-            assert (await traced.sweep_once()).republished == 1
-        (line,) = [e for e in logs if e["event"] == "sweeper.dispatch.republished"]
-        assert line["trace_id"] == trace_id
-    finally:
-        await stack.close()
+    stack = await started(
+        start_stack(engine, database_url, amqp_url, topology, relay=False, worker=False)
+    )
+    await _lost_dispatches(stack, 1)
+    trace_id = uuid.uuid4().hex
+    async with engine.begin() as conn:
+        await conn.execute(
+            text(
+                "UPDATE outbox SET headers = "
+                "jsonb_build_object('traceparent', CAST(:parent AS text))"
+            ),
+            {"parent": f"00-{trace_id}-{'1' * 16}-00"},
+        )
+    # Tracing handed over, as the CLI does when it is on (no provider
+    # needed); a logger not yet used, so capture_logs sees its lines.
+    monkeypatch.setattr(sweeper_module, "log", structlog.get_logger("jobplane.sweeper"))
+    traced = Sweeper(engine, republish_every=0.0, interceptors=[tracing.RelayTracing()])
+    with capture_logs() as logs:
+        assert (await traced.sweep_once()).republished == 1
+    (line,) = [e for e in logs if e["event"] == "sweeper.dispatch.republished"]
+    assert line["trace_id"] == trace_id

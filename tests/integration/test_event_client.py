@@ -35,6 +35,7 @@ from jobplane.store.events import EventStore, NewEvent
 from jobplane.topology import Topology
 from tests.integration.test_cli_and_sync import jobplane
 from tests.support.event_api import STREAM_WAIT, all_published, bound_queue
+from tests.support.parts import Started
 from tests.support.proxy import CuttableProxy
 from tests.support.stack import Stack, eventually, start_stack
 
@@ -160,88 +161,82 @@ class DropFirstReply(grpc.aio.UnaryUnaryClientInterceptor):
 
 
 async def test_a_retried_publish_writes_once(
-    engine: AsyncEngine, database_url: str, amqp_url: str, topology: Topology
+    engine: AsyncEngine, database_url: str, amqp_url: str, topology: Topology, started: Started
 ) -> None:
-    stack = await start_stack(engine, database_url, amqp_url, topology, worker=False)
-    try:
-        dropper = DropFirstReply()
-        client = stack.client()
+    stack = await started(start_stack(engine, database_url, amqp_url, topology, worker=False))
+    dropper = DropFirstReply()
+    client = stack.client()
 
-        def open_channel() -> grpc.aio.Channel:
-            return grpc.aio.insecure_channel(stack.server.address, interceptors=[dropper])
+    def open_channel() -> grpc.aio.Channel:
+        return grpc.aio.insecure_channel(stack.server.address, interceptors=[dropper])
 
-        client._open_channel = open_channel  # type: ignore[method-assign]
-        async with bound_queue(amqp_url, topology.events_exchange, ["artifact.#"]) as (_, queue):
-            event = await client.publish("artifact.created", {"artifact": "a.tar"})
-            # The server answered twice, the SDK saw one answer.
-            assert len(dropper.requests) == 2
-            assert {r.event_id for r in dropper.requests} == {str(event.event_id)}
-            assert await stack.scalar("SELECT count(*) FROM events") == 1
+    client._open_channel = open_channel  # type: ignore[method-assign]
+    async with bound_queue(amqp_url, topology.events_exchange, ["artifact.#"]) as (_, queue):
+        event = await client.publish("artifact.created", {"artifact": "a.tar"})
+        # The server answered twice, the SDK saw one answer.
+        assert len(dropper.requests) == 2
+        assert {r.event_id for r in dropper.requests} == {str(event.event_id)}
+        assert await stack.scalar("SELECT count(*) FROM events") == 1
 
-            # Publishing the id again: the stored event, nothing written.
-            again = await client.publish(
-                "artifact.created", {"artifact": "a.tar"}, event_id=event.event_id
-            )
-            assert again == event
-            with pytest.raises(EventIdReused) as info:
-                await client.publish(
-                    "artifact.created", {"artifact": "b.tar"}, event_id=event.event_id
-                )
-            assert info.value.code is grpc.StatusCode.ALREADY_EXISTS
-            assert await stack.scalar("SELECT count(*) FROM events") == 1
+        # Publishing the id again: the stored event, nothing written.
+        again = await client.publish(
+            "artifact.created", {"artifact": "a.tar"}, event_id=event.event_id
+        )
+        assert again == event
+        with pytest.raises(EventIdReused) as info:
+            await client.publish("artifact.created", {"artifact": "b.tar"}, event_id=event.event_id)
+        assert info.value.code is grpc.StatusCode.ALREADY_EXISTS
+        assert await stack.scalar("SELECT count(*) FROM events") == 1
 
-            # On the broker: the event once, then the sentinel.
-            sentinel = await client.publish("artifact.sentinel", {})
-            await all_published(stack)
-            bodies = []
-            for _ in range(2):
-                message = await queue.get(timeout=STREAM_WAIT, fail=True)
-                assert message is not None
-                bodies.append(decode(message.body))
-                await message.ack()
-            assert bodies == [event, sentinel]
-    finally:
-        await stack.close()
+        # On the broker: the event once, then the sentinel.
+        sentinel = await client.publish("artifact.sentinel", {})
+        await all_published(stack)
+        bodies = []
+        for _ in range(2):
+            message = await queue.get(timeout=STREAM_WAIT, fail=True)
+            assert message is not None
+            bodies.append(decode(message.body))
+            await message.ack()
+        assert bodies == [event, sentinel]
 
 
 async def test_subscribe_resumes_across_a_server_restart(
-    engine: AsyncEngine, database_url: str, amqp_url: str, topology: Topology
+    engine: AsyncEngine, database_url: str, amqp_url: str, topology: Topology, started: Started
 ) -> None:
     port = _free_port()
-    stack = await start_stack(
-        engine,
-        database_url,
-        amqp_url,
-        topology,
-        relay=False,
-        worker=False,
-        listen=f"127.0.0.1:{port}",
+    stack = await started(
+        start_stack(
+            engine,
+            database_url,
+            amqp_url,
+            topology,
+            relay=False,
+            worker=False,
+            listen=f"127.0.0.1:{port}",
+        )
     )
-    try:
-        client = stack.client()
-        collector = Collector(client.subscribe(["artifact.*"]))
-        published = await publish_n(client, 5)
-        await collector.until(5)
+    client = stack.client()
+    collector = Collector(client.subscribe(["artifact.*"]))
+    published = await publish_n(client, 5)
+    await collector.until(5)
 
-        await stack.server.stop(grace=0.5)
-        # Committed while no server runs: the resumed stream has them.
-        store = EventStore(engine)
-        for i in range(5, 10):
-            new = Event.new("artifact.created", {"i": i}, tenant_id=stack.tenant_id)
-            published.append((await store.publish(stack.tenant_id, NewEvent(new))).event)
-        await asyncio.sleep(0.5)
-        await stack.server.start()
+    await stack.server.stop(grace=0.5)
+    # Committed while no server runs: the resumed stream has them.
+    store = EventStore(engine)
+    for i in range(5, 10):
+        new = Event.new("artifact.created", {"i": i}, tenant_id=stack.tenant_id)
+        published.append((await store.publish(stack.tenant_id, NewEvent(new))).event)
+    await asyncio.sleep(0.5)
+    await stack.server.start()
 
-        published += await publish_n(client, 5)
-        await collector.until(15)
-        sentinel = await client.publish("artifact.sentinel", {})
-        await collector.until(16)
-        assert collector.ids == [e.event_id for e in [*published, sentinel]]
-        assert [item.event for item in collector.items[:5]] == published[:5]
-        assert collector.subscription.cursor == collector.items[-1].cursor
-        await collector.close()
-    finally:
-        await stack.close()
+    published += await publish_n(client, 5)
+    await collector.until(15)
+    sentinel = await client.publish("artifact.sentinel", {})
+    await collector.until(16)
+    assert collector.ids == [e.event_id for e in [*published, sentinel]]
+    assert [item.event for item in collector.items[:5]] == published[:5]
+    assert collector.subscription.cursor == collector.items[-1].cursor
+    await collector.close()
 
 
 async def test_subscribe_resumes_after_its_connection_is_cut(server_only: Stack) -> None:

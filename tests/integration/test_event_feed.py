@@ -30,6 +30,7 @@ from jobplane.workers.sweeper import Sweeper
 from tests.support import services
 from tests.support.event_api import all_published, bound_queue
 from tests.support.events import take_all
+from tests.support.parts import Started
 from tests.support.stack import Stack, eventually, start_stack
 
 # Server and relay; no worker (events need none).
@@ -200,68 +201,61 @@ async def database_at_0009(run_id: str) -> AsyncIterator[str]:
 
 
 async def test_events_written_before_0010_are_published_once_through_their_outbox_rows(
-    database_at_0009: str, amqp_url: str, topology: Topology
+    database_at_0009: str, amqp_url: str, topology: Topology, started: Started
 ) -> None:
     engine = create_engine(database_at_0009, pool_size=10)
-    try:
-        keys = KeyStore(engine)
-        _key, tenant = await keys.create_key("acme")
-        await keys.close()
-        # Published the 0009 way: an events row and its outbox row.
-        async with engine.begin() as conn:
-            old_id = await conn.scalar(
-                text(
-                    "SELECT jobplane.publish_event(tenant => 'acme', event_id => :id, "
-                    "event_type => 'feed.old', payload => '{}')"
-                ),
-                {"id": str(uuid.uuid4())},
-            )
+    started.callback(engine.dispose)
+    keys = KeyStore(engine)
+    _key, tenant = await keys.create_key("acme")
+    await keys.close()
+    # Published the 0009 way: an events row and its outbox row.
+    async with engine.begin() as conn:
+        old_id = await conn.scalar(
+            text(
+                "SELECT jobplane.publish_event(tenant => 'acme', event_id => :id, "
+                "event_type => 'feed.old', payload => '{}')"
+            ),
+            {"id": str(uuid.uuid4())},
+        )
 
-        # 0010 starts the feed at the oldest transaction still running in the
-        # whole cluster (transaction ids are the cluster's), so one of another
-        # database's, older than the old event, would have the feed publish it
-        # too (the overlap the migration allows: at least once). Wait until
-        # none is left, as on a machine where this database is the only one.
-        async def xmin_past_the_old_event() -> bool:
-            async with engine.connect() as conn:
-                return bool(
-                    await conn.scalar(
-                        text(
-                            "SELECT pg_snapshot_xmin(pg_current_snapshot()) > "
-                            "(SELECT max(txid) FROM events)"
-                        )
+    # 0010 starts the feed at the oldest transaction still running in the
+    # whole cluster (transaction ids are the cluster's), so one of another
+    # database's, older than the old event, would have the feed publish it
+    # too (the overlap the migration allows: at least once). Wait until
+    # none is left, as on a machine where this database is the only one.
+    async def xmin_past_the_old_event() -> bool:
+        async with engine.connect() as conn:
+            return bool(
+                await conn.scalar(
+                    text(
+                        "SELECT pg_snapshot_xmin(pg_current_snapshot()) > "
+                        "(SELECT max(txid) FROM events)"
                     )
                 )
+            )
 
-        await eventually(xmin_past_the_old_event, timeout=60)
-        await migrate(database_at_0009, create=False)
-        async with engine.connect() as conn:
-            assert await conn.scalar(text("SELECT count(*) FROM outbox WHERE kind = 'event'")) == 1
-        stack = await start_stack(engine, database_at_0009, amqp_url, topology, worker=False)
-        try:
-            assert stack.relay is not None
-            # The old row goes out before the queue is bound: the queue sees the new one only.
-            await eventually(
-                lambda: stack.scalar(
-                    "SELECT published_at IS NOT NULL FROM outbox WHERE kind = 'event'"
-                )
-            )
-            async with bound_queue(amqp_url, topology.events_exchange, ["feed.#"]) as (name, _):
-                async with engine.begin() as conn:
-                    new = await append(conn, tenant, [_event(stack, "feed.new", 1)])
-                await all_published(stack)
-                messages = await take_all(amqp_url, name)
-            # The old one through its outbox row, the new one by the feed:
-            # each once.
-            assert (stack.relay.published, stack.relay.events_published) == (1, 1)
-            published = await stack.scalar(
-                "SELECT published_at IS NOT NULL FROM outbox WHERE kind = 'event'"
-            )
-            assert published
-        finally:
-            await stack.close()
-    finally:
-        await engine.dispose()
+    await eventually(xmin_past_the_old_event, timeout=60)
+    await migrate(database_at_0009, create=False)
+    async with engine.connect() as conn:
+        assert await conn.scalar(text("SELECT count(*) FROM outbox WHERE kind = 'event'")) == 1
+    stack = await started(start_stack(engine, database_at_0009, amqp_url, topology, worker=False))
+    assert stack.relay is not None
+    # The old row goes out before the queue is bound: the queue sees the new one only.
+    await eventually(
+        lambda: stack.scalar("SELECT published_at IS NOT NULL FROM outbox WHERE kind = 'event'")
+    )
+    async with bound_queue(amqp_url, topology.events_exchange, ["feed.#"]) as (name, _):
+        async with engine.begin() as conn:
+            new = await append(conn, tenant, [_event(stack, "feed.new", 1)])
+        await all_published(stack)
+        messages = await take_all(amqp_url, name)
+    # The old one through its outbox row, the new one by the feed:
+    # each once.
+    assert (stack.relay.published, stack.relay.events_published) == (1, 1)
+    published = await stack.scalar(
+        "SELECT published_at IS NOT NULL FROM outbox WHERE kind = 'event'"
+    )
+    assert published
     assert [m.message_id for m in messages] == [str(new[0].event.event_id)]
     assert old_id is not None
 

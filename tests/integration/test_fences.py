@@ -20,6 +20,7 @@ from jobplane.client import Job, JobState
 from jobplane.store.attempts import Attempt, AttemptStore, ClaimStatus, LeaseLost, ProgressUpdate
 from jobplane.topology import Topology
 from jobplane.workers.handlers import JobContext, Registry, RetryableError
+from tests.support.parts import Started
 from tests.support.queues import publish_raw
 from tests.support.stack import Stack, eventually, start_stack
 
@@ -161,7 +162,7 @@ async def test_an_old_dispatch_cannot_claim_a_retry_that_is_due_later(bare: Stac
 
 
 async def test_a_worker_acks_an_old_dispatch_without_starting_the_retry_early(
-    engine: AsyncEngine, database_url: str, amqp_url: str, topology: Topology
+    engine: AsyncEngine, database_url: str, amqp_url: str, topology: Topology, started: Started
 ) -> None:
     runs: list[tuple[str, int]] = []
     registry = Registry()
@@ -176,29 +177,26 @@ async def test_a_worker_acks_an_old_dispatch_without_starting_the_retry_early(
         runs.append((ctx.name, ctx.attempt))
         return {}
 
-    stack = await start_stack(engine, database_url, amqp_url, topology, worker=False)
-    try:
-        client = stack.client()
-        job = await client.submit("later.op", {})
-        first = await stack.envelope(job.id)
-        # One message at a time, in queue order: once the probe below ran,
-        # the duplicate before it was settled.
-        await stack.start_worker(registry, prefetch=1)
-        await eventually(lambda: _retry_pending(stack, job.name))
+    stack = await started(start_stack(engine, database_url, amqp_url, topology, worker=False))
+    client = stack.client()
+    job = await client.submit("later.op", {})
+    first = await stack.envelope(job.id)
+    # One message at a time, in queue order: once the probe below ran,
+    # the duplicate before it was settled.
+    await stack.start_worker(registry, prefetch=1)
+    await eventually(lambda: _retry_pending(stack, job.name))
 
-        await publish_raw(amqp_url, topology.exchange, first.job_type, first.encode())
-        check = await client.submit("probe.op", {})
-        assert (await asyncio.wait_for(client.wait(check.name), timeout=20)).state is (
-            JobState.SUCCEEDED
-        )
+    await publish_raw(amqp_url, topology.exchange, first.job_type, first.encode())
+    check = await client.submit("probe.op", {})
+    assert (await asyncio.wait_for(client.wait(check.name), timeout=20)).state is (
+        JobState.SUCCEEDED
+    )
 
-        assert runs == [(job.name, 1), (check.name, 1)]
-        waiting = await client.get(job.name)
-        assert waiting.state is JobState.QUEUED
-        assert waiting.attempt == 1
-        assert waiting.next_attempt_time is not None
-    finally:
-        await stack.close()
+    assert runs == [(job.name, 1), (check.name, 1)]
+    waiting = await client.get(job.name)
+    assert waiting.state is JobState.QUEUED
+    assert waiting.attempt == 1
+    assert waiting.next_attempt_time is not None
 
 
 async def _retry_pending(stack: Stack, name: str) -> bool:

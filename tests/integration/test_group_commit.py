@@ -23,6 +23,7 @@ from jobplane.store.attempts import Attempt, AttemptStore, ClaimStatus
 from jobplane.store.events import emitted
 from jobplane.topology import Topology
 from jobplane.workers.handlers import JobContext, Registry
+from tests.support.parts import Started
 from tests.support.queues import publish_raw, ready_count
 from tests.support.stack import Stack, eventually, start_stack
 
@@ -261,38 +262,37 @@ async def test_a_worker_claims_concurrent_deliveries_in_one_group_refusing_only_
 
 
 async def test_a_fenced_out_attempt_in_an_outcome_group_does_not_hold_back_the_others(
-    engine: AsyncEngine, database_url: str, amqp_url: str, topology: Topology
+    engine: AsyncEngine, database_url: str, amqp_url: str, topology: Topology, started: Started
 ) -> None:
     runs: list[str] = []
     gate = asyncio.Event()
-    stack = await start_stack(
-        engine,
-        database_url,
-        amqp_url,
-        topology,
-        registry=_counting(runs, gate),
-        worker_options={"concurrency": 4, "group_window": 0.5},
+    stack = await started(
+        start_stack(
+            engine,
+            database_url,
+            amqp_url,
+            topology,
+            registry=_counting(runs, gate),
+            worker_options={"concurrency": 4, "group_window": 0.5},
+        )
     )
-    try:
-        client = stack.client()
-        jobs = [await client.submit("group.op", {"n": n}) for n in range(4)]
-        await eventually(lambda: _is(len(runs) == 4))
-        # Another attempt owns jobs[0] now (its lease token is not ours).
-        async with engine.begin() as conn:
-            await conn.execute(
-                text("UPDATE jobs SET lease_token = gen_random_uuid() WHERE id = :id"),
-                {"id": uuid.UUID(jobs[0].id)},
-            )
-        gate.set()
-        await eventually(lambda: _states(client, jobs[1:], JobState.SUCCEEDED))
-        assert stack.worker is not None
-        assert stack.worker.group_sizes["outcome"] == {4: 1}
-        fenced = await client.get(jobs[0].name)
-        assert fenced.state is JobState.RUNNING and fenced.result is None
-        # Its message was acked all the same: the outcome is not ours to write.
-        await eventually(lambda: _queue_empty(amqp_url, topology))
-    finally:
-        await stack.close()
+    client = stack.client()
+    jobs = [await client.submit("group.op", {"n": n}) for n in range(4)]
+    await eventually(lambda: _is(len(runs) == 4))
+    # Another attempt owns jobs[0] now (its lease token is not ours).
+    async with engine.begin() as conn:
+        await conn.execute(
+            text("UPDATE jobs SET lease_token = gen_random_uuid() WHERE id = :id"),
+            {"id": uuid.UUID(jobs[0].id)},
+        )
+    gate.set()
+    await eventually(lambda: _states(client, jobs[1:], JobState.SUCCEEDED))
+    assert stack.worker is not None
+    assert stack.worker.group_sizes["outcome"] == {4: 1}
+    fenced = await client.get(jobs[0].name)
+    assert fenced.state is JobState.RUNNING and fenced.result is None
+    # Its message was acked all the same: the outcome is not ours to write.
+    await eventually(lambda: _queue_empty(amqp_url, topology))
 
 
 class _FirstOutcomesLost(FaultPoints):

@@ -26,6 +26,7 @@ from jobplane.workers.relay import Relay
 from jobplane.workers.runtime import Worker
 from tests.faults.cluster import topology_toml
 from tests.support import services
+from tests.support.parts import Started
 from tests.support.stack import start_stack
 
 
@@ -108,6 +109,7 @@ async def test_after_topology_apply_a_restricted_account_runs_jobs(
     restricted_url: str,
     topology: Topology,
     tmp_path: Path,
+    started: Started,
 ) -> None:
     path = tmp_path / "topology.toml"
     path.write_text(topology_toml(topology))
@@ -118,23 +120,20 @@ async def test_after_topology_apply_a_restricted_account_runs_jobs(
     code, err = await jobplane("topology", "apply", env=_env(database_url, amqp_url, path))
     assert code == 0, err
 
-    stack = await start_stack(engine, database_url, restricted_url, topology)
-    try:
-        client = stack.client()
-        jobs = [await client.submit("demo.echo", {"i": i}) for i in range(3)]
-        for job in jobs:
-            done = await asyncio.wait_for(client.wait(job.name), timeout=20)
-            assert done.state is JobState.SUCCEEDED
-        assert stack.worker is not None and stack.worker.ownership is not None
-        assert not stack.worker.ownership.conflict
-
-        # Reconnecting restores channels and consumers without configure rights too.
-        assert await asyncio.to_thread(services.close_connections_of, _user(run_id)) >= 2
-        job = await client.submit("demo.echo", {"after": "reconnect"})
-        done = await asyncio.wait_for(client.wait(job.name), timeout=30)
+    stack = await started(start_stack(engine, database_url, restricted_url, topology))
+    client = stack.client()
+    jobs = [await client.submit("demo.echo", {"i": i}) for i in range(3)]
+    for job in jobs:
+        done = await asyncio.wait_for(client.wait(job.name), timeout=20)
         assert done.state is JobState.SUCCEEDED
-    finally:
-        await stack.close()
+    assert stack.worker is not None and stack.worker.ownership is not None
+    assert not stack.worker.ownership.conflict
+
+    # Reconnecting restores channels and consumers without configure rights too.
+    assert await asyncio.to_thread(services.close_connections_of, _user(run_id)) >= 2
+    job = await client.submit("demo.echo", {"after": "reconnect"})
+    done = await asyncio.wait_for(client.wait(job.name), timeout=30)
+    assert done.state is JobState.SUCCEEDED
 
 
 async def test_serve_stops_waiting_for_the_topology_at_a_refusal_waiting_cannot_mend(

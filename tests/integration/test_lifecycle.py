@@ -16,6 +16,7 @@ from jobplane.client import (
 )
 from jobplane.types import EventType
 from jobplane.workers.handlers import JobContext, Registry, RetryableError
+from tests.support.parts import Started
 from tests.support.stack import Stack
 
 
@@ -93,7 +94,7 @@ async def test_failing_handler_fails_the_job_with_its_error(stack: Stack) -> Non
 
 
 async def test_retryable_errors_use_more_attempts_then_succeed(
-    engine: Any, database_url: str, amqp_url: str, topology: Any
+    engine: Any, database_url: str, amqp_url: str, topology: Any, started: Started
 ) -> None:
     from tests.support.stack import start_stack
 
@@ -107,30 +108,27 @@ async def test_retryable_errors_use_more_attempts_then_succeed(
             raise RetryableError("not yet", delay=0.05)
         return {"attempt": ctx.attempt}
 
-    stack = await start_stack(engine, database_url, amqp_url, topology, registry=registry)
-    try:
-        client = stack.client()
-        job = await client.submit("flaky.op", {}, max_attempts=3)
-        done = await asyncio.wait_for(client.wait(job.name), timeout=20)
-        assert done.state is JobState.SUCCEEDED
-        assert calls == [1, 2, 3]
-        assert done.result == {"attempt": 3}
-        events = await collect(stack, job.name)
-        assert [e.seq for e in events] == list(range(1, len(events) + 1))
-        assert sum(e.type is EventType.RETRY_SCHEDULED for e in events) == 2
+    stack = await started(start_stack(engine, database_url, amqp_url, topology, registry=registry))
+    client = stack.client()
+    job = await client.submit("flaky.op", {}, max_attempts=3)
+    done = await asyncio.wait_for(client.wait(job.name), timeout=20)
+    assert done.state is JobState.SUCCEEDED
+    assert calls == [1, 2, 3]
+    assert done.result == {"attempt": 3}
+    events = await collect(stack, job.name)
+    assert [e.seq for e in events] == list(range(1, len(events) + 1))
+    assert sum(e.type is EventType.RETRY_SCHEDULED for e in events) == 2
 
-        # Out of attempts: FAILED with the last error, which no longer says
-        # retryable (nothing will retry the job).
-        calls.clear()
-        job2 = await client.submit("flaky.op", {}, max_attempts=2)
-        done2 = await asyncio.wait_for(client.wait(job2.name), timeout=20)
-        assert done2.state is JobState.FAILED
-        assert calls == [1, 2]
-        assert done2.error is not None and not done2.error.retryable
-        assert done2.error.code == "HANDLER_RETRYABLE"
-        assert "not yet" in done2.error.message
-    finally:
-        await stack.close()
+    # Out of attempts: FAILED with the last error, which no longer says
+    # retryable (nothing will retry the job).
+    calls.clear()
+    job2 = await client.submit("flaky.op", {}, max_attempts=2)
+    done2 = await asyncio.wait_for(client.wait(job2.name), timeout=20)
+    assert done2.state is JobState.FAILED
+    assert calls == [1, 2]
+    assert done2.error is not None and not done2.error.retryable
+    assert done2.error.code == "HANDLER_RETRYABLE"
+    assert "not yet" in done2.error.message
 
 
 async def test_retry_job_starts_a_new_attempt(stack: Stack) -> None:

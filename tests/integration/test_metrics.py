@@ -38,6 +38,7 @@ from jobplane.workers.demo import registry as demo_registry
 from jobplane.workers.relay import Relay
 from jobplane.workers.runtime import Worker
 from tests.integration.test_observability import samples, value
+from tests.support.parts import Started
 from tests.support.proxy import CuttableProxy
 from tests.support.servers import Servers
 from tests.support.stack import eventually, start_stack
@@ -69,53 +70,59 @@ async def _scrape(ops: OpsServer) -> dict[tuple[str, frozenset[tuple[str, str]]]
 
 
 async def test_the_outbox_backlog_shows_while_no_relay_runs(
-    engine: AsyncEngine, database_url: str, amqp_url: str, topology: Topology, ops: OpsServer
+    engine: AsyncEngine,
+    database_url: str,
+    amqp_url: str,
+    topology: Topology,
+    ops: OpsServer,
+    started: Started,
 ) -> None:
     watch_outbox(ops.metrics, engine)
-    stack = await start_stack(engine, database_url, amqp_url, topology, relay=False, worker=False)
-    try:
-        client = stack.client()
-        for n in range(3):
-            await client.submit("demo.echo", {"n": n})
-        await asyncio.sleep(0.3)
+    stack = await started(
+        start_stack(engine, database_url, amqp_url, topology, relay=False, worker=False)
+    )
+    client = stack.client()
+    for n in range(3):
+        await client.submit("demo.echo", {"n": n})
+    await asyncio.sleep(0.3)
+    found = await _scrape(ops)
+    assert value(found, "jobplane_outbox_backlog_rows") == 3
+    assert value(found, "jobplane_outbox_oldest_age_seconds") >= 0.3
+    await stack.start_relay()
+
+    async def drained() -> bool:
         found = await _scrape(ops)
-        assert value(found, "jobplane_outbox_backlog_rows") == 3
-        assert value(found, "jobplane_outbox_oldest_age_seconds") >= 0.3
-        await stack.start_relay()
+        backlog = value(found, "jobplane_outbox_backlog_rows")
+        return backlog == 0 and value(found, "jobplane_outbox_oldest_age_seconds") == 0
 
-        async def drained() -> bool:
-            found = await _scrape(ops)
-            backlog = value(found, "jobplane_outbox_backlog_rows")
-            return backlog == 0 and value(found, "jobplane_outbox_oldest_age_seconds") == 0
-
-        await eventually(drained)
-    finally:
-        await stack.close()
+    await eventually(drained)
 
 
 async def test_the_failed_queue_depth_counts_a_dead_letter(
-    engine: AsyncEngine, database_url: str, amqp_url: str, topology: Topology, ops: OpsServer
+    engine: AsyncEngine,
+    database_url: str,
+    amqp_url: str,
+    topology: Topology,
+    ops: OpsServer,
+    started: Started,
 ) -> None:
     depth = FailedQueueDepth(ops.metrics, amqp_url, topology.failed_queue)
-    stack = await start_stack(engine, database_url, amqp_url, topology, relay=False)
-    try:
+    await started(start_stack(engine, database_url, amqp_url, topology, relay=False))
+    started.callback(depth.close)
+    found = await _scrape(ops)
+    assert value(found, "jobplane_failed_queue_messages", queue=topology.failed_queue) == 0
+    # A message no envelope decodes from: the worker rejects it to the dead letters.
+    connection = await aio_pika.connect(amqp_url)
+    async with connection:
+        channel = await connection.channel()
+        exchange = await channel.get_exchange(topology.exchange)
+        await exchange.publish(aio_pika.Message(b"not an envelope"), routing_key="demo.echo")
+
+    async def dead_lettered() -> bool:
         found = await _scrape(ops)
-        assert value(found, "jobplane_failed_queue_messages", queue=topology.failed_queue) == 0
-        # A message no envelope decodes from: the worker rejects it to the dead letters.
-        connection = await aio_pika.connect(amqp_url)
-        async with connection:
-            channel = await connection.channel()
-            exchange = await channel.get_exchange(topology.exchange)
-            await exchange.publish(aio_pika.Message(b"not an envelope"), routing_key="demo.echo")
+        return value(found, "jobplane_failed_queue_messages", queue=topology.failed_queue) == 1
 
-        async def dead_lettered() -> bool:
-            found = await _scrape(ops)
-            return value(found, "jobplane_failed_queue_messages", queue=topology.failed_queue) == 1
-
-        await eventually(dead_lettered)
-    finally:
-        await depth.close()
-        await stack.close()
+    await eventually(dead_lettered)
 
 
 async def test_readyz_names_the_broker_while_it_is_unreachable(
@@ -172,22 +179,19 @@ async def test_a_taken_port_is_refused_by_name(engine: AsyncEngine, ops: OpsServ
 
 
 async def test_made_up_job_types_are_counted_as_other(
-    engine: AsyncEngine, database_url: str, topology: Topology
+    engine: AsyncEngine, database_url: str, topology: Topology, started: Started
 ) -> None:
     metrics = Metrics()
-    servers = Servers(engine, database_url, topology)
-    try:
-        # 2,000 submits as fast as they go: past the default rate of a tenant.
-        unlimited = TenantLimits(submits_per_second=0)
-        server = await servers.start(metrics=metrics, limits=unlimited)
-        key, _tenant = await server.keys.create_key("acme")
-        client = servers.client(server, key)
-        made_up = [f"made.up.t{n}" for n in range(2000)]
-        for start in range(0, len(made_up), 100):
-            await asyncio.gather(*(client.submit(t, {}) for t in made_up[start : start + 100]))
-        found = samples((await metrics.exposition()).decode())
-    finally:
-        await servers.close()
+    servers = await started(Servers(engine, database_url, topology))
+    # 2,000 submits as fast as they go: past the default rate of a tenant.
+    unlimited = TenantLimits(submits_per_second=0)
+    server = await servers.start(metrics=metrics, limits=unlimited)
+    key, _tenant = await server.keys.create_key("acme")
+    client = servers.client(server, key)
+    made_up = [f"made.up.t{n}" for n in range(2000)]
+    for start in range(0, len(made_up), 100):
+        await asyncio.gather(*(client.submit(t, {}) for t in made_up[start : start + 100]))
+    found = samples((await metrics.exposition()).decode())
     submitted = {
         dict(labels)["type"]: count
         for (name, labels), count in found.items()
@@ -202,36 +206,40 @@ async def test_made_up_job_types_are_counted_as_other(
 
 
 async def test_a_retry_scheduled_for_later_is_not_a_backlog(
-    engine: AsyncEngine, database_url: str, amqp_url: str, topology: Topology, ops: OpsServer
+    engine: AsyncEngine,
+    database_url: str,
+    amqp_url: str,
+    topology: Topology,
+    ops: OpsServer,
+    started: Started,
 ) -> None:
     watch_outbox(ops.metrics, engine)
-    stack = await start_stack(engine, database_url, amqp_url, topology, relay=False, worker=False)
-    try:
-        job = await stack.client().submit("demo.echo", {})
-        # Its rows as a retry's dispatch is: written ten minutes ago, due in an hour.
-        async with engine.begin() as conn:
-            moved = await conn.execute(
-                text(
-                    "UPDATE outbox SET create_time = now() - interval '10 minutes', "
-                    "available_at = now() + interval '1 hour' "
-                    "WHERE job_id = :job AND published_at IS NULL"
-                ),
-                {"job": uuid.UUID(job.name.removeprefix("jobs/"))},
-            )
-        assert moved.rowcount >= 1
-        found = await _scrape(ops)
-        assert value(found, "jobplane_outbox_backlog_rows") == 0
-        assert value(found, "jobplane_outbox_oldest_age_seconds") == 0
-        assert value(found, "jobplane_outbox_scheduled_rows") == moved.rowcount
-        # Due a minute ago: now it is a backlog, a minute old.
-        async with engine.begin() as conn:
-            await conn.execute(text("UPDATE outbox SET available_at = now() - interval '1 minute'"))
-        found = await _scrape(ops)
-        assert value(found, "jobplane_outbox_backlog_rows") == moved.rowcount
-        assert 60 <= value(found, "jobplane_outbox_oldest_age_seconds") < 120
-        assert value(found, "jobplane_outbox_scheduled_rows") == 0
-    finally:
-        await stack.close()
+    stack = await started(
+        start_stack(engine, database_url, amqp_url, topology, relay=False, worker=False)
+    )
+    job = await stack.client().submit("demo.echo", {})
+    # Its rows as a retry's dispatch is: written ten minutes ago, due in an hour.
+    async with engine.begin() as conn:
+        moved = await conn.execute(
+            text(
+                "UPDATE outbox SET create_time = now() - interval '10 minutes', "
+                "available_at = now() + interval '1 hour' "
+                "WHERE job_id = :job AND published_at IS NULL"
+            ),
+            {"job": uuid.UUID(job.name.removeprefix("jobs/"))},
+        )
+    assert moved.rowcount >= 1
+    found = await _scrape(ops)
+    assert value(found, "jobplane_outbox_backlog_rows") == 0
+    assert value(found, "jobplane_outbox_oldest_age_seconds") == 0
+    assert value(found, "jobplane_outbox_scheduled_rows") == moved.rowcount
+    # Due a minute ago: now it is a backlog, a minute old.
+    async with engine.begin() as conn:
+        await conn.execute(text("UPDATE outbox SET available_at = now() - interval '1 minute'"))
+    found = await _scrape(ops)
+    assert value(found, "jobplane_outbox_backlog_rows") == moved.rowcount
+    assert 60 <= value(found, "jobplane_outbox_oldest_age_seconds") < 120
+    assert value(found, "jobplane_outbox_scheduled_rows") == 0
 
 
 async def test_readyz_waits_for_the_grpc_port_and_fails_from_its_drain(
@@ -266,37 +274,39 @@ async def test_readyz_waits_for_the_grpc_port_and_fails_from_its_drain(
 
 
 async def test_a_queue_without_consumers_shows_its_messages(
-    engine: AsyncEngine, database_url: str, amqp_url: str, topology: Topology, ops: OpsServer
+    engine: AsyncEngine,
+    database_url: str,
+    amqp_url: str,
+    topology: Topology,
+    ops: OpsServer,
+    started: Started,
 ) -> None:
     queue = topology.queues[0].name
     depth = FailedQueueDepth(
         ops.metrics, amqp_url, topology.failed_queue, [q.name for q in topology.queues]
     )
-    stack = await start_stack(engine, database_url, amqp_url, topology, worker=False)
-    try:
-        await stack.client().submit("demo.echo", {})
+    stack = await started(start_stack(engine, database_url, amqp_url, topology, worker=False))
+    started.callback(depth.close)
+    await stack.client().submit("demo.echo", {})
 
-        async def waiting() -> bool:
-            found = await _scrape(ops)
-            return value(found, "jobplane_queue_messages", queue=queue) >= 1
-
-        await eventually(waiting)
+    async def waiting() -> bool:
         found = await _scrape(ops)
-        assert value(found, "jobplane_queue_consumers", queue=queue) == 0
-        assert ("jobplane_queue_messages", frozenset({("queue", queue)})) in found
-        await stack.start_worker()
+        return value(found, "jobplane_queue_messages", queue=queue) >= 1
 
-        async def consumed() -> bool:
-            found = await _scrape(ops)
-            return (
-                value(found, "jobplane_queue_consumers", queue=queue) >= 1
-                and value(found, "jobplane_queue_messages", queue=queue) == 0
-            )
+    await eventually(waiting)
+    found = await _scrape(ops)
+    assert value(found, "jobplane_queue_consumers", queue=queue) == 0
+    assert ("jobplane_queue_messages", frozenset({("queue", queue)})) in found
+    await stack.start_worker()
 
-        await eventually(consumed)
-    finally:
-        await depth.close()
-        await stack.close()
+    async def consumed() -> bool:
+        found = await _scrape(ops)
+        return (
+            value(found, "jobplane_queue_consumers", queue=queue) >= 1
+            and value(found, "jobplane_queue_messages", queue=queue) == 0
+        )
+
+    await eventually(consumed)
 
 
 async def test_overlapping_scrapes_share_one_broker_connection(

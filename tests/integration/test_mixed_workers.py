@@ -20,6 +20,7 @@ from jobplane.store.sweeps import SweepStore
 from jobplane.store.workers import WorkerStore
 from jobplane.topology import Topology
 from jobplane.workers.handlers import JobContext, Registry
+from tests.support.parts import Started
 from tests.support.stack import Stack, eventually, start_stack
 
 reports = Registry()
@@ -110,120 +111,117 @@ async def test_a_type_nobody_handles_waits_with_a_reason_until_a_worker_for_it_s
 
 
 async def test_hand_back_is_fenced_and_parks_without_a_live_worker(
-    engine: AsyncEngine, database_url: str, amqp_url: str, topology: Topology
+    engine: AsyncEngine, database_url: str, amqp_url: str, topology: Topology, started: Started
 ) -> None:
-    stack = await start_stack(engine, database_url, amqp_url, topology, relay=False, worker=False)
-    try:
-        client = stack.client()
-        queue = topology.queues[0].name
-        attempts = AttemptStore(stack.db)
-        workers = WorkerStore(engine)
-        job = await client.submit("reports.render", {"n": 1})
-        envelope = await stack.envelope(job.id)
+    stack = await started(
+        start_stack(engine, database_url, amqp_url, topology, relay=False, worker=False)
+    )
+    client = stack.client()
+    queue = topology.queues[0].name
+    attempts = AttemptStore(stack.db)
+    workers = WorkerStore(engine)
+    job = await client.submit("reports.render", {"n": 1})
+    envelope = await stack.envelope(job.id)
 
-        # Nobody handles it: parked, with an event, no dispatch, no attempt.
-        status, reason = await attempts.hand_back(envelope, base_delay=0.01, max_delay=0.1)
-        assert status is HandBack.PARKED
-        assert reason == f"no live worker handles type reports.render on queue {queue}"
-        parked = await client.get(job.name)
-        assert (parked.state, parked.attempt, parked.last_seq) == (JobState.QUEUED, 0, 2)
-        assert (parked.waiting_code, parked.waiting_reason) == ("NO_LIVE_WORKER", reason)
-        # An operator's re-dispatch (dlq replay) sends it again: it waits for
-        # no worker now, whatever happens next.
-        replayed = await SweepStore(engine).redispatch(stack.tenant_id, uuid.UUID(job.id), "r")
-        assert replayed is not None and (replayed.waiting_code, replayed.waiting_reason) == ("", "")
-        status, _ = await attempts.hand_back(
-            await stack.envelope(job.id), base_delay=0.01, max_delay=0.1
-        )
-        assert status is HandBack.PARKED
-        # The old message is stale now: a second copy changes nothing.
-        again = await attempts.hand_back(envelope, base_delay=0.01, max_delay=0.1)
-        assert again == (HandBack.NOT_QUEUED, "")
-        assert (await attempts.claim(envelope)).status is ClaimStatus.STALE
+    # Nobody handles it: parked, with an event, no dispatch, no attempt.
+    status, reason = await attempts.hand_back(envelope, base_delay=0.01, max_delay=0.1)
+    assert status is HandBack.PARKED
+    assert reason == f"no live worker handles type reports.render on queue {queue}"
+    parked = await client.get(job.name)
+    assert (parked.state, parked.attempt, parked.last_seq) == (JobState.QUEUED, 0, 2)
+    assert (parked.waiting_code, parked.waiting_reason) == ("NO_LIVE_WORKER", reason)
+    # An operator's re-dispatch (dlq replay) sends it again: it waits for
+    # no worker now, whatever happens next.
+    replayed = await SweepStore(engine).redispatch(stack.tenant_id, uuid.UUID(job.id), "r")
+    assert replayed is not None and (replayed.waiting_code, replayed.waiting_reason) == ("", "")
+    status, _ = await attempts.hand_back(
+        await stack.envelope(job.id), base_delay=0.01, max_delay=0.1
+    )
+    assert status is HandBack.PARKED
+    # The old message is stale now: a second copy changes nothing.
+    again = await attempts.hand_back(envelope, base_delay=0.01, max_delay=0.1)
+    assert again == (HandBack.NOT_QUEUED, "")
+    assert (await attempts.claim(envelope)).status is ClaimStatus.STALE
 
-        # A worker of another queue, a stopped one and an expired one do not count.
-        for queues, ttl in (([f"{queue}.other"], 60.0), ([queue], -1.0)):
-            await workers.register(
-                uuid.uuid4(),
-                host="h",
-                pid=1,
-                types=["reports.render"],
-                queues=queues,
-                concurrency=1,
-                version="t",
-                ttl=ttl,
-            )
-        stopped = uuid.uuid4()
+    # A worker of another queue, a stopped one and an expired one do not count.
+    for queues, ttl in (([f"{queue}.other"], 60.0), ([queue], -1.0)):
         await workers.register(
-            stopped,
+            uuid.uuid4(),
             host="h",
-            pid=2,
+            pid=1,
             types=["reports.render"],
-            queues=[queue],
+            queues=queues,
             concurrency=1,
             version="t",
-            ttl=60,
+            ttl=ttl,
         )
-        await workers.stop(stopped)
-        assert await attempts.unpark(["demo.echo"], [queue]) == 0
-        second = await client.submit("reports.render", {"n": 2})
-        status, _ = await attempts.hand_back(
-            await stack.envelope(second.id), base_delay=0.01, max_delay=0.1
-        )
-        assert status is HandBack.PARKED
+    stopped = uuid.uuid4()
+    await workers.register(
+        stopped,
+        host="h",
+        pid=2,
+        types=["reports.render"],
+        queues=[queue],
+        concurrency=1,
+        version="t",
+        ttl=60,
+    )
+    await workers.stop(stopped)
+    assert await attempts.unpark(["demo.echo"], [queue]) == 0
+    second = await client.submit("reports.render", {"n": 2})
+    status, _ = await attempts.hand_back(
+        await stack.envelope(second.id), base_delay=0.01, max_delay=0.1
+    )
+    assert status is HandBack.PARKED
 
-        # A live one handling it: both parked jobs are dispatched again...
-        live = uuid.uuid4()
-        await workers.register(
-            live,
-            host="h",
-            pid=3,
-            types=["reports.render", "demo.echo"],
-            queues=[queue],
-            concurrency=4,
-            version="t",
-            ttl=60,
-        )
-        assert await attempts.unpark(["reports.render"], [queue]) == 2
-        assert await attempts.unpark(["reports.render"], [queue]) == 0
-        redispatched = await stack.envelope(job.id)
-        assert redispatched.event_id != envelope.event_id
-        # ...and a hand-back now gives the job to the outbox for that worker,
-        # due later, without an event or an attempt.
-        before = await client.get(job.name)
-        status, reason = await attempts.hand_back(redispatched, base_delay=5, max_delay=10)
-        assert status is HandBack.HANDED_BACK
-        assert "handed back 1 times" in reason
-        after = await client.get(job.name)
-        assert (after.state, after.attempt, after.last_seq) == (
-            JobState.QUEUED,
-            0,
-            before.last_seq,
-        )
-        assert (after.waiting_code, after.waiting_reason) == ("HANDED_BACK", reason)
-        handed = await stack.envelope(job.id)
-        delay = await stack.scalar(
-            "SELECT extract(epoch FROM o.available_at - j.update_time) FROM outbox o "
-            "JOIN jobs j ON j.dispatch_id = o.id WHERE o.id = :id",
-            id=handed.event_id,
-        )
-        assert 2.5 <= float(delay) <= 7.5  # 5 s, jittered by ±50 %
-        # The claim of the new dispatch starts a normal first attempt.
-        claim = await attempts.claim(handed)
-        assert claim.status is ClaimStatus.CLAIMED and claim.attempt is not None
-        assert claim.attempt.attempt == 1
-        claimed = await client.get(job.name)
-        assert (claimed.waiting_code, claimed.waiting_reason) == ("", "")
+    # A live one handling it: both parked jobs are dispatched again...
+    live = uuid.uuid4()
+    await workers.register(
+        live,
+        host="h",
+        pid=3,
+        types=["reports.render", "demo.echo"],
+        queues=[queue],
+        concurrency=4,
+        version="t",
+        ttl=60,
+    )
+    assert await attempts.unpark(["reports.render"], [queue]) == 2
+    assert await attempts.unpark(["reports.render"], [queue]) == 0
+    redispatched = await stack.envelope(job.id)
+    assert redispatched.event_id != envelope.event_id
+    # ...and a hand-back now gives the job to the outbox for that worker,
+    # due later, without an event or an attempt.
+    before = await client.get(job.name)
+    status, reason = await attempts.hand_back(redispatched, base_delay=5, max_delay=10)
+    assert status is HandBack.HANDED_BACK
+    assert "handed back 1 times" in reason
+    after = await client.get(job.name)
+    assert (after.state, after.attempt, after.last_seq) == (
+        JobState.QUEUED,
+        0,
+        before.last_seq,
+    )
+    assert (after.waiting_code, after.waiting_reason) == ("HANDED_BACK", reason)
+    handed = await stack.envelope(job.id)
+    delay = await stack.scalar(
+        "SELECT extract(epoch FROM o.available_at - j.update_time) FROM outbox o "
+        "JOIN jobs j ON j.dispatch_id = o.id WHERE o.id = :id",
+        id=handed.event_id,
+    )
+    assert 2.5 <= float(delay) <= 7.5  # 5 s, jittered by ±50 %
+    # The claim of the new dispatch starts a normal first attempt.
+    claim = await attempts.claim(handed)
+    assert claim.status is ClaimStatus.CLAIMED and claim.attempt is not None
+    assert claim.attempt.attempt == 1
+    claimed = await client.get(job.name)
+    assert (claimed.waiting_code, claimed.waiting_reason) == ("", "")
 
-        missing = Envelope(uuid.uuid4(), uuid.uuid4(), stack.tenant_id, "reports.render")
-        assert (await attempts.hand_back(missing, base_delay=0, max_delay=0))[0] is (
-            HandBack.NOT_FOUND
-        )
-        listed = {w.id: w.status for w in await workers.list()}
-        assert listed[live] == "live" and listed[stopped] == "stopped"
-        assert sorted(listed.values()) == ["live", "live", "lost", "stopped"]
-    finally:
-        await stack.close()
+    missing = Envelope(uuid.uuid4(), uuid.uuid4(), stack.tenant_id, "reports.render")
+    assert (await attempts.hand_back(missing, base_delay=0, max_delay=0))[0] is HandBack.NOT_FOUND
+    listed = {w.id: w.status for w in await workers.list()}
+    assert listed[live] == "live" and listed[stopped] == "stopped"
+    assert sorted(listed.values()) == ["live", "live", "lost", "stopped"]
 
 
 async def test_jobplane_workers_lists_live_and_stopped_workers(stack: Stack) -> None:

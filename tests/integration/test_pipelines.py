@@ -23,6 +23,7 @@ from jobplane.envelope import Envelope
 from jobplane.topology import Topology, TopologyError, load_topology, parse_topology
 from jobplane.workers.handlers import JobContext, PermanentError, Registry, RetryableError
 from tests.support import services
+from tests.support.parts import Started
 from tests.support.queues import publish_raw
 from tests.support.stack import Stack, eventually, start_stack
 
@@ -96,22 +97,19 @@ async def aidj(amqp_url: str) -> AsyncIterator[Topology]:
 
 @pytest.fixture
 async def pipeline(
-    engine: AsyncEngine, database_url: str, amqp_url: str, aidj: Topology
-) -> AsyncIterator[tuple[Stack, Stages]]:
+    engine: AsyncEngine, database_url: str, amqp_url: str, aidj: Topology, started: Started
+) -> tuple[Stack, Stages]:
     """Server and relay on the seed's topology, and one worker per stage on its queue."""
     stages = Stages()
-    stack = await start_stack(engine, database_url, amqp_url, aidj, worker=False)
-    try:
-        queues = {q.name.rsplit(".", 1)[-1]: q.name for q in aidj.queues}
-        for name, registry in (
-            ("native", stages.native),
-            ("neural", stages.neural),
-            ("index", stages.index),
-        ):
-            await stack.start_worker(registry, queues=[queues[name]])
-        yield stack, stages
-    finally:
-        await stack.close()
+    stack = await started(start_stack(engine, database_url, amqp_url, aidj, worker=False))
+    queues = {q.name.rsplit(".", 1)[-1]: q.name for q in aidj.queues}
+    for name, registry in (
+        ("native", stages.native),
+        ("neural", stages.neural),
+        ("index", stages.index),
+    ):
+        await stack.start_worker(registry, queues=[queues[name]])
+    return stack, stages
 
 
 async def test_a_pipeline_runs_its_stages_in_order_each_on_its_own_queue(
@@ -227,22 +225,22 @@ async def test_a_server_whose_topology_lacks_the_pipeline_still_lists_its_jobs(
     database_url: str,
     amqp_url: str,
     topology: Topology,
+    started: Started,
 ) -> None:
     stack, _stages = pipeline
     job = await stack.client().submit(_PIPELINE, {"track": "t-listed"})
     plain = await stack.client().submit("index.upsert", {})
     # A server on the same database with the default topology: no pipelines.
-    other = await start_stack(engine, database_url, amqp_url, topology, relay=False, worker=False)
-    try:
-        assert topology.pipeline(_PIPELINE) is None
-        client = other.client(stack.key)
-        listed = await client.list(type=_PIPELINE)
-        assert [j.name for j in listed.jobs] == [job.name]
-        assert [j.name async for j in client.iter_jobs(type=_PIPELINE, page_size=1)] == [job.name]
-        # A stage's type lists the plain jobs of that type, not the pipeline's jobs.
-        assert [j.name for j in (await client.list(type="index.upsert")).jobs] == [plain.name]
-    finally:
-        await other.close()
+    other = await started(
+        start_stack(engine, database_url, amqp_url, topology, relay=False, worker=False)
+    )
+    assert topology.pipeline(_PIPELINE) is None
+    client = other.client(stack.key)
+    listed = await client.list(type=_PIPELINE)
+    assert [j.name for j in listed.jobs] == [job.name]
+    assert [j.name async for j in client.iter_jobs(type=_PIPELINE, page_size=1)] == [job.name]
+    # A stage's type lists the plain jobs of that type, not the pipeline's jobs.
+    assert [j.name for j in (await client.list(type="index.upsert")).jobs] == [plain.name]
 
 
 async def test_retry_from_a_named_stage_reruns_it_and_the_later_ones(

@@ -20,6 +20,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from jobplane.topology import Topology
 from jobplane.workers import priority
 from tests.support import services
+from tests.support.parts import Started
 from tests.support.priorities import CONCURRENCY, Board, mixed_topology, submit
 from tests.support.stack import eventually, start_stack
 
@@ -48,71 +49,75 @@ def variant(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> 
 
 
 async def test_high_wait_behind_long_low_jobs(
-    engine: AsyncEngine, database_url: str, amqp_url: str, priorities: Topology, variant: Any
+    engine: AsyncEngine,
+    database_url: str,
+    amqp_url: str,
+    priorities: Topology,
+    variant: Any,
+    started: Started,
 ) -> None:
     name, options = variant
     board = Board()
-    stack = await start_stack(engine, database_url, amqp_url, priorities, worker=False)
-    try:
-        client = stack.client()
-        await submit(client, "lo.work", 200)
-        registry = board.registry({"high": 0.0, "low": 2.0})
-        await stack.start_worker(registry, concurrency=CONCURRENCY, **options)
+    stack = await started(start_stack(engine, database_url, amqp_url, priorities, worker=False))
+    client = stack.client()
+    await submit(client, "lo.work", 200)
+    registry = board.registry({"high": 0.0, "low": 2.0})
+    await stack.start_worker(registry, concurrency=CONCURRENCY, **options)
 
-        async def full() -> bool:
-            return board.running["low"] >= CONCURRENCY - 1
+    async def full() -> bool:
+        return board.running["low"] >= CONCURRENCY - 1
 
-        await eventually(full, timeout=20)
-        await asyncio.sleep(0.2)
-        waits = []
-        for job_type in ("hi.a.work", "hi.b.work") * 5:
-            submitted = time.monotonic()
-            (job,) = await submit(client, job_type, 1)
+    await eventually(full, timeout=20)
+    await asyncio.sleep(0.2)
+    waits = []
+    for job_type in ("hi.a.work", "hi.b.work") * 5:
+        submitted = time.monotonic()
+        (job,) = await submit(client, job_type, 1)
 
-            async def started(job: str = job) -> bool:
-                return job in board.started
+        async def began(job: str = job) -> bool:
+            return job in board.started
 
-            await eventually(started, timeout=30, interval=0.005)
-            waits.append(board.started[job] - submitted)
-            await asyncio.sleep(0.05)
-        print(
-            f"\nwait {name}: 10 high jobs behind 200 low ones of 2 s, concurrency {CONCURRENCY}: "
-            f"submit -> start p50 {statistics.median(waits) * 1000:.0f} ms, "
-            f"max {max(waits) * 1000:.0f} ms; handlers at once at most {board.peak}"
-        )
-    finally:
-        await stack.close()
+        await eventually(began, timeout=30, interval=0.005)
+        waits.append(board.started[job] - submitted)
+        await asyncio.sleep(0.05)
+    print(
+        f"\nwait {name}: 10 high jobs behind 200 low ones of 2 s, concurrency {CONCURRENCY}: "
+        f"submit -> start p50 {statistics.median(waits) * 1000:.0f} ms, "
+        f"max {max(waits) * 1000:.0f} ms; handlers at once at most {board.peak}"
+    )
 
 
 async def test_low_share_under_a_stream_of_high_jobs(
-    engine: AsyncEngine, database_url: str, amqp_url: str, priorities: Topology, variant: Any
+    engine: AsyncEngine,
+    database_url: str,
+    amqp_url: str,
+    priorities: Topology,
+    variant: Any,
+    started: Started,
 ) -> None:
     name, options = variant
     board = Board()
-    stack = await start_stack(engine, database_url, amqp_url, priorities, worker=False)
-    try:
-        client = stack.client()
-        await submit(client, "lo.work", 300)
-        await submit(client, "hi.a.work", 40)
-        await submit(client, "hi.b.work", 40)
-        registry = board.registry({"high": 0.03, "low": 0.03})
-        await stack.start_worker(registry, concurrency=CONCURRENCY, **options)
-        submitted, began = 80, time.monotonic()
-        while time.monotonic() < began + 6.0:
-            if submitted - sum(1 for cls, _ in board.starts if cls == "high") < 40:
-                await submit(client, "hi.a.work", 10)
-                await submit(client, "hi.b.work", 10)
-                submitted += 20
-            else:
-                await asyncio.sleep(0.02)
-        elapsed = time.monotonic() - began
-        window = list(board.starts)
-        high = sum(1 for cls, _ in window if cls == "high")
-        low = len(window) - high
-        print(
-            f"\nshare {name}: 6 s of a high stream over 300 low jobs of 30 ms: starts "
-            f"high {high}, low {low} (low {low / len(window):.0%}), "
-            f"{len(window) / elapsed:.0f} starts/s; handlers at once at most {board.peak}"
-        )
-    finally:
-        await stack.close()
+    stack = await started(start_stack(engine, database_url, amqp_url, priorities, worker=False))
+    client = stack.client()
+    await submit(client, "lo.work", 300)
+    await submit(client, "hi.a.work", 40)
+    await submit(client, "hi.b.work", 40)
+    registry = board.registry({"high": 0.03, "low": 0.03})
+    await stack.start_worker(registry, concurrency=CONCURRENCY, **options)
+    submitted, began = 80, time.monotonic()
+    while time.monotonic() < began + 6.0:
+        if submitted - sum(1 for cls, _ in board.starts if cls == "high") < 40:
+            await submit(client, "hi.a.work", 10)
+            await submit(client, "hi.b.work", 10)
+            submitted += 20
+        else:
+            await asyncio.sleep(0.02)
+    elapsed = time.monotonic() - began
+    window = list(board.starts)
+    high = sum(1 for cls, _ in window if cls == "high")
+    low = len(window) - high
+    print(
+        f"\nshare {name}: 6 s of a high stream over 300 low jobs of 30 ms: starts "
+        f"high {high}, low {low} (low {low / len(window):.0%}), "
+        f"{len(window) / elapsed:.0f} starts/s; handlers at once at most {board.peak}"
+    )

@@ -19,91 +19,86 @@ from jobplane.store import outbox
 from jobplane.store.db import Database
 from jobplane.topology import Topology
 from tests.support.event_api import all_published
+from tests.support.parts import Started
 from tests.support.queues import ready_count
 from tests.support.stack import Stack, eventually, start_stack
 
 
 async def test_a_relay_publishes_the_rows_another_relay_holds_not(
-    engine: AsyncEngine, database_url: str, amqp_url: str, topology: Topology
+    engine: AsyncEngine, database_url: str, amqp_url: str, topology: Topology, started: Started
 ) -> None:
-    stack = await start_stack(engine, database_url, amqp_url, topology, relay=False, worker=False)
+    stack = await started(
+        start_stack(engine, database_url, amqp_url, topology, relay=False, worker=False)
+    )
     queue = topology.queues[0].name
     unpublished = "SELECT count(*) FROM outbox WHERE kind = 'job.dispatch' AND published_at IS NULL"
+    client = stack.client()
+    jobs = [await client.submit("demo.echo", {"i": i}) for i in range(4)]
+    first = uuid.UUID(jobs[0].id)
+
+    # Another relay's claim: the earliest due row, locked by an open transaction.
+    async with engine.connect() as other, other.begin():
+        held = await other.execute(
+            text(
+                "SELECT id FROM outbox WHERE kind = 'job.dispatch' "
+                "AND job_id = :job AND published_at IS NULL FOR UPDATE"
+            ),
+            {"job": first},
+        )
+        assert held.scalar_one() is not None
+        await stack.start_relay()
+        await eventually(lambda: _scalar_is(stack, unpublished, 1))
+        assert await stack.scalar(
+            "SELECT published_at IS NULL FROM outbox WHERE kind = 'job.dispatch' AND job_id = :job",
+            job=first,
+        )
+        assert await ready_count(amqp_url, queue) == 3
+
+    # Released: the held row goes out too, and every row exactly once.
+    await eventually(lambda: _scalar_is(stack, unpublished, 0))
+    await eventually(lambda: _ready_is(amqp_url, queue, 4))
+    assert (
+        await stack.scalar("SELECT max(publish_attempts) FROM outbox WHERE kind = 'job.dispatch'")
+        == 1
+    )
+
+
+async def test_relays_claiming_at_once_publish_each_row_once(
+    engine: AsyncEngine, database_url: str, amqp_url: str, topology: Topology, started: Started
+) -> None:
+    stack = await started(
+        start_stack(engine, database_url, amqp_url, topology, relay=False, worker=False)
+    )
+    queue = topology.queues[0].name
+    client = stack.client()
+    for i in range(60):
+        await client.submit("demo.echo", {"i": i})
+    relays = [await stack.start_relay() for _ in range(3)]
     try:
-        client = stack.client()
-        jobs = [await client.submit("demo.echo", {"i": i}) for i in range(4)]
-        first = uuid.UUID(jobs[0].id)
-
-        # Another relay's claim: the earliest due row, locked by an open transaction.
-        async with engine.connect() as other, other.begin():
-            held = await other.execute(
-                text(
-                    "SELECT id FROM outbox WHERE kind = 'job.dispatch' "
-                    "AND job_id = :job AND published_at IS NULL FOR UPDATE"
-                ),
-                {"job": first},
-            )
-            assert held.scalar_one() is not None
-            await stack.start_relay()
-            await eventually(lambda: _scalar_is(stack, unpublished, 1))
-            assert await stack.scalar(
-                "SELECT published_at IS NULL FROM outbox WHERE kind = 'job.dispatch' "
-                "AND job_id = :job",
-                job=first,
-            )
-            assert await ready_count(amqp_url, queue) == 3
-
-        # Released: the held row goes out too, and every row exactly once.
-        await eventually(lambda: _scalar_is(stack, unpublished, 0))
-        await eventually(lambda: _ready_is(amqp_url, queue, 4))
+        await eventually(
+            lambda: _scalar_is(
+                stack,
+                "SELECT count(*) FROM outbox WHERE kind = 'job.dispatch' AND published_at IS NULL",
+                0,
+            ),
+            timeout=30,
+        )
+        await eventually(lambda: _ready_is(amqp_url, queue, 60))
         assert (
             await stack.scalar(
                 "SELECT max(publish_attempts) FROM outbox WHERE kind = 'job.dispatch'"
             )
             == 1
         )
+        # Every dispatch once, and every job.queued once: one relay at a
+        # time holds the event feed.
+        await all_published(stack)
+        assert await stack.scalar("SELECT max(publish_attempts) FROM outbox") == 1
+        assert sum(r.published for r in relays) == 60
+        assert sum(r.events_published for r in relays) == 60
     finally:
-        await stack.close()
-
-
-async def test_relays_claiming_at_once_publish_each_row_once(
-    engine: AsyncEngine, database_url: str, amqp_url: str, topology: Topology
-) -> None:
-    stack = await start_stack(engine, database_url, amqp_url, topology, relay=False, worker=False)
-    queue = topology.queues[0].name
-    try:
-        client = stack.client()
-        for i in range(60):
-            await client.submit("demo.echo", {"i": i})
-        relays = [await stack.start_relay() for _ in range(3)]
-        try:
-            await eventually(
-                lambda: _scalar_is(
-                    stack,
-                    "SELECT count(*) FROM outbox WHERE kind = 'job.dispatch' "
-                    "AND published_at IS NULL",
-                    0,
-                ),
-                timeout=30,
-            )
-            await eventually(lambda: _ready_is(amqp_url, queue, 60))
-            assert (
-                await stack.scalar(
-                    "SELECT max(publish_attempts) FROM outbox WHERE kind = 'job.dispatch'"
-                )
-                == 1
-            )
-            # Every dispatch once, and every job.queued once: one relay at a
-            # time holds the event feed.
-            await all_published(stack)
-            assert await stack.scalar("SELECT max(publish_attempts) FROM outbox") == 1
-            assert sum(r.published for r in relays) == 60
-            assert sum(r.events_published for r in relays) == 60
-        finally:
-            for relay in relays[:-1]:
-                await relay.stop()  # the last one is stopped with the stack
-    finally:
-        await stack.close()
+        for relay in relays[:-1]:
+            await relay.stop()  # the last one is stopped with the stack
 
 
 async def _scalar_is(stack: Stack, sql: str, expected: int) -> bool:
@@ -115,23 +110,27 @@ async def _ready_is(amqp_url: str, queue: str, expected: int) -> bool:
 
 
 async def test_a_backlog_of_dispatches_costs_the_other_rows_claim_nothing(
-    engine: AsyncEngine, db: Database, database_url: str, amqp_url: str, topology: Topology
+    engine: AsyncEngine,
+    db: Database,
+    database_url: str,
+    amqp_url: str,
+    topology: Topology,
+    started: Started,
 ) -> None:
     """The claim of rows that are not dispatches (parked events) reads none of the
     due dispatches: a backlog would otherwise be read whole on every pass."""
-    stack = await start_stack(engine, database_url, amqp_url, topology, relay=False, worker=False)
-    try:
-        jobs = await stack.client().submit_many([JobSpec("demo.echo", {}) for _ in range(500)])
-        assert len(jobs) == 500
-        async with db.begin() as conn:
-            await conn.execute("ANALYZE outbox")
-            plan = await conn.fetch(
-                "EXPLAIN (ANALYZE, FORMAT JSON) " + outbox._CLAIM_DUE[1].text, {"limit": 100}
-            )
-        read = _rows_read(plan[0][0][0]["Plan"])
-        assert read == 0, plan[0][0]
-    finally:
-        await stack.close()
+    stack = await started(
+        start_stack(engine, database_url, amqp_url, topology, relay=False, worker=False)
+    )
+    jobs = await stack.client().submit_many([JobSpec("demo.echo", {}) for _ in range(500)])
+    assert len(jobs) == 500
+    async with db.begin() as conn:
+        await conn.execute("ANALYZE outbox")
+        plan = await conn.fetch(
+            "EXPLAIN (ANALYZE, FORMAT JSON) " + outbox._CLAIM_DUE[1].text, {"limit": 100}
+        )
+    read = _rows_read(plan[0][0][0]["Plan"])
+    assert read == 0, plan[0][0]
 
 
 def _rows_read(node: dict[str, Any]) -> int:

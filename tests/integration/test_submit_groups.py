@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import AsyncIterator
 
 import pytest
 from sqlalchemy.ext.asyncio import AsyncEngine
@@ -16,6 +15,7 @@ from jobplane.server import JobplaneServer
 from jobplane.server.limits import TenantLimits
 from jobplane.topology import Topology
 from tests.integration.test_observability import samples
+from tests.support.parts import Started
 from tests.support.servers import Servers
 
 CALLS = 60
@@ -23,16 +23,13 @@ CALLS = 60
 
 @pytest.fixture
 async def served(
-    engine: AsyncEngine, database_url: str, topology: Topology
-) -> AsyncIterator[tuple[JobplaneServer, AsyncClient, Metrics]]:
+    engine: AsyncEngine, database_url: str, topology: Topology, started: Started
+) -> tuple[JobplaneServer, AsyncClient, Metrics]:
     metrics = Metrics()
-    servers = Servers(engine, database_url, topology)
-    try:
-        server = await servers.start(metrics=metrics, limits=TenantLimits(submits_per_second=0))
-        key, _tenant = await server.keys.create_key("acme")
-        yield server, servers.client(server, key), metrics
-    finally:
-        await servers.close()
+    servers = await started(Servers(engine, database_url, topology))
+    server = await servers.start(metrics=metrics, limits=TenantLimits(submits_per_second=0))
+    key, _tenant = await server.keys.create_key("acme")
+    return server, servers.client(server, key), metrics
 
 
 async def _groups(metrics: Metrics) -> tuple[float, float]:

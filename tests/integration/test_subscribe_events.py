@@ -22,6 +22,7 @@ from jobplane.topology import Topology
 from jobplane.v1 import events_pb2, events_pb2_grpc
 from tests.support.answers import check_refusal
 from tests.support.event_api import EventApi, Subscription, event_api, request
+from tests.support.parts import Started
 from tests.support.stack import Stack, eventually
 
 # A server alone: subscriptions read Postgres, not the broker.
@@ -261,31 +262,28 @@ async def test_a_stream_ends_unavailable_when_the_server_stops(stack: Stack) -> 
 
 
 async def test_subscriptions_count_against_the_tenants_streams(
-    engine: AsyncEngine, database_url: str, amqp_url: str, topology: Topology
+    engine: AsyncEngine, database_url: str, amqp_url: str, topology: Topology, started: Started
 ) -> None:
     server = JobplaneServer(
         engine, database_url, topology, listen="127.0.0.1:0", limits=TenantLimits(max_streams=1)
     )
-    await server.start()
-    try:
-        key, tenant = await server.keys.create_key("acme")
-        async with grpc.aio.insecure_channel(server.address) as channel:
-            stub: events_pb2_grpc.EventServiceAsyncStub = events_pb2_grpc.EventServiceStub(channel)
-            metadata = (("authorization", f"Bearer {key}"),)
-            held = stub.SubscribeEvents(
-                events_pb2.SubscribeEventsRequest(type_patterns=["#"]), metadata=metadata
-            )
-            await eventually(lambda: _held(server, tenant))
-            refused = stub.SubscribeEvents(
-                events_pb2.SubscribeEventsRequest(type_patterns=["#"]), metadata=metadata
-            )
-            with pytest.raises(grpc.aio.AioRpcError) as info:
-                await refused.read()
-            refusal = check_refusal(info.value)
-            assert refusal.reason == "TENANT_LIMIT_EXCEEDED"
-            held.cancel()
-    finally:
-        await server.stop(grace=0.5)
+    await started(server, grace=0.5)
+    key, tenant = await server.keys.create_key("acme")
+    async with grpc.aio.insecure_channel(server.address) as channel:
+        stub: events_pb2_grpc.EventServiceAsyncStub = events_pb2_grpc.EventServiceStub(channel)
+        metadata = (("authorization", f"Bearer {key}"),)
+        held = stub.SubscribeEvents(
+            events_pb2.SubscribeEventsRequest(type_patterns=["#"]), metadata=metadata
+        )
+        await eventually(lambda: _held(server, tenant))
+        refused = stub.SubscribeEvents(
+            events_pb2.SubscribeEventsRequest(type_patterns=["#"]), metadata=metadata
+        )
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await refused.read()
+        refusal = check_refusal(info.value)
+        assert refusal.reason == "TENANT_LIMIT_EXCEEDED"
+        held.cancel()
 
 
 async def _held(server: JobplaneServer, tenant: Any) -> bool:

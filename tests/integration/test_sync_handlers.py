@@ -23,6 +23,7 @@ from jobplane.client import EventType, JobState
 from jobplane.topology import Topology
 from jobplane.workers.handlers import AttemptStopped, PermanentError, Registry, SyncJobContext
 from tests.faults.cluster import Cluster
+from tests.support.parts import Started
 from tests.support.stack import Stack, eventually, start_stack
 
 registry = Registry()
@@ -109,114 +110,103 @@ async def _start(
 
 
 async def test_a_sync_handler_reports_progress_emits_and_succeeds_in_a_thread(
-    engine: AsyncEngine, database_url: str, amqp_url: str, topology: Topology
+    engine: AsyncEngine, database_url: str, amqp_url: str, topology: Topology, started: Started
 ) -> None:
-    stack = await _start(engine, database_url, amqp_url, topology)
-    try:
-        client = stack.client()
-        job = await client.submit("sync.report", {"n": 21})
-        done = await client.wait(job.name, timeout=30)
-        assert done.state is JobState.SUCCEEDED, done.error
-        assert done.result == {"doubled": 42}
-        assert seen[job.id]["thread"].startswith("jobplane-handler")
-        reports = [
-            (e.progress, e.message)
-            async for e in client.watch(job.name)
-            if e.type is EventType.PROGRESS
-        ]
-        assert reports == [(0.25, "a quarter"), (0.75, "three quarters")]
-        made = await stack.scalar(
-            "SELECT payload->>'n' FROM events WHERE event_type = 'sync.made' "
-            "AND correlation_id = :job",
-            job=job.id,
-        )
-        assert made == "21"
-    finally:
-        await stack.close()
+    stack = await started(_start(engine, database_url, amqp_url, topology))
+    client = stack.client()
+    job = await client.submit("sync.report", {"n": 21})
+    done = await client.wait(job.name, timeout=30)
+    assert done.state is JobState.SUCCEEDED, done.error
+    assert done.result == {"doubled": 42}
+    assert seen[job.id]["thread"].startswith("jobplane-handler")
+    reports = [
+        (e.progress, e.message)
+        async for e in client.watch(job.name)
+        if e.type is EventType.PROGRESS
+    ]
+    assert reports == [(0.25, "a quarter"), (0.75, "three quarters")]
+    made = await stack.scalar(
+        "SELECT payload->>'n' FROM events WHERE event_type = 'sync.made' AND correlation_id = :job",
+        job=job.id,
+    )
+    assert made == "21"
 
 
 async def test_a_cancel_reaches_a_sync_handler_that_checks_its_context(
-    engine: AsyncEngine, database_url: str, amqp_url: str, topology: Topology
+    engine: AsyncEngine, database_url: str, amqp_url: str, topology: Topology, started: Started
 ) -> None:
-    stack = await _start(engine, database_url, amqp_url, topology)
-    try:
-        client = stack.client()
-        job = await client.submit("sync.loop", {})
+    stack = await started(_start(engine, database_url, amqp_url, topology))
+    client = stack.client()
+    job = await client.submit("sync.loop", {})
 
-        async def started() -> bool:
-            return bool(seen.get(job.id, {}).get("started"))
+    async def began() -> bool:
+        return bool(seen.get(job.id, {}).get("started"))
 
-        await eventually(started, timeout=30)
-        await client.cancel(job.name, reason="not wanted")
-        done = await client.wait(job.name, timeout=30)
-        assert done.state is JobState.CANCELLED
-        assert done.error is not None and done.error.message == "not wanted"
-        assert seen[job.id] == {"started": True, "saw_cancelled": True, "stopped_at_call": True}
-        # The thread ended: the worker is free again and runs the next job.
-        assert not stack.worker or not stack.worker.running_jobs
-        again = await client.submit("sync.report", {"n": 1})
-        assert (await client.wait(again.name, timeout=30)).state is JobState.SUCCEEDED
-    finally:
-        await stack.close()
+    await eventually(began, timeout=30)
+    await client.cancel(job.name, reason="not wanted")
+    done = await client.wait(job.name, timeout=30)
+    assert done.state is JobState.CANCELLED
+    assert done.error is not None and done.error.message == "not wanted"
+    assert seen[job.id] == {"started": True, "saw_cancelled": True, "stopped_at_call": True}
+    # The thread ended: the worker is free again and runs the next job.
+    assert not stack.worker or not stack.worker.running_jobs
+    again = await client.submit("sync.report", {"n": 1})
+    assert (await client.wait(again.name, timeout=30)).state is JobState.SUCCEEDED
 
 
 async def test_a_sync_handler_that_raises_is_retried_or_failed_as_an_async_one(
-    engine: AsyncEngine, database_url: str, amqp_url: str, topology: Topology
+    engine: AsyncEngine, database_url: str, amqp_url: str, topology: Topology, started: Started
 ) -> None:
-    stack = await _start(engine, database_url, amqp_url, topology)
-    try:
-        client = stack.client()
-        flaky = await client.submit("sync.flaky", {}, max_attempts=2)
-        fails = await client.submit("sync.fails", {}, max_attempts=3)
-        flaky_done = await client.wait(flaky.name, timeout=30)
-        assert flaky_done.state is JobState.SUCCEEDED, flaky_done.error
-        assert flaky_done.result == {"attempt": 2}
-        fails_done = await client.wait(fails.name, timeout=30)
-        assert fails_done.state is JobState.FAILED
-        assert fails_done.error is not None and fails_done.error.code == "SYNC_NOPE"
-        assert fails_done.attempt == 1
-    finally:
-        await stack.close()
+    stack = await started(_start(engine, database_url, amqp_url, topology))
+    client = stack.client()
+    flaky = await client.submit("sync.flaky", {}, max_attempts=2)
+    fails = await client.submit("sync.fails", {}, max_attempts=3)
+    flaky_done = await client.wait(flaky.name, timeout=30)
+    assert flaky_done.state is JobState.SUCCEEDED, flaky_done.error
+    assert flaky_done.result == {"attempt": 2}
+    fails_done = await client.wait(fails.name, timeout=30)
+    assert fails_done.state is JobState.FAILED
+    assert fails_done.error is not None and fails_done.error.code == "SYNC_NOPE"
+    assert fails_done.attempt == 1
 
 
 async def test_the_lease_of_a_sync_handler_is_extended_while_its_thread_runs(
-    engine: AsyncEngine, database_url: str, amqp_url: str, topology: Topology
+    engine: AsyncEngine, database_url: str, amqp_url: str, topology: Topology, started: Started
 ) -> None:
-    stack = await _start(engine, database_url, amqp_url, topology, lease_seconds=2.0)
-    try:
-        client = stack.client()
-        job = await client.submit("sync.long", {}, max_attempts=1)
-        claimed = None
+    stack = await started(_start(engine, database_url, amqp_url, topology, lease_seconds=2.0))
+    client = stack.client()
+    job = await client.submit("sync.long", {}, max_attempts=1)
+    claimed = None
 
-        async def running() -> bool:
-            nonlocal claimed
-            claimed = await stack.scalar(
-                "SELECT lease_expires_at FROM jobs WHERE id = :id AND state = 'running'",
-                id=uuid.UUID(job.id),
-            )
-            return claimed is not None
+    async def running() -> bool:
+        nonlocal claimed
+        claimed = await stack.scalar(
+            "SELECT lease_expires_at FROM jobs WHERE id = :id AND state = 'running'",
+            id=uuid.UUID(job.id),
+        )
+        return claimed is not None
 
-        await eventually(running, timeout=30, interval=0.02)
+    await eventually(running, timeout=30, interval=0.02)
 
-        async def extended() -> bool:
-            later = await stack.scalar(
-                "SELECT lease_expires_at FROM jobs WHERE id = :id", id=uuid.UUID(job.id)
-            )
-            return later is not None and claimed is not None and later > claimed
+    async def extended() -> bool:
+        later = await stack.scalar(
+            "SELECT lease_expires_at FROM jobs WHERE id = :id", id=uuid.UUID(job.id)
+        )
+        return later is not None and claimed is not None and later > claimed
 
-        await eventually(extended, timeout=10)
-        done = await client.wait(job.name, timeout=30)
-        assert done.state is JobState.SUCCEEDED, done.error
-        assert done.attempt == 1
-    finally:
-        await stack.close()
+    await eventually(extended, timeout=10)
+    done = await client.wait(job.name, timeout=30)
+    assert done.state is JobState.SUCCEEDED, done.error
+    assert done.attempt == 1
 
 
 async def test_a_cancelled_sync_handler_still_waiting_for_a_thread_never_runs(
-    engine: AsyncEngine, database_url: str, amqp_url: str, topology: Topology
+    engine: AsyncEngine, database_url: str, amqp_url: str, topology: Topology, started: Started
 ) -> None:
     release.clear()
-    stack = await _start(engine, database_url, amqp_url, topology, concurrency=2, sync_threads=1)
+    stack = await started(
+        _start(engine, database_url, amqp_url, topology, concurrency=2, sync_threads=1)
+    )
     try:
         client = stack.client()
         blocker = await client.submit("sync.blocker", {})
@@ -250,7 +240,6 @@ async def test_a_cancelled_sync_handler_still_waiting_for_a_thread_never_runs(
         assert "ran" not in seen.get(queued.id, {})
     finally:
         release.set()
-        await stack.close()
 
 
 async def test_a_worker_exits_on_sigterm_though_a_sync_handler_ignores_its_stop(
@@ -259,8 +248,9 @@ async def test_a_worker_exits_on_sigterm_though_a_sync_handler_ignores_its_stop(
     amqp_url: str,
     topology: Topology,
     tmp_path: Path,
+    started: Started,
 ) -> None:
-    stack = await start_stack(engine, database_url, amqp_url, topology, worker=False)
+    stack = await started(start_stack(engine, database_url, amqp_url, topology, worker=False))
     cluster = Cluster(database_url, amqp_url, topology, tmp_path)
     try:
         args = ["worker", "--handlers", f"{__name__}:registry", "--no-maintenance"]
@@ -282,4 +272,3 @@ async def test_a_worker_exits_on_sigterm_though_a_sync_handler_ignores_its_stop(
         assert time.monotonic() - sent < 45
     finally:
         await cluster.close()
-        await stack.close()

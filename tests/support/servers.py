@@ -14,7 +14,8 @@ from jobplane.topology import Topology
 
 
 class Servers:
-    """Starts :class:`JobplaneServer` instances and SDK clients; :meth:`close` stops them all."""
+    """Starts :class:`JobplaneServer` instances and SDK clients; :meth:`close` (or the
+    end of ``async with``) stops them all."""
 
     def __init__(self, engine: AsyncEngine, database_url: str, topology: Topology) -> None:
         self.engine = engine
@@ -37,6 +38,12 @@ class Servers:
         client = AsyncClient(server.address, key, **kwargs)
         self._clients.append(client)
         return client
+
+    async def __aenter__(self) -> Servers:
+        return self
+
+    async def __aexit__(self, *_: object) -> None:
+        await self.close()
 
     async def close(self) -> None:
         """Close every client, then stop every server."""

@@ -41,10 +41,11 @@ class _FakeStore(SweepStore):
 
 
 async def test_the_loop_keeps_sweeping_after_any_failure() -> None:
-    sweeper = Sweeper(create_async_engine("postgresql+asyncpg://nobody@127.0.0.1:1/none"))
+    engine = create_async_engine("postgresql+asyncpg://nobody@127.0.0.1:1/none")
+    sweeper = Sweeper(engine, interval=0.001)
     store = _FakeStore([RuntimeError("a bug"), PoolTimeout("no pooled connection"), KeyError("k")])
     sweeper._store = store
-    sweeper.start(0.001)
+    await sweeper.start()
     try:
         async with asyncio.timeout(10):
             await store.swept_five.wait()
