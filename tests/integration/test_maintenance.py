@@ -274,14 +274,15 @@ async def test_erasure_leaves_nothing_of_the_tenant_and_touches_no_other(stack: 
 async def test_operator_commands_set_horizons_and_erase(
     stack: Stack, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from jobplane import cli
+    from jobplane.cli import build_parser
+    from jobplane.server import admin
     from tests.integration.test_cli_and_sync import jobplane
 
     monkeypatch.setenv("JOBPLANE_DATABASE_URL", stack.database_url)
 
     async def tenants(*argv: str) -> tuple[int, str, str]:
         """``jobplane tenants ...`` in this process (the subprocess is tried once, below)."""
-        code = await cli._tenants(cli.build_parser().parse_args(["tenants", *argv]))
+        code = await admin._tenants(build_parser().parse_args(["tenants", *argv]))
         out, err = capsys.readouterr()
         return code, out, err
 

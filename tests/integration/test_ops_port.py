@@ -11,7 +11,7 @@ import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from jobplane.cli import METRICS_DEFAULTS
+from jobplane.process import METRICS_DEFAULTS
 from tests.support.serve import serve_process, start_serve
 
 

@@ -10,8 +10,9 @@ from typing import Any
 import pytest
 import yaml
 
-from jobplane.cli import METRICS_DEFAULTS, build_parser
+from jobplane.cli import build_parser
 from jobplane.config import Settings, parse_listen
+from jobplane.process import METRICS_DEFAULTS
 from jobplane.topology import load_topology
 
 COMPOSE = Path(__file__).parents[2] / "compose.yaml"

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from jobplane.cli import _jobplane_command
-from jobplane.devparts import part_queues
+from jobplane.server.dev import _jobplane_command
+from jobplane.server.devparts import part_queues
 from jobplane.topology import load_topology
 
 

@@ -10,14 +10,15 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from jobplane.cli import _until_stopped_or_part_exit, build_parser
+from jobplane.cli import build_parser
 from jobplane.config import ListenAddress
-from jobplane.devparts import (
+from jobplane.server.devparts import (
     GRACE,
     MOST,
     MOST_AUTO,
     Layout,
     Parts,
+    _until_stopped_or_part_exit,
     part_command,
     part_metrics,
     part_queues,

@@ -62,7 +62,7 @@ def project(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
     # main() would point the process's logging at the captured stderr of this
     # test, closed after it: later tests' log lines would fail to print.
-    monkeypatch.setattr("jobplane.cli.configure", lambda *args, **kwargs: None)
+    monkeypatch.setattr("jobplane.process.configure", lambda *args, **kwargs: None)
     yield tmp_path
     for name in MODULES:
         sys.modules.pop(name, None)

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from jobplane import cli, heap
+from jobplane import heap, process
 
 
 @pytest.fixture
@@ -44,7 +44,7 @@ def test_a_process_settles_as_it_starts_waiting_for_its_stop_signal() -> None:
     gc.unfreeze()
 
     async def up() -> int:
-        with cli._stop_signals():
+        with process._stop_signals():
             return gc.get_freeze_count()
 
     assert asyncio.run(up()) > 0

@@ -1,7 +1,7 @@
 """While tracing is on, a line logged inside a span names its trace and span,
 whether jobplane or another library (through the standard library) logs it.
 The process registers tracing's processor with logging where it turns tracing
-on (``jobplane.cli._tracing``); these tests register it as it does."""
+on (``jobplane.process._tracing``); these tests register it as it does."""
 
 from __future__ import annotations
 

@@ -141,13 +141,13 @@ def test_the_settings_say_whether_transitions_publish_lifecycle_events(
 def test_the_machine_reads_no_environment_and_the_process_sets_its_lifecycle_events() -> None:
     # A fresh interpreter: MACHINE is built at import, and the CLI sets it for good.
     program = (
-        "from jobplane import cli\n"
+        "from jobplane import process\n"
         "from jobplane.store.machine import MACHINE, DomainEvents, StateMachine\n"
         "def on(m):\n"
         "    (hook,) = [h for h in m._hooks if isinstance(h, DomainEvents)]\n"
         "    return hook.lifecycle\n"
         "print(on(MACHINE), on(StateMachine()))\n"
-        "cli._settings_and_topology()\n"
+        "process._settings_and_topology()\n"
         "print(on(MACHINE))\n"
     )
     env = {**os.environ, "JOBPLANE_LIFECYCLE_EVENTS": "0", "JOBPLANE_TOPOLOGY": ""}

@@ -13,10 +13,11 @@ import structlog
 from hypothesis import given
 from hypothesis import strategies as st
 
-from jobplane.cli import METRICS_DEFAULTS, main
+from jobplane.cli import main
 from jobplane.config import ConfigError, ListenAddress, Settings, parse_listen
 from jobplane.logs import configure, fingerprint, set_job_prefixes
 from jobplane.observe.metrics import MAX_TYPE_LABELS, NO_METRICS, OTHER_TYPE, Metrics
+from jobplane.process import METRICS_DEFAULTS
 from jobplane.topology import TopologyError, parse_topology
 
 

@@ -6,8 +6,8 @@ from contextlib import AsyncExitStack
 
 import pytest
 
-from jobplane.cli import _relay_pool
 from jobplane.config import Settings
+from jobplane.workers.cli import _relay_pool
 from jobplane.workers.relay import relay_in_flight, relay_pool_size
 
 

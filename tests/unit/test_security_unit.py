@@ -203,8 +203,10 @@ async def test_the_dashboard_alone_takes_the_limits_the_server_does(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # `jobplane ui` builds its limiter from every limit setting, as `serve` does.
-    from jobplane import cli
+    from jobplane import process
+    from jobplane.cli import build_parser
     from jobplane.dashboard import app
+    from jobplane.server import cli
 
     class Built(Exception):
         """The backend's arguments, seen: stop before any service is needed."""
@@ -216,12 +218,12 @@ async def test_the_dashboard_alone_takes_the_limits_the_server_does(
         raise Built
 
     monkeypatch.setattr(app, "standalone_backend", standalone_backend)
-    monkeypatch.setattr(cli, "configure", lambda *args, **kwargs: None)
+    monkeypatch.setattr(process, "configure", lambda *args, **kwargs: None)
     monkeypatch.setenv("JOBPLANE_TENANT_MAX_STREAMS", "7")
     monkeypatch.setenv("JOBPLANE_TENANT_SUBMITS_PER_SECOND", "2.5")
     monkeypatch.setenv("JOBPLANE_TENANT_SUBMIT_BURST", "3")
     with pytest.raises(Built):
-        await cli._ui(cli.build_parser().parse_args(["ui", "--listen", "127.0.0.1:0"]))
+        await cli._ui(build_parser().parse_args(["ui", "--listen", "127.0.0.1:0"]))
     assert [limiter.limits for limiter in seen] == [
         TenantLimits(max_streams=7, submits_per_second=2.5, submit_burst=3)
     ]
@@ -400,7 +402,7 @@ def test_client_tls_from_the_environment(tmp_path: Path) -> None:
 def test_keys_list_prints_ids_never_keys(capsys: pytest.CaptureFixture[str]) -> None:
     from datetime import UTC, datetime, timedelta
 
-    from jobplane.cli import _print_keys
+    from jobplane.server.admin import _print_keys
     from jobplane.store.keys import KeyInfo
 
     now = datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC)

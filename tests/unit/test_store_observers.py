@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from jobplane import cli, logs, store
+from jobplane import logs, process, store
 from jobplane.config import Settings
 from jobplane.store import observers
 from jobplane.store.machine import Cause, StateMachine, Transition
@@ -86,5 +86,5 @@ def test_the_process_registers_no_observer_when_tracing_is_off(no_observer: None
     # Off (no exporter asked for): the store is given nothing to call. On,
     # configure_tracing registers tracing's observer itself
     # (test_tracing_unit.py::test_configure_tracing_alone_traces_the_store_transitions).
-    cli._tracing("jobplane-test", Settings())
+    process._tracing("jobplane-test", Settings())
     assert observers.OBSERVER is None

@@ -22,7 +22,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import NonRecordingSpan, SpanContext, StatusCode, TraceFlags
 
-from jobplane import cli
+from jobplane import process
 from jobplane.config import OTLP_GRPC_MODULE, ConfigError, Settings
 from jobplane.observe import trace_context, trace_server, trace_setup, tracing
 from jobplane.store.attempts import Attempt
@@ -288,14 +288,14 @@ def test_otlp_over_grpc_needs_the_grpc_exporter_only(monkeypatch: pytest.MonkeyP
         asked.extend(names)
         return [n for n in names if n.startswith("opentelemetry.exporter.otlp.proto.http")]
 
-    monkeypatch.setattr(cli, "missing_modules", missing)
+    monkeypatch.setattr(process, "missing_modules", missing)
     monkeypatch.setattr(tracing, "configure_tracing", lambda *_: False)
     grpc = Settings(trace_exporters=("otlp",), trace_protocol="grpc")
-    cli._tracing("jobplane-test", grpc)
+    process._tracing("jobplane-test", grpc)
     assert OTLP_GRPC_MODULE in asked
     # Over HTTP the HTTP exporter is still required.
     with pytest.raises(ConfigError, match=r"opentelemetry\.exporter\.otlp\.proto\.http"):
-        cli._tracing("jobplane-test", Settings(trace_exporters=("otlp",)))
+        process._tracing("jobplane-test", Settings(trace_exporters=("otlp",)))
 
 
 def test_a_failure_is_kept_by_its_type_never_its_message(on: InMemorySpanExporter) -> None:

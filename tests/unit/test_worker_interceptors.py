@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from jobplane import cli, logs
+from jobplane import logs, process
 from jobplane.config import Settings
 from jobplane.observe import tracing
 from jobplane.observe.metrics import NO_METRICS, Metrics, RelayMetrics, WorkerMetrics
@@ -108,36 +108,36 @@ def unregistered() -> Iterator[None]:
 def test_the_process_registers_no_log_trace_ids_when_tracing_is_off() -> None:
     # On, configure_tracing registers them itself
     # (test_tracing_unit.py::test_configure_tracing_alone_traces_the_store_transitions).
-    cli._tracing("jobplane-test", Settings())
+    process._tracing("jobplane-test", Settings())
     assert logs._TRACE_IDS is None
 
 
 def test_the_process_hands_its_worker_tracing_when_on_and_metrics_when_served(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    assert cli._worker_interceptors(NO_METRICS) == []
+    assert process._worker_interceptors(NO_METRICS) == []
     metrics = Metrics()
-    (counting,) = cli._worker_interceptors(metrics)
+    (counting,) = process._worker_interceptors(metrics)
     assert isinstance(counting, WorkerMetrics) and counting.metrics is metrics
     monkeypatch.setattr(tracing, "ENABLED", True)
-    traced, counting = cli._worker_interceptors(metrics)
+    traced, counting = process._worker_interceptors(metrics)
     assert isinstance(traced, tracing.WorkerTracing)
     assert isinstance(counting, WorkerMetrics)
-    assert [type(i) for i in cli._worker_interceptors(NO_METRICS)] == [tracing.WorkerTracing]
+    assert [type(i) for i in process._worker_interceptors(NO_METRICS)] == [tracing.WorkerTracing]
 
 
 def test_the_process_hands_its_relay_tracing_when_on_and_metrics_when_served(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    assert cli._relay_interceptors(NO_METRICS) == []
+    assert process._relay_interceptors(NO_METRICS) == []
     metrics = Metrics()
-    (counting,) = cli._relay_interceptors(metrics)
+    (counting,) = process._relay_interceptors(metrics)
     assert isinstance(counting, RelayMetrics) and counting.metrics is metrics
     monkeypatch.setattr(tracing, "ENABLED", True)
-    traced, counting = cli._relay_interceptors(metrics)
+    traced, counting = process._relay_interceptors(metrics)
     assert isinstance(traced, tracing.RelayTracing)
     assert isinstance(counting, RelayMetrics)
-    assert [type(i) for i in cli._relay_interceptors(NO_METRICS)] == [tracing.RelayTracing]
+    assert [type(i) for i in process._relay_interceptors(NO_METRICS)] == [tracing.RelayTracing]
 
 
 def test_relay_interceptors_chain_in_order_and_the_traced_one_names_the_trace() -> None:

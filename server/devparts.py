@@ -17,20 +17,53 @@ The parts stop with the command: on Ctrl-C or SIGTERM the parent stops its
 workers first (SIGTERM, then SIGKILL after :data:`KILL_AFTER`), and a part whose
 parent is gone (killed outright) stops by itself. A part that
 exits on its own ends the command, with its exit status.
+
+What the parts run is here too: :func:`_dev_part` and :func:`_dev_relay_part`
+(``jobplane dev --worker-part`` and ``--relay-part``, which jobplane.server.dev
+hands over to), the worker and the ingest handlers they share with the command,
+and how the command starts and watches them (:func:`_dev_parts`).
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import os
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-from jobplane.config import ListenAddress
+from jobplane.config import ListenAddress, Settings
+from jobplane.faults import FaultPoints
+from jobplane.process import (
+    _blob_store,
+    _database,
+    _error_line,
+    _ops,
+    _relay_interceptors,
+    _settings_and_topology,
+    _start_ops,
+    _started,
+    _stop_signals,
+    _tracing,
+    _until_stopped,
+    _worker_interceptors,
+)
 from jobplane.topology import Topology
+from jobplane.workers.cli import _registry_or_none, _relay_pool, _with_maintenance
+
+if TYPE_CHECKING:
+    from sqlalchemy.ext.asyncio import AsyncEngine
+
+    from jobplane.blobs import BlobStore
+    from jobplane.observe.http import OpsServer
+    from jobplane.observe.metrics import Metrics
+    from jobplane.store.db import Database
 
 #: ``--processes auto`` uses no more processes than this.
 MOST_AUTO = 6
@@ -254,3 +287,206 @@ async def parent_gone(parent_pid: int) -> None:
     finally:
         loop.remove_reader(pidfd)
         os.close(pidfd)
+
+
+def _with_ingest(registry: Any, files: list[Path], settings: Settings, topology: Topology) -> Any:
+    """``registry`` with the ingest handlers for ``jobplane dev --ingest``; None after
+    saying in one line why the files cannot be ingested here."""
+    missing = [str(f) for f in files if not f.is_file()]
+    problem = ""
+    if missing:
+        problem = f"--ingest: no such file: {', '.join(missing)}"
+    elif not settings.blobs_enabled:
+        problem = "--ingest needs a blob store: set JOBPLANE_S3_URL (make dev starts one)"
+    elif topology.pipeline("ingest.file") is None:
+        problem = (
+            "--ingest needs the ingest.file pipeline: JOBPLANE_TOPOLOGY=builtin:dev (make "
+            "dev's) or JOBPLANE_TOPOLOGY=builtin:ingest"
+        )
+    if problem:
+        _error_line(problem)
+        return None
+    from jobplane.contrib.ingest import STAGE_TYPES
+    from jobplane.contrib.ingest import registry as ingest_registry
+
+    if all(registry.get(t) is not None for t in STAGE_TYPES):
+        return registry  # --handlers loaded them already
+    try:
+        return registry.merge(ingest_registry)
+    except ValueError as exc:
+        _error_line(str(exc))
+        return None
+
+
+def _stopped_in_order(args: argparse.Namespace) -> Callable[..., None]:
+    """An exit callback of the outermost stack: marks ``args`` when it closed without
+    an error (every part it started stopped)."""
+
+    def closed(exc_type: type[BaseException] | None, *_: object) -> None:
+        if exc_type is None:
+            args.stopped_in_order = True
+
+    return closed
+
+
+def _dev_worker(
+    settings: Settings,
+    topology: Topology,
+    engine: AsyncEngine,
+    db: Database,
+    registry: Any,
+    args: argparse.Namespace,
+    blobs: BlobStore | None,
+    metrics: Metrics,
+    queues: list[str] | None = None,
+) -> Any:
+    """The worker of ``jobplane dev`` (in its own process, or a part of it)."""
+    from jobplane.workers.runtime import Worker
+
+    return Worker(
+        engine,
+        settings.database_url,
+        settings.amqp_url,
+        topology,
+        registry,
+        concurrency=args.concurrency,
+        queues=queues,
+        max_result_bytes=settings.max_payload_bytes,
+        blobs=blobs,
+        inline_bytes=settings.inline_bytes,
+        interceptors=_worker_interceptors(metrics),
+        db=db,
+        sync_threads=settings.sync_threads,
+    )
+
+
+async def _dev_parts(
+    stack: AsyncExitStack, args: argparse.Namespace, layout: Layout, ops: OpsServer | None
+) -> Any:
+    """Start the worker parts (and the relay's, when apart) of ``layout``
+    (below), stopped with ``stack``."""
+    listen = ops.listen if ops is not None else None
+    fallback = ops is not None and ops.fallback
+    commands = [
+        part_command(
+            i,
+            parent_pid=os.getpid(),
+            metrics_listen=part_metrics(listen, i),
+            handlers=args.handlers,
+            concurrency=args.concurrency,
+            no_maintenance=args.no_maintenance,
+            ingest=args.ingest or (),
+            metrics_fallback=fallback,
+        )
+        for i in range(layout.workers)
+    ]
+    names = [f"worker part {i}" for i in range(layout.workers)]
+    if layout.relay_apart:
+        commands.append(
+            relay_command(
+                parent_pid=os.getpid(),
+                metrics_listen=part_metrics(listen, layout.workers),
+                metrics_fallback=fallback,
+            )
+        )
+        names.append("relay part")
+    parts = Parts(commands, names)
+    await _started(stack, parts.start, parts.stop)
+    if ops is not None:
+        ops.add_check("parts", parts.not_ready)
+    return parts
+
+
+async def _until_stopped_or_part_exit(stop: asyncio.Event, parts: Any) -> int:
+    """Until ``stop`` (Ctrl-C or SIGTERM: 0), or a part exits on its own (1)."""
+    exited = await _until_stopped(stop, parts.exited())
+    # A Ctrl-C reaches the parts too, and they leave fast: one may have exited by
+    # the time this process looks, and the stop is still the reason.
+    if exited is not None and not stop.is_set():
+        part, status = exited.result()
+        _error_line(f"{part} exited (status {status}); stopping")
+        return 1
+    return 0
+
+
+async def _dev_relay_part(args: argparse.Namespace) -> int:
+    """The relay part of ``jobplane dev --processes N`` (below): the relay
+    and the sweeper."""
+    from jobplane.store.engine import create_engine
+    from jobplane.workers.relay import Relay
+    from jobplane.workers.sweeper import Sweeper
+
+    settings, topology = _settings_and_topology(log_level="warning")
+    _tracing("jobplane-dev", settings)
+    engine = create_engine(settings.database_url, pool_size=settings.db_engine_pool_size)
+    async with AsyncExitStack() as stack:
+        stack.push(_stopped_in_order(args))
+        stack.push_async_callback(engine.dispose)
+        metrics, ops = _ops(settings, args, engine)
+        relay_db, in_flight = _relay_pool(stack, settings)
+        observed = _relay_interceptors(metrics)
+        relay = Relay(
+            engine,
+            settings.database_url,
+            settings.amqp_url,
+            topology,
+            interceptors=observed,
+            db=relay_db,
+            in_flight=in_flight,
+        )
+        sweeper = Sweeper(engine, topology=topology, interceptors=observed)
+        if ops is not None:
+            ops.add_check("relay", lambda: None if relay.connected else "no broker channel")
+        await _start_ops(stack, ops)
+        # Caught until the part has stopped: the parent's SIGTERM after a Ctrl-C
+        # must not end it halfway through stopping.
+        stop = stack.enter_context(_stop_signals())
+        await _started(stack, relay.start, relay.stop)
+        await stack.enter_async_context(sweeper)
+        await _until_stopped(stop, parent_gone(args.parent_pid or os.getppid()))
+    return 0
+
+
+async def _dev_part(args: argparse.Namespace) -> int:
+    """One worker part of ``jobplane dev --processes N`` (below)."""
+    from jobplane.store.engine import create_engine
+    from jobplane.workers.runtime import worker_pool_size
+
+    settings, topology = _settings_and_topology(log_level="warning")
+    _tracing("jobplane-dev", settings)
+    first = args.worker_part == 0
+    registry = _registry_or_none(args.handlers, demo=True)
+    if registry is None:
+        return 2
+    queues = None
+    ingest = [Path(f) for f in args.ingest or ()]
+    if first:
+        if ingest:
+            registry = _with_ingest(registry, ingest, settings, topology)
+            if registry is None:
+                return 2
+    else:
+        queues = part_queues(topology)
+    engine = create_engine(settings.database_url, pool_size=settings.db_engine_pool_size)
+    async with AsyncExitStack() as stack:
+        stack.push(_stopped_in_order(args))
+        stack.push_async_callback(engine.dispose)
+        metrics, ops = _ops(settings, args, engine)
+        blobs = _blob_store(settings, stack)
+        db = _database(
+            stack, settings, min(settings.db_pool_size, worker_pool_size(args.concurrency))
+        )
+        if first and not args.no_maintenance:
+            faults = FaultPoints(settings.faults)
+            registry = await _with_maintenance(stack, registry, engine, db, blobs, settings, faults)
+            if registry is None:
+                return 2
+        worker = _dev_worker(settings, topology, engine, db, registry, args, blobs, metrics, queues)
+        if ops is not None:
+            ops.add_check("broker", worker.not_ready)
+        await _start_ops(stack, ops)
+        # Caught until the part has stopped (see _dev_relay_part).
+        stop = stack.enter_context(_stop_signals())
+        await _started(stack, worker.start, lambda: worker.stop(GRACE))
+        await _until_stopped(stop, parent_gone(args.parent_pid or os.getppid()))
+    return 0
