@@ -106,7 +106,7 @@ typecheck: $(STAMP)
 
 ## Regenerate the gRPC stubs (a test fails when they are stale).
 proto: $(STAMP)
-	$(BIN)/python scripts/protogen.py src
+	$(BIN)/python scripts/protogen.py core
 
 migrate: $(STAMP) services
 	$(BIN)/jobplane migrate

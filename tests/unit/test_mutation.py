@@ -151,8 +151,8 @@ def test_also_copy_leaves_the_mutated_modules_alone_and_copies_the_rest() -> Non
     stale = {f for f in in_mutated - in_copied if f.suffix != ".py"}
     assert not stale, f"add to [tool.mutmut] also_copy: {sorted(map(str, stale))}"
     entries = {
-        Path("src/jobplane") / e.name
-        for e in (ROOT / "src" / "jobplane").iterdir()
+        Path("core/jobplane") / e.name
+        for e in (ROOT / "core" / "jobplane").iterdir()
         if e.name != "__pycache__" and not e.name.endswith(".egg-info")
     }
     missing = entries - set(mutated) - set(copied)
