@@ -1,4 +1,4 @@
-"""Migrations install frozen copies of the SQL API (``migrations/jobplane/migrations/sql``), never the live files.
+"""Migrations install frozen copies of the SQL API (jobplane/migrations/sql), never the live files.
 
 The live files (``jobplane/store/sql``) change with the next migration; a
 migration that read them, or patched an earlier migration's text, would
