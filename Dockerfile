@@ -3,13 +3,14 @@ FROM python:3.11-slim
 WORKDIR /app
 COPY pyproject.toml README.md LICENSE ./
 COPY proto ./proto
-COPY src ./src
+COPY core ./core
+COPY contrib ./contrib
 COPY server ./server
 COPY workers ./workers
 COPY client ./client
 COPY migrations ./migrations
-# src/jobplane/{server,workers,client,migrations} are symlinks into the
-# top-level folders copied above, so the build sees one package tree.
+# Each folder above holds one part of the jobplane package; pyproject.toml
+# maps them into one package tree (ADR-0038).
 # The server install (ADR-0026), with the ingest extra (qdrant-client, pypdf)
 # for the ingestion workers.
 RUN pip install --no-cache-dir '.[server,ingest]' && useradd --system jobplane

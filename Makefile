@@ -81,13 +81,15 @@ MUTATE ?=
 MUTATE_JOBS ?= 2
 MUTATE_SAMPLE ?=
 MUTATE_SEED ?= 1
+MUTATE_TREE := build/mutate
 mutate: $(STAMP) services
+	$(BIN)/python scripts/mutation_tree.py $(MUTATE_TREE)
 ifeq ($(MUTATE_SAMPLE),)
-	$(BIN)/mutmut run --max-children $(MUTATE_JOBS) $(MUTATE)
-	$(BIN)/python scripts/mutation_report.py $(MUTATE)
+	cd $(MUTATE_TREE) && $(abspath $(BIN))/mutmut run --max-children $(MUTATE_JOBS) $(MUTATE)
+	cd $(MUTATE_TREE) && $(abspath $(BIN))/python scripts/mutation_report.py $(MUTATE)
 else
-	$(BIN)/python scripts/mutation_sample.py --size $(MUTATE_SAMPLE) --seed $(MUTATE_SEED) \
-	  --jobs $(MUTATE_JOBS) $(MUTATE)
+	cd $(MUTATE_TREE) && $(abspath $(BIN))/python scripts/mutation_sample.py --size $(MUTATE_SAMPLE) \
+	  --seed $(MUTATE_SEED) --jobs $(MUTATE_JOBS) $(MUTATE)
 endif
 
 unit: $(STAMP)
@@ -106,7 +108,7 @@ typecheck: $(STAMP)
 
 ## Regenerate the gRPC stubs (a test fails when they are stale).
 proto: $(STAMP)
-	$(BIN)/python scripts/protogen.py src
+	$(BIN)/python scripts/protogen.py core
 
 migrate: $(STAMP) services
 	$(BIN)/jobplane migrate
@@ -116,4 +118,4 @@ bench: $(STAMP) services
 	$(BIN)/python -m bench.run $(BENCH_ARGS)
 
 clean:
-	rm -rf $(VENV) .venv-protogen .cache build dist .mypy_cache .ruff_cache .pytest_cache .hypothesis mutants
+	rm -rf $(VENV) .venv-protogen .cache build dist .mypy_cache .ruff_cache .pytest_cache .hypothesis

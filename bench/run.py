@@ -201,7 +201,7 @@ class Bench:
             "JOBPLANE_TENANT_MAX_STREAMS": "0",
             "JOBPLANE_TENANT_SUBMITS_PER_SECOND": "0",
             # This checkout's jobplane, whichever checkout the installed one is.
-            "PYTHONPATH": os.pathsep.join((str(ROOT / "src"), str(ROOT))),
+            "PYTHONPATH": os.pathsep.join((str(ROOT / "core"), str(ROOT))),
             **self.extra_env,
         }
 

@@ -1,6 +1,6 @@
 """Generate the Python stubs (with .pyi types) of proto/ into OUT/jobplane/v1.
 
-Usage: python scripts/protogen.py OUT    (``make proto`` runs it with OUT=src)
+Usage: python scripts/protogen.py OUT    (``make proto`` runs it with OUT=core)
 
 The generator is not the dev venv's: protoc's version decides which protobuf
 runtimes can load the generated code (gencode 6.30.0 loads on protobuf 6.30.0

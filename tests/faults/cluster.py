@@ -188,7 +188,7 @@ class Cluster:
             "JOBPLANE_LISTEN": f"127.0.0.1:{self.port}",
             "JOBPLANE_LOG_LEVEL": "info",
             # This tree's source first: the installed jobplane may be another checkout's.
-            "PYTHONPATH": os.pathsep.join((str(ROOT / "src"), str(ROOT))),
+            "PYTHONPATH": os.pathsep.join((str(ROOT / "core"), str(ROOT))),
         }
 
     @property

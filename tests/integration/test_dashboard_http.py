@@ -15,9 +15,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jobplane.dashboard.app import CSP, THROTTLE
-from jobplane.dashboard.session import SESSION_COOKIE
 from jobplane.errors import Unavailable
+from jobplane.server.dashboard.app import CSP, THROTTLE
+from jobplane.server.dashboard.session import SESSION_COOKIE
 from jobplane.types import JobState
 from tests.support.dashboard import UiStack, browserless, csrf_token, form_token, sign_in, ui_stack
 from tests.support.stack import eventually
@@ -365,7 +365,7 @@ async def test_fuzzed_query_parameters_never_fail_the_server(ui: UiStack) -> Non
 async def test_sign_out_ends_the_sessions_open_streams(
     ui: UiStack, path: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from jobplane.dashboard import live
+    from jobplane.server.dashboard import live
 
     monkeypatch.setattr(live, "RECHECK_SECONDS", 0.3)
     async with browserless(ui.url, ui.stack.key) as http:
@@ -416,7 +416,7 @@ async def test_forms_behind_a_tls_proxy_pass_the_origin_check(ui: UiStack) -> No
             assert response.status == 303
         await asyncio.wait_for(client.wait(job.name), 20)
     # A public origin set: only it passes.
-    from jobplane.dashboard import Dashboard
+    from jobplane.server.dashboard import Dashboard
 
     public = Dashboard(
         ui.dashboard.backend, listen="127.0.0.1:0", signin_delay=0.1, origin="https://jobs.example"
@@ -463,7 +463,7 @@ async def test_sign_ins_sent_at_once_cannot_pass_the_throttle(ui: UiStack) -> No
 async def test_the_failed_queue_is_peeked_once_for_every_tenant(ui: UiStack) -> None:
     """Each peek returns the messages it took, which RabbitMQ 4 quorum queues count
     toward their delivery limit: pages of every tenant share one peek per period."""
-    from jobplane.dashboard.shared import Deployment
+    from jobplane.server.dashboard.shared import Deployment
 
     stack = ui.stack
     deployment = Deployment(stack.engine, stack.amqp_url, stack.topology, failed_ttl=30.0)
@@ -490,7 +490,7 @@ async def test_a_live_stream_does_not_freeze_when_the_database_connections_drop(
 ) -> None:
     """Every backend of the test database is terminated under an open job stream:
     the stream goes on or ends (the browser reconnects), and never just pings."""
-    from jobplane.dashboard import live
+    from jobplane.server.dashboard import live
 
     monkeypatch.setattr(live, "RECHECK_SECONDS", 0.5)
     job = await ui.stack.client().submit("demo.progress", {"steps": 400, "interval_ms": 50})

@@ -31,7 +31,7 @@ COMMANDS = [
 def _env(database_url: str, amqp_url: str, topology: Path) -> dict[str, str]:
     return {
         **os.environ,
-        "PYTHONPATH": os.pathsep.join((str(ROOT / "src"), str(ROOT))),
+        "PYTHONPATH": os.pathsep.join((str(ROOT / "core"), str(ROOT))),
         "JOBPLANE_DATABASE_URL": database_url,
         "JOBPLANE_AMQP_URL": amqp_url,
         "JOBPLANE_TOPOLOGY": str(topology),

@@ -80,7 +80,8 @@ async def test_a_migrated_database_defines_the_sql_api_as_its_files(
     drift = await _drift(conn, files)
     assert not drift, (
         f"{drift} differ between jobplane/store/sql and the migrations: a change to a "
-        "file is a new migration that installs a frozen copy of it (migrations/sql/)"
+        "file is a new migration that installs a frozen copy of it "
+        "(migrations/jobplane/migrations/sql/)"
     )
 
 

@@ -497,7 +497,7 @@ async def test_what_no_installed_package_does_is_refused_in_one_line(
         "relay",
         env={
             **os.environ,
-            "PYTHONPATH": os.pathsep.join((str(ROOT / "src"), str(ROOT))),
+            "PYTHONPATH": os.pathsep.join((str(ROOT / "core"), str(ROOT))),
             "JOBPLANE_DATABASE_URL": database_url,
             "OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:9",
             **env,

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import aiohttp
 
-from jobplane.dashboard import Backend, Dashboard
+from jobplane.server.dashboard import Backend, Dashboard
 from jobplane.store.engine import create_engine
 from jobplane.topology import load_topology
 from tests.support import services

@@ -22,7 +22,8 @@ SOURCES = (
     "pyproject.toml",
     "README.md",
     "LICENSE",
-    "src",
+    "core",
+    "contrib",
     "server",
     "workers",
     "client",
@@ -41,8 +42,7 @@ def built_wheel() -> Path:
     for name in SOURCES:
         source = ROOT / name
         if source.is_dir():
-            # symlinks=True: src/jobplane/{server,...} stay links into the copy.
-            shutil.copytree(source, tree / name, symlinks=True, ignore=ignore)
+            shutil.copytree(source, tree / name, ignore=ignore)
         else:
             shutil.copy2(source, tree / name)
     subprocess.run(

@@ -31,7 +31,8 @@ def _paths() -> list[str]:
 
 
 def _exists(path: str) -> bool:
-    # `migrations/sql/{revision}_{name}.sql` names a pattern: one file must match it.
+    # `migrations/jobplane/migrations/sql/{revision}_{name}.sql` names a pattern:
+    # one file must match it.
     if "{" in path:
         return any(ROOT.glob(re.sub(r"\{[^}]*\}", "*", path)))
     return (ROOT / path).exists()

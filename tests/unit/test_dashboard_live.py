@@ -7,8 +7,8 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from jobplane.dashboard.live import END, Merged
 from jobplane.errors import InternalError, JobNotFound
+from jobplane.server.dashboard.live import END, Merged
 from jobplane.store.down import DatabaseUnavailable
 
 

@@ -8,8 +8,8 @@ import pytest
 from multidict import MultiDict
 
 from jobplane.config import ConfigError, Settings
-from jobplane.dashboard.forms import BadField, after_seq, job_filters
-from jobplane.dashboard.session import SessionCodec, SignInThrottle
+from jobplane.server.dashboard.forms import BadField, after_seq, job_filters
+from jobplane.server.dashboard.session import SessionCodec, SignInThrottle
 from jobplane.store.keys import hash_key
 from jobplane.types import JobState
 
@@ -135,7 +135,7 @@ def test_the_public_origin_setting_is_checked_and_normalised() -> None:
 
 def test_the_client_is_the_remote_unless_a_trusted_proxy_forwarded_it() -> None:
     from jobplane.config import parse_networks
-    from jobplane.dashboard.session import client_address
+    from jobplane.server.dashboard.session import client_address
 
     proxies = parse_networks("10.0.0.0/8, ::1", name="JOBPLANE_UI_TRUSTED_PROXIES")
     assert client_address("10.1.2.3", ["203.0.113.9"], ()) == "10.1.2.3"

@@ -21,7 +21,7 @@ def _protogen() -> object:
 
 def test_generated_stubs_are_not_stale(tmp_path: Path) -> None:
     fresh = _protogen().generate(tmp_path)  # type: ignore[attr-defined]
-    committed = ROOT / "src" / "jobplane" / "v1"
+    committed = ROOT / "core" / "jobplane" / "v1"
     assert sorted(p.name for p in fresh) == sorted(
         p.name for p in committed.iterdir() if p.is_file()
     )

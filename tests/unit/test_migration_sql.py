@@ -1,4 +1,4 @@
-"""Migrations install frozen copies of the SQL API (``migrations/sql``), never the live files.
+"""Migrations install frozen copies of the SQL API (jobplane/migrations/sql), never the live files.
 
 The live files (``jobplane/store/sql``) change with the next migration; a
 migration that read them, or patched an earlier migration's text, would
@@ -24,9 +24,9 @@ import pytest
 from jobplane.migrations import indexes
 
 ROOT = Path(__file__).resolve().parents[2]
-VERSIONS = ROOT / "migrations" / "versions"
-FROZEN = ROOT / "migrations" / "sql"
-LIVE = ROOT / "src" / "jobplane" / "store" / "sql"
+VERSIONS = ROOT / "migrations" / "jobplane" / "migrations" / "versions"
+FROZEN = ROOT / "migrations" / "jobplane" / "migrations" / "sql"
+LIVE = ROOT / "core" / "jobplane" / "store" / "sql"
 MIGRATIONS = sorted(VERSIONS.glob("[0-9]*.py"))
 # What a migration may import: the frozen copies' reader, and nothing that
 # could reach the live files or another migration's text.

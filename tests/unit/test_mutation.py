@@ -123,24 +123,49 @@ def test_the_report_counts_tried_mutants_and_lists_survivors(sample: ModuleType)
     assert not any("m.x_g" in line for line in lines)
 
 
-def test_also_copy_leaves_the_mutated_modules_alone_and_copies_the_rest() -> None:
+@pytest.fixture(scope="module")
+def tree(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tree make mutate runs mutmut in (scripts/mutation_tree.py)."""
+    spec = importlib.util.spec_from_file_location(
+        "mutation_tree", ROOT / "scripts" / "mutation_tree.py"
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    stage: Path = tmp_path_factory.mktemp("mutate")
+    module.build(stage, ROOT)
+    return stage
+
+
+def test_the_mutation_tree_holds_every_part_of_the_package_in_one_folder(tree: Path) -> None:
+    package = tree / "src" / "jobplane"
+    for part in ("server", "workers", "client", "migrations", "contrib"):
+        assert (package / part / "__init__.py").is_file(), part
+    assert (package / "store" / "machine" / "table.py").is_file()
+    assert (tree / "tests" / "conftest.py").is_file()
+    # mutmut regenerates a module whose source is newer than its mutant: copies keep mtimes.
+    source = ROOT / "core" / "jobplane" / "store" / "jobs.py"
+    assert (package / "store" / "jobs.py").stat().st_mtime == source.stat().st_mtime
+
+
+def test_also_copy_leaves_the_mutated_modules_alone_and_copies_the_rest(tree: Path) -> None:
     # A copied file takes its source's mtime, and mutmut regenerates a module
     # whose mutated file is not newer than its source: copying a mutated
     # module would make every run regenerate every mutant. mutmut copies a
     # source path's other files only when they are missing, so those (the
     # store's SQL) must be copied to reach the tests when edited.
-    settings = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["mutmut"]
+    settings = tomllib.loads((tree / "pyproject.toml").read_text())["tool"]["mutmut"]
     mutated = [Path(p) for p in settings["source_paths"]]
     copied = [Path(p) for p in settings["also_copy"]]
     for path in copied:
-        assert (ROOT / path).exists(), path
+        assert (tree / path).exists(), path
 
     def files(path: Path) -> set[Path]:
-        if (ROOT / path).is_file():
+        if (tree / path).is_file():
             return {path}
         return {
-            f.relative_to(ROOT)
-            for f in (ROOT / path).rglob("*")
+            f.relative_to(tree)
+            for f in (tree / path).rglob("*")
             if f.is_file() and "__pycache__" not in f.parts
         }
 
@@ -152,7 +177,7 @@ def test_also_copy_leaves_the_mutated_modules_alone_and_copies_the_rest() -> Non
     assert not stale, f"add to [tool.mutmut] also_copy: {sorted(map(str, stale))}"
     entries = {
         Path("src/jobplane") / e.name
-        for e in (ROOT / "src" / "jobplane").iterdir()
+        for e in (tree / "src" / "jobplane").iterdir()
         if e.name != "__pycache__" and not e.name.endswith(".egg-info")
     }
     missing = entries - set(mutated) - set(copied)

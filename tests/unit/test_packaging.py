@@ -82,8 +82,8 @@ def test_the_wheel_has_its_license_classifiers_and_urls() -> None:
 def test_the_wheel_carries_the_sql_api_files_and_their_frozen_copies() -> None:
     """jobplane.store.sqlapi reads the live files; migrations read the frozen copies."""
     names = set(zipfile.ZipFile(built_wheel()).namelist())
-    live = sorted(ROOT.joinpath("src/jobplane/store/sql").glob("*.sql"))
-    frozen = sorted(ROOT.joinpath("migrations/sql").glob("*.sql"))
+    live = sorted(ROOT.joinpath("core/jobplane/store/sql").glob("*.sql"))
+    frozen = sorted(ROOT.joinpath("migrations/jobplane/migrations/sql").glob("*.sql"))
     assert {"submit_job.sql", "publish_event.sql"} <= {p.name for p in live}
     assert frozen
     expected = {f"jobplane/store/sql/{p.name}" for p in live}

@@ -205,8 +205,8 @@ async def test_the_dashboard_alone_takes_the_limits_the_server_does(
     # `jobplane ui` builds its limiter from every limit setting, as `serve` does.
     from jobplane import process
     from jobplane.cli import build_parser
-    from jobplane.dashboard import app
     from jobplane.server import cli
+    from jobplane.server.dashboard import app
 
     class Built(Exception):
         """The backend's arguments, seen: stop before any service is needed."""

@@ -26,7 +26,7 @@ from jobplane.store.workers import WorkerRecord, WorkerStore
 from jobplane.topology import Topology
 from jobplane.workers.dlq import FailedMessage, FailedQueue, ReplayReport
 
-log = structlog.get_logger("jobplane.dashboard")
+log = structlog.get_logger("jobplane.server.dashboard")
 
 K = TypeVar("K", bound=Hashable)
 V = TypeVar("V")

@@ -23,14 +23,6 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from jobplane.aioweb import start_site
 from jobplane.config import ConfigError, ListenAddress, Network, parse_listen
-from jobplane.dashboard.forms import BadField
-from jobplane.dashboard.session import (
-    SESSION_COOKIE,
-    Session,
-    SessionCodec,
-    SignInThrottle,
-)
-from jobplane.dashboard.shared import FAILED_SECONDS, Cached, Deployment
 from jobplane.errors import (
     FailedPrecondition,
     InvalidArgument,
@@ -38,6 +30,14 @@ from jobplane.errors import (
     TenantLimitExceeded,
     Unavailable,
 )
+from jobplane.server.dashboard.forms import BadField
+from jobplane.server.dashboard.session import (
+    SESSION_COOKIE,
+    Session,
+    SessionCodec,
+    SignInThrottle,
+)
+from jobplane.server.dashboard.shared import FAILED_SECONDS, Cached, Deployment
 from jobplane.server.events import EventService
 from jobplane.server.limits import TenantLimiter
 from jobplane.server.service import JobService
@@ -45,7 +45,7 @@ from jobplane.store.down import database_unavailable
 from jobplane.store.keys import KeyIdentity, KeyStore
 from jobplane.topology import Topology
 
-log = structlog.get_logger("jobplane.dashboard")
+log = structlog.get_logger("jobplane.server.dashboard")
 
 CSP = (
     "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self'; "
@@ -265,7 +265,7 @@ class Dashboard:
         origin: str | None = None,
         trusted_proxies: tuple[Network, ...] = (),
     ) -> None:
-        from jobplane.dashboard.views import routes
+        from jobplane.server.dashboard.views import routes
 
         address = parse_listen(listen, name=setting) if isinstance(listen, str) else listen
         if address is None:
@@ -277,7 +277,7 @@ class Dashboard:
         app[BACKEND] = backend
         app[CODEC] = SessionCodec(secret or secrets.token_bytes(32), max_age=session_seconds)
         app[TEMPLATES] = jinja2.Environment(
-            loader=jinja2.PackageLoader("jobplane.dashboard", "templates"),
+            loader=jinja2.PackageLoader("jobplane.server.dashboard", "templates"),
             autoescape=True,
             undefined=jinja2.StrictUndefined,
         )

@@ -64,7 +64,7 @@ _SIGNATURE = "jobplane.submit_job(text, text, jsonb, text, text, integer, jsonb,
 # 1e16 on. The shortest digits are those of the number as stored when it came
 # from such a form (or float8's shortest output, whichever is shorter: that
 # output is not always the shortest). A number outside a double's range
-# counts as stored. (migrations/sql/0007_number_length.sql, 0007_payload_size.sql)
+# counts as stored. (../sql/0007_number_length.sql, 0007_payload_size.sql)
 _NUMBER_LENGTH = "0007_number_length.sql"
 _PAYLOAD_SIZE = "0007_payload_size.sql"
 _SUBMIT_JOB = "0007_submit_job.sql"

@@ -1,5 +1,5 @@
 """The dashboard: jobplane's own web pages, served by the server process (docs/dashboard.md)."""
 
-from jobplane.dashboard.app import Backend, Dashboard
+from jobplane.server.dashboard.app import Backend, Dashboard
 
 __all__ = ["Backend", "Dashboard"]

@@ -4,7 +4,7 @@
 --
 -- The current definition, as the migrations leave it in a database. A change is a
 -- new migration that installs a copy of this file, frozen as
--- migrations/sql/{revision}_compact_json.sql; tests/integration/test_sql_files.py fails
+-- migrations/jobplane/migrations/sql/{revision}_compact_json.sql; tests/integration/test_sql_files.py fails
 -- while the two disagree (docs/adr/0035-sql-api-as-files.md).
 
 CREATE OR REPLACE FUNCTION jobplane.compact_json(value jsonb) RETURNS text

@@ -168,7 +168,7 @@ async def _dashboard(
 ) -> Any:
     """Start the dashboard on ``listen`` (stopped with ``stack``); a taken port is a
     ConfigError naming ``setting``."""
-    from jobplane.dashboard import Dashboard
+    from jobplane.server.dashboard import Dashboard
 
     ui = Dashboard(
         backend,
@@ -195,7 +195,7 @@ async def _server_dashboard(
     default: str | None,
 ) -> Any:
     """The dashboard in a server's process, sharing its feeds, engine and key cache."""
-    from jobplane.dashboard import Backend
+    from jobplane.server.dashboard import Backend
 
     listen, setting = _ui_listen(settings, flag, "--ui-listen", default)
     if listen is None:
@@ -221,7 +221,7 @@ def _ui_listen(
 
 async def _ui(args: argparse.Namespace) -> int:
     from jobplane.config import DEFAULT_UI_LISTEN
-    from jobplane.dashboard.app import standalone_backend
+    from jobplane.server.dashboard.app import standalone_backend
     from jobplane.server.limits import TenantLimiter, TenantLimits
     from jobplane.store.engine import create_engine
 

@@ -1,4 +1,4 @@
-"""The SQL a migration installs, frozen in ``migrations/sql/{revision}_{name}.sql``.
+"""The SQL a migration installs, frozen in ``sql/{revision}_{name}.sql`` beside this module.
 
 A migration reads its own revision's copies (and, to downgrade, those of the
 revision before), never the live files in ``jobplane/store/sql/``: those

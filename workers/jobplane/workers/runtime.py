@@ -8,9 +8,9 @@ through the outbox, or parked when no live worker handles it (ADR-0007).
 Whatever goes wrong while a message is handled, it ends acked or nacked.
 
 Here: the :class:`Worker`, what it is made of and its start and stop. Its
-parts: consuming deliveries (``workers/delivery.py``), running a handler
-attempt (``workers/attempt.py``, ``workers/running.py``) and recording its
-outcome (``workers/recording.py``). Each part is a base class of
+parts: consuming deliveries (``delivery.py``), running a handler
+attempt (``attempt.py``, ``running.py``) and recording its
+outcome (``recording.py``). Each part is a base class of
 :class:`Worker` holding its methods; the worker's constructor sets up the
 state they share.
 """

@@ -14,8 +14,10 @@ from urllib.parse import urlencode
 
 from aiohttp import web
 
-from jobplane.dashboard import live
-from jobplane.dashboard.app import (
+from jobplane.errors import InvalidArgument, JobNotFound, TenantLimitExceeded
+from jobplane.names import parse_job_name
+from jobplane.server.dashboard import live
+from jobplane.server.dashboard.app import (
     BACKEND,
     CODEC,
     COUNTS,
@@ -28,7 +30,7 @@ from jobplane.dashboard.app import (
     still_signed_in,
     viewer,
 )
-from jobplane.dashboard.forms import (
+from jobplane.server.dashboard.forms import (
     BadField,
     JobFilters,
     after_seq,
@@ -37,14 +39,12 @@ from jobplane.dashboard.forms import (
     no_query,
     single,
 )
-from jobplane.dashboard.session import (
+from jobplane.server.dashboard.session import (
     SESSION_COOKIE,
     SIGNIN_COOKIE,
     SIGNIN_SECONDS,
     client_address,
 )
-from jobplane.errors import InvalidArgument, JobNotFound, TenantLimitExceeded
-from jobplane.names import parse_job_name
 from jobplane.server.events import SubscribeStart
 from jobplane.store.events import Position
 from jobplane.store.keys import KeyIdentity, WorkerIdentity, hash_key
@@ -478,4 +478,4 @@ async def events_live(request: web.Request) -> web.StreamResponse:
     return stream.response
 
 
-routes.static("/static", str(resources.files("jobplane.dashboard") / "static"))
+routes.static("/static", str(resources.files("jobplane.server.dashboard") / "static"))

@@ -49,7 +49,7 @@ class AsyncClient(JobCalls, BlobCalls, EventCalls):
     the tracing ones.
 
     The constructor, :meth:`close` and the retries of a call are the
-    connection's (``client/_channel.py``); each service's calls are in the
+    connection's (``client/jobplane/client/_channel.py``); each service's calls are in the
     part named for it.
     """
 

@@ -3,7 +3,7 @@
 --
 -- The current definition, as the migrations leave it in a database. A change is a
 -- new migration that installs a copy of this file, frozen as
--- migrations/sql/{revision}_submit_job.sql; tests/integration/test_sql_files.py fails
+-- migrations/jobplane/migrations/sql/{revision}_submit_job.sql; tests/integration/test_sql_files.py fails
 -- while the two disagree (docs/adr/0035-sql-api-as-files.md).
 --
 -- @SCHEMA@ is where jobplane's tables are, fixed when the function is created so that
