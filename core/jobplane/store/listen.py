@@ -122,11 +122,6 @@ class Listener:
         """Also call ``callback()`` whenever every subscriber is woken (e.g. on reconnect)."""
         self._reset_callbacks.append(callback)
 
-    @property
-    def subscriber_count(self) -> int:
-        """Subscribers registered now."""
-        return sum(len(s) for s in self._subs.values())
-
     def _on_notify(self, _conn: object, _pid: int, _channel: str, payload: object) -> None:
         payload = str(payload)
         for sub in self._subs.get(payload, ()):

@@ -63,13 +63,6 @@ class PipelineSpec:
     stages: tuple[StageSpec, ...]
     version: str = ""
 
-    def stage_index(self, name: str) -> int | None:
-        """The index of the stage called ``name``, or None."""
-        for i, stage in enumerate(self.stages):
-            if stage.name == name:
-                return i
-        return None
-
 
 @dataclass(frozen=True, slots=True)
 class Topology:

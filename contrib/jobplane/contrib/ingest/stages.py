@@ -66,15 +66,6 @@ class BlobInfoLike(Protocol):
     def content_type(self) -> str | None: ...
 
 
-class BlobReaderLike(Protocol):
-    """An open blob."""
-
-    @property
-    def info(self) -> BlobInfoLike: ...
-
-    async def read(self, n: int = -1) -> bytes: ...
-
-
 class StageContext(Protocol):
     """The part of :class:`jobplane.workers.JobContext` the stages use."""
 
