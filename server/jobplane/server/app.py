@@ -1,5 +1,5 @@
 """The grpc.aio server and what it owns: JobService, EventService, BlobService,
-WorkerService, health, reflection."""
+ScheduleService, WorkerService, health, reflection."""
 
 from __future__ import annotations
 
@@ -27,6 +27,8 @@ from jobplane.server.blob_servicer import MAX_CHUNK_BYTES, BlobServiceServicer
 from jobplane.server.decode import RefuseUndecodable
 from jobplane.server.events import EventService
 from jobplane.server.limits import TenantLimiter, TenantLimits
+from jobplane.server.schedule_servicer import ScheduleServiceServicer
+from jobplane.server.schedules import ScheduleService
 from jobplane.server.service import MAX_BATCH_REQUEST_BYTES, JobService, max_request_bytes
 from jobplane.server.servicer import EventServiceServicer, JobServiceServicer
 from jobplane.server.worker_protocol import WorkerService
@@ -53,6 +55,8 @@ from jobplane.v1 import (
     events_pb2_grpc,
     jobs_pb2,
     jobs_pb2_grpc,
+    schedules_pb2,
+    schedules_pb2_grpc,
     workers_pb2,
     workers_pb2_grpc,
 )
@@ -68,8 +72,9 @@ _INSUFFICIENT_PRIVILEGE = "42501"
 SERVICE_NAME = jobs_pb2.DESCRIPTOR.services_by_name["JobService"].full_name
 EVENT_SERVICE_NAME = events_pb2.DESCRIPTOR.services_by_name["EventService"].full_name
 BLOB_SERVICE_NAME = blobs_pb2.DESCRIPTOR.services_by_name["BlobService"].full_name
+SCHEDULE_SERVICE_NAME = schedules_pb2.DESCRIPTOR.services_by_name["ScheduleService"].full_name
 # The API services: behind the same gate (tenant keys), reported by health.
-API_SERVICES = (SERVICE_NAME, EVENT_SERVICE_NAME, BLOB_SERVICE_NAME)
+API_SERVICES = (SERVICE_NAME, EVENT_SERVICE_NAME, BLOB_SERVICE_NAME, SCHEDULE_SERVICE_NAME)
 # Behind its own gate, for worker keys only (ADR-0018).
 WORKER_SERVICE_NAME = workers_pb2.DESCRIPTOR.services_by_name["WorkerService"].full_name
 
@@ -194,6 +199,7 @@ class JobplaneServer(Lifecycle):
             blobs=blobs,
             inline_bytes=inline_bytes,
         )
+        self.schedules = ScheduleService(engine, topology, max_payload_bytes=max_payload_bytes)
         self.max_receive_bytes = _max_receive_bytes(max_payload_bytes)
         self.service.metrics = self.workers.metrics = metrics
         metrics.add_streams(self.limiter.open_streams)
@@ -263,6 +269,9 @@ class JobplaneServer(Lifecycle):
             WorkerServiceServicer(self.workers), server
         )
         blobs_pb2_grpc.add_BlobServiceServicer_to_server(BlobServiceServicer(self.blobs), server)
+        schedules_pb2_grpc.add_ScheduleServiceServicer_to_server(
+            ScheduleServiceServicer(self.schedules, self.service), server
+        )
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection(
             (
