@@ -41,9 +41,7 @@ async def test_the_schedules_commands(stack: Stack) -> None:
     # A cron schedule given an interval too: refused on the field, nothing changed.
     code, _, err = await jobplane(stack, "schedules", "update", "hourly", "--interval", "30")
     assert code == 1 and "cron" in err
-    code, out, _ = await jobplane(
-        stack, "schedules", "update", "hourly", "--payload", '{"a": 2}'
-    )
+    code, out, _ = await jobplane(stack, "schedules", "update", "hourly", "--payload", '{"a": 2}')
     assert code == 0 and "schedules/hourly" in out
     code, out, _ = await jobplane(stack, "schedules", "pause", "hourly")
     assert code == 0 and "paused" in out

@@ -25,6 +25,7 @@ from jobplane.client import (
 )
 from jobplane.faults import FaultPoints, InjectedFault
 from jobplane.schedule_types import SCHEDULE_LABEL
+from jobplane.server.schedule_builtin import sync_retention_schedules
 from jobplane.store.engine import create_engine
 from jobplane.store.schedule_ticks import tick_once
 from jobplane.topology import Topology
@@ -333,3 +334,27 @@ async def test_a_bad_update_changes_nothing(stack: Stack) -> None:
         await client.update_schedule(schedule, interval=0)
     assert refused.value.field == "schedule.spec.interval"
     assert (await client.get_schedule(schedule)).spec.interval_seconds == 60
+
+
+async def test_a_tenant_with_a_horizon_gets_the_builtin_retention_schedule(stack: Stack) -> None:
+    async with stack.engine.begin() as conn:
+        await conn.execute(text("UPDATE tenants SET retention_days = 30 WHERE name = 'acme'"))
+    done = await sync_retention_schedules(stack.engine, stack.topology)
+    assert (done.created, done.removed) == (1, 0)
+    again = await sync_retention_schedules(stack.engine, stack.topology)
+    assert (again.created, again.removed) == (0, 0)
+    schedule = await stack.client().get_schedule("jobplane-retention")
+    assert schedule.template.type == "maintenance.retention"
+    assert schedule.catch_up is CatchUp.ONE
+    assert schedule.next_run_time is not None
+    # Its tick submits the tenant's retention job.
+    await _move_due(stack, schedule.id, datetime.now(UTC) - timedelta(seconds=1))
+    assert (await tick_once(stack.engine)).runs == 1
+    (run,) = await _jobs_of(stack, schedule.name)
+    assert run[1] == "queued"
+    async with stack.engine.begin() as conn:
+        await conn.execute(text("UPDATE tenants SET retention_days = NULL WHERE name = 'acme'"))
+    gone = await sync_retention_schedules(stack.engine, stack.topology)
+    assert (gone.created, gone.removed) == (0, 1)
+    with pytest.raises(ScheduleNotFound):
+        await stack.client().get_schedule("jobplane-retention")

@@ -189,6 +189,14 @@ class ScheduleStore:
             raise ScheduleExists(f"{schedule.name} exists already", field="schedule_id")
         return schedule_from_row(row)
 
+    async def ensure(self, tenant_id: uuid.UUID, schedule: Schedule) -> bool:
+        """Create ``schedule`` unless the tenant has one of its id; whether it was created."""
+        try:
+            await self.create(tenant_id, schedule)
+        except ScheduleExists:
+            return False
+        return True
+
     async def get(self, tenant_id: uuid.UUID, schedule_id: str) -> Schedule:
         """One schedule; :class:`ScheduleNotFound` otherwise."""
         async with self._engine.connect() as conn:

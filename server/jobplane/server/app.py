@@ -19,6 +19,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from jobplane.config import MAX_PAYLOAD_BYTES_LIMIT
 from jobplane.faults import NO_FAULTS, FaultPoints
 from jobplane.lifecycle import Lifecycle
+from jobplane.logs import describe_error
 from jobplane.observe import tracing
 from jobplane.observe.metrics import NO_METRICS, Metrics
 from jobplane.observe.tracing import ServerTracing
@@ -27,6 +28,7 @@ from jobplane.server.blob_servicer import MAX_CHUNK_BYTES, BlobServiceServicer
 from jobplane.server.decode import RefuseUndecodable
 from jobplane.server.events import EventService
 from jobplane.server.limits import TenantLimiter, TenantLimits
+from jobplane.server.schedule_builtin import sync_retention_schedules
 from jobplane.server.schedule_servicer import ScheduleServiceServicer
 from jobplane.server.schedules import ScheduleService
 from jobplane.server.service import MAX_BATCH_REQUEST_BYTES, JobService, max_request_bytes
@@ -235,6 +237,7 @@ class JobplaneServer(Lifecycle):
         await self.event_hub.start()
         await self.key_events.start()
         await self._sync_submit_rules()
+        await self._install_schedules()
         self.workers.deployment = (await this_deployment(self._engine)).id
         server = grpc.aio.server(
             # Authentication first: a call without a valid key is refused
@@ -259,29 +262,7 @@ class JobplaneServer(Lifecycle):
                 ("grpc.server.max_pending_requests_hard_limit", 2 * MAX_PENDING_CALLS),
             ],
         )
-        jobs_pb2_grpc.add_JobServiceServicer_to_server(
-            JobServiceServicer(self.service, self.limiter), server
-        )
-        events_pb2_grpc.add_EventServiceServicer_to_server(
-            EventServiceServicer(self.events), server
-        )
-        workers_pb2_grpc.add_WorkerServiceServicer_to_server(
-            WorkerServiceServicer(self.workers), server
-        )
-        blobs_pb2_grpc.add_BlobServiceServicer_to_server(BlobServiceServicer(self.blobs), server)
-        schedules_pb2_grpc.add_ScheduleServiceServicer_to_server(
-            ScheduleServiceServicer(self.schedules, self.service), server
-        )
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
-        reflection.enable_server_reflection(
-            (
-                *API_SERVICES,
-                WORKER_SERVICE_NAME,
-                health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-                reflection.SERVICE_NAME,
-            ),
-            server,
-        )
+        self._add_servicers(server)
         if self._tls is None:
             self.port = server.add_insecure_port(self._listen)
         else:
@@ -308,6 +289,42 @@ class JobplaneServer(Lifecycle):
         for service in ("", *API_SERVICES, WORKER_SERVICE_NAME):
             await self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
         self._serving = True
+
+    def _add_servicers(self, server: grpc.aio.Server) -> None:
+        """Every service this server answers, with health and reflection."""
+        jobs_pb2_grpc.add_JobServiceServicer_to_server(
+            JobServiceServicer(self.service, self.limiter), server
+        )
+        events_pb2_grpc.add_EventServiceServicer_to_server(
+            EventServiceServicer(self.events), server
+        )
+        workers_pb2_grpc.add_WorkerServiceServicer_to_server(
+            WorkerServiceServicer(self.workers), server
+        )
+        blobs_pb2_grpc.add_BlobServiceServicer_to_server(BlobServiceServicer(self.blobs), server)
+        schedules_pb2_grpc.add_ScheduleServiceServicer_to_server(
+            ScheduleServiceServicer(self.schedules, self.service), server
+        )
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        reflection.enable_server_reflection(
+            (
+                *API_SERVICES,
+                WORKER_SERVICE_NAME,
+                health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+                reflection.SERVICE_NAME,
+            ),
+            server,
+        )
+
+    async def _install_schedules(self) -> None:
+        """The built-in retention schedules (ADR-0041); a failure is a warning only."""
+        try:
+            done = await sync_retention_schedules(self._engine, self._topology)
+        except DBAPIError as exc:
+            log.warning("server.schedules.not_installed", error=describe_error(exc))
+            return
+        if done.created or done.removed:
+            log.info("server.schedules.installed", created=done.created, removed=done.removed)
 
     async def _sync_submit_rules(self) -> None:
         """Give ``jobplane.submit_job`` this server's routes and payload limit.
