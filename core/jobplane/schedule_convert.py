@@ -7,7 +7,9 @@ A value protobuf can carry but a datetime cannot (a Timestamp past year
 
 from __future__ import annotations
 
+from dataclasses import replace
 from datetime import UTC, datetime, timedelta
+from typing import Literal
 
 from google.protobuf import timestamp_pb2
 
@@ -36,6 +38,7 @@ _CATCH_UP = {
     CatchUp.ONE: schedules_pb2.Schedule.CATCH_UP_POLICY_ONE,
     CatchUp.ALL: schedules_pb2.Schedule.CATCH_UP_POLICY_ALL,
 }
+_OutputTime = Literal["next_run_time", "last_run_time", "create_time", "update_time"]
 _OVERLAP_FROM = {v: k for k, v in _OVERLAP.items()}
 _CATCH_UP_FROM = {v: k for k, v in _CATCH_UP.items()}
 
@@ -76,15 +79,18 @@ def template_from_pb(message: schedules_pb2.JobTemplate, prefix: str) -> JobTemp
     )
 
 
-def schedule_from_pb(message: schedules_pb2.Schedule, prefix: str = "schedule") -> Schedule:
-    """A Schedule message as plain values (the output-only fields as sent)."""
+def schedule_from_pb(
+    message: schedules_pb2.Schedule, prefix: str = "schedule", *, output: bool = True
+) -> Schedule:
+    """A Schedule message as plain values. ``output=False`` (a request's schedule):
+    the output-only fields are ignored, as AIP-203 has it."""
     overlap = _OVERLAP_FROM.get(message.overlap_policy)
     catch_up = _CATCH_UP_FROM.get(message.catch_up_policy)
     if overlap is None and message.overlap_policy:
         raise InvalidArgument("unknown overlap_policy", field=f"{prefix}.overlap_policy")
     if catch_up is None and message.catch_up_policy:
         raise InvalidArgument("unknown catch_up_policy", field=f"{prefix}.catch_up_policy")
-    return Schedule(
+    schedule = Schedule(
         name=message.name,
         template=template_from_pb(message.job, f"{prefix}.job"),
         spec=spec_from_pb(message.spec, f"{prefix}.spec"),
@@ -92,23 +98,27 @@ def schedule_from_pb(message: schedules_pb2.Schedule, prefix: str = "schedule") 
         overlap=overlap or Overlap.SKIP,
         catch_up=catch_up or CatchUp.SKIP,
         catch_up_limit=message.catch_up_limit,
+    )
+    return _with_output(schedule, message) if output else schedule
+
+
+def _with_output(schedule: Schedule, message: schedules_pb2.Schedule) -> Schedule:
+    """``schedule`` with the output-only fields of ``message``."""
+
+    def time(field: _OutputTime) -> datetime | None:
+        return _time(getattr(message, field), field) if message.HasField(field) else None
+
+    return replace(
+        schedule,
         paused=message.paused,
-        next_run_time=_time(message.next_run_time, "next_run_time")
-        if message.HasField("next_run_time")
-        else None,
-        last_run_time=_time(message.last_run_time, "last_run_time")
-        if message.HasField("last_run_time")
-        else None,
+        next_run_time=time("next_run_time"),
+        last_run_time=time("last_run_time"),
         recent_runs=tuple(message.recent_jobs),
         runs=message.run_count,
         skipped=message.skipped_count,
         last_error=message.last_error,
-        create_time=_time(message.create_time, "create_time")
-        if message.HasField("create_time")
-        else None,
-        update_time=_time(message.update_time, "update_time")
-        if message.HasField("update_time")
-        else None,
+        create_time=time("create_time"),
+        update_time=time("update_time"),
     )
 
 

@@ -28,7 +28,7 @@ class ScheduleServiceServicer(schedules_pb2_grpc.ScheduleServiceServicer):
     ) -> schedules_pb2.Schedule:
         if not request.HasField("schedule"):
             raise InvalidArgument("schedule is required", field="schedule")
-        schedule = schedule_from_pb(request.schedule)
+        schedule = schedule_from_pb(request.schedule, output=False)
         created = await self._schedules.create(tenant, schedule, request.schedule_id)
         return schedule_to_pb(created)
 
@@ -56,7 +56,7 @@ class ScheduleServiceServicer(schedules_pb2_grpc.ScheduleServiceServicer):
     ) -> schedules_pb2.Schedule:
         if not request.HasField("schedule"):
             raise InvalidArgument("schedule is required", field="schedule")
-        schedule = schedule_from_pb(request.schedule)
+        schedule = schedule_from_pb(request.schedule, output=False)
         updated = await self._schedules.update(tenant, schedule, request.update_mask.paths)
         return schedule_to_pb(updated)
 
