@@ -9,10 +9,20 @@ from jobplane.convert import job_to_pb
 from jobplane.errors import InvalidArgument
 from jobplane.names import job_name
 from jobplane.schedule_convert import schedule_from_pb, schedule_to_pb
+from jobplane.schedule_types import Schedule
 from jobplane.server.schedules import ScheduleService
 from jobplane.server.service import JobService
 from jobplane.server.servicer import _unary
 from jobplane.v1 import jobs_pb2, schedules_pb2, schedules_pb2_grpc
+
+
+def _schedule_of(
+    request: schedules_pb2.CreateScheduleRequest | schedules_pb2.UpdateScheduleRequest,
+) -> Schedule:
+    """The request's schedule, its output-only fields ignored; required."""
+    if not request.HasField("schedule"):
+        raise InvalidArgument("schedule is required", field="schedule")
+    return schedule_from_pb(request.schedule, output=False)
 
 
 class ScheduleServiceServicer(schedules_pb2_grpc.ScheduleServiceServicer):
@@ -26,10 +36,7 @@ class ScheduleServiceServicer(schedules_pb2_grpc.ScheduleServiceServicer):
     async def CreateSchedule(
         self, tenant: uuid.UUID, request: schedules_pb2.CreateScheduleRequest
     ) -> schedules_pb2.Schedule:
-        if not request.HasField("schedule"):
-            raise InvalidArgument("schedule is required", field="schedule")
-        schedule = schedule_from_pb(request.schedule, output=False)
-        created = await self._schedules.create(tenant, schedule, request.schedule_id)
+        created = await self._schedules.create(tenant, _schedule_of(request), request.schedule_id)
         return schedule_to_pb(created)
 
     @_unary
@@ -54,10 +61,9 @@ class ScheduleServiceServicer(schedules_pb2_grpc.ScheduleServiceServicer):
     async def UpdateSchedule(
         self, tenant: uuid.UUID, request: schedules_pb2.UpdateScheduleRequest
     ) -> schedules_pb2.Schedule:
-        if not request.HasField("schedule"):
-            raise InvalidArgument("schedule is required", field="schedule")
-        schedule = schedule_from_pb(request.schedule, output=False)
-        updated = await self._schedules.update(tenant, schedule, request.update_mask.paths)
+        updated = await self._schedules.update(
+            tenant, _schedule_of(request), request.update_mask.paths
+        )
         return schedule_to_pb(updated)
 
     @_unary
