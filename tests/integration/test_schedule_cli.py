@@ -77,3 +77,15 @@ async def test_the_blocking_client_schedule_calls(stack: Stack) -> None:
                 client.get_schedule(made)
 
     await asyncio.to_thread(use)
+
+
+async def test_setting_a_horizon_installs_the_retention_schedule(stack: Stack) -> None:
+    code, _, err = await jobplane(stack, "tenants", "set-retention", "acme", "30")
+    assert code == 0, err
+    assert "schedules/jobplane-retention" in err
+    schedule = await stack.client().get_schedule("jobplane-retention")
+    assert schedule.template.type == "maintenance.retention"
+    code, _, err = await jobplane(stack, "tenants", "set-retention", "acme", "none")
+    assert code == 0, err
+    with pytest.raises(ScheduleNotFound):
+        await stack.client().get_schedule("jobplane-retention")
