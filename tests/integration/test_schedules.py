@@ -29,6 +29,8 @@ from jobplane.server.schedule_builtin import sync_retention_schedules
 from jobplane.store.engine import create_engine
 from jobplane.store.schedule_ticks import tick_once
 from jobplane.topology import Topology
+from jobplane.workers.demo import registry as demo_registry
+from jobplane.workers.maintenance import Maintenance
 from jobplane.workers.scheduler import Scheduler
 from tests.support.parts import Started
 from tests.support.stack import Stack, eventually, start_stack
@@ -358,3 +360,23 @@ async def test_a_tenant_with_a_horizon_gets_the_builtin_retention_schedule(stack
     assert (gone.created, gone.removed) == (0, 1)
     with pytest.raises(ScheduleNotFound):
         await stack.client().get_schedule("jobplane-retention")
+
+
+async def test_erasure_deletes_the_tenants_schedules_first(stack: Stack, started: Started) -> None:
+    await stack.start_relay()
+    maintenance = Maintenance(stack.engine, stack.db, live_wait=10.0, poll_interval=0.1)
+    await stack.start_worker(demo_registry.merge(maintenance.registry()))
+    client = stack.client()
+    ticking = await client.create_schedule("demo.echo", interval=1, overlap=Overlap.ALLOW_ALL)
+    await started(Scheduler(stack.engine, poll=0.1))
+
+    async def ran() -> bool:
+        return bool(await _jobs_of(stack, ticking.name))
+
+    await eventually(ran)
+    job = await client.submit("maintenance.erasure", {"confirm": "acme"})
+    done = await client.wait(job.name, timeout=60)
+    assert done.state is JobState.SUCCEEDED, done.error
+    assert done.result is not None and done.result["deleted"]["schedules"] == 1
+    assert await stack.scalar("SELECT count(*) FROM schedules") == 0
+    assert await _jobs_of(stack, ticking.name) == []
