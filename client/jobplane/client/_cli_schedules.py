@@ -9,7 +9,7 @@ from datetime import datetime
 from typing import Any
 
 from jobplane.client._cli_input import parse_labels, parse_payload
-from jobplane.client._cli_render import job_line, job_to_json, print_json
+from jobplane.client._cli_render import _jsonable, job_line, job_to_json, print_json
 from jobplane.client._cli_run import EXIT_OK, Parents, Subparsers, UsageError, command
 from jobplane.client.aio import AsyncClient
 from jobplane.schedule_types import CatchUp, Overlap, Schedule
@@ -103,16 +103,9 @@ def _given(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _schedule_json(schedule: Schedule) -> dict[str, Any]:
-    def plain(value: Any) -> Any:
-        if isinstance(value, datetime):
-            return value.isoformat()
-        if isinstance(value, dict):
-            return {k: plain(v) for k, v in value.items()}
-        if isinstance(value, list | tuple):
-            return [plain(v) for v in value]
-        return value.value if hasattr(value, "value") and not isinstance(value, int) else value
-
-    return {k: plain(v) for k, v in dataclasses.asdict(schedule).items()}
+    """The schedule as one JSON object (times in ISO 8601, policies by name)."""
+    plain: dict[str, Any] = _jsonable(dataclasses.asdict(schedule))
+    return plain
 
 
 def _schedule_line(schedule: Schedule) -> str:
