@@ -311,3 +311,64 @@ async def test_bad_schedules_are_refused_on_their_field_and_write_nothing(
 
     await asyncio.to_thread(check)
     assert seen["taken"] > 5 and seen["refused"] > 20, seen
+
+
+# -- cost: the jobs waiting cost the relay's claim nothing -------------------
+
+
+@pytest.mark.stack(relay=False, worker=False)
+async def test_the_claim_reads_no_waiting_row(stack: Stack) -> None:
+    """With thousands of dispatches not yet due, the claim of due ones is a range
+    scan of the due index that stops at now(): it reads none of them."""
+    from sqlalchemy import text
+
+    from jobplane.store.outbox import _CLAIM_DUE, _NEXT_DUE
+
+    client = stack.client()
+    for start in range(0, 10_000, 1000):
+        await client.submit_many(
+            [
+                {"type": "demo.echo", "payload": {"i": i}, "schedule_delay": 86_400}
+                for i in range(start, start + 1000)
+            ]
+        )
+    due = await client.submit("demo.echo", {"due": True})
+    async with stack.engine.connect() as conn:
+        await conn.execute(text("ANALYZE outbox"))
+        for statement, params in ((_CLAIM_DUE[0], {"limit": 100}), (_NEXT_DUE, {})):
+            plan = await conn.execute(
+                text(f"EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) {statement.text}"), params
+            )
+            root = plan.scalar_one()[0]
+            note_plan = json.dumps(root)
+            assert "Seq Scan" not in note_plan, note_plan
+            assert "Index" in note_plan, note_plan
+            # A handful of pages, not the 10,000 waiting rows' hundreds.
+            assert (
+                root["Plan"]["Shared Hit Blocks"] + root["Plan"].get("Shared Read Blocks", 0) < 50
+            ), note_plan
+    assert due.waiting_code == ""
+
+
+@pytest.mark.stack(worker=False)
+async def test_repairs_leave_a_scheduled_job_waiting(stack: Stack) -> None:
+    """The sweeper re-publishes only dispatches published and lost; an operator's
+    re-dispatch of a job not due yet is due at its schedule_time still."""
+    from jobplane.store.sweeps import SweepStore
+    from jobplane.workers.sweeper import Sweeper
+
+    job = await stack.client().submit("demo.echo", {}, schedule_delay=3600)
+    sweeper = Sweeper(stack.engine, republish_after=0.0, republish_every=0.0)
+    for _ in range(2):
+        result = await sweeper.sweep_once()
+        assert result.republished == 0
+    row = "SELECT count(*) FROM outbox WHERE kind = 'job.dispatch' AND published_at IS NULL"
+    assert await stack.scalar(row) == 1
+    again = await SweepStore(stack.engine).redispatch(stack.tenant_id, uuid.UUID(job.id), "test")
+    assert again is not None and again.waiting_code == "SCHEDULED"
+    due = await stack.scalar(
+        "SELECT o.available_at FROM outbox o JOIN jobs j ON o.id = j.dispatch_id WHERE j.id = :id",
+        id=job.id,
+    )
+    assert due == job.schedule_time
+    assert (await stack.client().get(job.name)).waiting_code == "SCHEDULED"
