@@ -10,6 +10,7 @@ dispatch behind; bad times are refused with the field and write nothing.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import uuid
 from collections.abc import AsyncIterator
@@ -113,7 +114,7 @@ async def test_the_relay_wakes_for_an_earlier_row_and_publishes_it_on_time(
     await eventually(lambda: published(now_job.id), timeout=5)
     for job in soon:
         assert job.schedule_time is not None
-        await eventually(lambda j=job: published(j.id), timeout=10)
+        await eventually(functools.partial(published, job.id), timeout=10)
         at = await stack.scalar(_DISPATCH.format(what="published_at"), id=job.id)
         assert timedelta(0) <= at - job.schedule_time < timedelta(seconds=1), at
     assert await stack.scalar("SELECT count(*) FROM outbox WHERE published_at IS NULL") == 1
@@ -192,14 +193,15 @@ async def test_the_sql_api_takes_a_time_or_a_delay(stack: Stack, conn: asyncpg.C
         < timedelta(minutes=10, seconds=5)
     )
     before = await stack.counts()
-    for kwargs, field in [
+    cases: list[tuple[dict[str, Any], str]] = [
         ({"schedule_time": at, "schedule_delay": 5}, "schedule_delay"),
         ({"schedule_time": datetime(1999, 12, 31, tzinfo=UTC)}, "schedule_time"),
         ({"schedule_time": datetime.now(UTC) + timedelta(days=400)}, "schedule_time"),
         ({"schedule_delay": -1}, "schedule_delay"),
         ({"schedule_delay": timedelta(days=367)}, "schedule_delay"),
         ({"schedule_delay": float("nan")}, "schedule_delay"),
-    ]:
+    ]
+    for kwargs, field in cases:
         with pytest.raises(SqlInvalidArgument) as info:
             await txn.submit_job(conn, tenant="acme", type="demo.echo", **kwargs)
         assert info.value.field == field, kwargs
