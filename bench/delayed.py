@@ -123,15 +123,19 @@ async def fig_delayed(bench: Bench) -> None:
     for name, values in (("publish", publish), ("start", start)):
         for p in (50, 99):
             bench.add(Figure(f"delayed_{name}_lag_p{p}", percentile(values, p), "ms", config))
-    bench.add(Figure("delayed_claim_without_waiting", empty_ms, "ms", {"blocks": empty_blocks}))
     bench.add(
-        Figure("delayed_claim_with_waiting", full_ms, "ms", {**config, "blocks": full_blocks})
+        Figure("delayed_claim_without_waiting", empty_ms * 1000, "us", {"blocks": empty_blocks})
+    )
+    bench.add(
+        Figure(
+            "delayed_claim_with_waiting", full_ms * 1000, "us", {**config, "blocks": full_blocks}
+        )
     )
     bench.add(Figure("delayed_claim_cost_ratio", full_ms / empty_ms, "x", config))
     p99 = percentile(start, 99)
     bench.notes.append(
         f"delayed jobs ({waiting:,} waiting): start lag p99 {p99:.0f} ms, target <= "
         f"{LAG_TARGET_MS:.0f} ms ({'met' if p99 <= LAG_TARGET_MS else 'MISSED'}); claim "
-        f"{empty_ms:.2f} -> {full_ms:.2f} ms ({full_ms / empty_ms:.2f}x), buffers "
+        f"{empty_ms * 1000:.1f} -> {full_ms * 1000:.1f} us ({full_ms / empty_ms:.2f}x), buffers "
         f"{empty_blocks} -> {full_blocks}"
     )
