@@ -65,6 +65,9 @@ class WaitingCode(enum.StrEnum):
     #: the jobs exchange (the broker's topology lacks the route). Retried;
     #: fixed by applying the topology.
     UNROUTABLE = "UNROUTABLE"
+    #: Its ``schedule_time`` has not come yet: its dispatch is due then
+    #: (docs/scheduling.md).
+    SCHEDULED = "SCHEDULED"
 
 
 @dataclass(frozen=True, slots=True)
@@ -180,6 +183,10 @@ class Job:
     #: The stable code of ``waiting_reason`` (a :class:`WaitingCode` value,
     #: e.g. ``UNROUTABLE``); empty when the job is not waiting for a known reason.
     waiting_code: str = ""
+    # Delayed jobs (docs/scheduling.md).
+    #: When the job may first start, as submitted; None for a job submitted
+    #: without a schedule_time or schedule_delay.
+    schedule_time: datetime | None = None
 
     @property
     def id(self) -> str:

@@ -1,6 +1,6 @@
 """Recurring schedules on real Postgres and RabbitMQ: the calls, each tick exactly
 one job across racing tickers and crashes, the overlap and catch-up policies,
-pause, resume and trigger (docs/schedules.md, ADR-0041)."""
+pause, resume and trigger (docs/scheduling.md, ADR-0041)."""
 
 from __future__ import annotations
 

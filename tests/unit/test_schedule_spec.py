@@ -1,5 +1,5 @@
 """When a schedule ticks: cron in a time zone across DST, intervals, windows,
-jitter and catch-up (jobplane.schedule_spec; docs/schedules.md)."""
+jitter and catch-up (jobplane.schedule_spec; docs/scheduling.md)."""
 
 from __future__ import annotations
 

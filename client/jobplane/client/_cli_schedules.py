@@ -1,5 +1,5 @@
 """The schedule commands: ``jobplane schedules create|get|list|update|pause|resume|
-trigger|delete`` (docs/schedules.md)."""
+trigger|delete`` (docs/scheduling.md)."""
 
 from __future__ import annotations
 

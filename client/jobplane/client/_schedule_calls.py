@@ -1,5 +1,5 @@
 """The schedule calls of :class:`~jobplane.client.AsyncClient`: recurring schedules
-(create, get, list, update, pause, resume, trigger, delete; docs/schedules.md)."""
+(create, get, list, update, pause, resume, trigger, delete; docs/scheduling.md)."""
 
 from __future__ import annotations
 
@@ -86,7 +86,7 @@ class ScheduleCalls(ChannelBase):
         empty) and ``interval`` (seconds or a timedelta, at least 1 s).
         ``schedule_id`` names it (``schedules/{schedule_id}``); empty: a
         generated id. The other arguments are SubmitJob's and the policies'
-        (docs/schedules.md).
+        (docs/scheduling.md).
         """
         schedule = Schedule(
             name="",

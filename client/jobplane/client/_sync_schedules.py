@@ -1,5 +1,5 @@
 """The schedule calls of the blocking :class:`~jobplane.client.Client`: each runs
-:class:`~jobplane.client.AsyncClient`'s on the client's loop (docs/schedules.md)."""
+:class:`~jobplane.client.AsyncClient`'s on the client's loop (docs/scheduling.md)."""
 
 from __future__ import annotations
 

@@ -254,6 +254,8 @@ class Client(SyncScheduleCalls):
         max_attempts: int = 0,
         labels: Mapping[str, str] | None = None,
         attempt_timeout: float | timedelta | None = None,
+        schedule_time: datetime | None = None,
+        schedule_delay: float | timedelta | None = None,
     ) -> Job:
         """Create a job of ``type`` and return it; see :meth:`AsyncClient.submit`."""
         return self._loop.run(
@@ -265,6 +267,8 @@ class Client(SyncScheduleCalls):
                 max_attempts=max_attempts,
                 labels=labels,
                 attempt_timeout=attempt_timeout,
+                schedule_time=schedule_time,
+                schedule_delay=schedule_delay,
             )
         )
 

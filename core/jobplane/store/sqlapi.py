@@ -13,12 +13,16 @@ from importlib.resources import files
 from sqlalchemy import text
 
 # asyncpg's placeholders; the casts let a caller bind JSON text.
+# The schedule_time is bound as text (as PUBLISH_EVENT's time), the delay as seconds.
 SUBMIT_JOB_ASYNCPG = (
-    "SELECT jobplane.submit_job($1, $2, CAST($3 AS jsonb), $4, $5, $6, CAST($7 AS jsonb), $8)"
+    "SELECT jobplane.submit_job($1, $2, CAST($3 AS jsonb), $4, $5, $6, CAST($7 AS jsonb), $8, "
+    "CAST(CAST($9 AS text) AS timestamptz), CAST($10 AS float8) * interval '1 second')"
 )
 SUBMIT_JOB = text(
     "SELECT jobplane.submit_job(:tenant, :type, CAST(:payload AS jsonb), :request_id, "
-    ":correlation_id, :max_attempts, CAST(:labels AS jsonb), :timeout_seconds)"
+    ":correlation_id, :max_attempts, CAST(:labels AS jsonb), :timeout_seconds, "
+    "CAST(CAST(:schedule_time AS text) AS timestamptz), "
+    "CAST(:schedule_delay AS float8) * interval '1 second')"
 )
 # The time is bound as text: asyncpg sends the last microsecond of year 9999
 # (datetime.max) as 'infinity'.

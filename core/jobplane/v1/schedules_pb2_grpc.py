@@ -33,7 +33,7 @@ class ScheduleServiceStub(object):
     Every call needs `authorization: Bearer <key>` metadata, as JobService's
     do; a tenant sees and changes only its own schedules. Each tick of a
     schedule submits exactly one job, however many servers and sweepers run
-    (docs/schedules.md): the job carries the label `jobplane.dev/schedule`
+    (docs/scheduling.md): the job carries the label `jobplane.dev/schedule`
     with the schedule's name, which GetJob, ListJobs, WatchJob and the
     job.queued event show.
     """
@@ -93,7 +93,7 @@ class ScheduleServiceServicer(object):
     Every call needs `authorization: Bearer <key>` metadata, as JobService's
     do; a tenant sees and changes only its own schedules. Each tick of a
     schedule submits exactly one job, however many servers and sweepers run
-    (docs/schedules.md): the job carries the label `jobplane.dev/schedule`
+    (docs/scheduling.md): the job carries the label `jobplane.dev/schedule`
     with the schedule's name, which GetJob, ListJobs, WatchJob and the
     job.queued event show.
     """
@@ -215,7 +215,7 @@ class ScheduleService(object):
     Every call needs `authorization: Bearer <key>` metadata, as JobService's
     do; a tenant sees and changes only its own schedules. Each tick of a
     schedule submits exactly one job, however many servers and sweepers run
-    (docs/schedules.md): the job carries the label `jobplane.dev/schedule`
+    (docs/scheduling.md): the job carries the label `jobplane.dev/schedule`
     with the schedule's name, which GetJob, ListJobs, WatchJob and the
     job.queued event show.
     """

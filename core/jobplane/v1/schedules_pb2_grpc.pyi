@@ -34,7 +34,7 @@ class ScheduleServiceStub:
     Every call needs `authorization: Bearer <key>` metadata, as JobService's
     do; a tenant sees and changes only its own schedules. Each tick of a
     schedule submits exactly one job, however many servers and sweepers run
-    (docs/schedules.md): the job carries the label `jobplane.dev/schedule`
+    (docs/scheduling.md): the job carries the label `jobplane.dev/schedule`
     with the schedule's name, which GetJob, ListJobs, WatchJob and the
     job.queued event show.
     """
@@ -73,7 +73,7 @@ class ScheduleServiceAsyncStub(ScheduleServiceStub):
     Every call needs `authorization: Bearer <key>` metadata, as JobService's
     do; a tenant sees and changes only its own schedules. Each tick of a
     schedule submits exactly one job, however many servers and sweepers run
-    (docs/schedules.md): the job carries the label `jobplane.dev/schedule`
+    (docs/scheduling.md): the job carries the label `jobplane.dev/schedule`
     with the schedule's name, which GetJob, ListJobs, WatchJob and the
     job.queued event show.
     """
@@ -108,7 +108,7 @@ class ScheduleServiceServicer(metaclass=_abc_1.ABCMeta):
     Every call needs `authorization: Bearer <key>` metadata, as JobService's
     do; a tenant sees and changes only its own schedules. Each tick of a
     schedule submits exactly one job, however many servers and sweepers run
-    (docs/schedules.md): the job carries the label `jobplane.dev/schedule`
+    (docs/scheduling.md): the job carries the label `jobplane.dev/schedule`
     with the schedule's name, which GetJob, ListJobs, WatchJob and the
     job.queued event show.
     """
