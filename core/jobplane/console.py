@@ -43,6 +43,7 @@ SERVER_MODULES = (
     "opentelemetry.exporter.otlp.proto.http",
     "jinja2",
     "aiohttp",
+    "cronsim",
 )
 #: Import names of the worker install's libraries (the ``worker`` extra,
 #: ADR-0033): with them, ``jobplane worker`` runs without the server install.

@@ -139,6 +139,20 @@ class JobNotFound(JobplaneError):
     reason = "JOB_NOT_FOUND"
 
 
+class ScheduleNotFound(JobplaneError):
+    """No such schedule (for this tenant)."""
+
+    code = grpc.StatusCode.NOT_FOUND
+    reason = "SCHEDULE_NOT_FOUND"
+
+
+class ScheduleExists(JobplaneError):
+    """The tenant has a schedule of that id already."""
+
+    code = grpc.StatusCode.ALREADY_EXISTS
+    reason = "SCHEDULE_EXISTS"
+
+
 class BlobNotFound(JobplaneError):
     """No blob with this name."""
 
@@ -277,6 +291,8 @@ _BY_REASON: dict[str, type[JobplaneError]] = {
         PermissionDenied,
         KeyScopeMismatch,
         JobNotFound,
+        ScheduleNotFound,
+        ScheduleExists,
         WorkerNotFound,
         TenantNotFound,
         RequestIdReused,

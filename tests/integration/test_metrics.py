@@ -406,3 +406,27 @@ async def test_a_batch_published_again_is_counted_once(
         and ("kind", "event_feed") not in labels
     )
     assert confirmed == rows
+
+
+async def test_the_schedule_lag_shows_a_schedule_nothing_ticks(
+    engine: AsyncEngine,
+    database_url: str,
+    amqp_url: str,
+    topology: Topology,
+    ops: OpsServer,
+    started: Started,
+) -> None:
+    watch_outbox(ops.metrics, engine)
+    stack = await started(
+        start_stack(engine, database_url, amqp_url, topology, relay=False, worker=False)
+    )
+    schedule = await stack.client().create_schedule("demo.echo", interval=3600)
+    assert value(await _scrape(ops), "jobplane_schedule_lag_seconds") == 0
+    async with engine.begin() as conn:
+        await conn.execute(
+            text(
+                "UPDATE schedules SET next_run_time = now() - interval '90 seconds' WHERE id = :id"
+            ),
+            {"id": schedule.id},
+        )
+    assert 90 <= value(await _scrape(ops), "jobplane_schedule_lag_seconds") < 150

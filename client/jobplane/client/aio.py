@@ -2,7 +2,8 @@
 
 :class:`AsyncClient` is its parts put together: the connection
 (``_channel``: settings, channel, the unary call and its retries) and the
-calls of each service (``_job_calls``, ``_blob_calls``, ``_event_calls``).
+calls of each service (``_job_calls``, ``_blob_calls``, ``_event_calls``,
+``_schedule_calls``).
 """
 
 from __future__ import annotations
@@ -23,11 +24,12 @@ from jobplane.client._channel import (
 from jobplane.client._event_calls import EventCalls
 from jobplane.client._job_calls import MAX_BLOB_JSON_BYTES, JobCalls, job_name_of
 from jobplane.client._retry import RetryPolicy
+from jobplane.client._schedule_calls import ScheduleCalls
 from jobplane.client.batch import JobSpec
 from jobplane.client.tls import ClientTLS
 
 
-class AsyncClient(JobCalls, BlobCalls, EventCalls):
+class AsyncClient(JobCalls, BlobCalls, EventCalls, ScheduleCalls):
     """An asyncio client of one jobplane server.
 
     Use it as an async context manager, or call :meth:`close` when done. The

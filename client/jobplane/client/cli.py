@@ -10,7 +10,7 @@ usage (a missing API key, a payload that is not a JSON object, ...).
 The commands are kept by what they serve: ``_cli_run`` (the connection flags, the
 client made from them, errors as exit codes), ``_cli_input`` (what the command line
 says), ``_cli_render`` (lines, tables, progress bars, JSON), and one module each for
-the job, event and blob commands. The names other modules use are re-exported here.
+the job, event, blob and schedule commands. The names other modules use are re-exported here.
 """
 
 from __future__ import annotations
@@ -58,6 +58,7 @@ from jobplane.client._cli_run import (
     command,
     common_parents,
 )
+from jobplane.client._cli_schedules import register_schedule_commands
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -67,6 +68,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     register_event_commands(subparsers, parents)
     _register_ingest(subparsers, parents)
     register_blob_commands(subparsers, parents)
+    register_schedule_commands(subparsers, parents)
 
 
 def _register_ingest(subparsers: Subparsers, parents: Parents) -> None:

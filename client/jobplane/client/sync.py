@@ -22,6 +22,7 @@ import grpc
 from jobplane.client._blobs import Source
 from jobplane.client._loop import BEGUN_BEFORE_FORK, CutByFork, End, LoopThread, next_item
 from jobplane.client._retry import RetryPolicy
+from jobplane.client._sync_schedules import SyncScheduleCalls
 from jobplane.client.aio import (
     DEFAULT_ADDRESS,
     DEFAULT_INLINE_BYTES,
@@ -86,7 +87,7 @@ if hasattr(os, "register_at_fork"):  # Not on Windows, which cannot fork.
     )
 
 
-class Client:
+class Client(SyncScheduleCalls):
     """A blocking client of one jobplane server; the twin of :class:`AsyncClient`.
 
     Calls run on a private event loop in a background thread, so the client is

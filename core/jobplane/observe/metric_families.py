@@ -53,6 +53,7 @@ FAMILIES = (
     "outbox_oldest",
     "outbox_scheduled",
     "jobs_waiting",
+    "schedule_lag",
     "relay_published",
     "relay_confirm",
     "relay_dispatch",
@@ -170,6 +171,12 @@ class MetricFamilies:
         self.outbox_scheduled = Gauge(
             "jobplane_outbox_scheduled_rows",
             "Outbox rows not due yet: scheduled retries (read at scrape time).",
+            registry=registry,
+        )
+        self.schedule_lag = Gauge(
+            "jobplane_schedule_lag_seconds",
+            "How long the most overdue recurring schedule's run has been due; 0 when none "
+            "is (read at scrape time).",
             registry=registry,
         )
         self.jobs_waiting = Gauge(

@@ -1,8 +1,8 @@
 """What a process's metrics read at scrape time from the database and the
-broker: the outbox's backlog and the jobs waiting by reason
-(:func:`watch_outbox`), the failed queue's depth and each queue's messages and
-consumers (:class:`FailedQueueDepth`). Never per job: once per scrape, each
-bounded by :data:`~jobplane.observe.metrics.REFRESH_TIMEOUT`.
+broker: the outbox's backlog, the jobs waiting by reason and how late the
+recurring schedules run (:func:`watch_outbox`), the failed queue's depth and
+each queue's messages and consumers (:class:`FailedQueueDepth`). Never per
+job: once per scrape, each bounded by :data:`~jobplane.observe.metrics.REFRESH_TIMEOUT`.
 
 Importable from :mod:`jobplane.observe.metrics`.
 """
@@ -35,6 +35,13 @@ _JOBS_WAITING = """
     WHERE waiting_code IS NOT NULL GROUP BY waiting_code
 """
 
+# Recurring schedules run late (no scheduler ticks, or it falls behind): the
+# schedules_due index holds the unpaused ones by their next run.
+_SCHEDULE_LAG = """
+    SELECT extract(epoch FROM now() - min(next_run_time)) FROM schedules
+    WHERE NOT paused AND next_run_time IS NOT NULL
+"""
+
 
 def watch_outbox(metrics: Metrics, engine: AsyncEngine) -> None:
     """Report the outbox's due rows, how long the longest-due one waits, the
@@ -45,11 +52,13 @@ def watch_outbox(metrics: Metrics, engine: AsyncEngine) -> None:
 
     statement = text(_OUTBOX_BACKLOG)
     waiting = text(_JOBS_WAITING)
+    schedule_lag = text(_SCHEDULE_LAG)
 
     async def read() -> None:
         async with engine.connect() as conn:
             row = (await conn.execute(statement)).one()
             codes = {str(r.waiting_code): int(r.jobs) for r in await conn.execute(waiting)}
+            lag = (await conn.execute(schedule_lag)).scalar()
         # The known codes always have a series (0 when no job waits so); the
         # codes are the server's own, never a tenant's, so the labels stay few.
         # SCHEDULED is not stored (read from schedule_time, ADR-0039): the
@@ -61,6 +70,8 @@ def watch_outbox(metrics: Metrics, engine: AsyncEngine) -> None:
         metrics.outbox_scheduled.set(int(row.scheduled))
         # Negative when every row is scheduled for later: none is due.
         metrics.outbox_oldest.set(max(float(row.oldest or 0.0), 0.0))
+        # Negative while every schedule's next run is ahead: none is late.
+        metrics.schedule_lag.set(max(float(lag or 0.0), 0.0))
 
     metrics.on_scrape("outbox", read)
 

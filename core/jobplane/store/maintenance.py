@@ -151,6 +151,7 @@ _DELETE_ALL_EVENT_ROWS = text(
     """
 )
 
+_DELETE_SCHEDULES = text("DELETE FROM schedules WHERE tenant_id = :tenant_id")
 _BLOB_COUNT = text("SELECT count(*) FROM blobs WHERE tenant_id = :tenant_id")
 _TENANT = text("SELECT id, name, retention_days FROM tenants WHERE id = :tenant_id")
 _TENANT_BY_NAME = text("SELECT id, name, retention_days FROM tenants WHERE name = :name")
@@ -363,6 +364,10 @@ class MaintenanceStore:
         """Blobs (rows) of the tenant."""
         async with self._auto.connect() as conn:
             return int((await conn.execute(_BLOB_COUNT, {"tenant_id": tenant_id})).scalar_one())
+
+    async def delete_schedules(self, tenant_id: uuid.UUID) -> int:
+        """Delete the tenant's recurring schedules (erasure: none may start a job after it)."""
+        return await self._rowcount(_DELETE_SCHEDULES, {"tenant_id": tenant_id})
 
     async def left(self, tenant_id: uuid.UUID, *, keep: uuid.UUID) -> dict[str, int]:
         """Rows of the tenant in each table, ``keep``'s own aside."""

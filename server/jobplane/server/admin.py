@@ -21,6 +21,8 @@ from jobplane.logs import configure
 from jobplane.process import _async
 
 if TYPE_CHECKING:
+    import uuid
+
     from sqlalchemy.ext.asyncio import AsyncEngine
 
     from jobplane.store.jobs import JobStore
@@ -113,6 +115,19 @@ def _retention_days(value: str) -> int | None:
         ) from None
 
 
+async def _retention_schedule(engine: AsyncEngine, tenant_id: uuid.UUID) -> None:
+    """Give the tenant its built-in retention schedule, or take it (ADR-0041)."""
+    from jobplane.server.schedule_builtin import sync_retention_schedules
+    from jobplane.topology import load_topology
+
+    topology = load_topology(Settings.from_env().topology_path)
+    done = await sync_retention_schedules(engine, topology, tenant_id)
+    if done.created:
+        print("schedules/jobplane-retention runs maintenance.retention daily", file=sys.stderr)
+    if done.removed:
+        print("schedules/jobplane-retention deleted: no horizon", file=sys.stderr)
+
+
 async def _tenants_command(engine: AsyncEngine, args: argparse.Namespace) -> int:
     import uuid
     from datetime import UTC
@@ -142,6 +157,7 @@ async def _tenants_command(engine: AsyncEngine, args: argparse.Namespace) -> int
         tenant = await store.set_retention(args.tenant, args.days)
         kept = "for ever" if tenant.retention_days is None else f"{tenant.retention_days} days"
         print(f"tenant {tenant.name!r}: finished jobs and events are kept {kept}", file=sys.stderr)
+        await _retention_schedule(engine, tenant.id)
         return 0
     if args.tenants == "retention":
         if args.all:

@@ -1,5 +1,5 @@
 """The grpc.aio server and what it owns: JobService, EventService, BlobService,
-WorkerService, health, reflection."""
+ScheduleService, WorkerService, health, reflection."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from jobplane.config import MAX_PAYLOAD_BYTES_LIMIT
 from jobplane.faults import NO_FAULTS, FaultPoints
 from jobplane.lifecycle import Lifecycle
+from jobplane.logs import describe_error
 from jobplane.observe import tracing
 from jobplane.observe.metrics import NO_METRICS, Metrics
 from jobplane.observe.tracing import ServerTracing
@@ -28,6 +29,9 @@ from jobplane.server.blob_servicer import MAX_CHUNK_BYTES, BlobServiceServicer
 from jobplane.server.decode import RefuseUndecodable
 from jobplane.server.events import EventService
 from jobplane.server.limits import TenantLimiter, TenantLimits
+from jobplane.server.schedule_builtin import sync_retention_schedules
+from jobplane.server.schedule_servicer import ScheduleServiceServicer
+from jobplane.server.schedules import ScheduleService
 from jobplane.server.service import MAX_BATCH_REQUEST_BYTES, JobService, max_request_bytes
 from jobplane.server.servicer import EventServiceServicer, JobServiceServicer
 from jobplane.server.worker_protocol import WorkerService
@@ -54,6 +58,8 @@ from jobplane.v1 import (
     events_pb2_grpc,
     jobs_pb2,
     jobs_pb2_grpc,
+    schedules_pb2,
+    schedules_pb2_grpc,
     workers_pb2,
     workers_pb2_grpc,
 )
@@ -69,8 +75,9 @@ _INSUFFICIENT_PRIVILEGE = "42501"
 SERVICE_NAME = jobs_pb2.DESCRIPTOR.services_by_name["JobService"].full_name
 EVENT_SERVICE_NAME = events_pb2.DESCRIPTOR.services_by_name["EventService"].full_name
 BLOB_SERVICE_NAME = blobs_pb2.DESCRIPTOR.services_by_name["BlobService"].full_name
+SCHEDULE_SERVICE_NAME = schedules_pb2.DESCRIPTOR.services_by_name["ScheduleService"].full_name
 # The API services: behind the same gate (tenant keys), reported by health.
-API_SERVICES = (SERVICE_NAME, EVENT_SERVICE_NAME, BLOB_SERVICE_NAME)
+API_SERVICES = (SERVICE_NAME, EVENT_SERVICE_NAME, BLOB_SERVICE_NAME, SCHEDULE_SERVICE_NAME)
 # Behind its own gate, for worker keys only (ADR-0018).
 WORKER_SERVICE_NAME = workers_pb2.DESCRIPTOR.services_by_name["WorkerService"].full_name
 
@@ -197,6 +204,7 @@ class JobplaneServer(Lifecycle):
             blobs=blobs,
             inline_bytes=inline_bytes,
         )
+        self.schedules = ScheduleService(engine, topology, max_payload_bytes=max_payload_bytes)
         self.max_receive_bytes = _max_receive_bytes(max_payload_bytes)
         self.service.metrics = self.workers.metrics = metrics
         metrics.add_streams(self.limiter.open_streams)
@@ -232,6 +240,7 @@ class JobplaneServer(Lifecycle):
         await self.event_hub.start()
         await self.key_events.start()
         await self._sync_submit_rules()
+        await self._install_schedules()
         self.workers.deployment = (await this_deployment(self._engine)).id
         server = grpc.aio.server(
             # Authentication first: a call without a valid key is refused
@@ -256,26 +265,7 @@ class JobplaneServer(Lifecycle):
                 ("grpc.server.max_pending_requests_hard_limit", 2 * MAX_PENDING_CALLS),
             ],
         )
-        jobs_pb2_grpc.add_JobServiceServicer_to_server(
-            JobServiceServicer(self.service, self.limiter), server
-        )
-        events_pb2_grpc.add_EventServiceServicer_to_server(
-            EventServiceServicer(self.events), server
-        )
-        workers_pb2_grpc.add_WorkerServiceServicer_to_server(
-            WorkerServiceServicer(self.workers), server
-        )
-        blobs_pb2_grpc.add_BlobServiceServicer_to_server(BlobServiceServicer(self.blobs), server)
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
-        reflection.enable_server_reflection(
-            (
-                *API_SERVICES,
-                WORKER_SERVICE_NAME,
-                health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-                reflection.SERVICE_NAME,
-            ),
-            server,
-        )
+        self._add_servicers(server)
         if self._tls is None:
             self.port = server.add_insecure_port(self._listen)
         else:
@@ -302,6 +292,42 @@ class JobplaneServer(Lifecycle):
         for service in ("", *API_SERVICES, WORKER_SERVICE_NAME):
             await self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
         self._serving = True
+
+    def _add_servicers(self, server: grpc.aio.Server) -> None:
+        """Every service this server answers, with health and reflection."""
+        jobs_pb2_grpc.add_JobServiceServicer_to_server(
+            JobServiceServicer(self.service, self.limiter), server
+        )
+        events_pb2_grpc.add_EventServiceServicer_to_server(
+            EventServiceServicer(self.events), server
+        )
+        workers_pb2_grpc.add_WorkerServiceServicer_to_server(
+            WorkerServiceServicer(self.workers), server
+        )
+        blobs_pb2_grpc.add_BlobServiceServicer_to_server(BlobServiceServicer(self.blobs), server)
+        schedules_pb2_grpc.add_ScheduleServiceServicer_to_server(
+            ScheduleServiceServicer(self.schedules, self.service), server
+        )
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        reflection.enable_server_reflection(
+            (
+                *API_SERVICES,
+                WORKER_SERVICE_NAME,
+                health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+                reflection.SERVICE_NAME,
+            ),
+            server,
+        )
+
+    async def _install_schedules(self) -> None:
+        """The built-in retention schedules (ADR-0041); a failure is a warning only."""
+        try:
+            done = await sync_retention_schedules(self._engine, self._topology)
+        except DBAPIError as exc:
+            log.warning("server.schedules.not_installed", error=describe_error(exc))
+            return
+        if done.created or done.removed:
+            log.info("server.schedules.installed", created=done.created, removed=done.removed)
 
     async def _sync_submit_rules(self) -> None:
         """Give ``jobplane.submit_job`` this server's routes and payload limit.

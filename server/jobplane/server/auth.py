@@ -50,7 +50,7 @@ _WORKER: contextvars.ContextVar[WorkerIdentity | None] = contextvars.ContextVar(
 # the outbox spend submit tokens, streams hold stream slots. A batch spends
 # one here, before its body is read, and one for each further job once it is
 # (JobServiceServicer.BatchSubmitJobs).
-SUBMIT_RPCS = frozenset({"SubmitJob", "PublishEvent", "BatchSubmitJobs"})
+SUBMIT_RPCS = frozenset({"SubmitJob", "PublishEvent", "BatchSubmitJobs", "TriggerSchedule"})
 STREAM_RPCS = frozenset({"WatchJob", "SubscribeEvents"})
 
 

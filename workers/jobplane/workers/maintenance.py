@@ -221,6 +221,8 @@ class Maintenance:
         bound = log.bind(job=ctx.name, tenant=tenant.name)
         bound.info("maintenance.erasure.started")
         tally = _Tally(ctx, "jobs")
+        # First: a recurring schedule would submit jobs behind the erasure.
+        tally.add("schedules", await self._store.delete_schedules(tenant.id))
         await tally.report(0.0, "stopping the tenant's jobs")
         await self._stop_and_delete_jobs(tally, tenant, me, batch)
         tally.phase = "events"

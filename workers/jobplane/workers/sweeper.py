@@ -20,6 +20,10 @@
   and looks at no more than ``republish_scan`` QUEUED jobs per pass,
   continuing where its last pass stopped.
 
+- Recurring schedules: a :class:`~jobplane.workers.scheduler.Scheduler` runs
+  beside the sweeps (``schedules=False``: none), so every deployment ticks
+  them (ADR-0041).
+
 - Statistics a hot table has outgrown: a young table whose rows changed since
   its last ANALYZE outnumber the rows it had then is analyzed at once, so
   plans made while it was empty (prepared statements keep theirs) are made
@@ -51,6 +55,7 @@ from jobplane.tasks import cancel_and_wait
 from jobplane.topology import Topology
 from jobplane.workers.interceptors import RelayInterceptor, chain_relay
 from jobplane.workers.outcome import Failure
+from jobplane.workers.scheduler import Scheduler
 
 log = structlog.get_logger("jobplane.sweeper")
 
@@ -100,6 +105,7 @@ class Sweeper(Lifecycle):
         republish_scan: int = 10_000,
         interceptors: Sequence[RelayInterceptor] = (),
         interval: float = 5.0,
+        schedules: bool = True,
     ) -> None:
         """``republish_every`` defaults to a tenth of ``republish_after``, at least 30 s.
 
@@ -108,6 +114,8 @@ class Sweeper(Lifecycle):
         ``interceptors`` see each sweep's report and name the traces of its
         lines (the process hands tracing's and metrics'; none: nothing).
         ``interval``: seconds between the background sweeps, once started.
+        ``schedules``: tick recurring schedules while started (a
+        :class:`~jobplane.workers.scheduler.Scheduler` of its own).
         """
         self._intercept = chain_relay(interceptors)
         self._store = SweepStore(engine)
@@ -124,6 +132,7 @@ class Sweeper(Lifecycle):
         self._next_republish = 0.0  # monotonic; the first sweep runs the pass
         self._interval = interval
         self._task: asyncio.Task[None] | None = None
+        self.scheduler = Scheduler(engine) if schedules else None
 
     def _decide(self, lease: ExpiredLease) -> Decision:
         policy = RetryPolicy.of_queue(
@@ -205,9 +214,13 @@ class Sweeper(Lifecycle):
     async def start(self) -> None:
         """Sweep every ``interval`` seconds in the background (the first sweep after one)."""
         self._task = asyncio.create_task(self._loop(self._interval), name="jobplane-sweeper")
+        if self.scheduler is not None:
+            await self.scheduler.start()
 
     async def stop(self) -> None:
         """Stop the background loop; never raises what ended it."""
+        if self.scheduler is not None:
+            await self.scheduler.stop()
         task, self._task = self._task, None
         try:
             await cancel_and_wait(task)

@@ -1,0 +1,322 @@
+"""Ticking schedules: exactly one job per tick, however many tickers run (ADR-0041).
+
+A due schedule is claimed with ``FOR UPDATE SKIP LOCKED``; its runs' jobs are
+submitted through ``jobplane.submit_job`` in that same transaction, and the
+schedule is advanced past now in it too: the jobs exist if and only if the
+advance commits. A ticker that dies before the commit leaves the schedule
+due and no job; the next ticker to claim it submits the same ticks again.
+Each run's request_id is made of the schedule's uid and its tick, so even a
+tick claimed twice (which the lock prevents) returns the first job: the
+idempotency key of SubmitJob (AIP-155) is the second fence.
+
+A run that SubmitJob refuses (its type no longer routes, the tenant's limit)
+is rolled back to a savepoint, said in ``last_error``, and the tick passes.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+from sqlalchemy import text
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
+
+from jobplane.errors import JobplaneError, ScheduleNotFound
+from jobplane.faults import NO_FAULTS, FaultPoints
+from jobplane.schedule_spec import Overlap, due_ticks
+from jobplane.schedule_types import SCHEDULE_LABEL, Schedule
+from jobplane.store.machine import MACHINE, Cause, Transition
+from jobplane.store.schedules import COLUMN_NAMES, schedule_from_row, timing
+from jobplane.txn import submit_job
+from jobplane.types import JobState
+
+__all__ = ["TickReport", "tick_once", "trigger"]
+
+_COLUMNS = ", ".join(f"s.{c}" for c in COLUMN_NAMES) + ", s.tenant_id, t.name AS tenant_name"
+_CLAIM_DUE = text(
+    f"""
+    SELECT {_COLUMNS} FROM schedules s JOIN tenants t ON t.id = s.tenant_id
+    WHERE NOT s.paused AND s.next_run_time <= :now
+    ORDER BY s.next_run_time
+    LIMIT 1
+    FOR UPDATE OF s SKIP LOCKED
+    """
+)
+_CLAIM_BUFFERED = text(
+    f"""
+    SELECT {_COLUMNS} FROM schedules s JOIN tenants t ON t.id = s.tenant_id
+    WHERE s.buffered_tick IS NOT NULL AND NOT s.paused
+    ORDER BY s.buffered_tick
+    LIMIT :limit
+    FOR UPDATE OF s SKIP LOCKED
+    """
+)
+_LOCK_ONE = text(
+    f"""
+    SELECT {_COLUMNS} FROM schedules s JOIN tenants t ON t.id = s.tenant_id
+    WHERE s.tenant_id = :tenant_id AND s.id = :id
+    FOR UPDATE OF s
+    """
+)
+# The runs still going: QUEUED or RUNNING (bound, so the states' spelling
+# stays the machine's), among the newest runs.
+_ACTIVE = text(
+    "SELECT id FROM jobs WHERE tenant_id = :tenant_id AND id = ANY(CAST(:ids AS uuid[])) "
+    "AND state = ANY(CAST(:active AS text[])) ORDER BY create_time"
+)
+_ACTIVE_STATES = [JobState.QUEUED.value, JobState.RUNNING.value]
+_ADVANCE = text(
+    """
+    UPDATE schedules SET
+        next_tick = :next_tick, next_run_time = :next_run_time, buffered_tick = :buffered_tick,
+        recent_runs = (CAST(:started AS uuid[]) || recent_runs)[1:10],
+        runs = runs + cardinality(CAST(:started AS uuid[])), skipped = skipped + :skipped,
+        last_run_time = CASE WHEN cardinality(CAST(:started AS uuid[])) > 0
+                             THEN CAST(:now AS timestamptz)
+                             ELSE last_run_time END,
+        last_error = :last_error
+    WHERE tenant_id = :tenant_id AND id = :id
+    """
+)
+#: How many runs the newest-runs list keeps (what the overlap policy looks at).
+RECENT_RUNS = 10
+
+
+@dataclass(frozen=True, slots=True)
+class TickReport:
+    """What one pass did: runs started, ticks skipped, runs refused, the largest lag."""
+
+    runs: int = 0
+    skipped: int = 0
+    refused: int = 0
+    #: Seconds between a started run's due time and its submit, the largest of the pass.
+    lag_seconds: float = 0.0
+
+
+@dataclass(slots=True)
+class _Outcome:
+    started: list[uuid.UUID]
+    skipped: int = 0
+    refused: int = 0
+    error: str = ""
+    buffered: datetime | None = None
+
+
+async def tick_once(
+    engine: AsyncEngine,
+    *,
+    now: datetime | None = None,
+    limit: int = 1000,
+    faults: FaultPoints = NO_FAULTS,
+) -> TickReport:
+    """Run every schedule due at ``now`` (at most ``limit``), one transaction each;
+    then the ticks BUFFER_ONE held back whose run has ended."""
+    runs = skipped = refused = 0
+    lag = 0.0
+    for _ in range(limit):
+        moment = now or datetime.now(UTC)
+        async with engine.begin() as conn:
+            row = (await conn.execute(_CLAIM_DUE, {"now": moment})).mappings().first()
+            if row is None:
+                break
+            done = await _run_due(conn, row, moment)
+            faults.hit("schedule.before_commit")
+        runs += len(done.started)
+        skipped += done.skipped
+        refused += done.refused
+        if done.started and row["next_run_time"] is not None:
+            lag = max(lag, (datetime.now(UTC) - row["next_run_time"]).total_seconds())
+    runs += await _run_buffered(engine, limit, now, faults)
+    return TickReport(runs=runs, skipped=skipped, refused=refused, lag_seconds=lag)
+
+
+async def _run_due(conn: AsyncConnection, row: Mapping[Any, Any], now: datetime) -> _Outcome:
+    """The due ticks of the claimed schedule ``row``, and its advance past ``now``."""
+    schedule = schedule_from_row(row)
+    ticks = due_ticks(
+        schedule.spec,
+        row["anchor_time"],
+        row["next_tick"],
+        now,
+        schedule.catch_up,
+        schedule.catch_up_limit,
+    )
+    done = _Outcome(started=[], buffered=row["buffered_tick"], skipped=0 if ticks else 1)
+    active = await _active(conn, row)
+    for tick in ticks:
+        if active and schedule.overlap is Overlap.SKIP:
+            done.skipped += 1
+            continue
+        if active and schedule.overlap is Overlap.BUFFER_ONE:
+            if done.buffered is None:
+                done.buffered = tick
+            else:
+                done.skipped += 1
+            continue
+        if active and schedule.overlap is Overlap.CANCEL_OTHER:
+            await _cancel(conn, row, active)
+        job_id = await _submit_run(conn, row, schedule, _tick_key(row, tick), done)
+        if job_id is not None:
+            done.started.append(job_id)
+            active = [job_id]
+    next_tick, next_run = timing(str(row["uid"]), schedule.spec, row["anchor_time"], now)
+    await _advance(conn, row, done, now, next_tick=next_tick, next_run_time=next_run)
+    return done
+
+
+async def _run_buffered(
+    engine: AsyncEngine, limit: int, now: datetime | None, faults: FaultPoints
+) -> int:
+    """Start the held-back tick of each BUFFER_ONE schedule whose runs have all ended."""
+    started = 0
+    async with engine.begin() as conn:
+        rows = (await conn.execute(_CLAIM_BUFFERED, {"limit": limit})).mappings().all()
+        for row in rows:
+            if await _active(conn, row):
+                continue
+            schedule = schedule_from_row(row)
+            done = _Outcome(started=[])
+            job_id = await _submit_run(
+                conn, row, schedule, _tick_key(row, row["buffered_tick"]), done
+            )
+            done.started = [] if job_id is None else [job_id]
+            moment = now or datetime.now(UTC)
+            await _advance(
+                conn,
+                row,
+                done,
+                moment,
+                next_tick=row["next_tick"],
+                next_run_time=row["next_run_time"],
+            )
+            started += len(done.started)
+        if rows:
+            faults.hit("schedule.before_commit")
+    return started
+
+
+async def trigger(
+    engine: AsyncEngine, tenant_id: uuid.UUID, schedule_id: str, request_id: str
+) -> uuid.UUID:
+    """Run the schedule once now, whatever its spec, pause and overlap policy say; the job's id.
+
+    ``request_id`` makes a retried trigger the same run (empty: a new one).
+    """
+    key = request_id or str(uuid.uuid4())
+    async with engine.begin() as conn:
+        row = (
+            (await conn.execute(_LOCK_ONE, {"tenant_id": tenant_id, "id": schedule_id}))
+            .mappings()
+            .first()
+        )
+        if row is None:
+            raise ScheduleNotFound(f"schedules/{schedule_id} not found")
+        schedule = schedule_from_row(row)
+        job_id = await _submit(conn, row, schedule, f"schedules/{row['uid']}/trigger/{key}")
+        # A replayed request_id returns the run it started then: counted once.
+        again = job_id in row["recent_runs"]
+        done = _Outcome(
+            started=[] if again else [job_id],
+            buffered=row["buffered_tick"],
+            error=row["last_error"],
+        )
+        await _advance(
+            conn,
+            row,
+            done,
+            datetime.now(UTC),
+            next_tick=row["next_tick"],
+            next_run_time=row["next_run_time"],
+        )
+    return job_id
+
+
+def _tick_key(row: Mapping[Any, Any], tick: datetime) -> str:
+    """A tick's request_id: the schedule's uid (new for every schedule ever made) and the tick."""
+    return f"schedules/{row['uid']}/{tick.astimezone(UTC).isoformat()}"
+
+
+async def _active(conn: AsyncConnection, row: Mapping[Any, Any]) -> list[uuid.UUID]:
+    """The schedule's newest runs still QUEUED or RUNNING, oldest first."""
+    if not row["recent_runs"]:
+        return []
+    found = await conn.execute(
+        _ACTIVE,
+        {"tenant_id": row["tenant_id"], "ids": list(row["recent_runs"]), "active": _ACTIVE_STATES},
+    )
+    return [job_id for (job_id,) in found]
+
+
+async def _cancel(conn: AsyncConnection, row: Mapping[Any, Any], jobs: Sequence[uuid.UUID]) -> None:
+    """CANCEL_OTHER: cancel the queued runs, ask the running ones to stop (the machine's
+    transitions, each fenced by its job's state)."""
+    reason = f"cancelled by schedules/{row['id']}: a newer run started (CANCEL_OTHER)"
+    for job_id in jobs:
+        params = {"id": job_id, "tenant_id": row["tenant_id"], "reason": reason}
+        if not await MACHINE.apply(conn, Transition.CANCEL, params, Cause(reason)):
+            await MACHINE.apply(conn, Transition.REQUEST_CANCEL, params, Cause(reason))
+
+
+async def _submit_run(
+    conn: AsyncConnection,
+    row: Mapping[Any, Any],
+    schedule: Schedule,
+    request_id: str,
+    done: _Outcome,
+) -> uuid.UUID | None:
+    """One run's job, in a savepoint: a refusal rolls it back and is noted in ``done``."""
+    try:
+        async with conn.begin_nested():
+            job_id = await _submit(conn, row, schedule, request_id)
+    except JobplaneError as exc:
+        done.refused += 1
+        done.error = f"{exc.reason}: {exc.message}"
+        return None
+    done.error = ""
+    return job_id
+
+
+async def _submit(
+    conn: AsyncConnection, row: Mapping[Any, Any], schedule: Schedule, request_id: str
+) -> uuid.UUID:
+    """SubmitJob of the template, in ``conn``'s transaction, carrying the schedule's name."""
+    template = schedule.template
+    return await submit_job(
+        conn,
+        tenant=row["tenant_name"],
+        type=template.type,
+        payload=template.payload,
+        request_id=request_id,
+        max_attempts=template.max_attempts,
+        labels={**template.labels, SCHEDULE_LABEL: schedule.name},
+        attempt_timeout=template.timeout_seconds,
+    )
+
+
+async def _advance(
+    conn: AsyncConnection,
+    row: Mapping[Any, Any],
+    done: _Outcome,
+    now: datetime,
+    *,
+    next_tick: datetime | None,
+    next_run_time: datetime | None,
+) -> None:
+    await conn.execute(
+        _ADVANCE,
+        {
+            "tenant_id": row["tenant_id"],
+            "id": row["id"],
+            "next_tick": next_tick,
+            "next_run_time": next_run_time,
+            "buffered_tick": done.buffered,
+            # Newest first.
+            "started": list(reversed(done.started)),
+            "skipped": done.skipped,
+            "now": now,
+            "last_error": done.error,
+        },
+    )
