@@ -176,6 +176,8 @@ def job_to_pb(job: Job) -> jobs_pb2.Job:
         stage=job.stage,
         stages=[stage_to_pb(stage) for stage in job.stages],
         pipeline_version=job.pipeline_version,
+        concurrency_key=job.concurrency_key,
+        concurrency_limit=job.concurrency_limit,
     )
     if job.result is not None:
         message.result.CopyFrom(struct_from_dict(job.result))
@@ -296,6 +298,8 @@ def job_from_pb(message: jobs_pb2.Job) -> Job:
         result_blob=(
             _blob_ref_from_pb(message.result_blob) if message.HasField("result_blob") else None
         ),
+        concurrency_key=message.concurrency_key,
+        concurrency_limit=message.concurrency_limit,
     )
 
 

@@ -65,6 +65,19 @@ class WaitingCode(enum.StrEnum):
     #: the jobs exchange (the broker's topology lacks the route). Retried;
     #: fixed by applying the topology.
     UNROUTABLE = "UNROUTABLE"
+    #: Its concurrency key has as many jobs RUNNING as its limit allows, or
+    #: older jobs of the key wait ahead of it: the reason names the job it
+    #: waits for (docs/flow-control.md).
+    CONCURRENCY_LIMIT = "CONCURRENCY_LIMIT"
+
+
+class ConcurrencyMode(enum.StrEnum):
+    """What a job does when its concurrency key is full (docs/flow-control.md)."""
+
+    #: It waits QUEUED, first in first out among its key's jobs.
+    QUEUE = "queue"
+    #: The submit is refused (:class:`jobplane.errors.ConcurrencyLimitReached`).
+    REJECT = "reject"
 
 
 @dataclass(frozen=True, slots=True)
@@ -180,6 +193,12 @@ class Job:
     #: The stable code of ``waiting_reason`` (a :class:`WaitingCode` value,
     #: e.g. ``UNROUTABLE``); empty when the job is not waiting for a known reason.
     waiting_code: str = ""
+    # Concurrency keys (docs/flow-control.md).
+    #: The job's concurrency key ("" for none): at most ``concurrency_limit``
+    #: jobs of the tenant with this key run at once.
+    concurrency_key: str = ""
+    #: The key's limit the job was submitted with (0 without a key).
+    concurrency_limit: int = 0
 
     @property
     def id(self) -> str:

@@ -21,7 +21,7 @@ import grpc
 from jobplane.blobs.names import referenced_digests
 from jobplane.client._blob_calls import BlobCalls
 from jobplane.client._retry import Backoff, EventCursor, stream_failure, stream_retry_delay
-from jobplane.client.batch import MAX_BATCH_SIZE, JobSpec, batches, shifted
+from jobplane.client.batch import MAX_BATCH_SIZE, JobSpec, batches, shifted, with_concurrency
 from jobplane.convert import event_from_pb, job_from_pb, state_to_pb, struct_from_dict
 from jobplane.errors import (
     BlobsDisabled,
@@ -31,7 +31,7 @@ from jobplane.errors import (
     TenantLimitExceeded,
     Unavailable,
 )
-from jobplane.types import BlobRef, Job, JobEvent, JobPage, JobState
+from jobplane.types import BlobRef, ConcurrencyMode, Job, JobEvent, JobPage, JobState
 from jobplane.v1 import jobs_pb2
 
 #: The largest payload or result by reference the SDK reads back whole.
@@ -61,6 +61,9 @@ class JobCalls(BlobCalls):
         max_attempts: int = 0,
         labels: Mapping[str, str] | None = None,
         attempt_timeout: float | timedelta | None = None,
+        concurrency_key: str = "",
+        concurrency_limit: int = 0,
+        concurrency_mode: ConcurrencyMode | str | None = None,
     ) -> Job:
         """Create a job of ``type`` and return it (normally QUEUED).
 
@@ -69,6 +72,12 @@ class JobCalls(BlobCalls):
         still makes the call's own retries safe. ``max_attempts`` 0 means the
         queue's default. ``attempt_timeout`` (seconds or a timedelta) bounds
         each attempt's run time; None means the queue's default.
+
+        ``concurrency_key``: at most ``concurrency_limit`` (0: 1) of the
+        tenant's jobs with this key run at once; ``concurrency_mode`` says
+        what a job of a full key does: wait (``"queue"``, the default) or be
+        refused (``"reject"``: :class:`~jobplane.errors.ConcurrencyLimitReached`,
+        whose ``holders`` name the jobs in flight). See docs/flow-control.md.
         """
         request = await self._submit_request(
             JobSpec(
@@ -79,6 +88,9 @@ class JobCalls(BlobCalls):
                 max_attempts=max_attempts,
                 labels=labels,
                 attempt_timeout=attempt_timeout,
+                concurrency_key=concurrency_key,
+                concurrency_limit=concurrency_limit,
+                concurrency_mode=concurrency_mode,
             )
         )
         # Without a request_id a repeated call could create a second job.
@@ -143,6 +155,7 @@ class JobCalls(BlobCalls):
             if not isinstance(attempt_timeout, timedelta):
                 attempt_timeout = timedelta(seconds=attempt_timeout)
             request.timeout.FromTimedelta(attempt_timeout)
+        with_concurrency(request, spec)
         body = _compact(payload) if payload else None
         if body is not None and len(body) > self._inline_bytes:
             # Too large to go inline: as a blob, by reference. A server

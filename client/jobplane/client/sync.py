@@ -33,7 +33,7 @@ from jobplane.client.batch import MAX_BATCH_SIZE, JobSpec
 from jobplane.client.subscription import EventSubscription, SubscribedEvent, SubscribeStart
 from jobplane.client.tls import ClientTLS
 from jobplane.events.envelope import Event
-from jobplane.types import Blob, BlobPage, Job, JobEvent, JobPage, JobState
+from jobplane.types import Blob, BlobPage, ConcurrencyMode, Job, JobEvent, JobPage, JobState
 
 T = TypeVar("T")
 
@@ -253,6 +253,9 @@ class Client:
         max_attempts: int = 0,
         labels: Mapping[str, str] | None = None,
         attempt_timeout: float | timedelta | None = None,
+        concurrency_key: str = "",
+        concurrency_limit: int = 0,
+        concurrency_mode: ConcurrencyMode | str | None = None,
     ) -> Job:
         """Create a job of ``type`` and return it; see :meth:`AsyncClient.submit`."""
         return self._loop.run(
@@ -264,6 +267,9 @@ class Client:
                 max_attempts=max_attempts,
                 labels=labels,
                 attempt_timeout=attempt_timeout,
+                concurrency_key=concurrency_key,
+                concurrency_limit=concurrency_limit,
+                concurrency_mode=concurrency_mode,
             )
         )
 

@@ -69,6 +69,9 @@ JOB_FIELDS = (
     "stage_name",
     "stage_base",
     "stage_span",
+    # Concurrency keys (docs/flow-control.md).
+    "concurrency_key",
+    "concurrency_limit",
 )
 JOB_COLUMNS = ", ".join(JOB_FIELDS)
 
@@ -141,6 +144,8 @@ def job_from_row(row: Mapping[Any, Any]) -> Job:
         pipeline_version=row["pipeline_version"] or "",
         payload_blob=_blob_ref(row, "payload_blob"),
         result_blob=_blob_ref(row, "result_blob") if state is JobState.SUCCEEDED else None,
+        concurrency_key=row.get("concurrency_key") or "",
+        concurrency_limit=int(row.get("concurrency_limit") or 0),
     )
 
 

@@ -86,6 +86,11 @@ class SubmitRequest:
     payload_blob: str = ""
     #: Names of blobs the job uses that the payload does not show.
     blob_references: tuple[str, ...] = ()
+    # Concurrency keys (checked by jobplane.server.key_requests).
+    concurrency_key: str = ""
+    concurrency_limit: int = 0
+    #: ConcurrencyMode's number in jobs.proto.
+    concurrency_mode: int = 0
 
 
 async def check_blobs(

@@ -272,6 +272,9 @@ def submit_request(request: jobs_pb2.SubmitJobRequest) -> SubmitRequest:
         ),
         payload_blob=request.payload_blob,
         blob_references=tuple(request.blob_references),
+        concurrency_key=request.concurrency_key,
+        concurrency_limit=request.concurrency_limit,
+        concurrency_mode=request.concurrency_mode,
     )
 
 
