@@ -4,10 +4,12 @@ sampled the whole time; never more than the limit RUNNING for a key."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import random
 from collections import Counter
 from typing import Any
 
+from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from jobplane.client import Job, JobState
@@ -16,7 +18,7 @@ from jobplane.workers.handlers import JobContext, Registry, RetryableError
 from tests.support.parts import Started
 from tests.support.stack import Stack, eventually, start_stack
 
-_RUNNING = (
+_RUNNING = text(
     "SELECT concurrency_key, count(*) FROM jobs "
     "WHERE state = 'running' AND concurrency_key IS NOT NULL GROUP BY concurrency_key"
 )
@@ -43,8 +45,8 @@ async def _sample(stack: Stack, most: Counter[str], stop: asyncio.Event) -> None
     """The database's RUNNING count by key, as often as it answers."""
     while not stop.is_set():
         async with stack.engine.connect() as conn:
-            for key, count in (await conn.exec_driver_sql(_RUNNING)).all():
-                most[key] = max(most[key], int(count))
+            for key, count in (await conn.execute(_RUNNING)).tuples():
+                most[str(key)] = max(most[str(key)], int(count))
         await asyncio.sleep(0.005)
 
 
@@ -128,7 +130,7 @@ async def test_jobs_waiting_for_a_key_run_first_in_first_out(
     await eventually(lambda: _state_is(client, first, JobState.RUNNING))
     later = [await client.submit("fifo.op", {"i": i}, concurrency_key="fifo") for i in range(1, 8)]
     for job in later:
-        await eventually(lambda job=job: _held(client, job))
+        await eventually(functools.partial(_held, client, job))
     gate.set()
     await asyncio.wait_for(asyncio.gather(*(client.wait(j.name) for j in later)), timeout=30)
     assert gauge.order["fifo"] == list(range(8))

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from jobplane.client import ConcurrencyLimitReached, Job, JobState
-from jobplane.store.attempts import Attempt, AttemptStore, ClaimStatus
+from jobplane.store.attempts import AttemptStore, ClaimStatus
 from jobplane.store.sweeps import SweepStore
 from jobplane.types import WaitingCode
 from tests.support.stack import Stack
@@ -189,7 +189,9 @@ async def test_one_claim_group_takes_no_more_than_the_limit(bare: Stack) -> None
     requests = [store.claim_request(await bare.envelope(job.id)) for job in jobs]
     claimed = await store.claim_many(requests)
     assert sum(c is not None for c in claimed) == 2
-    refused = [await store.refused_claim(r) for r, c in zip(requests, claimed) if c is None]
+    refused = [
+        await store.refused_claim(r) for r, c in zip(requests, claimed, strict=True) if c is None
+    ]
     assert [r.status for r in refused] == [ClaimStatus.HELD] * 3
     running = await bare.scalar(
         "SELECT count(*) FROM jobs WHERE concurrency_key = 'g' AND state = 'running'"

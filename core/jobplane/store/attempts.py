@@ -28,6 +28,7 @@ from jobplane.store.claims import (
     claim_cause,
     stage_run,
 )
+from jobplane.store.concurrency import ended_keys, release_key
 from jobplane.store.db import Conn, Database
 from jobplane.store.machine import (
     HEARTBEAT,
@@ -39,7 +40,6 @@ from jobplane.store.machine import (
     Transition,
     lifecycle_event_id,
 )
-from jobplane.store.machine.keys import ended_keys, release_key
 from jobplane.store.rows import dumps
 from jobplane.types import BlobRef, JobState
 

@@ -27,6 +27,7 @@ from jobplane.errors import (
 )
 from jobplane.faults import NO_FAULTS, FaultPoints
 from jobplane.ids import new_id
+from jobplane.store.concurrency import refuse_full_keys, rejects, release_key
 from jobplane.store.db import Conn, Database
 from jobplane.store.down import sqlstate
 from jobplane.store.engine import autocommit
@@ -48,7 +49,6 @@ from jobplane.store.job_submit import (
     submit_columns,
     submitted,
 )
-from jobplane.store.key_submit import refuse_full_keys, rejects
 from jobplane.store.machine import (
     MACHINE,
     SUBMIT_COLUMNS,
@@ -57,7 +57,6 @@ from jobplane.store.machine import (
     StateMachine,
     Transition,
 )
-from jobplane.store.machine.keys import release_key
 from jobplane.store.rows import JOB_COLUMNS, dumps, event_from_row, job_from_row
 from jobplane.types import Job, JobEvent, JobState
 

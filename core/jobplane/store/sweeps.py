@@ -17,10 +17,11 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from jobplane.attempt_end import Decision, Retry
 from jobplane.ids import new_id
+from jobplane.store.concurrency import release_key
 from jobplane.store.down import sqlstate
 from jobplane.store.engine import autocommit
 from jobplane.store.machine import MACHINE, Cause, StateMachine, Transition, state_is
-from jobplane.store.machine.keys import HELD_KEYS, release_key
+from jobplane.store.machine.concurrency import HELD_KEYS
 from jobplane.store.outbox import RETURNS_RESET, OutboxKind
 from jobplane.store.rows import OUTBOX_CHANNEL, job_from_row
 from jobplane.types import Job, JobState

@@ -16,7 +16,7 @@ from collections.abc import Iterable, Mapping, Sequence
 
 from sqlalchemy import text
 
-from jobplane.store.machine.keys import release
+from jobplane.store.machine.concurrency import release
 from jobplane.store.machine.table import (
     ATTEMPT_FENCE,
     JOB_PROGRESS,

@@ -1,10 +1,12 @@
-"""Reject mode at submit: a job whose concurrency key is full is refused, not written.
+"""Concurrency keys in the store: reject mode at submit, and a key's release.
+
+A job whose concurrency key is full is refused, not written, in reject mode.
 
 A job submitted with ``concurrency_mode`` REJECT is refused with
 :class:`~jobplane.errors.ConcurrencyLimitReached` while its key (per tenant)
 already has its limit of jobs in flight: QUEUED or RUNNING. The count is
 taken under the key's advisory lock (the one the machine's claim and
-release take, :data:`jobplane.store.machine.keys.LOCK`), held to the
+release take, :data:`jobplane.store.machine.concurrency.LOCK`), held to the
 submit's commit, so of many submits at once exactly the limit's get in.
 A request whose request_id the tenant has used is a replay: it is not
 counted against its key, and returns the stored job as any replay does.
@@ -14,7 +16,8 @@ See ADR-0040.
 from __future__ import annotations
 
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 from sqlalchemy import text
 
@@ -22,8 +25,8 @@ from jobplane.errors import ConcurrencyLimitReached
 from jobplane.names import job_name
 from jobplane.store.db import Conn
 from jobplane.store.job_submit import NewJob
-from jobplane.store.machine import state_is
-from jobplane.store.machine.keys import LOCK
+from jobplane.store.machine import AnyConn, Row, StateMachine, Transition, fetch_rows, state_is
+from jobplane.store.machine.concurrency import LOCK
 from jobplane.types import ConcurrencyMode, JobState
 
 # The jobs in flight of a key, oldest first, but the batch's own replays.
@@ -101,3 +104,20 @@ def _reached(new: NewJob, holders: Sequence[str]) -> ConcurrencyLimitReached:
             "holders": ",".join(named),
         },
     )
+
+
+async def release_key(conn: AnyConn, machine: StateMachine, tenant_id: Any, key: str) -> int:
+    """RELEASE ``key`` of ``tenant_id`` on ``conn`` (in a transaction): how many
+    held jobs were made due again."""
+    params = {"tenant_id": tenant_id, "key": key}
+    await fetch_rows(conn, LOCK, params)
+    return len(await machine.apply(conn, Transition.RELEASE, params, returning=("id",)))
+
+
+def ended_keys(rows: Iterable[Row | None]) -> set[tuple[Any, str]]:
+    """The (tenant, key) of each changed row that had a concurrency key."""
+    return {
+        (row["tenant_id"], str(row["concurrency_key"]))
+        for row in rows
+        if row is not None and row["concurrency_key"] is not None
+    }

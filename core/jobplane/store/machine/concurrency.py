@@ -24,18 +24,11 @@ release sees the held job, or the hold sees the free slot and refuses.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
-
 from sqlalchemy import text
 
-from jobplane.store.machine.hooks import AnyConn, Row
 from jobplane.store.machine.table import RULES, Transition, state_is, where_sources
 from jobplane.store.rows import JOB_FIELDS
 from jobplane.types import JobState, WaitingCode
-
-if TYPE_CHECKING:
-    from jobplane.store.machine.core import StateMachine
 
 #: The key's lock, the one ``jobplane.concurrency_blocker`` takes: the
 #: statement after it in the transaction sees every claim and hold before it.
@@ -97,23 +90,3 @@ def release(needs: set[str]) -> str:
                   CAST('{Transition.RELEASE}' AS text) AS transition,
                   CAST('queued' AS text) AS from_state
     """
-
-
-async def release_key(conn: AnyConn, machine: StateMachine, tenant_id: Any, key: str) -> int:
-    """RELEASE ``key`` of ``tenant_id`` on ``conn`` (in a transaction): how many
-    held jobs were made due again."""
-    # At call time: core imports this module.
-    from jobplane.store.machine.core import fetch_rows
-
-    params = {"tenant_id": tenant_id, "key": key}
-    await fetch_rows(conn, LOCK, params)
-    return len(await machine.apply(conn, Transition.RELEASE, params, returning=("id",)))
-
-
-def ended_keys(rows: Iterable[Row | None]) -> set[tuple[Any, str]]:
-    """The (tenant, key) of each changed row that had a concurrency key."""
-    return {
-        (row["tenant_id"], str(row["concurrency_key"]))
-        for row in rows
-        if row is not None and row["concurrency_key"] is not None
-    }
