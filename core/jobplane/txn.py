@@ -45,6 +45,7 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from jobplane.errors import (
+    ConcurrencyLimitReached,
     EventIdReused,
     InvalidArgument,
     JobplaneError,
@@ -73,6 +74,7 @@ _ERRORS: dict[str, type[JobplaneError]] = {
         RequestIdReused,
         TenantNotFound,
         EventIdReused,
+        ConcurrencyLimitReached,
     )
 }
 
@@ -92,6 +94,9 @@ async def submit_job(
     max_attempts: int = 0,
     labels: Mapping[str, str] | None = None,
     attempt_timeout: float | timedelta | None = None,
+    concurrency_key: str = "",
+    concurrency_limit: int = 0,
+    concurrency_mode: str | None = None,
 ) -> uuid.UUID:
     """Create a job in ``conn``'s transaction; its id.
 
@@ -100,7 +105,10 @@ async def submit_job(
     idempotency key (the same request again returns the same job, in this
     transaction or any other; a different one with the same id raises
     :class:`~jobplane.errors.RequestIdReused`), ``max_attempts`` 0 and
-    ``attempt_timeout`` None mean the queue's defaults.
+    ``attempt_timeout`` None mean the queue's defaults. ``concurrency_key``,
+    ``concurrency_limit`` and ``concurrency_mode`` (``"queue"`` or
+    ``"reject"``) as in ``submit`` (docs/flow-control.md); a full key in reject
+    mode raises :class:`~jobplane.errors.ConcurrencyLimitReached`.
     """
     # Postgres text holds no NUL: refused here, as the RPC refuses it.
     if "\x00" in tenant:
@@ -109,6 +117,7 @@ async def submit_job(
         ("type", type),
         ("request_id", request_id),
         ("correlation_id", correlation_id),
+        ("concurrency_key", concurrency_key),
     ):
         if "\x00" in value:
             raise InvalidArgument(f"{field} has a NUL character", field=field)
@@ -124,6 +133,9 @@ async def submit_job(
         max_attempts,
         _json(labels or {}, "labels"),
         timeout,
+        concurrency_key,
+        concurrency_limit,
+        concurrency_mode,
     )
     try:
         return uuid.UUID(str(await _scalar(conn, args)))
@@ -255,6 +267,9 @@ async def _scalar(conn: Any, args: tuple[Any, ...]) -> Any:
             "max_attempts",
             "labels",
             "timeout_seconds",
+            "concurrency_key",
+            "concurrency_limit",
+            "concurrency_mode",
         )
         result = await conn.execute(SUBMIT_JOB, dict(zip(names, args, strict=True)))
         return result.scalar_one()

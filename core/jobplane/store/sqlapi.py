@@ -14,11 +14,14 @@ from sqlalchemy import text
 
 # asyncpg's placeholders; the casts let a caller bind JSON text.
 SUBMIT_JOB_ASYNCPG = (
-    "SELECT jobplane.submit_job($1, $2, CAST($3 AS jsonb), $4, $5, $6, CAST($7 AS jsonb), $8)"
+    "SELECT jobplane.submit_job($1, $2, CAST($3 AS jsonb), $4, $5, $6, CAST($7 AS jsonb), $8, "
+    "concurrency_key => $9, concurrency_limit => $10, concurrency_mode => $11)"
 )
 SUBMIT_JOB = text(
     "SELECT jobplane.submit_job(:tenant, :type, CAST(:payload AS jsonb), :request_id, "
-    ":correlation_id, :max_attempts, CAST(:labels AS jsonb), :timeout_seconds)"
+    ":correlation_id, :max_attempts, CAST(:labels AS jsonb), :timeout_seconds, "
+    "concurrency_key => :concurrency_key, concurrency_limit => :concurrency_limit, "
+    "concurrency_mode => :concurrency_mode)"
 )
 # The time is bound as text: asyncpg sends the last microsecond of year 9999
 # (datetime.max) as 'infinity'.
@@ -40,6 +43,7 @@ SQLSTATE_REASONS = {
     "JP004": "REQUEST_ID_REUSED",
     "JP005": "TENANT_NOT_FOUND",
     "JP006": "EVENT_ID_REUSED",
+    "JP007": "CONCURRENCY_LIMIT_REACHED",
 }
 
 
