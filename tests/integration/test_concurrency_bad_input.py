@@ -86,14 +86,15 @@ async def test_the_sql_api_checks_and_refuses_as_the_rpc_does(bare: Stack) -> No
                 concurrency_mode="reject",
             )
     assert refused.value.holders == [f"jobs/{first}"]
-    for kwargs, field in [
+    cases: list[tuple[dict[str, Any], str]] = [
         ({"concurrency_key": "t", "concurrency_limit": 10_001}, "concurrency_limit"),
         ({"concurrency_limit": 2}, "concurrency_limit"),
         ({"concurrency_mode": "reject"}, "concurrency_mode"),
         ({"concurrency_key": "k" * 257}, "concurrency_key"),
         ({"concurrency_key": "a\tb"}, "concurrency_key"),
         ({"concurrency_key": "t", "concurrency_mode": "sometimes"}, "concurrency_mode"),
-    ]:
+    ]
+    for kwargs, field in cases:
         async with bare.engine.begin() as conn:
             with pytest.raises(InvalidArgument) as bad:
                 await txn.submit_job(conn, tenant="acme", type="demo.echo", **kwargs)
