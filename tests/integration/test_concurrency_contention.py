@@ -1,5 +1,5 @@
-"""Concurrency keys under contention: several workers, retries, a running count
-sampled the whole time; never more than the limit RUNNING for a key."""
+"""Concurrency keys under contention: several workers, retries, pipelines, a running
+count sampled the whole time; never more than the limit RUNNING for a key."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from jobplane.client import Job, JobState
 from jobplane.topology import Topology
 from jobplane.workers.handlers import JobContext, Registry, RetryableError
+from tests.integration.test_pipelines import _PIPELINE, Stages, aidj, pipeline
 from tests.support.parts import Started
 from tests.support.stack import Stack, eventually, start_stack
 
@@ -45,8 +46,9 @@ async def _sample(stack: Stack, most: Counter[str], stop: asyncio.Event) -> None
     """The database's RUNNING count by key, as often as it answers."""
     while not stop.is_set():
         async with stack.engine.connect() as conn:
-            for key, count in (await conn.execute(_RUNNING)).tuples():
-                most[str(key)] = max(most[str(key)], int(count))
+            rows: list[tuple[str, int]] = [(r[0], r[1]) for r in await conn.execute(_RUNNING)]
+            for key, count in rows:
+                most[key] = max(most[key], int(count))
         await asyncio.sleep(0.005)
 
 
@@ -143,3 +145,30 @@ async def _state_is(client: Any, job: Job, state: JobState) -> bool:
 
 async def _held(client: Any, job: Job) -> bool:
     return bool((await client.get(job.name)).waiting_code == "CONCURRENCY_LIMIT")
+
+
+async def test_pipeline_jobs_of_a_key_run_one_stage_at_a_time(
+    pipeline: tuple[Stack, Stages],
+) -> None:
+    stack, _stages = pipeline
+    client = stack.client()
+    stop = asyncio.Event()
+    sampled: Counter[str] = Counter()
+    sampler = asyncio.create_task(_sample(stack, sampled, stop))
+    try:
+        jobs = [
+            await client.submit(_PIPELINE, {"track": f"t-{i}"}, concurrency_key="album")
+            for i in range(4)
+        ]
+        done = await asyncio.wait_for(
+            asyncio.gather(*(client.wait(job.name) for job in jobs)), timeout=60
+        )
+    finally:
+        stop.set()
+        await sampler
+    assert [job.state for job in done] == [JobState.SUCCEEDED] * 4
+    assert sampled["album"] == 1
+
+
+# The pipeline's fixtures, used here by name.
+__all__ = ["aidj", "pipeline"]

@@ -11,12 +11,14 @@ import asyncio
 import uuid
 from typing import Any
 
+import grpc
 import pytest
 
 from jobplane.client import ConcurrencyLimitReached, Job, JobState
 from jobplane.store.attempts import AttemptStore, ClaimStatus
 from jobplane.store.sweeps import SweepStore
 from jobplane.types import WaitingCode
+from jobplane.v1 import workers_pb2, workers_pb2_grpc
 from tests.support.stack import Stack
 
 
@@ -197,3 +199,31 @@ async def test_one_claim_group_takes_no_more_than_the_limit(bare: Stack) -> None
         "SELECT count(*) FROM jobs WHERE concurrency_key = 'g' AND state = 'running'"
     )
     assert running == 2
+
+
+async def test_worker_service_claims_are_held_and_released_by_the_same_rule(
+    bare: Stack,
+) -> None:
+    client = bare.client()
+    key = (await bare.server.keys.create_worker()).key
+    metadata = (("authorization", f"Bearer {key}"),)
+    first = await client.submit("demo.echo", {}, concurrency_key="ws")
+    second = await client.submit("demo.echo", {}, concurrency_key="ws")
+    async with grpc.aio.insecure_channel(bare.server.address) as channel:
+        stub: workers_pb2_grpc.WorkerServiceAsyncStub = workers_pb2_grpc.WorkerServiceStub(channel)
+
+        async def claim(job: Job) -> workers_pb2.ClaimJobResponse:
+            envelope = await bare.envelope(job.id)
+            request = workers_pb2.ClaimJobRequest(message_body=envelope.encode())
+            return await stub.ClaimJob(request, metadata=metadata)
+
+        running = await claim(first)
+        assert running.status == workers_pb2.ClaimJobResponse.STATUS_CLAIMED
+        # Held: its delivery is stale now, to be acked.
+        held = await claim(second)
+        assert held.status == workers_pb2.ClaimJobResponse.STATUS_STALE
+        assert (await client.get(second.name)).waiting_code == "CONCURRENCY_LIMIT"
+        await stub.CompleteJob(
+            workers_pb2.CompleteJobRequest(attempt=running.attempt), metadata=metadata
+        )
+        assert (await claim(second)).status == workers_pb2.ClaimJobResponse.STATUS_CLAIMED
