@@ -13,8 +13,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import structlog
+
 from jobplane.envelope import Envelope
 from jobplane.ids import new_id
+from jobplane.logs import describe_error
 from jobplane.store.claims import (
     CLAIMED,
     INSPECT,
@@ -86,6 +89,7 @@ class ProgressUpdate:
     data: dict[str, Any]
 
 
+log = structlog.get_logger("jobplane.store")
 _ID: Returning = ("id",)
 # An attempt's end, with what its key's release needs (ADR-0040).
 _ENDED: Returning = ("id", "tenant_id", "concurrency_key")
@@ -496,8 +500,17 @@ class AttemptStore:
         due again, up to the free slots (ADR-0040). Each key in a transaction of
         its own, after the end committed; one lost here is the sweeper's."""
         for tenant_id, key in sorted(keys, key=str):
-            async with self._db.begin() as conn:
-                await release_key(conn, self._machine, tenant_id, key)
+            try:
+                async with self._db.begin() as conn:
+                    await release_key(conn, self._machine, tenant_id, key)
+            except Exception as exc:
+                # The outcome is committed: its caller must not write it again.
+                # The sweeper releases the key on its next pass.
+                log.warning(
+                    "store.concurrency.release_failed",
+                    tenant_id=str(tenant_id),
+                    error=describe_error(exc),
+                )
 
     async def _progress(
         self, conn: Conn, attempt: Attempt, updates: Sequence[ProgressUpdate]
