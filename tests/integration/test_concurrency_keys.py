@@ -227,3 +227,18 @@ async def test_worker_service_claims_are_held_and_released_by_the_same_rule(
             workers_pb2.CompleteJobRequest(attempt=running.attempt), metadata=metadata
         )
         assert (await claim(second)).status == workers_pb2.ClaimJobResponse.STATUS_CLAIMED
+
+
+async def test_a_worker_that_starts_leaves_held_jobs_held(bare: Stack) -> None:
+    # Parked jobs (no dispatch, no live worker) are dispatched again when a
+    # worker starts; a held job has no dispatch either, but waits for its key.
+    client = bare.client()
+    store = AttemptStore(bare.db, lease_seconds=30.0)
+    first = await client.submit("demo.echo", {}, concurrency_key="k")
+    second = await client.submit("demo.echo", {}, concurrency_key="k")
+    assert (await _claim(bare, store, first)).status is ClaimStatus.CLAIMED
+    assert (await _claim(bare, store, second)).status is ClaimStatus.HELD
+    queue = await bare.scalar("SELECT queue FROM jobs WHERE id = :id", id=second.id)
+    assert await store.unpark(["demo.echo"], [queue]) == 0
+    assert await _dispatch(bare, second) is None
+    assert (await client.get(second.name)).waiting_code == WaitingCode.CONCURRENCY_LIMIT

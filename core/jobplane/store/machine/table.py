@@ -77,7 +77,9 @@ class Lifecycle(enum.StrEnum):
 # Guards: conditions beyond the state, named so the table reads as prose.
 ATTEMPTS_LEFT = "attempt - retry_base < max_attempts"
 NO_ATTEMPTS_LEFT = "attempt - retry_base >= max_attempts"
-PARKED = "dispatch_id IS NULL"
+# A job held by its concurrency key has no dispatch either, but waits for a
+# slot of its key, not for a worker (ADR-0040).
+PARKED = "dispatch_id IS NULL AND waiting_code IS DISTINCT FROM 'CONCURRENCY_LIMIT'"
 # The next stage's row exists (``s``: the statement's ``using``).
 NEXT_STAGE = "s.job_id = jobs.id AND s.idx = jobs.stage + 1"
 # ... the stage of the given index does (RetryJob from a named stage).
