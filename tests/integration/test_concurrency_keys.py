@@ -242,3 +242,14 @@ async def test_a_worker_that_starts_leaves_held_jobs_held(bare: Stack) -> None:
     assert await store.unpark(["demo.echo"], [queue]) == 0
     assert await _dispatch(bare, second) is None
     assert (await client.get(second.name)).waiting_code == WaitingCode.CONCURRENCY_LIMIT
+
+
+async def test_a_batch_over_a_full_key_is_refused_whole_naming_its_request(bare: Stack) -> None:
+    client = bare.client()
+    spec = {"type": "demo.echo", "concurrency_key": "b", "concurrency_mode": "reject"}
+    before = await bare.counts()
+    with pytest.raises(ConcurrencyLimitReached) as refused:
+        await client.submit_many([{"type": "demo.echo"}, spec, spec])
+    assert refused.value.metadata["index"] == "2"
+    assert refused.value.holders == []  # the one in flight is the batch's own, not written
+    assert await bare.counts() == before
