@@ -19,6 +19,9 @@ a virtualenv of its own, beside ``jobplane dev`` and the separate processes (ben
 of that backlog beside the single-job closed loop (bench/batch.py).
 ``--only blobs`` measures a blob's upload and download through jobplane
 beside the S3 server's own figures ($JOBPLANE_S3_URL, else a moto_server).
+``--only delayed`` measures how late delayed jobs start with
+``--delayed-waiting N`` (10,000; 100,000 for the full figure) scheduled far
+ahead, and the relay's claim with and without them (bench/delayed.py).
 """
 
 from __future__ import annotations
@@ -1326,6 +1329,7 @@ async def main(argv: list[str] | None = None) -> int:
             "peers",
             "batch",
             "store",
+            "delayed",
         ],
     )
     parser.add_argument(
@@ -1359,6 +1363,15 @@ async def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--batch-callers", type=int, default=4, help="concurrent callers of --only batch"
+    )
+    parser.add_argument(
+        "--delayed-waiting",
+        type=int,
+        default=10_000,
+        help="jobs of --only delayed scheduled far ahead (100000 for the full figure)",
+    )
+    parser.add_argument(
+        "--delayed-jobs", type=int, default=200, help="jobs of --only delayed due over 4 s"
     )
     parser.add_argument(
         "--profile",
@@ -1448,6 +1461,10 @@ async def main(argv: list[str] | None = None) -> int:
             from bench.batch import fig_batch
 
             await fig_batch(bench)
+        if want("delayed"):  # last: its waiting jobs stay in the tables
+            from bench.delayed import fig_delayed
+
+            await fig_delayed(bench)
         apply_floors(bench.figures, floor)
         for figure in bench.figures:
             print(figure.line())

@@ -39,6 +39,7 @@ from jobplane.config_parse import (
     parse_origin,
     requested_log_format,
 )
+from jobplane.scheduling import DEFAULT_MAX_SCHEDULE_SECONDS, MAX_SCHEDULE_SECONDS_LIMIT
 
 # Named here by the processes and tests that read settings, wherever defined.
 __all__ = [
@@ -152,6 +153,8 @@ class Settings:
     max_blob_bytes: int = DEFAULT_MAX_BLOB_BYTES
     # Payloads and results larger than this (compact JSON) go to a blob.
     inline_bytes: int = DEFAULT_INLINE_BYTES
+    # Delayed jobs (docs/scheduling.md): how far ahead a job may be scheduled.
+    max_schedule_seconds: float = DEFAULT_MAX_SCHEDULE_SECONDS
 
     @property
     def blobs_enabled(self) -> bool:
@@ -270,6 +273,13 @@ class Settings:
                 env_positive_int(env, "JOBPLANE_SYNC_THREADS", 1)
                 if env.get("JOBPLANE_SYNC_THREADS", "").strip()
                 else None
+            ),
+            max_schedule_seconds=env_seconds(
+                env,
+                "JOBPLANE_MAX_SCHEDULE_SECONDS",
+                base.max_schedule_seconds,
+                1.0,
+                MAX_SCHEDULE_SECONDS_LIMIT,
             ),
         )
         return with_dashboard(

@@ -176,6 +176,7 @@ def job_to_pb(job: Job) -> jobs_pb2.Job:
         stage=job.stage,
         stages=[stage_to_pb(stage) for stage in job.stages],
         pipeline_version=job.pipeline_version,
+        schedule_time=timestamp(job.schedule_time),
         concurrency_key=job.concurrency_key,
         concurrency_limit=job.concurrency_limit,
     )
@@ -297,6 +298,9 @@ def job_from_pb(message: jobs_pb2.Job) -> Job:
         ),
         result_blob=(
             _blob_ref_from_pb(message.result_blob) if message.HasField("result_blob") else None
+        ),
+        schedule_time=(
+            from_timestamp(message.schedule_time) if message.HasField("schedule_time") else None
         ),
         concurrency_key=message.concurrency_key,
         concurrency_limit=message.concurrency_limit,

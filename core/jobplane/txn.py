@@ -38,6 +38,7 @@ the relay) and subscribers if and only if the caller's transaction commits::
 from __future__ import annotations
 
 import json
+import math
 import re
 import uuid
 from collections.abc import Mapping
@@ -94,6 +95,8 @@ async def submit_job(
     max_attempts: int = 0,
     labels: Mapping[str, str] | None = None,
     attempt_timeout: float | timedelta | None = None,
+    schedule_time: datetime | None = None,
+    schedule_delay: float | timedelta | None = None,
     concurrency_key: str = "",
     concurrency_limit: int = 0,
     concurrency_mode: str | None = None,
@@ -105,7 +108,9 @@ async def submit_job(
     idempotency key (the same request again returns the same job, in this
     transaction or any other; a different one with the same id raises
     :class:`~jobplane.errors.RequestIdReused`), ``max_attempts`` 0 and
-    ``attempt_timeout`` None mean the queue's defaults. ``concurrency_key``,
+    ``attempt_timeout`` None mean the queue's defaults. ``schedule_time``
+    (timezone-aware) or ``schedule_delay`` (seconds or a timedelta, from
+    this call) delays the job's start (docs/scheduling.md). ``concurrency_key``,
     ``concurrency_limit`` and ``concurrency_mode`` (``"queue"`` or
     ``"reject"``) as in ``submit`` (docs/flow-control.md); a full key in reject
     mode raises :class:`~jobplane.errors.ConcurrencyLimitReached`.
@@ -133,6 +138,7 @@ async def submit_job(
         max_attempts,
         _json(labels or {}, "labels"),
         timeout,
+        *_schedule_args(schedule_time, schedule_delay),
         concurrency_key,
         concurrency_limit,
         concurrency_mode,
@@ -144,6 +150,27 @@ async def submit_job(
         if refusal is None:
             raise
         raise refusal from exc
+
+
+def _schedule_args(
+    schedule_time: datetime | None, schedule_delay: float | timedelta | None
+) -> tuple[str | None, float | None]:
+    """The schedule's two arguments as bound: the time as text, the delay in seconds.
+
+    What cannot be bound is refused here with the field the function would name.
+    """
+    if schedule_time is not None and schedule_time.utcoffset() is None:
+        raise InvalidArgument("schedule_time must be timezone-aware", field="schedule_time")
+    delay = (
+        schedule_delay.total_seconds()
+        if isinstance(schedule_delay, timedelta)
+        else None
+        if schedule_delay is None
+        else float(schedule_delay)
+    )
+    if delay is not None and not math.isfinite(delay):
+        raise InvalidArgument("schedule_delay must be a finite duration", field="schedule_delay")
+    return (None if schedule_time is None else schedule_time.isoformat()), delay
 
 
 def _json(value: Mapping[str, Any], field: str) -> str:
@@ -267,6 +294,8 @@ async def _scalar(conn: Any, args: tuple[Any, ...]) -> Any:
             "max_attempts",
             "labels",
             "timeout_seconds",
+            "schedule_time",
+            "schedule_delay",
             "concurrency_key",
             "concurrency_limit",
             "concurrency_mode",

@@ -65,6 +65,9 @@ class WaitingCode(enum.StrEnum):
     #: the jobs exchange (the broker's topology lacks the route). Retried;
     #: fixed by applying the topology.
     UNROUTABLE = "UNROUTABLE"
+    #: Its ``schedule_time`` has not come yet: its dispatch is due then
+    #: (docs/scheduling.md).
+    SCHEDULED = "SCHEDULED"
     #: Its concurrency key has as many jobs RUNNING as its limit allows, or
     #: older jobs of the key wait ahead of it: the reason names the job it
     #: waits for (docs/flow-control.md).
@@ -193,6 +196,10 @@ class Job:
     #: The stable code of ``waiting_reason`` (a :class:`WaitingCode` value,
     #: e.g. ``UNROUTABLE``); empty when the job is not waiting for a known reason.
     waiting_code: str = ""
+    # Delayed jobs (docs/scheduling.md).
+    #: When the job may first start, as submitted; None for a job submitted
+    #: without a schedule_time or schedule_delay.
+    schedule_time: datetime | None = None
     # Concurrency keys (docs/flow-control.md).
     #: The job's concurrency key ("" for none): at most ``concurrency_limit``
     #: jobs of the tenant with this key run at once.

@@ -160,8 +160,10 @@ async def oracle(
 
 def _all_published(oracle: Oracle) -> Callable[[], Coroutine[Any, Any, bool]]:
     async def check() -> bool:
+        # A delayed job's dispatch is not due before its schedule_time.
         pending = await oracle.stack.scalar(
-            "SELECT count(*) FROM outbox WHERE published_at IS NULL"
+            "SELECT count(*) FROM outbox WHERE published_at IS NULL AND NOT EXISTS ("
+            "SELECT 1 FROM jobs j WHERE j.id = outbox.job_id AND j.schedule_time > now())"
         )
         return int(pending) == 0
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
+import random
 import socket
 import struct
 import threading
@@ -12,6 +14,9 @@ from typing import Literal
 #: How an address in front of a service that is down answers a connection it
 #: accepted: a FIN at once, or a reset (RST).
 HangUp = Literal["close", "reset"]
+
+#: Where a proxy listens: below Linux's ephemeral ports (32768-60999 by default).
+_OWN_PORTS = (20000, 32000)
 
 
 def _hang_up(sock: socket.socket, how: HangUp) -> None:
@@ -35,9 +40,28 @@ class CuttableProxy:
         self.port = 0
 
     async def start(self) -> None:
-        """Listen (on the same port as before, after a cut)."""
-        self._server = await asyncio.start_server(self._accept, "127.0.0.1", self.port)
-        self.port = self._server.sockets[0].getsockname()[1]
+        """Listen (on the same port as before, after a cut).
+
+        The first port is drawn below the kernel's ephemeral range: a port the
+        kernel handed out (to this listener, as port 0 would) it may hand to
+        another socket while the proxy is cut — the source port of any outbound
+        connection on the machine, or another run's listener — and the proxy
+        could not listen there again.
+        """
+        if self.port:
+            self._server = await asyncio.start_server(self._accept, "127.0.0.1", self.port)
+            return
+        for _ in range(100):
+            port = random.randrange(*_OWN_PORTS)
+            try:
+                self._server = await asyncio.start_server(self._accept, "127.0.0.1", port)
+            except OSError as error:
+                if error.errno != errno.EADDRINUSE:
+                    raise
+                continue
+            self.port = port
+            return
+        raise OSError(errno.EADDRINUSE, f"no free port in {_OWN_PORTS}")
 
     async def cut(self) -> None:
         """Close every connection and stop listening: the target is now unreachable."""

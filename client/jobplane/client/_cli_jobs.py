@@ -23,6 +23,7 @@ from jobplane.client._cli_run import (
     command,
     print_error,
 )
+from jobplane.client._cli_schedule import parse_at, parse_in
 from jobplane.client.aio import AsyncClient
 from jobplane.errors import JobplaneError
 from jobplane.types import JobState
@@ -124,6 +125,19 @@ def _register_submit(subparsers: Subparsers, parents: Parents) -> None:
     )
     _concurrency_flags(submit)
     submit.add_argument("--watch", action="store_true", help="follow the job until it ends")
+    # Delayed jobs (docs/scheduling.md).
+    when = submit.add_mutually_exclusive_group()
+    when.add_argument(
+        "--at",
+        metavar="TIME",
+        help="start no earlier than TIME, RFC 3339 with its zone (2027-01-31T09:00:00Z)",
+    )
+    when.add_argument(
+        "--in",
+        dest="delay",
+        metavar="DURATION",
+        help="start DURATION from now: seconds, or e.g. 90s, 15m, 1h30m, 2d",
+    )
     submit.set_defaults(func=command(_submit))
 
 
@@ -161,6 +175,8 @@ async def _submit(client: AsyncClient, args: argparse.Namespace) -> int:
         max_attempts=args.max_attempts,
         attempt_timeout=args.timeout,
         labels=labels,
+        schedule_time=None if args.at is None else parse_at(args.at),
+        schedule_delay=None if args.delay is None else parse_in(args.delay),
         concurrency_key=args.concurrency_key,
         concurrency_limit=args.concurrency_limit,
         concurrency_mode=args.concurrency_mode,
@@ -187,6 +203,8 @@ async def _submit_jsonl(client: AsyncClient, args: argparse.Namespace) -> int:
             ("--timeout", args.timeout),
             ("--label", args.label),
             ("--watch", args.watch),
+            ("--at", args.at),
+            ("--in", args.delay),
         )
         if value
     ]

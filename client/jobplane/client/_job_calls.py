@@ -13,7 +13,7 @@ import dataclasses
 import json
 import uuid
 from collections.abc import AsyncGenerator, Iterable, Mapping
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
 import grpc
@@ -21,6 +21,7 @@ import grpc
 from jobplane.blobs.names import referenced_digests
 from jobplane.client._blob_calls import BlobCalls
 from jobplane.client._retry import Backoff, EventCursor, stream_failure, stream_retry_delay
+from jobplane.client._schedule import set_schedule
 from jobplane.client.batch import MAX_BATCH_SIZE, JobSpec, batches, shifted, with_concurrency
 from jobplane.convert import event_from_pb, job_from_pb, state_to_pb, struct_from_dict
 from jobplane.errors import (
@@ -61,6 +62,8 @@ class JobCalls(BlobCalls):
         max_attempts: int = 0,
         labels: Mapping[str, str] | None = None,
         attempt_timeout: float | timedelta | None = None,
+        schedule_time: datetime | None = None,
+        schedule_delay: float | timedelta | None = None,
         concurrency_key: str = "",
         concurrency_limit: int = 0,
         concurrency_mode: ConcurrencyMode | str | None = None,
@@ -72,6 +75,12 @@ class JobCalls(BlobCalls):
         still makes the call's own retries safe. ``max_attempts`` 0 means the
         queue's default. ``attempt_timeout`` (seconds or a timedelta) bounds
         each attempt's run time; None means the queue's default.
+
+        ``schedule_time`` (a timezone-aware datetime) or ``schedule_delay``
+        (seconds or a timedelta, counted from when the server accepts the
+        call) delays the job's start: it is QUEUED, ``waiting_code``
+        ``SCHEDULED``, until then (docs/scheduling.md). A repeated call with
+        the same request_id returns the job first created, at its first time.
 
         ``concurrency_key``: at most ``concurrency_limit`` (0: 1) of the
         tenant's jobs with this key run at once; ``concurrency_mode`` says
@@ -88,6 +97,8 @@ class JobCalls(BlobCalls):
                 max_attempts=max_attempts,
                 labels=labels,
                 attempt_timeout=attempt_timeout,
+                schedule_time=schedule_time,
+                schedule_delay=schedule_delay,
                 concurrency_key=concurrency_key,
                 concurrency_limit=concurrency_limit,
                 concurrency_mode=concurrency_mode,
@@ -155,6 +166,7 @@ class JobCalls(BlobCalls):
             if not isinstance(attempt_timeout, timedelta):
                 attempt_timeout = timedelta(seconds=attempt_timeout)
             request.timeout.FromTimedelta(attempt_timeout)
+        set_schedule(request, spec.schedule_time, spec.schedule_delay)
         with_concurrency(request, spec)
         body = _compact(payload) if payload else None
         if body is not None and len(body) > self._inline_bytes:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, fields
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
 from jobplane.errors import JobplaneError
@@ -35,6 +35,9 @@ class JobSpec:
     max_attempts: int = 0
     labels: Mapping[str, str] | None = None
     attempt_timeout: float | timedelta | None = None
+    # Delayed jobs (docs/scheduling.md): at most one of the two.
+    schedule_time: datetime | None = None
+    schedule_delay: float | timedelta | None = None
     # Concurrency keys (docs/flow-control.md).
     concurrency_key: str = ""
     concurrency_limit: int = 0

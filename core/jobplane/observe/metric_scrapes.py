@@ -52,7 +52,10 @@ def watch_outbox(metrics: Metrics, engine: AsyncEngine) -> None:
             codes = {str(r.waiting_code): int(r.jobs) for r in await conn.execute(waiting)}
         # The known codes always have a series (0 when no job waits so); the
         # codes are the server's own, never a tenant's, so the labels stay few.
-        for code in dict.fromkeys([*WaitingCode, *codes]):
+        # SCHEDULED is not stored (read from schedule_time, ADR-0039): the
+        # dispatches it waits on are outbox_scheduled's.
+        stored = [c for c in WaitingCode if c is not WaitingCode.SCHEDULED]
+        for code in dict.fromkeys([*stored, *codes]):
             metrics.jobs_waiting.labels(str(code)).set(codes.get(code, 0))
         metrics.outbox_backlog.set(int(row.rows))
         metrics.outbox_scheduled.set(int(row.scheduled))

@@ -11,7 +11,7 @@ import hashlib
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
 from sqlalchemy import text
@@ -46,6 +46,9 @@ class NewJob:
     payload_blob: BlobRef | None = None
     #: Digests of blobs the job references beyond its payload's names.
     blob_references: tuple[str, ...] = ()
+    #: Delayed jobs: when it may first start (None: at once). Not part of the
+    #: request's identity: a delay's time differs on every retry (ADR-0039).
+    schedule_time: datetime | None = None
     # Concurrency keys (docs/flow-control.md, ADR-0040): None for no key.
     concurrency_key: str | None = None
     concurrency_limit: int = 0
@@ -189,6 +192,7 @@ def submit_columns(new: NewJob, job_id: uuid.UUID) -> dict[str, Any]:
         "timeout_seconds": new.timeout_seconds,
         "payload_blob": new.payload_blob.sha256 if new.payload_blob else None,
         "payload_blob_size": new.payload_blob.size if new.payload_blob else None,
+        "schedule_time": new.schedule_time,
         "concurrency_key": new.concurrency_key,
         "concurrency_limit": new.concurrency_limit if new.concurrency_key is not None else None,
         **_PLAIN,

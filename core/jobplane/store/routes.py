@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
+from jobplane.scheduling import DEFAULT_MAX_SCHEDULE_SECONDS
 from jobplane.topology import Topology
 
 # Any fixed number: the key of the advisory lock that orders concurrent syncs.
@@ -33,17 +34,20 @@ _READ_ROUTES = text(
 _READ_PIPELINES = text("SELECT name FROM job_pipelines ORDER BY name")
 _CLEAR_PIPELINES = text("DELETE FROM job_pipelines")
 _INSERT_PIPELINE = text("INSERT INTO job_pipelines (name) VALUES (:name)")
-_READ_LIMIT = text("SELECT max_payload_bytes, lifecycle_events FROM submit_settings")
+_READ_LIMIT = text(
+    "SELECT max_payload_bytes, lifecycle_events, max_schedule_seconds FROM submit_settings"
+)
 _CLEAR_ROUTES = text("DELETE FROM job_routes")
 _INSERT_ROUTE = text(
     "INSERT INTO job_routes (rank, queue, pattern, regex, max_attempts, timeout_seconds) "
     "VALUES (:rank, :queue, :pattern, :regex, :max_attempts, :timeout_seconds)"
 )
 _WRITE_LIMIT = text(
-    "INSERT INTO submit_settings (singleton, max_payload_bytes, lifecycle_events) "
-    "VALUES (true, :limit, :lifecycle) "
+    "INSERT INTO submit_settings (singleton, max_payload_bytes, lifecycle_events, "
+    "max_schedule_seconds) VALUES (true, :limit, :lifecycle, :horizon) "
     "ON CONFLICT (singleton) DO UPDATE SET max_payload_bytes = EXCLUDED.max_payload_bytes, "
-    "lifecycle_events = EXCLUDED.lifecycle_events, update_time = now()"
+    "lifecycle_events = EXCLUDED.lifecycle_events, "
+    "max_schedule_seconds = EXCLUDED.max_schedule_seconds, update_time = now()"
 )
 
 
@@ -94,24 +98,36 @@ async def sync_submit_rules(
     *,
     max_payload_bytes: int,
     lifecycle_events: bool = True,
+    max_schedule_seconds: float = DEFAULT_MAX_SCHEDULE_SECONDS,
 ) -> bool:
     """Make ``job_routes`` and ``submit_settings`` say what ``topology`` and the limits say.
 
     ``lifecycle_events``: whether ``jobplane.submit_job`` writes ``job.queued``
-    as the servers do (the process passes its settings' ``lifecycle_events``).
+    as the servers do (the process passes its settings' ``lifecycle_events``);
+    ``max_schedule_seconds``: how far ahead it lets a job be scheduled.
     Returns whether anything was written. Needs only SELECT, INSERT, UPDATE
     and DELETE on the two tables (the servers' database role has them).
     """
     wanted = routes_of(topology)
     pipelines = sorted(p.name for p in topology.pipelines)
+    limits = _Limits(max_payload_bytes, lifecycle_events, float(max_schedule_seconds))
     if isinstance(engine, AsyncConnection):
-        return await _sync(engine, wanted, pipelines, max_payload_bytes, lifecycle_events)
+        return await _sync(engine, wanted, pipelines, limits)
     async with engine.begin() as conn:
-        return await _sync(conn, wanted, pipelines, max_payload_bytes, lifecycle_events)
+        return await _sync(conn, wanted, pipelines, limits)
+
+
+@dataclass(frozen=True, slots=True)
+class _Limits:
+    """The row of ``submit_settings``."""
+
+    max_payload_bytes: int
+    lifecycle_events: bool
+    max_schedule_seconds: float
 
 
 async def _sync(
-    conn: AsyncConnection, wanted: list[Route], pipelines: list[str], limit: int, lifecycle: bool
+    conn: AsyncConnection, wanted: list[Route], pipelines: list[str], limits: _Limits
 ) -> bool:
     await conn.execute(_LOCK, {"key": _SYNC_LOCK})
     # Pipelines are submitted through SubmitJob only: jobplane.submit_job
@@ -127,8 +143,8 @@ async def _sync(
         Route(r.rank, r.queue, r.pattern, r.regex, r.max_attempts, r.timeout_seconds) for r in rows
     ]
     settings = (await conn.execute(_READ_LIMIT)).first()
-    current_settings = None if settings is None else (settings[0], settings[1])
-    if current == wanted and current_settings == (limit, lifecycle):
+    current_settings = None if settings is None else _Limits(*settings)
+    if current == wanted and current_settings == limits:
         return changed
     if current != wanted:
         await conn.execute(_CLEAR_ROUTES)
@@ -146,6 +162,13 @@ async def _sync(
                 for r in wanted
             ],
         )
-    if current_settings != (limit, lifecycle):
-        await conn.execute(_WRITE_LIMIT, {"limit": limit, "lifecycle": lifecycle})
+    if current_settings != limits:
+        await conn.execute(
+            _WRITE_LIMIT,
+            {
+                "limit": limits.max_payload_bytes,
+                "lifecycle": limits.lifecycle_events,
+                "horizon": limits.max_schedule_seconds,
+            },
+        )
     return True

@@ -9,6 +9,7 @@ from typing import Any
 
 from jobplane.errors import PayloadTooLarge
 from jobplane.names import job_name
+from jobplane.scheduling import scheduled
 from jobplane.types import (
     BlobRef,
     EventType,
@@ -69,6 +70,7 @@ JOB_FIELDS = (
     "stage_name",
     "stage_base",
     "stage_span",
+    "schedule_time",
     # Concurrency keys (docs/flow-control.md).
     "concurrency_key",
     "concurrency_limit",
@@ -114,7 +116,7 @@ def job_from_row(row: Mapping[Any, Any]) -> Job:
             retryable=bool(row["error_retryable"]),
         )
     result = _json(row["result"])
-    return Job(
+    job = Job(
         name=job_name(row["id"]),
         # A pipeline job's type is its pipeline's name; the row's is its stage's.
         type=row["pipeline"] or row["type"],
@@ -144,9 +146,11 @@ def job_from_row(row: Mapping[Any, Any]) -> Job:
         pipeline_version=row["pipeline_version"] or "",
         payload_blob=_blob_ref(row, "payload_blob"),
         result_blob=_blob_ref(row, "result_blob") if state is JobState.SUCCEEDED else None,
+        schedule_time=row.get("schedule_time"),
         concurrency_key=row.get("concurrency_key") or "",
         concurrency_limit=int(row.get("concurrency_limit") or 0),
     )
+    return scheduled(job) if state is JobState.QUEUED else job
 
 
 def _blob_ref(row: Mapping[Any, Any], column: str) -> BlobRef | None:

@@ -138,6 +138,7 @@ class Job(_message.Message):
     PAYLOAD_BLOB_FIELD_NUMBER: _builtins.int
     RESULT_BLOB_FIELD_NUMBER: _builtins.int
     WAITING_CODE_FIELD_NUMBER: _builtins.int
+    SCHEDULE_TIME_FIELD_NUMBER: _builtins.int
     CONCURRENCY_KEY_FIELD_NUMBER: _builtins.int
     CONCURRENCY_LIMIT_FIELD_NUMBER: _builtins.int
     name: _builtins.str
@@ -183,7 +184,9 @@ class Job(_message.Message):
     waits for a known reason: NO_LIVE_WORKER (parked until a worker that
     handles its type is live), HANDED_BACK (workers without its handler gave
     it back), UNROUTABLE (the broker returned its dispatch: no queue is bound
-    for its type; retried until the topology is applied). Empty otherwise.
+    for its type; retried until the topology is applied), SCHEDULED (its
+    schedule_time has not come yet), CONCURRENCY_LIMIT (held until a RUNNING
+    job of its concurrency key ends). Empty otherwise.
     More codes may come; treat an unknown one as "waiting".
     """
     concurrency_key: _builtins.str
@@ -244,6 +247,15 @@ class Job(_message.Message):
         inline limit): `result` is then empty and the blob holds the result's JSON.
         """
 
+    @_builtins.property
+    def schedule_time(self) -> _timestamp_pb2.Timestamp:
+        """Delayed jobs (docs/scheduling.md).
+        When the job may first start, as submitted (schedule_time, or the time
+        the server accepted the request plus schedule_delay); unset for a job
+        submitted without one. Until then the job is QUEUED with waiting_code
+        SCHEDULED, and its dispatch is not published.
+        """
+
     def __init__(
         self,
         *,
@@ -276,12 +288,13 @@ class Job(_message.Message):
         payload_blob: Global___BlobRef | None = ...,
         result_blob: Global___BlobRef | None = ...,
         waiting_code: _builtins.str = ...,
+        schedule_time: _timestamp_pb2.Timestamp | None = ...,
         concurrency_key: _builtins.str = ...,
         concurrency_limit: _builtins.int = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["create_time", b"create_time", "end_time", b"end_time", "error", b"error", "next_attempt_time", b"next_attempt_time", "payload", b"payload", "payload_blob", b"payload_blob", "result", b"result", "result_blob", b"result_blob", "start_time", b"start_time", "timeout", b"timeout", "update_time", b"update_time"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["create_time", b"create_time", "end_time", b"end_time", "error", b"error", "next_attempt_time", b"next_attempt_time", "payload", b"payload", "payload_blob", b"payload_blob", "result", b"result", "result_blob", b"result_blob", "schedule_time", b"schedule_time", "start_time", b"start_time", "timeout", b"timeout", "update_time", b"update_time"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "attempts_used", b"attempts_used", "cancel_requested", b"cancel_requested", "concurrency_key", b"concurrency_key", "concurrency_limit", b"concurrency_limit", "correlation_id", b"correlation_id", "create_time", b"create_time", "end_time", b"end_time", "error", b"error", "labels", b"labels", "last_seq", b"last_seq", "max_attempts", b"max_attempts", "name", b"name", "next_attempt_time", b"next_attempt_time", "payload", b"payload", "payload_blob", b"payload_blob", "pipeline_version", b"pipeline_version", "progress", b"progress", "progress_message", b"progress_message", "request_id", b"request_id", "result", b"result", "result_blob", b"result_blob", "stage", b"stage", "stages", b"stages", "start_time", b"start_time", "state", b"state", "timeout", b"timeout", "type", b"type", "update_time", b"update_time", "waiting_code", b"waiting_code", "waiting_reason", b"waiting_reason"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "attempts_used", b"attempts_used", "cancel_requested", b"cancel_requested", "concurrency_key", b"concurrency_key", "concurrency_limit", b"concurrency_limit", "correlation_id", b"correlation_id", "create_time", b"create_time", "end_time", b"end_time", "error", b"error", "labels", b"labels", "last_seq", b"last_seq", "max_attempts", b"max_attempts", "name", b"name", "next_attempt_time", b"next_attempt_time", "payload", b"payload", "payload_blob", b"payload_blob", "pipeline_version", b"pipeline_version", "progress", b"progress", "progress_message", b"progress_message", "request_id", b"request_id", "result", b"result", "result_blob", b"result_blob", "schedule_time", b"schedule_time", "stage", b"stage", "stages", b"stages", "start_time", b"start_time", "state", b"state", "timeout", b"timeout", "type", b"type", "update_time", b"update_time", "waiting_code", b"waiting_code", "waiting_reason", b"waiting_reason"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -475,6 +488,8 @@ class SubmitJobRequest(_message.Message):
     TIMEOUT_FIELD_NUMBER: _builtins.int
     PAYLOAD_BLOB_FIELD_NUMBER: _builtins.int
     BLOB_REFERENCES_FIELD_NUMBER: _builtins.int
+    SCHEDULE_TIME_FIELD_NUMBER: _builtins.int
+    SCHEDULE_DELAY_FIELD_NUMBER: _builtins.int
     CONCURRENCY_KEY_FIELD_NUMBER: _builtins.int
     CONCURRENCY_LIMIT_FIELD_NUMBER: _builtins.int
     CONCURRENCY_MODE_FIELD_NUMBER: _builtins.int
@@ -522,6 +537,20 @@ class SubmitJobRequest(_message.Message):
         the names in `payload`, so that they are not deleted under the job.
         """
 
+    @_builtins.property
+    def schedule_time(self) -> _timestamp_pb2.Timestamp:
+        """Delayed jobs (docs/scheduling.md): set at most one of the two.
+        The earliest time the job may start (Cloud Tasks' schedule_time): from
+        2000-01-01T00:00:00Z to the server's horizon ahead (366 days by default);
+        a time already past runs the job at once.
+        """
+
+    @_builtins.property
+    def schedule_delay(self) -> _duration_pb2.Duration:
+        """Start the job this long after the server accepts the request: 0 up to
+        the server's horizon. The job's schedule_time is that time.
+        """
+
     def __init__(
         self,
         *,
@@ -534,13 +563,15 @@ class SubmitJobRequest(_message.Message):
         timeout: _duration_pb2.Duration | None = ...,
         payload_blob: _builtins.str = ...,
         blob_references: _abc.Iterable[_builtins.str] | None = ...,
+        schedule_time: _timestamp_pb2.Timestamp | None = ...,
+        schedule_delay: _duration_pb2.Duration | None = ...,
         concurrency_key: _builtins.str = ...,
         concurrency_limit: _builtins.int = ...,
         concurrency_mode: Global___ConcurrencyMode.ValueType = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["payload", b"payload", "timeout", b"timeout"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["payload", b"payload", "schedule_delay", b"schedule_delay", "schedule_time", b"schedule_time", "timeout", b"timeout"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["blob_references", b"blob_references", "concurrency_key", b"concurrency_key", "concurrency_limit", b"concurrency_limit", "concurrency_mode", b"concurrency_mode", "correlation_id", b"correlation_id", "labels", b"labels", "max_attempts", b"max_attempts", "payload", b"payload", "payload_blob", b"payload_blob", "request_id", b"request_id", "timeout", b"timeout", "type", b"type"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["blob_references", b"blob_references", "concurrency_key", b"concurrency_key", "concurrency_limit", b"concurrency_limit", "concurrency_mode", b"concurrency_mode", "correlation_id", b"correlation_id", "labels", b"labels", "max_attempts", b"max_attempts", "payload", b"payload", "payload_blob", b"payload_blob", "request_id", b"request_id", "schedule_delay", b"schedule_delay", "schedule_time", b"schedule_time", "timeout", b"timeout", "type", b"type"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -22,6 +22,7 @@ from jobplane.lifecycle import Lifecycle
 from jobplane.observe import tracing
 from jobplane.observe.metrics import NO_METRICS, Metrics
 from jobplane.observe.tracing import ServerTracing
+from jobplane.scheduling import DEFAULT_MAX_SCHEDULE_SECONDS
 from jobplane.server.auth import CallGate
 from jobplane.server.blob_servicer import MAX_CHUNK_BYTES, BlobServiceServicer
 from jobplane.server.decode import RefuseUndecodable
@@ -148,6 +149,7 @@ class JobplaneServer(Lifecycle):
         inline_bytes: int | None = None,
         metrics: Metrics = NO_METRICS,
         db: Database | None = None,
+        max_schedule_seconds: float = DEFAULT_MAX_SCHEDULE_SECONDS,
     ) -> None:
         if not 0 < max_payload_bytes <= MAX_PAYLOAD_BYTES_LIMIT:
             # Past it, a job could be too large for the SDK to read back.
@@ -177,6 +179,7 @@ class JobplaneServer(Lifecycle):
             max_payload_bytes=max_payload_bytes,
             recheck_seconds=recheck_seconds,
             blobs=blobs,
+            max_schedule_seconds=max_schedule_seconds,
         )
         self.event_hub = Listener(database_url, DOMAIN_EVENTS_CHANNEL)
         self.events = EventService(
@@ -309,7 +312,10 @@ class JobplaneServer(Lifecycle):
         """
         try:
             changed = await sync_submit_rules(
-                self._engine, self._topology, max_payload_bytes=self._max_payload_bytes
+                self._engine,
+                self._topology,
+                max_payload_bytes=self._max_payload_bytes,
+                max_schedule_seconds=self.service.max_schedule_seconds,
             )
         except DBAPIError as exc:
             if getattr(exc.orig, "sqlstate", None) != _INSUFFICIENT_PRIVILEGE:

@@ -60,6 +60,7 @@ async def _migrate(_args: argparse.Namespace) -> int:
             topology,
             max_payload_bytes=settings.max_payload_bytes,
             lifecycle_events=settings.lifecycle_events,
+            max_schedule_seconds=settings.max_schedule_seconds,
         )
     finally:
         await engine.dispose()
@@ -104,6 +105,7 @@ def _server(
         inline_bytes=settings.inline_bytes,
         metrics=metrics or NO_METRICS,
         db=db,
+        max_schedule_seconds=settings.max_schedule_seconds,
     )
 
 
@@ -282,6 +284,7 @@ async def _topology_apply(args: argparse.Namespace) -> int:
                 topology,
                 max_payload_bytes=settings.max_payload_bytes,
                 lifecycle_events=settings.lifecycle_events,
+                max_schedule_seconds=settings.max_schedule_seconds,
             )
         except (DBAPIError, OSError) as exc:
             print(

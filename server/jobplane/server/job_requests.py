@@ -11,6 +11,7 @@ import math
 import re
 import uuid
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
 from jobplane.blobs.names import parse_blob_name, referenced_digests
@@ -86,6 +87,11 @@ class SubmitRequest:
     payload_blob: str = ""
     #: Names of blobs the job uses that the payload does not show.
     blob_references: tuple[str, ...] = ()
+    # Delayed jobs (docs/scheduling.md): at most one of the two.
+    #: When the job may first start.
+    schedule_time: datetime | None = None
+    #: Seconds after the server accepts the request.
+    schedule_delay_seconds: float | None = None
     # Concurrency keys (checked by jobplane.server.key_requests).
     concurrency_key: str = ""
     concurrency_limit: int = 0

@@ -10,7 +10,8 @@ from __future__ import annotations
 import asyncio
 import uuid
 from collections.abc import AsyncIterator, Sequence
-from datetime import datetime
+from dataclasses import replace
+from datetime import UTC, datetime
 from typing import TYPE_CHECKING
 
 from jobplane.batcher import Batcher
@@ -24,6 +25,7 @@ from jobplane.errors import (
 )
 from jobplane.names import parse_job_name, validate_job_type
 from jobplane.observe.metrics import NO_METRICS, Metrics
+from jobplane.scheduling import DEFAULT_MAX_SCHEDULE_SECONDS, schedule_time_of
 from jobplane.server.feeds import FeedHub
 from jobplane.server.job_requests import (
     MAX_ATTEMPTS_LIMIT,
@@ -96,8 +98,11 @@ class JobService:
         max_payload_bytes: int = 256 * 1024,
         recheck_seconds: float = 30.0,
         blobs: BlobStore | None = None,
+        max_schedule_seconds: float = DEFAULT_MAX_SCHEDULE_SECONDS,
     ) -> None:
         self._store = store
+        #: How far ahead a job may be scheduled (docs/scheduling.md).
+        self.max_schedule_seconds = max_schedule_seconds
         self._blobs = blobs
         self._topology = topology
         #: Where submits are counted (the server's; nothing by default).
@@ -259,13 +264,22 @@ class JobService:
                     field="timeout",
                 )
             timeout = request.timeout_seconds
+        schedule = schedule_time_of(
+            request.schedule_time,
+            request.schedule_delay_seconds,
+            now=datetime.now(UTC),
+            horizon_seconds=self.max_schedule_seconds,
+        )
         payload_blob, references = await check_blobs(self._blobs, tenant, request)
         if pipeline is not None:
             new = pipeline_job(request, pipeline, payload_blob, references)
         else:
             new = _plain_job(request, job_type, queue, timeout, payload_blob, references)
         return with_concurrency(
-            new, request.concurrency_key, request.concurrency_limit, request.concurrency_mode
+            replace(new, schedule_time=schedule),
+            request.concurrency_key,
+            request.concurrency_limit,
+            request.concurrency_mode,
         )
 
     async def get(self, tenant: uuid.UUID, name: str) -> Job:

@@ -23,6 +23,7 @@ from jobplane.errors import InvalidArgument, JobplaneError, at_item
 from jobplane.events.convert import event_to_pb as domain_event_to_pb
 from jobplane.logs import fingerprint
 from jobplane.observe import tracing
+from jobplane.scheduling import time_from_timestamp
 from jobplane.server.auth import current_identity
 from jobplane.server.events import EventService, PublishRequest
 from jobplane.server.limits import TenantLimiter
@@ -272,6 +273,18 @@ def submit_request(request: jobs_pb2.SubmitJobRequest) -> SubmitRequest:
         ),
         payload_blob=request.payload_blob,
         blob_references=tuple(request.blob_references),
+        schedule_time=(
+            time_from_timestamp(
+                request.schedule_time.seconds, request.schedule_time.nanos, field="schedule_time"
+            )
+            if request.HasField("schedule_time")
+            else None
+        ),
+        schedule_delay_seconds=(
+            seconds_from_duration(request.schedule_delay, field="schedule_delay")
+            if request.HasField("schedule_delay")
+            else None
+        ),
         concurrency_key=request.concurrency_key,
         concurrency_limit=request.concurrency_limit,
         concurrency_mode=request.concurrency_mode,

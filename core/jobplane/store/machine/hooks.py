@@ -244,7 +244,9 @@ class JobEvents(Hook):
 class Dispatches(Hook):
     """The job's next dispatch: an outbox row whose id the job's ``dispatch_id`` names.
 
-    Due at the job's ``next_attempt_time`` (now when unset). A QUEUED job
+    Due at the job's ``next_attempt_time`` (now when unset), and never before
+    its ``schedule_time`` (a delayed job: GREATEST skips the NULL of a job
+    without one), whichever transition dispatches it. A QUEUED job
     cancelled drops its pending (re)dispatch, so nothing is published.
     """
 
@@ -256,12 +258,13 @@ class Dispatches(Hook):
         INSERT INTO outbox (id, tenant_id, job_id, routing_key, correlation_id, available_at,
                             headers)
         SELECT j.dispatch_id, j.tenant_id, j.id, j.type, j.correlation_id,
-               coalesce(j.next_attempt_time, now()), {_trace_headers(transition)}
+               greatest(coalesce(j.next_attempt_time, now()), j.schedule_time),
+               {_trace_headers(transition)}
         FROM {{j}} AS j""",
                     f"pg_notify('{OUTBOX_CHANNEL}', '')",
                     frozenset(
                         {"dispatch_id", "tenant_id", "id", "type", "correlation_id"}
-                        | {"next_attempt_time"}
+                        | {"next_attempt_time", "schedule_time"}
                     ),
                 )
             ]

@@ -52,6 +52,14 @@ _TIME_TEXT = (
 )
 
 
+# Delayed jobs: a job.queued of a job not started yet carries its
+# schedule_time, when it has one (docs/events.md); other payloads are as before.
+_SCHEDULE_TIME = (
+    "CASE WHEN j.schedule_time IS NOT NULL AND j.attempt = 0 THEN jsonb_build_object("
+    f"'schedule_time', {_TIME_TEXT.format(t='j.schedule_time')}) ELSE '{{}}'::jsonb END"
+)
+
+
 def _lifecycle_payload(lifecycle: Lifecycle) -> str:
     """SQL over j: a lifecycle event's payload, as jsonb."""
     pairs = [
@@ -75,6 +83,8 @@ def _lifecycle_payload(lifecycle: Lifecycle) -> str:
     if lifecycle is Lifecycle.CANCEL_REQUESTED:
         pairs.append(("reason", "coalesce(j.cancel_reason, '')"))
     payload = "jsonb_build_object(" + ", ".join(f"'{key}', {value}" for key, value in pairs) + ")"
+    if lifecycle is Lifecycle.QUEUED:
+        payload = f"({payload} || {_SCHEDULE_TIME})"
     # A pipeline job's events say where in the pipeline it is; a plain job's
     # payload is as it always was.
     stage = "j.stage_name"
@@ -94,6 +104,7 @@ _LIFECYCLE_COLUMNS = frozenset(
     | {"correlation_id", "error_code", "error_message", "error_retryable", "last_seq"}
     | {"lifecycle_seq", "lifecycle_cause", "next_attempt_time", "cancel_reason"}
     | {"pipeline", "pipeline_version", "stage", "stage_name"}
+    | {"schedule_time"}
 )
 
 

@@ -18,6 +18,9 @@ CREATE OR REPLACE FUNCTION jobplane.submit_job(
     max_attempts    integer DEFAULT 0,
     labels          jsonb DEFAULT '{}',
     timeout_seconds double precision DEFAULT NULL,
+    -- Delayed jobs (docs/scheduling.md): at most one of the two.
+    schedule_time   timestamptz DEFAULT NULL,
+    schedule_delay  interval DEFAULT NULL,
     -- Concurrency keys (docs/flow-control.md): mode 'queue' (NULL) or 'reject'.
     concurrency_key   text DEFAULT NULL,
     concurrency_limit integer DEFAULT NULL,
@@ -54,6 +57,9 @@ DECLARE
     v_event_payload  text;
     v_body           text;
     v_digest         bytea;
+    v_schedule       timestamptz := submit_job.schedule_time;
+    v_horizon        interval;
+    v_accepted       timestamptz := clock_timestamp();
     -- Concurrency keys.
     v_key            text := nullif(submit_job.concurrency_key, '');
     v_key_limit      integer := coalesce(submit_job.concurrency_limit, 0);
@@ -106,7 +112,8 @@ BEGIN
     -- The payload's size as the RPC measures it (jobplane.payload_size);
     -- that is at most twice the length of jsonb's text, so most payloads
     -- need no closer look.
-    SELECT max_payload_bytes, lifecycle_events INTO v_limit, v_lifecycle FROM submit_settings;
+    SELECT max_payload_bytes, lifecycle_events, make_interval(secs => max_schedule_seconds)
+    INTO v_limit, v_lifecycle, v_horizon FROM submit_settings;
     IF octet_length(v_payload::text) > v_limit / 2 THEN
         v_size := jobplane.payload_size(v_payload);
         IF v_size > v_limit THEN
@@ -180,6 +187,29 @@ BEGIN
             '604800 seconds'
             USING ERRCODE = 'JP001', COLUMN = 'timeout';
     END IF;
+    -- Delayed jobs: the RPC's checks (jobplane.scheduling), the delay
+    -- counted from this call.
+    IF v_schedule IS NOT NULL AND submit_job.schedule_delay IS NOT NULL THEN
+        RAISE EXCEPTION 'INVALID_ARGUMENT: schedule_delay goes with no schedule_time: set one '
+            'of them'
+            USING ERRCODE = 'JP001', COLUMN = 'schedule_delay';
+    END IF;
+    IF v_schedule IS NOT NULL AND NOT v_schedule >= '2000-01-01T00:00:00Z' THEN
+        RAISE EXCEPTION 'INVALID_ARGUMENT: schedule_time must be 2000-01-01T00:00:00Z or later'
+            USING ERRCODE = 'JP001', COLUMN = 'schedule_time';
+    END IF;
+    IF v_schedule IS NOT NULL AND v_schedule > v_accepted + v_horizon THEN
+        RAISE EXCEPTION 'INVALID_ARGUMENT: schedule_time is more than % ahead', v_horizon
+            USING ERRCODE = 'JP001', COLUMN = 'schedule_time';
+    END IF;
+    IF submit_job.schedule_delay IS NOT NULL THEN
+        IF v_accepted + submit_job.schedule_delay < v_accepted
+                OR v_accepted + submit_job.schedule_delay > v_accepted + v_horizon THEN
+            RAISE EXCEPTION 'INVALID_ARGUMENT: schedule_delay must be 0 to %', v_horizon
+                USING ERRCODE = 'JP001', COLUMN = 'schedule_delay';
+        END IF;
+        v_schedule := v_accepted + submit_job.schedule_delay;
+    END IF;
     -- Concurrency keys: SubmitJob's checks, then reject mode's refusal under
     -- the key's lock (the one the claims take), held to the caller's commit.
     IF v_key_mode NOT IN ('', 'queue', 'reject') THEN
@@ -231,6 +261,7 @@ BEGIN
                       DETAIL = format('concurrency_limit=%s holders=%s', v_key_limit, v_holders);
         END IF;
     END IF;
+
     IF v_request_id = '' THEN
         v_request_id := gen_random_uuid()::text;
     END IF;
@@ -249,20 +280,25 @@ BEGIN
                 FROM 3) FROM 1 FOR 6), 52, 1), 53, 1), 'hex')::uuid;
         INSERT INTO jobs (id, tenant_id, type, queue, state, payload, max_attempts, request_id,
                           request_hash, correlation_id, labels, dispatch_id, last_seq,
-                          timeout_seconds, lifecycle_seq, concurrency_key, concurrency_limit)
+                          timeout_seconds, lifecycle_seq, schedule_time, concurrency_key,
+                          concurrency_limit)
         VALUES (v_id, v_tenant, v_type, v_route.queue, 'queued', v_payload, v_max_attempts,
                 v_request_id,
                 sha256(convert_to(jsonb_build_array(v_type, v_payload, v_max_attempts,
                     v_correlation_id, v_labels, v_timeout)::text, 'UTF8')),
-                v_correlation_id, v_labels, v_dispatch, 1, v_timeout, 1, v_key,
+                v_correlation_id, v_labels, v_dispatch, 1, v_timeout, 1, v_schedule, v_key,
                 CASE WHEN v_key IS NOT NULL THEN v_key_limit END)
         ON CONFLICT (tenant_id, request_id) DO NOTHING;
         IF FOUND THEN
             INSERT INTO job_events (job_id, seq, tenant_id, type, state, progress, message,
                                     attempt)
             VALUES (v_id, 1, v_tenant, 'queued', 'queued', 0, 'queued', 0);
-            INSERT INTO outbox (id, tenant_id, job_id, routing_key, correlation_id)
-            VALUES (v_dispatch, v_tenant, v_id, v_type, v_correlation_id);
+            -- A delayed job's dispatch is due at its schedule_time (GREATEST
+            -- skips the NULL of a job without one).
+            INSERT INTO outbox (id, tenant_id, job_id, routing_key, correlation_id,
+                                available_at)
+            VALUES (v_dispatch, v_tenant, v_id, v_type, v_correlation_id,
+                    greatest(now(), v_schedule));
             -- Its job.queued, as the servers' state machine writes it
             -- (jobplane.store.machine.DomainEvents): the id is the version-3
             -- UUID of (job id, event seq 1), the body the envelope in
@@ -286,6 +322,9 @@ BEGIN
                                 || to_json(l.value)::text, ',' ORDER BY l.key COLLATE "C")
                             || '}'
                         FROM jsonb_each_text(v_labels) AS l), '{}')
+                    || CASE WHEN v_schedule IS NULL THEN '' ELSE ',"schedule_time":'
+                        || to_json(to_char(v_schedule AT TIME ZONE 'UTC',
+                                           'YYYY-MM-DD"T"HH24:MI:SS.US"Z"'))::text END
                     || '}';
                 INSERT INTO events (tenant_id, event_id, event_type, event_time, correlation_id,
                                     causation_id, payload, request_hash, job_id)

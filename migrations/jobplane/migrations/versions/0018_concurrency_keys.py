@@ -17,7 +17,7 @@
   oldest held jobs. Partial: finished jobs and jobs without a key are not in it.
 
 Revision ID: 0018
-Revises: 0016
+Revises: 0017
 Create Date: 2026-12-06
 """
 
@@ -30,7 +30,7 @@ from jobplane.migrations.frozen import frozen_sql
 from jobplane.migrations.indexes import build_index
 
 revision = "0018"
-down_revision = "0016"
+down_revision = "0017"
 branch_labels = None
 depends_on = None
 
@@ -40,11 +40,15 @@ ALTER TABLE jobs ADD COLUMN IF NOT EXISTS concurrency_key text,
 """
 _BLOCKER = "0018_concurrency_blocker.sql"
 _SUBMIT_JOB = "0018_submit_job.sql"
-_SUBMIT_BEFORE = "0011_submit_job.sql"
-_SUBMIT_OLD = "jobplane.submit_job(text, text, jsonb, text, text, integer, jsonb, double precision)"
+_SUBMIT_BEFORE = "0017_submit_job.sql"
+# The signature 0017 (delayed jobs) created, and this one's: three more at the end.
+_SUBMIT_OLD = (
+    "jobplane.submit_job(text, text, jsonb, text, text, integer, jsonb, double precision, "
+    "timestamptz, interval)"
+)
 _SUBMIT_NEW = (
     "jobplane.submit_job(text, text, jsonb, text, text, integer, jsonb, double precision, "
-    "text, integer, text)"
+    "timestamptz, interval, text, integer, text)"
 )
 _SIGNATURE = "jobplane.concurrency_blocker(uuid, text, integer, uuid, timestamp with time zone)"
 # The roles granted EXECUTE on a function (its owner aside), as GRANT names them.
