@@ -177,6 +177,8 @@ def job_to_pb(job: Job) -> jobs_pb2.Job:
         stages=[stage_to_pb(stage) for stage in job.stages],
         pipeline_version=job.pipeline_version,
         schedule_time=timestamp(job.schedule_time),
+        concurrency_key=job.concurrency_key,
+        concurrency_limit=job.concurrency_limit,
     )
     if job.result is not None:
         message.result.CopyFrom(struct_from_dict(job.result))
@@ -300,6 +302,8 @@ def job_from_pb(message: jobs_pb2.Job) -> Job:
         schedule_time=(
             from_timestamp(message.schedule_time) if message.HasField("schedule_time") else None
         ),
+        concurrency_key=message.concurrency_key,
+        concurrency_limit=message.concurrency_limit,
     )
 
 

@@ -231,6 +231,24 @@ class BlobsDisabled(FailedPrecondition):
     reason = "BLOBS_DISABLED"
 
 
+class ConcurrencyLimitReached(JobplaneError):
+    """The job's concurrency key already has its limit of jobs in flight (QUEUED or
+    RUNNING), and the job asked to be refused rather than wait (reject mode).
+
+    ABORTED (HTTP 409). ``metadata``: ``concurrency_key``, ``concurrency_limit``
+    and ``holders``, the jobs in flight (``jobs/{id}``, comma-separated);
+    :attr:`holders` lists them. Nothing was written.
+    """
+
+    code = grpc.StatusCode.ABORTED
+    reason = "CONCURRENCY_LIMIT_REACHED"
+
+    @property
+    def holders(self) -> list[str]:
+        """The jobs holding the key (``jobs/{id}``), oldest first."""
+        return [name for name in self.metadata.get("holders", "").split(",") if name]
+
+
 class ResourceExhausted(JobplaneError):
     """A limit was reached; the call may succeed later."""
 
@@ -306,6 +324,7 @@ _BY_REASON: dict[str, type[JobplaneError]] = {
         TenantLimitExceeded,
         Unavailable,
         InternalError,
+        ConcurrencyLimitReached,
     )
 }
 

@@ -46,6 +46,7 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from jobplane.errors import (
+    ConcurrencyLimitReached,
     EventIdReused,
     InvalidArgument,
     JobplaneError,
@@ -74,6 +75,7 @@ _ERRORS: dict[str, type[JobplaneError]] = {
         RequestIdReused,
         TenantNotFound,
         EventIdReused,
+        ConcurrencyLimitReached,
     )
 }
 
@@ -95,6 +97,9 @@ async def submit_job(
     attempt_timeout: float | timedelta | None = None,
     schedule_time: datetime | None = None,
     schedule_delay: float | timedelta | None = None,
+    concurrency_key: str = "",
+    concurrency_limit: int = 0,
+    concurrency_mode: str | None = None,
 ) -> uuid.UUID:
     """Create a job in ``conn``'s transaction; its id.
 
@@ -105,7 +110,10 @@ async def submit_job(
     :class:`~jobplane.errors.RequestIdReused`), ``max_attempts`` 0 and
     ``attempt_timeout`` None mean the queue's defaults. ``schedule_time``
     (timezone-aware) or ``schedule_delay`` (seconds or a timedelta, from
-    this call) delays the job's start (docs/scheduling.md).
+    this call) delays the job's start (docs/scheduling.md). ``concurrency_key``,
+    ``concurrency_limit`` and ``concurrency_mode`` (``"queue"`` or
+    ``"reject"``) as in ``submit`` (docs/flow-control.md); a full key in reject
+    mode raises :class:`~jobplane.errors.ConcurrencyLimitReached`.
     """
     # Postgres text holds no NUL: refused here, as the RPC refuses it.
     if "\x00" in tenant:
@@ -114,6 +122,7 @@ async def submit_job(
         ("type", type),
         ("request_id", request_id),
         ("correlation_id", correlation_id),
+        ("concurrency_key", concurrency_key),
     ):
         if "\x00" in value:
             raise InvalidArgument(f"{field} has a NUL character", field=field)
@@ -130,6 +139,9 @@ async def submit_job(
         _json(labels or {}, "labels"),
         timeout,
         *_schedule_args(schedule_time, schedule_delay),
+        concurrency_key,
+        concurrency_limit,
+        concurrency_mode,
     )
     try:
         return uuid.UUID(str(await _scalar(conn, args)))
@@ -284,6 +296,9 @@ async def _scalar(conn: Any, args: tuple[Any, ...]) -> Any:
             "timeout_seconds",
             "schedule_time",
             "schedule_delay",
+            "concurrency_key",
+            "concurrency_limit",
+            "concurrency_mode",
         )
         result = await conn.execute(SUBMIT_JOB, dict(zip(names, args, strict=True)))
         return result.scalar_one()

@@ -68,6 +68,19 @@ class WaitingCode(enum.StrEnum):
     #: Its ``schedule_time`` has not come yet: its dispatch is due then
     #: (docs/scheduling.md).
     SCHEDULED = "SCHEDULED"
+    #: Its concurrency key has as many jobs RUNNING as its limit allows, or
+    #: older jobs of the key wait ahead of it: the reason names the job it
+    #: waits for (docs/flow-control.md).
+    CONCURRENCY_LIMIT = "CONCURRENCY_LIMIT"
+
+
+class ConcurrencyMode(enum.StrEnum):
+    """What a job does when its concurrency key is full (docs/flow-control.md)."""
+
+    #: It waits QUEUED, first in first out among its key's jobs.
+    QUEUE = "queue"
+    #: The submit is refused (:class:`jobplane.errors.ConcurrencyLimitReached`).
+    REJECT = "reject"
 
 
 @dataclass(frozen=True, slots=True)
@@ -187,6 +200,12 @@ class Job:
     #: When the job may first start, as submitted; None for a job submitted
     #: without a schedule_time or schedule_delay.
     schedule_time: datetime | None = None
+    # Concurrency keys (docs/flow-control.md).
+    #: The job's concurrency key ("" for none): at most ``concurrency_limit``
+    #: jobs of the tenant with this key run at once.
+    concurrency_key: str = ""
+    #: The key's limit the job was submitted with (0 without a key).
+    concurrency_limit: int = 0
 
     @property
     def id(self) -> str:

@@ -16,6 +16,11 @@ _NEW = (
     "jobplane.submit_job(text, text, jsonb, text, text, integer, jsonb, double precision, "
     "timestamptz, interval)"
 )
+# Concurrency keys' migration (0018, after this one) adds three more.
+_HEAD = (
+    "jobplane.submit_job(text, text, jsonb, text, text, integer, jsonb, double precision, "
+    "timestamptz, interval, text, integer, text)"
+)
 _CAN = "SELECT has_function_privilege(:role, :fn, 'EXECUTE')"
 
 
@@ -33,7 +38,7 @@ async def test_0017_keeps_the_grants_of_the_sql_api(database_at_0016: str) -> No
             await conn.execute(text(f'CREATE ROLE "{role}"'))
             await conn.execute(text(f'GRANT EXECUTE ON FUNCTION {_OLD} TO "{role}"'))
             assert (await conn.execute(text(_CAN), {"role": role, "fn": _OLD})).scalar()
-        await migrate(database_at_0016, create=False)
+        await migrate(database_at_0016, revision="0017", create=False)
         async with engine.begin() as conn:
             assert (await conn.execute(text(_CAN), {"role": role, "fn": _NEW})).scalar()
             assert not (await conn.execute(text(_CAN), {"role": "public", "fn": _NEW})).scalar()
@@ -41,6 +46,14 @@ async def test_0017_keeps_the_grants_of_the_sql_api(database_at_0016: str) -> No
             assert old.scalar() is None
             horizon = await conn.execute(text("SELECT max_schedule_seconds FROM submit_settings"))
             assert horizon.scalar() == 366 * 86400
+        # The next signature keeps them too, and replaces this one.
+        await migrate(database_at_0016, create=False)
+        async with engine.begin() as conn:
+            assert (await conn.execute(text(_CAN), {"role": role, "fn": _HEAD})).scalar()
+            assert not (await conn.execute(text(_CAN), {"role": "public", "fn": _HEAD})).scalar()
+            for gone in (_OLD, _NEW):
+                found = await conn.execute(text("SELECT to_regprocedure(:fn)"), {"fn": gone})
+                assert found.scalar() is None
             await conn.execute(text(f'DROP OWNED BY "{role}"'))
             await conn.execute(text(f'DROP ROLE "{role}"'))
     finally:

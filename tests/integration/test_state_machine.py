@@ -104,7 +104,7 @@ async def _place(
     token = uuid.uuid4()
     # Guards: an attempt left or none, a parked job, no cancel requested yet.
     exhausted = transition in (Transition.EXHAUST, Transition.EXPIRE_LAST_LEASE)
-    parked = transition is Transition.UNPARK
+    parked = transition in (Transition.UNPARK, Transition.RELEASE)
     lease = _DEAD_LEASE if phase is Phase.RUNNING_EXPIRED else _LIVE_LEASE
     async with engine.begin() as conn:
         row = await conn.execute(
@@ -130,6 +130,8 @@ async def _place(
         await conn.execute(
             text("UPDATE outbox SET published_at = now() WHERE job_id = :id"), {"id": job_id}
         )
+    if transition in (Transition.HOLD, Transition.RELEASE):
+        await _keyed(engine, tenant, job_id, f"{transition}-{phase.value}", transition)
     return Placed(
         job_id=job_id,
         tenant_id=tenant,
@@ -139,6 +141,44 @@ async def _place(
         request_id=f"{transition}-{phase.value}",
         phase=phase,
     )
+
+
+async def _keyed(
+    engine: AsyncEngine, tenant: uuid.UUID, job_id: uuid.UUID, key: str, transition: Transition
+) -> None:
+    """The job under its own concurrency key (limit 1): full, for a hold (another
+    job of the key RUNNING); held, for a release."""
+    async with engine.begin() as conn:
+        await conn.execute(
+            text(
+                "UPDATE jobs SET concurrency_key = :key, concurrency_limit = 1, "
+                "waiting_code = CASE WHEN :held THEN 'CONCURRENCY_LIMIT' END WHERE id = :id"
+            ),
+            {"key": key, "held": transition is Transition.RELEASE, "id": job_id},
+        )
+    if transition is not Transition.HOLD:
+        return
+    async with Database(engine.url.render_as_string(hide_password=False)) as db:
+        blocker, _ = await JobStore(engine, db).submit(
+            tenant,
+            NewJob(
+                type="machine.blocker",
+                queue=_QUEUE,
+                payload={},
+                request_id=f"{key}-blocker",
+                max_attempts=3,
+                concurrency_key=key,
+                concurrency_limit=1,
+            ),
+        )
+    async with engine.begin() as conn:
+        await conn.execute(
+            text(
+                "UPDATE jobs SET state = 'running', attempt = 1, lease_token = gen_random_uuid(), "
+                f"lease_expires_at = {_LIVE_LEASE} WHERE id = :id"
+            ),
+            {"id": uuid.UUID(blocker.id)},
+        )
 
 
 def _two_stages(job_type: str) -> tuple[NewStage, ...]:
@@ -226,6 +266,10 @@ def _params(transition: Transition, job: Placed) -> dict[str, Any]:
                 "code": "DISPATCH_FAILED",
                 "message": "no",
             }
+        case Transition.HOLD:
+            return {**by_dispatch, "type": job.type}
+        case Transition.RELEASE:
+            return {"tenant_id": job.tenant_id, "key": job.request_id}
         case Transition.WAIT:
             return {
                 "id": job.job_id,

@@ -183,6 +183,9 @@ class _MemorySweeps(SweepStore):
     async def republish_unclaimed(self, **kwargs: Any) -> None:
         return None
 
+    async def release_held(self, **kwargs: Any) -> int:
+        return 0
+
     async def analyze_grown(self, **kwargs: Any) -> list[str]:
         return []
 

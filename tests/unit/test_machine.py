@@ -124,6 +124,8 @@ def test_stage_writes_come_from_the_stage_table() -> None:
         Transition.REQUEST_CANCEL,
         Transition.REDISPATCH,
         Transition.WAIT,
+        Transition.HOLD,
+        Transition.RELEASE,
     }
 
 

@@ -123,6 +123,7 @@ def _register_submit(subparsers: Subparsers, parents: Parents) -> None:
         default=[],
         help="a label of the job (repeatable)",
     )
+    _concurrency_flags(submit)
     submit.add_argument("--watch", action="store_true", help="follow the job until it ends")
     # Delayed jobs (docs/scheduling.md).
     when = submit.add_mutually_exclusive_group()
@@ -138,6 +139,25 @@ def _register_submit(subparsers: Subparsers, parents: Parents) -> None:
         help="start DURATION from now: seconds, or e.g. 90s, 15m, 1h30m, 2d",
     )
     submit.set_defaults(func=command(_submit))
+
+
+def _concurrency_flags(submit: argparse.ArgumentParser) -> None:
+    """The concurrency key's flags (docs/flow-control.md)."""
+    submit.add_argument(
+        "--concurrency-key",
+        metavar="KEY",
+        default="",
+        help="at most --concurrency-limit of your jobs with this key run at once",
+    )
+    submit.add_argument(
+        "--concurrency-limit", metavar="N", type=int, default=0, help="the key's limit (0: 1)"
+    )
+    submit.add_argument(
+        "--concurrency-mode",
+        choices=("queue", "reject"),
+        default=None,
+        help="when the key is full: wait (queue, the default) or refuse the submit (reject)",
+    )
 
 
 async def _submit(client: AsyncClient, args: argparse.Namespace) -> int:
@@ -157,6 +177,9 @@ async def _submit(client: AsyncClient, args: argparse.Namespace) -> int:
         labels=labels,
         schedule_time=None if args.at is None else parse_at(args.at),
         schedule_delay=None if args.delay is None else parse_in(args.delay),
+        concurrency_key=args.concurrency_key,
+        concurrency_limit=args.concurrency_limit,
+        concurrency_mode=args.concurrency_mode,
     )
     if args.json:
         print_json(job_to_json(job))

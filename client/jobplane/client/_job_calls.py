@@ -22,7 +22,7 @@ from jobplane.blobs.names import referenced_digests
 from jobplane.client._blob_calls import BlobCalls
 from jobplane.client._retry import Backoff, EventCursor, stream_failure, stream_retry_delay
 from jobplane.client._schedule import set_schedule
-from jobplane.client.batch import MAX_BATCH_SIZE, JobSpec, batches, shifted
+from jobplane.client.batch import MAX_BATCH_SIZE, JobSpec, batches, shifted, with_concurrency
 from jobplane.convert import event_from_pb, job_from_pb, state_to_pb, struct_from_dict
 from jobplane.errors import (
     BlobsDisabled,
@@ -32,7 +32,7 @@ from jobplane.errors import (
     TenantLimitExceeded,
     Unavailable,
 )
-from jobplane.types import BlobRef, Job, JobEvent, JobPage, JobState
+from jobplane.types import BlobRef, ConcurrencyMode, Job, JobEvent, JobPage, JobState
 from jobplane.v1 import jobs_pb2
 
 #: The largest payload or result by reference the SDK reads back whole.
@@ -64,6 +64,9 @@ class JobCalls(BlobCalls):
         attempt_timeout: float | timedelta | None = None,
         schedule_time: datetime | None = None,
         schedule_delay: float | timedelta | None = None,
+        concurrency_key: str = "",
+        concurrency_limit: int = 0,
+        concurrency_mode: ConcurrencyMode | str | None = None,
     ) -> Job:
         """Create a job of ``type`` and return it (normally QUEUED).
 
@@ -78,6 +81,12 @@ class JobCalls(BlobCalls):
         call) delays the job's start: it is QUEUED, ``waiting_code``
         ``SCHEDULED``, until then (docs/scheduling.md). A repeated call with
         the same request_id returns the job first created, at its first time.
+
+        ``concurrency_key``: at most ``concurrency_limit`` (0: 1) of the
+        tenant's jobs with this key run at once; ``concurrency_mode`` says
+        what a job of a full key does: wait (``"queue"``, the default) or be
+        refused (``"reject"``: :class:`~jobplane.errors.ConcurrencyLimitReached`,
+        whose ``holders`` name the jobs in flight). See docs/flow-control.md.
         """
         request = await self._submit_request(
             JobSpec(
@@ -90,6 +99,9 @@ class JobCalls(BlobCalls):
                 attempt_timeout=attempt_timeout,
                 schedule_time=schedule_time,
                 schedule_delay=schedule_delay,
+                concurrency_key=concurrency_key,
+                concurrency_limit=concurrency_limit,
+                concurrency_mode=concurrency_mode,
             )
         )
         # Without a request_id a repeated call could create a second job.
@@ -155,6 +167,7 @@ class JobCalls(BlobCalls):
                 attempt_timeout = timedelta(seconds=attempt_timeout)
             request.timeout.FromTimedelta(attempt_timeout)
         set_schedule(request, spec.schedule_time, spec.schedule_delay)
+        with_concurrency(request, spec)
         body = _compact(payload) if payload else None
         if body is not None and len(body) > self._inline_bytes:
             # Too large to go inline: as a blob, by reference. A server

@@ -10,6 +10,7 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from jobplane.errors import JobplaneError
+from jobplane.types import ConcurrencyMode
 from jobplane.v1 import jobs_pb2
 
 #: The most requests the server takes in one BatchSubmitJobs call.
@@ -37,6 +38,10 @@ class JobSpec:
     # Delayed jobs (docs/scheduling.md): at most one of the two.
     schedule_time: datetime | None = None
     schedule_delay: float | timedelta | None = None
+    # Concurrency keys (docs/flow-control.md).
+    concurrency_key: str = ""
+    concurrency_limit: int = 0
+    concurrency_mode: ConcurrencyMode | str | None = None
 
     @classmethod
     def of(cls, spec: JobSpec | Mapping[str, Any]) -> JobSpec:
@@ -50,6 +55,19 @@ class JobSpec:
 
 
 _FIELDS = frozenset(f.name for f in fields(JobSpec))
+_MODES = {
+    ConcurrencyMode.QUEUE: jobs_pb2.CONCURRENCY_MODE_QUEUE,
+    ConcurrencyMode.REJECT: jobs_pb2.CONCURRENCY_MODE_REJECT,
+}
+
+
+def with_concurrency(request: jobs_pb2.SubmitJobRequest, spec: JobSpec) -> None:
+    """Set ``spec``'s concurrency key, limit and mode on ``request`` (the server
+    checks them: a limit or mode without a key is refused)."""
+    request.concurrency_key = spec.concurrency_key
+    request.concurrency_limit = spec.concurrency_limit
+    if spec.concurrency_mode is not None:
+        request.concurrency_mode = _MODES[ConcurrencyMode(spec.concurrency_mode)]
 
 
 def batches(

@@ -34,7 +34,7 @@ from jobplane.client.batch import MAX_BATCH_SIZE, JobSpec
 from jobplane.client.subscription import EventSubscription, SubscribedEvent, SubscribeStart
 from jobplane.client.tls import ClientTLS
 from jobplane.events.envelope import Event
-from jobplane.types import Blob, BlobPage, Job, JobEvent, JobPage, JobState
+from jobplane.types import Blob, BlobPage, ConcurrencyMode, Job, JobEvent, JobPage, JobState
 
 T = TypeVar("T")
 
@@ -256,6 +256,9 @@ class Client(SyncScheduleCalls):
         attempt_timeout: float | timedelta | None = None,
         schedule_time: datetime | None = None,
         schedule_delay: float | timedelta | None = None,
+        concurrency_key: str = "",
+        concurrency_limit: int = 0,
+        concurrency_mode: ConcurrencyMode | str | None = None,
     ) -> Job:
         """Create a job of ``type`` and return it; see :meth:`AsyncClient.submit`."""
         return self._loop.run(
@@ -269,6 +272,9 @@ class Client(SyncScheduleCalls):
                 attempt_timeout=attempt_timeout,
                 schedule_time=schedule_time,
                 schedule_delay=schedule_delay,
+                concurrency_key=concurrency_key,
+                concurrency_limit=concurrency_limit,
+                concurrency_mode=concurrency_mode,
             )
         )
 

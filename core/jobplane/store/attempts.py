@@ -13,8 +13,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import structlog
+
 from jobplane.envelope import Envelope
 from jobplane.ids import new_id
+from jobplane.logs import describe_error
 from jobplane.store.claims import (
     CLAIMED,
     INSPECT,
@@ -28,6 +31,7 @@ from jobplane.store.claims import (
     claim_cause,
     stage_run,
 )
+from jobplane.store.concurrency import ended_keys, release_key
 from jobplane.store.db import Conn, Database
 from jobplane.store.machine import (
     HEARTBEAT,
@@ -85,7 +89,13 @@ class ProgressUpdate:
     data: dict[str, Any]
 
 
+log = structlog.get_logger("jobplane.store")
 _ID: Returning = ("id",)
+# An attempt's end, with what its key's release needs (ADR-0040).
+_ENDED: Returning = ("id", "tenant_id", "concurrency_key")
+# A claim its key refused is tried again while the hold finds the key free:
+# a slot freed between the two statements.
+_CLAIM_TRIES = 3
 
 
 class AttemptStore:
@@ -115,12 +125,16 @@ class AttemptStore:
         machine = self._machine
         scope = machine.session(self._db, Transition.CLAIM, Transition.EXHAUST)
         async with scope as conn:
-            rows = await machine.apply(
-                conn, Transition.CLAIM, params, claim_cause(worker), returning=CLAIMED
-            )
-            if rows:
-                return await self._claimed(conn, envelope, token, rows[0])
-            return await self._refused(conn, envelope, params)
+            for _ in range(_CLAIM_TRIES):
+                rows = await machine.apply(
+                    conn, Transition.CLAIM, params, claim_cause(worker), returning=CLAIMED
+                )
+                if rows:
+                    return await self._claimed(conn, envelope, token, rows[0])
+                refused = await self._refused(conn, envelope, params)
+                if refused is not None:
+                    return refused
+        return ClaimResult(ClaimStatus.IN_FLIGHT, state=JobState.QUEUED)
 
     def claim_request(self, envelope: Envelope, *, worker: str = "") -> ClaimRequest:
         """A claim of ``envelope`` for :meth:`claim_many`, its binds taken here and now."""
@@ -128,7 +142,7 @@ class AttemptStore:
         binds = self._machine.prepare(
             Transition.CLAIM, self._claim_params(envelope, token), claim_cause(worker)
         )
-        return ClaimRequest(envelope, token, binds)
+        return ClaimRequest(envelope, token, binds, worker)
 
     @property
     def groups_claims(self) -> bool:
@@ -162,7 +176,11 @@ class AttemptStore:
         machine = self._machine
         params = self._claim_params(request.envelope, request.lease_token)
         async with machine.session(self._db, Transition.EXHAUST) as conn:
-            return await self._refused(conn, request.envelope, params)
+            refused = await self._refused(conn, request.envelope, params)
+        if refused is not None:
+            return refused
+        # Its key has room now: claimed alone (the group's statement is gone).
+        return await self.claim(request.envelope, worker=request.worker)
 
     def _claim_params(self, envelope: Envelope, token: uuid.UUID) -> dict[str, Any]:
         return {
@@ -190,7 +208,9 @@ class AttemptStore:
 
     async def _refused(
         self, conn: Conn, envelope: Envelope, params: Mapping[str, Any]
-    ) -> ClaimResult:
+    ) -> ClaimResult | None:
+        """Why the claim was refused; None when its key was full and is no longer
+        (claim again)."""
         found = await conn.fetchrow(INSPECT, params)
         if found is None:
             return ClaimResult(ClaimStatus.NOT_FOUND)
@@ -214,6 +234,13 @@ class AttemptStore:
             )
             if exhausted:
                 return ClaimResult(ClaimStatus.EXHAUSTED, state=JobState.FAILED)
+        if state is JobState.QUEUED and found["concurrency_key"] is not None:
+            # Its key is full: held, without a dispatch, until a slot frees
+            # (the message is acked); or the key has room now.
+            held = await self._machine.apply(
+                conn, Transition.HOLD, params, Cause("held"), returning=_ID
+            )
+            return ClaimResult(ClaimStatus.HELD, state=state) if held else None
         # Changed between the two statements; the caller looks again.
         return ClaimResult(ClaimStatus.IN_FLIGHT, state=state)
 
@@ -442,10 +469,11 @@ class AttemptStore:
             if pending:
                 await self._progress(conn, attempt, pending)
             rows = await machine.apply(
-                conn, outcome.transition, outcome.params, outcome.cause, returning=_ID
+                conn, outcome.transition, outcome.params, outcome.cause, returning=_ENDED
             )
             if not rows:
                 raise LeaseLost(f"jobs/{attempt.job_id} attempt {attempt.attempt} was fenced out")
+        await self.release_keys(ended_keys(rows))
 
     async def finish_many(self, outcomes: Sequence[Outcome]) -> list[bool]:
         """Commit many attempts' outcomes (none with pending progress): one statement
@@ -455,14 +483,34 @@ class AttemptStore:
         for index, outcome in enumerate(outcomes):
             by_transition.setdefault(outcome.transition, []).append(index)
         done = [False] * len(outcomes)
+        keys: set[tuple[Any, str]] = set()
         async with self._db.connect() as conn:
             for transition, indexes in by_transition.items():
                 rows = await self._machine.apply_many(
-                    conn, transition, [outcomes[i].binds for i in indexes], returning=_ID
+                    conn, transition, [outcomes[i].binds for i in indexes], returning=_ENDED
                 )
                 for index, row in zip(indexes, rows, strict=True):
                     done[index] = row is not None
+                keys |= ended_keys(rows)
+        await self.release_keys(keys)
         return done
+
+    async def release_keys(self, keys: set[tuple[Any, str]]) -> None:
+        """After RUNNING jobs of these (tenant, key)s ended: their oldest held jobs
+        due again, up to the free slots (ADR-0040). Each key in a transaction of
+        its own, after the end committed; one lost here is the sweeper's."""
+        for tenant_id, key in sorted(keys, key=str):
+            try:
+                async with self._db.begin() as conn:
+                    await release_key(conn, self._machine, tenant_id, key)
+            except Exception as exc:
+                # The outcome is committed: its caller must not write it again.
+                # The sweeper releases the key on its next pass.
+                log.warning(
+                    "store.concurrency.release_failed",
+                    tenant_id=str(tenant_id),
+                    error=describe_error(exc),
+                )
 
     async def _progress(
         self, conn: Conn, attempt: Attempt, updates: Sequence[ProgressUpdate]

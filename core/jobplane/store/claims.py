@@ -33,6 +33,7 @@ class ClaimStatus(enum.Enum):
     STALE = "stale"  # the message is for an older dispatch: ack it
     IN_FLIGHT = "in_flight"  # another attempt holds a live lease
     EXHAUSTED = "exhausted"  # no attempts left; the job was failed now
+    HELD = "held"  # its concurrency key is full: held until a slot frees; ack it
 
 
 class HandBack(enum.Enum):
@@ -130,6 +131,8 @@ class ClaimRequest:
     envelope: Envelope
     lease_token: uuid.UUID
     binds: Mapping[str, Any]
+    #: The claiming worker's id (a claim its key refused is tried again alone).
+    worker: str = ""
 
 
 CLAIMED: Returning = (
@@ -156,7 +159,7 @@ _STAGES = text("SELECT idx, name, version, result FROM job_stages WHERE job_id =
 INSPECT = text(
     """
     SELECT state, dispatch_id, type, lease_expires_at, lease_expires_at < now() AS lease_expired,
-           attempt - retry_base >= max_attempts AS exhausted
+           attempt - retry_base >= max_attempts AS exhausted, concurrency_key
     FROM jobs WHERE id = :id AND tenant_id = :tenant_id
     """
 )

@@ -23,7 +23,7 @@ from jobplane.store.job_reads import with_stages
 from jobplane.store.machine import NewStage
 from jobplane.store.rows import JOB_COLUMNS, dumps
 from jobplane.topology import PipelineSpec
-from jobplane.types import BlobRef, Job, Stage, StageState
+from jobplane.types import BlobRef, ConcurrencyMode, Job, Stage, StageState
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,6 +49,10 @@ class NewJob:
     #: Delayed jobs: when it may first start (None: at once). Not part of the
     #: request's identity: a delay's time differs on every retry (ADR-0039).
     schedule_time: datetime | None = None
+    # Concurrency keys (docs/flow-control.md, ADR-0040): None for no key.
+    concurrency_key: str | None = None
+    concurrency_limit: int = 0
+    concurrency_mode: ConcurrencyMode = ConcurrencyMode.QUEUE
 
     def fingerprint(self) -> bytes:
         """A digest of the request, stored with the job: equal digests are the same request.
@@ -68,6 +72,15 @@ class NewJob:
                 **(
                     {"blob_references": sorted(self.blob_references)}
                     if self.blob_references
+                    else {}
+                ),
+                **(
+                    {
+                        "concurrency_key": self.concurrency_key,
+                        "concurrency_limit": self.concurrency_limit,
+                        "concurrency_mode": self.concurrency_mode.value,
+                    }
+                    if self.concurrency_key is not None
                     else {}
                 ),
             }
@@ -180,6 +193,8 @@ def submit_columns(new: NewJob, job_id: uuid.UUID) -> dict[str, Any]:
         "payload_blob": new.payload_blob.sha256 if new.payload_blob else None,
         "payload_blob_size": new.payload_blob.size if new.payload_blob else None,
         "schedule_time": new.schedule_time,
+        "concurrency_key": new.concurrency_key,
+        "concurrency_limit": new.concurrency_limit if new.concurrency_key is not None else None,
         **_PLAIN,
     }
     if new.stages:

@@ -16,6 +16,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from jobplane.errors import (
     BlobReferenceNotFound,
+    ConcurrencyLimitReached,
     InvalidArgument,
     JobAlreadyTerminal,
     JobNotFound,
@@ -26,6 +27,7 @@ from jobplane.errors import (
 )
 from jobplane.faults import NO_FAULTS, FaultPoints
 from jobplane.ids import new_id
+from jobplane.store.concurrency import refuse_full_keys, rejects, release_key
 from jobplane.store.db import Conn, Database
 from jobplane.store.down import sqlstate
 from jobplane.store.engine import autocommit
@@ -116,9 +118,22 @@ class JobStore:
         to learn whose.
         """
         ids = [new_id() for _ in news]
-        async with self._machine.session(self._db, Transition.SUBMIT) as conn:
-            rows = await self._insert(conn, tenant_id, news, ids, field="payload")
-        missing = [i for i, job_id in enumerate(ids) if str(job_id) not in rows]
+        refused: dict[int, ConcurrencyLimitReached] = {}
+        # A full key's refusal is decided under its lock, held to the commit.
+        scope = self._machine.session(self._db, Transition.SUBMIT, many=rejects(news))
+        async with scope as conn:
+            refused = await refuse_full_keys(conn, tenant_id, news)
+            admitted = [i for i in range(len(news)) if i not in refused]
+            rows = await self._insert(
+                conn,
+                tenant_id,
+                [news[i] for i in admitted],
+                [ids[i] for i in admitted],
+                field="payload",
+            )
+        missing = [
+            i for i, job_id in enumerate(ids) if str(job_id) not in rows and i not in refused
+        ]
         if len(missing) < len(news):
             # Committed; a failure here loses only the replies (the callers'
             # retries with the same request_ids get these jobs).
@@ -129,6 +144,7 @@ class JobStore:
             # commit, so they are visible now.
             async with self._db.connect() as conn:
                 replays = await find_replays(conn, tenant_id, news, missing)
+        replays.update(refused)
         return [
             (submitted(job_from_row(rows[str(ids[i])]), news[i].stages), True)
             if i not in replays
@@ -151,6 +167,8 @@ class JobStore:
         replayed: dict[int, Job] = {}
         # A batch is one transaction: a refused replay in it undoes the rest.
         async with self._machine.session(self._db, Transition.SUBMIT, many=True) as conn:
+            for i, error in (await refuse_full_keys(conn, tenant_id, news)).items():
+                raise at_item(error, i)
             rows = await self._insert(conn, tenant_id, news, ids, field="requests")
             missing = [i for i, job_id in enumerate(ids) if str(job_id) not in rows]
             if missing:
@@ -328,14 +346,20 @@ class JobStore:
             if current.state is JobState.QUEUED:
                 # The hooks drop a pending (re)dispatch, so nothing is published.
                 row = await self._one(conn, Transition.CANCEL, params, Cause(reason))
-                return await with_stages(conn, row)
-            if current.state is JobState.RUNNING:
+                cancelled = await with_stages(conn, row)
+            elif current.state is JobState.RUNNING:
                 if current.cancel_requested:
                     return current
                 # The hooks wake the worker that runs it.
                 row = await self._one(conn, Transition.REQUEST_CANCEL, params, Cause(reason))
                 return await with_stages(conn, row)
-        raise JobAlreadyTerminal(f"jobs/{job_id} is already {current.state.name}")
+            else:
+                raise JobAlreadyTerminal(f"jobs/{job_id} is already {current.state.name}")
+        if current.concurrency_key:
+            # Its place in its key's line (held, or made due) is free now.
+            async with self._engine.begin() as conn:
+                await release_key(conn, self._machine, tenant_id, current.concurrency_key)
+        return cancelled
 
     async def retry(self, tenant_id: uuid.UUID, job_id: uuid.UUID, *, from_stage: str = "") -> Job:
         """A FAILED or CANCELLED job → QUEUED for a new attempt, through the outbox.

@@ -71,6 +71,9 @@ JOB_FIELDS = (
     "stage_base",
     "stage_span",
     "schedule_time",
+    # Concurrency keys (docs/flow-control.md).
+    "concurrency_key",
+    "concurrency_limit",
 )
 JOB_COLUMNS = ", ".join(JOB_FIELDS)
 
@@ -144,6 +147,8 @@ def job_from_row(row: Mapping[Any, Any]) -> Job:
         payload_blob=_blob_ref(row, "payload_blob"),
         result_blob=_blob_ref(row, "result_blob") if state is JobState.SUCCEEDED else None,
         schedule_time=row.get("schedule_time"),
+        concurrency_key=row.get("concurrency_key") or "",
+        concurrency_limit=int(row.get("concurrency_limit") or 0),
     )
     return scheduled(job) if state is JobState.QUEUED else job
 

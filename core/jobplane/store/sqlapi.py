@@ -16,13 +16,16 @@ from sqlalchemy import text
 # The schedule_time is bound as text (as PUBLISH_EVENT's time), the delay as seconds.
 SUBMIT_JOB_ASYNCPG = (
     "SELECT jobplane.submit_job($1, $2, CAST($3 AS jsonb), $4, $5, $6, CAST($7 AS jsonb), $8, "
-    "CAST(CAST($9 AS text) AS timestamptz), CAST($10 AS float8) * interval '1 second')"
+    "CAST(CAST($9 AS text) AS timestamptz), CAST($10 AS float8) * interval '1 second', "
+    "concurrency_key => $11, concurrency_limit => $12, concurrency_mode => $13)"
 )
 SUBMIT_JOB = text(
     "SELECT jobplane.submit_job(:tenant, :type, CAST(:payload AS jsonb), :request_id, "
     ":correlation_id, :max_attempts, CAST(:labels AS jsonb), :timeout_seconds, "
     "CAST(CAST(:schedule_time AS text) AS timestamptz), "
-    "CAST(:schedule_delay AS float8) * interval '1 second')"
+    "CAST(:schedule_delay AS float8) * interval '1 second', "
+    "concurrency_key => :concurrency_key, concurrency_limit => :concurrency_limit, "
+    "concurrency_mode => :concurrency_mode)"
 )
 # The time is bound as text: asyncpg sends the last microsecond of year 9999
 # (datetime.max) as 'infinity'.
@@ -44,6 +47,7 @@ SQLSTATE_REASONS = {
     "JP004": "REQUEST_ID_REUSED",
     "JP005": "TENANT_NOT_FOUND",
     "JP006": "EVENT_ID_REUSED",
+    "JP007": "CONCURRENCY_LIMIT_REACHED",
 }
 
 

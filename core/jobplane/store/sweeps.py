@@ -17,9 +17,11 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from jobplane.attempt_end import Decision, Retry
 from jobplane.ids import new_id
+from jobplane.store.concurrency import release_key
 from jobplane.store.down import sqlstate
 from jobplane.store.engine import autocommit
 from jobplane.store.machine import MACHINE, Cause, StateMachine, Transition, state_is
+from jobplane.store.machine.concurrency import HELD_KEYS
 from jobplane.store.outbox import RETURNS_RESET, OutboxKind
 from jobplane.store.rows import OUTBOX_CHANNEL, job_from_row
 from jobplane.types import Job, JobState
@@ -272,6 +274,19 @@ class SweepStore:
                     )
                     failed += 1
         return LeaseRepair(requeued=requeued, failed=failed)
+
+    async def release_held(self, *, limit: int) -> int:
+        """Release every key with held jobs (up to ``limit`` keys): the oldest due
+        again, as many as the key has free slots (ADR-0040). Whoever ends a
+        RUNNING job releases its key; this finds those a crash or a lease left
+        held. How many jobs were made due."""
+        async with self._auto.connect() as conn:
+            keys = (await conn.execute(HELD_KEYS, {"limit": limit})).all()
+        released = 0
+        for tenant_id, key in keys:
+            async with self._engine.begin() as conn:
+                released += await release_key(conn, self._machine, tenant_id, key)
+        return released
 
     async def state_of(self, tenant_id: uuid.UUID, job_id: uuid.UUID) -> str | None:
         """The job's state, or None when there is no such job."""

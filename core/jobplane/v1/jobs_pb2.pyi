@@ -22,6 +22,42 @@ else:
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class _ConcurrencyMode:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _ConcurrencyModeEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ConcurrencyMode.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    CONCURRENCY_MODE_UNSPECIFIED: _ConcurrencyMode.ValueType  # 0
+    """QUEUE."""
+    CONCURRENCY_MODE_QUEUE: _ConcurrencyMode.ValueType  # 1
+    """The job waits QUEUED, first in first out among the key's jobs, with
+    waiting_code CONCURRENCY_LIMIT, until a RUNNING job of the key ends.
+    """
+    CONCURRENCY_MODE_REJECT: _ConcurrencyMode.ValueType  # 2
+    """The submit is refused while the key has `concurrency_limit` jobs QUEUED
+    or RUNNING: ABORTED (HTTP 409), ErrorInfo reason
+    CONCURRENCY_LIMIT_REACHED, the jobs in flight named in its metadata
+    ("holders") and a ResourceInfo. Nothing is written.
+    """
+
+class ConcurrencyMode(_ConcurrencyMode, metaclass=_ConcurrencyModeEnumTypeWrapper):
+    """What a job does when its concurrency key is full (SubmitJobRequest)."""
+
+CONCURRENCY_MODE_UNSPECIFIED: ConcurrencyMode.ValueType  # 0
+"""QUEUE."""
+CONCURRENCY_MODE_QUEUE: ConcurrencyMode.ValueType  # 1
+"""The job waits QUEUED, first in first out among the key's jobs, with
+waiting_code CONCURRENCY_LIMIT, until a RUNNING job of the key ends.
+"""
+CONCURRENCY_MODE_REJECT: ConcurrencyMode.ValueType  # 2
+"""The submit is refused while the key has `concurrency_limit` jobs QUEUED
+or RUNNING: ABORTED (HTTP 409), ErrorInfo reason
+CONCURRENCY_LIMIT_REACHED, the jobs in flight named in its metadata
+("holders") and a ResourceInfo. Nothing is written.
+"""
+Global___ConcurrencyMode: _TypeAlias = ConcurrencyMode  # noqa: Y015
+
 @_typing.final
 class Job(_message.Message):
     """A unit of work and its lifecycle."""
@@ -103,6 +139,8 @@ class Job(_message.Message):
     RESULT_BLOB_FIELD_NUMBER: _builtins.int
     WAITING_CODE_FIELD_NUMBER: _builtins.int
     SCHEDULE_TIME_FIELD_NUMBER: _builtins.int
+    CONCURRENCY_KEY_FIELD_NUMBER: _builtins.int
+    CONCURRENCY_LIMIT_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """Resource name, `jobs/{job}`."""
     type: _builtins.str
@@ -147,8 +185,17 @@ class Job(_message.Message):
     handles its type is live), HANDED_BACK (workers without its handler gave
     it back), UNROUTABLE (the broker returned its dispatch: no queue is bound
     for its type; retried until the topology is applied), SCHEDULED (its
-    schedule_time has not come yet). Empty otherwise.
+    schedule_time has not come yet), CONCURRENCY_LIMIT (held until a RUNNING
+    job of its concurrency key ends). Empty otherwise.
     More codes may come; treat an unknown one as "waiting".
+    """
+    concurrency_key: _builtins.str
+    """Concurrency keys (docs/flow-control.md).
+    The job's concurrency key, as submitted (empty: none).
+    """
+    concurrency_limit: _builtins.int
+    """The most jobs of the key that run at once, as this job was submitted
+    with (0 without a key).
     """
     @_builtins.property
     def payload(self) -> _struct_pb2.Struct: ...
@@ -242,10 +289,12 @@ class Job(_message.Message):
         result_blob: Global___BlobRef | None = ...,
         waiting_code: _builtins.str = ...,
         schedule_time: _timestamp_pb2.Timestamp | None = ...,
+        concurrency_key: _builtins.str = ...,
+        concurrency_limit: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["create_time", b"create_time", "end_time", b"end_time", "error", b"error", "next_attempt_time", b"next_attempt_time", "payload", b"payload", "payload_blob", b"payload_blob", "result", b"result", "result_blob", b"result_blob", "schedule_time", b"schedule_time", "start_time", b"start_time", "timeout", b"timeout", "update_time", b"update_time"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "attempts_used", b"attempts_used", "cancel_requested", b"cancel_requested", "correlation_id", b"correlation_id", "create_time", b"create_time", "end_time", b"end_time", "error", b"error", "labels", b"labels", "last_seq", b"last_seq", "max_attempts", b"max_attempts", "name", b"name", "next_attempt_time", b"next_attempt_time", "payload", b"payload", "payload_blob", b"payload_blob", "pipeline_version", b"pipeline_version", "progress", b"progress", "progress_message", b"progress_message", "request_id", b"request_id", "result", b"result", "result_blob", b"result_blob", "schedule_time", b"schedule_time", "stage", b"stage", "stages", b"stages", "start_time", b"start_time", "state", b"state", "timeout", b"timeout", "type", b"type", "update_time", b"update_time", "waiting_code", b"waiting_code", "waiting_reason", b"waiting_reason"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "attempts_used", b"attempts_used", "cancel_requested", b"cancel_requested", "concurrency_key", b"concurrency_key", "concurrency_limit", b"concurrency_limit", "correlation_id", b"correlation_id", "create_time", b"create_time", "end_time", b"end_time", "error", b"error", "labels", b"labels", "last_seq", b"last_seq", "max_attempts", b"max_attempts", "name", b"name", "next_attempt_time", b"next_attempt_time", "payload", b"payload", "payload_blob", b"payload_blob", "pipeline_version", b"pipeline_version", "progress", b"progress", "progress_message", b"progress_message", "request_id", b"request_id", "result", b"result", "result_blob", b"result_blob", "schedule_time", b"schedule_time", "stage", b"stage", "stages", b"stages", "start_time", b"start_time", "state", b"state", "timeout", b"timeout", "type", b"type", "update_time", b"update_time", "waiting_code", b"waiting_code", "waiting_reason", b"waiting_reason"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -441,6 +490,9 @@ class SubmitJobRequest(_message.Message):
     BLOB_REFERENCES_FIELD_NUMBER: _builtins.int
     SCHEDULE_TIME_FIELD_NUMBER: _builtins.int
     SCHEDULE_DELAY_FIELD_NUMBER: _builtins.int
+    CONCURRENCY_KEY_FIELD_NUMBER: _builtins.int
+    CONCURRENCY_LIMIT_FIELD_NUMBER: _builtins.int
+    CONCURRENCY_MODE_FIELD_NUMBER: _builtins.int
     type: _builtins.str
     """Lowercase dotted identifier: letters, digits, '.', '_', '-'; at most 128
     characters; must route to a queue of the topology.
@@ -456,6 +508,19 @@ class SubmitJobRequest(_message.Message):
     """The payload by reference: `blobs/{sha256}` of one of the caller's blobs
     holding the payload as a JSON object (UploadBlob); `payload` must then be
     empty. For payloads larger than the server takes inline; the SDK does it.
+    """
+    concurrency_key: _builtins.str
+    """Concurrency keys (docs/flow-control.md).
+    At most `concurrency_limit` of the caller's jobs with this key RUNNING at
+    once (e.g. one run per chat thread). 1 to 256 characters, no control
+    characters; empty: no key. Jobs of one key should share one limit.
+    """
+    concurrency_limit: _builtins.int
+    """1 to 10,000; 0 means 1 when a key is given. Needs a key."""
+    concurrency_mode: Global___ConcurrencyMode.ValueType
+    """What a job of a full key does: wait its turn (QUEUE, the default), or
+    refuse the submit (REJECT: ABORTED, reason CONCURRENCY_LIMIT_REACHED,
+    naming the jobs in flight). Needs a key.
     """
     @_builtins.property
     def payload(self) -> _struct_pb2.Struct: ...
@@ -500,10 +565,13 @@ class SubmitJobRequest(_message.Message):
         blob_references: _abc.Iterable[_builtins.str] | None = ...,
         schedule_time: _timestamp_pb2.Timestamp | None = ...,
         schedule_delay: _duration_pb2.Duration | None = ...,
+        concurrency_key: _builtins.str = ...,
+        concurrency_limit: _builtins.int = ...,
+        concurrency_mode: Global___ConcurrencyMode.ValueType = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["payload", b"payload", "schedule_delay", b"schedule_delay", "schedule_time", b"schedule_time", "timeout", b"timeout"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["blob_references", b"blob_references", "correlation_id", b"correlation_id", "labels", b"labels", "max_attempts", b"max_attempts", "payload", b"payload", "payload_blob", b"payload_blob", "request_id", b"request_id", "schedule_delay", b"schedule_delay", "schedule_time", b"schedule_time", "timeout", b"timeout", "type", b"type"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["blob_references", b"blob_references", "concurrency_key", b"concurrency_key", "concurrency_limit", b"concurrency_limit", "concurrency_mode", b"concurrency_mode", "correlation_id", b"correlation_id", "labels", b"labels", "max_attempts", b"max_attempts", "payload", b"payload", "payload_blob", b"payload_blob", "request_id", b"request_id", "schedule_delay", b"schedule_delay", "schedule_time", b"schedule_time", "timeout", b"timeout", "type", b"type"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

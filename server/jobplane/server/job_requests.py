@@ -92,6 +92,11 @@ class SubmitRequest:
     schedule_time: datetime | None = None
     #: Seconds after the server accepts the request.
     schedule_delay_seconds: float | None = None
+    # Concurrency keys (checked by jobplane.server.key_requests).
+    concurrency_key: str = ""
+    concurrency_limit: int = 0
+    #: ConcurrencyMode's number in jobs.proto.
+    concurrency_mode: int = 0
 
 
 async def check_blobs(

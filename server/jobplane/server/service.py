@@ -45,12 +45,13 @@ from jobplane.server.job_requests import (
     max_request_bytes,
     pipeline_job,
 )
+from jobplane.server.key_requests import with_concurrency
 from jobplane.server.page_tokens import decode_token, encode_token, extra_filters, filter_key
 from jobplane.store.jobs import JobStore, ListCursor, NewJob
 from jobplane.store.listen import Listener
 from jobplane.store.rows import check_payload_size
-from jobplane.topology import Topology
-from jobplane.types import Job, JobEvent, JobPage, JobState
+from jobplane.topology import QueueSpec, Topology
+from jobplane.types import BlobRef, Job, JobEvent, JobPage, JobState
 
 if TYPE_CHECKING:
     from jobplane.blobs.store import BlobStore
@@ -271,21 +272,14 @@ class JobService:
         )
         payload_blob, references = await check_blobs(self._blobs, tenant, request)
         if pipeline is not None:
-            return replace(
-                pipeline_job(request, pipeline, payload_blob, references), schedule_time=schedule
-            )
-        return NewJob(
-            type=job_type,
-            queue=queue.name,
-            payload=request.payload,
-            request_id=request.request_id or str(uuid.uuid4()),
-            max_attempts=request.max_attempts or queue.max_attempts,
-            correlation_id=request.correlation_id,
-            labels=dict(request.labels),
-            timeout_seconds=timeout,
-            payload_blob=payload_blob,
-            blob_references=references,
-            schedule_time=schedule,
+            new = pipeline_job(request, pipeline, payload_blob, references)
+        else:
+            new = _plain_job(request, job_type, queue, timeout, payload_blob, references)
+        return with_concurrency(
+            replace(new, schedule_time=schedule),
+            request.concurrency_key,
+            request.concurrency_limit,
+            request.concurrency_mode,
         )
 
     async def get(self, tenant: uuid.UUID, name: str) -> Job:
@@ -401,3 +395,26 @@ class JobService:
             raise InvalidArgument("after_seq must not be negative", field="after_seq")
         async for event in self.feeds.watch(tenant, job_id, after_seq):
             yield event
+
+
+def _plain_job(
+    request: SubmitRequest,
+    job_type: str,
+    queue: QueueSpec,
+    timeout: float,
+    payload_blob: BlobRef | None,
+    references: tuple[str, ...],
+) -> NewJob:
+    """The job a request for a plain (not pipeline) job asks for."""
+    return NewJob(
+        type=job_type,
+        queue=queue.name,
+        payload=request.payload,
+        request_id=request.request_id or str(uuid.uuid4()),
+        max_attempts=request.max_attempts or queue.max_attempts,
+        correlation_id=request.correlation_id,
+        labels=dict(request.labels),
+        timeout_seconds=timeout,
+        payload_blob=payload_blob,
+        blob_references=references,
+    )

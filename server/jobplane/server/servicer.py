@@ -285,6 +285,9 @@ def submit_request(request: jobs_pb2.SubmitJobRequest) -> SubmitRequest:
             if request.HasField("schedule_delay")
             else None
         ),
+        concurrency_key=request.concurrency_key,
+        concurrency_limit=request.concurrency_limit,
+        concurrency_mode=request.concurrency_mode,
     )
 
 

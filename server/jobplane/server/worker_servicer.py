@@ -39,6 +39,8 @@ _STATUS = {
     ClaimStatus.IN_FLIGHT: workers_pb2.ClaimJobResponse.STATUS_IN_FLIGHT,
     ClaimStatus.NOT_FOUND: workers_pb2.ClaimJobResponse.STATUS_NOT_FOUND,
     ClaimStatus.EXHAUSTED: workers_pb2.ClaimJobResponse.STATUS_EXHAUSTED,
+    # Held by its concurrency key, without a dispatch: the message is stale now.
+    ClaimStatus.HELD: workers_pb2.ClaimJobResponse.STATUS_STALE,
 }
 
 _HAND_BACK = {

@@ -154,6 +154,10 @@ class Sweeper(Lifecycle):
             failed += repair.failed
             if repair.requeued + repair.failed < self._batch_size:
                 break
+        # Keys freed by those expiries, and any whose release was lost.
+        released = await self._store.release_held(limit=self._batch_size)
+        if released:
+            log.info("sweeper.keys.released", jobs=released)
         republished = 0
         if time.monotonic() >= self._next_republish:
             republished = await self._republish()

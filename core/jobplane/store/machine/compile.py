@@ -16,6 +16,7 @@ from collections.abc import Iterable, Mapping, Sequence
 
 from sqlalchemy import text
 
+from jobplane.store.machine.concurrency import release
 from jobplane.store.machine.table import (
     ATTEMPT_FENCE,
     JOB_PROGRESS,
@@ -84,6 +85,8 @@ def changes(transition: Transition, needs: set[str]) -> str:
         return _hand_back(needs)
     if transition is Transition.UNPARK:
         return _unpark(needs)
+    if transition is Transition.RELEASE:
+        return release(needs)
     rule = RULES[transition]
     source_from, source_where, from_expr = _from_state(transition, needs)
     sources = where_sources(transition)
@@ -108,7 +111,7 @@ def changes(transition: Transition, needs: set[str]) -> str:
 # Statements written out rather than built from their rule (see changes).
 WRITTEN_OUT = frozenset(
     {Transition.SUBMIT, Transition.PROGRESS, Transition.HAND_BACK, Transition.PARK}
-    | {Transition.UNPARK}
+    | {Transition.UNPARK, Transition.RELEASE}
 )
 # A bind in a text() statement, as SQLAlchemy finds them (not a ``::`` cast).
 BIND = re.compile(r"(?<![:\w\\]):(\w+)(?![:\w])")
@@ -223,6 +226,9 @@ SUBMIT_COLUMNS: Mapping[str, str] = {
     "payload_blob_size": "bigint",
     # Delayed jobs: NULL, or when the job may first start (its dispatch is due then).
     "schedule_time": "timestamptz",
+    # Concurrency keys (ADR-0040).
+    "concurrency_key": "text",
+    "concurrency_limit": "int",
 }
 
 
@@ -241,13 +247,15 @@ def _submit(needs: set[str]) -> str:
                           request_hash, correlation_id, labels, dispatch_id, last_seq,
                           timeout_seconds, lifecycle_seq, pipeline, pipeline_version, stage,
                           stage_name, stage_base, stage_span,
-                          payload_blob, payload_blob_size, schedule_time)
+                          payload_blob, payload_blob_size, schedule_time,
+                          concurrency_key, concurrency_limit)
         SELECT n.id, CAST(:tenant_id AS uuid), n.type, n.queue,
                '{RULES[Transition.SUBMIT].target.value}', CAST(n.payload AS jsonb),
                n.max_attempts, n.request_id, n.request_hash, n.correlation_id,
                CAST(n.labels AS jsonb), n.dispatch_id, 1, n.timeout_seconds, 1, n.pipeline,
                n.pipeline_version, n.stage, n.stage_name, n.stage_base, n.stage_span,
-               n.payload_blob, n.payload_blob_size, n.schedule_time
+               n.payload_blob, n.payload_blob_size, n.schedule_time,
+               n.concurrency_key, n.concurrency_limit
         FROM unnest({arrays})
             WITH ORDINALITY AS n({", ".join(SUBMIT_COLUMNS)}, ord)
         ORDER BY n.ord

@@ -183,6 +183,7 @@ class _After(Hook):
         await self._fn(conn, change)
 
 
+_SAYS_WHY = frozenset({Transition.PARK, Transition.HOLD, Transition.RELEASE})
 _EVENT_COLUMNS = frozenset(
     {"id", "last_seq", "tenant_id", "state", "progress", "attempt", "stage", "stage_name"}
 )
@@ -227,7 +228,8 @@ class JobEvents(Hook):
         SELECT j.id, j.last_seq, j.tenant_id, '{rule.event.value}', j.state, j.progress,
                {rule.message}, {rule.data}, j.attempt, {rule.stage}
         FROM {{j}} AS j {previous}"""
-        extra = {"waiting_reason"} if transition is Transition.PARK else set()
+        # The park's, the hold's and the release's events say why it waits.
+        extra = {"waiting_reason"} if transition in _SAYS_WHY else set()
         if transition is Transition.UNPARK:
             extra = {"type"}
         return [Write(sql, notify, _EVENT_COLUMNS | extra)]
@@ -286,6 +288,7 @@ class Dispatches(Hook):
 # trace context of the job's previous one.
 _INHERITS_TRACE = frozenset(
     {Transition.EXPIRE_LEASE, Transition.REDISPATCH, Transition.UNPARK, Transition.HAND_BACK}
+    | {Transition.RELEASE}
 )
 
 

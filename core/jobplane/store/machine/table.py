@@ -12,7 +12,7 @@ import enum
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from jobplane.types import EventType, JobState
+from jobplane.types import EventType, JobState, WaitingCode
 
 
 class Phase(enum.Enum):
@@ -55,6 +55,10 @@ class Transition(enum.StrEnum):
     REDISPATCH = "redispatch"  # an operator dispatches a waiting job again
     RELAY_FAIL = "relay_fail"  # the relay can never publish the job's dispatch: FAILED
     WAIT = "wait"  # the relay says why a job's dispatch waits (or that it no longer does)
+    # Concurrency keys (ADR-0040): a claim its key refused holds the job
+    # without a dispatch; a slot freed makes the oldest held jobs due again.
+    HOLD = "hold"
+    RELEASE = "release"
 
 
 class Lifecycle(enum.StrEnum):
@@ -73,7 +77,9 @@ class Lifecycle(enum.StrEnum):
 # Guards: conditions beyond the state, named so the table reads as prose.
 ATTEMPTS_LEFT = "attempt - retry_base < max_attempts"
 NO_ATTEMPTS_LEFT = "attempt - retry_base >= max_attempts"
-PARKED = "dispatch_id IS NULL"
+# A job held by its concurrency key has no dispatch either, but waits for a
+# slot of its key, not for a worker (ADR-0040).
+PARKED = "dispatch_id IS NULL AND waiting_code IS DISTINCT FROM 'CONCURRENCY_LIMIT'"
 # The next stage's row exists (``s``: the statement's ``using``).
 NEXT_STAGE = "s.job_id = jobs.id AND s.idx = jobs.stage + 1"
 # ... the stage of the given index does (RetryJob from a named stage).
@@ -87,6 +93,18 @@ CHANGES_REASON = (
     "(waiting_code IS DISTINCT FROM :waiting_code "
     "OR waiting_reason IS DISTINCT FROM :waiting_reason)"
 )
+# Concurrency keys (ADR-0040): the job its key makes it wait for, or NULL when
+# it may start now. The function takes the key's advisory lock first and
+# counts after it, so the answer is the key's as of the lock, whatever the
+# statement's snapshot saw. CASE: a job without a key never calls it.
+KEY_BLOCKER = (
+    "jobplane.concurrency_blocker(tenant_id, concurrency_key, concurrency_limit, id, create_time)"
+)
+KEY_ADMITS = f"CASE WHEN concurrency_key IS NULL THEN true ELSE {KEY_BLOCKER} IS NULL END"
+KEY_FULL = f"CASE WHEN concurrency_key IS NULL THEN false ELSE {KEY_BLOCKER} IS NOT NULL END"
+# Said by the release statement itself (written out: it picks its jobs).
+KEY_FREE = "held by this key, oldest first, up to the slots free under the key's lock"
+
 # Said by the hand-back statement itself, which decides between the two.
 LIVE_WORKER = "a live worker handles the job's type on its queue"
 NO_LIVE_WORKER = "no live worker handles the job's type on its queue"
@@ -151,7 +169,7 @@ RULES: Mapping[Transition, Rule] = {
         # by the message before it read the job.
         f"{BY_DISPATCH} AND type = :type",
         EventType.STARTED,
-        guard=ATTEMPTS_LEFT,
+        guard=f"{ATTEMPTS_LEFT} AND {KEY_ADMITS}",
         sets="attempt = attempt + 1, lease_token = :lease_token, "
         "lease_expires_at = now() + make_interval(secs => :lease_seconds), "
         "start_time = now(), next_attempt_time = NULL, cancel_requested_at = NULL, "
@@ -377,6 +395,34 @@ RULES: Mapping[Transition, Rule] = {
         None,  # a reason is a fact about now, not history: WatchJob sees no event
         guard=CHANGES_REASON,
         sets="waiting_code = :waiting_code, waiting_reason = :waiting_reason",
+    ),
+    # Concurrency keys (ADR-0040).
+    Transition.HOLD: Rule(
+        frozenset({Phase.QUEUED}),
+        JobState.QUEUED,
+        # The delivery its key refused: acked, and no dispatch until a slot frees.
+        f"{BY_DISPATCH} AND type = :type",
+        EventType.QUEUED,
+        guard=f"{ATTEMPTS_LEFT} AND {KEY_FULL}",
+        sets="dispatch_id = NULL, next_attempt_time = NULL, "
+        f"waiting_code = '{WaitingCode.CONCURRENCY_LIMIT}', waiting_reason = format("
+        "'waiting for jobs/%s: concurrency key %s allows %s running at once', "
+        f"{KEY_BLOCKER}, concurrency_key, concurrency_limit)",
+        message="j.waiting_reason",
+        data="jsonb_build_object('waiting_reason', j.waiting_reason)",
+    ),
+    Transition.RELEASE: Rule(
+        frozenset({Phase.QUEUED}),
+        JobState.QUEUED,
+        "tenant_id = :tenant_id AND concurrency_key = :key",
+        EventType.QUEUED,
+        dispatch=True,
+        guard=KEY_FREE,
+        # Still waiting for the key (its place in line is kept) until its claim.
+        sets="dispatch_id = gen_random_uuid(), next_attempt_time = NULL, waiting_reason = "
+        "format('a slot of concurrency key %s is free: dispatched', concurrency_key)",
+        message="j.waiting_reason",
+        data="'{}'::jsonb",
     ),
 }
 

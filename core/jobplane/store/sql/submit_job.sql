@@ -20,7 +20,11 @@ CREATE OR REPLACE FUNCTION jobplane.submit_job(
     timeout_seconds double precision DEFAULT NULL,
     -- Delayed jobs (docs/scheduling.md): at most one of the two.
     schedule_time   timestamptz DEFAULT NULL,
-    schedule_delay  interval DEFAULT NULL
+    schedule_delay  interval DEFAULT NULL,
+    -- Concurrency keys (docs/flow-control.md): mode 'queue' (NULL) or 'reject'.
+    concurrency_key   text DEFAULT NULL,
+    concurrency_limit integer DEFAULT NULL,
+    concurrency_mode  text DEFAULT NULL
 ) RETURNS uuid
 LANGUAGE plpgsql
 VOLATILE
@@ -56,6 +60,12 @@ DECLARE
     v_schedule       timestamptz := submit_job.schedule_time;
     v_horizon        interval;
     v_accepted       timestamptz := clock_timestamp();
+    -- Concurrency keys.
+    v_key            text := nullif(submit_job.concurrency_key, '');
+    v_key_limit      integer := coalesce(submit_job.concurrency_limit, 0);
+    v_key_mode       text := coalesce(submit_job.concurrency_mode, '');
+    v_holders        text;
+    v_in_flight      bigint;
 BEGIN
     SELECT id INTO v_tenant FROM tenants WHERE name = submit_job.tenant;
     IF v_tenant IS NULL THEN
@@ -200,6 +210,57 @@ BEGIN
         END IF;
         v_schedule := v_accepted + submit_job.schedule_delay;
     END IF;
+    -- Concurrency keys: SubmitJob's checks, then reject mode's refusal under
+    -- the key's lock (the one the claims take), held to the caller's commit.
+    IF v_key_mode NOT IN ('', 'queue', 'reject') THEN
+        RAISE EXCEPTION 'INVALID_ARGUMENT: concurrency_mode must be queue or reject'
+            USING ERRCODE = 'JP001', COLUMN = 'concurrency_mode';
+    END IF;
+    IF v_key IS NULL THEN
+        IF v_key_limit <> 0 THEN
+            RAISE EXCEPTION 'INVALID_ARGUMENT: concurrency_limit needs a concurrency_key'
+                USING ERRCODE = 'JP001', COLUMN = 'concurrency_limit';
+        END IF;
+        IF v_key_mode <> '' THEN
+            RAISE EXCEPTION 'INVALID_ARGUMENT: concurrency_mode needs a concurrency_key'
+                USING ERRCODE = 'JP001', COLUMN = 'concurrency_mode';
+        END IF;
+    ELSE
+        IF char_length(v_key) > 256 THEN
+            RAISE EXCEPTION 'INVALID_ARGUMENT: concurrency_key is longer than 256 characters'
+                USING ERRCODE = 'JP001', COLUMN = 'concurrency_key';
+        END IF;
+        IF v_key ~ ('[' || chr(1) || '-' || chr(31) || chr(127) || '-' || chr(159) || ']') THEN
+            RAISE EXCEPTION 'INVALID_ARGUMENT: concurrency_key has control characters'
+                USING ERRCODE = 'JP001', COLUMN = 'concurrency_key';
+        END IF;
+        IF v_key ~ '^\s*$' THEN
+            RAISE EXCEPTION 'INVALID_ARGUMENT: concurrency_key is blank'
+                USING ERRCODE = 'JP001', COLUMN = 'concurrency_key';
+        END IF;
+        IF v_key_limit < 0 OR v_key_limit > 10000 THEN
+            RAISE EXCEPTION 'INVALID_ARGUMENT: concurrency_limit must be 1 to 10000 (0 means 1)'
+                USING ERRCODE = 'JP001', COLUMN = 'concurrency_limit';
+        END IF;
+        v_key_limit := greatest(v_key_limit, 1);
+    END IF;
+    IF v_key IS NOT NULL AND v_key_mode = 'reject' AND NOT EXISTS (
+            SELECT 1 FROM jobs WHERE tenant_id = v_tenant AND request_id = v_request_id) THEN
+        PERFORM pg_advisory_xact_lock(hashtextextended(v_tenant::text || '/' || v_key, 40));
+        SELECT count(*), string_agg('jobs/' || h.id, ',' ORDER BY h.create_time, h.id)
+        INTO v_in_flight, v_holders
+        FROM (SELECT id, create_time FROM jobs
+              WHERE tenant_id = v_tenant AND concurrency_key = v_key
+                AND state IN ('queued', 'running')
+              ORDER BY create_time, id LIMIT v_key_limit) AS h;
+        IF v_in_flight >= v_key_limit THEN
+            RAISE EXCEPTION 'CONCURRENCY_LIMIT_REACHED: concurrency key % already has % job(s) '
+                'in flight: %', quote_literal(left(v_key, 64)), v_key_limit,
+                replace(v_holders, ',', ', ')
+                USING ERRCODE = 'JP007',
+                      DETAIL = format('concurrency_limit=%s holders=%s', v_key_limit, v_holders);
+        END IF;
+    END IF;
 
     IF v_request_id = '' THEN
         v_request_id := gen_random_uuid()::text;
@@ -219,12 +280,14 @@ BEGIN
                 FROM 3) FROM 1 FOR 6), 52, 1), 53, 1), 'hex')::uuid;
         INSERT INTO jobs (id, tenant_id, type, queue, state, payload, max_attempts, request_id,
                           request_hash, correlation_id, labels, dispatch_id, last_seq,
-                          timeout_seconds, lifecycle_seq, schedule_time)
+                          timeout_seconds, lifecycle_seq, schedule_time, concurrency_key,
+                          concurrency_limit)
         VALUES (v_id, v_tenant, v_type, v_route.queue, 'queued', v_payload, v_max_attempts,
                 v_request_id,
                 sha256(convert_to(jsonb_build_array(v_type, v_payload, v_max_attempts,
                     v_correlation_id, v_labels, v_timeout)::text, 'UTF8')),
-                v_correlation_id, v_labels, v_dispatch, 1, v_timeout, 1, v_schedule)
+                v_correlation_id, v_labels, v_dispatch, 1, v_timeout, 1, v_schedule, v_key,
+                CASE WHEN v_key IS NOT NULL THEN v_key_limit END)
         ON CONFLICT (tenant_id, request_id) DO NOTHING;
         IF FOUND THEN
             INSERT INTO job_events (job_id, seq, tenant_id, type, state, progress, message,

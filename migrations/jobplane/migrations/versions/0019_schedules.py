@@ -14,7 +14,7 @@
 The tenant's rows go with the tenant (erasure deletes it).
 
 Revision ID: 0019
-Revises: 0017
+Revises: 0018
 Create Date: 2026-12-06
 """
 
@@ -23,7 +23,7 @@ from __future__ import annotations
 from alembic import op
 
 revision = "0019"
-down_revision = "0017"
+down_revision = "0018"
 branch_labels = None
 depends_on = None
 

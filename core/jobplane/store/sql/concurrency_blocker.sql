@@ -1,0 +1,50 @@
+-- jobplane.concurrency_blocker: the job a job of a concurrency key waits for, or NULL
+-- when the key has room for it (docs/flow-control.md, ADR-0040).
+--
+-- The current definition, as the migrations leave it in a database. A change is a
+-- new migration that installs a copy of this file, frozen as
+-- migrations/jobplane/migrations/sql/{revision}_concurrency_blocker.sql;
+-- tests/integration/test_sql_files.py fails while the two disagree
+-- (docs/adr/0035-sql-api-as-files.md).
+--
+-- The state machine's CLAIM and HOLD transitions call it in their guard. It first takes
+-- the key's transaction-scoped advisory lock, then counts: VOLATILE, so its query takes
+-- a snapshot of its own after the lock, and sees every claim, hold and release that
+-- committed before the lock was granted (the statement that calls it took its
+-- snapshot before it waited). Under the lock, a key's slots are the jobs RUNNING, and
+-- ahead of the job in line, the older jobs waiting for the key (waiting_code
+-- CONCURRENCY_LIMIT: held, or made due again and not claimed yet). Calling it twice in
+-- one transaction gives the same answer: the lock is still held.
+--
+-- @SCHEMA@ is where jobplane's tables are, fixed when the function is created.
+
+CREATE OR REPLACE FUNCTION jobplane.concurrency_blocker(
+    tenant  uuid,
+    key     text,
+    lim     integer,
+    job     uuid,
+    created timestamptz
+) RETURNS uuid
+LANGUAGE plpgsql
+VOLATILE
+SET search_path = pg_catalog, @SCHEMA@, pg_temp
+AS $fn$
+DECLARE
+    v_count   bigint;
+    v_blocker uuid;
+BEGIN
+    PERFORM pg_advisory_xact_lock(hashtextextended(tenant::text || '/' || key, 40));
+    SELECT count(*),
+           (array_agg(j.id ORDER BY (j.state = 'running') DESC, j.create_time, j.id))[1]
+      INTO v_count, v_blocker
+      FROM jobs j
+     WHERE j.tenant_id = tenant AND j.concurrency_key = key AND j.id <> job
+       AND (j.state = 'running'
+            OR (j.state = 'queued' AND j.waiting_code = 'CONCURRENCY_LIMIT'
+                AND (j.create_time, j.id) < (created, job)));
+    IF v_count < lim THEN
+        RETURN NULL;
+    END IF;
+    RETURN v_blocker;
+END
+$fn$

@@ -1,0 +1,96 @@
+"""Concurrency keys: at most a key's limit of its jobs RUNNING at once (ADR-0040).
+
+- ``jobs.concurrency_key`` and ``jobs.concurrency_limit``: NULL for a job
+  without a key (every job before this revision). Keys are per tenant.
+- ``jobplane.concurrency_blocker(tenant, key, limit, job, created)``: takes
+  the key's advisory lock and says which job a job waits for (NULL: it may
+  start). The machine's CLAIM and HOLD transitions call it; only the state
+  machine writes the columns it reads.
+- ``jobplane.submit_job`` takes a key, its limit and its mode, with
+  SubmitJob's checks, and refuses a full key in reject mode (SQLSTATE JP007,
+  ``CONCURRENCY_LIMIT_REACHED``) under the key's lock. Its signature grows,
+  so the old function is dropped first (two overloads would make a call with
+  the old arguments ambiguous); EXECUTE stays revoked from PUBLIC, and the
+  roles an operator granted EXECUTE on the old one get it on the new one.
+- ``jobs_concurrency``: the jobs of a key that hold or wait for a slot
+  (RUNNING, or QUEUED), for the count under the lock and the release's
+  oldest held jobs. Partial: finished jobs and jobs without a key are not in it.
+
+Revision ID: 0018
+Revises: 0017
+Create Date: 2026-12-06
+"""
+
+from __future__ import annotations
+
+from alembic import op
+from sqlalchemy import text
+
+from jobplane.migrations.frozen import frozen_sql
+from jobplane.migrations.indexes import build_index
+
+revision = "0018"
+down_revision = "0017"
+branch_labels = None
+depends_on = None
+
+_ADD = """
+ALTER TABLE jobs ADD COLUMN IF NOT EXISTS concurrency_key text,
+                 ADD COLUMN IF NOT EXISTS concurrency_limit integer
+"""
+_BLOCKER = "0018_concurrency_blocker.sql"
+_SUBMIT_JOB = "0018_submit_job.sql"
+_SUBMIT_BEFORE = "0017_submit_job.sql"
+# The signature 0017 (delayed jobs) created, and this one's: three more at the end.
+_SUBMIT_OLD = (
+    "jobplane.submit_job(text, text, jsonb, text, text, integer, jsonb, double precision, "
+    "timestamptz, interval)"
+)
+_SUBMIT_NEW = (
+    "jobplane.submit_job(text, text, jsonb, text, text, integer, jsonb, double precision, "
+    "timestamptz, interval, text, integer, text)"
+)
+_SIGNATURE = "jobplane.concurrency_blocker(uuid, text, integer, uuid, timestamp with time zone)"
+# The roles granted EXECUTE on a function (its owner aside), as GRANT names them.
+_GRANTEES = """
+SELECT string_agg(DISTINCT quote_ident(r.rolname), ', ')
+FROM pg_proc p, aclexplode(p.proacl) a JOIN pg_roles r ON r.oid = a.grantee
+WHERE p.oid = to_regprocedure(:signature) AND a.privilege_type = 'EXECUTE'
+  AND a.grantee <> p.proowner
+"""
+# jobs holds a row per job ever submitted: built CONCURRENTLY (see 0004).
+_CONCURRENCY = (
+    "jobs (tenant_id, concurrency_key, create_time, id) "
+    "WHERE concurrency_key IS NOT NULL AND state IN ('queued', 'running')"
+)
+
+
+def upgrade() -> None:
+    schema = op.get_bind().execute(text("SELECT quote_ident(current_schema())")).scalar_one()
+    op.execute(_ADD)
+    op.execute(frozen_sql(_BLOCKER, schema))
+    op.execute(f"REVOKE ALL ON FUNCTION {_SIGNATURE} FROM PUBLIC")
+    _replace_function(_SUBMIT_OLD, _SUBMIT_NEW, frozen_sql(_SUBMIT_JOB, schema))
+    with op.get_context().autocommit_block():
+        build_index("jobs_concurrency", _CONCURRENCY)
+
+
+def downgrade() -> None:
+    with op.get_context().autocommit_block():
+        op.execute("DROP INDEX CONCURRENTLY IF EXISTS jobs_concurrency")
+    schema = op.get_bind().execute(text("SELECT quote_ident(current_schema())")).scalar_one()
+    _replace_function(_SUBMIT_NEW, _SUBMIT_OLD, frozen_sql(_SUBMIT_BEFORE, schema))
+    op.execute(f"DROP FUNCTION IF EXISTS {_SIGNATURE}")
+    op.execute("ALTER TABLE jobs DROP COLUMN IF EXISTS concurrency_limit")
+    op.execute("ALTER TABLE jobs DROP COLUMN IF EXISTS concurrency_key")
+
+
+def _replace_function(old: str, new: str, definition: str) -> None:
+    """Drop ``old``, create ``new`` from ``definition``: EXECUTE revoked from
+    PUBLIC, granted to the roles that had it on ``old``."""
+    grantees = op.get_bind().execute(text(_GRANTEES), {"signature": old}).scalar_one_or_none()
+    op.execute(f"DROP FUNCTION IF EXISTS {old}")
+    op.execute(definition)
+    op.execute(f"REVOKE ALL ON FUNCTION {new} FROM PUBLIC")
+    if grantees:
+        op.execute(f"GRANT EXECUTE ON FUNCTION {new} TO {grantees}")
