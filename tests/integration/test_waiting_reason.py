@@ -83,7 +83,12 @@ async def test_an_unroutable_dispatch_says_why_until_the_topology_routes_it(stac
     assert listed[0].waiting_reason == job.waiting_reason
     metrics = Metrics()
     watch_outbox(metrics, stack.engine)
-    assert await _waiting(metrics) == {"UNROUTABLE": 1.0, "NO_LIVE_WORKER": 0.0, "HANDED_BACK": 0.0}
+    assert await _waiting(metrics) == {
+        "UNROUTABLE": 1.0,
+        "NO_LIVE_WORKER": 0.0,
+        "HANDED_BACK": 0.0,
+        "CONCURRENCY_LIMIT": 0.0,
+    }
     # A fact about now, not history: no event in the job's stream.
     assert await stack.scalar("SELECT last_seq FROM jobs") == 1
     # Still retried on its schedule, not given up on.
