@@ -5,7 +5,12 @@
 - ``jobplane.concurrency_blocker(tenant, key, limit, job, created)``: takes
   the key's advisory lock and says which job a job waits for (NULL: it may
   start). The machine's CLAIM and HOLD transitions call it; only the state
-  machine writes the columns it reads.
+  machine writes the columns it reads. The runtime role names it in every
+  claim, keyed or not (Postgres checks a function's privileges when the
+  statement starts, whatever a CASE then skips): EXECUTE is revoked from
+  PUBLIC and granted, with USAGE on schema ``jobplane``, to the roles that
+  may already update ``jobs`` (docs/security.md's runtime role). It runs
+  as its caller (SECURITY INVOKER): it reads no more than the caller may.
 - ``jobplane.submit_job`` takes a key, its limit and its mode, with
   SubmitJob's checks, and refuses a full key in reject mode (SQLSTATE JP007,
   ``CONCURRENCY_LIMIT_REACHED``) under the key's lock. Its signature grows,
@@ -58,6 +63,16 @@ FROM pg_proc p, aclexplode(p.proacl) a JOIN pg_roles r ON r.oid = a.grantee
 WHERE p.oid = to_regprocedure(:signature) AND a.privilege_type = 'EXECUTE'
   AND a.grantee <> p.proowner
 """
+# The roles that may update jobs (the owner aside): the runtime role of
+# docs/security.md, which claims, so must call concurrency_blocker. PUBLIC
+# (grantee 0), if an operator granted it that, is named as GRANT names it.
+_RUNTIME_ROLES = """
+SELECT string_agg(DISTINCT CASE WHEN a.grantee = 0 THEN 'PUBLIC'
+                                ELSE quote_ident(r.rolname) END, ', ')
+FROM pg_class c, aclexplode(c.relacl) a LEFT JOIN pg_roles r ON r.oid = a.grantee
+WHERE c.oid = to_regclass('jobs') AND a.privilege_type = 'UPDATE'
+  AND a.grantee <> c.relowner
+"""
 # jobs holds a row per job ever submitted: built CONCURRENTLY (see 0004).
 _CONCURRENCY = (
     "jobs (tenant_id, concurrency_key, create_time, id) "
@@ -70,6 +85,7 @@ def upgrade() -> None:
     op.execute(_ADD)
     op.execute(frozen_sql(_BLOCKER, schema))
     op.execute(f"REVOKE ALL ON FUNCTION {_SIGNATURE} FROM PUBLIC")
+    _grant_runtime_roles()
     _replace_function(_SUBMIT_OLD, _SUBMIT_NEW, frozen_sql(_SUBMIT_JOB, schema))
     with op.get_context().autocommit_block():
         build_index("jobs_concurrency", _CONCURRENCY)
@@ -83,6 +99,15 @@ def downgrade() -> None:
     op.execute(f"DROP FUNCTION IF EXISTS {_SIGNATURE}")
     op.execute("ALTER TABLE jobs DROP COLUMN IF EXISTS concurrency_limit")
     op.execute("ALTER TABLE jobs DROP COLUMN IF EXISTS concurrency_key")
+
+
+def _grant_runtime_roles() -> None:
+    """EXECUTE on the blocker (and USAGE on its schema) for the roles that
+    claim: every claim names it, so without it no job could start."""
+    roles = op.get_bind().execute(text(_RUNTIME_ROLES)).scalar_one_or_none()
+    if roles:
+        op.execute(f"GRANT USAGE ON SCHEMA jobplane TO {roles}")
+        op.execute(f"GRANT EXECUTE ON FUNCTION {_SIGNATURE} TO {roles}")
 
 
 def _replace_function(old: str, new: str, definition: str) -> None:
