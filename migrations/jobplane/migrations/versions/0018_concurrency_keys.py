@@ -20,6 +20,11 @@
 - ``jobs_concurrency``: the jobs of a key that hold or wait for a slot
   (RUNNING, or QUEUED), for the count under the lock and the release's
   oldest held jobs. Partial: finished jobs and jobs without a key are not in it.
+- ``jobs_concurrency_running``: a key's RUNNING jobs, and
+  ``jobs_concurrency_waiting``: its jobs waiting for a slot (held, or made
+  due and not claimed yet), in line order. The blocker's bounded counts and
+  the sweeper's walk over the keys with held jobs read one each, whatever
+  else the key has queued.
 
 Revision ID: 0018
 Revises: 0017
@@ -79,6 +84,20 @@ _CONCURRENCY = (
     "WHERE concurrency_key IS NOT NULL AND state IN ('queued', 'running')"
 )
 
+_RUNNING = (
+    "jobs (tenant_id, concurrency_key) WHERE concurrency_key IS NOT NULL AND state = 'running'"
+)
+_WAITING = (
+    "jobs (tenant_id, concurrency_key, create_time, id) "
+    "WHERE concurrency_key IS NOT NULL AND state = 'queued' "
+    "AND waiting_code = 'CONCURRENCY_LIMIT'"
+)
+_INDEXES = {
+    "jobs_concurrency": _CONCURRENCY,
+    "jobs_concurrency_running": _RUNNING,
+    "jobs_concurrency_waiting": _WAITING,
+}
+
 
 def upgrade() -> None:
     schema = op.get_bind().execute(text("SELECT quote_ident(current_schema())")).scalar_one()
@@ -88,12 +107,14 @@ def upgrade() -> None:
     _grant_runtime_roles()
     _replace_function(_SUBMIT_OLD, _SUBMIT_NEW, frozen_sql(_SUBMIT_JOB, schema))
     with op.get_context().autocommit_block():
-        build_index("jobs_concurrency", _CONCURRENCY)
+        for name, definition in _INDEXES.items():
+            build_index(name, definition)
 
 
 def downgrade() -> None:
     with op.get_context().autocommit_block():
-        op.execute("DROP INDEX CONCURRENTLY IF EXISTS jobs_concurrency")
+        for name in _INDEXES:
+            op.execute(f"DROP INDEX CONCURRENTLY IF EXISTS {name}")
     schema = op.get_bind().execute(text("SELECT quote_ident(current_schema())")).scalar_one()
     _replace_function(_SUBMIT_NEW, _SUBMIT_OLD, frozen_sql(_SUBMIT_BEFORE, schema))
     op.execute(f"DROP FUNCTION IF EXISTS {_SIGNATURE}")
