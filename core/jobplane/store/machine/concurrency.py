@@ -94,23 +94,29 @@ def release(needs: set[str]) -> str:
     """
     rule = RULES[Transition.RELEASE]
     key = "tenant_id = :tenant_id AND concurrency_key = :key"
+    waiting = f"{key} AND {where_sources(Transition.RELEASE)} AND waiting_code = {_CODE}"
+    # Each count stops at the limit: a key with many held jobs costs what one
+    # at its limit does (indexes jobs_concurrency_running, _waiting).
     return f"""
-        WITH held AS (
-            SELECT id, concurrency_limit FROM jobs
-            WHERE {key} AND {where_sources(Transition.RELEASE)}
-              AND waiting_code = {_CODE} AND dispatch_id IS NULL
-            ORDER BY create_time, id
+        WITH lim AS (
+            SELECT coalesce((
+                SELECT concurrency_limit FROM jobs
+                WHERE {waiting} AND dispatch_id IS NULL
+                ORDER BY create_time, id LIMIT 1), 0) AS n
         ), taken AS (
-            SELECT count(*) AS n FROM jobs
-            WHERE {key} AND ({state_is(JobState.RUNNING)}
-                  OR ({state_is(JobState.QUEUED)} AND waiting_code = {_CODE}
-                      AND dispatch_id IS NOT NULL))
+            SELECT (SELECT count(*) FROM (
+                        SELECT 1 FROM jobs WHERE {key} AND {state_is(JobState.RUNNING)}
+                        LIMIT (SELECT greatest(n, 0) FROM lim)) r)
+                 + (SELECT count(*) FROM (
+                        SELECT 1 FROM jobs WHERE {waiting} AND dispatch_id IS NOT NULL
+                        LIMIT (SELECT greatest(n, 0) FROM lim)) d) AS n
         ), p AS (
             SELECT jobs.id FROM jobs
             WHERE jobs.id IN (
-                SELECT id FROM held
-                LIMIT greatest(0, coalesce((SELECT concurrency_limit FROM held LIMIT 1), 0)
-                                  - (SELECT n FROM taken)))
+                SELECT id FROM jobs
+                WHERE {waiting} AND dispatch_id IS NULL
+                ORDER BY create_time, id
+                LIMIT greatest(0, (SELECT n FROM lim) - (SELECT n FROM taken)))
             ORDER BY jobs.id
             FOR UPDATE
         )

@@ -85,7 +85,8 @@ _CONCURRENCY = (
 )
 
 _RUNNING = (
-    "jobs (tenant_id, concurrency_key) WHERE concurrency_key IS NOT NULL AND state = 'running'"
+    "jobs (tenant_id, concurrency_key, create_time, id) "
+    "WHERE concurrency_key IS NOT NULL AND state = 'running'"
 )
 _WAITING = (
     "jobs (tenant_id, concurrency_key, create_time, id) "
