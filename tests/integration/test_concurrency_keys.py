@@ -114,8 +114,37 @@ async def test_a_dead_holder_frees_its_key_when_its_lease_expires(bare: Stack) -
     sweeps = SweepStore(bare.engine)
     repair = await sweeps.expire_leases(grace=0.0, limit=10, decide=_fail_now)
     assert repair.failed == 1
-    assert await sweeps.release_held(limit=10) == 1
+    # The expiry released the key itself: the held job is due, nothing is left held.
+    assert await _dispatch(bare, second) is not None
+    assert await sweeps.release_held(limit=10) == 0
     assert (await _claim(bare, short, second)).status is ClaimStatus.CLAIMED
+
+
+async def test_the_sweeper_releases_a_key_that_sorts_after_a_page_of_keys(
+    bare: Stack,
+) -> None:
+    client = bare.client()
+    store = AttemptStore(bare.db, lease_seconds=30.0)
+    for i in range(101):  # more keys with held jobs than one page: still full
+        holder, held = [
+            await client.submit("demo.echo", {}, concurrency_key=f"k{i:03}") for _ in range(2)
+        ]
+        assert (await _claim(bare, store, holder)).status is ClaimStatus.CLAIMED
+        assert (await _claim(bare, store, held)).status is ClaimStatus.HELD
+    holder, held = [await client.submit("demo.echo", {}, concurrency_key="zzz") for _ in range(2)]
+    running = await _claim(bare, store, holder)
+    assert (await _claim(bare, store, held)).status is ClaimStatus.HELD
+    lost = AttemptStore(bare.db, lease_seconds=30.0)
+
+    async def _lose(keys: Any) -> None:
+        """A crash between the end's commit and its key's release."""
+
+    lost.release_keys = _lose  # type: ignore[method-assign]
+    await lost.succeed(running.attempt, {})
+    assert await _dispatch(bare, held) is None
+
+    assert await SweepStore(bare.engine).release_held(limit=100) == 1
+    assert (await _claim(bare, store, held)).status is ClaimStatus.CLAIMED
 
 
 def _fail_now(lease: Any) -> Any:

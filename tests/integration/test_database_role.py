@@ -1,4 +1,5 @@
-"""serve, relay, worker and `keys` need only DML on jobplane's tables (docs/security.md)."""
+"""serve, relay, worker and `keys` need only DML on jobplane's tables, and the
+concurrency keys' blocker function every claim names (docs/security.md)."""
 
 from __future__ import annotations
 
@@ -14,12 +15,15 @@ from sqlalchemy.exc import ProgrammingError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from jobplane.client import JobState
-from jobplane.store.engine import asyncpg_dsn, create_engine
+from jobplane.store.engine import asyncpg_dsn, create_engine, migrate
 from jobplane.store.keys import KeyStore
 from jobplane.topology import Topology
+from tests.support import services
 from tests.support.parts import Started
 from tests.support.servers import refused_within
 from tests.support.stack import start_stack
+
+_BLOCKER = "jobplane.concurrency_blocker(uuid, text, integer, uuid, timestamptz)"
 
 
 @pytest.fixture
@@ -35,6 +39,9 @@ async def dml_url(database_url: str) -> AsyncIterator[str]:
             f'GRANT SELECT, INSERT, UPDATE, DELETE ON ALL TABLES IN SCHEMA public TO "{role}"'
         )
         await admin.execute(f'REVOKE ALL ON alembic_version FROM "{role}"')
+        # Every claim names it (concurrency keys, ADR-0040).
+        await admin.execute(f'GRANT USAGE ON SCHEMA jobplane TO "{role}"')
+        await admin.execute(f'GRANT EXECUTE ON FUNCTION {_BLOCKER} TO "{role}"')
         yield make_url(database_url).set(username=role).render_as_string(hide_password=False)
     finally:
         await admin.execute(f'DROP OWNED BY "{role}"')
@@ -58,6 +65,11 @@ async def test_the_processes_run_with_a_dml_only_role(
     assert events[-1].state is JobState.SUCCEEDED
     done = await asyncio.wait_for(client.wait(job.name), timeout=20)
     assert done.state is JobState.SUCCEEDED
+    # A job with a concurrency key: the claim's guard calls jobplane.concurrency_blocker.
+    keyed = await client.submit("demo.echo", {}, concurrency_key="k")
+    assert (await asyncio.wait_for(client.wait(keyed.name), timeout=20)).state is (
+        JobState.SUCCEEDED
+    )
     # Key administration too: revoke notifies the server.
     keys = KeyStore(engine)
     created = await keys.create("other")
@@ -85,3 +97,42 @@ async def test_the_sweepers_early_analyze_leaves_tables_it_does_not_own(
         await runtime.dispose()
     # The owner's sweeper does it.
     assert await SweepStore(engine).analyze_grown(tables=("t_owned",)) == ["t_owned"]
+
+
+async def test_migrating_to_concurrency_keys_grants_the_runtime_role_its_blocker(
+    run_id: str,
+) -> None:
+    """A role given the runtime rights before 0018 can still claim after it."""
+    name = f"jp_{run_id}_role0018"
+    role = f"jp_dml_{uuid.uuid4().hex[:10]}"
+    await services.create_database(name)
+    url = services.pg_url(name)
+    admin: asyncpg.Connection | None = None
+    try:
+        await migrate(url, revision="0017")
+        admin = await asyncpg.connect(asyncpg_dsn(url))
+        await admin.execute(f'CREATE ROLE "{role}"')
+        await admin.execute(f'GRANT USAGE ON SCHEMA public TO "{role}"')
+        await admin.execute(
+            f'GRANT SELECT, INSERT, UPDATE, DELETE ON ALL TABLES IN SCHEMA public TO "{role}"'
+        )
+        await migrate(url)
+        assert await admin.fetchval(
+            "SELECT has_function_privilege($1, $2, 'EXECUTE')"
+            " AND has_schema_privilege($1, 'jobplane', 'USAGE')",
+            role,
+            _BLOCKER,
+        )
+        # Nobody else was given it.
+        assert not await admin.fetchval(
+            "SELECT has_function_privilege('public', $1, 'EXECUTE')", _BLOCKER
+        )
+    finally:
+        if admin is not None:
+            await admin.close()
+        await services.drop_database(name)
+        cleanup = await asyncpg.connect(asyncpg_dsn(services.pg_url("postgres")))
+        try:
+            await cleanup.execute(f'DROP ROLE IF EXISTS "{role}"')
+        finally:
+            await cleanup.close()

@@ -196,6 +196,50 @@ async def test_two_concurrent_transactions_with_one_request_id(
     assert done.state is JobState.SUCCEEDED
 
 
+async def _keyed_replay(conn: asyncpg.Connection) -> uuid.UUID:
+    return await txn.submit_job(
+        conn,
+        tenant="acme",
+        type="demo.echo",
+        request_id="replayed",
+        concurrency_key="k",
+        concurrency_limit=1,
+        concurrency_mode="reject",
+    )
+
+
+async def test_a_reject_mode_replay_racing_its_request_returns_its_job(
+    stack: Stack, conn: asyncpg.Connection, database_url: str
+) -> None:
+    """The second waits for the key's lock while the first inserts; it then
+    counts the first's job in flight, but that job is its own request's."""
+    other: asyncpg.Connection = await asyncpg.connect(asyncpg_dsn(database_url))
+    try:
+        first = conn.transaction()
+        await first.start()
+        first_id = await _keyed_replay(conn)
+        second = other.transaction()
+        await second.start()
+        blocked = asyncio.create_task(_keyed_replay(other))
+        pid = other.get_server_pid()
+
+        async def waiting() -> bool:
+            return bool(
+                await conn.fetchval(
+                    "SELECT wait_event_type = 'Lock' FROM pg_stat_activity WHERE pid = $1", pid
+                )
+            )
+
+        await eventually(waiting)
+        await first.commit()
+        second_id = await asyncio.wait_for(blocked, timeout=10)
+        await second.commit()
+    finally:
+        await other.close()
+    assert second_id == first_id
+    assert await stack.scalar("SELECT count(*) FROM jobs") == 1
+
+
 async def test_through_a_sqlalchemy_session_and_connection(
     stack: Stack, engine: AsyncEngine
 ) -> None:

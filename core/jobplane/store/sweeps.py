@@ -7,7 +7,7 @@ condition under the lock, so any number of sweepers may run at once.
 from __future__ import annotations
 
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,11 +17,11 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from jobplane.attempt_end import Decision, Retry
 from jobplane.ids import new_id
-from jobplane.store.concurrency import release_key
+from jobplane.store.concurrency import ended_keys, release_key
 from jobplane.store.down import sqlstate
 from jobplane.store.engine import autocommit
 from jobplane.store.machine import MACHINE, Cause, StateMachine, Transition, state_is
-from jobplane.store.machine.concurrency import HELD_KEYS
+from jobplane.store.machine.concurrency import held_keys
 from jobplane.store.outbox import RETURNS_RESET, OutboxKind
 from jobplane.store.rows import OUTBOX_CHANNEL, job_from_row
 from jobplane.types import Job, JobState
@@ -133,6 +133,8 @@ _ANALYZE_LOCK_TIMEOUT = text("SET LOCAL lock_timeout = '1s'")
 _LOCK_NOT_AVAILABLE = "55P03"
 _START = uuid.UUID(int=0)
 _ID = ("id",)
+# An ended lease frees a slot of its job's key, if it has one.
+_ENDED = ("id", "tenant_id", "concurrency_key")
 
 
 @dataclass(frozen=True, slots=True)
@@ -235,6 +237,7 @@ class SweepStore:
         after max_attempts instead of looping.
         """
         requeued = failed = 0
+        keys: set[tuple[Any, str]] = set()
         async with self._engine.begin() as conn:
             rows = (await conn.execute(_EXPIRED, {"grace": grace, "limit": limit})).all()
             for row in rows:
@@ -251,7 +254,7 @@ class SweepStore:
                 error = {**decision.details, "code": decision.code}
                 if isinstance(decision, Retry):
                     # The hooks write the new dispatch, due after the delay.
-                    await self._machine.apply(
+                    ended = await self._machine.apply(
                         conn,
                         Transition.EXPIRE_LEASE,
                         {
@@ -261,27 +264,48 @@ class SweepStore:
                             "delay": decision.delay,
                         },
                         Cause(decision.message, {"error": {**error, "retryable": True}}),
-                        returning=_ID,
+                        returning=_ENDED,
                     )
                     requeued += 1
                 else:
-                    await self._machine.apply(
+                    ended = await self._machine.apply(
                         conn,
                         Transition.EXPIRE_LAST_LEASE,
                         {**params, "message": decision.message},
                         Cause(decision.message, {"error": {**error, "retryable": False}}),
-                        returning=_ID,
+                        returning=_ENDED,
                     )
                     failed += 1
+                keys |= ended_keys(ended)
+        # Their keys' slots are free: the oldest held jobs due again, after the commit.
+        await self._release(keys)
         return LeaseRepair(requeued=requeued, failed=failed)
 
     async def release_held(self, *, limit: int) -> int:
-        """Release every key with held jobs (up to ``limit`` keys): the oldest due
-        again, as many as the key has free slots (ADR-0040). Whoever ends a
-        RUNNING job releases its key; this finds those a crash or a lease left
-        held. How many jobs were made due."""
-        async with self._auto.connect() as conn:
-            keys = (await conn.execute(HELD_KEYS, {"limit": limit})).all()
+        """Release every key with held jobs, ``limit`` keys per statement, all of
+        them in (tenant, key) order: the oldest due again, as many as the key has
+        free slots (ADR-0040). Whoever ends a RUNNING job releases its key; this
+        finds those a crash left held. How many jobs were made due."""
+        released = 0
+        after: tuple[Any, str] | None = None
+        while True:
+            async with self._auto.connect() as conn:
+                binds = (
+                    {"limit": limit}
+                    if after is None
+                    else {"limit": limit, "tenant_id": after[0], "key": after[1]}
+                )
+                keys = [
+                    (row[0], str(row[1]))
+                    for row in await conn.execute(held_keys(after=after is not None), binds)
+                ]
+            released += await self._release(keys)
+            if len(keys) < limit:
+                return released
+            after = keys[-1]
+
+    async def _release(self, keys: Iterable[tuple[Any, str]]) -> int:
+        """RELEASE each key, each in a transaction of its own: how many jobs were made due."""
         released = 0
         for tenant_id, key in keys:
             async with self._engine.begin() as conn:

@@ -252,6 +252,9 @@ BEGIN
         FROM (SELECT id, create_time FROM jobs
               WHERE tenant_id = v_tenant AND concurrency_key = v_key
                 AND state IN ('queued', 'running')
+                -- A transaction with the same request_id that committed while
+                -- this one waited for the lock: this call is its replay.
+                AND request_id IS DISTINCT FROM v_request_id
               ORDER BY create_time, id LIMIT v_key_limit) AS h;
         IF v_in_flight >= v_key_limit THEN
             RAISE EXCEPTION 'CONCURRENCY_LIMIT_REACHED: concurrency key % already has % job(s) '

@@ -30,20 +30,45 @@ VOLATILE
 SET search_path = pg_catalog, @SCHEMA@, pg_temp
 AS $fn$
 DECLARE
-    v_count   bigint;
+    v_running bigint;
+    v_waiting bigint;
     v_blocker uuid;
 BEGIN
     PERFORM pg_advisory_xact_lock(hashtextextended(tenant::text || '/' || key, 40));
-    SELECT count(*),
-           (array_agg(j.id ORDER BY (j.state = 'running') DESC, j.create_time, j.id))[1]
-      INTO v_count, v_blocker
-      FROM jobs j
-     WHERE j.tenant_id = tenant AND j.concurrency_key = key AND j.id <> job
-       AND (j.state = 'running'
-            OR (j.state = 'queued' AND j.waiting_code = 'CONCURRENCY_LIMIT'
-                AND (j.create_time, j.id) < (created, job)));
-    IF v_count < lim THEN
+    -- Counted up to the limit, no further: a key with many jobs waiting costs
+    -- what one at its limit does (indexes jobs_concurrency_running and
+    -- jobs_concurrency_waiting, migration 0018).
+    SELECT count(*) INTO v_running FROM (
+        SELECT 1 FROM jobs j
+         WHERE j.tenant_id = tenant AND j.concurrency_key = key AND j.id <> job
+           AND j.state = 'running'
+         LIMIT greatest(lim, 0)) r;
+    v_waiting := 0;
+    IF v_running < lim THEN
+        SELECT count(*) INTO v_waiting FROM (
+            SELECT 1 FROM jobs j
+             WHERE j.tenant_id = tenant AND j.concurrency_key = key
+               AND j.state = 'queued' AND j.waiting_code = 'CONCURRENCY_LIMIT'
+               AND (j.create_time, j.id) < (created, job)
+             LIMIT lim - v_running) w;
+    END IF;
+    IF v_running + v_waiting < lim THEN
         RETURN NULL;
+    END IF;
+    -- Full: the job named is the oldest running one if there is any, else the
+    -- oldest in line, each the first of its index.
+    SELECT j.id INTO v_blocker FROM jobs j
+     WHERE j.tenant_id = tenant AND j.concurrency_key = key AND j.id <> job
+       AND j.state = 'running'
+     ORDER BY j.create_time, j.id
+     LIMIT 1;
+    IF v_blocker IS NULL THEN
+        SELECT j.id INTO v_blocker FROM jobs j
+         WHERE j.tenant_id = tenant AND j.concurrency_key = key
+           AND j.state = 'queued' AND j.waiting_code = 'CONCURRENCY_LIMIT'
+           AND (j.create_time, j.id) < (created, job)
+         ORDER BY j.create_time, j.id
+         LIMIT 1;
     END IF;
     RETURN v_blocker;
 END
