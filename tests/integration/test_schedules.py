@@ -27,7 +27,7 @@ from jobplane.faults import FaultPoints, InjectedFault
 from jobplane.schedule_types import SCHEDULE_LABEL
 from jobplane.server.schedule_builtin import sync_retention_schedules
 from jobplane.store.engine import create_engine
-from jobplane.store.schedule_ticks import tick_once
+from jobplane.store.schedule_ticks import FAILURE_BACKOFF, tick_once
 from jobplane.topology import Topology
 from jobplane.workers.demo import registry as demo_registry
 from jobplane.workers.maintenance import Maintenance
@@ -380,3 +380,42 @@ async def test_erasure_deletes_the_tenants_schedules_first(stack: Stack, started
     assert done.result is not None and done.result["deleted"]["schedules"] == 1
     assert await stack.scalar("SELECT count(*) FROM schedules") == 0
     assert await _jobs_of(stack, ticking.name) == []
+
+
+async def test_a_schedule_whose_tick_fails_stops_no_other_schedule(stack: Stack) -> None:
+    """A tick that errors (a blob gone, a zone this host lacks) is that schedule's
+    error alone: another tenant's schedule due after it still runs."""
+    other = stack.client(await stack.new_key("globex"))
+    good = await other.create_schedule("demo.echo", interval=60)
+    client = stack.client()
+    gone = await client.create_schedule("demo.echo", interval=60, schedule_id="blob-gone")
+    zoneless = await client.create_schedule(
+        "demo.echo", cron="* * * * *", schedule_id="zoneless"
+    )
+    due = good.next_run_time
+    assert due is not None
+    async with stack.engine.begin() as conn:
+        await conn.execute(
+            text("UPDATE schedules SET payload = CAST(:payload AS jsonb) WHERE id = 'blob-gone'"),
+            {"payload": '{"input": "blobs/' + "a" * 64 + '"}'},
+        )
+        await conn.execute(
+            text("UPDATE schedules SET time_zone = 'Nowhere/Atlantis' WHERE id = 'zoneless'")
+        )
+    for schedule_id in ("blob-gone", "zoneless"):
+        await _move_due(stack, schedule_id, due - timedelta(seconds=30))
+    now = due + timedelta(seconds=1)
+
+    report = await tick_once(stack.engine, now=now)
+
+    assert (report.runs, report.refused, report.failed) == (1, 1, 1)
+    assert len(await _jobs_of(stack, good.name)) == 1
+    refused = await client.get_schedule(gone)
+    assert refused.last_error.startswith("BLOB_NOT_FOUND")
+    assert refused.next_run_time is not None and refused.next_run_time > now
+    failed = await client.get_schedule(zoneless)
+    assert "ZoneInfoNotFoundError" in failed.last_error
+    assert failed.next_run_time == now + FAILURE_BACKOFF
+    assert await _jobs_of(stack, gone.name) == await _jobs_of(stack, zoneless.name) == []
+    # Put off, the failed one is not claimed again in the same minute.
+    assert (await tick_once(stack.engine, now=now)).failed == 0
