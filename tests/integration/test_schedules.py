@@ -389,9 +389,7 @@ async def test_a_schedule_whose_tick_fails_stops_no_other_schedule(stack: Stack)
     good = await other.create_schedule("demo.echo", interval=60)
     client = stack.client()
     gone = await client.create_schedule("demo.echo", interval=60, schedule_id="blob-gone")
-    zoneless = await client.create_schedule(
-        "demo.echo", cron="* * * * *", schedule_id="zoneless"
-    )
+    zoneless = await client.create_schedule("demo.echo", cron="* * * * *", schedule_id="zoneless")
     due = good.next_run_time
     assert due is not None
     async with stack.engine.begin() as conn:
