@@ -204,20 +204,29 @@ def _interval_before(spec: Spec, anchor: datetime, moment: datetime) -> datetime
 
 
 def due_ticks(
-    spec: Spec, anchor: datetime, first: datetime, now: datetime, policy: CatchUp, limit: int = 0
+    spec: Spec,
+    anchor: datetime,
+    first: datetime,
+    now: datetime,
+    policy: CatchUp,
+    limit: int = 0,
+    *,
+    uid: str = "",
 ) -> list[datetime]:
     """Which due ticks run, oldest first, for a schedule whose next tick was ``first``.
 
     Every tick from ``first`` to ``now`` is due. The newest of them runs when
-    it is not yet missed (reached within :data:`MISSED_AFTER`); the older
-    ones, and a newest one reached late, were missed: SKIP runs none of them,
-    ONE runs one run (for the newest due tick), ALL runs each, up to the
-    ``limit`` newest (:data:`DEFAULT_CATCH_UP_LIMIT` when 0).
+    it is not yet missed (reached within :data:`MISSED_AFTER` of its run's
+    own start: the tick plus its jitter, drawn from ``uid``, the schedule's
+    uid); the older ones, and a newest one reached late, were missed: SKIP
+    runs none of them, ONE runs one run (for the newest due tick), ALL runs
+    each, up to the ``limit`` newest (:data:`DEFAULT_CATCH_UP_LIMIT` when 0).
     """
     if first > now:
         return []
     newest = _newest_due(spec, anchor, first, now)
-    on_time = now - newest <= MISSED_AFTER
+    # A run is awaited until its tick plus its jitter: late only after that.
+    on_time = now - (newest + jitter_of(uid, newest, spec.jitter_seconds)) <= MISSED_AFTER
     if policy is CatchUp.SKIP:
         return [newest] if on_time else []
     if policy is CatchUp.ONE:

@@ -132,6 +132,21 @@ def test_catch_up_after_downtime() -> None:
     assert due_ticks(spec, ANCHOR, first, ANCHOR, CatchUp.ALL) == []
 
 
+def test_a_run_delayed_by_jitter_over_a_minute_is_not_missed() -> None:
+    """Lateness counts from the run's own start (tick + jitter), not the bare tick."""
+    spec = Spec(interval_seconds=3600, jitter_seconds=600)
+    delays = []
+    for hour in range(1, 101):
+        tick = ANCHOR + timedelta(hours=hour)
+        delay = jitter_of("uid-1", tick, spec.jitter_seconds)
+        delays.append(delay)
+        now = tick + delay + timedelta(seconds=1)  # picked up as soon as its run is due
+        assert due_ticks(spec, ANCHOR, tick, now, CatchUp.SKIP, uid="uid-1") == [tick]
+        late = tick + delay + MISSED_AFTER + timedelta(seconds=1)
+        assert due_ticks(spec, ANCHOR, tick, late, CatchUp.SKIP, uid="uid-1") == []
+    assert sum(d > MISSED_AFTER for d in delays) > 80
+
+
 def test_catch_up_all_walks_cron_ticks() -> None:
     spec = Spec(cron="*/15 * * * *")
     first = datetime(2026, 4, 1, 10, 0, tzinfo=UTC)

@@ -219,6 +219,7 @@ async def _run_due(conn: AsyncConnection, row: Mapping[Any, Any], now: datetime)
         now,
         schedule.catch_up,
         schedule.catch_up_limit,
+        uid=str(row["uid"]),
     )
     done = _Outcome(started=[], buffered=row["buffered_tick"], skipped=0 if ticks else 1)
     active = await _active(conn, row)
