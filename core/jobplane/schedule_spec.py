@@ -250,18 +250,34 @@ def _newest_due(spec: Spec, anchor: datetime, first: datetime, now: datetime) ->
     """The newest tick at or before ``now`` (``first`` at the least), inside the window."""
     until = now if spec.end_time is None else min(now, spec.end_time)
     if spec.cron:
-        from cronsim import CronSim
-
-        probe = until.astimezone(_zone(spec)) + timedelta(microseconds=1)
-        try:
-            found: datetime | None = next(
-                CronSim(_expression(spec.cron), probe, reverse=True)
-            ).astimezone(UTC)
-        except (StopIteration, OverflowError, ValueError):
-            found = None
+        found = _cron_newest(spec, first, until)
     else:
         found = _interval_before(spec, anchor, until)
     return first if found is None or found < first else found
+
+
+def _cron_newest(spec: Spec, first: datetime, until: datetime) -> datetime | None:
+    """The newest cron tick at or before ``until``, walked forward from ``first``.
+
+    A backward search finds a tick near ``until`` at once, but in the hour a
+    fall-back repeats it finds a wall time's first occurrence (02:00 CEST
+    where 02:00 CET is due too): the walk forward from there, a few ticks at
+    most, finds the real newest.
+    """
+    from cronsim import CronSim
+
+    probe = until.astimezone(_zone(spec)) + timedelta(microseconds=1)
+    try:
+        behind = next(CronSim(_expression(spec.cron), probe, reverse=True)).astimezone(UTC)
+    except (StopIteration, OverflowError, ValueError):
+        return None
+    newest = max(behind, first)
+    for _ in range(_MAX_WALK):
+        after = _cron_after(spec, newest)
+        if after is None or after > until:
+            break
+        newest = after
+    return newest if newest <= until else None
 
 
 def jitter_of(schedule_uid: str, tick: datetime, jitter_seconds: float) -> timedelta:
