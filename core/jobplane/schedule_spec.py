@@ -12,9 +12,10 @@ tick's delay is the same whichever process computes it).
 Daylight saving time, in the spec's zone, as Debian's cron and the cronsim
 library do it: a wall time that a spring-forward skips runs at the first
 valid time after it (02:30 on a day without 02:30 runs at 03:00); a wall time
-that a fall-back repeats runs once, at its first occurrence, when the
-expression names the hour (``30 2 * * *``), and on each pass when the hour
-field is ``*`` (``*/30 * * * *`` runs every real half hour).
+that a fall-back repeats runs on each pass when the minute or the hour field
+is ``*`` or ``*/n`` (``*/30 * * * *`` runs every real half hour, and
+``*/15 2 * * *`` eight times on the fall-back day), and otherwise once, at its
+first occurrence (``30 2 * * *``, ``0,30 2 * * *``).
 """
 
 from __future__ import annotations
