@@ -239,6 +239,25 @@ async def test_overlap_cancel_other_cancels_the_earlier_run(stack: Stack) -> Non
     assert states == ["cancelled", "queued"]
 
 
+async def test_overlap_cancel_other_cancels_nothing_when_the_new_run_is_refused(
+    stack: Stack,
+) -> None:
+    client = stack.client()
+    schedule = await client.create_schedule("demo.echo", interval=10, overlap=Overlap.CANCEL_OTHER)
+    first = schedule.next_run_time
+    assert first is not None
+    await tick_once(stack.engine, now=first + timedelta(seconds=1))
+    async with stack.engine.begin() as conn:  # the next run names a blob that is gone
+        await conn.execute(
+            text("UPDATE schedules SET payload = CAST(:payload AS jsonb) WHERE id = :id"),
+            {"payload": '{"input": "blobs/' + "b" * 64 + '"}', "id": schedule.id},
+        )
+    report = await tick_once(stack.engine, now=first + timedelta(seconds=11))
+    assert report.refused == 1
+    assert [state for _, state in await _jobs_of(stack, schedule.name)] == ["queued"]
+    assert (await client.get_schedule(schedule)).last_error.startswith("BLOB_NOT_FOUND")
+
+
 @pytest.mark.parametrize(("policy", "expected"), [(CatchUp.SKIP, 0), (CatchUp.ONE, 1)])
 async def test_catch_up_after_downtime(stack: Stack, policy: CatchUp, expected: int) -> None:
     client = stack.client()

@@ -233,9 +233,8 @@ async def _run_due(conn: AsyncConnection, row: Mapping[Any, Any], now: datetime)
             else:
                 done.skipped += 1
             continue
-        if active and schedule.overlap is Overlap.CANCEL_OTHER:
-            await _cancel(conn, row, active)
-        job_id = await _submit_run(conn, row, schedule, _tick_key(row, tick), done)
+        cancel = active if schedule.overlap is Overlap.CANCEL_OTHER else []
+        job_id = await _submit_run(conn, row, schedule, _tick_key(row, tick), done, cancel=cancel)
         if job_id is not None:
             done.started.append(job_id)
             active = [job_id]
@@ -352,10 +351,17 @@ async def _submit_run(
     schedule: Schedule,
     request_id: str,
     done: _Outcome,
+    *,
+    cancel: Sequence[uuid.UUID] = (),
 ) -> uuid.UUID | None:
-    """One run's job, in a savepoint: a refusal rolls it back and is noted in ``done``."""
+    """One run's job, in a savepoint: a refusal rolls it back and is noted in ``done``.
+
+    The runs in ``cancel`` (CANCEL_OTHER's) are cancelled in the same savepoint,
+    so a refused run cancels nothing.
+    """
     try:
         async with conn.begin_nested():
+            await _cancel(conn, row, cancel)
             job_id = await _submit(conn, row, schedule, request_id)
     except JobplaneError as exc:
         done.refused += 1
