@@ -250,10 +250,8 @@ def due_ticks(
 def _newest_due(spec: Spec, anchor: datetime, first: datetime, now: datetime) -> datetime:
     """The newest tick at or before ``now`` (``first`` at the least), inside the window."""
     until = now if spec.end_time is None else min(now, spec.end_time)
-    if spec.cron:
-        found = _cron_newest(spec, first, until)
-    else:
-        found = _interval_before(spec, anchor, until)
+    cron = spec.cron
+    found = _cron_newest(spec, first, until) if cron else _interval_before(spec, anchor, until)
     return first if found is None or found < first else found
 
 
