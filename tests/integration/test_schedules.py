@@ -15,7 +15,9 @@ import pytest
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from jobplane.blobs import BlobStore
 from jobplane.client import (
+    BlobNotFound,
     CatchUp,
     InvalidArgument,
     JobState,
@@ -346,6 +348,32 @@ async def test_a_type_no_queue_takes_is_refused(
     assert refused.value.reason == "JOB_TYPE_UNROUTABLE"
     assert refused.value.field == "schedule.job.type"
     assert await stack.scalar("SELECT count(*) FROM schedules") == 0
+
+
+async def test_a_payload_naming_a_missing_blob_is_refused_at_create_and_update(
+    engine: AsyncEngine,
+    database_url: str,
+    amqp_url: str,
+    topology: Topology,
+    started: Started,
+    blobs: BlobStore,
+) -> None:
+    stack = await started(
+        start_stack(
+            engine, database_url, amqp_url, topology, relay=False, worker=False, blobs=blobs
+        )
+    )
+    client = stack.client()
+    missing = {"input": "blobs/" + "c" * 64}
+    with pytest.raises(BlobNotFound) as refused:
+        await client.create_schedule("demo.echo", missing, interval=60)
+    assert refused.value.field == "schedule.job.payload"
+    assert await stack.scalar("SELECT count(*) FROM schedules") == 0
+    schedule = await client.create_schedule("demo.echo", {"n": 1}, interval=60)
+    with pytest.raises(BlobNotFound) as refused:
+        await client.update_schedule(schedule, payload=missing)
+    assert refused.value.field == "schedule.job.payload"
+    assert (await client.get_schedule(schedule)).template.payload == {"n": 1}
 
 
 async def test_a_bad_update_changes_nothing(stack: Stack) -> None:

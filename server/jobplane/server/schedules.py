@@ -219,7 +219,7 @@ class ScheduleService:
                 field="update_mask",
             )
 
-        if "job" in paths:
+        if paths & {"job", "job.payload"}:
             # A blob deleted later is the ticker's refusal; one missing now is the caller's.
             await self._check_blobs(tenant, schedule.template)
 
