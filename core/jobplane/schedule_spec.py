@@ -12,9 +12,10 @@ tick's delay is the same whichever process computes it).
 Daylight saving time, in the spec's zone, as Debian's cron and the cronsim
 library do it: a wall time that a spring-forward skips runs at the first
 valid time after it (02:30 on a day without 02:30 runs at 03:00); a wall time
-that a fall-back repeats runs once, at its first occurrence, when the
-expression names the hour (``30 2 * * *``), and on each pass when the hour
-field is ``*`` (``*/30 * * * *`` runs every real half hour).
+that a fall-back repeats runs on each pass when the minute or the hour field
+is ``*`` or ``*/n`` (``*/30 * * * *`` runs every real half hour, and
+``*/15 2 * * *`` eight times on the fall-back day), and otherwise once, at its
+first occurrence (``30 2 * * *``, ``0,30 2 * * *``).
 """
 
 from __future__ import annotations
@@ -204,20 +205,29 @@ def _interval_before(spec: Spec, anchor: datetime, moment: datetime) -> datetime
 
 
 def due_ticks(
-    spec: Spec, anchor: datetime, first: datetime, now: datetime, policy: CatchUp, limit: int = 0
+    spec: Spec,
+    anchor: datetime,
+    first: datetime,
+    now: datetime,
+    policy: CatchUp,
+    limit: int = 0,
+    *,
+    uid: str = "",
 ) -> list[datetime]:
     """Which due ticks run, oldest first, for a schedule whose next tick was ``first``.
 
     Every tick from ``first`` to ``now`` is due. The newest of them runs when
-    it is not yet missed (reached within :data:`MISSED_AFTER`); the older
-    ones, and a newest one reached late, were missed: SKIP runs none of them,
-    ONE runs one run (for the newest due tick), ALL runs each, up to the
-    ``limit`` newest (:data:`DEFAULT_CATCH_UP_LIMIT` when 0).
+    it is not yet missed (reached within :data:`MISSED_AFTER` of its run's
+    own start: the tick plus its jitter, drawn from ``uid``, the schedule's
+    uid); the older ones, and a newest one reached late, were missed: SKIP
+    runs none of them, ONE runs one run (for the newest due tick), ALL runs
+    each, up to the ``limit`` newest (:data:`DEFAULT_CATCH_UP_LIMIT` when 0).
     """
     if first > now:
         return []
     newest = _newest_due(spec, anchor, first, now)
-    on_time = now - newest <= MISSED_AFTER
+    # A run is awaited until its tick plus its jitter: late only after that.
+    on_time = now - (newest + jitter_of(uid, newest, spec.jitter_seconds)) <= MISSED_AFTER
     if policy is CatchUp.SKIP:
         return [newest] if on_time else []
     if policy is CatchUp.ONE:
@@ -240,19 +250,33 @@ def due_ticks(
 def _newest_due(spec: Spec, anchor: datetime, first: datetime, now: datetime) -> datetime:
     """The newest tick at or before ``now`` (``first`` at the least), inside the window."""
     until = now if spec.end_time is None else min(now, spec.end_time)
-    if spec.cron:
-        from cronsim import CronSim
-
-        probe = until.astimezone(_zone(spec)) + timedelta(microseconds=1)
-        try:
-            found: datetime | None = next(
-                CronSim(_expression(spec.cron), probe, reverse=True)
-            ).astimezone(UTC)
-        except (StopIteration, OverflowError, ValueError):
-            found = None
-    else:
-        found = _interval_before(spec, anchor, until)
+    cron = spec.cron
+    found = _cron_newest(spec, first, until) if cron else _interval_before(spec, anchor, until)
     return first if found is None or found < first else found
+
+
+def _cron_newest(spec: Spec, first: datetime, until: datetime) -> datetime | None:
+    """The newest cron tick at or before ``until``, walked forward from ``first``.
+
+    A backward search finds a tick near ``until`` at once, but in the hour a
+    fall-back repeats it finds a wall time's first occurrence (02:00 CEST
+    where 02:00 CET is due too): the walk forward from there, a few ticks at
+    most, finds the real newest.
+    """
+    from cronsim import CronSim
+
+    probe = until.astimezone(_zone(spec)) + timedelta(microseconds=1)
+    try:
+        behind = next(CronSim(_expression(spec.cron), probe, reverse=True)).astimezone(UTC)
+    except (StopIteration, OverflowError, ValueError):
+        return None
+    newest = max(behind, first)
+    for _ in range(_MAX_WALK):
+        after = _cron_after(spec, newest)
+        if after is None or after > until:
+            break
+        newest = after
+    return newest if newest <= until else None
 
 
 def jitter_of(schedule_uid: str, tick: datetime, jitter_seconds: float) -> timedelta:

@@ -46,6 +46,7 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from jobplane.errors import (
+    BlobReferenceNotFound,
     ConcurrencyLimitReached,
     EventIdReused,
     InvalidArgument,
@@ -66,6 +67,7 @@ from jobplane.store.sqlapi import (
 
 __all__ = ["publish_event", "submit_job"]
 
+_FOREIGN_KEY_VIOLATION = "23503"
 _ERRORS: dict[str, type[JobplaneError]] = {
     cls.reason: cls
     for cls in (
@@ -319,6 +321,10 @@ def refusal_of(exc: BaseException) -> JobplaneError | None:
         if error is None or id(error) in seen:
             continue
         seen.add(id(error))
+        if _blob_gone(error):
+            return BlobReferenceNotFound(
+                "the payload references a blob that does not exist", field="payload"
+            )
         reason = SQLSTATE_REASONS.get(str(getattr(error, "sqlstate", "")))
         message = getattr(error, "message", None)
         if reason is not None and isinstance(message, str):
@@ -329,3 +335,12 @@ def refusal_of(exc: BaseException) -> JobplaneError | None:
             return _ERRORS[reason](text, field=field, metadata=metadata)
         pending.extend((getattr(error, "orig", None), error.__cause__))
     return None
+
+
+def _blob_gone(error: BaseException) -> bool:
+    """Whether ``error`` is the references' trigger finding no blob of a name the
+    payload holds (a foreign key of job_blobs): the caller's blob, not the database."""
+    return (
+        str(getattr(error, "sqlstate", "")) == _FOREIGN_KEY_VIOLATION
+        and getattr(error, "table_name", None) == "job_blobs"
+    )

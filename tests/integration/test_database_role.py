@@ -1,11 +1,13 @@
-"""serve, relay, worker and `keys` need only DML on jobplane's tables, and the
-concurrency keys' blocker function every claim names (docs/security.md)."""
+"""serve, relay, worker and `keys` need only DML on jobplane's tables, the concurrency
+keys' blocker function every claim names, and the sweeper's scheduler EXECUTE on
+jobplane.submit_job besides (docs/security.md)."""
 
 from __future__ import annotations
 
 import asyncio
 import uuid
 from collections.abc import AsyncIterator
+from datetime import timedelta
 
 import asyncpg
 import pytest
@@ -136,3 +138,53 @@ async def test_migrating_to_concurrency_keys_grants_the_runtime_role_its_blocker
             await cleanup.execute(f'DROP ROLE IF EXISTS "{role}"')
         finally:
             await cleanup.close()
+
+
+async def test_the_sweepers_scheduler_submits_runs_with_the_documented_grants(
+    dml_url: str, engine: AsyncEngine, topology: Topology
+) -> None:
+    """A schedule's run goes through jobplane.submit_job: the runtime role's grant
+    of it (docs/security.md) is what the sweeper needs to tick schedules."""
+    from jobplane.schedule_spec import Spec
+    from jobplane.schedule_types import JobTemplate, Schedule
+    from jobplane.store.routes import sync_submit_rules
+    from jobplane.store.schedule_ticks import tick_once
+    from jobplane.store.schedules import ScheduleStore
+
+    await sync_submit_rules(engine, topology, max_payload_bytes=256 * 1024)
+
+    async with engine.begin() as conn:  # as the owner, what docs/security.md says to grant
+        await conn.execute(text(f'GRANT USAGE ON SCHEMA jobplane TO "{_role_of(dml_url)}"'))
+        # The signature grows as fields are added: grant whichever it is.
+        for (signature,) in await conn.execute(
+            text(
+                "SELECT p.oid::regprocedure::text FROM pg_proc p "
+                "WHERE p.proname = 'submit_job' AND p.pronamespace = 'jobplane'::regnamespace"
+            )
+        ):
+            await conn.execute(
+                text(f'GRANT EXECUTE ON FUNCTION {signature} TO "{_role_of(dml_url)}"')
+            )
+        tenant_id = (
+            await conn.execute(text("INSERT INTO tenants (name) VALUES ('ticked') RETURNING id"))
+        ).scalar_one()
+    schedule = await ScheduleStore(engine).create(
+        tenant_id,
+        Schedule(
+            name="schedules/hourly",
+            template=JobTemplate(type="demo.echo", payload={"n": 1}),
+            spec=Spec(interval_seconds=3600),
+        ),
+    )
+    assert schedule.next_run_time is not None
+    runtime = create_engine(dml_url, pool_size=1)
+    try:
+        report = await tick_once(runtime, now=schedule.next_run_time + timedelta(seconds=1))
+    finally:
+        await runtime.dispose()
+    error = (await ScheduleStore(engine).get(tenant_id, "hourly")).last_error
+    assert (report.runs, report.failed, error) == (1, 0, "")
+
+
+def _role_of(url: str) -> str:
+    return str(make_url(url).username)

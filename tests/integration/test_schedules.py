@@ -15,7 +15,9 @@ import pytest
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from jobplane.blobs import BlobStore
 from jobplane.client import (
+    BlobNotFound,
     CatchUp,
     InvalidArgument,
     JobState,
@@ -27,7 +29,7 @@ from jobplane.faults import FaultPoints, InjectedFault
 from jobplane.schedule_types import SCHEDULE_LABEL
 from jobplane.server.schedule_builtin import sync_retention_schedules
 from jobplane.store.engine import create_engine
-from jobplane.store.schedule_ticks import tick_once
+from jobplane.store.schedule_ticks import FAILURE_BACKOFF, tick_once
 from jobplane.topology import Topology
 from jobplane.workers.demo import registry as demo_registry
 from jobplane.workers.maintenance import Maintenance
@@ -239,6 +241,25 @@ async def test_overlap_cancel_other_cancels_the_earlier_run(stack: Stack) -> Non
     assert states == ["cancelled", "queued"]
 
 
+async def test_overlap_cancel_other_cancels_nothing_when_the_new_run_is_refused(
+    stack: Stack,
+) -> None:
+    client = stack.client()
+    schedule = await client.create_schedule("demo.echo", interval=10, overlap=Overlap.CANCEL_OTHER)
+    first = schedule.next_run_time
+    assert first is not None
+    await tick_once(stack.engine, now=first + timedelta(seconds=1))
+    async with stack.engine.begin() as conn:  # the next run names a blob that is gone
+        await conn.execute(
+            text("UPDATE schedules SET payload = CAST(:payload AS jsonb) WHERE id = :id"),
+            {"payload": '{"input": "blobs/' + "b" * 64 + '"}', "id": schedule.id},
+        )
+    report = await tick_once(stack.engine, now=first + timedelta(seconds=11))
+    assert report.refused == 1
+    assert [state for _, state in await _jobs_of(stack, schedule.name)] == ["queued"]
+    assert (await client.get_schedule(schedule)).last_error.startswith("BLOB_NOT_FOUND")
+
+
 @pytest.mark.parametrize(("policy", "expected"), [(CatchUp.SKIP, 0), (CatchUp.ONE, 1)])
 async def test_catch_up_after_downtime(stack: Stack, policy: CatchUp, expected: int) -> None:
     client = stack.client()
@@ -329,6 +350,32 @@ async def test_a_type_no_queue_takes_is_refused(
     assert await stack.scalar("SELECT count(*) FROM schedules") == 0
 
 
+async def test_a_payload_naming_a_missing_blob_is_refused_at_create_and_update(
+    engine: AsyncEngine,
+    database_url: str,
+    amqp_url: str,
+    topology: Topology,
+    started: Started,
+    blobs: BlobStore,
+) -> None:
+    stack = await started(
+        start_stack(
+            engine, database_url, amqp_url, topology, relay=False, worker=False, blobs=blobs
+        )
+    )
+    client = stack.client()
+    missing = {"input": "blobs/" + "c" * 64}
+    with pytest.raises(BlobNotFound) as refused:
+        await client.create_schedule("demo.echo", missing, interval=60)
+    assert refused.value.field == "schedule.job.payload"
+    assert await stack.scalar("SELECT count(*) FROM schedules") == 0
+    schedule = await client.create_schedule("demo.echo", {"n": 1}, interval=60)
+    with pytest.raises(BlobNotFound) as refused:
+        await client.update_schedule(schedule, payload=missing)
+    assert refused.value.field == "schedule.job.payload"
+    assert (await client.get_schedule(schedule)).template.payload == {"n": 1}
+
+
 async def test_a_bad_update_changes_nothing(stack: Stack) -> None:
     client = stack.client()
     schedule = await client.create_schedule("demo.echo", interval=60)
@@ -380,3 +427,40 @@ async def test_erasure_deletes_the_tenants_schedules_first(stack: Stack, started
     assert done.result is not None and done.result["deleted"]["schedules"] == 1
     assert await stack.scalar("SELECT count(*) FROM schedules") == 0
     assert await _jobs_of(stack, ticking.name) == []
+
+
+async def test_a_schedule_whose_tick_fails_stops_no_other_schedule(stack: Stack) -> None:
+    """A tick that errors (a blob gone, a zone this host lacks) is that schedule's
+    error alone: another tenant's schedule due after it still runs."""
+    other = stack.client(await stack.new_key("globex"))
+    good = await other.create_schedule("demo.echo", interval=60)
+    client = stack.client()
+    gone = await client.create_schedule("demo.echo", interval=60, schedule_id="blob-gone")
+    zoneless = await client.create_schedule("demo.echo", cron="* * * * *", schedule_id="zoneless")
+    due = good.next_run_time
+    assert due is not None
+    async with stack.engine.begin() as conn:
+        await conn.execute(
+            text("UPDATE schedules SET payload = CAST(:payload AS jsonb) WHERE id = 'blob-gone'"),
+            {"payload": '{"input": "blobs/' + "a" * 64 + '"}'},
+        )
+        await conn.execute(
+            text("UPDATE schedules SET time_zone = 'Nowhere/Atlantis' WHERE id = 'zoneless'")
+        )
+    for schedule_id in ("blob-gone", "zoneless"):
+        await _move_due(stack, schedule_id, due - timedelta(seconds=30))
+    now = due + timedelta(seconds=1)
+
+    report = await tick_once(stack.engine, now=now)
+
+    assert (report.runs, report.refused, report.failed) == (1, 1, 1)
+    assert len(await _jobs_of(stack, good.name)) == 1
+    refused = await client.get_schedule(gone)
+    assert refused.last_error.startswith("BLOB_NOT_FOUND")
+    assert refused.next_run_time is not None and refused.next_run_time > now
+    failed = await client.get_schedule(zoneless)
+    assert "ZoneInfoNotFoundError" in failed.last_error
+    assert failed.next_run_time == now + FAILURE_BACKOFF
+    assert await _jobs_of(stack, gone.name) == await _jobs_of(stack, zoneless.name) == []
+    # Put off, the failed one is not claimed again in the same minute.
+    assert (await tick_once(stack.engine, now=now)).failed == 0

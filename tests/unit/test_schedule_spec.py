@@ -81,6 +81,29 @@ def test_an_expression_with_every_hour_runs_on_both_passes_of_a_repeated_hour() 
     assert [t - ticks[0] for t in ticks] == [timedelta(hours=h) for h in range(4)]
 
 
+def test_an_expression_with_every_minute_step_repeats_a_named_hour_on_fall_back() -> None:
+    # What cronsim does: the minute field `*/15` matches on both passes of 02:xx.
+    spec = Spec(cron="*/15 2 * * *", time_zone="Europe/Berlin")
+    ticks = _ticks(spec, datetime(2026, 10, 24, 12, tzinfo=UTC), 9)
+    assert ticks[:8] == [
+        datetime(2026, 10, 25, 0, 0, tzinfo=UTC) + timedelta(minutes=15 * k) for k in range(8)
+    ]
+    assert ticks[8] == datetime(2026, 10, 26, 1, 0, tzinfo=UTC)  # next day, CET
+
+
+def test_catch_up_in_a_repeated_hour_reaches_its_second_pass() -> None:
+    # Down from 00:00 CEST to 02:06 CET on the fall-back day: every real 20 minutes is due.
+    spec = Spec(cron="*/20 * * * *", time_zone="Europe/Berlin")
+    first = datetime(2026, 10, 24, 22, 0, tzinfo=UTC)  # 00:00 CEST
+    now = datetime(2026, 10, 25, 1, 6, tzinfo=UTC)  # 02:06 CET
+    everything = due_ticks(spec, first, first, now, CatchUp.ALL)
+    assert everything == [first + timedelta(minutes=20 * k) for k in range(10)]
+    newest = datetime(2026, 10, 25, 1, 0, tzinfo=UTC)  # 02:00 CET, not 02:00 CEST
+    assert due_ticks(spec, first, first, now, CatchUp.ONE) == [newest]
+    on_time = newest + timedelta(seconds=30)
+    assert due_ticks(spec, first, first, on_time, CatchUp.SKIP) == [newest]
+
+
 def test_aliases_and_default_zone() -> None:
     tick = next_tick(Spec(cron="@daily"), ANCHOR, datetime(2026, 5, 1, 10, tzinfo=UTC))
     assert tick == datetime(2026, 5, 2, tzinfo=UTC)
@@ -130,6 +153,21 @@ def test_catch_up_after_downtime() -> None:
     assert due_ticks(spec, ANCHOR, first, late, CatchUp.SKIP) == []
     assert due_ticks(spec, ANCHOR, first, late, CatchUp.ONE) == [newest]
     assert due_ticks(spec, ANCHOR, first, ANCHOR, CatchUp.ALL) == []
+
+
+def test_a_run_delayed_by_jitter_over_a_minute_is_not_missed() -> None:
+    """Lateness counts from the run's own start (tick + jitter), not the bare tick."""
+    spec = Spec(interval_seconds=3600, jitter_seconds=600)
+    delays = []
+    for hour in range(1, 101):
+        tick = ANCHOR + timedelta(hours=hour)
+        delay = jitter_of("uid-1", tick, spec.jitter_seconds)
+        delays.append(delay)
+        now = tick + delay + timedelta(seconds=1)  # picked up as soon as its run is due
+        assert due_ticks(spec, ANCHOR, tick, now, CatchUp.SKIP, uid="uid-1") == [tick]
+        late = tick + delay + MISSED_AFTER + timedelta(seconds=1)
+        assert due_ticks(spec, ANCHOR, tick, late, CatchUp.SKIP, uid="uid-1") == []
+    assert sum(d > MISSED_AFTER for d in delays) > 80
 
 
 def test_catch_up_all_walks_cron_ticks() -> None:

@@ -9,8 +9,13 @@ Each run's request_id is made of the schedule's uid and its tick, so even a
 tick claimed twice (which the lock prevents) returns the first job: the
 idempotency key of SubmitJob (AIP-155) is the second fence.
 
-A run that SubmitJob refuses (its type no longer routes, the tenant's limit)
-is rolled back to a savepoint, said in ``last_error``, and the tick passes.
+A run that SubmitJob refuses (its type no longer routes, the tenant's limit,
+a blob its payload names is gone) is rolled back to a savepoint, said in
+``last_error``, and the tick passes. Any other error of a schedule (a time
+zone this host lacks, a serialization failure, a permission) rolls back that
+schedule's transaction only: in a new one its ``last_error`` says it and its
+next run waits :data:`FAILURE_BACKOFF`, so it neither stops the pass nor
+stays first in line; the other schedules, every tenant's, tick on.
 """
 
 from __future__ import annotations
@@ -18,14 +23,16 @@ from __future__ import annotations
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
+import structlog
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from jobplane.errors import JobplaneError, ScheduleNotFound
-from jobplane.faults import NO_FAULTS, FaultPoints
+from jobplane.faults import NO_FAULTS, FaultPoints, InjectedFault
+from jobplane.logs import describe_error
 from jobplane.schedule_spec import Overlap, due_ticks
 from jobplane.schedule_types import SCHEDULE_LABEL, Schedule
 from jobplane.store.machine import MACHINE, Cause, Transition
@@ -33,7 +40,9 @@ from jobplane.store.schedules import COLUMN_NAMES, schedule_from_row, timing
 from jobplane.txn import submit_job
 from jobplane.types import JobState
 
-__all__ = ["TickReport", "tick_once", "trigger"]
+__all__ = ["FAILURE_BACKOFF", "TickReport", "tick_once", "trigger"]
+
+log = structlog.get_logger("jobplane.scheduler")
 
 _COLUMNS = ", ".join(f"s.{c}" for c in COLUMN_NAMES) + ", s.tenant_id, t.name AS tenant_name"
 _CLAIM_DUE = text(
@@ -45,12 +54,19 @@ _CLAIM_DUE = text(
     FOR UPDATE OF s SKIP LOCKED
     """
 )
+_FIND_BUFFERED = text(
+    """
+    SELECT tenant_id, id FROM schedules
+    WHERE buffered_tick IS NOT NULL AND NOT paused
+    ORDER BY buffered_tick
+    LIMIT :limit
+    """
+)
 _CLAIM_BUFFERED = text(
     f"""
     SELECT {_COLUMNS} FROM schedules s JOIN tenants t ON t.id = s.tenant_id
-    WHERE s.buffered_tick IS NOT NULL AND NOT s.paused
-    ORDER BY s.buffered_tick
-    LIMIT :limit
+    WHERE s.tenant_id = :tenant_id AND s.id = :id
+      AND s.buffered_tick IS NOT NULL AND NOT s.paused
     FOR UPDATE OF s SKIP LOCKED
     """
 )
@@ -81,17 +97,36 @@ _ADVANCE = text(
     WHERE tenant_id = :tenant_id AND id = :id
     """
 )
+# A failed schedule's error, and its next run put off, unless another ticker
+# moved it meanwhile (its next run time is the one the failed pass saw).
+_FAILED = text(
+    """
+    UPDATE schedules SET last_error = :last_error,
+        next_run_time = CASE WHEN :backoff THEN CAST(:retry AS timestamptz)
+                             ELSE next_run_time END,
+        buffered_tick = CASE WHEN :backoff THEN buffered_tick ELSE NULL END,
+        skipped = skipped + CASE WHEN :backoff THEN 0 ELSE 1 END
+    WHERE tenant_id = :tenant_id AND id = :id
+      AND next_run_time IS NOT DISTINCT FROM :seen_run_time
+      AND buffered_tick IS NOT DISTINCT FROM :seen_buffered
+    """
+)
+#: How long a schedule whose tick failed (not a refusal) waits before it is tried again.
+FAILURE_BACKOFF = timedelta(seconds=60)
 #: How many runs the newest-runs list keeps (what the overlap policy looks at).
 RECENT_RUNS = 10
 
 
 @dataclass(frozen=True, slots=True)
 class TickReport:
-    """What one pass did: runs started, ticks skipped, runs refused, the largest lag."""
+    """What one pass did: runs started, ticks skipped, runs refused, schedules that
+    failed, the largest lag."""
 
     runs: int = 0
     skipped: int = 0
     refused: int = 0
+    #: Schedules whose pass failed (rolled back, their error in ``last_error``).
+    failed: int = 0
     #: Seconds between a started run's due time and its submit, the largest of the pass.
     lag_seconds: float = 0.0
 
@@ -113,24 +148,65 @@ async def tick_once(
     faults: FaultPoints = NO_FAULTS,
 ) -> TickReport:
     """Run every schedule due at ``now`` (at most ``limit``), one transaction each;
-    then the ticks BUFFER_ONE held back whose run has ended."""
-    runs = skipped = refused = 0
+    then the ticks BUFFER_ONE held back whose run has ended.
+
+    A schedule that fails is rolled back alone and put off (:func:`_failed`).
+    """
+    runs = skipped = refused = failed = 0
     lag = 0.0
     for _ in range(limit):
         moment = now or datetime.now(UTC)
-        async with engine.begin() as conn:
-            row = (await conn.execute(_CLAIM_DUE, {"now": moment})).mappings().first()
-            if row is None:
-                break
-            done = await _run_due(conn, row, moment)
-            faults.hit("schedule.before_commit")
+        row: Mapping[Any, Any] | None = None
+        try:
+            async with engine.begin() as conn:
+                row = (await conn.execute(_CLAIM_DUE, {"now": moment})).mappings().first()
+                if row is None:
+                    break
+                done = await _run_due(conn, row, moment)
+                faults.hit("schedule.before_commit")
+        except InjectedFault:
+            raise
+        except Exception as exc:
+            if row is None:  # the claim itself failed: the database, not a schedule
+                raise
+            await _failed(engine, row, exc, backoff=moment + FAILURE_BACKOFF)
+            failed += 1
+            continue
         runs += len(done.started)
         skipped += done.skipped
         refused += done.refused
         if done.started and row["next_run_time"] is not None:
             lag = max(lag, (datetime.now(UTC) - row["next_run_time"]).total_seconds())
-    runs += await _run_buffered(engine, limit, now, faults)
-    return TickReport(runs=runs, skipped=skipped, refused=refused, lag_seconds=lag)
+    buffered, failed_buffered = await _run_buffered(engine, limit, now, faults)
+    return TickReport(
+        runs=runs + buffered,
+        skipped=skipped,
+        refused=refused,
+        failed=failed + failed_buffered,
+        lag_seconds=lag,
+    )
+
+
+async def _failed(
+    engine: AsyncEngine, row: Mapping[Any, Any], exc: Exception, *, backoff: datetime | None
+) -> None:
+    """Say why ``row``'s pass failed, in its own transaction; put its next run off to
+    ``backoff`` (a due tick) or drop its held-back tick (``backoff`` None)."""
+    error = describe_error(exc)
+    log.warning("scheduler.schedule.failed", schedule=f"schedules/{row['id']}", error=error)
+    async with engine.begin() as conn:
+        await conn.execute(
+            _FAILED,
+            {
+                "tenant_id": row["tenant_id"],
+                "id": row["id"],
+                "last_error": f"INTERNAL: {error}"[:1000],
+                "backoff": backoff is not None,
+                "retry": backoff,
+                "seen_run_time": row["next_run_time"],
+                "seen_buffered": row["buffered_tick"],
+            },
+        )
 
 
 async def _run_due(conn: AsyncConnection, row: Mapping[Any, Any], now: datetime) -> _Outcome:
@@ -143,6 +219,7 @@ async def _run_due(conn: AsyncConnection, row: Mapping[Any, Any], now: datetime)
         now,
         schedule.catch_up,
         schedule.catch_up_limit,
+        uid=str(row["uid"]),
     )
     done = _Outcome(started=[], buffered=row["buffered_tick"], skipped=0 if ticks else 1)
     active = await _active(conn, row)
@@ -156,9 +233,8 @@ async def _run_due(conn: AsyncConnection, row: Mapping[Any, Any], now: datetime)
             else:
                 done.skipped += 1
             continue
-        if active and schedule.overlap is Overlap.CANCEL_OTHER:
-            await _cancel(conn, row, active)
-        job_id = await _submit_run(conn, row, schedule, _tick_key(row, tick), done)
+        cancel = active if schedule.overlap is Overlap.CANCEL_OTHER else []
+        job_id = await _submit_run(conn, row, schedule, _tick_key(row, tick), done, cancel=cancel)
         if job_id is not None:
             done.started.append(job_id)
             active = [job_id]
@@ -169,33 +245,42 @@ async def _run_due(conn: AsyncConnection, row: Mapping[Any, Any], now: datetime)
 
 async def _run_buffered(
     engine: AsyncEngine, limit: int, now: datetime | None, faults: FaultPoints
-) -> int:
-    """Start the held-back tick of each BUFFER_ONE schedule whose runs have all ended."""
-    started = 0
-    async with engine.begin() as conn:
-        rows = (await conn.execute(_CLAIM_BUFFERED, {"limit": limit})).mappings().all()
-        for row in rows:
-            if await _active(conn, row):
-                continue
-            schedule = schedule_from_row(row)
-            done = _Outcome(started=[])
-            job_id = await _submit_run(
-                conn, row, schedule, _tick_key(row, row["buffered_tick"]), done
-            )
-            done.started = [] if job_id is None else [job_id]
-            moment = now or datetime.now(UTC)
-            await _advance(
-                conn,
-                row,
-                done,
-                moment,
-                next_tick=row["next_tick"],
-                next_run_time=row["next_run_time"],
-            )
-            started += len(done.started)
-        if rows:
-            faults.hit("schedule.before_commit")
-    return started
+) -> tuple[int, int]:
+    """Start the held-back tick of each BUFFER_ONE schedule whose runs have all ended,
+    one transaction each; how many started and how many failed."""
+    async with engine.connect() as conn:
+        keys = (await conn.execute(_FIND_BUFFERED, {"limit": limit})).all()
+    started = failed = 0
+    for tenant_id, schedule_id in keys:
+        row: Mapping[Any, Any] | None = None
+        try:
+            async with engine.begin() as conn:
+                binds = {"tenant_id": tenant_id, "id": schedule_id}
+                row = (await conn.execute(_CLAIM_BUFFERED, binds)).mappings().first()
+                if row is None or await _active(conn, row):
+                    continue
+                started += await _run_one_buffered(conn, row, now or datetime.now(UTC))
+                faults.hit("schedule.before_commit")
+        except InjectedFault:
+            raise
+        except Exception as exc:
+            if row is None:
+                raise
+            await _failed(engine, row, exc, backoff=None)
+            failed += 1
+    return started, failed
+
+
+async def _run_one_buffered(conn: AsyncConnection, row: Mapping[Any, Any], now: datetime) -> int:
+    """The claimed schedule's held-back tick: its run, the tick released; runs started."""
+    schedule = schedule_from_row(row)
+    done = _Outcome(started=[])
+    job_id = await _submit_run(conn, row, schedule, _tick_key(row, row["buffered_tick"]), done)
+    done.started = [] if job_id is None else [job_id]
+    await _advance(
+        conn, row, done, now, next_tick=row["next_tick"], next_run_time=row["next_run_time"]
+    )
+    return len(done.started)
 
 
 async def trigger(
@@ -266,10 +351,17 @@ async def _submit_run(
     schedule: Schedule,
     request_id: str,
     done: _Outcome,
+    *,
+    cancel: Sequence[uuid.UUID] = (),
 ) -> uuid.UUID | None:
-    """One run's job, in a savepoint: a refusal rolls it back and is noted in ``done``."""
+    """One run's job, in a savepoint: a refusal rolls it back and is noted in ``done``.
+
+    The runs in ``cancel`` (CANCEL_OTHER's) are cancelled in the same savepoint,
+    so a refused run cancels nothing.
+    """
     try:
         async with conn.begin_nested():
+            await _cancel(conn, row, cancel)
             job_id = await _submit(conn, row, schedule, request_id)
     except JobplaneError as exc:
         done.refused += 1

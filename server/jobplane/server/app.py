@@ -204,7 +204,9 @@ class JobplaneServer(Lifecycle):
             blobs=blobs,
             inline_bytes=inline_bytes,
         )
-        self.schedules = ScheduleService(engine, topology, max_payload_bytes=max_payload_bytes)
+        self.schedules = ScheduleService(
+            engine, topology, max_payload_bytes=max_payload_bytes, blobs=blobs
+        )
         self.max_receive_bytes = _max_receive_bytes(max_payload_bytes)
         self.service.metrics = self.workers.metrics = metrics
         metrics.add_streams(self.limiter.open_streams)

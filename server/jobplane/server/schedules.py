@@ -15,6 +15,7 @@ import uuid
 from collections.abc import Iterable
 from dataclasses import replace
 from datetime import datetime
+from typing import TYPE_CHECKING
 
 from sqlalchemy.ext.asyncio import AsyncEngine
 
@@ -28,6 +29,8 @@ from jobplane.server.job_requests import (
     MAX_REQUEST_ID_LENGTH,
     MAX_TIMEOUT_SECONDS,
     MIN_TIMEOUT_SECONDS,
+    SubmitRequest,
+    check_blobs,
     check_id,
     check_labels,
     check_payload,
@@ -36,6 +39,9 @@ from jobplane.store.rows import check_payload_size
 from jobplane.store.schedule_ticks import trigger
 from jobplane.store.schedules import ScheduleStore
 from jobplane.topology import Topology
+
+if TYPE_CHECKING:
+    from jobplane.blobs.store import BlobStore
 
 __all__ = ["UPDATABLE_FIELDS", "ScheduleService", "parse_schedule_name"]
 
@@ -95,12 +101,18 @@ class ScheduleService:
     """Every ScheduleService call, for one tenant at a time."""
 
     def __init__(
-        self, engine: AsyncEngine, topology: Topology, *, max_payload_bytes: int = 256 * 1024
+        self,
+        engine: AsyncEngine,
+        topology: Topology,
+        *,
+        max_payload_bytes: int = 256 * 1024,
+        blobs: BlobStore | None = None,
     ) -> None:
         self._engine = engine
         self._store = ScheduleStore(engine)
         self._topology = topology
         self._max_payload_bytes = max_payload_bytes
+        self._blobs = blobs
 
     def check(self, schedule: Schedule, prefix: str = "schedule") -> None:
         """Refuse a schedule that could not tick, naming the field; writes nothing."""
@@ -161,8 +173,17 @@ class ScheduleService:
                 field="schedule_id",
             )
         self.check(schedule)
+        await self._check_blobs(tenant, schedule.template)
         name = f"schedules/{schedule_id or uuid.uuid4()}"
         return await self._store.create(tenant, replace(schedule, name=name, paused=False))
+
+    async def _check_blobs(self, tenant: uuid.UUID, template: JobTemplate) -> None:
+        """Refuse a payload naming blobs the tenant does not have, as SubmitJob does."""
+        request = SubmitRequest(type=template.type, payload=template.payload)
+        try:
+            await check_blobs(self._blobs, tenant, request)
+        except JobplaneError as exc:
+            raise _under(exc, "schedule.job") from None
 
     async def get(self, tenant: uuid.UUID, name: str) -> Schedule:
         """One schedule by name."""
@@ -197,6 +218,10 @@ class ScheduleService:
                 f"update_mask names {shown(unknown[0])}, which UpdateSchedule cannot change",
                 field="update_mask",
             )
+
+        if paths & {"job", "job.payload"}:
+            # A blob deleted later is the ticker's refusal; one missing now is the caller's.
+            await self._check_blobs(tenant, schedule.template)
 
         def change(current: Schedule) -> Schedule:
             merged = _merged(current, schedule, paths)

@@ -8,7 +8,9 @@ SKIP LOCKED`` and its runs' jobs commit with its advance
 (:mod:`jobplane.store.schedule_ticks`), so each tick is one job.
 
 It looks every ``poll`` seconds (1 s: the shortest interval a schedule may
-have); a pass that fails is logged and the next one runs on time.
+have); a schedule whose tick fails is rolled back alone, its error in its
+``last_error``, and the pass goes on; a pass that fails (the database) is
+logged and the next one runs on time.
 """
 
 from __future__ import annotations
@@ -45,12 +47,13 @@ class Scheduler(Lifecycle):
     async def tick_once(self) -> TickReport:
         """One pass over the due schedules (and the ticks BUFFER_ONE held back)."""
         report = await tick_once(self._engine, faults=self._faults)
-        if report.runs or report.refused:
+        if report.runs or report.refused or report.failed:
             log.info(
                 "scheduler.ticked",
                 runs=report.runs,
                 skipped=report.skipped,
                 refused=report.refused,
+                failed=report.failed,
                 lag_seconds=round(report.lag_seconds, 3),
             )
         if report.lag_seconds > LATE_SECONDS:
