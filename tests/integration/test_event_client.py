@@ -373,6 +373,17 @@ async def test_cli_tail_follows_until_interrupted(server_only: Stack) -> None:
         await _interrupt(process)
 
 
+# `python -m jobplane`, with Ctrl-C raising KeyboardInterrupt as in a terminal:
+# a test run started in the background by a shell (`make test &`) ignores
+# SIGINT, the ignoring is inherited, and Python then leaves SIGINT ignored.
+_AS_FROM_A_TERMINAL = (
+    "import runpy, signal, sys; "
+    "signal.signal(signal.SIGINT, signal.default_int_handler); "
+    "sys.argv[0] = 'jobplane'; "
+    "runpy.run_module('jobplane', run_name='__main__', alter_sys=True)"
+)
+
+
 def tail(stack: Stack, *args: str) -> _Tail:
     return _Tail(stack, args)
 
@@ -393,8 +404,8 @@ class _Tail:
         }
         self._process = await asyncio.create_subprocess_exec(
             sys.executable,
-            "-m",
-            "jobplane",
+            "-c",
+            _AS_FROM_A_TERMINAL,
             "events",
             "tail",
             *self._args,
