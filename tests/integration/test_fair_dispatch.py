@@ -15,6 +15,7 @@ import pytest
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from jobplane.client import AsyncClient, JobSpec
+from jobplane.observe.metrics import Metrics, watch_outbox
 from jobplane.topology import Topology
 from jobplane.workers.handlers import JobContext, Registry
 from jobplane.workers.relay import FairSettings
@@ -178,6 +179,12 @@ async def test_the_broker_queue_holds_no_more_than_the_credit_while_a_backlog_wa
         "SELECT count(*) FROM outbox WHERE kind = 'job.dispatch' AND published_at IS NULL"
     )
     assert waiting >= 300 - FAIR.min_backlog
+    # What an operator sees of it: the queue's due dispatches, at scrape time.
+    metrics = Metrics()
+    watch_outbox(metrics, engine)
+    await metrics.refresh()
+    shown = metrics.registry.get_sample_value("jobplane_dispatch_waiting_rows", {"queue": queue})
+    assert shown is not None and shown >= 300 - FAIR.min_backlog
 
 
 async def test_two_fair_relays_run_every_job_exactly_once_and_a_stopped_one_loses_nothing(

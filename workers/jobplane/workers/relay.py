@@ -88,8 +88,9 @@ from jobplane.store.outbox import OutboxStore
 from jobplane.store.rows import DOMAIN_EVENTS_CHANNEL, OUTBOX_CHANNEL
 from jobplane.tasks import cancel_and_wait
 from jobplane.topology import Ownership, Topology
+from jobplane.workers.fairness import FairSettings
 from jobplane.workers.interceptors import RelayInterceptor, chain_relay
-from jobplane.workers.relay_credit import CreditBook, FairSettings
+from jobplane.workers.relay_credit import CreditBook
 from jobplane.workers.relay_feed import EventFeedPublishing, FeedPass
 from jobplane.workers.relay_link import BrokerLink, Link
 from jobplane.workers.relay_messages import (
