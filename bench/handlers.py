@@ -57,3 +57,11 @@ async def progress(ctx: JobContext) -> dict[str, Any]:
         await ctx.progress(step / steps, "", {"t": time.time()})
         await asyncio.sleep(interval)
     return {"steps": steps}
+
+
+# --only fairness (bench/fairness.py): each figure's jobs under types of their own.
+for _type in (
+    *(f"bench.fair.{k}.{a}" for k in ("lone", "tput", "a", "b", "low") for a in ("off", "on")),
+    *(f"hi.fair.{a}" for a in ("off", "on")),
+):
+    registry.add(_type, noop)

@@ -22,6 +22,9 @@ beside the S3 server's own figures ($JOBPLANE_S3_URL, else a moto_server).
 ``--only delayed`` measures how late delayed jobs start with
 ``--delayed-waiting N`` (10,000; 100,000 for the full figure) scheduled far
 ahead, and the relay's claim with and without them (bench/delayed.py).
+``--only fairness`` compares fair dispatch off and on: a tenant behind another's
+``--fair-jobs`` backlog, a high queue behind a low one, throughput, a lone
+tenant's latency (bench/fairness.py).
 """
 
 from __future__ import annotations
@@ -1330,6 +1333,7 @@ async def main(argv: list[str] | None = None) -> int:
             "batch",
             "store",
             "delayed",
+            "fairness",
         ],
     )
     parser.add_argument(
@@ -1372,6 +1376,9 @@ async def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--delayed-jobs", type=int, default=200, help="jobs of --only delayed due over 4 s"
+    )
+    parser.add_argument(
+        "--fair-jobs", type=int, default=20_000, help="the backlog of --only fairness's figures"
     )
     parser.add_argument(
         "--profile",
@@ -1461,6 +1468,10 @@ async def main(argv: list[str] | None = None) -> int:
             from bench.batch import fig_batch
 
             await fig_batch(bench)
+        if args.only and "fairness" in args.only:  # its own processes and topology
+            from bench.fairness import fig_fairness
+
+            await fig_fairness(bench)
         if want("delayed"):  # last: its waiting jobs stay in the tables
             from bench.delayed import fig_delayed
 

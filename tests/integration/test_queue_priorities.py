@@ -15,6 +15,7 @@ import pytest
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from jobplane.topology import Topology
+from jobplane.workers.relay import FairSettings
 from tests.support import services
 from tests.support.parts import Started
 from tests.support.priorities import (
@@ -128,8 +129,17 @@ async def test_a_backlog_in_a_high_and_a_low_queue_starts_four_high_for_one_low_
     # waiting whenever its slots had just freed (the next one was still on its
     # way from the broker), so the low queue took the slot: one for one.
     board = Board()
+    # Both backlogs whole in the broker (fair dispatch off): the worker's
+    # choice alone is measured, not the relay's credit.
     stack = await started(
-        start_stack(engine, database_url, amqp_url, one_high_one_low, worker=False)
+        start_stack(
+            engine,
+            database_url,
+            amqp_url,
+            one_high_one_low,
+            worker=False,
+            relay_options={"fair": FairSettings(enabled=False)},
+        )
     )
     client = stack.client()
     await submit(client, "hi.a.work", 150)

@@ -4,6 +4,10 @@ Any number of relays may run at once. Each claims due rows another relay does
 not hold (the claim skips locked rows), so a relay stuck mid-batch, or a slow
 broker confirm, delays only its own rows, and no row is published by two
 relays in one pass.
+
+A test that counts a backlog larger than a queue's credit in the broker's
+queue, which no worker consumes, runs its relays with fair dispatch off. The
+fair claim's own sharing is tests/integration/test_fair_dispatch.py's.
 """
 
 from __future__ import annotations
@@ -18,10 +22,13 @@ from jobplane.client import JobSpec
 from jobplane.store import outbox
 from jobplane.store.db import Database
 from jobplane.topology import Topology
+from jobplane.workers.relay import FairSettings
 from tests.support.event_api import all_published
 from tests.support.parts import Started
 from tests.support.queues import ready_count
 from tests.support.stack import Stack, eventually, start_stack
+
+_NO_CREDIT = FairSettings(enabled=False)
 
 
 async def test_a_relay_publishes_the_rows_another_relay_holds_not(
@@ -73,7 +80,7 @@ async def test_relays_claiming_at_once_publish_each_row_once(
     client = stack.client()
     for i in range(60):
         await client.submit("demo.echo", {"i": i})
-    relays = [await stack.start_relay() for _ in range(3)]
+    relays = [await stack.start_relay(fair=_NO_CREDIT) for _ in range(3)]
     try:
         await eventually(
             lambda: _scalar_is(

@@ -58,14 +58,16 @@ class Stack:
         key, _tenant = await self.server.keys.create_key(tenant)
         return key
 
-    async def start_relay(self, amqp_url: str | None = None) -> Relay:
-        """Start a relay (to ``amqp_url``, default the run's vhost)."""
+    async def start_relay(self, amqp_url: str | None = None, **kwargs: Any) -> Relay:
+        """Start a relay (to ``amqp_url``, default the run's vhost); ``kwargs`` go to
+        :class:`Relay` (``fair=FairSettings(...)``, ``batch_size=``)."""
+        kwargs.setdefault("poll_seconds", 0.2)
         relay = Relay(
             self.engine,
             self.database_url,
             amqp_url or self.amqp_url,
             self.topology,
-            poll_seconds=0.2,
+            **kwargs,
         )
         await relay.start()
         self.relay = relay
@@ -136,6 +138,7 @@ async def start_stack(
     listen: str = "127.0.0.1:0",
     worker_options: dict[str, Any] | None = None,
     blobs: BlobStore | None = None,
+    relay_options: dict[str, Any] | None = None,
 ) -> Stack:
     """Start server (and relay, worker unless told not to) on real services."""
     server = JobplaneServer(
@@ -152,7 +155,7 @@ async def start_stack(
     stack = Stack(engine, database_url, amqp_url, topology, server, key, tenant_id, blobs=blobs)
     try:
         if relay:
-            await stack.start_relay()
+            await stack.start_relay(**(relay_options or {}))
         if worker:
             await stack.start_worker(registry, **(worker_options or {}))
     except BaseException:

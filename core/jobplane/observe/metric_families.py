@@ -50,6 +50,7 @@ FAMILIES = (
     "job_run",
     "watch_streams",
     "outbox_backlog",
+    "dispatch_waiting",
     "outbox_oldest",
     "outbox_scheduled",
     "jobs_waiting",
@@ -171,6 +172,13 @@ class MetricFamilies:
         self.outbox_scheduled = Gauge(
             "jobplane_outbox_scheduled_rows",
             "Outbox rows not due yet: scheduled retries (read at scrape time).",
+            registry=registry,
+        )
+        self.dispatch_waiting = Gauge(
+            "jobplane_dispatch_waiting_rows",
+            "Job dispatches due and not published yet, by queue (read at scrape time): with "
+            "fair dispatch, those beyond the queue's credit wait here (docs/flow-control.md).",
+            ("queue",),
             registry=registry,
         )
         self.schedule_lag = Gauge(

@@ -28,6 +28,14 @@ _OUTBOX_BACKLOG = """
            extract(epoch FROM now() - min(available_at)) AS oldest
     FROM outbox WHERE published_at IS NULL AND failed_at IS NULL
 """
+# The due dispatches by queue: outbox_dispatch_fair holds exactly the
+# unpublished, unfailed dispatches by (queue, tenant, due time).
+_DISPATCH_WAITING = """
+    SELECT queue, count(*) AS rows FROM outbox
+    WHERE kind = 'job.dispatch' AND published_at IS NULL AND failed_at IS NULL
+      AND available_at <= now()
+    GROUP BY queue
+"""
 # Only a QUEUED job has a waiting code (every transition out of QUEUED clears
 # it): the jobs_waiting index holds exactly them, a few rows.
 _JOBS_WAITING = """
@@ -45,7 +53,8 @@ _SCHEDULE_LAG = """
 
 def watch_outbox(metrics: Metrics, engine: AsyncEngine) -> None:
     """Report the outbox's due rows, how long the longest-due one waits, the
-    rows scheduled for later, and the jobs waiting by reason, read at each scrape."""
+    rows scheduled for later, the due dispatches by queue (those waiting for
+    its credit), and the jobs waiting by reason, read at each scrape."""
     from sqlalchemy import text
 
     from jobplane.types import WaitingCode
@@ -53,12 +62,19 @@ def watch_outbox(metrics: Metrics, engine: AsyncEngine) -> None:
     statement = text(_OUTBOX_BACKLOG)
     waiting = text(_JOBS_WAITING)
     schedule_lag = text(_SCHEDULE_LAG)
+    by_queue = text(_DISPATCH_WAITING)
+    queues_seen: set[str] = set()
 
     async def read() -> None:
         async with engine.connect() as conn:
             row = (await conn.execute(statement)).one()
             codes = {str(r.waiting_code): int(r.jobs) for r in await conn.execute(waiting)}
             lag = (await conn.execute(schedule_lag)).scalar()
+            queued = {str(r.queue): int(r.rows) for r in await conn.execute(by_queue)}
+        # A queue seen once keeps its series (0 once its dispatches are out).
+        queues_seen.update(queued)
+        for queue in queues_seen:
+            metrics.dispatch_waiting.labels(queue).set(queued.get(queue, 0))
         # The known codes always have a series (0 when no job waits so); the
         # codes are the server's own, never a tenant's, so the labels stay few.
         # SCHEDULED is not stored (read from schedule_time, ADR-0039): the

@@ -153,16 +153,20 @@ _DELETE_ALL_EVENT_ROWS = text(
 
 _DELETE_SCHEDULES = text("DELETE FROM schedules WHERE tenant_id = :tenant_id")
 _BLOB_COUNT = text("SELECT count(*) FROM blobs WHERE tenant_id = :tenant_id")
-_TENANT = text("SELECT id, name, retention_days FROM tenants WHERE id = :tenant_id")
-_TENANT_BY_NAME = text("SELECT id, name, retention_days FROM tenants WHERE name = :name")
+_TENANT_COLUMNS = "id, name, retention_days, dispatch_weight"
+_TENANT = text(f"SELECT {_TENANT_COLUMNS} FROM tenants WHERE id = :tenant_id")
+_TENANT_BY_NAME = text(f"SELECT {_TENANT_COLUMNS} FROM tenants WHERE name = :name")
 _CUTOFF = text("SELECT now() - make_interval(days => :days)")
-_TENANTS = text("SELECT id, name, retention_days FROM tenants ORDER BY name")
+_TENANTS = text(f"SELECT {_TENANT_COLUMNS} FROM tenants ORDER BY name")
 _SET_RETENTION = text(
-    """
-    UPDATE tenants SET retention_days = :days WHERE name = :name
-    RETURNING id, name, retention_days
-    """
+    f"UPDATE tenants SET retention_days = :days WHERE name = :name RETURNING {_TENANT_COLUMNS}"
 )
+# Read by the relay's next claim: a change takes effect at once, on every relay.
+_SET_WEIGHT = text(
+    f"UPDATE tenants SET dispatch_weight = :weight WHERE name = :name RETURNING {_TENANT_COLUMNS}"
+)
+#: A tenant's dispatch weight: 1 (every tenant's default) to this.
+MAX_DISPATCH_WEIGHT = 1000
 
 #: Every table of a tenant's data, and the rows of it left after an erasure
 #: besides the erasing job's own (its receipt).
@@ -192,11 +196,13 @@ _LEFT = {
 
 @dataclass(frozen=True, slots=True)
 class Tenant:
-    """A tenant and its retention horizon (None: kept for ever)."""
+    """A tenant, its retention horizon (None: kept for ever) and its dispatch weight."""
 
     id: uuid.UUID
     name: str
     retention_days: int | None
+    #: Its share of a queue's credit against the other tenants waiting there (ADR-0042).
+    dispatch_weight: int = 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -239,6 +245,16 @@ def check_retention_days(days: int | None) -> None:
         raise ValueError(f"retention days must be 1..{MAX_RETENTION_DAYS}, got {days}")
 
 
+def check_dispatch_weight(weight: int) -> None:
+    """ValueError unless ``weight`` is a whole number 1..1000."""
+    if (
+        isinstance(weight, bool)
+        or not isinstance(weight, int)
+        or not 1 <= weight <= MAX_DISPATCH_WEIGHT
+    ):
+        raise ValueError(f"dispatch weight must be 1..{MAX_DISPATCH_WEIGHT}, got {weight!r}")
+
+
 class MaintenanceStore:
     """Tenants' horizons and the deleting statements, one short transaction each.
 
@@ -271,6 +287,15 @@ class MaintenanceStore:
         check_retention_days(days)
         async with self._auto.connect() as conn:
             row = (await conn.execute(_SET_RETENTION, {"name": name, "days": days})).first()
+        if row is None:
+            raise TenantNotFound(f"no tenant {name!r}", field="tenant")
+        return _tenant(row)
+
+    async def set_weight(self, name: str, weight: int) -> Tenant:
+        """Set the dispatch weight of the tenant called ``name`` (1 to 1000)."""
+        check_dispatch_weight(weight)
+        async with self._auto.connect() as conn:
+            row = (await conn.execute(_SET_WEIGHT, {"name": name, "weight": weight})).first()
         if row is None:
             raise TenantNotFound(f"no tenant {name!r}", field="tenant")
         return _tenant(row)
@@ -410,4 +435,5 @@ def _tenant(row: Any) -> Tenant:
         id=uuid.UUID(str(row[0])),
         name=str(row[1]),
         retention_days=None if row[2] is None else int(row[2]),
+        dispatch_weight=int(row[3]),
     )

@@ -31,6 +31,7 @@ from sqlalchemy import TextClause, text
 
 from jobplane.envelope import Envelope
 from jobplane.store.db import Conn, Database
+from jobplane.store.fair import FAIR_CLAIM, FairClaim, FairSlot
 from jobplane.store.machine import MACHINE, Cause, Transition, where_sources
 
 # An event row of a job (order_key: the job) waits while a row in front of
@@ -188,6 +189,9 @@ class OutboxRow:
     #: A publish of it failed before (a return, a nack): its job may carry a
     #: waiting reason the relay clears once it is published.
     retried: bool = False
+    #: A dispatch's queue (its job's); '' for other kinds and dispatches written
+    #: before it was recorded.
+    queue: str = ""
 
     @property
     def envelope(self) -> Envelope:
@@ -206,9 +210,11 @@ class OutboxRow:
 class OutboxBatch:
     """Rows claimed in an open transaction; marks are written before it commits."""
 
-    def __init__(self, conn: Conn, rows: list[OutboxRow]) -> None:
+    def __init__(self, conn: Conn, rows: list[OutboxRow], slots: list[FairSlot] | None = None):
         self._conn = conn
         self.rows = rows
+        #: The dispatches' places in their queues' rounds (a fair claim's only).
+        self.slots = slots or []
 
     async def mark_published(self, ids: Sequence[uuid.UUID]) -> None:
         """Record a broker confirm for these rows."""
@@ -331,10 +337,14 @@ class OutboxStore:
 
     @asynccontextmanager
     async def claim(
-        self, limit: int, *, skip: Collection[uuid.UUID] = ()
+        self, limit: int, *, skip: Collection[uuid.UUID] = (), fair: FairClaim | None = None
     ) -> AsyncIterator[OutboxBatch]:
         """Lock up to ``limit`` due dispatches and ``limit`` other due rows (none of
         ``skip``) for the life of the block.
+
+        With ``fair``, the dispatches are those its queues' credits and rounds
+        choose (:mod:`jobplane.store.fair`), in that order; without, the
+        longest due first.
 
         The marks written inside the block commit with it; if the block
         raises, the rows stay unpublished and due.
@@ -344,9 +354,14 @@ class OutboxStore:
         else:
             statements, params = _CLAIM_DUE, {}
         async with self._db.begin() as conn:
-            dispatches = await self._batch(conn, statements[0], {"limit": limit, **params})
+            if fair is None:
+                dispatches = await self._batch(conn, statements[0], {"limit": limit, **params})
+            else:
+                binds = fair.round.binds(fair.credits, limit=limit)
+                binds["skip"] = [str(i) for i in skip]
+                dispatches = await self._batch(conn, FAIR_CLAIM, binds, fair=True)
             others = await self._batch(conn, statements[1], {"limit": limit, **params})
-            yield OutboxBatch(conn, dispatches.rows + others.rows)
+            yield OutboxBatch(conn, dispatches.rows + others.rows, dispatches.slots)
 
     @asynccontextmanager
     async def claim_one(self, row_id: uuid.UUID) -> AsyncIterator[OutboxBatch]:
@@ -359,7 +374,9 @@ class OutboxStore:
             yield await self._batch(conn, _CLAIM_ONE, {"limit": 1, "id": row_id})
 
     @staticmethod
-    async def _batch(conn: Conn, statement: TextClause, params: dict[str, Any]) -> OutboxBatch:
+    async def _batch(
+        conn: Conn, statement: TextClause, params: dict[str, Any], *, fair: bool = False
+    ) -> OutboxBatch:
         result = await conn.fetch(statement, params)
         rows = [
             OutboxRow(
@@ -373,10 +390,17 @@ class OutboxStore:
                 headers=_headers(r["headers"]),
                 job_id=r["job_id"],
                 retried=bool(r["retried"]),
+                queue=str(r["queue"]) if fair else "",
             )
             for r in result
         ]
-        return OutboxBatch(conn, rows)
+        if not fair:
+            return OutboxBatch(conn, rows)
+        slots = [
+            FairSlot(str(r["queue"]), r["tenant_id"], float(r["start_tag"]), float(r["weight"]))
+            for r in result
+        ]
+        return OutboxBatch(conn, rows, slots)
 
     async def seconds_until_due(self) -> float | None:
         """Seconds until the earliest unpublished row is due (<= 0: now), or None."""

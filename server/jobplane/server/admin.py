@@ -1,5 +1,5 @@
 """The operator's commands of ``jobplane`` on accounts: ``keys`` (API keys),
-``tenants`` (retention horizons, retention runs, erasure) and ``workers`` (who
+``tenants`` (retention horizons, retention runs, erasure, dispatch weights) and ``workers`` (who
 runs jobs), each with its arguments.
 
 They read and write Postgres directly, with a pool of one: no server runs.
@@ -115,6 +115,14 @@ def _retention_days(value: str) -> int | None:
         ) from None
 
 
+def _whole_number(value: str) -> int:
+    """WEIGHT of ``tenants set-weight``: a whole number (its range is the store's check)."""
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"WEIGHT must be a whole number, got {value!r}") from None
+
+
 async def _retention_schedule(engine: AsyncEngine, tenant_id: uuid.UUID) -> None:
     """Give the tenant its built-in retention schedule, or take it (ADR-0041)."""
     from jobplane.server.schedule_builtin import sync_retention_schedules
@@ -145,13 +153,23 @@ async def _tenants_command(engine: AsyncEngine, args: argparse.Namespace) -> int
                             "id": str(tenant.id),
                             "name": tenant.name,
                             "retention_days": tenant.retention_days,
+                            "dispatch_weight": tenant.dispatch_weight,
                         },
                         sort_keys=True,
                     )
                 )
             else:
                 days = "-" if tenant.retention_days is None else f"{tenant.retention_days}d"
-                print(f"{tenant.name:<40}  {days:>7}  {tenant.id}")
+                weight = f"w{tenant.dispatch_weight}"
+                print(f"{tenant.name:<40}  {days:>7}  {weight:>5}  {tenant.id}")
+        return 0
+    if args.tenants == "set-weight":
+        tenant = await store.set_weight(args.tenant, args.weight)
+        print(
+            f"tenant {tenant.name!r}: dispatch weight {tenant.dispatch_weight} "
+            "(from the relays' next claim)",
+            file=sys.stderr,
+        )
         return 0
     if args.tenants == "set-retention":
         tenant = await store.set_retention(args.tenant, args.days)
@@ -396,7 +414,9 @@ def register_keys(parser: argparse.ArgumentParser) -> None:
 def register_tenants(parser: argparse.ArgumentParser) -> None:
     """``jobplane tenants``' subcommands and their arguments."""
     tenants = parser.add_subparsers(dest="tenants", required=True)
-    tenants_list = tenants.add_parser("list", help="tenants and their retention horizons")
+    tenants_list = tenants.add_parser(
+        "list", help="tenants, their retention horizons and dispatch weights"
+    )
     tenants_list.add_argument("--json", action="store_true", help="one JSON object per tenant")
     set_retention = tenants.add_parser(
         "set-retention",
@@ -404,6 +424,13 @@ def register_tenants(parser: argparse.ArgumentParser) -> None:
     )
     set_retention.add_argument("tenant", metavar="TENANT")
     set_retention.add_argument("days", metavar="DAYS", type=_retention_days)
+    set_weight = tenants.add_parser(
+        "set-weight",
+        help="the tenant's share of each queue's dispatches against the other tenants "
+        "waiting there (1..1000, default 1; docs/flow-control.md)",
+    )
+    set_weight.add_argument("tenant", metavar="TENANT")
+    set_weight.add_argument("weight", metavar="WEIGHT", type=_whole_number)
     retention = tenants.add_parser(
         "retention", help="submit maintenance.retention for tenants (at most one a day each)"
     )
@@ -417,7 +444,7 @@ def register_tenants(parser: argparse.ArgumentParser) -> None:
     erase.add_argument("--yes", action="store_true", help="really erase it")
     for parser_ in (retention, erase):
         parser_.add_argument("--wait", action="store_true", help="show progress until it ends")
-    for parser_ in (tenants_list, set_retention, retention, erase):
+    for parser_ in (tenants_list, set_retention, set_weight, retention, erase):
         parser_.set_defaults(func=_async(_tenants))
 
 

@@ -37,6 +37,7 @@ from jobplane.process import (
     _until_signal,
     _worker_interceptors,
 )
+from jobplane.workers.fairness import FairSettings
 
 if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncEngine
@@ -83,6 +84,7 @@ async def _relay(args: argparse.Namespace) -> int:
             interceptors=observed,
             db=relay_db,
             in_flight=in_flight,
+            fair=_fair_settings(args),
         )
         sweeper = (
             None
@@ -139,6 +141,7 @@ async def _sweep(args: argparse.Namespace) -> int:
             interceptors=_relay_interceptors(NO_METRICS),
             db=relay_db,
             in_flight=in_flight,
+            fair=_fair_settings(args),
         )
         while True:
             report = await _swept(sweeper, args)
@@ -398,6 +401,7 @@ def register_relay(parser: argparse.ArgumentParser) -> None:
         "--lease-grace", type=float, default=5.0, help="seconds past a lease before repair"
     )
     _dispatch_repair_options(parser)
+    _fair_options(parser)
     parser.set_defaults(func=_async(_relay))
     _metrics_option(parser, "relay")
 
@@ -410,8 +414,40 @@ def register_sweep(parser: argparse.ArgumentParser) -> None:
         "--lease-grace", type=float, default=5.0, help="seconds past a lease before repair"
     )
     _dispatch_repair_options(parser)
+    _fair_options(parser)
     parser.set_defaults(func=_async(_sweep))
     _metrics_option(parser, "sweep")
+
+
+def _fair_options(parser: argparse.ArgumentParser) -> None:
+    """The relay's flow control of job dispatches (docs/flow-control.md, "Fairness")."""
+    d = FairSettings()
+    parser.add_argument(
+        "--no-fair",
+        action="store_true",
+        help="publish every due dispatch at once, longest due first: no credit per queue, "
+        "no turns across tenants or priorities",
+    )
+    for flag, kind, default, says in (
+        ("--credit-min", int, d.min_backlog, "ready messages a queue is given at least"),
+        ("--credit-per-consumer", int, d.per_consumer, "ready messages per consumer"),
+        ("--credit-horizon", float, d.horizon_seconds, "seconds of measured work kept ready"),
+        ("--credit-max", int, d.max_backlog, "ready messages a queue is given at most"),
+    ):
+        parser.add_argument(flag, type=kind, default=default, help=f"{says} (default {default})")
+
+
+def _fair_settings(args: argparse.Namespace) -> FairSettings:
+    try:
+        return FairSettings(
+            enabled=not args.no_fair,
+            min_backlog=args.credit_min,
+            per_consumer=args.credit_per_consumer,
+            horizon_seconds=args.credit_horizon,
+            max_backlog=args.credit_max,
+        )
+    except ValueError as exc:
+        raise SystemExit(f"error: {exc}") from None
 
 
 def register_worker(parser: argparse.ArgumentParser) -> None:

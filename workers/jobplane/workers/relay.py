@@ -82,12 +82,15 @@ from jobplane.store.db import Database
 from jobplane.store.deployment import Deployment
 from jobplane.store.down import database_transient
 from jobplane.store.events import EventFeed
+from jobplane.store.fair import FairRound
 from jobplane.store.listen import Listener
 from jobplane.store.outbox import OutboxStore
 from jobplane.store.rows import DOMAIN_EVENTS_CHANNEL, OUTBOX_CHANNEL
 from jobplane.tasks import cancel_and_wait
 from jobplane.topology import Ownership, Topology
+from jobplane.workers.fairness import FairSettings
 from jobplane.workers.interceptors import RelayInterceptor, chain_relay
+from jobplane.workers.relay_credit import CreditBook
 from jobplane.workers.relay_feed import EventFeedPublishing, FeedPass
 from jobplane.workers.relay_link import BrokerLink, Link
 from jobplane.workers.relay_messages import (
@@ -103,6 +106,7 @@ from jobplane.workers.relay_record import DISPATCH_FAILED, JOB_TYPE_UNROUTABLE
 __all__ = [
     "DISPATCH_FAILED",
     "JOB_TYPE_UNROUTABLE",
+    "FairSettings",
     "FeedPass",
     "PublishFailed",
     "Relay",
@@ -156,9 +160,12 @@ class Relay(EventFeedPublishing, BrokerLink, Lifecycle):
         interceptors: Sequence[RelayInterceptor] = (),
         db: Database | None = None,
         in_flight: int = 4,
+        fair: FairSettings | None = None,
     ) -> None:
         """``interceptors`` see the relay's publishes and what the broker did
-        (the process hands tracing's and metrics'; none: nothing is observed)."""
+        (the process hands tracing's and metrics'; none: nothing is observed).
+        ``fair``: the flow control of job dispatches (default: on, with the
+        defaults of :class:`FairSettings`; ``FairSettings(enabled=False)``: off)."""
         self._intercept = chain_relay(interceptors)
         self._engine = engine
         # The outbox's and the feed's statements run on asyncpg (ADR-0030):
@@ -169,6 +176,10 @@ class Relay(EventFeedPublishing, BrokerLink, Lifecycle):
         self._amqp_url = amqp_url
         self._topology = topology
         self._batch_size = batch_size
+        fair = fair or FairSettings()
+        # Each queue's credit and round (ADR-0042); None: dispatches as they fall due.
+        self.credit = CreditBook(topology, fair) if fair.enabled else None
+        self._round = FairRound()
         # Batches claimed and not yet recorded, at most (see _pipeline).
         self._in_flight = max(1, in_flight)
         self._poll_seconds = poll_seconds

@@ -22,6 +22,7 @@ from jobplane.store.deployment import this_deployment
 from jobplane.store.down import database_transient
 from jobplane.store.listen import Listener
 from jobplane.topology import Ownership, TopologyMissing, ensure
+from jobplane.workers.relay_credit import CreditBook
 from jobplane.workers.relay_outbox import OutboxDispatch
 
 log = structlog.get_logger("jobplane.relay")
@@ -59,6 +60,7 @@ class BrokerLink(OutboxDispatch):
     ownership: Ownership | None
     connects: int
     database_errors: int
+    credit: CreditBook | None
 
     async def _open(self) -> Link:
         """Connect, check the topology and open a confirming channel."""
@@ -82,6 +84,8 @@ class BrokerLink(OutboxDispatch):
                 await connection.close()
             raise
         self.connects += 1
+        if self.credit is not None:
+            self.credit.attach(connection)
         log.info("relay.connected")
         return Link(connection, channel, exchange, events, feed_channel)
 

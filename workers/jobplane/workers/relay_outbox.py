@@ -22,9 +22,11 @@ from jobplane.faults import FaultPoints
 from jobplane.logs import describe_error
 from jobplane.store.deployment import Deployment
 from jobplane.store.down import database_transient
+from jobplane.store.fair import FairClaim, FairRound
 from jobplane.store.listen import Subscription
 from jobplane.store.outbox import OutboxKind, OutboxRow
 from jobplane.workers.interceptors import NO_HEADERS
+from jobplane.workers.relay_credit import CreditBook
 from jobplane.workers.relay_messages import (
     Returned,
     Unpublishable,
@@ -52,6 +54,8 @@ class OutboxDispatch(OutboxRecording):
     _publish_timeout: float
     _faults: FaultPoints
     _deployment: Deployment | None
+    credit: CreditBook | None
+    _round: FairRound
 
     async def _idle_seconds(self) -> float:
         if self._held:
@@ -61,7 +65,19 @@ class OutboxDispatch(OutboxRecording):
         due = await self._store.seconds_until_due()
         if due is None:
             return self._poll_seconds * 5
-        return max(0.01, min(due, self._poll_seconds))
+        wait = max(0.01, min(due, self._poll_seconds))
+        if self.credit is not None and self.credit.starved:
+            # Due dispatches wait for their queue's credit: it comes back as
+            # the consumers take messages, which no notification says.
+            wait = max(wait, self.credit.settings.refresh_seconds)
+        return wait
+
+    async def _fair_claim(self) -> FairClaim | None:
+        """The credits and rounds of the next claim (None: fair dispatch is off)."""
+        if self.credit is None:
+            return None
+        await self.credit.refresh()
+        return FairClaim(self._round, self.credit.credits())
 
     async def _pipeline(self, link: Link, wakeup: Subscription) -> None:
         """Relay batches while the link is open, up to ``in_flight`` of them at once.
@@ -132,7 +148,14 @@ class OutboxDispatch(OutboxRecording):
         outcomes: list[RowOutcome] | None = None
         began = time.monotonic()
         try:
-            async with self._store.claim(self._batch_size, skip=self._holding()) as batch:
+            fair = await self._fair_claim()
+            async with self._store.claim(
+                self._batch_size, skip=self._holding(), fair=fair
+            ) as batch:
+                if fair is not None and self.credit is not None:
+                    # Before the next batch's claim (the claimed future lets it start).
+                    self._round.served(batch.slots)
+                    self.credit.debit(fair.credits, batch.slots)
                 if claimed is not None and not claimed.done():
                     claimed.set_result(len(batch.rows))
                 if not batch.rows:

@@ -246,7 +246,8 @@ class Dispatches(Hook):
 
     Due at the job's ``next_attempt_time`` (now when unset), and never before
     its ``schedule_time`` (a delayed job: GREATEST skips the NULL of a job
-    without one), whichever transition dispatches it. A QUEUED job
+    without one), whichever transition dispatches it; it names the job's
+    queue, whose credit the relay spends on it (ADR-0042). A QUEUED job
     cancelled drops its pending (re)dispatch, so nothing is published.
     """
 
@@ -256,14 +257,14 @@ class Dispatches(Hook):
                 Write(
                     f"""
         INSERT INTO outbox (id, tenant_id, job_id, routing_key, correlation_id, available_at,
-                            headers)
+                            headers, queue)
         SELECT j.dispatch_id, j.tenant_id, j.id, j.type, j.correlation_id,
                greatest(coalesce(j.next_attempt_time, now()), j.schedule_time),
-               {_trace_headers(transition)}
+               {_trace_headers(transition)}, j.queue
         FROM {{j}} AS j""",
                     f"pg_notify('{OUTBOX_CHANNEL}', '')",
                     frozenset(
-                        {"dispatch_id", "tenant_id", "id", "type", "correlation_id"}
+                        {"dispatch_id", "tenant_id", "id", "type", "correlation_id", "queue"}
                         | {"next_attempt_time", "schedule_time"}
                     ),
                 )

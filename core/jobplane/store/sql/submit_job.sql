@@ -297,11 +297,12 @@ BEGIN
                                     attempt)
             VALUES (v_id, 1, v_tenant, 'queued', 'queued', 0, 'queued', 0);
             -- A delayed job's dispatch is due at its schedule_time (GREATEST
-            -- skips the NULL of a job without one).
+            -- skips the NULL of a job without one). Its queue: the relay's
+            -- credit and fair claim are per queue (docs/flow-control.md).
             INSERT INTO outbox (id, tenant_id, job_id, routing_key, correlation_id,
-                                available_at)
+                                available_at, queue)
             VALUES (v_dispatch, v_tenant, v_id, v_type, v_correlation_id,
-                    greatest(now(), v_schedule));
+                    greatest(now(), v_schedule), v_route.queue);
             -- Its job.queued, as the servers' state machine writes it
             -- (jobplane.store.machine.DomainEvents): the id is the version-3
             -- UUID of (job id, event seq 1), the body the envelope in
