@@ -36,3 +36,14 @@ def _match(pattern: list[str], words: list[str]) -> bool:
     if head in ("*", words[0]):
         return _match(rest, words[1:])
     return False
+
+
+def topic_regex(pattern: str) -> str:
+    """A POSIX regular expression that matches ``'.' + key`` iff ``pattern`` matches ``key``.
+
+    Every word of the key becomes ``.word``: ``*`` is one such piece, ``#``
+    any number of them. Pattern words are letters, digits, ``_`` and ``-``
+    (the topology refuses others), which stand for themselves.
+    """
+    pieces = {"*": r"\.[^.]+", "#": r"(\.[^.]+)*"}
+    return "^" + "".join(pieces.get(word, r"\." + word) for word in pattern.split(".")) + "$"

@@ -72,6 +72,14 @@ class WaitingCode(enum.StrEnum):
     #: older jobs of the key wait ahead of it: the reason names the job it
     #: waits for (docs/flow-control.md).
     CONCURRENCY_LIMIT = "CONCURRENCY_LIMIT"
+    #: A ``[[rate_limits]]`` entry of the topology holds it: its starts per
+    #: second (its dispatch is due at the start it reserved) or its
+    #: ``max_running`` (held until a RUNNING job of the limit ends). The
+    #: reason names the limit (docs/flow-control.md).
+    RATE_LIMITED = "RATE_LIMITED"
+    #: Its tenant has its queue's ``max_running_per_tenant`` jobs RUNNING:
+    #: held until one of them ends (docs/flow-control.md).
+    TENANT_LIMIT = "TENANT_LIMIT"
 
 
 class ConcurrencyMode(enum.StrEnum):

@@ -104,7 +104,7 @@ async def _place(
     token = uuid.uuid4()
     # Guards: an attempt left or none, a parked job, no cancel requested yet.
     exhausted = transition in (Transition.EXHAUST, Transition.EXPIRE_LAST_LEASE)
-    parked = transition in (Transition.UNPARK, Transition.RELEASE)
+    parked = transition in (Transition.UNPARK, Transition.RELEASE, Transition.RELEASE_LIMIT)
     lease = _DEAD_LEASE if phase is Phase.RUNNING_EXPIRED else _LIVE_LEASE
     async with engine.begin() as conn:
         row = await conn.execute(
@@ -132,6 +132,8 @@ async def _place(
         )
     if transition in (Transition.HOLD, Transition.RELEASE):
         await _keyed(engine, tenant, job_id, f"{transition}-{phase.value}", transition)
+    if transition in (Transition.THROTTLE, Transition.RELEASE_LIMIT):
+        await _limited(engine, job_id, transition)
     return Placed(
         job_id=job_id,
         tenant_id=tenant,
@@ -141,6 +143,35 @@ async def _place(
         request_id=f"{transition}-{phase.value}",
         phase=phase,
     )
+
+
+async def _limited(engine: AsyncEngine, job_id: uuid.UUID, transition: Transition) -> None:
+    """A rate limit of every type whose budget is used for a day, for a throttle;
+    the job held for a limit's slot (``limit/held``), for its release."""
+    async with engine.begin() as conn:
+        if transition is Transition.THROTTLE:
+            await conn.execute(
+                text(
+                    "INSERT INTO flow_limits (name, rank, patterns, regexes, per_second) "
+                    "VALUES ('all', 1, '{#}', :regexes, 1) ON CONFLICT DO NOTHING"
+                ),
+                {"regexes": [r"^(\.[^.]+)*$"]},
+            )
+            await conn.execute(
+                text(
+                    "INSERT INTO flow_buckets (key, tat, booked) "
+                    "VALUES ('limit/all', now() + interval '1 day', now() + interval '1 day') "
+                    "ON CONFLICT DO NOTHING"
+                )
+            )
+            return
+        await conn.execute(
+            text(
+                "UPDATE jobs SET flow_key = 'limit/held', waiting_code = 'RATE_LIMITED' "
+                "WHERE id = :id"
+            ),
+            {"id": job_id},
+        )
 
 
 async def _keyed(
@@ -266,8 +297,10 @@ def _params(transition: Transition, job: Placed) -> dict[str, Any]:
                 "code": "DISPATCH_FAILED",
                 "message": "no",
             }
-        case Transition.HOLD:
+        case Transition.HOLD | Transition.THROTTLE:
             return {**by_dispatch, "type": job.type}
+        case Transition.RELEASE_LIMIT:
+            return {"key": "limit/held", "free": None}
         case Transition.RELEASE:
             return {"tenant_id": job.tenant_id, "key": job.request_id}
         case Transition.WAIT:

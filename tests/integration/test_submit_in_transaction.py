@@ -30,8 +30,8 @@ from jobplane.errors import (
 )
 from jobplane.names import job_name
 from jobplane.store.engine import asyncpg_dsn
-from jobplane.store.routes import sync_submit_rules, topic_regex
-from jobplane.topics import topic_matches
+from jobplane.store.routes import sync_submit_rules
+from jobplane.topics import topic_matches, topic_regex
 from jobplane.topology import QueueSpec, Topology
 from tests.support.stack import Stack, eventually
 

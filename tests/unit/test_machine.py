@@ -126,6 +126,8 @@ def test_stage_writes_come_from_the_stage_table() -> None:
         Transition.WAIT,
         Transition.HOLD,
         Transition.RELEASE,
+        Transition.THROTTLE,
+        Transition.RELEASE_LIMIT,
     }
 
 

@@ -33,12 +33,14 @@ from jobplane.store.claims import (
 )
 from jobplane.store.concurrency import ended_keys, release_key
 from jobplane.store.db import Conn, Database
+from jobplane.store.flow import ended_limits, limit_keys, release_limit
 from jobplane.store.machine import (
     HEARTBEAT,
     MACHINE,
     Cause,
     Emitted,
     Returning,
+    Row,
     StateMachine,
     Transition,
     lifecycle_event_id,
@@ -61,6 +63,16 @@ __all__ = [
     "attempt_from_row",
     "stage_run",
 ]
+
+
+def _limit_name(flow_key: Any) -> str:
+    """The limit a ``jobs.flow_key`` names: a ``[[rate_limits]]`` entry's name, or
+    ``queue/{queue}`` for a queue's per-tenant limit; '' for none."""
+    if not flow_key:
+        return ""
+    kind, _, rest = str(flow_key).removesuffix("@rate").partition("/")
+    name = rest.split("/", 1)[0]
+    return name if kind == "limit" else f"queue/{name}"
 
 
 class LeaseLost(Exception):
@@ -92,7 +104,11 @@ class ProgressUpdate:
 log = structlog.get_logger("jobplane.store")
 _ID: Returning = ("id",)
 # An attempt's end, with what its key's release needs (ADR-0040).
-_ENDED: Returning = ("id", "tenant_id", "concurrency_key")
+_ENDED: Returning = ("id", "tenant_id", "concurrency_key", "type", "queue", "flow_limited")
+# A refused claim's job held (no dispatch) or throttled (due at its reserved start).
+_HOLDS = (Transition.HOLD, Transition.THROTTLE)
+# A hold: what holds the job (for the throttled-starts count).
+_HELD: Returning = ("id", "waiting_code", "flow_key")
 # A claim its key refused is tried again while the hold finds the key free:
 # a slot freed between the two statements.
 _CLAIM_TRIES = 3
@@ -123,7 +139,7 @@ class AttemptStore:
         token = uuid.uuid4()
         params = self._claim_params(envelope, token)
         machine = self._machine
-        scope = machine.session(self._db, Transition.CLAIM, Transition.EXHAUST)
+        scope = machine.session(self._db, Transition.CLAIM, Transition.EXHAUST, *_HOLDS)
         async with scope as conn:
             for _ in range(_CLAIM_TRIES):
                 rows = await machine.apply(
@@ -175,7 +191,7 @@ class AttemptStore:
         """Why :meth:`claim_many` refused ``request`` (fails the job when no attempt is left)."""
         machine = self._machine
         params = self._claim_params(request.envelope, request.lease_token)
-        async with machine.session(self._db, Transition.EXHAUST) as conn:
+        async with machine.session(self._db, Transition.EXHAUST, *_HOLDS) as conn:
             refused = await self._refused(conn, request.envelope, params)
         if refused is not None:
             return refused
@@ -234,13 +250,21 @@ class AttemptStore:
             )
             if exhausted:
                 return ClaimResult(ClaimStatus.EXHAUSTED, state=JobState.FAILED)
-        if state is JobState.QUEUED and found["concurrency_key"] is not None:
-            # Its key is full: held, without a dispatch, until a slot frees
-            # (the message is acked); or the key has room now.
+        if state is JobState.QUEUED:
+            # Its key or a flow limit holds it: without a dispatch until a slot
+            # frees, or with one due at the start its rate reserved (the
+            # message is acked); or nothing holds it now: claimed again.
             held = await self._machine.apply(
-                conn, Transition.HOLD, params, Cause("held"), returning=_ID
+                conn, Transition.HOLD, params, Cause("held"), returning=_HELD
             )
-            return ClaimResult(ClaimStatus.HELD, state=state) if held else None
+            if not held:
+                return None
+            return ClaimResult(
+                ClaimStatus.HELD,
+                state=state,
+                waiting_code=str(held[0]["waiting_code"]),
+                limit=_limit_name(held[0]["flow_key"]),
+            )
         # Changed between the two statements; the caller looks again.
         return ClaimResult(ClaimStatus.IN_FLIGHT, state=state)
 
@@ -474,6 +498,7 @@ class AttemptStore:
             if not rows:
                 raise LeaseLost(f"jobs/{attempt.job_id} attempt {attempt.attempt} was fenced out")
         await self.release_keys(ended_keys(rows))
+        await self.release_limits(ended_limits(rows))
 
     async def finish_many(self, outcomes: Sequence[Outcome]) -> list[bool]:
         """Commit many attempts' outcomes (none with pending progress): one statement
@@ -484,6 +509,7 @@ class AttemptStore:
             by_transition.setdefault(outcome.transition, []).append(index)
         done = [False] * len(outcomes)
         keys: set[tuple[Any, str]] = set()
+        limited: list[Row | None] = []
         async with self._db.connect() as conn:
             for transition, indexes in by_transition.items():
                 rows = await self._machine.apply_many(
@@ -492,7 +518,9 @@ class AttemptStore:
                 for index, row in zip(indexes, rows, strict=True):
                     done[index] = row is not None
                 keys |= ended_keys(rows)
+                limited.extend(rows)
         await self.release_keys(keys)
+        await self.release_limits(ended_limits(limited))
         return done
 
     async def release_keys(self, keys: set[tuple[Any, str]]) -> None:
@@ -511,6 +539,22 @@ class AttemptStore:
                     tenant_id=str(tenant_id),
                     error=describe_error(exc),
                 )
+
+    async def release_limits(self, ended: Sequence[tuple[Any, str, str]]) -> None:
+        """After RUNNING jobs that held slots of flow limits ended: the oldest jobs
+        held for those limits due again, up to the free slots (ADR-0043). Each
+        limit in a transaction of its own; one lost here is the sweeper's."""
+        if not ended:
+            return
+        try:
+            async with self._db.connect() as conn:
+                keys = await limit_keys(conn, ended)
+            for key in keys:
+                async with self._db.begin() as conn:
+                    await release_limit(conn, self._machine, key)
+        except Exception as exc:
+            # The outcome is committed; the sweeper releases on its next pass.
+            log.warning("store.flow.release_failed", error=describe_error(exc))
 
     async def _progress(
         self, conn: Conn, attempt: Attempt, updates: Sequence[ProgressUpdate]

@@ -33,7 +33,7 @@ class ClaimStatus(enum.Enum):
     STALE = "stale"  # the message is for an older dispatch: ack it
     IN_FLIGHT = "in_flight"  # another attempt holds a live lease
     EXHAUSTED = "exhausted"  # no attempts left; the job was failed now
-    HELD = "held"  # its concurrency key is full: held until a slot frees; ack it
+    HELD = "held"  # its key or a flow limit holds it (ADR-0040, ADR-0043); ack it
 
 
 class HandBack(enum.Enum):
@@ -121,6 +121,10 @@ class ClaimResult:
     attempt: Attempt | None = None
     lease_expires_at: datetime | None = None
     state: JobState | None = None
+    #: HELD: the job's waiting code now, and the flow limit that holds it
+    #: ('' for its concurrency key).
+    waiting_code: str = ""
+    limit: str = ""
 
 
 @dataclass(frozen=True, slots=True)

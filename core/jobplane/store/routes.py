@@ -21,6 +21,8 @@ from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from jobplane.scheduling import DEFAULT_MAX_SCHEDULE_SECONDS
+from jobplane.store.flow_sync import sync_flow_limits
+from jobplane.topics import topic_regex
 from jobplane.topology import Topology
 
 # Any fixed number: the key of the advisory lock that orders concurrent syncs.
@@ -63,17 +65,6 @@ class Route:
     timeout_seconds: float
 
 
-def topic_regex(pattern: str) -> str:
-    """A POSIX regular expression that matches ``'.' + key`` iff ``pattern`` matches ``key``.
-
-    Every word of the key becomes ``.word``: ``*`` is one such piece, ``#``
-    any number of them. Pattern words are letters, digits, ``_`` and ``-``
-    (the topology refuses others), which stand for themselves.
-    """
-    pieces = {"*": r"\.[^.]+", "#": r"(\.[^.]+)*"}
-    return "^" + "".join(pieces.get(word, r"\." + word) for word in pattern.split(".")) + "$"
-
-
 def routes_of(topology: Topology) -> list[Route]:
     """The rows ``job_routes`` holds for ``topology``."""
     routes: list[Route] = []
@@ -106,15 +97,16 @@ async def sync_submit_rules(
     as the servers do (the process passes its settings' ``lifecycle_events``);
     ``max_schedule_seconds``: how far ahead it lets a job be scheduled.
     Returns whether anything was written. Needs only SELECT, INSERT, UPDATE
-    and DELETE on the two tables (the servers' database role has them).
+    and DELETE on the tables (the servers' database role has them); also
+    writes the flow limits (``flow_limits``, ``queue_limits``: ADR-0043).
     """
     wanted = routes_of(topology)
     pipelines = sorted(p.name for p in topology.pipelines)
     limits = _Limits(max_payload_bytes, lifecycle_events, float(max_schedule_seconds))
     if isinstance(engine, AsyncConnection):
-        return await _sync(engine, wanted, pipelines, limits)
+        return await _sync(engine, topology, wanted, pipelines, limits)
     async with engine.begin() as conn:
-        return await _sync(conn, wanted, pipelines, limits)
+        return await _sync(conn, topology, wanted, pipelines, limits)
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,14 +119,20 @@ class _Limits:
 
 
 async def _sync(
-    conn: AsyncConnection, wanted: list[Route], pipelines: list[str], limits: _Limits
+    conn: AsyncConnection,
+    topology: Topology,
+    wanted: list[Route],
+    pipelines: list[str],
+    limits: _Limits,
 ) -> bool:
     await conn.execute(_LOCK, {"key": _SYNC_LOCK})
+    # The flow limits (ADR-0043): the next claim reads them.
+    flows_changed = await sync_flow_limits(conn, topology)
     # Pipelines are submitted through SubmitJob only: jobplane.submit_job
     # refuses their names.
     named = list((await conn.execute(_READ_PIPELINES)).scalars())
-    changed = named != pipelines
-    if changed:
+    changed = named != pipelines or flows_changed
+    if named != pipelines:
         await conn.execute(_CLEAR_PIPELINES)
         if pipelines:
             await conn.execute(_INSERT_PIPELINE, [{"name": name} for name in pipelines])

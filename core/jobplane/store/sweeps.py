@@ -20,8 +20,10 @@ from jobplane.ids import new_id
 from jobplane.store.concurrency import ended_keys, release_key
 from jobplane.store.down import sqlstate
 from jobplane.store.engine import autocommit
+from jobplane.store.flow import ended_limits, limit_keys, release_limit
 from jobplane.store.machine import MACHINE, Cause, StateMachine, Transition, state_is
 from jobplane.store.machine.concurrency import held_keys
+from jobplane.store.machine.flow import held_flow_keys
 from jobplane.store.outbox import RETURNS_RESET, OutboxKind
 from jobplane.store.rows import OUTBOX_CHANNEL, job_from_row
 from jobplane.types import Job, JobState
@@ -134,7 +136,7 @@ _LOCK_NOT_AVAILABLE = "55P03"
 _START = uuid.UUID(int=0)
 _ID = ("id",)
 # An ended lease frees a slot of its job's key, if it has one.
-_ENDED = ("id", "tenant_id", "concurrency_key")
+_ENDED = ("id", "tenant_id", "concurrency_key", "type", "queue", "flow_limited")
 
 
 @dataclass(frozen=True, slots=True)
@@ -238,6 +240,7 @@ class SweepStore:
         """
         requeued = failed = 0
         keys: set[tuple[Any, str]] = set()
+        limited: list[Any] = []
         async with self._engine.begin() as conn:
             rows = (await conn.execute(_EXPIRED, {"grace": grace, "limit": limit})).all()
             for row in rows:
@@ -277,8 +280,12 @@ class SweepStore:
                     )
                     failed += 1
                 keys |= ended_keys(ended)
+                limited.extend(ended)
         # Their keys' slots are free: the oldest held jobs due again, after the commit.
         await self._release(keys)
+        async with self._auto.connect() as conn:
+            flow_keys = await limit_keys(conn, ended_limits(limited))
+        await self._release_limits(flow_keys)
         return LeaseRepair(requeued=requeued, failed=failed)
 
     async def release_held(self, *, limit: int) -> int:
@@ -301,8 +308,32 @@ class SweepStore:
                 ]
             released += await self._release(keys)
             if len(keys) < limit:
+                return released + await self._release_held_limits(limit)
+            after = keys[-1]
+
+    async def _release_held_limits(self, limit: int) -> int:
+        """Release every flow limit with held jobs, ``limit`` per statement (ADR-0043)."""
+        released = 0
+        after = ""
+        while True:
+            async with self._auto.connect() as conn:
+                keys = [
+                    str(row[0])
+                    for row in await conn.execute(
+                        held_flow_keys(), {"limit": limit, "after": after}
+                    )
+                ]
+            released += await self._release_limits(keys)
+            if len(keys) < limit:
                 return released
             after = keys[-1]
+
+    async def _release_limits(self, keys: Iterable[str]) -> int:
+        released = 0
+        for key in keys:
+            async with self._engine.begin() as conn:
+                released += await release_limit(conn, self._machine, key)
+        return released
 
     async def _release(self, keys: Iterable[tuple[Any, str]]) -> int:
         """RELEASE each key, each in a transaction of its own: how many jobs were made due."""

@@ -33,6 +33,7 @@ from __future__ import annotations
 from jobplane.topology.model import (
     PipelineSpec,
     QueueSpec,
+    RateLimitSpec,
     StageSpec,
     Topology,
     TopologyError,
@@ -63,6 +64,7 @@ __all__ = [
     "Ownership",
     "PipelineSpec",
     "QueueSpec",
+    "RateLimitSpec",
     "StageSpec",
     "Topology",
     "TopologyError",

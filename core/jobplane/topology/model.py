@@ -33,6 +33,9 @@ class QueueSpec:
     #: Put before the ``job.*`` log event names of this queue's jobs (``ingestion.``);
     #: empty: JOBPLANE_LOG_JOB_PREFIX's.
     log_prefix: str = ""
+    #: At most this many of one tenant's jobs of this queue RUNNING at once;
+    #: 0: no limit (docs/flow-control.md, "Per-tenant limits").
+    max_running_per_tenant: int = 0
 
     def takes(self, routing_key: str) -> bool:
         """True when one of the bindings matches ``routing_key``."""
@@ -65,6 +68,32 @@ class PipelineSpec:
 
 
 @dataclass(frozen=True, slots=True)
+class RateLimitSpec:
+    """A ``[[rate_limits]]`` entry: starts per second and/or RUNNING jobs at once of
+    the job types its patterns match (docs/flow-control.md, "Rate limits").
+
+    A job type is governed by the first entry, in the file's order, one of
+    whose patterns matches it.
+    """
+
+    name: str
+    #: Binding-style patterns (a plain job type is a pattern that matches itself).
+    types: tuple[str, ...]
+    #: Starts per second; None: no rate.
+    per_second: float | None = None
+    #: Starts allowed at once after a quiet spell (default: one second's worth, at least 1).
+    burst: float = 1.0
+    #: RUNNING jobs at once; None: no such limit.
+    max_running: int | None = None
+    #: Each tenant its own budget (False: one budget shared by all tenants).
+    per_tenant: bool = False
+
+    def takes(self, job_type: str) -> bool:
+        """True when one of the patterns matches ``job_type``."""
+        return any(topic_matches(p, job_type) for p in self.types)
+
+
+@dataclass(frozen=True, slots=True)
 class Topology:
     """Exchange, queues, dead-letter path and pipelines of one deployment."""
 
@@ -75,6 +104,15 @@ class Topology:
     #: The topic exchange of domain events (routing key: the event type).
     events_exchange: str = EVENTS_EXCHANGE
     pipelines: tuple[PipelineSpec, ...] = field(default_factory=tuple)
+    #: Rate and RUNNING limits by job type, in the file's order (the first that matches governs).
+    rate_limits: tuple[RateLimitSpec, ...] = field(default_factory=tuple)
+
+    def rate_limit(self, job_type: str) -> RateLimitSpec | None:
+        """The ``[[rate_limits]]`` entry that governs ``job_type``, or None."""
+        for limit in self.rate_limits:
+            if limit.takes(job_type):
+                return limit
+        return None
 
     def pipeline(self, name: str) -> PipelineSpec | None:
         """The pipeline called ``name``, or None."""

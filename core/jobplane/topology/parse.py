@@ -12,6 +12,7 @@ from typing import Any
 from jobplane.config import check_log_prefix
 from jobplane.names import is_job_type
 from jobplane.topics import EVENTS_EXCHANGE
+from jobplane.topology.limits import parse_rate_limits, queue_running_limit
 from jobplane.topology.model import (
     PipelineSpec,
     QueueSpec,
@@ -43,6 +44,7 @@ def parse_topology(data: dict[str, Any], *, source: str = "topology") -> Topolog
                 retry_base_delay=float(q.get("retry_base_delay", 1.0)),
                 retry_max_delay=float(q.get("retry_max_delay", 300.0)),
                 log_prefix=check_log_prefix(str(q.get("log_prefix", "")), "log_prefix"),
+                max_running_per_tenant=queue_running_limit(q, source),
             )
             for q in data.get("queues", [])
         )
@@ -60,7 +62,7 @@ def parse_topology(data: dict[str, Any], *, source: str = "topology") -> Topolog
         _parse_pipeline(p, topology, source) for p in _tables(data, "pipelines", source)
     )
     _check_pipelines(topology, pipelines, source)
-    return replace(topology, pipelines=pipelines)
+    return replace(topology, pipelines=pipelines, rate_limits=parse_rate_limits(data, source))
 
 
 _STAGE_NAME = re.compile(r"[a-z][a-z0-9_-]{0,62}")

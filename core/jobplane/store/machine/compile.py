@@ -16,6 +16,7 @@ from collections.abc import Iterable, Mapping, Sequence
 
 from sqlalchemy import text
 
+from jobplane.store.machine import flow
 from jobplane.store.machine.concurrency import release
 from jobplane.store.machine.table import (
     ATTEMPT_FENCE,
@@ -37,7 +38,15 @@ HEARTBEAT = text(
     """
 )
 # Columns of jobs a hook may read besides JOB_FIELDS (which the API's reads use).
-_HOOK_FIELDS = (*JOB_FIELDS, "lifecycle_seq", "lifecycle_cause", "cancel_reason")
+_HOOK_FIELDS = (
+    *JOB_FIELDS,
+    "lifecycle_seq",
+    "lifecycle_cause",
+    "cancel_reason",
+    # Flow limits (ADR-0043): what a held job waits for; a job that holds a slot.
+    "flow_key",
+    "flow_limited",
+)
 
 
 def _returning(columns: Iterable[str], table: str, known: Iterable[str] = _HOOK_FIELDS) -> str:
@@ -87,6 +96,10 @@ def changes(transition: Transition, needs: set[str]) -> str:
         return _unpark(needs)
     if transition is Transition.RELEASE:
         return release(needs)
+    if transition in (Transition.HOLD, Transition.THROTTLE):
+        return flow.hold(needs)
+    if transition is Transition.RELEASE_LIMIT:
+        return flow.release(needs)
     rule = RULES[transition]
     source_from, source_where, from_expr = _from_state(transition, needs)
     sources = where_sources(transition)
@@ -112,6 +125,7 @@ def changes(transition: Transition, needs: set[str]) -> str:
 WRITTEN_OUT = frozenset(
     {Transition.SUBMIT, Transition.PROGRESS, Transition.HAND_BACK, Transition.PARK}
     | {Transition.UNPARK, Transition.RELEASE}
+    | {Transition.HOLD, Transition.THROTTLE, Transition.RELEASE_LIMIT}
 )
 # A bind in a text() statement, as SQLAlchemy finds them (not a ``::`` cast).
 BIND = re.compile(r"(?<![:\w\\]):(\w+)(?![:\w])")

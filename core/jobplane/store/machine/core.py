@@ -312,6 +312,9 @@ def _group(transition: Transition) -> tuple[Transition, ...]:
     # The hand-back and the park are one statement: it decides between them.
     if transition in (Transition.HAND_BACK, Transition.PARK):
         return (Transition.HAND_BACK, Transition.PARK)
+    # ... and so are a flow limit's hold and throttle (ADR-0043).
+    if transition in (Transition.HOLD, Transition.THROTTLE):
+        return (Transition.HOLD, Transition.THROTTLE)
     return (transition,)
 
 

@@ -183,7 +183,10 @@ class _After(Hook):
         await self._fn(conn, change)
 
 
-_SAYS_WHY = frozenset({Transition.PARK, Transition.HOLD, Transition.RELEASE})
+_SAYS_WHY = frozenset(
+    {Transition.PARK, Transition.HOLD, Transition.RELEASE}
+    | {Transition.THROTTLE, Transition.RELEASE_LIMIT}
+)
 _EVENT_COLUMNS = frozenset(
     {"id", "last_seq", "tenant_id", "state", "progress", "attempt", "stage", "stage_name"}
 )
@@ -289,7 +292,7 @@ class Dispatches(Hook):
 # trace context of the job's previous one.
 _INHERITS_TRACE = frozenset(
     {Transition.EXPIRE_LEASE, Transition.REDISPATCH, Transition.UNPARK, Transition.HAND_BACK}
-    | {Transition.RELEASE}
+    | {Transition.RELEASE, Transition.THROTTLE, Transition.RELEASE_LIMIT}
 )
 
 

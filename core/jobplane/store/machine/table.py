@@ -59,6 +59,11 @@ class Transition(enum.StrEnum):
     # without a dispatch; a slot freed makes the oldest held jobs due again.
     HOLD = "hold"
     RELEASE = "release"
+    # Flow limits (ADR-0043): a claim its start rate refused waits for the start
+    # it reserved (a dispatch due then); a slot of a RUNNING limit freed makes
+    # the oldest jobs held for it due again. HOLD also holds for a RUNNING limit.
+    THROTTLE = "throttle"
+    RELEASE_LIMIT = "release_limit"
 
 
 class Lifecycle(enum.StrEnum):
@@ -79,7 +84,13 @@ ATTEMPTS_LEFT = "attempt - retry_base < max_attempts"
 NO_ATTEMPTS_LEFT = "attempt - retry_base >= max_attempts"
 # A job held by its concurrency key has no dispatch either, but waits for a
 # slot of its key, not for a worker (ADR-0040).
-PARKED = "dispatch_id IS NULL AND waiting_code IS DISTINCT FROM 'CONCURRENCY_LIMIT'"
+# So is one held for a RUNNING slot of a flow limit (ADR-0043).
+HELD_CODES = (WaitingCode.CONCURRENCY_LIMIT, WaitingCode.RATE_LIMITED, WaitingCode.TENANT_LIMIT)
+PARKED = (
+    "dispatch_id IS NULL AND (waiting_code IS NULL OR waiting_code NOT IN ("
+    + ", ".join(f"'{c}'" for c in HELD_CODES)
+    + "))"
+)
 # The next stage's row exists (``s``: the statement's ``using``).
 NEXT_STAGE = "s.job_id = jobs.id AND s.idx = jobs.stage + 1"
 # ... the stage of the given index does (RetryJob from a named stage).
@@ -87,7 +98,7 @@ NAMED_STAGE = "s.job_id = jobs.id AND s.idx = :stage"
 CANCEL_NOT_REQUESTED = "cancel_requested_at IS NULL"
 # A job that stops waiting (claimed, ended, dispatched anew) has no reason to
 # wait: only a QUEUED job ever has one.
-NOT_WAITING = "waiting_reason = NULL, waiting_code = NULL"
+NOT_WAITING = "waiting_reason = NULL, waiting_code = NULL, flow_key = NULL"
 # A reason noted again as it is changes nothing (no update_time, no row version).
 CHANGES_REASON = (
     "(waiting_code IS DISTINCT FROM :waiting_code "
@@ -100,8 +111,23 @@ CHANGES_REASON = (
 KEY_BLOCKER = (
     "jobplane.concurrency_blocker(tenant_id, concurrency_key, concurrency_limit, id, create_time)"
 )
-KEY_ADMITS = f"CASE WHEN concurrency_key IS NULL THEN true ELSE {KEY_BLOCKER} IS NULL END"
-KEY_FULL = f"CASE WHEN concurrency_key IS NULL THEN false ELSE {KEY_BLOCKER} IS NOT NULL END"
+# Flow limits (ADR-0043): a limit of the topology applies to the job (its
+# queue has max_running_per_tenant, or a [[rate_limits]] entry matches its
+# type). Two lookups in tables of a few rows; a job none applies to never
+# calls the function, which takes the limits' locks and counts.
+LIMITED = (
+    "(EXISTS (SELECT 1 FROM queue_limits ql WHERE ql.queue = jobs.queue) "
+    "OR EXISTS (SELECT 1 FROM flow_limits fl WHERE ('.' || jobs.type) ~ ANY (fl.regexes)))"
+)
+FLOW_CHECK = "jobplane.flow_check(tenant_id, type, queue, id, create_time, flow_key, {hold})"
+# The key first, then the limits: a job its key refuses counts no start
+# against its rate. CASE: evaluated in this order, and only as far as needed.
+ADMITS = (
+    f"CASE WHEN concurrency_key IS NOT NULL AND {KEY_BLOCKER} IS NOT NULL THEN false "
+    f"WHEN NOT {LIMITED} THEN true "
+    f"ELSE {FLOW_CHECK.format(hold='false')} IS NULL END"
+)
+KEY_FULL = "its concurrency key is full, or a flow limit holds it (the statement decides)"
 # Said by the release statement itself (written out: it picks its jobs).
 KEY_FREE = "held by this key, oldest first, up to the slots free under the key's lock"
 
@@ -169,14 +195,14 @@ RULES: Mapping[Transition, Rule] = {
         # by the message before it read the job.
         f"{BY_DISPATCH} AND type = :type",
         EventType.STARTED,
-        guard=f"{ATTEMPTS_LEFT} AND {KEY_ADMITS}",
+        guard=f"{ATTEMPTS_LEFT} AND {ADMITS}",
         sets="attempt = attempt + 1, lease_token = :lease_token, "
         "lease_expires_at = now() + make_interval(secs => :lease_seconds), "
         "start_time = now(), next_attempt_time = NULL, cancel_requested_at = NULL, "
         # A new attempt starts from nothing: its STARTED event must not carry
         # the last attempt's progress.
         "cancel_reason = NULL, progress = stage_base, progress_message = '', "
-        f"{NOT_WAITING}, handbacks = 0",
+        f"{NOT_WAITING}, handbacks = 0, flow_limited = {LIMITED}",
         lifecycle=Lifecycle.STARTED,
     ),
     Transition.EXHAUST: Rule(
@@ -404,10 +430,10 @@ RULES: Mapping[Transition, Rule] = {
         f"{BY_DISPATCH} AND type = :type",
         EventType.QUEUED,
         guard=f"{ATTEMPTS_LEFT} AND {KEY_FULL}",
-        sets="dispatch_id = NULL, next_attempt_time = NULL, "
-        f"waiting_code = '{WaitingCode.CONCURRENCY_LIMIT}', waiting_reason = format("
-        "'waiting for jobs/%s: concurrency key %s allows %s running at once', "
-        f"{KEY_BLOCKER}, concurrency_key, concurrency_limit)",
+        # Written out (machine/flow.py), with THROTTLE: it decides between them.
+        sets="dispatch_id = NULL, next_attempt_time = NULL, waiting_code = "
+        f"'{WaitingCode.CONCURRENCY_LIMIT}' and waiting_reason 'waiting for jobs/…: concurrency "
+        "key … allows N running at once', or the flow limit's code, reason and flow_key",
         message="j.waiting_reason",
         data="jsonb_build_object('waiting_reason', j.waiting_reason)",
     ),
@@ -421,6 +447,32 @@ RULES: Mapping[Transition, Rule] = {
         # Still waiting for the key (its place in line is kept) until its claim.
         sets="dispatch_id = gen_random_uuid(), next_attempt_time = NULL, waiting_reason = "
         "format('a slot of concurrency key %s is free: dispatched', concurrency_key)",
+        message="j.waiting_reason",
+        data="'{}'::jsonb",
+    ),
+    # Flow limits (ADR-0043).
+    Transition.THROTTLE: Rule(
+        frozenset({Phase.QUEUED}),
+        JobState.QUEUED,
+        f"{BY_DISPATCH} AND type = :type",
+        EventType.QUEUED,
+        dispatch=True,
+        guard=f"{ATTEMPTS_LEFT} AND its start rate refuses it now (the statement decides)",
+        sets="dispatch_id = gen_random_uuid(), next_attempt_time = the start it reserved, "
+        f"waiting_code = '{WaitingCode.RATE_LIMITED}', waiting_reason naming the limit and "
+        "the time, flow_key = the rate's key || '@rate'",
+        message="j.waiting_reason",
+        data="jsonb_build_object('waiting_reason', j.waiting_reason)",
+    ),
+    Transition.RELEASE_LIMIT: Rule(
+        frozenset({Phase.QUEUED}),
+        JobState.QUEUED,
+        "flow_key = :key",
+        EventType.QUEUED,
+        dispatch=True,
+        guard="held for this limit, oldest first, up to the slots free under its lock",
+        sets="dispatch_id = gen_random_uuid(), next_attempt_time = NULL, waiting_reason = "
+        "format('a slot of %s is free: dispatched', flow_key)",
         message="j.waiting_reason",
         data="'{}'::jsonb",
     ),

@@ -1,0 +1,60 @@
+-- jobplane.flow_taken, of the flow limits: the topology's [[rate_limits]] and a queue's max_running_per_tenant,
+-- decided at the claim (docs/flow-control.md, ADR-0043).
+--
+-- The current definition, as the migrations leave it in a database. A change is a
+-- new migration that installs a copy of this file, frozen as
+-- migrations/jobplane/migrations/sql/{revision}_flow_taken.sql;
+-- tests/integration/test_sql_files.py fails while the two disagree
+-- (docs/adr/0035-sql-api-as-files.md).
+--
+-- A limit's budget has a key: 'queue/{queue}/{tenant}' for a queue's per-tenant limit,
+-- 'limit/{name}' for a [[rate_limits]] entry shared by all tenants, and
+-- 'limit/{name}/{tenant}' for one with per_tenant. Each is decided under the key's
+-- transaction-scoped advisory lock; the functions are VOLATILE, so their queries take
+-- snapshots of their own after the lock, as jobplane.concurrency_blocker's do.
+--
+-- A job held for a RUNNING slot has waiting code TENANT_LIMIT or RATE_LIMITED, jobs.flow_key
+-- the key and no dispatch; a job held for its start rate has RATE_LIMITED, flow_key
+-- '{key}@rate' and a dispatch due at the start it reserved.
+--
+-- @SCHEMA@ is where jobplane's tables are, fixed when the functions are created.
+
+-- The slots of a key taken, up to lim: its RUNNING jobs (but job) and, ahead of job
+-- in line, the older jobs waiting for the key (held, or made due and not claimed yet).
+-- A job of the limit is one that started under a limit (jobs.flow_limited) and
+-- matches: tenant (NULL: any), queue (NULL: any) and regexes (NULL: any type).
+CREATE OR REPLACE FUNCTION jobplane.flow_taken(
+    key     text,
+    tenant  uuid,
+    jqueue  text,
+    regexes text[],
+    lim     integer,
+    job     uuid,
+    created timestamptz
+) RETURNS bigint
+LANGUAGE plpgsql
+VOLATILE
+SET search_path = pg_catalog, @SCHEMA@, pg_temp
+AS $fn$
+DECLARE
+    v_running bigint;
+    v_waiting bigint := 0;
+BEGIN
+    -- Counted up to the limit, no further (indexes jobs_flow_running, jobs_flow_waiting).
+    SELECT count(*) INTO v_running FROM (
+        SELECT 1 FROM jobs j
+         WHERE j.state = 'running' AND j.flow_limited AND j.id IS DISTINCT FROM job
+           AND (tenant IS NULL OR j.tenant_id = tenant)
+           AND (jqueue IS NULL OR j.queue = jqueue)
+           AND (regexes IS NULL OR ('.' || j.type) ~ ANY (regexes))
+         LIMIT greatest(lim, 0)) r;
+    IF v_running < lim THEN
+        SELECT count(*) INTO v_waiting FROM (
+            SELECT 1 FROM jobs j
+             WHERE j.state = 'queued' AND j.flow_key = key
+               AND (j.create_time, j.id) < (created, job)
+             LIMIT lim - v_running) w;
+    END IF;
+    RETURN v_running + v_waiting;
+END
+$fn$
