@@ -41,9 +41,9 @@ async def dml_url(database_url: str) -> AsyncIterator[str]:
             f'GRANT SELECT, INSERT, UPDATE, DELETE ON ALL TABLES IN SCHEMA public TO "{role}"'
         )
         await admin.execute(f'REVOKE ALL ON alembic_version FROM "{role}"')
-        # Every claim names it (concurrency keys, ADR-0040).
+        # Every claim names jobplane's functions (ADR-0040, ADR-0043).
         await admin.execute(f'GRANT USAGE ON SCHEMA jobplane TO "{role}"')
-        await admin.execute(f'GRANT EXECUTE ON FUNCTION {_BLOCKER} TO "{role}"')
+        await admin.execute(f'GRANT EXECUTE ON ALL FUNCTIONS IN SCHEMA jobplane TO "{role}"')
         yield make_url(database_url).set(username=role).render_as_string(hide_password=False)
     finally:
         await admin.execute(f'DROP OWNED BY "{role}"')
