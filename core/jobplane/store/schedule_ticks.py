@@ -223,6 +223,13 @@ async def _run_due(conn: AsyncConnection, row: Mapping[Any, Any], now: datetime)
     )
     done = _Outcome(started=[], buffered=row["buffered_tick"], skipped=0 if ticks else 1)
     active = await _active(conn, row)
+    if done.buffered is not None and not active:
+        # The tick held back is older than any due now: it runs first, they after it.
+        held, done.buffered = done.buffered, None
+        job_id = await _submit_run(conn, row, schedule, _tick_key(row, held), done)
+        if job_id is not None:
+            done.started.append(job_id)
+            active = [job_id]
     for tick in ticks:
         if active and schedule.overlap is Overlap.SKIP:
             done.skipped += 1
