@@ -16,6 +16,10 @@ zone this host lacks, a serialization failure, a permission) rolls back that
 schedule's transaction only: in a new one its ``last_error`` says it and its
 next run waits :data:`FAILURE_BACKOFF`, so it neither stops the pass nor
 stays first in line; the other schedules, every tenant's, tick on.
+
+Fault points (:mod:`jobplane.faults`): ``schedule.before_commit`` is hit with
+a schedule claimed and its runs written, before the commit;
+``schedule.after_commit`` right after it, before the pass goes on.
 """
 
 from __future__ import annotations
@@ -172,6 +176,7 @@ async def tick_once(
             await _failed(engine, row, exc, backoff=moment + FAILURE_BACKOFF)
             failed += 1
             continue
+        faults.hit("schedule.after_commit")
         runs += len(done.started)
         skipped += done.skipped
         refused += done.refused
@@ -275,6 +280,8 @@ async def _run_buffered(
                 raise
             await _failed(engine, row, exc, backoff=None)
             failed += 1
+        else:
+            faults.hit("schedule.after_commit")
     return started, failed
 
 
