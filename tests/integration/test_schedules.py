@@ -230,6 +230,30 @@ async def test_overlap_buffer_one_runs_one_held_tick_when_the_run_ends(stack: St
     assert jobs[1][0].endswith((first + timedelta(seconds=10)).isoformat())
 
 
+async def test_a_held_tick_runs_before_a_newer_tick_due_with_it(stack: Stack) -> None:
+    client = stack.client()
+    schedule = await client.create_schedule("demo.echo", interval=10, overlap=Overlap.BUFFER_ONE)
+    first = schedule.next_run_time
+    assert first is not None
+    for k in range(2):  # the first run stays QUEUED: no worker; the second tick is held
+        await tick_once(stack.engine, now=first + timedelta(seconds=10 * k + 1))
+    await client.cancel((await client.get_schedule(schedule)).recent_runs[0])
+    # The run has ended and the next tick is due too: the held tick, older, runs
+    # first; the new one is held behind it.
+    await tick_once(stack.engine, now=first + timedelta(seconds=21))
+    jobs = await _jobs_of(stack, schedule.name)
+    assert [r.rsplit("/", 1)[1] for r, _ in jobs] == [
+        (first + timedelta(seconds=s)).isoformat() for s in (0, 10)
+    ]
+    seen = await client.get_schedule(schedule)
+    assert seen.runs == 2 and seen.skipped == 0
+    async with stack.engine.connect() as conn:
+        held = await conn.scalar(
+            text("SELECT buffered_tick FROM schedules WHERE id = :id"), {"id": schedule.id}
+        )
+    assert held == first + timedelta(seconds=20)
+
+
 async def test_overlap_cancel_other_cancels_the_earlier_run(stack: Stack) -> None:
     client = stack.client()
     schedule = await client.create_schedule("demo.echo", interval=10, overlap=Overlap.CANCEL_OTHER)

@@ -16,6 +16,10 @@ zone this host lacks, a serialization failure, a permission) rolls back that
 schedule's transaction only: in a new one its ``last_error`` says it and its
 next run waits :data:`FAILURE_BACKOFF`, so it neither stops the pass nor
 stays first in line; the other schedules, every tenant's, tick on.
+
+Fault points (:mod:`jobplane.faults`): ``schedule.before_commit`` is hit with
+a schedule claimed and its runs written, before the commit;
+``schedule.after_commit`` right after it, before the pass goes on.
 """
 
 from __future__ import annotations
@@ -172,6 +176,7 @@ async def tick_once(
             await _failed(engine, row, exc, backoff=moment + FAILURE_BACKOFF)
             failed += 1
             continue
+        faults.hit("schedule.after_commit")
         runs += len(done.started)
         skipped += done.skipped
         refused += done.refused
@@ -223,6 +228,13 @@ async def _run_due(conn: AsyncConnection, row: Mapping[Any, Any], now: datetime)
     )
     done = _Outcome(started=[], buffered=row["buffered_tick"], skipped=0 if ticks else 1)
     active = await _active(conn, row)
+    if done.buffered is not None and not active:
+        # The tick held back is older than any due now: it runs first, they after it.
+        held, done.buffered = done.buffered, None
+        job_id = await _submit_run(conn, row, schedule, _tick_key(row, held), done)
+        if job_id is not None:
+            done.started.append(job_id)
+            active = [job_id]
     for tick in ticks:
         if active and schedule.overlap is Overlap.SKIP:
             done.skipped += 1
@@ -268,6 +280,8 @@ async def _run_buffered(
                 raise
             await _failed(engine, row, exc, backoff=None)
             failed += 1
+        else:
+            faults.hit("schedule.after_commit")
     return started, failed
 
 

@@ -74,12 +74,13 @@ async def _relay(args: argparse.Namespace) -> int:
         _failed_queue_depth(stack, metrics, settings, topology)
         relay_db, in_flight = _relay_pool(stack, settings)
         observed = _relay_interceptors(metrics)
+        faults = FaultPoints(settings.faults)
         relay = Relay(
             engine,
             settings.database_url,
             settings.amqp_url,
             topology,
-            faults=FaultPoints(settings.faults),
+            faults=faults,
             unroutable_after=args.unroutable_after,
             interceptors=observed,
             db=relay_db,
@@ -96,6 +97,7 @@ async def _relay(args: argparse.Namespace) -> int:
                 republish_after=args.republish_after,
                 interceptors=observed,
                 interval=args.sweep_interval,
+                faults=faults,
             )
         )
         if ops is not None:

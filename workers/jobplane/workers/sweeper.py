@@ -46,6 +46,7 @@ import structlog
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from jobplane.attempt_end import Decision, EndCause, RetryPolicy, decide
+from jobplane.faults import NO_FAULTS, FaultPoints
 from jobplane.lifecycle import Lifecycle
 from jobplane.logs import describe_error
 from jobplane.names import job_name
@@ -106,6 +107,7 @@ class Sweeper(Lifecycle):
         interceptors: Sequence[RelayInterceptor] = (),
         interval: float = 5.0,
         schedules: bool = True,
+        faults: FaultPoints = NO_FAULTS,
     ) -> None:
         """``republish_every`` defaults to a tenth of ``republish_after``, at least 30 s.
 
@@ -115,7 +117,8 @@ class Sweeper(Lifecycle):
         lines (the process hands tracing's and metrics'; none: nothing).
         ``interval``: seconds between the background sweeps, once started.
         ``schedules``: tick recurring schedules while started (a
-        :class:`~jobplane.workers.scheduler.Scheduler` of its own).
+        :class:`~jobplane.workers.scheduler.Scheduler` of its own), whose
+        named fault points are ``faults``'.
         """
         self._intercept = chain_relay(interceptors)
         self._store = SweepStore(engine)
@@ -132,7 +135,7 @@ class Sweeper(Lifecycle):
         self._next_republish = 0.0  # monotonic; the first sweep runs the pass
         self._interval = interval
         self._task: asyncio.Task[None] | None = None
-        self.scheduler = Scheduler(engine) if schedules else None
+        self.scheduler = Scheduler(engine, faults=faults) if schedules else None
 
     def _decide(self, lease: ExpiredLease) -> Decision:
         policy = RetryPolicy.of_queue(
