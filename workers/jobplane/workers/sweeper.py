@@ -132,7 +132,7 @@ class Sweeper(Lifecycle):
         self._next_republish = 0.0  # monotonic; the first sweep runs the pass
         self._interval = interval
         self._task: asyncio.Task[None] | None = None
-        self.scheduler = Scheduler(engine) if schedules else None
+        self.scheduler = Scheduler(engine, topology=self._topology) if schedules else None
 
     def _decide(self, lease: ExpiredLease) -> Decision:
         policy = RetryPolicy.of_queue(
