@@ -91,6 +91,7 @@ async def test_the_trigger_command_takes_an_overlap_policy(stack: Stack) -> None
         stack, "schedules", "trigger", "hourly", "--overlap", "cancel_other"
     )
     assert code == 0, err
+    assert "jobs/" in out and first.name not in out
     assert (await client.get(first.name)).state is JobState.CANCELLED
     assert await _count(stack, schedule.name) == 2
 
