@@ -79,6 +79,23 @@ def template_from_pb(message: schedules_pb2.JobTemplate, prefix: str) -> JobTemp
     )
 
 
+def overlap_from_pb(value: int, field: str = "overlap_policy") -> Overlap | None:
+    """An OverlapPolicy of a request (None when unspecified); INVALID_ARGUMENT when unknown."""
+    if not value:
+        return None
+    overlap: Overlap | None = _OVERLAP_FROM.get(value)  # type: ignore[call-overload]
+    if overlap is None:
+        raise InvalidArgument(f"unknown overlap_policy {value}", field=field)
+    return overlap
+
+
+def overlap_to_pb(overlap: Overlap | None) -> schedules_pb2.Schedule.OverlapPolicy.ValueType:
+    """An OverlapPolicy for a request (unspecified for None)."""
+    if overlap is None:
+        return schedules_pb2.Schedule.OVERLAP_POLICY_UNSPECIFIED
+    return _OVERLAP[overlap]
+
+
 def schedule_from_pb(
     message: schedules_pb2.Schedule, prefix: str = "schedule", *, output: bool = True
 ) -> Schedule:

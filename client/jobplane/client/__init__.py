@@ -79,6 +79,7 @@ from jobplane.types import (
     JobState,
     Stage,
     StageState,
+    WaitingCode,
 )
 
 __all__ = [
@@ -139,5 +140,6 @@ __all__ = [
     "Unauthenticated",
     "Unavailable",
     "UnroutableJobType",
+    "WaitingCode",
     "WatchSequenceError",
 ]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 
 from jobplane.client._cli_input import full_name, parse_labels, parse_payload, read_job_lines
@@ -56,6 +57,14 @@ def register_job_commands(subparsers: Subparsers, parents: Parents) -> None:
         "--state", type=str.lower, choices=[s.value for s in JobState], help="only this state"
     )
     list_.add_argument("--type", metavar="TYPE", help="only this job type")
+    list_.add_argument(
+        "--waiting",
+        metavar="CODE",
+        type=str.upper,
+        default="",
+        help="only QUEUED jobs waiting for this reason (SCHEDULED, CONCURRENCY_LIMIT, "
+        "UNROUTABLE, NO_LIVE_WORKER, HANDED_BACK)",
+    )
     list_.add_argument(
         "--page-size", metavar="N", type=int, default=0, help="jobs per page (server default 50)"
     )
@@ -203,8 +212,6 @@ async def _submit_jsonl(client: AsyncClient, args: argparse.Namespace) -> int:
             ("--timeout", args.timeout),
             ("--label", args.label),
             ("--watch", args.watch),
-            ("--at", args.at),
-            ("--in", args.delay),
         )
         if value
     ]
@@ -214,6 +221,16 @@ async def _submit_jsonl(client: AsyncClient, args: argparse.Namespace) -> int:
     jobs = read_job_lines(path)
     if not jobs:
         raise UsageError(f"{path} holds no job")
+    if args.at is not None or args.delay is not None:
+        # Each line without a time of its own starts then.
+        at = None if args.at is None else parse_at(args.at)
+        delay = None if args.delay is None else parse_in(args.delay)
+        jobs = [
+            (n, spec)
+            if spec.schedule_time is not None or spec.schedule_delay is not None
+            else (n, dataclasses.replace(spec, schedule_time=at, schedule_delay=delay))
+            for n, spec in jobs
+        ]
     try:
         submitted = await client.submit_many(spec for _, spec in jobs)
     except JobplaneError as exc:
@@ -254,13 +271,21 @@ async def _list(client: AsyncClient, args: argparse.Namespace) -> int:
         jobs = [
             job
             async for job in client.iter_jobs(
-                page_size=args.page_size, page_token=args.page_token, state=state, type=args.type
+                page_size=args.page_size,
+                page_token=args.page_token,
+                state=state,
+                type=args.type,
+                waiting_code=args.waiting,
             )
         ]
         next_token = ""
     else:
         page = await client.list(
-            page_size=args.page_size, page_token=args.page_token, state=state, type=args.type
+            page_size=args.page_size,
+            page_token=args.page_token,
+            state=state,
+            type=args.type,
+            waiting_code=args.waiting,
         )
         jobs, next_token = page.jobs, page.next_page_token
     if args.json:

@@ -51,6 +51,13 @@ def register_schedule_commands(subparsers: Subparsers, parents: Parents) -> None
     )
     trigger.add_argument("name", metavar="NAME", help=_NAME_HELP)
     trigger.add_argument("--request-id", default="", help="the same one again: the same job")
+    trigger.add_argument(
+        "--overlap",
+        choices=[Overlap.SKIP.value, Overlap.ALLOW_ALL.value, Overlap.CANCEL_OTHER.value],
+        default=None,
+        help="while a run is going: skip (refuse), allow_all (run anyway: the default), "
+        "cancel_other (cancel it, then run)",
+    )
     trigger.set_defaults(func=command(_trigger))
     list_ = schedules.add_parser("list", parents=parents, help="list schedules, newest first")
     list_.set_defaults(func=command(_list))
@@ -173,7 +180,8 @@ async def _resume(client: AsyncClient, args: argparse.Namespace) -> int:
 
 
 async def _trigger(client: AsyncClient, args: argparse.Namespace) -> int:
-    job = await client.trigger_schedule(args.name, request_id=args.request_id)
+    overlap = Overlap(args.overlap) if args.overlap else None
+    job = await client.trigger_schedule(args.name, request_id=args.request_id, overlap=overlap)
     if args.json:
         print_json(job_to_json(job))
     else:

@@ -32,7 +32,7 @@ from jobplane.errors import (
     TenantLimitExceeded,
     Unavailable,
 )
-from jobplane.types import BlobRef, ConcurrencyMode, Job, JobEvent, JobPage, JobState
+from jobplane.types import BlobRef, ConcurrencyMode, Job, JobEvent, JobPage, JobState, WaitingCode
 from jobplane.v1 import jobs_pb2
 
 #: The largest payload or result by reference the SDK reads back whole.
@@ -219,17 +219,22 @@ class JobCalls(BlobCalls):
         page_token: str = "",
         state: JobState | None = None,
         type: str | None = None,
+        waiting_code: str | WaitingCode = "",
     ) -> JobPage:
         """One page of the caller's jobs, newest first.
 
         ``page_size`` 0 means the server default (50). Pass the page's
         ``next_page_token`` with the same filters to get the next page.
+        ``waiting_code``: only QUEUED jobs waiting for that reason, as
+        :meth:`get` shows them (``WaitingCode.SCHEDULED``: the delayed jobs
+        whose time has not come).
         """
         request = jobs_pb2.ListJobsRequest(
             page_size=page_size,
             page_token=page_token,
             state=state_to_pb(state) if state is not None else jobs_pb2.Job.STATE_UNSPECIFIED,
             type=type or "",
+            waiting_code=str(waiting_code),
         )
         response = await self._call(self._get_stub().ListJobs, request, repeatable=True)
         return JobPage(
@@ -244,11 +249,16 @@ class JobCalls(BlobCalls):
         page_token: str = "",
         state: JobState | None = None,
         type: str | None = None,
+        waiting_code: str | WaitingCode = "",
     ) -> AsyncGenerator[Job, None]:
         """Every job matching the filters, fetching page after page."""
         while True:
             page = await self.list(
-                page_size=page_size, page_token=page_token, state=state, type=type
+                page_size=page_size,
+                page_token=page_token,
+                state=state,
+                type=type,
+                waiting_code=waiting_code,
             )
             for job in page.jobs:
                 yield job

@@ -12,7 +12,7 @@ from google.protobuf import field_mask_pb2
 
 from jobplane.client._channel import ChannelBase
 from jobplane.convert import job_from_pb
-from jobplane.schedule_convert import schedule_from_pb, schedule_to_pb
+from jobplane.schedule_convert import overlap_to_pb, schedule_from_pb, schedule_to_pb
 from jobplane.schedule_types import CatchUp, JobTemplate, Overlap, Schedule, SchedulePage, Spec
 from jobplane.types import Job
 from jobplane.v1 import schedules_pb2, schedules_pb2_grpc
@@ -193,13 +193,20 @@ class ScheduleCalls(ChannelBase):
         reply = await self._call(self._schedule_stub().ResumeSchedule, request, repeatable=True)
         return schedule_from_pb(reply)
 
-    async def trigger_schedule(self, name: str | Schedule, *, request_id: str = "") -> Job:
-        """Submit one run now, whatever its spec, pause and overlap policy; the job.
+    async def trigger_schedule(
+        self, name: str | Schedule, *, request_id: str = "", overlap: Overlap | None = None
+    ) -> Job:
+        """Submit one run now, whatever its spec and pause say; the job.
 
-        The same ``request_id`` again returns the same job.
+        ``overlap``: None (or ``ALLOW_ALL``) runs whatever runs; ``SKIP``
+        raises :class:`~jobplane.errors.FailedPrecondition` naming the running
+        job while one is QUEUED or RUNNING; ``CANCEL_OTHER`` cancels those
+        first. The same ``request_id`` again returns the same job.
         """
         request = schedules_pb2.TriggerScheduleRequest(
-            name=schedule_name_of(name), request_id=request_id
+            name=schedule_name_of(name),
+            request_id=request_id,
+            overlap_policy=overlap_to_pb(overlap),
         )
         reply = await self._call(
             self._schedule_stub().TriggerSchedule, request, repeatable=bool(request_id)

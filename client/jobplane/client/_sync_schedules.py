@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Generator
 from typing import TYPE_CHECKING, Any
 
-from jobplane.schedule_types import Schedule, SchedulePage
+from jobplane.schedule_types import Overlap, Schedule, SchedulePage
 from jobplane.types import Job
 
 if TYPE_CHECKING:
@@ -59,9 +59,13 @@ class SyncScheduleCalls:
         """Tick again, from the first tick after now."""
         return self._loop.run(self._async.resume_schedule(name))
 
-    def trigger_schedule(self, name: str | Schedule, *, request_id: str = "") -> Job:
-        """Submit one run now; the job."""
-        return self._loop.run(self._async.trigger_schedule(name, request_id=request_id))
+    def trigger_schedule(
+        self, name: str | Schedule, *, request_id: str = "", overlap: Overlap | None = None
+    ) -> Job:
+        """Submit one run now (``overlap``: as :meth:`AsyncClient.trigger_schedule`); the job."""
+        return self._loop.run(
+            self._async.trigger_schedule(name, request_id=request_id, overlap=overlap)
+        )
 
     def delete_schedule(self, name: str | Schedule) -> None:
         """Delete it; the jobs it started stay."""

@@ -7,19 +7,25 @@ One JSON object a line, with the fields of ``jobplane submit``::
 
 ``type`` is required; ``payload`` (an object), ``request_id``,
 ``correlation_id`` (strings), ``max_attempts`` (an integer), ``labels`` (an
-object of strings) and ``timeout`` (seconds an attempt may run) are
-optional. Blank lines are skipped; any other key is refused.
+object of strings), ``timeout`` (seconds an attempt may run), and for a
+delayed job one of ``schedule_time`` (an RFC 3339 time with its zone) and
+``schedule_delay`` (seconds) are optional. Blank lines are skipped; any other
+key is refused.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Iterable
+from datetime import datetime
 from typing import Any
 
 from jobplane.client.batch import JobSpec
 
-_FIELDS = ("type", "payload", "request_id", "correlation_id", "max_attempts", "labels", "timeout")
+_FIELDS = (
+    *("type", "payload", "request_id", "correlation_id", "max_attempts", "labels", "timeout"),
+    *("schedule_time", "schedule_delay"),
+)
 
 
 class BadLine(ValueError):
@@ -60,6 +66,7 @@ def _job(number: int, line: str) -> JobSpec:
     timeout = _typed(number, value, "timeout", (int, float), "a number of seconds")
     if isinstance(max_attempts, bool) or isinstance(timeout, bool):
         raise BadLine(number, "'max_attempts' and 'timeout' are numbers, not booleans")
+    at, delay = _schedule(number, value)
     return JobSpec(
         job_type,
         payload,
@@ -68,7 +75,28 @@ def _job(number: int, line: str) -> JobSpec:
         max_attempts=max_attempts or 0,
         labels=labels,
         attempt_timeout=timeout,
+        schedule_time=at,
+        schedule_delay=delay,
     )
+
+
+def _schedule(number: int, value: dict[str, Any]) -> tuple[datetime | None, float | None]:
+    """A line's ``schedule_time`` (RFC 3339, with its zone) or ``schedule_delay`` (seconds)."""
+    text = _typed(number, value, "schedule_time", str, "an RFC 3339 time with its zone")
+    delay = _typed(number, value, "schedule_delay", (int, float), "a number of seconds")
+    if isinstance(delay, bool):
+        raise BadLine(number, "'schedule_delay' is a number of seconds, not a boolean")
+    if text is not None and delay is not None:
+        raise BadLine(number, "set one of 'schedule_time' and 'schedule_delay'")
+    if text is None:
+        return None, None if delay is None else float(delay)
+    try:
+        at = datetime.fromisoformat(text.strip())
+    except ValueError:
+        raise BadLine(number, f"'schedule_time' {text!r} is no RFC 3339 time") from None
+    if at.tzinfo is None:
+        raise BadLine(number, "'schedule_time' needs its zone ('Z' or an offset)")
+    return at, None
 
 
 def _typed(number: int, value: dict[str, Any], key: str, kind: Any, what: str) -> Any:

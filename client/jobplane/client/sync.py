@@ -34,7 +34,16 @@ from jobplane.client.batch import MAX_BATCH_SIZE, JobSpec
 from jobplane.client.subscription import EventSubscription, SubscribedEvent, SubscribeStart
 from jobplane.client.tls import ClientTLS
 from jobplane.events.envelope import Event
-from jobplane.types import Blob, BlobPage, ConcurrencyMode, Job, JobEvent, JobPage, JobState
+from jobplane.types import (
+    Blob,
+    BlobPage,
+    ConcurrencyMode,
+    Job,
+    JobEvent,
+    JobPage,
+    JobState,
+    WaitingCode,
+)
 
 T = TypeVar("T")
 
@@ -299,10 +308,17 @@ class Client(SyncScheduleCalls):
         page_token: str = "",
         state: JobState | None = None,
         type: str | None = None,
+        waiting_code: str | WaitingCode = "",
     ) -> JobPage:
         """One page of the caller's jobs, newest first; see :meth:`AsyncClient.list`."""
         return self._loop.run(
-            self._async.list(page_size=page_size, page_token=page_token, state=state, type=type)
+            self._async.list(
+                page_size=page_size,
+                page_token=page_token,
+                state=state,
+                type=type,
+                waiting_code=waiting_code,
+            )
         )
 
     def iter_jobs(
@@ -312,11 +328,16 @@ class Client(SyncScheduleCalls):
         page_token: str = "",
         state: JobState | None = None,
         type: str | None = None,
+        waiting_code: str | WaitingCode = "",
     ) -> Generator[Job, None, None]:
         """Every job matching the filters, fetching page after page."""
         return self._pull(
             self._async.iter_jobs(
-                page_size=page_size, page_token=page_token, state=state, type=type
+                page_size=page_size,
+                page_token=page_token,
+                state=state,
+                type=type,
+                waiting_code=waiting_code,
             )
         )
 

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Sequence
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any
 
-from sqlalchemy import text
+from sqlalchemy import TextClause, text
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
@@ -58,7 +58,7 @@ from jobplane.store.machine import (
     Transition,
 )
 from jobplane.store.rows import JOB_COLUMNS, dumps, event_from_row, job_from_row
-from jobplane.types import Job, JobEvent, JobState
+from jobplane.types import Job, JobEvent, JobState, WaitingCode
 
 # Named here by the API's callers (and the bench), wherever they are defined.
 __all__ = ["JobStore", "ListCursor", "NewJob", "StreamRead", "pipeline_stages"]
@@ -70,6 +70,80 @@ _FOREIGN_KEY_VIOLATION = "23503"
 _SELECT_JOB_FOR_UPDATE = text(
     f"SELECT {JOB_COLUMNS} FROM jobs WHERE id = :id AND tenant_id = :tenant_id FOR UPDATE"
 )
+
+
+def waiting_filter(code: str, now: datetime) -> tuple[list[str], dict[str, Any]]:
+    """The conditions (and their binds) of the QUEUED jobs that read with ``code``
+    at ``now``, as :func:`~jobplane.scheduling.scheduled` reads them: a stored
+    code wins; ``SCHEDULED`` is a job without one whose schedule_time is still
+    ahead. The QUEUED state keeps the walk on the tenant's queued jobs
+    (``jobs_tenant_state_newest``), newest first, never the jobs that ended."""
+    where = ["state = :waiting_state"]
+    binds: dict[str, Any] = {"waiting_state": JobState.QUEUED.value}
+    if code == WaitingCode.SCHEDULED.value:
+        where += ["(waiting_code IS NULL OR waiting_code = '')", "schedule_time > :waiting_now"]
+        return where, {**binds, "waiting_now": now}
+    where.append("waiting_code = :waiting_code")
+    return where, {**binds, "waiting_code": code}
+
+
+def list_query(
+    tenant_id: uuid.UUID,
+    *,
+    limit: int,
+    after: ListCursor | None,
+    state: JobState | None,
+    job_type: str | None,
+    labels: dict[str, str] | None,
+    created_after: datetime | None,
+    created_before: datetime | None,
+    waiting_code: str,
+    now: datetime,
+) -> tuple[TextClause, dict[str, Any]]:
+    """The statement and binds of :meth:`JobStore.list_jobs` (jobs read at ``now``)."""
+    where = ["tenant_id = :tenant_id"]
+    params: dict[str, Any] = {"tenant_id": tenant_id, "limit": limit}
+    if waiting_code:
+        conditions, binds = waiting_filter(waiting_code, now)
+        where.extend(conditions)
+        params.update(binds)
+    if labels:
+        where.append("labels @> CAST(:labels AS jsonb)")
+        params["labels"] = dumps(labels)
+    if created_after is not None:
+        where.append("create_time >= :created_after")
+        params["created_after"] = created_after
+    if created_before is not None:
+        where.append("create_time < :created_before")
+        params["created_before"] = created_before
+    if state is not None:
+        where.append("state = :state")
+        params["state"] = state.value
+    if after is not None:
+        where.append("(create_time, id) < (:after_time, :after_id)")
+        params["after_time"] = after.create_time
+        params["after_id"] = after.job_id
+    order = "ORDER BY create_time DESC, id DESC LIMIT :limit"
+    if job_type is None:
+        sql = text(f"SELECT {JOB_COLUMNS} FROM jobs WHERE {' AND '.join(where)} {order}")
+    else:
+        # A pipeline job is stored under the pipeline's name (its type is
+        # the running stage's), a plain job under its type. Both are read
+        # from the rows, not from the topology: a server whose topology
+        # no longer (or not yet) declares the pipeline still lists its
+        # jobs. Each half walks its own newest-first index.
+        params["type"] = job_type
+        halves = (
+            " AND ".join([*where, "pipeline = :type"]),
+            " AND ".join([*where, "type = :type", "pipeline IS NULL"]),
+        )
+        sql = text(
+            " UNION ALL ".join(
+                f"(SELECT {JOB_COLUMNS} FROM jobs WHERE {h} {order})" for h in halves
+            )
+            + f" {order}"
+        )
+    return sql, params
 
 
 class JobStore:
@@ -243,55 +317,32 @@ class JobStore:
         labels: dict[str, str] | None = None,
         created_after: datetime | None = None,
         created_before: datetime | None = None,
+        waiting_code: str = "",
     ) -> list[Job]:
         """Up to ``limit`` jobs, newest first, strictly after ``after``.
 
         ``job_type``: plain jobs of that type and the jobs of the pipeline of
         that name, whatever stage they are at. ``labels``: jobs that carry all
         of them; ``created_after`` (inclusive) and ``created_before``
-        (exclusive) bound the create time.
+        (exclusive) bound the create time. ``waiting_code``: QUEUED jobs that
+        read with that code (:func:`waiting_filter`).
         """
-        where = ["tenant_id = :tenant_id"]
-        params: dict[str, Any] = {"tenant_id": tenant_id, "limit": limit}
-        if labels:
-            where.append("labels @> CAST(:labels AS jsonb)")
-            params["labels"] = dumps(labels)
-        if created_after is not None:
-            where.append("create_time >= :created_after")
-            params["created_after"] = created_after
-        if created_before is not None:
-            where.append("create_time < :created_before")
-            params["created_before"] = created_before
-        if state is not None:
-            where.append("state = :state")
-            params["state"] = state.value
-        if after is not None:
-            where.append("(create_time, id) < (:after_time, :after_id)")
-            params["after_time"] = after.create_time
-            params["after_id"] = after.job_id
-        order = "ORDER BY create_time DESC, id DESC LIMIT :limit"
-        if job_type is None:
-            sql = text(f"SELECT {JOB_COLUMNS} FROM jobs WHERE {' AND '.join(where)} {order}")
-        else:
-            # A pipeline job is stored under the pipeline's name (its type is
-            # the running stage's), a plain job under its type. Both are read
-            # from the rows, not from the topology: a server whose topology
-            # no longer (or not yet) declares the pipeline still lists its
-            # jobs. Each half walks its own newest-first index.
-            params["type"] = job_type
-            halves = (
-                " AND ".join([*where, "pipeline = :type"]),
-                " AND ".join([*where, "type = :type", "pipeline IS NULL"]),
-            )
-            sql = text(
-                " UNION ALL ".join(
-                    f"(SELECT {JOB_COLUMNS} FROM jobs WHERE {h} {order})" for h in halves
-                )
-                + f" {order}"
-            )
+        now = datetime.now(UTC)
+        sql, params = list_query(
+            tenant_id,
+            limit=limit,
+            after=after,
+            state=state,
+            job_type=job_type,
+            labels=labels,
+            created_after=created_after,
+            created_before=created_before,
+            waiting_code=waiting_code,
+            now=now,
+        )
         async with self._auto.connect() as conn:
             rows = (await conn.execute(sql, params)).mappings().all()
-        return [job_from_row(r) for r in rows]
+        return [job_from_row(r, now) for r in rows]
 
     async def count_states(self, tenant_id: uuid.UUID, *, cap: int) -> dict[JobState, int]:
         """The tenant's jobs in each state, each count stopping at ``cap``.

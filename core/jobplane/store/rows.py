@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
 from jobplane.errors import PayloadTooLarge
@@ -105,8 +105,8 @@ def _json(value: Any) -> Any:
     return value
 
 
-def job_from_row(row: Mapping[Any, Any]) -> Job:
-    """A :class:`Job` from a ``jobs`` row."""
+def job_from_row(row: Mapping[Any, Any], now: datetime | None = None) -> Job:
+    """A :class:`Job` from a ``jobs`` row, as it reads at ``now`` (None: the clock's)."""
     state = JobState(row["state"])
     error = None
     if row["error_code"]:
@@ -150,7 +150,7 @@ def job_from_row(row: Mapping[Any, Any]) -> Job:
         concurrency_key=row.get("concurrency_key") or "",
         concurrency_limit=int(row.get("concurrency_limit") or 0),
     )
-    return scheduled(job) if state is JobState.QUEUED else job
+    return scheduled(job, now) if state is JobState.QUEUED else job
 
 
 def _blob_ref(row: Mapping[Any, Any], column: str) -> BlobRef | None:

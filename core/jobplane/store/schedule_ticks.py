@@ -1,7 +1,7 @@
 """Ticking schedules: exactly one job per tick, however many tickers run (ADR-0041).
 
 A due schedule is claimed with ``FOR UPDATE SKIP LOCKED``; its runs' jobs are
-submitted through ``jobplane.submit_job`` in that same transaction, and the
+submitted in that same transaction (:mod:`jobplane.store.schedule_runs`), and the
 schedule is advanced past now in it too: the jobs exist if and only if the
 advance commits. A ticker that dies before the commit leaves the schedule
 due and no job; the next ticker to claim it submits the same ticks again.
@@ -34,14 +34,15 @@ import structlog
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
-from jobplane.errors import JobplaneError, ScheduleNotFound
+from jobplane.errors import FailedPrecondition, JobplaneError, ScheduleNotFound
 from jobplane.faults import NO_FAULTS, FaultPoints, InjectedFault
 from jobplane.logs import describe_error
 from jobplane.schedule_spec import Overlap, due_ticks
-from jobplane.schedule_types import SCHEDULE_LABEL, Schedule
+from jobplane.schedule_types import Schedule
 from jobplane.store.machine import MACHINE, Cause, Transition
+from jobplane.store.schedule_runs import submit_template
 from jobplane.store.schedules import COLUMN_NAMES, schedule_from_row, timing
-from jobplane.txn import submit_job
+from jobplane.topology import Topology
 from jobplane.types import JobState
 
 __all__ = ["FAILURE_BACKOFF", "TickReport", "tick_once", "trigger"]
@@ -87,6 +88,7 @@ _ACTIVE = text(
     "SELECT id FROM jobs WHERE tenant_id = :tenant_id AND id = ANY(CAST(:ids AS uuid[])) "
     "AND state = ANY(CAST(:active AS text[])) ORDER BY create_time"
 )
+_BY_REQUEST = text("SELECT id FROM jobs WHERE tenant_id = :tenant_id AND request_id = :request_id")
 _ACTIVE_STATES = [JobState.QUEUED.value, JobState.RUNNING.value]
 _ADVANCE = text(
     """
@@ -150,11 +152,14 @@ async def tick_once(
     now: datetime | None = None,
     limit: int = 1000,
     faults: FaultPoints = NO_FAULTS,
+    topology: Topology | None = None,
 ) -> TickReport:
     """Run every schedule due at ``now`` (at most ``limit``), one transaction each;
     then the ticks BUFFER_ONE held back whose run has ended.
 
-    A schedule that fails is rolled back alone and put off (:func:`_failed`).
+    A schedule of a pipeline ``topology`` declares submits pipeline jobs
+    (:mod:`jobplane.store.schedule_runs`). A schedule that fails is rolled
+    back alone and put off (:func:`_failed`).
     """
     runs = skipped = refused = failed = 0
     lag = 0.0
@@ -166,7 +171,7 @@ async def tick_once(
                 row = (await conn.execute(_CLAIM_DUE, {"now": moment})).mappings().first()
                 if row is None:
                     break
-                done = await _run_due(conn, row, moment)
+                done = await _run_due(conn, row, moment, topology)
                 faults.hit("schedule.before_commit")
         except InjectedFault:
             raise
@@ -182,7 +187,7 @@ async def tick_once(
         refused += done.refused
         if done.started and row["next_run_time"] is not None:
             lag = max(lag, (datetime.now(UTC) - row["next_run_time"]).total_seconds())
-    buffered, failed_buffered = await _run_buffered(engine, limit, now, faults)
+    buffered, failed_buffered = await _run_buffered(engine, limit, now, faults, topology)
     return TickReport(
         runs=runs + buffered,
         skipped=skipped,
@@ -214,7 +219,9 @@ async def _failed(
         )
 
 
-async def _run_due(conn: AsyncConnection, row: Mapping[Any, Any], now: datetime) -> _Outcome:
+async def _run_due(
+    conn: AsyncConnection, row: Mapping[Any, Any], now: datetime, topology: Topology | None
+) -> _Outcome:
     """The due ticks of the claimed schedule ``row``, and its advance past ``now``."""
     schedule = schedule_from_row(row)
     ticks = due_ticks(
@@ -246,7 +253,9 @@ async def _run_due(conn: AsyncConnection, row: Mapping[Any, Any], now: datetime)
                 done.skipped += 1
             continue
         cancel = active if schedule.overlap is Overlap.CANCEL_OTHER else []
-        job_id = await _submit_run(conn, row, schedule, _tick_key(row, tick), done, cancel=cancel)
+        job_id = await _submit_run(
+            conn, row, schedule, _tick_key(row, tick), done, topology, cancel=cancel
+        )
         if job_id is not None:
             done.started.append(job_id)
             active = [job_id]
@@ -256,7 +265,11 @@ async def _run_due(conn: AsyncConnection, row: Mapping[Any, Any], now: datetime)
 
 
 async def _run_buffered(
-    engine: AsyncEngine, limit: int, now: datetime | None, faults: FaultPoints
+    engine: AsyncEngine,
+    limit: int,
+    now: datetime | None,
+    faults: FaultPoints,
+    topology: Topology | None,
 ) -> tuple[int, int]:
     """Start the held-back tick of each BUFFER_ONE schedule whose runs have all ended,
     one transaction each; how many started and how many failed."""
@@ -271,7 +284,7 @@ async def _run_buffered(
                 row = (await conn.execute(_CLAIM_BUFFERED, binds)).mappings().first()
                 if row is None or await _active(conn, row):
                     continue
-                started += await _run_one_buffered(conn, row, now or datetime.now(UTC))
+                started += await _run_one_buffered(conn, row, now or datetime.now(UTC), topology)
                 faults.hit("schedule.before_commit")
         except InjectedFault:
             raise
@@ -285,11 +298,14 @@ async def _run_buffered(
     return started, failed
 
 
-async def _run_one_buffered(conn: AsyncConnection, row: Mapping[Any, Any], now: datetime) -> int:
+async def _run_one_buffered(
+    conn: AsyncConnection, row: Mapping[Any, Any], now: datetime, topology: Topology | None
+) -> int:
     """The claimed schedule's held-back tick: its run, the tick released; runs started."""
     schedule = schedule_from_row(row)
     done = _Outcome(started=[])
-    job_id = await _submit_run(conn, row, schedule, _tick_key(row, row["buffered_tick"]), done)
+    key = _tick_key(row, row["buffered_tick"])
+    job_id = await _submit_run(conn, row, schedule, key, done, topology)
     done.started = [] if job_id is None else [job_id]
     await _advance(
         conn, row, done, now, next_tick=row["next_tick"], next_run_time=row["next_run_time"]
@@ -298,11 +314,20 @@ async def _run_one_buffered(conn: AsyncConnection, row: Mapping[Any, Any], now: 
 
 
 async def trigger(
-    engine: AsyncEngine, tenant_id: uuid.UUID, schedule_id: str, request_id: str
+    engine: AsyncEngine,
+    tenant_id: uuid.UUID,
+    schedule_id: str,
+    request_id: str,
+    overlap: Overlap | None = None,
+    topology: Topology | None = None,
 ) -> uuid.UUID:
-    """Run the schedule once now, whatever its spec, pause and overlap policy say; the job's id.
+    """Run the schedule once now, whatever its spec and pause say; the job's id.
 
-    ``request_id`` makes a retried trigger the same run (empty: a new one).
+    ``overlap`` is what the run does while an earlier one is QUEUED or RUNNING:
+    None or ALLOW_ALL runs anyway, SKIP refuses (:class:`FailedPrecondition`
+    naming the running job, nothing written), CANCEL_OTHER cancels the earlier
+    runs in the same transaction. ``request_id`` makes a retried trigger the
+    same run (empty: a new one): its replay returns that run, whatever runs.
     """
     key = request_id or str(uuid.uuid4())
     async with engine.begin() as conn:
@@ -314,9 +339,22 @@ async def trigger(
         if row is None:
             raise ScheduleNotFound(f"schedules/{schedule_id} not found")
         schedule = schedule_from_row(row)
-        job_id = await _submit(conn, row, schedule, f"schedules/{row['uid']}/trigger/{key}")
+        run_key = f"schedules/{row['uid']}/trigger/{key}"
+        replay = (
+            await conn.execute(_BY_REQUEST, {"tenant_id": tenant_id, "request_id": run_key})
+        ).scalar()
+        active = [] if replay is not None else await _active(conn, row)
+        if active and overlap is Overlap.SKIP:
+            running = ", ".join(f"jobs/{job_id}" for job_id in active)
+            raise FailedPrecondition(
+                f"{schedule.name} has a run going ({running}): overlap_policy SKIP starts none",
+                metadata={"jobs": running},
+            )
+        if active and overlap is Overlap.CANCEL_OTHER:
+            await _cancel(conn, row, active)
+        job_id = await submit_template(conn, row, schedule, run_key, topology)
         # A replayed request_id returns the run it started then: counted once.
-        again = job_id in row["recent_runs"]
+        again = replay is not None or job_id in row["recent_runs"]
         done = _Outcome(
             started=[] if again else [job_id],
             buffered=row["buffered_tick"],
@@ -365,6 +403,7 @@ async def _submit_run(
     schedule: Schedule,
     request_id: str,
     done: _Outcome,
+    topology: Topology | None,
     *,
     cancel: Sequence[uuid.UUID] = (),
 ) -> uuid.UUID | None:
@@ -376,30 +415,13 @@ async def _submit_run(
     try:
         async with conn.begin_nested():
             await _cancel(conn, row, cancel)
-            job_id = await _submit(conn, row, schedule, request_id)
+            job_id = await submit_template(conn, row, schedule, request_id, topology)
     except JobplaneError as exc:
         done.refused += 1
         done.error = f"{exc.reason}: {exc.message}"
         return None
     done.error = ""
     return job_id
-
-
-async def _submit(
-    conn: AsyncConnection, row: Mapping[Any, Any], schedule: Schedule, request_id: str
-) -> uuid.UUID:
-    """SubmitJob of the template, in ``conn``'s transaction, carrying the schedule's name."""
-    template = schedule.template
-    return await submit_job(
-        conn,
-        tenant=row["tenant_name"],
-        type=template.type,
-        payload=template.payload,
-        request_id=request_id,
-        max_attempts=template.max_attempts,
-        labels={**template.labels, SCHEDULE_LABEL: schedule.name},
-        attempt_timeout=template.timeout_seconds,
-    )
 
 
 async def _advance(

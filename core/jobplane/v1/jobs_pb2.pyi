@@ -655,6 +655,7 @@ class ListJobsRequest(_message.Message):
     PAGE_TOKEN_FIELD_NUMBER: _builtins.int
     STATE_FIELD_NUMBER: _builtins.int
     TYPE_FIELD_NUMBER: _builtins.int
+    WAITING_CODE_FIELD_NUMBER: _builtins.int
     page_size: _builtins.int
     """0 means 50; at most 1000."""
     page_token: _builtins.str
@@ -662,6 +663,13 @@ class ListJobsRequest(_message.Message):
     """Only jobs in this state, when set."""
     type: _builtins.str
     """Only jobs of this type, when set."""
+    waiting_code: _builtins.str
+    """Only QUEUED jobs waiting for this reason, when set: a `Job.waiting_code`
+    such as `SCHEDULED`, `CONCURRENCY_LIMIT`, `UNROUTABLE`, `NO_LIVE_WORKER`
+    (UPPER_SNAKE, at most 64 characters). As GetJob reads them: a job whose
+    schedule_time has passed is no longer `SCHEDULED`. With `state`, only
+    QUEUED.
+    """
     def __init__(
         self,
         *,
@@ -669,10 +677,11 @@ class ListJobsRequest(_message.Message):
         page_token: _builtins.str = ...,
         state: Global___Job.State.ValueType = ...,
         type: _builtins.str = ...,
+        waiting_code: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["page_size", b"page_size", "page_token", b"page_token", "state", b"state", "type", b"type"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["page_size", b"page_size", "page_token", b"page_token", "state", b"state", "type", b"type", "waiting_code", b"waiting_code"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

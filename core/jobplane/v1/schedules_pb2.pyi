@@ -116,7 +116,9 @@ class JobTemplate(_message.Message):
     MAX_ATTEMPTS_FIELD_NUMBER: _builtins.int
     TIMEOUT_FIELD_NUMBER: _builtins.int
     type: _builtins.str
-    """Required. A job type the topology routes (not a pipeline)."""
+    """Required. A job type the topology routes, or a pipeline of it
+    (each run is then a pipeline job, as SubmitJob makes one).
+    """
     max_attempts: _builtins.int
     """0 means the queue's default."""
     @_builtins.property
@@ -477,19 +479,28 @@ class TriggerScheduleRequest(_message.Message):
 
     NAME_FIELD_NUMBER: _builtins.int
     REQUEST_ID_FIELD_NUMBER: _builtins.int
+    OVERLAP_POLICY_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """`schedules/{schedule}`"""
     request_id: _builtins.str
     """Optional idempotency key: the same one again returns the same job."""
+    overlap_policy: Global___Schedule.OverlapPolicy.ValueType
+    """Optional: what this run does while an earlier run (QUEUED or RUNNING)
+    is still going. Unspecified (or ALLOW_ALL): it runs anyway. SKIP: it is
+    refused, FAILED_PRECONDITION naming the running job, and nothing is
+    written. CANCEL_OTHER: the earlier runs are cancelled (a running one
+    asked to stop), then it runs. BUFFER_ONE is not taken here.
+    """
     def __init__(
         self,
         *,
         name: _builtins.str = ...,
         request_id: _builtins.str = ...,
+        overlap_policy: Global___Schedule.OverlapPolicy.ValueType = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["name", b"name", "request_id", b"request_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["name", b"name", "overlap_policy", b"overlap_policy", "request_id", b"request_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -143,8 +143,9 @@ class ScheduleServiceServicer(object):
         raise NotImplementedError('Method not implemented!')
 
     def TriggerSchedule(self, request, context):
-        """Submits one run now, whatever the spec, the pause and the overlap
-        policy say; the job it submitted.
+        """Submits one run now, whatever the spec and the pause say, and, unless
+        the request names one, whatever an earlier run does; the job it
+        submitted.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -59,8 +59,9 @@ class ScheduleServiceStub:
     ResumeSchedule: _grpc.UnaryUnaryMultiCallable[_schedules_pb2.ResumeScheduleRequest, _schedules_pb2.Schedule]
     """Ticks again, from the first tick after now."""
     TriggerSchedule: _grpc.UnaryUnaryMultiCallable[_schedules_pb2.TriggerScheduleRequest, _jobs_pb2.Job]
-    """Submits one run now, whatever the spec, the pause and the overlap
-    policy say; the job it submitted.
+    """Submits one run now, whatever the spec and the pause say, and, unless
+    the request names one, whatever an earlier run does; the job it
+    submitted.
     """
     DeleteSchedule: _grpc.UnaryUnaryMultiCallable[_schedules_pb2.DeleteScheduleRequest, _schedules_pb2.DeleteScheduleResponse]
     """Deletes a schedule; the jobs it started stay."""
@@ -95,8 +96,9 @@ class ScheduleServiceAsyncStub(ScheduleServiceStub):
     ResumeSchedule: _aio.UnaryUnaryMultiCallable[_schedules_pb2.ResumeScheduleRequest, _schedules_pb2.Schedule]  # type: ignore[assignment]
     """Ticks again, from the first tick after now."""
     TriggerSchedule: _aio.UnaryUnaryMultiCallable[_schedules_pb2.TriggerScheduleRequest, _jobs_pb2.Job]  # type: ignore[assignment]
-    """Submits one run now, whatever the spec, the pause and the overlap
-    policy say; the job it submitted.
+    """Submits one run now, whatever the spec and the pause say, and, unless
+    the request names one, whatever an earlier run does; the job it
+    submitted.
     """
     DeleteSchedule: _aio.UnaryUnaryMultiCallable[_schedules_pb2.DeleteScheduleRequest, _schedules_pb2.DeleteScheduleResponse]  # type: ignore[assignment]
     """Deletes a schedule; the jobs it started stay."""
@@ -170,8 +172,9 @@ class ScheduleServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _schedules_pb2.TriggerScheduleRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_jobs_pb2.Job, _abc.Awaitable[_jobs_pb2.Job]]:
-        """Submits one run now, whatever the spec, the pause and the overlap
-        policy say; the job it submitted.
+        """Submits one run now, whatever the spec and the pause say, and, unless
+        the request names one, whatever an earlier run does; the job it
+        submitted.
         """
 
     @_abc_1.abstractmethod

@@ -26,7 +26,7 @@ from jobplane.errors import (
 )
 from jobplane.store.jobs import NewJob, pipeline_stages
 from jobplane.topology import PipelineSpec
-from jobplane.types import BlobRef
+from jobplane.types import BlobRef, JobState
 
 if TYPE_CHECKING:
     from jobplane.blobs.store import BlobStore
@@ -202,6 +202,27 @@ def check_id(
         )
     if _CONTROL.search(value):
         raise InvalidArgument(f"{field_name} has control characters", field=field_name)
+
+
+_WAITING_CODE = re.compile(r"[A-Z][A-Z0-9_]{0,63}")
+
+
+def check_waiting_code(code: str, state: JobState | None) -> None:
+    """Refuse a list's ``waiting_code`` that is no code (UPPER_SNAKE, at most 64
+    characters), or one with a state other than QUEUED (only queued jobs wait)."""
+    if not code:
+        return
+    if not _WAITING_CODE.fullmatch(code):
+        raise InvalidArgument(
+            f"waiting_code {shown(code)} must be a code such as SCHEDULED or "
+            "CONCURRENCY_LIMIT (UPPER_SNAKE, at most 64 characters)",
+            field="waiting_code",
+        )
+    if state is not None and state is not JobState.QUEUED:
+        raise InvalidArgument(
+            f"waiting_code names why a QUEUED job waits: not with state {state.value}",
+            field="waiting_code",
+        )
 
 
 def check_labels(labels: dict[str, str]) -> None:

@@ -23,18 +23,21 @@ MAX_PAGE_TOKEN_LENGTH = 512
 
 
 def extra_filters(
-    labels: dict[str, str] | None, after: datetime | None, before: datetime | None
+    labels: dict[str, str] | None,
+    after: datetime | None,
+    before: datetime | None,
+    waiting_code: str = "",
 ) -> str:
     """The filters past state and type, as text for the token's filter key ("" for none)."""
-    if not labels and after is None and before is None:
+    if not labels and after is None and before is None and not waiting_code:
         return ""
-    return json.dumps(
-        [
-            sorted((labels or {}).items()),
-            after.isoformat() if after else "",
-            before.isoformat() if before else "",
-        ]
-    )
+    key = [
+        sorted((labels or {}).items()),
+        after.isoformat() if after else "",
+        before.isoformat() if before else "",
+    ]
+    # Only when set: the tokens of lists without it stay what they were.
+    return json.dumps([*key, waiting_code] if waiting_code else key)
 
 
 def filter_key(state: JobState | None, job_type: str, extra: str = "") -> str:

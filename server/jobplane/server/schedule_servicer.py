@@ -8,7 +8,7 @@ import uuid
 from jobplane.convert import job_to_pb
 from jobplane.errors import InvalidArgument
 from jobplane.names import job_name
-from jobplane.schedule_convert import schedule_from_pb, schedule_to_pb
+from jobplane.schedule_convert import overlap_from_pb, schedule_from_pb, schedule_to_pb
 from jobplane.schedule_types import Schedule
 from jobplane.server.schedules import ScheduleService
 from jobplane.server.service import JobService
@@ -82,7 +82,12 @@ class ScheduleServiceServicer(schedules_pb2_grpc.ScheduleServiceServicer):
     async def TriggerSchedule(
         self, tenant: uuid.UUID, request: schedules_pb2.TriggerScheduleRequest
     ) -> jobs_pb2.Job:
-        job_id = await self._schedules.trigger(tenant, request.name, request.request_id)
+        job_id = await self._schedules.trigger(
+            tenant,
+            request.name,
+            request.request_id,
+            overlap_from_pb(request.overlap_policy),
+        )
         return job_to_pb(await self._jobs.get(tenant, job_name(job_id)))
 
     @_unary

@@ -1,8 +1,9 @@
 """The schedule service: the rules of each ScheduleService call (ADR-0041).
 
-A schedule's job template is checked as SubmitJob checks a request, with the
-same limits, so a tick never submits what SubmitJob would refuse (but for a
-topology changed since: that tick's refusal is the schedule's last_error).
+A schedule's job template (a job type, or a pipeline) is checked as SubmitJob
+checks a request, with the same limits, so a tick never submits what SubmitJob
+would refuse (but for a topology changed since: that tick's refusal is the
+schedule's last_error).
 Nothing here knows gRPC; :mod:`jobplane.server.schedule_servicer` translates.
 """
 
@@ -21,7 +22,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from jobplane.errors import InvalidArgument, JobplaneError, UnroutableJobType, shown
 from jobplane.names import validate_job_type
-from jobplane.schedule_spec import MAX_CATCH_UP_LIMIT, check_spec
+from jobplane.schedule_spec import MAX_CATCH_UP_LIMIT, Overlap, check_spec
 from jobplane.schedule_types import SCHEDULE_LABEL, JobTemplate, Schedule, SchedulePage
 from jobplane.server.job_requests import (
     MAX_ATTEMPTS_LIMIT,
@@ -132,11 +133,9 @@ class ScheduleService:
     def _check_template(self, template: JobTemplate, prefix: str) -> None:
         try:
             job_type = validate_job_type(template.type)
-            if self._topology.pipeline(job_type) is not None:
-                raise InvalidArgument(
-                    f"{job_type!r} is a pipeline: a schedule runs plain job types", field="type"
-                )
-            if self._topology.route(job_type) is None:
+            # A pipeline's stages route by the topology's own check.
+            pipeline = self._topology.pipeline(job_type)
+            if pipeline is None and self._topology.route(job_type) is None:
                 raise UnroutableJobType(
                     f"no queue of the topology takes job type {job_type!r}", field="type"
                 )
@@ -236,10 +235,21 @@ class ScheduleService:
             tenant, parse_schedule_name(name), lambda current: replace(current, paused=paused)
         )
 
-    async def trigger(self, tenant: uuid.UUID, name: str, request_id: str) -> uuid.UUID:
-        """Submit one run now; its job's id."""
+    async def trigger(
+        self, tenant: uuid.UUID, name: str, request_id: str, overlap: Overlap | None = None
+    ) -> uuid.UUID:
+        """Submit one run now, minding ``overlap`` (None: run whatever runs); its job's id."""
+        schedule_id = parse_schedule_name(name)
         check_id(request_id, "request_id", max_chars=MAX_REQUEST_ID_LENGTH - 100)
-        return await trigger(self._engine, tenant, parse_schedule_name(name), request_id)
+        if overlap is Overlap.BUFFER_ONE:
+            raise InvalidArgument(
+                "overlap_policy BUFFER_ONE is a tick's: a trigger runs now, is refused (SKIP) "
+                "or cancels the earlier runs (CANCEL_OTHER)",
+                field="overlap_policy",
+            )
+        return await trigger(
+            self._engine, tenant, schedule_id, request_id, overlap, topology=self._topology
+        )
 
     async def delete(self, tenant: uuid.UUID, name: str) -> None:
         """Delete it; the jobs it started stay."""

@@ -42,6 +42,7 @@ from jobplane.server.job_requests import (
     check_id,
     check_labels,
     check_payload,
+    check_waiting_code,
     max_request_bytes,
     pipeline_job,
 )
@@ -297,11 +298,14 @@ class JobService:
         labels: dict[str, str] | None = None,
         created_after: datetime | None = None,
         created_before: datetime | None = None,
+        waiting_code: str = "",
     ) -> JobPage:
         """A page of jobs, newest first, with an opaque keyset token.
 
         ``labels`` (jobs carrying all of them) and the create-time bounds are
-        the dashboard's filters; a token holds to the filters it was made for.
+        the dashboard's filters; ``waiting_code``: QUEUED jobs waiting for
+        that reason, as GetJob reads them. A token holds to the filters it
+        was made for.
         """
         if page_size < 0:
             raise InvalidArgument("page_size must not be negative", field="page_size")
@@ -310,7 +314,8 @@ class JobService:
             validate_job_type(job_type)
         if labels:
             check_labels(labels)
-        extra = extra_filters(labels, created_after, created_before)
+        check_waiting_code(waiting_code, state)
+        extra = extra_filters(labels, created_after, created_before, waiting_code)
         filters = filter_key(state, job_type, extra)
         cursor = decode_token(page_token, filters) if page_token else None
         jobs = await self._store.list_jobs(
@@ -322,6 +327,7 @@ class JobService:
             labels=labels or None,
             created_after=created_after,
             created_before=created_before,
+            waiting_code=waiting_code,
         )
         next_token = ""
         if len(jobs) > limit:
@@ -330,14 +336,17 @@ class JobService:
             next_token = encode_token(cursor, filters)
         return JobPage(jobs=jobs, next_page_token=next_token)
 
-    def page_token_after(self, job: Job, *, state: JobState | None, job_type: str) -> str:
+    def page_token_after(
+        self, job: Job, *, state: JobState | None, job_type: str, waiting_code: str = ""
+    ) -> str:
         """The token of the page that follows ``job`` in a list with these filters.
 
         For a caller that sends fewer jobs than a page held (e.g. to keep a
         reply under a size), and lets the client continue after the last one.
         """
         cursor = ListCursor(job.create_time, uuid.UUID(job.id))
-        return encode_token(cursor, filter_key(state, job_type))
+        extra = extra_filters(None, None, None, waiting_code)
+        return encode_token(cursor, filter_key(state, job_type, extra))
 
     async def count_states(self, tenant: uuid.UUID, *, cap: int = 10_000) -> dict[JobState, int]:
         """The tenant's jobs in each state, each count stopping at ``cap``."""

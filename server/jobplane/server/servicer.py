@@ -132,6 +132,7 @@ class JobServiceServicer(jobs_pb2_grpc.JobServiceServicer):
             page_token=request.page_token,
             state=state,
             job_type=request.type,
+            waiting_code=request.waiting_code,
         )
         reply = jobs_pb2.ListJobsResponse(next_page_token=page.next_page_token)
         size = 0
@@ -142,7 +143,7 @@ class JobServiceServicer(jobs_pb2_grpc.JobServiceServicer):
                 # The rest of the page follows on the next one.
                 last = page.jobs[len(reply.jobs) - 1]
                 reply.next_page_token = self._service.page_token_after(
-                    last, state=state, job_type=request.type
+                    last, state=state, job_type=request.type, waiting_code=request.waiting_code
                 )
                 break
             reply.jobs.append(message)

@@ -26,6 +26,7 @@ from jobplane.logs import describe_error
 from jobplane.store.down import database_transient
 from jobplane.store.schedule_ticks import TickReport, tick_once
 from jobplane.tasks import cancel_and_wait
+from jobplane.topology import Topology
 
 log = structlog.get_logger("jobplane.scheduler")
 
@@ -37,16 +38,23 @@ class Scheduler(Lifecycle):
     """Ticks due schedules every ``poll`` seconds in the background until stopped."""
 
     def __init__(
-        self, engine: AsyncEngine, *, poll: float = 1.0, faults: FaultPoints = NO_FAULTS
+        self,
+        engine: AsyncEngine,
+        *,
+        poll: float = 1.0,
+        faults: FaultPoints = NO_FAULTS,
+        topology: Topology | None = None,
     ) -> None:
+        """``topology``: whose pipelines a schedule's runs may be (None: plain job types)."""
         self._engine = engine
+        self._topology = topology
         self._poll = poll
         self._faults = faults
         self._task: asyncio.Task[None] | None = None
 
     async def tick_once(self) -> TickReport:
         """One pass over the due schedules (and the ticks BUFFER_ONE held back)."""
-        report = await tick_once(self._engine, faults=self._faults)
+        report = await tick_once(self._engine, faults=self._faults, topology=self._topology)
         if report.runs or report.refused or report.failed:
             log.info(
                 "scheduler.ticked",

@@ -135,7 +135,9 @@ class Sweeper(Lifecycle):
         self._next_republish = 0.0  # monotonic; the first sweep runs the pass
         self._interval = interval
         self._task: asyncio.Task[None] | None = None
-        self.scheduler = Scheduler(engine, faults=faults) if schedules else None
+        self.scheduler = (
+            Scheduler(engine, topology=self._topology, faults=faults) if schedules else None
+        )
 
     def _decide(self, lease: ExpiredLease) -> Decision:
         policy = RetryPolicy.of_queue(

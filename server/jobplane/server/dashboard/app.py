@@ -27,6 +27,7 @@ from jobplane.errors import (
     FailedPrecondition,
     InvalidArgument,
     JobNotFound,
+    ScheduleNotFound,
     TenantLimitExceeded,
     Unavailable,
 )
@@ -40,6 +41,7 @@ from jobplane.server.dashboard.session import (
 from jobplane.server.dashboard.shared import FAILED_SECONDS, Cached, Deployment
 from jobplane.server.events import EventService
 from jobplane.server.limits import TenantLimiter
+from jobplane.server.schedules import ScheduleService
 from jobplane.server.service import JobService
 from jobplane.store.down import database_unavailable
 from jobplane.store.keys import KeyIdentity, KeyStore
@@ -76,6 +78,8 @@ class Backend:
     engine: AsyncEngine
     topology: Topology
     amqp_url: str
+    #: The schedules page's service (None: no schedules page).
+    schedules: ScheduleService | None = None
 
     @classmethod
     def of_server(cls, server: Any, amqp_url: str) -> Backend:
@@ -88,6 +92,7 @@ class Backend:
             server._engine,
             server._topology,
             amqp_url,
+            server.schedules,
         )
 
 
@@ -164,6 +169,8 @@ async def guard(
         )
     except JobNotFound:
         return error_page(request, 404, "Not found", "There is no such job.")
+    except ScheduleNotFound:
+        return error_page(request, 404, "Not found", "There is no such schedule.")
     except InvalidArgument as exc:
         name = exc.field or "request"
         return error_page(request, 400, "Bad request", f"{name}: {exc.message}", field=name)
@@ -265,6 +272,7 @@ class Dashboard:
         origin: str | None = None,
         trusted_proxies: tuple[Network, ...] = (),
     ) -> None:
+        from jobplane.server.dashboard.schedule_views import schedule_routes
         from jobplane.server.dashboard.views import routes
 
         address = parse_listen(listen, name=setting) if isinstance(listen, str) else listen
@@ -296,6 +304,7 @@ class Dashboard:
         app[ORIGIN] = origin.lower().rstrip("/") if origin else ""
         app.on_response_prepare.append(_security_headers)
         app.add_routes(routes)
+        app.add_routes(schedule_routes)
         self.app = app
         self._runner: web.AppRunner | None = None
         self.port = 0
@@ -368,4 +377,5 @@ async def standalone_backend(
         stack.push_async_callback(listener.stop)
     stack.push_async_callback(jobs.feeds.stop)
     stack.callback(events.close_streams)
-    return Backend(jobs, events, keys, limiter, engine, topology, amqp_url)
+    schedules = ScheduleService(engine, topology, max_payload_bytes=max_payload_bytes)
+    return Backend(jobs, events, keys, limiter, engine, topology, amqp_url, schedules)

@@ -17,13 +17,16 @@ from multidict import MultiMapping
 from jobplane.errors import InvalidArgument
 from jobplane.events.envelope import EventError, validate_pattern
 from jobplane.names import validate_job_type
-from jobplane.types import JobState
+from jobplane.types import JobState, WaitingCode
 
 MAX_VALUE = 1024
 DEFAULT_SIZE = 50
 MAX_SIZE = 1000
 _LABEL_KEY = re.compile(r"[a-z0-9]([a-z0-9._/-]{0,61}[a-z0-9])?")
 STATES = {state.value: state for state in JobState}
+_WAITING = re.compile(r"[A-Z][A-Z0-9_]{0,63}")
+#: The waiting codes the jobs page offers (any other code may still be typed in a URL).
+WAITING_CODES = tuple(code.value for code in WaitingCode)
 
 
 class BadField(ValueError):
@@ -46,6 +49,8 @@ class JobFilters:
     until: datetime | None = None
     size: int = DEFAULT_SIZE
     page: str = ""
+    #: Only QUEUED jobs waiting for this reason (a waiting code, e.g. SCHEDULED).
+    waiting: str = ""
 
 
 def single(query: MultiMapping[str], allowed: Collection[str]) -> dict[str, str]:
@@ -65,8 +70,9 @@ def single(query: MultiMapping[str], allowed: Collection[str]) -> dict[str, str]
 
 
 def job_filters(query: MultiMapping[str]) -> JobFilters:
-    """The jobs page's ``state``, ``type``, ``label``, ``since``, ``until``, ``size``, ``page``."""
-    raw = single(query, ("state", "type", "label", "since", "until", "size", "page"))
+    """The jobs page's ``state``, ``type``, ``label``, ``since``, ``until``, ``size``,
+    ``page`` and ``waiting``."""
+    raw = single(query, ("state", "type", "label", "since", "until", "size", "page", "waiting"))
     state = None
     if raw.get("state"):
         state = STATES.get(raw["state"].lower())
@@ -84,7 +90,13 @@ def job_filters(query: MultiMapping[str]) -> JobFilters:
     if since is not None and until is not None and since >= until:
         raise BadField("until", "must be later than since")
     size = _int("size", raw.get("size", ""), DEFAULT_SIZE, 1, MAX_SIZE)
-    return JobFilters(state, job_type, labels, since, until, size, raw.get("page", ""))
+    waiting = raw.get("waiting", "").strip().upper()
+    if waiting and not _WAITING.fullmatch(waiting):
+        raise BadField("waiting", "must be a waiting code, e.g. SCHEDULED or CONCURRENCY_LIMIT")
+    if waiting and state is not None and state is not JobState.QUEUED:
+        raise BadField("waiting", "only QUEUED jobs wait: choose state queued or any")
+    page = raw.get("page", "")
+    return JobFilters(state, job_type, labels, since, until, size, page, waiting)
 
 
 def _labels(text: str) -> dict[str, str]:

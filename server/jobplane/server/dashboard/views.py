@@ -31,6 +31,7 @@ from jobplane.server.dashboard.app import (
     viewer,
 )
 from jobplane.server.dashboard.forms import (
+    WAITING_CODES,
     BadField,
     JobFilters,
     after_seq,
@@ -210,6 +211,7 @@ async def _list(request: web.Request, filters: JobFilters) -> Any:
         labels=filters.labels,
         created_after=filters.since,
         created_before=filters.until,
+        waiting_code=filters.waiting,
     )
 
 
@@ -237,6 +239,7 @@ async def jobs_page(request: web.Request) -> web.StreamResponse:
         next_link=next_link,
         counts=await _counts(request, viewer(request).tenant),
         states=[s.value for s in JobState],
+        waiting_codes=WAITING_CODES,
         cap=10_000,
     )
 
