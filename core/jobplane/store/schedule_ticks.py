@@ -238,7 +238,7 @@ async def _run_due(
     if done.buffered is not None and not active:
         # The tick held back is older than any due now: it runs first, they after it.
         held, done.buffered = done.buffered, None
-        job_id = await _submit_run(conn, row, schedule, _tick_key(row, held), done)
+        job_id = await _submit_run(conn, row, schedule, _tick_key(row, held), done, topology)
         if job_id is not None:
             done.started.append(job_id)
             active = [job_id]
