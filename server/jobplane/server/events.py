@@ -37,6 +37,10 @@ from jobplane.store.events import (
 from jobplane.store.listen import Listener
 from jobplane.store.rows import check_payload_size
 
+# Its own generator: a recheck's jitter never moves the process's global
+# random state (an application's seeded random, or a test's).
+_JITTER = random.Random()
+
 # Patterns one subscription may hold; each costs a regex alternative.
 MAX_PATTERNS = 64
 # Events (matching or not) one read looks at.
@@ -178,7 +182,7 @@ class EventService:
                     poll = min(poll * 2, HELD_POLL_MAX_SECONDS)
                 else:
                     poll = HELD_POLL_SECONDS
-                    await wakeup.wait(self._recheck_seconds * random.uniform(0.75, 1.25))
+                    await wakeup.wait(self._recheck_seconds * _JITTER.uniform(0.75, 1.25))
 
 
 def _patterns(patterns: Sequence[str]) -> str | None:

@@ -32,6 +32,10 @@ from jobplane.store.listen import Listener
 from jobplane.tasks import cancel_and_wait
 from jobplane.types import JobEvent
 
+# Its own generator: a recheck's jitter never moves the process's global
+# random state (an application's seeded random, or a test's).
+_JITTER = random.Random()
+
 log = structlog.get_logger("jobplane.server")
 
 ReadMany: TypeAlias = Callable[
@@ -265,7 +269,7 @@ class FeedHub:
 
     async def _recheck_loop(self) -> None:
         while True:
-            await asyncio.sleep(self._recheck_seconds * random.uniform(0.75, 1.25))
+            await asyncio.sleep(self._recheck_seconds * _JITTER.uniform(0.75, 1.25))
             self._mark_all()
 
     async def _read_loop(self) -> None:
