@@ -23,6 +23,7 @@ from jobplane.store.attempts import Attempt, AttemptStore, ClaimStatus
 from jobplane.store.events import emitted
 from jobplane.topology import Topology
 from jobplane.workers.handlers import JobContext, Registry
+from jobplane.workers.relay import FairSettings
 from tests.support.parts import Started
 from tests.support.queues import publish_raw, ready_count
 from tests.support.stack import Stack, eventually, start_stack
@@ -32,8 +33,19 @@ from tests.support.stack import Stack, eventually, start_stack
 async def idle(
     engine: AsyncEngine, database_url: str, amqp_url: str, topology: Topology
 ) -> AsyncIterator[Stack]:
-    """A server and a relay: the test starts the worker once the messages wait."""
-    stack = await start_stack(engine, database_url, amqp_url, topology, worker=False)
+    """A server and a relay: the test starts the worker once the messages wait.
+
+    Every message in the queue before any worker consumes it: fair dispatch
+    is off, which would keep all but a few in the outbox (ADR-0042).
+    """
+    stack = await start_stack(
+        engine,
+        database_url,
+        amqp_url,
+        topology,
+        worker=False,
+        relay_options={"fair": FairSettings(enabled=False)},
+    )
     yield stack
     await stack.close()
 
