@@ -120,25 +120,26 @@ async def submit_job(
     # Postgres text holds no NUL: refused here, as the RPC refuses it.
     if "\x00" in tenant:
         raise TenantNotFound("no tenant's name has a NUL character", field="tenant")
-    for field, value in (
-        ("type", type),
-        ("request_id", request_id),
-        ("correlation_id", correlation_id),
-        ("concurrency_key", concurrency_key),
-    ):
-        if "\x00" in value:
-            raise InvalidArgument(f"{field} has a NUL character", field=field)
+    # A NUL elsewhere goes as another control character, which the function
+    # refuses in its turn among its checks, naming the field the RPC names.
+    type, request_id, correlation_id, concurrency_key = (
+        _without_nul(v) for v in (type, request_id, correlation_id, concurrency_key)
+    )
+    # What jsonb cannot hold goes as JSON null, which the function refuses where it
+    # checks that field; that refusal is then this one (the RPC's order of checks).
+    payload_json, bad_payload = _json_or_refusal(payload or {}, "payload")
+    labels_json, bad_labels = _json_or_refusal(labels or {}, "labels")
     timeout = attempt_timeout.total_seconds() if isinstance(attempt_timeout, timedelta) else None
     if attempt_timeout is not None and not isinstance(attempt_timeout, timedelta):
         timeout = float(attempt_timeout)
     args = (
         tenant,
         type,
-        _json(payload or {}, "payload"),
+        payload_json,
         request_id,
         correlation_id,
         max_attempts,
-        _json(labels or {}, "labels"),
+        labels_json,
         timeout,
         *_schedule_args(schedule_time, schedule_delay),
         concurrency_key,
@@ -151,7 +152,24 @@ async def submit_job(
         refusal = refusal_of(exc)
         if refusal is None:
             raise
+        for bad in (bad_payload, bad_labels):
+            if bad is not None and refusal.field == bad.field:
+                raise bad from exc
         raise refusal from exc
+
+
+def _json_or_refusal(value: Mapping[str, Any], field: str) -> tuple[str, InvalidArgument | None]:
+    """``value`` as JSON text, or JSON null and the refusal of what jsonb cannot hold."""
+    try:
+        return _json(value, field), None
+    except InvalidArgument as refused:
+        return "null", refused
+
+
+def _without_nul(value: str) -> str:
+    """``value`` with each NUL (which Postgres text cannot hold) as U+0001: a control
+    character too, refused where the function refuses those, in its order of checks."""
+    return value.replace("\x00", "\x01")
 
 
 def _schedule_args(
@@ -172,7 +190,17 @@ def _schedule_args(
     )
     if delay is not None and not math.isfinite(delay):
         raise InvalidArgument("schedule_delay must be a finite duration", field="schedule_delay")
-    return (None if schedule_time is None else schedule_time.isoformat()), delay
+    return (None if schedule_time is None else schedule_time.isoformat()), _whole_micros(delay)
+
+
+def _whole_micros(seconds: float | None) -> float | None:
+    """``seconds`` in whole microseconds (what an interval keeps), a fraction rounded away
+    from zero: a delay the RPC refuses by a nanosecond (below 0, beyond the horizon) is
+    refused by the function too, not rounded into its range."""
+    if seconds is None:
+        return None
+    micros = math.ceil(abs(seconds) * 1e6)
+    return math.copysign(micros / 1e6, seconds)
 
 
 def _json(value: Mapping[str, Any], field: str) -> str:

@@ -30,7 +30,7 @@ import asyncpg
 
 from jobplane.client import AsyncClient, JobEvent
 from jobplane.store.engine import asyncpg_dsn
-from jobplane.topology import PipelineSpec, StageSpec, Topology
+from jobplane.topology import PipelineSpec, RateLimitSpec, StageSpec, Topology
 from tests.faults.handlers import PIPELINE_STAGES, SCHEMA
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -78,7 +78,7 @@ def topology_toml(topology: Topology) -> str:
             f'[[queues]]\nname = "{q.name}"\nbindings = [{bindings}]\n'
             f"delivery_limit = {q.delivery_limit}\nmax_attempts = {q.max_attempts}\n"
             f"timeout_seconds = {q.timeout_seconds}\nretry_base_delay = 0.05\n"
-            f"retry_max_delay = 0.5\n"
+            f"retry_max_delay = 0.5\nmax_running_per_tenant = {q.max_running_per_tenant}\n"
         )
     for pipeline in topology.pipelines:
         lines.append(f'[[pipelines]]\nname = "{pipeline.name}"\nversion = "{pipeline.version}"\n')
@@ -88,9 +88,21 @@ def topology_toml(topology: Topology) -> str:
                 f'version = "{st.version}"\nmax_attempts = {st.max_attempts}\n'
                 f"timeout_seconds = {st.timeout_seconds}\nweight = {st.weight}\n"
             )
+    lines.extend(_rate_limit_toml(limit) for limit in topology.rate_limits)
     text = "\n".join(lines)
     tomllib.loads(text)  # fail here, not in a child process
     return text
+
+
+def _rate_limit_toml(limit: RateLimitSpec) -> str:
+    """A ``[[rate_limits]]`` entry of ``limit``."""
+    types = ", ".join(f'"{t}"' for t in limit.types)
+    text = f'[[rate_limits]]\nname = "{limit.name}"\ntypes = [{types}]\n'
+    if limit.per_second is not None:
+        text += f"per_second = {limit.per_second}\nburst = {limit.burst}\n"
+    if limit.max_running is not None:
+        text += f"max_running = {limit.max_running}\n"
+    return text + f"per_tenant = {'true' if limit.per_tenant else 'false'}\n"
 
 
 class Proc:

@@ -1,17 +1,23 @@
-"""The SubmitJob RPC and ``jobplane.submit_job`` agree on every request.
+"""SubmitJob, BatchSubmitJobs and ``jobplane.submit_job`` agree on every request.
 
 Each drawn request (valid or not: bad types, huge, deep, NUL or NaN payloads,
-odd labels, ids and timeouts, unroutable types) goes to a real server over
-gRPC, for one tenant, and to the SQL function through :mod:`jobplane.txn`, for
-another. Both must accept or both refuse; an accepted pair must have written
-the same rows (job, first event, outbox row, its job.queued domain event
-and that event's outbox row: compared column by column, and
-the number of rows of every table). Then the same request_id again, with the
-same request or a changed one: both must answer alike (the same job, or
+odd labels, ids and timeouts, unroutable types, schedule times and delays in
+and out of range, concurrency keys, limits and modes) goes to a real server
+over gRPC as SubmitJob, for one tenant, and as the one request of a
+BatchSubmitJobs, for another, and to the SQL function through
+:mod:`jobplane.txn`, for a third. All must accept or all refuse, naming the
+same field (the batch's prefixed ``requests[0].``); an accepted trio must have
+written the same rows (job, first event, outbox row, its job.queued domain
+event and that event's outbox row: compared column by column, and the
+number of rows of every table). Then the same request_id again, with the
+same request or a changed one: all must answer alike (the same job, or
 REQUEST_ID_REUSED).
 
 The SQL side gets the values the server got: what a protobuf Struct makes
-of the payload's numbers, and the timeout as the server reads a Duration.
+of the payload's numbers, the timeout and the delay as the server reads a
+Duration, the time as it reads a Timestamp, the mode's name. A Timestamp or
+Duration protobuf cannot hold has no SQL counterpart: the two RPCs alone
+are compared then.
 """
 
 from __future__ import annotations
@@ -20,15 +26,16 @@ import asyncio
 import itertools
 import math
 import re
+import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
 import asyncpg
 import pytest
-from google.protobuf import duration_pb2
+from google.protobuf import duration_pb2, timestamp_pb2
 from hypothesis import given, note, settings
 from hypothesis import strategies as st
 from sqlalchemy.ext.asyncio import AsyncEngine
@@ -38,10 +45,12 @@ from jobplane.client import AsyncClient
 from jobplane.convert import dict_from_struct, seconds_from_duration, struct_from_dict
 from jobplane.errors import JobplaneError, RequestIdReused
 from jobplane.names import parse_job_name
+from jobplane.scheduling import time_from_timestamp
 from jobplane.server import JobplaneServer
 from jobplane.store.engine import asyncpg_dsn
 from jobplane.store.machine import lifecycle_event_id
 from jobplane.topology import QueueSpec, Topology
+from jobplane.v1 import jobs_pb2
 from tests.fuzz.conftest import PROFILE
 from tests.fuzz.strategies import Chain, integers, plain, texts
 from tests.support.parts import Started
@@ -113,9 +122,58 @@ _TIMEOUTS = st.one_of(
 )
 
 
+# The server's default horizon (JOBPLANE_MAX_SCHEDULE_SECONDS), and 2000-01-01.
+_HORIZON = 366 * 86_400
+_Y2000 = 946_684_800
+_DAY = 86_400
+
+
+def _at(offset: float) -> tuple[int, int]:
+    """A Timestamp's (seconds, nanos) ``offset`` seconds from now, drawn when used."""
+    seconds, fraction = divmod(time.time() + offset, 1)
+    return int(seconds), int(fraction * 1e9)
+
+
+# (seconds, nanos) of a Timestamp: past, due, ahead, around 2000, beyond the
+# horizon (a day either side of it, so the two clocks cannot disagree), and
+# outside protobuf's range.
+_SCHEDULE_TIMES = st.one_of(
+    st.none(),
+    st.none(),
+    st.floats(-20 * 365 * _DAY, _HORIZON - _DAY).map(_at),
+    st.floats(_HORIZON + _DAY, 9000 * 365 * _DAY).map(_at),
+    st.sampled_from(
+        [(_Y2000, 0), (_Y2000 - 1, 999_999_999), (_Y2000, 1), (0, 0), (-62_135_596_800, 0)]
+    ),
+    st.tuples(integers(-(2**40), 2**40), integers(-(2**31), 2**31 - 1)),
+)
+# (seconds, nanos) of a Duration: 0, within the horizon, at it, beyond it,
+# negative (by a second or a nanosecond), and not a valid Duration.
+_SCHEDULE_DELAYS = st.one_of(
+    st.none(),
+    st.none(),
+    st.tuples(st.integers(0, _HORIZON - 1), st.integers(0, 999_999_999)),
+    st.sampled_from([(0, 0), (0, 1), (0, -1), (-1, 0), (_HORIZON, 0), (_HORIZON + 1, 0), (0, 999)]),
+    st.tuples(integers(-(2**40), 2**40), integers(-(2**31), 2**31 - 1)),
+)
+_KEYS = st.one_of(
+    st.just(""),
+    st.just(""),
+    st.from_regex(r"[a-z0-9-]{1,20}", fullmatch=True),
+    st.sampled_from([" ", "\t", "k" * 256, "k" * 257, "k\x01", "k\x85", "k\x7f", "é" * 256]),
+    texts(),
+)
+_KEY_LIMITS = st.one_of(
+    st.just(0), st.sampled_from([1, 2, 10_000, 10_001, -1]), integers(-(2**31), 2**31 - 1)
+)
+# ConcurrencyMode's numbers (0: unspecified, 1: QUEUE, 2: REJECT) and ones it has not.
+_MODES = st.one_of(st.sampled_from([0, 0, 1, 2]), st.sampled_from([3, -1, 2**31 - 1]))
+_MODE_NAMES = {0: None, 1: "queue", 2: "reject"}
+
+
 @dataclass(frozen=True)
 class Request:
-    """One SubmitJob, in the SDK's terms."""
+    """One SubmitJob, in the SDK's terms (the schedule as protobuf has it)."""
 
     type: str
     payload: dict[str, Any]
@@ -124,6 +182,11 @@ class Request:
     max_attempts: int
     labels: dict[str, str]
     timeout: float | None
+    schedule_time: tuple[int, int] | None = None
+    schedule_delay: tuple[int, int] | None = None
+    concurrency_key: str = ""
+    concurrency_limit: int = 0
+    concurrency_mode: int = 0
 
 
 _VALID_TYPES = st.from_regex(r"(demo|reports|x)\.[a-z0-9][a-z0-9_.-]{0,10}", fullmatch=True)
@@ -150,6 +213,29 @@ _REQUESTS = st.builds(
     ),
     labels=_mostly(_VALID_LABELS, _LABELS),
     timeout=_mostly(st.one_of(st.none(), st.floats(0.001, 604_800.0)), _TIMEOUTS),
+    # Mostly unset here: _KEYED_OR_SCHEDULED draws them on valid requests.
+    schedule_time=_mostly(st.none(), _SCHEDULE_TIMES),
+    schedule_delay=_mostly(st.none(), _SCHEDULE_DELAYS),
+    concurrency_key=_mostly(st.just(""), _KEYS),
+    concurrency_limit=_mostly(st.just(0), _KEY_LIMITS),
+    concurrency_mode=_mostly(st.just(0), _MODES),
+)
+# The schedule and the concurrency key drawn on a request otherwise valid, so
+# that their own checks (and the jobs they make) are reached every time.
+_KEYED_OR_SCHEDULED = st.builds(
+    Request,
+    type=st.sampled_from(["demo.echo", "reports.render.pdf"]),
+    payload=st.just({"n": 1}),
+    request_id=st.one_of(st.just(""), st.uuids().map(str)),
+    correlation_id=st.just(""),
+    max_attempts=st.just(0),
+    labels=st.just({}),
+    timeout=st.none(),
+    schedule_time=_SCHEDULE_TIMES,
+    schedule_delay=_SCHEDULE_DELAYS,
+    concurrency_key=_KEYS,
+    concurrency_limit=_KEY_LIMITS,
+    concurrency_mode=_MODES,
 )
 _CHANGES = st.sampled_from(
     [
@@ -159,6 +245,8 @@ _CHANGES = st.sampled_from(
         {"labels": {"changed": "yes"}},
         {"correlation_id": "changed"},
         {"timeout": 7.25},
+        {"concurrency_key": "changed", "concurrency_limit": 0, "concurrency_mode": 0},
+        {"schedule_delay": (5, 0), "schedule_time": None},
     ]
 )
 
@@ -166,7 +254,9 @@ _CHANGES = st.sampled_from(
 _JOB = """
     SELECT type, queue, state, payload::text AS payload, max_attempts, correlation_id,
            labels::text AS labels, timeout_seconds, last_seq, attempt, retry_base,
-           dispatch_id IS NOT NULL AS dispatched, result, error_code, progress
+           dispatch_id IS NOT NULL AS dispatched, result, error_code, progress,
+           schedule_time IS NOT NULL AS scheduled, schedule_time, concurrency_key,
+           concurrency_limit
     FROM jobs WHERE id = $1
 """
 _EVENTS = """
@@ -203,21 +293,30 @@ class Sides:
     conn: asyncpg.Connection
     tables: list[str]
 
-    async def tenants(self) -> tuple[AsyncClient, str]:
-        """A client of a fresh tenant, and the name of another fresh one."""
+    async def tenants(self) -> tuple[AsyncClient, AsyncClient, str]:
+        """Clients of two fresh tenants, and the name of a third."""
         n = next(_counter)
         key, _tenant = await self.server.keys.create_key(f"rpc-{n}")
+        batch_key, _tenant = await self.server.keys.create_key(f"batch-{n}")
         await self.server.keys.create_key(f"sql-{n}")
-        return AsyncClient(self.server.address, key), f"sql-{n}"
+        return (
+            AsyncClient(self.server.address, key),
+            AsyncClient(self.server.address, batch_key),
+            f"sql-{n}",
+        )
 
     async def counts(self) -> dict[str, int]:
         """Rows of every table."""
         return {t: await self.conn.fetchval(f'SELECT count(*) FROM "{t}"') for t in self.tables}
 
-    async def written(self, job_id: Any) -> list[Any]:
-        """What one job's submit wrote."""
+    async def written(self, job_id: Any, *, at: bool) -> list[Any]:
+        """What one job's submit wrote (its schedule_time itself when ``at``: not a
+        delay's, which counts from each side's own clock)."""
+        job = dict(await self.conn.fetchrow(_JOB, job_id) or {})
+        if not at:
+            job.pop("schedule_time")
         return [
-            dict(await self.conn.fetchrow(_JOB, job_id) or {}),
+            job,
             [dict(r) for r in await self.conn.fetch(_EVENTS, job_id)],
             [dict(r) for r in await self.conn.fetch(_OUTBOX, job_id)],
             [_placeholders(dict(r), job_id) for r in await self.conn.fetch(_DOMAIN, job_id)],
@@ -265,24 +364,71 @@ def _as_the_server_reads(request: Request) -> tuple[dict[str, Any], float | None
     return payload, seconds_from_duration(duration, field="timeout")
 
 
+class _NoSqlValue(Exception):
+    """A Timestamp or Duration protobuf cannot hold: nothing to hand the function."""
+
+
+def _schedule_as_the_server_reads(request: Request) -> tuple[datetime | None, float | None]:
+    """The time and the delay the server gets from a Timestamp and a Duration."""
+    at = delay = None
+    try:
+        if request.schedule_time is not None:
+            seconds, nanos = request.schedule_time
+            at = time_from_timestamp(seconds, nanos, field="schedule_time")
+        if request.schedule_delay is not None:
+            seconds, nanos = request.schedule_delay
+            duration = duration_pb2.Duration(seconds=seconds, nanos=nanos)
+            delay = seconds_from_duration(duration, field="schedule_delay")
+    except JobplaneError as exc:
+        raise _NoSqlValue from exc
+    return at, delay
+
+
+def _pb(request: Request) -> jobs_pb2.SubmitJobRequest:
+    """``request`` on the wire, as the SDK sends it (and the fields it checks, raw)."""
+    message = jobs_pb2.SubmitJobRequest(
+        type=request.type,
+        payload=struct_from_dict(request.payload),
+        request_id=request.request_id,
+        correlation_id=request.correlation_id,
+        max_attempts=request.max_attempts,
+        labels=request.labels,
+        concurrency_key=request.concurrency_key,
+        concurrency_limit=request.concurrency_limit,
+    )
+    message.concurrency_mode = request.concurrency_mode  # type: ignore[assignment]
+    if request.timeout is not None:
+        message.timeout.FromTimedelta(timedelta(seconds=request.timeout))
+    if request.schedule_time is not None:
+        seconds, nanos = request.schedule_time
+        message.schedule_time.CopyFrom(timestamp_pb2.Timestamp(seconds=seconds, nanos=nanos))
+    if request.schedule_delay is not None:
+        seconds, nanos = request.schedule_delay
+        message.schedule_delay.CopyFrom(duration_pb2.Duration(seconds=seconds, nanos=nanos))
+    return message
+
+
 async def _rpc(client: AsyncClient, request: Request) -> Any:
     try:
-        job = await client.submit(
-            request.type,
-            request.payload,
-            request_id=request.request_id,
-            correlation_id=request.correlation_id,
-            max_attempts=request.max_attempts,
-            labels=request.labels,
-            attempt_timeout=request.timeout,
-        )
+        job = await client._call(client._get_stub().SubmitJob, _pb(request))
     except JobplaneError as exc:
         return exc
     return parse_job_name(job.name)
 
 
+async def _batch(client: AsyncClient, request: Request) -> Any:
+    batch = jobs_pb2.BatchSubmitJobsRequest(requests=[_pb(request)])
+    try:
+        reply = await client._call(client._get_stub().BatchSubmitJobs, batch)
+    except JobplaneError as exc:
+        return exc
+    (job,) = reply.jobs
+    return parse_job_name(job.name)
+
+
 async def _sql(conn: asyncpg.Connection, tenant: str, request: Request) -> Any:
     payload, timeout = _as_the_server_reads(request)
+    at, delay = _schedule_as_the_server_reads(request)
     try:
         async with conn.transaction():
             return await txn.submit_job(
@@ -295,6 +441,13 @@ async def _sql(conn: asyncpg.Connection, tenant: str, request: Request) -> Any:
                 max_attempts=request.max_attempts,
                 labels=request.labels,
                 attempt_timeout=timeout,
+                schedule_time=at,
+                schedule_delay=delay,
+                concurrency_key=request.concurrency_key,
+                concurrency_limit=request.concurrency_limit,
+                concurrency_mode=_MODE_NAMES.get(
+                    request.concurrency_mode, f"mode-{request.concurrency_mode}"
+                ),
             )
     except JobplaneError as exc:
         return exc
@@ -308,46 +461,89 @@ def _outcome(answer: Any, first: Any) -> str:
     return "same job" if answer == first else "new job"
 
 
-async def _judge(sides: Sides, request: Request, change: dict[str, Any]) -> None:
-    client, sql_tenant = await sides.tenants()
+def _field(answer: Any) -> str | None:
+    """The field a refusal names (a batch's without its ``requests[0].``); None: accepted."""
+    if not isinstance(answer, JobplaneError):
+        return None
+    return (answer.field or "").removeprefix("requests[0].").removeprefix("requests[0]")
+
+
+async def _sql_or_none(sides: Sides, tenant: str, request: Request) -> Any:
+    """The SQL side's answer; ``_NoSqlValue`` when the request cannot reach it."""
     try:
-        before = await sides.counts()
-        rpc = await _rpc(client, request)
-        between = await sides.counts()
-        sql = await _sql(sides.conn, sql_tenant, request)
-        after = await sides.counts()
-        said = f"rpc: {rpc!r}, sql: {sql!r}"
-        assert isinstance(rpc, JobplaneError) == isinstance(sql, JobplaneError), said
-        rpc_rows = {t: between[t] - before[t] for t in before}
-        sql_rows = {t: after[t] - between[t] for t in before}
-        assert rpc_rows == sql_rows, said
-        if isinstance(rpc, JobplaneError):
+        return await _sql(sides.conn, tenant, request)
+    except _NoSqlValue as exc:
+        return exc
+
+
+async def _judge(sides: Sides, request: Request, change: dict[str, Any]) -> None:
+    client, batch_client, sql_tenant = await sides.tenants()
+    try:
+        counts = [await sides.counts()]
+        answers: list[Any] = []
+        for side in ("rpc", "batch", "sql"):
+            if side == "rpc":
+                answers.append(await _rpc(client, request))
+            elif side == "batch":
+                answers.append(await _batch(batch_client, request))
+            else:
+                answers.append(await _sql_or_none(sides, sql_tenant, request))
+            counts.append(await sides.counts())
+        if isinstance(answers[2], _NoSqlValue):
+            answers, counts = answers[:2], counts[:3]
+        said = ", ".join(
+            f"{side}: {a!r}" for side, a in zip(("rpc", "batch", "sql"), answers, strict=False)
+        )
+        assert len({_field(a) for a in answers}) == 1, said
+        rows = [
+            {t: after[t] - before[t] for t in after} for before, after in itertools.pairwise(counts)
+        ]
+        assert all(r == rows[0] for r in rows), said
+        if isinstance(answers[0], JobplaneError):
             return
-        assert await sides.written(rpc) == await sides.written(sql)
+        at = request.schedule_time is not None
+        written = [await sides.written(a, at=at) for a in answers]
+        assert all(w == written[0] for w in written), said
         again = replace(request, **change)
-        rpc_again = await _rpc(client, again)
-        sql_again = await _sql(sides.conn, sql_tenant, again)
-        said = f"again: rpc {rpc_again!r}, sql {sql_again!r}"
-        assert _outcome(rpc_again, rpc) == _outcome(sql_again, sql), said
+        answers_again = [await _rpc(client, again), await _batch(batch_client, again)]
+        if len(answers) == 3:
+            answers_again.append(await _sql_or_none(sides, sql_tenant, again))
+        outcomes = {_outcome(a, first) for a, first in zip(answers_again, answers, strict=True)}
+        assert len(outcomes) == 1, f"again: {answers_again!r}"
     finally:
         await client.close()
+        await batch_client.close()
 
 
-async def test_the_rpc_and_the_sql_function_agree(sides: Sides) -> None:
-    loop = asyncio.get_running_loop()
+def _check(sides: Sides, requests: st.SearchStrategy[Request], loop: Any) -> None:
     profile = settings.default
     assert profile is not None
 
     @settings(max_examples=profile.max_examples * 2)
-    @given(_REQUESTS, _CHANGES)
+    @given(requests, _CHANGES)
     def check(request: Request, change: dict[str, Any]) -> None:
         note(repr(request)[:2000])
         asyncio.run_coroutine_threadsafe(_judge(sides, request, change), loop).result()
 
-    await asyncio.to_thread(check)
+    check()
+
+
+async def test_the_rpcs_and_the_sql_function_agree(sides: Sides) -> None:
+    await asyncio.to_thread(_check, sides, _REQUESTS, asyncio.get_running_loop())
     # The draws must reach both sides of every decision, or nothing was compared.
     accepted = await sides.conn.fetchval("SELECT count(*) FROM jobs")
     assert accepted > 20, accepted
+
+
+async def test_schedules_and_concurrency_keys_agree(sides: Sides) -> None:
+    await asyncio.to_thread(_check, sides, _KEYED_OR_SCHEDULED, asyncio.get_running_loop())
+    # Delayed jobs, keyed jobs and refusals of each field were all compared.
+    made = await sides.conn.fetchrow(
+        "SELECT count(*) FILTER (WHERE schedule_time > create_time) AS delayed, "
+        "count(*) FILTER (WHERE concurrency_key IS NOT NULL) AS keyed FROM jobs"
+    )
+    assert made is not None
+    assert made["delayed"] > 10 and made["keyed"] > 10, dict(made)
 
 
 def test_nan_cannot_reach_the_sql_function() -> None:

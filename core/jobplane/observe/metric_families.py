@@ -61,6 +61,7 @@ FAMILIES = (
     "sweeper_repairs",
     "worker_slots",
     "worker_groups",
+    "throttled_starts",
     "submit_groups",
     "failed_queue",
     "queue_messages",
@@ -232,8 +233,8 @@ class MetricFamilies:
         )
 
     def _declare_worker(self, registry: CollectorRegistry) -> None:
-        """A worker's slots and grouped writes."""
-        from prometheus_client import Gauge, Histogram
+        """A worker's slots, grouped writes and claims a limit refused."""
+        from prometheus_client import Counter, Gauge, Histogram
 
         self.worker_slots = Gauge(
             "jobplane_worker_slots",
@@ -246,6 +247,13 @@ class MetricFamilies:
             "Claims or outcomes a worker wrote together in one group (ADR-0028), by kind.",
             ("kind",),
             buckets=(1, 2, 4, 8, 16, 32, 64, 128),
+            registry=registry,
+        )
+        self.throttled_starts = Counter(
+            "jobplane_throttled_starts_total",
+            "Claims a flow limit refused (the job waits QUEUED), by the limit (a rate "
+            "limit's name, queue/{queue} for a per-tenant limit, concurrency_key) and job type.",
+            ("limit", "type"),
             registry=registry,
         )
 

@@ -54,8 +54,12 @@ class WorkerMetrics:
         message: AbstractIncomingMessage,
         claim: Callable[[], Awaitable[ClaimResult]],
     ) -> ClaimResult:
-        """The claim, uncounted (its attempt counts when it starts)."""
-        return await claim()
+        """The claim; one a flow limit refused counts as a throttled start (a claimed
+        attempt counts when it starts)."""
+        result = await claim()
+        if result.waiting_code:
+            self.metrics.throttled(result.limit, envelope.job_type)
+        return result
 
     def applied(self, transition: Transition) -> None:
         """Nothing counts a transition."""

@@ -44,6 +44,7 @@ if TYPE_CHECKING:
     from jobplane.topology import Topology
 
 __all__ = [
+    "CONCURRENCY_KEY",
     "MAX_TYPE_LABELS",
     "NO_METRICS",
     "OTHER_TYPE",
@@ -69,6 +70,8 @@ Refresher = Callable[[], Awaitable[None]]
 MAX_TYPE_LABELS = 500
 #: The ``type`` label of a job type this process does not know.
 OTHER_TYPE = "other"
+#: The ``limit`` label of a claim refused by its concurrency key (never the key itself).
+CONCURRENCY_KEY = "concurrency_key"
 
 
 def _exact(pattern: str) -> bool:
@@ -161,6 +164,17 @@ class Metrics(MetricFamilies):
     def submit_grouped(self, size: int) -> None:
         """A server wrote ``size`` concurrent submits in one statement."""
         self.submit_groups.observe(size)
+
+    def throttled(self, limit: str, job_type: str) -> None:
+        """A claim of a ``job_type`` job was refused by ``limit`` (a rate limit's name, or
+        ``queue/{queue}`` for a queue's per-tenant limit; '' for a concurrency key, whose
+        keys are no label): the job waits QUEUED (a ClaimResult's HELD)."""
+        label = self.type_label(job_type)
+        key = ("throttled", limit or CONCURRENCY_KEY, label)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = self.throttled_starts.labels(key[1], label)
+        child.inc()
 
     def relayed(self, kind: str, outcome: str, count: int = 1) -> None:
         """``count`` outbox rows of ``kind`` handed to the broker, with ``outcome``."""
@@ -328,6 +342,9 @@ class _NoMetrics(Metrics):
         pass
 
     def submit_grouped(self, size: int) -> None:
+        pass
+
+    def throttled(self, limit: str, job_type: str) -> None:
         pass
 
     def add_slots(self, read: Callable[[], tuple[int, int]]) -> None:

@@ -186,7 +186,10 @@ class Job(_message.Message):
     it back), UNROUTABLE (the broker returned its dispatch: no queue is bound
     for its type; retried until the topology is applied), SCHEDULED (its
     schedule_time has not come yet), CONCURRENCY_LIMIT (held until a RUNNING
-    job of its concurrency key ends). Empty otherwise.
+    job of its concurrency key ends),
+    RATE_LIMITED (held by a [[rate_limits]] entry: its start rate, or its max_running),
+    TENANT_LIMIT (held until a slot of its queue's max_running_per_tenant frees).
+    Empty otherwise.
     More codes may come; treat an unknown one as "waiting".
     """
     concurrency_key: _builtins.str

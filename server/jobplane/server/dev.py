@@ -182,16 +182,18 @@ def _dev_relay(
     if layout.relay_apart:
         return None
     observed = _relay_interceptors(metrics)
+    faults = FaultPoints(settings.faults)
     relay = Relay(
         engine,
         settings.database_url,
         settings.amqp_url,
         topology,
+        faults=faults,
         interceptors=observed,
         db=db,
         in_flight=relay_in_flight(db.size),
     )
-    return relay, Sweeper(engine, topology=topology, interceptors=observed)
+    return relay, Sweeper(engine, topology=topology, interceptors=observed, faults=faults)
 
 
 def _dev_checks(ops: OpsServer | None, server: JobplaneServer, relay: Any, worker: Any) -> None:

@@ -425,16 +425,18 @@ async def _dev_relay_part(args: argparse.Namespace) -> int:
         metrics, ops = _ops(settings, args, engine)
         relay_db, in_flight = _relay_pool(stack, settings)
         observed = _relay_interceptors(metrics)
+        faults = FaultPoints(settings.faults)
         relay = Relay(
             engine,
             settings.database_url,
             settings.amqp_url,
             topology,
+            faults=faults,
             interceptors=observed,
             db=relay_db,
             in_flight=in_flight,
         )
-        sweeper = Sweeper(engine, topology=topology, interceptors=observed)
+        sweeper = Sweeper(engine, topology=topology, interceptors=observed, faults=faults)
         if ops is not None:
             ops.add_check("relay", lambda: None if relay.connected else "no broker channel")
         await _start_ops(stack, ops)

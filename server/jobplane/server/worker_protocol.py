@@ -205,6 +205,9 @@ class WorkerService:
     async def claim(self, envelope: Envelope) -> Claimed:
         """Start the attempt the message dispatches, or say what to do with the message."""
         result = await self._store.claim(envelope)
+        if result.status is ClaimStatus.HELD:
+            # Held by a flow limit or its concurrency key: the job waits QUEUED.
+            self.metrics.throttled(result.limit, envelope.job_type)
         if result.attempt is not None and result.attempt.payload_blob is not None:
             result = await self._with_payload(result.attempt)
         if result.attempt is not None:

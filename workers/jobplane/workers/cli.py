@@ -1,6 +1,6 @@
 """The worker side's commands of ``jobplane``: ``worker`` (job handlers),
-``relay`` (the outbox to RabbitMQ, and the sweeper), ``sweep`` (repairs, once
-or in a loop) and ``dlq`` (the failed queue), each with its arguments.
+``relay`` (the outbox to RabbitMQ, and the sweeper), ``sweep`` (repairs and
+recurring schedules, once or in a loop) and ``dlq`` (the failed queue), each with its arguments.
 
 jobplane.cli imports this module only when one of them runs (or for the whole
 parser); with the worker install (ADR-0033) ``jobplane worker`` runs from it
@@ -125,13 +125,19 @@ async def _sweep(args: argparse.Namespace) -> int:
         watch_outbox(metrics, engine)
         if not args.once:
             await _start_ops(stack, ops)
+        faults = FaultPoints(settings.faults)
         sweeper = Sweeper(
             engine,
             topology=topology,
             lease_grace=args.lease_grace,
             republish_after=args.republish_after,
             interceptors=_relay_interceptors(metrics),
+            faults=faults,
         )
+        scheduler = sweeper.scheduler
+        if scheduler is not None and not args.once:
+            # Schedules tick beside the passes, every second, as a relay's sweeper ticks them.
+            await _started(stack, scheduler.start, scheduler.stop)
         relay_db, in_flight = _relay_pool(stack, settings)
         # Its one pass traces as the relay does; its rows are counted by the relays.
         relay = Relay(
@@ -139,6 +145,7 @@ async def _sweep(args: argparse.Namespace) -> int:
             settings.database_url,
             settings.amqp_url,
             topology,
+            faults=faults,
             unroutable_after=args.unroutable_after,
             interceptors=_relay_interceptors(NO_METRICS),
             db=relay_db,
@@ -149,6 +156,8 @@ async def _sweep(args: argparse.Namespace) -> int:
             report = await _swept(sweeper, args)
             if report is None:
                 continue
+            if args.once and scheduler is not None:
+                await scheduler.tick_once()
             published = await _drained(relay, args)
             _say(
                 "sweep.done",

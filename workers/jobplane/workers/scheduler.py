@@ -2,7 +2,8 @@
 
 A part of its own (``async with Scheduler(engine):``), started by the
 sweeper, which every deployment runs: ``jobplane relay`` (unless
-``--no-sweep``) and ``jobplane dev`` tick schedules with no extra process.
+``--no-sweep``), the loop of ``jobplane sweep`` (``--once``: one pass) and
+``jobplane dev`` tick schedules with no extra process.
 Any number may run at once: each due schedule is claimed with ``FOR UPDATE
 SKIP LOCKED`` and its runs' jobs commit with its advance
 (:mod:`jobplane.store.schedule_ticks`), so each tick is one job.
