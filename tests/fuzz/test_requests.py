@@ -23,6 +23,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from jobplane.topology import PipelineSpec, StageSpec, Topology
 from jobplane.v1 import jobs_pb2
+from jobplane.workers.relay import FairSettings
 from tests.fuzz.conftest import PROFILE
 from tests.fuzz.oracle import METHODS, Metadata, Oracle, Seeds, raw_channel, seed
 from tests.fuzz.strategies import Hints, fill_struct, json_values, plain, requests, texts
@@ -139,7 +140,18 @@ async def oracle(
     """A server and relay (no worker: jobs stay where the oracle puts them)."""
     # With a pipeline: its jobs are submitted, read, cancelled and retried too.
     staged = replace(topology, pipelines=(_pipeline(topology.queues[0].name),))
-    stack = await started(start_stack(engine, database_url, amqp_url, staged, worker=False))
+    # Fair dispatch off: with no worker it would hold all but a few dispatches
+    # back, and the check below is that the broker takes every one.
+    stack = await started(
+        start_stack(
+            engine,
+            database_url,
+            amqp_url,
+            staged,
+            worker=False,
+            relay_options={"fair": FairSettings(enabled=False)},
+        )
+    )
     client = stack.client()
     seeds = await seed(stack, client)
     async with raw_channel(stack) as channel:
