@@ -1,25 +1,38 @@
 """`--only fairness`: flow-controlled dispatch (ADR-0042), fair dispatch off and on.
 
-Each arm runs its own server, relay (``--no-fair`` for "off") and worker on a
-topology of two queues, a high one (``hi.#``) and a low one (``bench.#``), and
-measures, in the same run:
+Both arms run at once, each a :class:`~bench.run.Bench` of its own (database,
+vhost, server, relay — ``--no-fair`` for "off" — and one worker) on a
+topology of two queues, a high one (``hi.#``) and a low one (``bench.#``),
+and are loaded in turn (:mod:`bench.paired`'s way: the order reversed every
+other round, so a machine that drifts weighs on both alike). Each round
+measures, on each arm:
 
-- **tenant B behind A**: tenant A submits ``--fair-jobs`` no-op jobs
-  (BatchSubmitJobs), then tenant B submits jobs one at a time: B's
-  submit-to-start p99 (target <= 2 s with fair dispatch; "off": B waits
-  behind A's backlog);
+- **throughput**: ``--fair-jobs`` no-op jobs submitted (BatchSubmitJobs)
+  and drained, jobs/s from the first create to the last end (target: the
+  median of the rounds' on/off ratios >= 90 %);
+- **a lone tenant**: jobs one at a time, nothing else waiting:
+  submit-to-start p50/p99 over every round (target: on about as off).
+
+Then once per arm, in turn:
+
+- **tenant B behind A**: tenant A submits ``--fair-jobs`` no-op jobs, then
+  tenant B submits jobs one at a time: B's submit-to-start p99 (target
+  <= 2 s with fair dispatch; "off": B waits behind A's backlog);
 - **high behind low**: ``--fair-jobs`` low jobs, then high jobs one at a
-  time: their start p99 (target <= 1 s);
-- **throughput**: ``--fair-jobs`` no-op jobs submitted and drained, jobs/s
-  (target: on >= 90 % of off);
-- **a lone tenant**: jobs one at a time, nothing else waiting: submit-to-start
-  p50/p99 (target: on about as off).
+  time: their start p99 (target <= 1 s).
+
+``--rounds`` sets the rounds (default :data:`bench.paired.DEFAULT_ROUNDS`).
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
+import contextlib
+import statistics
+import sys
 import time
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from jobplane.client import AsyncClient, JobSpec
@@ -61,6 +74,20 @@ priority = "low"
 """
 
 
+@dataclass
+class _Arm:
+    """One side: its bench, tenant B's key there, and what its rounds measured."""
+
+    name: str
+    bench: Bench
+    key_b: str
+    rates: list[float] = field(default_factory=list)
+    lone: list[float] = field(default_factory=list)
+    #: CPU ms per throughput job of the arm's own processes, summed over the rounds.
+    cpu: dict[str, float] = field(default_factory=dict)
+    once: dict[str, float] = field(default_factory=dict)
+
+
 async def _ended(bench: Bench, job_type: str, count: int, timeout: float = 900) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -93,10 +120,7 @@ async def _one_by_one(client: AsyncClient, job_type: str, n: int = _ONE_BY_ONE) 
         await asyncio.sleep(_APART_SECONDS)
 
 
-async def _arm(bench: Bench, arm: str, key_b: str, n: int) -> dict[str, float]:
-    """One arm's processes and figures (ms, and jobs/s for the throughput)."""
-    from bench.run import percentile
-
+async def _start(bench: Bench, arm: str) -> None:
     await bench.start_server()
     await bench.start("relay", "relay", *(["--no-fair"] if arm == "off" else []))
     await bench.start(
@@ -108,71 +132,150 @@ async def _arm(bench: Bench, arm: str, key_b: str, n: int) -> dict[str, float]:
         str(bench.args.concurrency),
     )
     await bench.ready()
-    got: dict[str, float] = {}
-    try:
-        async with (
-            AsyncClient(bench.address, bench.key) as a,
-            AsyncClient(bench.address, key_b) as b,
-        ):
-            await _one_by_one(a, f"bench.fair.lone.{arm}")
-            await _ended(bench, f"bench.fair.lone.{arm}", _ONE_BY_ONE)
-            lone = await _start_lags(bench, f"bench.fair.lone.{arm}")
-            got["lone_p50"], got["lone_p99"] = percentile(lone, 50), percentile(lone, 99)
 
-            began = time.monotonic()
-            await _backlog(a, f"bench.fair.tput.{arm}", n)
-            await _ended(bench, f"bench.fair.tput.{arm}", n)
-            got["throughput"] = n / (time.monotonic() - began)
 
-            await _backlog(a, f"bench.fair.a.{arm}", n)
-            await _one_by_one(b, f"bench.fair.b.{arm}")
-            await _ended(bench, f"bench.fair.b.{arm}", _ONE_BY_ONE)
-            got["b_p99"] = percentile(await _start_lags(bench, f"bench.fair.b.{arm}"), 99)
-            await _ended(bench, f"bench.fair.a.{arm}", n)
+async def _lone(arm: _Arm, tag: str) -> list[float]:
+    """A lone tenant's jobs, one at a time: their submit-to-start lags (ms)."""
+    job_type = f"bench.fair.lone.{tag}"
+    async with AsyncClient(arm.bench.address, arm.bench.key) as a:
+        await _one_by_one(a, job_type)
+    await _ended(arm.bench, job_type, _ONE_BY_ONE)
+    return await _start_lags(arm.bench, job_type)
 
-            await _backlog(a, f"bench.fair.low.{arm}", n)
-            await _one_by_one(a, f"hi.fair.{arm}")
-            await _ended(bench, f"hi.fair.{arm}", _ONE_BY_ONE)
-            got["high_p99"] = percentile(await _start_lags(bench, f"hi.fair.{arm}"), 99)
-            await _ended(bench, f"bench.fair.low.{arm}", n)
-    finally:
-        await bench.stop_all()
-    return got
+
+async def _throughput(arm: _Arm, tag: str, n: int) -> float:
+    """``n`` no-op jobs submitted as a backlog and drained: jobs/s, first create to last end."""
+    job_type = f"bench.fair.tput.{tag}"
+    async with AsyncClient(arm.bench.address, arm.bench.key) as a:
+        await _backlog(a, job_type, n)
+    await _ended(arm.bench, job_type, n)
+    rows = await arm.bench.sql(
+        "SELECT extract(epoch FROM max(end_time) - min(create_time)) AS span FROM jobs "
+        "WHERE type = $1",
+        job_type,
+    )
+    return n / float(rows[0]["span"])
+
+
+async def _behind(arm: _Arm, n: int) -> None:
+    """Tenant B behind A's backlog, and high jobs behind a low backlog: their start p99s."""
+    from bench.run import percentile
+
+    bench, tag = arm.bench, arm.name
+    async with (
+        AsyncClient(bench.address, bench.key) as a,
+        AsyncClient(bench.address, arm.key_b) as b,
+    ):
+        await _backlog(a, f"bench.fair.a.{tag}", n)
+        await _one_by_one(b, f"bench.fair.b.{tag}")
+        await _ended(bench, f"bench.fair.b.{tag}", _ONE_BY_ONE)
+        arm.once["b_p99"] = percentile(await _start_lags(bench, f"bench.fair.b.{tag}"), 99)
+        await _ended(bench, f"bench.fair.a.{tag}", n)
+
+        await _backlog(a, f"bench.fair.low.{tag}", n)
+        await _one_by_one(a, f"hi.fair.{tag}")
+        await _ended(bench, f"hi.fair.{tag}", _ONE_BY_ONE)
+        arm.once["high_p99"] = percentile(await _start_lags(bench, f"hi.fair.{tag}"), 99)
+        await _ended(bench, f"bench.fair.low.{tag}", n)
+
+
+async def _arms(bench: Bench, stack: contextlib.AsyncExitStack) -> list[_Arm]:
+    """Both arms' benches, started and warmed up (a lone run and a small backlog each)."""
+    from bench.run import Bench
+
+    topology = bench.workdir / "fairness.toml"
+    topology.write_text(_TOPOLOGY, encoding="utf-8")
+    arms: list[_Arm] = []
+    for name in ARMS:
+        twin = await stack.enter_async_context(Bench(argparse.Namespace(**vars(bench.args))))
+        twin.extra_env = {"JOBPLANE_TOPOLOGY": str(topology)}
+        engine = create_engine(twin.database_url, pool_size=1)
+        try:
+            key_b, _tenant = await KeyStore(engine).create_key("bench-b")
+        finally:
+            await engine.dispose()
+        await _start(twin, name)
+        arms.append(_Arm(name, twin, key_b))
+        print(f"fairness, arm {name}: database {twin.database}", file=sys.stderr)
+    for arm in arms:
+        await _lone(arm, f"{arm.name}.0")
+        await _throughput(arm, f"{arm.name}.0", min(bench.args.fair_jobs, 1000))
+        await arm.bench.sql("ANALYZE")
+    return arms
+
+
+async def _measure(bench: Bench) -> list[_Arm]:
+    from bench.paired import rounds_of
+    from bench.run import cpu_seconds
+
+    n = bench.args.fair_jobs
+    await bench.stop_all()
+    async with contextlib.AsyncExitStack() as stack:
+        arms = await _arms(bench, stack)
+        for round_ in range(1, rounds_of(bench) + 1):
+            for arm in arms if round_ % 2 else arms[::-1]:
+                arm.lone.extend(await _lone(arm, f"{arm.name}.{round_}"))
+                before = cpu_seconds(arm.bench)
+                arm.rates.append(await _throughput(arm, f"{arm.name}.{round_}", n))
+                for part, used in cpu_seconds(arm.bench).items():
+                    if part in ("server", "relay", "worker"):
+                        spent = (used - before.get(part, 0.0)) * 1000 / n
+                        arm.cpu[part] = arm.cpu.get(part, 0.0) + spent
+                await arm.bench.sql("ANALYZE")
+            rates = ", ".join(f"{arm.name} {arm.rates[-1]:,.1f}" for arm in arms)
+            print(f"fairness, round {round_}: jobs/s {rates}", file=sys.stderr)
+        for arm in arms:
+            await _behind(arm, n)
+        for arm in arms:
+            await arm.bench.stop_all()
+    await bench.start_all()
+    return arms
 
 
 async def fig_fairness(bench: Bench) -> None:
     """The fairness figures, off and on, with their verdicts."""
-    from bench.run import Figure
+    from bench.paired import rounds_of
+    from bench.run import Figure, percentile
 
     n = bench.args.fair_jobs
-    topology = bench.workdir / "fairness.toml"
-    topology.write_text(_TOPOLOGY, encoding="utf-8")
-    await bench.stop_all()
-    bench.extra_env["JOBPLANE_TOPOLOGY"] = str(topology)
-    engine = create_engine(bench.database_url, pool_size=1)
-    try:
-        key_b, _tenant = await KeyStore(engine).create_key("bench-b")
-    finally:
-        await engine.dispose()
-    arms = {arm: await _arm(bench, arm, key_b, n) for arm in ARMS}
-    config = {"backlog": n, "concurrency": bench.args.concurrency}
-    for arm, got in arms.items():
-        for name, value in got.items():
+    off, on = await _measure(bench)
+    config = {
+        "backlog": n,
+        "concurrency": bench.args.concurrency,
+        "rounds": rounds_of(bench),
+        "arms": "running at once, loaded in turn",
+    }
+    got: dict[str, dict[str, float]] = {}
+    for arm in (off, on):
+        got[arm.name] = {
+            "throughput": statistics.median(arm.rates),
+            "lone_p50": percentile(arm.lone, 50),
+            "lone_p99": percentile(arm.lone, 99),
+            **arm.once,
+        }
+        for name, value in got[arm.name].items():
             unit = "jobs/s" if name == "throughput" else "ms"
-            bench.add(Figure(f"fair_{arm}_{name}", value, unit, {**config, "arm": arm}))
-    on, off = arms["on"], arms["off"]
-    ratio = on["throughput"] / off["throughput"]
+            bench.add(Figure(f"fair_{arm.name}_{name}", value, unit, {**config, "arm": arm.name}))
+    ratios = [a / b for a, b in zip(on.rates, off.rates, strict=True)]
+    ratio = statistics.median(ratios)
+    g_on, g_off = got["on"], got["off"]
+    cpu = "; ".join(
+        f"{part} {off.cpu[part] / len(ratios):.2f} → {on.cpu[part] / len(ratios):.2f}"
+        for part in sorted(on.cpu)
+    )
 
     def verdict(ok: bool) -> str:
         return "met" if ok else "MISSED"
 
     bench.notes.append(
-        f"fairness ({n:,} backlog): tenant B p99 {on['b_p99']:.0f} ms on, {off['b_p99']:.0f} ms "
-        f"off, target <= {B_TARGET_MS:.0f} ms ({verdict(on['b_p99'] <= B_TARGET_MS)}); high "
-        f"behind low p99 {on['high_p99']:.0f} ms on, {off['high_p99']:.0f} ms off, target <= "
-        f"{HIGH_TARGET_MS:.0f} ms ({verdict(on['high_p99'] <= HIGH_TARGET_MS)}); throughput "
-        f"{on['throughput']:.0f}/s on vs {off['throughput']:.0f}/s off = {ratio:.0%}, target "
-        f">= {THROUGHPUT_TARGET:.0%} ({verdict(ratio >= THROUGHPUT_TARGET)}); lone tenant p50/p99 "
-        f"{on['lone_p50']:.0f}/{on['lone_p99']:.0f} ms on, "
-        f"{off['lone_p50']:.0f}/{off['lone_p99']:.0f} ms off"
+        f"fairness ({n:,} backlog, {len(ratios)} rounds): tenant B p99 {g_on['b_p99']:.0f} ms "
+        f"on, {g_off['b_p99']:.0f} ms off, target <= {B_TARGET_MS:.0f} ms "
+        f"({verdict(g_on['b_p99'] <= B_TARGET_MS)}); high behind low p99 "
+        f"{g_on['high_p99']:.0f} ms on, {g_off['high_p99']:.0f} ms off, target <= "
+        f"{HIGH_TARGET_MS:.0f} ms ({verdict(g_on['high_p99'] <= HIGH_TARGET_MS)}); throughput "
+        f"{g_on['throughput']:.0f}/s on vs {g_off['throughput']:.0f}/s off, median ratio "
+        f"{ratio:.0%} (rounds {', '.join(f'{r:.0%}' for r in ratios)}), target >= "
+        f"{THROUGHPUT_TARGET:.0%} ({verdict(ratio >= THROUGHPUT_TARGET)}); lone tenant p50/p99 "
+        f"{g_on['lone_p50']:.0f}/{g_on['lone_p99']:.0f} ms on, "
+        f"{g_off['lone_p50']:.0f}/{g_off['lone_p99']:.0f} ms off; CPU ms per job off → on: {cpu}"
     )

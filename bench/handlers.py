@@ -59,9 +59,16 @@ async def progress(ctx: JobContext) -> dict[str, Any]:
     return {"steps": steps}
 
 
-# --only fairness (bench/fairness.py): each figure's jobs under types of their own.
+# --only fairness (bench/fairness.py): each figure's jobs under types of their own,
+# the throughput's and the lone tenant's a round each (0: the warm-up).
 for _type in (
-    *(f"bench.fair.{k}.{a}" for k in ("lone", "tput", "a", "b", "low") for a in ("off", "on")),
+    *(f"bench.fair.{k}.{a}" for k in ("a", "b", "low") for a in ("off", "on")),
+    *(
+        f"bench.fair.{k}.{a}.{r}"
+        for k in ("lone", "tput")
+        for a in ("off", "on")
+        for r in range(MAX_ROUNDS + 1)
+    ),
     *(f"hi.fair.{a}" for a in ("off", "on")),
 ):
     registry.add(_type, noop)
