@@ -7,7 +7,8 @@ The relay says how many dispatches each queue may take now (its credit, see
 1. walks ``outbox_dispatch_fair`` (queue, tenant, due time) pair by pair (a
    loose index scan: one index probe per (queue, tenant) with waiting
    dispatches, however many dispatches each has);
-2. counts each tenant's due dispatches, up to its queue's credit;
+2. counts each tenant's due dispatches, up to its queue's credit and the
+   batch limit (no tenant gets more slots in one claim than the batch holds);
 3. gives the queue's credit out slot by slot, by start tag: a tenant's k-th
    slot starts at ``base + (k - 1) / weight``, where ``base`` is where its
    last slot ended, or the queue's virtual time when it had none since
@@ -92,7 +93,7 @@ FAIR_CLAIM = text(
                 SELECT 1 FROM outbox o
                 WHERE {_TENANT_DUE.format(s="h")} AND {_WAITING_O} AND {_SKIP}
                 ORDER BY o.queue, o.tenant_id, o.available_at
-                LIMIT h.credit) x) d
+                LIMIT least(h.credit, :limit)) x) d
         WHERE d.n > 0
     ),
     slots AS (

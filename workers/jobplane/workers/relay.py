@@ -257,7 +257,11 @@ class Relay(EventFeedPublishing, BrokerLink, Lifecycle):
             await self._db.close()
 
     async def drain_once(self) -> int:
-        """Connect, publish every row due now and every settled event, disconnect.
+        """Connect, publish the rows due now and every settled event, disconnect.
+
+        With fair dispatch on, a pass publishes each queue's dispatches up to
+        its credit (ADR-0042): the rest wait for the next pass, or a running
+        relay, as they would for a running relay's next claim.
 
         Returns the outbox rows taken and the events published.
         """
