@@ -323,7 +323,9 @@ def _hand_back(needs: set[str]) -> str:
     # job's type on its queue, a new dispatch is due after a jittered delay
     # that doubles with each hand-back (HAND_BACK, no event: hand-backs are
     # noise); otherwise the job is parked, with no dispatch at all (PARK, one
-    # event saying why). Neither counts as an attempt. Adds to j: handled.
+    # event saying why). Neither counts as an attempt, and either stops its
+    # wait for a flow limit (flow_key: its place in line is given up; its
+    # next claim decides afresh). Adds to j: handled.
     rule = RULES[Transition.HAND_BACK]
     assert rule.sources == RULES[Transition.PARK].sources
     return f"""
@@ -356,7 +358,7 @@ def _hand_back(needs: set[str]) -> str:
             waiting_code = CASE WHEN live.handled THEN '{WaitingCode.HANDED_BACK}'
                 ELSE '{WaitingCode.NO_LIVE_WORKER}' END,
             last_seq = jobs.last_seq + CASE WHEN live.handled THEN 0 ELSE 1 END,
-            update_time = now()
+            flow_key = NULL, update_time = now()
         FROM live
         WHERE jobs.id = live.id
         RETURNING {_returning(needs, "jobs") or "jobs.id"}, live.handled,

@@ -55,6 +55,7 @@ BEGIN
     SELECT count(*) INTO v_due FROM (
         SELECT 1 FROM jobs j
          WHERE j.state = 'queued' AND j.flow_key = key AND j.dispatch_id IS NOT NULL
+           AND j.waiting_code IN ('RATE_LIMITED', 'TENANT_LIMIT')
          LIMIT greatest(v_max, 0)) d;
     RETURN greatest(0, v_max - v_taken - v_due);
 END

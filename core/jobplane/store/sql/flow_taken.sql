@@ -20,7 +20,8 @@
 -- @SCHEMA@ is where jobplane's tables are, fixed when the functions are created.
 
 -- The slots of a key taken, up to lim: its RUNNING jobs (but job) and, ahead of job
--- in line, the older jobs waiting for the key (held, or made due and not claimed yet).
+-- in line, the older jobs waiting for the key (held, or made due and not claimed yet:
+-- its waiting code still the limit's; a job handed back or parked waits for a worker).
 -- A job of the limit is one that started under a limit (jobs.flow_limited) and
 -- matches: tenant (NULL: any), queue (NULL: any) and regexes (NULL: any type).
 CREATE OR REPLACE FUNCTION jobplane.flow_taken(
@@ -52,6 +53,7 @@ BEGIN
         SELECT count(*) INTO v_waiting FROM (
             SELECT 1 FROM jobs j
              WHERE j.state = 'queued' AND j.flow_key = key
+               AND j.waiting_code IN ('RATE_LIMITED', 'TENANT_LIMIT')
                AND (j.create_time, j.id) < (created, job)
              LIMIT lim - v_running) w;
     END IF;
