@@ -5,17 +5,23 @@ stage that held it."""
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import AsyncIterator
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from jobplane.client import Job
 from jobplane.store.attempts import AttemptStore, ClaimStatus, HandBack
-from jobplane.topology import RateLimitSpec, Topology
+from jobplane.store.routes import sync_submit_rules
+from jobplane.topology import RateLimitSpec, Topology, load_topology
+from tests.support import services
 from tests.support.parts import Started
 from tests.support.stack import Stack, start_stack
+
+_AIDJ = Path(__file__).parents[2] / "examples" / "topologies" / "aidj.toml"
 
 
 @pytest.fixture
@@ -31,10 +37,10 @@ async def limited(
     topology: Topology,
     limits: tuple[RateLimitSpec, ...],
     started: Started,
-) -> AsyncIterator[Stack]:
+) -> Stack:
     """A server alone, under ``limits``: the test claims and writes as a worker would."""
     spec = replace(topology, rate_limits=limits)
-    yield await started(
+    return await started(
         start_stack(engine, database_url, amqp_url, spec, relay=False, worker=False)
     )
 
@@ -58,3 +64,86 @@ async def test_a_parked_job_does_not_hold_the_budget_it_waited_for(limited: Stac
     )
     assert gone is HandBack.PARKED
     assert await _claim(limited, store, third) is ClaimStatus.CLAIMED
+
+
+_OVERLAPPING = (
+    RateLimitSpec("special", ("ov.special",), max_running=5),
+    RateLimitSpec("wide", ("ov.*",), max_running=1),
+)
+
+
+@pytest.mark.parametrize("limits", [_OVERLAPPING])
+async def test_a_job_counts_only_against_the_entry_that_governs_its_type(
+    limited: Stack,
+) -> None:
+    client = limited.client()
+    store = AttemptStore(limited.db, lease_seconds=30.0)
+    special = [await client.submit("ov.special", {}) for _ in range(2)]
+    for job in special:
+        assert await _claim(limited, store, job) is ClaimStatus.CLAIMED
+    # ov.special matches wide's pattern too, but special governs it: wide's one
+    # slot is free.
+    other, more = [await client.submit("ov.other", {}) for _ in range(2)]
+    assert await _claim(limited, store, other) is ClaimStatus.CLAIMED
+    assert await _claim(limited, store, more) is ClaimStatus.HELD
+
+
+_RATE_ONLY = (RateLimitSpec("late", ("late.op",), per_second=1000.0, burst=10.0),)
+
+
+@pytest.mark.parametrize("limits", [_RATE_ONLY])
+async def test_a_job_started_before_its_max_running_existed_does_not_count_against_it(
+    engine: AsyncEngine, limited: Stack, topology: Topology
+) -> None:
+    client = limited.client()
+    store = AttemptStore(limited.db, lease_seconds=30.0)
+    before = await client.submit("late.op", {})
+    assert await _claim(limited, store, before) is ClaimStatus.CLAIMED
+    # Started under the entry's rate alone; then the entry gets a max_running.
+    late = replace(topology, rate_limits=(replace(_RATE_ONLY[0], max_running=1),))
+    assert await sync_submit_rules(engine, late, max_payload_bytes=1 << 20)
+    first, second = [await client.submit("late.op", {}) for _ in range(2)]
+    assert await _claim(limited, store, first) is ClaimStatus.CLAIMED
+    assert await _claim(limited, store, second) is ClaimStatus.HELD
+
+
+_STAGES = (
+    RateLimitSpec("first", ("native.analyze",), max_running=1),
+    RateLimitSpec("second", ("neural.embed",), max_running=1),
+)
+
+
+@pytest.fixture
+async def aidj(amqp_url: str) -> AsyncIterator[Topology]:
+    """The seed's pipeline topology under names of this test's own."""
+    names = load_topology(_AIDJ).prefixed(f"p{uuid.uuid4().hex[:6]}.")
+    yield names
+    await services.delete_topology(amqp_url, names)
+
+
+@pytest.mark.parametrize("limits", [_STAGES])
+async def test_a_stage_that_succeeds_frees_its_own_slot_not_the_next_stages(
+    engine: AsyncEngine,
+    database_url: str,
+    amqp_url: str,
+    aidj: Topology,
+    limits: tuple[RateLimitSpec, ...],
+    started: Started,
+) -> None:
+    spec = replace(aidj, rate_limits=limits)
+    stack = await started(
+        start_stack(engine, database_url, amqp_url, spec, relay=False, worker=False)
+    )
+    client = stack.client()
+    store = AttemptStore(stack.db, lease_seconds=30.0)
+    job = await client.submit("aidj.analyze", {"track": "t"})
+    running = await store.claim(await stack.envelope(job.id))
+    assert running.status is ClaimStatus.CLAIMED and running.attempt is not None
+    assert running.attempt.type == "native.analyze"
+    plain = await client.submit("native.analyze", {})
+    assert await _claim(stack, store, plain) is ClaimStatus.HELD
+    # The pipeline's first stage succeeds: its slot of "first" is free.
+    await store.succeed(running.attempt, {})
+    dispatch = await stack.scalar("SELECT dispatch_id FROM jobs WHERE id = :id", id=plain.id)
+    assert dispatch is not None
+    assert await _claim(stack, store, plain) is ClaimStatus.CLAIMED

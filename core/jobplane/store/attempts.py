@@ -104,7 +104,7 @@ class ProgressUpdate:
 log = structlog.get_logger("jobplane.store")
 _ID: Returning = ("id",)
 # An attempt's end, with what its key's release needs (ADR-0040).
-_ENDED: Returning = ("id", "tenant_id", "concurrency_key", "type", "queue", "flow_limited")
+_ENDED: Returning = ("id", "tenant_id", "concurrency_key", "flow_slots")
 # A refused claim's job held (no dispatch) or throttled (due at its reserved start).
 _HOLDS = (Transition.HOLD, Transition.THROTTLE)
 # A hold: what holds the job (for the throttled-starts count).
@@ -540,7 +540,7 @@ class AttemptStore:
                     error=describe_error(exc),
                 )
 
-    async def release_limits(self, ended: Sequence[tuple[Any, str, str]]) -> None:
+    async def release_limits(self, ended: Sequence[str]) -> None:
         """After RUNNING jobs that held slots of flow limits ended: the oldest jobs
         held for those limits due again, up to the free slots (ADR-0043). Each
         limit in a transaction of its own; one lost here is the sweeper's."""

@@ -43,9 +43,9 @@ _HOOK_FIELDS = (
     "lifecycle_seq",
     "lifecycle_cause",
     "cancel_reason",
-    # Flow limits (ADR-0043): what a held job waits for; a job that holds a slot.
+    # Flow limits (ADR-0043): what a held job waits for; the slots a job holds.
     "flow_key",
-    "flow_limited",
+    "flow_slots",
 )
 
 

@@ -52,14 +52,10 @@ def _held(table: str = "") -> str:
 
 _HELD = _held()
 
-#: The budgets with held jobs a RUNNING job of (``:tenants``, ``:types``,
-#: ``:queues``) counted against: the ones its end frees a slot of.
+#: Of the budgets ``:keys`` ended RUNNING jobs held slots of, those with held jobs.
 ENDED_KEYS = text(
     f"""
-    SELECT DISTINCT f.key FROM
-        unnest(CAST(:tenants AS uuid[]), CAST(:types AS text[]), CAST(:queues AS text[]))
-            AS e(tenant_id, type, queue),
-        LATERAL jobplane.flow_keys(e.tenant_id, e.type, e.queue) AS f(key)
+    SELECT f.key FROM unnest(CAST(:keys AS text[])) AS f(key)
     WHERE EXISTS (SELECT 1 FROM jobs WHERE flow_key = f.key AND {_HELD})
     ORDER BY f.key
     """
@@ -79,7 +75,7 @@ def held_flow_keys() -> TextClause:
     )
 
 
-_KNOWN = frozenset({*JOB_FIELDS, "flow_key", "flow_limited"})
+_KNOWN = frozenset({*JOB_FIELDS, "flow_key", "flow_slots"})
 
 
 def _columns(needs: set[str], table: str) -> str:

@@ -119,6 +119,12 @@ LIMITED = (
     "(EXISTS (SELECT 1 FROM queue_limits ql WHERE ql.queue = jobs.queue) "
     "OR EXISTS (SELECT 1 FROM flow_limits fl WHERE ('.' || jobs.type) ~ ANY (fl.regexes)))"
 )
+# The keys of the RUNNING limits the claim counted the job against: it holds a
+# slot of each while RUNNING, and its end frees them (NULL: none).
+FLOW_SLOTS = (
+    f"CASE WHEN {LIMITED} THEN nullif(ARRAY(SELECT jobplane.flow_keys(tenant_id, type, queue)), "
+    "'{}') END"
+)
 FLOW_CHECK = "jobplane.flow_check(tenant_id, type, queue, id, create_time, flow_key, {hold})"
 # The key first, then the limits: a job its key refuses counts no start
 # against its rate. CASE: evaluated in this order, and only as far as needed.
@@ -202,7 +208,7 @@ RULES: Mapping[Transition, Rule] = {
         # A new attempt starts from nothing: its STARTED event must not carry
         # the last attempt's progress.
         "cancel_reason = NULL, progress = stage_base, progress_message = '', "
-        f"{NOT_WAITING}, handbacks = 0, flow_limited = {LIMITED}",
+        f"{NOT_WAITING}, handbacks = 0, flow_slots = {FLOW_SLOTS}",
         lifecycle=Lifecycle.STARTED,
     ),
     Transition.EXHAUST: Rule(
