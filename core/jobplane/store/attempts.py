@@ -188,14 +188,12 @@ class AttemptStore:
             ]
 
     async def refused_claim(self, request: ClaimRequest) -> ClaimResult:
-        """Why :meth:`claim_many` refused ``request`` (fails the job when no attempt is left)."""
-        machine = self._machine
-        params = self._claim_params(request.envelope, request.lease_token)
-        async with machine.session(self._db, Transition.EXHAUST, *_HOLDS) as conn:
-            refused = await self._refused(conn, request.envelope, params)
-        if refused is not None:
-            return refused
-        # Its key has room now: claimed alone (the group's statement is gone).
+        """What :meth:`claim` finds for ``request``, which :meth:`claim_many` refused.
+
+        A group claims no job with a concurrency key or under a flow limit
+        (those take advisory locks: ADR-0043): it is claimed here, alone, as
+        is any other the group refused, which learns why (fails the job when
+        no attempt is left)."""
         return await self.claim(request.envelope, worker=request.worker)
 
     def _claim_params(self, envelope: Envelope, token: uuid.UUID) -> dict[str, Any]:

@@ -181,7 +181,8 @@ def changes_many(transition: Transition, needs: set[str], binds: Sequence[str]) 
     arrays = ", ".join(f"CAST(:{n} AS {BIND_TYPES[n]}[])" for n in binds)
     columns = ", ".join(f"b_{n}" for n in binds)
     using = f", {rule.using}" if rule.using else ""
-    guard = f" AND {per_row(rule.guard)}" if rule.guard else ""
+    many_guard = rule.many_guard or rule.guard
+    guard = f" AND {per_row(many_guard)}" if many_guard else ""
     fence = f"{per_row(rule.match)} AND {where_sources(transition, 'jobs')}{guard}"
     seq = "last_seq = jobs.last_seq + 1, " if rule.event is not None else ""
     if rule.lifecycle is not None:
