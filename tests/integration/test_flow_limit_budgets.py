@@ -11,6 +11,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from jobplane.client import Job
@@ -147,3 +148,30 @@ async def test_a_stage_that_succeeds_frees_its_own_slot_not_the_next_stages(
     dispatch = await stack.scalar("SELECT dispatch_id FROM jobs WHERE id = :id", id=plain.id)
     assert dispatch is not None
     assert await _claim(stack, store, plain) is ClaimStatus.CLAIMED
+
+
+_SLOW = (RateLimitSpec("slow", ("slow.op",), per_second=0.5, burst=1.0),)
+_DUE = text("SELECT next_attempt_time FROM jobs WHERE id = :id")
+
+
+@pytest.mark.parametrize("limits", [_SLOW])
+async def test_a_changed_rate_dispatches_its_throttled_jobs_again_now(
+    engine: AsyncEngine, limited: Stack, topology: Topology
+) -> None:
+    client = limited.client()
+    store = AttemptStore(limited.db, lease_seconds=30.0)
+    first, second, third = [await client.submit("slow.op", {}) for _ in range(3)]
+    assert await _claim(limited, store, first) is ClaimStatus.CLAIMED
+    # Each reserves a start of the rate: two and four seconds from now.
+    assert await _claim(limited, store, second) is ClaimStatus.HELD
+    assert await _claim(limited, store, third) is ClaimStatus.HELD
+    async with engine.connect() as conn:
+        assert (await conn.execute(_DUE, {"id": third.id})).scalar_one() is not None
+    fast = replace(topology, rate_limits=(replace(_SLOW[0], per_second=1000.0, burst=10.0),))
+    assert await sync_submit_rules(engine, fast, max_payload_bytes=1 << 20)
+    async with engine.connect() as conn:
+        dues = [(await conn.execute(_DUE, {"id": j.id})).scalar_one() for j in (second, third)]
+    # Dispatched again, due now, and admitted under the new rate.
+    assert dues == [None, None]
+    assert await _claim(limited, store, second) is ClaimStatus.CLAIMED
+    assert await _claim(limited, store, third) is ClaimStatus.CLAIMED

@@ -103,8 +103,13 @@ BEGIN
     END IF;
     IF waiting IS NOT DISTINCT FROM v_key || '@rate' THEN
         -- Late on its reservation (starts bunched ahead of it): the first start the
-        -- rate allows, without another reservation.
+        -- rate allows, booked, so that jobs late together (a rate lowered under
+        -- their reservations) get starts one interval apart, not one herd.
         v_due := greatest(v_now, v_tat - v_tau + v_iv);
+        IF hold THEN
+            v_due := greatest(v_due, v_booked);
+            UPDATE flow_buckets SET booked = v_due + v_iv WHERE flow_buckets.key = v_key;
+        END IF;
     ELSIF hold THEN
         v_due := greatest(v_booked, v_now, v_tat - v_tau + v_iv);
         UPDATE flow_buckets SET booked = v_due + v_iv WHERE flow_buckets.key = v_key;
