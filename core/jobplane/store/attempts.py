@@ -251,7 +251,9 @@ class AttemptStore:
         if state is JobState.QUEUED:
             # Its key or a flow limit holds it: without a dispatch until a slot
             # frees, or with one due at the start its rate reserved (the
-            # message is acked); or nothing holds it now: claimed again.
+            # message is acked). A flow limit with room now gives it a
+            # dispatch due now (THROTTLE); a key alone with room changes
+            # nothing: claimed again.
             held = await self._machine.apply(
                 conn, Transition.HOLD, params, Cause("held"), returning=_HELD
             )

@@ -109,7 +109,19 @@ def upgrade() -> None:
             build_index(name, definition)
 
 
+# Jobs held for a RUNNING slot have no dispatch, and nothing before 0021
+# releases them: parked instead, a worker of their type dispatches them when it
+# starts (UNPARK), as the workers of the code before 0021 do.
+_UNHOLD = """
+UPDATE jobs SET waiting_code = 'NO_LIVE_WORKER',
+       waiting_reason = 'flow limits removed: dispatched when a worker of its type starts'
+WHERE state = 'queued' AND dispatch_id IS NULL
+  AND waiting_code IN ('RATE_LIMITED', 'TENANT_LIMIT')
+"""
+
+
 def downgrade() -> None:
+    op.execute(_UNHOLD)
     with op.get_context().autocommit_block():
         for name in _INDEXES:
             op.execute(f"DROP INDEX CONCURRENTLY IF EXISTS {name}")
