@@ -175,3 +175,25 @@ async def test_a_changed_rate_dispatches_its_throttled_jobs_again_now(
     assert dues == [None, None]
     assert await _claim(limited, store, second) is ClaimStatus.CLAIMED
     assert await _claim(limited, store, third) is ClaimStatus.CLAIMED
+
+
+@pytest.mark.parametrize("limits", [_SLOW])
+async def test_jobs_late_on_their_reservations_together_get_starts_an_interval_apart(
+    engine: AsyncEngine, limited: Stack
+) -> None:
+    client = limited.client()
+    store = AttemptStore(limited.db, lease_seconds=30.0)
+    first, second, third = [await client.submit("slow.op", {}) for _ in range(3)]
+    assert await _claim(limited, store, first) is ClaimStatus.CLAIMED
+    assert await _claim(limited, store, second) is ClaimStatus.HELD
+    assert await _claim(limited, store, third) is ClaimStatus.HELD
+    # Starts bunched ahead of their reservations: the rate's next start is
+    # a minute away when both arrive.
+    async with engine.begin() as conn:
+        await conn.execute(text("UPDATE flow_buckets SET tat = now() + interval '60 seconds'"))
+    assert await _claim(limited, store, second) is ClaimStatus.HELD
+    assert await _claim(limited, store, third) is ClaimStatus.HELD
+    async with engine.connect() as conn:
+        due = [(await conn.execute(_DUE, {"id": j.id})).scalar_one() for j in (second, third)]
+    # One emission interval (2 s at 0.5 per second) apart, not both at once.
+    assert (due[1] - due[0]).total_seconds() >= 2.0 - 1e-3, due
