@@ -25,6 +25,7 @@ from jobplane.store.machine import (
     where_phases,
     where_sources,
 )
+from jobplane.store.machine.compile import changes_many
 from jobplane.store.machine.stages import STAGE_STEPS, STAGE_WRITES, stage_update
 from jobplane.types import JobState
 
@@ -161,3 +162,11 @@ def test_the_machine_reads_no_environment_and_the_process_sets_its_lifecycle_eve
     assert out.stdout.split() == ["True", "True", "False"]
     for path in sorted(_STORE.rglob("*.py")):
         assert "os.environ" not in path.read_text(), path
+
+
+def test_a_claim_group_calls_no_function_that_takes_a_lock() -> None:
+    # Its guard reads only the job's columns: the planner may evaluate it on
+    # rows the group was not given, before their fence (ADR-0043).
+    sql = "\n".join(changes_many(Transition.CLAIM, {"id"}, ["id", "tenant_id", "dispatch_id"]))
+    assert "flow_check" not in sql and "concurrency_blocker" not in sql
+    assert "concurrency_key IS NULL" in sql

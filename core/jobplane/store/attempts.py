@@ -104,7 +104,7 @@ class ProgressUpdate:
 log = structlog.get_logger("jobplane.store")
 _ID: Returning = ("id",)
 # An attempt's end, with what its key's release needs (ADR-0040).
-_ENDED: Returning = ("id", "tenant_id", "concurrency_key", "type", "queue", "flow_limited")
+_ENDED: Returning = ("id", "tenant_id", "concurrency_key", "flow_slots")
 # A refused claim's job held (no dispatch) or throttled (due at its reserved start).
 _HOLDS = (Transition.HOLD, Transition.THROTTLE)
 # A hold: what holds the job (for the throttled-starts count).
@@ -188,14 +188,12 @@ class AttemptStore:
             ]
 
     async def refused_claim(self, request: ClaimRequest) -> ClaimResult:
-        """Why :meth:`claim_many` refused ``request`` (fails the job when no attempt is left)."""
-        machine = self._machine
-        params = self._claim_params(request.envelope, request.lease_token)
-        async with machine.session(self._db, Transition.EXHAUST, *_HOLDS) as conn:
-            refused = await self._refused(conn, request.envelope, params)
-        if refused is not None:
-            return refused
-        # Its key has room now: claimed alone (the group's statement is gone).
+        """What :meth:`claim` finds for ``request``, which :meth:`claim_many` refused.
+
+        A group claims no job with a concurrency key or under a flow limit
+        (those take advisory locks: ADR-0043): it is claimed here, alone, as
+        is any other the group refused, which learns why (fails the job when
+        no attempt is left)."""
         return await self.claim(request.envelope, worker=request.worker)
 
     def _claim_params(self, envelope: Envelope, token: uuid.UUID) -> dict[str, Any]:
@@ -253,7 +251,9 @@ class AttemptStore:
         if state is JobState.QUEUED:
             # Its key or a flow limit holds it: without a dispatch until a slot
             # frees, or with one due at the start its rate reserved (the
-            # message is acked); or nothing holds it now: claimed again.
+            # message is acked). A flow limit with room now gives it a
+            # dispatch due now (THROTTLE); a key alone with room changes
+            # nothing: claimed again.
             held = await self._machine.apply(
                 conn, Transition.HOLD, params, Cause("held"), returning=_HELD
             )
@@ -540,7 +540,7 @@ class AttemptStore:
                     error=describe_error(exc),
                 )
 
-    async def release_limits(self, ended: Sequence[tuple[Any, str, str]]) -> None:
+    async def release_limits(self, ended: Sequence[str]) -> None:
         """After RUNNING jobs that held slots of flow limits ended: the oldest jobs
         held for those limits due again, up to the free slots (ADR-0043). Each
         limit in a transaction of its own; one lost here is the sweeper's."""

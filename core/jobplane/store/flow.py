@@ -1,8 +1,9 @@
 """Flow limits in the store: the release of a limit's slots when its RUNNING jobs end.
 
-A job that started under a limit (``jobs.flow_limited``: a ``[[rate_limits]]``
-entry matched its type, or its queue has ``max_running_per_tenant``) holds a
-slot while RUNNING. Whoever ends one (an attempt's outcome, the sweeper's
+A job whose claim counted it against RUNNING limits (``jobs.flow_slots``:
+its queue's ``max_running_per_tenant``, the ``max_running`` of the first
+``[[rate_limits]]`` entry that matched its type) holds a slot of each while
+RUNNING. Whoever ends one (an attempt's outcome, the sweeper's
 lease expiry) calls :func:`release_limits` after the commit: for each budget
 of those jobs with held jobs, in a transaction of its own, the oldest held
 jobs get a dispatch again, as many as are free. See ADR-0043.
@@ -11,37 +12,24 @@ jobs get a dispatch again, as many as are free. See ADR-0043.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import Any
 
 from jobplane.store.machine import AnyConn, Row, StateMachine, Transition, fetch_rows
 from jobplane.store.machine.flow import ENDED_KEYS, FREE
 
 #: What an end must return for :func:`ended_limits`.
-ENDED_COLUMNS = ("tenant_id", "type", "queue", "flow_limited")
+ENDED_COLUMNS = ("flow_slots",)
 
 
-def ended_limits(rows: Iterable[Row | None]) -> list[tuple[Any, str, str]]:
-    """The (tenant, type, queue) of each ended row that held a slot of a limit."""
-    return sorted(
-        {
-            (row["tenant_id"], str(row["type"]), str(row["queue"]))
-            for row in rows
-            if row is not None and row["flow_limited"]
-        },
-        key=str,
-    )
+def ended_limits(rows: Iterable[Row | None]) -> list[str]:
+    """The budgets the ended rows held slots of (recorded by their claims)."""
+    return sorted({str(k) for row in rows if row is not None for k in row["flow_slots"] or ()})
 
 
-async def limit_keys(conn: AnyConn, ended: Sequence[tuple[Any, str, str]]) -> list[str]:
-    """The budgets ``ended``'s jobs held slots of that have held jobs."""
+async def limit_keys(conn: AnyConn, ended: Sequence[str]) -> list[str]:
+    """Of the budgets ``ended``, those with held jobs."""
     if not ended:
         return []
-    binds = {
-        "tenants": [e[0] for e in ended],
-        "types": [e[1] for e in ended],
-        "queues": [e[2] for e in ended],
-    }
-    return [str(row["key"]) for row in await fetch_rows(conn, ENDED_KEYS, binds)]
+    return [str(row["key"]) for row in await fetch_rows(conn, ENDED_KEYS, {"keys": list(ended)})]
 
 
 async def release_limit(conn: AnyConn, machine: StateMachine, key: str) -> int:

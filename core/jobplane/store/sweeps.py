@@ -136,7 +136,7 @@ _LOCK_NOT_AVAILABLE = "55P03"
 _START = uuid.UUID(int=0)
 _ID = ("id",)
 # An ended lease frees a slot of its job's key, if it has one.
-_ENDED = ("id", "tenant_id", "concurrency_key", "type", "queue", "flow_limited")
+_ENDED = ("id", "tenant_id", "concurrency_key", "flow_slots")
 
 
 @dataclass(frozen=True, slots=True)

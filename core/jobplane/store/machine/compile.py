@@ -43,9 +43,9 @@ _HOOK_FIELDS = (
     "lifecycle_seq",
     "lifecycle_cause",
     "cancel_reason",
-    # Flow limits (ADR-0043): what a held job waits for; a job that holds a slot.
+    # Flow limits (ADR-0043): what a held job waits for; the slots a job holds.
     "flow_key",
-    "flow_limited",
+    "flow_slots",
 )
 
 
@@ -181,7 +181,8 @@ def changes_many(transition: Transition, needs: set[str], binds: Sequence[str]) 
     arrays = ", ".join(f"CAST(:{n} AS {BIND_TYPES[n]}[])" for n in binds)
     columns = ", ".join(f"b_{n}" for n in binds)
     using = f", {rule.using}" if rule.using else ""
-    guard = f" AND {per_row(rule.guard)}" if rule.guard else ""
+    many_guard = rule.many_guard or rule.guard
+    guard = f" AND {per_row(many_guard)}" if many_guard else ""
     fence = f"{per_row(rule.match)} AND {where_sources(transition, 'jobs')}{guard}"
     seq = "last_seq = jobs.last_seq + 1, " if rule.event is not None else ""
     if rule.lifecycle is not None:
@@ -323,7 +324,9 @@ def _hand_back(needs: set[str]) -> str:
     # job's type on its queue, a new dispatch is due after a jittered delay
     # that doubles with each hand-back (HAND_BACK, no event: hand-backs are
     # noise); otherwise the job is parked, with no dispatch at all (PARK, one
-    # event saying why). Neither counts as an attempt. Adds to j: handled.
+    # event saying why). Neither counts as an attempt, and either stops its
+    # wait for a flow limit (flow_key: its place in line is given up; its
+    # next claim decides afresh). Adds to j: handled.
     rule = RULES[Transition.HAND_BACK]
     assert rule.sources == RULES[Transition.PARK].sources
     return f"""
@@ -356,7 +359,7 @@ def _hand_back(needs: set[str]) -> str:
             waiting_code = CASE WHEN live.handled THEN '{WaitingCode.HANDED_BACK}'
                 ELSE '{WaitingCode.NO_LIVE_WORKER}' END,
             last_seq = jobs.last_seq + CASE WHEN live.handled THEN 0 ELSE 1 END,
-            update_time = now()
+            flow_key = NULL, update_time = now()
         FROM live
         WHERE jobs.id = live.id
         RETURNING {_returning(needs, "jobs") or "jobs.id"}, live.handled,

@@ -11,8 +11,11 @@ topology matches its type, or its queue has ``max_running_per_tenant``) asks
   holds the job without a dispatch (HOLD: ``waiting_code``
   CONCURRENCY_LIMIT, RATE_LIMITED or TENANT_LIMIT), the start rate gives it
   a dispatch due at the start it reserves (THROTTLE: RATE_LIMITED). The
-  message is acked either way; nothing spins through the broker. When
-  nothing holds it any more, no row changes and the claim is tried again.
+  message is acked either way; nothing spins through the broker. When its
+  key has room again and no flow limit applies, no row changes and the
+  claim is tried again; when a flow limit applies and has room, the job is
+  THROTTLEd with a dispatch due now (a claim tried again might be refused
+  again, and its delivery is acked).
 - :func:`release` is RELEASE_LIMIT's statement: after ``jobplane.flow_free``
   (which takes the limit's lock and counts the free slots, ``:free``), the
   oldest jobs held for the limit get a dispatch again, as many as are free.
@@ -52,14 +55,10 @@ def _held(table: str = "") -> str:
 
 _HELD = _held()
 
-#: The budgets with held jobs a RUNNING job of (``:tenants``, ``:types``,
-#: ``:queues``) counted against: the ones its end frees a slot of.
+#: Of the budgets ``:keys`` ended RUNNING jobs held slots of, those with held jobs.
 ENDED_KEYS = text(
     f"""
-    SELECT DISTINCT f.key FROM
-        unnest(CAST(:tenants AS uuid[]), CAST(:types AS text[]), CAST(:queues AS text[]))
-            AS e(tenant_id, type, queue),
-        LATERAL jobplane.flow_keys(e.tenant_id, e.type, e.queue) AS f(key)
+    SELECT f.key FROM unnest(CAST(:keys AS text[])) AS f(key)
     WHERE EXISTS (SELECT 1 FROM jobs WHERE flow_key = f.key AND {_HELD})
     ORDER BY f.key
     """
@@ -69,17 +68,25 @@ FREE = text("SELECT jobplane.flow_free(:key) AS free")
 
 
 def held_flow_keys() -> TextClause:
-    """Up to ``:limit`` budgets with held jobs, in order, after ``:after`` ('' for the first)."""
+    """Up to ``:limit`` budgets with held jobs, in order, after ``:after`` ('' for the first).
+
+    A skip scan of the waiting jobs' index (jobs_flow_waiting): one index
+    probe per budget, however many jobs a budget holds."""
+    step = f"SELECT flow_key FROM jobs WHERE {_HELD} AND flow_key > {{after}} "
+    step += "ORDER BY flow_key LIMIT 1"
     return text(
         f"""
-        SELECT DISTINCT flow_key FROM jobs
-        WHERE {_HELD} AND flow_key > :after
-        ORDER BY flow_key LIMIT :limit
+        WITH RECURSIVE k AS (
+            ({step.format(after="CAST(:after AS text)")})
+            UNION ALL
+            SELECT n.flow_key FROM k, LATERAL ({step.format(after="k.flow_key")}) n
+        )
+        SELECT flow_key FROM k LIMIT :limit
         """
     )
 
 
-_KNOWN = frozenset({*JOB_FIELDS, "flow_key", "flow_limited"})
+_KNOWN = frozenset({*JOB_FIELDS, "flow_key", "flow_slots"})
 
 
 def _columns(needs: set[str], table: str) -> str:

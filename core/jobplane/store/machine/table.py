@@ -119,6 +119,12 @@ LIMITED = (
     "(EXISTS (SELECT 1 FROM queue_limits ql WHERE ql.queue = jobs.queue) "
     "OR EXISTS (SELECT 1 FROM flow_limits fl WHERE ('.' || jobs.type) ~ ANY (fl.regexes)))"
 )
+# The keys of the RUNNING limits the claim counted the job against: it holds a
+# slot of each while RUNNING, and its end frees them (NULL: none).
+FLOW_SLOTS = (
+    f"CASE WHEN {LIMITED} THEN nullif(ARRAY(SELECT jobplane.flow_keys(tenant_id, type, queue)), "
+    "'{}') END"
+)
 FLOW_CHECK = "jobplane.flow_check(tenant_id, type, queue, id, create_time, flow_key, {hold})"
 # The key first, then the limits: a job its key refuses counts no start
 # against its rate. CASE: evaluated in this order, and only as far as needed.
@@ -127,6 +133,14 @@ ADMITS = (
     f"WHEN NOT {LIMITED} THEN true "
     f"ELSE {FLOW_CHECK.format(hold='false')} IS NULL END"
 )
+# A claim in a group (many rows, one statement) takes no advisory lock: a job
+# with a concurrency key or under a flow limit is refused there and claimed
+# alone (ADR-0043). Alone, a claim takes at most one lock of each kind, in one
+# order (key, queue, limit), so two claims never wait for each other in a
+# cycle; a group would take its rows' locks in row order, which differs
+# between groups, and its guard, reading only the job's columns, may be
+# evaluated for rows the group was not given.
+GROUP_ADMITS = f"concurrency_key IS NULL AND NOT {LIMITED}"
 KEY_FULL = "its concurrency key is full, or a flow limit holds it (the statement decides)"
 # Said by the release statement itself (written out: it picks its jobs).
 KEY_FREE = "held by this key, oldest first, up to the slots free under the key's lock"
@@ -173,6 +187,8 @@ class Rule:
     # Rows the statement reads besides the job's (a FROM clause; the guard
     # joins them), so its columns are qualified.
     using: str = ""
+    # The guard when applied to many rows in one statement ("": guard's).
+    many_guard: str = ""
 
     def __post_init__(self) -> None:
         if self.lifecycle is not None and self.event is None:
@@ -196,13 +212,14 @@ RULES: Mapping[Transition, Rule] = {
         f"{BY_DISPATCH} AND type = :type",
         EventType.STARTED,
         guard=f"{ATTEMPTS_LEFT} AND {ADMITS}",
+        many_guard=f"{ATTEMPTS_LEFT} AND {GROUP_ADMITS}",
         sets="attempt = attempt + 1, lease_token = :lease_token, "
         "lease_expires_at = now() + make_interval(secs => :lease_seconds), "
         "start_time = now(), next_attempt_time = NULL, cancel_requested_at = NULL, "
         # A new attempt starts from nothing: its STARTED event must not carry
         # the last attempt's progress.
         "cancel_reason = NULL, progress = stage_base, progress_message = '', "
-        f"{NOT_WAITING}, handbacks = 0, flow_limited = {LIMITED}",
+        f"{NOT_WAITING}, handbacks = 0, flow_slots = {FLOW_SLOTS}",
         lifecycle=Lifecycle.STARTED,
     ),
     Transition.EXHAUST: Rule(

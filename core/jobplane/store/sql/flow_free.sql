@@ -30,9 +30,7 @@ AS $fn$
 DECLARE
     v_kind   text := split_part(key, '/', 1);
     v_name   text := split_part(key, '/', 2);
-    v_tenant uuid := CAST(nullif(split_part(key, '/', 3), '') AS uuid);
     v_max    integer;
-    v_lim    record;
     v_taken  bigint;
     v_due    bigint;
 BEGIN
@@ -42,19 +40,17 @@ BEGIN
         IF v_max IS NULL THEN
             RETURN NULL;
         END IF;
-        v_taken := jobplane.flow_taken(key, v_tenant, v_name, NULL, v_max, NULL, '-infinity');
     ELSE
-        SELECT l.* INTO v_lim FROM flow_limits l WHERE l.name = v_name;
-        IF NOT FOUND OR v_lim.max_running IS NULL THEN
+        SELECT l.max_running INTO v_max FROM flow_limits l WHERE l.name = v_name;
+        IF v_max IS NULL THEN
             RETURN NULL;
         END IF;
-        v_max := v_lim.max_running;
-        v_taken := jobplane.flow_taken(key, v_tenant, NULL, v_lim.regexes, v_max, NULL,
-                                       '-infinity');
     END IF;
+    v_taken := jobplane.flow_taken(key, v_max, NULL, '-infinity');
     SELECT count(*) INTO v_due FROM (
         SELECT 1 FROM jobs j
          WHERE j.state = 'queued' AND j.flow_key = key AND j.dispatch_id IS NOT NULL
+           AND j.waiting_code IN ('RATE_LIMITED', 'TENANT_LIMIT')
          LIMIT greatest(v_max, 0)) d;
     RETURN greatest(0, v_max - v_taken - v_due);
 END

@@ -20,7 +20,8 @@
 -- @SCHEMA@ is where jobplane's tables are, fixed when the functions are created.
 
 -- The keys of the RUNNING limits a job of (tenant, type, queue) counts against:
--- its end frees a slot of each.
+-- its queue's per-tenant limit, and the max_running of the first entry that matches
+-- its type. Its claim records them (jobs.flow_slots); its end frees a slot of each.
 CREATE OR REPLACE FUNCTION jobplane.flow_keys(tenant uuid, jtype text, jqueue text)
 RETURNS SETOF text
 LANGUAGE sql

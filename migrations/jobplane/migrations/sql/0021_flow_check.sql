@@ -61,7 +61,7 @@ BEGIN
     IF FOUND THEN
         v_key := 'queue/' || jqueue || '/' || tenant;
         PERFORM pg_advisory_xact_lock(hashtextextended(v_key, 43));
-        IF jobplane.flow_taken(v_key, tenant, jqueue, NULL, v_max, job, created) >= v_max THEN
+        IF jobplane.flow_taken(v_key, v_max, job, created) >= v_max THEN
             RETURN jsonb_build_object('code', 'TENANT_LIMIT', 'key', v_key, 'reason', format(
                 'waiting for a slot: queue %s allows %s running jobs per tenant', jqueue, v_max));
         END IF;
@@ -73,9 +73,8 @@ BEGIN
     END IF;
     v_key := 'limit/' || v_lim.name || CASE WHEN v_lim.per_tenant THEN '/' || tenant ELSE '' END;
     PERFORM pg_advisory_xact_lock(hashtextextended(v_key, 43));
-    IF v_lim.max_running IS NOT NULL AND jobplane.flow_taken(
-            v_key, CASE WHEN v_lim.per_tenant THEN tenant END, NULL, v_lim.regexes,
-            v_lim.max_running, job, created) >= v_lim.max_running THEN
+    IF v_lim.max_running IS NOT NULL
+       AND jobplane.flow_taken(v_key, v_lim.max_running, job, created) >= v_lim.max_running THEN
         RETURN jsonb_build_object('code', 'RATE_LIMITED', 'key', v_key, 'reason', format(
             'waiting for a slot: rate limit %s allows %s running at once',
             v_lim.name, v_lim.max_running));
@@ -104,8 +103,13 @@ BEGIN
     END IF;
     IF waiting IS NOT DISTINCT FROM v_key || '@rate' THEN
         -- Late on its reservation (starts bunched ahead of it): the first start the
-        -- rate allows, without another reservation.
+        -- rate allows, booked, so that jobs late together (a rate lowered under
+        -- their reservations) get starts one interval apart, not one herd.
         v_due := greatest(v_now, v_tat - v_tau + v_iv);
+        IF hold THEN
+            v_due := greatest(v_due, v_booked);
+            UPDATE flow_buckets SET booked = v_due + v_iv WHERE flow_buckets.key = v_key;
+        END IF;
     ELSIF hold THEN
         v_due := greatest(v_booked, v_now, v_tat - v_tau + v_iv);
         UPDATE flow_buckets SET booked = v_due + v_iv WHERE flow_buckets.key = v_key;

@@ -20,14 +20,13 @@
 -- @SCHEMA@ is where jobplane's tables are, fixed when the functions are created.
 
 -- The slots of a key taken, up to lim: its RUNNING jobs (but job) and, ahead of job
--- in line, the older jobs waiting for the key (held, or made due and not claimed yet).
--- A job of the limit is one that started under a limit (jobs.flow_limited) and
--- matches: tenant (NULL: any), queue (NULL: any) and regexes (NULL: any type).
+-- in line, the older jobs waiting for the key (held, or made due and not claimed yet:
+-- its waiting code still the limit's; a job handed back or parked waits for a worker).
+-- A RUNNING job of the key is one whose claim counted it against the key
+-- (jobs.flow_slots, recorded by the claim): a job that started before the limit
+-- existed, or under another entry that governed its type then, is not.
 CREATE OR REPLACE FUNCTION jobplane.flow_taken(
     key     text,
-    tenant  uuid,
-    jqueue  text,
-    regexes text[],
     lim     integer,
     job     uuid,
     created timestamptz
@@ -43,15 +42,14 @@ BEGIN
     -- Counted up to the limit, no further (indexes jobs_flow_running, jobs_flow_waiting).
     SELECT count(*) INTO v_running FROM (
         SELECT 1 FROM jobs j
-         WHERE j.state = 'running' AND j.flow_limited AND j.id IS DISTINCT FROM job
-           AND (tenant IS NULL OR j.tenant_id = tenant)
-           AND (jqueue IS NULL OR j.queue = jqueue)
-           AND (regexes IS NULL OR ('.' || j.type) ~ ANY (regexes))
+         WHERE j.state = 'running' AND j.flow_slots @> ARRAY[key]
+           AND j.id IS DISTINCT FROM job
          LIMIT greatest(lim, 0)) r;
     IF v_running < lim THEN
         SELECT count(*) INTO v_waiting FROM (
             SELECT 1 FROM jobs j
              WHERE j.state = 'queued' AND j.flow_key = key
+               AND j.waiting_code IN ('RATE_LIMITED', 'TENANT_LIMIT')
                AND (j.create_time, j.id) < (created, job)
              LIMIT lim - v_running) w;
     END IF;

@@ -10,14 +10,14 @@ decided at the claim (ADR-0043).
   tenant): the GCRA's theoretical arrival time of the next start (``tat``)
   and the end of the starts reserved by held jobs (``booked``).
 - ``jobs.flow_key``: the budget a QUEUED job waits for (NULL: none);
-  ``jobs.flow_limited``: the job started under a limit, so it holds a slot
-  while RUNNING and its end frees it.
+  ``jobs.flow_slots``: the keys of the RUNNING limits its claim counted it
+  against, so it holds a slot of each while RUNNING and its end frees them.
 - ``jobplane.flow_check``, ``flow_taken``, ``flow_free``, ``flow_keys``:
   the decisions, under each budget's advisory lock. As for
   ``concurrency_blocker`` (0018), every claim names ``flow_check``:
   EXECUTE is revoked from PUBLIC and granted, with the tables, to the roles
   that may update ``jobs``.
-- ``jobs_flow_running``: RUNNING jobs that started under a limit;
+- ``jobs_flow_running``: RUNNING jobs by the slots they hold (GIN);
   ``jobs_flow_waiting``: QUEUED jobs waiting for a budget, in line order.
 
 Revision ID: 0021
@@ -59,13 +59,13 @@ CREATE TABLE IF NOT EXISTS flow_buckets (
     booked timestamptz NOT NULL
 );
 ALTER TABLE jobs ADD COLUMN IF NOT EXISTS flow_key text,
-                 ADD COLUMN IF NOT EXISTS flow_limited boolean;
+                 ADD COLUMN IF NOT EXISTS flow_slots text[];
 """
 # flow_taken first: the others call it.
 _FILES = ("flow_taken", "flow_check", "flow_free", "flow_keys")
 _TABLES = ("flow_limits", "queue_limits", "flow_buckets")
 _FUNCTIONS = (
-    "jobplane.flow_taken(text, uuid, text, text[], integer, uuid, timestamp with time zone)",
+    "jobplane.flow_taken(text, integer, uuid, timestamp with time zone)",
     "jobplane.flow_check(uuid, text, text, uuid, timestamp with time zone, text, boolean)",
     "jobplane.flow_free(text)",
     "jobplane.flow_keys(uuid, text, text)",
@@ -79,7 +79,9 @@ WHERE c.oid = to_regclass('jobs') AND a.privilege_type = 'UPDATE'
   AND a.grantee <> c.relowner
 """
 _INDEXES = {
-    "jobs_flow_running": "jobs (tenant_id, queue) WHERE state = 'running' AND flow_limited",
+    "jobs_flow_running": (
+        "jobs USING gin (flow_slots) WHERE state = 'running' AND flow_slots IS NOT NULL"
+    ),
     "jobs_flow_waiting": (
         "jobs (flow_key, create_time, id) WHERE state = 'queued' AND flow_key IS NOT NULL"
     ),
@@ -107,13 +109,25 @@ def upgrade() -> None:
             build_index(name, definition)
 
 
+# Jobs held for a RUNNING slot have no dispatch, and nothing before 0021
+# releases them: parked instead, a worker of their type dispatches them when it
+# starts (UNPARK), as the workers of the code before 0021 do.
+_UNHOLD = """
+UPDATE jobs SET waiting_code = 'NO_LIVE_WORKER',
+       waiting_reason = 'flow limits removed: dispatched when a worker of its type starts'
+WHERE state = 'queued' AND dispatch_id IS NULL
+  AND waiting_code IN ('RATE_LIMITED', 'TENANT_LIMIT')
+"""
+
+
 def downgrade() -> None:
+    op.execute(_UNHOLD)
     with op.get_context().autocommit_block():
         for name in _INDEXES:
             op.execute(f"DROP INDEX CONCURRENTLY IF EXISTS {name}")
     for signature in _FUNCTIONS:
         op.execute(f"DROP FUNCTION IF EXISTS {signature}")
-    op.execute("ALTER TABLE jobs DROP COLUMN IF EXISTS flow_limited")
+    op.execute("ALTER TABLE jobs DROP COLUMN IF EXISTS flow_slots")
     op.execute("ALTER TABLE jobs DROP COLUMN IF EXISTS flow_key")
     for table in reversed(_TABLES):
         op.execute(f"DROP TABLE IF EXISTS {table}")
