@@ -90,6 +90,10 @@ ifeq ($(MUTATE_SAMPLE),)
 else
 	cd $(MUTATE_TREE) && $(abspath $(BIN))/python scripts/mutation_sample.py --size $(MUTATE_SAMPLE) \
 	  --seed $(MUTATE_SEED) --jobs $(MUTATE_JOBS) $(MUTATE)
+	cd $(MUTATE_TREE) && $(abspath $(BIN))/python scripts/mutation_children.py \
+	  --size $(MUTATE_SAMPLE) --seed $(MUTATE_SEED) $(MUTATE)
+	cd $(MUTATE_TREE) && $(abspath $(BIN))/python scripts/mutation_sample.py --size $(MUTATE_SAMPLE) \
+	  --seed $(MUTATE_SEED) --report-only $(MUTATE)
 endif
 
 unit: $(STAMP)

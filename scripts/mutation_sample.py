@@ -23,6 +23,7 @@ over every tried one; "no tests" counts as not killed.
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import random
 import re
@@ -104,6 +105,19 @@ def outcomes(mutmut: Path) -> dict[str, str]:
     return result
 
 
+def with_children(status: dict[str, str]) -> dict[str, str]:
+    """``status`` with the verdicts of scripts/mutation_children.py for the
+    mutants mutmut did not kill (code run in the processes tests start)."""
+    verdicts = Path("mutants/children.json")
+    if not verdicts.exists():
+        return status
+    merged = dict(status)
+    for name, verdict in json.loads(verdicts.read_text()).items():
+        if merged.get(name) not in CAUGHT:
+            merged[name] = verdict
+    return merged
+
+
 def generate(jobs: int) -> None:
     """Have mutmut write (or refresh) the mutants, as `mutmut run` does first.
 
@@ -164,7 +178,7 @@ def main(argv: Sequence[str]) -> int:
         # mutmut skips mutants it already tried, so a stopped run resumes.
         subprocess.run([str(mutmut), "run", "--max-children", str(args.jobs), *sample], check=True)
         status = outcomes(mutmut)
-    print("\n".join(report(sample, status, len(names))))
+    print("\n".join(report(sample, with_children(status), len(names))))
     return 0
 
 

@@ -28,6 +28,27 @@ _counter = itertools.count(1)
 os.environ.setdefault("JOBPLANE_METRICS_LISTEN", "127.0.0.1:0")
 
 
+def _mutated_tree_for_children() -> None:
+    """Under ``make mutate``, the processes a test starts import the mutated tree.
+
+    mutmut switches a mutant on by ``MUTANT_UNDER_TEST``, which a child process
+    inherits, but the child would import the installed package, not the tree
+    the test imported: a mutant of code that only runs in a child (the CLI, the
+    ``dev`` processes) would survive every test. The child gets the tree first
+    on its path.
+    """
+    if "MUTANT_UNDER_TEST" not in os.environ:
+        return
+    import jobplane
+
+    tree = os.path.dirname(os.path.dirname(os.path.abspath(jobplane.__file__)))
+    paths = [tree, *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+    os.environ["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
+
+
+_mutated_tree_for_children()
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Everything outside tests/unit talks to the real services."""
     for item in items:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import tomllib
 from collections import Counter
 from pathlib import Path
@@ -182,3 +183,63 @@ def test_also_copy_leaves_the_mutated_modules_alone_and_copies_the_rest(tree: Pa
     }
     missing = entries - set(mutated) - set(copied)
     assert not missing, f"add to [tool.mutmut] also_copy: {sorted(map(str, missing))}"
+
+
+@pytest.fixture(scope="module")
+def children() -> ModuleType:
+    import sys
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        spec = importlib.util.spec_from_file_location(
+            "mutation_children", ROOT / "scripts" / "mutation_children.py"
+        )
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(ROOT / "scripts"))
+    return module
+
+
+def test_children_tests_name_the_files_that_start_the_process(children: ModuleType) -> None:
+    assert children.tests_for("jobplane.server.admin.x__keys_command__mutmut_30") == (
+        "tests/integration/test_keys.py",
+        "tests/integration/test_cli_and_sync.py",
+        "tests/integration/test_operator_errors.py",
+    )
+    assert children.tests_for("jobplane.server.admin.x__workers__mutmut_13") == (
+        "tests/integration/test_mixed_workers.py",
+    )
+    assert "tests/integration/test_dev_ready.py" in children.tests_for(
+        "jobplane.server.devparts.x__dev_part__mutmut_67"
+    )
+    # Code of the test process itself is mutmut's to judge.
+    assert children.tests_for("jobplane.store.attempts.x__limit_name__mutmut_14") == ()
+    assert children.tests_for("jobplane.workers.delivery.xǁDeliveriesǁ_claim__mutmut_5") == ()
+    named = {f for _, files in children.CHILD_TESTS for f in files}
+    missing = [f for f in named if not (ROOT / "tests" / "integration" / f).exists()]
+    assert not missing, missing
+
+
+def test_children_verdicts_count_in_the_sample(
+    sample: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "mutants").mkdir()
+    status = {
+        "m.x_f__mutmut_1": "no tests",
+        "m.x_f__mutmut_2": "killed",
+        "m.x_f__mutmut_3": "survived",
+    }
+    assert sample.with_children(status) == status
+    verdicts = {"m.x_f__mutmut_1": "killed", "m.x_f__mutmut_2": "survived"}
+    verdicts["m.x_f__mutmut_3"] = "survived"
+    (tmp_path / "mutants" / "children.json").write_text(json.dumps(verdicts))
+    merged = sample.with_children(status)
+    # A verdict never un-kills what mutmut killed.
+    assert merged == {
+        "m.x_f__mutmut_1": "killed",
+        "m.x_f__mutmut_2": "killed",
+        "m.x_f__mutmut_3": "survived",
+    }
