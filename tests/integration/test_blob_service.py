@@ -145,6 +145,37 @@ async def test_bad_uploads_are_refused(blob_stack: Stack) -> None:
     assert await _count(blob_stack, "blobs") == 0
 
 
+async def test_an_upload_that_does_not_start_with_its_header_is_refused(
+    blob_stack: Stack,
+) -> None:
+    """No message at all, or a chunk first: the header is missing, said of the field."""
+    for messages in ([], [blobs_pb2.UploadBlobRequest(chunk=b"abc")]):
+
+        async def requests(
+            given: list[blobs_pb2.UploadBlobRequest] = messages,
+        ) -> AsyncIterator[blobs_pb2.UploadBlobRequest]:
+            for message in given:
+                yield message
+
+        async with grpc.aio.insecure_channel(blob_stack.server.address) as channel:
+            stub = blobs_pb2_grpc.BlobServiceStub(channel)
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                await stub.UploadBlob(
+                    requests(), metadata=(("authorization", f"Bearer {blob_stack.key}"),)
+                )
+        assert _reason(caught.value) == (grpc.StatusCode.INVALID_ARGUMENT, "header:InvalidArgument")
+        assert "header" in (caught.value.details() or "")
+    assert await _count(blob_stack, "blobs") == 0
+
+
+async def test_a_bad_content_type_is_explained(blob_stack: Stack) -> None:
+    header = blobs_pb2.UploadBlobHeader(content_type="x" * 1000)
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await _upload_raw(blob_stack, blob_stack.key, header, [b"a"])
+    assert _reason(caught.value)[1] == "content_type:InvalidArgument"
+    assert "content_type must be at most" in (caught.value.details() or "")
+
+
 async def test_the_total_limit(
     engine: AsyncEngine,
     database_url: str,

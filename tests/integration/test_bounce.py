@@ -37,6 +37,11 @@ async def test_a_foreign_message_is_bounced_then_dead_lettered_at_the_cap(
                     b'{"v": 1}',
                     message_id=message_id,
                     correlation_id="c-1",
+                    content_type="application/json",
+                    content_encoding="identity",
+                    type="their.type",
+                    app_id="their-app",
+                    priority=3,
                     headers={DEPLOYMENT_HEADER: "theirs", BOUNCES_HEADER: bounces},
                 ),
                 routing_key=name,
@@ -57,6 +62,14 @@ async def test_a_foreign_message_is_bounced_then_dead_lettered_at_the_cap(
         # The copy: same body and ids, one more bounce, a fresh delivery.
         copy = await _next(queue)
         assert (copy.message_id, copy.body, copy.correlation_id) == ("young", b'{"v": 1}', "c-1")
+        # Every property the publisher set is the copy's too.
+        assert (copy.content_type, copy.content_encoding, copy.type, copy.app_id) == (
+            "application/json",
+            "identity",
+            "their.type",
+            "their-app",
+        )
+        assert copy.priority == 3
         assert copy.headers[BOUNCES_HEADER] == 4 and copy.headers[DEPLOYMENT_HEADER] == "theirs"
         assert not copy.redelivered
         await copy.ack()

@@ -14,6 +14,7 @@ import aiohttp
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from sqlalchemy import text
 
 from jobplane.errors import Unavailable
 from jobplane.server.dashboard.app import CSP, THROTTLE
@@ -171,6 +172,24 @@ async def test_another_tenants_job_is_not_found_like_an_unknown_one(ui: UiStack)
         async with http.get("/jobs?size=1000") as listed:
             assert theirs.id not in await listed.text()
     assert (await ui.stack.client(other_key).get(theirs.name)).type == "demo.echo"
+
+
+async def test_the_jobs_page_filters_by_creation_time(ui: UiStack) -> None:
+    client = ui.stack.client()
+    old = await client.submit("demo.echo", {"n": 1})
+    new = await client.submit("demo.echo", {"n": 2})
+    async with ui.stack.engine.begin() as conn:
+        await conn.execute(
+            text("UPDATE jobs SET create_time = '2020-01-01T12:00:00Z' WHERE id = :id"),
+            {"id": old.id},
+        )
+    async with browserless(ui.url, ui.stack.key) as http:
+        async with http.get("/jobs?size=1000&until=2021-01-01T00:00:00Z") as listed:
+            body = await listed.text()
+        assert old.id in body and new.id not in body
+        async with http.get("/jobs?size=1000&since=2021-01-01T00:00:00Z") as listed:
+            body = await listed.text()
+        assert new.id in body and old.id not in body
 
 
 def aiohttp_timeout() -> aiohttp.ClientTimeout:

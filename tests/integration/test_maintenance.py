@@ -133,6 +133,20 @@ async def test_retention_deletes_old_finished_jobs_of_its_tenant_only(stack: Sta
         "SELECT count(*) FROM job_events WHERE job_id = :id AND type = 'progress'", id=done.id
     )
     assert reports >= 40 // 7
+    # ... each against the number of old jobs counted first.
+    async with engine.connect() as conn:
+        messages = (
+            (
+                await conn.execute(
+                    text("SELECT message FROM job_events WHERE job_id = :id AND type = 'progress'"),
+                    {"id": done.id},
+                )
+            )
+            .scalars()
+            .all()
+        )
+    counted = [m for m in messages if " jobs" in m and "events" not in m]
+    assert counted and all("40" in m for m in counted), messages
 
     # Again: nothing is old any more; the first run's own job is young.
     again = await client.wait((await client.submit(RETENTION, {})).name, timeout=30)

@@ -205,6 +205,25 @@ async def test_made_up_job_types_are_counted_as_other(
     assert not any(t and t.startswith("made.up.") for t in types)
 
 
+async def test_a_batch_counts_the_jobs_it_created_not_the_ones_it_replayed(
+    engine: AsyncEngine, database_url: str, topology: Topology, started: Started
+) -> None:
+    metrics = Metrics()
+    servers = await started(Servers(engine, database_url, topology))
+    server = await servers.start(metrics=metrics)
+    key, _tenant = await server.keys.create_key("acme")
+    client = servers.client(server, key)
+    await client.submit("demo.echo", {"n": 0}, request_id="r-0")
+    await client.submit_many(
+        [{"type": "demo.echo", "payload": {"n": n}, "request_id": f"r-{n}"} for n in range(3)]
+    )
+    found = samples((await metrics.exposition()).decode())
+    submitted = sum(
+        count for (name, labels), count in found.items() if name == "jobplane_jobs_submitted_total"
+    )
+    assert submitted == 3, found  # r-0 once, r-1 and r-2: the batch's r-0 was a replay
+
+
 async def test_a_retry_scheduled_for_later_is_not_a_backlog(
     engine: AsyncEngine,
     database_url: str,

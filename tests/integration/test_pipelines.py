@@ -117,8 +117,11 @@ async def test_a_pipeline_runs_its_stages_in_order_each_on_its_own_queue(
 ) -> None:
     stack, stages = pipeline
     client = stack.client()
-    job = await client.submit(_PIPELINE, {"track": "t-1"}, request_id="analyze-t-1")
+    job = await client.submit(
+        _PIPELINE, {"track": "t-1"}, request_id="analyze-t-1", labels={"team": "audio"}
+    )
     assert job.type == _PIPELINE and job.stage == "native"
+    assert job.labels == {"team": "audio"}
     assert [(s.name, s.state) for s in job.stages] == [
         ("native", StageState.QUEUED),
         ("neural", StageState.PENDING),
@@ -128,6 +131,7 @@ async def test_a_pipeline_runs_its_stages_in_order_each_on_its_own_queue(
     assert done.state is JobState.SUCCEEDED, done.error
     # The job's result is its last stage's; every stage keeps its own.
     assert done.result == {"indexed": True, "from": ["native", "neural"]}
+    assert done.labels == {"team": "audio"}
     assert [(s.name, s.type, s.version, s.state, s.attempts) for s in done.stages] == [
         ("native", "native.analyze", "mir-1.4", StageState.SUCCEEDED, 1),
         ("neural", "neural.embed", "clap-2", StageState.SUCCEEDED, 1),
@@ -174,7 +178,9 @@ async def test_a_pipeline_runs_its_stages_in_order_each_on_its_own_queue(
     assert [j.name for j in listed.jobs] == [job.name]
     assert (await client.list(type="index.upsert")).jobs == []
     # The same request again is the same job, whatever stage it reached.
-    again = await client.submit(_PIPELINE, {"track": "t-1"}, request_id="analyze-t-1")
+    again = await client.submit(
+        _PIPELINE, {"track": "t-1"}, request_id="analyze-t-1", labels={"team": "audio"}
+    )
     assert again.name == job.name
 
 

@@ -387,3 +387,26 @@ async def test_a_fenced_out_attempt_cannot_write(
 
 async def _has_next_attempt(stack: Stack, name: str) -> bool:
     return (await stack.client().get(name)).next_attempt_time is not None
+
+
+async def test_one_sweep_repairs_every_expired_lease_batch_after_batch(
+    engine: AsyncEngine, database_url: str, amqp_url: str, topology: Topology, started: Started
+) -> None:
+    """Five dead attempts, batches of two: the pass goes on while batches come
+    back whole, whether their jobs were retried or failed (last attempts)."""
+    stack = await started(
+        start_stack(engine, database_url, amqp_url, topology, relay=False, worker=False)
+    )
+    client = stack.client()
+    last = [await client.submit("demo.echo", {}, max_attempts=1) for _ in range(4)]
+    more = await client.submit("demo.echo", {}, max_attempts=3)
+    attempts = AttemptStore(stack.db)
+    for job in [*last, more]:
+        claim = await attempts.claim(await stack.envelope(job.id))
+        assert claim.status is ClaimStatus.CLAIMED
+    async with engine.begin() as conn:
+        await conn.execute(text("UPDATE jobs SET lease_expires_at = now() - interval '1 h'"))
+    report = await Sweeper(engine, lease_grace=0.0, batch_size=2).sweep_once()
+    assert (report.failed, report.requeued) == (4, 1)
+    states = await stack.scalar("SELECT array_agg(state::text ORDER BY state::text) FROM jobs")
+    assert states == ["failed"] * 4 + ["queued"]

@@ -488,3 +488,24 @@ async def test_a_schedule_whose_tick_fails_stops_no_other_schedule(stack: Stack)
     assert await _jobs_of(stack, gone.name) == await _jobs_of(stack, zoneless.name) == []
     # Put off, the failed one is not claimed again in the same minute.
     assert (await tick_once(stack.engine, now=now)).failed == 0
+
+
+async def test_a_held_tick_runs_when_the_sweeper_ticks_by_the_clock(stack: Stack) -> None:
+    """The sweeper gives no time (``now=None``): the held tick runs at the clock's."""
+    client = stack.client()
+    schedule = await client.create_schedule("demo.echo", interval=10, overlap=Overlap.BUFFER_ONE)
+    first = schedule.next_run_time
+    assert first is not None
+    for k in range(2):
+        await tick_once(stack.engine, now=first + timedelta(seconds=10 * k + 1))
+    await client.cancel((await client.get_schedule(schedule)).recent_runs[0])
+    await tick_once(stack.engine)
+    jobs = await _jobs_of(stack, schedule.name)
+    assert [r.rsplit("/", 1)[1] for r, _ in jobs] == [
+        (first + timedelta(seconds=s)).isoformat() for s in (0, 10)
+    ]
+    seen = await client.get_schedule(schedule)
+    assert seen.runs == 2
+    # The run started now, by the clock.
+    assert seen.last_run_time is not None
+    assert abs((seen.last_run_time - datetime.now(UTC)).total_seconds()) < 60

@@ -17,6 +17,7 @@ import pytest
 from jobplane.testing import MemoryBlobs, run_handler, run_handler_sync
 from jobplane.workers import (
     AttemptStopped,
+    EmitError,
     JobContext,
     PermanentError,
     Registry,
@@ -311,3 +312,23 @@ def test_jobplane_testing_imports_without_the_object_store_drivers() -> None:
         "assert outcome.result == {'ok': 'test.job'}, outcome\n"
     )
     subprocess.run([sys.executable, "-c", program], check=True, timeout=60)
+
+
+async def test_an_emit_over_the_event_payload_limit_is_refused_by_itself() -> None:
+    """One event over the payload limit is refused, though the attempt's
+    events together stay under their 1 MiB."""
+    refused: list[EmitError] = []
+
+    async def emits(ctx: JobContext) -> dict[str, Any]:
+        ctx.emit("small.one", {"text": "x" * 1_000})
+        try:
+            ctx.emit("big.one", {"text": "x" * 2_000})
+        except EmitError as exc:
+            refused.append(exc)
+        return {}
+
+    outcome = await run_handler(emits, max_result_bytes=1_500)
+    assert outcome.status == "succeeded"
+    assert [e.event_type for e in outcome.emitted] == ["small.one"]
+    assert len(refused) == 1 and refused[0].field == "payload"
+    assert "limit is 1500" in str(refused[0])
