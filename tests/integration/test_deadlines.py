@@ -326,6 +326,7 @@ async def test_bad_deadlines_are_refused_with_the_field_and_write_nothing(
     stack: Stack, stub: jobs_pb2_grpc.JobServiceAsyncStub
 ) -> None:
     hour = timedelta(hours=1)
+    same = _at(hour)
     cases: list[tuple[dict[str, Any], str]] = [
         ({"deadline": _at(hour), "deadline_after": _after(60)}, "deadline_after"),
         ({"deadline": _at(-timedelta(seconds=5))}, "deadline"),
@@ -333,7 +334,7 @@ async def test_bad_deadlines_are_refused_with_the_field_and_write_nothing(
         ({"deadline_after": _after(0)}, "deadline_after"),
         ({"deadline_after": _after(-5)}, "deadline_after"),
         ({"deadline": _at(hour), "schedule_time": _at(2 * hour)}, "deadline"),
-        ({"deadline": _at(hour), "schedule_time": _at(hour)}, "deadline"),
+        ({"deadline": same, "schedule_time": same}, "deadline"),
         ({"deadline_after": _after(60), "schedule_delay": _after(600)}, "deadline_after"),
         ({"deadline": timestamp_pb2.Timestamp(seconds=2**62)}, "deadline"),
     ]

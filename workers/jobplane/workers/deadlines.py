@@ -30,8 +30,9 @@ log = structlog.get_logger("jobplane.sweeper")
 #: Seconds the loop sleeps at most between two looks at the deadlines.
 DEFAULT_POLL = 1.0
 # A wake-up just before a deadline (the clocks of Postgres and this process
-# differ by a little) finds nothing due and sleeps this long at least.
-_MIN_SLEEP = 0.01
+# differ by a little) finds nothing due, and a due job another transaction
+# holds locked is skipped: either way the loop sleeps this long at least.
+_MIN_SLEEP = 0.05
 
 
 class DeadlineLoop:
