@@ -10,6 +10,7 @@ end; bad deadlines are refused with the field and write nothing.
 from __future__ import annotations
 
 import asyncio
+import json
 import uuid
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
@@ -395,3 +396,43 @@ async def test_the_sql_api_takes_a_deadline_and_refuses_bad_ones(
             await txn.submit_job(conn, tenant="acme", type="demo.echo", **kwargs)
         assert info.value.field == field, kwargs
     assert await stack.counts() == before
+
+
+# -- the CLI and the dashboard -----------------------------------------------
+
+
+async def test_the_cli_submits_a_deadline_and_shows_it(stack: Stack) -> None:
+    from tests.integration.test_cli_and_sync import jobplane
+
+    code, out, err = await jobplane(
+        stack, "submit", "demo.echo", "--in", "5m", "--deadline", "2099-01-01T00:00:00Z"
+    )
+    assert code == 1 and "deadline" in err, err  # beyond the horizon: refused, naming it
+    code, out, err = await jobplane(
+        stack, "submit", "demo.echo", "--in", "5m", "--deadline", "10m", "--json"
+    )
+    assert code == 0, err
+    submitted = json.loads(out)
+    assert submitted["deadline"] is not None
+    code, out, err = await jobplane(stack, "get", submitted["name"])
+    assert code == 0 and "deadline" in out, err
+    code, out, err = await jobplane(stack, "submit", "demo.echo", "--deadline", "soon")
+    assert code == 2 and "--deadline" in err
+
+
+async def test_the_job_page_shows_the_deadline(
+    template_db: str, run_id: str, amqp_url: str
+) -> None:
+    from tests.support.dashboard import browserless, ui_stack
+
+    async with ui_stack(template_db, run_id, amqp_url) as ui:
+        client = ui.stack.client()
+        job = await client.submit("demo.echo", {}, schedule_delay=600, deadline=3600)
+        plain = await client.submit("demo.echo", {}, schedule_delay=600)
+        assert job.deadline is not None
+        async with browserless(ui.url, ui.stack.key) as http:
+            page = await (await http.get(f"/jobs/{job.id}")).text()
+            assert 'id="job-deadline"' in page
+            assert job.deadline.strftime("%Y-%m-%d %H:%M:%S") in page
+            other = await (await http.get(f"/jobs/{plain.id}")).text()
+            assert 'id="job-deadline"' not in other
