@@ -214,6 +214,10 @@ class Job:
     concurrency_key: str = ""
     #: The key's limit the job was submitted with (0 without a key).
     concurrency_limit: int = 0
+    # Deadlines (docs/scheduling.md#deadlines).
+    #: The time by which the job must have ended; None for a job submitted
+    #: without one. Past it, a job not ended ends FAILED, DEADLINE_EXCEEDED.
+    deadline: datetime | None = None
 
     @property
     def id(self) -> str:

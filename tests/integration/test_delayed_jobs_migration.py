@@ -16,10 +16,10 @@ _NEW = (
     "jobplane.submit_job(text, text, jsonb, text, text, integer, jsonb, double precision, "
     "timestamptz, interval)"
 )
-# Concurrency keys' migration (0018, after this one) adds three more.
+# Concurrency keys' migration (0018, after this one) adds three more, deadlines' (0022) two.
 _HEAD = (
     "jobplane.submit_job(text, text, jsonb, text, text, integer, jsonb, double precision, "
-    "timestamptz, interval, text, integer, text)"
+    "timestamptz, interval, text, integer, text, timestamptz, interval)"
 )
 _CAN = "SELECT has_function_privilege(:role, :fn, 'EXECUTE')"
 

@@ -112,7 +112,8 @@ async def _place(
                 f"""
                 UPDATE jobs SET state = :state, attempt = 1, lease_token = :token,
                     lease_expires_at = {lease}, max_attempts = :max_attempts,
-                    dispatch_id = CASE WHEN :parked THEN NULL ELSE dispatch_id END
+                    dispatch_id = CASE WHEN :parked THEN NULL ELSE dispatch_id END,
+                    deadline = CASE WHEN :past THEN now() - interval '1 second' END
                 WHERE id = :id RETURNING dispatch_id
                 """
             ),
@@ -121,6 +122,8 @@ async def _place(
                 "token": token,
                 "max_attempts": 1 if exhausted else 3,
                 "parked": parked,
+                # Past its deadline, for DEADLINE's guard (ADR-0044).
+                "past": transition is Transition.DEADLINE,
                 "id": job_id,
             },
         )
@@ -272,6 +275,8 @@ def _params(transition: Transition, job: Placed) -> dict[str, Any]:
             return {**by_dispatch, "new_dispatch_id": new_id(), "base_delay": 1, "max_delay": 2}
         case Transition.UNPARK:
             return {"types": [job.type], "queues": [_QUEUE], "limit": 10}
+        case Transition.DEADLINE:
+            return by_id
         case Transition.CANCEL | Transition.REQUEST_CANCEL:
             return {**by_id, "reason": "enough"}
         case Transition.RETRY | Transition.REDISPATCH:

@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from sqlalchemy.ext.asyncio import create_async_engine
 
 from jobplane.attempt_end import Decision, EndCause, Fail, Retry, RetryPolicy, decide
+from jobplane.store.deadlines import DeadlineStore
 from jobplane.store.sweeps import EventsBehind, ExpiredLease, LeaseRepair, SweepStore
 from jobplane.topology import parse_topology
 from jobplane.workers.outcome import Failure
@@ -196,6 +197,16 @@ class _MemorySweeps(SweepStore):
         return EventsBehind(0, None)
 
 
+class _NoDeadlines(DeadlineStore):
+    """No job has a deadline: the sweep's deadline pass, faked."""
+
+    def __init__(self) -> None:
+        super().__init__(create_async_engine("postgresql+asyncpg://nobody@127.0.0.1:1/none"))
+
+    async def end_due(self, **kwargs: Any) -> list[Any]:
+        return []
+
+
 def _lease(queue: str, attempt: int, max_attempts: int = 3) -> ExpiredLease:
     return ExpiredLease(uuid.uuid4(), attempt + 4, attempt, max_attempts, queue)
 
@@ -207,6 +218,7 @@ async def test_the_sweepers_lease_expiry_backs_off_by_the_queues_policy(attempt:
     )
     store = _MemorySweeps([_lease("slow", attempt) for _ in range(50)])
     sweeper._store = store
+    sweeper.deadlines.store = _NoDeadlines()
     await sweeper.sweep_once()
     assert all(isinstance(d, Retry) for d in store.decided)
     waits = [d.delay for d in store.decided if isinstance(d, Retry)]

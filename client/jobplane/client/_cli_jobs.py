@@ -24,7 +24,7 @@ from jobplane.client._cli_run import (
     command,
     print_error,
 )
-from jobplane.client._cli_schedule import parse_at, parse_in
+from jobplane.client._cli_schedule import parse_at, parse_deadline, parse_in
 from jobplane.client.aio import AsyncClient
 from jobplane.errors import JobplaneError
 from jobplane.types import JobState
@@ -147,6 +147,12 @@ def _register_submit(subparsers: Subparsers, parents: Parents) -> None:
         metavar="DURATION",
         help="start DURATION from now: seconds, or e.g. 90s, 15m, 1h30m, 2d",
     )
+    submit.add_argument(
+        "--deadline",
+        metavar="TIME|DURATION",
+        help="end the job FAILED (DEADLINE_EXCEEDED) if it has not ended by TIME "
+        "(RFC 3339 with its zone) or DURATION from now (90s, 15m, 1h30m, 2d)",
+    )
     submit.set_defaults(func=command(_submit))
 
 
@@ -189,6 +195,7 @@ async def _submit(client: AsyncClient, args: argparse.Namespace) -> int:
         concurrency_key=args.concurrency_key,
         concurrency_limit=args.concurrency_limit,
         concurrency_mode=args.concurrency_mode,
+        deadline=None if args.deadline is None else parse_deadline(args.deadline),
     )
     if args.json:
         print_json(job_to_json(job))
@@ -212,6 +219,7 @@ async def _submit_jsonl(client: AsyncClient, args: argparse.Namespace) -> int:
             ("--timeout", args.timeout),
             ("--label", args.label),
             ("--watch", args.watch),
+            ("--deadline", args.deadline),
         )
         if value
     ]

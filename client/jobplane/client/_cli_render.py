@@ -63,6 +63,8 @@ def job_details(job: Job) -> str:
         rows.append(("next attempt", _time(job.next_attempt_time)))
     if job.waiting_reason or job.waiting_code:
         rows.append(("waiting", ": ".join(filter(None, (job.waiting_code, job.waiting_reason)))))
+    if job.deadline:
+        rows.append(("deadline", _time(job.deadline)))
     if job.concurrency_key:
         rows.append(("concurrency", f"{job.concurrency_key} (limit {job.concurrency_limit})"))
     rows.append(("request id", job.request_id))

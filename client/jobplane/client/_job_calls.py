@@ -21,7 +21,7 @@ import grpc
 from jobplane.blobs.names import referenced_digests
 from jobplane.client._blob_calls import BlobCalls
 from jobplane.client._retry import Backoff, EventCursor, stream_failure, stream_retry_delay
-from jobplane.client._schedule import set_schedule
+from jobplane.client._schedule import set_deadline, set_schedule
 from jobplane.client.batch import MAX_BATCH_SIZE, JobSpec, batches, shifted, with_concurrency
 from jobplane.convert import event_from_pb, job_from_pb, state_to_pb, struct_from_dict
 from jobplane.errors import (
@@ -67,6 +67,7 @@ class JobCalls(BlobCalls):
         concurrency_key: str = "",
         concurrency_limit: int = 0,
         concurrency_mode: ConcurrencyMode | str | None = None,
+        deadline: datetime | float | timedelta | None = None,
     ) -> Job:
         """Create a job of ``type`` and return it (normally QUEUED).
 
@@ -87,6 +88,12 @@ class JobCalls(BlobCalls):
         what a job of a full key does: wait (``"queue"``, the default) or be
         refused (``"reject"``: :class:`~jobplane.errors.ConcurrencyLimitReached`,
         whose ``holders`` name the jobs in flight). See docs/flow-control.md.
+
+        ``deadline``: the time (a timezone-aware datetime) by which the job
+        must have ended, or how long after the server accepts the call
+        (seconds or a timedelta). Past it, a job not ended ends FAILED with
+        error code ``DEADLINE_EXCEEDED``, whatever its stage or attempt; a
+        running attempt is stopped (docs/scheduling.md#deadlines).
         """
         request = await self._submit_request(
             JobSpec(
@@ -102,6 +109,7 @@ class JobCalls(BlobCalls):
                 concurrency_key=concurrency_key,
                 concurrency_limit=concurrency_limit,
                 concurrency_mode=concurrency_mode,
+                deadline=deadline,
             )
         )
         # Without a request_id a repeated call could create a second job.
@@ -167,6 +175,7 @@ class JobCalls(BlobCalls):
                 attempt_timeout = timedelta(seconds=attempt_timeout)
             request.timeout.FromTimedelta(attempt_timeout)
         set_schedule(request, spec.schedule_time, spec.schedule_delay)
+        set_deadline(request, spec.deadline)
         with_concurrency(request, spec)
         body = _compact(payload) if payload else None
         if body is not None and len(body) > self._inline_bytes:

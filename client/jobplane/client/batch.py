@@ -42,6 +42,8 @@ class JobSpec:
     concurrency_key: str = ""
     concurrency_limit: int = 0
     concurrency_mode: ConcurrencyMode | str | None = None
+    # Deadlines (docs/scheduling.md#deadlines): a time, or a duration after the call.
+    deadline: datetime | float | timedelta | None = None
 
     @classmethod
     def of(cls, spec: JobSpec | Mapping[str, Any]) -> JobSpec:

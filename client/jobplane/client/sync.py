@@ -268,6 +268,7 @@ class Client(SyncScheduleCalls):
         concurrency_key: str = "",
         concurrency_limit: int = 0,
         concurrency_mode: ConcurrencyMode | str | None = None,
+        deadline: datetime | float | timedelta | None = None,
     ) -> Job:
         """Create a job of ``type`` and return it; see :meth:`AsyncClient.submit`."""
         return self._loop.run(
@@ -284,6 +285,7 @@ class Client(SyncScheduleCalls):
                 concurrency_key=concurrency_key,
                 concurrency_limit=concurrency_limit,
                 concurrency_mode=concurrency_mode,
+                deadline=deadline,
             )
         )
 

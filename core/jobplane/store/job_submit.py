@@ -53,6 +53,9 @@ class NewJob:
     concurrency_key: str | None = None
     concurrency_limit: int = 0
     concurrency_mode: ConcurrencyMode = ConcurrencyMode.QUEUE
+    #: Deadlines (ADR-0044): when the job must have ended (None: no deadline).
+    #: Not part of the request's identity, as schedule_time is not.
+    deadline: datetime | None = None
 
     def fingerprint(self) -> bytes:
         """A digest of the request, stored with the job: equal digests are the same request.
@@ -195,6 +198,7 @@ def submit_columns(new: NewJob, job_id: uuid.UUID) -> dict[str, Any]:
         "schedule_time": new.schedule_time,
         "concurrency_key": new.concurrency_key,
         "concurrency_limit": new.concurrency_limit if new.concurrency_key is not None else None,
+        "deadline": new.deadline,
         **_PLAIN,
     }
     if new.stages:

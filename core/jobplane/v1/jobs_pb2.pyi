@@ -141,6 +141,7 @@ class Job(_message.Message):
     SCHEDULE_TIME_FIELD_NUMBER: _builtins.int
     CONCURRENCY_KEY_FIELD_NUMBER: _builtins.int
     CONCURRENCY_LIMIT_FIELD_NUMBER: _builtins.int
+    DEADLINE_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """Resource name, `jobs/{job}`."""
     type: _builtins.str
@@ -259,6 +260,16 @@ class Job(_message.Message):
         SCHEDULED, and its dispatch is not published.
         """
 
+    @_builtins.property
+    def deadline(self) -> _timestamp_pb2.Timestamp:
+        """Deadlines (docs/scheduling.md#deadlines).
+        The time by which the job must have ended, as submitted (deadline, or the
+        time the server accepted the request plus deadline_after); unset for a job
+        submitted without one. Past it, a job not ended ends FAILED with error code
+        DEADLINE_EXCEEDED, whatever its stage or attempt; a running attempt is
+        stopped. RetryJob keeps a deadline still ahead and drops one that passed.
+        """
+
     def __init__(
         self,
         *,
@@ -294,10 +305,11 @@ class Job(_message.Message):
         schedule_time: _timestamp_pb2.Timestamp | None = ...,
         concurrency_key: _builtins.str = ...,
         concurrency_limit: _builtins.int = ...,
+        deadline: _timestamp_pb2.Timestamp | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["create_time", b"create_time", "end_time", b"end_time", "error", b"error", "next_attempt_time", b"next_attempt_time", "payload", b"payload", "payload_blob", b"payload_blob", "result", b"result", "result_blob", b"result_blob", "schedule_time", b"schedule_time", "start_time", b"start_time", "timeout", b"timeout", "update_time", b"update_time"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["create_time", b"create_time", "deadline", b"deadline", "end_time", b"end_time", "error", b"error", "next_attempt_time", b"next_attempt_time", "payload", b"payload", "payload_blob", b"payload_blob", "result", b"result", "result_blob", b"result_blob", "schedule_time", b"schedule_time", "start_time", b"start_time", "timeout", b"timeout", "update_time", b"update_time"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "attempts_used", b"attempts_used", "cancel_requested", b"cancel_requested", "concurrency_key", b"concurrency_key", "concurrency_limit", b"concurrency_limit", "correlation_id", b"correlation_id", "create_time", b"create_time", "end_time", b"end_time", "error", b"error", "labels", b"labels", "last_seq", b"last_seq", "max_attempts", b"max_attempts", "name", b"name", "next_attempt_time", b"next_attempt_time", "payload", b"payload", "payload_blob", b"payload_blob", "pipeline_version", b"pipeline_version", "progress", b"progress", "progress_message", b"progress_message", "request_id", b"request_id", "result", b"result", "result_blob", b"result_blob", "schedule_time", b"schedule_time", "stage", b"stage", "stages", b"stages", "start_time", b"start_time", "state", b"state", "timeout", b"timeout", "type", b"type", "update_time", b"update_time", "waiting_code", b"waiting_code", "waiting_reason", b"waiting_reason"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "attempts_used", b"attempts_used", "cancel_requested", b"cancel_requested", "concurrency_key", b"concurrency_key", "concurrency_limit", b"concurrency_limit", "correlation_id", b"correlation_id", "create_time", b"create_time", "deadline", b"deadline", "end_time", b"end_time", "error", b"error", "labels", b"labels", "last_seq", b"last_seq", "max_attempts", b"max_attempts", "name", b"name", "next_attempt_time", b"next_attempt_time", "payload", b"payload", "payload_blob", b"payload_blob", "pipeline_version", b"pipeline_version", "progress", b"progress", "progress_message", b"progress_message", "request_id", b"request_id", "result", b"result", "result_blob", b"result_blob", "schedule_time", b"schedule_time", "stage", b"stage", "stages", b"stages", "start_time", b"start_time", "state", b"state", "timeout", b"timeout", "type", b"type", "update_time", b"update_time", "waiting_code", b"waiting_code", "waiting_reason", b"waiting_reason"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -496,6 +508,8 @@ class SubmitJobRequest(_message.Message):
     CONCURRENCY_KEY_FIELD_NUMBER: _builtins.int
     CONCURRENCY_LIMIT_FIELD_NUMBER: _builtins.int
     CONCURRENCY_MODE_FIELD_NUMBER: _builtins.int
+    DEADLINE_FIELD_NUMBER: _builtins.int
+    DEADLINE_AFTER_FIELD_NUMBER: _builtins.int
     type: _builtins.str
     """Lowercase dotted identifier: letters, digits, '.', '_', '-'; at most 128
     characters; must route to a queue of the topology.
@@ -554,6 +568,22 @@ class SubmitJobRequest(_message.Message):
         the server's horizon. The job's schedule_time is that time.
         """
 
+    @_builtins.property
+    def deadline(self) -> _timestamp_pb2.Timestamp:
+        """Deadlines (docs/scheduling.md#deadlines): set at most one of the two.
+        The time by which the job must have ended (Temporal's schedule-to-close):
+        past it the job ends FAILED, error code DEADLINE_EXCEEDED, whatever its
+        stage or attempt. Must be ahead of now and after the job's schedule_time,
+        and within the server's horizon (as schedule_time).
+        """
+
+    @_builtins.property
+    def deadline_after(self) -> _duration_pb2.Duration:
+        """The deadline this long after the server accepts the request (Celery's
+        `expires` in seconds): more than 0 up to the server's horizon, and after
+        the job's schedule_time.
+        """
+
     def __init__(
         self,
         *,
@@ -571,10 +601,12 @@ class SubmitJobRequest(_message.Message):
         concurrency_key: _builtins.str = ...,
         concurrency_limit: _builtins.int = ...,
         concurrency_mode: Global___ConcurrencyMode.ValueType = ...,
+        deadline: _timestamp_pb2.Timestamp | None = ...,
+        deadline_after: _duration_pb2.Duration | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["payload", b"payload", "schedule_delay", b"schedule_delay", "schedule_time", b"schedule_time", "timeout", b"timeout"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["deadline", b"deadline", "deadline_after", b"deadline_after", "payload", b"payload", "schedule_delay", b"schedule_delay", "schedule_time", b"schedule_time", "timeout", b"timeout"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["blob_references", b"blob_references", "concurrency_key", b"concurrency_key", "concurrency_limit", b"concurrency_limit", "concurrency_mode", b"concurrency_mode", "correlation_id", b"correlation_id", "labels", b"labels", "max_attempts", b"max_attempts", "payload", b"payload", "payload_blob", b"payload_blob", "request_id", b"request_id", "schedule_delay", b"schedule_delay", "schedule_time", b"schedule_time", "timeout", b"timeout", "type", b"type"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["blob_references", b"blob_references", "concurrency_key", b"concurrency_key", "concurrency_limit", b"concurrency_limit", "concurrency_mode", b"concurrency_mode", "correlation_id", b"correlation_id", "deadline", b"deadline", "deadline_after", b"deadline_after", "labels", b"labels", "max_attempts", b"max_attempts", "payload", b"payload", "payload_blob", b"payload_blob", "request_id", b"request_id", "schedule_delay", b"schedule_delay", "schedule_time", b"schedule_time", "timeout", b"timeout", "type", b"type"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

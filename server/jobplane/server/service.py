@@ -25,7 +25,7 @@ from jobplane.errors import (
 )
 from jobplane.names import parse_job_name, validate_job_type
 from jobplane.observe.metrics import NO_METRICS, Metrics
-from jobplane.scheduling import DEFAULT_MAX_SCHEDULE_SECONDS, schedule_time_of
+from jobplane.scheduling import DEFAULT_MAX_SCHEDULE_SECONDS, deadline_of, schedule_time_of
 from jobplane.server.feeds import FeedHub
 from jobplane.server.job_requests import (
     MAX_ATTEMPTS_LIMIT,
@@ -265,11 +265,19 @@ class JobService:
                     field="timeout",
                 )
             timeout = request.timeout_seconds
+        now = datetime.now(UTC)
         schedule = schedule_time_of(
             request.schedule_time,
             request.schedule_delay_seconds,
-            now=datetime.now(UTC),
+            now=now,
             horizon_seconds=self.max_schedule_seconds,
+        )
+        deadline = deadline_of(
+            request.deadline,
+            request.deadline_after_seconds,
+            now=now,
+            horizon_seconds=self.max_schedule_seconds,
+            schedule_time=schedule,
         )
         payload_blob, references = await check_blobs(self._blobs, tenant, request)
         if pipeline is not None:
@@ -277,7 +285,7 @@ class JobService:
         else:
             new = _plain_job(request, job_type, queue, timeout, payload_blob, references)
         return with_concurrency(
-            replace(new, schedule_time=schedule),
+            replace(new, schedule_time=schedule, deadline=deadline),
             request.concurrency_key,
             request.concurrency_limit,
             request.concurrency_mode,

@@ -289,6 +289,16 @@ def submit_request(request: jobs_pb2.SubmitJobRequest) -> SubmitRequest:
         concurrency_key=request.concurrency_key,
         concurrency_limit=request.concurrency_limit,
         concurrency_mode=request.concurrency_mode,
+        deadline=(
+            time_from_timestamp(request.deadline.seconds, request.deadline.nanos, field="deadline")
+            if request.HasField("deadline")
+            else None
+        ),
+        deadline_after_seconds=(
+            seconds_from_duration(request.deadline_after, field="deadline_after")
+            if request.HasField("deadline_after")
+            else None
+        ),
     )
 
 

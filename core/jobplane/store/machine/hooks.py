@@ -235,6 +235,8 @@ class JobEvents(Hook):
         extra = {"waiting_reason"} if transition in _SAYS_WHY else set()
         if transition is Transition.UNPARK:
             extra = {"type"}
+        if transition is Transition.DEADLINE:
+            extra = {"error_code", "error_message", "deadline"}
         return [Write(sql, notify, _EVENT_COLUMNS | extra)]
 
     def binds(self, transition: Transition, cause: Cause) -> Mapping[str, Any]:
@@ -251,7 +253,8 @@ class Dispatches(Hook):
     its ``schedule_time`` (a delayed job: GREATEST skips the NULL of a job
     without one), whichever transition dispatches it; it names the job's
     queue, whose credit the relay spends on it (ADR-0042). A QUEUED job
-    cancelled drops its pending (re)dispatch, so nothing is published.
+    cancelled, or ended by its deadline, drops its pending (re)dispatch, so
+    nothing is published.
     """
 
     def writes(self, transition: Transition) -> Sequence[Write]:
@@ -272,7 +275,7 @@ class Dispatches(Hook):
                     ),
                 )
             ]
-        if transition is Transition.CANCEL:
+        if transition in (Transition.CANCEL, Transition.DEADLINE):
             return [
                 Write(
                     """
@@ -379,10 +382,16 @@ class BlobReferences(Hook):
 
 
 class CancelSignal(Hook):
-    """Wakes the worker that runs a job whose cancellation was requested."""
+    """Wakes the worker that runs a job whose cancellation was requested, or
+    whose deadline ended it while RUNNING (ADR-0044): it stops the handler."""
 
     def writes(self, transition: Transition) -> Sequence[Write]:
         if transition is Transition.REQUEST_CANCEL:
             notify = f"pg_notify('{CANCEL_CHANNEL}', j.id::text)"
             return [Write(notify=notify, columns=frozenset({"id"}))]
+        if transition is Transition.DEADLINE:
+            # A QUEUED job has no attempt to stop: no signal for it.
+            signal = f"pg_notify('{CANCEL_CHANNEL}', j.id::text)"
+            notify = f"CASE WHEN j.from_state = 'running' THEN {signal} END"
+            return [Write(notify=notify, columns=frozenset({"id", "from_state"}))]
         return ()

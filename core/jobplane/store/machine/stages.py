@@ -140,6 +140,7 @@ STAGE_STEPS: Mapping[Transition, StageStep] = {
     Transition.EXHAUST: _FAILED,
     Transition.EXPIRE_LAST_LEASE: _FAILED,
     Transition.RELAY_FAIL: _FAILED,
+    Transition.DEADLINE: _FAILED,
     Transition.SCHEDULE_RETRY: _WAITS,
     Transition.EXPIRE_LEASE: _WAITS,
     Transition.CANCEL: _CANCELLED,

@@ -64,6 +64,9 @@ class Transition(enum.StrEnum):
     # the oldest jobs held for it due again. HOLD also holds for a RUNNING limit.
     THROTTLE = "throttle"
     RELEASE_LIMIT = "release_limit"
+    # Deadlines (ADR-0044): a job not ended past its deadline ends FAILED,
+    # whatever its stage or attempt; a running attempt is fenced out.
+    DEADLINE = "deadline"
 
 
 class Lifecycle(enum.StrEnum):
@@ -96,6 +99,10 @@ NEXT_STAGE = "s.job_id = jobs.id AND s.idx = jobs.stage + 1"
 # ... the stage of the given index does (RetryJob from a named stage).
 NAMED_STAGE = "s.job_id = jobs.id AND s.idx = :stage"
 CANCEL_NOT_REQUESTED = "cancel_requested_at IS NULL"
+# Deadlines (ADR-0044): the job's deadline has come; a claim starts no attempt
+# of a job past it (the claim ends it instead).
+PAST_DEADLINE = "deadline <= now()"
+BEFORE_DEADLINE = "(deadline IS NULL OR deadline > now())"
 # A job that stops waiting (claimed, ended, dispatched anew) has no reason to
 # wait: only a QUEUED job ever has one.
 NOT_WAITING = "waiting_reason = NULL, waiting_code = NULL, flow_key = NULL"
@@ -148,6 +155,11 @@ KEY_FREE = "held by this key, oldest first, up to the slots free under the key's
 # Said by the hand-back statement itself, which decides between the two.
 LIVE_WORKER = "a live worker handles the job's type on its queue"
 NO_LIVE_WORKER = "no live worker handles the job's type on its queue"
+
+# RetryJob of a job keeps a deadline still ahead (it bounds the retry too) and
+# drops one that passed: the retry of a job that ended DEADLINE_EXCEEDED runs
+# without one (ADR-0044).
+KEEP_DEADLINE_AHEAD = "deadline = CASE WHEN jobs.deadline > now() THEN jobs.deadline END"
 
 # Fences: which row a transition is for, and whose it is to change.
 ATTEMPT_FENCE = "id = :id AND attempt = :attempt AND lease_token = :lease_token"
@@ -211,8 +223,8 @@ RULES: Mapping[Transition, Rule] = {
         # by the message before it read the job.
         f"{BY_DISPATCH} AND type = :type",
         EventType.STARTED,
-        guard=f"{ATTEMPTS_LEFT} AND {ADMITS}",
-        many_guard=f"{ATTEMPTS_LEFT} AND {GROUP_ADMITS}",
+        guard=f"{ATTEMPTS_LEFT} AND {BEFORE_DEADLINE} AND {ADMITS}",
+        many_guard=f"{ATTEMPTS_LEFT} AND {BEFORE_DEADLINE} AND {GROUP_ADMITS}",
         sets="attempt = attempt + 1, lease_token = :lease_token, "
         "lease_expires_at = now() + make_interval(secs => :lease_seconds), "
         "start_time = now(), next_attempt_time = NULL, cancel_requested_at = NULL, "
@@ -364,7 +376,7 @@ RULES: Mapping[Transition, Rule] = {
         "cancel_reason = NULL, "
         "lease_token = NULL, lease_expires_at = NULL, next_attempt_time = NULL, "
         f"start_time = NULL, end_time = NULL, {NOT_WAITING}, "
-        "handbacks = 0",
+        f"handbacks = 0, {KEEP_DEADLINE_AHEAD}",
         lifecycle=Lifecycle.QUEUED,
     ),
     Transition.RESTART: Rule(
@@ -380,7 +392,7 @@ RULES: Mapping[Transition, Rule] = {
         "error_message = NULL, error_retryable = false, "
         "cancel_requested_at = NULL, cancel_reason = NULL, lease_token = NULL, "
         "lease_expires_at = NULL, next_attempt_time = NULL, start_time = NULL, "
-        f"end_time = NULL, {NOT_WAITING}, handbacks = 0",
+        f"end_time = NULL, {NOT_WAITING}, handbacks = 0, {KEEP_DEADLINE_AHEAD}",
         lifecycle=Lifecycle.QUEUED,
         using="job_stages s",
     ),
@@ -492,6 +504,24 @@ RULES: Mapping[Transition, Rule] = {
         "format('a slot of %s is free: dispatched', flow_key)",
         message="j.waiting_reason",
         data="'{}'::jsonb",
+    ),
+    # Deadlines (ADR-0044).
+    Transition.DEADLINE: Rule(
+        frozenset({Phase.QUEUED, Phase.RUNNING, Phase.RUNNING_EXPIRED}),
+        JobState.FAILED,
+        BY_ID,
+        EventType.FAILED,
+        guard=PAST_DEADLINE,
+        # The attempt's fence is cleared: its outcome, progress and heartbeat
+        # find no lease and land nothing. A pending dispatch is dropped (the
+        # Dispatches hook), the running attempt is told to stop (CancelSignal).
+        sets="error_code = 'DEADLINE_EXCEEDED', error_message = 'the job did not end by its "
+        "deadline', error_retryable = false, dispatch_id = NULL, "
+        f"{_END}, {NOT_WAITING}",
+        message="j.error_message",
+        data="jsonb_build_object('error', jsonb_build_object('code', j.error_code, "
+        "'message', j.error_message, 'retryable', false), 'deadline', j.deadline)",
+        lifecycle=Lifecycle.FAILED,
     ),
 }
 

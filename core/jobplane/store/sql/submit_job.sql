@@ -24,7 +24,10 @@ CREATE OR REPLACE FUNCTION jobplane.submit_job(
     -- Concurrency keys (docs/flow-control.md): mode 'queue' (NULL) or 'reject'.
     concurrency_key   text DEFAULT NULL,
     concurrency_limit integer DEFAULT NULL,
-    concurrency_mode  text DEFAULT NULL
+    concurrency_mode  text DEFAULT NULL,
+    -- Deadlines (docs/scheduling.md#deadlines): at most one of the two.
+    deadline          timestamptz DEFAULT NULL,
+    deadline_after    interval DEFAULT NULL
 ) RETURNS uuid
 LANGUAGE plpgsql
 VOLATILE
@@ -66,6 +69,8 @@ DECLARE
     v_key_mode       text := coalesce(submit_job.concurrency_mode, '');
     v_holders        text;
     v_in_flight      bigint;
+    -- Deadlines.
+    v_deadline       timestamptz := submit_job.deadline;
 BEGIN
     SELECT id INTO v_tenant FROM tenants WHERE name = submit_job.tenant;
     IF v_tenant IS NULL THEN
@@ -210,6 +215,39 @@ BEGIN
         END IF;
         v_schedule := v_accepted + submit_job.schedule_delay;
     END IF;
+    -- Deadlines: the RPC's checks (jobplane.scheduling.deadline_of), the
+    -- delay counted from this call.
+    IF v_deadline IS NOT NULL AND submit_job.deadline_after IS NOT NULL THEN
+        RAISE EXCEPTION 'INVALID_ARGUMENT: deadline_after goes with no deadline: set one '
+            'of them'
+            USING ERRCODE = 'JP001', COLUMN = 'deadline_after';
+    END IF;
+    IF submit_job.deadline_after IS NOT NULL THEN
+        IF NOT v_accepted + submit_job.deadline_after > v_accepted
+                OR v_accepted + submit_job.deadline_after > v_accepted + v_horizon THEN
+            RAISE EXCEPTION 'INVALID_ARGUMENT: deadline_after must be more than 0, up to %',
+                v_horizon
+                USING ERRCODE = 'JP001', COLUMN = 'deadline_after';
+        END IF;
+        v_deadline := v_accepted + submit_job.deadline_after;
+    ELSIF v_deadline IS NOT NULL THEN
+        IF NOT v_deadline > v_accepted THEN
+            RAISE EXCEPTION 'INVALID_ARGUMENT: deadline has passed already'
+                USING ERRCODE = 'JP001', COLUMN = 'deadline';
+        END IF;
+        IF v_deadline > v_accepted + v_horizon THEN
+            RAISE EXCEPTION 'INVALID_ARGUMENT: deadline is more than % ahead', v_horizon
+                USING ERRCODE = 'JP001', COLUMN = 'deadline';
+        END IF;
+    END IF;
+    IF v_deadline IS NOT NULL AND v_schedule IS NOT NULL AND NOT v_deadline > v_schedule THEN
+        RAISE EXCEPTION 'INVALID_ARGUMENT: % must be after the job''s schedule_time',
+            CASE WHEN submit_job.deadline_after IS NOT NULL THEN 'deadline_after'
+                 ELSE 'deadline' END
+            USING ERRCODE = 'JP001',
+                  COLUMN = CASE WHEN submit_job.deadline_after IS NOT NULL THEN 'deadline_after'
+                                ELSE 'deadline' END;
+    END IF;
     -- Concurrency keys: SubmitJob's checks, then reject mode's refusal under
     -- the key's lock (the one the claims take), held to the caller's commit.
     IF v_key_mode NOT IN ('', 'queue', 'reject') THEN
@@ -284,13 +322,13 @@ BEGIN
         INSERT INTO jobs (id, tenant_id, type, queue, state, payload, max_attempts, request_id,
                           request_hash, correlation_id, labels, dispatch_id, last_seq,
                           timeout_seconds, lifecycle_seq, schedule_time, concurrency_key,
-                          concurrency_limit)
+                          concurrency_limit, deadline)
         VALUES (v_id, v_tenant, v_type, v_route.queue, 'queued', v_payload, v_max_attempts,
                 v_request_id,
                 sha256(convert_to(jsonb_build_array(v_type, v_payload, v_max_attempts,
                     v_correlation_id, v_labels, v_timeout)::text, 'UTF8')),
                 v_correlation_id, v_labels, v_dispatch, 1, v_timeout, 1, v_schedule, v_key,
-                CASE WHEN v_key IS NOT NULL THEN v_key_limit END)
+                CASE WHEN v_key IS NOT NULL THEN v_key_limit END, v_deadline)
         ON CONFLICT (tenant_id, request_id) DO NOTHING;
         IF FOUND THEN
             INSERT INTO job_events (job_id, seq, tenant_id, type, state, progress, message,
