@@ -41,7 +41,7 @@ import json
 import math
 import re
 import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -86,6 +86,16 @@ _ERRORS: dict[str, type[JobplaneError]] = {
 _NUL_ESCAPE = re.compile(r"(?<!\\)(?:\\\\)*\\u0000")
 
 
+def _job_id(job: uuid.UUID | str) -> uuid.UUID:
+    """A job's id from its id or its name (``jobs/{id}``)."""
+    if isinstance(job, uuid.UUID):
+        return job
+    try:
+        return uuid.UUID(str(job).removeprefix("jobs/"))
+    except ValueError:
+        raise InvalidArgument(f"after names no job: {str(job)[:64]!r}", field="after") from None
+
+
 async def submit_job(
     conn: Any,
     *,
@@ -102,6 +112,8 @@ async def submit_job(
     concurrency_key: str = "",
     concurrency_limit: int = 0,
     concurrency_mode: str | None = None,
+    after: Sequence[uuid.UUID | str] = (),
+    after_failure: str | None = None,
 ) -> uuid.UUID:
     """Create a job in ``conn``'s transaction; its id.
 
@@ -115,7 +127,9 @@ async def submit_job(
     this call) delays the job's start (docs/scheduling.md). ``concurrency_key``,
     ``concurrency_limit`` and ``concurrency_mode`` (``"queue"`` or
     ``"reject"``) as in ``submit`` (docs/flow-control.md); a full key in reject
-    mode raises :class:`~jobplane.errors.ConcurrencyLimitReached`.
+    mode raises :class:`~jobplane.errors.ConcurrencyLimitReached`. ``after``
+    (job ids, or names ``jobs/{id}``) and ``after_failure`` (``"fail"``,
+    ``"cancel"``, ``"run_anyway"``) as in ``submit`` (docs/workflows.md).
     """
     # Postgres text holds no NUL: refused here, as the RPC refuses it.
     if "\x00" in tenant:
@@ -145,6 +159,8 @@ async def submit_job(
         concurrency_key,
         concurrency_limit,
         concurrency_mode,
+        [_job_id(a) for a in after] or None,
+        after_failure,
     )
     try:
         return uuid.UUID(str(await _scalar(conn, args)))
@@ -329,6 +345,8 @@ async def _scalar(conn: Any, args: tuple[Any, ...]) -> Any:
             "concurrency_key",
             "concurrency_limit",
             "concurrency_mode",
+            "after",
+            "after_failure",
         )
         result = await conn.execute(SUBMIT_JOB, dict(zip(names, args, strict=True)))
         return result.scalar_one()

@@ -65,6 +65,8 @@ def job_details(job: Job) -> str:
         rows.append(("waiting", ": ".join(filter(None, (job.waiting_code, job.waiting_reason)))))
     if job.concurrency_key:
         rows.append(("concurrency", f"{job.concurrency_key} (limit {job.concurrency_limit})"))
+    if job.after:
+        rows.append(("after", f"{', '.join(job.after)} (on failure: {job.after_failure})"))
     rows.append(("request id", job.request_id))
     if job.correlation_id:
         rows.append(("correlation id", job.correlation_id))

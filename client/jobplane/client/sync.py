@@ -38,6 +38,7 @@ from jobplane.types import (
     Blob,
     BlobPage,
     ConcurrencyMode,
+    DependencyFailurePolicy,
     Job,
     JobEvent,
     JobPage,
@@ -268,6 +269,8 @@ class Client(SyncScheduleCalls):
         concurrency_key: str = "",
         concurrency_limit: int = 0,
         concurrency_mode: ConcurrencyMode | str | None = None,
+        after: Sequence[Job | str] = (),
+        after_failure: DependencyFailurePolicy | str | None = None,
     ) -> Job:
         """Create a job of ``type`` and return it; see :meth:`AsyncClient.submit`."""
         return self._loop.run(
@@ -284,6 +287,8 @@ class Client(SyncScheduleCalls):
                 concurrency_key=concurrency_key,
                 concurrency_limit=concurrency_limit,
                 concurrency_mode=concurrency_mode,
+                after=after,
+                after_failure=after_failure,
             )
         )
 

@@ -23,7 +23,14 @@ from jobplane.store.job_reads import with_stages
 from jobplane.store.machine import NewStage
 from jobplane.store.rows import JOB_COLUMNS, dumps
 from jobplane.topology import PipelineSpec
-from jobplane.types import BlobRef, ConcurrencyMode, Job, Stage, StageState
+from jobplane.types import (
+    BlobRef,
+    ConcurrencyMode,
+    DependencyFailurePolicy,
+    Job,
+    Stage,
+    StageState,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +60,9 @@ class NewJob:
     concurrency_key: str | None = None
     concurrency_limit: int = 0
     concurrency_mode: ConcurrencyMode = ConcurrencyMode.QUEUE
+    # Dependencies (docs/workflows.md, ADR-0045): the ids of the jobs it runs after.
+    after: tuple[uuid.UUID, ...] = ()
+    after_failure: DependencyFailurePolicy = DependencyFailurePolicy.FAIL
 
     def fingerprint(self) -> bytes:
         """A digest of the request, stored with the job: equal digests are the same request.
@@ -81,6 +91,14 @@ class NewJob:
                         "concurrency_mode": self.concurrency_mode.value,
                     }
                     if self.concurrency_key is not None
+                    else {}
+                ),
+                **(
+                    {
+                        "after": [str(a) for a in self.after],
+                        "after_failure": self.after_failure.value,
+                    }
+                    if self.after
                     else {}
                 ),
             }

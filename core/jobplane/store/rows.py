@@ -12,6 +12,7 @@ from jobplane.names import job_name
 from jobplane.scheduling import scheduled
 from jobplane.types import (
     BlobRef,
+    DependencyFailurePolicy,
     EventType,
     Job,
     JobError,
@@ -74,6 +75,9 @@ JOB_FIELDS = (
     # Concurrency keys (docs/flow-control.md).
     "concurrency_key",
     "concurrency_limit",
+    # Dependencies (docs/workflows.md).
+    "after_ids",
+    "after_failure",
 )
 JOB_COLUMNS = ", ".join(JOB_FIELDS)
 
@@ -149,6 +153,8 @@ def job_from_row(row: Mapping[Any, Any], now: datetime | None = None) -> Job:
         schedule_time=row.get("schedule_time"),
         concurrency_key=row.get("concurrency_key") or "",
         concurrency_limit=int(row.get("concurrency_limit") or 0),
+        after=tuple(job_name(a) for a in row.get("after_ids") or ()),
+        after_failure=DependencyFailurePolicy(row.get("after_failure") or "fail"),
     )
     return scheduled(job, now) if state is JobState.QUEUED else job
 

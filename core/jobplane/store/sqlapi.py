@@ -17,7 +17,8 @@ from sqlalchemy import text
 SUBMIT_JOB_ASYNCPG = (
     "SELECT jobplane.submit_job($1, $2, CAST($3 AS jsonb), $4, $5, $6, CAST($7 AS jsonb), $8, "
     "CAST(CAST($9 AS text) AS timestamptz), CAST($10 AS float8) * interval '1 second', "
-    "concurrency_key => $11, concurrency_limit => $12, concurrency_mode => $13)"
+    "concurrency_key => $11, concurrency_limit => $12, concurrency_mode => $13, "
+    "after => CAST($14 AS uuid[]), after_failure => $15)"
 )
 SUBMIT_JOB = text(
     "SELECT jobplane.submit_job(:tenant, :type, CAST(:payload AS jsonb), :request_id, "
@@ -25,7 +26,8 @@ SUBMIT_JOB = text(
     "CAST(CAST(:schedule_time AS text) AS timestamptz), "
     "CAST(:schedule_delay AS float8) * interval '1 second', "
     "concurrency_key => :concurrency_key, concurrency_limit => :concurrency_limit, "
-    "concurrency_mode => :concurrency_mode)"
+    "concurrency_mode => :concurrency_mode, after => CAST(:after AS uuid[]), "
+    "after_failure => :after_failure)"
 )
 # The time is bound as text: asyncpg sends the last microsecond of year 9999
 # (datetime.max) as 'infinity'.

@@ -97,6 +97,11 @@ class SubmitRequest:
     concurrency_limit: int = 0
     #: ConcurrencyMode's number in jobs.proto.
     concurrency_mode: int = 0
+    # Dependencies (checked by jobplane.server.after_requests).
+    #: Names (``jobs/{id}``) of the jobs it runs after.
+    after: tuple[str, ...] = ()
+    #: DependencyFailurePolicy's number in jobs.proto.
+    after_failure: int = 0
 
 
 async def check_blobs(

@@ -289,6 +289,8 @@ def submit_request(request: jobs_pb2.SubmitJobRequest) -> SubmitRequest:
         concurrency_key=request.concurrency_key,
         concurrency_limit=request.concurrency_limit,
         concurrency_mode=request.concurrency_mode,
+        after=tuple(request.after),
+        after_failure=request.after_failure,
     )
 
 

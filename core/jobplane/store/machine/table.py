@@ -64,6 +64,12 @@ class Transition(enum.StrEnum):
     # the oldest jobs held for it due again. HOLD also holds for a RUNNING limit.
     THROTTLE = "throttle"
     RELEASE_LIMIT = "release_limit"
+    # Dependencies (ADR-0045): a job submitted with ``after`` waits QUEUED
+    # without a dispatch; when the jobs it waits for have ended, one statement
+    # decides between these three (its policy says what a failure does).
+    DEPENDENCIES_MET = "dependencies_met"
+    DEPENDENCY_FAILED = "dependency_failed"
+    DEPENDENCY_CANCELLED = "dependency_cancelled"
 
 
 class Lifecycle(enum.StrEnum):
@@ -144,6 +150,14 @@ GROUP_ADMITS = f"concurrency_key IS NULL AND NOT {LIMITED}"
 KEY_FULL = "its concurrency key is full, or a flow limit holds it (the statement decides)"
 # Said by the release statement itself (written out: it picks its jobs).
 KEY_FREE = "held by this key, oldest first, up to the slots free under the key's lock"
+
+# Dependencies (ADR-0045), read by the resolution statement under the row
+# lock: the counts the ends of the jobs it runs after keep (deps_waiting: not
+# ended yet; deps_failed: ended other than SUCCEEDED) and its policy.
+DEPS_FAIL = "deps_failed > 0 AND coalesce(after_failure, 'fail') = 'fail'"
+DEPS_CANCEL = "deps_failed > 0 AND after_failure = 'cancel'"
+DEPS_MET = "deps_waiting <= 0 AND (deps_failed = 0 OR after_failure = 'run_anyway')"
+WAITS_FOR_DEPS = f"waiting_code = '{WaitingCode.DEPENDENCIES}' AND dispatch_id IS NULL"
 
 # Said by the hand-back statement itself, which decides between the two.
 LIVE_WORKER = "a live worker handles the job's type on its queue"
@@ -493,7 +507,48 @@ RULES: Mapping[Transition, Rule] = {
         message="j.waiting_reason",
         data="'{}'::jsonb",
     ),
+    # Dependencies (ADR-0045), written out in store/machine/dependencies.py.
+    Transition.DEPENDENCIES_MET: Rule(
+        frozenset({Phase.QUEUED}),
+        JobState.QUEUED,
+        "id = ANY (:ids), locked in id order",
+        EventType.QUEUED,
+        dispatch=True,
+        guard=f"{WAITS_FOR_DEPS} AND {DEPS_MET}",
+        sets=f"dispatch_id = gen_random_uuid(), next_attempt_time = NULL, {NOT_WAITING}",
+        message="'the jobs it runs after have ended: dispatched'",
+        data="'{}'::jsonb",
+    ),
+    Transition.DEPENDENCY_FAILED: Rule(
+        frozenset({Phase.QUEUED}),
+        JobState.FAILED,
+        "id = ANY (:ids), locked in id order",
+        EventType.FAILED,
+        guard=f"{WAITS_FOR_DEPS} AND {DEPS_FAIL}",
+        sets="error_code = 'DEPENDENCY_FAILED', error_message naming the job, "
+        f"error_retryable = false, end_time = now(), {NOT_WAITING}",
+        message="j.error_message",
+        data="jsonb_build_object('error', jsonb_build_object('code', j.error_code, "
+        "'retryable', false))",
+        lifecycle=Lifecycle.FAILED,
+    ),
+    Transition.DEPENDENCY_CANCELLED: Rule(
+        frozenset({Phase.QUEUED}),
+        JobState.CANCELLED,
+        "id = ANY (:ids), locked in id order",
+        EventType.CANCELLED,
+        guard=f"{WAITS_FOR_DEPS} AND {DEPS_CANCEL}",
+        sets="error_code = 'CANCELLED', error_message naming the job, error_retryable = false, "
+        f"end_time = now(), {NOT_WAITING}",
+        message="j.error_message",
+        data="'{}'::jsonb",
+        lifecycle=Lifecycle.CANCELLED,
+    ),
 }
+
+#: The transitions that end a job: each settles the jobs that run after it
+#: in its own transaction (ADR-0045).
+ENDS = frozenset(t for t, r in RULES.items() if r.target.terminal)
 
 
 def state_is(*states: JobState, column: str = "state") -> str:
