@@ -170,8 +170,8 @@ def resolve(needs: set[str], extra: Sequence[str]) -> str:
     ends = f"({fails}) OR ({cancels})"
     dependency = (
         "format('jobs/%s, which it runs after, ended %s', jobs.deps_failed_on, "
-        "coalesce((SELECT upper(x.state) FROM jobs x WHERE x.id = jobs.deps_failed_on), "
-        "'without succeeding'))"
+        "coalesce((SELECT upper(d.outcome) FROM job_dependencies d WHERE d.job_id = jobs.id "
+        "AND d.depends_on = jobs.deps_failed_on), 'without succeeding'))"
     )
     return f"""
         WITH p AS (

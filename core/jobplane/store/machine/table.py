@@ -91,7 +91,13 @@ NO_ATTEMPTS_LEFT = "attempt - retry_base >= max_attempts"
 # A job held by its concurrency key has no dispatch either, but waits for a
 # slot of its key, not for a worker (ADR-0040).
 # So is one held for a RUNNING slot of a flow limit (ADR-0043).
-HELD_CODES = (WaitingCode.CONCURRENCY_LIMIT, WaitingCode.RATE_LIMITED, WaitingCode.TENANT_LIMIT)
+# So is one waiting for the jobs it runs after (ADR-0045).
+HELD_CODES = (
+    WaitingCode.CONCURRENCY_LIMIT,
+    WaitingCode.RATE_LIMITED,
+    WaitingCode.TENANT_LIMIT,
+    WaitingCode.DEPENDENCIES,
+)
 PARKED = (
     "dispatch_id IS NULL AND (waiting_code IS NULL OR waiting_code NOT IN ("
     + ", ".join(f"'{c}'" for c in HELD_CODES)
