@@ -16,10 +16,11 @@ _NEW = (
     "jobplane.submit_job(text, text, jsonb, text, text, integer, jsonb, double precision, "
     "timestamptz, interval)"
 )
-# Concurrency keys' migration (0018, after this one) adds three more.
+# Concurrency keys' migration (0018, after this one) adds three more, and
+# dependencies' (0023) two more.
 _HEAD = (
     "jobplane.submit_job(text, text, jsonb, text, text, integer, jsonb, double precision, "
-    "timestamptz, interval, text, integer, text)"
+    "timestamptz, interval, text, integer, text, uuid[], text)"
 )
 _CAN = "SELECT has_function_privilege(:role, :fn, 'EXECUTE')"
 
