@@ -52,6 +52,7 @@ def test_a_name_twice_is_refused_at_its_second_place(
     names.insert(data.draw(st.integers(at + 1, len(names))), names[at])
     with pytest.raises(InvalidArgument) as refused:
         check_after(tuple(names), 0)
-    assert refused.value.field.startswith("after[")
-    second = int(refused.value.field[6:-1])
+    field = refused.value.field or ""
+    assert field.startswith("after[")
+    second = int(field[6:-1])
     assert names[second] in names[:second]
