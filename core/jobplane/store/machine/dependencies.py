@@ -73,8 +73,9 @@ MARK = text(
 
 
 def reason(names: str) -> str:
-    """SQL: the waiting reason of a job that waits for the jobs ``names`` (SQL text)."""
-    return f"format('waiting for %s to end (it runs after them)', {names})"
+    """SQL: the waiting reason of a job that waits for the jobs ``names`` (SQL
+    text; NULL when ``names`` is)."""
+    return f"('waiting for ' || {names} || ' to end (it runs after them)')"
 
 
 # The names of the jobs ``jobs`` still waits for, but the edges ``e`` just ended.
