@@ -41,7 +41,7 @@ import json
 import math
 import re
 import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -86,6 +86,17 @@ _ERRORS: dict[str, type[JobplaneError]] = {
 _NUL_ESCAPE = re.compile(r"(?<!\\)(?:\\\\)*\\u0000")
 
 
+def _job_id(job: uuid.UUID | str) -> uuid.UUID:
+    """A job's id from its id or its name (``jobs/{id}``)."""
+    if isinstance(job, uuid.UUID):
+        return job
+    try:
+        return uuid.UUID(str(job).removeprefix("jobs/"))
+    except ValueError:
+        raise InvalidArgument(f"after names no job: {str(job)[:64]!r}", field="after") from None
+
+
+# long: a keyword for each of SubmitJob's fields, each documented here
 async def submit_job(
     conn: Any,
     *,
@@ -103,6 +114,8 @@ async def submit_job(
     concurrency_limit: int = 0,
     concurrency_mode: str | None = None,
     deadline: datetime | float | timedelta | None = None,
+    after: Sequence[uuid.UUID | str] = (),
+    after_failure: str | None = None,
 ) -> uuid.UUID:
     """Create a job in ``conn``'s transaction; its id.
 
@@ -120,6 +133,9 @@ async def submit_job(
     ``deadline``: the time (timezone-aware) by which the job must have ended,
     or how long after this call (seconds or a timedelta); past it the job
     ends FAILED, DEADLINE_EXCEEDED (docs/scheduling.md#deadlines).
+    mode raises :class:`~jobplane.errors.ConcurrencyLimitReached`. ``after``
+    (job ids, or names ``jobs/{id}``) and ``after_failure`` (``"fail"``,
+    ``"cancel"``, ``"run_anyway"``) as in ``submit`` (docs/workflows.md).
     """
     # Postgres text holds no NUL: refused here, as the RPC refuses it.
     if "\x00" in tenant:
@@ -150,6 +166,8 @@ async def submit_job(
         concurrency_limit,
         concurrency_mode,
         *_deadline_args(deadline),
+        [_job_id(a) for a in after] or None,
+        after_failure,
     )
     try:
         return uuid.UUID(str(await _scalar(conn, args)))
@@ -352,6 +370,8 @@ async def _scalar(conn: Any, args: tuple[Any, ...]) -> Any:
             "concurrency_mode",
             "deadline",
             "deadline_after",
+            "after",
+            "after_failure",
         )
         result = await conn.execute(SUBMIT_JOB, dict(zip(names, args, strict=True)))
         return result.scalar_one()

@@ -187,6 +187,9 @@ class _MemorySweeps(SweepStore):
     async def release_held(self, **kwargs: Any) -> int:
         return 0
 
+    async def settle_dependencies(self, **kwargs: Any) -> int:
+        return 0
+
     async def analyze_grown(self, **kwargs: Any) -> list[str]:
         return []
 

@@ -63,7 +63,7 @@ def register_job_commands(subparsers: Subparsers, parents: Parents) -> None:
         type=str.upper,
         default="",
         help="only QUEUED jobs waiting for this reason (SCHEDULED, CONCURRENCY_LIMIT, "
-        "UNROUTABLE, NO_LIVE_WORKER, HANDED_BACK)",
+        "DEPENDENCIES, UNROUTABLE, NO_LIVE_WORKER, HANDED_BACK)",
     )
     list_.add_argument(
         "--page-size", metavar="N", type=int, default=0, help="jobs per page (server default 50)"
@@ -173,6 +173,20 @@ def _concurrency_flags(submit: argparse.ArgumentParser) -> None:
         default=None,
         help="when the key is full: wait (queue, the default) or refuse the submit (reject)",
     )
+    submit.add_argument(
+        "--after",
+        action="append",
+        default=[],
+        metavar="jobs/ID",
+        help="run after this job has succeeded (repeatable: after all of them)",
+    )
+    submit.add_argument(
+        "--after-failure",
+        choices=("fail", "cancel", "run_anyway"),
+        default=None,
+        help="when a job it runs after does not succeed: end FAILED (fail, the default), "
+        "end CANCELLED (cancel), or run once all have ended (run_anyway)",
+    )
 
 
 async def _submit(client: AsyncClient, args: argparse.Namespace) -> int:
@@ -196,6 +210,8 @@ async def _submit(client: AsyncClient, args: argparse.Namespace) -> int:
         concurrency_limit=args.concurrency_limit,
         concurrency_mode=args.concurrency_mode,
         deadline=None if args.deadline is None else parse_deadline(args.deadline),
+        after=args.after,
+        after_failure=args.after_failure,
     )
     if args.json:
         print_json(job_to_json(job))

@@ -67,6 +67,8 @@ def job_details(job: Job) -> str:
         rows.append(("deadline", _time(job.deadline)))
     if job.concurrency_key:
         rows.append(("concurrency", f"{job.concurrency_key} (limit {job.concurrency_limit})"))
+    if job.after:
+        rows.append(("after", f"{', '.join(job.after)} (on failure: {job.after_failure})"))
     rows.append(("request id", job.request_id))
     if job.correlation_id:
         rows.append(("correlation id", job.correlation_id))

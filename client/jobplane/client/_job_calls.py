@@ -12,7 +12,7 @@ import contextlib
 import dataclasses
 import json
 import uuid
-from collections.abc import AsyncGenerator, Iterable, Mapping
+from collections.abc import AsyncGenerator, Iterable, Mapping, Sequence
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -22,7 +22,14 @@ from jobplane.blobs.names import referenced_digests
 from jobplane.client._blob_calls import BlobCalls
 from jobplane.client._retry import Backoff, EventCursor, stream_failure, stream_retry_delay
 from jobplane.client._schedule import set_deadline, set_schedule
-from jobplane.client.batch import MAX_BATCH_SIZE, JobSpec, batches, shifted, with_concurrency
+from jobplane.client.batch import (
+    MAX_BATCH_SIZE,
+    JobSpec,
+    batches,
+    shifted,
+    with_after,
+    with_concurrency,
+)
 from jobplane.convert import event_from_pb, job_from_pb, state_to_pb, struct_from_dict
 from jobplane.errors import (
     BlobsDisabled,
@@ -32,7 +39,16 @@ from jobplane.errors import (
     TenantLimitExceeded,
     Unavailable,
 )
-from jobplane.types import BlobRef, ConcurrencyMode, Job, JobEvent, JobPage, JobState, WaitingCode
+from jobplane.types import (
+    BlobRef,
+    ConcurrencyMode,
+    DependencyFailurePolicy,
+    Job,
+    JobEvent,
+    JobPage,
+    JobState,
+    WaitingCode,
+)
 from jobplane.v1 import jobs_pb2
 
 #: The largest payload or result by reference the SDK reads back whole.
@@ -68,6 +84,8 @@ class JobCalls(BlobCalls):
         concurrency_limit: int = 0,
         concurrency_mode: ConcurrencyMode | str | None = None,
         deadline: datetime | float | timedelta | None = None,
+        after: Sequence[Job | str] = (),
+        after_failure: DependencyFailurePolicy | str | None = None,
     ) -> Job:
         """Create a job of ``type`` and return it (normally QUEUED).
 
@@ -94,6 +112,12 @@ class JobCalls(BlobCalls):
         (seconds or a timedelta). Past it, a job not ended ends FAILED with
         error code ``DEADLINE_EXCEEDED``, whatever its stage or attempt; a
         running attempt is stopped (docs/scheduling.md#deadlines).
+        ``after``: jobs of the tenant (or their names, ``jobs/{id}``) this one
+        runs after: it waits QUEUED, ``waiting_code`` ``DEPENDENCIES``, until
+        they have all succeeded. ``after_failure`` says what it does when one
+        of them does not: end FAILED (``"fail"``, the default, error code
+        DEPENDENCY_FAILED), end CANCELLED (``"cancel"``) or run once all have
+        ended (``"run_anyway"``). See docs/workflows.md.
         """
         request = await self._submit_request(
             JobSpec(
@@ -110,6 +134,8 @@ class JobCalls(BlobCalls):
                 concurrency_limit=concurrency_limit,
                 concurrency_mode=concurrency_mode,
                 deadline=deadline,
+                after=after,
+                after_failure=after_failure,
             )
         )
         # Without a request_id a repeated call could create a second job.
@@ -177,6 +203,7 @@ class JobCalls(BlobCalls):
         set_schedule(request, spec.schedule_time, spec.schedule_delay)
         set_deadline(request, spec.deadline)
         with_concurrency(request, spec)
+        with_after(request, spec)
         body = _compact(payload) if payload else None
         if body is not None and len(body) > self._inline_bytes:
             # Too large to go inline: as a blob, by reference. A server

@@ -38,6 +38,7 @@ from jobplane.types import (
     Blob,
     BlobPage,
     ConcurrencyMode,
+    DependencyFailurePolicy,
     Job,
     JobEvent,
     JobPage,
@@ -269,6 +270,8 @@ class Client(SyncScheduleCalls):
         concurrency_limit: int = 0,
         concurrency_mode: ConcurrencyMode | str | None = None,
         deadline: datetime | float | timedelta | None = None,
+        after: Sequence[Job | str] = (),
+        after_failure: DependencyFailurePolicy | str | None = None,
     ) -> Job:
         """Create a job of ``type`` and return it; see :meth:`AsyncClient.submit`."""
         return self._loop.run(
@@ -286,6 +289,8 @@ class Client(SyncScheduleCalls):
                 concurrency_limit=concurrency_limit,
                 concurrency_mode=concurrency_mode,
                 deadline=deadline,
+                after=after,
+                after_failure=after_failure,
             )
         )
 

@@ -23,7 +23,14 @@ from jobplane.store.job_reads import with_stages
 from jobplane.store.machine import NewStage
 from jobplane.store.rows import JOB_COLUMNS, dumps
 from jobplane.topology import PipelineSpec
-from jobplane.types import BlobRef, ConcurrencyMode, Job, Stage, StageState
+from jobplane.types import (
+    BlobRef,
+    ConcurrencyMode,
+    DependencyFailurePolicy,
+    Job,
+    Stage,
+    StageState,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,6 +63,9 @@ class NewJob:
     #: Deadlines (ADR-0044): when the job must have ended (None: no deadline).
     #: Not part of the request's identity, as schedule_time is not.
     deadline: datetime | None = None
+    # Dependencies (docs/workflows.md, ADR-0045): the ids of the jobs it runs after.
+    after: tuple[uuid.UUID, ...] = ()
+    after_failure: DependencyFailurePolicy = DependencyFailurePolicy.FAIL
 
     def fingerprint(self) -> bytes:
         """A digest of the request, stored with the job: equal digests are the same request.
@@ -84,6 +94,14 @@ class NewJob:
                         "concurrency_mode": self.concurrency_mode.value,
                     }
                     if self.concurrency_key is not None
+                    else {}
+                ),
+                **(
+                    {
+                        "after": [str(a) for a in self.after],
+                        "after_failure": self.after_failure.value,
+                    }
+                    if self.after
                     else {}
                 ),
             }

@@ -16,7 +16,6 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from jobplane.errors import (
     BlobReferenceNotFound,
-    ConcurrencyLimitReached,
     InvalidArgument,
     JobAlreadyTerminal,
     JobNotFound,
@@ -29,6 +28,14 @@ from jobplane.faults import NO_FAULTS, FaultPoints
 from jobplane.ids import new_id
 from jobplane.store.concurrency import refuse_full_keys, rejects, release_key
 from jobplane.store.db import Conn, Database
+from jobplane.store.dependencies import (
+    Found,
+    check_after,
+    decide,
+    decided_at_submit,
+    dependency_columns,
+    has_after,
+)
 from jobplane.store.down import sqlstate
 from jobplane.store.engine import autocommit
 from jobplane.store.job_reads import (
@@ -192,11 +199,14 @@ class JobStore:
         to learn whose.
         """
         ids = [new_id() for _ in news]
-        refused: dict[int, ConcurrencyLimitReached] = {}
-        # A full key's refusal is decided under its lock, held to the commit.
-        scope = self._machine.session(self._db, Transition.SUBMIT, many=rejects(news))
-        async with scope as conn:
-            refused = await refuse_full_keys(conn, tenant_id, news)
+        refused: dict[int, JobplaneError] = {}
+        # A full key's refusal is decided under its lock, held to the commit;
+        # the jobs they run after are locked to it too.
+        many = rejects(news) or has_after(news)
+        async with self._machine.session(self._db, Transition.SUBMIT, many=many) as conn:
+            found, refused = await check_after(conn, tenant_id, news)
+            for i, full in (await refuse_full_keys(conn, tenant_id, news)).items():
+                refused.setdefault(i, full)
             admitted = [i for i in range(len(news)) if i not in refused]
             rows = await self._insert(
                 conn,
@@ -204,6 +214,7 @@ class JobStore:
                 [news[i] for i in admitted],
                 [ids[i] for i in admitted],
                 field="payload",
+                found=found,
             )
         missing = [
             i for i, job_id in enumerate(ids) if str(job_id) not in rows and i not in refused
@@ -241,9 +252,12 @@ class JobStore:
         replayed: dict[int, Job] = {}
         # A batch is one transaction: a refused replay in it undoes the rest.
         async with self._machine.session(self._db, Transition.SUBMIT, many=True) as conn:
+            found, unknown = await check_after(conn, tenant_id, news)
+            for i, error in sorted(unknown.items()):
+                raise at_item(error, i)
             for i, error in (await refuse_full_keys(conn, tenant_id, news)).items():
                 raise at_item(error, i)
-            rows = await self._insert(conn, tenant_id, news, ids, field="requests")
+            rows = await self._insert(conn, tenant_id, news, ids, field="requests", found=found)
             missing = [i for i, job_id in enumerate(ids) if str(job_id) not in rows]
             if missing:
                 for i, replay in (await find_replays(conn, tenant_id, news, missing)).items():
@@ -267,12 +281,16 @@ class JobStore:
         ids: Sequence[uuid.UUID],
         *,
         field: str,
+        found: Found,
     ) -> dict[str, Row]:
         """Insert ``news`` under ``ids`` (a taken request_id is skipped); the rows
-        written, by job id."""
+        written, by job id, as they are at the end: a job decided at once by
+        the jobs it runs after has ended (ADR-0045)."""
         # Inserted in request_id order (see the machine's submit statement).
         order = sorted(range(len(news)), key=lambda i: news[i].request_id)
-        columns = [submit_columns(news[i], ids[i]) for i in order]
+        columns = [
+            {**submit_columns(news[i], ids[i]), **dependency_columns(news[i], found)} for i in order
+        ]
         params: dict[str, Any] = {
             "tenant_id": tenant_id,
             **{f"new_{c}": [row[c] for row in columns] for c in SUBMIT_COLUMNS},
@@ -292,7 +310,12 @@ class JobStore:
                     "the payload references a blob that does not exist", field=field
                 ) from None
             raise
-        return {str(row["id"]): row for row in created}
+        written = {str(row["id"]): row for row in created}
+        decided = [
+            ids[i] for i in order if str(ids[i]) in written and decided_at_submit(news[i], found)
+        ]
+        written.update(await decide(conn, self._machine, decided))
+        return written
 
     async def get(self, tenant_id: uuid.UUID, job_id: uuid.UUID) -> Job:
         """One job of the tenant; :class:`JobNotFound` otherwise."""

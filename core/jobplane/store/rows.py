@@ -12,6 +12,7 @@ from jobplane.names import job_name
 from jobplane.scheduling import scheduled
 from jobplane.types import (
     BlobRef,
+    DependencyFailurePolicy,
     EventType,
     Job,
     JobError,
@@ -76,6 +77,9 @@ JOB_FIELDS = (
     "concurrency_limit",
     # Deadlines (docs/scheduling.md#deadlines).
     "deadline",
+    # Dependencies (docs/workflows.md).
+    "after_ids",
+    "after_failure",
 )
 JOB_COLUMNS = ", ".join(JOB_FIELDS)
 
@@ -152,6 +156,8 @@ def job_from_row(row: Mapping[Any, Any], now: datetime | None = None) -> Job:
         concurrency_key=row.get("concurrency_key") or "",
         concurrency_limit=int(row.get("concurrency_limit") or 0),
         deadline=row.get("deadline"),
+        after=tuple(job_name(a) for a in row.get("after_ids") or ()),
+        after_failure=DependencyFailurePolicy(row.get("after_failure") or "fail"),
     )
     return scheduled(job, now) if state is JobState.QUEUED else job
 

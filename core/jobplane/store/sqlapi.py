@@ -19,7 +19,8 @@ SUBMIT_JOB_ASYNCPG = (
     "CAST(CAST($9 AS text) AS timestamptz), CAST($10 AS float8) * interval '1 second', "
     "concurrency_key => $11, concurrency_limit => $12, concurrency_mode => $13, "
     "deadline => CAST(CAST($14 AS text) AS timestamptz), "
-    "deadline_after => CAST($15 AS float8) * interval '1 second')"
+    "deadline_after => CAST($15 AS float8) * interval '1 second', "
+    "after => CAST($16 AS uuid[]), after_failure => $17)"
 )
 SUBMIT_JOB = text(
     "SELECT jobplane.submit_job(:tenant, :type, CAST(:payload AS jsonb), :request_id, "
@@ -29,7 +30,8 @@ SUBMIT_JOB = text(
     "concurrency_key => :concurrency_key, concurrency_limit => :concurrency_limit, "
     "concurrency_mode => :concurrency_mode, "
     "deadline => CAST(CAST(:deadline AS text) AS timestamptz), "
-    "deadline_after => CAST(:deadline_after AS float8) * interval '1 second')"
+    "deadline_after => CAST(:deadline_after AS float8) * interval '1 second', "
+    "after => CAST(:after AS uuid[]), after_failure => :after_failure)"
 )
 # The time is bound as text: asyncpg sends the last microsecond of year 9999
 # (datetime.max) as 'infinity'.

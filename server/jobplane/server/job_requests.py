@@ -102,6 +102,11 @@ class SubmitRequest:
     deadline: datetime | None = None
     #: Seconds after the server accepts the request.
     deadline_after_seconds: float | None = None
+    # Dependencies (checked by jobplane.server.after_requests).
+    #: Names (``jobs/{id}``) of the jobs it runs after.
+    after: tuple[str, ...] = ()
+    #: DependencyFailurePolicy's number in jobs.proto.
+    after_failure: int = 0
 
 
 async def check_blobs(

@@ -26,6 +26,7 @@ from jobplane.errors import (
 from jobplane.names import parse_job_name, validate_job_type
 from jobplane.observe.metrics import NO_METRICS, Metrics
 from jobplane.scheduling import DEFAULT_MAX_SCHEDULE_SECONDS, deadline_of, schedule_time_of
+from jobplane.server.after_requests import with_after
 from jobplane.server.feeds import FeedHub
 from jobplane.server.job_requests import (
     MAX_ATTEMPTS_LIMIT,
@@ -284,12 +285,13 @@ class JobService:
             new = pipeline_job(request, pipeline, payload_blob, references)
         else:
             new = _plain_job(request, job_type, queue, timeout, payload_blob, references)
-        return with_concurrency(
+        new = with_concurrency(
             replace(new, schedule_time=schedule, deadline=deadline),
             request.concurrency_key,
             request.concurrency_limit,
             request.concurrency_mode,
         )
+        return with_after(new, request.after, request.after_failure)
 
     async def get(self, tenant: uuid.UUID, name: str) -> Job:
         """One job by name."""

@@ -299,6 +299,8 @@ def submit_request(request: jobs_pb2.SubmitJobRequest) -> SubmitRequest:
             if request.HasField("deadline_after")
             else None
         ),
+        after=tuple(request.after),
+        after_failure=request.after_failure,
     )
 
 

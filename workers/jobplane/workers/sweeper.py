@@ -175,6 +175,10 @@ class Sweeper(Lifecycle):
         released = await self._store.release_held(limit=self._batch_size)
         if released:
             log.info("sweeper.keys.released", jobs=released)
+        # Jobs that run after others, left waiting by an end that did not settle them.
+        settled = await self._store.settle_dependencies(limit=self._batch_size)
+        if settled:
+            log.warning("sweeper.dependencies.settled", jobs=settled)
         republished = 0
         if time.monotonic() >= self._next_republish:
             republished = await self._republish()

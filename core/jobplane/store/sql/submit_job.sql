@@ -27,7 +27,12 @@ CREATE OR REPLACE FUNCTION jobplane.submit_job(
     concurrency_mode  text DEFAULT NULL,
     -- Deadlines (docs/scheduling.md#deadlines): at most one of the two.
     deadline          timestamptz DEFAULT NULL,
-    deadline_after    interval DEFAULT NULL
+    deadline_after    interval DEFAULT NULL,
+    -- Dependencies (docs/workflows.md): ids of the caller's jobs it runs
+    -- after, and what a failure of one does: 'fail' (NULL), 'cancel' or
+    -- 'run_anyway'.
+    after             uuid[] DEFAULT NULL,
+    after_failure     text DEFAULT NULL
 ) RETURNS uuid
 LANGUAGE plpgsql
 VOLATILE
@@ -71,6 +76,15 @@ DECLARE
     v_in_flight      bigint;
     -- Deadlines.
     v_deadline       timestamptz := submit_job.deadline;
+    -- Dependencies.
+    v_after          uuid[] := submit_job.after;
+    v_policy         text := coalesce(submit_job.after_failure, '');
+    v_missing        integer;
+    v_deps_waiting   integer := 0;
+    v_deps_failed    integer := 0;
+    v_deps_failed_on uuid;
+    v_waits          boolean := false;
+    v_reason         text;
 BEGIN
     SELECT id INTO v_tenant FROM tenants WHERE name = submit_job.tenant;
     IF v_tenant IS NULL THEN
@@ -303,6 +317,61 @@ BEGIN
         END IF;
     END IF;
 
+    -- Dependencies: SubmitJob's checks, then the jobs named are marked and
+    -- locked (in id order) to the caller's commit, as the RPC does. A job
+    -- already ended counts at once; one that failed under policy fail or
+    -- cancel leaves the job waiting for the sweeper's next pass to end it.
+    IF v_policy NOT IN ('', 'fail', 'cancel', 'run_anyway') THEN
+        RAISE EXCEPTION 'INVALID_ARGUMENT: after_failure must be fail, cancel or run_anyway'
+            USING ERRCODE = 'JP001', COLUMN = 'after_failure';
+    END IF;
+    IF coalesce(cardinality(v_after), 0) = 0 THEN
+        IF v_policy <> '' THEN
+            RAISE EXCEPTION 'INVALID_ARGUMENT: after_failure needs after'
+                USING ERRCODE = 'JP001', COLUMN = 'after_failure';
+        END IF;
+        v_after := NULL;
+    ELSE
+        IF cardinality(v_after) > 100 THEN
+            RAISE EXCEPTION 'INVALID_ARGUMENT: after names at most 100 jobs'
+                USING ERRCODE = 'JP001', COLUMN = 'after';
+        END IF;
+        IF array_position(v_after, NULL) IS NOT NULL THEN
+            RAISE EXCEPTION 'INVALID_ARGUMENT: after[%] is NULL', array_position(v_after, NULL) - 1
+                USING ERRCODE = 'JP001', COLUMN = 'after[' || (array_position(v_after, NULL) - 1) || ']';
+        END IF;
+        IF (SELECT count(DISTINCT a) FROM unnest(v_after) a) < cardinality(v_after) THEN
+            RAISE EXCEPTION 'INVALID_ARGUMENT: after names a job twice'
+                USING ERRCODE = 'JP001', COLUMN = 'after';
+        END IF;
+        v_policy := CASE WHEN v_policy = '' THEN 'fail' ELSE v_policy END;
+        WITH p AS (
+            SELECT id FROM jobs WHERE tenant_id = v_tenant AND id = ANY (v_after)
+            ORDER BY id FOR UPDATE
+        )
+        UPDATE jobs SET has_dependents = true FROM p WHERE jobs.id = p.id;
+        SELECT min(a.ord) INTO v_missing
+        FROM unnest(v_after) WITH ORDINALITY AS a(id, ord)
+        WHERE NOT EXISTS (SELECT 1 FROM jobs WHERE tenant_id = v_tenant AND jobs.id = a.id);
+        IF v_missing IS NOT NULL THEN
+            RAISE EXCEPTION 'INVALID_ARGUMENT: after[%]: no job jobs/% (a job of yours that '
+                'exists when this one is submitted)', v_missing - 1, v_after[v_missing]
+                USING ERRCODE = 'JP001', COLUMN = 'after[' || (v_missing - 1) || ']';
+        END IF;
+        SELECT count(*) FILTER (WHERE state NOT IN ('succeeded', 'failed', 'cancelled')),
+               count(*) FILTER (WHERE state IN ('failed', 'cancelled')),
+               (array_agg(id ORDER BY id) FILTER (WHERE state IN ('failed', 'cancelled')))[1]
+        INTO v_deps_waiting, v_deps_failed, v_deps_failed_on
+        FROM jobs WHERE tenant_id = v_tenant AND id = ANY (v_after);
+        v_waits := v_deps_waiting > 0 OR (v_deps_failed > 0 AND v_policy <> 'run_anyway');
+        SELECT format('waiting for %s to end (it runs after them)',
+                      string_agg('jobs/' || w.id, ', ' ORDER BY w.id))
+        INTO v_reason
+        FROM (SELECT id FROM jobs WHERE tenant_id = v_tenant AND id = ANY (v_after)
+                AND (v_deps_waiting = 0 OR state NOT IN ('succeeded', 'failed', 'cancelled'))
+              ORDER BY id LIMIT 10) AS w;
+    END IF;
+
     IF v_request_id = '' THEN
         v_request_id := gen_random_uuid()::text;
     END IF;
@@ -322,25 +391,38 @@ BEGIN
         INSERT INTO jobs (id, tenant_id, type, queue, state, payload, max_attempts, request_id,
                           request_hash, correlation_id, labels, dispatch_id, last_seq,
                           timeout_seconds, lifecycle_seq, schedule_time, concurrency_key,
-                          concurrency_limit, deadline)
+                          concurrency_limit, deadline, after_ids, after_failure, deps_waiting,
+                          deps_failed, deps_failed_on, waiting_code, waiting_reason)
         VALUES (v_id, v_tenant, v_type, v_route.queue, 'queued', v_payload, v_max_attempts,
                 v_request_id,
                 sha256(convert_to(jsonb_build_array(v_type, v_payload, v_max_attempts,
                     v_correlation_id, v_labels, v_timeout)::text, 'UTF8')),
-                v_correlation_id, v_labels, v_dispatch, 1, v_timeout, 1, v_schedule, v_key,
-                CASE WHEN v_key IS NOT NULL THEN v_key_limit END, v_deadline)
+                v_correlation_id, v_labels, CASE WHEN NOT v_waits THEN v_dispatch END, 1,
+                v_timeout, 1, v_schedule, v_key,
+                CASE WHEN v_key IS NOT NULL THEN v_key_limit END, v_deadline, v_after,
+                CASE WHEN v_after IS NOT NULL THEN v_policy END, v_deps_waiting, v_deps_failed,
+                v_deps_failed_on, CASE WHEN v_waits THEN 'DEPENDENCIES' END,
+                CASE WHEN v_waits THEN v_reason END)
         ON CONFLICT (tenant_id, request_id) DO NOTHING;
         IF FOUND THEN
+            -- Its edges: one that ended already carries its outcome.
+            INSERT INTO job_dependencies (job_id, depends_on, tenant_id, outcome)
+            SELECT v_id, x.id, v_tenant,
+                   CASE WHEN x.state IN ('succeeded', 'failed', 'cancelled') THEN x.state END
+            FROM jobs x WHERE x.tenant_id = v_tenant AND x.id = ANY (v_after);
             INSERT INTO job_events (job_id, seq, tenant_id, type, state, progress, message,
                                     attempt)
             VALUES (v_id, 1, v_tenant, 'queued', 'queued', 0, 'queued', 0);
             -- A delayed job's dispatch is due at its schedule_time (GREATEST
             -- skips the NULL of a job without one). Its queue: the relay's
             -- credit and fair claim are per queue (docs/flow-control.md).
-            INSERT INTO outbox (id, tenant_id, job_id, routing_key, correlation_id,
-                                available_at, queue)
-            VALUES (v_dispatch, v_tenant, v_id, v_type, v_correlation_id,
-                    greatest(now(), v_schedule), v_route.queue);
+            -- A job that waits for the jobs it runs after has none yet.
+            IF NOT v_waits THEN
+                INSERT INTO outbox (id, tenant_id, job_id, routing_key, correlation_id,
+                                    available_at, queue)
+                VALUES (v_dispatch, v_tenant, v_id, v_type, v_correlation_id,
+                        greatest(now(), v_schedule), v_route.queue);
+            END IF;
             -- Its job.queued, as the servers' state machine writes it
             -- (jobplane.store.machine.DomainEvents): the id is the version-3
             -- UUID of (job id, event seq 1), the body the envelope in
