@@ -436,3 +436,28 @@ async def test_the_job_page_shows_the_deadline(
             assert job.deadline.strftime("%Y-%m-%d %H:%M:%S") in page
             other = await (await http.get(f"/jobs/{plain.id}")).text()
             assert 'id="job-deadline"' not in other
+
+
+@pytest.mark.stack(relay=False, worker=False)
+async def test_a_deadline_ends_a_job_its_dependents_wait_for_and_a_waiting_one(
+    stack: Stack, sweeper: Sweeper
+) -> None:
+    """A deadline is an end like any other: the jobs that run after it are
+    settled by their policy; a job still waiting for others ends at its own."""
+    client = stack.client()
+    first = await client.submit("demo.echo", {}, deadline=timedelta(seconds=1))
+    failing = await client.submit("demo.echo", {}, after=[first])
+    anyway = await client.submit("demo.echo", {}, after=[first], after_failure="run_anyway")
+    late = await client.submit("demo.echo", {}, after=[anyway], deadline=timedelta(seconds=2))
+    await _ended(stack, first)
+    failed = await asyncio.wait_for(client.wait(failing.name), timeout=30)
+    assert failed.state is JobState.FAILED
+    assert failed.error is not None and failed.error.code == "DEPENDENCY_FAILED"
+
+    # Run anyway: dispatched now (no worker here, so it stays QUEUED, not waiting).
+    async def dispatched() -> bool:
+        return (await client.get(anyway.name)).waiting_code != "DEPENDENCIES"
+
+    await eventually(dispatched)
+    # The job after it waited for it, and its own deadline came first.
+    await _ended(stack, late)
