@@ -179,6 +179,7 @@ def job_to_pb(job: Job) -> jobs_pb2.Job:
         schedule_time=timestamp(job.schedule_time),
         concurrency_key=job.concurrency_key,
         concurrency_limit=job.concurrency_limit,
+        parent=job.parent,
     )
     if job.result is not None:
         message.result.CopyFrom(struct_from_dict(job.result))
@@ -304,6 +305,7 @@ def job_from_pb(message: jobs_pb2.Job) -> Job:
         ),
         concurrency_key=message.concurrency_key,
         concurrency_limit=message.concurrency_limit,
+        parent=message.parent,
     )
 
 

@@ -214,6 +214,9 @@ class Job:
     concurrency_key: str = ""
     #: The key's limit the job was submitted with (0 without a key).
     concurrency_limit: int = 0
+    # Child jobs (docs/workflows.md).
+    #: ``jobs/{id}`` of the job whose handler submitted this one ("" for none).
+    parent: str = ""
 
     @property
     def id(self) -> str:

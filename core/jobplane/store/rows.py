@@ -74,6 +74,8 @@ JOB_FIELDS = (
     # Concurrency keys (docs/flow-control.md).
     "concurrency_key",
     "concurrency_limit",
+    # Child jobs (docs/workflows.md): the job that submitted it, or NULL.
+    "parent_id",
 )
 JOB_COLUMNS = ", ".join(JOB_FIELDS)
 
@@ -149,6 +151,7 @@ def job_from_row(row: Mapping[Any, Any], now: datetime | None = None) -> Job:
         schedule_time=row.get("schedule_time"),
         concurrency_key=row.get("concurrency_key") or "",
         concurrency_limit=int(row.get("concurrency_limit") or 0),
+        parent=job_name(parent) if (parent := row.get("parent_id")) else "",
     )
     return scheduled(job, now) if state is JobState.QUEUED else job
 

@@ -244,6 +244,8 @@ SUBMIT_COLUMNS: Mapping[str, str] = {
     # Concurrency keys (ADR-0040).
     "concurrency_key": "text",
     "concurrency_limit": "int",
+    # Child jobs (ADR-0046): the parent's id, or NULL.
+    "parent_id": "uuid",
 }
 
 
@@ -263,14 +265,14 @@ def _submit(needs: set[str]) -> str:
                           timeout_seconds, lifecycle_seq, pipeline, pipeline_version, stage,
                           stage_name, stage_base, stage_span,
                           payload_blob, payload_blob_size, schedule_time,
-                          concurrency_key, concurrency_limit)
+                          concurrency_key, concurrency_limit, parent_id)
         SELECT n.id, CAST(:tenant_id AS uuid), n.type, n.queue,
                '{RULES[Transition.SUBMIT].target.value}', CAST(n.payload AS jsonb),
                n.max_attempts, n.request_id, n.request_hash, n.correlation_id,
                CAST(n.labels AS jsonb), n.dispatch_id, 1, n.timeout_seconds, 1, n.pipeline,
                n.pipeline_version, n.stage, n.stage_name, n.stage_base, n.stage_span,
                n.payload_blob, n.payload_blob_size, n.schedule_time,
-               n.concurrency_key, n.concurrency_limit
+               n.concurrency_key, n.concurrency_limit, n.parent_id
         FROM unnest({arrays})
             WITH ORDINALITY AS n({", ".join(SUBMIT_COLUMNS)}, ord)
         ORDER BY n.ord
