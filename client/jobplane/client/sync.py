@@ -309,6 +309,7 @@ class Client(SyncScheduleCalls):
         state: JobState | None = None,
         type: str | None = None,
         waiting_code: str | WaitingCode = "",
+        parent: str | Job = "",
     ) -> JobPage:
         """One page of the caller's jobs, newest first; see :meth:`AsyncClient.list`."""
         return self._loop.run(
@@ -318,6 +319,7 @@ class Client(SyncScheduleCalls):
                 state=state,
                 type=type,
                 waiting_code=waiting_code,
+                parent=parent,
             )
         )
 
@@ -329,6 +331,7 @@ class Client(SyncScheduleCalls):
         state: JobState | None = None,
         type: str | None = None,
         waiting_code: str | WaitingCode = "",
+        parent: str | Job = "",
     ) -> Generator[Job, None, None]:
         """Every job matching the filters, fetching page after page."""
         return self._pull(
@@ -338,6 +341,7 @@ class Client(SyncScheduleCalls):
                 state=state,
                 type=type,
                 waiting_code=waiting_code,
+                parent=parent,
             )
         )
 
