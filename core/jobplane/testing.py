@@ -34,17 +34,16 @@ from typing import Any, Literal, cast
 from jobplane.attempt_end import Retry, RetryPolicy, decide
 from jobplane.blobs.names import blob_name, parse_blob_name
 from jobplane.blobs.reader import BlobInfo, BlobReader
-from jobplane.errors import BlobNotFound, BlobTooLarge, InvalidArgument, RequestIdReused
+from jobplane.errors import BlobNotFound, BlobTooLarge, RequestIdReused
 from jobplane.events.envelope import Event
-from jobplane.names import validate_job_type
 from jobplane.store.attempts import Attempt, ProgressUpdate, StageRun
-from jobplane.workers.children import ChildRequest, check_key
+from jobplane.topology import load_topology
+from jobplane.workers.children import ChildRequest, child_job
 from jobplane.workers.context import DEFAULT_EVENT_PAYLOAD_BYTES, Handler, JobContext
 from jobplane.workers.outcome import Escaped, check_result, describe, invoke
 from jobplane.workers.plain import SyncHandler, Threaded
 from jobplane.workers.registry import Registry, handler_kind
 from jobplane.workers.threads import HandlerThreads
-from jobplane.workers.values import json_problem
 
 __all__ = [
     "HandlerError",
@@ -167,23 +166,26 @@ class MemoryChildren:
     One child a key, whatever the attempt: pass the same ``MemoryChildren``
     to several :func:`run_handler` calls (attempt 1, then 2) to see that a
     handler run again gets its children back. A key submitted again with a
-    different request is refused as the worker refuses it. The key, the type
-    and the payload are checked as a worker checks them; whether the type
-    routes to a queue is not (there is no topology here).
+    different request is refused as the worker refuses it. A child is checked
+    as a worker checks it, against the built-in topology (which routes every
+    type): whether your topology routes the type is not checked.
     """
 
     def __init__(self) -> None:
+        self._topology = load_topology()
         self.by_key: dict[str, SubmittedChild] = {}
         #: Every submit, in order: (attempt, child, whether it was created then).
         self.submits: list[tuple[int, SubmittedChild, bool]] = []
 
     async def submit(self, attempt: Attempt, request: ChildRequest) -> tuple[str, bool]:
         """Record the child; its name and whether it is new."""
-        check_key(request.key)
-        validate_job_type(request.type)
-        problem = json_problem(request.payload, max_bytes=DEFAULT_EVENT_PAYLOAD_BYTES)
-        if not isinstance(request.payload, dict) or problem is not None:
-            raise InvalidArgument(f"payload cannot be stored: {problem}", field="payload")
+        # The worker's checks, against the built-in topology (every type routes).
+        child_job(
+            self._topology,
+            request,
+            parent_correlation_id=attempt.correlation_id,
+            max_payload_bytes=DEFAULT_EVENT_PAYLOAD_BYTES,
+        )
         known = self.by_key.get(request.key)
         if known is not None and known.request != request:
             raise RequestIdReused(

@@ -48,6 +48,8 @@ def test_a_plain_handler_submits_from_its_thread() -> None:
         ({"key": ""}, "key"),
         ({"key": "k" * 201}, "key"),
         ({"key": "a\nb"}, "key"),
+        ({"key": "a\ud800b"}, "key"),
+        ({"correlation_id": "x\ud800"}, "correlation_id"),
         ({"job_type": "Bad Type"}, "type"),
         ({"payload": {"x": float("nan")}}, "payload"),
     ],

@@ -58,9 +58,17 @@ def check_key(key: object) -> str:
         raise InvalidArgument("key is required: it names the child among its parent's", field="key")
     if len(key) > MAX_CHILD_KEY_LENGTH:
         raise InvalidArgument(f"key is longer than {MAX_CHILD_KEY_LENGTH} characters", field="key")
-    if any(c < " " or c == "\x7f" for c in key):
-        raise InvalidArgument("key has control characters", field="key")
+    if any(c < " " or c == "\x7f" for c in key) or not _utf8(key):
+        raise InvalidArgument("key has control characters or is not UTF-8", field="key")
     return key
+
+
+def _utf8(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def child_job(
@@ -128,8 +136,10 @@ def child_job(
 def _correlation(given: str | None, parent: str) -> str:
     """The child's correlation id: ``given``, or its parent's; checked as SubmitJob's."""
     correlation = parent if given is None else given
-    if len(correlation.encode("utf-8", "surrogatepass")) > MAX_CORRELATION_ID_BYTES or any(
-        c < " " for c in correlation
+    if (
+        not _utf8(correlation)
+        or len(correlation.encode()) > MAX_CORRELATION_ID_BYTES
+        or any(c < " " for c in correlation)
     ):
         raise InvalidArgument(
             f"correlation_id must be at most {MAX_CORRELATION_ID_BYTES} bytes in UTF-8 "
