@@ -208,6 +208,8 @@ async def test_cancel_of_a_parent_cancels_its_queued_and_running_descendants(
     grandchild, _ = await children.submit(fence_of(running_busy), *_leaf(bare, "deeper"))
     await store.succeed(await _running(bare, store, done), {})
 
+    pending = "SELECT count(*) FROM outbox WHERE job_id = :id AND published_at IS NULL"
+    assert await bare.scalar(pending, id=queued.id) == 1
     cancelled = await client.cancel(parent.name, reason="no longer needed")
     assert cancelled.cancel_requested and cancelled.state is JobState.RUNNING
     states = {j.name: await client.get(j.name) for j in (queued, busy, done, grandchild)}
@@ -216,7 +218,7 @@ async def test_cancel_of_a_parent_cancels_its_queued_and_running_descendants(
     assert states[busy.name].state is JobState.RUNNING and states[busy.name].cancel_requested
     assert states[done.name].state is JobState.SUCCEEDED
     # A QUEUED child's dispatch went with it: nothing of it is left to publish.
-    assert await bare.scalar("SELECT dispatch_id FROM jobs WHERE id = :id", id=queued.id) is None
+    assert await bare.scalar(pending, id=queued.id) == 0
     # Asked to cancel, the parent's attempt submits no more children.
     with pytest.raises(FailedPrecondition):
         await children.submit(fence_of(running_parent), *_leaf(bare, "late"))
