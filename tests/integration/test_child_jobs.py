@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import json
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
@@ -22,7 +23,9 @@ from jobplane.store.children import ChildStore, ParentFence
 from jobplane.v1 import workers_pb2, workers_pb2_grpc
 from jobplane.workers.children import ChildRequest, child_job, fence_of
 from jobplane.workers.handlers import JobContext, Registry, RetryableError
+from tests.integration.test_cli_and_sync import jobplane
 from tests.support.answers import check_refusal
+from tests.support.dashboard import browserless, ui_stack
 from tests.support.stack import Stack, eventually
 
 pytestmark = pytest.mark.stack(worker=False)
@@ -328,3 +331,67 @@ async def test_bad_children_are_refused_whole_with_the_field(
         )
     assert await stack.counts() == before
     assert await _children_rows(stack, parent.name) == 0
+
+
+# -- the CLI ---------------------------------------------------------------------------
+
+
+async def test_the_cli_shows_the_parent_and_lists_the_children(bare: Stack) -> None:
+    store = AttemptStore(bare.db, lease_seconds=30.0)
+    children = ChildStore(bare.db)
+    parent = await bare.client().submit("fan.out", {})
+    attempt = await _running(bare, store, parent)
+    made = [(await children.submit(fence_of(attempt), *_leaf(bare, k)))[0] for k in "ab"]
+
+    code, out, _err = await jobplane(bare, "get", parent.name)
+    assert code == 0
+    assert _line(out, "children:") == f"2 (jobplane list --parent {parent.name})"
+    assert _line(out, "parent:") is None
+    code, out, _err = await jobplane(bare, "get", made[0].id)
+    assert code == 0 and _line(out, "parent:") == parent.name
+    assert _line(out, "children:") is None
+    code, out, _err = await jobplane(bare, "list", "--parent", parent.id, "--json")
+    assert code == 0
+    listed = json.loads(out)["jobs"]
+    assert sorted(j["name"] for j in listed) == sorted(c.name for c in made)
+    assert {j["parent"] for j in listed} == {parent.name}
+    code, _out, err = await jobplane(bare, "list", "--parent", "jobs/not-a-uuid")
+    assert code != 0 and "parent" in err
+
+
+def _line(out: str, label: str) -> str | None:
+    """The value of ``get``'s line ``label``, or None without one."""
+    found = [line[len(label) :].strip() for line in out.splitlines() if line.startswith(label)]
+    return found[0] if found else None
+
+
+# -- the dashboard ---------------------------------------------------------------------
+
+
+async def test_the_dashboard_links_the_parent_and_lists_the_children(
+    template_db: str, run_id: str, amqp_url: str
+) -> None:
+    registry = Registry()
+
+    @registry.handler("fan.dash")
+    async def fan(ctx: JobContext) -> dict[str, Any]:
+        return {"children": [await ctx.submit("demo.echo", {}, key=k) for k in "ab"]}
+
+    async with ui_stack(template_db, run_id, amqp_url) as ui:
+        await ui.stack.start_worker(registry)
+        client = ui.stack.client()
+        parent = await client.submit("fan.dash", {})
+        await eventually(lambda: _ended(client, parent.name))
+        names = (await client.get(parent.name)).result["children"]  # type: ignore[index]
+        async with browserless(ui.url, ui.stack.key) as http:
+            async with http.get(f"/jobs/{parent.id}") as page:
+                assert page.status == 200
+                body = await page.text()
+            async with http.get(f"/jobs/{names[0].removeprefix('jobs/')}") as page:
+                assert page.status == 200
+                child = await page.text()
+    assert 'id="children"' in body
+    for name in names:
+        assert f'href="/jobs/{name.removeprefix("jobs/")}"' in body
+    assert 'id="job-parent"' in child and f'href="/jobs/{parent.id}"' in child
+    assert 'id="job-parent"' not in body
