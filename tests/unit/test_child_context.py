@@ -3,11 +3,13 @@ child's request is checked as a worker checks it."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
 
 from jobplane.errors import InvalidArgument, PayloadTooLarge
+from jobplane.server.page_tokens import extra_filters, filter_key
 from jobplane.testing import MemoryChildren, run_handler, run_handler_sync
 from jobplane.topology import load_topology
 from jobplane.workers import JobContext, SubmitError, SyncJobContext
@@ -105,3 +107,16 @@ def test_a_child_request_is_checked_against_the_topology() -> None:
             job(**fields)
         assert refused.value.field == name
     assert check_key("x" * 200) == "x" * 200
+
+
+def test_a_list_token_holds_to_its_parent() -> None:
+    a, b = "jobs/00000000-0000-0000-0000-00000000000a", "jobs/00000000-0000-0000-0000-00000000000b"
+    keys = {filter_key(None, "", extra_filters(None, None, None, "", parent)) for parent in (a, b)}
+    assert len(keys) == 2
+    # Lists without a parent keep the key their tokens had before.
+    assert extra_filters(None, None, None, "") == ""
+    assert extra_filters(None, None, None, "SCHEDULED") == json.dumps([[], "", "", "SCHEDULED"])
+    assert filter_key(None, "", extra_filters(None, None, None, "", a)) not in {
+        filter_key(None, "", extra_filters(None, None, None, "SCHEDULED", a)),
+        filter_key(None, "", ""),
+    }
