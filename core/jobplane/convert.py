@@ -199,6 +199,7 @@ def job_to_pb(job: Job) -> jobs_pb2.Job:
             if job.after
             else jobs_pb2.DEPENDENCY_FAILURE_POLICY_UNSPECIFIED
         ),
+        parent=job.parent,
     )
     if job.result is not None:
         message.result.CopyFrom(struct_from_dict(job.result))
@@ -327,6 +328,7 @@ def job_from_pb(message: jobs_pb2.Job) -> Job:
         deadline=from_timestamp(message.deadline) if message.HasField("deadline") else None,
         after=tuple(message.after),
         after_failure=POLICY_FROM_PB.get(message.after_failure, DependencyFailurePolicy.FAIL),
+        parent=message.parent,
     )
 
 

@@ -237,6 +237,9 @@ class Job:
     after: tuple[str, ...] = ()
     #: What it does when one of those does not succeed.
     after_failure: DependencyFailurePolicy = DependencyFailurePolicy.FAIL
+    # Child jobs (docs/workflows.md).
+    #: ``jobs/{id}`` of the job whose handler submitted this one ("" for none).
+    parent: str = ""
 
     @property
     def id(self) -> str:

@@ -27,7 +27,7 @@ from jobplane.client._cli_run import (
 from jobplane.client._cli_schedule import parse_at, parse_deadline, parse_in
 from jobplane.client.aio import AsyncClient
 from jobplane.errors import JobplaneError
-from jobplane.types import JobState
+from jobplane.types import JobPage, JobState
 
 
 def register_job_commands(subparsers: Subparsers, parents: Parents) -> None:
@@ -64,6 +64,12 @@ def register_job_commands(subparsers: Subparsers, parents: Parents) -> None:
         default="",
         help="only QUEUED jobs waiting for this reason (SCHEDULED, CONCURRENCY_LIMIT, "
         "DEPENDENCIES, UNROUTABLE, NO_LIVE_WORKER, HANDED_BACK)",
+    )
+    list_.add_argument(
+        "--parent",
+        metavar="NAME",
+        default="",
+        help="only the children of this job (jobs/{id}, or just the id)",
     )
     list_.add_argument(
         "--page-size", metavar="N", type=int, default=0, help="jobs per page (server default 50)"
@@ -285,8 +291,19 @@ async def _get(client: AsyncClient, args: argparse.Namespace) -> int:
     if args.json:
         print_json(job_to_json(job))
     else:
-        print(job_details(job), flush=True)
+        children = await client.list(parent=job.name, page_size=CHILDREN_SHOWN)
+        print(job_details(job, children=_counted(children)), flush=True)
     return EXIT_OK
+
+
+# ``get`` counts a job's children up to this many (one page of ListJobs).
+CHILDREN_SHOWN = 1000
+
+
+def _counted(page: JobPage) -> str:
+    """How many children a page of them says the job has: ``12``, or ``1000+``."""
+    count = len(page.jobs)
+    return f"{count}+" if page.next_page_token else str(count)
 
 
 async def _list(client: AsyncClient, args: argparse.Namespace) -> int:
@@ -300,6 +317,7 @@ async def _list(client: AsyncClient, args: argparse.Namespace) -> int:
                 state=state,
                 type=args.type,
                 waiting_code=args.waiting,
+                parent=full_name(args.parent) if args.parent else "",
             )
         ]
         next_token = ""
@@ -310,6 +328,7 @@ async def _list(client: AsyncClient, args: argparse.Namespace) -> int:
             state=state,
             type=args.type,
             waiting_code=args.waiting,
+            parent=full_name(args.parent) if args.parent else "",
         )
         jobs, next_token = page.jobs, page.next_page_token
     if args.json:

@@ -256,6 +256,7 @@ class JobCalls(BlobCalls):
         state: JobState | None = None,
         type: str | None = None,
         waiting_code: str | WaitingCode = "",
+        parent: str | Job = "",
     ) -> JobPage:
         """One page of the caller's jobs, newest first.
 
@@ -263,7 +264,8 @@ class JobCalls(BlobCalls):
         ``next_page_token`` with the same filters to get the next page.
         ``waiting_code``: only QUEUED jobs waiting for that reason, as
         :meth:`get` shows them (``WaitingCode.SCHEDULED``: the delayed jobs
-        whose time has not come).
+        whose time has not come). ``parent``: only the children of that job
+        (``jobs/{id}`` or the job), the jobs its handler submitted.
         """
         request = jobs_pb2.ListJobsRequest(
             page_size=page_size,
@@ -271,6 +273,7 @@ class JobCalls(BlobCalls):
             state=state_to_pb(state) if state is not None else jobs_pb2.Job.STATE_UNSPECIFIED,
             type=type or "",
             waiting_code=str(waiting_code),
+            parent=parent if isinstance(parent, str) else parent.name,
         )
         response = await self._call(self._get_stub().ListJobs, request, repeatable=True)
         return JobPage(
@@ -286,6 +289,7 @@ class JobCalls(BlobCalls):
         state: JobState | None = None,
         type: str | None = None,
         waiting_code: str | WaitingCode = "",
+        parent: str | Job = "",
     ) -> AsyncGenerator[Job, None]:
         """Every job matching the filters, fetching page after page."""
         while True:
@@ -295,6 +299,7 @@ class JobCalls(BlobCalls):
                 state=state,
                 type=type,
                 waiting_code=waiting_code,
+                parent=parent,
             )
             for job in page.jobs:
                 yield job

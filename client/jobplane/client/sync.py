@@ -316,6 +316,7 @@ class Client(SyncScheduleCalls):
         state: JobState | None = None,
         type: str | None = None,
         waiting_code: str | WaitingCode = "",
+        parent: str | Job = "",
     ) -> JobPage:
         """One page of the caller's jobs, newest first; see :meth:`AsyncClient.list`."""
         return self._loop.run(
@@ -325,6 +326,7 @@ class Client(SyncScheduleCalls):
                 state=state,
                 type=type,
                 waiting_code=waiting_code,
+                parent=parent,
             )
         )
 
@@ -336,6 +338,7 @@ class Client(SyncScheduleCalls):
         state: JobState | None = None,
         type: str | None = None,
         waiting_code: str | WaitingCode = "",
+        parent: str | Job = "",
     ) -> Generator[Job, None, None]:
         """Every job matching the filters, fetching page after page."""
         return self._pull(
@@ -345,6 +348,7 @@ class Client(SyncScheduleCalls):
                 state=state,
                 type=type,
                 waiting_code=waiting_code,
+                parent=parent,
             )
         )
 

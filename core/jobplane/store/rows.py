@@ -80,6 +80,8 @@ JOB_FIELDS = (
     # Dependencies (docs/workflows.md).
     "after_ids",
     "after_failure",
+    # Child jobs (docs/workflows.md): the job that submitted it, or NULL.
+    "parent_id",
 )
 JOB_COLUMNS = ", ".join(JOB_FIELDS)
 
@@ -158,6 +160,7 @@ def job_from_row(row: Mapping[Any, Any], now: datetime | None = None) -> Job:
         deadline=row.get("deadline"),
         after=tuple(job_name(a) for a in row.get("after_ids") or ()),
         after_failure=DependencyFailurePolicy(row.get("after_failure") or "fail"),
+        parent=job_name(parent) if (parent := row.get("parent_id")) else "",
     )
     return scheduled(job, now) if state is JobState.QUEUED else job
 

@@ -174,6 +174,7 @@ class Job(_message.Message):
     DEADLINE_FIELD_NUMBER: _builtins.int
     AFTER_FIELD_NUMBER: _builtins.int
     AFTER_FAILURE_FIELD_NUMBER: _builtins.int
+    PARENT_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """Resource name, `jobs/{job}`."""
     type: _builtins.str
@@ -238,6 +239,12 @@ class Job(_message.Message):
     after_failure: Global___DependencyFailurePolicy.ValueType
     """What it does when one of those does not succeed, as submitted (FAIL when
     `after` is empty).
+    """
+    parent: _builtins.str
+    """Child jobs (docs/workflows.md).
+    `jobs/{job}` of the job whose handler submitted this one (ctx.submit, or
+    WorkerService.SubmitChildJob); empty for a job a caller submitted.
+    CancelJob of the parent cancels its children that have not ended.
     """
     @_builtins.property
     def payload(self) -> _struct_pb2.Struct: ...
@@ -352,10 +359,11 @@ class Job(_message.Message):
         deadline: _timestamp_pb2.Timestamp | None = ...,
         after: _abc.Iterable[_builtins.str] | None = ...,
         after_failure: Global___DependencyFailurePolicy.ValueType = ...,
+        parent: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["create_time", b"create_time", "deadline", b"deadline", "end_time", b"end_time", "error", b"error", "next_attempt_time", b"next_attempt_time", "payload", b"payload", "payload_blob", b"payload_blob", "result", b"result", "result_blob", b"result_blob", "schedule_time", b"schedule_time", "start_time", b"start_time", "timeout", b"timeout", "update_time", b"update_time"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["after", b"after", "after_failure", b"after_failure", "attempt", b"attempt", "attempts_used", b"attempts_used", "cancel_requested", b"cancel_requested", "concurrency_key", b"concurrency_key", "concurrency_limit", b"concurrency_limit", "correlation_id", b"correlation_id", "create_time", b"create_time", "deadline", b"deadline", "end_time", b"end_time", "error", b"error", "labels", b"labels", "last_seq", b"last_seq", "max_attempts", b"max_attempts", "name", b"name", "next_attempt_time", b"next_attempt_time", "payload", b"payload", "payload_blob", b"payload_blob", "pipeline_version", b"pipeline_version", "progress", b"progress", "progress_message", b"progress_message", "request_id", b"request_id", "result", b"result", "result_blob", b"result_blob", "schedule_time", b"schedule_time", "stage", b"stage", "stages", b"stages", "start_time", b"start_time", "state", b"state", "timeout", b"timeout", "type", b"type", "update_time", b"update_time", "waiting_code", b"waiting_code", "waiting_reason", b"waiting_reason"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["after", b"after", "after_failure", b"after_failure", "attempt", b"attempt", "attempts_used", b"attempts_used", "cancel_requested", b"cancel_requested", "concurrency_key", b"concurrency_key", "concurrency_limit", b"concurrency_limit", "correlation_id", b"correlation_id", "create_time", b"create_time", "deadline", b"deadline", "end_time", b"end_time", "error", b"error", "labels", b"labels", "last_seq", b"last_seq", "max_attempts", b"max_attempts", "name", b"name", "next_attempt_time", b"next_attempt_time", "parent", b"parent", "payload", b"payload", "payload_blob", b"payload_blob", "pipeline_version", b"pipeline_version", "progress", b"progress", "progress_message", b"progress_message", "request_id", b"request_id", "result", b"result", "result_blob", b"result_blob", "schedule_time", b"schedule_time", "stage", b"stage", "stages", b"stages", "start_time", b"start_time", "state", b"state", "timeout", b"timeout", "type", b"type", "update_time", b"update_time", "waiting_code", b"waiting_code", "waiting_reason", b"waiting_reason"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -756,6 +764,7 @@ class ListJobsRequest(_message.Message):
     STATE_FIELD_NUMBER: _builtins.int
     TYPE_FIELD_NUMBER: _builtins.int
     WAITING_CODE_FIELD_NUMBER: _builtins.int
+    PARENT_FIELD_NUMBER: _builtins.int
     page_size: _builtins.int
     """0 means 50; at most 1000."""
     page_token: _builtins.str
@@ -770,6 +779,10 @@ class ListJobsRequest(_message.Message):
     schedule_time has passed is no longer `SCHEDULED`. With `state`, only
     QUEUED.
     """
+    parent: _builtins.str
+    """Only the children of this job (`jobs/{job}`), when set: the jobs its
+    handler submitted (Job.parent).
+    """
     def __init__(
         self,
         *,
@@ -778,10 +791,11 @@ class ListJobsRequest(_message.Message):
         state: Global___Job.State.ValueType = ...,
         type: _builtins.str = ...,
         waiting_code: _builtins.str = ...,
+        parent: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["page_size", b"page_size", "page_token", b"page_token", "state", b"state", "type", b"type", "waiting_code", b"waiting_code"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["page_size", b"page_size", "page_token", b"page_token", "parent", b"parent", "state", b"state", "type", b"type", "waiting_code", b"waiting_code"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

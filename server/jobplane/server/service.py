@@ -309,6 +309,7 @@ class JobService:
         created_after: datetime | None = None,
         created_before: datetime | None = None,
         waiting_code: str = "",
+        parent: str = "",
     ) -> JobPage:
         """A page of jobs, newest first, with an opaque keyset token.
 
@@ -325,7 +326,8 @@ class JobService:
         if labels:
             check_labels(labels)
         check_waiting_code(waiting_code, state)
-        extra = extra_filters(labels, created_after, created_before, waiting_code)
+        parent_id = parse_job_name(parent, field="parent") if parent else None
+        extra = extra_filters(labels, created_after, created_before, waiting_code, parent)
         filters = filter_key(state, job_type, extra)
         cursor = decode_token(page_token, filters) if page_token else None
         jobs = await self._store.list_jobs(
@@ -338,6 +340,7 @@ class JobService:
             created_after=created_after,
             created_before=created_before,
             waiting_code=waiting_code,
+            parent=parent_id,
         )
         next_token = ""
         if len(jobs) > limit:
@@ -347,7 +350,13 @@ class JobService:
         return JobPage(jobs=jobs, next_page_token=next_token)
 
     def page_token_after(
-        self, job: Job, *, state: JobState | None, job_type: str, waiting_code: str = ""
+        self,
+        job: Job,
+        *,
+        state: JobState | None,
+        job_type: str,
+        waiting_code: str = "",
+        parent: str = "",
     ) -> str:
         """The token of the page that follows ``job`` in a list with these filters.
 
@@ -355,7 +364,7 @@ class JobService:
         reply under a size), and lets the client continue after the last one.
         """
         cursor = ListCursor(job.create_time, uuid.UUID(job.id))
-        extra = extra_filters(None, None, None, waiting_code)
+        extra = extra_filters(None, None, None, waiting_code, parent)
         return encode_token(cursor, filter_key(state, job_type, extra))
 
     async def count_states(self, tenant: uuid.UUID, *, cap: int = 10_000) -> dict[JobState, int]:

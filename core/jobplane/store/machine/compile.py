@@ -262,6 +262,8 @@ SUBMIT_COLUMNS: Mapping[str, str] = {
     "deps_failed_on": "uuid",
     "waiting_code": "text",
     "waiting_reason": "text",
+    # Child jobs (ADR-0046): the parent's id, or NULL.
+    "parent_id": "uuid",
 }
 
 
@@ -283,7 +285,7 @@ def _submit(needs: set[str]) -> str:
                           payload_blob, payload_blob_size, schedule_time,
                           concurrency_key, concurrency_limit, deadline, after_ids,
                           after_failure, deps_waiting, deps_failed, deps_failed_on,
-                          waiting_code, waiting_reason)
+                          waiting_code, waiting_reason, parent_id)
         SELECT n.id, CAST(:tenant_id AS uuid), n.type, n.queue,
                '{RULES[Transition.SUBMIT].target.value}', CAST(n.payload AS jsonb),
                n.max_attempts, n.request_id, n.request_hash, n.correlation_id,
@@ -292,7 +294,7 @@ def _submit(needs: set[str]) -> str:
                n.payload_blob, n.payload_blob_size, n.schedule_time,
                n.concurrency_key, n.concurrency_limit, n.deadline, CAST(n.after_ids AS uuid[]),
                n.after_failure, coalesce(n.deps_waiting, 0), coalesce(n.deps_failed, 0),
-               n.deps_failed_on, n.waiting_code, n.waiting_reason
+               n.deps_failed_on, n.waiting_code, n.waiting_reason, n.parent_id
         FROM unnest({arrays})
             WITH ORDINALITY AS n({", ".join(SUBMIT_COLUMNS)}, ord)
         ORDER BY n.ord
