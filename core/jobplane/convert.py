@@ -10,6 +10,7 @@ from google.protobuf import duration_pb2, struct_pb2, timestamp_pb2
 from jobplane.errors import InvalidArgument
 from jobplane.types import (
     BlobRef,
+    DependencyFailurePolicy,
     EventType,
     Job,
     JobError,
@@ -41,6 +42,18 @@ _EVENT_TO_PB = {
     EventType.STAGE_SUCCEEDED: jobs_pb2.WatchJobResponse.EVENT_TYPE_STAGE_SUCCEEDED,
 }
 _EVENT_FROM_PB: dict[int, EventType] = {int(v): k for k, v in _EVENT_TO_PB.items()}
+
+
+#: DependencyFailurePolicy's numbers in jobs.proto (0: FAIL).
+POLICY_TO_PB: dict[DependencyFailurePolicy, jobs_pb2.DependencyFailurePolicy.ValueType] = {
+    DependencyFailurePolicy.FAIL: jobs_pb2.DEPENDENCY_FAILURE_POLICY_FAIL,
+    DependencyFailurePolicy.CANCEL: jobs_pb2.DEPENDENCY_FAILURE_POLICY_CANCEL,
+    DependencyFailurePolicy.RUN_ANYWAY: jobs_pb2.DEPENDENCY_FAILURE_POLICY_RUN_ANYWAY,
+}
+POLICY_FROM_PB: dict[int, DependencyFailurePolicy] = {
+    0: DependencyFailurePolicy.FAIL,
+    **{int(v): k for k, v in POLICY_TO_PB.items()},
+}
 
 
 def state_to_pb(state: JobState) -> jobs_pb2.Job.State.ValueType:
@@ -179,6 +192,14 @@ def job_to_pb(job: Job) -> jobs_pb2.Job:
         schedule_time=timestamp(job.schedule_time),
         concurrency_key=job.concurrency_key,
         concurrency_limit=job.concurrency_limit,
+        deadline=timestamp(job.deadline),
+        after=list(job.after),
+        after_failure=(
+            POLICY_TO_PB[job.after_failure]
+            if job.after
+            else jobs_pb2.DEPENDENCY_FAILURE_POLICY_UNSPECIFIED
+        ),
+        parent=job.parent,
     )
     if job.result is not None:
         message.result.CopyFrom(struct_from_dict(job.result))
@@ -304,6 +325,10 @@ def job_from_pb(message: jobs_pb2.Job) -> Job:
         ),
         concurrency_key=message.concurrency_key,
         concurrency_limit=message.concurrency_limit,
+        deadline=from_timestamp(message.deadline) if message.HasField("deadline") else None,
+        after=tuple(message.after),
+        after_failure=POLICY_FROM_PB.get(message.after_failure, DependencyFailurePolicy.FAIL),
+        parent=message.parent,
     )
 
 

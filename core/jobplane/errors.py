@@ -271,6 +271,12 @@ class TenantLimitExceeded(ResourceExhausted):
         return self.metadata.get("limit", "")
 
 
+class ChildLimitReached(ResourceExhausted):
+    """A job has as many child jobs as one job may have (``metadata["max"]``)."""
+
+    reason = "CHILD_LIMIT_REACHED"
+
+
 class Unavailable(JobplaneError):
     """The service is not available right now; the call may be retried."""
 
@@ -322,6 +328,7 @@ _BY_REASON: dict[str, type[JobplaneError]] = {
         CancelNotRequested,
         ResourceExhausted,
         TenantLimitExceeded,
+        ChildLimitReached,
         Unavailable,
         InternalError,
         ConcurrencyLimitReached,

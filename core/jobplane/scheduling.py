@@ -99,3 +99,63 @@ def scheduled(job: Job, now: datetime | None = None) -> Job:
         waiting_code=WaitingCode.SCHEDULED.value,
         waiting_reason=f"scheduled: due at {job.schedule_time.isoformat()}",
     )
+
+
+def deadline_of(
+    at: datetime | None,
+    after_seconds: float | None,
+    *,
+    now: datetime,
+    horizon_seconds: float,
+    schedule_time: datetime | None = None,
+) -> datetime | None:
+    """The time by which a job submitted at ``now`` must have ended; None when neither is set.
+
+    Refuses (INVALID_ARGUMENT, naming the field) both set, a deadline not
+    after ``now`` (already past) or more than ``horizon_seconds`` after it, an
+    ``after_seconds`` not more than 0 or beyond the horizon, and a deadline
+    not after the job's ``schedule_time`` (the job could never run). See
+    docs/scheduling.md#deadlines.
+    """
+    if at is not None and after_seconds is not None:
+        raise InvalidArgument(
+            "deadline_after goes with no deadline: set one of them", field="deadline_after"
+        )
+    field = "deadline"
+    if at is not None:
+        if not at > now:
+            raise InvalidArgument(
+                f"deadline has passed already ({at.isoformat()}, now {now.isoformat()})",
+                field="deadline",
+            )
+        if at > now + timedelta(seconds=horizon_seconds):
+            raise InvalidArgument(
+                f"deadline is more than {horizon_seconds:.0f} seconds ahead "
+                "(the server's JOBPLANE_MAX_SCHEDULE_SECONDS)",
+                field="deadline",
+                metadata={"limit": f"{horizon_seconds:.0f}"},
+            )
+        deadline = at
+    elif after_seconds is not None:
+        if not 0 < after_seconds <= horizon_seconds:  # NaN too
+            raise InvalidArgument(
+                f"deadline_after must be more than 0, up to {horizon_seconds:.0f} seconds "
+                f"(the server's JOBPLANE_MAX_SCHEDULE_SECONDS), not {after_seconds:g}",
+                field="deadline_after",
+                metadata={"limit": f"{horizon_seconds:.0f}"},
+            )
+        deadline = now + timedelta(seconds=after_seconds)
+        field = "deadline_after"
+        if not deadline > now:  # less than the microsecond a time keeps
+            raise InvalidArgument(
+                "deadline_after must be at least a microsecond", field="deadline_after"
+            )
+    else:
+        return None
+    if schedule_time is not None and not deadline > schedule_time:
+        raise InvalidArgument(
+            f"{field} must be after the job's schedule_time ({schedule_time.isoformat()}): "
+            f"the job could never run",
+            field=field,
+        )
+    return deadline

@@ -17,7 +17,8 @@ from a thread), with a recording progress sink and an in-memory object store
 in place of the worker's; what it returns or raises is judged by the worker's
 own rules (:func:`jobplane.workers.outcome.check_result` and
 :func:`~jobplane.workers.outcome.describe`). Emitted events are checked as
-the worker checks them. Nothing here is written anywhere.
+the worker checks them, child jobs (``ctx.submit``) kept by key in a
+:class:`MemoryChildren`. Nothing here is written anywhere.
 """
 
 from __future__ import annotations
@@ -33,16 +34,26 @@ from typing import Any, Literal, cast
 from jobplane.attempt_end import Retry, RetryPolicy, decide
 from jobplane.blobs.names import blob_name, parse_blob_name
 from jobplane.blobs.reader import BlobInfo, BlobReader
-from jobplane.errors import BlobNotFound, BlobTooLarge
+from jobplane.errors import BlobNotFound, BlobTooLarge, RequestIdReused
 from jobplane.events.envelope import Event
 from jobplane.store.attempts import Attempt, ProgressUpdate, StageRun
+from jobplane.topology import load_topology
+from jobplane.workers.children import ChildRequest, child_job
 from jobplane.workers.context import DEFAULT_EVENT_PAYLOAD_BYTES, Handler, JobContext
 from jobplane.workers.outcome import Escaped, check_result, describe, invoke
 from jobplane.workers.plain import SyncHandler, Threaded
 from jobplane.workers.registry import Registry, handler_kind
 from jobplane.workers.threads import HandlerThreads
 
-__all__ = ["HandlerError", "MemoryBlobs", "Outcome", "run_handler", "run_handler_sync"]
+__all__ = [
+    "HandlerError",
+    "MemoryBlobs",
+    "MemoryChildren",
+    "Outcome",
+    "SubmittedChild",
+    "run_handler",
+    "run_handler_sync",
+]
 
 #: How an attempt ended, as the worker would record it.
 Status = Literal["succeeded", "retry", "failed", "cancelled"]
@@ -136,6 +147,62 @@ class MemoryBlobs:
         self.references.append((job_id, blob_name(digest), role))
 
 
+@dataclass(frozen=True)
+class SubmittedChild:
+    """A child job a handler submitted (``ctx.submit``), as the worker would write it."""
+
+    #: ``jobs/{id}``: the same for every submit of its key.
+    name: str
+    key: str
+    type: str
+    payload: dict[str, Any]
+    #: The request as submitted (options included), for anything else a test checks.
+    request: ChildRequest = field(repr=False)
+
+
+class MemoryChildren:
+    """The children handlers submit in a test, by key, as a worker keeps them.
+
+    One child a key, whatever the attempt: pass the same ``MemoryChildren``
+    to several :func:`run_handler` calls (attempt 1, then 2) to see that a
+    handler run again gets its children back. A key submitted again with a
+    different request is refused as the worker refuses it. A child is checked
+    as a worker checks it, against the built-in topology (which routes every
+    type): whether your topology routes the type is not checked.
+    """
+
+    def __init__(self) -> None:
+        self._topology = load_topology()
+        self.by_key: dict[str, SubmittedChild] = {}
+        #: Every submit, in order: (attempt, child, whether it was created then).
+        self.submits: list[tuple[int, SubmittedChild, bool]] = []
+
+    async def submit(self, attempt: Attempt, request: ChildRequest) -> tuple[str, bool]:
+        """Record the child; its name and whether it is new."""
+        # The worker's checks, against the built-in topology (every type routes).
+        child_job(
+            self._topology,
+            request,
+            parent_correlation_id=attempt.correlation_id,
+            max_payload_bytes=DEFAULT_EVENT_PAYLOAD_BYTES,
+        )
+        known = self.by_key.get(request.key)
+        if known is not None and known.request != request:
+            raise RequestIdReused(
+                f"key {request.key!r} was used for a different child", field="key"
+            )
+        child = known or SubmittedChild(
+            name=f"jobs/{uuid.uuid4()}",
+            key=request.key,
+            type=request.type,
+            payload=dict(request.payload),
+            request=request,
+        )
+        self.by_key[request.key] = child
+        self.submits.append((attempt.attempt, child, known is None))
+        return child.name, known is None
+
+
 class _Recorder:
     """The progress sink: every report, in order."""
 
@@ -178,6 +245,8 @@ class Outcome:
     blobs: dict[str, bytes]
     #: The attempt's context, for anything else a test wants to look at.
     context: JobContext = field(repr=False)
+    #: The children this attempt submitted (``ctx.submit``), in order, each once.
+    children: list[SubmittedChild] = field(default_factory=list)
 
 
 async def run_handler(
@@ -198,6 +267,7 @@ async def run_handler(
     stage_version: str = "",
     inputs: Mapping[str, dict[str, Any]] | None = None,
     blobs: MemoryBlobs | None = None,
+    children: MemoryChildren | None = None,
     cancel_after: float | None = None,
     grace: float = 10.0,
     max_result_bytes: int = DEFAULT_EVENT_PAYLOAD_BYTES,
@@ -207,7 +277,8 @@ async def run_handler(
     The keyword arguments are the attempt's fields as the handler sees them
     (``ctx.attempt``, ``ctx.stage``, ``ctx.inputs``, …); ``stage`` makes it a
     pipeline stage's attempt. ``blobs`` is the object store the handler
-    reads and writes (a new empty one by default). ``cancel_after`` stops the
+    reads and writes (a new empty one by default); ``children`` keeps what its
+    ``ctx.submit`` submits (pass one to several calls). ``cancel_after`` stops the
     attempt after that many seconds as the worker stops a cancelled job:
     ``ctx.cancelled`` turns True, an async handler's task is cancelled and a
     plain handler's next context call raises
@@ -217,20 +288,7 @@ async def run_handler(
     """
     fn = _handler_of(handler, job_type)
     store = MemoryBlobs() if blobs is None else blobs
-    stage_run = None
-    if stage:
-        given = dict(inputs or {})
-        stage_run = StageRun(
-            pipeline=pipeline,
-            pipeline_version=pipeline_version,
-            name=stage,
-            index=len(given),
-            count=len(given) + 1,
-            version=stage_version,
-            inputs=given,
-        )
-    elif pipeline or inputs:
-        raise ValueError("a pipeline's attempt names its stage (stage=...)")
+    stage_run = _stage_run(pipeline, pipeline_version, stage, stage_version, inputs)
     the_attempt = Attempt(
         job_id=job_id or uuid.uuid4(),
         tenant_id=tenant_id or uuid.uuid4(),
@@ -255,11 +313,36 @@ async def run_handler(
         max_event_payload_bytes=max_result_bytes,
         blobs=store,
         threads=threads,
+        children=MemoryChildren() if children is None else children,
     )
     try:
         return await _run(fn, ctx, store, recorder, cancel_after, grace, max_result_bytes)
     finally:
         threads.shutdown(wait=False, cancel_futures=True)
+
+
+def _stage_run(
+    pipeline: str,
+    pipeline_version: str,
+    stage: str,
+    stage_version: str,
+    inputs: Mapping[str, dict[str, Any]] | None,
+) -> StageRun | None:
+    """The stage a test's attempt runs (None: a plain job's attempt)."""
+    if not stage:
+        if pipeline or inputs:
+            raise ValueError("a pipeline's attempt names its stage (stage=...)")
+        return None
+    given = dict(inputs or {})
+    return StageRun(
+        pipeline=pipeline,
+        pipeline_version=pipeline_version,
+        name=stage,
+        index=len(given),
+        count=len(given) + 1,
+        version=stage_version,
+        inputs=given,
+    )
 
 
 async def _run(
@@ -272,6 +355,8 @@ async def _run(
     max_result_bytes: int,
 ) -> Outcome:
     the_attempt = ctx._attempt
+    kept = ctx._children
+    before = len(kept.submits) if isinstance(kept, MemoryChildren) else 0
     task = asyncio.create_task(invoke(fn, ctx), name=f"test-{the_attempt.job_id}")
     stopped = False
     if cancel_after is not None:
@@ -334,6 +419,11 @@ async def _run(
         emitted=[made.event for made in ctx.emitted],
         blobs=written,
         context=ctx,
+        children=(
+            list({c.name: c for _, c, _ in kept.submits[before:]}.values())
+            if isinstance(kept, MemoryChildren)
+            else []
+        ),
     )
 
 

@@ -41,7 +41,7 @@ import json
 import math
 import re
 import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -86,6 +86,17 @@ _ERRORS: dict[str, type[JobplaneError]] = {
 _NUL_ESCAPE = re.compile(r"(?<!\\)(?:\\\\)*\\u0000")
 
 
+def _job_id(job: uuid.UUID | str) -> uuid.UUID:
+    """A job's id from its id or its name (``jobs/{id}``)."""
+    if isinstance(job, uuid.UUID):
+        return job
+    try:
+        return uuid.UUID(str(job).removeprefix("jobs/"))
+    except ValueError:
+        raise InvalidArgument(f"after names no job: {str(job)[:64]!r}", field="after") from None
+
+
+# long: a keyword for each of SubmitJob's fields, each documented here
 async def submit_job(
     conn: Any,
     *,
@@ -102,6 +113,9 @@ async def submit_job(
     concurrency_key: str = "",
     concurrency_limit: int = 0,
     concurrency_mode: str | None = None,
+    deadline: datetime | float | timedelta | None = None,
+    after: Sequence[uuid.UUID | str] = (),
+    after_failure: str | None = None,
 ) -> uuid.UUID:
     """Create a job in ``conn``'s transaction; its id.
 
@@ -116,6 +130,12 @@ async def submit_job(
     ``concurrency_limit`` and ``concurrency_mode`` (``"queue"`` or
     ``"reject"``) as in ``submit`` (docs/flow-control.md); a full key in reject
     mode raises :class:`~jobplane.errors.ConcurrencyLimitReached`.
+    ``deadline``: the time (timezone-aware) by which the job must have ended,
+    or how long after this call (seconds or a timedelta); past it the job
+    ends FAILED, DEADLINE_EXCEEDED (docs/scheduling.md#deadlines).
+    mode raises :class:`~jobplane.errors.ConcurrencyLimitReached`. ``after``
+    (job ids, or names ``jobs/{id}``) and ``after_failure`` (``"fail"``,
+    ``"cancel"``, ``"run_anyway"``) as in ``submit`` (docs/workflows.md).
     """
     # Postgres text holds no NUL: refused here, as the RPC refuses it.
     if "\x00" in tenant:
@@ -145,6 +165,9 @@ async def submit_job(
         concurrency_key,
         concurrency_limit,
         concurrency_mode,
+        *_deadline_args(deadline),
+        [_job_id(a) for a in after] or None,
+        after_failure,
     )
     try:
         return uuid.UUID(str(await _scalar(conn, args)))
@@ -191,6 +214,22 @@ def _schedule_args(
     if delay is not None and not math.isfinite(delay):
         raise InvalidArgument("schedule_delay must be a finite duration", field="schedule_delay")
     return (None if schedule_time is None else schedule_time.isoformat()), _whole_micros(delay)
+
+
+def _deadline_args(
+    deadline: datetime | float | timedelta | None,
+) -> tuple[str | None, float | None]:
+    """The deadline's two arguments as bound: a time as text, or seconds after the call."""
+    if isinstance(deadline, datetime):
+        if deadline.utcoffset() is None:
+            raise InvalidArgument("deadline must be timezone-aware", field="deadline")
+        return deadline.isoformat(), None
+    if deadline is None:
+        return None, None
+    after = deadline.total_seconds() if isinstance(deadline, timedelta) else float(deadline)
+    if not math.isfinite(after):
+        raise InvalidArgument("deadline must be a finite duration", field="deadline_after")
+    return None, _whole_micros(after)
 
 
 def _whole_micros(seconds: float | None) -> float | None:
@@ -329,6 +368,10 @@ async def _scalar(conn: Any, args: tuple[Any, ...]) -> Any:
             "concurrency_key",
             "concurrency_limit",
             "concurrency_mode",
+            "deadline",
+            "deadline_after",
+            "after",
+            "after_failure",
         )
         result = await conn.execute(SUBMIT_JOB, dict(zip(names, args, strict=True)))
         return result.scalar_one()

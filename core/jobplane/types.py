@@ -80,6 +80,9 @@ class WaitingCode(enum.StrEnum):
     #: Its tenant has its queue's ``max_running_per_tenant`` jobs RUNNING:
     #: held until one of them ends (docs/flow-control.md).
     TENANT_LIMIT = "TENANT_LIMIT"
+    #: It was submitted to run after other jobs (``after``) and some of them
+    #: have not ended yet: the reason names them (docs/workflows.md).
+    DEPENDENCIES = "DEPENDENCIES"
 
 
 class ConcurrencyMode(enum.StrEnum):
@@ -89,6 +92,18 @@ class ConcurrencyMode(enum.StrEnum):
     QUEUE = "queue"
     #: The submit is refused (:class:`jobplane.errors.ConcurrencyLimitReached`).
     REJECT = "reject"
+
+
+class DependencyFailurePolicy(enum.StrEnum):
+    """What a job submitted with ``after`` does when one of those jobs does not
+    succeed (docs/workflows.md)."""
+
+    #: It ends FAILED, error code DEPENDENCY_FAILED naming the job (the default).
+    FAIL = "fail"
+    #: It ends CANCELLED.
+    CANCEL = "cancel"
+    #: It runs once all of them have ended, whatever their outcome.
+    RUN_ANYWAY = "run_anyway"
 
 
 @dataclass(frozen=True, slots=True)
@@ -214,6 +229,17 @@ class Job:
     concurrency_key: str = ""
     #: The key's limit the job was submitted with (0 without a key).
     concurrency_limit: int = 0
+    # Deadlines (docs/scheduling.md#deadlines).
+    #: The time by which the job must have ended; None for a job submitted
+    #: without one. Past it, a job not ended ends FAILED, DEADLINE_EXCEEDED.
+    deadline: datetime | None = None
+    #: The jobs it runs after (``jobs/{id}``), as submitted; empty for none.
+    after: tuple[str, ...] = ()
+    #: What it does when one of those does not succeed.
+    after_failure: DependencyFailurePolicy = DependencyFailurePolicy.FAIL
+    # Child jobs (docs/workflows.md).
+    #: ``jobs/{id}`` of the job whose handler submitted this one ("" for none).
+    parent: str = ""
 
     @property
     def id(self) -> str:

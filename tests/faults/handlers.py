@@ -124,6 +124,21 @@ async def stall(ctx: JobContext) -> dict[str, Any]:
     return {"attempt": ctx.attempt}
 
 
+@registry.handler("fault.fanout")
+async def fanout(ctx: JobContext) -> dict[str, Any]:
+    """Submits ``n`` children (``fault.work``, one per key), then, on its first
+    attempt, kills its own worker before it could record anything else."""
+    children = [
+        await ctx.submit("fault.work", {"ms": 20}, key=f"part-{i}")
+        for i in range(int(ctx.payload.get("n", 3)))
+    ]
+    if ctx.attempt == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    await _effect(ctx)
+    await _completed(ctx)
+    return {"attempt": ctx.attempt, "children": children}
+
+
 async def _stage(ctx: JobContext) -> dict[str, Any]:
     """A pipeline stage: sleeps ``ms``, reports progress, writes its stage's effect.
 

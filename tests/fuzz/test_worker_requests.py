@@ -129,6 +129,10 @@ def hints(seeds: WorkerSeeds) -> Hints:
             "jobplane.v1.FailJobRequest.code": st.sampled_from(["", "BROKEN", "TIMEOUT"]),
             "jobplane.v1.FailJobRequest.message": texts(),
             "jobplane.v1.FailJobRequest.retryable": st.booleans(),
+            "jobplane.v1.SubmitChildJobRequest.type": st.sampled_from(["fuzz.work", "demo.echo"]),
+            "jobplane.v1.SubmitChildJobRequest.key": st.one_of(
+                st.sampled_from(["a", "b"]), texts()
+            ),
         }
     )
     return found

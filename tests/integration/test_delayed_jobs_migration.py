@@ -16,10 +16,11 @@ _NEW = (
     "jobplane.submit_job(text, text, jsonb, text, text, integer, jsonb, double precision, "
     "timestamptz, interval)"
 )
-# Concurrency keys' migration (0018, after this one) adds three more.
+# Concurrency keys' migration (0018, after this one) adds three more, deadlines'
+# (0022) two and dependencies' (0023) two more.
 _HEAD = (
     "jobplane.submit_job(text, text, jsonb, text, text, integer, jsonb, double precision, "
-    "timestamptz, interval, text, integer, text)"
+    "timestamptz, interval, text, integer, text, timestamptz, interval, uuid[], text)"
 )
 _CAN = "SELECT has_function_privilege(:role, :fn, 'EXECUTE')"
 

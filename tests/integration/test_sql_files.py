@@ -102,7 +102,8 @@ async def test_an_edit_to_a_file_alone_is_drift(conn: asyncpg.Connection) -> Non
     body = dict(files, submit_job=files["submit_job"].replace("RETURN v_id;", "RETURN (v_id);"))
     assert await _drift(conn, body) == [
         "jobplane.submit_job(text,text,jsonb,text,text,integer,jsonb,double precision,"
-        "timestamp with time zone,interval,text,integer,text)"
+        "timestamp with time zone,interval,text,integer,text,timestamp with time zone,interval,"
+        "uuid[],text)"
     ]
     options = dict(files, publish_event=files["publish_event"].replace("SECURITY DEFINER\n", ""))
     assert len(await _drift(conn, options)) == 1

@@ -105,6 +105,7 @@ async def _place(
     # Guards: an attempt left or none, a parked job, no cancel requested yet.
     exhausted = transition in (Transition.EXHAUST, Transition.EXPIRE_LAST_LEASE)
     parked = transition in (Transition.UNPARK, Transition.RELEASE, Transition.RELEASE_LIMIT)
+    parked = parked or transition in _DECIDES
     lease = _DEAD_LEASE if phase is Phase.RUNNING_EXPIRED else _LIVE_LEASE
     async with engine.begin() as conn:
         row = await conn.execute(
@@ -112,7 +113,8 @@ async def _place(
                 f"""
                 UPDATE jobs SET state = :state, attempt = 1, lease_token = :token,
                     lease_expires_at = {lease}, max_attempts = :max_attempts,
-                    dispatch_id = CASE WHEN :parked THEN NULL ELSE dispatch_id END
+                    dispatch_id = CASE WHEN :parked THEN NULL ELSE dispatch_id END,
+                    deadline = CASE WHEN :past THEN now() - interval '1 second' END
                 WHERE id = :id RETURNING dispatch_id
                 """
             ),
@@ -121,6 +123,8 @@ async def _place(
                 "token": token,
                 "max_attempts": 1 if exhausted else 3,
                 "parked": parked,
+                # Past its deadline, for DEADLINE's guard (ADR-0044).
+                "past": transition is Transition.DEADLINE,
                 "id": job_id,
             },
         )
@@ -134,6 +138,11 @@ async def _place(
         await _keyed(engine, tenant, job_id, f"{transition}-{phase.value}", transition)
     if transition in (Transition.THROTTLE, Transition.RELEASE_LIMIT):
         await _limited(engine, job_id, transition)
+    if transition in _DECIDES:
+        # Waiting for the jobs it runs after, its counts deciding as the transition does.
+        failed, policy = _DECIDES[transition]
+        async with engine.begin() as conn:
+            await conn.execute(_WAITING, {"id": job_id, "failed": failed, "policy": policy})
     return Placed(
         job_id=job_id,
         tenant_id=tenant,
@@ -212,6 +221,18 @@ async def _keyed(
         )
 
 
+# Dependencies (ADR-0045): the counts and policy each resolution decides on.
+_DECIDES = {
+    Transition.DEPENDENCIES_MET: (0, "fail"),
+    Transition.DEPENDENCY_FAILED: (1, "fail"),
+    Transition.DEPENDENCY_CANCELLED: (1, "cancel"),
+}
+_WAITING = text(
+    "UPDATE jobs SET waiting_code = 'DEPENDENCIES', deps_waiting = 0, deps_failed = :failed, "
+    "after_failure = :policy WHERE id = :id"
+)
+
+
 def _two_stages(job_type: str) -> tuple[NewStage, ...]:
     return (
         NewStage("first", job_type, _QUEUE, "v1", 3, 60.0, base=0.0, span=0.5),
@@ -272,6 +293,8 @@ def _params(transition: Transition, job: Placed) -> dict[str, Any]:
             return {**by_dispatch, "new_dispatch_id": new_id(), "base_delay": 1, "max_delay": 2}
         case Transition.UNPARK:
             return {"types": [job.type], "queues": [_QUEUE], "limit": 10}
+        case Transition.DEADLINE:
+            return by_id
         case Transition.CANCEL | Transition.REQUEST_CANCEL:
             return {**by_id, "reason": "enough"}
         case Transition.RETRY | Transition.REDISPATCH:
@@ -303,6 +326,12 @@ def _params(transition: Transition, job: Placed) -> dict[str, Any]:
             return {"key": "limit/held", "free": None}
         case Transition.RELEASE:
             return {"tenant_id": job.tenant_id, "key": job.request_id}
+        case (
+            Transition.DEPENDENCIES_MET
+            | Transition.DEPENDENCY_FAILED
+            | Transition.DEPENDENCY_CANCELLED
+        ):
+            return {"ids": [job.job_id]}
         case Transition.WAIT:
             return {
                 "id": job.job_id,

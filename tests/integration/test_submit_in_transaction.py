@@ -358,7 +358,8 @@ async def test_a_role_that_may_only_execute_the_function(stack: Stack, database_
             await admin.execute(f'GRANT USAGE ON SCHEMA jobplane TO "{role}"')
             await admin.execute(
                 "GRANT EXECUTE ON FUNCTION jobplane.submit_job(text, text, jsonb, text, text, "
-                "integer, jsonb, double precision, timestamptz, interval, text, integer, text) "
+                "integer, jsonb, double precision, timestamptz, interval, text, integer, text, "
+                "timestamptz, interval, uuid[], text) "
                 f'TO "{role}"'
             )
             with pytest.raises(asyncpg.InsufficientPrivilegeError):

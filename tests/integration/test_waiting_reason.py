@@ -90,6 +90,7 @@ async def test_an_unroutable_dispatch_says_why_until_the_topology_routes_it(stac
         "CONCURRENCY_LIMIT": 0.0,
         "RATE_LIMITED": 0.0,
         "TENANT_LIMIT": 0.0,
+        "DEPENDENCIES": 0.0,
     }
     # A fact about now, not history: no event in the job's stream.
     assert await stack.scalar("SELECT last_seq FROM jobs") == 1

@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from sqlalchemy.ext.asyncio import create_async_engine
 
 from jobplane.attempt_end import Decision, EndCause, Fail, Retry, RetryPolicy, decide
+from jobplane.store.deadlines import DeadlineStore
 from jobplane.store.sweeps import EventsBehind, ExpiredLease, LeaseRepair, SweepStore
 from jobplane.topology import parse_topology
 from jobplane.workers.outcome import Failure
@@ -186,6 +187,9 @@ class _MemorySweeps(SweepStore):
     async def release_held(self, **kwargs: Any) -> int:
         return 0
 
+    async def settle_dependencies(self, **kwargs: Any) -> int:
+        return 0
+
     async def analyze_grown(self, **kwargs: Any) -> list[str]:
         return []
 
@@ -194,6 +198,16 @@ class _MemorySweeps(SweepStore):
 
     async def events_behind(self, **kwargs: Any) -> EventsBehind:
         return EventsBehind(0, None)
+
+
+class _NoDeadlines(DeadlineStore):
+    """No job has a deadline: the sweep's deadline pass, faked."""
+
+    def __init__(self) -> None:
+        super().__init__(create_async_engine("postgresql+asyncpg://nobody@127.0.0.1:1/none"))
+
+    async def end_due(self, **kwargs: Any) -> list[Any]:
+        return []
 
 
 def _lease(queue: str, attempt: int, max_attempts: int = 3) -> ExpiredLease:
@@ -207,6 +221,7 @@ async def test_the_sweepers_lease_expiry_backs_off_by_the_queues_policy(attempt:
     )
     store = _MemorySweeps([_lease("slow", attempt) for _ in range(50)])
     sweeper._store = store
+    sweeper.deadlines.store = _NoDeadlines()
     await sweeper.sweep_once()
     assert all(isinstance(d, Retry) for d in store.decided)
     waits = [d.delay for d in store.decided if isinstance(d, Retry)]

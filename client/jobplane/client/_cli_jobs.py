@@ -24,10 +24,10 @@ from jobplane.client._cli_run import (
     command,
     print_error,
 )
-from jobplane.client._cli_schedule import parse_at, parse_in
+from jobplane.client._cli_schedule import parse_at, parse_deadline, parse_in
 from jobplane.client.aio import AsyncClient
 from jobplane.errors import JobplaneError
-from jobplane.types import JobState
+from jobplane.types import JobPage, JobState
 
 
 def register_job_commands(subparsers: Subparsers, parents: Parents) -> None:
@@ -63,7 +63,13 @@ def register_job_commands(subparsers: Subparsers, parents: Parents) -> None:
         type=str.upper,
         default="",
         help="only QUEUED jobs waiting for this reason (SCHEDULED, CONCURRENCY_LIMIT, "
-        "UNROUTABLE, NO_LIVE_WORKER, HANDED_BACK)",
+        "DEPENDENCIES, UNROUTABLE, NO_LIVE_WORKER, HANDED_BACK)",
+    )
+    list_.add_argument(
+        "--parent",
+        metavar="NAME",
+        default="",
+        help="only the children of this job (jobs/{id}, or just the id)",
     )
     list_.add_argument(
         "--page-size", metavar="N", type=int, default=0, help="jobs per page (server default 50)"
@@ -147,6 +153,12 @@ def _register_submit(subparsers: Subparsers, parents: Parents) -> None:
         metavar="DURATION",
         help="start DURATION from now: seconds, or e.g. 90s, 15m, 1h30m, 2d",
     )
+    submit.add_argument(
+        "--deadline",
+        metavar="TIME|DURATION",
+        help="end the job FAILED (DEADLINE_EXCEEDED) if it has not ended by TIME "
+        "(RFC 3339 with its zone) or DURATION from now (90s, 15m, 1h30m, 2d)",
+    )
     submit.set_defaults(func=command(_submit))
 
 
@@ -166,6 +178,20 @@ def _concurrency_flags(submit: argparse.ArgumentParser) -> None:
         choices=("queue", "reject"),
         default=None,
         help="when the key is full: wait (queue, the default) or refuse the submit (reject)",
+    )
+    submit.add_argument(
+        "--after",
+        action="append",
+        default=[],
+        metavar="jobs/ID",
+        help="run after this job has succeeded (repeatable: after all of them)",
+    )
+    submit.add_argument(
+        "--after-failure",
+        choices=("fail", "cancel", "run_anyway"),
+        default=None,
+        help="when a job it runs after does not succeed: end FAILED (fail, the default), "
+        "end CANCELLED (cancel), or run once all have ended (run_anyway)",
     )
 
 
@@ -189,6 +215,9 @@ async def _submit(client: AsyncClient, args: argparse.Namespace) -> int:
         concurrency_key=args.concurrency_key,
         concurrency_limit=args.concurrency_limit,
         concurrency_mode=args.concurrency_mode,
+        deadline=None if args.deadline is None else parse_deadline(args.deadline),
+        after=args.after,
+        after_failure=args.after_failure,
     )
     if args.json:
         print_json(job_to_json(job))
@@ -212,6 +241,7 @@ async def _submit_jsonl(client: AsyncClient, args: argparse.Namespace) -> int:
             ("--timeout", args.timeout),
             ("--label", args.label),
             ("--watch", args.watch),
+            ("--deadline", args.deadline),
         )
         if value
     ]
@@ -261,8 +291,19 @@ async def _get(client: AsyncClient, args: argparse.Namespace) -> int:
     if args.json:
         print_json(job_to_json(job))
     else:
-        print(job_details(job), flush=True)
+        children = await client.list(parent=job.name, page_size=CHILDREN_SHOWN)
+        print(job_details(job, children=_counted(children)), flush=True)
     return EXIT_OK
+
+
+# ``get`` counts a job's children up to this many (one page of ListJobs).
+CHILDREN_SHOWN = 1000
+
+
+def _counted(page: JobPage) -> str:
+    """How many children a page of them says the job has: ``12``, or ``1000+``."""
+    count = len(page.jobs)
+    return f"{count}+" if page.next_page_token else str(count)
 
 
 async def _list(client: AsyncClient, args: argparse.Namespace) -> int:
@@ -276,6 +317,7 @@ async def _list(client: AsyncClient, args: argparse.Namespace) -> int:
                 state=state,
                 type=args.type,
                 waiting_code=args.waiting,
+                parent=full_name(args.parent) if args.parent else "",
             )
         ]
         next_token = ""
@@ -286,6 +328,7 @@ async def _list(client: AsyncClient, args: argparse.Namespace) -> int:
             state=state,
             type=args.type,
             waiting_code=args.waiting,
+            parent=full_name(args.parent) if args.parent else "",
         )
         jobs, next_token = page.jobs, page.next_page_token
     if args.json:

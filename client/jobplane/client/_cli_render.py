@@ -44,8 +44,8 @@ def job_line(job: Job) -> str:
     return line
 
 
-def job_details(job: Job) -> str:
-    """A multi-line description of ``job`` for ``get``."""
+def job_details(job: Job, *, children: str = "") -> str:
+    """A multi-line description of ``job`` for ``get``; ``children``: how many it has."""
     rows: list[tuple[str, str]] = [
         ("name", job.name),
         ("type", job.type),
@@ -63,8 +63,16 @@ def job_details(job: Job) -> str:
         rows.append(("next attempt", _time(job.next_attempt_time)))
     if job.waiting_reason or job.waiting_code:
         rows.append(("waiting", ": ".join(filter(None, (job.waiting_code, job.waiting_reason)))))
+    if job.deadline:
+        rows.append(("deadline", _time(job.deadline)))
     if job.concurrency_key:
         rows.append(("concurrency", f"{job.concurrency_key} (limit {job.concurrency_limit})"))
+    if job.after:
+        rows.append(("after", f"{', '.join(job.after)} (on failure: {job.after_failure})"))
+    if job.parent:
+        rows.append(("parent", job.parent))
+    if children and children != "0":
+        rows.append(("children", f"{children} (jobplane list --parent {job.name})"))
     rows.append(("request id", job.request_id))
     if job.correlation_id:
         rows.append(("correlation id", job.correlation_id))

@@ -12,7 +12,7 @@ import contextlib
 import dataclasses
 import json
 import uuid
-from collections.abc import AsyncGenerator, Iterable, Mapping
+from collections.abc import AsyncGenerator, Iterable, Mapping, Sequence
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -21,8 +21,15 @@ import grpc
 from jobplane.blobs.names import referenced_digests
 from jobplane.client._blob_calls import BlobCalls
 from jobplane.client._retry import Backoff, EventCursor, stream_failure, stream_retry_delay
-from jobplane.client._schedule import set_schedule
-from jobplane.client.batch import MAX_BATCH_SIZE, JobSpec, batches, shifted, with_concurrency
+from jobplane.client._schedule import set_deadline, set_schedule
+from jobplane.client.batch import (
+    MAX_BATCH_SIZE,
+    JobSpec,
+    batches,
+    shifted,
+    with_after,
+    with_concurrency,
+)
 from jobplane.convert import event_from_pb, job_from_pb, state_to_pb, struct_from_dict
 from jobplane.errors import (
     BlobsDisabled,
@@ -32,7 +39,16 @@ from jobplane.errors import (
     TenantLimitExceeded,
     Unavailable,
 )
-from jobplane.types import BlobRef, ConcurrencyMode, Job, JobEvent, JobPage, JobState, WaitingCode
+from jobplane.types import (
+    BlobRef,
+    ConcurrencyMode,
+    DependencyFailurePolicy,
+    Job,
+    JobEvent,
+    JobPage,
+    JobState,
+    WaitingCode,
+)
 from jobplane.v1 import jobs_pb2
 
 #: The largest payload or result by reference the SDK reads back whole.
@@ -67,6 +83,9 @@ class JobCalls(BlobCalls):
         concurrency_key: str = "",
         concurrency_limit: int = 0,
         concurrency_mode: ConcurrencyMode | str | None = None,
+        deadline: datetime | float | timedelta | None = None,
+        after: Sequence[Job | str] = (),
+        after_failure: DependencyFailurePolicy | str | None = None,
     ) -> Job:
         """Create a job of ``type`` and return it (normally QUEUED).
 
@@ -87,6 +106,18 @@ class JobCalls(BlobCalls):
         what a job of a full key does: wait (``"queue"``, the default) or be
         refused (``"reject"``: :class:`~jobplane.errors.ConcurrencyLimitReached`,
         whose ``holders`` name the jobs in flight). See docs/flow-control.md.
+
+        ``deadline``: the time (a timezone-aware datetime) by which the job
+        must have ended, or how long after the server accepts the call
+        (seconds or a timedelta). Past it, a job not ended ends FAILED with
+        error code ``DEADLINE_EXCEEDED``, whatever its stage or attempt; a
+        running attempt is stopped (docs/scheduling.md#deadlines).
+        ``after``: jobs of the tenant (or their names, ``jobs/{id}``) this one
+        runs after: it waits QUEUED, ``waiting_code`` ``DEPENDENCIES``, until
+        they have all succeeded. ``after_failure`` says what it does when one
+        of them does not: end FAILED (``"fail"``, the default, error code
+        DEPENDENCY_FAILED), end CANCELLED (``"cancel"``) or run once all have
+        ended (``"run_anyway"``). See docs/workflows.md.
         """
         request = await self._submit_request(
             JobSpec(
@@ -102,6 +133,9 @@ class JobCalls(BlobCalls):
                 concurrency_key=concurrency_key,
                 concurrency_limit=concurrency_limit,
                 concurrency_mode=concurrency_mode,
+                deadline=deadline,
+                after=after,
+                after_failure=after_failure,
             )
         )
         # Without a request_id a repeated call could create a second job.
@@ -167,7 +201,9 @@ class JobCalls(BlobCalls):
                 attempt_timeout = timedelta(seconds=attempt_timeout)
             request.timeout.FromTimedelta(attempt_timeout)
         set_schedule(request, spec.schedule_time, spec.schedule_delay)
+        set_deadline(request, spec.deadline)
         with_concurrency(request, spec)
+        with_after(request, spec)
         body = _compact(payload) if payload else None
         if body is not None and len(body) > self._inline_bytes:
             # Too large to go inline: as a blob, by reference. A server
@@ -220,6 +256,7 @@ class JobCalls(BlobCalls):
         state: JobState | None = None,
         type: str | None = None,
         waiting_code: str | WaitingCode = "",
+        parent: str | Job = "",
     ) -> JobPage:
         """One page of the caller's jobs, newest first.
 
@@ -227,7 +264,8 @@ class JobCalls(BlobCalls):
         ``next_page_token`` with the same filters to get the next page.
         ``waiting_code``: only QUEUED jobs waiting for that reason, as
         :meth:`get` shows them (``WaitingCode.SCHEDULED``: the delayed jobs
-        whose time has not come).
+        whose time has not come). ``parent``: only the children of that job
+        (``jobs/{id}`` or the job), the jobs its handler submitted.
         """
         request = jobs_pb2.ListJobsRequest(
             page_size=page_size,
@@ -235,6 +273,7 @@ class JobCalls(BlobCalls):
             state=state_to_pb(state) if state is not None else jobs_pb2.Job.STATE_UNSPECIFIED,
             type=type or "",
             waiting_code=str(waiting_code),
+            parent=parent if isinstance(parent, str) else parent.name,
         )
         response = await self._call(self._get_stub().ListJobs, request, repeatable=True)
         return JobPage(
@@ -250,6 +289,7 @@ class JobCalls(BlobCalls):
         state: JobState | None = None,
         type: str | None = None,
         waiting_code: str | WaitingCode = "",
+        parent: str | Job = "",
     ) -> AsyncGenerator[Job, None]:
         """Every job matching the filters, fetching page after page."""
         while True:
@@ -259,6 +299,7 @@ class JobCalls(BlobCalls):
                 state=state,
                 type=type,
                 waiting_code=waiting_code,
+                parent=parent,
             )
             for job in page.jobs:
                 yield job

@@ -28,3 +28,18 @@ def set_schedule(
         if not isinstance(schedule_delay, timedelta):
             schedule_delay = timedelta(seconds=schedule_delay)
         request.schedule_delay.FromTimedelta(schedule_delay)
+
+
+def set_deadline(
+    request: jobs_pb2.SubmitJobRequest, deadline: datetime | float | timedelta | None
+) -> None:
+    """Set ``request``'s deadline (a timezone-aware datetime) or deadline_after (seconds or
+    a timedelta, counted from when the server accepts the call)."""
+    if isinstance(deadline, datetime):
+        if deadline.tzinfo is None or deadline.utcoffset() is None:
+            raise ValueError("deadline must be timezone-aware (e.g. datetime.now(UTC))")
+        request.deadline.FromDatetime(deadline)
+    elif deadline is not None:
+        if not isinstance(deadline, timedelta):
+            deadline = timedelta(seconds=deadline)
+        request.deadline_after.FromTimedelta(deadline)

@@ -4,13 +4,13 @@ it splits them into BatchSubmitJobs calls."""
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, fields
 from datetime import datetime, timedelta
 from typing import Any
 
 from jobplane.errors import JobplaneError
-from jobplane.types import ConcurrencyMode
+from jobplane.types import ConcurrencyMode, DependencyFailurePolicy, Job
 from jobplane.v1 import jobs_pb2
 
 #: The most requests the server takes in one BatchSubmitJobs call.
@@ -42,6 +42,11 @@ class JobSpec:
     concurrency_key: str = ""
     concurrency_limit: int = 0
     concurrency_mode: ConcurrencyMode | str | None = None
+    # Deadlines (docs/scheduling.md#deadlines): a time, or a duration after the call.
+    deadline: datetime | float | timedelta | None = None
+    # Dependencies (docs/workflows.md): jobs (or their names) it runs after.
+    after: Sequence[Job | str] = ()
+    after_failure: DependencyFailurePolicy | str | None = None
 
     @classmethod
     def of(cls, spec: JobSpec | Mapping[str, Any]) -> JobSpec:
@@ -68,6 +73,20 @@ def with_concurrency(request: jobs_pb2.SubmitJobRequest, spec: JobSpec) -> None:
     request.concurrency_limit = spec.concurrency_limit
     if spec.concurrency_mode is not None:
         request.concurrency_mode = _MODES[ConcurrencyMode(spec.concurrency_mode)]
+
+
+_POLICIES = {
+    DependencyFailurePolicy.FAIL: jobs_pb2.DEPENDENCY_FAILURE_POLICY_FAIL,
+    DependencyFailurePolicy.CANCEL: jobs_pb2.DEPENDENCY_FAILURE_POLICY_CANCEL,
+    DependencyFailurePolicy.RUN_ANYWAY: jobs_pb2.DEPENDENCY_FAILURE_POLICY_RUN_ANYWAY,
+}
+
+
+def with_after(request: jobs_pb2.SubmitJobRequest, spec: JobSpec) -> None:
+    """Set the jobs ``spec`` runs after, and its policy, on ``request``."""
+    request.after.extend(a.name if isinstance(a, Job) else str(a) for a in spec.after)
+    if spec.after_failure is not None:
+        request.after_failure = _POLICIES[DependencyFailurePolicy(spec.after_failure)]
 
 
 def batches(

@@ -38,6 +38,7 @@ from jobplane.types import (
     Blob,
     BlobPage,
     ConcurrencyMode,
+    DependencyFailurePolicy,
     Job,
     JobEvent,
     JobPage,
@@ -268,6 +269,9 @@ class Client(SyncScheduleCalls):
         concurrency_key: str = "",
         concurrency_limit: int = 0,
         concurrency_mode: ConcurrencyMode | str | None = None,
+        deadline: datetime | float | timedelta | None = None,
+        after: Sequence[Job | str] = (),
+        after_failure: DependencyFailurePolicy | str | None = None,
     ) -> Job:
         """Create a job of ``type`` and return it; see :meth:`AsyncClient.submit`."""
         return self._loop.run(
@@ -284,6 +288,9 @@ class Client(SyncScheduleCalls):
                 concurrency_key=concurrency_key,
                 concurrency_limit=concurrency_limit,
                 concurrency_mode=concurrency_mode,
+                deadline=deadline,
+                after=after,
+                after_failure=after_failure,
             )
         )
 
@@ -309,6 +316,7 @@ class Client(SyncScheduleCalls):
         state: JobState | None = None,
         type: str | None = None,
         waiting_code: str | WaitingCode = "",
+        parent: str | Job = "",
     ) -> JobPage:
         """One page of the caller's jobs, newest first; see :meth:`AsyncClient.list`."""
         return self._loop.run(
@@ -318,6 +326,7 @@ class Client(SyncScheduleCalls):
                 state=state,
                 type=type,
                 waiting_code=waiting_code,
+                parent=parent,
             )
         )
 
@@ -329,6 +338,7 @@ class Client(SyncScheduleCalls):
         state: JobState | None = None,
         type: str | None = None,
         waiting_code: str | WaitingCode = "",
+        parent: str | Job = "",
     ) -> Generator[Job, None, None]:
         """Every job matching the filters, fetching page after page."""
         return self._pull(
@@ -338,6 +348,7 @@ class Client(SyncScheduleCalls):
                 state=state,
                 type=type,
                 waiting_code=waiting_code,
+                parent=parent,
             )
         )
 

@@ -29,6 +29,7 @@ from jobplane.store.claims import (
     StageRun,
     attempt_from_row,
     claim_cause,
+    limit_name,
     stage_run,
 )
 from jobplane.store.concurrency import ended_keys, release_key
@@ -63,16 +64,6 @@ __all__ = [
     "attempt_from_row",
     "stage_run",
 ]
-
-
-def _limit_name(flow_key: Any) -> str:
-    """The limit a ``jobs.flow_key`` names: a ``[[rate_limits]]`` entry's name, or
-    ``queue/{queue}`` for a queue's per-tenant limit; '' for none."""
-    if not flow_key:
-        return ""
-    kind, _, rest = str(flow_key).removesuffix("@rate").partition("/")
-    name = rest.split("/", 1)[0]
-    return name if kind == "limit" else f"queue/{name}"
 
 
 class LeaseLost(Exception):
@@ -139,7 +130,11 @@ class AttemptStore:
         token = uuid.uuid4()
         params = self._claim_params(envelope, token)
         machine = self._machine
-        scope = machine.session(self._db, Transition.CLAIM, Transition.EXHAUST, *_HOLDS)
+        scope = machine.session(
+            self._db, Transition.CLAIM, Transition.EXHAUST, Transition.DEADLINE, *_HOLDS
+        )
+        ended: list[Any] = []
+        result = ClaimResult(ClaimStatus.IN_FLIGHT, state=JobState.QUEUED)
         async with scope as conn:
             for _ in range(_CLAIM_TRIES):
                 rows = await machine.apply(
@@ -147,10 +142,13 @@ class AttemptStore:
                 )
                 if rows:
                     return await self._claimed(conn, envelope, token, rows[0])
-                refused = await self._refused(conn, envelope, params)
+                refused = await self._refused(conn, envelope, params, ended)
                 if refused is not None:
-                    return refused
-        return ClaimResult(ClaimStatus.IN_FLIGHT, state=JobState.QUEUED)
+                    result = refused
+                    break
+        # Ended at its claim by its deadline: what it held or was promised is free.
+        await self.release_ended(ended)
+        return result
 
     def claim_request(self, envelope: Envelope, *, worker: str = "") -> ClaimRequest:
         """A claim of ``envelope`` for :meth:`claim_many`, its binds taken here and now."""
@@ -221,10 +219,11 @@ class AttemptStore:
         return ClaimResult(ClaimStatus.CLAIMED, attempt=attempt)
 
     async def _refused(
-        self, conn: Conn, envelope: Envelope, params: Mapping[str, Any]
+        self, conn: Conn, envelope: Envelope, params: Mapping[str, Any], ended: list[Any]
     ) -> ClaimResult | None:
         """Why the claim was refused; None when its key was full and is no longer
-        (claim again)."""
+        (claim again). A job past its deadline is ended now (DEADLINE), its row
+        added to ``ended``: FINISHED, the message acked."""
         found = await conn.fetchrow(INSPECT, params)
         if found is None:
             return ClaimResult(ClaimStatus.NOT_FOUND)
@@ -238,6 +237,13 @@ class AttemptStore:
             # Not this job's current dispatch (or not a message our relay
             # wrote): the job's own message is elsewhere.
             return ClaimResult(ClaimStatus.STALE, state=state)
+        if found["past_deadline"]:
+            rows = await self._machine.apply(
+                conn, Transition.DEADLINE, params, Cause("past its deadline"), returning=_ENDED
+            )
+            ended.extend(rows)
+            if rows:
+                return ClaimResult(ClaimStatus.FINISHED, state=JobState.FAILED)
         if state is JobState.RUNNING and not found["lease_expired"]:
             return ClaimResult(
                 ClaimStatus.IN_FLIGHT, state=state, lease_expires_at=found["lease_expires_at"]
@@ -263,7 +269,7 @@ class AttemptStore:
                 ClaimStatus.HELD,
                 state=state,
                 waiting_code=str(held[0]["waiting_code"]),
-                limit=_limit_name(held[0]["flow_key"]),
+                limit=limit_name(held[0]["flow_key"]),
             )
         # Changed between the two statements; the caller looks again.
         return ClaimResult(ClaimStatus.IN_FLIGHT, state=state)
@@ -497,8 +503,7 @@ class AttemptStore:
             )
             if not rows:
                 raise LeaseLost(f"jobs/{attempt.job_id} attempt {attempt.attempt} was fenced out")
-        await self.release_keys(ended_keys(rows))
-        await self.release_limits(ended_limits(rows))
+        await self.release_ended(rows)
 
     async def finish_many(self, outcomes: Sequence[Outcome]) -> list[bool]:
         """Commit many attempts' outcomes (none with pending progress): one statement
@@ -508,8 +513,7 @@ class AttemptStore:
         for index, outcome in enumerate(outcomes):
             by_transition.setdefault(outcome.transition, []).append(index)
         done = [False] * len(outcomes)
-        keys: set[tuple[Any, str]] = set()
-        limited: list[Row | None] = []
+        ended: list[Row | None] = []
         async with self._db.connect() as conn:
             for transition, indexes in by_transition.items():
                 rows = await self._machine.apply_many(
@@ -517,11 +521,14 @@ class AttemptStore:
                 )
                 for index, row in zip(indexes, rows, strict=True):
                     done[index] = row is not None
-                keys |= ended_keys(rows)
-                limited.extend(rows)
-        await self.release_keys(keys)
-        await self.release_limits(ended_limits(limited))
+                ended.extend(rows)
+        await self.release_ended(ended)
         return done
+
+    async def release_ended(self, rows: Sequence[Row | None]) -> None:
+        """After jobs ended (``rows``, :data:`_ENDED`): the keys and limits they held free."""
+        await self.release_keys(ended_keys(rows))
+        await self.release_limits(ended_limits(rows))
 
     async def release_keys(self, keys: set[tuple[Any, str]]) -> None:
         """After RUNNING jobs of these (tenant, key)s ended: their oldest held jobs

@@ -163,10 +163,21 @@ _STAGES = text("SELECT idx, name, version, result FROM job_stages WHERE job_id =
 INSPECT = text(
     """
     SELECT state, dispatch_id, type, lease_expires_at, lease_expires_at < now() AS lease_expired,
-           attempt - retry_base >= max_attempts AS exhausted, concurrency_key
+           attempt - retry_base >= max_attempts AS exhausted, concurrency_key,
+           coalesce(deadline <= now(), false) AS past_deadline
     FROM jobs WHERE id = :id AND tenant_id = :tenant_id
     """
 )
+
+
+def limit_name(flow_key: Any) -> str:
+    """The limit a ``jobs.flow_key`` names: a ``[[rate_limits]]`` entry's name, or
+    ``queue/{queue}`` for a queue's per-tenant limit; '' for none."""
+    if not flow_key:
+        return ""
+    kind, _, rest = str(flow_key).removesuffix("@rate").partition("/")
+    name = rest.split("/", 1)[0]
+    return name if kind == "limit" else f"queue/{name}"
 
 
 def claim_cause(worker: str) -> Cause:

@@ -189,6 +189,27 @@ class Conn:
         row = await self.fetchrow(statement, binds)
         return None if row is None else row[0]
 
+    @asynccontextmanager
+    async def transaction(self) -> AsyncIterator[Conn]:
+        """A transaction on this connection (out of one: a savepoint inside one),
+        committed when the block ends normally."""
+        transaction = self.raw.transaction()
+        try:
+            await transaction.start()
+        except _FAILURES as exc:
+            raise _wrapped(exc, "BEGIN", self.raw) from exc
+        try:
+            yield self
+        except BaseException:
+            if not _closed(self.raw):
+                with suppress(*_FAILURES):
+                    await transaction.rollback()
+            raise
+        try:
+            await transaction.commit()
+        except _FAILURES as exc:
+            raise _wrapped(exc, "COMMIT", self.raw) from exc
+
     async def execute(
         self, statement: TextClause | str, binds: Mapping[str, Any] | None = None
     ) -> None:
@@ -307,23 +328,8 @@ class Database:
     @asynccontextmanager
     async def begin(self) -> AsyncIterator[Conn]:
         """A connection in a transaction, committed when the block ends normally."""
-        async with self.connect() as conn:
-            transaction = conn.raw.transaction()
-            try:
-                await transaction.start()
-            except _FAILURES as exc:
-                raise _wrapped(exc, "BEGIN", conn.raw) from exc
-            try:
-                yield conn
-            except BaseException:
-                if not _closed(conn.raw):
-                    with suppress(*_FAILURES):
-                        await transaction.rollback()
-                raise
-            try:
-                await transaction.commit()
-            except _FAILURES as exc:
-                raise _wrapped(exc, "COMMIT", conn.raw) from exc
+        async with self.connect() as conn, conn.transaction():
+            yield conn
 
     async def fetch(
         self, statement: TextClause | str, binds: Mapping[str, Any] | None = None

@@ -9,21 +9,30 @@ from __future__ import annotations
 
 import hashlib
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
 from typing import Any
 
 from sqlalchemy import text
+from sqlalchemy.exc import IntegrityError
 
-from jobplane.errors import JobplaneError, RequestIdReused
+from jobplane.errors import BlobReferenceNotFound, JobplaneError, RequestIdReused
 from jobplane.ids import new_id
 from jobplane.store.db import Conn
+from jobplane.store.down import sqlstate
 from jobplane.store.job_reads import with_stages
-from jobplane.store.machine import NewStage
+from jobplane.store.machine import SUBMIT_COLUMNS, Cause, NewStage, Row, StateMachine, Transition
 from jobplane.store.rows import JOB_COLUMNS, dumps
 from jobplane.topology import PipelineSpec
-from jobplane.types import BlobRef, ConcurrencyMode, Job, Stage, StageState
+from jobplane.types import (
+    BlobRef,
+    ConcurrencyMode,
+    DependencyFailurePolicy,
+    Job,
+    Stage,
+    StageState,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +62,15 @@ class NewJob:
     concurrency_key: str | None = None
     concurrency_limit: int = 0
     concurrency_mode: ConcurrencyMode = ConcurrencyMode.QUEUE
+    #: Deadlines (ADR-0044): when the job must have ended (None: no deadline).
+    #: Not part of the request's identity, as schedule_time is not.
+    deadline: datetime | None = None
+    # Dependencies (docs/workflows.md, ADR-0045): the ids of the jobs it runs after.
+    after: tuple[uuid.UUID, ...] = ()
+    after_failure: DependencyFailurePolicy = DependencyFailurePolicy.FAIL
+    #: Child jobs (ADR-0046): the job whose running attempt submitted it. Not
+    #: part of the request's identity: its request_id names the parent already.
+    parent_id: uuid.UUID | None = None
 
     def fingerprint(self) -> bytes:
         """A digest of the request, stored with the job: equal digests are the same request.
@@ -81,6 +99,14 @@ class NewJob:
                         "concurrency_mode": self.concurrency_mode.value,
                     }
                     if self.concurrency_key is not None
+                    else {}
+                ),
+                **(
+                    {
+                        "after": [str(a) for a in self.after],
+                        "after_failure": self.after_failure.value,
+                    }
+                    if self.after
                     else {}
                 ),
             }
@@ -115,6 +141,7 @@ def pipeline_stages(
     return tuple(stages)
 
 
+_FOREIGN_KEY_VIOLATION = "23503"
 # A plain job's pipeline columns.
 _PLAIN: dict[str, Any] = {
     "pipeline": None,
@@ -195,6 +222,8 @@ def submit_columns(new: NewJob, job_id: uuid.UUID) -> dict[str, Any]:
         "schedule_time": new.schedule_time,
         "concurrency_key": new.concurrency_key,
         "concurrency_limit": new.concurrency_limit if new.concurrency_key is not None else None,
+        "deadline": new.deadline,
+        "parent_id": new.parent_id,
         **_PLAIN,
     }
     if new.stages:
@@ -242,3 +271,43 @@ async def find_replays(
         else:
             replays[i] = await with_stages(conn, existing)
     return replays
+
+
+async def insert_jobs(
+    machine: StateMachine,
+    conn: Conn,
+    tenant_id: uuid.UUID,
+    news: Sequence[NewJob],
+    ids: Sequence[uuid.UUID],
+    *,
+    field: str,
+    extra: Sequence[Mapping[str, Any]] = (),
+) -> dict[str, Row]:
+    """Insert ``news`` under ``ids`` by the SUBMIT transition (a taken request_id
+    is skipped); the rows written, by job id. ``extra``: more columns of each
+    (the dependencies' of store.dependencies), over its own; a column neither
+    gives is NULL. A blob referenced that is gone raises
+    :class:`BlobReferenceNotFound` naming ``field``."""
+    # Inserted in request_id order (see the machine's submit statement).
+    order = sorted(range(len(news)), key=lambda i: news[i].request_id)
+    columns = [{**submit_columns(news[i], ids[i]), **(extra[i] if extra else {})} for i in order]
+    params: dict[str, Any] = {
+        "tenant_id": tenant_id,
+        **{f"new_{c}": [row.get(c) for row in columns] for c in SUBMIT_COLUMNS},
+    }
+    cause = Cause(
+        "queued",
+        stages=[(ids[i], news[i].stages) for i in order if news[i].stages],
+        blobs=[(ids[i], news[i].blob_references) for i in order if news[i].blob_references],
+    )
+    try:
+        created = await machine.apply(conn, Transition.SUBMIT, params, cause)
+    except IntegrityError as exc:
+        # The references' trigger found a blob gone since the caller's
+        # check (deleted meanwhile): nothing was written.
+        if sqlstate(exc) == _FOREIGN_KEY_VIOLATION:
+            raise BlobReferenceNotFound(
+                "the payload references a blob that does not exist", field=field
+            ) from None
+        raise
+    return {str(row["id"]): row for row in created}

@@ -11,12 +11,9 @@ from datetime import UTC, datetime
 from typing import Any
 
 from sqlalchemy import TextClause, text
-from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from jobplane.errors import (
-    BlobReferenceNotFound,
-    ConcurrencyLimitReached,
     InvalidArgument,
     JobAlreadyTerminal,
     JobNotFound,
@@ -27,9 +24,17 @@ from jobplane.errors import (
 )
 from jobplane.faults import NO_FAULTS, FaultPoints
 from jobplane.ids import new_id
+from jobplane.store.children import cancel_descendants
 from jobplane.store.concurrency import refuse_full_keys, rejects, release_key
 from jobplane.store.db import Conn, Database
-from jobplane.store.down import sqlstate
+from jobplane.store.dependencies import (
+    Found,
+    check_after,
+    decide,
+    decided_at_submit,
+    dependency_columns,
+    has_after,
+)
 from jobplane.store.engine import autocommit
 from jobplane.store.job_reads import (
     COUNT_STATES,
@@ -45,13 +50,12 @@ from jobplane.store.job_reads import (
 from jobplane.store.job_submit import (
     NewJob,
     find_replays,
+    insert_jobs,
     pipeline_stages,
-    submit_columns,
     submitted,
 )
 from jobplane.store.machine import (
     MACHINE,
-    SUBMIT_COLUMNS,
     Cause,
     Row,
     StateMachine,
@@ -66,7 +70,6 @@ __all__ = ["JobStore", "ListCursor", "NewJob", "StreamRead", "pipeline_stages"]
 _STAGE_INDEX = text(
     "SELECT idx FROM job_stages WHERE job_id = :id AND tenant_id = :tenant_id AND name = :name"
 )
-_FOREIGN_KEY_VIOLATION = "23503"
 _SELECT_JOB_FOR_UPDATE = text(
     f"SELECT {JOB_COLUMNS} FROM jobs WHERE id = :id AND tenant_id = :tenant_id FOR UPDATE"
 )
@@ -99,10 +102,15 @@ def list_query(
     created_before: datetime | None,
     waiting_code: str,
     now: datetime,
+    parent: uuid.UUID | None = None,
 ) -> tuple[TextClause, dict[str, Any]]:
     """The statement and binds of :meth:`JobStore.list_jobs` (jobs read at ``now``)."""
     where = ["tenant_id = :tenant_id"]
     params: dict[str, Any] = {"tenant_id": tenant_id, "limit": limit}
+    if parent is not None:
+        # The children of one job: its entries of jobs_parent, newest first.
+        where.append("parent_id = :parent")
+        params["parent"] = parent
     if waiting_code:
         conditions, binds = waiting_filter(waiting_code, now)
         where.extend(conditions)
@@ -192,11 +200,14 @@ class JobStore:
         to learn whose.
         """
         ids = [new_id() for _ in news]
-        refused: dict[int, ConcurrencyLimitReached] = {}
-        # A full key's refusal is decided under its lock, held to the commit.
-        scope = self._machine.session(self._db, Transition.SUBMIT, many=rejects(news))
-        async with scope as conn:
-            refused = await refuse_full_keys(conn, tenant_id, news)
+        refused: dict[int, JobplaneError] = {}
+        # A full key's refusal is decided under its lock, held to the commit;
+        # the jobs they run after are locked to it too.
+        many = rejects(news) or has_after(news)
+        async with self._machine.session(self._db, Transition.SUBMIT, many=many) as conn:
+            found, refused = await check_after(conn, tenant_id, news)
+            for i, full in (await refuse_full_keys(conn, tenant_id, news)).items():
+                refused.setdefault(i, full)
             admitted = [i for i in range(len(news)) if i not in refused]
             rows = await self._insert(
                 conn,
@@ -204,6 +215,7 @@ class JobStore:
                 [news[i] for i in admitted],
                 [ids[i] for i in admitted],
                 field="payload",
+                found=found,
             )
         missing = [
             i for i, job_id in enumerate(ids) if str(job_id) not in rows and i not in refused
@@ -241,9 +253,12 @@ class JobStore:
         replayed: dict[int, Job] = {}
         # A batch is one transaction: a refused replay in it undoes the rest.
         async with self._machine.session(self._db, Transition.SUBMIT, many=True) as conn:
+            found, unknown = await check_after(conn, tenant_id, news)
+            for i, error in sorted(unknown.items()):
+                raise at_item(error, i)
             for i, error in (await refuse_full_keys(conn, tenant_id, news)).items():
                 raise at_item(error, i)
-            rows = await self._insert(conn, tenant_id, news, ids, field="requests")
+            rows = await self._insert(conn, tenant_id, news, ids, field="requests", found=found)
             missing = [i for i, job_id in enumerate(ids) if str(job_id) not in rows]
             if missing:
                 for i, replay in (await find_replays(conn, tenant_id, news, missing)).items():
@@ -267,32 +282,26 @@ class JobStore:
         ids: Sequence[uuid.UUID],
         *,
         field: str,
+        found: Found,
     ) -> dict[str, Row]:
         """Insert ``news`` under ``ids`` (a taken request_id is skipped); the rows
-        written, by job id."""
-        # Inserted in request_id order (see the machine's submit statement).
-        order = sorted(range(len(news)), key=lambda i: news[i].request_id)
-        columns = [submit_columns(news[i], ids[i]) for i in order]
-        params: dict[str, Any] = {
-            "tenant_id": tenant_id,
-            **{f"new_{c}": [row[c] for row in columns] for c in SUBMIT_COLUMNS},
-        }
-        cause = Cause(
-            "queued",
-            stages=[(ids[i], news[i].stages) for i in order if news[i].stages],
-            blobs=[(ids[i], news[i].blob_references) for i in order if news[i].blob_references],
+        written, by job id, as they are at the end: a job decided at once by
+        the jobs it runs after has ended (ADR-0045)."""
+        written = await insert_jobs(
+            self._machine,
+            conn,
+            tenant_id,
+            news,
+            ids,
+            field=field,
+            extra=[dependency_columns(new, found) for new in news],
         )
-        try:
-            created = await self._machine.apply(conn, Transition.SUBMIT, params, cause)
-        except IntegrityError as exc:
-            # The references' trigger found a blob gone since the caller's
-            # check (deleted meanwhile): nothing was written.
-            if sqlstate(exc) == _FOREIGN_KEY_VIOLATION:
-                raise BlobReferenceNotFound(
-                    "the payload references a blob that does not exist", field=field
-                ) from None
-            raise
-        return {str(row["id"]): row for row in created}
+        order = sorted(range(len(news)), key=lambda i: news[i].request_id)
+        decided = [
+            ids[i] for i in order if str(ids[i]) in written and decided_at_submit(news[i], found)
+        ]
+        written.update(await decide(conn, self._machine, decided))
+        return written
 
     async def get(self, tenant_id: uuid.UUID, job_id: uuid.UUID) -> Job:
         """One job of the tenant; :class:`JobNotFound` otherwise."""
@@ -318,6 +327,7 @@ class JobStore:
         created_after: datetime | None = None,
         created_before: datetime | None = None,
         waiting_code: str = "",
+        parent: uuid.UUID | None = None,
     ) -> list[Job]:
         """Up to ``limit`` jobs, newest first, strictly after ``after``.
 
@@ -325,7 +335,8 @@ class JobStore:
         that name, whatever stage they are at. ``labels``: jobs that carry all
         of them; ``created_after`` (inclusive) and ``created_before``
         (exclusive) bound the create time. ``waiting_code``: QUEUED jobs that
-        read with that code (:func:`waiting_filter`).
+        read with that code (:func:`waiting_filter`). ``parent``: the children
+        of that job.
         """
         now = datetime.now(UTC)
         sql, params = list_query(
@@ -339,6 +350,7 @@ class JobStore:
             created_before=created_before,
             waiting_code=waiting_code,
             now=now,
+            parent=parent,
         )
         async with self._auto.connect() as conn:
             rows = (await conn.execute(sql, params)).mappings().all()
@@ -389,7 +401,11 @@ class JobStore:
             return {str(q): (int(a), int(b), int(c)) for q, a, b, c in rows}
 
     async def cancel(self, tenant_id: uuid.UUID, job_id: uuid.UUID, reason: str) -> Job:
-        """QUEUED → CANCELLED now; RUNNING → cancellation requested; terminal → error."""
+        """QUEUED → CANCELLED now; RUNNING → cancellation requested; terminal → error.
+
+        The job's descendants (child jobs, theirs…) that have not ended are
+        cancelled or asked to cancel in the same transaction (ADR-0046).
+        """
         reason = reason or "cancelled by request"
         params = {"id": job_id, "tenant_id": tenant_id, "reason": reason}
         async with self._engine.begin() as conn:
@@ -397,20 +413,24 @@ class JobStore:
             if current.state is JobState.QUEUED:
                 # The hooks drop a pending (re)dispatch, so nothing is published.
                 row = await self._one(conn, Transition.CANCEL, params, Cause(reason))
-                cancelled = await with_stages(conn, row)
             elif current.state is JobState.RUNNING:
-                if current.cancel_requested:
-                    return current
                 # The hooks wake the worker that runs it.
-                row = await self._one(conn, Transition.REQUEST_CANCEL, params, Cause(reason))
-                return await with_stages(conn, row)
+                row = None
+                if not current.cancel_requested:
+                    row = await self._one(conn, Transition.REQUEST_CANCEL, params, Cause(reason))
             else:
                 raise JobAlreadyTerminal(f"jobs/{job_id} is already {current.state.name}")
-        if current.concurrency_key:
+            # Locked first, the parent: its running attempt cannot submit a
+            # child past this (ChildStore locks it too, and sees the request).
+            keys = await cancel_descendants(conn, self._machine, tenant_id, job_id, reason)
+            result = current if row is None else await with_stages(conn, row)
+        if current.state is JobState.QUEUED and current.concurrency_key:
+            keys = [*keys, current.concurrency_key]
+        for key in dict.fromkeys(keys):
             # Its place in its key's line (held, or made due) is free now.
             async with self._engine.begin() as conn:
-                await release_key(conn, self._machine, tenant_id, current.concurrency_key)
-        return cancelled
+                await release_key(conn, self._machine, tenant_id, key)
+        return result
 
     async def retry(self, tenant_id: uuid.UUID, job_id: uuid.UUID, *, from_stage: str = "") -> Job:
         """A FAILED or CANCELLED job → QUEUED for a new attempt, through the outbox.

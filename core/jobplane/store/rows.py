@@ -12,6 +12,7 @@ from jobplane.names import job_name
 from jobplane.scheduling import scheduled
 from jobplane.types import (
     BlobRef,
+    DependencyFailurePolicy,
     EventType,
     Job,
     JobError,
@@ -74,6 +75,13 @@ JOB_FIELDS = (
     # Concurrency keys (docs/flow-control.md).
     "concurrency_key",
     "concurrency_limit",
+    # Deadlines (docs/scheduling.md#deadlines).
+    "deadline",
+    # Dependencies (docs/workflows.md).
+    "after_ids",
+    "after_failure",
+    # Child jobs (docs/workflows.md): the job that submitted it, or NULL.
+    "parent_id",
 )
 JOB_COLUMNS = ", ".join(JOB_FIELDS)
 
@@ -149,6 +157,10 @@ def job_from_row(row: Mapping[Any, Any], now: datetime | None = None) -> Job:
         schedule_time=row.get("schedule_time"),
         concurrency_key=row.get("concurrency_key") or "",
         concurrency_limit=int(row.get("concurrency_limit") or 0),
+        deadline=row.get("deadline"),
+        after=tuple(job_name(a) for a in row.get("after_ids") or ()),
+        after_failure=DependencyFailurePolicy(row.get("after_failure") or "fail"),
+        parent=job_name(parent) if (parent := row.get("parent_id")) else "",
     )
     return scheduled(job, now) if state is JobState.QUEUED else job
 

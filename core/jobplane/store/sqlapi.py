@@ -17,7 +17,10 @@ from sqlalchemy import text
 SUBMIT_JOB_ASYNCPG = (
     "SELECT jobplane.submit_job($1, $2, CAST($3 AS jsonb), $4, $5, $6, CAST($7 AS jsonb), $8, "
     "CAST(CAST($9 AS text) AS timestamptz), CAST($10 AS float8) * interval '1 second', "
-    "concurrency_key => $11, concurrency_limit => $12, concurrency_mode => $13)"
+    "concurrency_key => $11, concurrency_limit => $12, concurrency_mode => $13, "
+    "deadline => CAST(CAST($14 AS text) AS timestamptz), "
+    "deadline_after => CAST($15 AS float8) * interval '1 second', "
+    "after => CAST($16 AS uuid[]), after_failure => $17)"
 )
 SUBMIT_JOB = text(
     "SELECT jobplane.submit_job(:tenant, :type, CAST(:payload AS jsonb), :request_id, "
@@ -25,7 +28,10 @@ SUBMIT_JOB = text(
     "CAST(CAST(:schedule_time AS text) AS timestamptz), "
     "CAST(:schedule_delay AS float8) * interval '1 second', "
     "concurrency_key => :concurrency_key, concurrency_limit => :concurrency_limit, "
-    "concurrency_mode => :concurrency_mode)"
+    "concurrency_mode => :concurrency_mode, "
+    "deadline => CAST(CAST(:deadline AS text) AS timestamptz), "
+    "deadline_after => CAST(:deadline_after AS float8) * interval '1 second', "
+    "after => CAST(:after AS uuid[]), after_failure => :after_failure)"
 )
 # The time is bound as text: asyncpg sends the last microsecond of year 9999
 # (datetime.max) as 'infinity'.

@@ -23,6 +23,7 @@ from jobplane.store.engine import autocommit
 from jobplane.store.flow import ended_limits, limit_keys, release_limit
 from jobplane.store.machine import MACHINE, Cause, StateMachine, Transition, state_is
 from jobplane.store.machine.concurrency import held_keys
+from jobplane.store.machine.dependencies import DECIDED, OPEN_EDGES, settle
 from jobplane.store.machine.flow import held_flow_keys
 from jobplane.store.outbox import RETURNS_RESET, OutboxKind
 from jobplane.store.rows import OUTBOX_CHANNEL, job_from_row
@@ -310,6 +311,23 @@ class SweepStore:
             if len(keys) < limit:
                 return released + await self._release_held_limits(limit)
             after = keys[-1]
+
+    async def settle_dependencies(self, *, limit: int) -> int:
+        """Settle what a bug or a crash could leave of dependencies (ADR-0045):
+        the dependents of up to ``limit`` jobs that ended with their edges'
+        outcomes unwritten, then up to ``limit`` waiting jobs their counts
+        decide. How many jobs were decided (the next pass takes the rest)."""
+        async with self._engine.begin() as conn:
+            ended = [row[0] for row in await conn.execute(OPEN_EDGES, {"limit": limit})]
+            decided = await settle(self._machine, conn, ended)
+        async with self._engine.begin() as conn:
+            ids = [row[0] for row in await conn.execute(DECIDED, {"limit": limit})]
+            if ids:
+                done = await self._machine.apply(
+                    conn, Transition.DEPENDENCIES_MET, {"ids": ids}, returning=("id",)
+                )
+                decided += len(done)
+        return decided
 
     async def _release_held_limits(self, limit: int) -> int:
         """Release every flow limit with held jobs, ``limit`` per statement (ADR-0043)."""

@@ -22,6 +22,36 @@ else:
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class _DependencyFailurePolicy:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _DependencyFailurePolicyEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_DependencyFailurePolicy.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    DEPENDENCY_FAILURE_POLICY_UNSPECIFIED: _DependencyFailurePolicy.ValueType  # 0
+    """FAIL."""
+    DEPENDENCY_FAILURE_POLICY_FAIL: _DependencyFailurePolicy.ValueType  # 1
+    """It ends FAILED at once, error code DEPENDENCY_FAILED naming the job."""
+    DEPENDENCY_FAILURE_POLICY_CANCEL: _DependencyFailurePolicy.ValueType  # 2
+    """It ends CANCELLED at once."""
+    DEPENDENCY_FAILURE_POLICY_RUN_ANYWAY: _DependencyFailurePolicy.ValueType  # 3
+    """It runs once all of them have ended, whatever their outcome."""
+
+class DependencyFailurePolicy(_DependencyFailurePolicy, metaclass=_DependencyFailurePolicyEnumTypeWrapper):
+    """What a job submitted with `after` does when one of those jobs ends FAILED
+    or CANCELLED (docs/workflows.md).
+    """
+
+DEPENDENCY_FAILURE_POLICY_UNSPECIFIED: DependencyFailurePolicy.ValueType  # 0
+"""FAIL."""
+DEPENDENCY_FAILURE_POLICY_FAIL: DependencyFailurePolicy.ValueType  # 1
+"""It ends FAILED at once, error code DEPENDENCY_FAILED naming the job."""
+DEPENDENCY_FAILURE_POLICY_CANCEL: DependencyFailurePolicy.ValueType  # 2
+"""It ends CANCELLED at once."""
+DEPENDENCY_FAILURE_POLICY_RUN_ANYWAY: DependencyFailurePolicy.ValueType  # 3
+"""It runs once all of them have ended, whatever their outcome."""
+Global___DependencyFailurePolicy: _TypeAlias = DependencyFailurePolicy  # noqa: Y015
+
 class _ConcurrencyMode:
     ValueType = _typing.NewType("ValueType", _builtins.int)
     V: _TypeAlias = ValueType  # noqa: Y015
@@ -141,6 +171,10 @@ class Job(_message.Message):
     SCHEDULE_TIME_FIELD_NUMBER: _builtins.int
     CONCURRENCY_KEY_FIELD_NUMBER: _builtins.int
     CONCURRENCY_LIMIT_FIELD_NUMBER: _builtins.int
+    DEADLINE_FIELD_NUMBER: _builtins.int
+    AFTER_FIELD_NUMBER: _builtins.int
+    AFTER_FAILURE_FIELD_NUMBER: _builtins.int
+    PARENT_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """Resource name, `jobs/{job}`."""
     type: _builtins.str
@@ -188,7 +222,9 @@ class Job(_message.Message):
     schedule_time has not come yet), CONCURRENCY_LIMIT (held until a RUNNING
     job of its concurrency key ends),
     RATE_LIMITED (held by a [[rate_limits]] entry: its start rate, or its max_running),
-    TENANT_LIMIT (held until a slot of its queue's max_running_per_tenant frees).
+    TENANT_LIMIT (held until a slot of its queue's max_running_per_tenant frees),
+    DEPENDENCIES (submitted with `after`: some of those jobs have not ended
+    yet; the reason names them).
     Empty otherwise.
     More codes may come; treat an unknown one as "waiting".
     """
@@ -199,6 +235,16 @@ class Job(_message.Message):
     concurrency_limit: _builtins.int
     """The most jobs of the key that run at once, as this job was submitted
     with (0 without a key).
+    """
+    after_failure: Global___DependencyFailurePolicy.ValueType
+    """What it does when one of those does not succeed, as submitted (FAIL when
+    `after` is empty).
+    """
+    parent: _builtins.str
+    """Child jobs (docs/workflows.md).
+    `jobs/{job}` of the job whose handler submitted this one (ctx.submit, or
+    WorkerService.SubmitChildJob); empty for a job a caller submitted.
+    CancelJob of the parent cancels its children that have not ended.
     """
     @_builtins.property
     def payload(self) -> _struct_pb2.Struct: ...
@@ -259,6 +305,22 @@ class Job(_message.Message):
         SCHEDULED, and its dispatch is not published.
         """
 
+    @_builtins.property
+    def deadline(self) -> _timestamp_pb2.Timestamp:
+        """Deadlines (docs/scheduling.md#deadlines).
+        The time by which the job must have ended, as submitted (deadline, or the
+        time the server accepted the request plus deadline_after); unset for a job
+        submitted without one. Past it, a job not ended ends FAILED with error code
+        DEADLINE_EXCEEDED, whatever its stage or attempt; a running attempt is
+        stopped. RetryJob keeps a deadline still ahead and drops one that passed.
+        """
+
+    @_builtins.property
+    def after(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Dependencies (docs/workflows.md).
+        The jobs this job runs after (`jobs/{id}`), as submitted; empty for none.
+        """
+
     def __init__(
         self,
         *,
@@ -294,10 +356,14 @@ class Job(_message.Message):
         schedule_time: _timestamp_pb2.Timestamp | None = ...,
         concurrency_key: _builtins.str = ...,
         concurrency_limit: _builtins.int = ...,
+        deadline: _timestamp_pb2.Timestamp | None = ...,
+        after: _abc.Iterable[_builtins.str] | None = ...,
+        after_failure: Global___DependencyFailurePolicy.ValueType = ...,
+        parent: _builtins.str = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["create_time", b"create_time", "end_time", b"end_time", "error", b"error", "next_attempt_time", b"next_attempt_time", "payload", b"payload", "payload_blob", b"payload_blob", "result", b"result", "result_blob", b"result_blob", "schedule_time", b"schedule_time", "start_time", b"start_time", "timeout", b"timeout", "update_time", b"update_time"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["create_time", b"create_time", "deadline", b"deadline", "end_time", b"end_time", "error", b"error", "next_attempt_time", b"next_attempt_time", "payload", b"payload", "payload_blob", b"payload_blob", "result", b"result", "result_blob", b"result_blob", "schedule_time", b"schedule_time", "start_time", b"start_time", "timeout", b"timeout", "update_time", b"update_time"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "attempts_used", b"attempts_used", "cancel_requested", b"cancel_requested", "concurrency_key", b"concurrency_key", "concurrency_limit", b"concurrency_limit", "correlation_id", b"correlation_id", "create_time", b"create_time", "end_time", b"end_time", "error", b"error", "labels", b"labels", "last_seq", b"last_seq", "max_attempts", b"max_attempts", "name", b"name", "next_attempt_time", b"next_attempt_time", "payload", b"payload", "payload_blob", b"payload_blob", "pipeline_version", b"pipeline_version", "progress", b"progress", "progress_message", b"progress_message", "request_id", b"request_id", "result", b"result", "result_blob", b"result_blob", "schedule_time", b"schedule_time", "stage", b"stage", "stages", b"stages", "start_time", b"start_time", "state", b"state", "timeout", b"timeout", "type", b"type", "update_time", b"update_time", "waiting_code", b"waiting_code", "waiting_reason", b"waiting_reason"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["after", b"after", "after_failure", b"after_failure", "attempt", b"attempt", "attempts_used", b"attempts_used", "cancel_requested", b"cancel_requested", "concurrency_key", b"concurrency_key", "concurrency_limit", b"concurrency_limit", "correlation_id", b"correlation_id", "create_time", b"create_time", "deadline", b"deadline", "end_time", b"end_time", "error", b"error", "labels", b"labels", "last_seq", b"last_seq", "max_attempts", b"max_attempts", "name", b"name", "next_attempt_time", b"next_attempt_time", "parent", b"parent", "payload", b"payload", "payload_blob", b"payload_blob", "pipeline_version", b"pipeline_version", "progress", b"progress", "progress_message", b"progress_message", "request_id", b"request_id", "result", b"result", "result_blob", b"result_blob", "schedule_time", b"schedule_time", "stage", b"stage", "stages", b"stages", "start_time", b"start_time", "state", b"state", "timeout", b"timeout", "type", b"type", "update_time", b"update_time", "waiting_code", b"waiting_code", "waiting_reason", b"waiting_reason"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -496,6 +562,10 @@ class SubmitJobRequest(_message.Message):
     CONCURRENCY_KEY_FIELD_NUMBER: _builtins.int
     CONCURRENCY_LIMIT_FIELD_NUMBER: _builtins.int
     CONCURRENCY_MODE_FIELD_NUMBER: _builtins.int
+    DEADLINE_FIELD_NUMBER: _builtins.int
+    DEADLINE_AFTER_FIELD_NUMBER: _builtins.int
+    AFTER_FIELD_NUMBER: _builtins.int
+    AFTER_FAILURE_FIELD_NUMBER: _builtins.int
     type: _builtins.str
     """Lowercase dotted identifier: letters, digits, '.', '_', '-'; at most 128
     characters; must route to a queue of the topology.
@@ -525,6 +595,8 @@ class SubmitJobRequest(_message.Message):
     refuse the submit (REJECT: ABORTED, reason CONCURRENCY_LIMIT_REACHED,
     naming the jobs in flight). Needs a key.
     """
+    after_failure: Global___DependencyFailurePolicy.ValueType
+    """What the job does when one of those jobs does not succeed."""
     @_builtins.property
     def payload(self) -> _struct_pb2.Struct: ...
     @_builtins.property
@@ -554,6 +626,35 @@ class SubmitJobRequest(_message.Message):
         the server's horizon. The job's schedule_time is that time.
         """
 
+    @_builtins.property
+    def deadline(self) -> _timestamp_pb2.Timestamp:
+        """Deadlines (docs/scheduling.md#deadlines): set at most one of the two.
+        The time by which the job must have ended (Temporal's schedule-to-close):
+        past it the job ends FAILED, error code DEADLINE_EXCEEDED, whatever its
+        stage or attempt. Must be ahead of now and after the job's schedule_time,
+        and within the server's horizon (as schedule_time).
+        """
+
+    @_builtins.property
+    def deadline_after(self) -> _duration_pb2.Duration:
+        """The deadline this long after the server accepts the request (Celery's
+        `expires` in seconds): more than 0 up to the server's horizon, and after
+        the job's schedule_time.
+        """
+
+    @_builtins.property
+    def after(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Dependencies (docs/workflows.md).
+        Jobs of the caller (`jobs/{id}`, at most 100, no name twice) this job runs
+        after: it waits QUEUED with waiting_code DEPENDENCIES, without a
+        dispatch, until they have all succeeded, then is dispatched (a delay,
+        key or limit of its own still applies then). A name that is not one of
+        the caller's jobs existing now (another tenant's job reads the same) is
+        refused: INVALID_ARGUMENT naming `after[i]`, nothing written. So no job
+        can wait for a job submitted after it, and no cycle can form; in
+        BatchSubmitJobs no request can name another of the same batch.
+        """
+
     def __init__(
         self,
         *,
@@ -571,10 +672,14 @@ class SubmitJobRequest(_message.Message):
         concurrency_key: _builtins.str = ...,
         concurrency_limit: _builtins.int = ...,
         concurrency_mode: Global___ConcurrencyMode.ValueType = ...,
+        deadline: _timestamp_pb2.Timestamp | None = ...,
+        deadline_after: _duration_pb2.Duration | None = ...,
+        after: _abc.Iterable[_builtins.str] | None = ...,
+        after_failure: Global___DependencyFailurePolicy.ValueType = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["payload", b"payload", "schedule_delay", b"schedule_delay", "schedule_time", b"schedule_time", "timeout", b"timeout"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["deadline", b"deadline", "deadline_after", b"deadline_after", "payload", b"payload", "schedule_delay", b"schedule_delay", "schedule_time", b"schedule_time", "timeout", b"timeout"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["blob_references", b"blob_references", "concurrency_key", b"concurrency_key", "concurrency_limit", b"concurrency_limit", "concurrency_mode", b"concurrency_mode", "correlation_id", b"correlation_id", "labels", b"labels", "max_attempts", b"max_attempts", "payload", b"payload", "payload_blob", b"payload_blob", "request_id", b"request_id", "schedule_delay", b"schedule_delay", "schedule_time", b"schedule_time", "timeout", b"timeout", "type", b"type"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["after", b"after", "after_failure", b"after_failure", "blob_references", b"blob_references", "concurrency_key", b"concurrency_key", "concurrency_limit", b"concurrency_limit", "concurrency_mode", b"concurrency_mode", "correlation_id", b"correlation_id", "deadline", b"deadline", "deadline_after", b"deadline_after", "labels", b"labels", "max_attempts", b"max_attempts", "payload", b"payload", "payload_blob", b"payload_blob", "request_id", b"request_id", "schedule_delay", b"schedule_delay", "schedule_time", b"schedule_time", "timeout", b"timeout", "type", b"type"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -659,6 +764,7 @@ class ListJobsRequest(_message.Message):
     STATE_FIELD_NUMBER: _builtins.int
     TYPE_FIELD_NUMBER: _builtins.int
     WAITING_CODE_FIELD_NUMBER: _builtins.int
+    PARENT_FIELD_NUMBER: _builtins.int
     page_size: _builtins.int
     """0 means 50; at most 1000."""
     page_token: _builtins.str
@@ -673,6 +779,10 @@ class ListJobsRequest(_message.Message):
     schedule_time has passed is no longer `SCHEDULED`. With `state`, only
     QUEUED.
     """
+    parent: _builtins.str
+    """Only the children of this job (`jobs/{job}`), when set: the jobs its
+    handler submitted (Job.parent).
+    """
     def __init__(
         self,
         *,
@@ -681,10 +791,11 @@ class ListJobsRequest(_message.Message):
         state: Global___Job.State.ValueType = ...,
         type: _builtins.str = ...,
         waiting_code: _builtins.str = ...,
+        parent: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["page_size", b"page_size", "page_token", b"page_token", "state", b"state", "type", b"type", "waiting_code", b"waiting_code"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["page_size", b"page_size", "page_token", b"page_token", "parent", b"parent", "state", b"state", "type", b"type", "waiting_code", b"waiting_code"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

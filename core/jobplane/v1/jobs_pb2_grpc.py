@@ -115,7 +115,9 @@ class JobServiceServicer(object):
         raise NotImplementedError('Method not implemented!')
 
     def CancelJob(self, request, context):
-        """Cancels a queued job at once, or asks a running one to stop.
+        """Cancels a queued job at once, or asks a running one to stop. Its child
+        jobs (Job.parent) that have not ended, and theirs, are cancelled or asked
+        to stop in the same transaction.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -50,7 +50,10 @@ class JobServiceStub:
     ListJobs: _grpc.UnaryUnaryMultiCallable[_jobs_pb2.ListJobsRequest, _jobs_pb2.ListJobsResponse]
     """Lists the caller's jobs, newest first."""
     CancelJob: _grpc.UnaryUnaryMultiCallable[_jobs_pb2.CancelJobRequest, _jobs_pb2.Job]
-    """Cancels a queued job at once, or asks a running one to stop."""
+    """Cancels a queued job at once, or asks a running one to stop. Its child
+    jobs (Job.parent) that have not ended, and theirs, are cancelled or asked
+    to stop in the same transaction.
+    """
     RetryJob: _grpc.UnaryUnaryMultiCallable[_jobs_pb2.RetryJobRequest, _jobs_pb2.Job]
     """Starts a new attempt of a FAILED or CANCELLED job. A pipeline job
     resumes at the stage that failed or was cancelled (or at `from_stage`);
@@ -83,7 +86,10 @@ class JobServiceAsyncStub(JobServiceStub):
     ListJobs: _aio.UnaryUnaryMultiCallable[_jobs_pb2.ListJobsRequest, _jobs_pb2.ListJobsResponse]  # type: ignore[assignment]
     """Lists the caller's jobs, newest first."""
     CancelJob: _aio.UnaryUnaryMultiCallable[_jobs_pb2.CancelJobRequest, _jobs_pb2.Job]  # type: ignore[assignment]
-    """Cancels a queued job at once, or asks a running one to stop."""
+    """Cancels a queued job at once, or asks a running one to stop. Its child
+    jobs (Job.parent) that have not ended, and theirs, are cancelled or asked
+    to stop in the same transaction.
+    """
     RetryJob: _aio.UnaryUnaryMultiCallable[_jobs_pb2.RetryJobRequest, _jobs_pb2.Job]  # type: ignore[assignment]
     """Starts a new attempt of a FAILED or CANCELLED job. A pipeline job
     resumes at the stage that failed or was cancelled (or at `from_stage`);
@@ -143,7 +149,10 @@ class JobServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _jobs_pb2.CancelJobRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_jobs_pb2.Job, _abc.Awaitable[_jobs_pb2.Job]]:
-        """Cancels a queued job at once, or asks a running one to stop."""
+        """Cancels a queued job at once, or asks a running one to stop. Its child
+        jobs (Job.parent) that have not ended, and theirs, are cancelled or asked
+        to stop in the same transaction.
+        """
 
     @_abc_1.abstractmethod
     def RetryJob(

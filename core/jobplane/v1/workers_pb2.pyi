@@ -778,3 +778,91 @@ class HandBackJobResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___HandBackJobResponse: _TypeAlias = HandBackJobResponse  # noqa: Y015
+
+@_typing.final
+class SubmitChildJobRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ATTEMPT_FIELD_NUMBER: _builtins.int
+    KEY_FIELD_NUMBER: _builtins.int
+    TYPE_FIELD_NUMBER: _builtins.int
+    PAYLOAD_FIELD_NUMBER: _builtins.int
+    MAX_ATTEMPTS_FIELD_NUMBER: _builtins.int
+    TIMEOUT_FIELD_NUMBER: _builtins.int
+    CORRELATION_ID_FIELD_NUMBER: _builtins.int
+    SCHEDULE_TIME_FIELD_NUMBER: _builtins.int
+    SCHEDULE_DELAY_FIELD_NUMBER: _builtins.int
+    key: _builtins.str
+    """Names the child among its parent's: 1..200 characters, no control
+    characters. The same key is the same child, whatever the attempt.
+    """
+    type: _builtins.str
+    """The child's job type, routed by the topology as SubmitJob's."""
+    max_attempts: _builtins.int
+    """0 means the queue's default; at most 100."""
+    correlation_id: _builtins.str
+    """Empty means the parent's correlation id."""
+    @_builtins.property
+    def attempt(self) -> Global___AttemptRef:
+        """The attempt that submits the child, as ClaimJob returned it."""
+
+    @_builtins.property
+    def payload(self) -> _struct_pb2.Struct:
+        """The child's payload, a JSON object; unset means an empty object."""
+
+    @_builtins.property
+    def timeout(self) -> _duration_pb2.Duration:
+        """Unset means the queue's timeout."""
+
+    @_builtins.property
+    def schedule_time(self) -> _timestamp_pb2.Timestamp:
+        """When the child may first start, or how long after the call; at most one
+        of the two (SubmitJobRequest's schedule_time and schedule_delay).
+        """
+
+    @_builtins.property
+    def schedule_delay(self) -> _duration_pb2.Duration: ...
+    def __init__(
+        self,
+        *,
+        attempt: Global___AttemptRef | None = ...,
+        key: _builtins.str = ...,
+        type: _builtins.str = ...,
+        payload: _struct_pb2.Struct | None = ...,
+        max_attempts: _builtins.int = ...,
+        timeout: _duration_pb2.Duration | None = ...,
+        correlation_id: _builtins.str = ...,
+        schedule_time: _timestamp_pb2.Timestamp | None = ...,
+        schedule_delay: _duration_pb2.Duration | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "payload", b"payload", "schedule_delay", b"schedule_delay", "schedule_time", b"schedule_time", "timeout", b"timeout"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "correlation_id", b"correlation_id", "key", b"key", "max_attempts", b"max_attempts", "payload", b"payload", "schedule_delay", b"schedule_delay", "schedule_time", b"schedule_time", "timeout", b"timeout", "type", b"type"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SubmitChildJobRequest: _TypeAlias = SubmitChildJobRequest  # noqa: Y015
+
+@_typing.final
+class SubmitChildJobResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    CREATED_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """`jobs/{job}` of the child."""
+    created: _builtins.bool
+    """True when this call created it; false when the key had its child already."""
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        created: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["created", b"created", "name", b"name"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SubmitChildJobResponse: _TypeAlias = SubmitChildJobResponse  # noqa: Y015

@@ -102,6 +102,11 @@ class WorkerServiceStub(object):
                 request_serializer=jobplane_dot_v1_dot_workers__pb2.HandBackJobRequest.SerializeToString,
                 response_deserializer=jobplane_dot_v1_dot_workers__pb2.HandBackJobResponse.FromString,
                 _registered_method=True)
+        self.SubmitChildJob = channel.unary_unary(
+                '/jobplane.v1.WorkerService/SubmitChildJob',
+                request_serializer=jobplane_dot_v1_dot_workers__pb2.SubmitChildJobRequest.SerializeToString,
+                response_deserializer=jobplane_dot_v1_dot_workers__pb2.SubmitChildJobResponse.FromString,
+                _registered_method=True)
 
 
 class WorkerServiceServicer(object):
@@ -206,6 +211,22 @@ class WorkerServiceServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SubmitChildJob(self, request, context):
+        """Submits a child job of the attempt's job (docs/workflows.md): a job like
+        any other, whose `parent` is the attempt's job. Fenced like the calls
+        above (LEASE_LOST when the attempt no longer owns the job). Idempotent
+        on (job, key) across the job's attempts: a worker that runs the job again
+        after a crash or a retry and submits the same key gets the child it
+        submitted before (`created` false), never a second one; the same key
+        with a different request is ALREADY_EXISTS (REQUEST_ID_REUSED, field
+        `key`). A job asked to cancel submits nothing (FAILED_PRECONDITION); a
+        job with 10,000 children is RESOURCE_EXHAUSTED (CHILD_LIMIT_REACHED).
+        Counts against the tenant's submits per second as SubmitJob does.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -258,6 +279,11 @@ def add_WorkerServiceServicer_to_server(servicer, server):
                     servicer.HandBackJob,
                     request_deserializer=jobplane_dot_v1_dot_workers__pb2.HandBackJobRequest.FromString,
                     response_serializer=jobplane_dot_v1_dot_workers__pb2.HandBackJobResponse.SerializeToString,
+            ),
+            'SubmitChildJob': grpc.unary_unary_rpc_method_handler(
+                    servicer.SubmitChildJob,
+                    request_deserializer=jobplane_dot_v1_dot_workers__pb2.SubmitChildJobRequest.FromString,
+                    response_serializer=jobplane_dot_v1_dot_workers__pb2.SubmitChildJobResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -548,6 +574,33 @@ class WorkerService(object):
             '/jobplane.v1.WorkerService/HandBackJob',
             jobplane_dot_v1_dot_workers__pb2.HandBackJobRequest.SerializeToString,
             jobplane_dot_v1_dot_workers__pb2.HandBackJobResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SubmitChildJob(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/jobplane.v1.WorkerService/SubmitChildJob',
+            jobplane_dot_v1_dot_workers__pb2.SubmitChildJobRequest.SerializeToString,
+            jobplane_dot_v1_dot_workers__pb2.SubmitChildJobResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -88,6 +88,18 @@ class WorkerServiceStub:
     """Gives back, unclaimed, a delivered job whose type this worker does not
     run (see HandBackJobResponse.Status); no attempt is counted.
     """
+    SubmitChildJob: _grpc.UnaryUnaryMultiCallable[_workers_pb2.SubmitChildJobRequest, _workers_pb2.SubmitChildJobResponse]
+    """Submits a child job of the attempt's job (docs/workflows.md): a job like
+    any other, whose `parent` is the attempt's job. Fenced like the calls
+    above (LEASE_LOST when the attempt no longer owns the job). Idempotent
+    on (job, key) across the job's attempts: a worker that runs the job again
+    after a crash or a retry and submits the same key gets the child it
+    submitted before (`created` false), never a second one; the same key
+    with a different request is ALREADY_EXISTS (REQUEST_ID_REUSED, field
+    `key`). A job asked to cancel submits nothing (FAILED_PRECONDITION); a
+    job with 10,000 children is RESOURCE_EXHAUSTED (CHILD_LIMIT_REACHED).
+    Counts against the tenant's submits per second as SubmitJob does.
+    """
 
 @_typing.type_check_only
 class WorkerServiceAsyncStub(WorkerServiceStub):
@@ -148,6 +160,18 @@ class WorkerServiceAsyncStub(WorkerServiceStub):
     HandBackJob: _aio.UnaryUnaryMultiCallable[_workers_pb2.HandBackJobRequest, _workers_pb2.HandBackJobResponse]  # type: ignore[assignment]
     """Gives back, unclaimed, a delivered job whose type this worker does not
     run (see HandBackJobResponse.Status); no attempt is counted.
+    """
+    SubmitChildJob: _aio.UnaryUnaryMultiCallable[_workers_pb2.SubmitChildJobRequest, _workers_pb2.SubmitChildJobResponse]  # type: ignore[assignment]
+    """Submits a child job of the attempt's job (docs/workflows.md): a job like
+    any other, whose `parent` is the attempt's job. Fenced like the calls
+    above (LEASE_LOST when the attempt no longer owns the job). Idempotent
+    on (job, key) across the job's attempts: a worker that runs the job again
+    after a crash or a retry and submits the same key gets the child it
+    submitted before (`created` false), never a second one; the same key
+    with a different request is ALREADY_EXISTS (REQUEST_ID_REUSED, field
+    `key`). A job asked to cancel submits nothing (FAILED_PRECONDITION); a
+    job with 10,000 children is RESOURCE_EXHAUSTED (CHILD_LIMIT_REACHED).
+    Counts against the tenant's submits per second as SubmitJob does.
     """
 
 class WorkerServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -266,6 +290,24 @@ class WorkerServiceServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_workers_pb2.HandBackJobResponse, _abc.Awaitable[_workers_pb2.HandBackJobResponse]]:
         """Gives back, unclaimed, a delivered job whose type this worker does not
         run (see HandBackJobResponse.Status); no attempt is counted.
+        """
+
+    @_abc_1.abstractmethod
+    def SubmitChildJob(
+        self,
+        request: _workers_pb2.SubmitChildJobRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_workers_pb2.SubmitChildJobResponse, _abc.Awaitable[_workers_pb2.SubmitChildJobResponse]]:
+        """Submits a child job of the attempt's job (docs/workflows.md): a job like
+        any other, whose `parent` is the attempt's job. Fenced like the calls
+        above (LEASE_LOST when the attempt no longer owns the job). Idempotent
+        on (job, key) across the job's attempts: a worker that runs the job again
+        after a crash or a retry and submits the same key gets the child it
+        submitted before (`created` false), never a second one; the same key
+        with a different request is ALREADY_EXISTS (REQUEST_ID_REUSED, field
+        `key`). A job asked to cancel submits nothing (FAILED_PRECONDITION); a
+        job with 10,000 children is RESOURCE_EXHAUSTED (CHILD_LIMIT_REACHED).
+        Counts against the tenant's submits per second as SubmitJob does.
         """
 
 def add_WorkerServiceServicer_to_server(servicer: WorkerServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

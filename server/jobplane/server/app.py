@@ -37,6 +37,7 @@ from jobplane.server.servicer import EventServiceServicer, JobServiceServicer
 from jobplane.server.worker_protocol import WorkerService
 from jobplane.server.worker_servicer import WorkerServiceServicer
 from jobplane.store.attempts import AttemptStore
+from jobplane.store.children import ChildStore
 from jobplane.store.db import Database
 from jobplane.store.deployment import this_deployment
 from jobplane.store.events import EventStore
@@ -129,6 +130,30 @@ class ServerTLS:
         return "mtls" if self.client_ca is not None else "tls"
 
 
+def _worker_service(
+    server: JobplaneServer,
+    topology: Topology,
+    lease_seconds: float,
+    inline_bytes: int | None,
+    max_schedule_seconds: float,
+) -> WorkerService:
+    """The server's WorkerService, over its pool, limits and object store."""
+    service = WorkerService(
+        AttemptStore(server.db, lease_seconds=lease_seconds),
+        HeldAttempts(server.db),
+        topology,
+        workers=WorkerStore(server._engine),
+        max_result_bytes=server._max_payload_bytes,
+        blobs=server.blobs,
+        inline_bytes=inline_bytes,
+        children=ChildStore(server.db),
+        max_schedule_seconds=max_schedule_seconds,
+    )
+    # A child a worker submits counts against its tenant's submits.
+    service.take_submit = server.limiter.take_submit
+    return service
+
+
 class JobplaneServer(Lifecycle):
     """One server process: ``async with JobplaneServer(...) as server:`` (or
     ``await start()``, then ``await stop()``; :meth:`run` for a whole process).
@@ -195,14 +220,8 @@ class JobplaneServer(Lifecycle):
             max_payload_bytes=max_payload_bytes,
             recheck_seconds=recheck_seconds,
         )
-        self.workers = WorkerService(
-            AttemptStore(self.db, lease_seconds=worker_lease_seconds),
-            HeldAttempts(self.db),
-            topology,
-            workers=WorkerStore(engine),
-            max_result_bytes=max_payload_bytes,
-            blobs=blobs,
-            inline_bytes=inline_bytes,
+        self.workers = _worker_service(
+            self, topology, worker_lease_seconds, inline_bytes, max_schedule_seconds
         )
         self.schedules = ScheduleService(
             engine, topology, max_payload_bytes=max_payload_bytes, blobs=blobs

@@ -97,6 +97,16 @@ class SubmitRequest:
     concurrency_limit: int = 0
     #: ConcurrencyMode's number in jobs.proto.
     concurrency_mode: int = 0
+    # Deadlines (docs/scheduling.md#deadlines): at most one of the two.
+    #: When the job must have ended.
+    deadline: datetime | None = None
+    #: Seconds after the server accepts the request.
+    deadline_after_seconds: float | None = None
+    # Dependencies (checked by jobplane.server.after_requests).
+    #: Names (``jobs/{id}``) of the jobs it runs after.
+    after: tuple[str, ...] = ()
+    #: DependencyFailurePolicy's number in jobs.proto.
+    after_failure: int = 0
 
 
 async def check_blobs(

@@ -27,17 +27,22 @@ def extra_filters(
     after: datetime | None,
     before: datetime | None,
     waiting_code: str = "",
+    parent: str = "",
 ) -> str:
     """The filters past state and type, as text for the token's filter key ("" for none)."""
-    if not labels and after is None and before is None and not waiting_code:
+    if not labels and after is None and before is None and not waiting_code and not parent:
         return ""
-    key = [
+    key: list[object] = [
         sorted((labels or {}).items()),
         after.isoformat() if after else "",
         before.isoformat() if before else "",
     ]
-    # Only when set: the tokens of lists without it stay what they were.
-    return json.dumps([*key, waiting_code] if waiting_code else key)
+    # Only when set: the tokens of lists without them stay what they were.
+    if waiting_code or parent:
+        key.append(waiting_code)
+    if parent:
+        key.append(parent)
+    return json.dumps(key)
 
 
 def filter_key(state: JobState | None, job_type: str, extra: str = "") -> str:

@@ -25,7 +25,8 @@ from jobplane.errors import (
 )
 from jobplane.names import parse_job_name, validate_job_type
 from jobplane.observe.metrics import NO_METRICS, Metrics
-from jobplane.scheduling import DEFAULT_MAX_SCHEDULE_SECONDS, schedule_time_of
+from jobplane.scheduling import DEFAULT_MAX_SCHEDULE_SECONDS, deadline_of, schedule_time_of
+from jobplane.server.after_requests import with_after
 from jobplane.server.feeds import FeedHub
 from jobplane.server.job_requests import (
     MAX_ATTEMPTS_LIMIT,
@@ -265,23 +266,32 @@ class JobService:
                     field="timeout",
                 )
             timeout = request.timeout_seconds
+        now = datetime.now(UTC)
         schedule = schedule_time_of(
             request.schedule_time,
             request.schedule_delay_seconds,
-            now=datetime.now(UTC),
+            now=now,
             horizon_seconds=self.max_schedule_seconds,
+        )
+        deadline = deadline_of(
+            request.deadline,
+            request.deadline_after_seconds,
+            now=now,
+            horizon_seconds=self.max_schedule_seconds,
+            schedule_time=schedule,
         )
         payload_blob, references = await check_blobs(self._blobs, tenant, request)
         if pipeline is not None:
             new = pipeline_job(request, pipeline, payload_blob, references)
         else:
             new = _plain_job(request, job_type, queue, timeout, payload_blob, references)
-        return with_concurrency(
-            replace(new, schedule_time=schedule),
+        new = with_concurrency(
+            replace(new, schedule_time=schedule, deadline=deadline),
             request.concurrency_key,
             request.concurrency_limit,
             request.concurrency_mode,
         )
+        return with_after(new, request.after, request.after_failure)
 
     async def get(self, tenant: uuid.UUID, name: str) -> Job:
         """One job by name."""
@@ -299,6 +309,7 @@ class JobService:
         created_after: datetime | None = None,
         created_before: datetime | None = None,
         waiting_code: str = "",
+        parent: str = "",
     ) -> JobPage:
         """A page of jobs, newest first, with an opaque keyset token.
 
@@ -315,7 +326,8 @@ class JobService:
         if labels:
             check_labels(labels)
         check_waiting_code(waiting_code, state)
-        extra = extra_filters(labels, created_after, created_before, waiting_code)
+        parent_id = parse_job_name(parent, field="parent") if parent else None
+        extra = extra_filters(labels, created_after, created_before, waiting_code, parent)
         filters = filter_key(state, job_type, extra)
         cursor = decode_token(page_token, filters) if page_token else None
         jobs = await self._store.list_jobs(
@@ -328,6 +340,7 @@ class JobService:
             created_after=created_after,
             created_before=created_before,
             waiting_code=waiting_code,
+            parent=parent_id,
         )
         next_token = ""
         if len(jobs) > limit:
@@ -337,7 +350,13 @@ class JobService:
         return JobPage(jobs=jobs, next_page_token=next_token)
 
     def page_token_after(
-        self, job: Job, *, state: JobState | None, job_type: str, waiting_code: str = ""
+        self,
+        job: Job,
+        *,
+        state: JobState | None,
+        job_type: str,
+        waiting_code: str = "",
+        parent: str = "",
     ) -> str:
         """The token of the page that follows ``job`` in a list with these filters.
 
@@ -345,7 +364,7 @@ class JobService:
         reply under a size), and lets the client continue after the last one.
         """
         cursor = ListCursor(job.create_time, uuid.UUID(job.id))
-        extra = extra_filters(None, None, None, waiting_code)
+        extra = extra_filters(None, None, None, waiting_code, parent)
         return encode_token(cursor, filter_key(state, job_type, extra))
 
     async def count_states(self, tenant: uuid.UUID, *, cap: int = 10_000) -> dict[JobState, int]:

@@ -133,6 +133,7 @@ class JobServiceServicer(jobs_pb2_grpc.JobServiceServicer):
             state=state,
             job_type=request.type,
             waiting_code=request.waiting_code,
+            parent=request.parent,
         )
         reply = jobs_pb2.ListJobsResponse(next_page_token=page.next_page_token)
         size = 0
@@ -143,7 +144,11 @@ class JobServiceServicer(jobs_pb2_grpc.JobServiceServicer):
                 # The rest of the page follows on the next one.
                 last = page.jobs[len(reply.jobs) - 1]
                 reply.next_page_token = self._service.page_token_after(
-                    last, state=state, job_type=request.type, waiting_code=request.waiting_code
+                    last,
+                    state=state,
+                    job_type=request.type,
+                    waiting_code=request.waiting_code,
+                    parent=request.parent,
                 )
                 break
             reply.jobs.append(message)
@@ -289,6 +294,18 @@ def submit_request(request: jobs_pb2.SubmitJobRequest) -> SubmitRequest:
         concurrency_key=request.concurrency_key,
         concurrency_limit=request.concurrency_limit,
         concurrency_mode=request.concurrency_mode,
+        deadline=(
+            time_from_timestamp(request.deadline.seconds, request.deadline.nanos, field="deadline")
+            if request.HasField("deadline")
+            else None
+        ),
+        deadline_after_seconds=(
+            seconds_from_duration(request.deadline_after, field="deadline_after")
+            if request.HasField("deadline_after")
+            else None
+        ),
+        after=tuple(request.after),
+        after_failure=request.after_failure,
     )
 
 

@@ -26,7 +26,7 @@ import dataclasses
 import re
 import uuid
 from collections import OrderedDict
-from collections.abc import Awaitable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import structlog
@@ -51,6 +51,7 @@ from jobplane.errors import (
     BlobsDisabled,
     BlobStoreUnavailable,
     CancelNotRequested,
+    FailedPrecondition,
     InvalidArgument,
     PayloadTooLarge,
     WorkerNotFound,
@@ -60,6 +61,7 @@ from jobplane.ids import new_id
 from jobplane.logs import fingerprint
 from jobplane.names import job_name
 from jobplane.observe.metrics import NO_METRICS, Metrics
+from jobplane.scheduling import DEFAULT_MAX_SCHEDULE_SECONDS
 from jobplane.server.worker_requests import (
     MAX_CONCURRENCY,
     MAX_QUEUES,
@@ -89,11 +91,13 @@ from jobplane.store.attempts import (
     LeaseLost,
     ProgressUpdate,
 )
+from jobplane.store.children import ChildStore
 from jobplane.store.held import HeldAttempts
 from jobplane.store.rows import dumps
 from jobplane.store.workers import WorkerStore
 from jobplane.topology import Topology
 from jobplane.types import BlobRef, JobState
+from jobplane.workers.children import ChildRequest, child_job, fence_of
 from jobplane.workers.outcome import MAX_ERROR_MESSAGE, MAX_RETRY_DELAY, Failure, check_result
 
 if TYPE_CHECKING:
@@ -137,6 +141,10 @@ HANDBACK_DELAY = 0.5
 HANDBACK_MAX_DELAY = 10.0
 
 
+def _no_limit(_tenant: uuid.UUID) -> None:
+    """No submit limit: a service the server has not given its limiter."""
+
+
 class WorkerService:
     """Every WorkerService call, for any tenant's jobs (worker keys serve a deployment)."""
 
@@ -150,8 +158,15 @@ class WorkerService:
         max_result_bytes: int = 256 * 1024,
         blobs: BlobStore | None = None,
         inline_bytes: int | None = None,
+        children: ChildStore | None = None,
+        max_schedule_seconds: float = DEFAULT_MAX_SCHEDULE_SECONDS,
     ) -> None:
         self._store = store
+        # SubmitChildJob: None refuses it (a service built without a database pool).
+        self._children = children
+        self._max_schedule_seconds = max_schedule_seconds
+        #: Spends one of a tenant's submits (the server's limiter); nothing by default.
+        self.take_submit: Callable[[uuid.UUID], None] = _no_limit
         # Payloads by reference are handed out inline (up to the payload
         # limit); results over the inline limit go to a blob, as the Python
         # worker's do.
@@ -388,6 +403,27 @@ class WorkerService:
             request_id=fingerprint(attempt.request_id),
             queue=attempt.queue,
         )
+
+    async def submit_child(self, fence: Fence, request: ChildRequest) -> tuple[str, bool]:
+        """The child of the attempt's job with ``request.key``: its name, and whether
+        this call created it (docs/workflows.md)."""
+        if self._children is None:
+            raise FailedPrecondition("this server does not take child jobs")
+        attempt = await self._attempt(fence)
+        new = child_job(
+            self._topology,
+            request,
+            parent_correlation_id=attempt.correlation_id,
+            max_payload_bytes=self._max_result_bytes,
+            horizon_seconds=self._max_schedule_seconds,
+        )
+        self.take_submit(attempt.tenant_id)
+        job, created = await self._fenced(
+            fence, self._children.submit(fence_of(attempt), request.key, new)
+        )
+        if created:
+            self.metrics.submitted(new.type, new.queue)
+        return job.name, created
 
     async def register(self, registration: Registration) -> uuid.UUID:
         """Record a live worker (see :meth:`registration`); re-dispatch what it can run."""

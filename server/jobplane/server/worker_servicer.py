@@ -13,6 +13,7 @@ from jobplane.convert import dict_from_struct, duration, seconds_from_duration, 
 from jobplane.envelope import Envelope
 from jobplane.errors import InvalidArgument
 from jobplane.names import job_name
+from jobplane.scheduling import time_from_timestamp
 from jobplane.server.auth import current_worker
 from jobplane.server.status import error_for, to_grpc_status
 from jobplane.server.worker_protocol import (
@@ -27,6 +28,7 @@ from jobplane.server.worker_protocol import (
 )
 from jobplane.store.attempts import Attempt, ClaimStatus, HandBack, ProgressUpdate
 from jobplane.v1 import workers_pb2, workers_pb2_grpc
+from jobplane.workers.children import ChildRequest
 
 Req = TypeVar("Req")
 Resp = TypeVar("Resp")
@@ -275,3 +277,39 @@ class WorkerServiceServicer(workers_pb2_grpc.WorkerServiceServicer):
             ),
             waiting_reason=reason,
         )
+
+    @_worker_call
+    async def SubmitChildJob(
+        self, request: workers_pb2.SubmitChildJobRequest
+    ) -> workers_pb2.SubmitChildJobResponse:
+        fence = _fence(request.attempt, request.HasField("attempt"))
+        name, created = await self._service.submit_child(fence, child_request(request))
+        return workers_pb2.SubmitChildJobResponse(name=name, created=created)
+
+
+def child_request(request: workers_pb2.SubmitChildJobRequest) -> ChildRequest:
+    """The child a SubmitChildJob call asks for, as plain values."""
+    return ChildRequest(
+        key=request.key,
+        type=request.type,
+        payload=dict_from_struct(request.payload),
+        max_attempts=request.max_attempts,
+        timeout_seconds=(
+            seconds_from_duration(request.timeout, field="timeout")
+            if request.HasField("timeout")
+            else None
+        ),
+        correlation_id=request.correlation_id or None,
+        schedule_time=(
+            time_from_timestamp(
+                request.schedule_time.seconds, request.schedule_time.nanos, field="schedule_time"
+            )
+            if request.HasField("schedule_time")
+            else None
+        ),
+        schedule_delay_seconds=(
+            seconds_from_duration(request.schedule_delay, field="schedule_delay")
+            if request.HasField("schedule_delay")
+            else None
+        ),
+    )

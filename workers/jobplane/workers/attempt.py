@@ -9,6 +9,7 @@ ended is then recorded (:class:`~jobplane.workers.recording.OutcomeRecording`).
 from __future__ import annotations
 
 import asyncio
+import functools
 from typing import Any
 
 import structlog
@@ -16,7 +17,10 @@ import structlog
 from jobplane.config import MAX_OFFLOADED_JSON_BYTES
 from jobplane.logs import describe_error
 from jobplane.store.attempts import Attempt, LeaseLost
+from jobplane.store.children import ChildStore
+from jobplane.store.db import Database
 from jobplane.tasks import cancel_and_wait
+from jobplane.workers.children import WorkerChildren
 from jobplane.workers.handlers import JobContext, Registry, with_offloaded_payload
 from jobplane.workers.outcome import invoke
 from jobplane.workers.progress import ProgressFlusher, ProgressWriter
@@ -38,6 +42,15 @@ class AttemptRunner(OutcomeRecording):
     #: The handlers running now, by job id.
     _running: dict[str, Running]
     _cancel_grace: float
+    _db: Database
+
+    @functools.cached_property
+    def _children(self) -> WorkerChildren:
+        """Where ``ctx.submit`` writes child jobs: checked against the topology,
+        fenced on the attempt."""
+        return WorkerChildren(
+            ChildStore(self._db), self._topology, max_payload_bytes=self._max_result_bytes
+        )
 
     async def _run(self, attempt: Attempt, bound: Any) -> None:
         key = str(attempt.job_id)
@@ -62,6 +75,7 @@ class AttemptRunner(OutcomeRecording):
             max_event_payload_bytes=self._max_result_bytes,
             blobs=self._blobs,
             threads=self._threads,
+            children=self._children,
         )
         if attempt.payload_blob is not None:
             handler = with_offloaded_payload(handler, max_bytes=MAX_OFFLOADED_JSON_BYTES)

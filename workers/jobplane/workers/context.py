@@ -17,6 +17,7 @@ import uuid
 from collections.abc import AsyncIterable, AsyncIterator, Callable, Coroutine, Iterator, Mapping
 from concurrent.futures import Executor
 from contextlib import AbstractAsyncContextManager
+from datetime import datetime
 from typing import Any, Protocol
 
 from jobplane.blobs.payloads import payload_from_blob
@@ -26,6 +27,7 @@ from jobplane.errors import (
     BlobsDisabled,
     BlobStoreUnavailable,
     BlobTooLarge,
+    JobplaneError,
     PayloadTooLarge,
 )
 from jobplane.events.envelope import Event, EventError
@@ -34,7 +36,8 @@ from jobplane.store.attempts import Attempt, ProgressUpdate
 from jobplane.store.events import emitted
 from jobplane.store.machine import MAX_EMITTED_BYTES, MAX_EMITTED_EVENTS, Emitted
 from jobplane.store.rows import check_payload_size, dumps
-from jobplane.workers.errors import EmitError, PermanentError, RetryableError
+from jobplane.workers.children import ChildRequest
+from jobplane.workers.errors import EmitError, PermanentError, RetryableError, SubmitError
 from jobplane.workers.values import clean_text, json_problem, json_size, safe_str
 
 #: Bytes of an emitted event's payload when the worker does not say (its
@@ -89,6 +92,15 @@ class BlobAccess(Protocol):
         ...
 
 
+class ChildSubmitter(Protocol):
+    """Where ``ctx.submit`` goes: :class:`jobplane.workers.children.WorkerChildren`
+    in a worker, a recorder in :mod:`jobplane.testing`."""
+
+    async def submit(self, attempt: Attempt, request: ChildRequest) -> tuple[str, bool]:
+        """The child's name, and whether it was created now."""
+        ...
+
+
 class JobContext:
     """What a handler gets: the job, and ways to report progress and emit events."""
 
@@ -101,8 +113,10 @@ class JobContext:
         blobs: BlobAccess | None = None,
         payload: dict[str, Any] | None = None,
         threads: Executor | None = None,
+        children: ChildSubmitter | None = None,
     ) -> None:
         self._attempt = attempt
+        self._children = children
         self._sink = sink
         self._blobs = blobs
         # Where a plain ``def`` handler runs (None: the event loop's default executor).
@@ -363,6 +377,51 @@ class JobContext:
         self._emitted.append(made)
         self._emitted_bytes += len(made.body)
         return event.event_id
+
+    async def submit(
+        self,
+        job_type: str,
+        payload: dict[str, Any] | None = None,
+        *,
+        key: str,
+        max_attempts: int = 0,
+        timeout: float | None = None,
+        correlation_id: str | None = None,
+        schedule_time: datetime | None = None,
+        schedule_delay: float | None = None,
+    ) -> str:
+        """Submit a child job of this job; returns its name (``jobs/…``).
+
+        ``key`` (1..200 characters) names the child among this job's: the
+        same key is the same child, for this attempt and every later one, so
+        a handler that runs again after a crash or a retry gets the child it
+        submitted before, never a second one (a different request under the
+        same key is refused). The child is written now, committed before this
+        returns, and only while this attempt owns the job: a lost lease
+        raises :class:`~jobplane.store.attempts.LeaseLost`. It is a job like
+        any other (its own attempts, progress, events), with ``parent`` this
+        job; CancelJob of this job cancels it while it has not ended.
+        ``correlation_id`` defaults to this job's. A bad request, a job asked
+        to cancel, or more than 10,000 children raise :class:`SubmitError`
+        naming the field.
+        """
+        if self._children is None:
+            raise SubmitError("this context cannot submit child jobs", field="type")
+        request = ChildRequest(
+            key=key,
+            type=job_type,
+            payload={} if payload is None else payload,
+            max_attempts=max_attempts,
+            timeout_seconds=timeout,
+            correlation_id=correlation_id,
+            schedule_time=schedule_time,
+            schedule_delay_seconds=schedule_delay,
+        )
+        try:
+            name, _ = await self._children.submit(self._attempt, request)
+        except JobplaneError as exc:
+            raise SubmitError(exc.message, field=exc.field) from None
+        return name
 
     @property
     def emitted(self) -> tuple[Emitted, ...]:

@@ -50,3 +50,11 @@ class EmitError(ValueError):
     def __init__(self, message: str, *, field: str | None = None) -> None:
         self.field = field
         super().__init__(message)
+
+
+class SubmitError(ValueError):
+    """``ctx.submit`` refused a child job; ``field`` names what is wrong with it."""
+
+    def __init__(self, message: str, *, field: str | None = None) -> None:
+        self.field = field
+        super().__init__(message)

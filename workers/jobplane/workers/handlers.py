@@ -38,7 +38,8 @@ The context
     ``tenant_id``, ``attempt``, ``max_attempts``, ``correlation_id``,
     ``request_id``), a pipeline stage's place (``pipeline``, ``stage``, their
     versions, ``inputs``, ``previous``), ``progress()``, ``emit()`` (events
-    published only if the attempt succeeds), the tenant's blobs
+    published only if the attempt succeeds), ``submit()`` (a child job, one
+    per key whatever the attempt), the tenant's blobs
     (``read_blob``, ``open_blob``, ``put_blob``) and ``cancelled``.
     :class:`SyncJobContext` has the same, called from the handler's thread
     (no ``open_blob``), and ``async_context``.
@@ -48,7 +49,8 @@ Returning and raising
     :class:`PermanentError` fails the job at once; :class:`RetryableError`, or
     any other exception, uses another attempt while the job has any left
     (after ``delay`` seconds, or the queue's backoff). :class:`EmitError` is
-    ``ctx.emit`` refusing an event. :class:`AttemptStopped` is raised in a
+    ``ctx.emit`` refusing an event, :class:`SubmitError` ``ctx.submit``
+    refusing a child. :class:`AttemptStopped` is raised in a
     plain handler once the worker stopped its attempt (cancelled, timed out,
     shutting down, lease lost): a cancellation, to clean up after and let go.
 
@@ -66,7 +68,13 @@ from __future__ import annotations
 # importable under mypy --strict.
 from jobplane.workers.context import Handler, JobContext
 from jobplane.workers.context import with_offloaded_payload as with_offloaded_payload  # noqa: PLC0414
-from jobplane.workers.errors import AttemptStopped, EmitError, PermanentError, RetryableError
+from jobplane.workers.errors import (
+    AttemptStopped,
+    EmitError,
+    PermanentError,
+    RetryableError,
+    SubmitError,
+)
 from jobplane.workers.loader import HandlersError as HandlersError  # noqa: PLC0414
 from jobplane.workers.loader import load_registry as load_registry  # noqa: PLC0414
 from jobplane.workers.plain import SyncHandler, SyncJobContext
@@ -81,6 +89,7 @@ __all__ = [
     "PermanentError",
     "Registry",
     "RetryableError",
+    "SubmitError",
     "SyncHandler",
     "SyncJobContext",
 ]

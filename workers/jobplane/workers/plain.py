@@ -114,6 +114,11 @@ class SyncJobContext:
         # handler's thread has ended: no need to go through the loop.
         return self._ctx.emit(*args, **kwargs)
 
+    def submit(self, job_type: str, payload: dict[str, Any] | None = None, **options: Any) -> str:
+        """:meth:`JobContext.submit` (the same arguments, ``key=`` among them), from the
+        handler's thread; the child's name."""
+        return self._on_loop(lambda: self._ctx.submit(job_type, payload, **options))
+
     def read_blob(self, name: str, *, limit: int | None = None) -> bytes:
         """:meth:`JobContext.read_blob`, from the handler's thread."""
         return self._on_loop(lambda: self._ctx.read_blob(name, limit=limit))

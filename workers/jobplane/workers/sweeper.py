@@ -20,6 +20,11 @@
   and looks at no more than ``republish_scan`` QUEUED jobs per pass,
   continuing where its last pass stopped.
 
+- Deadlines: jobs not ended by their deadline end FAILED, DEADLINE_EXCEEDED
+  (a :class:`~jobplane.workers.deadlines.DeadlineLoop` beside the sweeps, on
+  a clock of its own: within about ``deadline_poll`` seconds of the
+  deadline; ADR-0044). :meth:`Sweeper.sweep_once` runs its pass too.
+
 - Recurring schedules: a :class:`~jobplane.workers.scheduler.Scheduler` runs
   beside the sweeps (``schedules=False``: none), so every deployment ticks
   them (ADR-0041).
@@ -54,6 +59,7 @@ from jobplane.store.down import database_transient
 from jobplane.store.sweeps import ExpiredLease, SweepStore
 from jobplane.tasks import cancel_and_wait
 from jobplane.topology import Topology
+from jobplane.workers.deadlines import DEFAULT_POLL, DeadlineLoop
 from jobplane.workers.interceptors import RelayInterceptor, chain_relay
 from jobplane.workers.outcome import Failure
 from jobplane.workers.scheduler import Scheduler
@@ -82,6 +88,8 @@ class SweepReport:
     republished: int = 0
     #: Events committed over ``stuck_after`` seconds ago and not published.
     events_behind: int = 0
+    #: Jobs ended past their deadline (ADR-0044).
+    deadlines: int = 0
 
 
 class Sweeper(Lifecycle):
@@ -108,6 +116,7 @@ class Sweeper(Lifecycle):
         interval: float = 5.0,
         schedules: bool = True,
         faults: FaultPoints = NO_FAULTS,
+        deadline_poll: float = DEFAULT_POLL,
     ) -> None:
         """``republish_every`` defaults to a tenth of ``republish_after``, at least 30 s.
 
@@ -118,7 +127,8 @@ class Sweeper(Lifecycle):
         ``interval``: seconds between the background sweeps, once started.
         ``schedules``: tick recurring schedules while started (a
         :class:`~jobplane.workers.scheduler.Scheduler` of its own), whose
-        named fault points are ``faults``'.
+        named fault points are ``faults``'. ``deadline_poll``: the most seconds
+        between two looks at the jobs' deadlines, once started.
         """
         self._intercept = chain_relay(interceptors)
         self._store = SweepStore(engine)
@@ -135,6 +145,7 @@ class Sweeper(Lifecycle):
         self._next_republish = 0.0  # monotonic; the first sweep runs the pass
         self._interval = interval
         self._task: asyncio.Task[None] | None = None
+        self.deadlines = DeadlineLoop(engine, poll=deadline_poll, limit=batch_size)
         self.scheduler = (
             Scheduler(engine, topology=self._topology, faults=faults) if schedules else None
         )
@@ -159,10 +170,15 @@ class Sweeper(Lifecycle):
             failed += repair.failed
             if repair.requeued + repair.failed < self._batch_size:
                 break
+        deadlines = await self.deadlines.run_once()
         # Keys freed by those expiries, and any whose release was lost.
         released = await self._store.release_held(limit=self._batch_size)
         if released:
             log.info("sweeper.keys.released", jobs=released)
+        # Jobs that run after others, left waiting by an end that did not settle them.
+        settled = await self._store.settle_dependencies(limit=self._batch_size)
+        if settled:
+            log.warning("sweeper.dependencies.settled", jobs=settled)
         republished = 0
         if time.monotonic() >= self._next_republish:
             republished = await self._republish()
@@ -178,6 +194,7 @@ class Sweeper(Lifecycle):
             stuck_outbox=stuck,
             republished=republished,
             events_behind=lag.count,
+            deadlines=deadlines,
         )
         if self._intercept is not None:
             self._intercept.repaired(report)
@@ -223,6 +240,7 @@ class Sweeper(Lifecycle):
     async def start(self) -> None:
         """Sweep every ``interval`` seconds in the background (the first sweep after one)."""
         self._task = asyncio.create_task(self._loop(self._interval), name="jobplane-sweeper")
+        await self.deadlines.start()
         if self.scheduler is not None:
             await self.scheduler.start()
 
@@ -230,6 +248,7 @@ class Sweeper(Lifecycle):
         """Stop the background loop; never raises what ended it."""
         if self.scheduler is not None:
             await self.scheduler.stop()
+        await self.deadlines.stop()
         task, self._task = self._task, None
         try:
             await cancel_and_wait(task)

@@ -18,6 +18,7 @@ from sqlalchemy import text
 
 from jobplane.store.machine import flow
 from jobplane.store.machine.concurrency import release
+from jobplane.store.machine.dependencies import RESOLUTIONS, resolve
 from jobplane.store.machine.table import (
     ATTEMPT_FENCE,
     JOB_PROGRESS,
@@ -46,6 +47,8 @@ _HOOK_FIELDS = (
     # Flow limits (ADR-0043): what a held job waits for; the slots a job holds.
     "flow_key",
     "flow_slots",
+    # Dependencies (ADR-0045): an end settles the jobs that run after it.
+    "has_dependents",
 )
 
 
@@ -100,6 +103,8 @@ def changes(transition: Transition, needs: set[str]) -> str:
         return flow.hold(needs)
     if transition is Transition.RELEASE_LIMIT:
         return flow.release(needs)
+    if transition in RESOLUTIONS:
+        return resolve(needs, _HOOK_FIELDS)
     rule = RULES[transition]
     source_from, source_where, from_expr = _from_state(transition, needs)
     sources = where_sources(transition)
@@ -126,6 +131,7 @@ WRITTEN_OUT = frozenset(
     {Transition.SUBMIT, Transition.PROGRESS, Transition.HAND_BACK, Transition.PARK}
     | {Transition.UNPARK, Transition.RELEASE}
     | {Transition.HOLD, Transition.THROTTLE, Transition.RELEASE_LIMIT}
+    | set(RESOLUTIONS)
 )
 # A bind in a text() statement, as SQLAlchemy finds them (not a ``::`` cast).
 BIND = re.compile(r"(?<![:\w\\]):(\w+)(?![:\w])")
@@ -244,6 +250,20 @@ SUBMIT_COLUMNS: Mapping[str, str] = {
     # Concurrency keys (ADR-0040).
     "concurrency_key": "text",
     "concurrency_limit": "int",
+    # Deadlines (ADR-0044): NULL, or when the job must have ended.
+    "deadline": "timestamptz",
+    # Dependencies (ADR-0045): the jobs it runs after (a uuid[] literal, or
+    # NULL), its policy, its counts; a job that waits has no dispatch, and
+    # its waiting code and reason.
+    "after_ids": "text",
+    "after_failure": "text",
+    "deps_waiting": "int",
+    "deps_failed": "int",
+    "deps_failed_on": "uuid",
+    "waiting_code": "text",
+    "waiting_reason": "text",
+    # Child jobs (ADR-0046): the parent's id, or NULL.
+    "parent_id": "uuid",
 }
 
 
@@ -263,14 +283,18 @@ def _submit(needs: set[str]) -> str:
                           timeout_seconds, lifecycle_seq, pipeline, pipeline_version, stage,
                           stage_name, stage_base, stage_span,
                           payload_blob, payload_blob_size, schedule_time,
-                          concurrency_key, concurrency_limit)
+                          concurrency_key, concurrency_limit, deadline, after_ids,
+                          after_failure, deps_waiting, deps_failed, deps_failed_on,
+                          waiting_code, waiting_reason, parent_id)
         SELECT n.id, CAST(:tenant_id AS uuid), n.type, n.queue,
                '{RULES[Transition.SUBMIT].target.value}', CAST(n.payload AS jsonb),
                n.max_attempts, n.request_id, n.request_hash, n.correlation_id,
                CAST(n.labels AS jsonb), n.dispatch_id, 1, n.timeout_seconds, 1, n.pipeline,
                n.pipeline_version, n.stage, n.stage_name, n.stage_base, n.stage_span,
                n.payload_blob, n.payload_blob_size, n.schedule_time,
-               n.concurrency_key, n.concurrency_limit
+               n.concurrency_key, n.concurrency_limit, n.deadline, CAST(n.after_ids AS uuid[]),
+               n.after_failure, coalesce(n.deps_waiting, 0), coalesce(n.deps_failed, 0),
+               n.deps_failed_on, n.waiting_code, n.waiting_reason, n.parent_id
         FROM unnest({arrays})
             WITH ORDINALITY AS n({", ".join(SUBMIT_COLUMNS)}, ord)
         ORDER BY n.ord

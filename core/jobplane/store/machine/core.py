@@ -21,6 +21,7 @@ from jobplane.store.machine.compile import (
     changes,
     changes_many,
 )
+from jobplane.store.machine.dependencies import RESOLUTIONS, settle
 from jobplane.store.machine.hooks import (
     AfterFn,
     AnyConn,
@@ -28,6 +29,7 @@ from jobplane.store.machine.hooks import (
     CancelSignal,
     Cause,
     Change,
+    Dependencies,
     Dispatches,
     Hook,
     JobEvents,
@@ -36,7 +38,7 @@ from jobplane.store.machine.hooks import (
     _After,
 )
 from jobplane.store.machine.lifecycle import DomainEvents
-from jobplane.store.machine.table import RULES, Transition
+from jobplane.store.machine.table import ENDS, RULES, Transition
 from jobplane.store.rows import JOB_FIELDS
 from jobplane.types import JobState
 
@@ -54,6 +56,7 @@ def builtin_hooks(*, lifecycle: bool = True) -> list[Hook]:
         CancelSignal(),
         Stages(),
         BlobReferences(),
+        Dependencies(),
         DomainEvents(lifecycle=lifecycle),
     ]
 
@@ -64,6 +67,9 @@ Returning = tuple[str, ...]
 ALL: Returning = JOB_FIELDS
 # A transition nobody gave a reason: no message, data or emitted events.
 _NO_CAUSE = Cause()
+# What an end returns besides what its caller asks for: whether the job has
+# dependents to settle in the end's transaction (ADR-0045).
+_SETTLES: Returning = ("id", "has_dependents")
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,13 +145,21 @@ class StateMachine:
         cause: Cause = _NO_CAUSE,
         *,
         returning: Returning = ALL,
+        settles: bool = True,
     ) -> Sequence[Row]:
         """Run ``transition``; the changed rows (none when it was refused).
 
         Hooks' writes ran in the statement; their :meth:`Hook.after` run now,
         for each changed row, on ``conn`` (which must be in a transaction
-        when any does: see :meth:`connect`).
+        when any does: see :meth:`connect`). A transition that ends jobs
+        then settles their dependents on ``conn`` (``settles``: the caller
+        does it itself), which must be in a transaction too (ADR-0045).
         """
+        if settles and _autocommit(conn) and _ends(_group(transition)):
+            # An end and the settling of its dependents commit together.
+            assert isinstance(conn, Conn)
+            async with conn.transaction():
+                return await self.apply(conn, transition, params, cause, returning=returning)
         compiled = self._compile(transition, returning)
         binds = dict(params)
         for t in _group(transition):
@@ -164,6 +178,8 @@ class StateMachine:
                 for hook in compiled.after:
                     if hook.follows(done):
                         await hook.after(conn, change)
+        if settles and _ends(_group(transition)):
+            await settle(self, conn, [row["id"] for row in rows if row["has_dependents"]])
         return rows
 
     def prepare(
@@ -207,6 +223,11 @@ class StateMachine:
             raise ValueError(f"{transition} cannot be applied to many rows in one statement")
         if not rows:
             return []
+        if _autocommit(conn) and _ends((transition,)):
+            # An end and the settling of its dependents commit together.
+            assert isinstance(conn, Conn)
+            async with conn.transaction():
+                return await self.apply_many(conn, transition, rows, returning=returning)
         statement, scalars, lists = self._compile_many(transition, returning)
         binds: dict[str, Any] = {name: [row[name] for row in rows] for name in scalars}
         for name in lists:
@@ -222,6 +243,9 @@ class StateMachine:
         changed: list[Row | None] = [None] * len(rows)
         for found in await fetch_rows(conn, statement, binds):
             changed[int(found["k"]) - 1] = found
+        if _ends((transition,)):
+            ended = [row["id"] for row in changed if row is not None and row["has_dependents"]]
+            await settle(self, conn, ended)
         return changed
 
     def _compile_many(
@@ -232,6 +256,8 @@ class StateMachine:
         if found is not None:
             return found
         writes = [w for h in self._hooks for w in h.writes_many(transition)]
+        if _ends((transition,)):
+            returning = (*returning, *_SETTLES)
         needs = set(returning)
         for w in writes:
             needs |= w.columns
@@ -271,6 +297,8 @@ class StateMachine:
         group = _group(transition)
         after = tuple(h for h in self._hooks if any(h.follows(t) for t in group))
         writes = [(t, w) for t in group for h in self._hooks for w in h.writes(t)]
+        if _ends(group):
+            returning = (*returning, *_SETTLES)
         needs = set(returning)
         for _, w in writes:
             needs |= w.columns
@@ -315,7 +343,21 @@ def _group(transition: Transition) -> tuple[Transition, ...]:
     # ... and so are a flow limit's hold and throttle (ADR-0043).
     if transition in (Transition.HOLD, Transition.THROTTLE):
         return (Transition.HOLD, Transition.THROTTLE)
+    # ... and so are the three ways a job's dependencies settle it (ADR-0045).
+    if transition in RESOLUTIONS:
+        return RESOLUTIONS
     return (transition,)
+
+
+def _autocommit(conn: AnyConn) -> bool:
+    """Whether ``conn`` is the hot paths' connection outside a transaction (a
+    SQLAlchemy connection is always in one the caller chose)."""
+    return isinstance(conn, Conn) and not conn.raw.is_in_transaction()
+
+
+def _ends(transitions: Iterable[Transition]) -> bool:
+    """Whether any of ``transitions`` ends a job (and so settles its dependents)."""
+    return any(t in ENDS for t in transitions)
 
 
 #: The machine every store uses unless given another.

@@ -30,10 +30,10 @@ from __future__ import annotations
 
 from sqlalchemy import TextClause, text
 
+from jobplane.store.machine.admission import LIMITED
 from jobplane.store.machine.table import (
     ATTEMPTS_LEFT,
     BY_DISPATCH,
-    LIMITED,
     RULES,
     Transition,
     where_sources,

@@ -30,9 +30,11 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 from jobplane.store import observers
 from jobplane.store.db import Conn
 from jobplane.store.machine.stages import STAGE_WRITES
-from jobplane.store.machine.table import JOB_PROGRESS, RULES, Transition
+from jobplane.store.machine.table import JOB_PROGRESS, RULES, Transition, state_is
 from jobplane.store.rows import CANCEL_CHANNEL, EVENTS_CHANNEL, OUTBOX_CHANNEL, dumps
 from jobplane.types import JobState
+
+_ENDED_STATE = state_is(JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED, column="x.state")
 
 if TYPE_CHECKING:
     from jobplane.events.envelope import Event
@@ -187,6 +189,8 @@ _SAYS_WHY = frozenset(
     {Transition.PARK, Transition.HOLD, Transition.RELEASE}
     | {Transition.THROTTLE, Transition.RELEASE_LIMIT}
 )
+# Their events say why the job ended (ADR-0045).
+_SAYS_ERROR = frozenset({Transition.DEPENDENCY_FAILED, Transition.DEPENDENCY_CANCELLED})
 _EVENT_COLUMNS = frozenset(
     {"id", "last_seq", "tenant_id", "state", "progress", "attempt", "stage", "stage_name"}
 )
@@ -235,6 +239,10 @@ class JobEvents(Hook):
         extra = {"waiting_reason"} if transition in _SAYS_WHY else set()
         if transition is Transition.UNPARK:
             extra = {"type"}
+        if transition is Transition.DEADLINE:
+            extra = {"error_code", "error_message", "deadline"}
+        elif transition in _SAYS_ERROR:
+            extra = {"error_code", "error_message"}
         return [Write(sql, notify, _EVENT_COLUMNS | extra)]
 
     def binds(self, transition: Transition, cause: Cause) -> Mapping[str, Any]:
@@ -251,7 +259,8 @@ class Dispatches(Hook):
     its ``schedule_time`` (a delayed job: GREATEST skips the NULL of a job
     without one), whichever transition dispatches it; it names the job's
     queue, whose credit the relay spends on it (ADR-0042). A QUEUED job
-    cancelled drops its pending (re)dispatch, so nothing is published.
+    cancelled, or ended by its deadline, drops its pending (re)dispatch, so
+    nothing is published.
     """
 
     def writes(self, transition: Transition) -> Sequence[Write]:
@@ -264,7 +273,8 @@ class Dispatches(Hook):
         SELECT j.dispatch_id, j.tenant_id, j.id, j.type, j.correlation_id,
                greatest(coalesce(j.next_attempt_time, now()), j.schedule_time),
                {_trace_headers(transition)}, j.queue
-        FROM {{j}} AS j""",
+        FROM {{j}} AS j
+        WHERE j.dispatch_id IS NOT NULL""",
                     f"pg_notify('{OUTBOX_CHANNEL}', '')",
                     frozenset(
                         {"dispatch_id", "tenant_id", "id", "type", "correlation_id", "queue"}
@@ -272,7 +282,7 @@ class Dispatches(Hook):
                     ),
                 )
             ]
-        if transition is Transition.CANCEL:
+        if transition in (Transition.CANCEL, Transition.DEADLINE):
             return [
                 Write(
                     """
@@ -378,11 +388,35 @@ class BlobReferences(Hook):
         }
 
 
+class Dependencies(Hook):
+    """A new job's edges to the jobs it runs after: rows of ``job_dependencies``,
+    in the submit's statement (ADR-0045). An edge to a job that has already
+    ended carries its outcome: it counted at submit."""
+
+    def writes(self, transition: Transition) -> Sequence[Write]:
+        if transition is not Transition.SUBMIT:
+            return ()
+        sql = f"""
+        INSERT INTO job_dependencies (job_id, depends_on, tenant_id, outcome)
+        SELECT j.id, x.id, j.tenant_id,
+               CASE WHEN {_ENDED_STATE} THEN x.state END
+        FROM {{j}} AS j
+        JOIN jobs x ON x.id = ANY (j.after_ids) AND x.tenant_id = j.tenant_id
+        WHERE j.after_ids IS NOT NULL"""
+        return [Write(sql, columns=frozenset({"id", "tenant_id", "after_ids"}))]
+
+
 class CancelSignal(Hook):
-    """Wakes the worker that runs a job whose cancellation was requested."""
+    """Wakes the worker that runs a job whose cancellation was requested, or
+    whose deadline ended it while RUNNING (ADR-0044): it stops the handler."""
 
     def writes(self, transition: Transition) -> Sequence[Write]:
         if transition is Transition.REQUEST_CANCEL:
             notify = f"pg_notify('{CANCEL_CHANNEL}', j.id::text)"
             return [Write(notify=notify, columns=frozenset({"id"}))]
+        if transition is Transition.DEADLINE:
+            # A QUEUED job has no attempt to stop: no signal for it.
+            signal = f"pg_notify('{CANCEL_CHANNEL}', j.id::text)"
+            notify = f"CASE WHEN j.from_state = 'running' THEN {signal} END"
+            return [Write(notify=notify, columns=frozenset({"id", "from_state"}))]
         return ()

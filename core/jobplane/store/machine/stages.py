@@ -140,10 +140,13 @@ STAGE_STEPS: Mapping[Transition, StageStep] = {
     Transition.EXHAUST: _FAILED,
     Transition.EXPIRE_LAST_LEASE: _FAILED,
     Transition.RELAY_FAIL: _FAILED,
+    Transition.DEADLINE: _FAILED,
+    Transition.DEPENDENCY_FAILED: _FAILED,
     Transition.SCHEDULE_RETRY: _WAITS,
     Transition.EXPIRE_LEASE: _WAITS,
     Transition.CANCEL: _CANCELLED,
     Transition.CANCELLED: _CANCELLED,
+    Transition.DEPENDENCY_CANCELLED: _CANCELLED,
     Transition.RETRY: _RESUMED,
     Transition.RESTART: _RESUMED,
 }

@@ -12,6 +12,13 @@ import enum
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
+from jobplane.store.machine.admission import (
+    ADMITS,
+    FLOW_SLOTS,
+    GROUP_ADMITS,
+    KEY_FREE,
+    KEY_FULL,
+)
 from jobplane.types import EventType, JobState, WaitingCode
 
 
@@ -64,6 +71,15 @@ class Transition(enum.StrEnum):
     # the oldest jobs held for it due again. HOLD also holds for a RUNNING limit.
     THROTTLE = "throttle"
     RELEASE_LIMIT = "release_limit"
+    # Deadlines (ADR-0044): a job not ended past its deadline ends FAILED,
+    # whatever its stage or attempt; a running attempt is fenced out.
+    DEADLINE = "deadline"
+    # Dependencies (ADR-0045): a job submitted with ``after`` waits QUEUED
+    # without a dispatch; when the jobs it waits for have ended, one statement
+    # decides between these three (its policy says what a failure does).
+    DEPENDENCIES_MET = "dependencies_met"
+    DEPENDENCY_FAILED = "dependency_failed"
+    DEPENDENCY_CANCELLED = "dependency_cancelled"
 
 
 class Lifecycle(enum.StrEnum):
@@ -85,7 +101,13 @@ NO_ATTEMPTS_LEFT = "attempt - retry_base >= max_attempts"
 # A job held by its concurrency key has no dispatch either, but waits for a
 # slot of its key, not for a worker (ADR-0040).
 # So is one held for a RUNNING slot of a flow limit (ADR-0043).
-HELD_CODES = (WaitingCode.CONCURRENCY_LIMIT, WaitingCode.RATE_LIMITED, WaitingCode.TENANT_LIMIT)
+# So is one waiting for the jobs it runs after (ADR-0045).
+HELD_CODES = (
+    WaitingCode.CONCURRENCY_LIMIT,
+    WaitingCode.RATE_LIMITED,
+    WaitingCode.TENANT_LIMIT,
+    WaitingCode.DEPENDENCIES,
+)
 PARKED = (
     "dispatch_id IS NULL AND (waiting_code IS NULL OR waiting_code NOT IN ("
     + ", ".join(f"'{c}'" for c in HELD_CODES)
@@ -96,6 +118,10 @@ NEXT_STAGE = "s.job_id = jobs.id AND s.idx = jobs.stage + 1"
 # ... the stage of the given index does (RetryJob from a named stage).
 NAMED_STAGE = "s.job_id = jobs.id AND s.idx = :stage"
 CANCEL_NOT_REQUESTED = "cancel_requested_at IS NULL"
+# Deadlines (ADR-0044): the job's deadline has come; a claim starts no attempt
+# of a job past it (the claim ends it instead).
+PAST_DEADLINE = "deadline <= now()"
+BEFORE_DEADLINE = "(deadline IS NULL OR deadline > now())"
 # A job that stops waiting (claimed, ended, dispatched anew) has no reason to
 # wait: only a QUEUED job ever has one.
 NOT_WAITING = "waiting_reason = NULL, waiting_code = NULL, flow_key = NULL"
@@ -104,50 +130,23 @@ CHANGES_REASON = (
     "(waiting_code IS DISTINCT FROM :waiting_code "
     "OR waiting_reason IS DISTINCT FROM :waiting_reason)"
 )
-# Concurrency keys (ADR-0040): the job its key makes it wait for, or NULL when
-# it may start now. The function takes the key's advisory lock first and
-# counts after it, so the answer is the key's as of the lock, whatever the
-# statement's snapshot saw. CASE: a job without a key never calls it.
-KEY_BLOCKER = (
-    "jobplane.concurrency_blocker(tenant_id, concurrency_key, concurrency_limit, id, create_time)"
-)
-# Flow limits (ADR-0043): a limit of the topology applies to the job (its
-# queue has max_running_per_tenant, or a [[rate_limits]] entry matches its
-# type). Two lookups in tables of a few rows; a job none applies to never
-# calls the function, which takes the limits' locks and counts.
-LIMITED = (
-    "(EXISTS (SELECT 1 FROM queue_limits ql WHERE ql.queue = jobs.queue) "
-    "OR EXISTS (SELECT 1 FROM flow_limits fl WHERE ('.' || jobs.type) ~ ANY (fl.regexes)))"
-)
-# The keys of the RUNNING limits the claim counted the job against: it holds a
-# slot of each while RUNNING, and its end frees them (NULL: none).
-FLOW_SLOTS = (
-    f"CASE WHEN {LIMITED} THEN nullif(ARRAY(SELECT jobplane.flow_keys(tenant_id, type, queue)), "
-    "'{}') END"
-)
-FLOW_CHECK = "jobplane.flow_check(tenant_id, type, queue, id, create_time, flow_key, {hold})"
-# The key first, then the limits: a job its key refuses counts no start
-# against its rate. CASE: evaluated in this order, and only as far as needed.
-ADMITS = (
-    f"CASE WHEN concurrency_key IS NOT NULL AND {KEY_BLOCKER} IS NOT NULL THEN false "
-    f"WHEN NOT {LIMITED} THEN true "
-    f"ELSE {FLOW_CHECK.format(hold='false')} IS NULL END"
-)
-# A claim in a group (many rows, one statement) takes no advisory lock: a job
-# with a concurrency key or under a flow limit is refused there and claimed
-# alone (ADR-0043). Alone, a claim takes at most one lock of each kind, in one
-# order (key, queue, limit), so two claims never wait for each other in a
-# cycle; a group would take its rows' locks in row order, which differs
-# between groups, and its guard, reading only the job's columns, may be
-# evaluated for rows the group was not given.
-GROUP_ADMITS = f"concurrency_key IS NULL AND NOT {LIMITED}"
-KEY_FULL = "its concurrency key is full, or a flow limit holds it (the statement decides)"
-# Said by the release statement itself (written out: it picks its jobs).
-KEY_FREE = "held by this key, oldest first, up to the slots free under the key's lock"
+
+# Dependencies (ADR-0045), read by the resolution statement under the row
+# lock: the counts the ends of the jobs it runs after keep (deps_waiting: not
+# ended yet; deps_failed: ended other than SUCCEEDED) and its policy.
+DEPS_FAIL = "deps_failed > 0 AND coalesce(after_failure, 'fail') = 'fail'"
+DEPS_CANCEL = "deps_failed > 0 AND after_failure = 'cancel'"
+DEPS_MET = "deps_waiting <= 0 AND (deps_failed = 0 OR after_failure = 'run_anyway')"
+WAITS_FOR_DEPS = f"waiting_code = '{WaitingCode.DEPENDENCIES}' AND dispatch_id IS NULL"
 
 # Said by the hand-back statement itself, which decides between the two.
 LIVE_WORKER = "a live worker handles the job's type on its queue"
 NO_LIVE_WORKER = "no live worker handles the job's type on its queue"
+
+# RetryJob of a job keeps a deadline still ahead (it bounds the retry too) and
+# drops one that passed: the retry of a job that ended DEADLINE_EXCEEDED runs
+# without one (ADR-0044).
+KEEP_DEADLINE_AHEAD = "deadline = CASE WHEN jobs.deadline > now() THEN jobs.deadline END"
 
 # Fences: which row a transition is for, and whose it is to change.
 ATTEMPT_FENCE = "id = :id AND attempt = :attempt AND lease_token = :lease_token"
@@ -211,8 +210,8 @@ RULES: Mapping[Transition, Rule] = {
         # by the message before it read the job.
         f"{BY_DISPATCH} AND type = :type",
         EventType.STARTED,
-        guard=f"{ATTEMPTS_LEFT} AND {ADMITS}",
-        many_guard=f"{ATTEMPTS_LEFT} AND {GROUP_ADMITS}",
+        guard=f"{ATTEMPTS_LEFT} AND {BEFORE_DEADLINE} AND {ADMITS}",
+        many_guard=f"{ATTEMPTS_LEFT} AND {BEFORE_DEADLINE} AND {GROUP_ADMITS}",
         sets="attempt = attempt + 1, lease_token = :lease_token, "
         "lease_expires_at = now() + make_interval(secs => :lease_seconds), "
         "start_time = now(), next_attempt_time = NULL, cancel_requested_at = NULL, "
@@ -364,7 +363,7 @@ RULES: Mapping[Transition, Rule] = {
         "cancel_reason = NULL, "
         "lease_token = NULL, lease_expires_at = NULL, next_attempt_time = NULL, "
         f"start_time = NULL, end_time = NULL, {NOT_WAITING}, "
-        "handbacks = 0",
+        f"handbacks = 0, {KEEP_DEADLINE_AHEAD}",
         lifecycle=Lifecycle.QUEUED,
     ),
     Transition.RESTART: Rule(
@@ -380,7 +379,7 @@ RULES: Mapping[Transition, Rule] = {
         "error_message = NULL, error_retryable = false, "
         "cancel_requested_at = NULL, cancel_reason = NULL, lease_token = NULL, "
         "lease_expires_at = NULL, next_attempt_time = NULL, start_time = NULL, "
-        f"end_time = NULL, {NOT_WAITING}, handbacks = 0",
+        f"end_time = NULL, {NOT_WAITING}, handbacks = 0, {KEEP_DEADLINE_AHEAD}",
         lifecycle=Lifecycle.QUEUED,
         using="job_stages s",
     ),
@@ -493,7 +492,66 @@ RULES: Mapping[Transition, Rule] = {
         message="j.waiting_reason",
         data="'{}'::jsonb",
     ),
+    # Deadlines (ADR-0044).
+    Transition.DEADLINE: Rule(
+        frozenset({Phase.QUEUED, Phase.RUNNING, Phase.RUNNING_EXPIRED}),
+        JobState.FAILED,
+        BY_ID,
+        EventType.FAILED,
+        guard=PAST_DEADLINE,
+        # The attempt's fence is cleared: its outcome, progress and heartbeat
+        # find no lease and land nothing. A pending dispatch is dropped (the
+        # Dispatches hook), the running attempt is told to stop (CancelSignal).
+        sets="error_code = 'DEADLINE_EXCEEDED', error_message = 'the job did not end by its "
+        "deadline', error_retryable = false, dispatch_id = NULL, "
+        f"{_END}, {NOT_WAITING}",
+        message="j.error_message",
+        data="jsonb_build_object('error', jsonb_build_object('code', j.error_code, "
+        "'message', j.error_message, 'retryable', false), 'deadline', j.deadline)",
+        lifecycle=Lifecycle.FAILED,
+    ),
+    # Dependencies (ADR-0045), written out in store/machine/dependencies.py.
+    Transition.DEPENDENCIES_MET: Rule(
+        frozenset({Phase.QUEUED}),
+        JobState.QUEUED,
+        "id = ANY (:ids), locked in id order",
+        EventType.QUEUED,
+        dispatch=True,
+        guard=f"{WAITS_FOR_DEPS} AND {DEPS_MET}",
+        sets=f"dispatch_id = gen_random_uuid(), next_attempt_time = NULL, {NOT_WAITING}",
+        message="'the jobs it runs after have ended: dispatched'",
+        data="'{}'::jsonb",
+    ),
+    Transition.DEPENDENCY_FAILED: Rule(
+        frozenset({Phase.QUEUED}),
+        JobState.FAILED,
+        "id = ANY (:ids), locked in id order",
+        EventType.FAILED,
+        guard=f"{WAITS_FOR_DEPS} AND {DEPS_FAIL}",
+        sets="error_code = 'DEPENDENCY_FAILED', error_message naming the job, "
+        f"error_retryable = false, end_time = now(), {NOT_WAITING}",
+        message="j.error_message",
+        data="jsonb_build_object('error', jsonb_build_object('code', j.error_code, "
+        "'retryable', false))",
+        lifecycle=Lifecycle.FAILED,
+    ),
+    Transition.DEPENDENCY_CANCELLED: Rule(
+        frozenset({Phase.QUEUED}),
+        JobState.CANCELLED,
+        "id = ANY (:ids), locked in id order",
+        EventType.CANCELLED,
+        guard=f"{WAITS_FOR_DEPS} AND {DEPS_CANCEL}",
+        sets="error_code = 'CANCELLED', error_message naming the job, error_retryable = false, "
+        f"end_time = now(), {NOT_WAITING}",
+        message="j.error_message",
+        data="'{}'::jsonb",
+        lifecycle=Lifecycle.CANCELLED,
+    ),
 }
+
+#: The transitions that end a job: each settles the jobs that run after it
+#: in its own transaction (ADR-0045).
+ENDS = frozenset(t for t, r in RULES.items() if r.target.terminal)
 
 
 def state_is(*states: JobState, column: str = "state") -> str:

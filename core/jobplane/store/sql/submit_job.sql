@@ -24,7 +24,15 @@ CREATE OR REPLACE FUNCTION jobplane.submit_job(
     -- Concurrency keys (docs/flow-control.md): mode 'queue' (NULL) or 'reject'.
     concurrency_key   text DEFAULT NULL,
     concurrency_limit integer DEFAULT NULL,
-    concurrency_mode  text DEFAULT NULL
+    concurrency_mode  text DEFAULT NULL,
+    -- Deadlines (docs/scheduling.md#deadlines): at most one of the two.
+    deadline          timestamptz DEFAULT NULL,
+    deadline_after    interval DEFAULT NULL,
+    -- Dependencies (docs/workflows.md): ids of the caller's jobs it runs
+    -- after, and what a failure of one does: 'fail' (NULL), 'cancel' or
+    -- 'run_anyway'.
+    after             uuid[] DEFAULT NULL,
+    after_failure     text DEFAULT NULL
 ) RETURNS uuid
 LANGUAGE plpgsql
 VOLATILE
@@ -66,6 +74,17 @@ DECLARE
     v_key_mode       text := coalesce(submit_job.concurrency_mode, '');
     v_holders        text;
     v_in_flight      bigint;
+    -- Deadlines.
+    v_deadline       timestamptz := submit_job.deadline;
+    -- Dependencies.
+    v_after          uuid[] := submit_job.after;
+    v_policy         text := coalesce(submit_job.after_failure, '');
+    v_missing        integer;
+    v_deps_waiting   integer := 0;
+    v_deps_failed    integer := 0;
+    v_deps_failed_on uuid;
+    v_waits          boolean := false;
+    v_reason         text;
 BEGIN
     SELECT id INTO v_tenant FROM tenants WHERE name = submit_job.tenant;
     IF v_tenant IS NULL THEN
@@ -210,6 +229,39 @@ BEGIN
         END IF;
         v_schedule := v_accepted + submit_job.schedule_delay;
     END IF;
+    -- Deadlines: the RPC's checks (jobplane.scheduling.deadline_of), the
+    -- delay counted from this call.
+    IF v_deadline IS NOT NULL AND submit_job.deadline_after IS NOT NULL THEN
+        RAISE EXCEPTION 'INVALID_ARGUMENT: deadline_after goes with no deadline: set one '
+            'of them'
+            USING ERRCODE = 'JP001', COLUMN = 'deadline_after';
+    END IF;
+    IF submit_job.deadline_after IS NOT NULL THEN
+        IF NOT v_accepted + submit_job.deadline_after > v_accepted
+                OR v_accepted + submit_job.deadline_after > v_accepted + v_horizon THEN
+            RAISE EXCEPTION 'INVALID_ARGUMENT: deadline_after must be more than 0, up to %',
+                v_horizon
+                USING ERRCODE = 'JP001', COLUMN = 'deadline_after';
+        END IF;
+        v_deadline := v_accepted + submit_job.deadline_after;
+    ELSIF v_deadline IS NOT NULL THEN
+        IF NOT v_deadline > v_accepted THEN
+            RAISE EXCEPTION 'INVALID_ARGUMENT: deadline has passed already'
+                USING ERRCODE = 'JP001', COLUMN = 'deadline';
+        END IF;
+        IF v_deadline > v_accepted + v_horizon THEN
+            RAISE EXCEPTION 'INVALID_ARGUMENT: deadline is more than % ahead', v_horizon
+                USING ERRCODE = 'JP001', COLUMN = 'deadline';
+        END IF;
+    END IF;
+    IF v_deadline IS NOT NULL AND v_schedule IS NOT NULL AND NOT v_deadline > v_schedule THEN
+        RAISE EXCEPTION 'INVALID_ARGUMENT: % must be after the job''s schedule_time',
+            CASE WHEN submit_job.deadline_after IS NOT NULL THEN 'deadline_after'
+                 ELSE 'deadline' END
+            USING ERRCODE = 'JP001',
+                  COLUMN = CASE WHEN submit_job.deadline_after IS NOT NULL THEN 'deadline_after'
+                                ELSE 'deadline' END;
+    END IF;
     -- Concurrency keys: SubmitJob's checks, then reject mode's refusal under
     -- the key's lock (the one the claims take), held to the caller's commit.
     IF v_key_mode NOT IN ('', 'queue', 'reject') THEN
@@ -265,6 +317,61 @@ BEGIN
         END IF;
     END IF;
 
+    -- Dependencies: SubmitJob's checks, then the jobs named are marked and
+    -- locked (in id order) to the caller's commit, as the RPC does. A job
+    -- already ended counts at once; one that failed under policy fail or
+    -- cancel leaves the job waiting for the sweeper's next pass to end it.
+    IF v_policy NOT IN ('', 'fail', 'cancel', 'run_anyway') THEN
+        RAISE EXCEPTION 'INVALID_ARGUMENT: after_failure must be fail, cancel or run_anyway'
+            USING ERRCODE = 'JP001', COLUMN = 'after_failure';
+    END IF;
+    IF coalesce(cardinality(v_after), 0) = 0 THEN
+        IF v_policy <> '' THEN
+            RAISE EXCEPTION 'INVALID_ARGUMENT: after_failure needs after'
+                USING ERRCODE = 'JP001', COLUMN = 'after_failure';
+        END IF;
+        v_after := NULL;
+    ELSE
+        IF cardinality(v_after) > 100 THEN
+            RAISE EXCEPTION 'INVALID_ARGUMENT: after names at most 100 jobs'
+                USING ERRCODE = 'JP001', COLUMN = 'after';
+        END IF;
+        IF array_position(v_after, NULL) IS NOT NULL THEN
+            RAISE EXCEPTION 'INVALID_ARGUMENT: after[%] is NULL', array_position(v_after, NULL) - 1
+                USING ERRCODE = 'JP001', COLUMN = 'after[' || (array_position(v_after, NULL) - 1) || ']';
+        END IF;
+        IF (SELECT count(DISTINCT a) FROM unnest(v_after) a) < cardinality(v_after) THEN
+            RAISE EXCEPTION 'INVALID_ARGUMENT: after names a job twice'
+                USING ERRCODE = 'JP001', COLUMN = 'after';
+        END IF;
+        v_policy := CASE WHEN v_policy = '' THEN 'fail' ELSE v_policy END;
+        WITH p AS (
+            SELECT id FROM jobs WHERE tenant_id = v_tenant AND id = ANY (v_after)
+            ORDER BY id FOR UPDATE
+        )
+        UPDATE jobs SET has_dependents = true FROM p WHERE jobs.id = p.id;
+        SELECT min(a.ord) INTO v_missing
+        FROM unnest(v_after) WITH ORDINALITY AS a(id, ord)
+        WHERE NOT EXISTS (SELECT 1 FROM jobs WHERE tenant_id = v_tenant AND jobs.id = a.id);
+        IF v_missing IS NOT NULL THEN
+            RAISE EXCEPTION 'INVALID_ARGUMENT: after[%]: no job jobs/% (a job of yours that '
+                'exists when this one is submitted)', v_missing - 1, v_after[v_missing]
+                USING ERRCODE = 'JP001', COLUMN = 'after[' || (v_missing - 1) || ']';
+        END IF;
+        SELECT count(*) FILTER (WHERE state NOT IN ('succeeded', 'failed', 'cancelled')),
+               count(*) FILTER (WHERE state IN ('failed', 'cancelled')),
+               (array_agg(id ORDER BY id) FILTER (WHERE state IN ('failed', 'cancelled')))[1]
+        INTO v_deps_waiting, v_deps_failed, v_deps_failed_on
+        FROM jobs WHERE tenant_id = v_tenant AND id = ANY (v_after);
+        v_waits := v_deps_waiting > 0 OR (v_deps_failed > 0 AND v_policy <> 'run_anyway');
+        SELECT format('waiting for %s to end (it runs after them)',
+                      string_agg('jobs/' || w.id, ', ' ORDER BY w.id))
+        INTO v_reason
+        FROM (SELECT id FROM jobs WHERE tenant_id = v_tenant AND id = ANY (v_after)
+                AND (v_deps_waiting = 0 OR state NOT IN ('succeeded', 'failed', 'cancelled'))
+              ORDER BY id LIMIT 10) AS w;
+    END IF;
+
     IF v_request_id = '' THEN
         v_request_id := gen_random_uuid()::text;
     END IF;
@@ -284,25 +391,38 @@ BEGIN
         INSERT INTO jobs (id, tenant_id, type, queue, state, payload, max_attempts, request_id,
                           request_hash, correlation_id, labels, dispatch_id, last_seq,
                           timeout_seconds, lifecycle_seq, schedule_time, concurrency_key,
-                          concurrency_limit)
+                          concurrency_limit, deadline, after_ids, after_failure, deps_waiting,
+                          deps_failed, deps_failed_on, waiting_code, waiting_reason)
         VALUES (v_id, v_tenant, v_type, v_route.queue, 'queued', v_payload, v_max_attempts,
                 v_request_id,
                 sha256(convert_to(jsonb_build_array(v_type, v_payload, v_max_attempts,
                     v_correlation_id, v_labels, v_timeout)::text, 'UTF8')),
-                v_correlation_id, v_labels, v_dispatch, 1, v_timeout, 1, v_schedule, v_key,
-                CASE WHEN v_key IS NOT NULL THEN v_key_limit END)
+                v_correlation_id, v_labels, CASE WHEN NOT v_waits THEN v_dispatch END, 1,
+                v_timeout, 1, v_schedule, v_key,
+                CASE WHEN v_key IS NOT NULL THEN v_key_limit END, v_deadline, v_after,
+                CASE WHEN v_after IS NOT NULL THEN v_policy END, v_deps_waiting, v_deps_failed,
+                v_deps_failed_on, CASE WHEN v_waits THEN 'DEPENDENCIES' END,
+                CASE WHEN v_waits THEN v_reason END)
         ON CONFLICT (tenant_id, request_id) DO NOTHING;
         IF FOUND THEN
+            -- Its edges: one that ended already carries its outcome.
+            INSERT INTO job_dependencies (job_id, depends_on, tenant_id, outcome)
+            SELECT v_id, x.id, v_tenant,
+                   CASE WHEN x.state IN ('succeeded', 'failed', 'cancelled') THEN x.state END
+            FROM jobs x WHERE x.tenant_id = v_tenant AND x.id = ANY (v_after);
             INSERT INTO job_events (job_id, seq, tenant_id, type, state, progress, message,
                                     attempt)
             VALUES (v_id, 1, v_tenant, 'queued', 'queued', 0, 'queued', 0);
             -- A delayed job's dispatch is due at its schedule_time (GREATEST
             -- skips the NULL of a job without one). Its queue: the relay's
             -- credit and fair claim are per queue (docs/flow-control.md).
-            INSERT INTO outbox (id, tenant_id, job_id, routing_key, correlation_id,
-                                available_at, queue)
-            VALUES (v_dispatch, v_tenant, v_id, v_type, v_correlation_id,
-                    greatest(now(), v_schedule), v_route.queue);
+            -- A job that waits for the jobs it runs after has none yet.
+            IF NOT v_waits THEN
+                INSERT INTO outbox (id, tenant_id, job_id, routing_key, correlation_id,
+                                    available_at, queue)
+                VALUES (v_dispatch, v_tenant, v_id, v_type, v_correlation_id,
+                        greatest(now(), v_schedule), v_route.queue);
+            END IF;
             -- Its job.queued, as the servers' state machine writes it
             -- (jobplane.store.machine.DomainEvents): the id is the version-3
             -- UUID of (job id, event seq 1), the body the envelope in

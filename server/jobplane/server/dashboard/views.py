@@ -331,6 +331,10 @@ def _pretty(value: Any) -> str:
     return json.dumps(value, indent=2, sort_keys=True, ensure_ascii=False)
 
 
+#: The children a job's page lists (the newest; the CLI lists them all).
+CHILDREN_SHOWN = 100
+
+
 @routes.get("/jobs/{id}")
 async def job_page(request: web.Request) -> web.StreamResponse:
     """One job: payload, result, live progress and events, attempts, stages, errors."""
@@ -342,10 +346,16 @@ async def job_page(request: web.Request) -> web.StreamResponse:
     recent = await jobs.recent_events(who.tenant, job)
     milestones = await jobs.milestones(who.tenant, name)
     errors = [e for e in milestones if isinstance(e.data.get("error"), dict)]
+    # Its child jobs, newest first: each links to its page, which shows its own.
+    children = await jobs.list(
+        who.tenant, page_size=CHILDREN_SHOWN, page_token="", state=None, job_type="", parent=name
+    )
     return render(
         request,
         "job.html",
         job=job,
+        children=children.jobs,
+        more_children=bool(children.next_page_token),
         events=list(reversed(recent)),
         attempts=_attempts(milestones),
         errors=list(reversed(errors)),

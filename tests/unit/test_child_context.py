@@ -1,0 +1,122 @@
+"""``ctx.submit`` without a database: jobplane.testing keeps children by key, and a
+child's request is checked as a worker checks it."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from jobplane.errors import InvalidArgument, PayloadTooLarge
+from jobplane.server.page_tokens import extra_filters, filter_key
+from jobplane.testing import MemoryChildren, run_handler, run_handler_sync
+from jobplane.topology import load_topology
+from jobplane.workers import JobContext, SubmitError, SyncJobContext
+from jobplane.workers.children import ChildRequest, check_key, child_job
+
+
+async def fan_out(ctx: JobContext) -> dict[str, Any]:
+    names = [await ctx.submit("fan.leaf", {"i": i}, key=f"chunk-{i}") for i in range(3)]
+    if ctx.attempt == 1:
+        raise RuntimeError("crashed after submitting")
+    return {"children": names}
+
+
+async def test_a_handler_run_again_gets_the_children_it_submitted_before() -> None:
+    kept = MemoryChildren()
+    first = await run_handler(fan_out, "fan.out", children=kept, attempt=1)
+    second = await run_handler(fan_out, "fan.out", children=kept, attempt=2)
+    assert first.status == "retry" and second.status == "succeeded"
+    assert [c.name for c in first.children] == [c.name for c in second.children]
+    assert second.result == {"children": [c.name for c in second.children]}
+    assert len(kept.by_key) == 3
+    assert [created for _, _, created in kept.submits] == [True] * 3 + [False] * 3
+    assert [c.payload for c in second.children] == [{"i": 0}, {"i": 1}, {"i": 2}]
+
+
+def test_a_plain_handler_submits_from_its_thread() -> None:
+    def plain(ctx: SyncJobContext) -> dict[str, Any]:
+        return {"child": ctx.submit("fan.leaf", {"x": 1}, key="only")}
+
+    outcome = run_handler_sync(plain, "fan.out")
+    assert outcome.status == "succeeded"
+    assert outcome.result == {"child": outcome.children[0].name}
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"key": ""}, "key"),
+        ({"key": "k" * 201}, "key"),
+        ({"key": "a\nb"}, "key"),
+        ({"key": "a\ud800b"}, "key"),
+        ({"correlation_id": "x\ud800"}, "correlation_id"),
+        ({"job_type": "Bad Type"}, "type"),
+        ({"payload": {"x": float("nan")}}, "payload"),
+    ],
+)
+async def test_a_bad_child_raises_submit_error_naming_the_field(
+    kwargs: dict[str, Any], field: str
+) -> None:
+    arguments: dict[str, Any] = {"job_type": "fan.leaf", "payload": {}, "key": "k", **kwargs}
+
+    async def handler(ctx: JobContext) -> dict[str, Any]:
+        await ctx.submit(arguments.pop("job_type"), arguments.pop("payload"), **arguments)
+        return {}
+
+    outcome = await run_handler(handler, "fan.out")
+    assert outcome.error is not None
+    assert isinstance(outcome.error.exception, SubmitError)
+    assert outcome.error.exception.field == field
+    assert outcome.children == []
+
+
+async def test_the_same_key_with_another_request_is_refused() -> None:
+    async def handler(ctx: JobContext) -> dict[str, Any]:
+        await ctx.submit("fan.leaf", {"i": 1}, key="k")
+        await ctx.submit("fan.leaf", {"i": 2}, key="k")
+        return {}
+
+    outcome = await run_handler(handler, "fan.out")
+    assert outcome.error is not None and isinstance(outcome.error.exception, SubmitError)
+    assert outcome.error.exception.field == "key"
+
+
+def test_a_child_request_is_checked_against_the_topology() -> None:
+    topology = load_topology()
+
+    def job(**fields: Any) -> Any:
+        values: dict[str, Any] = {"key": "k", "type": "fan.leaf", "payload": {}, **fields}
+        return child_job(
+            topology, ChildRequest(**values), parent_correlation_id="p", max_payload_bytes=64
+        )
+
+    made = job(max_attempts=0, timeout_seconds=None)
+    assert made.correlation_id == "p" and made.queue == topology.route("fan.leaf").name  # type: ignore[union-attr]
+    assert job(correlation_id="").correlation_id == ""
+    with pytest.raises(PayloadTooLarge):
+        job(payload={"x": "y" * 100})
+    refusals: list[tuple[dict[str, Any], str]] = [
+        ({"max_attempts": -1}, "max_attempts"),
+        ({"timeout_seconds": 0.0}, "timeout"),
+        ({"schedule_delay_seconds": -1.0}, "schedule_delay"),
+    ]
+    for fields, name in refusals:
+        with pytest.raises(InvalidArgument) as refused:
+            job(**fields)
+        assert refused.value.field == name
+    assert check_key("x" * 200) == "x" * 200
+
+
+def test_a_list_token_holds_to_its_parent() -> None:
+    a, b = "jobs/00000000-0000-0000-0000-00000000000a", "jobs/00000000-0000-0000-0000-00000000000b"
+    keys = {filter_key(None, "", extra_filters(None, None, None, "", parent)) for parent in (a, b)}
+    assert len(keys) == 2
+    # Lists without a parent keep the key their tokens had before.
+    assert extra_filters(None, None, None, "") == ""
+    assert extra_filters(None, None, None, "SCHEDULED") == json.dumps([[], "", "", "SCHEDULED"])
+    assert filter_key(None, "", extra_filters(None, None, None, "", a)) not in {
+        filter_key(None, "", extra_filters(None, None, None, "SCHEDULED", a)),
+        filter_key(None, "", ""),
+    }
