@@ -132,8 +132,7 @@ async def submit_job(
     mode raises :class:`~jobplane.errors.ConcurrencyLimitReached`.
     ``deadline``: the time (timezone-aware) by which the job must have ended,
     or how long after this call (seconds or a timedelta); past it the job
-    ends FAILED, DEADLINE_EXCEEDED (docs/scheduling.md#deadlines).
-    mode raises :class:`~jobplane.errors.ConcurrencyLimitReached`. ``after``
+    ends FAILED, DEADLINE_EXCEEDED (docs/scheduling.md#deadlines). ``after``
     (job ids, or names ``jobs/{id}``) and ``after_failure`` (``"fail"``,
     ``"cancel"``, ``"run_anyway"``) as in ``submit`` (docs/workflows.md).
     """

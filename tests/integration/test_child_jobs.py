@@ -13,6 +13,7 @@ from typing import Any
 
 import grpc
 import pytest
+from sqlalchemy import text
 
 from jobplane.client import Job, JobState
 from jobplane.convert import struct_from_dict
@@ -226,6 +227,45 @@ async def test_cancel_of_a_parent_cancels_its_queued_and_running_descendants(
     with pytest.raises(FailedPrecondition):
         await children.submit(fence_of(running_parent), *_leaf(bare, "late"))
     assert await _children_rows(bare, parent.name) == 3
+
+
+async def test_a_grandchild_committed_while_the_cancel_waits_is_cancelled_too(
+    bare: Stack,
+) -> None:
+    """The cancel's walk waits for a child's lock, held by a transaction that
+    makes a grandchild of it; once that commits, the grandchild is cancelled too."""
+    client = bare.client()
+    store = AttemptStore(bare.db, lease_seconds=30.0)
+    children = ChildStore(bare.db)
+    parent = await client.submit("fan.out", {})
+    running_parent = await _running(bare, store, parent)
+    child, _ = await children.submit(fence_of(running_parent), *_leaf(bare, "child"))
+    await _running(bare, store, child)
+    loose = await client.submit("demo.echo", {})
+    async with bare.engine.connect() as holder:
+        transaction = await holder.begin()
+        await holder.execute(
+            text("SELECT 1 FROM jobs WHERE id = :id FOR NO KEY UPDATE"), {"id": child.id}
+        )
+        # As a submit of the child's attempt would: a new job under it, not committed.
+        await holder.execute(
+            text("UPDATE jobs SET parent_id = :parent WHERE id = :id"),
+            {"parent": child.id, "id": loose.id},
+        )
+        cancel = asyncio.create_task(client.cancel(parent.name, reason="stop"))
+
+        async def blocked() -> bool:
+            waiting = await bare.scalar(
+                "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
+                "AND datname = current_database()"
+            )
+            return bool(waiting)
+
+        await eventually(blocked)
+        await transaction.commit()
+    await asyncio.wait_for(cancel, timeout=30)
+    assert (await client.get(child.name)).cancel_requested
+    assert (await client.get(loose.name)).state is JobState.CANCELLED
 
 
 async def test_a_parent_that_ends_on_its_own_leaves_its_children_running(bare: Stack) -> None:

@@ -16,9 +16,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from sqlalchemy import text
+from sqlalchemy.exc import DBAPIError
 
 from jobplane import txn
-from jobplane.client import InvalidArgument, Job, JobState
+from jobplane.client import InvalidArgument, Job, JobNotRetryable, JobState
 from jobplane.store.attempts import AttemptStore, ClaimStatus
 from jobplane.store.sweeps import SweepStore
 from jobplane.types import DependencyFailurePolicy, WaitingCode
@@ -208,6 +209,33 @@ async def test_retry_of_a_failed_dependency_does_not_revive_its_failed_dependent
     assert (await client.get(waiting.name)).state is JobState.SUCCEEDED
 
 
+async def test_a_job_ended_while_it_waited_is_retried_only_once_they_have_ended(
+    bare: Stack,
+) -> None:
+    """A cancelled waiting job, and one another dependency's failure ended: their
+    retry would run them before the jobs they run after, so it waits for those."""
+    client = bare.client()
+    store = _store(bare)
+    a = await client.submit("demo.echo", {})
+    doomed = await client.submit("demo.echo", {}, max_attempts=1)
+    cancelled = await client.submit("demo.echo", {}, after=[a])
+    failed = await client.submit("demo.echo", {}, after=[a, doomed])
+    await client.cancel(cancelled.name)
+    await _run(bare, store, doomed, ok=False)
+    assert (await client.get(failed.name)).state is JobState.FAILED
+    for job in (cancelled, failed):
+        with pytest.raises(JobNotRetryable, match="runs after 1 job"):
+            await client.retry(job.name)
+        assert (await client.get(job.name)).state is not JobState.QUEUED
+        assert await _dispatch(bare, job) is None
+    await _run(bare, store, a)
+    for job in (cancelled, failed):
+        again = await client.retry(job.name)
+        assert again.state is JobState.QUEUED
+        await _run(bare, store, job)
+        assert (await client.get(job.name)).state is JobState.SUCCEEDED
+
+
 async def test_the_sweeper_settles_a_job_an_end_left_waiting(bare: Stack) -> None:
     client = bare.client()
     store = _store(bare)
@@ -294,6 +322,19 @@ async def test_the_sql_api_takes_after(bare: Stack) -> None:
         with pytest.raises(InvalidArgument) as bad:
             await txn.submit_job(conn, tenant="acme", type="demo.echo", after=[uuid.uuid4()])
     assert bad.value.field == "after[0]"
+    # A two-dimensional array, straight to the function: refused, nothing written.
+    before = await bare.scalar("SELECT count(*) FROM jobs")
+    async with bare.engine.connect() as conn:
+        with pytest.raises(DBAPIError, match="one-dimensional"):
+            await conn.execute(
+                text(
+                    "SELECT jobplane.submit_job('acme', 'demo.echo', '{}'::jsonb, NULL, NULL, "
+                    "0, '{}'::jsonb, NULL, after => ARRAY[ARRAY[CAST(:a AS uuid)], "
+                    "ARRAY[CAST(:a AS uuid)]])"
+                ),
+                {"a": a.id},
+            )
+    assert await bare.scalar("SELECT count(*) FROM jobs") == before
 
 
 # A random DAG: each job may run after any of the jobs before it.

@@ -167,16 +167,24 @@ async def cancel_descendants(
     event. Returns the concurrency keys of those cancelled, for the caller to
     release after its commit.
     """
-    found = await conn.execute(_LIVE_DESCENDANTS, {"id": job_id, "tenant_id": tenant_id})
-    rows = found.mappings().all()
     keys: list[str] = []
     cause = Cause(f"parent {job_name(job_id)} cancelled: {reason}")
-    for row in rows:
-        params = {"id": row["id"], "tenant_id": tenant_id, "reason": cause.message}
-        if row["state"] == JobState.QUEUED.value:
-            await machine.apply(conn, Transition.CANCEL, params, cause)
-            if row["concurrency_key"]:
-                keys.append(str(row["concurrency_key"]))
-        elif not row["cancel_requested"]:
-            await machine.apply(conn, Transition.REQUEST_CANCEL, params, cause)
-    return keys
+    seen: set[Any] = set()
+    # Walked again until a walk finds nothing new: a child whose lock the
+    # walk waited for may have committed a child of its own meanwhile, which
+    # the walk's snapshot did not hold. A child asked to cancel (and locked
+    # by this transaction) can submit none, so the walks end.
+    while True:
+        found = await conn.execute(_LIVE_DESCENDANTS, {"id": job_id, "tenant_id": tenant_id})
+        rows = [row for row in found.mappings().all() if row["id"] not in seen]
+        if not rows:
+            return keys
+        for row in rows:
+            seen.add(row["id"])
+            params = {"id": row["id"], "tenant_id": tenant_id, "reason": cause.message}
+            if row["state"] == JobState.QUEUED.value:
+                await machine.apply(conn, Transition.CANCEL, params, cause)
+                if row["concurrency_key"]:
+                    keys.append(str(row["concurrency_key"]))
+            elif not row["cancel_requested"]:
+                await machine.apply(conn, Transition.REQUEST_CANCEL, params, cause)

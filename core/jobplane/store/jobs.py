@@ -70,6 +70,7 @@ __all__ = ["JobStore", "ListCursor", "NewJob", "StreamRead", "pipeline_stages"]
 _STAGE_INDEX = text(
     "SELECT idx FROM job_stages WHERE job_id = :id AND tenant_id = :tenant_id AND name = :name"
 )
+_DEPS_WAITING = text("SELECT deps_waiting FROM jobs WHERE id = :id")
 _SELECT_JOB_FOR_UPDATE = text(
     f"SELECT {JOB_COLUMNS} FROM jobs WHERE id = :id AND tenant_id = :tenant_id FOR UPDATE"
 )
@@ -205,8 +206,11 @@ class JobStore:
         # the jobs they run after are locked to it too.
         many = rejects(news) or has_after(news)
         async with self._machine.session(self._db, Transition.SUBMIT, many=many) as conn:
+            # The keys' locks first, then the jobs': a claim takes them in
+            # that order too (its guard's key lock, then the row it updates).
+            full_keys = await refuse_full_keys(conn, tenant_id, news)
             found, refused = await check_after(conn, tenant_id, news)
-            for i, full in (await refuse_full_keys(conn, tenant_id, news)).items():
+            for i, full in full_keys.items():
                 refused.setdefault(i, full)
             admitted = [i for i in range(len(news)) if i not in refused]
             rows = await self._insert(
@@ -253,10 +257,11 @@ class JobStore:
         replayed: dict[int, Job] = {}
         # A batch is one transaction: a refused replay in it undoes the rest.
         async with self._machine.session(self._db, Transition.SUBMIT, many=True) as conn:
+            # The keys' locks first, then the jobs' (see submit_each).
+            for i, full in (await refuse_full_keys(conn, tenant_id, news)).items():
+                raise at_item(full, i)
             found, unknown = await check_after(conn, tenant_id, news)
             for i, error in sorted(unknown.items()):
-                raise at_item(error, i)
-            for i, error in (await refuse_full_keys(conn, tenant_id, news)).items():
                 raise at_item(error, i)
             rows = await self._insert(conn, tenant_id, news, ids, field="requests", found=found)
             missing = [i for i, job_id in enumerate(ids) if str(job_id) not in rows]
@@ -446,6 +451,14 @@ class JobStore:
                 raise JobNotRetryable(
                     f"jobs/{job_id} is {current.state.name}; only FAILED or CANCELLED "
                     "jobs can be retried"
+                )
+            # A job that ended while jobs it runs after still run (cancelled,
+            # past its deadline, another of them failed) would run before them.
+            waiting = (await conn.execute(_DEPS_WAITING, {"id": job_id})).scalar_one()
+            if waiting:
+                raise JobNotRetryable(
+                    f"jobs/{job_id} runs after {waiting} job(s) that have not ended; "
+                    "retry it once they have"
                 )
             params: dict[str, Any] = {
                 "id": job_id,

@@ -332,6 +332,10 @@ BEGIN
         END IF;
         v_after := NULL;
     ELSE
+        IF array_ndims(v_after) > 1 THEN
+            RAISE EXCEPTION 'INVALID_ARGUMENT: after must be a one-dimensional array of job ids'
+                USING ERRCODE = 'JP001', COLUMN = 'after';
+        END IF;
         IF cardinality(v_after) > 100 THEN
             RAISE EXCEPTION 'INVALID_ARGUMENT: after names at most 100 jobs'
                 USING ERRCODE = 'JP001', COLUMN = 'after';
