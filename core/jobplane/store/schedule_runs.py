@@ -89,7 +89,8 @@ async def _submit_pipeline(
     )
     job_id = new_id()
     columns = submit_columns(new, job_id)
-    params = {"tenant_id": tenant_id, **{f"new_{c}": [columns[c]] for c in SUBMIT_COLUMNS}}
+    # A column the job does not set (its dependencies: none) is NULL.
+    params = {"tenant_id": tenant_id, **{f"new_{c}": [columns.get(c)] for c in SUBMIT_COLUMNS}}
     try:
         created = await MACHINE.apply(
             conn, Transition.SUBMIT, params, Cause("queued", stages=[(job_id, stages)])
