@@ -16,7 +16,10 @@ install it is on.
 from __future__ import annotations
 
 import argparse
+import os
+import signal
 import sys
+from collections.abc import Callable
 from importlib.util import find_spec
 
 SERVER_INSTALL = "pip install 'jobplane[server]'"
@@ -117,13 +120,30 @@ def main(argv: list[str] | None = None) -> None:
         _command(args) in WORKER_COMMANDS and not missing_modules(WORKER_MODULES)
     ):
         try:
-            from jobplane.cli import main as server_main
-
+            server_main = _load_server_main()
             server_main(args)
         except KeyboardInterrupt:  # Ctrl-C before the command catches it (while importing)
             raise SystemExit(130) from None
         return
     raise SystemExit(client_main(args))
+
+
+def _quit_while_loading(signum: int, frame: object) -> None:
+    """A Ctrl-C while the server's modules load: exit as a Ctrl-C before the
+    interpreter started would. A KeyboardInterrupt raised inside an extension
+    module's initialisation (grpc's) comes out as an ImportError and its
+    traceback; nothing has begun that would need cleaning up."""
+    os._exit(130)
+
+
+def _load_server_main() -> Callable[[list[str]], None]:
+    """``jobplane.cli.main``, imported with a Ctrl-C ending the process quietly."""
+    previous = signal.signal(signal.SIGINT, _quit_while_loading)
+    try:
+        from jobplane.cli import main as server_main
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    return server_main
 
 
 def _command(argv: list[str]) -> str | None:
