@@ -34,6 +34,17 @@ from jobplane.types import (
     StageState,
 )
 
+# The limits of a job's request, the same for SubmitJob (jobplane.server.
+# job_requests), a schedule's template and a handler's child.
+MAX_ATTEMPTS_LIMIT = 100
+# The relay sends correlation_id as the AMQP correlation-id property, a short
+# string of at most 255 bytes: a longer one could never be published.
+MAX_CORRELATION_ID_BYTES = 255
+# A job's timeout is read back in whole milliseconds or finer; anything
+# shorter would read back as no time at all.
+MIN_TIMEOUT_SECONDS = 0.001
+MAX_TIMEOUT_SECONDS = 7 * 24 * 3600.0
+
 
 @dataclass(frozen=True, slots=True)
 class NewJob:

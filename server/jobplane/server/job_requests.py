@@ -31,26 +31,18 @@ from jobplane.types import BlobRef, JobState
 if TYPE_CHECKING:
     from jobplane.blobs.store import BlobStore
 
-MAX_ATTEMPTS_LIMIT = 100
 #: The most requests one BatchSubmitJobs call may hold (AIP-233's usual bound).
 MAX_BATCH_SUBMIT = 1000
 #: The largest BatchSubmitJobs body the server reads (the SDK splits its
 #: batches below half of it): 1,000 jobs of 8 KiB payloads fit.
 MAX_BATCH_REQUEST_BYTES = 16 * 1024 * 1024
 MAX_REQUEST_ID_LENGTH = 256
-# The relay sends correlation_id as the AMQP correlation-id property, a short
-# string of at most 255 bytes: a longer one could never be published.
-MAX_CORRELATION_ID_BYTES = 255
 MAX_LABELS = 64
 _LABEL_KEY = re.compile(r"[a-z0-9]([a-z0-9._/-]{0,61}[a-z0-9])?")
 # What an id may not hold: the C0 control characters.
 _CONTROL = re.compile(r"[\x00-\x1f]")
 MAX_LABEL_VALUE = 256
 MAX_BLOB_REFERENCES = 10_000
-# A job's timeout is read back in whole milliseconds or finer; anything
-# shorter would read back as no time at all.
-MIN_TIMEOUT_SECONDS = 0.001
-MAX_TIMEOUT_SECONDS = 7 * 24 * 3600.0
 # Objects and arrays on the deepest path of a payload, the payload itself
 # counted. protobuf refuses to decode messages nested more than 100 deep, and
 # every object level of a Struct costs three of those (Struct, map entry,

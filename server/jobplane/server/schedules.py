@@ -25,16 +25,18 @@ from jobplane.names import validate_job_type
 from jobplane.schedule_spec import MAX_CATCH_UP_LIMIT, Overlap, check_spec
 from jobplane.schedule_types import SCHEDULE_LABEL, JobTemplate, Schedule, SchedulePage
 from jobplane.server.job_requests import (
-    MAX_ATTEMPTS_LIMIT,
     MAX_LABELS,
     MAX_REQUEST_ID_LENGTH,
-    MAX_TIMEOUT_SECONDS,
-    MIN_TIMEOUT_SECONDS,
     SubmitRequest,
     check_blobs,
     check_id,
     check_labels,
     check_payload,
+)
+from jobplane.store.job_submit import (
+    MAX_ATTEMPTS_LIMIT,
+    MAX_TIMEOUT_SECONDS,
+    MIN_TIMEOUT_SECONDS,
 )
 from jobplane.store.rows import check_payload_size
 from jobplane.store.schedule_ticks import trigger

@@ -29,14 +29,10 @@ from jobplane.scheduling import DEFAULT_MAX_SCHEDULE_SECONDS, deadline_of, sched
 from jobplane.server.after_requests import with_after
 from jobplane.server.feeds import FeedHub
 from jobplane.server.job_requests import (
-    MAX_ATTEMPTS_LIMIT,
     MAX_BATCH_REQUEST_BYTES,
     MAX_BATCH_SUBMIT,
-    MAX_CORRELATION_ID_BYTES,
     MAX_PAYLOAD_DEPTH,
     MAX_REQUEST_ID_LENGTH,
-    MAX_TIMEOUT_SECONDS,
-    MIN_TIMEOUT_SECONDS,
     STRUCT_BYTES_PER_JSON_BYTE,
     SubmitRequest,
     check_blobs,
@@ -49,6 +45,12 @@ from jobplane.server.job_requests import (
 )
 from jobplane.server.key_requests import with_concurrency
 from jobplane.server.page_tokens import decode_token, encode_token, extra_filters, filter_key
+from jobplane.store.job_submit import (
+    MAX_ATTEMPTS_LIMIT,
+    MAX_CORRELATION_ID_BYTES,
+    MAX_TIMEOUT_SECONDS,
+    MIN_TIMEOUT_SECONDS,
+)
 from jobplane.store.jobs import JobStore, ListCursor, NewJob
 from jobplane.store.listen import Listener
 from jobplane.store.rows import check_payload_size

@@ -22,16 +22,17 @@ from jobplane.store.children import (
     ChildStore,
     ParentFence,
 )
-from jobplane.store.job_submit import NewJob, pipeline_stages
+from jobplane.store.job_submit import (
+    MAX_ATTEMPTS_LIMIT,
+    MAX_CORRELATION_ID_BYTES,
+    MAX_TIMEOUT_SECONDS,
+    MIN_TIMEOUT_SECONDS,
+    NewJob,
+    pipeline_stages,
+)
 from jobplane.store.rows import check_payload_size
 from jobplane.topology import PipelineSpec, Topology
 from jobplane.workers.values import json_problem
-
-# The limits of SubmitJob's (jobplane.server.job_requests), for a child.
-MAX_ATTEMPTS_LIMIT = 100
-MIN_TIMEOUT_SECONDS = 0.001
-MAX_TIMEOUT_SECONDS = 7 * 24 * 3600.0
-MAX_CORRELATION_ID_BYTES = 255
 
 
 @dataclass(frozen=True, slots=True)
