@@ -12,9 +12,10 @@
 # Postgres (5432) is never touched. Ports (loopback only):
 #   etcd 23790 (clients) / 23800 (peers); Patroni REST 18008 (pg1), 18009 (pg2);
 #   Postgres 54321 (pg1), 54322 (pg2); PgBouncer 64320.
-# Superuser postgres / password "postgres" (trust on loopback is not used:
-# Patroni's replication connections need the same passwords the nodes keep).
+# Superuser postgres, password "postgres" (scram-sha-256 over TCP; the
+# nodes' Unix sockets, under run/, trust).
 set -euo pipefail
+export PATH=$PATH:/usr/sbin
 
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 FLEET_DIR=${FLEET_DIR:-$ROOT/build/fleet/postgres}
@@ -73,7 +74,7 @@ install_packages() {
   local missing=()
   command -v etcd >/dev/null 2>&1 || missing+=(etcd-server etcd-client)
   command -v patroni >/dev/null 2>&1 || missing+=(patroni)
-  command -v pgbouncer >/dev/null 2>&1 && [ -x /usr/sbin/pgbouncer ] || missing+=(pgbouncer)
+  command -v pgbouncer >/dev/null 2>&1 || missing+=(pgbouncer)
   [ -x "$PG_BIN/postgres" ] || missing+=(postgresql-15)
   [ ${#missing[@]} = 0 ] && return 0
   say "installing ${missing[*]}"
