@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: constraints all dev test unit faults soak fuzz mutate lint format typecheck proto migrate services bench clean events-node
+.PHONY: constraints all dev test unit faults soak fuzz mutate lint format typecheck proto migrate services bench clean events-node fleet fleet-postgres fleet-stop fleet-test
 
 all: lint typecheck test
 
@@ -67,6 +67,20 @@ soak: $(STAMP) services
 events-node: $(STAMP) services
 	cd examples/events/node && npm install --no-audit --no-fund --silent
 	$(BIN)/python -m pytest -m node tests/integration/test_event_consumer_node.py $(PYTEST_ARGS)
+
+## A Postgres pair with failover (Patroni + etcd) and PgBouncer on loopback,
+## under build/fleet/ (docs/fleet.md); a no-op when it runs already.
+fleet: fleet-postgres
+
+fleet-postgres:
+	scripts/fleet/postgres.sh start
+
+fleet-stop:
+	scripts/fleet/postgres.sh stop
+
+## Failover and pooling tests against the fleet; prints the recovery times.
+fleet-test: $(STAMP) services fleet
+	$(BIN)/python -m pytest -m fleet -s tests/fleet $(PYTEST_ARGS)
 
 ## Property-based fuzzing of every RPC, ten times deeper than in `make test`
 ## (several minutes); failing examples are kept in .hypothesis/ and replayed first.

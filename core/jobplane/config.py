@@ -14,6 +14,7 @@ from pathlib import Path
 
 from jobplane.config_checks import (
     OTLP_GRPC_MODULE,
+    database_direct_url,
     database_url,
     with_dashboard,
     with_ingest,
@@ -106,6 +107,10 @@ class Settings:
     """Everything a jobplane process reads from its environment."""
 
     database_url: str = DEFAULT_DATABASE_URL
+    # What needs a session of its own goes straight to Postgres, past a
+    # PgBouncer in transaction pooling: LISTEN, migrations, advisory locks held
+    # across statements (JOBPLANE_DATABASE_DIRECT_URL; None: database_url).
+    database_direct_url: str | None = None
     amqp_url: str = DEFAULT_AMQP_URL
     listen: str = DEFAULT_LISTEN
     address: str = DEFAULT_LISTEN
@@ -155,6 +160,11 @@ class Settings:
     inline_bytes: int = DEFAULT_INLINE_BYTES
     # Delayed jobs (docs/scheduling.md): how far ahead a job may be scheduled.
     max_schedule_seconds: float = DEFAULT_MAX_SCHEDULE_SECONDS
+
+    @property
+    def direct_url(self) -> str:
+        """The URL of what must reach Postgres itself (LISTEN, migrations, session locks)."""
+        return self.database_direct_url or self.database_url
 
     @property
     def blobs_enabled(self) -> bool:
@@ -242,6 +252,7 @@ class Settings:
         settings = replace(
             base,
             database_url=database_url(env, base.database_url),
+            database_direct_url=database_direct_url(env, base.database_direct_url),
             amqp_url=env.get("JOBPLANE_AMQP_URL", base.amqp_url),
             listen=env.get("JOBPLANE_LISTEN", base.listen),
             address=env.get("JOBPLANE_ADDRESS", base.address),

@@ -72,6 +72,34 @@ def database_url(env: Mapping[str, str], default: str) -> str:
     return url
 
 
+def database_direct_url(env: Mapping[str, str], default: str | None) -> str | None:
+    """JOBPLANE_DATABASE_DIRECT_URL: Postgres itself, never PgBouncer; checked.
+
+    Unset, while JOBPLANE_DATABASE_URL leads to PgBouncer (``pgbouncer=true``),
+    is refused: LISTEN and the locks held across statements need a session of
+    their own, which transaction pooling does not keep (ADR-0048).
+    """
+    url = env.get("JOBPLANE_DATABASE_DIRECT_URL", "").strip() or default
+    if url is not None:
+        try:
+            pooled = connect_options(url).pgbouncer
+        except ValueError as exc:
+            raise ConfigError(f"JOBPLANE_DATABASE_DIRECT_URL: {exc}") from None
+        if pooled:
+            raise ConfigError(
+                "JOBPLANE_DATABASE_DIRECT_URL: leads to Postgres itself, "
+                "not through PgBouncer (drop pgbouncer=true)"
+            )
+        return url
+    main = env.get("JOBPLANE_DATABASE_URL")
+    if main is not None and connect_options(main).pgbouncer:
+        raise ConfigError(
+            "JOBPLANE_DATABASE_DIRECT_URL is needed when JOBPLANE_DATABASE_URL has "
+            "pgbouncer=true: LISTEN, migrations and session locks go straight to Postgres"
+        )
+    return None
+
+
 def with_s3(env: Mapping[str, str], base: Settings) -> Settings:
     """``base`` with the object-storage settings, checked."""
     max_payload = base.max_payload_bytes

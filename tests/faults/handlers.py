@@ -53,7 +53,9 @@ PIPELINE_STAGES = ("one", "two", "three")
 
 
 async def _db() -> asyncpg.Pool:
-    url = os.environ["JOBPLANE_DATABASE_URL"].replace("postgresql+asyncpg", "postgresql")
+    # Postgres itself: past a PgBouncer in transaction pooling (tests/fleet).
+    url = os.environ.get("JOBPLANE_DATABASE_DIRECT_URL") or os.environ["JOBPLANE_DATABASE_URL"]
+    url = url.replace("postgresql+asyncpg", "postgresql")
     if url not in _pools:
         _pools[url] = await asyncpg.create_pool(url, min_size=1, max_size=4)
     return _pools[url]

@@ -87,3 +87,20 @@ async def test_a_connection_timed_out_while_being_made_is_the_database_down() ->
             await db.close()
     assert database_down(waited.value)
     assert not pool_exhausted(waited.value)
+
+
+def test_no_writable_host_of_a_multi_host_url_is_unavailable_not_internal() -> None:
+    # target_session_attrs=read-write while a failover has left no primary:
+    # asyncpg raises an InternalClientError subclass, which must not be INTERNAL.
+    raw = asyncpg.TargetServerAttributeNotMatched("None of the hosts match the target attribute")
+    for error in (raw, _through_sqlalchemy(raw), _wrapped(raw, "(connect)", None)):
+        assert database_down(error), repr(error)
+        assert error_for(error, "SubmitJob").code is grpc.StatusCode.UNAVAILABLE
+
+
+@pytest.mark.parametrize("state", ["25006", "57P01", "08006"])
+def test_a_demoted_or_shut_down_primary_is_unavailable_not_internal(state: str) -> None:
+    # 25006: a statement on the old primary after it became a standby;
+    # 57P01: its sessions ended by the switchover's shutdown.
+    for error in (_asyncpg_error(state), _through_sqlalchemy(_asyncpg_error(state))):
+        assert error_for(error, "SubmitJob").code is grpc.StatusCode.UNAVAILABLE

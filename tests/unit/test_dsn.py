@@ -93,3 +93,61 @@ def test_a_url_is_shown_without_its_passwords() -> None:
     shown = redacted(url)
     assert shown == "postgresql://u:***@h1:5432,h2:5433/db?sslpassword=***&sslmode=require"
     assert redacted("postgresql://u@h/db?password=s3cret") == "postgresql://u@h/db?password=***"
+
+
+BOUNCER = "postgresql://u@bouncer:6432/db?pgbouncer=true&sslmode=require"
+DIRECT = "postgresql://u@h1:5432,h2:5432/db?target_session_attrs=read-write"
+
+
+@pytest.mark.parametrize("value", ["true", "1", "yes", "on", "TRUE"])
+def test_pgbouncer_turns_off_the_statement_cache_and_is_never_sent(value: str) -> None:
+    options = connect_options(f"postgresql://u@bouncer/db?pgbouncer={value}&sslmode=require")
+    assert options.pgbouncer
+    assert options.kwargs == {"statement_cache_size": 0}
+    assert options.dsn == "postgresql://u@bouncer/db?sslmode=require"
+
+
+def test_without_pgbouncer_the_statement_cache_is_asyncpgs() -> None:
+    for url in ("postgresql://u@h/db", "postgresql://u@h/db?pgbouncer=false"):
+        options = connect_options(url)
+        assert not options.pgbouncer
+        assert "statement_cache_size" not in options.kwargs
+        assert "pgbouncer" not in options.dsn
+
+
+def test_a_pgbouncer_value_that_is_no_yes_or_no_is_refused() -> None:
+    with pytest.raises(ValueError, match="pgbouncer must be true or false, not 'maybe'"):
+        connect_options("postgresql://u@h/db?pgbouncer=maybe")
+
+
+def test_the_direct_url_defaults_to_the_database_url() -> None:
+    settings = Settings.from_env({"JOBPLANE_DATABASE_URL": DIRECT})
+    assert settings.database_direct_url is None
+    assert settings.direct_url == DIRECT
+
+
+def test_through_pgbouncer_listen_and_migrations_take_the_direct_url() -> None:
+    settings = Settings.from_env(
+        {"JOBPLANE_DATABASE_URL": BOUNCER, "JOBPLANE_DATABASE_DIRECT_URL": DIRECT}
+    )
+    assert settings.database_url == BOUNCER
+    assert settings.direct_url == DIRECT
+
+
+def test_pgbouncer_without_a_direct_url_is_refused_at_start() -> None:
+    with pytest.raises(ConfigError, match="JOBPLANE_DATABASE_DIRECT_URL is needed"):
+        Settings.from_env({"JOBPLANE_DATABASE_URL": BOUNCER})
+
+
+@pytest.mark.parametrize(
+    ("direct", "reason"),
+    [
+        (BOUNCER, "not through PgBouncer"),
+        ("postgresql://u@h/db?sslmode=on", "sslmode must be one of"),
+        ("mysql://u@h/db", "starts with postgresql://"),
+    ],
+)
+def test_a_direct_url_that_cannot_work_is_refused_at_start(direct: str, reason: str) -> None:
+    env = {"JOBPLANE_DATABASE_URL": BOUNCER, "JOBPLANE_DATABASE_DIRECT_URL": direct}
+    with pytest.raises(ConfigError, match=f"JOBPLANE_DATABASE_DIRECT_URL: .*{reason}"):
+        Settings.from_env(env)

@@ -203,7 +203,7 @@ class BlobStore:
         if engine is None:
             from jobplane.store.engine import create_engine
 
-            engine = create_engine(settings.database_url, pool_size=8)
+            engine = create_engine(settings.direct_url, pool_size=8)
         return cls(
             engine,
             url=settings.s3_url,

@@ -51,7 +51,7 @@ from sqlalchemy.exc import DBAPIError, IntegrityError
 from sqlalchemy.sql.elements import TextClause
 
 from jobplane.store.down import PoolExhausted
-from jobplane.store.dsn import connect_options
+from jobplane.store.dsn import ConnectOptions, connect_options
 
 log = structlog.get_logger("jobplane.db")
 
@@ -227,6 +227,27 @@ def _json_text(value: Any) -> str:
     return value
 
 
+def _pool_options(connect: ConnectOptions) -> dict[str, Any]:
+    """asyncpg's pool arguments for ``connect``: the statement cache and session settings.
+
+    Through PgBouncer in transaction pooling (``pgbouncer=true``) a session
+    keeps nothing between transactions: no statement is cached (each is
+    prepared unnamed in the round trip that runs it) and no setting is sent
+    at connect (PgBouncer would refuse one it does not know).
+    """
+    if connect.pgbouncer:
+        return {**connect.kwargs, "statement_cache_size": 0}
+    return {
+        **connect.kwargs,
+        "statement_cache_size": STATEMENT_CACHE_SIZE,
+        "max_cacheable_statement_size": MAX_CACHEABLE_STATEMENT,
+        "max_cached_statement_lifetime": STATEMENT_LIFETIME,
+        # Short statements: compiling one (JIT) costs more than it saves, and
+        # a misestimated plan would pay it every time.
+        "server_settings": {"jit": "off"},
+    }
+
+
 async def _init(conn: asyncpg.Connection) -> None:
     # As SQLAlchemy's asyncpg dialect: JSON text in, decoded values out.
     for name in ("json", "jsonb"):
@@ -288,17 +309,11 @@ class Database:
             if self._pool is None:
                 self._pool = await asyncpg.create_pool(
                     self._connect.dsn,
-                    **self._connect.kwargs,
+                    **_pool_options(self._connect),
                     min_size=0,
                     max_size=self._size,
                     init=_init,
                     reset=_keep_session,
-                    statement_cache_size=STATEMENT_CACHE_SIZE,
-                    max_cacheable_statement_size=MAX_CACHEABLE_STATEMENT,
-                    max_cached_statement_lifetime=STATEMENT_LIFETIME,
-                    # Short statements: compiling one (JIT) costs more than it
-                    # saves, and a misestimated plan would pay it every time.
-                    server_settings={"jit": "off"},
                 )
             return self._pool
 

@@ -39,6 +39,9 @@ _DOWN_TYPES: tuple[type[BaseException], ...] = (
     OSError,  # includes ConnectionError and TimeoutError
     asyncpg.PostgresConnectionError,
     asyncpg.ConnectionDoesNotExistError,
+    # Several hosts, none of them what target_session_attrs asks for: during a
+    # failover no node is writable for a few seconds (ADR-0048).
+    asyncpg.TargetServerAttributeNotMatched,
 )
 
 

@@ -15,6 +15,13 @@ binding), ``require`` is refused, since it could not be honoured. Anything
 else asyncpg does not know it sends to the server as a setting
 (``application_name=…``), as libpq does.
 
+``pgbouncer=true`` is jobplane's own parameter, never sent: the URL leads to
+PgBouncer in transaction pooling, where a session's prepared statements do
+not outlive its transaction (PgBouncer 1.18 keeps none across server
+connections). asyncpg is then told to cache none (``statement_cache_size=0``:
+it prepares each statement unnamed, in the round trip that runs it) and
+SQLAlchemy's dialect likewise (``ConnectOptions.pgbouncer``; ADR-0048).
+
 Nothing here imports a driver: the configuration checks a URL with it.
 """
 
@@ -35,6 +42,12 @@ class ConnectOptions:
 
     dsn: str
     kwargs: dict[str, Any] = field(default_factory=dict)
+    #: The URL leads to PgBouncer in transaction pooling (``pgbouncer=true``).
+    pgbouncer: bool = False
+
+
+_TRUE = ("true", "1", "yes", "on")
+_FALSE = ("false", "0", "no", "off")
 
 
 def _params(query: str) -> list[tuple[str, str, str]]:
@@ -59,8 +72,14 @@ def connect_options(url: str) -> ConnectOptions:
         )
     kwargs: dict[str, Any] = {}
     kept: list[str] = []
+    pgbouncer = False
     _named_database(parts.path, parts.query)
     for name, value, pair in _params(parts.query):
+        if name == "pgbouncer":
+            if value.lower() not in _TRUE + _FALSE:
+                raise ValueError(f"pgbouncer must be true or false, not {value!r}")
+            pgbouncer = value.lower() in _TRUE
+            continue
         if name == "connect_timeout":
             try:
                 seconds = float(value)
@@ -88,7 +107,9 @@ def connect_options(url: str) -> ConnectOptions:
             )
         kept.append(pair)
     dsn = urlunsplit(("postgresql", parts.netloc, parts.path, "&".join(kept), parts.fragment))
-    return ConnectOptions(dsn, kwargs)
+    if pgbouncer:
+        kwargs["statement_cache_size"] = 0
+    return ConnectOptions(dsn, kwargs, pgbouncer)
 
 
 def database_name(url: str) -> str | None:

@@ -55,6 +55,11 @@ def create_engine(url: str, *, pool_size: int = 10, **kwargs: Any) -> AsyncEngin
     Connections are opened by asyncpg from the libpq-style URL (module
     docstring): SQLAlchemy would hand the URL's parameters (``sslmode``) to
     asyncpg as keyword arguments it does not take.
+
+    Through PgBouncer in transaction pooling (``pgbouncer=true``) the
+    dialect keeps no prepared statement either, and prepares each one
+    unnamed: a named one would stay on the server connection PgBouncer lent
+    for one transaction, and the next statement may get another.
     """
     options = connect_options(url)
 
@@ -62,9 +67,18 @@ def create_engine(url: str, *, pool_size: int = 10, **kwargs: Any) -> AsyncEngin
         conn: asyncpg.Connection = await asyncpg.connect(options.dsn, **options.kwargs)
         return conn
 
+    dialect_args: dict[str, Any] = {"async_creator_fn": connect}
+    if options.pgbouncer:
+        dialect_args["prepared_statement_cache_size"] = 0
+        dialect_args["prepared_statement_name_func"] = _unnamed
+
+    def creator() -> Any:
+        # What async_creator= does, with the dialect's arguments passed on too.
+        return engine.sync_engine.dialect.dbapi.connect(**dialect_args)  # type: ignore[union-attr]
+
     engine = create_async_engine(
         _engine_url(url),
-        async_creator=connect,
+        creator=creator,
         pool_size=pool_size,
         max_overflow=0,
         pool_pre_ping=False,
@@ -73,6 +87,13 @@ def create_engine(url: str, *, pool_size: int = 10, **kwargs: Any) -> AsyncEngin
     )
     event.listen(engine.sync_engine.pool, "checkout", _refuse_closed)
     return engine
+
+
+def _unnamed() -> str:
+    # asyncpg prepares a statement named "" as the unnamed one, and prepares it
+    # again after a type introspection (whose Sync would let PgBouncer hand the
+    # server connection to another client) replaced it.
+    return ""
 
 
 def _refuse_closed(

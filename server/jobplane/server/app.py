@@ -182,6 +182,7 @@ class JobplaneServer(Lifecycle):
         metrics: Metrics = NO_METRICS,
         db: Database | None = None,
         max_schedule_seconds: float = DEFAULT_MAX_SCHEDULE_SECONDS,
+        listen_url: str | None = None,
     ) -> None:
         if not 0 < max_payload_bytes <= MAX_PAYLOAD_BYTES_LIMIT:
             # Past it, a job could be too large for the SDK to read back.
@@ -196,11 +197,13 @@ class JobplaneServer(Lifecycle):
         self._max_payload_bytes = max_payload_bytes
         # The caller's (None: blobs disabled, BlobService answers BLOBS_DISABLED).
         self.blobs = blobs
-        self.hub = Listener(database_url, EVENTS_CHANNEL)
+        # LISTEN needs a session of its own: past PgBouncer (ADR-0048).
+        listen_url = listen_url or database_url
+        self.hub = Listener(listen_url, EVENTS_CHANNEL)
         self.keys = KeyStore(engine, cache_seconds=key_cache_seconds)
         # Revocations reach this process's key cache by notification; a
         # reconnect of the listener (notifications lost) drops the cache.
-        self.key_events = Listener(database_url, KEYS_CHANNEL)
+        self.key_events = Listener(listen_url, KEYS_CHANNEL)
         self.key_events.on_notify(self.keys.forget)
         self.key_events.on_reset(self.keys.clear_cache)
         self.limiter = TenantLimiter(limits or TenantLimits())
@@ -213,7 +216,7 @@ class JobplaneServer(Lifecycle):
             blobs=blobs,
             max_schedule_seconds=max_schedule_seconds,
         )
-        self.event_hub = Listener(database_url, DOMAIN_EVENTS_CHANNEL)
+        self.event_hub = Listener(listen_url, DOMAIN_EVENTS_CHANNEL)
         self.events = EventService(
             EventStore(engine),
             self.event_hub,

@@ -51,7 +51,7 @@ async def _migrate(_args: argparse.Namespace) -> int:
     from jobplane.store.routes import sync_submit_rules
 
     settings, topology = _settings_and_topology()
-    await migrate(settings.database_url)
+    await migrate(settings.direct_url)
     print("database is at the latest migration", file=sys.stderr)
     engine = create_engine(settings.database_url, pool_size=1)
     try:
@@ -106,6 +106,7 @@ def _server(
         metrics=metrics or NO_METRICS,
         db=db,
         max_schedule_seconds=settings.max_schedule_seconds,
+        listen_url=settings.direct_url,
     )
 
 
@@ -246,6 +247,7 @@ async def _ui(args: argparse.Namespace) -> int:
             limiter=limiter,
             max_payload_bytes=settings.max_payload_bytes,
             db_pool_size=settings.db_pool_size,
+            listen_url=settings.direct_url,
         )
         ui = await _dashboard(stack, settings, backend, listen, setting)
         _say(None, f"dashboard on {ui.url}")  # logged as ui.listening

@@ -86,7 +86,7 @@ async def _dev(args: argparse.Namespace) -> int:
         registry = _with_ingest(registry, ingest, settings, topology)
         if registry is None:
             return 2
-    await migrate(settings.database_url)
+    await migrate(settings.direct_url)
     engine = create_engine(settings.database_url, pool_size=settings.db_engine_pool_size)
     async with AsyncExitStack() as stack:
         stack.push(_stopped_in_order(args))
@@ -192,6 +192,7 @@ def _dev_relay(
         interceptors=observed,
         db=db,
         in_flight=relay_in_flight(db.size),
+        listen_url=settings.direct_url,
     )
     return relay, Sweeper(engine, topology=topology, interceptors=observed, faults=faults)
 

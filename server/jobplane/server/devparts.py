@@ -357,6 +357,7 @@ def _dev_worker(
         interceptors=_worker_interceptors(metrics),
         db=db,
         sync_threads=settings.sync_threads,
+        listen_url=settings.direct_url,
     )
 
 
@@ -435,6 +436,7 @@ async def _dev_relay_part(args: argparse.Namespace) -> int:
             interceptors=observed,
             db=relay_db,
             in_flight=in_flight,
+            listen_url=settings.direct_url,
         )
         sweeper = Sweeper(engine, topology=topology, interceptors=observed, faults=faults)
         if ops is not None:

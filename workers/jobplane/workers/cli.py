@@ -86,6 +86,7 @@ async def _relay(args: argparse.Namespace) -> int:
             db=relay_db,
             in_flight=in_flight,
             fair=_fair_settings(args),
+            listen_url=settings.direct_url,
         )
         sweeper = (
             None
@@ -151,6 +152,7 @@ async def _sweep(args: argparse.Namespace) -> int:
             db=relay_db,
             in_flight=in_flight,
             fair=_fair_settings(args),
+            listen_url=settings.direct_url,
         )
         while True:
             report = await _swept(sweeper, args)
@@ -297,6 +299,7 @@ async def _worker(args: argparse.Namespace) -> int:
             interceptors=_worker_interceptors(metrics),
             db=db,
             sync_threads=settings.sync_threads,
+            listen_url=settings.direct_url,
         )
         if ops is not None:
             ops.add_check("broker", worker.not_ready)

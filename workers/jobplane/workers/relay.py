@@ -161,11 +161,14 @@ class Relay(EventFeedPublishing, BrokerLink, Lifecycle):
         db: Database | None = None,
         in_flight: int = 4,
         fair: FairSettings | None = None,
+        listen_url: str | None = None,
     ) -> None:
         """``interceptors`` see the relay's publishes and what the broker did
         (the process hands tracing's and metrics'; none: nothing is observed).
         ``fair``: the flow control of job dispatches (default: on, with the
-        defaults of :class:`FairSettings`; ``FairSettings(enabled=False)``: off)."""
+        defaults of :class:`FairSettings`; ``FairSettings(enabled=False)``: off).
+        ``listen_url``: where its LISTEN connection goes (default: ``database_url``;
+        past PgBouncer, ADR-0048)."""
         self._intercept = chain_relay(interceptors)
         self._engine = engine
         # The outbox's and the feed's statements run on asyncpg (ADR-0030):
@@ -185,10 +188,10 @@ class Relay(EventFeedPublishing, BrokerLink, Lifecycle):
         self._poll_seconds = poll_seconds
         self._publish_timeout = publish_timeout
         self._faults = faults
-        self._wakeups = Listener(database_url, OUTBOX_CHANNEL)
+        self._wakeups = Listener(listen_url or database_url, OUTBOX_CHANNEL)
         self._feed = EventFeed(self._db)
         self._event_batch_size = event_batch_size
-        self._event_wakeups = Listener(database_url, DOMAIN_EVENTS_CHANNEL)
+        self._event_wakeups = Listener(listen_url or database_url, DOMAIN_EVENTS_CHANNEL)
         self._task: asyncio.Task[None] | None = None
         self._feed_task: asyncio.Task[None] | None = None
         self._unroutable_after = unroutable_after

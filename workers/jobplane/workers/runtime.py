@@ -65,6 +65,7 @@ class Worker(Deliveries, Lifecycle):
     is a whole process's life.
     """
 
+    # long: one keyword per setting of a worker, each kept as it is given
     def __init__(
         self,
         engine: AsyncEngine,
@@ -93,6 +94,7 @@ class Worker(Deliveries, Lifecycle):
         group_max: int = DEFAULT_GROUP_MAX,
         db: Database | None = None,
         sync_threads: int | None = None,
+        listen_url: str | None = None,
     ) -> None:
         _check_sizes(concurrency, group_max, sync_threads)
         # Plain ``def`` handlers run in these threads; no more than the slots
@@ -115,7 +117,7 @@ class Worker(Deliveries, Lifecycle):
         self._progress = ProgressFlusher(self._store, window=progress_window)
         self._retry_base_delay = retry_base_delay
         self._faults = faults
-        self._cancels = Listener(database_url, CANCEL_CHANNEL)
+        self._cancels = Listener(listen_url or database_url, CANCEL_CHANNEL)  # ADR-0048
         self._cancels.on_notify(self._on_cancel_notification)
         self._connection: AbstractConnection | None = None
         self.ownership: Ownership | None = None

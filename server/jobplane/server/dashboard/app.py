@@ -350,6 +350,7 @@ async def standalone_backend(
     limiter: TenantLimiter,
     max_payload_bytes: int,
     db_pool_size: int = 10,
+    listen_url: str | None = None,
 ) -> Backend:
     """A backend of its own for ``jobplane ui`` (no gRPC server in the process):
     the same services and listeners a server has, closed with ``stack``."""
@@ -360,9 +361,10 @@ async def standalone_backend(
     from jobplane.store.listen import Listener
     from jobplane.store.rows import DOMAIN_EVENTS_CHANNEL, EVENTS_CHANNEL
 
-    hub = Listener(database_url, EVENTS_CHANNEL)
-    event_hub = Listener(database_url, DOMAIN_EVENTS_CHANNEL)
-    key_events = Listener(database_url, KEYS_CHANNEL)
+    listen_url = listen_url or database_url  # past PgBouncer (ADR-0048)
+    hub = Listener(listen_url, EVENTS_CHANNEL)
+    event_hub = Listener(listen_url, DOMAIN_EVENTS_CHANNEL)
+    key_events = Listener(listen_url, KEYS_CHANNEL)
     keys = KeyStore(engine)
     key_events.on_notify(keys.forget)
     key_events.on_reset(keys.clear_cache)
