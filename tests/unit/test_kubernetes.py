@@ -71,7 +71,9 @@ def _containers(pod: Manifest) -> list[Manifest]:
 
 
 def _keda_schema(kind: str) -> dict[str, Any]:
-    schema: dict[str, Any] = json.loads((SCHEMAS / f"{kind.lower()}-keda-v1alpha1.json").read_text())
+    schema: dict[str, Any] = json.loads(
+        (SCHEMAS / f"{kind.lower()}-keda-v1alpha1.json").read_text()
+    )
     return schema
 
 
@@ -267,7 +269,9 @@ def test_every_deployment_has_a_pdb_that_lets_a_node_drain() -> None:
     for deployment in of_kind(objects, "Deployment"):
         labels = deployment["spec"]["template"]["metadata"]["labels"]
         assert deployment["spec"]["selector"]["matchLabels"].items() <= labels.items()
-        mine = [b for b in budgets if b["spec"]["selector"]["matchLabels"].items() <= labels.items()]
+        mine = [
+            b for b in budgets if b["spec"]["selector"]["matchLabels"].items() <= labels.items()
+        ]
         assert len(mine) == 1, deployment["metadata"]["name"]
         spec = mine[0]["spec"]
         # One pod may always go, or a drain of its node waits for ever.
@@ -341,7 +345,9 @@ def test_the_settings_load_and_the_topology_is_mounted_where_they_say() -> None:
             (mount,) = [m for m in container["volumeMounts"] if m["name"] == "topology"]
             item = volumes["topology"]["configMap"]["items"][0]
             assert Path(mount["mountPath"]) / item["path"] == settings.topology_path, owner
-            refs = {e.get("configMapRef", e.get("secretRef", {}))["name"] for e in container["envFrom"]}
+            refs = {
+                e.get("configMapRef", e.get("secretRef", {}))["name"] for e in container["envFrom"]
+            }
             assert "jobplane-config" in refs, owner
     load_topology(BASE / "topology.toml")
 
@@ -372,7 +378,9 @@ def test_workers_consume_and_scale_on_queues_of_the_topology() -> None:
 
 def test_the_autoscaler_alone_sets_the_workers_replicas() -> None:
     for group in _rendered().values():
-        targets = [o["spec"]["scaleTargetRef"] for o in group if "scaleTargetRef" in o.get("spec", {})]
+        targets = [
+            o["spec"]["scaleTargetRef"] for o in group if "scaleTargetRef" in o.get("spec", {})
+        ]
         assert len(targets) == 1  # one of KEDA and the HPA, never both
         (deployment,) = [
             d for d in of_kind(group, "Deployment") if d["metadata"]["name"] == targets[0]["name"]
