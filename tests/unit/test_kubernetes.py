@@ -9,6 +9,8 @@ import copy
 import inspect
 import json
 import re
+import shutil
+import subprocess
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -16,6 +18,7 @@ from typing import Any
 import jsonschema
 import kubernetes_validate
 import pytest
+import yaml
 from yamllint import linter
 from yamllint.config import YamlLintConfig
 
@@ -111,6 +114,31 @@ def test_every_manifest_is_valid_for_kubernetes(version: str) -> None:
             _validate(manifest, version)
         except Exception as exc:  # the failure names the object
             pytest.fail(f"{name} is not valid for Kubernetes {version}: {exc}")
+
+
+def _identity(manifest: Manifest) -> tuple[str, str, str, str]:
+    """Kind, name (a generated one without its hash), namespace and labels."""
+    name = manifest["metadata"]["name"]
+    if manifest["kind"] == "ConfigMap":
+        name = re.sub(r"-[a-z0-9]{10}$", "", name)
+    labels = json.dumps(manifest["metadata"].get("labels", {}), sort_keys=True)
+    return manifest["kind"], name, manifest["metadata"].get("namespace", ""), labels
+
+
+@pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl is not installed")
+@pytest.mark.parametrize("folder", [BASE, HPA], ids=["base", "hpa"])
+def test_the_tests_render_what_kubectl_renders(folder: Path) -> None:
+    out = subprocess.run(
+        ["kubectl", "kustomize", str(folder)], check=True, capture_output=True, text=True
+    ).stdout
+    theirs = [o for o in yaml.safe_load_all(out) if o]
+    ours = render(folder)
+    assert sorted(map(_identity, theirs)) == sorted(map(_identity, ours))
+    images = [
+        sorted(c["image"] for _, pod in pod_specs(o) for c in _containers(pod))
+        for o in (theirs, ours)
+    ]
+    assert images[0] == images[1]
 
 
 def test_validation_fails_on_a_broken_manifest() -> None:
