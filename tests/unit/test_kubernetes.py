@@ -318,10 +318,11 @@ def test_every_image_names_one_tag_the_packages_version() -> None:
     objects = render(BASE)
     images = {c["image"] for _, pod in pod_specs(objects) for c in _containers(pod)}
     assert images == {f"jobplane:{version}"}
-    # A Job's pod template cannot change: each release runs a Job of its own.
-    assert [j["metadata"]["name"] for j in of_kind(objects, "Job")] == [
-        f"jobplane-migrate-{version}"
-    ]
+    # A Job's pod template cannot change: each release runs a Job of its own,
+    # named as a DNS label (its pods' hostname).
+    (job,) = of_kind(objects, "Job")
+    assert job["metadata"]["name"] == f"jobplane-migrate-{version.replace('.', '-')}"
+    assert re.fullmatch(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?", job["metadata"]["name"])
 
 
 def _drain_seconds(args: Any) -> float:
