@@ -141,6 +141,13 @@ def test_the_tests_render_what_kubectl_renders(folder: Path) -> None:
     assert images[0] == images[1]
 
 
+def test_every_object_lands_in_the_namespace() -> None:
+    for group in _rendered().values():
+        for manifest in group:
+            if manifest["kind"] != "Namespace":
+                assert manifest["metadata"]["namespace"] == "jobplane", manifest["metadata"]
+
+
 def test_validation_fails_on_a_broken_manifest() -> None:
     deployment = copy.deepcopy(_deployments()[0])
     deployment["spec"]["template"]["spec"]["containers"][0]["readinessProbes"] = {}
