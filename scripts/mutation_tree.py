@@ -46,6 +46,8 @@ REST = (
     "compose.yaml",
     "pyproject.toml",
     "LICENSE",
+    "deploy",
+    "Dockerfile",
 )
 KEEP = {"mutants"}
 IGNORE = shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info")

@@ -1,5 +1,7 @@
-"""`jobplane sweep` as its own process: it ticks recurring schedules, as a relay's
-sweeper does, so `relay --no-sweep` beside `sweep` still runs every schedule.
+"""`jobplane sweep` as its own process: it ticks recurring schedules and ends jobs
+at their deadlines on their own clocks, as a relay's sweeper does, so `relay
+--no-sweep` beside `sweep` (deploy/kubernetes) still runs every schedule and
+deadline; and SIGTERM, a pod's stop, ends its loop.
 
 Real processes (`serve`, `relay --no-sweep`, `sweep`) on the test's database
 and vhost; the jobs table says which ticks ran.
@@ -7,12 +9,15 @@ and vhost; the jobs table says which ticks ran.
 
 from __future__ import annotations
 
+import signal
+import time
 from collections.abc import AsyncIterator
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
 
-from jobplane.client import Overlap
+from jobplane.client import JobState, Overlap
 from jobplane.schedule_types import SCHEDULE_LABEL
 from jobplane.topology import Topology
 from tests.faults.cluster import Cluster
@@ -75,3 +80,27 @@ async def test_sweep_once_ticks_the_due_schedules(cluster: Cluster) -> None:
     once = await cluster._spawn(["sweep", "--once"], "leases:")
     assert await once.wait() == 0
     assert await _runs(cluster, "hourly") == 1
+
+
+async def test_a_sweep_process_ends_a_job_at_its_deadline_between_its_passes(
+    cluster: Cluster,
+) -> None:
+    await cluster.server()
+    # Passes a minute apart: only the deadline loop can end the job in time.
+    sweep = await cluster._spawn(["sweep", "--interval", "60"], "leases:")
+    async with cluster.client() as client:
+        job = await client.submit("fault.work", {"ms": 1}, deadline=timedelta(seconds=1))
+        started = time.monotonic()
+        done = await client.wait(job.name, timeout=30)
+    assert done.state is JobState.FAILED
+    assert done.error is not None and done.error.code == "DEADLINE_EXCEEDED"
+    assert time.monotonic() - started < 15  # its deadline and about a second
+    assert sweep.alive
+
+
+async def test_sigterm_ends_the_sweep_loop_between_passes(cluster: Cluster) -> None:
+    sweep = await cluster._spawn(["sweep", "--interval", "60"], "leases:")
+    sweep.kill(signal.SIGTERM)
+    # Status 0 once its schedulers and pools are closed, not killed by the signal
+    # (-15), nor waiting out the interval.
+    assert await sweep.wait(timeout=15) == 0

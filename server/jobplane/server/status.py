@@ -15,7 +15,7 @@ from grpc_status import rpc_status
 
 from jobplane.errors import ERROR_DOMAIN, InternalError, JobplaneError
 from jobplane.logs import describe_error
-from jobplane.store.down import DatabaseUnavailable, database_down, pool_exhausted
+from jobplane.store.down import DatabaseUnavailable, database_down, pool_exhausted, sqlstate
 
 log = structlog.get_logger("jobplane.server")
 
@@ -23,6 +23,11 @@ log = structlog.get_logger("jobplane.server")
 # UNAVAILABLE, not INTERNAL: the call may be repeated (submit is idempotent by
 # request_id; watch resumes by seq).
 DB_UNAVAILABLE = DatabaseUnavailable("the database is busy or unreachable right now; retry")
+# Postgres refused the statement for want of room, not for what it is:
+# disk_full (a data file could not grow) and out_of_memory. The transaction
+# wrote nothing, and the same call passes once an operator has made room
+# (docs/operations.md, "A full disk"): UNAVAILABLE, not INTERNAL.
+_OUT_OF_ROOM = frozenset({"53100", "53200"})
 
 
 def error_for(exc: Exception, rpc: str) -> JobplaneError:
@@ -31,6 +36,9 @@ def error_for(exc: Exception, rpc: str) -> JobplaneError:
         return exc
     if database_down(exc):
         log.warning("rpc.database_unavailable", rpc=rpc, error=describe_error(exc))
+        return DB_UNAVAILABLE
+    if sqlstate(exc) in _OUT_OF_ROOM:
+        log.warning("rpc.database_full", rpc=rpc, error=describe_error(exc))
         return DB_UNAVAILABLE
     if pool_exhausted(exc):  # the database answers: the pool is too small for the load
         log.warning("rpc.database_pool_exhausted", rpc=rpc, error=describe_error(exc))

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import sys
 from contextlib import AsyncExitStack
@@ -33,6 +34,7 @@ from jobplane.process import (
     _settings_and_topology,
     _start_ops,
     _started,
+    _stop_signals,
     _tracing,
     _until_signal,
     _worker_interceptors,
@@ -136,9 +138,12 @@ async def _sweep(args: argparse.Namespace) -> int:
             faults=faults,
         )
         scheduler = sweeper.scheduler
-        if scheduler is not None and not args.once:
-            # Schedules tick beside the passes, every second, as a relay's sweeper ticks them.
-            await _started(stack, scheduler.start, scheduler.stop)
+        if not args.once:
+            # Schedules tick beside the passes, every second, and deadlines are looked
+            # at on a clock of their own (about a second), as in a relay's sweeper.
+            if scheduler is not None:
+                await _started(stack, scheduler.start, scheduler.stop)
+            await _started(stack, sweeper.deadlines.start, sweeper.deadlines.stop)
         relay_db, in_flight = _relay_pool(stack, settings)
         # Its one pass traces as the relay does; its rows are counted by the relays.
         relay = Relay(
@@ -154,30 +159,43 @@ async def _sweep(args: argparse.Namespace) -> int:
             fair=_fair_settings(args),
             listen_url=settings.direct_url,
         )
-        while True:
-            report = await _swept(sweeper, args)
-            if report is None:
-                continue
-            if args.once and scheduler is not None:
-                await scheduler.tick_once()
-            published = await _drained(relay, args)
-            _say(
-                "sweep.done",
-                f"leases: {report.requeued} requeued, {report.failed} failed; "
-                f"dispatches: {report.republished} re-published; "
-                f"outbox: {published} published, {report.stuck_outbox} were stuck",
-                requeued=report.requeued,
-                failed=report.failed,
-                republished=report.republished,
-                published=published,
-                stuck_outbox=report.stuck_outbox,
-            )
-            if args.once:
-                return 0
-            await asyncio.sleep(args.interval)
+        if args.once:
+            await _sweep_pass(sweeper, relay, args)
+            return 0
+        # SIGTERM (a pod's stop) ends the loop between passes: a pass is not cut short.
+        with _stop_signals() as stop:
+            while not stop.is_set():
+                if not await _sweep_pass(sweeper, relay, args):
+                    continue  # the database was down: _swept waited already
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), args.interval)
+        return 0
     finally:
         await stack.aclose()
         await engine.dispose()
+
+
+async def _sweep_pass(sweeper: Sweeper, relay: Relay, args: argparse.Namespace) -> bool:
+    """One pass of ``jobplane sweep``, said as ``sweep.done``; False when the
+    database was down (said so, and waited ``--interval``)."""
+    report = await _swept(sweeper, args)
+    if report is None:
+        return False
+    if args.once and sweeper.scheduler is not None:
+        await sweeper.scheduler.tick_once()
+    published = await _drained(relay, args)
+    _say(
+        "sweep.done",
+        f"leases: {report.requeued} requeued, {report.failed} failed; "
+        f"dispatches: {report.republished} re-published; "
+        f"outbox: {published} published, {report.stuck_outbox} were stuck",
+        requeued=report.requeued,
+        failed=report.failed,
+        republished=report.republished,
+        published=published,
+        stuck_outbox=report.stuck_outbox,
+    )
+    return True
 
 
 async def _swept(sweeper: Sweeper, args: argparse.Namespace) -> SweepReport | None:
