@@ -174,10 +174,15 @@ class BlobStore:
         part_bytes: int = PART_BYTES,
         owns_engine: bool = False,
         faults: FaultPoints = NO_FAULTS,
+        lock_engine: AsyncEngine | None = None,
     ) -> None:
         if part_bytes < 5 * 1024 * 1024:
             raise ValueError("part_bytes must be at least 5 MiB (S3's least part)")
         self._engine = engine
+        # A delete holds a session advisory lock across the S3 call: behind a
+        # pooler in transaction mode that needs a connection of its own
+        # (JOBPLANE_DATABASE_DIRECT_URL); everything else goes by ``engine``.
+        self._lock_engine = lock_engine if lock_engine is not None else engine
         self._owns_engine = owns_engine
         self._faults = faults
         self.url = url
@@ -200,10 +205,13 @@ class BlobStore:
         if settings.s3_url is None:
             raise BlobsDisabled()
         owns = engine is None
+        lock_engine: AsyncEngine | None = None
         if engine is None:
             from jobplane.store.engine import create_engine
 
-            engine = create_engine(settings.direct_url, pool_size=8)
+            engine = create_engine(settings.database_url, pool_size=8)
+            if settings.direct_url != settings.database_url:
+                lock_engine = create_engine(settings.direct_url, pool_size=1)
         return cls(
             engine,
             url=settings.s3_url,
@@ -215,6 +223,7 @@ class BlobStore:
             max_blob_bytes=settings.max_blob_bytes,
             owns_engine=owns,
             faults=FaultPoints(settings.faults),
+            lock_engine=lock_engine,
         )
 
     async def __aenter__(self) -> BlobStore:
@@ -230,6 +239,8 @@ class BlobStore:
         await self._stack.aclose()
         if self._owns_engine:
             await self._engine.dispose()
+            if self._lock_engine is not self._engine:
+                await self._lock_engine.dispose()
 
     # -- keys and the client ------------------------------------------------
 
@@ -515,7 +526,7 @@ class BlobStore:
         """``deleted``, ``missing`` or ``referenced`` (or, with ``older_than``, ``touched``)."""
         key = _lock_key(tenant, digest)
         params = {"tenant_id": tenant, "digest": digest}
-        async with self._engine.connect() as conn:
+        async with self._lock_engine.connect() as conn:
             # A session lock: held past the row's commit, until the object is gone.
             await conn.execute(_SESSION_LOCK, {"key": key})
             await conn.commit()

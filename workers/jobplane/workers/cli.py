@@ -165,7 +165,7 @@ async def _sweep(args: argparse.Namespace) -> int:
         # SIGTERM (a pod's stop) ends the loop between passes: a pass is not cut short.
         with _stop_signals() as stop:
             while not stop.is_set():
-                if not await _sweep_pass(sweeper, relay, args):
+                if not await _sweep_pass(sweeper, relay, args, stop):
                     continue  # the database was down: _swept waited already
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(stop.wait(), args.interval)
@@ -175,10 +175,12 @@ async def _sweep(args: argparse.Namespace) -> int:
         await engine.dispose()
 
 
-async def _sweep_pass(sweeper: Sweeper, relay: Relay, args: argparse.Namespace) -> bool:
+async def _sweep_pass(
+    sweeper: Sweeper, relay: Relay, args: argparse.Namespace, stop: asyncio.Event | None = None
+) -> bool:
     """One pass of ``jobplane sweep``, said as ``sweep.done``; False when the
     database was down (said so, and waited ``--interval``)."""
-    report = await _swept(sweeper, args)
+    report = await _swept(sweeper, args, stop)
     if report is None:
         return False
     if args.once and sweeper.scheduler is not None:
@@ -198,28 +200,49 @@ async def _sweep_pass(sweeper: Sweeper, relay: Relay, args: argparse.Namespace) 
     return True
 
 
-async def _swept(sweeper: Sweeper, args: argparse.Namespace) -> SweepReport | None:
-    """One pass of ``sweeper``; None when the loop of ``jobplane sweep`` found the
-    database down (said so and waited ``--interval``: the next pass comes at once)."""
+async def _swept(
+    sweeper: Sweeper, args: argparse.Namespace, stop: asyncio.Event | None
+) -> SweepReport | None:
+    """One pass of ``sweeper``; None when the loop of ``jobplane sweep`` could not
+    sweep (said so and waited ``--interval``, or less if ``stop`` is set: the next
+    pass comes at once)."""
     from jobplane.logs import describe_error
-    from jobplane.store.down import database_down
+    from jobplane.store.down import database_down, database_transient
 
     try:
         return await sweeper.sweep_once()
     except Exception as exc:
-        # A loop outlives a database restart or failover; a single pass
-        # reports it (main).
-        if args.once or not database_down(exc):
+        # A loop outlives a database restart, a failover or a full disk, as a
+        # relay's sweeper does; a single pass reports it (main).
+        if args.once:
             raise
-        _say(
-            "database.unavailable",
-            f"database unavailable, not swept: {describe_error(exc)}",
-            level="warning",
-            error=describe_error(exc),
-            retry_in=args.interval,
-        )
-        await asyncio.sleep(args.interval)
+        if database_down(exc):
+            _say(
+                "database.unavailable",
+                f"database unavailable, not swept: {describe_error(exc)}",
+                level="warning",
+                error=describe_error(exc),
+                retry_in=args.interval,
+            )
+        else:
+            _say(
+                "sweeper.db.error" if database_transient(exc) else "sweeper.error",
+                f"sweep failed, trying again: {describe_error(exc)}",
+                level="warning" if database_transient(exc) else "error",
+                error=describe_error(exc),
+                retry_in=args.interval,
+            )
+        await _waited(stop, args.interval)
         return None
+
+
+async def _waited(stop: asyncio.Event | None, seconds: float) -> None:
+    """Sleep ``seconds``, or until ``stop`` is set."""
+    if stop is None:
+        await asyncio.sleep(seconds)
+        return
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(stop.wait(), seconds)
 
 
 async def _drained(relay: Relay, args: argparse.Namespace) -> int:
@@ -232,10 +255,19 @@ async def _drained(relay: Relay, args: argparse.Namespace) -> int:
     try:
         return await relay.drain_once()
     except Exception as exc:
-        # A loop outlives a broker restart; a single pass reports it (main).
-        if args.once or not (broker.broker_down(exc) or database_unavailable(exc)):
+        # A loop outlives a broker restart or a database error; a single pass
+        # reports it (main). The rows stay in the outbox for the next drain.
+        if args.once:
             raise
-        if broker.broker_down(exc):
+        if not (broker.broker_down(exc) or database_unavailable(exc)):
+            _say(
+                "outbox.drain.failed",
+                f"outbox not drained, trying again: {describe_error(exc)}",
+                level="error",
+                error=describe_error(exc),
+                retry_in=args.interval,
+            )
+        elif broker.broker_down(exc):
             _say(
                 "broker.unavailable",
                 f"broker unavailable, outbox not drained: {exc!r}",
