@@ -31,6 +31,7 @@ from jobplane.errors import (
     PayloadTooLarge,
 )
 from jobplane.events.envelope import Event, EventError
+from jobplane.fanout import MAX_FAN_OUT, ItemResult
 from jobplane.names import job_name
 from jobplane.store.attempts import Attempt, ProgressUpdate
 from jobplane.store.events import emitted
@@ -128,6 +129,7 @@ class JobContext:
         self._max_event_payload_bytes = max_event_payload_bytes
         self._emitted: list[Emitted] = []
         self._emitted_bytes = 0
+        self._spawned: list[dict[str, Any]] = []
 
     @property
     def name(self) -> str:
@@ -283,6 +285,39 @@ class JobContext:
         """The result of the stage just before this one, or None (first stage, plain job)."""
         inputs = self.inputs
         return list(inputs.values())[-1] if inputs else None
+
+    @property
+    def fans_out(self) -> bool:
+        """Whether the next stage is a fan-out stage: this one's result (a list, or
+        what :meth:`spawn` gathered) becomes one child job per item (ADR-0047)."""
+        stage = self._attempt.stage
+        return stage is not None and stage.fans_out
+
+    @property
+    def results(self) -> tuple[ItemResult, ...]:
+        """In the stage after a fan-out stage (its join): the children's results, in
+        item order, each with its state and, when it did not succeed, its error.
+        Empty for any other stage."""
+        stage = self._attempt.stage
+        return stage.results or () if stage is not None else ()
+
+    def spawn(self, payload: Mapping[str, Any]) -> None:
+        """Add an item to this stage's fan-out: a child job running the next
+        stage with ``payload``. Items come before those of a returned list.
+        Only in a stage before a fan-out stage; nothing is written until the
+        stage succeeds (the children commit with its success, or not at all)."""
+        if not self.fans_out:
+            raise ValueError("spawn() is for a stage before a fan-out stage")
+        if not isinstance(payload, Mapping):
+            raise TypeError("a spawned item must be an object (the child's payload)")
+        if len(self._spawned) >= MAX_FAN_OUT:
+            raise ValueError(f"at most {MAX_FAN_OUT} items may be spawned")
+        self._spawned.append(dict(payload))
+
+    @property
+    def spawned(self) -> list[dict[str, Any]]:
+        """The items :meth:`spawn` gathered (for the worker)."""
+        return self._spawned
 
     async def progress(
         self, fraction: float, message: str = "", data: dict[str, Any] | None = None

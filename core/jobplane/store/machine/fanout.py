@@ -1,0 +1,126 @@
+"""Fan-out in the machine: the children a FAN_OUT spawns, in its transaction (ADR-0047).
+
+FAN_OUT moves a pipeline job from the stage that returned a list of items
+to the fan-out stage, waiting like a dependent (``waiting_code``
+DEPENDENCIES, ``deps_waiting`` the number of items). :class:`FanOut`, a
+built-in hook, then writes one child job per item in the same transaction
+(the SUBMIT transition: each child's first event and dispatch commit with
+it) and the job's edges to them (``job_dependencies``, ``idx`` the item's
+place), and marks the children ``has_dependents``: each child's end
+settles the job in its own statement, as an end settles any dependent
+(:mod:`jobplane.store.machine.dependencies`), and the last one JOINs it.
+
+A FAN_OUT fenced out changes no row, so the hook never runs for it: a stale
+attempt spawns nothing. A child's request_id names the job, the fan-out
+stage, the attempt that spawned it and its item, so the children of one
+spawn are one set, whatever retries came before.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from sqlalchemy import text
+
+from jobplane.names import job_name
+from jobplane.store.machine.hooks import AnyConn, Cause, Change, Hook
+from jobplane.store.machine.table import Transition, state_is
+from jobplane.types import JobState
+
+if TYPE_CHECKING:
+    from jobplane.store.machine.core import StateMachine
+
+# The job's edges to the children of its last spawn are replaced by this one's.
+_DROP_EDGES = text(
+    "DELETE FROM job_dependencies WHERE job_id = :id AND idx IS NOT NULL RETURNING depends_on"
+)
+_EDGES = text(
+    """
+    WITH e AS (
+        INSERT INTO job_dependencies (job_id, depends_on, tenant_id, idx)
+        SELECT CAST(:id AS uuid), c.id, CAST(:tenant_id AS uuid), c.idx
+        FROM unnest(CAST(:children AS uuid[])) WITH ORDINALITY AS c(id, idx)
+        RETURNING depends_on
+    )
+    UPDATE jobs SET has_dependents = true FROM e WHERE jobs.id = e.depends_on RETURNING jobs.id
+    """
+)
+# The children of the jobs ``:ids`` waits for that have not ended, locked in id order.
+_LIVE_CHILDREN = text(
+    f"""
+    SELECT x.id, x.tenant_id, x.state, x.cancel_requested_at IS NOT NULL AS cancel_requested
+    FROM job_dependencies d JOIN jobs x ON x.id = d.depends_on
+    WHERE d.job_id = ANY (CAST(:ids AS uuid[])) AND d.idx IS NOT NULL AND d.outcome IS NULL
+      AND {state_is(JobState.QUEUED, JobState.RUNNING, column="x.state")}
+    ORDER BY x.id
+    FOR UPDATE OF x
+    """
+)
+
+
+def fan_request_id(job_id: Any, stage: int, attempt: int, index: int) -> str:
+    """The request_id of the child for item ``index`` of ``job_id``'s spawn at
+    ``stage`` by ``attempt`` (its tenant's: unique there)."""
+    return f"fan:{job_id}:{stage}:{attempt}:{index}"
+
+
+class FanOut(Hook):
+    """Writes a FAN_OUT's children and the job's edges to them, in its transaction."""
+
+    def __init__(self) -> None:
+        #: The machine the hook is a hook of: it submits the children.
+        self.machine: StateMachine | None = None
+
+    def follows(self, transition: Transition) -> bool:
+        return transition is Transition.FAN_OUT
+
+    async def after(self, conn: AnyConn, change: Change) -> None:
+        from jobplane.store.job_submit import NewJob, insert_jobs
+        from jobplane.store.machine.core import fetch_rows
+
+        row = change.row
+        items = change.cause.items
+        news = [
+            NewJob(
+                type=row["type"],
+                queue=row["queue"],
+                payload=dict(item),
+                request_id=fan_request_id(row["id"], row["stage"], row["attempt"], index),
+                max_attempts=row["max_attempts"],
+                correlation_id=row["correlation_id"] or "",
+                timeout_seconds=float(row["timeout_seconds"]),
+                deadline=row["deadline"],
+                parent_id=row["id"],
+            )
+            for index, item in enumerate(items)
+        ]
+        ids = [uuid.uuid4() for _ in news]
+        machine = self.machine
+        assert machine is not None, "the machine binds its fan-out hook"
+        params = {"id": row["id"], "tenant_id": row["tenant_id"]}
+        await fetch_rows(conn, _DROP_EDGES, {"id": row["id"]})
+        if news:
+            written = await insert_jobs(machine, conn, row["tenant_id"], news, ids, field="items")
+            if len(written) != len(news):
+                raise RuntimeError(f"{job_name(row['id'])}: a child of this spawn existed")
+            await fetch_rows(conn, _EDGES, {**params, "children": ids})
+        else:
+            # Nothing to wait for: the join is due at once.
+            await machine.apply(conn, Transition.JOIN, {"ids": [row["id"]]}, settles=False)
+
+
+async def cancel_children(machine: StateMachine, conn: AnyConn, ids: Sequence[Any]) -> None:
+    """Cancel the children not ended of the jobs ``ids`` (which failed while
+    waiting for them: a fail-fast policy, or a deadline), in the caller's
+    transaction: QUEUED ones CANCELLED, RUNNING ones asked to cancel."""
+    from jobplane.store.machine.core import fetch_rows
+
+    for row in await fetch_rows(conn, _LIVE_CHILDREN, {"ids": list(ids)}):
+        reason = "its parent's fan-out failed"
+        params = {"id": row["id"], "tenant_id": row["tenant_id"], "reason": reason}
+        if row["state"] == JobState.QUEUED.value:
+            await machine.apply(conn, Transition.CANCEL, params, Cause(reason))
+        elif not row["cancel_requested"]:
+            await machine.apply(conn, Transition.REQUEST_CANCEL, params, Cause(reason))
