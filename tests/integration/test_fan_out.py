@@ -134,3 +134,161 @@ async def test_a_stale_attempt_spawns_nothing(fbare: Stack) -> None:
     await store.succeed(fresh, [{"i": 1}, {"i": 2}])  # type: ignore[arg-type]
     assert await fbare.scalar(count, id=job.id) == 2
     assert (await client.get(job.name)).stage == "embed"
+
+
+async def _run_children(
+    stack: Stack,
+    store: AttemptStore,
+    job: Job,
+    fails: set[int] = frozenset(),  # type: ignore[assignment]
+) -> list[Job]:
+    """Run each child of ``job`` that is QUEUED once: those at ``fails`` fail for good."""
+    children = await _children(stack, job)
+    for child in children:
+        if child.state is JobState.QUEUED:
+            attempt = await _claim(stack, store, child.id)
+            await _end(store, attempt, child.payload["i"] not in fails, i=child.payload["i"])
+    return await _children(stack, job)
+
+
+async def test_all_must_succeed_fails_the_job_once_every_child_ended(fbare: Stack) -> None:
+    store = _store(fbare)
+    client = fbare.client()
+    job = await _split(fbare, store, "docs.ingest", 3)
+    first, *rest = await _children(fbare, job)
+    await _end(store, await _claim(fbare, store, first.id), False, i=0)
+    # One failed, two to end: the job still waits for them.
+    waiting = await client.get(job.name)
+    assert waiting.state is JobState.QUEUED and "2 of its 3 children" in waiting.waiting_reason
+    for child in rest:
+        await _end(store, await _claim(fbare, store, child.id), True, i=1)
+    failed = await client.get(job.name)
+    assert failed.state is JobState.FAILED and failed.stage == "embed"
+    assert failed.error is not None and failed.error.code == "CHILDREN_FAILED"
+    assert "1 of its 3 children" in failed.error.message
+    assert [s.state for s in failed.stages] == [
+        StageState.SUCCEEDED,
+        StageState.FAILED,
+        StageState.PENDING,
+    ]
+
+
+async def test_tolerated_failures_reach_the_join_marked_with_their_errors(fbare: Stack) -> None:
+    store = _store(fbare)
+    client = fbare.client()
+    job = await _split(fbare, store, "docs.tolerant", 3)
+    await _run_children(fbare, store, job, fails={1})
+    joined = await client.get(job.name)
+    assert joined.state is JobState.QUEUED and joined.stage == "index"
+    attempt = await _claim(fbare, store, job.id)
+    assert attempt.stage is not None and attempt.stage.results is not None
+    results = attempt.stage.results
+    assert [r.ok for r in results] == [True, False, True]
+    assert results[1].state is JobState.FAILED and results[1].result is None
+    assert results[1].error is not None and results[1].error.code == "BROKEN"
+    assert results[0].result == {"i": 0} and results[2].result == {"i": 2}
+
+    # One more failure than tolerated: the job fails, the join never runs.
+    other = await _split(fbare, store, "docs.tolerant", 3)
+    await _run_children(fbare, store, other, fails={0, 2})
+    failed = await client.get(other.name)
+    assert failed.state is JobState.FAILED and failed.error is not None
+    assert failed.error.code == "CHILDREN_FAILED" and "(1 tolerated)" in failed.error.message
+
+
+async def test_fail_fast_cancels_the_children_still_running_and_fails_the_job(
+    fbare: Stack,
+) -> None:
+    store = _store(fbare)
+    client = fbare.client()
+    job = await _split(fbare, store, "docs.strict", 3)
+    running, failing, queued = await _children(fbare, job)
+    still = await _claim(fbare, store, running.id)
+    await _end(store, await _claim(fbare, store, failing.id), False, i=1)
+    failed = await client.get(job.name)
+    assert failed.state is JobState.FAILED and failed.error is not None
+    assert failed.error.code == "CHILDREN_FAILED"
+    assert (await client.get(queued.name)).state is JobState.CANCELLED
+    asked = await client.get(running.name)
+    assert asked.state is JobState.RUNNING and asked.cancel_requested
+    # The running child acknowledges: it ends CANCELLED, the job stays FAILED.
+    await store.cancelled(still)
+    assert (await client.get(running.name)).state is JobState.CANCELLED
+    assert (await client.get(job.name)).state is JobState.FAILED
+
+
+async def test_cancel_of_a_fanned_out_job_cancels_its_children(fbare: Stack) -> None:
+    store = _store(fbare)
+    client = fbare.client()
+    job = await _split(fbare, store, "docs.ingest", 3)
+    done, running, queued = await _children(fbare, job)
+    await _end(store, await _claim(fbare, store, done.id), True, i=0)
+    still = await _claim(fbare, store, running.id)
+    cancelled = await client.cancel(job.name, reason="enough")
+    assert cancelled.state is JobState.CANCELLED
+    assert (await client.get(queued.name)).state is JobState.CANCELLED
+    assert (await client.get(running.name)).cancel_requested
+    assert (await client.get(done.name)).state is JobState.SUCCEEDED
+    await store.cancelled(still)
+    assert (await client.get(job.name)).state is JobState.CANCELLED
+    # Nothing dispatches the join of a cancelled job.
+    assert await fbare.scalar("SELECT dispatch_id FROM jobs WHERE id = :id", id=job.id) is None
+
+
+async def test_retry_runs_only_the_failed_children_again(fbare: Stack) -> None:
+    store = _store(fbare)
+    client = fbare.client()
+    job = await _split(fbare, store, "docs.ingest", 4)
+    before = await _run_children(fbare, store, job, fails={1, 3})
+    assert (await client.get(job.name)).state is JobState.FAILED
+    retried = await client.retry(job.name)
+    assert retried.state is JobState.QUEUED and retried.stage == "embed"
+    assert "2 of its children" in retried.waiting_reason
+    again = await _children(fbare, job)
+    # The same child rows: the failed ones QUEUED for a new attempt, the others untouched.
+    assert [c.name for c in again] == [c.name for c in before]
+    for old, new in zip(before, again, strict=True):
+        if old.payload["i"] in (1, 3):
+            assert new.state is JobState.QUEUED and new.attempt == old.attempt
+        else:
+            assert new == old
+    await _run_children(fbare, store, job)
+    joined = await client.get(job.name)
+    assert joined.state is JobState.QUEUED and joined.stage == "index"
+    attempt = await _claim(fbare, store, job.id)
+    assert attempt.stage is not None and attempt.stage.results is not None
+    assert [r.result for r in attempt.stage.results] == [{"i": i} for i in range(4)]
+    runs = "SELECT attempt FROM jobs WHERE parent_id = :id ORDER BY request_id"
+    async with fbare.engine.connect() as conn:
+        attempts = [int(a) for (a,) in await conn.execute(text(runs), {"id": job.id})]
+    assert attempts == [1, 2, 1, 2]
+    # The parent's progress never went back, over the whole run.
+    events = "SELECT progress FROM job_events WHERE job_id = :id ORDER BY seq"
+    async with fbare.engine.connect() as conn:
+        progress = [float(p) for (p,) in await conn.execute(text(events), {"id": job.id})]
+    assert progress == sorted(progress)
+
+
+async def test_a_result_that_is_not_a_list_fails_the_stage_and_spawns_nothing(
+    fbare: Stack,
+) -> None:
+    store = _store(fbare)
+    client = fbare.client()
+    job = await client.submit("docs.ingest", {"doc": "d"})
+    attempt = await _claim(fbare, store, job.id)
+    await store.succeed(attempt, {"not": "a list"})
+    failed = await client.get(job.name)
+    assert failed.state is JobState.FAILED and failed.stage == "split"
+    assert failed.error is not None and failed.error.code == "FAN_OUT_REFUSED"
+    assert "must return a list" in failed.error.message
+    count = "SELECT count(*) FROM jobs WHERE parent_id = :id"
+    assert await fbare.scalar(count, id=job.id) == 0
+
+
+async def test_no_items_join_at_once_with_no_results(fbare: Stack) -> None:
+    store = _store(fbare)
+    client = fbare.client()
+    job = await _split(fbare, store, "docs.ingest", 0)
+    assert job.state is JobState.QUEUED and job.stage == "index" and job.waiting_code == ""
+    attempt = await _claim(fbare, store, job.id)
+    assert attempt.stage is not None and attempt.stage.results == ()
