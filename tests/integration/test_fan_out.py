@@ -287,7 +287,6 @@ async def test_a_result_that_is_not_a_list_fails_the_stage_and_spawns_nothing(
 
 async def test_no_items_join_at_once_with_no_results(fbare: Stack) -> None:
     store = _store(fbare)
-    client = fbare.client()
     job = await _split(fbare, store, "docs.ingest", 0)
     assert job.state is JobState.QUEUED and job.stage == "index" and job.waiting_code == ""
     attempt = await _claim(fbare, store, job.id)

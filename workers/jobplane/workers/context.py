@@ -486,8 +486,8 @@ def _correlation(attempt: Attempt) -> str:
     return str(attempt.job_id)
 
 
-#: An ``async def`` handler.
-Handler = Callable[[JobContext], Coroutine[Any, Any, dict[str, Any]]]
+#: An ``async def`` handler: its result, or a stage's items before a fan-out stage.
+Handler = Callable[[JobContext], Coroutine[Any, Any, "dict[str, Any] | list[dict[str, Any]]"]]
 
 
 def with_offloaded_payload(handler: Handler, *, max_bytes: int) -> Handler:
@@ -498,7 +498,7 @@ def with_offloaded_payload(handler: Handler, *, max_bytes: int) -> Handler:
     ``BLOB_TOO_LARGE``); an object store outage retries it.
     """
 
-    async def run(ctx: JobContext) -> dict[str, Any]:
+    async def run(ctx: JobContext) -> dict[str, Any] | list[dict[str, Any]]:
         ref = ctx._attempt.payload_blob
         if ref is not None and ctx._payload is None:
             data = await ctx.read_blob(ref.name, limit=max_bytes)

@@ -188,8 +188,8 @@ class SyncJobContext:
                     raise AttemptStopped("the worker has stopped") from None
 
 
-#: A plain ``def`` handler, run in a thread.
-SyncHandler = Callable[[SyncJobContext], "dict[str, Any] | None"]
+#: A plain ``def`` handler, run in a thread (a list: a stage's items before a fan-out stage).
+SyncHandler = Callable[[SyncJobContext], "dict[str, Any] | list[dict[str, Any]] | None"]
 
 
 class Threaded:
