@@ -27,22 +27,25 @@ import asyncio
 import contextlib
 import hashlib
 import uuid
-from collections.abc import AsyncIterable, AsyncIterator, Mapping
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterable, AsyncIterator, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal, cast
 
 from jobplane.attempt_end import Retry, RetryPolicy, decide
 from jobplane.blobs.names import blob_name, parse_blob_name
 from jobplane.blobs.reader import BlobInfo, BlobReader
-from jobplane.errors import BlobNotFound, BlobTooLarge, RequestIdReused
+from jobplane.errors import BlobNotFound, BlobTooLarge, PayloadTooLarge, RequestIdReused
 from jobplane.events.envelope import Event
+from jobplane.fanout import FAN_OUT_REFUSED, FanOutRefused, ItemResult, fan_out_items
 from jobplane.store.attempts import Attempt, ProgressUpdate, StageRun
+from jobplane.store.rows import check_payload_size
 from jobplane.topology import load_topology
 from jobplane.workers.children import ChildRequest, child_job
 from jobplane.workers.context import DEFAULT_EVENT_PAYLOAD_BYTES, Handler, JobContext
 from jobplane.workers.outcome import Escaped, check_result, describe, invoke
 from jobplane.workers.plain import SyncHandler, Threaded
 from jobplane.workers.registry import Registry, handler_kind
+from jobplane.workers.running import Ended, spawned_and_returned
 from jobplane.workers.threads import HandlerThreads
 
 __all__ = [
@@ -247,6 +250,9 @@ class Outcome:
     context: JobContext = field(repr=False)
     #: The children this attempt submitted (``ctx.submit``), in order, each once.
     children: list[SubmittedChild] = field(default_factory=list)
+    #: A stage before a fan-out stage (``fans_out=True``) that succeeded: the
+    #: items it spawns, one child each (``ctx.spawn``'s, then the list returned).
+    items: list[dict[str, Any]] | None = None
 
 
 async def run_handler(
@@ -266,6 +272,8 @@ async def run_handler(
     stage: str = "",
     stage_version: str = "",
     inputs: Mapping[str, dict[str, Any]] | None = None,
+    fans_out: bool = False,
+    results: Sequence[ItemResult] | None = None,
     blobs: MemoryBlobs | None = None,
     children: MemoryChildren | None = None,
     cancel_after: float | None = None,
@@ -276,7 +284,9 @@ async def run_handler(
 
     The keyword arguments are the attempt's fields as the handler sees them
     (``ctx.attempt``, ``ctx.stage``, ``ctx.inputs``, …); ``stage`` makes it a
-    pipeline stage's attempt. ``blobs`` is the object store the handler
+    pipeline stage's attempt; ``fans_out`` one before a fan-out stage (its
+    items are the outcome's ``items``), ``results`` a join's (``ctx.results``;
+    ADR-0047). ``blobs`` is the object store the handler
     reads and writes (a new empty one by default); ``children`` keeps what its
     ``ctx.submit`` submits (pass one to several calls). ``cancel_after`` stops the
     attempt after that many seconds as the worker stops a cancelled job:
@@ -289,6 +299,15 @@ async def run_handler(
     fn = _handler_of(handler, job_type)
     store = MemoryBlobs() if blobs is None else blobs
     stage_run = _stage_run(pipeline, pipeline_version, stage, stage_version, inputs)
+    if stage_run is not None and (fans_out or results is not None):
+        stage_run = replace(
+            stage_run,
+            count=stage_run.count + 1 if fans_out else stage_run.count,
+            fans_out=fans_out,
+            results=None if results is None else tuple(results),
+        )
+    elif fans_out or results is not None:
+        raise ValueError("a fan-out's stages are a pipeline's (stage=...)")
     the_attempt = Attempt(
         job_id=job_id or uuid.uuid4(),
         tenant_id=tenant_id or uuid.uuid4(),
@@ -379,6 +398,7 @@ async def _run(
     await asyncio.wait({task})
     status: Status
     result: dict[str, Any] | None = None
+    items: list[dict[str, Any]] | None = None
     error: HandlerError | None = None
     if task.cancelled():
         if not stopped:
@@ -398,6 +418,8 @@ async def _run(
                 the_attempt.budget_attempt, the_attempt.max_attempts, failure, RetryPolicy()
             )
             status = "retry" if isinstance(decision, Retry) else "failed"
+    elif ctx.fans_out:
+        status, result, items, error = _spawned(ctx, task.result(), max_result_bytes)
     else:
         checked = check_result(task.result(), max_bytes=max_result_bytes)
         if isinstance(checked, dict):
@@ -424,7 +446,22 @@ async def _run(
             if isinstance(kept, MemoryChildren)
             else []
         ),
+        items=items,
     )
+
+
+def _spawned(
+    ctx: JobContext, returned: Any, max_bytes: int
+) -> tuple[Status, dict[str, Any] | None, list[dict[str, Any]] | None, HandlerError | None]:
+    """A fan-out's items as the worker checks them, or the stage's failure."""
+    ended = spawned_and_returned(Ended(returned=True, result=returned), ctx._spawned)
+    try:
+        items = fan_out_items(ended.result)
+        for item in items:
+            check_payload_size(item, max_bytes)
+    except (FanOutRefused, PayloadTooLarge, TypeError, ValueError) as exc:
+        return "failed", None, None, HandlerError(FAN_OUT_REFUSED, str(exc), False, None, None)
+    return "succeeded", {"children": len(items)}, items, None
 
 
 def run_handler_sync(

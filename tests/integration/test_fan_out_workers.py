@@ -127,7 +127,9 @@ async def _claim(stack: Stack, stub: Any, metadata: Any) -> workers_pb2.ClaimJob
             if message is not None:
                 await message.ack()
                 request = workers_pb2.ClaimJobRequest(message_body=message.body)
-                claim = await stub.ClaimJob(request, metadata=metadata)
+                claim: workers_pb2.ClaimJobResponse = await stub.ClaimJob(
+                    request, metadata=metadata
+                )
                 assert claim.status == workers_pb2.ClaimJobResponse.STATUS_CLAIMED
                 return claim
             await asyncio.sleep(0.05)

@@ -114,8 +114,8 @@ class AttemptRunner(OutcomeRecording):
             if run is not None:
                 run.ended(running.error)
         pending = await writer.drain()
-        if ended.returned and ctx.spawned:
-            ended = spawned_and_returned(ended, ctx.spawned)
+        if ended.returned and ctx._spawned:
+            ended = spawned_and_returned(ended, ctx._spawned)
         if intercept is None:
             await self._record(attempt, running, ended, pending, bound, ctx.emitted)
         else:

@@ -31,7 +31,7 @@ from jobplane.errors import (
     PayloadTooLarge,
 )
 from jobplane.events.envelope import Event, EventError
-from jobplane.fanout import MAX_FAN_OUT, ItemResult
+from jobplane.fanout import FAN_OUT_REFUSED, MAX_FAN_OUT, ItemResult
 from jobplane.names import job_name
 from jobplane.store.attempts import Attempt, ProgressUpdate
 from jobplane.store.events import emitted
@@ -305,19 +305,24 @@ class JobContext:
         """Add an item to this stage's fan-out: a child job running the next
         stage with ``payload``. Items come before those of a returned list.
         Only in a stage before a fan-out stage; nothing is written until the
-        stage succeeds (the children commit with its success, or not at all)."""
+        stage succeeds (the children commit with its success, or not at all).
+        Anywhere else, with an item that is not an object, or past
+        :data:`~jobplane.fanout.MAX_FAN_OUT` items, it raises
+        :class:`PermanentError` (``FAN_OUT_REFUSED``)."""
+        # Each a mistake no other attempt would undo: the stage fails for good.
         if not self.fans_out:
-            raise ValueError("spawn() is for a stage before a fan-out stage")
+            raise PermanentError(
+                "spawn() is for a stage before a fan-out stage", code=FAN_OUT_REFUSED
+            )
         if not isinstance(payload, Mapping):
-            raise TypeError("a spawned item must be an object (the child's payload)")
+            raise PermanentError(
+                "a spawned item must be an object (the child's payload)", code=FAN_OUT_REFUSED
+            )
         if len(self._spawned) >= MAX_FAN_OUT:
-            raise ValueError(f"at most {MAX_FAN_OUT} items may be spawned")
+            raise PermanentError(
+                f"at most {MAX_FAN_OUT} items may be spawned", code=FAN_OUT_REFUSED
+            )
         self._spawned.append(dict(payload))
-
-    @property
-    def spawned(self) -> list[dict[str, Any]]:
-        """The items :meth:`spawn` gathered (for the worker)."""
-        return self._spawned
 
     async def progress(
         self, fraction: float, message: str = "", data: dict[str, Any] | None = None
