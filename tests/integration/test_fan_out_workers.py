@@ -19,8 +19,10 @@ from jobplane.convert import dict_from_struct, struct_from_dict
 from jobplane.topology import Topology
 from jobplane.v1 import workers_pb2, workers_pb2_grpc
 from jobplane.workers.handlers import JobContext, PermanentError, Registry
+from tests.integration.test_cli_and_sync import jobplane
 from tests.support import services
 from tests.support.answers import check_refusal
+from tests.support.dashboard import browserless, ui_stack
 from tests.support.fan_out import fan_topology
 from tests.support.stack import Stack, start_stack
 
@@ -195,3 +197,30 @@ async def test_a_worker_service_worker_fans_out_and_joins(fstack: Stack) -> None
             metadata=metadata,
         )
     assert (await client.get(job.name)).state is JobState.SUCCEEDED
+
+
+async def test_the_cli_and_the_dashboard_show_a_fan_out_and_its_children(
+    template_db: str, run_id: str, amqp_url: str
+) -> None:
+    async with ui_stack(template_db, run_id, amqp_url, topology=fan_topology("")) as ui:
+        await ui.stack.start_worker(_documents())
+        client = ui.stack.client()
+        job = await client.submit("docs.tolerant", {"text": "a bb bad dd"})
+        done = await client.wait(job.name, timeout=30)
+        assert done.state is JobState.SUCCEEDED, done.error
+        children = (await client.list(parent=job.name)).jobs
+        code, out, _err = await jobplane(ui.stack, "get", job.name)
+        assert code == 0, _err
+        assert "fan-out:" in out and "stage embed: 2 of 2 children ended, 1 did not succeed" in out
+        async with (
+            browserless(ui.url, ui.stack.key) as http,
+            http.get(f"/jobs/{job.id}") as page,
+        ):
+            assert page.status == 200
+            body = await page.text()
+    assert 'id="job-fan-out"' in body and "1 did not succeed" in body
+    assert 'class="fan-out">fan-out, tolerates 1</small>' in body
+    assert 'id="children"' in body
+    for child in children:
+        assert f'href="/jobs/{child.id}"' in body
+    assert body.count('class="state state-failed"') == 1

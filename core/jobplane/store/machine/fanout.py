@@ -18,12 +18,12 @@ spawn are one set, whatever retries came before.
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import text
 
+from jobplane.ids import new_id
 from jobplane.names import job_name
 from jobplane.store.machine.hooks import AnyConn, Cause, Change, Hook
 from jobplane.store.machine.table import Transition, state_is
@@ -96,7 +96,8 @@ class FanOut(Hook):
             )
             for index, item in enumerate(items)
         ]
-        ids = [uuid.uuid4() for _ in news]
+        # Time-ordered ids: the children list in item order.
+        ids = [new_id() for _ in news]
         machine = self.machine
         assert machine is not None, "the machine binds its fan-out hook"
         params = {"id": row["id"], "tenant_id": row["tenant_id"]}
