@@ -50,6 +50,7 @@ from jobplane.workers.threads import HandlerThreads
 
 __all__ = [
     "HandlerError",
+    "ItemResult",
     "MemoryBlobs",
     "MemoryChildren",
     "Outcome",
@@ -298,16 +299,9 @@ async def run_handler(
     """
     fn = _handler_of(handler, job_type)
     store = MemoryBlobs() if blobs is None else blobs
-    stage_run = _stage_run(pipeline, pipeline_version, stage, stage_version, inputs)
-    if stage_run is not None and (fans_out or results is not None):
-        stage_run = replace(
-            stage_run,
-            count=stage_run.count + 1 if fans_out else stage_run.count,
-            fans_out=fans_out,
-            results=None if results is None else tuple(results),
-        )
-    elif fans_out or results is not None:
-        raise ValueError("a fan-out's stages are a pipeline's (stage=...)")
+    stage_run = _fanned(
+        _stage_run(pipeline, pipeline_version, stage, stage_version, inputs), fans_out, results
+    )
     the_attempt = Attempt(
         job_id=job_id or uuid.uuid4(),
         tenant_id=tenant_id or uuid.uuid4(),
@@ -338,6 +332,22 @@ async def run_handler(
         return await _run(fn, ctx, store, recorder, cancel_after, grace, max_result_bytes)
     finally:
         threads.shutdown(wait=False, cancel_futures=True)
+
+
+def _fanned(
+    stage_run: StageRun | None, fans_out: bool, results: Sequence[ItemResult] | None
+) -> StageRun | None:
+    """A test's stage before a fan-out stage (``fans_out``), or its join (``results``)."""
+    if not fans_out and results is None:
+        return stage_run
+    if stage_run is None:
+        raise ValueError("a fan-out's stages are a pipeline's (stage=...)")
+    return replace(
+        stage_run,
+        count=stage_run.count + 1 if fans_out else stage_run.count,
+        fans_out=fans_out,
+        results=None if results is None else tuple(results),
+    )
 
 
 def _stage_run(
@@ -405,19 +415,8 @@ async def _run(
             raise asyncio.CancelledError("the handler's task was cancelled, not by cancel_after")
         status = "cancelled"
     elif (raised := task.exception()) is not None:
-        if stopped:
-            status = "cancelled"  # as the worker records a stopped attempt that raised
-        else:
-            failure = describe(raised)
-            original = raised.original if isinstance(raised, Escaped) else raised
-            error = HandlerError(
-                failure.code, failure.message, failure.retryable, failure.delay, original
-            )
-            # The worker's own decision; the backoff it picks is not reported.
-            decision = decide(
-                the_attempt.budget_attempt, the_attempt.max_attempts, failure, RetryPolicy()
-            )
-            status = "retry" if isinstance(decision, Retry) else "failed"
+        # As the worker records a stopped attempt that raised: cancelled.
+        status, error = ("cancelled", None) if stopped else _raised(the_attempt, raised)
     elif ctx.fans_out:
         status, result, items, error = _spawned(ctx, task.result(), max_result_bytes)
     else:
@@ -448,6 +447,16 @@ async def _run(
         ),
         items=items,
     )
+
+
+def _raised(the_attempt: Attempt, raised: BaseException) -> tuple[Status, HandlerError]:
+    """How an attempt whose handler raised ends: the worker's own decision (the
+    backoff it picks is not reported)."""
+    failure = describe(raised)
+    original = raised.original if isinstance(raised, Escaped) else raised
+    error = HandlerError(failure.code, failure.message, failure.retryable, failure.delay, original)
+    decision = decide(the_attempt.budget_attempt, the_attempt.max_attempts, failure, RetryPolicy())
+    return ("retry" if isinstance(decision, Retry) else "failed"), error
 
 
 def _spawned(

@@ -5,6 +5,7 @@ under ``jobplane.testing``."""
 from __future__ import annotations
 
 import tomllib
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -157,3 +158,25 @@ async def test_a_join_reads_its_children_s_results_in_order() -> None:
     assert outcome.result == {"ok": [{"n": 1}], "failed": [[1, "BROKEN"]]}
     plain = await run_handler(join, "p.join", pipeline="p.run", stage="join")
     assert plain.result == {"ok": [], "failed": []}
+
+
+async def test_the_documents_example_splits_embeds_and_joins_in_order() -> None:
+    from examples.documents import BATCH, registry
+    from jobplane.topology import load_topology
+
+    topology = load_topology(Path(__file__).parents[2] / "examples/topologies/documents.toml")
+    assert [s.fan_out for s in topology.pipelines[0].stages] == [False, True, False]
+    text = " ".join(f"w{i}" for i in range(BATCH + 5))
+    split = await run_handler(
+        registry, "docs.split", {"text": text}, pipeline="docs.ingest", stage="split", fans_out=True
+    )
+    assert split.items is not None and [len(i["batch"]) for i in split.items] == [BATCH, 5]
+    results = []
+    for index, item in enumerate(split.items):
+        embedded = await run_handler(registry, "docs.embed", item)
+        assert embedded.result is not None
+        results.append(ItemResult(index, f"jobs/{index}", JobState.SUCCEEDED, embedded.result))
+    joined = await run_handler(
+        registry, "docs.index", pipeline="docs.ingest", stage="index", results=results
+    )
+    assert joined.result == {"indexed": BATCH + 5, "failed": []}
