@@ -291,3 +291,17 @@ async def test_no_items_join_at_once_with_no_results(fbare: Stack) -> None:
     assert job.state is JobState.QUEUED and job.stage == "index" and job.waiting_code == ""
     attempt = await _claim(fbare, store, job.id)
     assert attempt.stage is not None and attempt.stage.results == ()
+
+
+async def test_an_operator_s_redispatch_leaves_a_job_waiting_for_its_children(
+    fbare: Stack,
+) -> None:
+    from jobplane.store.sweeps import SweepStore
+
+    store = _store(fbare)
+    job = await _split(fbare, store, "docs.ingest", 2)
+    sweeps = SweepStore(fbare.engine)
+    assert await sweeps.redispatch(fbare.tenant_id, uuid.UUID(job.id), "operator") is None
+    waiting = await fbare.client().get(job.name)
+    assert waiting.state is JobState.QUEUED and waiting.waiting_code == WaitingCode.DEPENDENCIES
+    assert await fbare.scalar("SELECT dispatch_id FROM jobs WHERE id = :id", id=job.id) is None

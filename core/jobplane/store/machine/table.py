@@ -62,6 +62,9 @@ CHANGES_REASON = (
 # Dependencies (ADR-0045), read by the resolution statement under the row
 # lock: the counts the ends of the jobs it runs after keep (deps_waiting: not
 # ended yet; deps_failed: ended other than SUCCEEDED) and its policy.
+NOT_WAITING_FOR_JOBS = (
+    f"(waiting_code IS DISTINCT FROM '{WaitingCode.DEPENDENCIES}' OR dispatch_id IS NOT NULL)"
+)
 # A fan-out's children (ADR-0047) count the same way, with the stage's policy:
 # deps_tolerate failures are tolerated, and with deps_wait_all a failure
 # decides only once every child has ended (0 and false for ``after``).
@@ -320,6 +323,10 @@ RULES: Mapping[Transition, Rule] = {
         BY_ID,
         EventType.QUEUED,
         dispatch=True,
+        # A job waiting for others (its dependencies, its fan-out's children)
+        # is theirs to dispatch: run now, it would run early, or run its
+        # fan-out stage's handler on its own payload.
+        guard=NOT_WAITING_FOR_JOBS,
         # A parked job dispatched by an operator waits for no worker now.
         sets="dispatch_id = :dispatch_id, lease_token = NULL, lease_expires_at = NULL, "
         f"next_attempt_time = NULL, {NOT_WAITING}",
