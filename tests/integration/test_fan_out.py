@@ -305,3 +305,29 @@ async def test_an_operator_s_redispatch_leaves_a_job_waiting_for_its_children(
     waiting = await fbare.client().get(job.name)
     assert waiting.state is JobState.QUEUED and waiting.waiting_code == WaitingCode.DEPENDENCIES
     assert await fbare.scalar("SELECT dispatch_id FROM jobs WHERE id = :id", id=job.id) is None
+
+
+async def test_the_job_s_progress_counts_each_running_child_s_own(fbare: Stack) -> None:
+    from jobplane.store.attempts import ProgressUpdate
+
+    store = _store(fbare)
+    client = fbare.client()
+    # The embed stage is half the job (weights 1, 2, 1): from 0.25 to 0.75.
+    job = await _split(fbare, store, "docs.ingest", 2)
+    first, second = await _children(fbare, job)
+    running = await _claim(fbare, store, first.id)
+    seen = [(await client.get(job.name)).progress]
+    await store.write_progress(running, [ProgressUpdate(0.5, "half", {})])
+    seen.append((await client.get(job.name)).progress)
+    await store.succeed(running, {})
+    seen.append((await client.get(job.name)).progress)
+    other = await _claim(fbare, store, second.id)
+    await store.write_progress(other, [ProgressUpdate(0.5, "half", {})])
+    seen.append((await client.get(job.name)).progress)
+    # A report lower than the last (a retried child starting over) takes nothing back.
+    await store.write_progress(other, [ProgressUpdate(0.1, "again", {})])
+    seen.append((await client.get(job.name)).progress)
+    assert seen == pytest.approx([0.25, 0.375, 0.5, 0.625, 0.625])
+    await store.succeed(other, {})
+    joined = await client.get(job.name)
+    assert joined.stage == "index" and joined.progress == pytest.approx(0.75)

@@ -18,18 +18,20 @@ _COLUMNS = """
 SELECT table_name || '.' || column_name FROM information_schema.columns
 WHERE table_schema = current_schema() AND (
     (table_name = 'jobs' AND column_name IN ('fan_stage', 'fan_size', 'deps_tolerate',
-                                             'deps_wait_all'))
+                                             'deps_wait_all', 'fan_progress'))
     OR (table_name = 'job_stages' AND column_name IN ('fan_out', 'max_failures', 'fail_fast'))
-    OR (table_name = 'job_dependencies' AND column_name = 'idx'))
+    OR (table_name = 'job_dependencies' AND column_name IN ('idx', 'progress')))
 ORDER BY 1
 """
 _ALL = [
     "job_dependencies.idx",
+    "job_dependencies.progress",
     "job_stages.fail_fast",
     "job_stages.fan_out",
     "job_stages.max_failures",
     "jobs.deps_tolerate",
     "jobs.deps_wait_all",
+    "jobs.fan_progress",
     "jobs.fan_size",
     "jobs.fan_stage",
 ]

@@ -329,7 +329,7 @@ def _params(transition: Transition, job: Placed) -> dict[str, Any]:
         case Transition.JOIN:
             return {"ids": [job.job_id]}
         case Transition.REJOIN:
-            return {**by_id, "waiting": 1, "rerun": 1}
+            return {**by_id, "waiting": 1, "rerun": 1, "partial": 0.0}
         case Transition.EXPIRE_LEASE:
             return {
                 "id": job.job_id,

@@ -31,8 +31,13 @@ _NOT_SUCCEEDED = text(
     """
 )
 _OPEN = text(
-    "UPDATE job_dependencies SET outcome = NULL "
+    "UPDATE job_dependencies SET outcome = NULL, progress = 0 "
     "WHERE job_id = :id AND depends_on = ANY (CAST(:ids AS uuid[]))"
+)
+# The own progress of the job's children still running, summed (REJOIN's start).
+_PARTIAL = text(
+    "SELECT coalesce(sum(progress), 0) FROM job_dependencies "
+    "WHERE job_id = :id AND idx IS NOT NULL AND outcome IS NULL"
 )
 _SUCCEEDED = text(
     "UPDATE job_dependencies SET outcome = 'succeeded' WHERE job_id = :id AND depends_on = :child"
@@ -69,7 +74,14 @@ async def rejoin(
         _OPEN, {"id": job_id, "ids": [c["id"] for c in children if c["state"] != "succeeded"]}
     )
     cause = Cause(f"retry requested: {len(rerun)} children run again")
-    params = {"id": job_id, "tenant_id": tenant_id, "waiting": waiting, "rerun": len(rerun)}
+    partial = float((await conn.execute(_PARTIAL, {"id": job_id})).scalar_one())
+    params = {
+        "id": job_id,
+        "tenant_id": tenant_id,
+        "waiting": waiting,
+        "rerun": len(rerun),
+        "partial": partial,
+    }
     rows = await machine.apply(conn, Transition.REJOIN, params, cause)
     if len(rows) != 1:
         raise RuntimeError(f"jobs/{job_id}: REJOIN did not apply to a job locked in its state")

@@ -22,7 +22,7 @@ from jobplane.store.machine.compile import (
     changes_many,
 )
 from jobplane.store.machine.dependencies import RESOLUTIONS, settle
-from jobplane.store.machine.fanout import FanOut
+from jobplane.store.machine.fanout import FanOut, FanProgress
 from jobplane.store.machine.hooks import (
     AfterFn,
     AnyConn,
@@ -59,6 +59,7 @@ def builtin_hooks(*, lifecycle: bool = True) -> list[Hook]:
         BlobReferences(),
         Dependencies(),
         FanOut(),
+        FanProgress(),
         DomainEvents(lifecycle=lifecycle),
     ]
 

@@ -90,10 +90,13 @@ _WAITING = f"{state_is(JobState.QUEUED, column='jobs.state')} AND jobs.{WAITS_FO
 
 # A fan-out's job (ADR-0047) waits for its children at its fan-out stage.
 _FANNED = "jobs.fan_stage IS NOT NULL AND jobs.fan_stage = jobs.stage"
-# ... and its progress is the stage's share of the children ended; never less.
+# ... and its progress is the stage's share of its children's: 1 for each
+# ended, its own for each running (``fan_progress``: the partial ones' sum,
+# kept by the progress statement); never less than it was.
 _FAN_PROGRESS = (
-    "greatest(jobs.progress, least(1.0, jobs.stage_base + jobs.stage_span * "
-    "(jobs.fan_size - greatest(jobs.deps_waiting - c.n, 0)) / greatest(jobs.fan_size, 1)))"
+    "greatest(jobs.progress, least(1.0, jobs.stage_base + jobs.stage_span * least(1.0, "
+    "(jobs.fan_size - greatest(jobs.deps_waiting - c.n, 0) + jobs.fan_progress - c.partial) "
+    "/ greatest(jobs.fan_size, 1))))"
 )
 
 #: The jobs of ``:ended`` that ended: their edges' outcomes, once each, and
@@ -108,9 +111,9 @@ RECORD = text(
         FROM jobs x
         WHERE d.depends_on = ANY (CAST(:ended AS uuid[])) AND d.outcome IS NULL
           AND x.id = d.depends_on AND {state_is(*_ENDED, column="x.state")}
-        RETURNING d.job_id, d.depends_on, d.outcome
+        RETURNING d.job_id, d.depends_on, d.outcome, d.progress
     ), c AS (
-        SELECT job_id, count(*) AS n,
+        SELECT job_id, count(*) AS n, sum(progress) AS partial,
                count(*) FILTER (WHERE outcome <> '{JobState.SUCCEEDED.value}') AS bad,
                (array_agg(depends_on ORDER BY depends_on)
                    FILTER (WHERE outcome <> '{JobState.SUCCEEDED.value}'))[1] AS first_bad
@@ -132,6 +135,7 @@ RECORD = text(
                             ELSE jobs.waiting_reason END,
                         progress = CASE WHEN {_WAITING} AND {_FANNED} THEN {_FAN_PROGRESS}
                                         ELSE jobs.progress END,
+                        fan_progress = greatest(jobs.fan_progress - c.partial, 0),
                         last_seq = jobs.last_seq + CASE WHEN {_WAITING} AND {_FANNED}
                                                         THEN 1 ELSE 0 END
         FROM c, p

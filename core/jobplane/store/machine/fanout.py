@@ -25,7 +25,7 @@ from sqlalchemy import text
 
 from jobplane.ids import new_id
 from jobplane.names import job_name
-from jobplane.store.machine.hooks import AnyConn, Cause, Change, Hook
+from jobplane.store.machine.hooks import AnyConn, Cause, Change, Hook, Write
 from jobplane.store.machine.table import Transition, state_is
 from jobplane.types import JobState
 
@@ -110,6 +110,57 @@ class FanOut(Hook):
         else:
             # Nothing to wait for: the join is due at once.
             await machine.apply(conn, Transition.JOIN, {"ids": [row["id"]]}, settles=False)
+
+
+# The running children's own progress, added to their waiting jobs' in the
+# progress statement (ADR-0047): each report's change since the child's last
+# (its edge keeps what was added), summed per job. A job locked by another
+# transaction (its retry, its cancel, a child's end settling it) is skipped
+# this time rather than waited for: the progress statement holds the
+# children's locks, and those hold the job's lock first. The next report,
+# or the child's end, adds what was skipped.
+_FAN_EDGES = """
+        SELECT e.job_id, e.depends_on, e.progress AS was,
+               least(1.0, greatest(0.0, j.progress)) AS now
+        FROM {j} AS j
+        JOIN job_dependencies e ON e.depends_on = j.id AND e.idx IS NOT NULL
+                                AND e.outcome IS NULL
+        WHERE j.has_dependents"""
+_FAN_JOBS = f"""
+        SELECT p.id FROM jobs p
+        WHERE p.id IN (SELECT job_id FROM fan_edges)
+          AND {state_is(JobState.QUEUED, column="p.state")} AND p.fan_stage = p.stage
+        ORDER BY p.id
+        FOR UPDATE OF p SKIP LOCKED"""
+_FAN_MOVED = """
+        UPDATE job_dependencies e SET progress = f.now
+        FROM fan_edges f JOIN fan_jobs p ON p.id = f.job_id
+        WHERE e.job_id = f.job_id AND e.depends_on = f.depends_on AND f.now <> f.was
+        RETURNING e.job_id, f.now - f.was AS delta"""
+_FAN_PROGRESS = """
+        UPDATE jobs p SET
+            fan_progress = greatest(p.fan_progress + d.delta, 0),
+            progress = greatest(p.progress, least(1.0, p.stage_base + p.stage_span * least(1.0,
+                (p.fan_size - p.deps_waiting + greatest(p.fan_progress + d.delta, 0))
+                / greatest(p.fan_size, 1)))),
+            update_time = now()
+        FROM (SELECT job_id, sum(delta) AS delta FROM fan_moved GROUP BY job_id) d
+        WHERE p.id = d.job_id"""
+
+
+class FanProgress(Hook):
+    """A fan-out's job counts its running children's own progress (ADR-0047)."""
+
+    def writes(self, transition: Transition) -> Sequence[Write]:
+        if transition is not Transition.PROGRESS:
+            return ()
+        columns = frozenset({"id", "progress", "has_dependents"})
+        return [
+            Write(_FAN_EDGES, columns=columns, name="fan_edges"),
+            Write(_FAN_JOBS, name="fan_jobs"),
+            Write(_FAN_MOVED, name="fan_moved"),
+            Write(_FAN_PROGRESS),
+        ]
 
 
 async def cancel_children(machine: StateMachine, conn: AnyConn, ids: Sequence[Any]) -> None:

@@ -477,7 +477,7 @@ RULES: Mapping[Transition, Rule] = {
         "cancel_requested_at = NULL, cancel_reason = NULL, handbacks = 0, "
         f"waiting_code = '{WaitingCode.DEPENDENCIES}', waiting_reason = format('waiting for "
         f"its %s children of stage %s to end', {_CHILDREN}, s.name), fan_stage = s.idx, "
-        f"fan_size = {_CHILDREN}, deps_waiting = {_CHILDREN}, deps_failed = 0, "
+        f"fan_size = {_CHILDREN}, deps_waiting = {_CHILDREN}, deps_failed = 0, fan_progress = 0, "
         "deps_failed_on = NULL, after_failure = 'fail', deps_tolerate = s.max_failures, "
         "deps_wait_all = NOT s.fail_fast",
         message="format('stage %s succeeded; %s children run stage %s', p.name, "
@@ -518,6 +518,7 @@ RULES: Mapping[Transition, Rule] = {
         f"waiting_code = '{WaitingCode.DEPENDENCIES}', waiting_reason = format('waiting for "
         f"%s of its children of stage %s to end (run again: %s)', {_WAITS}, stage_name, "
         f"CAST(:rerun AS int)), deps_waiting = {_WAITS}, deps_failed = 0, deps_failed_on = NULL, "
+        "fan_progress = CAST(:partial AS float8), "
         f"handbacks = 0, {KEEP_DEADLINE_AHEAD}",
         message=":event_message",
         lifecycle=Lifecycle.QUEUED,

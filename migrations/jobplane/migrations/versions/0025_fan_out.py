@@ -12,6 +12,9 @@
   A plain dependent keeps 0 and false, so it decides as before.
 - ``job_dependencies.idx``: the item an edge to a child is for (NULL for an
   edge of ``after``): the join reads the children's results in item order.
+- ``job_dependencies.progress`` and ``jobs.fan_progress``: a running child's
+  own progress as last added to its job, and their sum over the children
+  not ended: the job's progress counts each child's without reading them all.
 
 Every column is nullable or has a constant default: adding them rewrites
 nothing.
@@ -37,12 +40,16 @@ ALTER TABLE job_stages ADD COLUMN IF NOT EXISTS fan_out boolean NOT NULL DEFAULT
 ALTER TABLE jobs ADD COLUMN IF NOT EXISTS fan_stage integer,
                  ADD COLUMN IF NOT EXISTS fan_size integer,
                  ADD COLUMN IF NOT EXISTS deps_tolerate integer NOT NULL DEFAULT 0,
-                 ADD COLUMN IF NOT EXISTS deps_wait_all boolean NOT NULL DEFAULT false;
-ALTER TABLE job_dependencies ADD COLUMN IF NOT EXISTS idx integer
+                 ADD COLUMN IF NOT EXISTS deps_wait_all boolean NOT NULL DEFAULT false,
+                 ADD COLUMN IF NOT EXISTS fan_progress double precision NOT NULL DEFAULT 0;
+ALTER TABLE job_dependencies ADD COLUMN IF NOT EXISTS idx integer,
+                             ADD COLUMN IF NOT EXISTS progress double precision NOT NULL DEFAULT 0
 """
 _DOWN = """
-ALTER TABLE job_dependencies DROP COLUMN IF EXISTS idx;
-ALTER TABLE jobs DROP COLUMN IF EXISTS deps_wait_all,
+ALTER TABLE job_dependencies DROP COLUMN IF EXISTS progress,
+                             DROP COLUMN IF EXISTS idx;
+ALTER TABLE jobs DROP COLUMN IF EXISTS fan_progress,
+                 DROP COLUMN IF EXISTS deps_wait_all,
                  DROP COLUMN IF EXISTS deps_tolerate,
                  DROP COLUMN IF EXISTS fan_size,
                  DROP COLUMN IF EXISTS fan_stage;
