@@ -331,3 +331,22 @@ async def test_the_job_s_progress_counts_each_running_child_s_own(fbare: Stack) 
     await store.succeed(other, {})
     joined = await client.get(job.name)
     assert joined.stage == "index" and joined.progress == pytest.approx(0.75)
+
+
+async def test_retry_waits_for_children_asked_to_cancel_to_end(fbare: Stack) -> None:
+    from jobplane.client import JobNotRetryable
+
+    store = _store(fbare)
+    client = fbare.client()
+    job = await _split(fbare, store, "docs.strict", 2)
+    running, failing = await _children(fbare, job)
+    still = await _claim(fbare, store, running.id)
+    await _end(store, await _claim(fbare, store, failing.id), False, i=1)
+    assert (await client.get(job.name)).state is JobState.FAILED
+    with pytest.raises(JobNotRetryable, match="1 of its children were asked to cancel"):
+        await client.retry(job.name)
+    await store.cancelled(still)
+    retried = await client.retry(job.name)
+    assert retried.state is JobState.QUEUED and retried.fan_out is not None
+    assert (retried.fan_out.children, retried.fan_out.ended) == (2, 0)
+    assert {c.state for c in await _children(fbare, job)} == {JobState.QUEUED}

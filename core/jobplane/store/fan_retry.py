@@ -17,6 +17,7 @@ from typing import Any
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncConnection
 
+from jobplane.errors import JobNotRetryable
 from jobplane.ids import new_id
 from jobplane.store.machine import Cause, StateMachine, Transition
 
@@ -24,7 +25,8 @@ _FANNED = text("SELECT fan_stage IS NOT NULL AND fan_stage = stage FROM jobs WHE
 # The children of the job's last fan-out that did not succeed, locked in id order.
 _NOT_SUCCEEDED = text(
     """
-    SELECT x.id, x.state FROM job_dependencies d JOIN jobs x ON x.id = d.depends_on
+    SELECT x.id, x.state, x.cancel_requested_at IS NOT NULL AS cancel_requested
+    FROM job_dependencies d JOIN jobs x ON x.id = d.depends_on
     WHERE d.job_id = :id AND d.idx IS NOT NULL AND d.outcome IS DISTINCT FROM 'succeeded'
     ORDER BY x.id
     FOR UPDATE OF x
@@ -55,6 +57,14 @@ async def rejoin(
     """Run the job's children that did not succeed again and wait for them (the
     job is locked, FAILED or CANCELLED, and :func:`fanned`); the job's row after."""
     children = (await conn.execute(_NOT_SUCCEEDED, {"id": job_id})).mappings().all()
+    stopping = sum(1 for c in children if c["state"] == "running" and c["cancel_requested"])
+    if stopping:
+        # Asked to cancel (by the job's cancel or its fail-fast), they end
+        # CANCELLED: waiting for them would fail the job again at once.
+        raise JobNotRetryable(
+            f"jobs/{job_id}: {stopping} of its children were asked to cancel and have not "
+            "ended; retry it once they have"
+        )
     rerun: list[uuid.UUID] = []
     waiting = 0
     for child in children:
