@@ -12,6 +12,7 @@ from jobplane.types import (
     BlobRef,
     DependencyFailurePolicy,
     EventType,
+    FanOut,
     Job,
     JobError,
     JobEvent,
@@ -209,6 +210,13 @@ def job_to_pb(job: Job) -> jobs_pb2.Job:
         message.payload_blob.CopyFrom(_blob_ref_to_pb(job.payload_blob))
     if job.result_blob is not None:
         message.result_blob.CopyFrom(_blob_ref_to_pb(job.result_blob))
+    if job.fan_out is not None:
+        fan = job.fan_out
+        message.fan_out.CopyFrom(
+            jobs_pb2.FanOut(
+                stage=fan.stage, children=fan.children, ended=fan.ended, failed=fan.failed
+            )
+        )
     return message
 
 
@@ -252,6 +260,9 @@ def stage_to_pb(stage: Stage) -> jobs_pb2.Stage:
         timeout=duration(stage.timeout),
         start_time=timestamp(stage.start_time),
         end_time=timestamp(stage.end_time),
+        fan_out=stage.fan_out,
+        max_failures=stage.max_failures,
+        fail_fast=stage.fail_fast,
     )
     if stage.error is not None:
         message.error.CopyFrom(_error_to_pb(stage.error))
@@ -274,6 +285,9 @@ def stage_from_pb(message: jobs_pb2.Stage) -> Stage:
         end_time=from_timestamp(message.end_time) if message.HasField("end_time") else None,
         error=_error_from_pb(message.error) if message.HasField("error") else None,
         result=dict_from_struct(message.result) if message.HasField("result") else None,
+        fan_out=message.fan_out,
+        max_failures=message.max_failures,
+        fail_fast=message.fail_fast,
     )
 
 
@@ -329,6 +343,16 @@ def job_from_pb(message: jobs_pb2.Job) -> Job:
         after=tuple(message.after),
         after_failure=POLICY_FROM_PB.get(message.after_failure, DependencyFailurePolicy.FAIL),
         parent=message.parent,
+        fan_out=(
+            FanOut(
+                message.fan_out.stage,
+                message.fan_out.children,
+                message.fan_out.ended,
+                message.fan_out.failed,
+            )
+            if message.HasField("fan_out")
+            else None
+        ),
     )
 
 

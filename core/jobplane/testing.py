@@ -27,26 +27,30 @@ import asyncio
 import contextlib
 import hashlib
 import uuid
-from collections.abc import AsyncIterable, AsyncIterator, Mapping
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterable, AsyncIterator, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal, cast
 
 from jobplane.attempt_end import Retry, RetryPolicy, decide
 from jobplane.blobs.names import blob_name, parse_blob_name
 from jobplane.blobs.reader import BlobInfo, BlobReader
-from jobplane.errors import BlobNotFound, BlobTooLarge, RequestIdReused
+from jobplane.errors import BlobNotFound, BlobTooLarge, PayloadTooLarge, RequestIdReused
 from jobplane.events.envelope import Event
+from jobplane.fanout import FAN_OUT_REFUSED, FanOutRefused, ItemResult, fan_out_items
 from jobplane.store.attempts import Attempt, ProgressUpdate, StageRun
+from jobplane.store.rows import check_payload_size
 from jobplane.topology import load_topology
 from jobplane.workers.children import ChildRequest, child_job
 from jobplane.workers.context import DEFAULT_EVENT_PAYLOAD_BYTES, Handler, JobContext
 from jobplane.workers.outcome import Escaped, check_result, describe, invoke
 from jobplane.workers.plain import SyncHandler, Threaded
 from jobplane.workers.registry import Registry, handler_kind
+from jobplane.workers.running import Ended, spawned_and_returned
 from jobplane.workers.threads import HandlerThreads
 
 __all__ = [
     "HandlerError",
+    "ItemResult",
     "MemoryBlobs",
     "MemoryChildren",
     "Outcome",
@@ -247,6 +251,9 @@ class Outcome:
     context: JobContext = field(repr=False)
     #: The children this attempt submitted (``ctx.submit``), in order, each once.
     children: list[SubmittedChild] = field(default_factory=list)
+    #: A stage before a fan-out stage (``fans_out=True``) that succeeded: the
+    #: items it spawns, one child each (``ctx.spawn``'s, then the list returned).
+    items: list[dict[str, Any]] | None = None
 
 
 async def run_handler(
@@ -266,6 +273,8 @@ async def run_handler(
     stage: str = "",
     stage_version: str = "",
     inputs: Mapping[str, dict[str, Any]] | None = None,
+    fans_out: bool = False,
+    results: Sequence[ItemResult] | None = None,
     blobs: MemoryBlobs | None = None,
     children: MemoryChildren | None = None,
     cancel_after: float | None = None,
@@ -276,7 +285,9 @@ async def run_handler(
 
     The keyword arguments are the attempt's fields as the handler sees them
     (``ctx.attempt``, ``ctx.stage``, ``ctx.inputs``, …); ``stage`` makes it a
-    pipeline stage's attempt. ``blobs`` is the object store the handler
+    pipeline stage's attempt; ``fans_out`` one before a fan-out stage (its
+    items are the outcome's ``items``), ``results`` a join's (``ctx.results``;
+    ADR-0047). ``blobs`` is the object store the handler
     reads and writes (a new empty one by default); ``children`` keeps what its
     ``ctx.submit`` submits (pass one to several calls). ``cancel_after`` stops the
     attempt after that many seconds as the worker stops a cancelled job:
@@ -288,7 +299,9 @@ async def run_handler(
     """
     fn = _handler_of(handler, job_type)
     store = MemoryBlobs() if blobs is None else blobs
-    stage_run = _stage_run(pipeline, pipeline_version, stage, stage_version, inputs)
+    stage_run = _fanned(
+        _stage_run(pipeline, pipeline_version, stage, stage_version, inputs), fans_out, results
+    )
     the_attempt = Attempt(
         job_id=job_id or uuid.uuid4(),
         tenant_id=tenant_id or uuid.uuid4(),
@@ -319,6 +332,22 @@ async def run_handler(
         return await _run(fn, ctx, store, recorder, cancel_after, grace, max_result_bytes)
     finally:
         threads.shutdown(wait=False, cancel_futures=True)
+
+
+def _fanned(
+    stage_run: StageRun | None, fans_out: bool, results: Sequence[ItemResult] | None
+) -> StageRun | None:
+    """A test's stage before a fan-out stage (``fans_out``), or its join (``results``)."""
+    if not fans_out and results is None:
+        return stage_run
+    if stage_run is None:
+        raise ValueError("a fan-out's stages are a pipeline's (stage=...)")
+    return replace(
+        stage_run,
+        count=stage_run.count + 1 if fans_out else stage_run.count,
+        fans_out=fans_out,
+        results=None if results is None else tuple(results),
+    )
 
 
 def _stage_run(
@@ -379,25 +408,17 @@ async def _run(
     await asyncio.wait({task})
     status: Status
     result: dict[str, Any] | None = None
+    items: list[dict[str, Any]] | None = None
     error: HandlerError | None = None
     if task.cancelled():
         if not stopped:
             raise asyncio.CancelledError("the handler's task was cancelled, not by cancel_after")
         status = "cancelled"
     elif (raised := task.exception()) is not None:
-        if stopped:
-            status = "cancelled"  # as the worker records a stopped attempt that raised
-        else:
-            failure = describe(raised)
-            original = raised.original if isinstance(raised, Escaped) else raised
-            error = HandlerError(
-                failure.code, failure.message, failure.retryable, failure.delay, original
-            )
-            # The worker's own decision; the backoff it picks is not reported.
-            decision = decide(
-                the_attempt.budget_attempt, the_attempt.max_attempts, failure, RetryPolicy()
-            )
-            status = "retry" if isinstance(decision, Retry) else "failed"
+        # As the worker records a stopped attempt that raised: cancelled.
+        status, error = ("cancelled", None) if stopped else _raised(the_attempt, raised)
+    elif ctx.fans_out:
+        status, result, items, error = _spawned(ctx, task.result(), max_result_bytes)
     else:
         checked = check_result(task.result(), max_bytes=max_result_bytes)
         if isinstance(checked, dict):
@@ -424,7 +445,32 @@ async def _run(
             if isinstance(kept, MemoryChildren)
             else []
         ),
+        items=items,
     )
+
+
+def _raised(the_attempt: Attempt, raised: BaseException) -> tuple[Status, HandlerError]:
+    """How an attempt whose handler raised ends: the worker's own decision (the
+    backoff it picks is not reported)."""
+    failure = describe(raised)
+    original = raised.original if isinstance(raised, Escaped) else raised
+    error = HandlerError(failure.code, failure.message, failure.retryable, failure.delay, original)
+    decision = decide(the_attempt.budget_attempt, the_attempt.max_attempts, failure, RetryPolicy())
+    return ("retry" if isinstance(decision, Retry) else "failed"), error
+
+
+def _spawned(
+    ctx: JobContext, returned: Any, max_bytes: int
+) -> tuple[Status, dict[str, Any] | None, list[dict[str, Any]] | None, HandlerError | None]:
+    """A fan-out's items as the worker checks them, or the stage's failure."""
+    ended = spawned_and_returned(Ended(returned=True, result=returned), ctx._spawned)
+    try:
+        items = fan_out_items(ended.result)
+        for item in items:
+            check_payload_size(item, max_bytes)
+    except (FanOutRefused, PayloadTooLarge, TypeError, ValueError) as exc:
+        return "failed", None, None, HandlerError(FAN_OUT_REFUSED, str(exc), False, None, None)
+    return "succeeded", {"children": len(items)}, items, None
 
 
 def run_handler_sync(

@@ -142,6 +142,24 @@ class Stage:
     end_time: datetime | None = None
     error: JobError | None = None
     result: JSONObject | None = None
+    #: A fan-out stage (ADR-0047): one child job per item of the stage
+    #: before's result; the stage after joins them.
+    fan_out: bool = False
+    #: Children that may fail while the join still runs.
+    max_failures: int = 0
+    #: A failure past ``max_failures`` fails the job at once.
+    fail_fast: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class FanOut:
+    """A pipeline job's last fan-out: its stage, how many children, and how many
+    have ended and failed so far (ADR-0047)."""
+
+    stage: str
+    children: int
+    ended: int
+    failed: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -240,6 +258,8 @@ class Job:
     # Child jobs (docs/workflows.md).
     #: ``jobs/{id}`` of the job whose handler submitted this one ("" for none).
     parent: str = ""
+    #: The children of its last fan-out stage, counted (None: it never fanned out).
+    fan_out: FanOut | None = None
 
     @property
     def id(self) -> str:

@@ -57,6 +57,20 @@ def with_pipeline(topology: Topology) -> Topology:
     return replace(topology, pipelines=(PipelineSpec(PIPELINE, stages, version="1"),))
 
 
+#: The fault suite's fan-out pipeline: split → map (one child per item) → join.
+FAN_PIPELINE = "fault.fan"
+
+
+def with_fan_pipeline(topology: Topology) -> Topology:
+    """``topology`` with the fault suite's fan-out pipeline, on the first queue."""
+    queue = topology.queues[0].name
+    stages = tuple(
+        StageSpec(name, f"fault.fan.{name}", queue, 10, 60.0, "1", fan_out=name == "map")
+        for name in ("split", "map", "join")
+    )
+    return replace(topology, pipelines=(PipelineSpec(FAN_PIPELINE, stages, version="1"),))
+
+
 def free_port() -> int:
     """A TCP port nothing listens on now."""
     with socket.socket() as sock:
@@ -87,6 +101,12 @@ def topology_toml(topology: Topology) -> str:
                 f'[[pipelines.stages]]\nname = "{st.name}"\ntype = "{st.type}"\n'
                 f'version = "{st.version}"\nmax_attempts = {st.max_attempts}\n'
                 f"timeout_seconds = {st.timeout_seconds}\nweight = {st.weight}\n"
+                + (
+                    f"fan_out = true\nmax_failures = {st.max_failures}\n"
+                    f"fail_fast = {str(st.fail_fast).lower()}\n"
+                    if st.fan_out
+                    else ""
+                )
             )
     lines.extend(_rate_limit_toml(limit) for limit in topology.rate_limits)
     text = "\n".join(lines)

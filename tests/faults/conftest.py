@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from jobplane.topology import Topology
-from tests.faults.cluster import Cluster, with_pipeline
+from tests.faults.cluster import Cluster, with_fan_pipeline, with_pipeline
 
 
 @pytest.fixture
@@ -28,6 +28,17 @@ async def staged(
 ) -> AsyncIterator[Cluster]:
     """A cluster whose topology also has the fault suite's pipeline."""
     running = Cluster(database_url, amqp_url, with_pipeline(topology), tmp_path)
+    await running.prepare()
+    yield running
+    await running.close()
+
+
+@pytest.fixture
+async def fanned(
+    database_url: str, amqp_url: str, topology: Topology, tmp_path: Path
+) -> AsyncIterator[Cluster]:
+    """A cluster whose topology also has the fault suite's fan-out pipeline."""
+    running = Cluster(database_url, amqp_url, with_fan_pipeline(topology), tmp_path)
     await running.prepare()
     yield running
     await running.close()

@@ -47,6 +47,12 @@ CREATE TABLE IF NOT EXISTS fault_stage_completions (
     pid     integer NOT NULL,
     at      timestamptz NOT NULL DEFAULT clock_timestamp()
 );
+-- A handler that kills its worker once per (job, what): the kills done.
+CREATE TABLE IF NOT EXISTS fault_kills (
+    job_id uuid NOT NULL,
+    what   text NOT NULL,
+    PRIMARY KEY (job_id, what)
+);
 """
 #: The stages of the fault suite's pipeline (``fault.pipeline``), in order.
 PIPELINE_STAGES = ("one", "two", "three")
@@ -175,3 +181,67 @@ async def _stage(ctx: JobContext) -> dict[str, Any]:
 
 for _name in PIPELINE_STAGES:
     registry.add(f"fault.stage.{_name}", _stage)
+
+
+async def _kill_once(ctx: JobContext, what: str) -> None:
+    """SIGKILL this worker the first time ``ctx``'s job gets here for ``what``."""
+    pool = await _db()
+    killed = await pool.fetchval(
+        "INSERT INTO fault_kills (job_id, what) VALUES ($1, $2) ON CONFLICT DO NOTHING "
+        "RETURNING true",
+        ctx.id,
+        what,
+    )
+    if killed:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+@registry.handler("fault.fan.split")
+async def fan_split(ctx: JobContext) -> list[dict[str, Any]]:
+    """Spawns ``n`` items: the first by ctx.spawn, the rest as the list it returns."""
+    n = int(ctx.payload.get("n", 4))
+    ms = ctx.payload.get("ms", 50)
+    ctx.spawn({"i": 0, "ms": ms, "kill": ctx.payload.get("kill_child", False)})
+    return [{"i": i, "ms": ms} for i in range(1, n)]
+
+
+@registry.handler("fault.fan.map")
+async def fan_map(ctx: JobContext) -> dict[str, Any]:
+    """A child: sleeps ``ms``, reports progress, killed mid-run once when asked;
+    writes its effect and completion as ``fault.work`` does."""
+    await ctx.progress(0.5, "half way")
+    await asyncio.sleep(float(ctx.payload.get("ms", 50)) / 1000)
+    if ctx.payload.get("kill"):
+        await _kill_once(ctx, "child")
+    await _effect(ctx)
+    await _completed(ctx)
+    return {"attempt": ctx.attempt, "i": ctx.payload["i"]}
+
+
+@registry.handler("fault.fan.join")
+async def fan_join(ctx: JobContext) -> dict[str, Any]:
+    """The join: killed mid-run once when asked; checks the results came in
+    item order, each from its child's winning attempt; writes its stage's effect."""
+    order = [r.result["i"] if r.result else None for r in ctx.results]
+    if order != list(range(len(order))) or not all(r.ok for r in ctx.results):
+        raise RuntimeError(f"the join got {order}")
+    if ctx.payload.get("kill_join"):
+        await _kill_once(ctx, "join")
+    await _execute(
+        """
+        INSERT INTO fault_stage_effects (job_id, stage, attempt) VALUES ($1, $2, $3)
+        ON CONFLICT (job_id, stage) DO UPDATE
+        SET attempt = EXCLUDED.attempt, writes = fault_stage_effects.writes + 1
+        """,
+        ctx.id,
+        ctx.stage,
+        ctx.attempt,
+    )
+    await _execute(
+        "INSERT INTO fault_stage_completions (job_id, stage, attempt, pid) VALUES ($1, $2, $3, $4)",
+        ctx.id,
+        ctx.stage,
+        ctx.attempt,
+        os.getpid(),
+    )
+    return {"attempt": ctx.attempt, "items": len(order)}

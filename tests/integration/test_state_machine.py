@@ -88,16 +88,18 @@ async def _place(
     job_type = f"machine.{phase.value}"
     # A stage to advance to, or to restart at: a pipeline job of two stages.
     staged = transition in (Transition.ADVANCE, Transition.RESTART)
+    # A fan-out stage to spawn at, or to wait at: three stages (ADR-0047).
+    fanned = transition in _FANS
     async with Database(engine.url.render_as_string(hide_password=False)) as db:
         job, _ = await JobStore(engine, db).submit(
             tenant,
             NewJob(
-                type="machine.pipeline" if staged else job_type,
+                type="machine.pipeline" if staged or fanned else job_type,
                 queue=_QUEUE,
                 payload={"phase": phase.value},
                 request_id=f"{transition}-{phase.value}",
                 max_attempts=3,
-                stages=_two_stages(job_type) if staged else (),
+                stages=_fan_stages(job_type) if fanned else _two_stages(job_type) if staged else (),
             ),
         )
     job_id = uuid.UUID(job.id)
@@ -105,7 +107,7 @@ async def _place(
     # Guards: an attempt left or none, a parked job, no cancel requested yet.
     exhausted = transition in (Transition.EXHAUST, Transition.EXPIRE_LAST_LEASE)
     parked = transition in (Transition.UNPARK, Transition.RELEASE, Transition.RELEASE_LIMIT)
-    parked = parked or transition in _DECIDES
+    parked = parked or transition in _DECIDES or transition is Transition.JOIN
     lease = _DEAD_LEASE if phase is Phase.RUNNING_EXPIRED else _LIVE_LEASE
     async with engine.begin() as conn:
         row = await conn.execute(
@@ -143,6 +145,10 @@ async def _place(
         failed, policy = _DECIDES[transition]
         async with engine.begin() as conn:
             await conn.execute(_WAITING, {"id": job_id, "failed": failed, "policy": policy})
+    if transition in (Transition.JOIN, Transition.REJOIN):
+        # At its fan-out stage, its children ended (JOIN) or to run again (REJOIN).
+        async with engine.begin() as conn:
+            await conn.execute(_AT_FAN, {"id": job_id})
     return Placed(
         job_id=job_id,
         tenant_id=tenant,
@@ -233,6 +239,21 @@ _WAITING = text(
 )
 
 
+_FANS = (Transition.FAN_OUT, Transition.JOIN, Transition.REJOIN)
+_AT_FAN = text(
+    "UPDATE jobs SET stage = 1, stage_name = 'second', fan_stage = 1, fan_size = 1, "
+    "waiting_code = 'DEPENDENCIES', deps_waiting = 0 WHERE id = :id"
+)
+
+
+def _fan_stages(job_type: str) -> tuple[NewStage, ...]:
+    return (
+        NewStage("first", job_type, _QUEUE, "v1", 3, 60.0, base=0.0, span=0.25),
+        NewStage("second", "machine.map", _QUEUE, "v1", 3, 60.0, 0.25, 0.5, fan_out=True),
+        NewStage("third", "machine.join", _QUEUE, "v1", 3, 60.0, base=0.75, span=0.25),
+    )
+
+
 def _two_stages(job_type: str) -> tuple[NewStage, ...]:
     return (
         NewStage("first", job_type, _QUEUE, "v1", 3, 60.0, base=0.0, span=0.5),
@@ -303,6 +324,12 @@ def _params(transition: Transition, job: Placed) -> dict[str, Any]:
             return {**fence, "result": '{"done": 1}', "dispatch_id": new_id()}
         case Transition.RESTART:
             return {**by_id, "dispatch_id": new_id(), "stage": 0}
+        case Transition.FAN_OUT:
+            return {**fence, "result": '{"children": 1}', "children": 1}
+        case Transition.JOIN:
+            return {"ids": [job.job_id]}
+        case Transition.REJOIN:
+            return {**by_id, "waiting": 1, "rerun": 1, "partial": 0.0}
         case Transition.EXPIRE_LEASE:
             return {
                 "id": job.job_id,
@@ -410,8 +437,10 @@ async def test_each_transition_applies_exactly_from_its_sources(
         allowed = phase in rule.sources
         before = await _snapshot(engine, job.job_id)
         async with engine.begin() as conn:
+            # A fan-out spawns a child for each item: one here.
+            items = [{"i": 1}] if transition is Transition.FAN_OUT else []
             rows = await MACHINE.apply(
-                conn, transition, _params(transition, job), Cause("by the table")
+                conn, transition, _params(transition, job), Cause("by the table", items=items)
             )
         after = await _snapshot(engine, job.job_id)
         where = f"{transition} from {phase.value}"

@@ -12,7 +12,7 @@ import aiohttp
 
 from jobplane.server.dashboard import Backend, Dashboard
 from jobplane.store.engine import create_engine
-from jobplane.topology import load_topology
+from jobplane.topology import Topology, load_topology
 from tests.support import services
 from tests.support.stack import Stack, start_stack
 
@@ -36,15 +36,21 @@ class UiStack:
 
 @asynccontextmanager
 async def ui_stack(
-    template_db: str, run_id: str, amqp_url: str, **dashboard_options: object
+    template_db: str,
+    run_id: str,
+    amqp_url: str,
+    *,
+    topology: Topology | None = None,
+    **dashboard_options: object,
 ) -> AsyncIterator[UiStack]:
-    """A database, topology, server + relay + worker and a dashboard of their own."""
+    """A database, topology (the default one, unless given; its names are the
+    stack's own either way), server + relay + worker and a dashboard of their own."""
     n = next(_modules)
     name = f"jp_{run_id}_ui{n}"
     await services.create_database(name, template=template_db)
     database_url = services.pg_url(name)
     engine = create_engine(database_url, pool_size=10)
-    topology = load_topology().prefixed(f"ui{n}.")
+    topology = (topology or load_topology()).prefixed(f"ui{n}.")
     stack = await start_stack(engine, database_url, amqp_url, topology)
     dashboard = Dashboard(
         Backend.of_server(stack.server, amqp_url),

@@ -14,7 +14,9 @@ from typing import Any
 
 import pytest
 
+from jobplane.fanout import ItemResult
 from jobplane.testing import MemoryBlobs, run_handler, run_handler_sync
+from jobplane.types import JobState
 from jobplane.workers import (
     AttemptStopped,
     EmitError,
@@ -217,6 +219,8 @@ async def test_each_attribute_of_the_sync_context_reads_its_namesake() -> None:
         stage="render",
         stage_version="v2",
         inputs={"parse": {"n": 1}},
+        fans_out=True,
+        results=[ItemResult(0, "jobs/x", JobState.SUCCEEDED, {"n": 2})],
     )
     ctx = outcome.context
     sync_ctx = SyncJobContext(ctx, asyncio.get_running_loop(), contextvars.copy_context())

@@ -71,6 +71,12 @@ def job_details(job: Job, *, children: str = "") -> str:
         rows.append(("after", f"{', '.join(job.after)} (on failure: {job.after_failure})"))
     if job.parent:
         rows.append(("parent", job.parent))
+    if job.fan_out is not None:
+        fan = job.fan_out
+        failed = f", {fan.failed} did not succeed" if fan.failed else ""
+        rows.append(
+            ("fan-out", f"stage {fan.stage}: {fan.ended} of {fan.children} children ended{failed}")
+        )
     if children and children != "0":
         rows.append(("children", f"{children} (jobplane list --parent {job.name})"))
     rows.append(("request id", job.request_id))

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import structlog
 
 from jobplane.envelope import Envelope
+from jobplane.fanout import FAN_OUT_REFUSED, FanOutRefused, fan_out_items
 from jobplane.ids import new_id
 from jobplane.logs import describe_error
 from jobplane.store.claims import (
@@ -46,6 +46,7 @@ from jobplane.store.machine import (
     Transition,
     lifecycle_event_id,
 )
+from jobplane.store.outcomes import Outcome, ProgressUpdate, progress_binds
 from jobplane.store.rows import dumps
 from jobplane.types import BlobRef, JobState
 
@@ -68,28 +69,6 @@ __all__ = [
 
 class LeaseLost(Exception):
     """This attempt no longer owns the job; its writes are refused."""
-
-
-@dataclass(frozen=True, slots=True)
-class Outcome:
-    """How an attempt ends, ready to write: its transition, its fence and values
-    (``params``), why (``cause``), and the statement's binds taken where the
-    outcome was made (its trace context)."""
-
-    attempt: Attempt
-    transition: Transition
-    params: Mapping[str, Any]
-    cause: Cause
-    binds: Mapping[str, Any]
-
-
-@dataclass(frozen=True, slots=True)
-class ProgressUpdate:
-    """One progress report of a handler, waiting to be written."""
-
-    progress: float
-    message: str
-    data: dict[str, Any]
 
 
 log = structlog.get_logger("jobplane.store")
@@ -412,6 +391,8 @@ class AttemptStore:
     ) -> Outcome:
         """The outcome :meth:`succeed` writes."""
         stage = attempt.stage
+        if stage is not None and stage.fans_out:
+            return self.fanned_out(attempt, result, emitted=emitted)
         if stage is not None and not stage.last:
             return self._outcome(
                 attempt,
@@ -428,6 +409,23 @@ class AttemptStore:
                 "result_blob_size": result_blob.size if result_blob else None,
             },
             Cause("succeeded", emitted=emitted),
+        )
+
+    def fanned_out(
+        self, attempt: Attempt, result: Any, *, emitted: Sequence[Emitted] = ()
+    ) -> Outcome:
+        """The success of a stage before a fan-out stage: one child per item of
+        ``result`` (a list), or the stage's failure when it is not one (ADR-0047)."""
+        assert attempt.stage is not None
+        try:
+            items = fan_out_items(result)
+        except FanOutRefused as exc:
+            return self.failed(attempt, FAN_OUT_REFUSED, str(exc), retryable=False)
+        return self._outcome(
+            attempt,
+            Transition.FAN_OUT,
+            {"result": dumps({"children": len(items)}), "children": len(items)},
+            Cause(f"stage {attempt.stage.name} succeeded", emitted=emitted, items=items),
         )
 
     def failed(
@@ -574,23 +572,7 @@ class AttemptStore:
     async def _progress_many(
         self, conn: Conn, batches: Sequence[tuple[Attempt, Sequence[ProgressUpdate]]]
     ) -> list[bool | None]:
-        names = (
-            "ids attempts tokens ns last_progress last_message ks ords progresses messages datas"
-        )
-        params: dict[str, list[Any]] = {name: [] for name in names.split(" ")}
-        for k, (attempt, updates) in enumerate(batches, start=1):
-            params["ids"].append(attempt.job_id)
-            params["attempts"].append(attempt.attempt)
-            params["tokens"].append(attempt.lease_token)
-            params["ns"].append(len(updates))
-            params["last_progress"].append(updates[-1].progress)
-            params["last_message"].append(updates[-1].message)
-            for ord_, update in enumerate(updates, start=1):
-                params["ks"].append(k)
-                params["ords"].append(ord_)
-                params["progresses"].append(update.progress)
-                params["messages"].append(update.message)
-                params["datas"].append(dumps(update.data))
+        params = progress_binds(batches)
         rows = await self._machine.apply(
             conn, Transition.PROGRESS, params, returning=("k", "cancel_requested")
         )

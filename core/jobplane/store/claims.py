@@ -19,9 +19,11 @@ from typing import Any
 from sqlalchemy import text
 
 from jobplane.envelope import Envelope
+from jobplane.fanout import ItemResult
+from jobplane.names import job_name
 from jobplane.store.db import Conn
 from jobplane.store.machine import Cause, Returning
-from jobplane.types import BlobRef, JobState
+from jobplane.types import BlobRef, JobError, JobState
 
 
 class ClaimStatus(enum.Enum):
@@ -57,6 +59,11 @@ class StageRun:
     version: str
     #: The results of the stages before this one, by stage name, in order.
     inputs: Mapping[str, dict[str, Any]]
+    #: The next stage is a fan-out stage: this one returns its items (ADR-0047).
+    fans_out: bool = False
+    #: The stage before was a fan-out stage: its children's results, in item
+    #: order (None for any other stage).
+    results: tuple[ItemResult, ...] | None = None
 
     @property
     def last(self) -> bool:
@@ -159,7 +166,18 @@ CLAIMED: Returning = (
 )
 # A pipeline job's stages, for the one that runs: its version, and the
 # results of those before it.
-_STAGES = text("SELECT idx, name, version, result FROM job_stages WHERE job_id = :id ORDER BY idx")
+_STAGES = text(
+    "SELECT idx, name, version, result, fan_out FROM job_stages WHERE job_id = :id ORDER BY idx"
+)
+# The children of the job's last fan-out, in item order (ADR-0047).
+_CHILDREN = text(
+    """
+    SELECT d.idx, x.id, x.state, x.result, x.error_code, x.error_message, x.error_retryable
+    FROM job_dependencies d JOIN jobs x ON x.id = d.depends_on
+    WHERE d.job_id = :id AND d.idx IS NOT NULL
+    ORDER BY d.idx
+    """
+)
 INSPECT = text(
     """
     SELECT state, dispatch_id, type, lease_expires_at, lease_expires_at < now() AS lease_expired,
@@ -229,6 +247,8 @@ async def stage_run(conn: Conn, job_id: uuid.UUID, row: Any) -> StageRun:
         s["name"]: _obj(s["result"]) for s in stages if s["idx"] < index and s["result"] is not None
     }
     current = next(s for s in stages if s["idx"] == index)
+    fans_out = any(s["idx"] == index + 1 and s["fan_out"] for s in stages)
+    joins = any(s["idx"] == index - 1 and s["fan_out"] for s in stages)
     return StageRun(
         pipeline=str(row["pipeline"]),
         pipeline_version=str(row["pipeline_version"] or ""),
@@ -237,7 +257,30 @@ async def stage_run(conn: Conn, job_id: uuid.UUID, row: Any) -> StageRun:
         count=len(stages),
         version=str(current["version"]),
         inputs=inputs,
+        fans_out=fans_out,
+        results=await item_results(conn, job_id) if joins else None,
     )
+
+
+async def item_results(conn: Conn, job_id: uuid.UUID) -> tuple[ItemResult, ...]:
+    """The results of the children of ``job_id``'s last fan-out, in item order."""
+    results = []
+    for row in await conn.fetch(_CHILDREN, {"id": job_id}):
+        state = JobState(row["state"])
+        error = None
+        if row["error_code"] is not None and state is not JobState.SUCCEEDED:
+            code, message = str(row["error_code"]), str(row["error_message"] or "")
+            error = JobError(code, message, bool(row["error_retryable"]))
+        results.append(
+            ItemResult(
+                index=int(row["idx"]) - 1,
+                job=job_name(row["id"]),
+                state=state,
+                result=_obj(row["result"]) if row["result"] is not None else None,
+                error=error,
+            )
+        )
+    return tuple(results)
 
 
 def _obj(value: Any) -> dict[str, Any]:

@@ -39,7 +39,8 @@ class StreamRead:
 SELECT_JOB = text(f"SELECT {JOB_COLUMNS} FROM jobs WHERE id = :id AND tenant_id = :tenant_id")
 _SELECT_STAGES = text(
     "SELECT name, type, version, state, attempts, max_attempts, timeout_seconds, start_time, "
-    "end_time, error_code, error_message, result FROM job_stages "
+    "end_time, error_code, error_message, result, fan_out, max_failures, fail_fast "
+    "FROM job_stages "
     "WHERE job_id = :id AND tenant_id = :tenant_id ORDER BY idx"
 )
 
@@ -109,4 +110,9 @@ async def with_stages(conn: AnyConn, row: Any) -> Job:
     if row["pipeline"] is None:
         return job
     found = await fetch_rows(conn, _SELECT_STAGES, {"id": row["id"], "tenant_id": row["tenant_id"]})
-    return replace(job, stages=tuple(stage_from_row(r) for r in found))
+    stages = tuple(stage_from_row(r) for r in found)
+    fan_out = job.fan_out
+    if fan_out is not None and not fan_out.stage and 0 <= row["fan_stage"] < len(stages):
+        # Past its fan-out stage: named by the stage's row.
+        fan_out = replace(fan_out, stage=stages[row["fan_stage"]].name)
+    return replace(job, stages=stages, fan_out=fan_out)

@@ -22,7 +22,15 @@ from jobplane.ids import new_id
 from jobplane.store.db import Conn
 from jobplane.store.down import sqlstate
 from jobplane.store.job_reads import with_stages
-from jobplane.store.machine import SUBMIT_COLUMNS, Cause, NewStage, Row, StateMachine, Transition
+from jobplane.store.machine import (
+    SUBMIT_COLUMNS,
+    AnyConn,
+    Cause,
+    NewStage,
+    Row,
+    StateMachine,
+    Transition,
+)
 from jobplane.store.rows import JOB_COLUMNS, dumps
 from jobplane.topology import PipelineSpec
 from jobplane.types import (
@@ -146,6 +154,9 @@ def pipeline_stages(
                 timeout_seconds=timeout_seconds or stage.timeout_seconds,
                 base=done / total,
                 span=stage.weight / total,
+                fan_out=stage.fan_out,
+                max_failures=stage.max_failures,
+                fail_fast=stage.fail_fast,
             )
         )
         done += stage.weight
@@ -286,7 +297,7 @@ async def find_replays(
 
 async def insert_jobs(
     machine: StateMachine,
-    conn: Conn,
+    conn: AnyConn,
     tenant_id: uuid.UUID,
     news: Sequence[NewJob],
     ids: Sequence[uuid.UUID],

@@ -36,6 +36,7 @@ from jobplane.store.dependencies import (
     has_after,
 )
 from jobplane.store.engine import autocommit
+from jobplane.store.fan_retry import fanned, rejoin
 from jobplane.store.job_reads import (
     COUNT_STATES,
     MILESTONES,
@@ -70,7 +71,10 @@ __all__ = ["JobStore", "ListCursor", "NewJob", "StreamRead", "pipeline_stages"]
 _STAGE_INDEX = text(
     "SELECT idx FROM job_stages WHERE job_id = :id AND tenant_id = :tenant_id AND name = :name"
 )
-_DEPS_WAITING = text("SELECT deps_waiting FROM jobs WHERE id = :id")
+# A job waiting for its fan-out's children waits for them again when retried.
+_DEPS_WAITING = text(
+    "SELECT CASE WHEN fan_stage = stage THEN 0 ELSE deps_waiting END FROM jobs WHERE id = :id"
+)
 _SELECT_JOB_FOR_UPDATE = text(
     f"SELECT {JOB_COLUMNS} FROM jobs WHERE id = :id AND tenant_id = :tenant_id FOR UPDATE"
 )
@@ -443,6 +447,8 @@ class JobStore:
         A pipeline job resumes at its stage (the one that failed or was
         cancelled); ``from_stage`` restarts it at that stage instead. Either
         way the stages before it keep their results and are not run again.
+        A job that ended waiting for its fan-out's children runs again only
+        those that did not succeed, and waits for them (ADR-0047).
         """
         dispatch_id = new_id()
         async with self._engine.begin() as conn:
@@ -465,6 +471,8 @@ class JobStore:
                 "tenant_id": tenant_id,
                 "dispatch_id": dispatch_id,
             }
+            if not from_stage and await fanned(conn, job_id):
+                return await with_stages(conn, await rejoin(conn, self._machine, tenant_id, job_id))
             transition = Transition.RETRY
             cause = Cause("retry requested")
             if from_stage:

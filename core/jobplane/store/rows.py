@@ -14,6 +14,7 @@ from jobplane.types import (
     BlobRef,
     DependencyFailurePolicy,
     EventType,
+    FanOut,
     Job,
     JobError,
     JobEvent,
@@ -82,6 +83,12 @@ JOB_FIELDS = (
     "after_failure",
     # Child jobs (docs/workflows.md): the job that submitted it, or NULL.
     "parent_id",
+    # Fan-out (ADR-0047): the stage whose children it waits or waited for
+    # (NULL: none), how many, and the counts their ends keep.
+    "fan_stage",
+    "fan_size",
+    "deps_waiting",
+    "deps_failed",
 )
 JOB_COLUMNS = ", ".join(JOB_FIELDS)
 
@@ -161,8 +168,21 @@ def job_from_row(row: Mapping[Any, Any], now: datetime | None = None) -> Job:
         after=tuple(job_name(a) for a in row.get("after_ids") or ()),
         after_failure=DependencyFailurePolicy(row.get("after_failure") or "fail"),
         parent=job_name(parent) if (parent := row.get("parent_id")) else "",
+        fan_out=_fan_out(row),
     )
     return scheduled(job, now) if state is JobState.QUEUED else job
+
+
+def _fan_out(row: Mapping[Any, Any]) -> FanOut | None:
+    """The counts of a job's last fan-out; its stage's name is the job's own
+    while it waits at it (``with_stages`` names it otherwise)."""
+    if row.get("fan_stage") is None:
+        return None
+    size = int(row.get("fan_size") or 0)
+    waiting = row["fan_stage"] == row["stage"] and row["state"] in ("queued", "failed", "cancelled")
+    ended = size - int(row.get("deps_waiting") or 0) if waiting else size
+    stage = row["stage_name"] if row["fan_stage"] == row["stage"] else ""
+    return FanOut(stage or "", size, max(ended, 0), int(row.get("deps_failed") or 0))
 
 
 def _blob_ref(row: Mapping[Any, Any], column: str) -> BlobRef | None:
@@ -191,6 +211,9 @@ def stage_from_row(row: Mapping[Any, Any]) -> Stage:
         end_time=row["end_time"],
         error=error,
         result=_json(row["result"]) if state is StageState.SUCCEEDED else None,
+        fan_out=bool(row.get("fan_out", False)),
+        max_failures=int(row.get("max_failures") or 0),
+        fail_fast=bool(row.get("fail_fast", False)),
     )
 
 

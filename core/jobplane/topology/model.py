@@ -56,6 +56,15 @@ class StageSpec:
     version: str = ""
     #: The stage's share of the job's progress, relative to the other stages.
     weight: float = 1.0
+    #: The stage runs as one child job per item of the stage before's result
+    #: (a list); the stage after it joins their results (ADR-0047).
+    fan_out: bool = False
+    #: Children of a fan-out stage that may end other than SUCCEEDED while
+    #: the join still runs (it sees which failed).
+    max_failures: int = 0
+    #: A fan-out stage's failure past ``max_failures`` cancels the children
+    #: still running and fails the job at once, instead of after all ended.
+    fail_fast: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -67,7 +67,12 @@ def parse_topology(data: dict[str, Any], *, source: str = "topology") -> Topolog
 
 _STAGE_NAME = re.compile(r"[a-z][a-z0-9_-]{0,62}")
 _VERSION = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:+-]{0,63}")
-_STAGE_KEYS = frozenset({"name", "type", "version", "max_attempts", "timeout_seconds", "weight"})
+_STAGE_KEYS = frozenset(
+    {"name", "type", "version", "max_attempts", "timeout_seconds", "weight"}
+    | {"fan_out", "max_failures", "fail_fast"}
+)
+#: Children a fan-out stage may tolerate failing, at most (ADR-0047).
+MAX_FAN_FAILURES = 10_000
 _PIPELINE_KEYS = frozenset({"name", "version", "stages"})
 #: Stages of one pipeline at most: each is a row written with the job.
 MAX_STAGES = 32
@@ -133,9 +138,46 @@ def _parse_pipeline(data: dict[str, Any], topology: Topology, source: str) -> Pi
                 timeout_seconds=timeout,
                 version=_version(table.get("version", ""), at),
                 weight=weight,
+                **_fan_out(table, at),
             )
         )
+    _check_fan_outs(stages, where)
     return PipelineSpec(name=name, stages=tuple(stages), version=version)
+
+
+def _fan_out(table: dict[str, Any], at: str) -> dict[str, Any]:
+    """A stage's ``fan_out``, ``max_failures`` and ``fail_fast``, checked."""
+    fan_out = table.get("fan_out", False)
+    fail_fast = table.get("fail_fast", False)
+    max_failures = table.get("max_failures", 0)
+    for key, value in (("fan_out", fan_out), ("fail_fast", fail_fast)):
+        if not isinstance(value, bool):
+            raise TopologyError(f"{at}: {key} must be true or false")
+    if isinstance(max_failures, bool) or not isinstance(max_failures, int):
+        raise TopologyError(f"{at}: max_failures must be a whole number")
+    if not 0 <= max_failures <= MAX_FAN_FAILURES:
+        raise TopologyError(f"{at}: max_failures must be 0..{MAX_FAN_FAILURES}")
+    if not fan_out and ("max_failures" in table or "fail_fast" in table):
+        raise TopologyError(f"{at}: max_failures and fail_fast need fan_out = true")
+    return {"fan_out": fan_out, "max_failures": max_failures, "fail_fast": fail_fast}
+
+
+def _check_fan_outs(stages: list[StageSpec], where: str) -> None:
+    """A fan-out stage maps the list the stage before returns, and the stage
+    after joins it: it is neither first nor last, nor next to another."""
+    for index, stage in enumerate(stages):
+        if not stage.fan_out:
+            continue
+        at = f"{where}: fan-out stage {stage.name!r}"
+        if index == 0:
+            raise TopologyError(f"{at} is first: a stage before it must return its items")
+        if index == len(stages) - 1:
+            raise TopologyError(f"{at} is last: a stage after it must join its results")
+        if stages[index - 1].fan_out or stages[index + 1].fan_out:
+            raise TopologyError(
+                f"{at} is next to another fan-out stage: a plain stage must return "
+                "the items and join the results"
+            )
 
 
 def _version(value: Any, where: str) -> str:

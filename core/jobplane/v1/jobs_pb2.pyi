@@ -175,6 +175,7 @@ class Job(_message.Message):
     AFTER_FIELD_NUMBER: _builtins.int
     AFTER_FAILURE_FIELD_NUMBER: _builtins.int
     PARENT_FIELD_NUMBER: _builtins.int
+    FAN_OUT_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """Resource name, `jobs/{job}`."""
     type: _builtins.str
@@ -321,6 +322,12 @@ class Job(_message.Message):
         The jobs this job runs after (`jobs/{id}`), as submitted; empty for none.
         """
 
+    @_builtins.property
+    def fan_out(self) -> Global___FanOut:
+        """Fan-out and join (docs/workflows.md): the children of the job's last
+        fan-out stage, counted; unset for a job that never fanned out.
+        """
+
     def __init__(
         self,
         *,
@@ -360,14 +367,51 @@ class Job(_message.Message):
         after: _abc.Iterable[_builtins.str] | None = ...,
         after_failure: Global___DependencyFailurePolicy.ValueType = ...,
         parent: _builtins.str = ...,
+        fan_out: Global___FanOut | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["create_time", b"create_time", "deadline", b"deadline", "end_time", b"end_time", "error", b"error", "next_attempt_time", b"next_attempt_time", "payload", b"payload", "payload_blob", b"payload_blob", "result", b"result", "result_blob", b"result_blob", "schedule_time", b"schedule_time", "start_time", b"start_time", "timeout", b"timeout", "update_time", b"update_time"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["create_time", b"create_time", "deadline", b"deadline", "end_time", b"end_time", "error", b"error", "fan_out", b"fan_out", "next_attempt_time", b"next_attempt_time", "payload", b"payload", "payload_blob", b"payload_blob", "result", b"result", "result_blob", b"result_blob", "schedule_time", b"schedule_time", "start_time", b"start_time", "timeout", b"timeout", "update_time", b"update_time"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["after", b"after", "after_failure", b"after_failure", "attempt", b"attempt", "attempts_used", b"attempts_used", "cancel_requested", b"cancel_requested", "concurrency_key", b"concurrency_key", "concurrency_limit", b"concurrency_limit", "correlation_id", b"correlation_id", "create_time", b"create_time", "deadline", b"deadline", "end_time", b"end_time", "error", b"error", "labels", b"labels", "last_seq", b"last_seq", "max_attempts", b"max_attempts", "name", b"name", "next_attempt_time", b"next_attempt_time", "parent", b"parent", "payload", b"payload", "payload_blob", b"payload_blob", "pipeline_version", b"pipeline_version", "progress", b"progress", "progress_message", b"progress_message", "request_id", b"request_id", "result", b"result", "result_blob", b"result_blob", "schedule_time", b"schedule_time", "stage", b"stage", "stages", b"stages", "start_time", b"start_time", "state", b"state", "timeout", b"timeout", "type", b"type", "update_time", b"update_time", "waiting_code", b"waiting_code", "waiting_reason", b"waiting_reason"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["after", b"after", "after_failure", b"after_failure", "attempt", b"attempt", "attempts_used", b"attempts_used", "cancel_requested", b"cancel_requested", "concurrency_key", b"concurrency_key", "concurrency_limit", b"concurrency_limit", "correlation_id", b"correlation_id", "create_time", b"create_time", "deadline", b"deadline", "end_time", b"end_time", "error", b"error", "fan_out", b"fan_out", "labels", b"labels", "last_seq", b"last_seq", "max_attempts", b"max_attempts", "name", b"name", "next_attempt_time", b"next_attempt_time", "parent", b"parent", "payload", b"payload", "payload_blob", b"payload_blob", "pipeline_version", b"pipeline_version", "progress", b"progress", "progress_message", b"progress_message", "request_id", b"request_id", "result", b"result", "result_blob", b"result_blob", "schedule_time", b"schedule_time", "stage", b"stage", "stages", b"stages", "start_time", b"start_time", "state", b"state", "timeout", b"timeout", "type", b"type", "update_time", b"update_time", "waiting_code", b"waiting_code", "waiting_reason", b"waiting_reason"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___Job: _TypeAlias = Job  # noqa: Y015
+
+@_typing.final
+class FanOut(_message.Message):
+    """A pipeline job's fan-out: the stage whose children it spawned (one per
+    item), how many, and how many have ended and failed so far. ListJobs with
+    `parent` lists the children themselves.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    STAGE_FIELD_NUMBER: _builtins.int
+    CHILDREN_FIELD_NUMBER: _builtins.int
+    ENDED_FIELD_NUMBER: _builtins.int
+    FAILED_FIELD_NUMBER: _builtins.int
+    stage: _builtins.str
+    """The fan-out stage's name."""
+    children: _builtins.int
+    ended: _builtins.int
+    """Of them, those that have ended (any terminal state) ..."""
+    failed: _builtins.int
+    """... and those that ended other than SUCCEEDED."""
+    def __init__(
+        self,
+        *,
+        stage: _builtins.str = ...,
+        children: _builtins.int = ...,
+        ended: _builtins.int = ...,
+        failed: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["children", b"children", "ended", b"ended", "failed", b"failed", "stage", b"stage"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___FanOut: _TypeAlias = FanOut  # noqa: Y015
 
 @_typing.final
 class BlobRef(_message.Message):
@@ -445,6 +489,9 @@ class Stage(_message.Message):
     END_TIME_FIELD_NUMBER: _builtins.int
     ERROR_FIELD_NUMBER: _builtins.int
     RESULT_FIELD_NUMBER: _builtins.int
+    FAN_OUT_FIELD_NUMBER: _builtins.int
+    MAX_FAILURES_FIELD_NUMBER: _builtins.int
+    FAIL_FAST_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     type: _builtins.str
     """The job type the stage runs (its queue and handler)."""
@@ -456,6 +503,16 @@ class Stage(_message.Message):
     attempts: _builtins.int
     """Attempts started since the stage was last queued by RetryJob."""
     max_attempts: _builtins.int
+    fan_out: _builtins.bool
+    """A fan-out stage (ADR-0047): it runs as one child job per item of the
+    stage before's result, and the stage after it joins their results.
+    """
+    max_failures: _builtins.int
+    """Children that may end other than SUCCEEDED while the join still runs."""
+    fail_fast: _builtins.bool
+    """A failure past max_failures cancels the children still running and fails
+    the job at once.
+    """
     @_builtins.property
     def timeout(self) -> _duration_pb2.Duration: ...
     @_builtins.property
@@ -486,10 +543,13 @@ class Stage(_message.Message):
         end_time: _timestamp_pb2.Timestamp | None = ...,
         error: Global___JobError | None = ...,
         result: _struct_pb2.Struct | None = ...,
+        fan_out: _builtins.bool = ...,
+        max_failures: _builtins.int = ...,
+        fail_fast: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["end_time", b"end_time", "error", b"error", "result", b"result", "start_time", b"start_time", "timeout", b"timeout"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempts", b"attempts", "end_time", b"end_time", "error", b"error", "max_attempts", b"max_attempts", "name", b"name", "result", b"result", "start_time", b"start_time", "state", b"state", "timeout", b"timeout", "type", b"type", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempts", b"attempts", "end_time", b"end_time", "error", b"error", "fail_fast", b"fail_fast", "fan_out", b"fan_out", "max_attempts", b"max_attempts", "max_failures", b"max_failures", "name", b"name", "result", b"result", "start_time", b"start_time", "state", b"state", "timeout", b"timeout", "type", b"type", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

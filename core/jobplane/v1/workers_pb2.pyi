@@ -173,6 +173,8 @@ class ClaimJobResponse(_message.Message):
     STAGE_FIELD_NUMBER: _builtins.int
     STAGE_VERSION_FIELD_NUMBER: _builtins.int
     INPUTS_FIELD_NUMBER: _builtins.int
+    FANS_OUT_FIELD_NUMBER: _builtins.int
+    RESULTS_FIELD_NUMBER: _builtins.int
     status: Global___ClaimJobResponse.Status.ValueType
     type: _builtins.str
     """Lowercase dotted job type."""
@@ -190,6 +192,10 @@ class ClaimJobResponse(_message.Message):
     commits its result and dispatches the next stage.
     """
     stage_version: _builtins.str
+    fans_out: _builtins.bool
+    """Fan-out and join (ADR-0047). True when the next stage is a fan-out stage:
+    this stage ends by CompleteJob with `items`, one child job per item.
+    """
     @_builtins.property
     def attempt(self) -> Global___AttemptRef:
         """The rest is set for STATUS_CLAIMED only, except `retry_after`."""
@@ -214,6 +220,13 @@ class ClaimJobResponse(_message.Message):
 
     @_builtins.property
     def inputs(self) -> _struct_pb2.Struct: ...
+    @_builtins.property
+    def results(self) -> _containers.RepeatedCompositeFieldContainer[Global___ItemResult]:
+        """In the stage after a fan-out stage (its join): the children's results,
+        in item order; a failed child (tolerated by the stage's max_failures)
+        carries its error instead. Empty for any other stage.
+        """
+
     def __init__(
         self,
         *,
@@ -232,14 +245,59 @@ class ClaimJobResponse(_message.Message):
         stage: _builtins.str = ...,
         stage_version: _builtins.str = ...,
         inputs: _struct_pb2.Struct | None = ...,
+        fans_out: _builtins.bool = ...,
+        results: _abc.Iterable[Global___ItemResult] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "inputs", b"inputs", "lease_duration", b"lease_duration", "lease_expire_time", b"lease_expire_time", "payload", b"payload", "retry_after", b"retry_after", "timeout", b"timeout"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "attempts_left", b"attempts_left", "correlation_id", b"correlation_id", "inputs", b"inputs", "lease_duration", b"lease_duration", "lease_expire_time", b"lease_expire_time", "max_attempts", b"max_attempts", "payload", b"payload", "request_id", b"request_id", "retry_after", b"retry_after", "stage", b"stage", "stage_version", b"stage_version", "status", b"status", "timeout", b"timeout", "type", b"type"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "attempts_left", b"attempts_left", "correlation_id", b"correlation_id", "fans_out", b"fans_out", "inputs", b"inputs", "lease_duration", b"lease_duration", "lease_expire_time", b"lease_expire_time", "max_attempts", b"max_attempts", "payload", b"payload", "request_id", b"request_id", "results", b"results", "retry_after", b"retry_after", "stage", b"stage", "stage_version", b"stage_version", "status", b"status", "timeout", b"timeout", "type", b"type"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ClaimJobResponse: _TypeAlias = ClaimJobResponse  # noqa: Y015
+
+@_typing.final
+class ItemResult(_message.Message):
+    """One child of a fan-out, as its join stage receives it."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    INDEX_FIELD_NUMBER: _builtins.int
+    JOB_FIELD_NUMBER: _builtins.int
+    STATE_FIELD_NUMBER: _builtins.int
+    RESULT_FIELD_NUMBER: _builtins.int
+    ERROR_CODE_FIELD_NUMBER: _builtins.int
+    ERROR_MESSAGE_FIELD_NUMBER: _builtins.int
+    index: _builtins.int
+    """The item's place in the list the stage before returned, from 0."""
+    job: _builtins.str
+    """`jobs/{job}` of the child."""
+    state: _builtins.str
+    """SUCCEEDED, FAILED or CANCELLED, as jobplane.v1.State names them."""
+    error_code: _builtins.str
+    """Why it did not succeed (empty when it did)."""
+    error_message: _builtins.str
+    @_builtins.property
+    def result(self) -> _struct_pb2.Struct:
+        """What the child returned (SUCCEEDED only)."""
+
+    def __init__(
+        self,
+        *,
+        index: _builtins.int = ...,
+        job: _builtins.str = ...,
+        state: _builtins.str = ...,
+        result: _struct_pb2.Struct | None = ...,
+        error_code: _builtins.str = ...,
+        error_message: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["result", b"result"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["error_code", b"error_code", "error_message", b"error_message", "index", b"index", "job", b"job", "result", b"result", "state", b"state"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ItemResult: _TypeAlias = ItemResult  # noqa: Y015
 
 @_typing.final
 class HeartbeatRequest(_message.Message):
@@ -374,6 +432,7 @@ class CompleteJobRequest(_message.Message):
     ATTEMPT_FIELD_NUMBER: _builtins.int
     RESULT_FIELD_NUMBER: _builtins.int
     REPORTS_FIELD_NUMBER: _builtins.int
+    ITEMS_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def attempt(self) -> Global___AttemptRef: ...
     @_builtins.property
@@ -384,16 +443,25 @@ class CompleteJobRequest(_message.Message):
     def reports(self) -> _containers.RepeatedCompositeFieldContainer[Global___Progress]:
         """Reports not sent yet, stored before the outcome in the same transaction."""
 
+    @_builtins.property
+    def items(self) -> _containers.RepeatedCompositeFieldContainer[_struct_pb2.Struct]:
+        """A stage whose ClaimJobResponse said `fans_out`: the items, each a child
+        job's payload (a JSON object), at most 10,000; `result` is then unset.
+        The stage's move to the fan-out stage and every child commit together.
+        Refused (INVALID_ARGUMENT, field `items`) for any other stage.
+        """
+
     def __init__(
         self,
         *,
         attempt: Global___AttemptRef | None = ...,
         result: _struct_pb2.Struct | None = ...,
         reports: _abc.Iterable[Global___Progress] | None = ...,
+        items: _abc.Iterable[_struct_pb2.Struct] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "result", b"result"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "reports", b"reports", "result", b"result"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "items", b"items", "reports", b"reports", "result", b"result"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -57,6 +57,7 @@ from jobplane.errors import (
     WorkerNotFound,
     shown,
 )
+from jobplane.fanout import FanOutRefused, fan_out_items
 from jobplane.ids import new_id
 from jobplane.logs import fingerprint
 from jobplane.names import job_name
@@ -93,7 +94,7 @@ from jobplane.store.attempts import (
 )
 from jobplane.store.children import ChildStore
 from jobplane.store.held import HeldAttempts
-from jobplane.store.rows import dumps
+from jobplane.store.rows import check_payload_size, dumps
 from jobplane.store.workers import WorkerStore
 from jobplane.topology import Topology
 from jobplane.types import BlobRef, JobState
@@ -304,13 +305,28 @@ class WorkerService:
         return await self._fenced(fence, self._store.write_progress(attempt, updates))
 
     async def complete(
-        self, fence: Fence, result: dict[str, Any], pending: Sequence[ProgressUpdate]
+        self,
+        fence: Fence,
+        result: dict[str, Any],
+        pending: Sequence[ProgressUpdate],
+        *,
+        items: Sequence[dict[str, Any]] = (),
+        has_result: bool = False,
     ) -> None:
-        """SUCCEEDED with ``result``, after the pending reports."""
+        """SUCCEEDED with ``result``, after the pending reports; a stage before a
+        fan-out stage with ``items`` instead, one child job each (ADR-0047)."""
         checked = check_result(result, max_bytes=self._max_result_bytes)
         if not isinstance(checked, dict):
             raise InvalidArgument(str(checked), field="result", metadata={"code": checked.code})
         attempt = await self._attempt(fence)
+        if attempt.stage is not None and attempt.stage.fans_out:
+            await self._fan_out(fence, attempt, items, pending, has_result=has_result)
+            return
+        if items:
+            raise InvalidArgument(
+                "items are for a stage before a fan-out stage (ClaimJobResponse.fans_out)",
+                field="items",
+            )
         stored, ref = checked, None
         if self._blobs is not None and attempt.stage is None:
             body = dumps(checked).encode()
@@ -322,6 +338,36 @@ class WorkerService:
         await self._fenced(fence, self._store.succeed(attempt, stored, pending, result_blob=ref))
         self._forget(fence)
         self._bind(attempt).info("job.completed", attempt=fence.attempt)
+        self.metrics.attempt_ended(attempt.type, attempt.queue, completed(attempt.stage))
+
+    async def _fan_out(
+        self,
+        fence: Fence,
+        attempt: Attempt,
+        items: Sequence[dict[str, Any]],
+        pending: Sequence[ProgressUpdate],
+        *,
+        has_result: bool,
+    ) -> None:
+        """The success of a stage before a fan-out stage: its children, checked as
+        the Python worker checks them (:func:`jobplane.fanout.fan_out_items`)."""
+        if has_result:
+            raise InvalidArgument(
+                "a stage before a fan-out stage completes with items, not a result",
+                field="result",
+            )
+        try:
+            spawned = fan_out_items(list(items))
+            for item in spawned:
+                check_payload_size(item, self._max_result_bytes)
+        except FanOutRefused as exc:
+            raise InvalidArgument(str(exc), field="items") from None
+        except PayloadTooLarge as exc:
+            raise InvalidArgument(str(exc), field="items") from None
+        outcome = self._store.fanned_out(attempt, spawned)
+        await self._fenced(fence, self._store.finish(outcome, pending))
+        self._forget(fence)
+        self._bind(attempt).info("job.fanned_out", attempt=fence.attempt, children=len(spawned))
         self.metrics.attempt_ended(attempt.type, attempt.queue, completed(attempt.stage))
 
     async def fail(

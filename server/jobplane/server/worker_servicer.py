@@ -147,7 +147,25 @@ def claim_to_pb(claimed: Claimed) -> workers_pb2.ClaimJobResponse:
     reply.stage_version = version
     if inputs is not None:
         reply.inputs.CopyFrom(struct_from_dict(inputs))
+    _fan_fields(reply, getattr(attempt, "stage", None))
     return reply
+
+
+def _fan_fields(reply: workers_pb2.ClaimJobResponse, stage: Any) -> None:
+    """A stage's fan-out (ADR-0047): whether it spawns the next stage's children,
+    and the results of the children it joins, in item order."""
+    reply.fans_out = bool(getattr(stage, "fans_out", False))
+    for item in getattr(stage, "results", None) or ():
+        message = workers_pb2.ItemResult(
+            index=item.index,
+            job=item.job,
+            state=item.state.name,
+            error_code=item.error.code if item.error else "",
+            error_message=item.error.message if item.error else "",
+        )
+        if item.result is not None:
+            message.result.CopyFrom(struct_from_dict(dict(item.result)))
+        reply.results.append(message)
 
 
 class WorkerServiceServicer(workers_pb2_grpc.WorkerServiceServicer):
@@ -196,7 +214,14 @@ class WorkerServiceServicer(workers_pb2_grpc.WorkerServiceServicer):
     ) -> workers_pb2.CompleteJobResponse:
         fence = _fence(request.attempt, request.HasField("attempt"))
         pending = _reports(request.reports)
-        await self._service.complete(fence, dict_from_struct(request.result), pending)
+        items = [dict_from_struct(item) for item in request.items]
+        await self._service.complete(
+            fence,
+            dict_from_struct(request.result),
+            pending,
+            items=items,
+            has_result=request.HasField("result"),
+        )
         return workers_pb2.CompleteJobResponse()
 
     @_worker_call

@@ -25,7 +25,7 @@ from jobplane.workers.handlers import JobContext, Registry, with_offloaded_paylo
 from jobplane.workers.outcome import invoke
 from jobplane.workers.progress import ProgressFlusher, ProgressWriter
 from jobplane.workers.recording import OutcomeRecording
-from jobplane.workers.running import Ended, Running, StopCause
+from jobplane.workers.running import Ended, Running, StopCause, spawned_and_returned
 from jobplane.workers.threads import HandlerThreads
 
 log = structlog.get_logger("jobplane.worker")
@@ -114,6 +114,8 @@ class AttemptRunner(OutcomeRecording):
             if run is not None:
                 run.ended(running.error)
         pending = await writer.drain()
+        if ended.returned and ctx._spawned:
+            ended = spawned_and_returned(ended, ctx._spawned)
         if intercept is None:
             await self._record(attempt, running, ended, pending, bound, ctx.emitted)
         else:

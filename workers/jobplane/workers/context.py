@@ -31,6 +31,7 @@ from jobplane.errors import (
     PayloadTooLarge,
 )
 from jobplane.events.envelope import Event, EventError
+from jobplane.fanout import FAN_OUT_REFUSED, MAX_FAN_OUT, ItemResult
 from jobplane.names import job_name
 from jobplane.store.attempts import Attempt, ProgressUpdate
 from jobplane.store.events import emitted
@@ -128,6 +129,7 @@ class JobContext:
         self._max_event_payload_bytes = max_event_payload_bytes
         self._emitted: list[Emitted] = []
         self._emitted_bytes = 0
+        self._spawned: list[dict[str, Any]] = []
 
     @property
     def name(self) -> str:
@@ -283,6 +285,44 @@ class JobContext:
         """The result of the stage just before this one, or None (first stage, plain job)."""
         inputs = self.inputs
         return list(inputs.values())[-1] if inputs else None
+
+    @property
+    def fans_out(self) -> bool:
+        """Whether the next stage is a fan-out stage: this one's result (a list, or
+        what :meth:`spawn` gathered) becomes one child job per item (ADR-0047)."""
+        stage = self._attempt.stage
+        return stage is not None and stage.fans_out
+
+    @property
+    def results(self) -> tuple[ItemResult, ...]:
+        """In the stage after a fan-out stage (its join): the children's results, in
+        item order, each with its state and, when it did not succeed, its error.
+        Empty for any other stage."""
+        stage = self._attempt.stage
+        return stage.results or () if stage is not None else ()
+
+    def spawn(self, payload: Mapping[str, Any]) -> None:
+        """Add an item to this stage's fan-out: a child job running the next
+        stage with ``payload``. Items come before those of a returned list.
+        Only in a stage before a fan-out stage; nothing is written until the
+        stage succeeds (the children commit with its success, or not at all).
+        Anywhere else, with an item that is not an object, or past
+        :data:`~jobplane.fanout.MAX_FAN_OUT` items, it raises
+        :class:`PermanentError` (``FAN_OUT_REFUSED``)."""
+        # Each a mistake no other attempt would undo: the stage fails for good.
+        if not self.fans_out:
+            raise PermanentError(
+                "spawn() is for a stage before a fan-out stage", code=FAN_OUT_REFUSED
+            )
+        if not isinstance(payload, Mapping):
+            raise PermanentError(
+                "a spawned item must be an object (the child's payload)", code=FAN_OUT_REFUSED
+            )
+        if len(self._spawned) >= MAX_FAN_OUT:
+            raise PermanentError(
+                f"at most {MAX_FAN_OUT} items may be spawned", code=FAN_OUT_REFUSED
+            )
+        self._spawned.append(dict(payload))
 
     async def progress(
         self, fraction: float, message: str = "", data: dict[str, Any] | None = None
@@ -451,8 +491,8 @@ def _correlation(attempt: Attempt) -> str:
     return str(attempt.job_id)
 
 
-#: An ``async def`` handler.
-Handler = Callable[[JobContext], Coroutine[Any, Any, dict[str, Any]]]
+#: An ``async def`` handler: its result, or a stage's items before a fan-out stage.
+Handler = Callable[[JobContext], Coroutine[Any, Any, "dict[str, Any] | list[dict[str, Any]]"]]
 
 
 def with_offloaded_payload(handler: Handler, *, max_bytes: int) -> Handler:
@@ -463,7 +503,7 @@ def with_offloaded_payload(handler: Handler, *, max_bytes: int) -> Handler:
     ``BLOB_TOO_LARGE``); an object store outage retries it.
     """
 
-    async def run(ctx: JobContext) -> dict[str, Any]:
+    async def run(ctx: JobContext) -> dict[str, Any] | list[dict[str, Any]]:
         ref = ctx._attempt.payload_blob
         if ref is not None and ctx._payload is None:
             data = await ctx.read_blob(ref.name, limit=max_bytes)

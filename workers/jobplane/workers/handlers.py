@@ -37,7 +37,8 @@ The context
     :class:`JobContext` has the job (``id``, ``name``, ``type``, ``payload``,
     ``tenant_id``, ``attempt``, ``max_attempts``, ``correlation_id``,
     ``request_id``), a pipeline stage's place (``pipeline``, ``stage``, their
-    versions, ``inputs``, ``previous``), ``progress()``, ``emit()`` (events
+    versions, ``inputs``, ``previous``; a fan-out's ``fans_out``, ``spawn()``
+    and the join's ``results``, each an :class:`ItemResult`), ``progress()``, ``emit()`` (events
     published only if the attempt succeeds), ``submit()`` (a child job, one
     per key whatever the attempt), the tenant's blobs
     (``read_blob``, ``open_blob``, ``put_blob``) and ``cancelled``.
@@ -63,6 +64,8 @@ handlers in threads, reading an offloaded payload) lives beside this module:
 
 from __future__ import annotations
 
+from jobplane.fanout import ItemResult
+
 # The aliased names are not the author's, so not in __all__: the runtime and
 # the CLI import them from here, and an explicit re-export keeps them
 # importable under mypy --strict.
@@ -84,6 +87,7 @@ __all__ = [
     "AttemptStopped",
     "EmitError",
     "Handler",
+    "ItemResult",
     "JobContext",
     "Lifespan",
     "PermanentError",

@@ -93,6 +93,8 @@ class SyncJobContext:
     stage_version = _Same(lambda ctx: ctx.stage_version)
     inputs = _Same(lambda ctx: ctx.inputs)
     previous = _Same(lambda ctx: ctx.previous)
+    fans_out = _Same(lambda ctx: ctx.fans_out)
+    results = _Same(lambda ctx: ctx.results)
     emitted = _Same(lambda ctx: ctx.emitted)
 
     @property
@@ -113,6 +115,12 @@ class SyncJobContext:
         # Kept in the context's list, which the worker reads only after the
         # handler's thread has ended: no need to go through the loop.
         return self._ctx.emit(*args, **kwargs)
+
+    def spawn(self, payload: dict[str, Any]) -> None:
+        """:meth:`JobContext.spawn`: kept in the context's list, which the worker
+        reads only after the handler's thread has ended."""
+        self._check()
+        self._ctx.spawn(payload)
 
     def submit(self, job_type: str, payload: dict[str, Any] | None = None, **options: Any) -> str:
         """:meth:`JobContext.submit` (the same arguments, ``key=`` among them), from the
@@ -180,8 +188,8 @@ class SyncJobContext:
                     raise AttemptStopped("the worker has stopped") from None
 
 
-#: A plain ``def`` handler, run in a thread.
-SyncHandler = Callable[[SyncJobContext], "dict[str, Any] | None"]
+#: A plain ``def`` handler, run in a thread (a list: a stage's items before a fan-out stage).
+SyncHandler = Callable[[SyncJobContext], "dict[str, Any] | list[dict[str, Any]] | None"]
 
 
 class Threaded:

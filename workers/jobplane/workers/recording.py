@@ -29,13 +29,14 @@ from jobplane.attempt_end import (
 )
 from jobplane.batcher import Batcher
 from jobplane.config import MAX_OFFLOADED_JSON_BYTES
-from jobplane.errors import BlobStoreUnavailable
+from jobplane.errors import BlobStoreUnavailable, PayloadTooLarge
+from jobplane.fanout import FAN_OUT_REFUSED, FanOutRefused, fan_out_items
 from jobplane.faults import FaultPoints
 from jobplane.logs import describe_error
 from jobplane.store.attempts import Attempt, AttemptStore, LeaseLost, Outcome, ProgressUpdate
 from jobplane.store.down import database_error_name, database_transient
 from jobplane.store.machine import Emitted
-from jobplane.store.rows import dumps
+from jobplane.store.rows import check_payload_size, dumps
 from jobplane.topology import Topology
 from jobplane.types import BlobRef
 from jobplane.workers.interceptors import Interceptor
@@ -158,6 +159,8 @@ class OutcomeRecording:
         """Commit the success of an attempt whose handler returned ``returned``, or
         say why it cannot be stored (None: it succeeded)."""
         attempt = end.attempt
+        if attempt.stage is not None and attempt.stage.fans_out:
+            return await self._record_items(end, returned, emitted)
         # With an object store, a plain job's result may be larger than
         # the inline limit: it goes to a blob, the row keeps its name.
         offload = self._blobs is not None and attempt.stage is None
@@ -174,6 +177,24 @@ class OutcomeRecording:
             end, self._store.succeeded(attempt, result, emitted=emitted, result_blob=ref)
         )
         end.bound.info("job.completed", attempt=attempt.attempt, offloaded=ref is not None)
+        self._ended(attempt, end.running, completed(attempt.stage))
+        return None
+
+    async def _record_items(
+        self, end: _Ending, returned: Any, emitted: Sequence[Emitted]
+    ) -> Failure | None:
+        """Commit the success of a stage before a fan-out stage: its move to the
+        fan-out stage with one child per item, in one transaction; or say why
+        ``returned`` cannot be spawned (ADR-0047)."""
+        attempt = end.attempt
+        try:
+            items = fan_out_items(returned)
+            for item in items:
+                check_payload_size(item, self._max_result_bytes)
+        except (FanOutRefused, PayloadTooLarge, TypeError, ValueError) as exc:
+            return Failure(FAN_OUT_REFUSED, str(exc), retryable=False)
+        await self._commit(end, self._store.fanned_out(attempt, items, emitted=emitted))
+        end.bound.info("job.fanned_out", attempt=attempt.attempt, children=len(items))
         self._ended(attempt, end.running, completed(attempt.stage))
         return None
 

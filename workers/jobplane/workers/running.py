@@ -6,7 +6,7 @@ import asyncio
 import enum
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 
@@ -71,3 +71,14 @@ class Ended:
     returned: bool = False
     result: Any = None
     error: BaseException | None = None
+
+
+def spawned_and_returned(ended: Ended, spawned: list[Any]) -> Ended:
+    """A fan-out's items: those the handler spawned, then those of the list it
+    returned (ADR-0047). A result neither None nor a list stays as it is, for
+    the stage's success to refuse."""
+    if ended.result is None:
+        return replace(ended, result=list(spawned))
+    if isinstance(ended.result, list):
+        return replace(ended, result=[*spawned, *ended.result])
+    return ended

@@ -49,6 +49,11 @@ _HOOK_FIELDS = (
     "flow_slots",
     # Dependencies (ADR-0045): an end settles the jobs that run after it.
     "has_dependents",
+    # Fan-out (ADR-0047): the stage whose children a job waits for, how many,
+    # how many failed.
+    "fan_stage",
+    "fan_size",
+    "deps_failed",
 )
 
 

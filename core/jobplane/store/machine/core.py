@@ -22,6 +22,7 @@ from jobplane.store.machine.compile import (
     changes_many,
 )
 from jobplane.store.machine.dependencies import RESOLUTIONS, settle
+from jobplane.store.machine.fanout import FanOut, FanProgress
 from jobplane.store.machine.hooks import (
     AfterFn,
     AnyConn,
@@ -57,6 +58,8 @@ def builtin_hooks(*, lifecycle: bool = True) -> list[Hook]:
         Stages(),
         BlobReferences(),
         Dependencies(),
+        FanOut(),
+        FanProgress(),
         DomainEvents(lifecycle=lifecycle),
     ]
 
@@ -86,6 +89,9 @@ class StateMachine:
         self._hooks: list[Hook] = (
             builtin_hooks(lifecycle=lifecycle) if hooks is None else list(hooks)
         )
+        for hook in self._hooks:
+            if isinstance(hook, FanOut):
+                hook.machine = self
         self._compiled: dict[tuple[Transition, Returning], _Compiled] = {}
         self._many: dict[
             tuple[Transition, Returning, str], tuple[TextClause, tuple[str, ...], tuple[str, ...]]
@@ -93,6 +99,8 @@ class StateMachine:
 
     def register(self, hook: Hook) -> Hook:
         """Add ``hook`` after those registered; statements are compiled anew."""
+        if isinstance(hook, FanOut):
+            hook.machine = self
         self._hooks.append(hook)
         self._compiled.clear()
         self._many.clear()

@@ -44,7 +44,7 @@ from jobplane.store.machine.table import (
     state_is,
     where_sources,
 )
-from jobplane.store.rows import JOB_FIELDS
+from jobplane.store.rows import EVENTS_CHANNEL, JOB_FIELDS
 from jobplane.types import JobState
 
 if TYPE_CHECKING:
@@ -88,9 +88,22 @@ _STILL_AWAITED = f"""(
         ORDER BY o.depends_on LIMIT {REASON_NAMES}) o)"""
 _WAITING = f"{state_is(JobState.QUEUED, column='jobs.state')} AND jobs.{WAITS_FOR_DEPS}"
 
+# A fan-out's job (ADR-0047) waits for its children at its fan-out stage.
+_FANNED = "jobs.fan_stage IS NOT NULL AND jobs.fan_stage = jobs.stage"
+# ... and its progress is the stage's share of its children's: 1 for each
+# ended, its own for each running (``fan_progress``: the partial ones' sum,
+# kept by the progress statement); never less than it was.
+_FAN_PROGRESS = (
+    "greatest(jobs.progress, least(1.0, jobs.stage_base + jobs.stage_span * least(1.0, "
+    "(jobs.fan_size - greatest(jobs.deps_waiting - c.n, 0) + jobs.fan_progress - c.partial) "
+    "/ greatest(jobs.fan_size, 1))))"
+)
+
 #: The jobs of ``:ended`` that ended: their edges' outcomes, once each, and
 #: their dependents' counts. The dependents the counts now decide (``decided``)
-#: go to :func:`resolve`. Not a transition: no dependent changes state here.
+#: go to :func:`resolve`. Not a transition: no dependent changes state here;
+#: a job waiting for a fan-out's children gets a progress event (its share of
+#: them ended), under its row lock like every event.
 RECORD = text(
     f"""
     WITH e AS (
@@ -98,9 +111,9 @@ RECORD = text(
         FROM jobs x
         WHERE d.depends_on = ANY (CAST(:ended AS uuid[])) AND d.outcome IS NULL
           AND x.id = d.depends_on AND {state_is(*_ENDED, column="x.state")}
-        RETURNING d.job_id, d.depends_on, d.outcome
+        RETURNING d.job_id, d.depends_on, d.outcome, d.progress
     ), c AS (
-        SELECT job_id, count(*) AS n,
+        SELECT job_id, count(*) AS n, sum(progress) AS partial,
                count(*) FILTER (WHERE outcome <> '{JobState.SUCCEEDED.value}') AS bad,
                (array_agg(depends_on ORDER BY depends_on)
                    FILTER (WHERE outcome <> '{JobState.SUCCEEDED.value}'))[1] AS first_bad
@@ -109,18 +122,43 @@ RECORD = text(
         SELECT jobs.id FROM jobs JOIN c ON c.job_id = jobs.id
         ORDER BY jobs.id
         FOR UPDATE OF jobs
-    )
-    UPDATE jobs SET deps_waiting = jobs.deps_waiting - c.n,
-                    deps_failed = jobs.deps_failed + c.bad,
-                    deps_failed_on = coalesce(jobs.deps_failed_on, c.first_bad),
-                    waiting_reason = CASE WHEN {_WAITING} AND jobs.deps_waiting > c.n
-                        THEN coalesce({reason(_STILL_AWAITED)}, jobs.waiting_reason)
-                        ELSE jobs.waiting_reason END
-    FROM c, p
-    WHERE jobs.id = c.job_id AND p.id = c.job_id
-    RETURNING jobs.id, ({_WAITING} AND ({DEPS_FAIL.replace("deps_", "jobs.deps_")}
+    ), u AS (
+        UPDATE jobs SET deps_waiting = jobs.deps_waiting - c.n,
+                        deps_failed = jobs.deps_failed + c.bad,
+                        deps_failed_on = coalesce(jobs.deps_failed_on, c.first_bad),
+                        waiting_reason = CASE
+                            WHEN {_WAITING} AND {_FANNED} AND jobs.deps_waiting > c.n
+                            THEN format('waiting for %s of its %s children of stage %s to end',
+                                        jobs.deps_waiting - c.n, jobs.fan_size, jobs.stage_name)
+                            WHEN {_WAITING} AND jobs.deps_waiting > c.n
+                            THEN coalesce({reason(_STILL_AWAITED)}, jobs.waiting_reason)
+                            ELSE jobs.waiting_reason END,
+                        progress = CASE WHEN {_WAITING} AND {_FANNED} THEN {_FAN_PROGRESS}
+                                        ELSE jobs.progress END,
+                        fan_progress = greatest(jobs.fan_progress - c.partial, 0),
+                        last_seq = jobs.last_seq + CASE WHEN {_WAITING} AND {_FANNED}
+                                                        THEN 1 ELSE 0 END
+        FROM c, p
+        WHERE jobs.id = c.job_id AND p.id = c.job_id
+        RETURNING jobs.id, jobs.tenant_id, jobs.last_seq, jobs.state, jobs.progress,
+                  jobs.attempt, jobs.stage_name, jobs.deps_waiting, jobs.fan_size,
+                  ({_WAITING} AND {_FANNED}) AS fanned,
+                  ({_WAITING} AND ({DEPS_FAIL.replace("deps_", "jobs.deps_")}
                         OR {DEPS_CANCEL.replace("deps_", "jobs.deps_")}
                         OR {DEPS_MET.replace("deps_", "jobs.deps_")})) AS decided
+    ), ev AS (
+        INSERT INTO job_events
+            (job_id, seq, tenant_id, type, state, progress, message, data, attempt, stage)
+        SELECT u.id, u.last_seq, u.tenant_id, 'progress', u.state, u.progress,
+               format('%s of %s children ended', u.fan_size - u.deps_waiting, u.fan_size),
+               jsonb_build_object('children', u.fan_size,
+                                  'ended', u.fan_size - u.deps_waiting),
+               u.attempt, u.stage_name
+        FROM u WHERE u.fanned
+    )
+    SELECT u.id, u.decided,
+           CASE WHEN u.fanned THEN pg_notify('{EVENTS_CHANNEL}', u.id::text) END AS notified
+    FROM u
     """
 )
 
@@ -147,6 +185,21 @@ RESOLUTIONS = (
     Transition.DEPENDENCIES_MET,
     Transition.DEPENDENCY_FAILED,
     Transition.DEPENDENCY_CANCELLED,
+    Transition.JOIN,
+)
+# What JOIN moves a fan-out's job to: the stage after its fan-out stage (s).
+_JOIN_STAGE = (
+    ("type", "s.type"),
+    ("queue", "s.queue"),
+    ("stage", "s.idx"),
+    ("stage_name", "s.name"),
+    ("max_attempts", "s.max_attempts"),
+    ("timeout_seconds", "s.timeout_seconds"),
+    ("stage_base", "s.base"),
+    ("stage_span", "s.span"),
+    ("progress", "s.base"),
+    ("progress_message", "''"),
+    ("retry_base", "jobs.attempt"),
 )
 
 
@@ -155,28 +208,42 @@ def _columns(needs: set[str], extra: Sequence[str]) -> str:
     return ", ".join(f"jobs.{c}" for c in sorted(needs) if c in known) or "jobs.id"
 
 
+def _qualified(condition: str) -> str:
+    return condition.replace("deps_", "jobs.deps_").replace("after_", "jobs.after_")
+
+
+# long: one statement, its four outcomes spelled side by side
 def resolve(needs: set[str], extra: Sequence[str]) -> str:
-    """The statement of DEPENDENCIES_MET, DEPENDENCY_FAILED and DEPENDENCY_CANCELLED:
-    the waiting jobs of ``:ids`` their counts decide, locked in id order.
+    """The statement of DEPENDENCIES_MET, DEPENDENCY_FAILED, DEPENDENCY_CANCELLED
+    and JOIN: the waiting jobs of ``:ids`` their counts decide, locked in id order.
 
     The counts are read from the row the UPDATE changes (the latest, under
-    its lock), so two ends settling one job at once decide it once.
+    its lock), so two ends settling one job at once decide it once. A job
+    waiting for a fan-out's children (ADR-0047) joins: it moves to the
+    stage after the fan-out stage (``s``), dispatched; a plain dependent's
+    ``s`` is NULL.
     """
-    met, failed, cancelled = (RULES[t] for t in RESOLUTIONS)
-    assert met.sources == failed.sources == cancelled.sources
+    met, failed, cancelled, join = (RULES[t] for t in RESOLUTIONS)
+    assert met.sources == failed.sources == cancelled.sources == join.sources
     sources = where_sources(Transition.DEPENDENCIES_MET, "jobs")
-    fails = DEPS_FAIL.replace("deps_", "jobs.deps_").replace("after_", "jobs.after_")
-    cancels = DEPS_CANCEL.replace("deps_", "jobs.deps_").replace("after_", "jobs.after_")
-    meets = DEPS_MET.replace("deps_", "jobs.deps_").replace("after_", "jobs.after_")
+    fails, cancels, meets = (_qualified(c) for c in (DEPS_FAIL, DEPS_CANCEL, DEPS_MET))
     ends = f"({fails}) OR ({cancels})"
+    joins = f"s.idx IS NOT NULL AND NOT ({ends})"
     dependency = (
+        "CASE WHEN s.idx IS NOT NULL THEN format('%s of its %s children of stage %s ended "
+        "without succeeding (%s tolerated)', jobs.deps_failed, jobs.fan_size, jobs.stage_name, "
+        "jobs.deps_tolerate) ELSE "
         "format('jobs/%s, which it runs after, ended %s', jobs.deps_failed_on, "
         "coalesce((SELECT upper(d.outcome) FROM job_dependencies d WHERE d.job_id = jobs.id "
-        "AND d.depends_on = jobs.deps_failed_on), 'without succeeding'))"
+        "AND d.depends_on = jobs.deps_failed_on), 'without succeeding')) END"
+    )
+    moves = ", ".join(
+        f"{column} = CASE WHEN {joins} THEN {value} ELSE jobs.{column} END"
+        for column, value in _JOIN_STAGE
     )
     return f"""
         WITH p AS (
-            SELECT id FROM jobs
+            SELECT id, stage, fan_stage FROM jobs
             WHERE id = ANY (CAST(:ids AS uuid[])) AND {where_sources(Transition.DEPENDENCIES_MET)}
               AND {WAITS_FOR_DEPS}
             ORDER BY id
@@ -186,18 +253,22 @@ def resolve(needs: set[str], extra: Sequence[str]) -> str:
             state = CASE WHEN {fails} THEN '{failed.target.value}'
                          WHEN {cancels} THEN '{cancelled.target.value}'
                          ELSE '{met.target.value}' END,
+            {moves},
             dispatch_id = CASE WHEN {ends} THEN NULL ELSE gen_random_uuid() END,
-            error_code = CASE WHEN {fails} THEN 'DEPENDENCY_FAILED'
+            error_code = CASE WHEN {fails} AND s.idx IS NOT NULL THEN 'CHILDREN_FAILED'
+                              WHEN {fails} THEN 'DEPENDENCY_FAILED'
                               WHEN {cancels} THEN 'CANCELLED' END,
             error_message = CASE WHEN {ends} THEN {dependency} END,
             error_retryable = false,
             end_time = CASE WHEN {ends} THEN now() END,
             next_attempt_time = NULL, waiting_reason = NULL, waiting_code = NULL, flow_key = NULL,
-            lifecycle_cause = CASE WHEN {ends} THEN jobs.lifecycle_seq
+            lifecycle_cause = CASE WHEN ({ends}) OR {joins} THEN jobs.lifecycle_seq
                                    ELSE jobs.lifecycle_cause END,
-            lifecycle_seq = CASE WHEN {ends} THEN jobs.last_seq + 1 ELSE jobs.lifecycle_seq END,
+            lifecycle_seq = CASE WHEN ({ends}) OR {joins} THEN jobs.last_seq + 1
+                                 ELSE jobs.lifecycle_seq END,
             last_seq = jobs.last_seq + 1, update_time = now()
-        FROM p
+        FROM p LEFT JOIN job_stages s
+            ON s.job_id = p.id AND p.fan_stage = p.stage AND s.idx = p.stage + 1
         WHERE jobs.id = p.id AND {sources} AND jobs.{WAITS_FOR_DEPS.replace(" AND ", " AND jobs.")}
           AND (({fails}) OR ({cancels}) OR ({meets}))
         RETURNING {_columns(needs, extra)},
@@ -205,6 +276,7 @@ def resolve(needs: set[str], extra: Sequence[str]) -> str:
                             THEN '{Transition.DEPENDENCY_FAILED}'
                             WHEN {state_is(JobState.CANCELLED, column="jobs.state")}
                             THEN '{Transition.DEPENDENCY_CANCELLED}'
+                            WHEN s.idx IS NOT NULL THEN '{Transition.JOIN}'
                             ELSE '{Transition.DEPENDENCIES_MET}' END AS text) AS transition,
                   CAST('queued' AS text) AS from_state
     """
@@ -222,6 +294,7 @@ async def settle(machine: StateMachine, conn: AnyConn, ended: Sequence[Any]) -> 
     How many jobs were decided. The machine calls it after every end of a job
     that has dependents."""
     from jobplane.store.machine.core import fetch_rows
+    from jobplane.store.machine.fanout import cancel_children
 
     decided_total = 0
     rounds = 0
@@ -232,15 +305,29 @@ async def settle(machine: StateMachine, conn: AnyConn, ended: Sequence[Any]) -> 
         if not decided:
             break
         changed = await machine.apply(
-            conn, Transition.DEPENDENCIES_MET, {"ids": decided}, returning=("id",), settles=False
+            conn,
+            Transition.DEPENDENCIES_MET,
+            {"ids": decided},
+            returning=("id", "fan_stage", "stage"),
+            settles=False,
         )
         decided_total += len(changed)
-        ended = [
-            row["id"]
-            for row in changed
-            if row["has_dependents"] and row["transition"] != Transition.DEPENDENCIES_MET
-        ]
+        ends = [row for row in changed if row["transition"] not in _GOES_ON]
+        # A fan-out's job its children failed cancels those still running
+        # (fail fast: the others are not awaited; ADR-0047).
+        failed_fans = [row["id"] for row in ends if _fanned(row)]
+        if failed_fans:
+            await cancel_children(machine, conn, failed_fans)
+        ended = [row["id"] for row in ends if row["has_dependents"]]
     return decided_total
+
+
+def _fanned(row: Any) -> bool:
+    return row["fan_stage"] is not None and row["fan_stage"] == row["stage"]
+
+
+# The resolutions after which the job goes on to run (not ends).
+_GOES_ON = frozenset({Transition.DEPENDENCIES_MET, Transition.JOIN})
 
 
 __all__ = [

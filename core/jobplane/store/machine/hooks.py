@@ -81,6 +81,10 @@ class NewStage:
     timeout_seconds: float
     base: float  # the job's progress when the stage starts
     span: float  # the stage's share of the job's progress
+    # A fan-out stage and its failure policy (ADR-0047).
+    fan_out: bool = False
+    max_failures: int = 0
+    fail_fast: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,6 +109,8 @@ class Cause:
     #: Digests of blobs new jobs reference besides the names in their payloads
     #: (which the jobs table's trigger records), by job id: submit only.
     blobs: Sequence[tuple[uuid.UUID, Sequence[str]]] = ()
+    #: The items a FAN_OUT spawns a child for, each the child's payload (ADR-0047).
+    items: Sequence[Mapping[str, Any]] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -228,7 +234,7 @@ class JobEvents(Hook):
             AS p(k, ord, progress, message, data)
         JOIN {{j}} AS j ON j.k = p.k"""
             return [Write(sql, notify, _EVENT_COLUMNS | {"n", "k", "stage_base", "stage_span"})]
-        previous = _PREVIOUS_STAGE if transition is Transition.ADVANCE else ""
+        previous = _PREVIOUS_STAGE if rule.stage == "p.name" else ""
         sql = f"""
         INSERT INTO job_events
             (job_id, seq, tenant_id, type, state, progress, message, data, attempt, stage)
@@ -239,6 +245,8 @@ class JobEvents(Hook):
         extra = {"waiting_reason"} if transition in _SAYS_WHY else set()
         if transition is Transition.UNPARK:
             extra = {"type"}
+        if transition in (Transition.FAN_OUT, Transition.JOIN):
+            extra = {"fan_size", "deps_failed"}
         if transition is Transition.DEADLINE:
             extra = {"error_code", "error_message", "deadline"}
         elif transition in _SAYS_ERROR:
@@ -355,6 +363,9 @@ class Stages(Hook):
             "stage_timeouts": [st.timeout_seconds for _, _, st in rows],
             "stage_bases": [st.base for _, _, st in rows],
             "stage_spans": [st.span for _, _, st in rows],
+            "stage_fan_outs": [st.fan_out for _, _, st in rows],
+            "stage_max_failures": [st.max_failures for _, _, st in rows],
+            "stage_fail_fasts": [st.fail_fast for _, _, st in rows],
         }
 
 

@@ -115,7 +115,7 @@ _TRACE_COLUMNS = (
 )
 
 # A handler's emitted events commit with its attempt's success: the job's, or its stage's.
-_WITH_EMITTED = frozenset({Transition.SUCCEED, Transition.ADVANCE})
+_WITH_EMITTED = frozenset({Transition.SUCCEED, Transition.ADVANCE, Transition.FAN_OUT})
 
 
 class DomainEvents(Hook):

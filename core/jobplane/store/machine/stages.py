@@ -128,6 +128,50 @@ STAGE_STEPS: Mapping[Transition, StageStep] = {
         },
         _AT_STAGE,
     ),
+    # The stage that returned the items succeeded; the fan-out stage runs
+    # in its children (ADR-0047).
+    Transition.FAN_OUT: StageStep(
+        {
+            Which.CURRENT: Becomes(
+                StageState.RUNNING,
+                {"result": "NULL", **_NO_ERROR, "start_time": "now()", "end_time": "NULL"},
+            ),
+            Which.PREVIOUS: Becomes(
+                StageState.SUCCEEDED,
+                {"result": "CAST(:result AS jsonb)", **_NO_ERROR, "end_time": "now()"},
+            ),
+        },
+        _AT_STAGE,
+    ),
+    # The fan-out stage's children ended: it succeeded (its result counts
+    # them), and the join stage waits.
+    Transition.JOIN: StageStep(
+        {
+            Which.CURRENT: Becomes(
+                StageState.QUEUED, {"result": "NULL", **_NO_ERROR, "end_time": "NULL"}
+            ),
+            Which.PREVIOUS: Becomes(
+                StageState.SUCCEEDED,
+                {
+                    "result": "jsonb_build_object('children', j.fan_size, 'failed', j.deps_failed)",
+                    **_NO_ERROR,
+                    "end_time": "now()",
+                },
+            ),
+        },
+        frozenset({"id", "stage", "fan_size", "deps_failed"}),
+    ),
+    # RetryJob of a job its children failed: the fan-out stage runs again
+    # (in the children run again), every later stage is to run again.
+    Transition.REJOIN: StageStep(
+        {
+            Which.CURRENT: Becomes(StageState.RUNNING, _CLEARED),
+            Which.LATER: Becomes(
+                StageState.PENDING, {**_CLEARED, "attempts": "0", "start_time": "NULL"}
+            ),
+        },
+        _AT_STAGE,
+    ),
     Transition.SUCCEED: StageStep(
         {
             Which.CURRENT: Becomes(
@@ -204,18 +248,22 @@ def stage_update(step: StageStep) -> str:
 # Each new job's stages (s.job_id), for the jobs the insert created.
 _SUBMIT = f"""
         INSERT INTO job_stages (job_id, idx, tenant_id, name, type, queue, version,
-                                max_attempts, timeout_seconds, base, span, state)
+                                max_attempts, timeout_seconds, base, span, fan_out,
+                                max_failures, fail_fast, state)
         SELECT j.id, s.idx, j.tenant_id, s.name, s.type, s.queue, s.version,
-               s.max_attempts, s.timeout_seconds, s.base, s.span,
+               s.max_attempts, s.timeout_seconds, s.base, s.span, s.fan_out,
+               s.max_failures, s.fail_fast,
                CASE WHEN s.idx = 0 THEN '{FIRST_STAGE}' ELSE '{LATER_STAGES}' END
         FROM {{j}} AS j
         JOIN unnest(CAST(:stage_jobs AS uuid[]), CAST(:stage_idxs AS int[]),
                     CAST(:stage_names AS text[]), CAST(:stage_types AS text[]),
                     CAST(:stage_queues AS text[]), CAST(:stage_versions AS text[]),
                     CAST(:stage_max_attempts AS int[]), CAST(:stage_timeouts AS float8[]),
-                    CAST(:stage_bases AS float8[]), CAST(:stage_spans AS float8[]))
+                    CAST(:stage_bases AS float8[]), CAST(:stage_spans AS float8[]),
+                    CAST(:stage_fan_outs AS boolean[]), CAST(:stage_max_failures AS int[]),
+                    CAST(:stage_fail_fasts AS boolean[]))
                  AS s(job_id, idx, name, type, queue, version, max_attempts,
-                      timeout_seconds, base, span)
+                      timeout_seconds, base, span, fan_out, max_failures, fail_fast)
           ON s.job_id = j.id"""
 
 #: The SQL each transition writes to the stages, and the columns of j it reads.

@@ -8,9 +8,7 @@ hand. See ADR-0010.
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
 
 from jobplane.store.machine.admission import (
     ADMITS,
@@ -19,80 +17,10 @@ from jobplane.store.machine.admission import (
     KEY_FREE,
     KEY_FULL,
 )
+from jobplane.store.machine.terms import Lifecycle, Phase, Rule, Transition
 from jobplane.types import EventType, JobState, WaitingCode
 
-
-class Phase(enum.Enum):
-    """A state a transition may start from: a :class:`JobState`, with RUNNING split by its lease."""
-
-    QUEUED = "queued"
-    RUNNING = "running"  # its lease is live
-    RUNNING_EXPIRED = "running_expired"  # its lease ran out: the attempt is presumed dead
-    SUCCEEDED = "succeeded"
-    FAILED = "failed"
-    CANCELLED = "cancelled"
-
-    @property
-    def state(self) -> JobState:
-        """The job state of this phase."""
-        return JobState.RUNNING if self is Phase.RUNNING_EXPIRED else JobState(self.value)
-
-
-class Transition(enum.StrEnum):
-    """Every way a job changes."""
-
-    SUBMIT = "submit"  # a new job, QUEUED, with its first dispatch
-    CLAIM = "claim"  # a worker starts the attempt its message dispatches
-    EXHAUST = "exhaust"  # a claim finds no attempt left: FAILED
-    PROGRESS = "progress"  # a running attempt reports (many reports, many jobs, per statement)
-    SUCCEED = "succeed"
-    ADVANCE = "advance"  # a pipeline's stage succeeded: QUEUED for the next stage, dispatched
-    FAIL = "fail"
-    CANCELLED = "cancelled"  # the running attempt acknowledges a cancel request
-    SCHEDULE_RETRY = "schedule_retry"  # the attempt failed retryably: QUEUED, due later
-    HAND_BACK = "hand_back"  # a worker without the handler gives it back; a live one has it
-    PARK = "park"  # ... and no live worker has it: QUEUED without a dispatch
-    UNPARK = "unpark"  # a worker that has it started: a parked job is dispatched again
-    CANCEL = "cancel"  # CancelJob of a QUEUED job
-    REQUEST_CANCEL = "request_cancel"  # CancelJob of a RUNNING job: its attempt is asked
-    RETRY = "retry"  # RetryJob: a new attempt budget for a FAILED or CANCELLED job
-    RESTART = "restart"  # RetryJob from a named stage of a FAILED or CANCELLED pipeline job
-    EXPIRE_LEASE = "expire_lease"  # the sweeper finds a dead attempt: a new one, due later
-    EXPIRE_LAST_LEASE = "expire_last_lease"  # ... and no attempt is left: FAILED
-    REDISPATCH = "redispatch"  # an operator dispatches a waiting job again
-    RELAY_FAIL = "relay_fail"  # the relay can never publish the job's dispatch: FAILED
-    WAIT = "wait"  # the relay says why a job's dispatch waits (or that it no longer does)
-    # Concurrency keys (ADR-0040): a claim its key refused holds the job
-    # without a dispatch; a slot freed makes the oldest held jobs due again.
-    HOLD = "hold"
-    RELEASE = "release"
-    # Flow limits (ADR-0043): a claim its start rate refused waits for the start
-    # it reserved (a dispatch due then); a slot of a RUNNING limit freed makes
-    # the oldest jobs held for it due again. HOLD also holds for a RUNNING limit.
-    THROTTLE = "throttle"
-    RELEASE_LIMIT = "release_limit"
-    # Deadlines (ADR-0044): a job not ended past its deadline ends FAILED,
-    # whatever its stage or attempt; a running attempt is fenced out.
-    DEADLINE = "deadline"
-    # Dependencies (ADR-0045): a job submitted with ``after`` waits QUEUED
-    # without a dispatch; when the jobs it waits for have ended, one statement
-    # decides between these three (its policy says what a failure does).
-    DEPENDENCIES_MET = "dependencies_met"
-    DEPENDENCY_FAILED = "dependency_failed"
-    DEPENDENCY_CANCELLED = "dependency_cancelled"
-
-
-class Lifecycle(enum.StrEnum):
-    """The domain events job transitions publish (docs/events.md, "Lifecycle events")."""
-
-    QUEUED = "job.queued"
-    STARTED = "job.started"
-    RETRY_SCHEDULED = "job.retry_scheduled"
-    CANCEL_REQUESTED = "job.cancel_requested"
-    SUCCEEDED = "job.succeeded"
-    STAGE_SUCCEEDED = "job.stage_succeeded"
-    FAILED = "job.failed"
-    CANCELLED = "job.cancelled"
+__all__ = ["Lifecycle", "Phase", "Rule", "Transition"]
 
 
 # Guards: conditions beyond the state, named so the table reads as prose.
@@ -134,9 +62,21 @@ CHANGES_REASON = (
 # Dependencies (ADR-0045), read by the resolution statement under the row
 # lock: the counts the ends of the jobs it runs after keep (deps_waiting: not
 # ended yet; deps_failed: ended other than SUCCEEDED) and its policy.
-DEPS_FAIL = "deps_failed > 0 AND coalesce(after_failure, 'fail') = 'fail'"
-DEPS_CANCEL = "deps_failed > 0 AND after_failure = 'cancel'"
-DEPS_MET = "deps_waiting <= 0 AND (deps_failed = 0 OR after_failure = 'run_anyway')"
+NOT_WAITING_FOR_JOBS = (
+    f"(waiting_code IS DISTINCT FROM '{WaitingCode.DEPENDENCIES}' OR dispatch_id IS NOT NULL)"
+)
+# A fan-out's children (ADR-0047) count the same way, with the stage's policy:
+# deps_tolerate failures are tolerated, and with deps_wait_all a failure
+# decides only once every child has ended (0 and false for ``after``).
+_TOO_MANY = "deps_failed > deps_tolerate AND (deps_waiting <= 0 OR NOT deps_wait_all)"
+DEPS_FAIL = f"{_TOO_MANY} AND coalesce(after_failure, 'fail') = 'fail'"
+DEPS_CANCEL = f"{_TOO_MANY} AND after_failure = 'cancel'"
+DEPS_MET = "deps_waiting <= 0 AND (deps_failed <= deps_tolerate OR after_failure = 'run_anyway')"
+# How many children a FAN_OUT spawns; how many a REJOIN waits for.
+_CHILDREN = "CAST(:children AS int)"
+_WAITS = "CAST(:waiting AS int)"
+# The job waits for the children of its fan-out stage (not for ``after``).
+FANNED = "fan_stage IS NOT NULL AND fan_stage = stage"
 WAITS_FOR_DEPS = f"waiting_code = '{WaitingCode.DEPENDENCIES}' AND dispatch_id IS NULL"
 
 # Said by the hand-back statement itself, which decides between the two.
@@ -162,36 +102,6 @@ _AT_STAGE = (
 _END = "lease_token = NULL, lease_expires_at = NULL, next_attempt_time = NULL, end_time = now()"
 _LIVE = frozenset({Phase.RUNNING, Phase.RUNNING_EXPIRED})
 _WAITING = frozenset({Phase.QUEUED, Phase.RUNNING_EXPIRED})
-
-
-@dataclass(frozen=True, slots=True)
-class Rule:
-    """One row of the table: what a transition may start from and what it does."""
-
-    sources: frozenset[Phase]  # empty: the job is new
-    target: JobState
-    match: str  # the fence: which row, and whose
-    event: EventType | None  # the event it appends (None: none, and last_seq stays)
-    dispatch: bool = False  # it writes the job's next dispatch (an outbox row)
-    guard: str = ""  # a condition beyond the state (SQL, or prose for the hand-back)
-    sets: str = ""  # what it sets besides state, last_seq and update_time
-    # The event's message and data, as SQL over j (the changed rows).
-    message: str = ":event_message"
-    data: str = "CAST(:event_data AS jsonb)"
-    # The domain event it publishes (None: none; progress is too frequent,
-    # the hand-back, park and unpark leave the job QUEUED as it was).
-    lifecycle: Lifecycle | None = None
-    # The stage its event belongs to, as SQL over j (NULL for a plain job).
-    stage: str = "j.stage_name"
-    # Rows the statement reads besides the job's (a FROM clause; the guard
-    # joins them), so its columns are qualified.
-    using: str = ""
-    # The guard when applied to many rows in one statement ("": guard's).
-    many_guard: str = ""
-
-    def __post_init__(self) -> None:
-        if self.lifecycle is not None and self.event is None:
-            raise ValueError("a lifecycle event takes the seq of the job's event")
 
 
 RULES: Mapping[Transition, Rule] = {
@@ -413,6 +323,10 @@ RULES: Mapping[Transition, Rule] = {
         BY_ID,
         EventType.QUEUED,
         dispatch=True,
+        # A job waiting for others (its dependencies, its fan-out's children)
+        # is theirs to dispatch: run now, it would run early, or run its
+        # fan-out stage's handler on its own payload.
+        guard=NOT_WAITING_FOR_JOBS,
         # A parked job dispatched by an operator waits for no worker now.
         sets="dispatch_id = :dispatch_id, lease_token = NULL, lease_expires_at = NULL, "
         f"next_attempt_time = NULL, {NOT_WAITING}",
@@ -546,6 +460,68 @@ RULES: Mapping[Transition, Rule] = {
         message="j.error_message",
         data="'{}'::jsonb",
         lifecycle=Lifecycle.CANCELLED,
+    ),
+    # Fan-out and join (ADR-0047), FAN_OUT's children written by the FanOut
+    # hook (store/machine/fanout.py), JOIN decided with the dependencies.
+    Transition.FAN_OUT: Rule(
+        _LIVE,
+        JobState.QUEUED,
+        ATTEMPT_FENCE,
+        EventType.STAGE_SUCCEEDED,
+        guard=f"{NEXT_STAGE} AND s.fan_out",
+        # At the fan-out stage, waiting for its children like a dependent:
+        # no dispatch until the last of them settles it.
+        sets=f"{_AT_STAGE}, retry_base = jobs.attempt, dispatch_id = NULL, "
+        "lease_token = NULL, lease_expires_at = NULL, next_attempt_time = NULL, "
+        "error_code = NULL, error_message = NULL, error_retryable = false, "
+        "cancel_requested_at = NULL, cancel_reason = NULL, handbacks = 0, "
+        f"waiting_code = '{WaitingCode.DEPENDENCIES}', waiting_reason = format('waiting for "
+        f"its %s children of stage %s to end', {_CHILDREN}, s.name), fan_stage = s.idx, "
+        f"fan_size = {_CHILDREN}, deps_waiting = {_CHILDREN}, deps_failed = 0, fan_progress = 0, "
+        "deps_failed_on = NULL, after_failure = 'fail', deps_tolerate = s.max_failures, "
+        "deps_wait_all = NOT s.fail_fast",
+        message="format('stage %s succeeded; %s children run stage %s', p.name, "
+        "j.fan_size, j.stage_name)",
+        data="jsonb_build_object('stage', p.name, 'next_stage', j.stage_name, "
+        "'children', j.fan_size)",
+        lifecycle=Lifecycle.STAGE_SUCCEEDED,
+        stage="p.name",
+        using="job_stages s",
+    ),
+    Transition.JOIN: Rule(
+        frozenset({Phase.QUEUED}),
+        JobState.QUEUED,
+        "id = ANY (:ids), locked in id order",
+        EventType.STAGE_SUCCEEDED,
+        dispatch=True,
+        guard=f"{FANNED} AND {WAITS_FOR_DEPS} AND {DEPS_MET}",
+        sets=f"the stage after: {_AT_STAGE}, retry_base = attempt, dispatch_id = "
+        f"gen_random_uuid(), next_attempt_time = NULL, {NOT_WAITING}",
+        message="format('stage %s: its %s children ended (%s failed); %s is next', p.name, "
+        "j.fan_size, j.deps_failed, j.stage_name)",
+        data="jsonb_build_object('stage', p.name, 'next_stage', j.stage_name, "
+        "'children', j.fan_size, 'failed', j.deps_failed)",
+        lifecycle=Lifecycle.STAGE_SUCCEEDED,
+        stage="p.name",
+    ),
+    Transition.REJOIN: Rule(
+        frozenset({Phase.FAILED, Phase.CANCELLED}),
+        JobState.QUEUED,
+        BY_ID,
+        EventType.QUEUED,
+        guard=FANNED,
+        # Its children that did not succeed run again (RETRY, each): it waits
+        # for them and for those still running, as after FAN_OUT.
+        sets="retry_base = attempt, error_code = NULL, error_message = NULL, "
+        "error_retryable = false, progress = greatest(stage_base, progress), "
+        "cancel_requested_at = NULL, cancel_reason = NULL, end_time = NULL, "
+        f"waiting_code = '{WaitingCode.DEPENDENCIES}', waiting_reason = format('waiting for "
+        f"%s of its children of stage %s to end (run again: %s)', {_WAITS}, stage_name, "
+        f"CAST(:rerun AS int)), deps_waiting = {_WAITS}, deps_failed = 0, deps_failed_on = NULL, "
+        "fan_progress = CAST(:partial AS float8), "
+        f"handbacks = 0, {KEEP_DEADLINE_AHEAD}",
+        message=":event_message",
+        lifecycle=Lifecycle.QUEUED,
     ),
 }
 
