@@ -7,6 +7,7 @@ with ``was`` (the state it was in).
 from __future__ import annotations
 
 import asyncio
+import logging
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -58,8 +59,14 @@ def _loop(store: Store, *, limit: int = 2) -> DeadlineLoop:
 def lines(monkeypatch: pytest.MonkeyPatch) -> Iterator[Lines]:
     # A logger not yet used, so that capture_logs sees its lines.
     monkeypatch.setattr(deadlines, "log", structlog.get_logger("jobplane.sweeper"))
-    with capture_logs() as captured:
-        yield captured
+    # A process started earlier in the run may have set a higher level.
+    saved = structlog.get_config()
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.DEBUG))
+    try:
+        with capture_logs() as captured:
+            yield captured
+    finally:
+        structlog.configure(**saved)
 
 
 async def test_every_page_of_due_jobs_is_ended_and_each_job_logged(lines: Lines) -> None:

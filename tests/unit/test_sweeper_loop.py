@@ -4,6 +4,7 @@ a sweep reports and logs what each of its repairs did."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import uuid
 from typing import Any
 
@@ -114,6 +115,16 @@ async def test_a_sweep_reports_and_logs_what_each_repair_did(
 ) -> None:
     # A logger not yet used, so that capture_logs sees its lines.
     monkeypatch.setattr(sweeper_module, "log", structlog.get_logger("jobplane.sweeper"))
+    # A process started earlier in the run may have set a level above info.
+    saved = structlog.get_config()
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.DEBUG))
+    try:
+        await _sweep_and_check()
+    finally:
+        structlog.configure(**saved)
+
+
+async def _sweep_and_check() -> None:
     engine = create_async_engine("postgresql+asyncpg://nobody@127.0.0.1:1/none")
     sweeper = Sweeper(
         engine, batch_size=3, lease_grace=7.0, stuck_after=90.0, republish_after=100.0
