@@ -16,12 +16,20 @@ import pytest
 import structlog
 from structlog.testing import capture_logs
 
+from jobplane import __version__
 from jobplane.envelope import Envelope
 from jobplane.logs import fingerprint
 from jobplane.names import job_name
 from jobplane.server import worker_protocol as protocol_module
-from jobplane.server.worker_protocol import Fence, WorkerService
+from jobplane.server.worker_protocol import (
+    REGISTRATION_TTL,
+    Fence,
+    Registration,
+    WorkerService,
+    worker_name,
+)
 from jobplane.store.attempts import Attempt, ClaimResult, ClaimStatus
+from jobplane.topology import load_topology
 from tests.unit.test_worker_service_unit import _attempt, _Held, _service, _Store
 
 Lines = list[dict[str, Any]]
@@ -113,3 +121,58 @@ async def test_each_outcome_line_names_the_attempts_ids(lines: Lines) -> None:
     await service.cancelled(fence, [])
     line = _line(lines, "job.cancelled")
     assert {k: line.get(k) for k in _ids(attempt)} == _ids(attempt)
+
+
+class _Registry:
+    """WorkerStore.register, recorded."""
+
+    def __init__(self) -> None:
+        self.registered: list[dict[str, Any]] = []
+
+    async def register(self, worker_id: uuid.UUID, **fields: Any) -> None:
+        self.registered.append({"id": worker_id, **fields})
+
+
+class _Parked(_Store):
+    """unpark hands out ``pages`` of counts, then 0."""
+
+    def __init__(self, pages: list[int]) -> None:
+        super().__init__()
+        self.pages = pages
+
+    async def unpark(self, types: Any, queues: Any) -> int:
+        await super().unpark(types, queues)
+        return self.pages.pop(0) if self.pages else 0
+
+
+async def test_a_registration_is_recorded_said_and_unparks_page_by_page(lines: Lines) -> None:
+    store, registry = _Parked([500, 500, 3]), _Registry()
+    fakes: Any = (store, _Held(), registry)
+    service = WorkerService(fakes[0], fakes[1], load_topology(), workers=fakes[2])
+    worker_id = await service.register(
+        Registration(types=["a.b"], queues=["jobplane.default"], concurrency=2, host="h", pid=7)
+    )
+    assert registry.registered == [
+        {
+            "id": worker_id,
+            "host": "h",
+            "pid": 7,
+            "types": ["a.b"],
+            "queues": ["jobplane.default"],
+            "concurrency": 2,
+            "version": f"workerservice/{__version__}",  # it gave none
+            "ttl": REGISTRATION_TTL,
+        }
+    ]
+    line = _line(lines, "worker_service.registered")
+    assert (line["worker"], line["types"], line["queues"]) == (
+        worker_name(worker_id),
+        ["a.b"],
+        ["jobplane.default"],
+    )
+    # A full page of 500 may leave more: asked again until a page is short.
+    assert store.unparked == [(["a.b"], ["jobplane.default"])] * 3
+    unparked = [line["jobs"] for line in lines if line["event"] == "worker_service.jobs.unparked"]
+    assert unparked == [500, 500, 3]
+    await service.register(Registration(["a.b"], ["jobplane.default"], 1, version="go/1.2"))
+    assert registry.registered[-1]["version"] == "go/1.2"
