@@ -10,6 +10,7 @@ one ends. tests/integration/test_keys.py runs the command itself.
 from __future__ import annotations
 
 import json
+from datetime import datetime
 
 import pytest
 from sqlalchemy.ext.asyncio import AsyncEngine
@@ -73,7 +74,7 @@ async def test_list_shows_each_key_never_its_secret(
     assert set(rows) == {tenant.key_id, worker.key_id, later.key_id, gone.key_id}
 
     def seconds(key_id: str, field: str) -> str:
-        value = getattr(listed[key_id], field)
+        value: datetime = getattr(listed[key_id], field)
         return value.isoformat(timespec="seconds")
 
     # Worker keys first (no tenant), then by tenant and creation.

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, MutableMapping
 from typing import Any
 
 import pytest
@@ -21,7 +21,7 @@ from jobplane.names import job_name
 from jobplane.workers import deadlines
 from jobplane.workers.deadlines import DeadlineLoop
 
-Lines = list[dict[str, Any]]
+Lines = list[MutableMapping[str, Any]]
 
 
 class Store:

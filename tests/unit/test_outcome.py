@@ -256,7 +256,7 @@ class _Raising(dict[str, Any]):
 class _Coded(RetryableError):
     """An error whose code and delay cannot even be read."""
 
-    @property  # type: ignore[override]
+    @property
     def code(self) -> str:
         raise RuntimeError("no")
 

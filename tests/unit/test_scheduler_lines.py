@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterator, MutableMapping
 from typing import Any
 
 import pytest
@@ -18,7 +18,7 @@ from jobplane.store.schedule_ticks import TickReport
 from jobplane.workers import scheduler as scheduler_module
 from jobplane.workers.scheduler import LATE_SECONDS, Scheduler
 
-Lines = list[dict[str, Any]]
+Lines = list[MutableMapping[str, Any]]
 
 
 @pytest.fixture

@@ -4,7 +4,7 @@ its log lines, and the rich status :func:`to_grpc_status` builds."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterator, MutableMapping
 from typing import Any
 
 import grpc
@@ -19,7 +19,7 @@ from jobplane.server import status as status_module
 from jobplane.server.status import DB_UNAVAILABLE, error_for, to_grpc_status
 from jobplane.store.down import PoolExhausted
 
-Lines = list[dict[str, Any]]
+Lines = list[MutableMapping[str, Any]]
 
 
 @pytest.fixture

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, MutableMapping
 from typing import Any
 
 import pytest
@@ -32,7 +32,7 @@ from jobplane.store.attempts import Attempt, ClaimResult, ClaimStatus
 from jobplane.topology import load_topology
 from tests.unit.test_worker_service_unit import _attempt, _Held, _service, _Store
 
-Lines = list[dict[str, Any]]
+Lines = list[MutableMapping[str, Any]]
 
 
 @pytest.fixture
@@ -62,7 +62,7 @@ def _ids(attempt: Attempt) -> dict[str, str]:
     }
 
 
-def _line(lines: Lines, event: str) -> dict[str, Any]:
+def _line(lines: Lines, event: str) -> MutableMapping[str, Any]:
     (line,) = [line for line in lines if line["event"] == event]
     return line
 
