@@ -54,6 +54,10 @@ def test_the_state_is_found_down_the_chain_and_none_is_no_refusal() -> None:
     assert _refuses_the_row(_refusal(first)) is False
     assert _refuses_the_row(_refusal(Driver(None))) is False
     assert _refuses_the_row(_refusal(Driver(""))) is False
+    # An empty state says nothing: the chain below it is read.
+    empty = Driver("")
+    empty.__cause__ = Driver("22P02")
+    assert _refuses_the_row(_refusal(empty)) is True
 
 
 def test_a_line_names_a_dispatch_by_its_job_and_an_event_row_by_its_type() -> None:
