@@ -56,6 +56,7 @@ def test_the_state_is_found_down_the_chain_and_none_is_no_refusal() -> None:
     assert _refuses_the_row(_refusal(Driver(""))) is False
     # An empty state says nothing: the chain below it is read.
     empty = Driver("")
+    empty.pgcode = ""  # type: ignore[attr-defined]
     empty.__cause__ = Driver("22P02")
     assert _refuses_the_row(_refusal(empty)) is True
 
