@@ -1,5 +1,6 @@
-"""What the relay's record of its publishes decides without a database: which
-refusals are about a row's values, and what a line about a row names."""
+"""What the relay decides about an outbox row without a database: which refusals
+are about a row's values, what a line about a row names, a row's headers and
+its envelope."""
 
 from __future__ import annotations
 
@@ -8,9 +9,10 @@ import uuid
 import pytest
 from sqlalchemy.exc import DBAPIError
 
+from jobplane.envelope import Envelope
 from jobplane.logs import fingerprint
 from jobplane.names import job_name
-from jobplane.store.outbox import OutboxKind, OutboxRow
+from jobplane.store.outbox import OutboxKind, OutboxRow, _headers
 from jobplane.topology import load_topology
 from jobplane.workers.relay_record import _dispatched, _refuses_the_row, _subject
 
@@ -87,3 +89,22 @@ def test_a_line_names_a_dispatch_by_its_job_and_an_event_row_by_its_type() -> No
         uuid.uuid4(), OutboxKind.JOB_DISPATCH, tenant, "demo.echo", exchange="other", job_id=job
     )
     assert _dispatched(elsewhere, topology, None)["exchange"] == "other"
+
+
+def test_an_outbox_rows_headers_and_envelope() -> None:
+    # asyncpg hands jsonb back as text unless a codec is set: both are read.
+    assert _headers('{"traceparent": "00-a-b-01", "n": 3, "gone": null}') == {
+        "traceparent": "00-a-b-01",
+        "n": "3",
+    }
+    assert _headers({"tracestate": "k=v"}) == {"tracestate": "k=v"}
+    assert _headers("[1, 2]") == {} and _headers(None) == {} and _headers("null") == {}
+    tenant, job = uuid.uuid4(), uuid.uuid4()
+    row = OutboxRow(uuid.uuid4(), OutboxKind.JOB_DISPATCH, tenant, "demo.echo", "c-1", job_id=job)
+    assert row.envelope == Envelope(row.id, job, tenant, "demo.echo", "c-1")
+    event = OutboxRow(uuid.uuid4(), OutboxKind.EVENT, tenant, "artifact.created", body=b"{}")
+    with pytest.raises(ValueError, match="is not a job dispatch"):
+        _ = event.envelope
+    jobless = OutboxRow(uuid.uuid4(), OutboxKind.JOB_DISPATCH, tenant, "demo.echo")
+    with pytest.raises(ValueError, match="is not a job dispatch"):
+        _ = jobless.envelope
