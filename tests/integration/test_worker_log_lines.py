@@ -13,19 +13,23 @@ from __future__ import annotations
 import logging
 import uuid
 from collections.abc import Iterator, MutableMapping
+from dataclasses import replace
 from typing import Any
 
+import aio_pika
 import pytest
 import structlog
 from sqlalchemy.ext.asyncio import AsyncEngine
 from structlog.testing import capture_logs
 
+from jobplane.envelope import Envelope
 from jobplane.logs import fingerprint
+from jobplane.names import job_name
 from jobplane.topology import Topology
 from jobplane.types import JobState
 from jobplane.workers import delivery
 from jobplane.workers.handlers import JobContext, PermanentError, Registry, RetryableError
-from tests.support.stack import start_stack
+from tests.support.stack import Stack, eventually, start_stack
 
 Lines = list[MutableMapping[str, Any]]
 
@@ -77,6 +81,18 @@ async def test_each_attempt_logs_its_lines_with_the_deliverys_ids(
         }
         ended = [(await client.wait(job.name, timeout=30)).state for job in submitted.values()]
         assert ended == [JobState.SUCCEEDED, JobState.SUCCEEDED, JobState.FAILED]
+        # A copy of a finished job's dispatch, and a message for no job of ours.
+        copy = replace(
+            await stack.envelope(submitted["lines.ok"].id), correlation_id="order-lines.ok"
+        )
+        stray = Envelope(uuid.uuid4(), uuid.uuid4(), stack.tenant_id, "lines.ok")
+        await _publish(stack, copy, stray)
+
+        async def settled() -> bool:
+            events = {line["event"] for line in lines}
+            return {"job.message.duplicate", "job.message.unknown_job"} <= events
+
+        await eventually(settled)
     finally:
         await stack.close()
     queue = topology.queues[0].name
@@ -100,7 +116,8 @@ async def test_each_attempt_logs_its_lines_with_the_deliverys_ids(
             assert isinstance(fields["delivery_tag"], int) and fields["redelivered"] is False
             uuid.UUID(fields["event_id"])
             assert f"order-{job_type}" not in str(fields) and f"req-{job_type}" not in str(fields)
-            if event != "broker.message.redelivered":
+            if event.startswith("job.") and not event.startswith("job.message."):
+                # Bound once the claim names the attempt.
                 assert fields["request_id"] == fingerprint(f"req-{job_type}"), event
 
     def events(job_type: str) -> list[tuple[str, dict[str, Any]]]:
@@ -108,7 +125,7 @@ async def test_each_attempt_logs_its_lines_with_the_deliverys_ids(
         return [
             (event, {k: v for k, v in fields.items() if k in wanted})
             for event, fields in of(job_type)
-            if event.startswith("job.")
+            if event.startswith("job.") and not event.startswith("job.message.")
         ]
 
     assert events("lines.ok") == [
@@ -132,3 +149,27 @@ async def test_each_attempt_logs_its_lines_with_the_deliverys_ids(
         ("job.started", {"attempt": 1, "type": "lines.bad"}),
         ("job.failed", {"attempt": 1, "code": "BAD_INPUT", "error": "no such report"}),
     ]
+    (duplicate,) = [line for line in lines if line["event"] == "job.message.duplicate"]
+    assert (duplicate["job"], duplicate["status"], duplicate["log_level"]) == (
+        submitted["lines.ok"].name,
+        "finished",
+        "info",
+    )
+    (unknown,) = [line for line in lines if line["event"] == "job.message.unknown_job"]
+    assert (unknown["job"], unknown["event_id"], unknown["log_level"]) == (
+        job_name(stray.job_id),
+        str(stray.event_id),
+        "error",
+    )
+
+
+async def _publish(stack: Stack, *envelopes: Envelope) -> None:
+    connection = await aio_pika.connect(stack.amqp_url)
+    async with connection:
+        channel = await connection.channel()
+        exchange = await channel.get_exchange(stack.topology.exchange)
+        for envelope in envelopes:
+            await exchange.publish(
+                aio_pika.Message(envelope.encode(), message_id=str(envelope.event_id)),
+                routing_key=envelope.job_type,
+            )
