@@ -3,29 +3,19 @@
 from __future__ import annotations
 
 import socket
-from types import SimpleNamespace
 
 import asyncpg
 import grpc
 import pytest
-import structlog
 from sqlalchemy.dialects.postgresql.asyncpg import (
     AsyncAdapt_asyncpg_connection,
     PGDialect_asyncpg,
 )
 from sqlalchemy.exc import DBAPIError
-from structlog.testing import capture_logs
 
 from jobplane.server.status import error_for
-from jobplane.store import down
 from jobplane.store.db import Database, _wrapped
-from jobplane.store.down import (
-    PoolExhausted,
-    database_down,
-    database_transient,
-    pool_exhausted,
-    until_database_up,
-)
+from jobplane.store.down import database_down, database_transient, pool_exhausted
 
 # (SQLSTATE, down): a restart or failover refuses or ends sessions (57P01-57P03,
 # class 08); a statement refused for what it is stays refused.
@@ -97,44 +87,3 @@ async def test_a_connection_timed_out_while_being_made_is_the_database_down() ->
             await db.close()
     assert database_down(waited.value)
     assert not pool_exhausted(waited.value)
-
-
-async def test_until_database_up_waits_out_an_outage_with_a_growing_backoff(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    slept: list[float] = []
-
-    async def sleep(seconds: float) -> None:
-        slept.append(seconds)
-
-    # This module's sleeps only, not the loop's.
-    monkeypatch.setattr(down, "asyncio", SimpleNamespace(sleep=sleep))
-    outcomes: list[Exception | str] = [
-        PoolExhausted("all in use"),
-        ConnectionRefusedError(111, "refused"),
-        ConnectionRefusedError(111, "refused"),
-        ConnectionRefusedError(111, "refused"),
-        "up",
-    ]
-
-    async def op() -> str:
-        outcome = outcomes.pop(0)
-        if isinstance(outcome, Exception):
-            raise outcome
-        return outcome
-
-    log = structlog.get_logger("test")
-    with capture_logs() as lines:
-        assert await until_database_up(op, log, max_delay=1.5) == "up"
-    assert slept == [0.5, 1.0, 1.5, 1.5]
-    assert [(line["event"], line["retry_in"]) for line in lines] == [
-        ("database.unavailable", delay) for delay in slept
-    ]
-    assert lines[0]["error"].endswith("PoolExhausted: all in use")
-
-    async def bug() -> str:
-        raise KeyError("k")
-
-    with pytest.raises(KeyError):
-        await until_database_up(bug, log)
-    assert len(slept) == 4  # a failure that is not the database's is raised at once
