@@ -7,10 +7,13 @@ import uuid
 
 import grpc
 import pytest
+import structlog
 from sqlalchemy import text
 from sqlalchemy.exc import DBAPIError, IntegrityError
+from structlog.testing import capture_logs
 
 from jobplane.server.status import error_for
+from jobplane.store import db as db_module
 from jobplane.store.db import Database
 from jobplane.store.down import (
     database_down,
@@ -95,13 +98,22 @@ async def test_a_session_ended_mid_statement_is_down_and_replaced(database_url: 
 
 
 async def test_a_full_pool_times_out_as_exhausted_not_as_a_database_that_is_down(
-    database_url: str,
+    database_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    # A logger not yet used, so that capture_logs sees its line.
+    monkeypatch.setattr(db_module, "log", structlog.get_logger("jobplane.db"))
     async with Database(database_url, size=1, acquire_timeout=0.1) as db:
         async with db.connect():
-            with pytest.raises(DBAPIError) as waited:
+            with capture_logs() as lines, pytest.raises(DBAPIError) as waited:
                 async with db.connect():
                     pass
+        # docs/operations.md: the pool's size, and what to raise.
+        assert [(line["event"], line["size"], line["waited"]) for line in lines] == [
+            ("database.pool.exhausted", 1, 0.1)
+        ]
+        assert str(waited.value.orig) == (
+            "no connection of the pool's 1 came free in 0.1 s (JOBPLANE_DB_POOL_SIZE)"
+        )
         # The database answers: the wait was the pool's. Retried, and answered
         # UNAVAILABLE, as an outage is, but not said to be one.
         assert pool_exhausted(waited.value)

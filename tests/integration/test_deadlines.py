@@ -183,7 +183,11 @@ async def test_a_claim_past_the_deadline_starts_nothing_and_ends_the_job(bare: S
     job = await client.submit("demo.echo", {}, deadline=timedelta(minutes=10))
     await _past(bare, job)
     claim = await store.claim(await bare.envelope(job.id))
-    assert claim.status is ClaimStatus.FINISHED and claim.attempt is None
+    assert (claim.status, claim.state, claim.attempt) == (
+        ClaimStatus.FINISHED,
+        JobState.FAILED,
+        None,
+    )
     done = await client.get(job.name)
     assert done.state is JobState.FAILED and done.attempt == 0 and done.start_time is None
     assert done.error is not None and done.error.code == _EXCEEDED

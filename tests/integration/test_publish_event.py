@@ -12,14 +12,17 @@ from typing import Any
 
 import grpc
 import pytest
+import structlog
 from google.protobuf import struct_pb2, timestamp_pb2
 from sqlalchemy import text
 from sqlalchemy.exc import IntegrityError
+from structlog.testing import capture_logs
 
 from jobplane.events import Event, decode, encode
 from jobplane.events.convert import event_from_pb
 from jobplane.server.service import MAX_PAYLOAD_DEPTH
 from jobplane.v1 import events_pb2
+from jobplane.workers import relay_feed, relay_record
 from tests.support.answers import check_refusal
 from tests.support.event_api import EventApi, all_published, bound_queue, event_api, request
 from tests.support.events import take_all
@@ -253,10 +256,38 @@ async def test_limits_of_the_fields_are_accepted(stack: Stack, api: EventApi) ->
 
 
 async def test_an_event_a_relay_cannot_publish_fails_alone(
-    stack: Stack, api: EventApi, amqp_url: str
+    stack: Stack, api: EventApi, amqp_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Events no broker can take (written around the checks) are passed over
     or failed, one by one; the events around them are published."""
+    # Loggers not yet used, so that capture_logs sees the relay's lines.
+    monkeypatch.setattr(relay_record, "log", structlog.get_logger("jobplane.relay"))
+    monkeypatch.setattr(relay_feed, "log", structlog.get_logger("jobplane.relay"))
+    with capture_logs() as logs:
+        await _an_event_a_relay_cannot_publish_fails_alone(stack, api, amqp_url)
+    failed = [line for line in logs if line["event"] == "relay.event.failed"]
+    # Each outbox row given up on is one line naming the row, not a job.
+    rows = sorted(
+        (line for line in failed if "outbox_id" in line), key=lambda line: line["event_type"]
+    )
+    assert [(line["kind"], line["event_type"], line["code"]) for line in rows] == [
+        ("event", "artifact.created", "DISPATCH_FAILED"),
+        ("event", "artifact.moved", "DISPATCH_FAILED"),
+    ]
+    ids = await stack.scalar(
+        "SELECT array_agg(CAST(id AS text)) FROM outbox WHERE failed_at IS NOT NULL"
+    )
+    assert {line["outbox_id"] for line in rows} == set(ids)
+    assert all(line["job_failed"] is False and "job" not in line for line in rows)
+    # The event the feed passes over names the event, and says where it stays.
+    (passed_over,) = [line for line in failed if "outbox_id" not in line]
+    assert passed_over["event_type"] == "x" * 300
+    assert passed_over["hint"] == "AMQP cannot carry it; it stays in the events table"
+
+
+async def _an_event_a_relay_cannot_publish_fails_alone(
+    stack: Stack, api: EventApi, amqp_url: str
+) -> None:
     async with bound_queue(amqp_url, stack.topology.events_exchange, ["#"]) as (name, _):
         assert stack.relay is not None
         await stack.relay.stop()

@@ -17,13 +17,17 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+import structlog
 from sqlalchemy import text
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 from sqlalchemy.ext.asyncio import AsyncEngine
+from structlog.testing import capture_logs
 
+from jobplane.names import job_name
 from jobplane.store.db import Database
 from jobplane.store.sweeps import LeaseRepair, SweepStore
 from jobplane.topology import Topology
+from jobplane.workers import relay_outbox, relay_record
 from jobplane.workers.relay import Relay
 from jobplane.workers.sweeper import Sweeper
 from tests.support.parts import Started
@@ -132,19 +136,42 @@ async def test_a_row_whose_mark_is_refused_fails_alone_and_the_relay_goes_on(
 
 
 async def test_a_row_the_database_refuses_to_change_at_all_is_held_back(
-    engine: AsyncEngine, database_url: str, amqp_url: str, topology: Topology, started: Started
+    engine: AsyncEngine,
+    database_url: str,
+    amqp_url: str,
+    topology: Topology,
+    started: Started,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    # Loggers not yet used, so that capture_logs sees the relay's lines.
+    monkeypatch.setattr(relay_record, "log", structlog.get_logger("jobplane.relay"))
+    monkeypatch.setattr(relay_outbox, "log", structlog.get_logger("jobplane.relay"))
     stack = await started(
         start_stack(engine, database_url, amqp_url, topology, relay=False, worker=False)
     )
     jobs = await _jobs(stack, 3)
     held_job, held_row = jobs[0]
     await _refuse_updates(engine, held_row, "true")
-    relay = await stack.start_relay()
-    others = [row for _job, row in jobs if row != held_row]
-    await eventually(lambda: _published(stack, others))
-    later = await _jobs(stack, 2)
-    await eventually(lambda: _published(stack, [row for _job, row in later]))
+    with capture_logs() as logs:
+        relay = await stack.start_relay()
+        others = [row for _job, row in jobs if row != held_row]
+        await eventually(lambda: _published(stack, others))
+        later = await _jobs(stack, 2)
+        await eventually(lambda: _published(stack, [row for _job, row in later]))
+    # The batch refused, then the row held back: each said once, for an operator.
+    refused = [line for line in logs if line["event"] == "relay.batch.refused"]
+    assert [(line["log_level"], line["rows"]) for line in refused] == [("error", 3)]
+    assert "sqlstate=23514" in refused[0]["error"]
+    assert "refused by a test" not in refused[0]["error"]  # the message is withheld
+    (held,) = [line for line in logs if line["event"] == "relay.dispatch.held"]
+    assert (held["job"], held["event_id"], held["retry_in"]) == (
+        job_name(held_job),
+        str(held_row),
+        300.0,
+    )
+    assert held["hint"] == (
+        "the database refuses every change to this outbox row; an operator must look"
+    )
     # Left for an operator: neither published nor failed, its job still QUEUED.
     assert await stack.scalar(
         "SELECT (published_at, failed_at) FROM outbox WHERE kind = 'job.dispatch' AND id = :id",

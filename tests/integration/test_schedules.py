@@ -509,3 +509,28 @@ async def test_a_held_tick_runs_when_the_sweeper_ticks_by_the_clock(stack: Stack
     # The run started now, by the clock.
     assert seen.last_run_time is not None
     assert abs((seen.last_run_time - datetime.now(UTC)).total_seconds()) < 60
+
+
+async def test_a_held_tick_that_fails_is_counted_and_dropped(stack: Stack) -> None:
+    client = stack.client()
+    schedule = await client.create_schedule(
+        "demo.echo", cron="* * * * *", overlap=Overlap.BUFFER_ONE, schedule_id="held"
+    )
+    first = schedule.next_run_time
+    assert first is not None
+    for k in range(2):  # the first run stays QUEUED: no worker; the second tick is held
+        await tick_once(stack.engine, now=first + timedelta(seconds=60 * k + 1))
+    await client.cancel((await client.get_schedule(schedule)).recent_runs[0])
+    async with stack.engine.begin() as conn:
+        # A row no API writes (a payload not an object): its run cannot be built.
+        await conn.execute(text("UPDATE schedules SET payload = '[1]' WHERE id = 'held'"))
+    # No tick is due: only the held one runs, and fails.
+    report = await tick_once(stack.engine, now=first + timedelta(seconds=70))
+    assert (report.runs, report.failed) == (0, 1)
+    failed = await stack.scalar("SELECT last_error FROM schedules WHERE id = 'held'")
+    assert failed.startswith("INTERNAL: TypeError")
+    assert await stack.scalar(
+        "SELECT (runs, skipped, buffered_tick, next_run_time) FROM schedules WHERE id = 'held'"
+    ) == (1, 1, None, first + timedelta(seconds=120))  # the held tick dropped, counted skipped
+    assert len(await _jobs_of(stack, schedule.name)) == 1
+    assert (await tick_once(stack.engine, now=first + timedelta(seconds=70))).failed == 0

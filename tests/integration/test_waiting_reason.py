@@ -15,8 +15,10 @@ from collections.abc import AsyncIterator
 
 import aio_pika
 import pytest
+import structlog
 from markupsafe import escape
 from sqlalchemy import text
+from structlog.testing import capture_logs
 
 from jobplane.client import JobState
 from jobplane.observe.metrics import Metrics, watch_outbox
@@ -24,6 +26,7 @@ from jobplane.store.engine import create_engine, migrate
 from jobplane.store.keys import KeyStore
 from jobplane.topology import Topology, declare
 from jobplane.types import Job, WaitingCode
+from jobplane.workers import relay_record
 from tests.integration.test_cli_and_sync import jobplane
 from tests.integration.test_observability import samples
 from tests.support import services
@@ -70,7 +73,28 @@ async def _routeless(stack: Stack) -> None:
     await stack.start_relay()
 
 
-async def test_an_unroutable_dispatch_says_why_until_the_topology_routes_it(stack: Stack) -> None:
+async def test_an_unroutable_dispatch_says_why_until_the_topology_routes_it(
+    stack: Stack, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A logger not yet used, so that capture_logs sees the relay's lines.
+    monkeypatch.setattr(relay_record, "log", structlog.get_logger("jobplane.relay"))
+    with capture_logs() as logs:
+        job = await _says_why_until_routed(stack)
+    # Logged once, when the reason is set, not at each return (docs/operations.md).
+    (line,) = [line for line in logs if line["event"] == "job.waiting"]
+    dispatch = await stack.scalar("SELECT dispatch_id FROM jobs WHERE id = :id", id=job.id)
+    assert line == {
+        "event": "job.waiting",
+        "log_level": "warning",
+        "job": job.name,
+        "event_id": str(dispatch),
+        "code": "UNROUTABLE",
+        "type": "demo.echo",
+        "exchange": stack.topology.exchange,
+    }
+
+
+async def _says_why_until_routed(stack: Stack) -> Job:
     await _routeless(stack)
     job = await _unroutable(stack)
     assert job.state is JobState.QUEUED and job.error is None
@@ -118,6 +142,7 @@ async def test_an_unroutable_dispatch_says_why_until_the_topology_routes_it(stac
     await stack.start_worker()
     done = await asyncio.wait_for(stack.client().wait(job.name), timeout=30)
     assert done.state is JobState.SUCCEEDED
+    return job
 
 
 async def _waiting(metrics: Metrics) -> dict[str, float]:

@@ -17,7 +17,7 @@ from pamqp.header import ContentHeader
 
 from jobplane import broker
 from jobplane.envelope import AMQP_TYPE, DEPLOYMENT_HEADER, MAX_ENVELOPE_BYTES, Envelope
-from jobplane.workers.bounce import bounce_delay
+from jobplane.workers.bounce import bounce_delay, bounces_of
 from jobplane.workers.relay import (
     Unpublishable,
     check_publishable,
@@ -198,3 +198,38 @@ def test_bounce_delay_grows_and_never_holds_a_delivery_long() -> None:
     delays = [bounce_delay(bounces) for bounces in range(2000)]
     assert delays[0] < 0.01 and delays == sorted(delays)
     assert max(delays) == 0.1
+
+
+def test_bounce_delay_doubles_from_5_ms() -> None:
+    assert [bounce_delay(n) for n in range(6)] == [0.005, 0.01, 0.02, 0.04, 0.08, 0.1]
+
+
+class _Delivered:
+    """The one attribute of an incoming message bounces_of reads."""
+
+    def __init__(self, headers: dict[str, Any] | None) -> None:
+        self.headers = headers
+
+
+@pytest.mark.parametrize(
+    ("headers", "count"),
+    [
+        (None, 0),
+        ({}, 0),
+        ({"x-jobplane-bounces": 3}, 3),
+        ({"x-jobplane-bounces": "7"}, 7),
+        # Counted under the header's former name by workers of an older release.
+        ({"x-jobplane-handbacks": 5}, 5),
+        ({"x-jobplane-bounces": 2, "x-jobplane-handbacks": 5}, 5),
+        ({"x-jobplane-bounces": 9, "x-jobplane-handbacks": 5}, 9),
+        ({"x-jobplane-bounces": "many"}, 0),
+        ({"x-jobplane-bounces": -4}, 0),
+        ({"x-jobplane-bounces": -4, "x-jobplane-handbacks": -2}, 0),
+        ({"x-jobplane-bounces": None}, 0),
+    ],
+)
+def test_a_messages_bounces_are_read_from_its_headers(
+    headers: dict[str, Any] | None, count: int
+) -> None:
+    message: Any = _Delivered(headers)
+    assert bounces_of(message) == count

@@ -441,3 +441,112 @@ async def test_one_job_gone_does_not_hold_up_the_others_read_with_it(
     assert got == [[1, 2], [1, 2]]
     (outcome,) = await asyncio.wait_for(asyncio.gather(lost, return_exceptions=True), 5)
     assert isinstance(outcome, JobNotFound)
+
+
+class GatedLog(Log):
+    """A log whose reads, once made, wait at a gate while it is closed (a slow read)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = asyncio.Event()
+        self.gate.set()
+        self.waiting = 0
+
+    async def read(
+        self, wanted: Sequence[tuple[uuid.UUID, uuid.UUID, int]], limit: int
+    ) -> list[StreamRead | None]:
+        reads = await super().read(wanted, limit)
+        self.waiting += 1
+        try:
+            await self.gate.wait()
+        finally:
+            self.waiting -= 1
+        if self.fail is not None:
+            raise self.fail
+        return reads
+
+
+async def test_a_notification_during_the_first_read_is_read_after_it(listener: Listener) -> None:
+    log = GatedLog()
+    hub = FeedHub(log.read, listener, recheck_seconds=60)
+    job = uuid.uuid4()
+    log.add(job)
+    log.gate.clear()
+    got: list[int] = []
+    task = asyncio.create_task(collect(hub.watch(TENANT, job, 0), got))
+    await settle()
+    assert log.waiting == 1  # the first read is under way
+    log.add(job, EventType.SUCCEEDED)
+    notify(listener, job)  # its only notification, before the first read is in
+    log.gate.set()  # the first read, made before that event, brings event 1 only
+    await asyncio.wait_for(task, 5)
+    assert got == [1, 2]
+
+
+async def test_watchers_sharing_a_first_read_that_fails_all_get_its_error(
+    listener: Listener,
+) -> None:
+    log = GatedLog()
+    hub = FeedHub(log.read, listener, recheck_seconds=60)
+    job = uuid.uuid4()
+    log.add(job)
+    log.gate.clear()
+    tasks = [asyncio.create_task(collect(hub.watch(TENANT, job, 0), [])) for _ in range(3)]
+    await settle()
+    assert log.waiting == 1  # one read for the three
+    log.fail = ConnectionResetError("database went away")
+    log.gate.set()
+    results = await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 5)
+    assert [type(r) for r in results] == [ConnectionResetError] * 3
+    assert hub.feed_count == 0
+    log.fail = None
+    log.add(job, EventType.SUCCEEDED)
+    got: list[int] = []
+    await asyncio.wait_for(collect(hub.watch(TENANT, job, 0), got), 5)
+    assert got == [1, 2]
+
+
+async def test_a_watcher_whose_shared_read_was_abandoned_reads_for_itself(
+    listener: Listener,
+) -> None:
+    log = GatedLog()
+    hub = FeedHub(log.read, listener, recheck_seconds=60)
+    job = uuid.uuid4()
+    log.add(job)
+    log.add(job, EventType.SUCCEEDED)
+    log.gate.clear()
+    first = asyncio.create_task(collect(hub.watch(TENANT, job, 0), []))
+    await settle()
+    got: list[int] = []
+    second = asyncio.create_task(collect(hub.watch(TENANT, job, 0), got))
+    await settle()
+    first.cancel()  # the watcher making the read leaves before it ends
+    await asyncio.gather(first, return_exceptions=True)
+    log.gate.set()
+    await asyncio.wait_for(second, 5)
+    assert got == [1, 2]
+
+
+async def test_the_reader_does_not_log_with_the_first_watchers_bindings(
+    log: Log, listener: Listener, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(feeds, "log", structlog.get_logger("jobplane.server"))
+    hub = FeedHub(log.read, listener, recheck_seconds=60)
+    job = uuid.uuid4()
+    log.add(job)
+
+    async def watch_as_a_caller() -> None:
+        # What the servicer binds for its call: one caller's identity.
+        structlog.contextvars.bind_contextvars(api_key_id="key_first_caller")
+        await collect(hub.watch(TENANT, job, 0), [])
+
+    task = asyncio.create_task(watch_as_a_caller())
+    await settle()
+    assert {t.get_name() for t in hub._tasks} == {"watch-reader", "watch-recheck"}
+    log.fail = ConnectionResetError("database went away")
+    with capture_logs(processors=[structlog.contextvars.merge_contextvars]) as logs:
+        notify(listener, job)
+        await asyncio.wait_for(asyncio.gather(task, return_exceptions=True), 5)
+    (line,) = [entry for entry in logs if entry["event"] == "watch.read_failed"]
+    assert "api_key_id" not in line
+    await hub.stop()

@@ -177,3 +177,23 @@ def test_a_claim_group_calls_no_function_that_takes_a_lock() -> None:
     sql = "\n".join(changes_many(Transition.CLAIM, {"id"}, ["id", "tenant_id", "dispatch_id"]))
     assert "flow_check" not in sql and "concurrency_blocker" not in sql
     assert "concurrency_key IS NULL" in sql
+
+
+def test_setting_lifecycle_events_recompiles_what_was_compiled() -> None:
+    with_events = [t for t, rule in RULES.items() if rule.lifecycle is not None]
+    # What a worker's group commit applies many at a time (ADR-0028).
+    grouped = [Transition.CLAIM, Transition.SUCCEED, Transition.FAIL]
+    assert set(grouped) <= set(with_events)
+
+    def texts(m: StateMachine) -> list[str]:
+        one = [str(m.statement(t, ("id",))) for t in with_events]
+        return one + [str(m._compile_many(t, ("id",))[0]) for t in grouped]
+
+    on, off = texts(StateMachine()), texts(StateMachine(lifecycle=False))
+    assert all(a != b for a, b in zip(on, off, strict=True))
+    switched = StateMachine(lifecycle=False)
+    assert texts(switched) == off  # compiled, and cached, without them
+    switched.set_lifecycle_events(True)
+    assert texts(switched) == on
+    switched.set_lifecycle_events(False)
+    assert texts(switched) == off

@@ -238,3 +238,60 @@ async def test_progress_reports_are_checked_and_cleaned() -> None:
     with pytest.raises(TypeError, match="must be a dict"):
         await ctx.progress(0.5, "", [1])  # type: ignore[arg-type]
     assert len(sink.updates) == 2
+
+
+class _Raising(dict[str, Any]):
+    """A result whose reading raises (a dict subclass with its own methods)."""
+
+    def items(self) -> Any:
+        raise RuntimeError("no")
+
+    def keys(self) -> Any:
+        raise RuntimeError("no")
+
+    def __iter__(self) -> Any:
+        raise RuntimeError("no")
+
+
+class _Coded(RetryableError):
+    """An error whose code and delay cannot even be read."""
+
+    @property
+    def code(self) -> str:
+        raise RuntimeError("no")
+
+    @code.setter
+    def code(self, value: str) -> None:
+        pass
+
+    @property
+    def delay(self) -> float:
+        raise RuntimeError("no")
+
+    @delay.setter
+    def delay(self, value: float | None) -> None:
+        pass
+
+
+def test_the_edges_of_a_result_and_an_error() -> None:
+    # A result of exactly the limit is stored; one byte more is not.
+    exact = {"a": "x" * 92}  # {"a": "x…x"} is 100 bytes
+    assert check_result(exact, max_bytes=100) == exact
+    over = check_result({"a": "x" * 93}, max_bytes=100)
+    assert isinstance(over, PermanentError) and over.code == "RESULT_TOO_LARGE"
+    assert str(over) == "the handler's result is 101 bytes as JSON; at most 100 are stored"
+    raising = check_result(_Raising(a=1), max_bytes=100)
+    assert isinstance(raising, PermanentError) and raising.code == "BAD_RESULT"
+    assert (
+        str(raising)
+        == "the handler's result cannot be stored as JSON: reading it raised RuntimeError"
+    )
+
+    assert describe(RetryableError("x", delay=0)).delay == 0.0  # now, not the backoff
+    assert describe(RetryableError("x", delay=MAX_RETRY_DELAY)).delay == MAX_RETRY_DELAY
+    unreadable = describe(_Coded("x"))
+    assert (unreadable.code, unreadable.delay, unreadable.retryable) == (
+        "HANDLER_FAILED",
+        None,
+        True,
+    )

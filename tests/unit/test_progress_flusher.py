@@ -206,3 +206,65 @@ async def test_while_the_database_is_down_flushes_back_off() -> None:
 
 def test_the_fake_has_the_store_method() -> None:
     assert callable(AttemptStore.write_progress_many)
+
+
+async def test_a_writer_at_its_high_water_mark_flushes_at_once_and_is_told_the_outcome() -> None:
+    store = FakeStore()
+    seen: list[float] = []
+    shared = flusher(store, window=60)  # the window would never end within the test
+    writer = ProgressWriter(shared, attempt(), high_water=3, on_progress=seen.append)
+    await writer.add(update(0.1))
+    await writer.add(update(0.2))
+    assert store.writes == []
+    await writer.add(update(0.3))
+    assert store.writes == [[(writer.attempt.job_id, [0.1, 0.2, 0.3])]]
+    assert seen == [0.1, 0.2, 0.3]
+    # Fenced out at the flush the high-water mark made: the adding handler learns it.
+    store.fenced.add(writer.attempt.job_id)
+    await writer.add(update(0.4))
+    await writer.add(update(0.5))
+    with pytest.raises(LeaseLost):
+        await writer.add(update(0.6))
+    assert writer.take() == []  # nothing more goes out for it
+    with pytest.raises(LeaseLost):
+        await writer.add(update(0.7))
+    assert seen == [0.1, 0.2, 0.3, 0.4, 0.5, 0.6]
+    await shared.stop()
+
+
+class SplitStore(FakeStore):
+    """Refuses any group of more than one attempt for its values; then alone,
+    ``alone`` answers each attempt's write in turn."""
+
+    def __init__(self, alone: list[Exception | None]) -> None:
+        super().__init__()
+        self.alone = alone
+
+    async def write_progress_many(self, batches: Sequence[Batch]) -> list[bool | None]:
+        if len(batches) > 1:
+            raise db_error("22P05")
+        answer = self.alone.pop(0)
+        if answer is not None:
+            raise answer
+        return await super().write_progress_many(batches)
+
+
+@pytest.mark.parametrize(
+    "failure", [db_error("08006"), asyncio.CancelledError()], ids=["database-down", "cancelled"]
+)
+async def test_a_failure_while_writing_one_by_one_keeps_the_rest_queued(
+    failure: BaseException,
+) -> None:
+    store = SplitStore([None, failure])  # type: ignore[list-item]
+    shared = flusher(store, window=60)
+    writers = [ProgressWriter(shared, attempt()) for _ in range(3)]
+    for n, writer in enumerate(writers):
+        await writer.add(update(n / 10))
+    with pytest.raises(type(failure)):
+        await shared.flush()
+    # The first was written alone; the one that failed and the one after keep theirs.
+    assert store.writes == [[(writers[0].attempt.job_id, [0.0])]]
+    assert writers[0].take() == []
+    assert [u.progress for u in writers[1].take()] == [0.1]
+    assert [u.progress for u in writers[2].take()] == [0.2]
+    await shared.stop()

@@ -1,0 +1,106 @@
+"""The sweeper's deadline loop against a fake store: pages, log lines, failures.
+
+docs/operations.md promises one ``job.deadline_exceeded`` line per job ended,
+with ``was`` (the state it was in).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from collections.abc import Iterator, MutableMapping
+from typing import Any
+
+import pytest
+import structlog
+from sqlalchemy.exc import DBAPIError
+from structlog.testing import capture_logs
+
+from jobplane.names import job_name
+from jobplane.workers import deadlines
+from jobplane.workers.deadlines import DeadlineLoop
+
+Lines = list[MutableMapping[str, Any]]
+
+
+class Store:
+    """end_due hands out ``pages`` one by one, then nothing; or raises ``failures``."""
+
+    def __init__(self, pages: list[list[dict[str, Any]]], failures: list[Exception]) -> None:
+        self.pages = pages
+        self.failures = failures
+        self.limits: list[int] = []
+        self.next_asked = asyncio.Event()
+
+    async def end_due(self, *, limit: int) -> list[dict[str, Any]]:
+        self.limits.append(limit)
+        if self.failures:
+            raise self.failures.pop(0)
+        return self.pages.pop(0) if self.pages else []
+
+    async def seconds_until_next(self) -> float | None:
+        self.next_asked.set()
+        return None
+
+
+def _row(state: str) -> dict[str, Any]:
+    return {"id": uuid.uuid4(), "tenant_id": uuid.uuid4(), "from_state": state}
+
+
+def _loop(store: Store, *, limit: int = 2) -> DeadlineLoop:
+    engine: Any = None
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(deadlines, "DeadlineStore", lambda _engine: store)
+        return DeadlineLoop(engine, poll=0.01, limit=limit)
+
+
+@pytest.fixture
+def lines(monkeypatch: pytest.MonkeyPatch) -> Iterator[Lines]:
+    # A logger not yet used, so that capture_logs sees its lines.
+    monkeypatch.setattr(deadlines, "log", structlog.get_logger("jobplane.sweeper"))
+    # A process started earlier in the run may have set a higher level.
+    saved = structlog.get_config()
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.DEBUG))
+    try:
+        with capture_logs() as captured:
+            yield captured
+    finally:
+        structlog.configure(**saved)
+
+
+async def test_every_page_of_due_jobs_is_ended_and_each_job_logged(lines: Lines) -> None:
+    pages = [[_row("queued"), _row("running")], [_row("queued"), _row("queued")], [_row("x")]]
+    rows = [row for page in pages for row in page]
+    store = Store([list(page) for page in pages], [])
+    assert await _loop(store).run_once() == 5
+    # A full page means more may be due: asked again until a page is short.
+    assert store.limits == [2, 2, 2]
+    assert lines == [
+        {
+            "event": "job.deadline_exceeded",
+            "log_level": "warning",
+            "job": job_name(row["id"]),
+            "tenant_id": str(row["tenant_id"]),
+            "was": row["from_state"],
+        }
+        for row in rows
+    ]
+    empty = Store([], [])
+    assert await _loop(empty).run_once() == 0
+    assert empty.limits == [2]
+
+
+async def test_the_loop_says_what_failed_and_goes_on(lines: Lines) -> None:
+    transient = DBAPIError("SELECT ...", {}, ConnectionResetError("gone"))
+    store = Store([], [transient, RuntimeError("a bug")])
+    loop = _loop(store)
+    await loop.start()
+    try:
+        await asyncio.wait_for(store.next_asked.wait(), 5)
+    finally:
+        await loop.stop()
+    events = [(line["event"], line["log_level"]) for line in lines]
+    assert events == [("sweeper.db.error", "warning"), ("sweeper.deadlines.error", "error")]
+    assert lines[1]["error"] == "RuntimeError: a bug"
+    assert len(store.limits) == 3
