@@ -10,6 +10,7 @@ from importlib import resources
 import pytest
 from alembic import command
 from alembic.config import Config
+from alembic.script import ScriptDirectory
 from sqlalchemy import text
 
 from jobplane.store import sweeps
@@ -23,17 +24,31 @@ FROM pg_index WHERE indrelid = 'jobs'::regclass AND indisvalid
 _OPTIONS = "SELECT coalesce(reloptions, '{}') FROM pg_class WHERE oid = 'jobs'::regclass"
 
 
+def _config(url: str = "") -> Config:
+    config = Config()
+    config.set_main_option("script_location", str(resources.files("jobplane.migrations")))
+    config.set_main_option("sqlalchemy.url", url.replace("%", "%%"))
+    return config
+
+
+def _revision_before(revision: str) -> str:
+    """The revision ``revision`` follows, whichever that is in the chain."""
+    script = ScriptDirectory.from_config(_config()).get_revision(revision)
+    assert script is not None and isinstance(script.down_revision, str)
+    return script.down_revision
+
+
+_BEFORE = _revision_before("0026")
+
+
 @pytest.fixture
-async def database_at_0024(run_id: str) -> AsyncIterator[str]:
-    async with services.database_at(run_id, "0024") as url:
+async def database_before(run_id: str) -> AsyncIterator[str]:
+    async with services.database_at(run_id, _BEFORE) as url:
         yield url
 
 
 def _downgrade(url: str, revision: str) -> None:
-    config = Config()
-    config.set_main_option("script_location", str(resources.files("jobplane.migrations")))
-    config.set_main_option("sqlalchemy.url", url.replace("%", "%%"))
-    command.downgrade(config, revision)
+    command.downgrade(_config(url), revision)
 
 
 async def _schema(url: str) -> tuple[set[str], list[str]]:
@@ -48,26 +63,26 @@ async def _schema(url: str) -> tuple[set[str], list[str]]:
 
 
 async def test_0026_swaps_the_lease_index_sets_the_fillfactor_and_undoes_both(
-    database_at_0024: str,
+    database_before: str,
 ) -> None:
-    before, options = await _schema(database_at_0024)
+    before, options = await _schema(database_before)
     assert "jobs_running_lease" in before and "jobs_running" not in before
     assert options == []
-    await migrate(database_at_0024, revision="0026", create=False)
-    after, options = await _schema(database_at_0024)
+    await migrate(database_before, revision="0026", create=False)
+    after, options = await _schema(database_before)
     assert after == (before - {"jobs_running_lease"}) | {"jobs_running"}
     assert options == ["fillfactor=80"]
-    await asyncio.to_thread(_downgrade, database_at_0024, "0024")
-    assert await _schema(database_at_0024) == (before, [])
+    await asyncio.to_thread(_downgrade, database_before, _BEFORE)
+    assert await _schema(database_before) == (before, [])
 
 
 async def test_the_sweepers_expired_leases_read_the_running_jobs_index(
-    database_at_0024: str,
+    database_before: str,
 ) -> None:
     """On a table of ended jobs and a few RUNNING ones, the sweeper's statement reads
     the RUNNING jobs through their index, never the whole table."""
-    await migrate(database_at_0024, revision="0026", create=False)
-    engine = create_engine(database_at_0024, pool_size=1)
+    await migrate(database_before, revision="0026", create=False)
+    engine = create_engine(database_before, pool_size=1)
     try:
         async with engine.begin() as conn:
             await conn.execute(text(_FILL))
