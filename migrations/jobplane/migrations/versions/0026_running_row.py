@@ -17,7 +17,9 @@ heartbeats (``lease_expires_at``) and its progress (``progress``,
 - ``fillfactor = 80`` on ``jobs``: inserts leave a fifth of each page free,
   for the row versions its jobs' updates write there. The setting applies
   to pages written from now on; the pages already full keep their rows
-  (old jobs, mostly ended, that are no longer updated).
+  (old jobs, mostly ended, that are no longer updated). Setting it rewrites
+  nothing and takes a lock that submits and updates go on under (SHARE
+  UPDATE EXCLUSIVE).
 
 Revision ID: 0026
 Revises: 0024
