@@ -22,6 +22,8 @@ beside the S3 server's own figures ($JOBPLANE_S3_URL, else a moto_server).
 ``--only delayed`` measures how late delayed jobs start with
 ``--delayed-waiting N`` (10,000; 100,000 for the full figure) scheduled far
 ahead, and the relay's claim with and without them (bench/delayed.py).
+``--only wal`` measures WAL bytes, HOT updates, index writes and transactions
+per job, no-op and running jobs (bench/wal.py).
 ``--only fairness`` compares fair dispatch off and on: a tenant behind another's
 ``--fair-jobs`` backlog, a high queue behind a low one, throughput, a lone
 tenant's latency (bench/fairness.py).
@@ -1334,6 +1336,7 @@ async def main(argv: list[str] | None = None) -> int:
             "store",
             "delayed",
             "fairness",
+            "wal",
         ],
     )
     parser.add_argument(
@@ -1379,6 +1382,13 @@ async def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--fair-jobs", type=int, default=20_000, help="the backlog of --only fairness's figures"
+    )
+    parser.add_argument("--wal-jobs", type=int, default=2000, help="no-op jobs of --only wal")
+    parser.add_argument(
+        "--wal-running-jobs",
+        type=int,
+        default=200,
+        help="jobs of --only wal that run 3 s each, with progress and heartbeats",
     )
     parser.add_argument(
         "--profile",
@@ -1472,6 +1482,10 @@ async def main(argv: list[str] | None = None) -> int:
             from bench.fairness import fig_fairness
 
             await fig_fairness(bench)
+        if args.only and "wal" in args.only:  # not by default: stops the run's workers
+            from bench.wal import fig_wal
+
+            await fig_wal(bench)
         if want("delayed"):  # last: its waiting jobs stay in the tables
             from bench.delayed import fig_delayed
 

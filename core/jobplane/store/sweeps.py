@@ -29,6 +29,9 @@ from jobplane.store.outbox import RETURNS_RESET, OutboxKind
 from jobplane.store.rows import OUTBOX_CHANNEL, job_from_row
 from jobplane.types import Job, JobState
 
+# The RUNNING jobs through jobs_running, their leases checked on the rows: no
+# index names the lease, so a heartbeat is a HOT update (ADR-0051). As many
+# rows as attempts run at once, whatever the table holds.
 _EXPIRED = text(
     f"""
     SELECT id, attempt, retry_base, max_attempts, queue

@@ -56,7 +56,7 @@ _LIST = text(
     """
 )
 # The worker of each running attempt, by its STARTED event (the Python
-# worker records its id there); the partial index on running leases bounds it.
+# worker records its id there); the partial index of RUNNING jobs bounds it.
 _RUNNING = text(
     """
     SELECT e.data->>'worker' AS worker, count(*) AS running
