@@ -33,7 +33,7 @@ from alembic import op
 from jobplane.migrations.indexes import build_index
 
 revision = "0026"
-down_revision = "0024"
+down_revision = "0025"
 branch_labels = None
 depends_on = None
 
