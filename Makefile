@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: constraints all dev test unit faults soak fuzz mutate lint format typecheck proto migrate services bench clean events-node
+.PHONY: constraints all dev test unit faults soak fuzz mutate lint format typecheck proto migrate services bench clean events-node fleet-rabbitmq fleet-rabbitmq-stop
 
 all: lint typecheck test
 
@@ -62,6 +62,17 @@ faults: $(STAMP) services
 ## 5,000 jobs and 500 pipelines with workers killed and a broker restart; prints L/D/O counts.
 soak: $(STAMP) services
 	$(BIN)/python -m pytest -m soak -s tests/faults/test_soak.py $(PYTEST_ARGS)
+
+## A three-node RabbitMQ cluster on this host (jp1..jp3@localhost, AMQP on
+## 5681-5683, data in build/fleet/rabbitmq/), for the fleet tests and for trying
+## a node's loss by hand (docs/operations.md, "A RabbitMQ node lost"). Idempotent;
+## prints the JOBPLANE_AMQP_URL naming the three nodes.
+fleet-rabbitmq:
+	scripts/fleet/rabbitmq.sh start
+
+## Stop the three nodes (their data stays; `scripts/fleet/rabbitmq.sh reset` deletes it).
+fleet-rabbitmq-stop:
+	scripts/fleet/rabbitmq.sh stop
 
 ## The Node consumer of docs/events.md against the real services (installs its npm packages).
 events-node: $(STAMP) services
