@@ -81,6 +81,18 @@ def _hung_up(exc: StopAsyncIteration) -> bool:
     return module.startswith("aiormq.")
 
 
+def home_node_down(exc: BaseException) -> bool:
+    """True when ``exc`` is a cluster's NOT_FOUND for a classic queue whose node is down.
+
+    A classic queue lives on one node (its home); while that node is down,
+    declaring or using the queue through another node is refused with
+    NOT_FOUND naming it "down or inaccessible". Quorum queues have no home.
+    """
+    return isinstance(
+        exc, aiormq.exceptions.ChannelNotFoundEntity
+    ) and "is down or inaccessible" in str(exc)
+
+
 def access_refused(exc: BaseException) -> bool:
     """True when the broker refused an operation for lack of permissions (ACCESS_REFUSED)."""
     return isinstance(

@@ -200,3 +200,14 @@ def test_the_robust_connection_replaces_aio_pikas_connection_attempt() -> None:
     name = "_RobustConnection__connect_transport"
     assert callable(getattr(aio_pika.RobustConnection, name))
     assert getattr(broker.FailoverConnection, name) is broker.FailoverConnection._attempt
+
+
+def test_a_classic_queue_whose_node_is_down_is_told_from_a_missing_one() -> None:
+    down = aiormq.exceptions.ChannelNotFoundEntity(
+        "NOT_FOUND - home node 'jp1@localhost' of durable queue 'jobplane.jobs.owner' in "
+        "vhost 'prod' is down or inaccessible"
+    )
+    missing = aiormq.exceptions.ChannelNotFoundEntity("NOT_FOUND - no queue 'q' in vhost 'prod'")
+    assert broker.home_node_down(down)
+    assert not broker.home_node_down(missing)
+    assert not broker.home_node_down(ConnectionResetError("is down or inaccessible"))

@@ -201,7 +201,29 @@ async def claim_ownership(
 
     ``take_over``: replace the recorded owner with ``deployment`` (for an
     operator whose previous deployment is gone).
+
+    The owner queue is a classic queue, on one node of a cluster: while that
+    node is down the owner cannot be read, which is said (a warning) and
+    nothing more — a relay reconnecting after losing that node must not wait
+    for it to come back (ADR-0049). A take-over raises.
     """
+    try:
+        return await _claim(connection, topology, deployment, take_over=take_over)
+    except aiormq.exceptions.ChannelNotFoundEntity as exc:
+        if take_over or not broker.home_node_down(exc):
+            raise
+        log.warning(
+            "topology.owner.unreachable",
+            queue=topology.owner_queue,
+            reason="the owner queue's node is down; the owner is read again on the next connect",
+            error=str(exc),
+        )
+        return Ownership(deployment, None)
+
+
+async def _claim(
+    connection: AbstractConnection, topology: Topology, deployment: Deployment, *, take_over: bool
+) -> Ownership:
     name = topology.owner_queue
     if not await _exists(connection, "queue", name):
         try:
