@@ -59,7 +59,7 @@ def vhost(rabbit_cluster: None) -> Iterator[str]:
 
 
 @pytest.fixture
-async def fleet(database_url: str, vhost: str, tmp_path: Path) -> AsyncIterator[Cluster]:
+async def mq_fleet(database_url: str, vhost: str, tmp_path: Path) -> AsyncIterator[Cluster]:
     """The fault suite's processes on the test database and the cluster's vhost."""
     topology = load_topology().prefixed("fleet.")
     running = Cluster(database_url, setting(NODES, vhost), topology, tmp_path)
@@ -68,7 +68,8 @@ async def fleet(database_url: str, vhost: str, tmp_path: Path) -> AsyncIterator[
     await running.close()
 
 
-async def test_losing_the_node_that_leads_the_work_queue(fleet: Cluster, vhost: str) -> None:
+async def test_losing_the_node_that_leads_the_work_queue(mq_fleet: Cluster, vhost: str) -> None:
+    fleet = mq_fleet
     topology = fleet.topology
     work = topology.queues[0].name
     await fleet.server()  # declares the topology: quorum queues on all three nodes
