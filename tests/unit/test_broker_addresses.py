@@ -211,3 +211,59 @@ def test_a_classic_queue_whose_node_is_down_is_told_from_a_missing_one() -> None
     assert broker.home_node_down(down)
     assert not broker.home_node_down(missing)
     assert not broker.home_node_down(ConnectionResetError("is down or inaccessible"))
+
+
+def _fake_attempts(
+    monkeypatch: pytest.MonkeyPatch, answers: dict[str, BaseException | None]
+) -> list[str]:
+    """aio-pika's attempt replaced: each address answers as ``answers`` says."""
+    tried: list[str] = []
+
+    async def attempt(connection: broker.FailoverConnection) -> None:
+        tried.append(connection.address)
+        assert str(connection.url) == connection.address
+        error = answers[connection.address]
+        if error is not None:
+            raise error
+
+    monkeypatch.setattr(broker, "_ROBUST_ATTEMPT", attempt)
+    return tried
+
+
+async def test_a_robust_attempt_goes_through_the_addresses(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    a, b, c = (f"amqp://guest:guest@robust-{n}:5672/v" for n in "abc")
+    tried = _fake_attempts(monkeypatch, {a: ConnectionRefusedError(111, "a"), b: None, c: None})
+    connection = broker.FailoverConnection(failover_of(f"{a},{b},{c}"))
+    await connection._attempt()
+    assert tried == [a, b]
+    assert connection.address == b
+    # Lost while connected: the next attempt tries the others first.
+    connection.failover.failed(b)
+    tried.clear()
+    await connection._attempt()
+    assert tried == [c]
+    assert connection.failover.order() == [c, a, b]
+
+
+async def test_a_robust_attempt_raises_a_refusal_at_once_and_the_last_outage(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    a, b = (f"amqp://guest:guest@robust-refused-{n}:5672/v" for n in "ab")
+    refusal = aiormq.exceptions.ProbableAuthenticationError("ACCESS_REFUSED")
+    tried = _fake_attempts(monkeypatch, {a: refusal, b: None})
+    connection = broker.FailoverConnection(failover_of(f"{a},{b}"))
+    with pytest.raises(aiormq.exceptions.ProbableAuthenticationError):
+        await connection._attempt()
+    assert tried == [a]
+
+    c, d = (f"amqp://guest:guest@robust-down-{n}:5672/v" for n in "cd")
+    last = TimeoutError("d")
+    tried = _fake_attempts(monkeypatch, {c: ConnectionRefusedError(111, "c"), d: last})
+    connection = broker.FailoverConnection(failover_of(f"{c},{d}"))
+    with pytest.raises(TimeoutError) as raised:
+        await connection._attempt()
+    assert raised.value is last
+    assert tried == [c, d]
+    assert connection.failover.failing() == [c, d]
