@@ -144,9 +144,10 @@ async def connect(url: str, *, timeout: float = 10.0, robust: bool = False) -> A
         try:
             connection = await _connect_one(address, timeout)
         except Exception as exc:
+            if broker_down(exc):
+                failover.failed(address)
             if not broker_down(exc) or position == len(order):
                 raise
-            failover.failed(address)
             log.warning("broker.address.down", address=describe(address), error=repr(exc))
             continue
         failover.succeeded(address)

@@ -177,6 +177,7 @@ async def test_connect_raises_the_last_error_when_every_address_is_down(
         await broker.connect(f"{a},{b}")
     assert raised.value is last
     assert tried == [a, b]
+    assert failover_of(f"{a},{b}").failing() == [a, b]
 
 
 async def test_a_connection_lost_marks_its_address_and_one_closed_by_us_does_not(
