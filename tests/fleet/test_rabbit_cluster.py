@@ -28,7 +28,7 @@ import aio_pika
 import pytest
 
 from jobplane import broker
-from jobplane.topology import Topology, load_topology
+from jobplane.topology import Topology, apply, load_topology
 from tests.faults.cluster import Cluster
 from tests.faults.test_faults import _check_watchers, _each_ran_once, _watch_sample
 from tests.fleet import rabbit_nodes
@@ -198,3 +198,14 @@ async def _dead_lettering_works(
             return
         assert time.monotonic() < deadline, f"nothing dead-lettered: {failed}"
         await asyncio.sleep(0.2)
+
+
+async def test_the_topology_sets_the_quorum_group_size(vhost: str) -> None:
+    # Two members of three nodes: the argument reaches the broker, for the
+    # job queues and the failed queue alike.
+    topology = replace(load_topology().prefixed("fleet.two."), quorum_group_size=2)
+    await apply(setting(NODES, vhost), topology)
+    for name in (topology.queues[0].name, topology.failed_queue):
+        found = rabbit_nodes.queue(vhost, name)
+        assert len(found["members"]) == 2, found
+        assert found["arguments"]["x-quorum-initial-group-size"] == 2
