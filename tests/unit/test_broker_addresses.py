@@ -237,15 +237,18 @@ async def test_a_robust_attempt_goes_through_the_addresses(
     a, b, c = (f"amqp://guest:guest@robust-{n}:5672/v" for n in "abc")
     tried = _fake_attempts(monkeypatch, {a: ConnectionRefusedError(111, "a"), b: None, c: None})
     connection = broker.FailoverConnection(failover_of(f"{a},{b},{c}"))
-    await connection._attempt()
-    assert tried == [a, b]
-    assert connection.address == b
-    # Lost while connected: the next attempt tries the others first.
-    connection.failover.failed(b)
-    tried.clear()
-    await connection._attempt()
-    assert tried == [c]
-    assert connection.failover.order() == [c, a, b]
+    try:
+        await connection._attempt()
+        assert tried == [a, b]
+        assert connection.address == b
+        # Lost while connected: the next attempt tries the others first.
+        connection.failover.failed(b)
+        tried.clear()
+        await connection._attempt()
+        assert tried == [c]
+        assert connection.failover.order() == [c, a, b]
+    finally:
+        await connection.close()  # not left to the garbage collector's close()
 
 
 async def test_a_robust_attempt_raises_a_refusal_at_once_and_the_last_outage(
@@ -257,6 +260,7 @@ async def test_a_robust_attempt_raises_a_refusal_at_once_and_the_last_outage(
     connection = broker.FailoverConnection(failover_of(f"{a},{b}"))
     with pytest.raises(aiormq.exceptions.ProbableAuthenticationError):
         await connection._attempt()
+    await connection.close()
     assert tried == [a]
 
     c, d = (f"amqp://guest:guest@robust-down-{n}:5672/v" for n in "cd")
@@ -265,6 +269,7 @@ async def test_a_robust_attempt_raises_a_refusal_at_once_and_the_last_outage(
     connection = broker.FailoverConnection(failover_of(f"{c},{d}"))
     with pytest.raises(TimeoutError) as raised:
         await connection._attempt()
+    await connection.close()
     assert raised.value is last
     assert tried == [c, d]
     assert connection.failover.failing() == [c, d]
