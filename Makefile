@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: constraints all dev test unit faults soak fuzz mutate lint format typecheck proto migrate services bench clean events-node fleet fleet-postgres fleet-stop fleet-test
+.PHONY: constraints all dev test unit faults soak fuzz mutate lint format typecheck proto migrate services bench clean events-node fleet fleet-postgres fleet-stop fleet-test fleet-rabbitmq fleet-rabbitmq-stop
 
 all: lint typecheck test
 
@@ -63,22 +63,36 @@ faults: $(STAMP) services
 soak: $(STAMP) services
 	$(BIN)/python -m pytest -m soak -s tests/faults/test_soak.py $(PYTEST_ARGS)
 
+## A three-node RabbitMQ cluster on this host (jp1..jp3@localhost, AMQP on
+## 5681-5683, data in build/fleet/rabbitmq/), for the fleet tests and for trying
+## a node's loss by hand (docs/operations.md, "A RabbitMQ node lost"). Idempotent;
+## prints the JOBPLANE_AMQP_URL naming the three nodes.
+fleet-rabbitmq:
+	scripts/fleet/rabbitmq.sh start
+
+## Stop the three nodes (their data stays; `scripts/fleet/rabbitmq.sh reset` deletes it).
+fleet-rabbitmq-stop:
+	scripts/fleet/rabbitmq.sh stop
+
 ## The Node consumer of docs/events.md against the real services (installs its npm packages).
 events-node: $(STAMP) services
 	cd examples/events/node && npm install --no-audit --no-fund --silent
 	$(BIN)/python -m pytest -m node tests/integration/test_event_consumer_node.py $(PYTEST_ARGS)
 
-## A Postgres pair with failover (Patroni + etcd) and PgBouncer on loopback,
-## under build/fleet/ (docs/fleet.md); a no-op when it runs already.
-fleet: fleet-postgres
+## A Postgres pair with failover (Patroni + etcd) and PgBouncer, and a
+## three-node RabbitMQ cluster, on loopback under build/fleet/ (docs/fleet.md);
+## a no-op when it runs already.
+fleet: fleet-postgres fleet-rabbitmq
 
 fleet-postgres:
 	scripts/fleet/postgres.sh start
 
 fleet-stop:
 	scripts/fleet/postgres.sh stop
+	scripts/fleet/rabbitmq.sh stop
 
-## Failover and pooling tests against the fleet; prints the recovery times.
+## Failover and pooling tests against the fleet (Postgres and RabbitMQ);
+## prints the recovery times and the broker pause.
 fleet-test: $(STAMP) services fleet
 	$(BIN)/python -m pytest -m fleet -s tests/fleet $(PYTEST_ARGS)
 

@@ -121,7 +121,9 @@ def _fatal_message(exc: Exception) -> str | None:
             return f"the database at {where} does not exist: run `jobplane migrate`"
         return f"Postgres at {where} refused: {first}"
     if service == "broker":
-        where = _without_password(settings.amqp_url)
+        from jobplane.broker_addresses import describe
+
+        where = describe(settings.amqp_url)
         import aiormq
 
         if isinstance(exc, aiormq.exceptions.ProbableAuthenticationError):

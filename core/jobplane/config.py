@@ -14,6 +14,7 @@ from pathlib import Path
 
 from jobplane.config_checks import (
     OTLP_GRPC_MODULE,
+    amqp_url,
     database_direct_url,
     database_url,
     with_dashboard,
@@ -253,7 +254,7 @@ class Settings:
             base,
             database_url=database_url(env, base.database_url),
             database_direct_url=database_direct_url(env, base.database_direct_url),
-            amqp_url=env.get("JOBPLANE_AMQP_URL", base.amqp_url),
+            amqp_url=amqp_url(env, base.amqp_url),
             listen=env.get("JOBPLANE_LISTEN", base.listen),
             address=env.get("JOBPLANE_ADDRESS", base.address),
             api_key=env.get("JOBPLANE_API_KEY") or None,

@@ -14,6 +14,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
+from jobplane.broker_addresses import split_addresses
 from jobplane.config_parse import (
     ConfigError,
     check_log_prefix,
@@ -98,6 +99,16 @@ def database_direct_url(env: Mapping[str, str], default: str | None) -> str | No
             "pgbouncer=true: LISTEN, migrations and session locks go straight to Postgres"
         )
     return None
+
+
+def amqp_url(env: Mapping[str, str], default: str) -> str:
+    """JOBPLANE_AMQP_URL: one AMQP URL, or several nodes' separated by commas, checked."""
+    url = env.get("JOBPLANE_AMQP_URL", default)
+    try:
+        split_addresses(url)
+    except ValueError as exc:  # the reason never quotes the URL (it may hold a password)
+        raise ConfigError(f"JOBPLANE_AMQP_URL: {exc}") from None
+    return url
 
 
 def with_s3(env: Mapping[str, str], base: Settings) -> Settings:

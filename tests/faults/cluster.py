@@ -86,6 +86,8 @@ def topology_toml(topology: Topology) -> str:
         f'queue = "{topology.failed_queue}"\n',
         f'[events]\nexchange = "{topology.events_exchange}"\n',
     ]
+    if topology.quorum_group_size is not None:
+        lines.append(f"[quorum]\ninitial_group_size = {topology.quorum_group_size}\n")
     for q in topology.queues:
         bindings = ", ".join(f'"{b}"' for b in q.bindings)
         lines.append(

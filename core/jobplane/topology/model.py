@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 from jobplane.topics import EVENTS_EXCHANGE, topic_matches
+
+if TYPE_CHECKING:
+    from pamqp.common import FieldValue
 
 
 class TopologyError(ValueError):
@@ -115,6 +119,16 @@ class Topology:
     pipelines: tuple[PipelineSpec, ...] = field(default_factory=tuple)
     #: Rate and RUNNING limits by job type, in the file's order (the first that matches governs).
     rate_limits: tuple[RateLimitSpec, ...] = field(default_factory=tuple)
+    #: Members of each quorum queue when it is declared (``x-quorum-initial-group-size``);
+    #: None: the broker's default (every node, up to its ``quorum_cluster_size``, 3).
+    quorum_group_size: int | None = None
+
+    def quorum_arguments(self) -> dict[str, FieldValue]:
+        """The arguments every quorum queue of this topology is declared with."""
+        arguments: dict[str, FieldValue] = {"x-queue-type": "quorum"}
+        if self.quorum_group_size is not None:
+            arguments["x-quorum-initial-group-size"] = self.quorum_group_size
+        return arguments
 
     def rate_limit(self, job_type: str) -> RateLimitSpec | None:
         """The ``[[rate_limits]]`` entry that governs ``job_type``, or None."""

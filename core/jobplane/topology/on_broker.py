@@ -32,6 +32,11 @@ async def declare(channel: AbstractChannel, topology: Topology) -> AbstractExcha
     needs ``x-overflow=reject-publish``) so a message is never dropped between
     a queue and the failed queue. The events exchange is a durable topic
     exchange with no arguments and no queues: consumers bind their own.
+
+    Each quorum queue gets ``x-quorum-initial-group-size`` only when the
+    topology's ``[quorum] initial_group_size`` is set (ADR-0049): RabbitMQ
+    compares it when a queue is declared again, so a queue declared without
+    it would refuse a declare that adds it.
     """
     exchange = await channel.declare_exchange(
         topology.exchange, aio_pika.ExchangeType.TOPIC, durable=True
@@ -43,7 +48,7 @@ async def declare(channel: AbstractChannel, topology: Topology) -> AbstractExcha
         topology.dead_letter_exchange, aio_pika.ExchangeType.FANOUT, durable=True
     )
     failed = await channel.declare_queue(
-        topology.failed_queue, durable=True, arguments={"x-queue-type": "quorum"}
+        topology.failed_queue, durable=True, arguments=topology.quorum_arguments()
     )
     await failed.bind(dlx, routing_key="")
     await _declare_owner_queue(channel, topology.owner_queue)
@@ -52,7 +57,7 @@ async def declare(channel: AbstractChannel, topology: Topology) -> AbstractExcha
             spec.name,
             durable=True,
             arguments={
-                "x-queue-type": "quorum",
+                **topology.quorum_arguments(),
                 "x-delivery-limit": spec.delivery_limit,
                 "x-dead-letter-exchange": topology.dead_letter_exchange,
                 "x-dead-letter-strategy": "at-least-once",
@@ -196,7 +201,29 @@ async def claim_ownership(
 
     ``take_over``: replace the recorded owner with ``deployment`` (for an
     operator whose previous deployment is gone).
+
+    The owner queue is a classic queue, on one node of a cluster: while that
+    node is down the owner cannot be read, which is said (a warning) and
+    nothing more — a relay reconnecting after losing that node must not wait
+    for it to come back (ADR-0049). A take-over raises.
     """
+    try:
+        return await _claim(connection, topology, deployment, take_over=take_over)
+    except aiormq.exceptions.ChannelNotFoundEntity as exc:
+        if take_over or not broker.home_node_down(exc):
+            raise
+        log.warning(
+            "topology.owner.unreachable",
+            queue=topology.owner_queue,
+            reason="the owner queue's node is down; the owner is read again on the next connect",
+            error=str(exc),
+        )
+        return Ownership(deployment, None)
+
+
+async def _claim(
+    connection: AbstractConnection, topology: Topology, deployment: Deployment, *, take_over: bool
+) -> Ownership:
     name = topology.owner_queue
     if not await _exists(connection, "queue", name):
         try:

@@ -29,6 +29,7 @@ _PATTERN = re.compile(r"^(\*|#|[a-z0-9_-]+)(\.(\*|#|[a-z0-9_-]+))*$")
 
 def parse_topology(data: dict[str, Any], *, source: str = "topology") -> Topology:
     """Build and check a :class:`Topology` from parsed TOML."""
+    quorum_group_size = _quorum_group_size(data, source)
     try:
         exchange = str(data.get("exchange", {}).get("name", "jobplane.jobs"))
         dead = data.get("dead_letter", {})
@@ -54,6 +55,7 @@ def parse_topology(data: dict[str, Any], *, source: str = "topology") -> Topolog
             failed_queue=str(dead.get("queue", "jobplane.failed")),
             queues=queues,
             events_exchange=str(events.get("exchange", EVENTS_EXCHANGE)),
+            quorum_group_size=quorum_group_size,
         )
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise TopologyError(f"{source}: {exc}") from exc
@@ -63,6 +65,30 @@ def parse_topology(data: dict[str, Any], *, source: str = "topology") -> Topolog
     )
     _check_pipelines(topology, pipelines, source)
     return replace(topology, pipelines=pipelines, rate_limits=parse_rate_limits(data, source))
+
+
+#: The most members a quorum queue's initial group may ask for (RabbitMQ caps it
+#: at the cluster's nodes anyway).
+MAX_QUORUM_GROUP_SIZE = 99
+
+
+def _quorum_group_size(data: dict[str, Any], source: str) -> int | None:
+    """``[quorum] initial_group_size``: None when unset (the broker's default)."""
+    table = data.get("quorum", {})
+    if not isinstance(table, dict):
+        raise TopologyError(f"{source}: [quorum] must be a table")
+    unknown = set(table) - {"initial_group_size"}
+    if unknown:
+        raise TopologyError(f"{source}: [quorum] has unknown keys {sorted(unknown)}")
+    size = table.get("initial_group_size")
+    if size is None:
+        return None
+    if type(size) is not int or not 1 <= size <= MAX_QUORUM_GROUP_SIZE:
+        raise TopologyError(
+            f"{source}: [quorum] initial_group_size must be a whole number from 1 to "
+            f"{MAX_QUORUM_GROUP_SIZE}, not {size!r}"
+        )
+    return size
 
 
 _STAGE_NAME = re.compile(r"[a-z][a-z0-9_-]{0,62}")

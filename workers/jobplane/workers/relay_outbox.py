@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
+import aiormq
 import structlog
 from aio_pika.abc import AbstractExchange
 from sqlalchemy.exc import DBAPIError
@@ -42,9 +43,16 @@ if TYPE_CHECKING:
 
 log = structlog.get_logger("jobplane.relay")
 
+#: Batches in a row whose every publish the broker nacked before the link is
+#: renewed (``OutboxDispatch._renew``).
+RENEW_AFTER_NACKED_BATCHES = 3
+
 
 class OutboxDispatch(OutboxRecording):
     """Moves due outbox rows to the broker, batch by batch, and records what it did."""
+
+    #: Batches in a row whose every publish was nacked (reset by any other batch).
+    nacked_batches: int = 0
 
     # Set up by the relay.
     _batch_size: int
@@ -96,7 +104,7 @@ class OutboxDispatch(OutboxRecording):
                 task.result()
 
         try:
-            while not link.closed:
+            while not link.closed and self.nacked_batches < RENEW_AFTER_NACKED_BATCHES:
                 reap()
                 if len(running) >= self._in_flight:
                     await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
@@ -129,6 +137,29 @@ class OutboxDispatch(OutboxRecording):
                 task.cancel()
             if running:
                 await asyncio.wait(running)
+        if self.nacked_batches >= RENEW_AFTER_NACKED_BATCHES:
+            await self._renew(link)
+
+    async def _renew(self, link: Link) -> None:
+        """Close ``link`` after batches the broker nacked whole; the relay opens a new one.
+
+        RabbitMQ 3.10 nacks every later publish of a channel to a quorum queue
+        when the channel first published to it while the queue had no leader
+        (just after its leader's node was lost); a new channel is not stuck
+        (ADR-0049). A queue that refuses for another reason (full, with
+        reject-publish) costs a reconnect every few batches, nothing more.
+        """
+        log.warning("relay.link.renewed", nacked_batches=self.nacked_batches)
+        self.nacked_batches = 0
+        await link.close()
+
+    def _note_nacks(self, outcomes: list[RowOutcome]) -> None:
+        """Count batches whose every publish the broker nacked, in a row."""
+        nacked = bool(outcomes) and all(
+            o.fate is Fate.FAILED and isinstance(o.error, aiormq.exceptions.DeliveryError)
+            for o in outcomes
+        )
+        self.nacked_batches = self.nacked_batches + 1 if nacked else 0
 
     async def relay_once(self, exchange: AbstractExchange, events: AbstractExchange) -> int:
         """Publish one batch of due rows; returns how many rows it took.
@@ -162,6 +193,7 @@ class OutboxDispatch(OutboxRecording):
                     return 0
                 started = time.monotonic()
                 outcomes = await self._publish_all(exchange, events, batch.rows)
+                self._note_nacks(outcomes)
                 if self._intercept is not None:
                     self._intercept.confirmed(time.monotonic() - started)
                 self._faults.hit("relay.after_confirm")
