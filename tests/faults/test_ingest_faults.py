@@ -149,7 +149,7 @@ async def test_a_worker_killed_at_each_stage_leaves_the_points_of_an_uninterrupt
     n = reference.result["chunks"]
     assert len(ref) == n and len(doc) == n, (len(ref), len(doc), n)  # no orphan, no duplicate
     assert sorted(h.id for h in doc) == sorted(
-        str(point_id(str(tenant), "doc.txt", i, "ingest-1")) for i in range(n)
+        str(point_id(str(tenant), "doc.txt", i, "ingest-2")) for i in range(n)
     )
     by_chunk = {h.payload["chunk_index"]: h for h in ref}
     for hit in doc:
