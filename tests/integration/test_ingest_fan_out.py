@@ -4,15 +4,20 @@ Real Postgres, RabbitMQ, the moto S3 server and local-mode Qdrant. One
 document of several batches is ingested first with one worker, then (into
 another collection) with a second worker that takes only the embed queue:
 both runs must leave the same points, and in the second the two workers
-must have embedded batches at the same time.
+must have embedded batches at the same time. A job of the pipeline's
+previous version (``ingest-1``, no fan-out: its stages frozen at submit)
+still runs on the same handlers.
 """
 
 from __future__ import annotations
 
 import threading
 import time
+import tomllib
+import uuid
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -23,10 +28,13 @@ from jobplane.blobs import BlobStore
 from jobplane.config import Settings
 from jobplane.contrib.ingest import HashingEmbedder, Ingest, point_id
 from jobplane.topology import Topology
+from jobplane.topology.parse import parse_topology
 from jobplane.types import JobState
 from tests.support.documents import generated_text
 from tests.support.ingest import Ingestion, drop_topology, ingest_topology
 from tests.support.stack import start_stack
+
+SHIPPED = resources.files("jobplane").joinpath("topologies/ingest.toml")
 
 BATCH = 4
 OPTIONS = {"chunk_size": 200, "chunk_overlap": 20}
@@ -139,3 +147,48 @@ async def _vectors(index: Any, collection: str) -> dict[str, list[float]]:
         "scroll", collection_name=collection, limit=1000, with_vectors=True
     )
     return {str(r.id): [round(x, 6) for x in r.vector] for r in records}
+
+
+@pytest.fixture
+async def ingest_1(amqp_url: str) -> AsyncIterator[Topology]:
+    """The shipped ingest topology as it was at ``ingest-1``: no fan-out."""
+    text = SHIPPED.read_text()
+    assert 'version = "ingest-2"' in text and "fan_out = true" in text
+    lines = [line for line in text.splitlines() if not line.startswith(("fan_out", "fail_fast"))]
+    old = "\n".join(lines).replace('version = "ingest-2"', 'version = "ingest-1"')
+    names = parse_topology(tomllib.loads(old)).prefixed(f"i{uuid.uuid4().hex[:8]}.")
+    yield names
+    await drop_topology(amqp_url, names)
+
+
+async def test_a_job_of_ingest_1_still_runs_its_embed_stage_whole(
+    engine: AsyncEngine,
+    database_url: str,
+    amqp_url: str,
+    ingest_1: Topology,
+    blobs: BlobStore,
+    tmp_path: Path,
+) -> None:
+    ingest = Ingest(Settings(qdrant_path=tmp_path / "qdrant", ingest_batch=BATCH))
+    stack = await start_stack(
+        engine, database_url, amqp_url, ingest_1, registry=ingest.registry, blobs=blobs
+    )
+    try:
+        ingestion = Ingestion(stack, ingest, blobs)
+        done = await ingestion.run("old.txt", generated_text(8, 300).encode(), **OPTIONS)
+        assert done.state is JobState.SUCCEEDED, done.error
+        assert done.pipeline_version == "ingest-1" and done.result is not None
+        chunks = done.result["chunks"]
+        assert chunks > BATCH and done.result["batches"] == 1
+        chunk, embed = done.stages[1].result, done.stages[2].result
+        assert chunk is not None and str(chunk["spans"]).startswith("blobs/")
+        assert embed is not None and embed["vectors"] == chunks
+        assert (await stack.client().list(parent=done.name)).jobs == []
+        tenant = str(stack.tenant_id)
+        points = await ingestion.points(file="old.txt")
+        assert [h.id for h in points] == sorted(
+            str(point_id(tenant, "old.txt", i, "ingest-1")) for i in range(chunks)
+        )
+    finally:
+        await stack.close()
+        await ingest.close()

@@ -1,0 +1,123 @@
+"""The embed stage's batches: how the chunk stage cuts them, what a child and the join accept."""
+
+from __future__ import annotations
+
+import array
+import json
+from typing import Any
+
+import pytest
+
+from jobplane.config import ConfigError, Settings
+from jobplane.contrib.ingest.batches import (
+    Batch,
+    batch_chunks,
+    batch_documents,
+    batch_of,
+    batch_size,
+    child_result,
+    vectors_of,
+)
+from jobplane.fanout import MAX_FAN_OUT, ItemResult
+from jobplane.types import JobState
+from jobplane.workers.handlers import PermanentError
+
+BLOB = "blobs/" + "ab" * 32
+
+
+def test_the_batch_setting() -> None:
+    assert Settings.from_env({}).ingest_batch == 64
+    assert Settings.from_env({"JOBPLANE_INGEST_BATCH": "8"}).ingest_batch == 8
+    for bad in ("0", "-1", "many"):
+        with pytest.raises(ConfigError, match="JOBPLANE_INGEST_BATCH"):
+            Settings.from_env({"JOBPLANE_INGEST_BATCH": bad})
+
+
+def test_batches_cover_the_chunks_in_order() -> None:
+    text = "abcdefghij" * 3
+    spans = [(i, i + 5) for i in range(0, 26, 3)]  # 9 chunks
+    docs = batch_documents(text, "blobs/t", spans, 4)
+    assert [(first, count) for first, count, _ in docs] == [(0, 4), (4, 4), (8, 1)]
+    got: list[tuple[int, int]] = []
+    texts: list[str] = []
+    for first, count, data in docs:
+        part, words = batch_chunks(Batch("blobs/b", first, count), data)
+        got += part
+        texts += words
+    assert got == spans and texts == [text[s:e] for s, e in spans]
+
+
+def test_no_chunks_is_one_empty_batch() -> None:
+    [(first, count, data)] = batch_documents("", "blobs/t", [], 64)
+    assert (first, count) == (0, 0)
+    assert batch_chunks(Batch("blobs/b", 0, 0), data) == ([], [])
+
+
+def test_the_batch_grows_rather_than_pass_the_fan_out_cap() -> None:
+    assert batch_size(640, 64) == 64
+    assert batch_size(MAX_FAN_OUT * 64, 64) == 64
+    assert batch_size(MAX_FAN_OUT * 64 + 1, 64) == 65
+    spans = [(0, 1)] * (MAX_FAN_OUT * 2 + 1)
+    assert len(batch_documents("x", "blobs/t", spans, 1)) <= MAX_FAN_OUT
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [
+        {},
+        {"chunks": BLOB, "first": 0},
+        {"chunks": "s3://x", "first": 0, "count": 1},
+        {"chunks": BLOB, "first": -1, "count": 1},
+        {"chunks": BLOB, "first": 0, "count": "1"},
+        {"chunks": BLOB, "first": True, "count": 1},
+        {"chunks": BLOB, "first": 0, "count": 1, "extra": 1},
+        {"blob": BLOB, "file": "a.txt"},  # an ingest.file payload is not a batch
+    ],
+)
+def test_a_child_refuses_a_payload_that_is_not_a_batch(payload: dict[str, Any]) -> None:
+    with pytest.raises(PermanentError) as caught:
+        batch_of(payload)
+    assert caught.value.code == "BAD_PAYLOAD" and "ingest.embed takes" in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        b"not json",
+        json.dumps({"first": 0, "spans": [[0, 1]], "texts": ["a"]}).encode(),  # count 2
+        json.dumps({"first": 4, "spans": [[0, 1], [1, 2]], "texts": ["a", "b"]}).encode(),
+        json.dumps({"first": 0, "spans": [[0, 1], [1, 2]], "texts": ["a"]}).encode(),
+        json.dumps(["a", "b"]).encode(),
+    ],
+)
+def test_a_batch_blob_that_does_not_match_its_item_is_corrupt(data: bytes) -> None:
+    with pytest.raises(PermanentError) as caught:
+        batch_chunks(Batch("blobs/b", 0, 2), data)
+    assert caught.value.code == "CORRUPT_STAGE_OUTPUT"
+
+
+def test_vectors_are_checked_for_their_size() -> None:
+    rows = array.array("f", [0.5] * 6).tobytes()
+    assert list(vectors_of(rows, 2, 3, "v")) == [0.5] * 6
+    with pytest.raises(PermanentError, match="24 bytes, not 3 x 3 float32"):
+        vectors_of(rows, 3, 3, "v")
+
+
+def _child(
+    index: int, result: dict[str, Any] | None, state: JobState = JobState.SUCCEEDED
+) -> ItemResult:
+    return ItemResult(index=index, job=f"jobs/{index}", state=state, result=result)
+
+
+def test_the_join_takes_the_children_in_chunk_order() -> None:
+    found = {"chunks": BLOB, "first": 4, "count": 4, "vectors": BLOB, "dim": 3, "embedder": "e"}
+    assert child_result(_child(1, found), 4) == found
+    with pytest.raises(PermanentError) as gap:
+        child_result(_child(1, found), 8)  # a batch missing before it
+    assert gap.value.code == "CORRUPT_STAGE_OUTPUT"
+    with pytest.raises(PermanentError) as offloaded:  # a result stored by reference reads {}
+        child_result(_child(1, {}), 4)
+    assert offloaded.value.code == "CORRUPT_STAGE_OUTPUT"
+    with pytest.raises(PermanentError) as failed:
+        child_result(_child(1, None, JobState.FAILED), 4)
+    assert failed.value.code == "CHILDREN_FAILED"
