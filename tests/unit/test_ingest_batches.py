@@ -121,3 +121,25 @@ def test_the_join_takes_the_children_in_chunk_order() -> None:
     with pytest.raises(PermanentError) as failed:
         child_result(_child(1, None, JobState.FAILED), 4)
     assert failed.value.code == "CHILDREN_FAILED"
+
+
+def test_the_live_view_counts_the_embed_batches_as_they_end() -> None:
+    from datetime import UTC, datetime
+
+    from rich.progress import Progress
+
+    from jobplane.contrib.ingest.cli import _stage_row
+    from jobplane.types import EventType, JobEvent
+
+    def event(data: dict[str, Any], stage: str) -> JobEvent:
+        now = datetime.now(UTC)
+        return JobEvent(
+            "jobs/j", 1, EventType.PROGRESS, JobState.QUEUED, 0.5, "", now, 1, data, stage
+        )
+
+    progress = Progress()
+    stages: dict[str, Any] = {}
+    _stage_row(progress, stages, event({"chunks": 130}, "chunk"))
+    _stage_row(progress, stages, event({"children": 3, "ended": 2}, "embed"))
+    assert stages["chunk"][1] == "  130 chunks"
+    assert stages["embed"][1] == "  2/3 batches"
