@@ -37,7 +37,7 @@ from tests.support.stack import start_stack
 SHIPPED = resources.files("jobplane").joinpath("topologies/ingest.toml")
 
 BATCH = 4
-OPTIONS = {"chunk_size": 200, "chunk_overlap": 20}
+OPTIONS: dict[str, Any] = {"chunk_size": 200, "chunk_overlap": 20}
 
 
 @dataclass

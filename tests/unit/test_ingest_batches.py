@@ -16,6 +16,7 @@ from jobplane.contrib.ingest.batches import (
     batch_of,
     batch_size,
     child_result,
+    joined,
     vectors_of,
 )
 from jobplane.fanout import MAX_FAN_OUT, ItemResult
@@ -109,18 +110,43 @@ def _child(
     return ItemResult(index=index, job=f"jobs/{index}", state=state, result=result)
 
 
+def _found(first: int, count: int, embedder: str = "e", dim: int = 3) -> dict[str, Any]:
+    return {
+        "chunks": BLOB,
+        "first": first,
+        "count": count,
+        "vectors": BLOB,
+        "dim": dim,
+        "embedder": embedder,
+    }
+
+
 def test_the_join_takes_the_children_in_chunk_order() -> None:
-    found = {"chunks": BLOB, "first": 4, "count": 4, "vectors": BLOB, "dim": 3, "embedder": "e"}
-    assert child_result(_child(1, found), 4) == found
-    with pytest.raises(PermanentError) as gap:
-        child_result(_child(1, found), 8)  # a batch missing before it
-    assert gap.value.code == "CORRUPT_STAGE_OUTPUT"
-    with pytest.raises(PermanentError) as offloaded:  # a result stored by reference reads {}
-        child_result(_child(1, {}), 4)
-    assert offloaded.value.code == "CORRUPT_STAGE_OUTPUT"
-    with pytest.raises(PermanentError) as failed:
-        child_result(_child(1, None, JobState.FAILED), 4)
-    assert failed.value.code == "CHILDREN_FAILED"
+    done = joined([_child(0, _found(0, 4)), _child(1, _found(4, 4)), _child(2, _found(8, 1))])
+    assert [(d.batch.first, d.batch.count) for d in done] == [(0, 4), (4, 4), (8, 1)]
+    assert {(d.vectors, d.dim, d.embedder) for d in done} == {(BLOB, 3, "e")}
+    assert child_result(_child(1, _found(4, 4)), 4) == done[1]
+
+
+@pytest.mark.parametrize(
+    ("children", "code"),
+    [
+        ([], "CORRUPT_STAGE_OUTPUT"),  # no batch: no embedder to index with
+        ([_child(0, _found(0, 4)), _child(1, _found(8, 4))], "CORRUPT_STAGE_OUTPUT"),  # a gap
+        ([_child(0, _found(4, 4))], "CORRUPT_STAGE_OUTPUT"),  # not from chunk 0
+        ([_child(0, _found(0, 4)), _child(1, {})], "CORRUPT_STAGE_OUTPUT"),  # by reference: {}
+        ([_child(0, {**_found(0, 4), "first": "x"})], "CORRUPT_STAGE_OUTPUT"),
+        ([_child(0, _found(0, 4)), _child(1, None, JobState.FAILED)], "CHILDREN_FAILED"),
+        ([_child(0, _found(0, 4)), _child(1, _found(4, 4, "other"))], "EMBEDDER_MISMATCH"),
+        ([_child(0, _found(0, 4)), _child(1, _found(4, 4, dim=5))], "EMBEDDER_MISMATCH"),
+    ],
+)
+def test_the_join_refuses_what_is_not_every_batch_in_order(
+    children: list[ItemResult], code: str
+) -> None:
+    with pytest.raises(PermanentError) as caught:
+        joined(children)
+    assert caught.value.code == code
 
 
 def test_the_live_view_counts_the_embed_batches_as_they_end() -> None:

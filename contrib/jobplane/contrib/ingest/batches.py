@@ -136,20 +136,56 @@ def vectors_of(data: bytes, rows: int, dim: int, what: str) -> array.array[float
     return vectors
 
 
-def child_result(result: ResultLike, expected_first: int) -> Mapping[str, Any]:
+@dataclass(frozen=True, slots=True)
+class Embedding:
+    """What one embed child returned: its batch, its vectors' blob and embedder."""
+
+    batch: Batch
+    vectors: str
+    dim: int
+    embedder: str
+
+
+def child_result(result: ResultLike, expected_first: int) -> Embedding:
     """One child's result, checked: it succeeded and its batch starts where the last ended."""
     if not result.ok:
         raise PermanentError(
             f"the embed child of item {result.index} did not succeed", code="CHILDREN_FAILED"
         )
     found = result.result or {}
-    needed = ("chunks", "first", "count", "vectors", "dim", "embedder")
-    if any(k not in found for k in needed) or found["first"] != expected_first:
+    try:
+        done = Embedding(
+            Batch(str(found["chunks"]), int(found["first"]), int(found["count"])),
+            str(found["vectors"]),
+            int(found["dim"]),
+            str(found["embedder"]),
+        )
+    except (KeyError, TypeError, ValueError):
+        done = None
+    if done is None or done.batch.first != expected_first or done.batch.count < 0:
         raise corrupt(
             f"the embed child of item {result.index} returned {sorted(found)}, "
             f"not the vectors of the batch from chunk {expected_first}"
         )
-    return found
+    return done
+
+
+def joined(results: Sequence[ResultLike]) -> list[Embedding]:
+    """The children's results in chunk order, checked: one after another from chunk 0,
+    all of one embedder, at least one (an empty file has one empty batch)."""
+    out: list[Embedding] = []
+    for item in results:
+        done = child_result(item, out[-1].batch.first + out[-1].batch.count if out else 0)
+        if out and (done.embedder, done.dim) != (out[0].embedder, out[0].dim):
+            raise PermanentError(
+                f"the batches were embedded by {out[0].embedder} and {done.embedder}: "
+                "every worker of ingest.embed must have the same JOBPLANE_EMBEDDER",
+                code="EMBEDDER_MISMATCH",
+            )
+        out.append(done)
+    if not out:
+        raise corrupt("the embed stage has no children: no embedder's vectors to index")
+    return out
 
 
 def corrupt(message: str) -> PermanentError:

@@ -60,6 +60,8 @@ PIPELINE = "ingest.file"
 MAX_SOURCE_BYTES = 256 * 1024 * 1024
 #: Chunks embedded per call (and per progress report).
 EMBED_BATCH = 64
+#: Blobs a stage puts or reads at once (the chunk stage's batches, the join's).
+BLOB_CALLS = 8
 MAX_FILE_NAME = 1024
 
 
@@ -218,10 +220,14 @@ async def chunk_stage(
     if ctx.fans_out:
         cuts = [(c.start, c.end) for c in chunks]
         docs = await asyncio.to_thread(batches.batch_documents, text, parsed["text"], cuts, batch)
-        items = []
-        for first, count, data in docs:
-            name = await ctx.put_blob(data, content_type="application/json")
-            items.append({"chunks": name, "first": first, "count": count})
+        limit = asyncio.Semaphore(BLOB_CALLS)
+
+        async def put(first: int, count: int, data: bytes) -> dict[str, Any]:
+            async with limit:
+                name = await ctx.put_blob(data, content_type="application/json")
+            return {"chunks": name, "first": first, "count": count}
+
+        items = list(await asyncio.gather(*(put(*doc) for doc in docs)))
         faults.hit("ingest.chunk.stored")
         await ctx.progress(
             1.0, f"{len(chunks)} chunks in {len(items)} batch(es)", {"chunks": len(chunks)}
@@ -342,31 +348,22 @@ async def index_stage(
 
 async def _joined(ctx: StageContext) -> Embedded:
     """The embed children's batches and vectors, in chunk order (the join of ``ingest-2``)."""
-    embedded = Embedded([], [], array.array("f"), 0, "", 0)
-    for item in ctx.results:
-        found = batches.child_result(item, len(embedded.spans))
-        if embedded.batches and (found["embedder"], found["dim"]) != (
-            embedded.embedder,
-            embedded.dim,
-        ):
-            raise PermanentError(
-                f"the batches were embedded by {embedded.embedder} and {found['embedder']}: "
-                "every worker of ingest.embed must have the same JOBPLANE_EMBEDDER",
-                code="EMBEDDER_MISMATCH",
-            )
-        embedded.embedder, embedded.dim = str(found["embedder"]), int(found["dim"])
-        batch = batches.batch_of(
-            {"chunks": found["chunks"], "first": found["first"], "count": found["count"]}
-        )
-        spans, texts = batches.batch_chunks(batch, await ctx.read_blob(batch.chunks))
-        data = await ctx.read_blob(str(found["vectors"]))
-        what = f"the vectors blob of item {item.index}"
-        embedded.vectors.extend(batches.vectors_of(data, batch.count, embedded.dim, what))
+    done = batches.joined(ctx.results)
+    limit = asyncio.Semaphore(BLOB_CALLS)
+
+    async def read(one: batches.Embedding) -> tuple[bytes, bytes]:
+        async with limit:
+            return await ctx.read_blob(one.batch.chunks), await ctx.read_blob(one.vectors)
+
+    blobs = await asyncio.gather(*(read(one) for one in done))
+    first = done[0]
+    embedded = Embedded([], [], array.array("f"), first.dim, first.embedder, len(done))
+    for index, (one, (chunks, data)) in enumerate(zip(done, blobs, strict=True)):
+        spans, texts = batches.batch_chunks(one.batch, chunks)
+        what = f"the vectors blob of item {index}"
+        embedded.vectors.extend(batches.vectors_of(data, one.batch.count, one.dim, what))
         embedded.texts.extend(texts)
         embedded.spans.extend(spans)
-        embedded.batches += 1
-    if not embedded.batches:
-        raise batches.corrupt("the embed stage has no children: no embedder's vectors to index")
     return embedded
 
 
