@@ -10,6 +10,7 @@ machine: these are measurements, not tests.
     python -m bench.run [--jobs N] [--clients C] [--workers W] [--concurrency K]
                         [--watchers N] [--seconds S] [--blob-mib M] [--only NAME ...]
                         [--only ingest --ingest-docs N --ingest-words W]
+                        [--only ingest-fanout --fanout-pages P --fanout-ms-per-chunk MS]
                         [--only peers --peer-jobs N --peer-rounds R]
 
 ``--only peers`` runs the same no-op workload on Celery and Procrastinate, each in
@@ -24,6 +25,8 @@ beside the S3 server's own figures ($JOBPLANE_S3_URL, else a moto_server).
 ahead, and the relay's claim with and without them (bench/delayed.py).
 ``--only wal`` measures WAL bytes, HOT updates, index writes and transactions
 per job, no-op and running jobs (bench/wal.py).
+``--only ingest-fanout`` ingests one long PDF with one and with two embed workers
+(the embed stage fans out) and prints the speed-up (bench/ingest_fanout.py).
 ``--only fairness`` compares fair dispatch off and on: a tenant behind another's
 ``--fair-jobs`` backlog, a high queue behind a low one, throughput, a lone
 tenant's latency (bench/fairness.py).
@@ -1327,6 +1330,7 @@ async def main(argv: list[str] | None = None) -> int:
             "watchers",
             "pipeline",
             "ingest",
+            "ingest-fanout",
             "blobs",
             "tracing",
             "metrics",
@@ -1407,6 +1411,15 @@ async def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ingest-docs", type=int, default=40, help="documents of --only ingest")
     parser.add_argument("--ingest-words", type=int, default=3000, help="words per document")
     parser.add_argument(
+        "--fanout-pages", type=int, default=300, help="pages of the PDF of --only ingest-fanout"
+    )
+    parser.add_argument(
+        "--fanout-ms-per-chunk",
+        type=float,
+        default=10.0,
+        help="the embedder's wait per chunk in --only ingest-fanout (a remote API's latency)",
+    )
+    parser.add_argument(
         "--blob-mib", type=int, default=256, help="MiB of the blob the blob figures move"
     )
     parser.add_argument(
@@ -1458,6 +1471,10 @@ async def main(argv: list[str] | None = None) -> int:
             from bench.ingest import fig_ingest
 
             await fig_ingest(bench)
+        if args.only and "ingest-fanout" in args.only:  # not by default: needs S3 and Qdrant
+            from bench.ingest_fanout import fig_ingest_fanout
+
+            await fig_ingest_fanout(bench)
         if want("progress"):
             await fig_progress(bench)
         if want("relay"):

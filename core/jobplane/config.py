@@ -180,6 +180,8 @@ class Settings:
     qdrant_path: Path | None = None
     #: ``hash`` (offline, deterministic) or ``fastembed:<model>`` (docs/ingestion.md).
     embedder: str = "hash"
+    #: Chunks per ``ingest.embed`` child job: the chunk stage's batch (docs/ingestion.md).
+    ingest_batch: int = 64
 
     # Tracing.
     #: Span exporters the OTEL_* variables ask for ("otlp", "console"); empty: tracing is off.

@@ -165,7 +165,8 @@ def with_s3(env: Mapping[str, str], base: Settings) -> Settings:
 
 
 def with_ingest(env: Mapping[str, str], base: Settings) -> Settings:
-    """The ingestion settings (JOBPLANE_DATA_DIR, JOBPLANE_QDRANT_*, JOBPLANE_EMBEDDER)."""
+    """The ingestion settings (JOBPLANE_DATA_DIR, JOBPLANE_QDRANT_*, JOBPLANE_EMBEDDER,
+    JOBPLANE_INGEST_BATCH)."""
     url = env.get("JOBPLANE_QDRANT_URL", "").strip() or None
     if url is not None and not url.startswith(("http://", "https://")):
         raise ConfigError(f"JOBPLANE_QDRANT_URL must be an http:// or https:// URL, not {url!r}")
@@ -183,6 +184,7 @@ def with_ingest(env: Mapping[str, str], base: Settings) -> Settings:
         qdrant_api_key=env.get("JOBPLANE_QDRANT_API_KEY") or None,
         qdrant_path=env_path(env, "JOBPLANE_QDRANT_PATH"),
         embedder=embedder,
+        ingest_batch=env_positive_int(env, "JOBPLANE_INGEST_BATCH", base.ingest_batch),
     )
 
 

@@ -92,13 +92,14 @@ async def test_each_format_end_to_end(
     }
     assert counts[("parse", "pages")] == pages
     assert counts[("chunk", "chunks")] == chunks
-    assert counts[("embed", "vectors")] == chunks
+    # The embed stage fans out: one child per batch of 64 chunks, each end an event.
+    assert counts[("embed", "children")] == counts[("embed", "ended")] == result["batches"] == 1
     assert counts[("index", "points")] == chunks
     # The points, as stored.
     points = await ingestion.points(file=name)
     tenant = str(ingestion.stack.tenant_id)
     assert sorted(h.id for h in points) == sorted(
-        str(point_id(tenant, name, i, "ingest-1")) for i in range(chunks)
+        str(point_id(tenant, name, i, "ingest-2")) for i in range(chunks)
     )
     by_index = sorted(points, key=lambda h: h.payload["chunk_index"])
     text = "".join(h.payload["text"] for h in by_index[:1])
@@ -107,7 +108,7 @@ async def test_each_format_end_to_end(
         payload = hit.payload
         assert payload["tenant_id"] == tenant and payload["file"] == name
         assert payload["digest"] == result["digest"] and payload["version"] == result["version"]
-        assert payload["pipeline"] == "ingest.file" and payload["pipeline_version"] == "ingest-1"
+        assert payload["pipeline"] == "ingest.file" and payload["pipeline_version"] == "ingest-2"
         assert payload["embedder"] == "hash:v1:384"
         assert payload["end"] - payload["start"] == len(payload["text"])
     # Big outputs went to blobs; the stage results only name them.
@@ -151,7 +152,7 @@ async def test_a_changed_file_replaces_its_points_with_no_orphans(ingestion: Ing
     assert 0 < n < old.result["chunks"]
     points = await ingestion.points(file="report.txt")
     assert sorted(h.id for h in points) == sorted(
-        str(point_id(tenant, "report.txt", i, "ingest-1")) for i in range(n)
+        str(point_id(tenant, "report.txt", i, "ingest-2")) for i in range(n)
     )
     assert {h.payload["digest"] for h in points} == {hashlib.sha256(short).hexdigest()}
     assert {h.payload["version"] for h in points} == {new.result["version"]}
@@ -259,7 +260,11 @@ async def test_a_qdrant_outage_is_retried_and_resumes_at_the_index_stage(
     assert done.state is JobState.SUCCEEDED, done.error
     index_stage = done.stages[3]
     assert index_stage.attempts >= 2
-    assert [s.attempts for s in done.stages[:3]] == [1, 1, 1]  # resumed, not restarted
+    # Resumed, not restarted: parse and chunk ran once, and so did the one embed child
+    # (the fan-out stage itself never runs: its children do).
+    assert [s.attempts for s in done.stages[:3]] == [1, 1, 0]
+    children = (await client.list(parent=job.name, page_size=10)).jobs
+    assert [c.attempt for c in children] == [1]
     assert done.result is not None and done.result["points"] == 1  # 631 chars, one chunk
     assert len(await ingestion.points(file="notes.txt")) == 1
 

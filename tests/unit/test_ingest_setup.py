@@ -21,7 +21,7 @@ BLOB = "blobs/" + "ab" * 32
 def test_the_shipped_topology_gives_each_stage_its_own_queue() -> None:
     topology = load_topology(Path("builtin:ingest"))
     pipeline = topology.pipeline("ingest.file")
-    assert pipeline is not None and pipeline.version == "ingest-1"
+    assert pipeline is not None and pipeline.version == "ingest-2"
     assert [s.type for s in pipeline.stages] == list(STAGE_TYPES)
     assert [s.queue for s in pipeline.stages] == list(STAGE_TYPES)
     # No queue catches everything: each stage's dispatch reaches one queue only.

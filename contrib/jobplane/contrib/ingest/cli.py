@@ -195,6 +195,8 @@ def _stage_row(progress: Progress, stages: dict[str, tuple[TaskID, str]], event:
     counted = _COUNTS.get(stage)
     if counted is not None and counted in event.data:
         counts = f"  {event.data[counted]} {counted}"
+    elif "children" in event.data:  # a fan-out stage: each child's end (the embed batches)
+        counts = f"  {event.data.get('ended', 0)}/{event.data['children']} batches"
     stages[stage] = (task, counts)
     label = f"  {escape(stage)}{counts}"
     if event.type in (EventType.STAGE_SUCCEEDED, EventType.SUCCEEDED):

@@ -110,8 +110,8 @@ class Ingest:
     async def _parse(self, ctx: JobContext) -> dict[str, Any]:
         return await stages.parse_stage(ctx, self._faults)
 
-    async def _chunk(self, ctx: JobContext) -> dict[str, Any]:
-        return await stages.chunk_stage(ctx, self._faults)
+    async def _chunk(self, ctx: JobContext) -> dict[str, Any] | list[dict[str, Any]]:
+        return await stages.chunk_stage(ctx, self._faults, batch=self.settings.ingest_batch)
 
     async def _embed(self, ctx: JobContext) -> dict[str, Any]:
         return await stages.embed_stage(ctx, await self.embedder(), self._faults)

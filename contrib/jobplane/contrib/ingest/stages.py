@@ -3,6 +3,11 @@
 Each stage reads what the stage before it left in blobs and leaves its own
 output in a blob (``ctx.put_blob``: content-addressed, so a stage run again
 writes the same name); its result carries the names, counts and digests.
+The embed stage fans out (pipeline version ``ingest-2``, see
+:mod:`jobplane.contrib.ingest.batches`): the chunk stage returns its batches,
+one child job embeds each, and the index stage joins them in chunk order. A
+job of ``ingest-1`` (no fan-out, frozen at its submit) still runs: its chunk
+stage returns its spans, its embed stage embeds every chunk, as before.
 The index stage is the only one with an effect outside jobplane, and it is
 idempotent: point ids depend on (tenant, file, chunk index, pipeline
 version) only, an upsert overwrites a point in place, and the points of the
@@ -27,6 +32,8 @@ from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from jobplane.contrib.ingest import batches
+from jobplane.contrib.ingest.batches import DEFAULT_BATCH, Embedded
 from jobplane.contrib.ingest.chunker import (
     DEFAULT_CHUNK_OVERLAP,
     DEFAULT_CHUNK_SIZE,
@@ -53,6 +60,8 @@ PIPELINE = "ingest.file"
 MAX_SOURCE_BYTES = 256 * 1024 * 1024
 #: Chunks embedded per call (and per progress report).
 EMBED_BATCH = 64
+#: Blobs a stage puts or reads at once (the chunk stage's batches, the join's).
+BLOB_CALLS = 8
 MAX_FILE_NAME = 1024
 
 
@@ -86,6 +95,12 @@ class StageContext(Protocol):
 
     @property
     def stage_version(self) -> str: ...
+
+    @property
+    def fans_out(self) -> bool: ...
+
+    @property
+    def results(self) -> tuple[batches.ResultLike, ...]: ...
 
     async def progress(
         self, fraction: float, message: str = "", data: dict[str, Any] | None = None
@@ -189,12 +204,35 @@ async def parse_stage(ctx: StageContext, faults: FaultPoints = NO_FAULTS) -> dic
     }
 
 
-async def chunk_stage(ctx: StageContext, faults: FaultPoints = NO_FAULTS) -> dict[str, Any]:
-    """Cut the text into chunks; keep their spans in a blob."""
+async def chunk_stage(
+    ctx: StageContext, faults: FaultPoints = NO_FAULTS, *, batch: int = DEFAULT_BATCH
+) -> dict[str, Any] | list[dict[str, Any]]:
+    """Cut the text into chunks; keep each batch of ``batch`` chunks in a blob, and
+    return one item per batch (the embed stage's children).
+
+    In a job of ``ingest-1`` (whose embed stage does not fan out): keep the
+    spans in one blob and return its name.
+    """
     request = request_of(ctx.payload)
     parsed = _input(ctx, "parse")
     text = (await ctx.read_blob(parsed["text"])).decode()
     chunks = await asyncio.to_thread(chunk_text, text, request.chunk_size, request.chunk_overlap)
+    if ctx.fans_out:
+        cuts = [(c.start, c.end) for c in chunks]
+        docs = await asyncio.to_thread(batches.batch_documents, text, parsed["text"], cuts, batch)
+        limit = asyncio.Semaphore(BLOB_CALLS)
+
+        async def put(first: int, count: int, data: bytes) -> dict[str, Any]:
+            async with limit:
+                name = await ctx.put_blob(data, content_type="application/json")
+            return {"chunks": name, "first": first, "count": count}
+
+        items = list(await asyncio.gather(*(put(*doc) for doc in docs)))
+        faults.hit("ingest.chunk.stored")
+        await ctx.progress(
+            1.0, f"{len(chunks)} chunks in {len(items)} batch(es)", {"chunks": len(chunks)}
+        )
+        return items
     spans = {
         "text": parsed["text"],
         "chunk_size": request.chunk_size,
@@ -215,8 +253,33 @@ async def chunk_stage(ctx: StageContext, faults: FaultPoints = NO_FAULTS) -> dic
 async def embed_stage(
     ctx: StageContext, embedder: Embedder, faults: FaultPoints = NO_FAULTS
 ) -> dict[str, Any]:
-    """Embed every chunk; keep the vectors in a blob (float32, little-endian, row by row)."""
-    texts, _spans = await _chunks(ctx)
+    """Embed one batch of chunks (a child job: its payload is the batch); keep the
+    vectors in a blob (float32, little-endian, row by row).
+
+    In a job of ``ingest-1`` (a stage of the pipeline, with the chunk stage's
+    spans among its inputs): embed every chunk of the file.
+    """
+    chunked = ctx.inputs.get("chunk")
+    if chunked is not None and "spans" in chunked:
+        texts, _spans = await _chunks(ctx)
+        name = await _embed(ctx, embedder, texts, faults)
+        return {"vectors": len(texts), "dim": embedder.dim, "embedder": embedder.name, "blob": name}
+    batch = batches.batch_of(ctx.payload)
+    _spans, texts = batches.batch_chunks(batch, await ctx.read_blob(batch.chunks))
+    name = await _embed(ctx, embedder, texts, faults)
+    return {
+        "chunks": batch.chunks,
+        "first": batch.first,
+        "count": batch.count,
+        "vectors": name,
+        "dim": embedder.dim,
+        "embedder": embedder.name,
+    }
+
+
+async def _embed(
+    ctx: StageContext, embedder: Embedder, texts: list[str], faults: FaultPoints
+) -> str:
     vectors = array.array("f")
     done = 0
     for at in range(0, len(texts), EMBED_BATCH):
@@ -237,7 +300,7 @@ async def embed_stage(
     name = await ctx.put_blob(data, content_type="application/octet-stream")
     if not texts:
         await ctx.progress(1.0, "0 vectors", {"vectors": 0})
-    return {"vectors": len(texts), "dim": embedder.dim, "embedder": embedder.name, "blob": name}
+    return name
 
 
 async def index_stage(
@@ -245,25 +308,18 @@ async def index_stage(
 ) -> dict[str, Any]:
     """Upsert the file's points, then delete its points of any other version."""
     request = request_of(ctx.payload)
-    parsed, chunked, embedded = _input(ctx, "parse"), _input(ctx, "chunk"), _input(ctx, "embed")
-    texts, spans = await _chunks(ctx)
-    dim = int(embedded["dim"])
-    data = await ctx.read_blob(embedded["blob"])
-    if len(data) != len(texts) * dim * 4:
-        raise PermanentError(
-            f"the vectors blob has {len(data)} bytes, not {len(texts)} x {dim} float32",
-            code="CORRUPT_STAGE_OUTPUT",
-        )
-    vectors = array.array("f")
-    vectors.frombytes(data)
-    if sys.byteorder != "little":  # pragma: no cover
-        vectors.byteswap()
+    parsed = _input(ctx, "parse")
+    if "blob" in _input(ctx, "embed"):  # ingest-1: one vectors blob
+        embedded = await _whole(ctx)
+    else:
+        embedded = await _joined(ctx)
+    texts, spans, vectors, dim = embedded.texts, embedded.spans, embedded.vectors, embedded.dim
     version = content_version(
         digest=request.digest,
         pipeline_version=ctx.pipeline_version,
-        chunk_size=int(chunked["chunk_size"]),
-        chunk_overlap=int(chunked["chunk_overlap"]),
-        embedder=str(embedded["embedder"]),
+        chunk_size=request.chunk_size,
+        chunk_overlap=request.chunk_overlap,
+        embedder=embedded.embedder,
     )
     base = {
         "tenant_id": ctx.tenant_id,
@@ -273,7 +329,7 @@ async def index_stage(
         "format": parsed.get("format"),
         "pipeline": ctx.pipeline or PIPELINE,
         "pipeline_version": ctx.pipeline_version,
-        "embedder": embedded["embedder"],
+        "embedder": embedded.embedder,
         "version": version,
     }
     points = [
@@ -287,7 +343,38 @@ async def index_stage(
     # One file's versions are written one at a time in this process: two
     # uploads of one name racing here would otherwise delete each other's points.
     async with _file_lock((request.collection, ctx.tenant_id, request.file)):
-        return await _index(ctx, index, request, points, version, parsed, chunked, embedded, faults)
+        return await _index(ctx, index, request, points, version, parsed, embedded, faults)
+
+
+async def _joined(ctx: StageContext) -> Embedded:
+    """The embed children's batches and vectors, in chunk order (the join of ``ingest-2``)."""
+    done = batches.joined(ctx.results)
+    limit = asyncio.Semaphore(BLOB_CALLS)
+
+    async def read(one: batches.Embedding) -> tuple[bytes, bytes]:
+        async with limit:
+            return await ctx.read_blob(one.batch.chunks), await ctx.read_blob(one.vectors)
+
+    blobs = await asyncio.gather(*(read(one) for one in done))
+    first = done[0]
+    embedded = Embedded([], [], array.array("f"), first.dim, first.embedder, len(done))
+    for index, (one, (chunks, data)) in enumerate(zip(done, blobs, strict=True)):
+        spans, texts = batches.batch_chunks(one.batch, chunks)
+        what = f"the vectors blob of item {index}"
+        embedded.vectors.extend(batches.vectors_of(data, one.batch.count, one.dim, what))
+        embedded.texts.extend(texts)
+        embedded.spans.extend(spans)
+    return embedded
+
+
+async def _whole(ctx: StageContext) -> Embedded:
+    """The file's chunks and the embed stage's one vectors blob (``ingest-1``)."""
+    found = _input(ctx, "embed")
+    texts, spans = await _chunks(ctx)
+    dim = int(found["dim"])
+    data = await ctx.read_blob(found["blob"])
+    vectors = batches.vectors_of(data, len(texts), dim, "the vectors blob")
+    return Embedded(texts, spans, vectors, dim, str(found["embedder"]), 1)
 
 
 _file_locks: dict[tuple[str, str, str], tuple[asyncio.Lock, int]] = {}
@@ -315,14 +402,11 @@ async def _index(
     points: list[Point],
     version: str,
     parsed: Mapping[str, Any],
-    chunked: Mapping[str, Any],
-    embedded: Mapping[str, Any],
+    embedded: Embedded,
     faults: FaultPoints,
 ) -> dict[str, Any]:
     try:
-        collection = await index.ensure_collection(
-            int(embedded["dim"]), collection=request.collection
-        )
+        collection = await index.ensure_collection(embedded.dim, collection=request.collection)
         written = 0
         step = 256
         for at in range(0, len(points), step):
@@ -362,11 +446,12 @@ async def _index(
         "digest": request.digest,
         "version": version,
         "pages": int(parsed["pages"]),
-        "chunks": int(chunked["chunks"]),
-        "vectors": int(embedded["vectors"]),
+        "chunks": len(embedded.spans),
+        "vectors": len(embedded.spans),
+        "batches": embedded.batches,
         "points": written,
         "file_points": stored,
-        "embedder": embedded["embedder"],
+        "embedder": embedded.embedder,
     }
 
 
