@@ -69,7 +69,8 @@ from jobplane.types import Job, JobEvent, JobState, WaitingCode
 __all__ = ["JobStore", "ListCursor", "NewJob", "StreamRead", "pipeline_stages"]
 
 _STAGE_INDEX = text(
-    "SELECT idx FROM job_stages WHERE job_id = :id AND tenant_id = :tenant_id AND name = :name"
+    "SELECT idx, fan_out FROM job_stages "
+    "WHERE job_id = :id AND tenant_id = :tenant_id AND name = :name"
 )
 # A job waiting for its fan-out's children waits for them again when retried.
 _DEPS_WAITING = text(
@@ -477,15 +478,25 @@ class JobStore:
             cause = Cause("retry requested")
             if from_stage:
                 found = (
-                    await conn.execute(_STAGE_INDEX, {**params, "name": from_stage})
-                ).scalar_one_or_none()
+                    (await conn.execute(_STAGE_INDEX, {**params, "name": from_stage}))
+                    .mappings()
+                    .first()
+                )
                 if found is None:
                     what = "has no stage" if current.stage else "is not a pipeline job; no stage"
                     raise InvalidArgument(
                         f"jobs/{job_id} {what} named {shown(from_stage)}", field="from_stage"
                     )
+                if found["fan_out"]:
+                    # Its handler runs per item, in the children: never on the job.
+                    raise InvalidArgument(
+                        f"stage {shown(from_stage)} of jobs/{job_id} fans out: restart from "
+                        "the stage before it (it spawns the children again), or retry "
+                        "without from_stage (only the children that did not succeed run again)",
+                        field="from_stage",
+                    )
                 transition = Transition.RESTART
-                params["stage"] = int(found)
+                params["stage"] = int(found["idx"])
                 cause = Cause(f"restart requested from stage {from_stage}")
             # The hooks write the new dispatch and reset the stages.
             row = await self._one(conn, transition, params, cause)
