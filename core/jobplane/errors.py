@@ -290,6 +290,15 @@ class BlobStoreUnavailable(Unavailable):
     reason = "BLOB_STORE_UNAVAILABLE"
 
 
+class Aborted(JobplaneError):
+    """The call's transaction conflicted with another one at the same moment (a
+    deadlock, a serialization failure) and was rolled back: nothing was
+    written, and the same call most likely passes when repeated."""
+
+    code = grpc.StatusCode.ABORTED
+    reason = "ABORTED"
+
+
 class InternalError(JobplaneError):
     """The server failed to handle the call."""
 
@@ -332,6 +341,7 @@ _BY_REASON: dict[str, type[JobplaneError]] = {
         Unavailable,
         InternalError,
         ConcurrencyLimitReached,
+        Aborted,
     )
 }
 
@@ -343,6 +353,7 @@ _BY_CODE: dict[grpc.StatusCode, type[JobplaneError]] = {
     grpc.StatusCode.ALREADY_EXISTS: RequestIdReused,
     grpc.StatusCode.FAILED_PRECONDITION: FailedPrecondition,
     grpc.StatusCode.UNAVAILABLE: Unavailable,
+    grpc.StatusCode.ABORTED: Aborted,
     grpc.StatusCode.INTERNAL: InternalError,
 }
 

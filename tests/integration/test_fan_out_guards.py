@@ -22,7 +22,7 @@ pytestmark = pytest.mark.integration
 
 
 async def test_a_restart_from_the_fan_out_stage_is_refused_and_changes_nothing(
-    fbare: Stack,
+    fbare: Stack,  # noqa: F811
 ) -> None:
     store = _store(fbare)
     client = fbare.client()

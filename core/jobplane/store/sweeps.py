@@ -24,6 +24,7 @@ from jobplane.store.flow import ended_limits, limit_keys, release_limit
 from jobplane.store.machine import MACHINE, Cause, StateMachine, Transition, state_is
 from jobplane.store.machine.concurrency import held_keys
 from jobplane.store.machine.dependencies import DECIDED, OPEN_EDGES, settle
+from jobplane.store.machine.fanout import cancel_left_running
 from jobplane.store.machine.flow import held_flow_keys
 from jobplane.store.outbox import RETURNS_RESET, OutboxKind
 from jobplane.store.rows import OUTBOX_CHANNEL, job_from_row
@@ -316,7 +317,10 @@ class SweepStore:
         """Settle what a bug or a crash could leave of dependencies (ADR-0045):
         the dependents of up to ``limit`` jobs that ended with their edges'
         outcomes unwritten, then up to ``limit`` waiting jobs their counts
-        decide. How many jobs were decided (the next pass takes the rest)."""
+        decide; then the children that the failure of a fan-out's job skipped
+        (ADR-0047: another transaction held them then), of up to ``limit``
+        such jobs. How many jobs were decided or cancelled (the next pass
+        takes the rest)."""
         async with self._engine.begin() as conn:
             ended = [row[0] for row in await conn.execute(OPEN_EDGES, {"limit": limit})]
             decided = await settle(self._machine, conn, ended)
@@ -327,6 +331,8 @@ class SweepStore:
                     conn, Transition.DEPENDENCIES_MET, {"ids": ids}, returning=("id",)
                 )
                 decided += len(done)
+        async with self._engine.begin() as conn:
+            decided += await cancel_left_running(self._machine, conn, limit)
         return decided
 
     async def _release_held_limits(self, limit: int) -> int:
