@@ -207,6 +207,14 @@ class JobNotRetryable(FailedPrecondition):
     reason = "JOB_NOT_RETRYABLE"
 
 
+class ParentWaiting(FailedPrecondition):
+    """The job is a child of a fan-out whose job still waits for its children:
+    retry that job once it has ended (it runs the failed children again).
+    ``metadata``: ``parent``, the waiting job (``jobs/{id}``)."""
+
+    reason = "PARENT_WAITING"
+
+
 class AttemptLeaseLost(FailedPrecondition):
     """This attempt no longer holds the job's lease; nothing was written."""
 
@@ -333,6 +341,7 @@ _BY_REASON: dict[str, type[JobplaneError]] = {
         FailedPrecondition,
         JobAlreadyTerminal,
         JobNotRetryable,
+        ParentWaiting,
         AttemptLeaseLost,
         CancelNotRequested,
         ResourceExhausted,

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from jobplane.client import InvalidArgument, JobState
+from jobplane.client import FailedPrecondition, InvalidArgument, JobState
 from tests.integration.test_fan_out import (  # noqa: F401
     _children,
     _claim,
@@ -44,3 +44,28 @@ async def test_a_restart_from_the_fan_out_stage_is_refused_and_changes_nothing(
     assert restarted.state is JobState.QUEUED and restarted.stage == "split"
     attempt = await _claim(fbare, store, job.id)
     assert attempt.stage is not None and attempt.stage.name == "split"
+
+
+async def test_a_retry_of_a_child_while_its_job_waits_is_refused_and_changes_nothing(
+    fbare: Stack,  # noqa: F811
+) -> None:
+    store = _store(fbare)
+    client = fbare.client()
+    job = await _split(fbare, store, "docs.tolerant", 2)
+    a, b = await _children(fbare, job)
+    await _end(store, await _claim(fbare, store, a.id), False, i=0)
+    failed = await client.get(a.name)
+    with pytest.raises(FailedPrecondition) as refused:
+        await client.retry(a.name)
+    assert refused.value.reason == "PARENT_WAITING"
+    assert refused.value.metadata == {"parent": job.name}
+    assert "retry the parent" in str(refused.value)
+    after = await client.get(a.name)
+    assert after.state is JobState.FAILED and after.last_seq == failed.last_seq
+    # The join sees every child ended; then the child is the operator's again.
+    await _end(store, await _claim(fbare, store, b.id), True, i=1)
+    attempt = await _claim(fbare, store, job.id)
+    assert attempt.stage is not None and attempt.stage.results is not None
+    assert [r.state for r in attempt.stage.results] == [JobState.FAILED, JobState.SUCCEEDED]
+    again = await client.retry(a.name)
+    assert again.state is JobState.QUEUED

@@ -38,7 +38,7 @@ from jobplane.store.dependencies import (
 )
 from jobplane.store.down import again_on_conflict
 from jobplane.store.engine import autocommit
-from jobplane.store.fan_retry import fanned, rejoin
+from jobplane.store.fan_retry import fanned, refuse_while_parent_waits, rejoin
 from jobplane.store.job_reads import (
     COUNT_STATES,
     MILESTONES,
@@ -487,6 +487,7 @@ class JobStore:
                     f"jobs/{job_id} is {current.state.name}; only FAILED or CANCELLED "
                     "jobs can be retried"
                 )
+            await refuse_while_parent_waits(conn, job_id)
             # A job that ended while jobs it runs after still run (cancelled,
             # past its deadline, another of them failed) would run before them.
             waiting = (await conn.execute(_DEPS_WAITING, {"id": job_id})).scalar_one()
