@@ -1,15 +1,20 @@
-"""Fan-out and the upkeep passes, on the real database (ADR-0047): retention
-keeps a waiting job's ended children (its join reads their results)."""
+"""Fan-out and the upkeep passes, on the real database and broker (ADR-0047):
+retention keeps a waiting job's ended children (its join reads their
+results); a replay of the failed queue drops a waiting job's stale message."""
 
 from __future__ import annotations
 
 import uuid
 
+import aio_pika
 import pytest
 from sqlalchemy import text
 
 from jobplane.client import JobState
+from jobplane.envelope import Envelope
 from jobplane.store.maintenance import MaintenanceStore
+from jobplane.types import WaitingCode
+from jobplane.workers.dlq import FailedQueue
 from tests.integration.test_fan_out import (  # noqa: F401
     _children,
     _claim,
@@ -64,3 +69,29 @@ async def test_retention_keeps_a_waiting_jobs_ended_children_until_it_ends(
     assert (await expired(fbare.tenant_id, cutoff, keep=me, limit=100, max_rows=100_000)).jobs == 1
     count = "SELECT count(*) FROM jobs WHERE id = :id"
     assert await fbare.scalar(count, id=a.id) == 0
+
+
+async def test_a_replay_drops_the_stale_message_of_a_job_waiting_for_its_children(
+    fbare: Stack,  # noqa: F811
+    amqp_url: str,
+) -> None:
+    store = _store(fbare)
+    client = fbare.client()
+    job = await _split(fbare, store, "docs.ingest", 2)
+    before = await client.get(job.name)
+    # Its split stage's dispatch, dead-lettered (a crash loop, say).
+    stale = Envelope(uuid.uuid4(), uuid.UUID(job.id), fbare.tenant_id, "docs.split")
+    failed = FailedQueue(amqp_url, fbare.topology)
+    await failed.list()  # declares the topology
+    connection = await aio_pika.connect(amqp_url)
+    async with connection:
+        channel = await connection.channel()
+        dlx = await channel.get_exchange(fbare.topology.dead_letter_exchange)
+        await dlx.publish(aio_pika.Message(stale.encode(), message_id=str(stale.event_id)), "")
+    report = await failed.replay(fbare.engine)
+    assert report.waiting == [job.name]
+    assert report.replayed == report.kept == report.finished == []
+    assert await failed.list() == []
+    after = await client.get(job.name)
+    assert after.state is JobState.QUEUED and after.waiting_code == WaitingCode.DEPENDENCIES
+    assert after.last_seq == before.last_seq

@@ -26,6 +26,7 @@ from jobplane.store.machine.concurrency import held_keys
 from jobplane.store.machine.dependencies import DECIDED, OPEN_EDGES, settle
 from jobplane.store.machine.fanout import cancel_left_running
 from jobplane.store.machine.flow import held_flow_keys
+from jobplane.store.machine.table import NOT_WAITING_FOR_JOBS
 from jobplane.store.outbox import RETURNS_RESET, OutboxKind
 from jobplane.store.rows import OUTBOX_CHANNEL, job_from_row
 from jobplane.types import Job, JobState
@@ -42,6 +43,12 @@ _EXPIRED = text(
     """
 )
 _STATE = text("SELECT state FROM jobs WHERE id = :id AND tenant_id = :tenant_id")
+# A QUEUED job that waits for jobs (those it runs after, or its fan-out's
+# children, ADR-0045/0047): their ends dispatch it, never an operator.
+_WAITS_FOR_JOBS = text(
+    f"SELECT {state_is(JobState.QUEUED)} AND NOT {NOT_WAITING_FOR_JOBS} FROM jobs "
+    "WHERE id = :id AND tenant_id = :tenant_id"
+)
 # Events committed more than :older_than seconds ago that the relays' feed
 # has not published yet (ADR-0016).
 _EVENTS_BEHIND = text(
@@ -374,6 +381,15 @@ class SweepStore:
                 await conn.execute(_STATE, {"id": job_id, "tenant_id": tenant_id})
             ).scalar_one_or_none()
         return None if state is None else str(state)
+
+    async def waits_for_jobs(self, tenant_id: uuid.UUID, job_id: uuid.UUID) -> bool:
+        """Whether the job is QUEUED waiting for other jobs to end (the jobs it
+        runs after, its fan-out's children): theirs to dispatch, not a replay's."""
+        async with self._engine.connect() as conn:
+            waits = (
+                await conn.execute(_WAITS_FOR_JOBS, {"id": job_id, "tenant_id": tenant_id})
+            ).scalar_one_or_none()
+        return bool(waits)
 
     async def stuck_outbox(self, *, older_than: float) -> int:
         """Outbox rows due for longer than ``older_than`` seconds and still unpublished."""
