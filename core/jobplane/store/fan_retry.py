@@ -19,14 +19,16 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 
 from jobplane.errors import JobNotRetryable, ParentWaiting
 from jobplane.ids import new_id
-from jobplane.store.machine import Cause, StateMachine, Transition
+from jobplane.store.machine import Cause, StateMachine, Transition, state_is
+from jobplane.types import JobState
 
 # The job waiting at its fan-out stage for the children, one of them ``:id``.
 _WAITING_PARENT = text(
-    """
+    f"""
     SELECT p.id FROM job_dependencies d JOIN jobs p ON p.id = d.job_id
     WHERE d.depends_on = :id AND d.idx IS NOT NULL
-      AND p.state = 'queued' AND p.fan_stage IS NOT NULL AND p.fan_stage = p.stage
+      AND {state_is(JobState.QUEUED, column="p.state")}
+      AND p.fan_stage IS NOT NULL AND p.fan_stage = p.stage
     """
 )
 _FANNED = text("SELECT fan_stage IS NOT NULL AND fan_stage = stage FROM jobs WHERE id = :id")
