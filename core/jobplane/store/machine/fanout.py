@@ -197,11 +197,11 @@ class FanProgress(Hook):
 
 async def cancel_children(machine: StateMachine, conn: AnyConn, ids: Sequence[Any]) -> int:
     """Cancel the children not ended of the (locked) jobs ``ids``, which failed
-    while waiting for them (a fail-fast policy), in the
-    caller's transaction: QUEUED ones CANCELLED, RUNNING ones asked to
-    cancel; how many. A child another transaction holds is skipped: if that
-    is its end, it ends anyway; else :func:`cancel_left_running` (the
-    sweeper's) cancels it on its next pass."""
+    while waiting for them (a fail-fast policy), in the caller's transaction:
+    QUEUED ones CANCELLED, RUNNING ones asked to cancel; how many. A child
+    another transaction holds is skipped: if that is its end, it ends
+    anyway; else :func:`cancel_left_running` (the sweeper's) cancels it on
+    its next pass."""
     from jobplane.store.machine.core import fetch_rows
 
     done = 0
