@@ -171,3 +171,37 @@ async def test_cancel_of_the_job_while_a_child_ends_answers_ok(
     assert cancelled.state is JobState.CANCELLED
     assert (await client.get(a.name)).state is JobState.FAILED
     assert (await client.get(b.name)).state is JobState.CANCELLED
+
+
+async def test_retry_of_the_job_while_a_child_ends_answers_ok(
+    fbare: Stack,  # noqa: F811
+) -> None:
+    store = _store(fbare)
+    client = fbare.client()
+    job = await _split(fbare, store, "docs.strict", 2)
+    a, b = await _children(fbare, job)
+    att_a = await _claim(fbare, store, a.id)
+    att_b = await _claim(fbare, store, b.id)
+    async with fbare.engine.connect() as holder:
+        transaction = await holder.begin()
+        await holder.execute(_HOLD, {"id": b.id})
+        await asyncio.wait_for(_end(store, att_a, False, i=0), timeout=20)
+        await transaction.commit()
+    # B runs on, not asked to cancel: RetryJob of the job waits for it too.
+    assert (await client.get(job.name)).state is JobState.FAILED
+    out_b = store.failed(att_b, "BROKEN", "b broke", retryable=False)
+    async with fbare.engine.connect() as conn:
+        transaction = await conn.begin()
+        assert await MACHINE.apply(conn, out_b.transition, out_b.params, out_b.cause, settles=False)
+        # RetryJob locks the job, then waits for B's lock ...
+        retry = asyncio.create_task(client.retry(job.name))
+        await eventually(lambda: _lock_waits(fbare))
+        # ... while B's settle waits for the job's: one of the two is rolled back.
+        await settle(MACHINE, conn, [uuid.UUID(b.id)])
+        await transaction.commit()
+    retried = await asyncio.wait_for(retry, timeout=30)
+    assert retried.state is JobState.QUEUED and retried.stage == "embed"
+    # Both failed children run again; the job waits for them.
+    assert [(await client.get(k.name)).state for k in (a, b)] == [JobState.QUEUED] * 2
+    assert retried.fan_out is not None
+    assert (retried.fan_out.children, retried.fan_out.ended) == (2, 0)
