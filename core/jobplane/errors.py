@@ -207,6 +207,14 @@ class JobNotRetryable(FailedPrecondition):
     reason = "JOB_NOT_RETRYABLE"
 
 
+class ParentWaiting(FailedPrecondition):
+    """The job is a child of a fan-out whose job still waits for its children:
+    retry that job once it has ended (it runs the failed children again).
+    ``metadata``: ``parent``, the waiting job (``jobs/{id}``)."""
+
+    reason = "PARENT_WAITING"
+
+
 class AttemptLeaseLost(FailedPrecondition):
     """This attempt no longer holds the job's lease; nothing was written."""
 
@@ -290,6 +298,15 @@ class BlobStoreUnavailable(Unavailable):
     reason = "BLOB_STORE_UNAVAILABLE"
 
 
+class Aborted(JobplaneError):
+    """The call's transaction conflicted with another one at the same moment (a
+    deadlock, a serialization failure) and was rolled back: nothing was
+    written, and the same call most likely passes when repeated."""
+
+    code = grpc.StatusCode.ABORTED
+    reason = "ABORTED"
+
+
 class InternalError(JobplaneError):
     """The server failed to handle the call."""
 
@@ -324,6 +341,7 @@ _BY_REASON: dict[str, type[JobplaneError]] = {
         FailedPrecondition,
         JobAlreadyTerminal,
         JobNotRetryable,
+        ParentWaiting,
         AttemptLeaseLost,
         CancelNotRequested,
         ResourceExhausted,
@@ -332,6 +350,7 @@ _BY_REASON: dict[str, type[JobplaneError]] = {
         Unavailable,
         InternalError,
         ConcurrencyLimitReached,
+        Aborted,
     )
 }
 
@@ -343,6 +362,7 @@ _BY_CODE: dict[grpc.StatusCode, type[JobplaneError]] = {
     grpc.StatusCode.ALREADY_EXISTS: RequestIdReused,
     grpc.StatusCode.FAILED_PRECONDITION: FailedPrecondition,
     grpc.StatusCode.UNAVAILABLE: Unavailable,
+    grpc.StatusCode.ABORTED: Aborted,
     grpc.StatusCode.INTERNAL: InternalError,
 }
 

@@ -198,6 +198,23 @@ async def test_two_requests_of_a_batch_may_not_share_a_request_id(
     assert len({j.name for j in await batch(stack, stub, [item(), item()])}) == 2
 
 
+@pytest.mark.parametrize("reserved", ["fan:x:1:1:0", "child:y:k"])
+async def test_a_request_id_in_the_systems_space_is_refused_by_submit_and_batch(
+    stack: Stack, stub: jobs_pb2_grpc.JobServiceAsyncStub, reserved: str
+) -> None:
+    assert (await refused(stack, stub, [item("a"), item(reserved)]))[::2] == (
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "requests[1].request_id",
+    )
+    before = await stack.counts()
+    with pytest.raises(InvalidArgument) as single:
+        await stack.client().submit("demo.echo", {}, request_id=reserved)
+    assert single.value.field == "request_id" and "system" in str(single.value)
+    assert await stack.counts() == before
+    # Only the prefix is the system's: the same words elsewhere are the caller's.
+    assert len(await batch(stack, stub, [item(f"my-{reserved}"), item("fan")])) == 2
+
+
 async def test_a_replayed_batch_returns_the_same_jobs_and_creates_nothing(
     stack: Stack, stub: jobs_pb2_grpc.JobServiceAsyncStub
 ) -> None:

@@ -35,6 +35,7 @@ from jobplane.client.subscription import EventSubscription, SubscribedEvent, Sub
 from jobplane.client.sync import BlockingSubscription, Client
 from jobplane.client.tls import ClientTLS
 from jobplane.errors import (
+    Aborted,
     BlobInUse,
     BlobNotFound,
     BlobsDisabled,
@@ -53,6 +54,7 @@ from jobplane.errors import (
     JobplaneError,
     KeyScopeMismatch,
     MalformedRequest,
+    ParentWaiting,
     PayloadTooLarge,
     PermissionDenied,
     RequestIdReused,
@@ -85,6 +87,7 @@ from jobplane.types import (
 )
 
 __all__ = [
+    "Aborted",
     "AsyncClient",
     "Blob",
     "BlobInUse",
@@ -125,6 +128,7 @@ __all__ = [
     "KeyScopeMismatch",
     "MalformedRequest",
     "Overlap",
+    "ParentWaiting",
     "PayloadTooLarge",
     "PermissionDenied",
     "ProgressTracker",

@@ -176,3 +176,35 @@ async def until_database_up(
             log.warning("database.unavailable", error=describe_error(exc), retry_in=delay)
         await asyncio.sleep(delay)
         delay = min(delay * 2, max_delay)
+
+
+# A transaction Postgres rolled back whole because another held what it
+# waited for while waiting for what it held (40P01, deadlock_detected), or
+# because a concurrent one changed what it read (40001,
+# serialization_failure). Nothing it wrote stays; the same transaction run
+# again most likely passes.
+CONFLICT_STATES = frozenset({"40P01", "40001"})
+#: How many times :func:`again_on_conflict` runs a transaction at most.
+CONFLICT_TRIES = 5
+
+
+def conflicted(exc: BaseException) -> bool:
+    """Whether ``exc`` is a deadlock or a serialization failure (:data:`CONFLICT_STATES`)."""
+    return sqlstate(exc) in CONFLICT_STATES
+
+
+async def again_on_conflict(op: Callable[[], Awaitable[T]], log: Any, what: str) -> T:
+    """``op()`` (one whole transaction), run again after a deadlock or a
+    serialization failure, at most :data:`CONFLICT_TRIES` times in all, after a
+    short pause; the last try's error is raised as it is."""
+    delay = 0.01
+    for _ in range(CONFLICT_TRIES - 1):
+        try:
+            return await op()
+        except Exception as exc:
+            if not conflicted(exc):
+                raise
+            log.info("database.conflict.retry", what=what, error=describe_error(exc))
+        await asyncio.sleep(delay)
+        delay *= 2
+    return await op()

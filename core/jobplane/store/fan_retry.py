@@ -17,10 +17,20 @@ from typing import Any
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from jobplane.errors import JobNotRetryable
+from jobplane.errors import JobNotRetryable, ParentWaiting
 from jobplane.ids import new_id
-from jobplane.store.machine import Cause, StateMachine, Transition
+from jobplane.store.machine import Cause, StateMachine, Transition, state_is
+from jobplane.types import JobState
 
+# The job waiting at its fan-out stage for the children, one of them ``:id``.
+_WAITING_PARENT = text(
+    f"""
+    SELECT p.id FROM job_dependencies d JOIN jobs p ON p.id = d.job_id
+    WHERE d.depends_on = :id AND d.idx IS NOT NULL
+      AND {state_is(JobState.QUEUED, column="p.state")}
+      AND p.fan_stage IS NOT NULL AND p.fan_stage = p.stage
+    """
+)
 _FANNED = text("SELECT fan_stage IS NOT NULL AND fan_stage = stage FROM jobs WHERE id = :id")
 # The children of the job's last fan-out that did not succeed, locked in id order.
 _NOT_SUCCEEDED = text(
@@ -44,6 +54,20 @@ _PARTIAL = text(
 _SUCCEEDED = text(
     "UPDATE job_dependencies SET outcome = 'succeeded' WHERE job_id = :id AND depends_on = :child"
 )
+
+
+async def refuse_while_parent_waits(conn: AsyncConnection, job_id: uuid.UUID) -> None:
+    """:class:`ParentWaiting` when the job is a child its fan-out's job waits
+    for: run again alone, it would end after the job counted its first end,
+    and the join could run while it does."""
+    parent = (await conn.execute(_WAITING_PARENT, {"id": job_id})).scalar()
+    if parent is not None:
+        raise ParentWaiting(
+            f"jobs/{job_id} is a child of the fan-out of jobs/{parent}, which waits for its "
+            "children; retry the parent once it has ended: it runs again the children that "
+            "did not succeed",
+            metadata={"parent": f"jobs/{parent}"},
+        )
 
 
 async def fanned(conn: AsyncConnection, job_id: uuid.UUID) -> bool:

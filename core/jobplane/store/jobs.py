@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from datetime import UTC, datetime
 from typing import Any
 
+import structlog
 from sqlalchemy import TextClause, text
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
@@ -35,8 +36,9 @@ from jobplane.store.dependencies import (
     dependency_columns,
     has_after,
 )
+from jobplane.store.down import again_on_conflict
 from jobplane.store.engine import autocommit
-from jobplane.store.fan_retry import fanned, rejoin
+from jobplane.store.fan_retry import fanned, refuse_while_parent_waits, rejoin
 from jobplane.store.job_reads import (
     COUNT_STATES,
     MILESTONES,
@@ -68,8 +70,11 @@ from jobplane.types import Job, JobEvent, JobState, WaitingCode
 # Named here by the API's callers (and the bench), wherever they are defined.
 __all__ = ["JobStore", "ListCursor", "NewJob", "StreamRead", "pipeline_stages"]
 
+log = structlog.get_logger("jobplane.store")
+
 _STAGE_INDEX = text(
-    "SELECT idx FROM job_stages WHERE job_id = :id AND tenant_id = :tenant_id AND name = :name"
+    "SELECT idx, fan_out FROM job_stages "
+    "WHERE job_id = :id AND tenant_id = :tenant_id AND name = :name"
 )
 # A job waiting for its fan-out's children waits for them again when retried.
 _DEPS_WAITING = text(
@@ -413,9 +418,29 @@ class JobStore:
         """QUEUED → CANCELLED now; RUNNING → cancellation requested; terminal → error.
 
         The job's descendants (child jobs, theirs…) that have not ended are
-        cancelled or asked to cancel in the same transaction (ADR-0046).
+        cancelled or asked to cancel in the same transaction (ADR-0046). It
+        locks the job, then them; a child's end locks the child, then settles
+        its fan-out's job (ADR-0047): a deadlock between the two runs the
+        transaction again (the child's end has committed by then).
         """
         reason = reason or "cancelled by request"
+
+        async def once() -> tuple[Job, Job, Sequence[str]]:
+            return await self._cancel(tenant_id, job_id, reason)
+
+        current, result, keys = await again_on_conflict(once, log, "cancel")
+        if current.state is JobState.QUEUED and current.concurrency_key:
+            keys = [*keys, current.concurrency_key]
+        for key in dict.fromkeys(keys):
+            # Its place in its key's line (held, or made due) is free now.
+            async with self._engine.begin() as conn:
+                await release_key(conn, self._machine, tenant_id, key)
+        return result
+
+    async def _cancel(
+        self, tenant_id: uuid.UUID, job_id: uuid.UUID, reason: str
+    ) -> tuple[Job, Job, Sequence[str]]:
+        """:meth:`cancel`'s transaction: the job before, after, and the keys to release."""
         params = {"id": job_id, "tenant_id": tenant_id, "reason": reason}
         async with self._engine.begin() as conn:
             current = await self._lock(conn, tenant_id, job_id)
@@ -433,13 +458,7 @@ class JobStore:
             # child past this (ChildStore locks it too, and sees the request).
             keys = await cancel_descendants(conn, self._machine, tenant_id, job_id, reason)
             result = current if row is None else await with_stages(conn, row)
-        if current.state is JobState.QUEUED and current.concurrency_key:
-            keys = [*keys, current.concurrency_key]
-        for key in dict.fromkeys(keys):
-            # Its place in its key's line (held, or made due) is free now.
-            async with self._engine.begin() as conn:
-                await release_key(conn, self._machine, tenant_id, key)
-        return result
+        return current, result, keys
 
     async def retry(self, tenant_id: uuid.UUID, job_id: uuid.UUID, *, from_stage: str = "") -> Job:
         """A FAILED or CANCELLED job → QUEUED for a new attempt, through the outbox.
@@ -448,8 +467,18 @@ class JobStore:
         cancelled); ``from_stage`` restarts it at that stage instead. Either
         way the stages before it keep their results and are not run again.
         A job that ended waiting for its fan-out's children runs again only
-        those that did not succeed, and waits for them (ADR-0047).
+        those that did not succeed, and waits for them (ADR-0047): it locks
+        the job, then them, so a deadlock with a child's end runs the
+        transaction again.
         """
+
+        async def once() -> Job:
+            return await self._retry(tenant_id, job_id, from_stage)
+
+        return await again_on_conflict(once, log, "retry")
+
+    async def _retry(self, tenant_id: uuid.UUID, job_id: uuid.UUID, from_stage: str) -> Job:
+        """:meth:`retry`'s transaction."""
         dispatch_id = new_id()
         async with self._engine.begin() as conn:
             current = await self._lock(conn, tenant_id, job_id)
@@ -458,6 +487,7 @@ class JobStore:
                     f"jobs/{job_id} is {current.state.name}; only FAILED or CANCELLED "
                     "jobs can be retried"
                 )
+            await refuse_while_parent_waits(conn, job_id)
             # A job that ended while jobs it runs after still run (cancelled,
             # past its deadline, another of them failed) would run before them.
             waiting = (await conn.execute(_DEPS_WAITING, {"id": job_id})).scalar_one()
@@ -477,15 +507,25 @@ class JobStore:
             cause = Cause("retry requested")
             if from_stage:
                 found = (
-                    await conn.execute(_STAGE_INDEX, {**params, "name": from_stage})
-                ).scalar_one_or_none()
+                    (await conn.execute(_STAGE_INDEX, {**params, "name": from_stage}))
+                    .mappings()
+                    .first()
+                )
                 if found is None:
                     what = "has no stage" if current.stage else "is not a pipeline job; no stage"
                     raise InvalidArgument(
                         f"jobs/{job_id} {what} named {shown(from_stage)}", field="from_stage"
                     )
+                if found["fan_out"]:
+                    # Its handler runs per item, in the children: never on the job.
+                    raise InvalidArgument(
+                        f"stage {shown(from_stage)} of jobs/{job_id} fans out: restart from "
+                        "the stage before it (it spawns the children again), or retry "
+                        "without from_stage (only the children that did not succeed run again)",
+                        field="from_stage",
+                    )
                 transition = Transition.RESTART
-                params["stage"] = int(found)
+                params["stage"] = int(found["idx"])
                 cause = Cause(f"restart requested from stage {from_stage}")
             # The hooks write the new dispatch and reset the stages.
             row = await self._one(conn, transition, params, cause)

@@ -41,6 +41,14 @@ MAX_RETENTION_DAYS = 36500
 _FINISHED = state_is(*sorted(TERMINAL_STATES, key=lambda s: list(JobState).index(s)))
 _LIVE_J = state_is(JobState.QUEUED, JobState.RUNNING, column="j.state")
 
+# A job another job that has not ended depends on (ADR-0045: a job that
+# runs after it; ADR-0047: a fan-out's job, whose join reads its children's
+# results through the edges) is kept until that one ends.
+_NOT_NEEDED = f"""NOT (has_dependents AND EXISTS (
+        SELECT 1 FROM job_dependencies d JOIN jobs w ON w.id = d.job_id
+        WHERE d.depends_on = jobs.id
+          AND {state_is(JobState.QUEUED, JobState.RUNNING, column="w.state")}))"""
+
 # A batch is at most :limit jobs and, past the first job, at most :max_rows
 # of their events: a job that reported progress ten thousand times is a
 # batch of its own instead of making one transaction of millions of rows.
@@ -52,7 +60,7 @@ _DELETE_JOBS = f"""
 WITH candidates AS (
     SELECT id, create_time, last_seq FROM jobs
     WHERE tenant_id = :tenant_id AND {_FINISHED} AND id <> :keep
-      {{age}}
+      {{age}} AND {_NOT_NEEDED}
     ORDER BY create_time, id
     LIMIT :limit
     FOR UPDATE SKIP LOCKED
@@ -90,7 +98,7 @@ _DELETE_FINISHED_JOBS = text(_DELETE_JOBS.format(age=""))
 _COUNT_OLD_JOBS = text(
     f"""
     SELECT count(*) FROM jobs
-    WHERE tenant_id = :tenant_id AND {_FINISHED} AND id <> :keep {_AGE}
+    WHERE tenant_id = :tenant_id AND {_FINISHED} AND id <> :keep {_AGE} AND {_NOT_NEEDED}
     """
 )
 _COUNT_JOBS = text("SELECT count(*) FROM jobs WHERE tenant_id = :tenant_id AND id <> :keep")

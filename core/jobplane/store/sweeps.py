@@ -24,7 +24,9 @@ from jobplane.store.flow import ended_limits, limit_keys, release_limit
 from jobplane.store.machine import MACHINE, Cause, StateMachine, Transition, state_is
 from jobplane.store.machine.concurrency import held_keys
 from jobplane.store.machine.dependencies import DECIDED, OPEN_EDGES, settle
+from jobplane.store.machine.fanout import cancel_left_running
 from jobplane.store.machine.flow import held_flow_keys
+from jobplane.store.machine.table import NOT_WAITING_FOR_JOBS
 from jobplane.store.outbox import RETURNS_RESET, OutboxKind
 from jobplane.store.rows import OUTBOX_CHANNEL, job_from_row
 from jobplane.types import Job, JobState
@@ -44,6 +46,12 @@ _EXPIRED = text(
     """
 )
 _STATE = text("SELECT state FROM jobs WHERE id = :id AND tenant_id = :tenant_id")
+# A QUEUED job that waits for jobs (those it runs after, or its fan-out's
+# children, ADR-0045/0047): their ends dispatch it, never an operator.
+_WAITS_FOR_JOBS = text(
+    f"SELECT {state_is(JobState.QUEUED)} AND NOT {NOT_WAITING_FOR_JOBS} FROM jobs "
+    "WHERE id = :id AND tenant_id = :tenant_id"
+)
 # Events committed more than :older_than seconds ago that the relays' feed
 # has not published yet (ADR-0016).
 _EVENTS_BEHIND = text(
@@ -319,7 +327,10 @@ class SweepStore:
         """Settle what a bug or a crash could leave of dependencies (ADR-0045):
         the dependents of up to ``limit`` jobs that ended with their edges'
         outcomes unwritten, then up to ``limit`` waiting jobs their counts
-        decide. How many jobs were decided (the next pass takes the rest)."""
+        decide; then the children that the failure of a fan-out's job skipped
+        (ADR-0047: another transaction held them then), of up to ``limit``
+        such jobs. How many jobs were decided or cancelled (the next pass
+        takes the rest)."""
         async with self._engine.begin() as conn:
             ended = [row[0] for row in await conn.execute(OPEN_EDGES, {"limit": limit})]
             decided = await settle(self._machine, conn, ended)
@@ -330,6 +341,8 @@ class SweepStore:
                     conn, Transition.DEPENDENCIES_MET, {"ids": ids}, returning=("id",)
                 )
                 decided += len(done)
+        async with self._engine.begin() as conn:
+            decided += await cancel_left_running(self._machine, conn, limit)
         return decided
 
     async def _release_held_limits(self, limit: int) -> int:
@@ -371,6 +384,15 @@ class SweepStore:
                 await conn.execute(_STATE, {"id": job_id, "tenant_id": tenant_id})
             ).scalar_one_or_none()
         return None if state is None else str(state)
+
+    async def waits_for_jobs(self, tenant_id: uuid.UUID, job_id: uuid.UUID) -> bool:
+        """Whether the job is QUEUED waiting for other jobs to end (the jobs it
+        runs after, its fan-out's children): theirs to dispatch, not a replay's."""
+        async with self._engine.connect() as conn:
+            waits = (
+                await conn.execute(_WAITS_FOR_JOBS, {"id": job_id, "tenant_id": tenant_id})
+            ).scalar_one_or_none()
+        return bool(waits)
 
     async def stuck_outbox(self, *, older_than: float) -> int:
         """Outbox rows due for longer than ``older_than`` seconds and still unpublished."""

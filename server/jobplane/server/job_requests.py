@@ -206,6 +206,24 @@ def check_id(
         raise InvalidArgument(f"{field_name} has control characters", field=field_name)
 
 
+#: The request_ids of the jobs the system submits: a fan-out's children
+#: (``fan:{job}:{stage}:{attempt}:{item}``, ADR-0047) and a job's child jobs
+#: (``child:{job}:{key}``, ADR-0046). A caller's job with one would be
+#: taken for that child (or make its spawn fail).
+SYSTEM_REQUEST_ID_PREFIXES = ("fan:", "child:")
+
+
+def check_request_id(value: str, max_chars: int) -> None:
+    """Refuse a request_id :func:`check_id` refuses, or one in the system's space."""
+    check_id(value, "request_id", max_chars=max_chars)
+    if value.startswith(SYSTEM_REQUEST_ID_PREFIXES):
+        raise InvalidArgument(
+            f"request_id {shown(value)} starts with {shown(value.split(':', 1)[0] + ':')}, "
+            f"which is the system's (its prefixes: {', '.join(SYSTEM_REQUEST_ID_PREFIXES)})",
+            field="request_id",
+        )
+
+
 _WAITING_CODE = re.compile(r"[A-Z][A-Z0-9_]{0,63}")
 
 

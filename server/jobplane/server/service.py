@@ -39,6 +39,7 @@ from jobplane.server.job_requests import (
     check_id,
     check_labels,
     check_payload,
+    check_request_id,
     check_waiting_code,
     max_request_bytes,
     pipeline_job,
@@ -256,7 +257,7 @@ class JobService:
                 f"max_attempts must be 0 (queue default) .. {MAX_ATTEMPTS_LIMIT}",
                 field="max_attempts",
             )
-        check_id(request.request_id, "request_id", max_chars=MAX_REQUEST_ID_LENGTH)
+        check_request_id(request.request_id, MAX_REQUEST_ID_LENGTH)
         check_id(request.correlation_id, "correlation_id", max_bytes=MAX_CORRELATION_ID_BYTES)
         check_labels(request.labels)
         timeout = queue.timeout_seconds

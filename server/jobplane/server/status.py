@@ -13,9 +13,15 @@ from google.protobuf import any_pb2, duration_pb2
 from google.rpc import error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
-from jobplane.errors import ERROR_DOMAIN, InternalError, JobplaneError
+from jobplane.errors import ERROR_DOMAIN, Aborted, InternalError, JobplaneError
 from jobplane.logs import describe_error
-from jobplane.store.down import DatabaseUnavailable, database_down, pool_exhausted, sqlstate
+from jobplane.store.down import (
+    DatabaseUnavailable,
+    conflicted,
+    database_down,
+    pool_exhausted,
+    sqlstate,
+)
 
 log = structlog.get_logger("jobplane.server")
 
@@ -28,6 +34,15 @@ DB_UNAVAILABLE = DatabaseUnavailable("the database is busy or unreachable right 
 # wrote nothing, and the same call passes once an operator has made room
 # (docs/operations.md, "A full disk"): UNAVAILABLE, not INTERNAL.
 _OUT_OF_ROOM = frozenset({"53100", "53200"})
+# A deadlock or a serialization failure the store did not run again (or that
+# came back each time): the call's transaction was rolled back whole, for
+# another's sake, not for what it asked. ABORTED, not INTERNAL nor
+# UNAVAILABLE: the database is up, and the caller repeats the call.
+CONFLICT = Aborted(
+    "the call met another change of the same jobs at the same moment and was rolled "
+    "back; nothing was written: repeat it",
+    retry_delay=0.1,
+)
 
 
 def error_for(exc: Exception, rpc: str) -> JobplaneError:
@@ -40,6 +55,9 @@ def error_for(exc: Exception, rpc: str) -> JobplaneError:
     if sqlstate(exc) in _OUT_OF_ROOM:
         log.warning("rpc.database_full", rpc=rpc, error=describe_error(exc))
         return DB_UNAVAILABLE
+    if conflicted(exc):
+        log.warning("rpc.database_conflict", rpc=rpc, error=describe_error(exc))
+        return CONFLICT
     if pool_exhausted(exc):  # the database answers: the pool is too small for the load
         log.warning("rpc.database_pool_exhausted", rpc=rpc, error=describe_error(exc))
         return DB_UNAVAILABLE

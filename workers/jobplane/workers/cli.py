@@ -427,6 +427,8 @@ async def _dlq(args: argparse.Namespace) -> int:
             print(f"replayed  {name}")
         for name in report.finished:
             print(f"finished  {name} (already ended; message dropped)")
+        for name in report.waiting:
+            print(f"waiting   {name} (other jobs' ends dispatch it; message dropped)")
         for name in report.kept:
             print(f"kept      {name} (no job to re-dispatch, or a live attempt holds it)")
         return 0

@@ -53,6 +53,9 @@ class ReplayReport:
 
     replayed: list[str] = field(default_factory=list)
     finished: list[str] = field(default_factory=list)
+    #: Jobs that wait for other jobs (those they run after, their fan-out's
+    #: children): their ends dispatch them; the message was stale, and dropped.
+    waiting: list[str] = field(default_factory=list)
     kept: list[str] = field(default_factory=list)
 
 
@@ -112,8 +115,10 @@ class FailedQueue:
     ) -> ReplayReport:
         """Re-dispatch the jobs of up to ``limit`` messages through the outbox.
 
-        A message is acked when its job was re-dispatched or has already
-        ended; one that names no job, or a job a live attempt holds, is kept.
+        A message is acked when its job was re-dispatched, has already
+        ended, or waits for other jobs to end (their ends dispatch it, so
+        the message is stale); one that names no job, or a job a live
+        attempt holds, is kept.
         With ``tenant`` (and ``jobs``), only the messages of that tenant's
         jobs (of those jobs) are replayed; the others are left in the queue
         untouched and not reported.
@@ -152,6 +157,9 @@ class FailedQueue:
                 if state in ("succeeded", "failed", "cancelled"):
                     await message.ack()
                     report.finished.append(name)
+                elif await store.waits_for_jobs(env.tenant_id, env.job_id):
+                    await message.ack()
+                    report.waiting.append(name)
                 else:
                     report.kept.append(name)
             await channel.close()

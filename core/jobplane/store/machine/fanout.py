@@ -32,6 +32,8 @@ from jobplane.types import JobState
 if TYPE_CHECKING:
     from jobplane.store.machine.core import StateMachine
 
+#: The error of a job its fan-out's children failed (too many, or fail fast).
+CHILDREN_FAILED = "CHILDREN_FAILED"
 # The job's edges to the children of its last spawn are replaced by this one's.
 _DROP_EDGES = text(
     "DELETE FROM job_dependencies WHERE job_id = :id AND idx IS NOT NULL RETURNING depends_on"
@@ -47,7 +49,9 @@ _EDGES = text(
     UPDATE jobs SET has_dependents = true FROM e WHERE jobs.id = e.depends_on RETURNING jobs.id
     """
 )
-# The children of the jobs ``:ids`` waits for that have not ended, locked in id order.
+# The children of the jobs ``:ids`` waits for that have not ended, locked in
+# id order; those another transaction holds are skipped, never waited for:
+# the job is locked already, and a child's end locks the child, then the job.
 _LIVE_CHILDREN = text(
     f"""
     SELECT x.id, x.tenant_id, x.state, x.cancel_requested_at IS NOT NULL AS cancel_requested
@@ -55,7 +59,35 @@ _LIVE_CHILDREN = text(
     WHERE d.job_id = ANY (CAST(:ids AS uuid[])) AND d.idx IS NOT NULL AND d.outcome IS NULL
       AND {state_is(JobState.QUEUED, JobState.RUNNING, column="x.state")}
     ORDER BY x.id
-    FOR UPDATE OF x
+    FOR UPDATE OF x SKIP LOCKED
+    """
+)
+# Jobs its children failed at their fan-out stage (fail fast) with children
+# not ended and not asked to cancel: those :func:`cancel_children` skipped
+# (another transaction held them), up to ``:limit``. (A job ended by its
+# deadline leaves its children to end on their own, by the same deadline.)
+_FAILED_BY_CHILDREN = (
+    f"{state_is(JobState.FAILED, column='p.state')} AND p.fan_stage = p.stage "
+    f"AND p.error_code = '{CHILDREN_FAILED}'"
+)
+_LEFT_RUNNING = text(
+    f"""
+    SELECT DISTINCT d.job_id FROM job_dependencies d
+    JOIN jobs p ON p.id = d.job_id
+    JOIN jobs x ON x.id = d.depends_on
+    WHERE d.outcome IS NULL AND d.idx IS NOT NULL AND {_FAILED_BY_CHILDREN}
+      AND {state_is(JobState.QUEUED, JobState.RUNNING, column="x.state")}
+      AND x.cancel_requested_at IS NULL
+    LIMIT :limit
+    """
+)
+# ... locked, still failed there (not retried since), skipping those held.
+_LOCK_FAILED = text(
+    f"""
+    SELECT p.id FROM jobs p
+    WHERE p.id = ANY (CAST(:ids AS uuid[])) AND {_FAILED_BY_CHILDREN}
+    ORDER BY p.id
+    FOR UPDATE SKIP LOCKED
     """
 )
 
@@ -163,16 +195,34 @@ class FanProgress(Hook):
         ]
 
 
-async def cancel_children(machine: StateMachine, conn: AnyConn, ids: Sequence[Any]) -> None:
-    """Cancel the children not ended of the jobs ``ids`` (which failed while
-    waiting for them: a fail-fast policy, or a deadline), in the caller's
-    transaction: QUEUED ones CANCELLED, RUNNING ones asked to cancel."""
+async def cancel_children(machine: StateMachine, conn: AnyConn, ids: Sequence[Any]) -> int:
+    """Cancel the children not ended of the (locked) jobs ``ids``, which failed
+    while waiting for them (a fail-fast policy), in the caller's transaction:
+    QUEUED ones CANCELLED, RUNNING ones asked to cancel; how many. A child
+    another transaction holds is skipped: if that is its end, it ends
+    anyway; else :func:`cancel_left_running` (the sweeper's) cancels it on
+    its next pass."""
     from jobplane.store.machine.core import fetch_rows
 
+    done = 0
     for row in await fetch_rows(conn, _LIVE_CHILDREN, {"ids": list(ids)}):
         reason = "its parent's fan-out failed"
         params = {"id": row["id"], "tenant_id": row["tenant_id"], "reason": reason}
         if row["state"] == JobState.QUEUED.value:
-            await machine.apply(conn, Transition.CANCEL, params, Cause(reason))
+            done += len(await machine.apply(conn, Transition.CANCEL, params, Cause(reason)))
         elif not row["cancel_requested"]:
-            await machine.apply(conn, Transition.REQUEST_CANCEL, params, Cause(reason))
+            changed = await machine.apply(conn, Transition.REQUEST_CANCEL, params, Cause(reason))
+            done += len(changed)
+    return done
+
+
+async def cancel_left_running(machine: StateMachine, conn: AnyConn, limit: int) -> int:
+    """The sweeper's pass: cancel the children :func:`cancel_children` skipped,
+    of up to ``limit`` jobs their children failed; how many."""
+    from jobplane.store.machine.core import fetch_rows
+
+    found = [row["job_id"] for row in await fetch_rows(conn, _LEFT_RUNNING, {"limit": limit})]
+    if not found:
+        return 0
+    locked = [row["id"] for row in await fetch_rows(conn, _LOCK_FAILED, {"ids": found})]
+    return await cancel_children(machine, conn, locked) if locked else 0

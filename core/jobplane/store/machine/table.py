@@ -44,7 +44,8 @@ PARKED = (
 # The next stage's row exists (``s``: the statement's ``using``).
 NEXT_STAGE = "s.job_id = jobs.id AND s.idx = jobs.stage + 1"
 # ... the stage of the given index does (RetryJob from a named stage).
-NAMED_STAGE = "s.job_id = jobs.id AND s.idx = :stage"
+# Never a fan-out stage: its handler runs in the children, not on the job.
+NAMED_STAGE = "s.job_id = jobs.id AND s.idx = :stage AND NOT s.fan_out"
 CANCEL_NOT_REQUESTED = "cancel_requested_at IS NULL"
 # Deadlines (ADR-0044): the job's deadline has come; a claim starts no attempt
 # of a job past it (the claim ends it instead).

@@ -190,7 +190,7 @@ class Deployment:
         if not [m for m in await self.failed.get("") if _of(m, tenant, jobs)]:
             return ReplayReport()
         report = await self._failed.replay(self._engine, FAILED_SCAN, tenant=tenant, jobs=jobs)
-        gone = {*report.replayed, *report.finished}
+        gone = {*report.replayed, *report.finished, *report.waiting}
         self.failed.replace(
             "",
             lambda messages: [

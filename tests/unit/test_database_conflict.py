@@ -1,0 +1,70 @@
+"""A deadlock or a serialization failure that reaches a call is ABORTED, never
+INTERNAL: the transaction was rolled back for another's sake and the same
+call passes when repeated; the store runs such a transaction again itself."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import asyncpg
+import grpc
+import pytest
+import structlog
+
+from jobplane.errors import Aborted, InvalidArgument
+from jobplane.server.status import error_for, to_grpc_status
+from jobplane.store.db import _wrapped
+from jobplane.store.down import CONFLICT_TRIES, again_on_conflict
+from tests.unit.test_database_full import _asyncpg_error, _through_sqlalchemy
+
+log = structlog.get_logger("tests")
+
+
+@pytest.mark.parametrize("state", ["40P01", "40001"])  # deadlock, serialization failure
+def test_a_conflict_is_aborted_with_a_retry_delay(state: str) -> None:
+    raw = _asyncpg_error(state)
+    for error in (raw, _through_sqlalchemy(raw), _wrapped(raw, "SELECT 1", None)):
+        answer = error_for(error, "CancelJob")
+        assert isinstance(answer, Aborted), repr(error)
+        assert answer.code is grpc.StatusCode.ABORTED
+        assert answer.retry_delay is not None and answer.retry_delay > 0
+        assert to_grpc_status(answer).code is grpc.StatusCode.ABORTED
+
+
+def test_a_deadlock_from_asyncpg_is_its_deadlock_class() -> None:
+    assert isinstance(_asyncpg_error("40P01"), asyncpg.DeadlockDetectedError)
+
+
+class _Flaky:
+    def __init__(self, failures: list[Exception]) -> None:
+        self.failures = failures
+        self.calls = 0
+
+    async def __call__(self) -> str:
+        self.calls += 1
+        if self.failures:
+            raise self.failures.pop(0)
+        return "done"
+
+
+async def test_a_transaction_runs_again_after_conflicts() -> None:
+    op = _Flaky([_through_sqlalchemy(_asyncpg_error("40P01")), _asyncpg_error("40001")])
+    assert await again_on_conflict(op, log, "test") == "done"
+    assert op.calls == 3
+
+
+async def test_a_conflict_every_time_is_raised_after_the_last_try() -> None:
+    op = _Flaky([_asyncpg_error("40P01") for _ in range(CONFLICT_TRIES)])
+    with pytest.raises(asyncpg.DeadlockDetectedError):
+        await again_on_conflict(op, log, "test")
+    assert op.calls == CONFLICT_TRIES
+
+
+@pytest.mark.parametrize(
+    "failure", [_asyncpg_error("42P01"), InvalidArgument("no", field="x"), RuntimeError("bug")]
+)
+async def test_any_other_failure_is_raised_at_once(failure: Any) -> None:
+    op = _Flaky([failure])
+    with pytest.raises(type(failure)):
+        await again_on_conflict(op, log, "test")
+    assert op.calls == 1
