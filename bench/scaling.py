@@ -110,6 +110,7 @@ async def sample(bench: Bench, n: int) -> Sample:
         submitters=cpu.get("submit", 0.0),
         machine=procstat.machine_busy_seconds(),
         db_backends={pid: j / tick for pid, j in _jiffies(await _db_pids(bench)).items()},
+        kinds={name: cpu.get(name, 0.0) for name in JOBPLANE},
     )
 
 
@@ -267,7 +268,8 @@ async def fig_scaling(bench: Bench) -> None:
             steps.append(await run_step(bench, n, pool, cores))
             print(
                 f"scaling: step {n} ({3 * n} processes, pool {pool}): {steps[-1].jobs:,} jobs, "
-                f"{steps[-1].jobs_per_s:,.0f} jobs/s, in {time.monotonic() - started:.0f}s",
+                f"{steps[-1].jobs_per_s:,.0f} jobs/s, in {time.monotonic() - started:.0f}s; "
+                "cores: " + ", ".join(f"{k} {v:.2f}" for k, v in steps[-1].kinds.items()),
                 file=sys.stderr,
             )
             _figures(bench, steps[-1], cores)

@@ -36,6 +36,7 @@ class Sample:
     submitters: float
     machine: float  # all CPUs' busy seconds since boot
     db_backends: dict[int, float] = field(default_factory=dict)  # this database's, by pid
+    kinds: dict[str, float] = field(default_factory=dict)  # jobplane's, by process kind
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,7 @@ class Step:
     xacts_per_job: float
     wal_per_job: float  # bytes
     postgres_ms_per_job: float
+    kinds: dict[str, float] = field(default_factory=dict)  # jobplane's cores, by kind
 
 
 def _backends(before: dict[int, float], after: dict[int, float]) -> float:
@@ -98,6 +100,7 @@ def step_figures(
         xacts_per_job=xacts * per_job,
         wal_per_job=wal_bytes * per_job,
         postgres_ms_per_job=postgres_step * 1000 * per_job,
+        kinds={k: (v - before.kinds.get(k, 0.0)) / seconds for k, v in after.kinds.items()},
     )
 
 

@@ -44,7 +44,14 @@ def _step(n: int, jobs_per_s: float, postgres_share: float, machine: float = 0.5
 
 def test_a_step_s_rates_come_from_its_window_and_its_costs_from_every_job() -> None:
     before = _sample(
-        100.0, 50, 20.0, jobplane=5.0, submitters=1.0, machine=1000.0, db_backends={1: 3.0}
+        100.0,
+        50,
+        20.0,
+        jobplane=5.0,
+        submitters=1.0,
+        machine=1000.0,
+        db_backends={1: 3.0},
+        kinds={"server": 2.0, "relay": 1.0, "worker": 2.0},
     )
     after = _sample(
         110.0,
@@ -55,6 +62,7 @@ def test_a_step_s_rates_come_from_its_window_and_its_costs_from_every_job() -> N
         machine=1032.0,
         # pid 1 used 4 s in the window, pid 2 started in it and used 2 s.
         db_backends={1: 7.0, 2: 2.0},
+        kinds={"server": 10.0, "relay": 3.0, "worker": 12.0},
     )
     step = r.step_figures(
         3,
@@ -77,6 +85,7 @@ def test_a_step_s_rates_come_from_its_window_and_its_costs_from_every_job() -> N
     assert step.xacts_per_job == 4.0
     assert step.wal_per_job == 2000.0
     assert step.postgres_ms_per_job == 2.0
+    assert step.kinds == pytest.approx({"server": 0.8, "relay": 0.2, "worker": 1.0})
     assert (step.n, step.pool, step.jobs) == (3, 5, 2500)
 
 
