@@ -72,3 +72,8 @@ for _type in (
     *(f"hi.fair.{a}" for a in ("off", "on")),
 ):
     registry.add(_type, noop)
+
+
+# --only scaling (bench/scaling.py): each step's jobs under a type of their own.
+for _step in range(1, 17):
+    registry.add(f"bench.scaling_{_step}", noop)

@@ -30,6 +30,10 @@ per job, no-op and running jobs (bench/wal.py).
 ``--only fairness`` compares fair dispatch off and on: a tenant behind another's
 ``--fair-jobs`` backlog, a high queue behind a low one, throughput, a lone
 tenant's latency (bench/fairness.py).
+``--only scaling`` grows servers, relays and workers together from 1 to
+``--scaling-max`` each, submitting no-op jobs flat out, and finds the step where
+jobs/s stops rising while Postgres's CPU keeps growing (bench/scaling.py,
+docs/scaling.md).
 """
 
 from __future__ import annotations
@@ -1301,6 +1305,17 @@ def _rounds(value: str) -> int:
     return rounds
 
 
+def _steps(value: str) -> int:
+    steps = int(value)
+    if not 1 <= steps <= MAX_SCALING_STEPS:
+        raise argparse.ArgumentTypeError(f"between 1 and {MAX_SCALING_STEPS}")
+    return steps
+
+
+#: The most processes of each kind --only scaling runs (bench.handlers has a type a step).
+MAX_SCALING_STEPS = 16
+
+
 async def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="bench", description=__doc__.splitlines()[0])
     parser.add_argument("--jobs", type=int, default=5000)
@@ -1341,6 +1356,7 @@ async def main(argv: list[str] | None = None) -> int:
             "delayed",
             "fairness",
             "wal",
+            "scaling",
         ],
     )
     parser.add_argument(
@@ -1393,6 +1409,27 @@ async def main(argv: list[str] | None = None) -> int:
         type=int,
         default=200,
         help="jobs of --only wal that run 3 s each, with progress and heartbeats",
+    )
+    parser.add_argument(
+        "--scaling-max",
+        type=_steps,
+        default=4,
+        help="--only scaling's last step: this many servers, relays and workers each",
+    )
+    parser.add_argument(
+        "--scaling-seconds", type=float, default=10.0, help="each --only scaling step's window"
+    )
+    parser.add_argument(
+        "--scaling-warmup",
+        type=float,
+        default=3.0,
+        help="seconds each --only scaling step submits before its window",
+    )
+    parser.add_argument(
+        "--scaling-clients",
+        type=int,
+        default=64,
+        help="closed-loop callers of --only scaling, per server (a submitter process each)",
     )
     parser.add_argument(
         "--profile",
@@ -1503,6 +1540,10 @@ async def main(argv: list[str] | None = None) -> int:
             from bench.wal import fig_wal
 
             await fig_wal(bench)
+        if args.only and "scaling" in args.only:  # not by default: its own processes
+            from bench.scaling import fig_scaling
+
+            await fig_scaling(bench)
         if want("delayed"):  # last: its waiting jobs stay in the tables
             from bench.delayed import fig_delayed
 
