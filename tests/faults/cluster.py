@@ -59,16 +59,33 @@ def with_pipeline(topology: Topology) -> Topology:
 
 #: The fault suite's fan-out pipeline: split → map (one child per item) → join.
 FAN_PIPELINE = "fault.fan"
+#: The same, with the join run while at most :data:`FAN_TOLERATED` children failed.
+FAN_TOLERANT = "fault.fan.tolerant"
+FAN_TOLERATED = 2
 
 
 def with_fan_pipeline(topology: Topology) -> Topology:
-    """``topology`` with the fault suite's fan-out pipeline, on the first queue."""
+    """``topology`` with the fault suite's fan-out pipelines added, on the first queue."""
     queue = topology.queues[0].name
-    stages = tuple(
-        StageSpec(name, f"fault.fan.{name}", queue, 10, 60.0, "1", fan_out=name == "map")
-        for name in ("split", "map", "join")
-    )
-    return replace(topology, pipelines=(PipelineSpec(FAN_PIPELINE, stages, version="1"),))
+
+    def pipeline(name: str, max_failures: int) -> PipelineSpec:
+        stages = tuple(
+            StageSpec(
+                stage,
+                f"fault.fan.{stage}",
+                queue,
+                10,
+                60.0,
+                "1",
+                fan_out=stage == "map",
+                max_failures=max_failures if stage == "map" else 0,
+            )
+            for stage in ("split", "map", "join")
+        )
+        return PipelineSpec(name, stages, version="1")
+
+    fans = (pipeline(FAN_PIPELINE, 0), pipeline(FAN_TOLERANT, FAN_TOLERATED))
+    return replace(topology, pipelines=(*topology.pipelines, *fans))
 
 
 def free_port() -> int:

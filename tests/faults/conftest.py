@@ -42,3 +42,14 @@ async def fanned(
     await running.prepare()
     yield running
     await running.close()
+
+
+@pytest.fixture
+async def mixed(
+    database_url: str, amqp_url: str, topology: Topology, tmp_path: Path
+) -> AsyncIterator[Cluster]:
+    """A cluster whose topology has the fault suite's pipeline and its fan-out pipelines."""
+    running = Cluster(database_url, amqp_url, with_fan_pipeline(with_pipeline(topology)), tmp_path)
+    await running.prepare()
+    yield running
+    await running.close()

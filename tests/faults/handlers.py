@@ -15,7 +15,7 @@ from typing import Any
 
 import asyncpg
 
-from jobplane.workers.handlers import JobContext, Registry
+from jobplane.workers.handlers import JobContext, PermanentError, Registry
 
 registry = Registry()
 _pools: dict[str, asyncpg.Pool] = {}
@@ -198,21 +198,27 @@ async def _kill_once(ctx: JobContext, what: str) -> None:
 
 @registry.handler("fault.fan.split")
 async def fan_split(ctx: JobContext) -> list[dict[str, Any]]:
-    """Spawns ``n`` items: the first by ctx.spawn, the rest as the list it returns."""
+    """Spawns ``n`` items: the first by ctx.spawn, the rest as the list it returns;
+    the items listed in ``fail`` fail. Job ``i`` first sleeps ``i * stagger`` seconds."""
+    await asyncio.sleep(float(ctx.payload.get("stagger", 0)) * int(ctx.payload.get("i", 0)))
     n = int(ctx.payload.get("n", 4))
     ms = ctx.payload.get("ms", 50)
-    ctx.spawn({"i": 0, "ms": ms, "kill": ctx.payload.get("kill_child", False)})
-    return [{"i": i, "ms": ms} for i in range(1, n)]
+    fail = set(ctx.payload.get("fail", []))
+    ctx.spawn({"i": 0, "ms": ms, "kill": ctx.payload.get("kill_child", False), "fail": 0 in fail})
+    return [{"i": i, "ms": ms, "fail": i in fail} for i in range(1, n)]
 
 
 @registry.handler("fault.fan.map")
 async def fan_map(ctx: JobContext) -> dict[str, Any]:
     """A child: sleeps ``ms``, reports progress, killed mid-run once when asked;
-    writes its effect and completion as ``fault.work`` does."""
+    fails for good when asked, else writes its effect and completion as
+    ``fault.work`` does."""
     await ctx.progress(0.5, "half way")
     await asyncio.sleep(float(ctx.payload.get("ms", 50)) / 1000)
     if ctx.payload.get("kill"):
         await _kill_once(ctx, "child")
+    if ctx.payload.get("fail"):
+        raise PermanentError(f"item {ctx.payload['i']} fails", code="FAULT_ITEM")
     await _effect(ctx)
     await _completed(ctx)
     return {"attempt": ctx.attempt, "i": ctx.payload["i"]}
@@ -221,10 +227,15 @@ async def fan_map(ctx: JobContext) -> dict[str, Any]:
 @registry.handler("fault.fan.join")
 async def fan_join(ctx: JobContext) -> dict[str, Any]:
     """The join: killed mid-run once when asked; checks the results came in
-    item order, each from its child's winning attempt; writes its stage's effect."""
+    item order, each from its child's winning attempt, and that exactly the
+    items listed in ``fail`` failed; writes its stage's effect."""
+    fail = set(ctx.payload.get("fail", []))
     order = [r.result["i"] if r.result else None for r in ctx.results]
-    if order != list(range(len(order))) or not all(r.ok for r in ctx.results):
-        raise RuntimeError(f"the join got {order}")
+    indexes = [r.index for r in ctx.results]
+    failed = {r.index for r in ctx.results if not r.ok}
+    expected = [None if i in fail else i for i in range(len(order))]
+    if order != expected or failed != fail or indexes != list(range(len(order))):
+        raise RuntimeError(f"the join got {order}, failed {sorted(failed)}")
     if ctx.payload.get("kill_join"):
         await _kill_once(ctx, "join")
     await _execute(
@@ -244,4 +255,4 @@ async def fan_join(ctx: JobContext) -> dict[str, Any]:
         ctx.attempt,
         os.getpid(),
     )
-    return {"attempt": ctx.attempt, "items": len(order)}
+    return {"attempt": ctx.attempt, "items": len(order), "failed": len(failed)}

@@ -1,12 +1,14 @@
 """The soak run (`make soak`, not part of `make test`).
 
 5,000 jobs through two relays and three workers, 500 three-stage pipelines
-besides (judged per stage), and 1,500 domain events alongside them (by
+besides (judged per stage), 200 fan-out jobs of five children each (half of
+them tolerating failures, one child of each of those failing; judged per node:
+the job, each child, the join), and 1,500 domain events alongside them (by
 PublishEvent and in callers' transactions) to an inbox Consumer process, a
 tap queue and a resuming SubscribeEvents stream. A random worker, relay or
 the consumer is SIGKILLed every few seconds and restarted, and the RabbitMQ
 application is restarted once. Prints the L/D/O
-counts of the jobs and the P/A/O counts of the events
+counts of the jobs, of the fan-out jobs and the P/A/O counts of the events
 (tests/faults/event_path.py); fails on any violation.
 """
 
@@ -23,14 +25,19 @@ import time
 import pytest
 
 from jobplane.client import JobEvent
-from tests.faults.cluster import PIPELINE, Cluster, Proc
+from tests.faults.cluster import FAN_PIPELINE, FAN_TOLERANT, PIPELINE, Cluster, Proc
 from tests.faults.event_path import event_path
+from tests.faults.fan_judge import judge_fan_outs
 
 JOBS = int(os.environ.get("JOBPLANE_SOAK_JOBS", "5000"))
 # Per batch of 100 jobs: events by PublishEvent, and in callers' transactions.
 RPC_EVENTS, SQL_EVENTS = 20, 10
 # Per batch of 100 jobs: pipelines of three stages, besides.
 PIPELINES = int(os.environ.get("JOBPLANE_SOAK_PIPELINES", "10"))
+# Per batch of 100 jobs: fan-out jobs (split → map → join) of FAN_ITEMS children,
+# every second one tolerating failures with one child that fails.
+FAN_OUTS = int(os.environ.get("JOBPLANE_SOAK_FAN_OUTS", "4"))
+FAN_ITEMS = 5
 # 0 leaves the broker alone (a RabbitMQ shared with other runs).
 RESTART_BROKER = os.environ.get("JOBPLANE_SOAK_BROKER_RESTART", "1") != "0"
 KILL_EVERY = (2.0, 5.0)
@@ -70,8 +77,8 @@ async def _supervise(procs: dict[Proc, str], stop: asyncio.Event) -> None:
 
 @pytest.mark.soak
 @pytest.mark.timeout(3600)
-async def test_soak(staged: Cluster) -> None:
-    cluster = staged
+async def test_soak(mixed: Cluster) -> None:
+    cluster = mixed
     await cluster.server()
     events = await event_path(cluster)
     await events.start()  # before the relays: the tap and the consumer see every event
@@ -88,6 +95,8 @@ async def test_soak(staged: Cluster) -> None:
     async with cluster.client() as client:
         names: list[str] = []
         pipelines: list[str] = []
+        fans: list[str] = []
+        tolerant: list[str] = []
         seen: dict[str, list[JobEvent]] = {}
 
         async def watch(name: str) -> None:
@@ -99,19 +108,28 @@ async def test_soak(staged: Cluster) -> None:
             # second, 0.1 % a third here): with the default 3 a run would now
             # and then fail a job by exhausting them, which is the rule working,
             # not a loss. The soak judges loss, so it allows more.
-            submitted, staged_jobs, _, _ = await asyncio.gather(
+            fan_ms, failing = random.randint(20, 200), random.randrange(FAN_ITEMS)
+            submitted, staged_jobs, fanned, tolerating, _, _ = await asyncio.gather(
                 cluster.submit_many(client, 100, max_attempts=10, ms=random.randint(20, 400)),
                 cluster.submit_many(client, PIPELINES, PIPELINE, ms=random.randint(20, 200)),
+                cluster.submit_many(
+                    client, FAN_OUTS - FAN_OUTS // 2, FAN_PIPELINE, n=FAN_ITEMS, ms=fan_ms
+                ),
+                cluster.submit_many(
+                    client, FAN_OUTS // 2, FAN_TOLERANT, n=FAN_ITEMS, ms=fan_ms, fail=[failing]
+                ),
                 events.publish_rpc(RPC_EVENTS),
                 events.publish_in_transactions(SQL_EVENTS),
             )
             names += submitted
             pipelines += staged_jobs
+            fans += fanned
+            tolerant += tolerating
             if batch % 5 == 0:
                 watchers.append(asyncio.create_task(watch(names[-1])))
             if batch == JOBS // 200 and RESTART_BROKER:
                 await asyncio.to_thread(_restart_broker)
-        await cluster.wait_all_terminal(names + pipelines, timeout=1800)
+        await cluster.wait_all_terminal(names + pipelines + fans + tolerant, timeout=1800)
         stop.set()
         await asyncio.gather(chaos, supervisor)
         # Every process alive again (the last kill may have just landed).
@@ -125,6 +143,11 @@ async def test_soak(staged: Cluster) -> None:
         counts, problems = await cluster.judge(names)
         staged_counts, staged_problems = await cluster.judge_pipelines(pipelines)
         problems += staged_problems
+        fan_counts, fan_problems = await judge_fan_outs(cluster, fans, FAN_ITEMS)
+        tolerant_counts, tolerant_problems = await judge_fan_outs(
+            cluster, tolerant, FAN_ITEMS, failing=1
+        )
+        fan_problems += tolerant_problems
         order = 0
         for name, stream in seen.items():
             last = (await client.get(name)).last_seq
@@ -140,6 +163,7 @@ async def test_soak(staged: Cluster) -> None:
     by_kind = {kind: sum(p.startswith(kind) for p in problems) for kind in ("L", "D", "O")}
     by_kind["O"] += order
     by_event = {kind: sum(p.startswith(kind) for p in event_problems) for kind in ("P", "A", "O")}
+    by_fan = {kind: sum(p.startswith(kind) for p in fan_problems) for kind in ("L", "D", "O")}
     print(
         f"\nsoak: {counts['jobs']} jobs, {staged_counts['jobs']} pipelines "
         f"({staged_counts['stages']} stages) and {event_counts['events']} events in "
@@ -147,8 +171,14 @@ async def test_soak(staged: Cluster) -> None:
         f"kills {kills}, {int(RESTART_BROKER)} broker restart, {len(seen)} watchers; "
         f"jobs by attempts used: {attempts}\n"
         f"events: {event_counts}\n"
+        f"fan-out: {fan_counts['jobs'] + tolerant_counts['jobs']} jobs "
+        f"({tolerant_counts['jobs']} tolerating a failure), "
+        f"{fan_counts['children'] + tolerant_counts['children']} children "
+        f"({tolerant_counts['failed']} failing as meant); violations "
+        f"L={by_fan['L']} D={by_fan['D']} O={by_fan['O']}\n"
         f"violations: jobs L={by_kind['L']} D={by_kind['D']} O={by_kind['O']}; "
         f"events P={by_event['P']} A={by_event['A']} O={by_event['O']}"
     )
     assert by_kind == {"L": 0, "D": 0, "O": 0}, "\n".join(problems[:20])
     assert by_event == {"P": 0, "A": 0, "O": 0}, "\n".join(event_problems[:20])
+    assert by_fan == {"L": 0, "D": 0, "O": 0}, "\n".join(fan_problems[:20])
