@@ -9,6 +9,7 @@ machine: these are measurements, not tests.
 
     python -m bench.run [--jobs N] [--clients C] [--workers W] [--concurrency K]
                         [--watchers N] [--seconds S] [--blob-mib M] [--only NAME ...]
+                        [--skip NAME ...]
                         [--only ingest --ingest-docs N --ingest-words W]
                         [--only ingest-fanout --fanout-pages P --fanout-ms-per-chunk MS]
                         [--only peers --peer-jobs N --peer-rounds R]
@@ -25,8 +26,10 @@ beside the S3 server's own figures ($JOBPLANE_S3_URL, else a moto_server).
 ahead, and the relay's claim with and without them (bench/delayed.py).
 ``--only wal`` measures WAL bytes, HOT updates, index writes and transactions
 per job, no-op and running jobs (bench/wal.py).
-``--only ingest-fanout`` ingests one long PDF with one and with two embed workers
-(the embed stage fans out) and prints the speed-up (bench/ingest_fanout.py).
+``ingest-fanout`` (part of the default run, about a minute; ``--skip
+ingest-fanout`` leaves it out) ingests one long PDF with one and with two
+embed workers (the embed stage fans out) and prints the speed-up
+(bench/ingest_fanout.py).
 ``--only fairness`` compares fair dispatch off and on: a tenant behind another's
 ``--fair-jobs`` backlog, a high queue behind a low one, throughput, a lone
 tenant's latency (bench/fairness.py).
@@ -1316,6 +1319,33 @@ def _steps(value: str) -> int:
 MAX_SCALING_STEPS = 16
 
 
+#: The figures ``--only`` and ``--skip`` name.
+FIGURES = (
+    "floors",
+    "throughput",
+    "lifecycle",
+    "open",
+    "progress",
+    "relay",
+    "events",
+    "watchers",
+    "pipeline",
+    "ingest",
+    "ingest-fanout",
+    "blobs",
+    "tracing",
+    "metrics",
+    "ui",
+    "peers",
+    "batch",
+    "store",
+    "delayed",
+    "fairness",
+    "wal",
+    "scaling",
+)
+
+
 async def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="bench", description=__doc__.splitlines()[0])
     parser.add_argument("--jobs", type=int, default=5000)
@@ -1330,34 +1360,13 @@ async def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--open-timeout", type=float, default=300.0, help="seconds for all watchers to open"
     )
+    parser.add_argument("--only", nargs="*", default=[], choices=FIGURES)
     parser.add_argument(
-        "--only",
+        "--skip",
         nargs="*",
         default=[],
-        choices=[
-            "floors",
-            "throughput",
-            "lifecycle",
-            "open",
-            "progress",
-            "relay",
-            "events",
-            "watchers",
-            "pipeline",
-            "ingest",
-            "ingest-fanout",
-            "blobs",
-            "tracing",
-            "metrics",
-            "ui",
-            "peers",
-            "batch",
-            "store",
-            "delayed",
-            "fairness",
-            "wal",
-            "scaling",
-        ],
+        choices=FIGURES,
+        help="figures left out of the run (e.g. --skip ingest-fanout: about a minute)",
     )
     parser.add_argument(
         "--peer-jobs", type=int, default=3000, help="no-op jobs per arm of --only peers"
@@ -1468,7 +1477,9 @@ async def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.profile is not None:
         args.profile.mkdir(parents=True, exist_ok=True)
-    want: Callable[[str], bool] = lambda name: not args.only or name in args.only  # noqa: E731
+    want: Callable[[str], bool] = lambda name: (  # noqa: E731
+        (not args.only or name in args.only) and name not in args.skip
+    )
     async with Bench(args) as bench:
         floor: dict[str, float] = {}
         if want("floors"):
@@ -1508,7 +1519,7 @@ async def main(argv: list[str] | None = None) -> int:
             from bench.ingest import fig_ingest
 
             await fig_ingest(bench)
-        if args.only and "ingest-fanout" in args.only:  # not by default: needs S3 and Qdrant
+        if want("ingest-fanout"):  # moto_server and embedded Qdrant: self-contained
             from bench.ingest_fanout import fig_ingest_fanout
 
             await fig_ingest_fanout(bench)

@@ -13,9 +13,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from jobplane.types import JobError, JobState
+
+if TYPE_CHECKING:
+    from jobplane.store.claims import StageRun
+    from jobplane.topology import StageSpec, Topology
 
 #: The most items one fan-out may spawn (the children cap of ADR-0046).
 MAX_FAN_OUT = 10_000
@@ -70,3 +74,12 @@ __all__ = [
     "ItemResult",
     "fan_out_items",
 ]
+
+
+def next_stage(topology: Topology, stage: StageRun | None) -> StageSpec | None:
+    """The stage after ``stage`` in its pipeline, as the topology has it: for a
+    fan-out, the type and queue its children are jobs of (None: none)."""
+    pipeline = None if stage is None else topology.pipeline(stage.pipeline)
+    if stage is None or pipeline is None or stage.index + 1 >= len(pipeline.stages):
+        return None
+    return pipeline.stages[stage.index + 1]

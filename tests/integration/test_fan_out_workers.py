@@ -223,4 +223,9 @@ async def test_the_cli_and_the_dashboard_show_a_fan_out_and_its_children(
     assert 'id="children"' in body
     for child in children:
         assert f'href="/jobs/{child.id}"' in body
-    assert body.count('class="state state-failed"') == 1
+    listed = body.partition('id="children"')[2].partition("</table>")[0]
+    assert listed.count('class="state state-failed"') == 1
+    # The tree draws the job and its two children, the failed one among them.
+    drawn = body.partition('id="tree"')[2].partition("</ul>\n")[0]
+    assert drawn.count('class="state state-failed"') == 1
+    assert all(f'data-job="{c.id}"' in drawn for c in [*children, job])

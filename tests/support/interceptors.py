@@ -60,6 +60,9 @@ class Recording:
     def grouped(self, kind: str, size: int) -> None:
         self.saw(f"grouped:{kind}:{size}")
 
+    def submitted(self, job_type: str, queue: str, count: int) -> None:
+        self.saw(f"submitted:{job_type}:{count}")
+
     def started(self, attempt: Any) -> RecordedRun | None:
         self.saw("started")
         return RecordedRun(self) if self.run else None

@@ -68,6 +68,11 @@ class WorkerMetrics:
         """One group of ``size`` ``kind`` writes."""
         self.metrics.grouped(kind, size)
 
+    def submitted(self, job_type: str, queue: str, count: int) -> None:
+        """Jobs the worker created (children, a fan-out's children): counted with
+        SubmitJob's, so the family summed over processes sees every job."""
+        self.metrics.submitted(job_type, queue, count)
+
     def started(self, attempt: Attempt) -> None:
         """An attempt started (and, a first, the job with its wait)."""
         self.metrics.attempt_started(

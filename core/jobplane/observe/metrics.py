@@ -144,14 +144,14 @@ class Metrics(MetricFamilies):
         if seconds is not None:
             run.observe(seconds)
 
-    def submitted(self, job_type: str, queue: str) -> None:
-        """A job was created by SubmitJob."""
+    def submitted(self, job_type: str, queue: str, count: int = 1) -> None:
+        """``count`` jobs were created: by SubmitJob, or by a worker (children)."""
         label = self.type_label(job_type)
         key = ("submitted", label, queue)
         child = self._children.get(key)
         if child is None:
             child = self._children[key] = self.jobs_submitted.labels(label, queue)
-        child.inc()
+        child.inc(count)
 
     def grouped(self, kind: str, size: int) -> None:
         """A worker wrote a group of ``size`` claims or outcomes (``kind``) together."""
@@ -332,7 +332,7 @@ class _NoMetrics(Metrics):
     def know_types(self, types: Iterable[str]) -> None:
         pass
 
-    def submitted(self, job_type: str, queue: str) -> None:
+    def submitted(self, job_type: str, queue: str, count: int = 1) -> None:
         pass
 
     def relayed(self, kind: str, outcome: str, count: int = 1) -> None:

@@ -198,6 +198,9 @@ class WorkerTracing:
     def grouped(self, kind: str, size: int) -> None:
         """A group is not traced (each of its deliveries names its transition)."""
 
+    def submitted(self, job_type: str, queue: str, count: int) -> None:
+        """A child's submit is on the span of the attempt that made it."""
+
     def started(self, attempt: Attempt) -> _Run | None:
         """:func:`start_run` (None when it makes no span)."""
         span = start_run(attempt)

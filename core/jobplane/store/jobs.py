@@ -57,6 +57,7 @@ from jobplane.store.job_submit import (
     pipeline_stages,
     submitted,
 )
+from jobplane.store.job_tree import JobTree, read_tree
 from jobplane.store.machine import (
     MACHINE,
     Cause,
@@ -395,6 +396,11 @@ class JobStore:
                 )
             ).mappings()
             return [event_from_row(r) for r in rows]
+
+    async def tree(self, tenant_id: uuid.UUID, job_id: uuid.UUID) -> JobTree | None:
+        """The job's tree, bounded (:mod:`jobplane.store.job_tree`); None: not found."""
+        async with self._auto.connect() as conn:
+            return await read_tree(conn, tenant_id, job_id)
 
     async def queue_rates(
         self, tenant_id: uuid.UUID, *, window_seconds: float, scan: int

@@ -18,6 +18,7 @@ from jobplane.batcher import Batcher
 from jobplane.errors import (
     BlobReferenceNotFound,
     InvalidArgument,
+    JobNotFound,
     JobplaneError,
     UnroutableJobType,
     at_item,
@@ -52,6 +53,7 @@ from jobplane.store.job_submit import (
     MAX_TIMEOUT_SECONDS,
     MIN_TIMEOUT_SECONDS,
 )
+from jobplane.store.job_tree import JobTree
 from jobplane.store.jobs import JobStore, ListCursor, NewJob
 from jobplane.store.listen import Listener
 from jobplane.store.rows import check_payload_size
@@ -379,6 +381,13 @@ class JobService:
     ) -> Sequence[JobEvent]:
         """The job's events other than progress, oldest first: its attempts and outcomes."""
         return await self._store.milestones(tenant, parse_job_name(name), limit)
+
+    async def tree(self, tenant: uuid.UUID, name: str) -> JobTree:
+        """The tree the job belongs to: its root and the root's descendants, bounded."""
+        tree = await self._store.tree(tenant, parse_job_name(name))
+        if tree is None:
+            raise JobNotFound(f"{name} not found")
+        return tree
 
     async def recent_events(
         self, tenant: uuid.UUID, job: Job, limit: int = 200

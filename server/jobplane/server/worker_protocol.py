@@ -57,7 +57,7 @@ from jobplane.errors import (
     WorkerNotFound,
     shown,
 )
-from jobplane.fanout import FanOutRefused, fan_out_items
+from jobplane.fanout import FanOutRefused, fan_out_items, next_stage
 from jobplane.ids import new_id
 from jobplane.logs import fingerprint
 from jobplane.names import job_name
@@ -368,6 +368,8 @@ class WorkerService:
         await self._fenced(fence, self._store.finish(outcome, pending))
         self._forget(fence)
         self._bind(attempt).info("job.fanned_out", attempt=fence.attempt, children=len(spawned))
+        if (spec := next_stage(self._topology, attempt.stage)) is not None:
+            self.metrics.submitted(spec.type, spec.queue, len(spawned))
         self.metrics.attempt_ended(attempt.type, attempt.queue, completed(attempt.stage))
 
     async def fail(

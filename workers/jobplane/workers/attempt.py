@@ -49,7 +49,10 @@ class AttemptRunner(OutcomeRecording):
         """Where ``ctx.submit`` writes child jobs: checked against the topology,
         fenced on the attempt."""
         return WorkerChildren(
-            ChildStore(self._db), self._topology, max_payload_bytes=self._max_result_bytes
+            ChildStore(self._db),
+            self._topology,
+            max_payload_bytes=self._max_result_bytes,
+            on_created=None if self._intercept is None else self._intercept.submitted,
         )
 
     async def _run(self, attempt: Attempt, bound: Any) -> None:

@@ -9,6 +9,7 @@ server's :mod:`jobplane.server.worker_protocol`). A refusal names the field
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from typing import Any
@@ -180,8 +181,11 @@ class WorkerChildren:
         *,
         max_payload_bytes: int,
         horizon_seconds: float = DEFAULT_MAX_SCHEDULE_SECONDS,
+        on_created: Callable[[str, str, int], None] | None = None,
     ) -> None:
         self._store = store
+        #: Told of each child created (type, queue, 1): the worker's metrics count it.
+        self._on_created = on_created
         self._topology = topology
         self._max_payload_bytes = max_payload_bytes
         self._horizon_seconds = horizon_seconds
@@ -197,4 +201,6 @@ class WorkerChildren:
             horizon_seconds=self._horizon_seconds,
         )
         job, created = await self._store.submit(fence_of(attempt), request.key, new)
+        if created and self._on_created is not None:
+            self._on_created(new.type, new.queue, 1)
         return job.name, created

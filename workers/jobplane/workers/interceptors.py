@@ -80,6 +80,11 @@ class Interceptor(Protocol):
         """A group of ``size`` ``kind`` writes (``claim`` or ``outcome``) went out as one."""
         ...
 
+    def submitted(self, job_type: str, queue: str, count: int) -> None:
+        """``count`` jobs of ``job_type`` on ``queue`` committed by the worker: a child
+        of ``ctx.submit``, or the children of a fan-out."""
+        ...
+
     def started(self, attempt: Attempt) -> Run | None:
         """The handler of ``attempt`` is about to start (None: nothing to follow)."""
         ...
@@ -145,6 +150,10 @@ class _Chain:
     def grouped(self, kind: str, size: int) -> None:
         for each in self._all:
             each.grouped(kind, size)
+
+    def submitted(self, job_type: str, queue: str, count: int) -> None:
+        for each in self._all:
+            each.submitted(job_type, queue, count)
 
     def started(self, attempt: Attempt) -> Run | None:
         runs = [run for each in self._all if (run := each.started(attempt)) is not None]

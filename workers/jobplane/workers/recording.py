@@ -30,7 +30,7 @@ from jobplane.attempt_end import (
 from jobplane.batcher import Batcher
 from jobplane.config import MAX_OFFLOADED_JSON_BYTES
 from jobplane.errors import BlobStoreUnavailable, PayloadTooLarge
-from jobplane.fanout import FAN_OUT_REFUSED, FanOutRefused, fan_out_items
+from jobplane.fanout import FAN_OUT_REFUSED, FanOutRefused, fan_out_items, next_stage
 from jobplane.faults import FaultPoints
 from jobplane.logs import describe_error
 from jobplane.store.attempts import Attempt, AttemptStore, LeaseLost, Outcome, ProgressUpdate
@@ -193,7 +193,8 @@ class OutcomeRecording:
                 check_payload_size(item, self._max_result_bytes)
         except (FanOutRefused, PayloadTooLarge, TypeError, ValueError) as exc:
             return Failure(FAN_OUT_REFUSED, str(exc), retryable=False)
-        await self._commit(end, self._store.fanned_out(attempt, items, emitted=emitted))
+        if await self._commit(end, self._store.fanned_out(attempt, items, emitted=emitted)):
+            self._spawned(attempt, len(items))
         end.bound.info("job.fanned_out", attempt=attempt.attempt, children=len(items))
         self._ended(attempt, end.running, completed(attempt.stage))
         return None
@@ -235,9 +236,18 @@ class OutcomeRecording:
         )
         self._ended(attempt, end.running, ended_as)
 
-    async def _commit(self, end: _Ending, outcome: Outcome) -> None:
-        """Commit ``outcome`` with the attempt's pending progress."""
-        await self._outcome(end.attempt, end.bound, lambda: self._write(outcome, end.pending))
+    async def _commit(self, end: _Ending, outcome: Outcome) -> bool:
+        """Commit ``outcome`` with the attempt's pending progress (False: it was not
+        written: fenced out, or refused and the attempt failed instead)."""
+        return await self._outcome(
+            end.attempt, end.bound, lambda: self._write(outcome, end.pending)
+        )
+
+    def _spawned(self, attempt: Attempt, children: int) -> None:
+        """Tell the interceptor of a fan-out's ``children``: jobs of the fan-out stage."""
+        spec = next_stage(self._topology, attempt.stage)
+        if self._intercept is not None and spec is not None:
+            self._intercept.submitted(spec.type, spec.queue, children)
 
     def _ended(self, attempt: Attempt, running: Running, outcome: str) -> None:
         intercept = self._intercept
@@ -252,7 +262,7 @@ class OutcomeRecording:
 
     async def _outcome(
         self, attempt: Attempt, bound: Any, write: Callable[[], Awaitable[None]]
-    ) -> None:
+    ) -> bool:
         try:
             await self._with_db_retry(write)
         except LeaseLost:
@@ -273,6 +283,9 @@ class OutcomeRecording:
                 )
             except LeaseLost:
                 bound.warning("job.outcome.fenced_out")
+        else:
+            return True
+        return False
 
     async def _finish_group(self, outcomes: list[Outcome]) -> list[bool]:
         done = await self._store.finish_many(outcomes)

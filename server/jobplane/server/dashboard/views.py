@@ -354,6 +354,7 @@ async def job_page(request: web.Request) -> web.StreamResponse:
         request,
         "job.html",
         job=job,
+        tree=await jobs.tree(who.tenant, name),
         children=children.jobs,
         more_children=bool(children.next_page_token),
         events=list(reversed(recent)),
