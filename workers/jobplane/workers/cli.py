@@ -216,24 +216,26 @@ async def _swept(
         # relay's sweeper does; a single pass reports it (main).
         if args.once:
             raise
+        error = describe_error(exc)
         if database_down(exc):
-            _say(
-                "database.unavailable",
-                f"database unavailable, not swept: {describe_error(exc)}",
-                level="warning",
-                error=describe_error(exc),
-                retry_in=args.interval,
+            _said_retry(
+                "database.unavailable", f"database unavailable, not swept: {error}", error, args
             )
+        elif database_transient(exc):
+            _said_retry("sweeper.db.error", f"sweep failed, trying again: {error}", error, args)
         else:
-            _say(
-                "sweeper.db.error" if database_transient(exc) else "sweeper.error",
-                f"sweep failed, trying again: {describe_error(exc)}",
-                level="warning" if database_transient(exc) else "error",
-                error=describe_error(exc),
-                retry_in=args.interval,
+            _said_retry(
+                "sweeper.error", f"sweep failed, trying again: {error}", error, args, level="error"
             )
         await _waited(stop, args.interval)
         return None
+
+
+def _said_retry(
+    event: str, text: str, error: str, args: argparse.Namespace, *, level: str = "warning"
+) -> None:
+    """Tell the operator a pass of ``jobplane sweep`` failed and is tried again."""
+    _say(event, text, level=level, error=error, retry_in=args.interval)
 
 
 async def _waited(stop: asyncio.Event | None, seconds: float) -> None:
@@ -259,30 +261,16 @@ async def _drained(relay: Relay, args: argparse.Namespace) -> int:
         # reports it (main). The rows stay in the outbox for the next drain.
         if args.once:
             raise
-        if not (broker.broker_down(exc) or database_unavailable(exc)):
-            _say(
-                "outbox.drain.failed",
-                f"outbox not drained, trying again: {describe_error(exc)}",
-                level="error",
-                error=describe_error(exc),
-                retry_in=args.interval,
-            )
-        elif broker.broker_down(exc):
-            _say(
-                "broker.unavailable",
-                f"broker unavailable, outbox not drained: {exc!r}",
-                level="warning",
-                error=repr(exc),
-                retry_in=args.interval,
-            )
+        error = describe_error(exc)
+        if broker.broker_down(exc):
+            text = f"broker unavailable, outbox not drained: {exc!r}"
+            _said_retry("broker.unavailable", text, repr(exc), args)
+        elif database_unavailable(exc):
+            text = f"database unavailable, outbox not drained: {error}"
+            _said_retry("database.unavailable", text, error, args)
         else:
-            _say(
-                "database.unavailable",
-                f"database unavailable, outbox not drained: {describe_error(exc)}",
-                level="warning",
-                error=describe_error(exc),
-                retry_in=args.interval,
-            )
+            text = f"outbox not drained, trying again: {error}"
+            _said_retry("outbox.drain.failed", text, error, args, level="error")
         return 0
 
 
