@@ -37,6 +37,11 @@ tenant's latency (bench/fairness.py).
 ``--scaling-max`` each, submitting no-op jobs flat out, and finds the step where
 jobs/s stops rising while Postgres's CPU keeps growing (bench/scaling.py,
 docs/scaling.md).
+``pooling`` runs ``--only scaling``'s first step against the fleet's Patroni
+leader, directly and through PgBouncer, ``--rounds`` times (default 3), the
+order reversed each round, and prints the pgbouncer/direct ratio
+(bench/pooling.py). It needs `make fleet-postgres`; without the fleet it
+says so in one line and is skipped.
 """
 
 from __future__ import annotations
@@ -327,6 +332,16 @@ class Bench:
             if self._conn is None or self._conn.is_closed():
                 self._conn = await asyncpg.connect(asyncpg_dsn(self.database_url))
             return list(await self._conn.fetch(query, *params))
+
+    async def use_database(self, url: str) -> str:
+        """Point the run's own queries and the processes started next at ``url`` (a
+        database another figure made, e.g. on the fleet's Postgres); the URL before."""
+        async with self._conn_lock:
+            if self._conn is not None:
+                await self._conn.close()
+                self._conn = None
+        before, self.database_url = self.database_url, url
+        return before
 
     async def wait_done(self, count: int, job_type: str, timeout: float = 600) -> None:
         """Until ``count`` jobs of ``job_type`` (or of the bench's pipeline) have ended."""
@@ -1343,6 +1358,7 @@ FIGURES = (
     "fairness",
     "wal",
     "scaling",
+    "pooling",
 )
 
 
@@ -1380,7 +1396,7 @@ async def main(argv: list[str] | None = None) -> int:
         default=None,
         help="rounds of --only tracing, metrics and lifecycle, their arms loaded in turn "
         "(the cost is the median ratio; more rounds, less of a noisy machine's spread; "
-        "default 8)",
+        "default 8), and of pooling (default 3; needs make fleet-postgres)",
     )
     parser.add_argument(
         "--trace-ratio",
@@ -1559,6 +1575,10 @@ async def main(argv: list[str] | None = None) -> int:
             from bench.delayed import fig_delayed
 
             await fig_delayed(bench)
+        if want("pooling"):  # after the rest: its own processes, on the fleet's Postgres
+            from bench.pooling import fig_pooling
+
+            await fig_pooling(bench)
         apply_floors(bench.figures, floor)
         for figure in bench.figures:
             print(figure.line())

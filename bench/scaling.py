@@ -39,8 +39,11 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+import aiohttp
 
 from bench import procstat
 from bench.scaling_report import (
@@ -91,8 +94,12 @@ def _jiffies(pids: list[int]) -> dict[int, int]:
     return found
 
 
-async def sample(bench: Bench, n: int) -> Sample:
-    """The counters of step ``n`` now."""
+#: CPU seconds a Postgres has used so far (the default: every ``postgres`` process's).
+PostgresCpu = Callable[[], float]
+
+
+async def sample(bench: Bench, n: int, postgres: PostgresCpu | None = None) -> Sample:
+    """The counters of step ``n`` now (Postgres's CPU by ``postgres``, when given)."""
     from bench.run import cpu_seconds
 
     rows = await bench.sql(
@@ -105,7 +112,7 @@ async def sample(bench: Bench, n: int) -> Sample:
     return Sample(
         wall=time.monotonic(),
         ended=int(rows[0]["ended"]),
-        postgres=cpu.get("postgres", 0.0),
+        postgres=cpu.get("postgres", 0.0) if postgres is None else postgres(),
         jobplane=sum(cpu.get(name, 0.0) for name in JOBPLANE),
         submitters=cpu.get("submit", 0.0),
         machine=procstat.machine_busy_seconds(),
@@ -114,7 +121,7 @@ async def sample(bench: Bench, n: int) -> Sample:
     )
 
 
-async def _connections(bench: Bench) -> tuple[int, int, int]:
+async def connections(bench: Bench) -> tuple[int, int, int]:
     rows = await bench.sql(
         "SELECT current_setting('max_connections')::int AS max, "
         "current_setting('superuser_reserved_connections')::int AS reserved, "
@@ -142,20 +149,46 @@ async def _start_server(bench: Bench, i: int) -> str:
 
 
 async def start_step(bench: Bench, n: int, pool: int) -> list[str]:
-    """n servers, relays and workers at hot pool ``pool``; the servers' addresses."""
+    """n servers, relays and workers at hot pool ``pool``, every one ready (a relay
+    connected to the broker, a worker consuming); the servers' addresses."""
     bench.extra_env["JOBPLANE_DB_POOL_SIZE"] = str(pool)
     addresses = [await _start_server(bench, i) for i in range(n)]
+    pinned, bench.pin_ops_ports = bench.pin_ops_ports, True
+    try:
+        for i in range(n):
+            await bench.start(f"relay{i}", "relay")
+            await bench.start(
+                f"worker{i}",
+                "worker",
+                "--handlers",
+                "bench.handlers:registry",
+                "--concurrency",
+                str(bench.args.concurrency),
+            )
+    finally:
+        bench.pin_ops_ports = pinned
     for i in range(n):
-        await bench.start(f"relay{i}", "relay")
-        await bench.start(
-            f"worker{i}",
-            "worker",
-            "--handlers",
-            "bench.handlers:registry",
-            "--concurrency",
-            str(bench.args.concurrency),
-        )
+        for name in (f"relay{i}", f"worker{i}"):
+            await _ready(bench, name)
     return addresses
+
+
+async def _ready(bench: Bench, name: str, timeout: float = 120) -> None:
+    """Until process ``name``'s ``/readyz`` answers 200: on a busy machine a process
+    still importing when the submitters start would miss the step's window."""
+    url = f"http://127.0.0.1:{bench.ops_ports[name]}/readyz"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if bench.procs[name].returncode is not None:
+            raise RuntimeError(f"{name} exited: see {bench.workdir / f'{name}.log'}")
+        try:
+            async with aiohttp.ClientSession() as session, session.get(url) as response:
+                if response.status == 200:
+                    return
+        except aiohttp.ClientError:
+            pass
+        await asyncio.sleep(0.2)
+    raise RuntimeError(f"{name} not ready within {timeout:g}s: see {bench.workdir}")
 
 
 async def _submitters(
@@ -192,23 +225,26 @@ async def _drained(bench: Bench, n: int, timeout: float = 900) -> int:
     raise TimeoutError(f"step {n}: not every job ended within {timeout:g}s")
 
 
-async def run_step(bench: Bench, n: int, pool: int, cores: int) -> Step:
-    """One step of the sweep, its processes stopped at the end."""
+async def run_step(
+    bench: Bench, n: int, pool: int, cores: int, *, postgres: PostgresCpu | None = None
+) -> Step:
+    """One step of the sweep, its processes stopped at the end (``postgres``: whose
+    CPU counts as Postgres's, when not every ``postgres`` process's)."""
     try:
         addresses = await start_step(bench, n, pool)
         procs = await _submitters(bench, n, addresses)
         first = await snapshot(bench)
         # After the processes have opened their pools: a backend's start is not a job's cost.
-        start = await sample(bench, n)
+        start = await sample(bench, n, postgres)
         for proc in procs:
             assert proc.stdin is not None
             proc.stdin.write(b"go\n")
             await proc.stdin.drain()
         # The warm-up and the window are durations of the load, not waits for an event.
         await asyncio.sleep(bench.args.scaling_warmup)
-        before = await sample(bench, n)
+        before = await sample(bench, n, postgres)
         await asyncio.sleep(bench.args.scaling_seconds)
-        after = await sample(bench, n)
+        after = await sample(bench, n, postgres)
         submitted = 0
         for i, proc in enumerate(procs):
             assert proc.stdout is not None
@@ -218,7 +254,7 @@ async def run_step(bench: Bench, n: int, pool: int, cores: int) -> Step:
             submitted += int(json.loads(line)["submitted"])
         jobs = await _drained(bench, n)
         last = await snapshot(bench)
-        end = await sample(bench, n)
+        end = await sample(bench, n, postgres)
     finally:
         await bench.stop_all()
     if jobs != submitted:
@@ -260,7 +296,7 @@ async def fig_scaling(bench: Bench) -> None:
     steps: list[Step] = []
     try:
         for n in range(1, bench.args.scaling_max + 1):
-            pool = pool_size(*await _connections(bench), processes=3 * n, spare=SPARE_CONNECTIONS)
+            pool = pool_size(*await connections(bench), processes=3 * n, spare=SPARE_CONNECTIONS)
             if pool is None:
                 bench.notes.append(f"scaling: step {n} not run, max_connections too low for it")
                 break

@@ -243,6 +243,12 @@ class Cluster:
         }
 
     @property
+    def pool_url(self) -> str:
+        """The database URL the processes' pools take (PgBouncer's, when they go through it;
+        :attr:`database_url` is Postgres itself, for the tests' own reads)."""
+        return self.env["JOBPLANE_DATABASE_URL"]
+
+    @property
     def address(self) -> str:
         """The server's address."""
         return f"127.0.0.1:{self.port}"
@@ -274,9 +280,9 @@ class Cluster:
         """An SDK client of the cluster's server."""
         return AsyncClient(self.address, self.key)
 
-    async def server(self) -> Proc:
+    async def server(self, *, faults: str = "") -> Proc:
         """Start `jobplane serve`."""
-        return await self._spawn(["serve"], "server.started")
+        return await self._spawn(["serve"], "server.started", faults)
 
     async def relay(self, *args: str, faults: str = "") -> Proc:
         """Start `jobplane relay` (with a fast sweeper)."""

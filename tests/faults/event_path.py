@@ -81,7 +81,7 @@ class EventPath:
         self.consumer = Proc(
             self.cluster,
             [
-                self.cluster.database_url,
+                self.cluster.pool_url,
                 self.cluster.amqp_url,
                 self.cluster.topology.events_exchange,
                 self.consumer_name,

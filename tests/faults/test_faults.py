@@ -20,6 +20,7 @@ import asyncpg
 from jobplane.client import AsyncClient, JobEvent, JobState
 from jobplane.envelope import Envelope
 from jobplane.store.engine import asyncpg_dsn
+from tests.faults.chaos import Supervisor
 from tests.faults.cluster import Cluster, Proc, check_stream
 from tests.support.proxy import CuttableProxy
 
@@ -308,6 +309,62 @@ async def test_lease_expires_while_a_stalled_attempt_still_runs(cluster: Cluster
         await cluster.check([job.name], strict=False)
         await asyncio.wait_for(watcher, timeout=10)
         check_stream(seen[job.name], after.last_seq)
+
+
+async def test_a_killed_workers_job_runs_again_once_the_sweeper_expires_its_lease(
+    cluster: Cluster,
+) -> None:
+    await cluster.server()
+    await cluster.relay()
+    doomed = await cluster.worker("--concurrency", "1", lease=1.0)
+    async with cluster.client() as client:
+        job = await client.submit("fault.work", {"ms": 3000})
+        seen: dict[str, list[JobEvent]] = {}
+        watcher = asyncio.create_task(_watch(client, job.name, seen))
+        await doomed.wait_for_log("job.received")
+        doomed.kill()
+        # No worker runs now: only the relay's sweeper can find the dead
+        # attempt's lease run out and queue the job again.
+        for _ in range(300):
+            if (await client.get(job.name)).state is JobState.QUEUED:
+                break
+            await asyncio.sleep(0.1)
+        else:
+            raise AssertionError(f"the lease of {job.name} never expired")
+        await cluster.worker("--concurrency", "1", lease=1.0)
+        done = await asyncio.wait_for(client.wait(job.name), timeout=30)
+        assert done.state is JobState.SUCCEEDED
+        assert done.result == {"attempt": 2}
+        await cluster.check([job.name])
+        await asyncio.wait_for(watcher, timeout=10)
+        check_stream(seen[job.name], done.last_seq)
+
+
+#: Submit commits the server survives before each of its deaths.
+SERVER_SURVIVES = 5
+SERVER_KILLS = 3
+
+
+async def test_sigkill_server_between_submit_commit_and_reply(cluster: Cluster) -> None:
+    # Each life of the server dies right after a submit's transaction commits,
+    # before any reply: the callers repeat with the same request_ids and must
+    # get the jobs committed, never a second job.
+    armed = f"crash:submit.after_commit@{SERVER_SURVIVES}"
+    server = await cluster.server(faults=armed)
+    async with Supervisor([server], faults=lambda p: armed if p.starts < SERVER_KILLS else ""):
+        await cluster.relay()
+        await cluster.worker("--concurrency", "8")
+        async with cluster.client() as client:
+            batches = await asyncio.gather(
+                *(cluster.submit_many(client, 30, ms=50) for _ in range(4))
+            )
+            names = [name for batch in batches for name in batch]
+            await cluster.wait_all_terminal(names, timeout=90)
+            await cluster.check(names)
+    assert server.starts == SERVER_KILLS + 1  # every armed life died
+    assert len(set(names)) == 120
+    rows = await cluster.query("SELECT count(*) AS n, count(DISTINCT request_id) AS ids FROM jobs")
+    assert (rows[0]["n"], rows[0]["ids"]) == (120, 120)
 
 
 async def test_watcher_connection_drop_resumes_without_gap_or_repeat(cluster: Cluster) -> None:

@@ -15,6 +15,7 @@ import grpc
 from jobplane.client import AsyncClient, JobEvent
 from jobplane.errors import Unavailable
 from tests.faults.cluster import Cluster, check_stream
+from tests.fleet import patroni
 
 
 class Codes(grpc.aio.UnaryUnaryClientInterceptor):
@@ -114,3 +115,23 @@ async def check_watches(
 def survivors(cluster: Cluster) -> list[str]:
     """The processes that died (none should)."""
     return [" ".join(proc.args) for proc in cluster.procs if not proc.alive]
+
+
+async def through_bouncer(cluster: Cluster) -> int:
+    """Server connections PgBouncer holds to this test's database (its SHOW SERVERS).
+
+    PgBouncer's admin console speaks only the simple query protocol: psql asks.
+    """
+    database = cluster.database_url.rsplit("/", 1)[1].partition("?")[0]
+    process = await asyncio.create_subprocess_exec(
+        "psql",
+        f"postgresql://postgres:postgres@127.0.0.1:{patroni.BOUNCER_PORT}/pgbouncer",
+        "-AtF,",
+        "-c",
+        "SHOW SERVERS",
+        stdout=asyncio.subprocess.PIPE,
+    )
+    out, _ = await process.communicate()
+    assert process.returncode == 0
+    rows = [line.split(",") for line in out.decode().splitlines()]
+    return sum(1 for row in rows if len(row) > 2 and row[2] == database)

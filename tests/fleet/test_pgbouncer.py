@@ -16,30 +16,10 @@ from jobplane.client import AsyncClient, JobState
 from tests.faults.cluster import Cluster, check_stream
 from tests.faults.test_faults import kill_workers_until_done
 from tests.fleet import patroni
-from tests.fleet.load import check_watches, survivors, watch_all
+from tests.fleet.load import check_watches, survivors, through_bouncer, watch_all
 from tests.fleet.test_failover import failover_under_load
 
 pytestmark = pytest.mark.fleet
-
-
-async def _through_bouncer(cluster: Cluster) -> int:
-    """Server connections PgBouncer holds to this test's database (its SHOW SERVERS).
-
-    PgBouncer's admin console speaks only the simple query protocol: psql asks.
-    """
-    database = cluster.database_url.rsplit("/", 1)[1].partition("?")[0]
-    process = await asyncio.create_subprocess_exec(
-        "psql",
-        f"postgresql://postgres:postgres@127.0.0.1:{patroni.BOUNCER_PORT}/pgbouncer",
-        "-AtF,",
-        "-c",
-        "SHOW SERVERS",
-        stdout=asyncio.subprocess.PIPE,
-    )
-    out, _ = await process.communicate()
-    assert process.returncode == 0
-    rows = [line.split(",") for line in out.decode().splitlines()]
-    return sum(1 for row in rows if len(row) > 2 and row[2] == database)
 
 
 async def test_submit_run_and_watch_through_pgbouncer(bouncer_cluster: Cluster) -> None:
@@ -58,7 +38,7 @@ async def test_submit_run_and_watch_through_pgbouncer(bouncer_cluster: Cluster) 
         assert ended.state is JobState.SUCCEEDED
         events = [event async for event in client.watch(job.name)]
         check_stream(events, ended.last_seq)
-    assert await _through_bouncer(cluster) > 0  # the pools did go through PgBouncer
+    assert await through_bouncer(cluster) > 0  # the pools did go through PgBouncer
     assert not survivors(cluster), survivors(cluster)
     print(f"\nthrough PgBouncer: {counts['jobs'] + 1} jobs submitted, run and watched")
 
@@ -84,4 +64,4 @@ async def test_switchover_under_load_through_pgbouncer(bouncer_cluster: Cluster)
         bouncer_cluster, "switchover through PgBouncer", patroni.switchover, same_ok=False
     )
     assert failover.new_leader != failover.old_leader
-    assert await _through_bouncer(bouncer_cluster) > 0
+    assert await through_bouncer(bouncer_cluster) > 0
