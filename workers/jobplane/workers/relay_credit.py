@@ -11,11 +11,19 @@ Postgres. A queue's credit is its target backlog less what it holds:
 
 ``ready`` and ``consumers`` come from a passive ``queue.declare`` on a channel
 of the credit's own, read at most every ``refresh_seconds`` and only when a
-claim is about to run; between reads every claimed dispatch is debited
-locally. The drain rate is what the queue's consumers took between two
-reads (ready before + published - ready now, over the time between), kept
-over idle spells: a fast fleet gets a backlog of ``horizon`` seconds of its
-work, a queue with no consumer yet ``min_backlog``.
+claim is about to run. Dispatches claimed and not yet in those counts (still
+being published, or published after the read) are debited locally: a claim
+may run while the batches before it are still in flight.
+
+The drain rate is what the queue's consumers took between two reads (ready
+before + published and confirmed between the reads - ready now, over the time
+between), smoothed over about ``_RATE_SECONDS`` and kept over idle spells: a
+fast fleet gets a backlog of ``horizon`` seconds of its work, a queue with no
+consumer yet ``min_backlog``. Only confirmed publishes count as arrivals: a
+dispatch claimed but not yet on the broker is not something its consumers
+took, and counting it so would overstate the rate (and with it the backlog,
+and how long another tenant's job waits behind it) for as long as batches are
+in flight.
 """
 
 from __future__ import annotations
@@ -37,9 +45,14 @@ from jobplane.workers.fairness import FairSettings
 log = structlog.get_logger("jobplane.relay")
 
 
+#: The drain rate's smoothing: a reading counts in proportion to the time it
+#: covers, up to this many seconds (an exponential moving average in time).
+_RATE_SECONDS = 1.0
+
+
 @dataclass(slots=True)
 class QueueCredit:
-    """One queue's counts, as last read, and what was published since."""
+    """One queue's counts, as last read, and what was claimed and published since."""
 
     name: str
     #: Its priority's place: 0 high, 1 normal, 2 low (claims give lower ranks first).
@@ -47,15 +60,24 @@ class QueueCredit:
     target: int
     ready: int = 0
     consumers: int = 0
-    #: Dispatches claimed for it since the counts were read.
-    sent: int = 0
+    #: Dispatches claimed for it, ever (less those whose batch was never published).
+    claimed: int = 0
+    #: Of those, how many were published (confirmed), ever.
+    published: int = 0
+    #: ``published`` when the counts were read: later ones are not in ``ready``.
+    published_at_read: int = 0
     #: Messages its consumers take a second, smoothed.
     rate: float = 0.0
     read_at: float = -math.inf
 
     @property
+    def outstanding(self) -> int:
+        """Claimed dispatches not in the last read's ``ready``: in flight or published since."""
+        return self.claimed - self.published_at_read
+
+    @property
     def credit(self) -> int:
-        return max(0, self.target - self.ready - self.sent)
+        return max(0, self.target - self.ready - self.outstanding)
 
 
 class CreditBook:
@@ -84,13 +106,24 @@ class CreditBook:
 
     def debit(self, credits: dict[str, tuple[int, int]], slots: Iterable[FairSlot]) -> None:
         """Count the claimed dispatches against their queues' credit."""
-        taken: dict[str, int] = {}
-        for slot in slots:
-            taken[slot.queue] = taken.get(slot.queue, 0) + 1
+        taken = _per_queue(slots)
         for name, count in taken.items():
             if name in self.queues:
-                self.queues[name].sent += count
+                self.queues[name].claimed += count
         self.starved = any(taken.get(name, 0) >= credit for name, (credit, _) in credits.items())
+
+    def landed(self, slots: Iterable[FairSlot], *, published: bool) -> None:
+        """The batch of ``slots`` is over: published (its publishes answered), or
+        not (it failed or was cancelled before: its rows stay due, and are
+        claimed, and debited, again)."""
+        for name, count in _per_queue(slots).items():
+            queue = self.queues.get(name)
+            if queue is None:
+                continue
+            if published:
+                queue.published += count
+            else:
+                queue.claimed -= count
 
     async def refresh(self) -> None:
         """Read the counts of the queues whose counts are older than ``refresh_seconds``."""
@@ -115,7 +148,8 @@ class CreditBook:
             # dispatches come back unroutable, and the relay says so there.
             log.warning("relay.credit.unread", queue=queue.name, error=repr(exc))
             self._channel = None
-            queue.ready, queue.consumers, queue.sent = 0, 0, 0
+            queue.ready, queue.consumers = 0, 0
+            queue.published_at_read = queue.published
             queue.target = self.settings.min_backlog
             queue.read_at = time.monotonic()
             return
@@ -125,11 +159,17 @@ class CreditBook:
     def _update(self, queue: QueueCredit, ready: int, consumers: int) -> None:
         now = time.monotonic()
         elapsed = now - queue.read_at
-        taken = queue.ready + queue.sent - ready
-        if math.isfinite(elapsed) and elapsed > 0 and (queue.sent or queue.ready):
+        arrived = queue.published - queue.published_at_read
+        if math.isfinite(elapsed) and elapsed > 0 and (arrived or queue.ready):
             # Only while there was work to take: an idle queue keeps its rate.
-            measured = max(0, taken) / elapsed
-            queue.rate = measured if queue.rate == 0 else (queue.rate + measured) / 2
+            # A reading may come out below zero (a publish confirmed after the
+            # broker counted it): it evens out with the next, so it is not cut.
+            measured = (queue.ready + arrived - ready) / elapsed
+            if queue.rate == 0:
+                queue.rate = max(0.0, measured)
+            else:
+                weight = min(1.0, elapsed / _RATE_SECONDS)
+                queue.rate = max(0.0, queue.rate + (measured - queue.rate) * weight)
         settings = self.settings
         wanted = max(
             settings.min_backlog,
@@ -137,7 +177,8 @@ class CreditBook:
             math.ceil(queue.rate * settings.horizon_seconds),
         )
         queue.target = min(wanted, settings.max_backlog)
-        queue.ready, queue.consumers, queue.sent, queue.read_at = ready, consumers, 0, now
+        queue.ready, queue.consumers, queue.read_at = ready, consumers, now
+        queue.published_at_read = queue.published
 
     async def _open(self) -> AbstractChannel | None:
         if self._channel is not None and not self._channel.is_closed:
@@ -147,3 +188,10 @@ class CreditBook:
             return None
         self._channel = await connection.channel(publisher_confirms=False)
         return self._channel
+
+
+def _per_queue(slots: Iterable[FairSlot]) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for slot in slots:
+        counts[slot.queue] = counts.get(slot.queue, 0) + 1
+    return counts

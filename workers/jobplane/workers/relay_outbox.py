@@ -23,7 +23,7 @@ from jobplane.faults import FaultPoints
 from jobplane.logs import describe_error
 from jobplane.store.deployment import Deployment
 from jobplane.store.down import database_transient
-from jobplane.store.fair import FairClaim, FairRound
+from jobplane.store.fair import FairClaim, FairRound, FairSlot
 from jobplane.store.listen import Subscription
 from jobplane.store.outbox import OutboxKind, OutboxRow
 from jobplane.workers.interceptors import NO_HEADERS
@@ -178,6 +178,7 @@ class OutboxDispatch(OutboxRecording):
         """:meth:`relay_once`; ``claimed`` learns how many rows it took as soon as it knows."""
         outcomes: list[RowOutcome] | None = None
         began = time.monotonic()
+        debited: list[FairSlot] = []
         try:
             fair = await self._fair_claim()
             async with self._store.claim(
@@ -187,12 +188,18 @@ class OutboxDispatch(OutboxRecording):
                     # Before the next batch's claim (the claimed future lets it start).
                     self._round.served(batch.slots)
                     self.credit.debit(fair.credits, batch.slots)
+                    debited = batch.slots
                 if claimed is not None and not claimed.done():
                     claimed.set_result(len(batch.rows))
                 if not batch.rows:
                     return 0
                 started = time.monotonic()
-                outcomes = await self._publish_all(exchange, events, batch.rows)
+                try:
+                    outcomes = await self._publish_all(exchange, events, batch.rows)
+                finally:
+                    if debited and self.credit is not None:
+                        self.credit.landed(debited, published=outcomes is not None)
+                        debited = []
                 self._note_nacks(outcomes)
                 if self._intercept is not None:
                     self._intercept.confirmed(time.monotonic() - started)
