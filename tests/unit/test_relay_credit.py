@@ -56,7 +56,7 @@ class _Run:
         # relay claims the next batch while the one before is being confirmed.
         for batch in self.in_flight:
             self.ready += len(batch)
-            self.book.landed(batch, published=True)
+            self.book.landed(batch, [slot.queue for slot in batch])
         self.in_flight = [slots]
         self.now += seconds
         self.taken += self.rate * seconds
@@ -121,11 +121,11 @@ def test_a_batch_that_was_never_published_gives_its_credit_back(clock: list[floa
     book.debit(credits, slots)
     assert book.credits()["work"][0] == 4
     assert not book.starved
-    book.landed(slots, published=False)
+    book.landed(slots)
     assert book.credits()["work"][0] == 10
     # Published: on the broker now, and counted there at the next read.
     book.debit(book.credits(), slots)
-    book.landed(slots, published=True)
+    book.landed(slots, ["work"] * 6)
     assert book.credits()["work"][0] == 4
     clock[0] += 1.0
     book._update(queue, 6, consumers=0)
@@ -148,7 +148,7 @@ def test_an_idle_queue_keeps_its_rate(clock: list[float]) -> None:
     assert queue.rate > 0
     # Nothing left, nothing published: readings over an idle spell change nothing.
     for batch in run.in_flight:
-        run.book.landed(batch, published=False)
+        run.book.landed(batch)
     clock[0] += 0.1
     run.book._update(queue, 0, consumers=1)
     rate = queue.rate
@@ -156,3 +156,18 @@ def test_an_idle_queue_keeps_its_rate(clock: list[float]) -> None:
         clock[0] += 1.0
         run.book._update(queue, 0, consumers=1)
     assert queue.rate == rate
+
+
+def test_only_confirmed_dispatches_arrive(clock: list[float]) -> None:
+    """Nacked or returned dispatches are not on the broker: no consumer took them."""
+    book = CreditBook(_TOPOLOGY, FairSettings(min_backlog=10))
+    queue = book.queues["work"]
+    book._update(queue, 0, consumers=1)
+    slots = _slots(10)
+    book.debit(book.credits(), slots)
+    book.landed(slots, ["work"] * 4)  # six nacked: they stay due
+    assert book.credits()["work"][0] == 6
+    clock[0] += 1.0
+    book._update(queue, 4, consumers=1)
+    assert queue.rate == 0.0  # the four are still ready: none was taken
+    assert book.credits()["work"][0] == 6

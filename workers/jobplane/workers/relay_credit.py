@@ -7,7 +7,7 @@ Postgres. A queue's credit is its target backlog less what it holds:
 
     target = clamp(max(min_backlog, consumers * per_consumer, drain rate * horizon),
                    max=max_backlog)
-    credit = target - ready messages - dispatches published since they were read
+    credit = target - ready messages - dispatches claimed and not in that count
 
 ``ready`` and ``consumers`` come from a passive ``queue.declare`` on a channel
 of the credit's own, read at most every ``refresh_seconds`` and only when a
@@ -112,18 +112,19 @@ class CreditBook:
                 self.queues[name].claimed += count
         self.starved = any(taken.get(name, 0) >= credit for name, (credit, _) in credits.items())
 
-    def landed(self, slots: Iterable[FairSlot], *, published: bool) -> None:
-        """The batch of ``slots`` is over: published (its publishes answered), or
-        not (it failed or was cancelled before: its rows stay due, and are
-        claimed, and debited, again)."""
+    def landed(self, slots: Iterable[FairSlot], confirmed: Iterable[str] = ()) -> None:
+        """The batch of ``slots`` is over; ``confirmed`` names the queue of each of
+        its dispatches the broker confirmed. Those are on the broker now; the
+        rest (nacked, returned, timed out, or never published: the batch
+        failed or was cancelled) stay due, to be claimed, and debited, again."""
+        on_broker = _per_queue_names(confirmed)
         for name, count in _per_queue(slots).items():
             queue = self.queues.get(name)
             if queue is None:
                 continue
-            if published:
-                queue.published += count
-            else:
-                queue.claimed -= count
+            arrived = min(count, on_broker.get(name, 0))
+            queue.published += arrived
+            queue.claimed -= count - arrived
 
     async def refresh(self) -> None:
         """Read the counts of the queues whose counts are older than ``refresh_seconds``."""
@@ -191,7 +192,11 @@ class CreditBook:
 
 
 def _per_queue(slots: Iterable[FairSlot]) -> dict[str, int]:
+    return _per_queue_names(slot.queue for slot in slots)
+
+
+def _per_queue_names(names: Iterable[str]) -> dict[str, int]:
     counts: dict[str, int] = {}
-    for slot in slots:
-        counts[slot.queue] = counts.get(slot.queue, 0) + 1
+    for name in names:
+        counts[name] = counts.get(name, 0) + 1
     return counts

@@ -198,7 +198,7 @@ class OutboxDispatch(OutboxRecording):
                     outcomes = await self._publish_all(exchange, events, batch.rows)
                 finally:
                     if debited and self.credit is not None:
-                        self.credit.landed(debited, published=outcomes is not None)
+                        self.credit.landed(debited, _confirmed_queues(outcomes))
                         debited = []
                 self._note_nacks(outcomes)
                 if self._intercept is not None:
@@ -311,3 +311,10 @@ class OutboxDispatch(OutboxRecording):
                 tracestate=row.headers.get(TRACESTATE_HEADER),
                 faults=self._faults,
             )
+
+
+def _confirmed_queues(outcomes: list[RowOutcome] | None) -> list[str]:
+    """The queue of each fair dispatch of ``outcomes`` the broker confirmed."""
+    if outcomes is None:
+        return []
+    return [o.row.queue for o in outcomes if o.fate is Fate.CONFIRMED and o.row.queue]
