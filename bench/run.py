@@ -58,6 +58,7 @@ import time
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -72,8 +73,7 @@ from bench.handlers import MAX_ROUNDS
 from jobplane import broker
 from jobplane.blobs.store import PART_BYTES
 from jobplane.client import AsyncClient
-from jobplane.store import claims, job_reads, outbox, sweeps
-from jobplane.store import events as events_store
+from jobplane.store import claims, event_feed, job_reads, outbox, sweeps
 from jobplane.store.engine import asyncpg_dsn, create_engine, migrate
 from jobplane.store.keys import KeyStore
 from jobplane.store.machine import MACHINE, Cause, Transition
@@ -404,19 +404,36 @@ async def closed_loop_rate(bench: Bench, job_type: str) -> float:
     return float(rows[0]["n"]) / float(rows[0]["span"])
 
 
-async def fig_lifecycle_cost(bench: Bench) -> None:
-    """The end-to-end no-op figure with lifecycle events off and on, in one run.
+def _publish_all_topology(bench: Bench) -> Path:
+    """The default topology with every lifecycle event published (``job.#``), as a file."""
+    text = resources.files("jobplane").joinpath("topologies/default.toml").read_text()
+    text = text.replace("[events]\n", '[events]\npublish_lifecycle = ["job.#"]\n', 1)
+    path = bench.workdir / "lifecycle_all.toml"
+    path.write_text(text)
+    return path
 
-    Two arms running at once (:mod:`bench.paired`), one with
-    JOBPLANE_LIFECYCLE_EVENTS=0, loaded in turn for :func:`rounds_of` rounds
-    of ``--jobs`` each, the order reversed every other round. The cost is
-    the median of the rounds' ratios; events must cost at most 15 %. An
-    arm's loop ends when its relay has published every event, so what
-    publishing them costs is in its CPU figures.
+
+async def fig_lifecycle_cost(bench: Bench) -> None:
+    """The end-to-end no-op figure with lifecycle events off, as by default, and all
+    published, in one run.
+
+    Three arms running at once (:mod:`bench.paired`): JOBPLANE_LIFECYCLE_EVENTS=0
+    (no rows), the default (rows written, none published: ADR-0052) and
+    ``publish_lifecycle = ["job.#"]`` (every one published, as before
+    ADR-0052), loaded in turn for :func:`rounds_of` rounds of ``--jobs``
+    each, the order reversed every other round. The cost is the median of
+    the rounds' ratios: the default's against off must be at most 15 %;
+    all published against the default is what publishing them adds. An
+    arm's loop ends when its relay's feed has passed every event, so what
+    publishing (or passing) them costs is in its CPU figures.
     """
     from bench.paired import Arm, cpu_split, paired_rounds, round_ratios, rounds_of
 
-    arms = {"off": Arm("off", {"JOBPLANE_LIFECYCLE_EVENTS": "0"}), "on": Arm("on", {})}
+    arms = {
+        "off": Arm("off", {"JOBPLANE_LIFECYCLE_EVENTS": "0"}),
+        "on": Arm("on", {}),
+        "all": Arm("all", {"JOBPLANE_TOPOLOGY": str(_publish_all_topology(bench))}),
+    }
     await paired_rounds(bench, list(arms.values()), "lifecycle events", settled=_events_published)
     config = {
         "jobs": bench.args.jobs,
@@ -434,25 +451,29 @@ async def fig_lifecycle_cost(bench: Bench) -> None:
         for component, ms in sorted(arm.cpu.items()):
             name = component.replace(" ", "_")
             bench.add(Figure(f"cpu_per_job_lifecycle_{state}_{name}", ms, "ms", {}))
-    print(
-        f"lifecycle events, CPU ms per job off → on: {cpu_split(arms['on'], arms['off'])}",
-        file=sys.stderr,
-    )
-    ratios = round_ratios(arms["on"], arms["off"])
-    ratio = statistics.median(ratios)
-    bench.add(
-        Figure(
-            "lifecycle_events_cost",
-            (1 - ratio) * 100,
-            "% of jobs/s",
-            {"rounds": len(ratios), "ratios": [round(r, 3) for r in ratios]},
+    for measured, base in (("on", "off"), ("all", "on")):
+        split = cpu_split(arms[measured], arms[base])
+        print(f"lifecycle events, CPU ms per job {base} → {measured}: {split}", file=sys.stderr)
+    for name, measured, base, what in (
+        ("lifecycle_events_cost", "on", "off", "lifecycle events as by default (none published)"),
+        ("lifecycle_publish_all_cost", "all", "on", "publishing every lifecycle event"),
+    ):
+        ratios = round_ratios(arms[measured], arms[base])
+        ratio = statistics.median(ratios)
+        bench.add(
+            Figure(
+                name,
+                (1 - ratio) * 100,
+                "% of jobs/s",
+                {"rounds": len(ratios), "ratios": [round(r, 3) for r in ratios]},
+            )
         )
-    )
-    print(
-        f"lifecycle events: median ratio {ratio:.3f} over {len(ratios)} rounds, "
-        f"cost {(1 - ratio) * 100:.1f} % (at most 15 %)",
-        file=sys.stderr,
-    )
+        print(
+            f"{what}: median ratio {measured}/{base} {ratio:.3f} over {len(ratios)} rounds, "
+            f"cost {(1 - ratio) * 100:.1f} %"
+            + (" (at most 15 %)" if name == "lifecycle_events_cost" else ""),
+            file=sys.stderr,
+        )
 
 
 async def fig_throughput(bench: Bench) -> float:
@@ -1180,7 +1201,7 @@ async def check_plans(bench: Bench) -> None:
     feed = (await bench.sql("SELECT txid::text AS txid, seq FROM event_relay"))[0]
     statements: dict[str, tuple[Any, dict[str, Any]]] = {
         "relay event feed": (
-            events_store._FEED_READ,
+            event_feed._FEED_READ,
             {"txid": feed["txid"], "seq": feed["seq"], "limit": 500},
         ),
         "sweeper events behind": (sweeps._EVENTS_BEHIND, {"older_than": 60.0}),

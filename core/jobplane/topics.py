@@ -1,5 +1,5 @@
-"""AMQP topic routing as jobplane uses it: the events exchange's default name and
-topic-pattern matching.
+"""AMQP topic routing as jobplane uses it: the events exchange's default name,
+topic-pattern matching, and the lifecycle event types a topology may publish.
 
 Its own module, free of any broker library, because the SDK matches event
 types to subscription patterns too (:mod:`jobplane.events.envelope`);
@@ -13,6 +13,21 @@ from functools import lru_cache
 # The events exchange when the topology file names none; the same default as
 # jobplane.events.EXCHANGE, the consumers' default.
 EVENTS_EXCHANGE = "jobplane.events"
+
+#: The lifecycle events job transitions write (docs/events.md, "Lifecycle
+#: events"; ``jobplane.store.machine.Lifecycle`` holds the same), in the order
+#: the docs list them. A topology's ``[events] publish_lifecycle`` patterns
+#: choose among them which reach the events exchange.
+LIFECYCLE_EVENT_TYPES = (
+    "job.queued",
+    "job.started",
+    "job.retry_scheduled",
+    "job.cancel_requested",
+    "job.stage_succeeded",
+    "job.succeeded",
+    "job.failed",
+    "job.cancelled",
+)
 
 
 @lru_cache(maxsize=4096)

@@ -97,11 +97,12 @@ def free_port() -> int:
 
 def topology_toml(topology: Topology) -> str:
     """``topology`` as a TOML file the processes can load."""
+    published = ", ".join(f'"{p}"' for p in topology.publish_lifecycle)
     lines = [
         f'[exchange]\nname = "{topology.exchange}"\n',
         f'[dead_letter]\nexchange = "{topology.dead_letter_exchange}"\n'
         f'queue = "{topology.failed_queue}"\n',
-        f'[events]\nexchange = "{topology.events_exchange}"\n',
+        f'[events]\nexchange = "{topology.events_exchange}"\npublish_lifecycle = [{published}]\n',
     ]
     if topology.quorum_group_size is not None:
         lines.append(f"[quorum]\ninitial_group_size = {topology.quorum_group_size}\n")

@@ -11,15 +11,23 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import replace
 from urllib.parse import urlsplit
 
 import asyncpg
 import pytest
 
 from jobplane.store.engine import asyncpg_dsn
+from jobplane.topology import Topology
 from tests.faults.cluster import Cluster
 from tests.faults.event_path import EventPath, event_path
 from tests.faults.test_faults import _rabbitmqctl
+
+
+@pytest.fixture
+def topology(topology: Topology) -> Topology:
+    """Every lifecycle event published: the judge counts the tap's copies of every event."""
+    return replace(topology, publish_lifecycle=("job.#",))
 
 
 @pytest.fixture

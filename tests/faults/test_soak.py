@@ -21,10 +21,12 @@ import random
 import shutil
 import subprocess
 import time
+from dataclasses import replace
 
 import pytest
 
 from jobplane.client import JobEvent
+from jobplane.topology import Topology
 from tests.faults.cluster import FAN_PIPELINE, FAN_TOLERANT, PIPELINE, Cluster, Proc
 from tests.faults.event_path import event_path
 from tests.faults.fan_judge import judge_fan_outs
@@ -41,6 +43,12 @@ FAN_ITEMS = 5
 # 0 leaves the broker alone (a RabbitMQ shared with other runs).
 RESTART_BROKER = os.environ.get("JOBPLANE_SOAK_BROKER_RESTART", "1") != "0"
 KILL_EVERY = (2.0, 5.0)
+
+
+@pytest.fixture
+def topology(topology: Topology) -> Topology:
+    """Every lifecycle event published: the judge counts the tap's copies of every event."""
+    return replace(topology, publish_lifecycle=("job.#",))
 
 
 def _restart_broker() -> None:

@@ -268,10 +268,11 @@ _OUTBOX = """
            o.available_at <= now() AS due
     FROM outbox o JOIN jobs j ON j.id = o.job_id WHERE o.job_id = $1
 """
-# Its job.queued (the relays publish it from this row), with what differs
-# between two jobs (ids, tenant) written as placeholders.
+# Its job.queued (the relays publish it from this row, when the topology
+# declares its type: both paths mark it a lifecycle event), with what
+# differs between two jobs (ids, tenant) written as placeholders.
 _DOMAIN = """
-    SELECT e.event_type, e.correlation_id, e.causation_id, e.project_id,
+    SELECT e.event_type, e.lifecycle, e.correlation_id, e.causation_id, e.project_id,
            e.payload::text AS payload, e.request_hash, e.traceparent, e.tracestate,
            e.event_id::text AS event_id, e.tenant_id::text AS tenant_id,
            e.event_time BETWEEN j.create_time AND now() AS timed

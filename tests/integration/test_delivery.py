@@ -255,9 +255,11 @@ async def test_relay_does_not_mark_a_returned_publish(
     from jobplane.workers.relay import Relay
 
     # The server accepts the type, but the exchange the relay declared has no
-    # binding for it: the broker returns the mandatory message.
+    # binding for it: the broker returns the mandatory message. Its job.queued
+    # is published (the topology says so).
+    published = replace(topology, publish_lifecycle=("job.queued",))
     stack = await started(
-        start_stack(engine, database_url, amqp_url, topology, relay=False, worker=False)
+        start_stack(engine, database_url, amqp_url, published, relay=False, worker=False)
     )
     narrow = replace(topology, queues=(replace(topology.queues[0], bindings=("reports.*",)),))
     relay = await started(Relay(engine, database_url, amqp_url, narrow, poll_seconds=0.1))

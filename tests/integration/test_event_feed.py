@@ -22,7 +22,8 @@ from sqlalchemy import text
 
 from jobplane.events import Event, decode
 from jobplane.store.engine import create_engine, migrate
-from jobplane.store.events import NewEvent, append
+from jobplane.store.event_feed import EventFeed
+from jobplane.store.events import EARLIEST, EventStore, NewEvent, append
 from jobplane.store.keys import KeyStore
 from jobplane.topology import Topology
 from jobplane.workers.relay import PublishFailed, Relay
@@ -326,3 +327,28 @@ async def test_a_refusal_mid_batch_moves_the_position_past_the_confirmed_prefix_
     assert later == ids[2:]
     assert start < positions[0]
     assert relay.events_published == 4 and relay.events_parked == 0
+
+
+@pytest.mark.stack(relay=False, worker=False)
+async def test_the_feed_and_subscriptions_read_in_transaction_order_not_its_text(
+    stack: Stack,
+) -> None:
+    # Two settled rows at transactions 9 and 10: as text, "10" sorts first.
+    async with stack.engine.begin() as conn:
+        for txid, event_type in ((10, "order.ten"), (9, "order.nine")):
+            await conn.execute(
+                text(
+                    "INSERT INTO events (tenant_id, event_id, event_type, event_time, "
+                    "correlation_id, payload, request_hash, txid) VALUES (:tenant, "
+                    "gen_random_uuid(), :type, now(), 'c', '{}', '', "
+                    "CAST(CAST(:txid AS text) AS xid8))"
+                ),
+                {"tenant": stack.tenant_id, "type": event_type, "txid": str(txid)},
+            )
+        await conn.execute(text("UPDATE event_relay SET txid = CAST('0' AS xid8), seq = 0"))
+    async with EventFeed(stack.db).claim(1) as batch:
+        assert batch is not None
+        assert [e.stored.event.event_type for e in batch.events] == ["order.nine"]
+    read = await EventStore(stack.engine).read_after(stack.tenant_id, None, EARLIEST, limit=1)
+    assert [e.event.event_type for e in read.events] == ["order.nine"]
+    assert read.position.txid == 9

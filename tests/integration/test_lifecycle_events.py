@@ -2,9 +2,10 @@
 
 A job's transitions publish ``job.queued``, ``job.started``, ``job.succeeded``
 (…) in order, each caused by the one before it and correlated to the job;
-SubscribeEvents and a queue bound to ``job.#`` see the same chain. A handler's
-emitted events reach both only with the attempt that wins: never from one
-that failed, was retried or lost its lease.
+SubscribeEvents and a queue bound to ``job.#`` see the same chain (the
+topology publishes every lifecycle event: ``publish_lifecycle = ["job.#"]``).
+A handler's emitted events reach both only with the attempt that wins: never
+from one that failed, was retried or lost its lease.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import asyncio
 import json
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from typing import Any
 
 import aio_pika
@@ -97,11 +99,12 @@ async def _bad_emit(ctx: JobContext) -> dict[str, Any]:
 async def stack(
     engine: AsyncEngine, database_url: str, amqp_url: str, topology: Topology
 ) -> AsyncIterator[Stack]:
+    # Every lifecycle event published: the exchange carries the chain too.
     running = await start_stack(
         engine,
         database_url,
         amqp_url,
-        topology,
+        replace(topology, publish_lifecycle=("job.#",)),
         registry=registry,
         worker_options={"concurrency": 4, "retry_base_delay": 0.05},
     )

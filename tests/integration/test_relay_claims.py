@@ -13,6 +13,7 @@ fair claim's own sharing is tests/integration/test_fair_dispatch.py's.
 from __future__ import annotations
 
 import uuid
+from dataclasses import replace
 from typing import Any
 
 from sqlalchemy import text
@@ -73,8 +74,10 @@ async def test_a_relay_publishes_the_rows_another_relay_holds_not(
 async def test_relays_claiming_at_once_publish_each_row_once(
     engine: AsyncEngine, database_url: str, amqp_url: str, topology: Topology, started: Started
 ) -> None:
+    # job.queued published: every job has an event for the feed to publish.
+    published = replace(topology, publish_lifecycle=("job.queued",))
     stack = await started(
-        start_stack(engine, database_url, amqp_url, topology, relay=False, worker=False)
+        start_stack(engine, database_url, amqp_url, published, relay=False, worker=False)
     )
     queue = topology.queues[0].name
     client = stack.client()

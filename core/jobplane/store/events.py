@@ -5,8 +5,8 @@ by anything that emits events inside its own transaction (it is what a job
 transition's statement writes too): the ``events`` row, on the caller's
 connection, in the caller's transaction — it commits with the caller's
 writes or not at all. The table is its own outbox: the relays publish it
-by a cursor in commit order (:class:`EventFeed`, ADR-0016), and
-subscriptions read it by theirs.
+by a cursor in commit order (:mod:`jobplane.store.event_feed`, ADR-0016),
+and subscriptions read it by theirs.
 
 Reading (:meth:`EventStore.read_after`) follows a commit-ordered cursor
 (ADR-0011). Every row records the id of the transaction that wrote it
@@ -29,8 +29,7 @@ import hashlib
 import json
 import struct
 import uuid
-from collections.abc import AsyncIterator, Sequence
-from contextlib import asynccontextmanager
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -44,7 +43,6 @@ from jobplane.events.envelope import (
     encode,
     validate_pattern,
 )
-from jobplane.store.db import Conn, Database
 from jobplane.store.engine import autocommit
 from jobplane.store.machine import Emitted
 from jobplane.store.rows import DOMAIN_EVENTS_CHANNEL, dumps
@@ -172,12 +170,12 @@ _INSERT = text(
     RETURNING CAST(txid AS text) AS txid, seq
     """
 )
-_EVENT_COLUMNS = """
+EVENT_COLUMNS = """
     event_id, event_type, event_time, project_id, correlation_id, causation_id, payload, job_id,
     CAST(txid AS text) AS txid, seq
 """
 _SELECT = text(
-    f"SELECT {_EVENT_COLUMNS}, request_hash FROM events "
+    f"SELECT {EVENT_COLUMNS}, request_hash FROM events "
     "WHERE tenant_id = :tenant_id AND event_id = :event_id"
 )
 # A second append of a stored event whose digest differs: the same event when
@@ -205,7 +203,8 @@ _READ = """
     WHERE tenant_id = :tenant_id
         AND (txid, seq) > (CAST(CAST(:txid AS text) AS xid8), :seq)
         {snapshot}
-    ORDER BY txid, seq
+    -- Qualified: a bare txid would be the text column above, in text order.
+    ORDER BY events.txid, events.seq
     LIMIT :limit
 """
 _READ_COLUMNS = """
@@ -280,7 +279,7 @@ async def append(
                 f"event_id {str(event.event_id)!r} was published with a different event",
                 field="event_id",
             )
-        previous = _stored(tenant_id, row)
+        previous = stored_event(tenant_id, row)
         stored.append(
             StoredEvent(previous.event, previous.position, previous.job_id, created=False)
         )
@@ -391,127 +390,12 @@ class EventStore:
                 break
             position = Position(int(row["txid"]), int(row["seq"]))
             if row["matched"]:
-                events.append(_stored(tenant_id, row))
+                events.append(stored_event(tenant_id, row))
         return EventRead(events, position, held=held, full=len(rows) >= limit and not held)
 
 
-# The relays' feed (ADR-0016). One relay at a time holds it, by a
-# transaction-level advisory lock: no row lock, so the feed's transaction
-# takes no transaction id until it moves the position, and never holds
-# back the horizon it reads by.
-FEED_LOCK_KEY = 0x6A70_6576_6665_6564  # "jpevfeed"
-_FEED_LOCK = text("SELECT pg_try_advisory_xact_lock(:key)")
-_FEED_POSITION = text("SELECT CAST(txid AS text) AS txid, seq FROM event_relay")
-_FEED_READ = text(
-    f"""
-    SELECT tenant_id, {_EVENT_COLUMNS}, traceparent, tracestate, txid < h.horizon AS settled
-    FROM events
-    CROSS JOIN (SELECT pg_snapshot_xmin(pg_current_snapshot()) AS horizon) h
-    WHERE (txid, seq) > (CAST(CAST(:txid AS text) AS xid8), :seq)
-    ORDER BY txid, seq
-    LIMIT :limit
-    """
-)
-# An event the broker keeps refusing, moved to the outbox: it is retried
-# there on its own, with backoff, for ever, and holds up no event behind it.
-_FEED_PARK = text(
-    """
-    INSERT INTO outbox (id, tenant_id, kind, routing_key, correlation_id, body, headers,
-                        last_error, available_at)
-    VALUES (gen_random_uuid(), :tenant_id, 'event', :event_type, :correlation_id, :body,
-            jsonb_strip_nulls(jsonb_build_object(
-                'correlation_id', CAST(:correlation_id AS text),
-                'causation_id', CAST(:causation_id AS text),
-                'traceparent', CAST(:traceparent AS text),
-                'tracestate', CAST(:tracestate AS text))),
-            :error, now() + make_interval(secs => :delay))
-    """
-)
-_FEED_MOVE = text(
-    "UPDATE event_relay SET txid = CAST(CAST(:txid AS text) AS xid8), seq = :seq, moved_at = now()"
-)
-
-
-@dataclass(frozen=True, slots=True)
-class FeedEvent:
-    """An event to publish, with the trace context it was written with."""
-
-    stored: StoredEvent
-    traceparent: str | None = None
-    tracestate: str | None = None
-
-
-class FeedBatch:
-    """Settled events after the feed's position, read holding the feed.
-
-    ``held``: events were committed after the last of ``events`` but wait for
-    an older transaction to end (read again soon: no notification will say
-    when). :meth:`advance` moves the position; it commits with the block.
-    """
-
-    def __init__(self, conn: Conn, events: list[FeedEvent], *, held: bool) -> None:
-        self._conn = conn
-        self.events = events
-        self.held = held
-
-    async def park(self, event: FeedEvent, body: bytes, error: str, *, delay: float) -> None:
-        """Hand ``event`` to the outbox (as a row of kind ``event``, due after
-        ``delay`` seconds), so that the position can move past it."""
-        stored = event.stored.event
-        await self._conn.execute(
-            _FEED_PARK,
-            {
-                "tenant_id": stored.tenant_id,
-                "event_type": stored.event_type,
-                "correlation_id": stored.correlation_id,
-                "causation_id": stored.causation_id,
-                "traceparent": event.traceparent,
-                "tracestate": event.tracestate,
-                "body": body,
-                "error": error[:1000],
-                "delay": delay,
-            },
-        )
-
-    async def advance(self, position: Position) -> None:
-        """Record that every event up to ``position`` is published."""
-        await self._conn.execute(_FEED_MOVE, {"txid": str(position.txid), "seq": position.seq})
-
-
-class EventFeed:
-    """The relays' cursor over ``events``: each event published at least once, in commit order."""
-
-    def __init__(self, db: Database) -> None:
-        self._db = db
-
-    @asynccontextmanager
-    async def claim(self, limit: int) -> AsyncIterator[FeedBatch | None]:
-        """Hold the feed for the block and read up to ``limit`` events after its position.
-
-        None when another relay holds it. Moves made in the block commit
-        with it; if the block raises, the position stays where it was.
-        """
-        async with self._db.begin() as conn:
-            if not await conn.fetchval(_FEED_LOCK, {"key": FEED_LOCK_KEY}):
-                yield None
-                return
-            at = await conn.fetchrow(_FEED_POSITION)
-            assert at is not None  # the table has its one row (migration 0010)
-            rows = await conn.fetch(
-                _FEED_READ, {"txid": at["txid"], "seq": int(at["seq"]), "limit": limit}
-            )
-            events: list[FeedEvent] = []
-            held = False
-            for row in rows:
-                if not row["settled"]:
-                    held = True
-                    break
-                stored = _stored(uuid.UUID(str(row["tenant_id"])), row)
-                events.append(FeedEvent(stored, row["traceparent"], row["tracestate"]))
-            yield FeedBatch(conn, events, held=held)
-
-
-def _stored(tenant_id: uuid.UUID, row: Any) -> StoredEvent:
+def stored_event(tenant_id: uuid.UUID, row: Any) -> StoredEvent:
+    """The event of a row read with the columns the reads select (``EVENT_COLUMNS``)."""
     payload = row["payload"]
     if isinstance(payload, str):  # asyncpg hands jsonb back as text without a codec
         payload = json.loads(payload)
@@ -536,15 +420,14 @@ def _stored(tenant_id: uuid.UUID, row: Any) -> StoredEvent:
 
 __all__ = [
     "EARLIEST",
-    "EventFeed",
+    "EVENT_COLUMNS",
     "EventRead",
     "EventStore",
-    "FeedBatch",
-    "FeedEvent",
     "NewEvent",
     "Position",
     "Start",
     "StoredEvent",
     "append",
     "pattern_regex",
+    "stored_event",
 ]

@@ -22,6 +22,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from jobplane.scheduling import DEFAULT_MAX_SCHEDULE_SECONDS
 from jobplane.store.flow_sync import sync_flow_limits
+from jobplane.store.lifecycle_publish import sync_lifecycle_publish
 from jobplane.topics import topic_regex
 from jobplane.topology import Topology
 
@@ -98,7 +99,8 @@ async def sync_submit_rules(
     ``max_schedule_seconds``: how far ahead it lets a job be scheduled.
     Returns whether anything was written. Needs only SELECT, INSERT, UPDATE
     and DELETE on the tables (the servers' database role has them); also
-    writes the flow limits (``flow_limits``, ``queue_limits``: ADR-0043).
+    writes the flow limits (``flow_limits``, ``queue_limits``: ADR-0043) and
+    the lifecycle events the relays publish (``lifecycle_publish``: ADR-0052).
     """
     wanted = routes_of(topology)
     pipelines = sorted(p.name for p in topology.pipelines)
@@ -128,10 +130,12 @@ async def _sync(
     await conn.execute(_LOCK, {"key": _SYNC_LOCK})
     # The flow limits (ADR-0043): the next claim reads them.
     flows_changed = await sync_flow_limits(conn, topology)
+    # The lifecycle events the relays publish (ADR-0052): their next pass reads it.
+    published_changed = await sync_lifecycle_publish(conn, topology)
     # Pipelines are submitted through SubmitJob only: jobplane.submit_job
     # refuses their names.
     named = list((await conn.execute(_READ_PIPELINES)).scalars())
-    changed = named != pipelines or flows_changed
+    changed = named != pipelines or flows_changed or published_changed
     if named != pipelines:
         await conn.execute(_CLEAR_PIPELINES)
         if pipelines:

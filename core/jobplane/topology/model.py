@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
-from jobplane.topics import EVENTS_EXCHANGE, topic_matches
+from jobplane.topics import EVENTS_EXCHANGE, LIFECYCLE_EVENT_TYPES, topic_matches
 
 if TYPE_CHECKING:
     from pamqp.common import FieldValue
@@ -119,6 +119,10 @@ class Topology:
     pipelines: tuple[PipelineSpec, ...] = field(default_factory=tuple)
     #: Rate and RUNNING limits by job type, in the file's order (the first that matches governs).
     rate_limits: tuple[RateLimitSpec, ...] = field(default_factory=tuple)
+    #: ``[events] publish_lifecycle``: topic patterns over the lifecycle event
+    #: types; the relay publishes a lifecycle event to the events exchange only
+    #: when one matches its type (none by default; docs/events.md, ADR-0052).
+    publish_lifecycle: tuple[str, ...] = ()
     #: Members of each quorum queue when it is declared (``x-quorum-initial-group-size``);
     #: None: the broker's default (every node, up to its ``quorum_cluster_size``, 3).
     quorum_group_size: int | None = None
@@ -129,6 +133,14 @@ class Topology:
         if self.quorum_group_size is not None:
             arguments["x-quorum-initial-group-size"] = self.quorum_group_size
         return arguments
+
+    def published_lifecycle(self) -> tuple[str, ...]:
+        """The lifecycle event types ``publish_lifecycle`` sends to the events exchange."""
+        return tuple(
+            event_type
+            for event_type in LIFECYCLE_EVENT_TYPES
+            if any(topic_matches(p, event_type) for p in self.publish_lifecycle)
+        )
 
     def rate_limit(self, job_type: str) -> RateLimitSpec | None:
         """The ``[[rate_limits]]`` entry that governs ``job_type``, or None."""

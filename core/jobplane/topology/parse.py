@@ -11,7 +11,7 @@ from typing import Any
 
 from jobplane.config import check_log_prefix
 from jobplane.names import is_job_type
-from jobplane.topics import EVENTS_EXCHANGE
+from jobplane.topics import EVENTS_EXCHANGE, LIFECYCLE_EVENT_TYPES, topic_matches
 from jobplane.topology.limits import parse_rate_limits, queue_running_limit
 from jobplane.topology.model import (
     PipelineSpec,
@@ -30,6 +30,7 @@ _PATTERN = re.compile(r"^(\*|#|[a-z0-9_-]+)(\.(\*|#|[a-z0-9_-]+))*$")
 def parse_topology(data: dict[str, Any], *, source: str = "topology") -> Topology:
     """Build and check a :class:`Topology` from parsed TOML."""
     quorum_group_size = _quorum_group_size(data, source)
+    publish_lifecycle = _publish_lifecycle(data, source)
     try:
         exchange = str(data.get("exchange", {}).get("name", "jobplane.jobs"))
         dead = data.get("dead_letter", {})
@@ -55,6 +56,7 @@ def parse_topology(data: dict[str, Any], *, source: str = "topology") -> Topolog
             failed_queue=str(dead.get("queue", "jobplane.failed")),
             queues=queues,
             events_exchange=str(events.get("exchange", EVENTS_EXCHANGE)),
+            publish_lifecycle=publish_lifecycle,
             quorum_group_size=quorum_group_size,
         )
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
@@ -89,6 +91,37 @@ def _quorum_group_size(data: dict[str, Any], source: str) -> int | None:
             f"{MAX_QUORUM_GROUP_SIZE}, not {size!r}"
         )
     return size
+
+
+_EVENTS_KEYS = frozenset({"exchange", "publish_lifecycle"})
+#: Patterns of ``publish_lifecycle`` at most (there are eight lifecycle types).
+MAX_LIFECYCLE_PATTERNS = 32
+
+
+def _publish_lifecycle(data: dict[str, Any], source: str) -> tuple[str, ...]:
+    """``[events] publish_lifecycle``: topic patterns, each matching a lifecycle
+    event type; none when unset."""
+    table = data.get("events", {})
+    if not isinstance(table, dict):
+        raise TopologyError(f"{source}: [events] must be a table")
+    unknown = set(table) - _EVENTS_KEYS
+    if unknown:
+        raise TopologyError(f"{source}: [events] has unknown keys {sorted(unknown)}")
+    patterns = table.get("publish_lifecycle", [])
+    key = f"{source}: [events] publish_lifecycle"
+    if not isinstance(patterns, list) or not all(isinstance(p, str) for p in patterns):
+        raise TopologyError(f'{key} must be a list of topic patterns, e.g. ["job.failed"]')
+    if len(patterns) > MAX_LIFECYCLE_PATTERNS:
+        raise TopologyError(f"{key} has {len(patterns)} patterns, at most {MAX_LIFECYCLE_PATTERNS}")
+    for pattern in patterns:
+        if not _PATTERN.match(pattern):
+            raise TopologyError(f"{key}: {pattern!r} is not a topic pattern")
+        if not any(topic_matches(pattern, t) for t in LIFECYCLE_EVENT_TYPES):
+            raise TopologyError(
+                f"{key}: {pattern!r} matches no lifecycle event type "
+                f"({', '.join(LIFECYCLE_EVENT_TYPES)})"
+            )
+    return tuple(dict.fromkeys(patterns))
 
 
 _STAGE_NAME = re.compile(r"[a-z][a-z0-9_-]{0,62}")

@@ -8,6 +8,12 @@
 // Settings (environment): AMQP_URL, DATABASE_URL, CONSUMER (the queue's name
 // and the inbox key), PATTERNS (comma-separated, e.g. "job.*,artifact.#"),
 // EXCHANGE (default jobplane.events), DELIVERY_LIMIT (default 5).
+//
+// Lifecycle events (job.queued, job.failed, ...) reach the exchange only for
+// the types the deployment's topology declares; for "job.*" to receive them:
+//   [events]
+//   publish_lifecycle = ["job.#"]
+// then `jobplane topology apply` (docs/events.md).
 import amqp from "amqplib";
 import pg from "pg";
 

@@ -81,7 +81,7 @@ from jobplane.logs import describe_error
 from jobplane.store.db import Database
 from jobplane.store.deployment import Deployment
 from jobplane.store.down import database_transient
-from jobplane.store.events import EventFeed
+from jobplane.store.event_feed import EventFeed
 from jobplane.store.fair import FairRound
 from jobplane.store.listen import Listener
 from jobplane.store.outbox import OutboxStore

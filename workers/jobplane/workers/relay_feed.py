@@ -5,7 +5,9 @@ its position on a confirming channel of the feed's own, and moves the
 position past the confirmed ones in front of the first that was not: at
 least once, and a job's events reach every queue in the order they happened.
 An event the broker refuses again and again is parked in the outbox; one AMQP
-can never carry is logged and passed over.
+can never carry is logged and passed over. Lifecycle events the topology does
+not publish (``[events] publish_lifecycle``, ADR-0052) are never read here:
+the position moves past them with the rest.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from jobplane.events.envelope import EventError, encode
 from jobplane.faults import FaultPoints
 from jobplane.logs import describe_error
 from jobplane.store.down import database_transient
-from jobplane.store.events import EventFeed, FeedBatch, FeedEvent
+from jobplane.store.event_feed import EventFeed, FeedBatch, FeedEvent
 from jobplane.store.listen import Listener
 from jobplane.topology import Topology
 from jobplane.workers.interceptors import RelayInterceptor
@@ -140,6 +142,9 @@ class EventFeedPublishing:
             if batch is None:
                 return FeedPass(held_feed=False)
             if not batch.events:
+                # Nothing to publish: past the lifecycle events left out, if any.
+                if batch.end is not None:
+                    await batch.advance(batch.end)
                 return FeedPass(waiting=batch.held)
             # In order on one channel: the broker keeps a channel's order in
             # every queue. One deadline for the batch: a batch that misses
@@ -155,7 +160,11 @@ class EventFeedPublishing:
                     f"event feed: not confirmed within {self._publish_timeout:g}s"
                 ) from exc
             done, parked, failure = await self._settle_results(batch, results)
-            if done:
+            full = len(batch.events) >= limit
+            if done == len(batch.events) and not full and batch.end is not None:
+                # Every event to publish up to the end is: past the ones left out too.
+                await batch.advance(max(batch.end, batch.events[-1].stored.position))
+            elif done:
                 await batch.advance(batch.events[done - 1].stored.position)
         if failure is None:
             self._head_failures = None
@@ -166,11 +175,7 @@ class EventFeedPublishing:
         self.events_parked += parked
         if failure is not None:
             raise PublishFailed(f"event feed: {failure!r}") from failure
-        return FeedPass(
-            published=done,
-            more=len(batch.events) >= limit,
-            waiting=batch.held,
-        )
+        return FeedPass(published=done, more=full, waiting=batch.held)
 
     async def _settle_results(
         self, batch: FeedBatch, results: list[BaseException | None]

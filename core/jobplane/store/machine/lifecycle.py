@@ -193,7 +193,7 @@ def _lifecycle_select(lifecycle: Lifecycle) -> str:
                    {_lifecycle_payload(lifecycle)} AS payload,
                    CAST('' AS bytea) AS request_hash,
                    j.id AS job_id, CAST(j.last_seq AS bigint) * {_ORDER_SLOTS} + {_LIFECYCLE_ORD}
-                       AS order_seq, {_TRACE_COLUMNS}
+                       AS order_seq, true AS lifecycle, {_TRACE_COLUMNS}
             FROM {{j}} AS j"""
 
 
@@ -231,7 +231,7 @@ def _emitted_select(*, many: bool) -> str:
                    m.project_id, m.causation_id, CAST(m.payload AS jsonb) AS payload,
                    m.request_hash,
                    j.id AS job_id, CAST(j.last_seq AS bigint) * {_ORDER_SLOTS} + m.ord AS order_seq,
-                   {_TRACE_COLUMNS}
+                   false AS lifecycle, {_TRACE_COLUMNS}
             FROM {{j}} AS j,
                  {events}{match}"""
 
@@ -242,15 +242,16 @@ def _inserts(union: str) -> list[Write]:
     # (the feed's order within its transaction) in the order they happened.
     # A lifecycle event has no fingerprint (an empty one): nothing
     # publishes it again but a PublishEvent taking its id, which is then
-    # compared by value.
+    # compared by value. Its row is marked ``lifecycle``: the relays publish
+    # it only when the topology's publish_lifecycle takes its type (ADR-0052).
     return [
         Write(
             f"""
         INSERT INTO events (tenant_id, event_id, event_type, event_time, correlation_id,
                             project_id, causation_id, payload, request_hash, job_id,
-                            traceparent, tracestate)
+                            traceparent, tracestate, lifecycle)
         SELECT tenant_id, event_id, event_type, event_time, correlation_id, project_id,
-               causation_id, payload, request_hash, job_id, traceparent, tracestate
+               causation_id, payload, request_hash, job_id, traceparent, tracestate, lifecycle
         FROM ({union}
         ) AS x
         ORDER BY order_seq

@@ -454,10 +454,11 @@ BEGIN
                         || to_json(to_char(v_schedule AT TIME ZONE 'UTC',
                                            'YYYY-MM-DD"T"HH24:MI:SS.US"Z"'))::text END
                     || '}';
+                -- A lifecycle event: published only where the topology says (0027).
                 INSERT INTO events (tenant_id, event_id, event_type, event_time, correlation_id,
-                                    causation_id, payload, request_hash, job_id)
+                                    causation_id, payload, request_hash, job_id, lifecycle)
                 VALUES (v_tenant, v_event_id, 'job.queued', v_event_time, v_correlation, NULL,
-                        v_event_payload::jsonb, CAST('' AS bytea), v_id)
+                        v_event_payload::jsonb, CAST('' AS bytea), v_id, true)
                 ON CONFLICT (tenant_id, event_id) DO NOTHING;
                 IF FOUND THEN
                     PERFORM pg_notify('jobplane_domain_events', v_tenant::text);
