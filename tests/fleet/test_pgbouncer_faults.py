@@ -11,9 +11,11 @@ server connections to the test's database: the pools went through it.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from dataclasses import replace
 
 import pytest
 
+from jobplane.topology import Topology
 from tests.faults import test_event_faults as event_faults
 from tests.faults import test_faults as faults
 from tests.faults.cluster import Cluster
@@ -21,6 +23,12 @@ from tests.faults.event_path import EventPath, event_path
 from tests.fleet.load import through_bouncer
 
 pytestmark = pytest.mark.fleet
+
+
+@pytest.fixture
+def topology(topology: Topology) -> Topology:
+    """Every lifecycle event published: the event judge counts the tap's copies of each."""
+    return replace(topology, publish_lifecycle=("job.#",))
 
 
 @pytest.fixture
