@@ -310,6 +310,8 @@ async def test_with_lifecycle_events_off_a_job_publishes_none(
             types = await running.scalar("SELECT array_agg(event_type ORDER BY seq) FROM events")
             # The handler's events still go with its success.
             assert types == ["thing.made", "thing.checked"]
+            # The server's start told jobplane.submit_job the same.
+            assert await running.scalar("SELECT lifecycle_events FROM submit_settings") is False
         finally:
             await running.close()
     finally:

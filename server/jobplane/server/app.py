@@ -45,6 +45,7 @@ from jobplane.store.held import HeldAttempts
 from jobplane.store.jobs import JobStore
 from jobplane.store.keys import KEYS_CHANNEL, KeyScope, KeyStore
 from jobplane.store.listen import Listener
+from jobplane.store.machine import MACHINE
 from jobplane.store.routes import sync_submit_rules
 from jobplane.store.rows import DOMAIN_EVENTS_CHANNEL, EVENTS_CHANNEL
 from jobplane.store.workers import WorkerStore
@@ -365,6 +366,9 @@ class JobplaneServer(Lifecycle):
                 self._engine,
                 self._topology,
                 max_payload_bytes=self._max_payload_bytes,
+                # As this process's transitions do: `jobplane.submit_job` then
+                # writes job.queued exactly when SubmitJob does.
+                lifecycle_events=MACHINE.lifecycle_events,
                 max_schedule_seconds=self.service.max_schedule_seconds,
             )
         except DBAPIError as exc:

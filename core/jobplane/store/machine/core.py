@@ -106,6 +106,11 @@ class StateMachine:
         self._many.clear()
         return hook
 
+    @property
+    def lifecycle_events(self) -> bool:
+        """Whether transitions write their lifecycle events (:meth:`set_lifecycle_events`)."""
+        return any(isinstance(h, DomainEvents) and h.lifecycle for h in self._hooks)
+
     def set_lifecycle_events(self, enabled: bool) -> None:
         """Turn the transitions' lifecycle events on or off (emitted events stay)."""
         for hook in self._hooks:
