@@ -32,9 +32,13 @@ for _round in range(1, MAX_ROUNDS + 1):
     registry.add(f"bench.noop_paired_{_round}", noop)
 
 
+#: Job types of each jobplane arm of --only peers: its rounds, or the variants
+#: times the rounds of bench/peers_variants.py.
+PEER_TYPES = 27
+
 # The jobplane arms of --only peers (bench/peers.py), each round and its warm-up.
-for _round in range(1, 10):
-    for _kind in ("dev", "split"):
+for _round in range(1, PEER_TYPES + 1):
+    for _kind in ("dev", "dev64", "split"):
         registry.add(f"bench.noop_peers_{_kind}_{_round}", noop)
         registry.add(f"bench.noop_peers_{_kind}_{_round}_warmup", noop)
 

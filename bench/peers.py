@@ -1,6 +1,6 @@
 """`--only peers`: jobplane beside Celery and Procrastinate on the same machine, same workload.
 
-Four arms, each alone on the machine (the previous arm's processes stopped
+Five arms, each alone on the machine (the previous arm's processes stopped
 before the next one starts), each over ``--peer-jobs`` no-op jobs from
 ``--clients`` concurrent callers, ``--peer-rounds`` rounds with the order
 reversed every other round (this machine drifts 10-20 % from one minute to
@@ -13,11 +13,15 @@ the next):
 - ``procrastinate``: Procrastinate 3, 2 worker processes of concurrency 16,
   a database of its own. Callers: tasks awaiting ``defer_async()`` in a
   process of its virtualenv.
-- ``jobplane dev``: ``jobplane dev --processes P`` (``--peer-dev-processes``; its
-  default, auto, is one process per CPU: server and relay in one, workers in
-  the others, counted as the dev process's tree).
+- ``jobplane dev``: ``jobplane dev`` as ``make dev`` runs it, at its defaults:
+  the builtin:dev topology, examples.reports' handlers (bench/dev_handlers.py
+  adds the no-op types), the demos, the maintenance jobs, the dashboard, the
+  tenant limits, worker slots at dev's default, ``--processes`` from
+  ``--peer-dev-processes`` (its default, auto, is dev's: one process per CPU
+  and one more, counted as the dev process's tree).
+- ``jobplane dev c64``: the same with ``--concurrency 64``, its one difference.
 - ``jobplane split``: ``serve``, ``relay`` and ``worker`` as processes of their own.
-  Callers for both: the SDK from this process.
+  Callers for the jobplane arms: the SDK from this process.
 
 The peers are installed into virtualenvs of their own under
 .cache/bench-peers/ (pinned in bench/peer_apps/requirements-*.txt), never
@@ -25,9 +29,13 @@ into jobplane's. Every arm is measured alike: the rate is N / (the callers'
 first submit → the last completion written in the system's own table:
 celery_taskmeta.date_done, procrastinate_events.at of 'succeeded', jobs.end_time);
 the benchmark sees the end by counting the succeeded rows of that table, on one
-held connection, every ``POLL_SECONDS``; it asks no worker or broker. The CPU
-per job is the whole machine's busy time (/proc/stat) over that window (the
-callers included) divided by N, beside each process's own share.
+held connection, every ``POLL_SECONDS``; it asks no worker or broker. Beside
+the rate, the closed loop's two halves: the accepted rate (N / the callers'
+first submit → their last submit's return) and the jobs/s that completed by
+that last return (the same table), so that a system which takes submits
+faster than it runs them shows it. The CPU per job is the whole machine's
+busy time (/proc/stat) over that window (the callers included) divided by N,
+beside each process's own share.
 """
 
 from __future__ import annotations
@@ -57,7 +65,11 @@ if TYPE_CHECKING:
 ROOT = Path(__file__).resolve().parent.parent
 PEER_VENVS = ROOT / ".cache" / "bench-peers"
 REQUIREMENTS = ROOT / "bench" / "peer_apps"
-ARMS = ("celery", "procrastinate", "jobplane dev", "jobplane split")
+ARMS = ("celery", "procrastinate", "jobplane dev", "jobplane dev c64", "jobplane split")
+#: The jobplane arms, and the kind in their job types' names (bench/handlers.py).
+KINDS = {"jobplane dev": "dev", "jobplane dev c64": "dev64", "jobplane split": "split"}
+#: The worker slots of ``jobplane dev c64`` (and of the separate processes: ``--concurrency``).
+DEV_WIDE_CONCURRENCY = 64
 POLL_SECONDS = 0.2
 WARMUP_JOBS = 16
 TIMEOUT = 600.0
@@ -102,23 +114,44 @@ class Arm:
     dsn: str
     start: Callable[[], Coroutine[Any, Any, None]]
     # Submits ``count`` jobs (the warm-up's when ``warm``) from ``callers``; returns
-    # (first submit, the callers' CPU s when they run in a process of their own, else None).
-    submit: Callable[[int, int, bool], Coroutine[Any, Any, tuple[float, float | None]]]
+    # (first submit, last submit returned, the callers' CPU s when they run in a
+    # process of their own, else None), wall clock.
+    submit: Callable[[int, int, bool], Coroutine[Any, Any, Submitted]]
     completed: str  # SELECT count(*): the succeeded jobs so far
     last: str  # SELECT the epoch of the last completion
+    # SELECT count(*): the jobs completed by an epoch (its last parameter)
+    finished_by: str
     clear: str | None = None  # run after the warm-up (the peers' tables)
     params: tuple[Any, ...] = ()  # of ``completed`` and ``last``
     warm_params: tuple[Any, ...] = ()  # of ``completed`` during the warm-up
 
 
+@dataclass(frozen=True)
+class Submitted:
+    """The callers' run: wall clock of their first submit and of their last
+    submit's return, and their CPU seconds when they ran in a process of their own."""
+
+    first: float
+    last: float
+    cpu_s: float | None = None
+
+
 @dataclass
 class Outcome:
-    """One arm's run: jobs/s, whole-machine CPU ms per job, and by process."""
+    """One arm's run: jobs/s, whole-machine CPU ms per job, and by process.
+
+    Beside the rate, the two halves of a closed loop: ``accepted``, the
+    submits/s while the callers submitted, and ``during``, the jobs/s that
+    completed in that same span (what keeps up with the callers; the rest
+    drains after the last submit).
+    """
 
     rate: float
     cpu_ms: float
     by_process: dict[str, float] = field(default_factory=dict)
     window_ms: float = 0.0  # the CPU readings' window, per job
+    accepted: float = 0.0
+    during: float = 0.0
 
     @property
     def others_cores(self) -> float:
@@ -170,18 +203,35 @@ async def measure(bench: Bench, arm: Arm, jobs: int) -> Outcome:
         await _until(conn, arm, jobs, job, arm.params)
         machine_after, by_after = procstat.machine_busy_seconds(), cpu_seconds(bench)
         window = time.monotonic() - began
-        first, callers_cpu = await job
+        sent = await job
         last = float(await conn.fetchval(arm.last, *arm.params))
+        by_then = await _count(conn, arm.finished_by, (*arm.params, sent.last))
     finally:
         await conn.close()
         await bench.stop_all()
     by_process = {
         name: (used - by_before.get(name, 0.0)) * 1000 / jobs for name, used in by_after.items()
     }
-    if callers_cpu is not None:
-        by_process["peer callers"] = callers_cpu * 1000 / jobs
+    if sent.cpu_s is not None:
+        by_process["peer callers"] = sent.cpu_s * 1000 / jobs
     machine = (machine_after - machine_before) * 1000 / jobs
-    return Outcome(jobs / (last - first), machine, by_process, window * 1000 / jobs)
+    accepted, during = halves(jobs, sent, by_then)
+    return Outcome(
+        jobs / (last - sent.first),
+        machine,
+        by_process,
+        window * 1000 / jobs,
+        accepted=accepted,
+        during=during,
+    )
+
+
+def halves(jobs: int, sent: Submitted, by_then: int) -> tuple[float, float]:
+    """The closed loop's two halves: submits/s while the callers submitted
+    (``jobs`` over their first submit → last return), and the jobs/s that
+    completed in that same span (``by_then`` of them had by its end)."""
+    submitting = sent.last - sent.first
+    return jobs / submitting, by_then / submitting
 
 
 async def _callers(bench: Bench, name: str, argv: list[str], env: dict[str, str]) -> Any:
@@ -218,7 +268,7 @@ def _env(python: Path) -> dict[str, str]:
 
 
 class Peers:
-    """The peers' databases, vhost and processes for one run, and the four arms."""
+    """The peers' databases, vhost and processes for one run, and the five arms."""
 
     def __init__(self, bench: Bench, celery_python: Path, procrastinate_python: Path) -> None:
         self.bench = bench
@@ -287,6 +337,8 @@ class Peers:
                 "SELECT count(*) FROM celery_taskmeta WHERE status = 'SUCCESS'",
                 # date_done is a UTC timestamp without a zone.
                 "SELECT extract(epoch FROM max(date_done) AT TIME ZONE 'UTC') FROM celery_taskmeta",
+                "SELECT count(*) FROM celery_taskmeta WHERE status = 'SUCCESS'"
+                " AND date_done AT TIME ZONE 'UTC' <= to_timestamp($1)",
                 clear="DELETE FROM celery_taskmeta",
             )
         if name == "procrastinate":
@@ -298,27 +350,31 @@ class Peers:
                 "SELECT count(*) FROM procrastinate_jobs WHERE status = 'succeeded'",
                 "SELECT extract(epoch FROM max(at)) FROM procrastinate_events"
                 " WHERE type = 'succeeded'",
+                "SELECT count(*) FROM procrastinate_events"
+                " WHERE type = 'succeeded' AND at <= to_timestamp($1)",
                 clear="DELETE FROM procrastinate_jobs",
             )
-        kind = "dev" if name == "jobplane dev" else "split"
+        kind = KINDS[name]
         job_type = f"bench.noop_peers_{kind}_{round_}"
         warm_type = f"{job_type}_warmup"
 
-        async def submit(count: int, callers: int, warm: bool) -> tuple[float, float | None]:
+        async def submit(count: int, callers: int, warm: bool) -> Submitted:
             from bench.run import submit_closed_loop
 
             of_type = warm_type if warm else job_type
             first = time.time()
             await submit_closed_loop(bench.address, bench.key, of_type, count, callers, {})
-            return first, None
+            return Submitted(first, time.time())
 
         return Arm(
             name,
             asyncpg_dsn(bench.database_url),
-            self._start_dev if kind == "dev" else bench.start_all,
+            self._starter(kind),
             submit,
             "SELECT count(*) FROM jobs WHERE tenant_id = $1 AND type = $2 AND state = 'succeeded'",
             "SELECT extract(epoch FROM max(end_time)) FROM jobs WHERE tenant_id = $1 AND type = $2",
+            "SELECT count(*) FROM jobs WHERE tenant_id = $1 AND type = $2"
+            " AND state = 'succeeded' AND end_time <= to_timestamp($3)",
             params=(bench.tenant, job_type),
             warm_params=(bench.tenant, warm_type),
         )
@@ -356,23 +412,55 @@ class Peers:
                 self.procrastinate_env,
             )
 
-    async def _start_dev(self) -> None:
-        bench = self.bench
-        await bench.start(
-            "dev",
-            "dev",
-            "--handlers",
-            "bench.handlers:registry",
-            "--concurrency",
-            str(bench.args.concurrency),
-            "--ui-listen",
-            "off",
-            "--processes",
-            bench.args.peer_dev_processes,
+    def _starter(self, kind: str) -> Callable[[], Coroutine[Any, Any, None]]:
+        """How the jobplane arm of ``kind`` starts."""
+        if kind == "dev":
+            return lambda: self._start_dev(None)
+        if kind == "dev64":
+            return lambda: self._start_dev(DEV_WIDE_CONCURRENCY)
+        return self.bench.start_all
+
+    async def _start_dev(self, concurrency: int | None) -> None:
+        """``jobplane dev`` as ``make dev`` runs it: the builtin:dev topology,
+        examples.reports' handlers (with the no-op types beside them), the demos
+        and maintenance jobs, the dashboard, metrics, the tenant limits and
+        worker slots at their defaults; ``concurrency`` slots instead, if given.
+        (Not the one-off demo job and ingestion of ``make dev``'s start.)"""
+        from jobplane.config import (
+            DEFAULT_TENANT_MAX_STREAMS,
+            DEFAULT_TENANT_SUBMIT_BURST,
+            DEFAULT_TENANT_SUBMITS_PER_SECOND,
         )
+        from tests.faults.cluster import free_port
+
+        bench = self.bench
+        slots = () if concurrency is None else ("--concurrency", str(concurrency))
+        saved = dict(bench.extra_env)
+        bench.extra_env = {
+            **saved,
+            "JOBPLANE_TOPOLOGY": "builtin:dev",
+            "JOBPLANE_TENANT_MAX_STREAMS": str(DEFAULT_TENANT_MAX_STREAMS),
+            "JOBPLANE_TENANT_SUBMITS_PER_SECOND": f"{DEFAULT_TENANT_SUBMITS_PER_SECOND:g}",
+            "JOBPLANE_TENANT_SUBMIT_BURST": str(DEFAULT_TENANT_SUBMIT_BURST),
+        }
+        try:
+            await bench.start(
+                "dev",
+                "dev",
+                "--handlers",
+                "bench.dev_handlers:registry",
+                *slots,
+                # The dashboard on, on a port of its own (8080 may be another run's).
+                "--ui-listen",
+                f"127.0.0.1:{free_port()}",
+                "--processes",
+                bench.args.peer_dev_processes,
+            )
+        finally:
+            bench.extra_env = saved
         await bench.ready()
 
-    async def _peer_submit(self, peer: str, count: int, callers: int) -> tuple[float, float | None]:
+    async def _peer_submit(self, peer: str, count: int, callers: int) -> Submitted:
         python = self.celery_python if peer == "celery" else self.procrastinate_python
         env = self.celery_env if peer == "celery" else self.procrastinate_env
         report = await _callers(
@@ -381,14 +469,27 @@ class Peers:
             [str(python), "-m", f"bench.peer_apps.{peer}_client", str(count), str(callers)],
             env,
         )
-        return float(report["first_submit"]), float(report["cpu_s"])
+        return Submitted(
+            float(report["first_submit"]), float(report["last_submit"]), float(report["cpu_s"])
+        )
 
 
 def _table(outcomes: dict[str, list[Outcome]]) -> str:
     """The arms round by round, and where their CPU went (the rounds' mean)."""
     from bench.run import columns
 
-    rows = [("arm", "jobs/s", "CPU ms/job: machine", "ours", "others' CPUs", "by process (mean)")]
+    rows = [
+        (
+            "arm",
+            "jobs/s",
+            "accepted/s",
+            "finished/s while submitting",
+            "CPU ms/job: machine",
+            "ours",
+            "others' CPUs",
+            "by process (mean)",
+        )
+    ]
     for arm in ARMS:
         runs = outcomes[arm]
         by_process: dict[str, float] = {}
@@ -399,6 +500,8 @@ def _table(outcomes: dict[str, list[Outcome]]) -> str:
             (
                 arm,
                 " / ".join(f"{r.rate:,.1f}" for r in runs),
+                " / ".join(f"{r.accepted:,.1f}" for r in runs),
+                " / ".join(f"{r.during:,.1f}" for r in runs),
                 " / ".join(f"{r.cpu_ms:.2f}" for r in runs),
                 " / ".join(f"{r.attributed_ms:.2f}" for r in runs),
                 " / ".join(f"{r.others_cores:.2f}" for r in runs),
@@ -416,8 +519,16 @@ def _cpu(outcome: Outcome) -> float:
     return outcome.cpu_ms
 
 
+def _accepted(outcome: Outcome) -> float:
+    return outcome.accepted
+
+
+def _during(outcome: Outcome) -> float:
+    return outcome.during
+
+
 async def fig_peers(bench: Bench) -> None:
-    """The four arms, ``--peer-rounds`` rounds; rates, CPU per job and the targets."""
+    """The five arms, ``--peer-rounds`` rounds; rates, CPU per job and the targets."""
     from bench.run import Figure, _procs
 
     jobs, rounds = bench.args.peer_jobs, bench.args.peer_rounds
@@ -433,7 +544,9 @@ async def fig_peers(bench: Bench) -> None:
                     outcome = await measure(bench, peers.arm(name, round_), jobs)
                     outcomes[name].append(outcome)
                     print(
-                        f"peers, round {round_}: {name} {outcome.rate:,.1f} jobs/s, "
+                        f"peers, round {round_}: {name} {outcome.rate:,.1f} jobs/s "
+                        f"(accepted {outcome.accepted:,.1f}/s, finished "
+                        f"{outcome.during:,.1f}/s while submitting), "
                         f"{outcome.cpu_ms:.2f} ms CPU per job (machine), "
                         f"{outcome.attributed_ms:.2f} ms (its processes, Postgres, RabbitMQ); "
                         f"the rest of the machine kept {outcome.others_cores:.2f} CPUs busy",
@@ -442,6 +555,13 @@ async def fig_peers(bench: Bench) -> None:
     finally:
         await bench.start_all()
     config: dict[str, Any] = {"jobs": jobs, "clients": bench.args.clients, "rounds": rounds}
+    dev = {
+        "processes": bench.args.peer_dev_processes,
+        "topology": "builtin:dev",
+        "handlers": "examples.reports + no-op",
+        "dashboard": True,
+        "tenant_limits": "default",
+    }
     arm_config: dict[str, dict[str, Any]] = {
         "celery": {
             "pool": "prefork",
@@ -455,10 +575,8 @@ async def fig_peers(bench: Bench) -> None:
             "workers": PROCRASTINATE_WORKERS,
             "concurrency": PROCRASTINATE_CONCURRENCY,
         },
-        "jobplane dev": {
-            "processes": bench.args.peer_dev_processes,
-            "worker_concurrency": bench.args.concurrency,
-        },
+        "jobplane dev": {**dev, "worker_concurrency": "default (8)"},
+        "jobplane dev c64": {**dev, "worker_concurrency": DEV_WIDE_CONCURRENCY},
         "jobplane split": _procs(bench),
     }
     cpu = {arm: statistics.median(o.cpu_ms for o in outcomes[arm]) for arm in ARMS}
@@ -473,6 +591,19 @@ async def fig_peers(bench: Bench) -> None:
                 {**config, "by_round": rates, **arm_config[arm]},
             )
         )
+        for what, unit, of in (
+            ("accepted", "submits/s", _accepted),
+            ("finished_while_submitting", "jobs/s", _during),
+        ):
+            values = [of(o) for o in outcomes[arm]]
+            bench.add(
+                Figure(
+                    f"peers_{key}_{what}",
+                    statistics.median(values),
+                    unit,
+                    {**config, "by_round": [round(v, 1) for v in values]},
+                )
+            )
         cpus = [round(o.cpu_ms, 2) for o in outcomes[arm]]
         others = [round(o.others_cores, 2) for o in outcomes[arm]]
         bench.add(
@@ -499,7 +630,7 @@ async def fig_peers(bench: Bench) -> None:
         return statistics.median(metric(a) / metric(b) for a, b in pairs)
 
     verdicts = []
-    for arm in ("jobplane dev", "jobplane split"):
+    for arm in KINDS:
         key = arm.replace(" ", "_")
         targets = (
             (f"peers_{key}_over_celery", "x jobs/s", ratio(arm, "celery", _rate), ">=", 4.0),
