@@ -141,10 +141,20 @@ def seconds_from_duration(message: duration_pb2.Duration, *, field: str) -> floa
     return seconds + nanos / 1e9
 
 
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+
+
 def timestamp(value: datetime | None) -> timestamp_pb2.Timestamp | None:
     """A Timestamp, or None for None."""
     if value is None:
         return None
+    if value.tzinfo is UTC:
+        # The database's times: every one is a valid Timestamp, counted
+        # straight from the epoch (what FromDatetime gives, a fifth of its work).
+        delta = value - _EPOCH
+        return timestamp_pb2.Timestamp(
+            seconds=delta.days * 86_400 + delta.seconds, nanos=value.microsecond * 1000
+        )
     message = timestamp_pb2.Timestamp()
     message.FromDatetime(value)
     return message
@@ -152,6 +162,13 @@ def timestamp(value: datetime | None) -> timestamp_pb2.Timestamp | None:
 
 def duration(value: timedelta) -> duration_pb2.Duration:
     """A Duration."""
+    seconds = value.days * 86_400 + value.seconds
+    if abs(seconds) < MAX_DURATION_SECONDS:
+        # As FromTimedelta normalizes it: the nanos take the sign of the seconds.
+        nanos = value.microseconds * 1000
+        if seconds < 0 and nanos > 0:
+            seconds, nanos = seconds + 1, nanos - 1_000_000_000
+        return duration_pb2.Duration(seconds=seconds, nanos=nanos)
     message = duration_pb2.Duration()
     message.FromTimedelta(value)
     return message

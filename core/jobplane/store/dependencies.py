@@ -82,17 +82,10 @@ def waiting_reason(awaited: Sequence[uuid.UUID]) -> str:
 
 def dependency_columns(new: NewJob, found: Found) -> dict[str, Any]:
     """The columns of ``new``'s row its ``after`` sets (SUBMIT_COLUMNS): for a job
-    that waits, no dispatch (``dispatch_id`` None)."""
+    that waits, no dispatch (``dispatch_id`` None); none without ``after``."""
     if not new.after:
-        return {
-            "after_ids": None,
-            "after_failure": None,
-            "deps_waiting": 0,
-            "deps_failed": 0,
-            "deps_failed_on": None,
-            "waiting_code": None,
-            "waiting_reason": None,
-        }
+        # None: NULL, and the statement counts NULL as no dependencies (0).
+        return {}
     states = [found.states[a] for a in new.after]
     awaited = [a for a, s in zip(new.after, states, strict=True) if not s.terminal]
     pairs = zip(new.after, states, strict=True)

@@ -91,44 +91,52 @@ class NewJob:
     #: part of the request's identity: its request_id names the parent already.
     parent_id: uuid.UUID | None = None
 
+    #: ``payload`` as compact JSON (:func:`~jobplane.store.rows.dumps`), when the
+    #: request's checks encoded it already; None: encoded when needed. It must
+    #: be the payload's: a copy that changes ``payload`` drops it.
+    payload_json: str | None = field(default=None, compare=False, repr=False)
+
+    def encoded_payload(self) -> str:
+        """``payload`` as compact JSON, encoded once."""
+        return self.payload_json if self.payload_json is not None else dumps(self.payload)
+
     def fingerprint(self) -> bytes:
         """A digest of the request, stored with the job: equal digests are the same request.
 
         (Different digests may still be: the replay check compares the stored values.)
+        The digest is of the compact JSON of the request's fields, in a fixed
+        order; the payload's part is its encoding, spliced in rather than
+        encoded again.
         """
-        canonical = dumps(
-            {
-                "type": self.type,
-                "payload": self.payload,
-                "max_attempts": self.max_attempts,
-                "correlation_id": self.correlation_id,
-                "labels": self.labels,
-                "timeout_seconds": self.timeout_seconds,
-                # Only when set: the digests of jobs submitted before stay theirs.
-                **({"payload_blob": self.payload_blob.sha256} if self.payload_blob else {}),
-                **(
-                    {"blob_references": sorted(self.blob_references)}
-                    if self.blob_references
-                    else {}
-                ),
-                **(
-                    {
-                        "concurrency_key": self.concurrency_key,
-                        "concurrency_limit": self.concurrency_limit,
-                        "concurrency_mode": self.concurrency_mode.value,
-                    }
-                    if self.concurrency_key is not None
-                    else {}
-                ),
-                **(
-                    {
-                        "after": [str(a) for a in self.after],
-                        "after_failure": self.after_failure.value,
-                    }
-                    if self.after
-                    else {}
-                ),
-            }
+        rest = {
+            "max_attempts": self.max_attempts,
+            "correlation_id": self.correlation_id,
+            "labels": self.labels,
+            "timeout_seconds": self.timeout_seconds,
+            # Only when set: the digests of jobs submitted before stay theirs.
+            **({"payload_blob": self.payload_blob.sha256} if self.payload_blob else {}),
+            **({"blob_references": sorted(self.blob_references)} if self.blob_references else {}),
+            **(
+                {
+                    "concurrency_key": self.concurrency_key,
+                    "concurrency_limit": self.concurrency_limit,
+                    "concurrency_mode": self.concurrency_mode.value,
+                }
+                if self.concurrency_key is not None
+                else {}
+            ),
+            **(
+                {
+                    "after": [str(a) for a in self.after],
+                    "after_failure": self.after_failure.value,
+                }
+                if self.after
+                else {}
+            ),
+        }
+        # dumps({"type": …, "payload": …, **rest}), the payload's text as it is.
+        canonical = (
+            f'{{"type":{dumps(self.type)},"payload":{self.encoded_payload()},{dumps(rest)[1:]}'
         )
         return hashlib.sha256(canonical.encode()).digest()
 
@@ -164,15 +172,6 @@ def pipeline_stages(
 
 
 _FOREIGN_KEY_VIOLATION = "23503"
-# A plain job's pipeline columns.
-_PLAIN: dict[str, Any] = {
-    "pipeline": None,
-    "pipeline_version": None,
-    "stage": None,
-    "stage_name": None,
-    "stage_base": 0.0,
-    "stage_span": 1.0,
-}
 # The same request is the same stored values, compared as Postgres compares
 # them (jsonb: key order and 1 vs 1.0 do not matter), as jobplane.submit_job
 # compares them: a request replayed through the other path is the same one.
@@ -227,43 +226,95 @@ def submitted(job: Job, stages: Sequence[NewStage]) -> Job:
 
 def submit_columns(new: NewJob, job_id: uuid.UUID) -> dict[str, Any]:
     """The row of ``new`` as the submit statement binds it (SUBMIT_COLUMNS)."""
-    row: dict[str, Any] = {
-        "id": job_id,
-        "type": new.type,
-        "queue": new.queue,
-        "payload": dumps(new.payload),
-        "max_attempts": new.max_attempts,
-        "request_id": new.request_id,
-        "request_hash": new.fingerprint(),
-        "correlation_id": new.correlation_id,
-        "labels": dumps(new.labels),
-        "dispatch_id": new_id(),
-        "timeout_seconds": new.timeout_seconds,
-        "payload_blob": new.payload_blob.sha256 if new.payload_blob else None,
-        "payload_blob_size": new.payload_blob.size if new.payload_blob else None,
-        "schedule_time": new.schedule_time,
-        "concurrency_key": new.concurrency_key,
-        "concurrency_limit": new.concurrency_limit if new.concurrency_key is not None else None,
-        "deadline": new.deadline,
-        "parent_id": new.parent_id,
-        **_PLAIN,
+    return dict(zip(SUBMIT_COLUMNS, submit_values(new, job_id, new_id()), strict=True))
+
+
+def submit_values(new: NewJob, job_id: uuid.UUID, dispatch_id: uuid.UUID) -> list[Any]:
+    """The row of ``new``, values in the order of SUBMIT_COLUMNS."""
+    blob = new.payload_blob
+    keyed = new.concurrency_key is not None
+    if not new.stages:
+        return [
+            job_id,
+            new.type,
+            new.queue,
+            new.encoded_payload(),
+            new.max_attempts,
+            new.request_id,
+            new.fingerprint(),
+            new.correlation_id,
+            dumps(new.labels),
+            dispatch_id,
+            new.timeout_seconds,
+            # A plain job's pipeline columns.
+            None,
+            None,
+            None,
+            None,
+            0.0,
+            1.0,
+            blob.sha256 if blob else None,
+            blob.size if blob else None,
+            new.schedule_time,
+            new.concurrency_key,
+            new.concurrency_limit if keyed else None,
+            new.deadline,
+            # The dependencies' columns (store.dependencies gives them).
+            None,
+            None,
+            None,
+            None,
+            None,
+            None,
+            None,
+            new.parent_id,
+        ]
+    # The row runs the first stage: its type, queue, budget and share.
+    first = new.stages[0]
+    values = submit_values(replace(new, stages=()), job_id, dispatch_id)
+    for column, value in (
+        ("type", first.type),
+        ("queue", first.queue),
+        ("max_attempts", first.max_attempts),
+        ("timeout_seconds", first.timeout_seconds),
+        ("pipeline", new.type),
+        ("pipeline_version", new.pipeline_version),
+        ("stage", 0),
+        ("stage_name", first.name),
+        ("stage_base", first.base),
+        ("stage_span", first.span),
+    ):
+        values[_AT[column]] = value
+    return values
+
+
+# Each SUBMIT column's place in submit_values' list.
+_AT = {column: i for i, column in enumerate(SUBMIT_COLUMNS)}
+
+
+def submit_binds(
+    news: Sequence[NewJob],
+    ids: Sequence[uuid.UUID],
+    extra: Sequence[Mapping[str, Any]] = (),
+) -> dict[str, list[Any]]:
+    """The SUBMIT statement's arrays (``new_<column>``) for ``news`` under ``ids``, in
+    their order; ``extra``: more columns of each, over its own.
+
+    A column NULL for every job is bound as an empty array: unnest pads the
+    shorter arrays with NULLs, so the statement reads the same rows, and the
+    column costs nothing to encode, send or read.
+    """
+    rows = []
+    for i, new in enumerate(news):
+        row = submit_values(new, ids[i], new_id())
+        for column, value in extra[i].items() if extra else ():
+            row[_AT[column]] = value
+        rows.append(row)
+    columns = zip(*rows, strict=True) if rows else ((),) * len(SUBMIT_COLUMNS)
+    return {
+        f"new_{name}": [] if values.count(None) == len(rows) else list(values)
+        for name, values in zip(SUBMIT_COLUMNS, columns, strict=True)
     }
-    if new.stages:
-        # The row runs the first stage: its type, queue, budget and share.
-        first = new.stages[0]
-        row.update(
-            type=first.type,
-            queue=first.queue,
-            max_attempts=first.max_attempts,
-            timeout_seconds=first.timeout_seconds,
-            pipeline=new.type,
-            pipeline_version=new.pipeline_version,
-            stage=0,
-            stage_name=first.name,
-            stage_base=first.base,
-            stage_span=first.span,
-        )
-    return row
 
 
 async def find_replays(
@@ -312,10 +363,13 @@ async def insert_jobs(
     :class:`BlobReferenceNotFound` naming ``field``."""
     # Inserted in request_id order (see the machine's submit statement).
     order = sorted(range(len(news)), key=lambda i: news[i].request_id)
-    columns = [{**submit_columns(news[i], ids[i]), **(extra[i] if extra else {})} for i in order]
     params: dict[str, Any] = {
         "tenant_id": tenant_id,
-        **{f"new_{c}": [row.get(c) for row in columns] for c in SUBMIT_COLUMNS},
+        **submit_binds(
+            [news[i] for i in order],
+            [ids[i] for i in order],
+            [extra[i] for i in order] if extra else (),
+        ),
     }
     cause = Cause(
         "queued",

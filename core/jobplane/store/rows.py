@@ -104,13 +104,21 @@ def check_payload_size(payload: Any, limit: int) -> None:
     The one size check of a job's or an event's payload, wherever it is
     written: SubmitJob, PublishEvent, ``ctx.emit``.
     """
-    size = len(dumps(payload).encode())
+    sized_json(payload, limit)
+
+
+def sized_json(payload: Any, limit: int) -> str:
+    """:func:`check_payload_size`, and the payload's compact JSON it measured."""
+    text = dumps(payload)
+    # A character is at most 4 bytes in UTF-8: most payloads need no encoding to know.
+    size = len(text) if len(text) * 4 <= limit or text.isascii() else len(text.encode())
     if size > limit:
         raise PayloadTooLarge(
             f"payload is {size} bytes serialized; the limit is {limit}",
             field="payload",
             metadata={"limit": str(limit), "size": str(size)},
         )
+    return text
 
 
 def _json(value: Any) -> Any:

@@ -56,9 +56,9 @@ from jobplane.store.job_submit import (
 from jobplane.store.job_tree import JobTree
 from jobplane.store.jobs import JobStore, ListCursor, NewJob
 from jobplane.store.listen import Listener
-from jobplane.store.rows import check_payload_size
-from jobplane.topology import QueueSpec, Topology
-from jobplane.types import BlobRef, Job, JobEvent, JobPage, JobState
+from jobplane.store.rows import sized_json
+from jobplane.topology import Topology
+from jobplane.types import Job, JobEvent, JobPage, JobState
 
 if TYPE_CHECKING:
     from jobplane.blobs.store import BlobStore
@@ -252,7 +252,7 @@ class JobService:
             raise UnroutableJobType(
                 f"no queue of the topology takes job type {job_type!r}", field="type"
             )
-        check_payload_size(request.payload, self._max_payload_bytes)
+        payload_json = sized_json(request.payload, self._max_payload_bytes)
         check_payload(request.payload)
         if request.max_attempts < 0 or request.max_attempts > MAX_ATTEMPTS_LIMIT:
             raise InvalidArgument(
@@ -288,10 +288,25 @@ class JobService:
         payload_blob, references = await check_blobs(self._blobs, tenant, request)
         if pipeline is not None:
             new = pipeline_job(request, pipeline, payload_blob, references)
+            new = replace(new, schedule_time=schedule, deadline=deadline, payload_json=payload_json)
         else:
-            new = _plain_job(request, job_type, queue, timeout, payload_blob, references)
+            new = NewJob(
+                type=job_type,
+                queue=queue.name,
+                payload=request.payload,
+                request_id=request.request_id or str(uuid.uuid4()),
+                max_attempts=request.max_attempts or queue.max_attempts,
+                correlation_id=request.correlation_id,
+                labels=dict(request.labels),
+                timeout_seconds=timeout,
+                payload_blob=payload_blob,
+                blob_references=references,
+                schedule_time=schedule,
+                deadline=deadline,
+                payload_json=payload_json,
+            )
         new = with_concurrency(
-            replace(new, schedule_time=schedule, deadline=deadline),
+            new,
             request.concurrency_key,
             request.concurrency_limit,
             request.concurrency_mode,
@@ -435,26 +450,3 @@ class JobService:
             raise InvalidArgument("after_seq must not be negative", field="after_seq")
         async for event in self.feeds.watch(tenant, job_id, after_seq):
             yield event
-
-
-def _plain_job(
-    request: SubmitRequest,
-    job_type: str,
-    queue: QueueSpec,
-    timeout: float,
-    payload_blob: BlobRef | None,
-    references: tuple[str, ...],
-) -> NewJob:
-    """The job a request for a plain (not pipeline) job asks for."""
-    return NewJob(
-        type=job_type,
-        queue=queue.name,
-        payload=request.payload,
-        request_id=request.request_id or str(uuid.uuid4()),
-        max_attempts=request.max_attempts or queue.max_attempts,
-        correlation_id=request.correlation_id,
-        labels=dict(request.labels),
-        timeout_seconds=timeout,
-        payload_blob=payload_blob,
-        blob_references=references,
-    )
