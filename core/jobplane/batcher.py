@@ -3,8 +3,10 @@
 A :class:`Batcher` collects items for at most ``window`` seconds after the
 first (or until ``max_size`` of them, or, with ``max_running``, while that
 many groups are running), runs them as one group and hands each caller its
-own result. The worker groups claims and outcomes this way (ADR-0028), the
-server concurrent submits (ADR-0030).
+own result. With ``eager``, the window is only for items that find a group
+running: an item that finds none goes out at once. The worker groups claims
+and outcomes this way (ADR-0028, ADR-0053), the server concurrent submits
+(ADR-0030).
 """
 
 from __future__ import annotations
@@ -31,6 +33,13 @@ class Batcher(Generic[T, R]):
     for one of them to end and go out together (a group as large as the
     moment's load, at no cost to a lone item: with a ``window`` of 0, it
     goes out at the loop's next turn).
+
+    With ``eager`` (ADR-0053), an item that finds no group running and
+    none waiting goes out at the loop's next turn (with whatever joined it
+    in that turn): an idle caller never waits out the window. Items that
+    find a group running wait for the window, or for the running groups to
+    end, whichever comes first: under load the groups are as large as
+    before, and a burst meets a group in flight rather than a timer.
     """
 
     def __init__(
@@ -42,12 +51,14 @@ class Batcher(Generic[T, R]):
         split: Callable[[BaseException], bool] = lambda _exc: False,
         on_group: Callable[[int], None] = lambda _size: None,
         max_running: int | None = None,
+        eager: bool = False,
     ) -> None:
         if max_size < 1:
             raise ValueError("a group holds at least one item")
         if max_running is not None and max_running < 1:
             raise ValueError("max_running is at least 1")
         self._max_running = max_running
+        self._eager = eager
         self._run = run
         self._window = max(window, 0.0)
         self._max_size = max_size
@@ -68,10 +79,11 @@ class Batcher(Generic[T, R]):
             self._flush()
         elif self._timer is None:
             # Never later than the window after the first: a lone item waits
-            # at most that long.
+            # at most that long (eager: none, when no group runs).
+            idle = self._eager and not self._tasks
             self._timer = (
                 loop.call_later(self._window, self._flush)
-                if self._window > 0
+                if self._window > 0 and not idle
                 else loop.call_soon(self._flush)
             )
         return await future
@@ -89,8 +101,9 @@ class Batcher(Generic[T, R]):
 
     def _ended(self, task: asyncio.Task[None]) -> None:
         self._tasks.discard(task)
-        if self._pending and self._timer is None:
-            # Those that waited for a running group to end go out now.
+        if self._pending and (self._timer is None or (self._eager and not self._tasks)):
+            # Those that waited for a running group to end go out now (eager:
+            # those that waited for the window too, once no group runs).
             self._flush()
 
     async def _settle(self, group: list[tuple[T, asyncio.Future[R]]]) -> None:

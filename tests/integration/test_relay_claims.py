@@ -13,6 +13,7 @@ fair claim's own sharing is tests/integration/test_fair_dispatch.py's.
 from __future__ import annotations
 
 import uuid
+from collections.abc import Collection
 from dataclasses import replace
 from typing import Any
 
@@ -22,6 +23,8 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from jobplane.client import JobSpec
 from jobplane.store import outbox
 from jobplane.store.db import Database
+from jobplane.store.fair import FairClaim, FairRound, FairSlot
+from jobplane.store.outbox import OutboxKind, OutboxRow, OutboxStore
 from jobplane.topology import Topology
 from jobplane.workers.relay import FairSettings
 from tests.support.event_api import all_published
@@ -149,3 +152,85 @@ def _rows_read(node: dict[str, Any]) -> int:
     if "Scan" in node["Node Type"]:
         own = int(node.get("Actual Rows", 0)) + int(node.get("Rows Removed by Filter", 0))
     return own + sum(_rows_read(child) for child in node.get("Plans", []))
+
+
+_EVENT_ROW = text(
+    "INSERT INTO outbox (id, tenant_id, kind, routing_key, correlation_id, body, headers, "
+    "available_at) VALUES (gen_random_uuid(), :tenant, 'event', 'x.happened', '', "
+    "CAST('{}' AS bytea), CAST('{}' AS jsonb), now() - make_interval(secs => :ago))"
+)
+
+
+async def test_one_claim_takes_each_kind_up_to_the_limit_dispatches_first(
+    engine: AsyncEngine,
+    db: Database,
+    database_url: str,
+    amqp_url: str,
+    topology: Topology,
+    started: Started,
+) -> None:
+    """The relay's claim is one statement (ADR-0053) and takes what its two did:
+    up to the limit of dispatches (fair or not), then up to the limit of other
+    rows, none of those held back; only the dispatches have places in a round."""
+    stack = await started(
+        start_stack(engine, database_url, amqp_url, topology, relay=False, worker=False)
+    )
+    await stack.client().submit_many([JobSpec("demo.echo", {"i": i}) for i in range(6)])
+    async with engine.begin() as conn:
+        for ago in (3, 2, 1):
+            await conn.execute(_EVENT_ROW, {"tenant": stack.tenant_id, "ago": ago})
+        events = (
+            await conn.execute(text("SELECT id FROM outbox WHERE kind = 'event' ORDER BY 1"))
+        ).scalars()
+        held_event = next(iter(events))
+    queue = topology.queues[0].name
+    store = OutboxStore(db)
+    for fair in (None, FairClaim(FairRound(), {queue: (100, 1)})):
+        rows, slots = await _claimed(store, 4, fair=fair)
+        assert [row.kind for row in rows] == [OutboxKind.JOB_DISPATCH] * 4 + [OutboxKind.EVENT] * 3
+        assert len(slots) == (0 if fair is None else 4)
+        assert {slot.queue for slot in slots} <= {queue}
+        skip = {rows[0].id, held_event}
+        rows, _ = await _claimed(store, 10, skip=skip, fair=fair)
+        assert not skip & {row.id for row in rows}
+        assert [row.kind for row in rows] == [OutboxKind.JOB_DISPATCH] * 5 + [OutboxKind.EVENT] * 2
+
+
+async def _claimed(
+    store: OutboxStore,
+    limit: int,
+    *,
+    skip: Collection[uuid.UUID] = (),
+    fair: FairClaim | None = None,
+) -> tuple[list[OutboxRow], list[FairSlot]]:
+    """What one claim takes (rows, the dispatches' places); nothing is marked, so
+    the rows stay due when its transaction ends."""
+    async with store.claim(limit, skip=skip, fair=fair) as batch:
+        return batch.rows, batch.slots
+
+
+async def test_the_one_claim_reads_a_limit_of_a_dispatch_backlog_not_the_backlog(
+    engine: AsyncEngine,
+    db: Database,
+    database_url: str,
+    amqp_url: str,
+    topology: Topology,
+    started: Started,
+) -> None:
+    """Both parts in one statement keep each part's plan: a backlog of dispatches
+    costs the claim the limit's index entries, and the other rows' part none."""
+    stack = await started(
+        start_stack(engine, database_url, amqp_url, topology, relay=False, worker=False)
+    )
+    jobs = await stack.client().submit_many([JobSpec("demo.echo", {}) for _ in range(500)])
+    assert len(jobs) == 500
+    async with db.begin() as conn:
+        await conn.execute("ANALYZE outbox")
+        plan = await conn.fetch(
+            "EXPLAIN (ANALYZE, FORMAT JSON) " + outbox._CLAIM_BOTH.text,
+            {"limit": 10, "skip": []},
+        )
+    root = plan[0][0][0]["Plan"]
+    assert root["Actual Rows"] == 10
+    read = _rows_read(root)
+    assert read <= 20, plan[0][0]

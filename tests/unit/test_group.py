@@ -218,3 +218,40 @@ def test_max_running_is_at_least_one() -> None:
 
     with pytest.raises(ValueError, match="max_running"):
         Batcher(run, window=0.0, max_size=1, max_running=0)
+
+
+async def test_eager_a_lone_item_goes_at_once_and_a_busy_one_waits_for_the_group() -> None:
+    gate = asyncio.Event()
+    groups: list[list[int]] = []
+
+    async def run(items: list[int]) -> list[int]:
+        groups.append(items)
+        if len(groups) == 1:
+            await gate.wait()  # the first group holds its statement
+        return items
+
+    # A window far longer than the test: only the eager rule can send a group.
+    batcher: Batcher[int, int] = Batcher(run, window=5.0, max_size=100, eager=True)
+    first = asyncio.ensure_future(batcher.submit(0))
+    await asyncio.sleep(0.01)
+    assert groups == [[0]]  # nothing ran: it went without its window
+    rest = [asyncio.ensure_future(batcher.submit(i)) for i in range(1, 4)]
+    await asyncio.sleep(0.01)
+    assert groups == [[0]]  # a group runs: they collect
+    gate.set()
+    assert await asyncio.gather(first, *rest) == [0, 1, 2, 3]
+    assert groups == [[0], [1, 2, 3]]  # together, once the running group ended
+    await batcher.stop()
+
+
+async def test_eager_items_of_one_turn_go_as_one_group() -> None:
+    groups: list[list[int]] = []
+
+    async def run(items: list[int]) -> list[int]:
+        groups.append(items)
+        return items
+
+    batcher: Batcher[int, int] = Batcher(run, window=5.0, max_size=100, eager=True)
+    assert await asyncio.gather(*(batcher.submit(i) for i in range(5))) == list(range(5))
+    assert groups == [[0, 1, 2, 3, 4]]
+    await batcher.stop()

@@ -162,6 +162,31 @@ async def test_an_empty_claim_beside_a_batch_in_flight_waits_for_news() -> None:
     await asyncio.wait_for(task, 5)
 
 
+class _News(_Wakeup):
+    """A notification is already there whenever the relay looks."""
+
+    @property
+    def woken(self) -> bool:
+        return True
+
+
+async def test_news_during_an_empty_claim_is_claimed_without_asking_when_rows_fall_due() -> None:
+    relay, link = _relay(in_flight=4), _Link()
+    script = _Script(relay, link, [0, 0, 0])
+    asked = 0
+
+    async def idle() -> float:
+        nonlocal asked
+        asked += 1
+        return 0.0
+
+    relay._idle_seconds = idle  # type: ignore[method-assign]
+    await relay._pipeline(link, _News(script))  # type: ignore[arg-type]
+    # Each empty claim was followed by the next at once: no statement between.
+    assert script.started == 4
+    assert asked == 0
+
+
 def test_a_job_noted_unroutable_is_logged_once_its_record_committed(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -54,8 +54,9 @@ _COLUMNS = (
     "o.body, o.headers, o.last_error IS NOT NULL AS retried"
 )
 
-FAIR_CLAIM = text(
-    f"""
+#: The fair claim's common table expressions, up to ``claimed`` (the locked
+#: dispatches, with their places): the relay's claim adds its other rows to them.
+FAIR_CTES = f"""
     WITH RECURSIVE pairs AS (
         (SELECT queue, tenant_id FROM outbox WHERE {_WAITING}
          ORDER BY queue, tenant_id LIMIT 1)
@@ -128,10 +129,11 @@ FAIR_CLAIM = text(
             LIMIT g.quota
             FOR UPDATE OF o SKIP LOCKED) o
     )
-    SELECT * FROM claimed
-    ORDER BY rank, start_tag, after_cursor DESC, tenant_id
-    """
-)
+"""
+#: The order of a fair claim's dispatches: priority, then place in the round.
+FAIR_ORDER = "rank, start_tag, after_cursor DESC, tenant_id"
+
+FAIR_CLAIM = text(f"{FAIR_CTES} SELECT * FROM claimed ORDER BY {FAIR_ORDER}")
 
 
 @dataclass(slots=True)

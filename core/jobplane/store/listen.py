@@ -44,6 +44,11 @@ class Subscription:
         """Ask the subscriber to read again."""
         self._event.set()
 
+    @property
+    def woken(self) -> bool:
+        """Whether a wake-up came since the flag was last cleared."""
+        return self._event.is_set()
+
     def clear(self) -> None:
         """Forget a wake-up: only one that comes after this ends the next wait."""
         self._event.clear()

@@ -31,7 +31,7 @@ from sqlalchemy import TextClause, text
 
 from jobplane.envelope import Envelope
 from jobplane.store.db import Conn, Database
-from jobplane.store.fair import FAIR_CLAIM, FairClaim, FairSlot
+from jobplane.store.fair import FAIR_CTES, FAIR_ORDER, FairClaim, FairSlot
 from jobplane.store.machine import MACHINE, Cause, Transition, where_sources
 
 # An event row of a job (order_key: the job) waits while a row in front of
@@ -55,23 +55,49 @@ _CLAIM_SQL = """
     FOR UPDATE SKIP LOCKED
 """
 # Job dispatches and the other kinds are claimed apart, up to the limit each:
-# a backlog of events never delays a job's dispatch behind it.
+# a backlog of events never delays a job's dispatch behind it. Each part is
+# also a statement of its own (the plans' checks EXPLAIN them).
 _DISPATCHES = "kind = 'job.dispatch'"
 _OTHERS = f"kind <> 'job.dispatch' AND {IN_TURN}"
 _CLAIM_DUE = tuple(
     text(_CLAIM_SQL.format(where=f"available_at <= now() AND {kind}"))
     for kind in (_DISPATCHES, _OTHERS)
 )
-# Rows the database refuses to change are held back by the relay that found
-# them (for a while): without this they would head every batch, and every
-# batch would fail on them.
-_CLAIM_DUE_EXCEPT = tuple(
-    text(
-        _CLAIM_SQL.format(
-            where=f"available_at <= now() AND NOT (id = ANY(CAST(:skip AS uuid[]))) AND {kind}"
-        )
-    )
-    for kind in (_DISPATCHES, _OTHERS)
+# The relay's claim is one statement (ADR-0053): both kinds' claims, each up
+# to the limit, dispatches first, in one round trip; ``part`` says which a row
+# came from. Rows the database refuses to change are held back by the relay
+# that found them (``skip``, for a while): without this they would head every
+# batch, and every batch would fail on them.
+_DUE_PART = """
+    SELECT id, tenant_id, kind, job_id, routing_key, correlation_id, exchange, body, headers,
+           last_error IS NOT NULL AS retried, available_at
+    FROM outbox
+    WHERE published_at IS NULL AND failed_at IS NULL AND available_at <= now()
+      AND NOT (id = ANY(CAST(:skip AS uuid[]))) AND {kind}
+    ORDER BY available_at
+    LIMIT :limit
+    FOR UPDATE SKIP LOCKED
+"""
+_OTHERS_DUE = _DUE_PART.format(kind=_OTHERS)
+_CLAIM_BOTH = text(
+    f"""
+    WITH dispatches AS ({_DUE_PART.format(kind=_DISPATCHES)}), others AS ({_OTHERS_DUE})
+    SELECT *, 0 AS part FROM dispatches
+    UNION ALL SELECT *, 1 FROM others
+    ORDER BY part, available_at
+    """
+)
+# With fair dispatch on: the fair claim's dispatches (jobplane.store.fair),
+# in their order, then the other rows.
+_FAIR_CLAIM_BOTH = text(
+    f"""{FAIR_CTES}, others AS ({_OTHERS_DUE})
+    SELECT id, tenant_id, kind, job_id, routing_key, correlation_id, exchange, body, headers,
+           retried, available_at, 0 AS part, queue, rank, start_tag, after_cursor, weight
+    FROM claimed
+    UNION ALL
+    SELECT *, 1, NULL, NULL, NULL, NULL, NULL FROM others
+    ORDER BY part, {FAIR_ORDER}, available_at
+    """
 )
 # One row again, in a transaction of its own, once its batch was refused.
 _CLAIM_ONE = text(_CLAIM_SQL.format(where="id = :id"))
@@ -340,28 +366,24 @@ class OutboxStore:
         self, limit: int, *, skip: Collection[uuid.UUID] = (), fair: FairClaim | None = None
     ) -> AsyncIterator[OutboxBatch]:
         """Lock up to ``limit`` due dispatches and ``limit`` other due rows (none of
-        ``skip``) for the life of the block.
+        ``skip``) for the life of the block, in one statement.
 
         With ``fair``, the dispatches are those its queues' credits and rounds
         choose (:mod:`jobplane.store.fair`), in that order; without, the
-        longest due first.
+        longest due first. The other rows follow the dispatches.
 
         The marks written inside the block commit with it; if the block
         raises, the rows stay unpublished and due.
         """
-        if skip:
-            statements, params = _CLAIM_DUE_EXCEPT, {"skip": [str(i) for i in skip]}
-        else:
-            statements, params = _CLAIM_DUE, {}
+        skipped = [str(i) for i in skip]
         async with self._db.begin() as conn:
             if fair is None:
-                dispatches = await self._batch(conn, statements[0], {"limit": limit, **params})
+                binds: dict[str, Any] = {"limit": limit, "skip": skipped}
+                yield await self._batch(conn, _CLAIM_BOTH, binds)
             else:
                 binds = fair.round.binds(fair.credits, limit=limit)
-                binds["skip"] = [str(i) for i in skip]
-                dispatches = await self._batch(conn, FAIR_CLAIM, binds, fair=True)
-            others = await self._batch(conn, statements[1], {"limit": limit, **params})
-            yield OutboxBatch(conn, dispatches.rows + others.rows, dispatches.slots)
+                binds["skip"] = skipped
+                yield await self._batch(conn, _FAIR_CLAIM_BOTH, binds, fair=True)
 
     @asynccontextmanager
     async def claim_one(self, row_id: uuid.UUID) -> AsyncIterator[OutboxBatch]:
@@ -390,15 +412,17 @@ class OutboxStore:
                 headers=_headers(r["headers"]),
                 job_id=r["job_id"],
                 retried=bool(r["retried"]),
-                queue=str(r["queue"]) if fair else "",
+                queue=str(r["queue"]) if fair and r["queue"] is not None else "",
             )
             for r in result
         ]
         if not fair:
             return OutboxBatch(conn, rows)
+        # The dispatches' places; the claim's other rows (part 1) have none.
         slots = [
             FairSlot(str(r["queue"]), r["tenant_id"], float(r["start_tag"]), float(r["weight"]))
             for r in result
+            if r["part"] == 0
         ]
         return OutboxBatch(conn, rows, slots)
 

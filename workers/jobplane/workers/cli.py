@@ -531,7 +531,7 @@ def register_worker(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=2.0,
         help="milliseconds concurrent claims and outcomes wait to go out as one statement "
-        "(ADR-0028); 0: each alone",
+        "(ADR-0028; a claim waits only while a claim group is running, ADR-0053); 0: each alone",
     )
     parser.add_argument(
         "--group-max", type=int, default=64, help="the largest group: it goes out at once"

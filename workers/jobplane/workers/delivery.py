@@ -71,7 +71,11 @@ class Deliveries(AttemptRunner):
     ]:
         """Group commit (ADR-0028): claims and outcomes of concurrent deliveries
         within ``window`` seconds go out as one statement each, and their acks
-        together; a window of 0 or less writes each one alone (no groups)."""
+        together; a window of 0 or less writes each one alone (no groups).
+
+        A claim that finds no claim group running goes out at once (ADR-0053):
+        the window holds claims only while a group is in flight, so an idle
+        worker starts a lone job without waiting it out."""
         if window <= 0:
             return None, None, None
         on_group = None if self._intercept is None else self._intercept.grouped
@@ -81,6 +85,7 @@ class Deliveries(AttemptRunner):
             max_size=max_size,
             # Nothing of a failed claim group commits: each claims alone.
             split=_not_transient,
+            eager=True,
             on_group=_ungrouped if on_group is None else lambda size: on_group("claim", size),
         )
         outcomes = Batcher(

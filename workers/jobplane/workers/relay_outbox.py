@@ -124,7 +124,10 @@ class OutboxDispatch(OutboxRecording):
                     await asyncio.wait({task})
                 reap()
                 if not running:
-                    await wakeup.wait(await self._idle_seconds())
+                    # Rows committed since the claim's snapshot are claimed at
+                    # once: no statement to learn when the next falls due.
+                    if not wakeup.woken:
+                        await wakeup.wait(await self._idle_seconds())
                     continue
                 # Rows in flight count as due: wait for new ones, or for a batch to end.
                 woken = asyncio.ensure_future(wakeup.wait(self._poll_seconds))
