@@ -116,15 +116,18 @@ def _importable(name: str) -> bool:
 def main(argv: list[str] | None = None) -> None:
     """Entry point of the ``jobplane`` console script."""
     args = list(sys.argv[1:] if argv is None else argv)
-    if not missing_server_modules() or (
-        _command(args) in WORKER_COMMANDS and not missing_modules(WORKER_MODULES)
-    ):
-        try:
+    try:
+        # Looking for the server's modules reads the disk: a Ctrl-C may land
+        # here too, before any command has begun.
+        server = not missing_server_modules() or (
+            _command(args) in WORKER_COMMANDS and not missing_modules(WORKER_MODULES)
+        )
+        if server:
             server_main = _load_server_main()
             server_main(args)
-        except KeyboardInterrupt:  # Ctrl-C before the command catches it (while importing)
-            raise SystemExit(130) from None
-        return
+            return
+    except KeyboardInterrupt:  # Ctrl-C before the command catches it (while importing)
+        raise SystemExit(130) from None
     raise SystemExit(client_main(args))
 
 
