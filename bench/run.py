@@ -70,6 +70,7 @@ from sqlalchemy import text
 from bench import procstat
 from bench.blobs import MiB, s3_env, straight_to_s3, through_jobplane, write_file
 from bench.handlers import MAX_ROUNDS
+from bench.targets import verdicts
 from jobplane import broker
 from jobplane.blobs.store import PART_BYTES
 from jobplane.client import AsyncClient
@@ -1576,7 +1577,7 @@ async def main(argv: list[str] | None = None) -> int:
             await fig_tracing(bench)
         if want("ui"):
             await fig_ui(bench)
-        if args.only and "batch" in args.only:
+        if want("batch"):
             from bench.batch import fig_batch
 
             await fig_batch(bench)
@@ -1607,6 +1608,8 @@ async def main(argv: list[str] | None = None) -> int:
         print(table(bench.figures))
         for note in bench.notes:
             print(note)
+        print()
+        print("\n".join(verdicts(bench.figures)))
     return 0
 
 
