@@ -38,7 +38,7 @@ PEER_TYPES = 27
 
 # The jobplane arms of --only peers (bench/peers.py), each round and its warm-up.
 for _round in range(1, PEER_TYPES + 1):
-    for _kind in ("dev", "dev64", "split"):
+    for _kind in ("dev", "dev8", "split"):
         registry.add(f"bench.noop_peers_{_kind}_{_round}", noop)
         registry.add(f"bench.noop_peers_{_kind}_{_round}_warmup", noop)
 

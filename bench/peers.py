@@ -19,7 +19,8 @@ the next):
   tenant limits, worker slots at dev's default, ``--processes`` from
   ``--peer-dev-processes`` (its default, auto, is dev's: one process per CPU
   and one more, counted as the dev process's tree).
-- ``jobplane dev c64``: the same with ``--concurrency 64``, its one difference.
+- ``jobplane dev c8``: the same with ``--concurrency 8``, dev's default before
+  ADR-0057 (64 since), its one difference.
 - ``jobplane split``: ``serve``, ``relay`` and ``worker`` as processes of their own.
   Callers for the jobplane arms: the SDK from this process.
 
@@ -65,11 +66,13 @@ if TYPE_CHECKING:
 ROOT = Path(__file__).resolve().parent.parent
 PEER_VENVS = ROOT / ".cache" / "bench-peers"
 REQUIREMENTS = ROOT / "bench" / "peer_apps"
-ARMS = ("celery", "procrastinate", "jobplane dev", "jobplane dev c64", "jobplane split")
+ARMS = ("celery", "procrastinate", "jobplane dev", "jobplane dev c8", "jobplane split")
 #: The jobplane arms, and the kind in their job types' names (bench/handlers.py).
-KINDS = {"jobplane dev": "dev", "jobplane dev c64": "dev64", "jobplane split": "split"}
+KINDS = {"jobplane dev": "dev", "jobplane dev c8": "dev8", "jobplane split": "split"}
 #: The worker slots of ``jobplane dev c64`` (and of the separate processes: ``--concurrency``).
 DEV_WIDE_CONCURRENCY = 64
+#: The worker slots of ``jobplane dev c8``: dev's default before ADR-0057.
+DEV_NARROW_CONCURRENCY = 8
 POLL_SECONDS = 0.2
 WARMUP_JOBS = 16
 TIMEOUT = 600.0
@@ -418,8 +421,8 @@ class Peers:
         """How the jobplane arm of ``kind`` starts."""
         if kind == "dev":
             return lambda: self._start_dev(None)
-        if kind == "dev64":
-            return lambda: self._start_dev(DEV_WIDE_CONCURRENCY)
+        if kind == "dev8":
+            return lambda: self._start_dev(DEV_NARROW_CONCURRENCY)
         return self.bench.start_all
 
     async def _start_dev(self, concurrency: int | None) -> None:
@@ -577,8 +580,8 @@ async def fig_peers(bench: Bench) -> None:
             "workers": PROCRASTINATE_WORKERS,
             "concurrency": PROCRASTINATE_CONCURRENCY,
         },
-        "jobplane dev": {**dev, "worker_concurrency": "default (8)"},
-        "jobplane dev c64": {**dev, "worker_concurrency": DEV_WIDE_CONCURRENCY},
+        "jobplane dev": {**dev, "worker_concurrency": "default (64)"},
+        "jobplane dev c8": {**dev, "worker_concurrency": DEV_NARROW_CONCURRENCY},
         "jobplane split": _procs(bench),
     }
     cpu = {arm: statistics.median(o.cpu_ms for o in outcomes[arm]) for arm in ARMS}

@@ -82,6 +82,9 @@ DEFAULT_LISTEN = "127.0.0.1:50051"
 MAX_PAYLOAD_BYTES_LIMIT = 4 * 1024 * 1024
 #: ``JOBPLANE_MAX_BLOB_BYTES`` by default (5 GiB; at most config_checks.MAX_BLOB_BYTES_LIMIT).
 DEFAULT_MAX_BLOB_BYTES = 5 * 1024**3
+#: A worker's handler slots (``--concurrency``) by default: handlers run at
+#: once, and the unacked messages it holds (ADR-0057).
+DEFAULT_WORKER_CONCURRENCY = 64
 #: ``JOBPLANE_INLINE_BYTES`` by default: larger payloads and results go by reference.
 DEFAULT_INLINE_BYTES = 64 * 1024
 #: The largest payload or result a blob may hold in place of the inline JSON:

@@ -19,7 +19,7 @@ from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from jobplane.client import AsyncClient
-from jobplane.config import ListenAddress
+from jobplane.config import DEFAULT_WORKER_CONCURRENCY, ListenAddress
 from jobplane.faults import FaultPoints, InjectedFault
 from jobplane.observe.http import OpsServer, database_check
 from jobplane.observe.metrics import (
@@ -151,7 +151,7 @@ async def test_readyz_names_the_broker_while_it_is_unreachable(
         status, body = await _get(ops, "/readyz")
         assert status == 200, body
         found = await _scrape(ops)
-        assert value(found, "jobplane_worker_slots", state="free") == 8
+        assert value(found, "jobplane_worker_slots", state="free") == DEFAULT_WORKER_CONCURRENCY
         await proxy.cut()
 
         async def not_ready() -> bool:

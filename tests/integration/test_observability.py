@@ -17,6 +17,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from jobplane.client import AsyncClient
+from jobplane.config import DEFAULT_WORKER_CONCURRENCY
 from jobplane.logs import fingerprint
 from tests.support import services
 
@@ -152,7 +153,7 @@ async def test_dev_counts_its_jobs_and_logs_their_lifecycle(dev: Dev) -> None:
     assert value(found, "jobplane_relay_confirm_seconds_count") >= 1
     assert value(found, "jobplane_outbox_backlog_rows") == 0
     assert value(found, "jobplane_failed_queue_messages", queue="jobplane.failed") == 0
-    assert value(found, "jobplane_worker_slots", state="free") == 8
+    assert value(found, "jobplane_worker_slots", state="free") == DEFAULT_WORKER_CONCURRENCY
     assert value(found, "jobplane_worker_slots", state="busy") == 0
     assert value(found, "jobplane_db_pool_connections", state="size") > 0
     # Labels stay low-cardinality: no job or tenant ids anywhere.

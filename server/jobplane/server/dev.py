@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from jobplane import heap
+from jobplane.config import DEFAULT_WORKER_CONCURRENCY
 from jobplane.errors import JobplaneError
 from jobplane.faults import FaultPoints
 from jobplane.logs import json_line, json_lines
@@ -404,7 +405,10 @@ def register(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tenant", default="dev", help="tenant of the printed API key")
     parser.add_argument("--handlers", help="package.module:registry to load besides the demos")
     parser.add_argument(
-        "--concurrency", type=int, default=8, help="handlers run at once, per worker"
+        "--concurrency",
+        type=int,
+        default=DEFAULT_WORKER_CONCURRENCY,
+        help=f"handlers run at once, per worker (default {DEFAULT_WORKER_CONCURRENCY})",
     )
     parser.add_argument(
         "--processes",

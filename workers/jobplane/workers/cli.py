@@ -19,7 +19,7 @@ import sys
 from contextlib import AsyncExitStack
 from typing import TYPE_CHECKING, Any
 
-from jobplane.config import Settings
+from jobplane.config import DEFAULT_WORKER_CONCURRENCY, Settings
 from jobplane.faults import FaultPoints
 from jobplane.process import (
     _async,
@@ -508,7 +508,12 @@ def register_worker(parser: argparse.ArgumentParser) -> None:
     """``jobplane worker``'s arguments."""
     parser.add_argument("--handlers", help="package.module:registry to load")
     parser.add_argument("--demo", action="store_true", help="also load the demo handlers")
-    parser.add_argument("--concurrency", type=int, default=8, help="handlers run at once")
+    parser.add_argument(
+        "--concurrency",
+        type=int,
+        default=DEFAULT_WORKER_CONCURRENCY,
+        help=f"handlers run at once (default {DEFAULT_WORKER_CONCURRENCY})",
+    )
     parser.add_argument("--prefetch", type=int, default=None, help="unacked messages held")
     parser.add_argument(
         "--reserve",

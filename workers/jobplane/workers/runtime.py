@@ -28,7 +28,7 @@ from aio_pika.abc import AbstractConnection
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from jobplane import broker
-from jobplane.config import DEFAULT_INLINE_BYTES
+from jobplane.config import DEFAULT_INLINE_BYTES, DEFAULT_WORKER_CONCURRENCY
 from jobplane.faults import NO_FAULTS, FaultPoints
 from jobplane.lifecycle import Lifecycle
 from jobplane.names import job_name
@@ -74,7 +74,7 @@ class Worker(Deliveries, Lifecycle):
         topology: Topology,
         registry: Registry,
         *,
-        concurrency: int = 8,
+        concurrency: int = DEFAULT_WORKER_CONCURRENCY,
         prefetch: int | None = None,
         lease_seconds: float = 30.0,
         queues: list[str] | None = None,
