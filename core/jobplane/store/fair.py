@@ -32,8 +32,6 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass, field
 
-from sqlalchemy import text
-
 # The dispatches still to be published, as outbox_dispatch_fair holds them.
 _WAITING = "kind = 'job.dispatch' AND published_at IS NULL AND failed_at IS NULL"
 _WAITING_O = "o.kind = 'job.dispatch' AND o.published_at IS NULL AND o.failed_at IS NULL"
@@ -138,8 +136,6 @@ FAIR_CTES = f"""
 """
 #: The order of a fair claim's dispatches: priority, then place in the round.
 FAIR_ORDER = "rank, start_tag, after_cursor DESC, tenant_id"
-
-FAIR_CLAIM = text(f"{FAIR_CTES} SELECT * FROM claimed ORDER BY {FAIR_ORDER}")
 
 
 @dataclass(slots=True)

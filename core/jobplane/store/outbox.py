@@ -58,10 +58,6 @@ _CLAIM_SQL = """
 # a backlog of events never delays a job's dispatch behind it.
 _DISPATCHES = "kind = 'job.dispatch'"
 _OTHERS = f"kind <> 'job.dispatch' AND {IN_TURN}"
-_CLAIM_DUE = tuple(
-    text(_CLAIM_SQL.format(where=f"available_at <= now() AND {kind}"))
-    for kind in (_DISPATCHES, _OTHERS)
-)
 # The relay's claim is one statement (ADR-0053): both kinds' claims, each up
 # to the limit, dispatches first, in one round trip; ``part`` says which a row
 # came from. Each part is a common table expression of its own (``dispatches``
