@@ -6,7 +6,7 @@ outbox not yet due. Then ``--delayed-jobs`` jobs are submitted due at
 staggered times over a few seconds, and the lag of each is measured: its
 dispatch's publish (``published_at``) and its start (``start_time``) minus its
 schedule_time, p50 and p99, against a target of p99 ≤ 1 s. The relay's
-claim of due dispatches is timed alone (the statement as the relay runs it,
+claim is timed alone (the statement as the relay runs it, fair dispatch on,
 nothing due) before and after the waiting jobs go in: the ratio says whether
 its cost grows with them (target: about 1).
 """
@@ -20,7 +20,9 @@ from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
 from jobplane.client import AsyncClient, JobSpec
-from jobplane.store import outbox
+from jobplane.store.db import positional
+from jobplane.topology import load_topology
+from tests.support.plans import relay_claims
 
 if TYPE_CHECKING:
     from bench.run import Bench
@@ -28,8 +30,10 @@ if TYPE_CHECKING:
 JOB_TYPE = "bench.noop"
 BATCH = 1000
 LAG_TARGET_MS = 1000.0
-# The relay's claim of due dispatches, as it runs it (one statement a claim).
-_CLAIM = outbox._CLAIM_DUE[0].text.replace(":limit", "$1")
+# The relay's claim, as it runs it with fair dispatch on (the default): one
+# statement, its dispatches' part and the other rows', a batch of 100.
+_CLAIM, _BINDS = relay_claims(load_topology())["fair"]
+_SQL = positional(_CLAIM)
 _CLAIMS = 300
 # The due jobs: from this long after their submit, spread over this long.
 _LEAD_SECONDS = 2.0
@@ -41,7 +45,9 @@ async def claim_ms(bench: Bench) -> tuple[float, int]:
     (EXPLAIN ANALYZE's, no round trip or planning in it), and the buffers it read."""
     times, blocks = [], 0
     for _ in range(_CLAIMS):
-        plan = await bench.sql(f"EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) {_CLAIM}", 100)
+        plan = await bench.sql(
+            f"EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) {_SQL.text}", *_SQL.args(_BINDS)
+        )
         data = _json(plan[0][0])
         times.append(float(data["Execution Time"]))
         root = data["Plan"]

@@ -2,12 +2,13 @@
 
 ADR-0053 made the relay's claim one statement (`outbox._FAIR_CLAIM_BOTH`):
 the fair claim of dispatches and the claim of the other rows, which ran as
-two statements (`fair.FAIR_CLAIM`, then `outbox._CLAIM_DUE[1]`), each a
-round trip. Here both run on one connection to a database of their own
-(migrated, no server, relay or worker), over ``--due`` due dispatches, in
-transactions as the relay's (BEGIN, the claim, COMMIT; nothing is marked,
-so every claim finds the same rows), alternating which goes first. Printed:
-each arm's wall time per claim, p50 and mean, and their ratio.
+two statements, each a round trip. The relay no longer runs those two: they
+are kept here (`_FAIR_CLAIM`, `_OTHERS_CLAIM`) to compare. Both arms run on
+one connection to a database of their own (migrated, no server, relay or
+worker), over ``--due`` due dispatches, in transactions as the relay's
+(BEGIN, the claim, COMMIT; nothing is marked, so every claim finds the same
+rows), alternating which goes first. Printed: each arm's wall time per
+claim, p50 and mean, and their ratio.
 """
 
 from __future__ import annotations
@@ -20,12 +21,17 @@ import uuid
 from typing import Any
 
 import asyncpg
+from sqlalchemy import text
 
 from jobplane.store import fair, outbox
 from jobplane.store.db import Sql, positional
 from jobplane.store.engine import asyncpg_dsn, migrate
 from tests.support import services
 
+# The claim as two statements, as before ADR-0053: the fair claim of dispatches,
+# then the claim of the other rows.
+_FAIR_CLAIM = text(f"{fair.FAIR_CTES} SELECT * FROM claimed ORDER BY {fair.FAIR_ORDER}")
+_OTHERS_CLAIM = text(outbox._CLAIM_SQL.format(where=f"available_at <= now() AND {outbox._OTHERS}"))
 _DUE = """
     INSERT INTO outbox (id, tenant_id, job_id, routing_key, correlation_id, queue)
     SELECT gen_random_uuid(), $1, gen_random_uuid(), 'bench.noop', '', 'default'
@@ -58,14 +64,16 @@ async def measure(due: int, claims: int, limit: int) -> dict[str, list[float]]:
             await conn.execute(_DUE, tenant, due)
             await conn.execute("SET session_replication_role = origin")
             await conn.execute("ANALYZE outbox")
-            binds: dict[str, Any] = fair.FairRound().binds({"default": (limit, 1)}, limit=limit)
-            binds["skip"] = []
+            credits = {"default": (limit, 1)}
+            one, binds = outbox.claim_statement(
+                limit, fair=fair.FairClaim(fair.FairRound(), credits)
+            )
             arms: dict[str, list[tuple[Sql, dict[str, Any]]]] = {
                 "two statements": [
-                    (positional(fair.FAIR_CLAIM), binds),
-                    (positional(outbox._CLAIM_DUE[1]), {"limit": limit}),
+                    (positional(_FAIR_CLAIM), binds),
+                    (positional(_OTHERS_CLAIM), {"limit": limit}),
                 ],
-                "one statement": [(positional(outbox._FAIR_CLAIM_BOTH), binds)],
+                "one statement": [(positional(one), binds)],
             }
             seconds: dict[str, list[float]] = {arm: [] for arm in arms}
             order = list(arms)

@@ -79,9 +79,11 @@ from jobplane.store.engine import asyncpg_dsn, create_engine, migrate
 from jobplane.store.keys import KeyStore
 from jobplane.store.machine import MACHINE, Cause, Transition
 from jobplane.topics import EVENTS_EXCHANGE
+from jobplane.topology import load_topology
 from jobplane.v1 import events_pb2, events_pb2_grpc
 from tests.faults.cluster import free_port
 from tests.support import services
+from tests.support.plans import relay_claims
 from tests.support.s3 import MotoServer
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -1206,8 +1208,9 @@ async def check_plans(bench: Bench) -> None:
             {"txid": feed["txid"], "seq": feed["seq"], "limit": 500},
         ),
         "sweeper events behind": (sweeps._EVENTS_BEHIND, {"older_than": 60.0}),
-        "relay claim": (outbox._CLAIM_DUE[0], {"limit": 100}),
-        "relay claim of other rows": (outbox._CLAIM_DUE[1], {"limit": 100}),
+        # The relay's claim as it runs it (one statement, both parts: ADR-0053),
+        # fair dispatch on (the default) and off, a batch of 100 as the run's relay.
+        **{f"relay claim, {name}": claim for name, claim in relay_claims(load_topology()).items()},
         "relay next due": (outbox._NEXT_DUE, {}),
         "sweeper expired leases": (sweeps._EXPIRED, {"grace": 5.0, "limit": 100}),
         "sweeper stuck outbox": (sweeps._STUCK_OUTBOX, {"older_than": 60.0}),

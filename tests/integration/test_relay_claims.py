@@ -15,13 +15,11 @@ from __future__ import annotations
 import uuid
 from collections.abc import Collection
 from dataclasses import replace
-from typing import Any
 
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from jobplane.client import JobSpec
-from jobplane.store import outbox
 from jobplane.store.db import Database
 from jobplane.store.fair import FairClaim, FairRound, FairSlot
 from jobplane.store.outbox import OutboxKind, OutboxRow, OutboxStore
@@ -29,6 +27,7 @@ from jobplane.topology import Topology
 from jobplane.workers.relay import FairSettings
 from tests.support.event_api import all_published
 from tests.support.parts import Started
+from tests.support.plans import OTHERS, part, relay_claims, rows_read
 from tests.support.queues import ready_count
 from tests.support.stack import Stack, eventually, start_stack
 
@@ -130,28 +129,20 @@ async def test_a_backlog_of_dispatches_costs_the_other_rows_claim_nothing(
     topology: Topology,
     started: Started,
 ) -> None:
-    """The claim of rows that are not dispatches (parked events) reads none of the
-    due dispatches: a backlog would otherwise be read whole on every pass."""
+    """The relay's claim of rows that are not dispatches (parked events), its part
+    ``others``, reads none of the due dispatches, fair dispatch on or off: a
+    backlog would otherwise be read whole on every pass."""
     stack = await started(
         start_stack(engine, database_url, amqp_url, topology, relay=False, worker=False)
     )
     jobs = await stack.client().submit_many([JobSpec("demo.echo", {}) for _ in range(500)])
     assert len(jobs) == 500
-    async with db.begin() as conn:
-        await conn.execute("ANALYZE outbox")
-        plan = await conn.fetch(
-            "EXPLAIN (ANALYZE, FORMAT JSON) " + outbox._CLAIM_DUE[1].text, {"limit": 100}
-        )
-    read = _rows_read(plan[0][0][0]["Plan"])
-    assert read == 0, plan[0][0]
-
-
-def _rows_read(node: dict[str, Any]) -> int:
-    """Rows the plan's scans produced or removed by a filter: what it read."""
-    own = 0
-    if "Scan" in node["Node Type"]:
-        own = int(node.get("Actual Rows", 0)) + int(node.get("Rows Removed by Filter", 0))
-    return own + sum(_rows_read(child) for child in node.get("Plans", []))
+    for name, (statement, binds) in relay_claims(topology).items():
+        async with db.begin() as conn:
+            await conn.execute("ANALYZE outbox")
+            plan = await conn.fetch("EXPLAIN (ANALYZE, FORMAT JSON) " + statement.text, binds)
+        root = plan[0][0][0]["Plan"]
+        assert rows_read(part(root, OTHERS)) == 0, (name, plan[0][0])
 
 
 _EVENT_ROW = text(
@@ -224,13 +215,11 @@ async def test_the_one_claim_reads_a_limit_of_a_dispatch_backlog_not_the_backlog
     )
     jobs = await stack.client().submit_many([JobSpec("demo.echo", {}) for _ in range(500)])
     assert len(jobs) == 500
+    statement, binds = relay_claims(topology, limit=10)["in due order"]
     async with db.begin() as conn:
         await conn.execute("ANALYZE outbox")
-        plan = await conn.fetch(
-            "EXPLAIN (ANALYZE, FORMAT JSON) " + outbox._CLAIM_BOTH.text,
-            {"limit": 10, "skip": []},
-        )
+        plan = await conn.fetch("EXPLAIN (ANALYZE, FORMAT JSON) " + statement.text, binds)
     root = plan[0][0][0]["Plan"]
     assert root["Actual Rows"] == 10
-    read = _rows_read(root)
-    assert read <= 20, plan[0][0]
+    assert rows_read(part(root, "dispatches")) <= 20, plan[0][0]
+    assert rows_read(part(root, OTHERS)) == 0, plan[0][0]

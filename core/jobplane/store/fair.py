@@ -32,21 +32,25 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass, field
 
-from sqlalchemy import text
-
 # The dispatches still to be published, as outbox_dispatch_fair holds them.
 _WAITING = "kind = 'job.dispatch' AND published_at IS NULL AND failed_at IS NULL"
 _WAITING_O = "o.kind = 'job.dispatch' AND o.published_at IS NULL AND o.failed_at IS NULL"
 _SKIP = "NOT (o.id = ANY(CAST(:skip AS uuid[])))"
 # A (queue, tenant)'s due dispatches, ``{s}`` the row naming them: queue = s.queue
-# AND tenant_id = s.tenant_id AND available_at <= now(), written as one range of
-# outbox_dispatch_fair. With the equalities, the planner may walk outbox_due
-# (every tenant's waiting rows by due time) and filter: a tenant queued behind
-# another's 20,000 dispatches cost each claim 20,000 index entries, twice.
+# AND tenant_id = s.tenant_id AND available_at <= now(), read as one range of
+# outbox_dispatch_fair. With the equalities alone, the planner may walk
+# outbox_due (every tenant's waiting rows by due time) and filter: a tenant
+# queued behind another's 20,000 dispatches cost each claim 20,000 index
+# entries, twice. The row comparison, a lower bound only that index serves,
+# keeps the planner on it; the equalities and the bound on available_at end the
+# scan. An upper bound written as a row comparison does not: Postgres 15 ends a
+# scan on a row comparison only when its first column (the queue) passes it, so
+# the range walked every later entry of the queue (another tenant's backlog,
+# the tenant's own dispatches not yet due).
 _TENANT_DUE = (
     "(o.queue, o.tenant_id, o.available_at) >= ({s}.queue, {s}.tenant_id, "
     "CAST('-infinity' AS timestamptz)) "
-    "AND (o.queue, o.tenant_id, o.available_at) <= ({s}.queue, {s}.tenant_id, now())"
+    "AND o.queue = {s}.queue AND o.tenant_id = {s}.tenant_id AND o.available_at <= now()"
 )
 # What the relay reads of a row (jobplane.store.outbox's claim reads the same).
 _COLUMNS = (
@@ -132,8 +136,6 @@ FAIR_CTES = f"""
 """
 #: The order of a fair claim's dispatches: priority, then place in the round.
 FAIR_ORDER = "rank, start_tag, after_cursor DESC, tenant_id"
-
-FAIR_CLAIM = text(f"{FAIR_CTES} SELECT * FROM claimed ORDER BY {FAIR_ORDER}")
 
 
 @dataclass(slots=True)

@@ -55,17 +55,14 @@ _CLAIM_SQL = """
     FOR UPDATE SKIP LOCKED
 """
 # Job dispatches and the other kinds are claimed apart, up to the limit each:
-# a backlog of events never delays a job's dispatch behind it. Each part is
-# also a statement of its own (the plans' checks EXPLAIN them).
+# a backlog of events never delays a job's dispatch behind it.
 _DISPATCHES = "kind = 'job.dispatch'"
 _OTHERS = f"kind <> 'job.dispatch' AND {IN_TURN}"
-_CLAIM_DUE = tuple(
-    text(_CLAIM_SQL.format(where=f"available_at <= now() AND {kind}"))
-    for kind in (_DISPATCHES, _OTHERS)
-)
 # The relay's claim is one statement (ADR-0053): both kinds' claims, each up
 # to the limit, dispatches first, in one round trip; ``part`` says which a row
-# came from. Rows the database refuses to change are held back by the relay
+# came from. Each part is a common table expression of its own (``dispatches``
+# or the fair claim's, and ``others``): the plans' checks read each part's plan
+# there. Rows the database refuses to change are held back by the relay
 # that found them (``skip``, for a while): without this they would head every
 # batch, and every batch would fail on them.
 _DUE_PART = """
@@ -355,6 +352,19 @@ class OutboxBatch:
         return GiveUp.JOB_FAILED
 
 
+def claim_statement(
+    limit: int, *, skip: Collection[uuid.UUID] = (), fair: FairClaim | None = None
+) -> tuple[TextClause, dict[str, Any]]:
+    """The statement and binds of :meth:`OutboxStore.claim`: what the relay runs,
+    and what the plans' checks EXPLAIN."""
+    skipped = [str(i) for i in skip]
+    if fair is None:
+        return _CLAIM_BOTH, {"limit": limit, "skip": skipped}
+    binds = fair.round.binds(fair.credits, limit=limit)
+    binds["skip"] = skipped
+    return _FAIR_CLAIM_BOTH, binds
+
+
 class OutboxStore:
     """Claims due outbox rows for publishing."""
 
@@ -375,15 +385,9 @@ class OutboxStore:
         The marks written inside the block commit with it; if the block
         raises, the rows stay unpublished and due.
         """
-        skipped = [str(i) for i in skip]
+        statement, binds = claim_statement(limit, skip=skip, fair=fair)
         async with self._db.begin() as conn:
-            if fair is None:
-                binds: dict[str, Any] = {"limit": limit, "skip": skipped}
-                yield await self._batch(conn, _CLAIM_BOTH, binds)
-            else:
-                binds = fair.round.binds(fair.credits, limit=limit)
-                binds["skip"] = skipped
-                yield await self._batch(conn, _FAIR_CLAIM_BOTH, binds, fair=True)
+            yield await self._batch(conn, statement, binds, fair=fair is not None)
 
     @asynccontextmanager
     async def claim_one(self, row_id: uuid.UUID) -> AsyncIterator[OutboxBatch]:
