@@ -17,6 +17,8 @@ machine: these are measurements, not tests.
 ``--only peers`` runs the same no-op workload on Celery and Procrastinate, each in
 a virtualenv of its own, beside ``jobplane dev`` and the separate processes (bench/peers.py).
 ``--only metrics`` compares throughput with metrics off and on (bench/metrics.py).
+``--only trees --base-tree DIR`` compares this checkout with another, both running
+at once and loaded in turn (bench/trees.py).
 ``--only batch`` measures jobs accepted through BatchSubmitJobs and the drain
 of that backlog beside the single-job closed loop (bench/batch.py).
 ``--only blobs`` measures a blob's upload and download through jobplane
@@ -1380,6 +1382,7 @@ FIGURES = (
     "wal",
     "scaling",
     "pooling",
+    "trees",
 )
 
 
@@ -1506,6 +1509,13 @@ async def main(argv: list[str] | None = None) -> int:
         "--blob-mib", type=int, default=256, help="MiB of the blob the blob figures move"
     )
     parser.add_argument(
+        "--base-tree",
+        type=Path,
+        default=None,
+        help="the checkout --only trees compares this one with (e.g. a git worktree "
+        "of the base commit)",
+    )
+    parser.add_argument(
         "--preload",
         type=int,
         default=0,
@@ -1592,6 +1602,10 @@ async def main(argv: list[str] | None = None) -> int:
             from bench.scaling import fig_scaling
 
             await fig_scaling(bench)
+        if args.only and "trees" in args.only:  # not by default: needs --base-tree
+            from bench.trees import fig_trees
+
+            await fig_trees(bench)
         if want("delayed"):  # last: its waiting jobs stay in the tables
             from bench.delayed import fig_delayed
 
