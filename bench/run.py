@@ -1418,7 +1418,7 @@ async def main(argv: list[str] | None = None) -> int:
         "--rounds",
         type=_rounds,
         default=None,
-        help="rounds of --only tracing, metrics and lifecycle, their arms loaded in turn "
+        help="rounds of --only tracing, metrics, lifecycle and trees, their arms loaded in turn "
         "(the cost is the median ratio; more rounds, less of a noisy machine's spread; "
         "default 8), and of pooling (default 3; needs make fleet-postgres)",
     )
