@@ -49,6 +49,8 @@ class Arm:
     rates: list[float] = field(default_factory=list)
     #: CPU ms per job by component, the mean over the rounds.
     cpu: dict[str, float] = field(default_factory=dict)
+    #: CPU ms per job by component, each round's (filled only when asked for).
+    cpu_rounds: list[dict[str, float]] = field(default_factory=list)
     #: Each process's ops listener (/metrics) on a port picked for it, kept in
     #: its bench's ``ops_ports`` (else a port of the system's choosing).
     ops_ports: bool = False
@@ -68,6 +70,7 @@ async def paired_rounds(
     settled: Callable[[Bench], Awaitable[None]] | None = None,
     warmed: Callable[[], None] | None = None,
     during: Callable[[Arm, Bench], AbstractAsyncContextManager[object]] | None = None,
+    keep_rounds: bool = False,
 ) -> None:
     """Start every arm, warm each up, then run :func:`rounds_of` rounds of ``--jobs`` jobs
     on each arm in turn; fills each arm's ``rates`` and ``cpu``.
@@ -77,7 +80,8 @@ async def paired_rounds(
     leaves behind is counted in it and not in the next arm's. ``warmed``:
     called once every arm is warmed up and settled, before the first round.
     ``during``: entered around each of an arm's loops (e.g. a scraper of its
-    metrics while it is loaded). The main bench's processes are stopped
+    metrics while it is loaded). ``keep_rounds``: keep each round's CPU per job
+    too, in each arm's ``cpu_rounds``. The main bench's processes are stopped
     while the arms run and started again after.
     """
     from bench.run import Bench, closed_loop_rate, cpu_seconds
@@ -116,9 +120,13 @@ async def paired_rounds(
                 if settled is not None:
                     await settled(twin)
                 after = cpu_seconds(twin)
+                this_round: dict[str, float] = {}
                 for component, used in after.items():
                     per_job = (used - before.get(component, 0.0)) * 1000 / bench.args.jobs
                     arm.cpu[component] = arm.cpu.get(component, 0.0) + per_job / rounds
+                    this_round[component] = per_job
+                if keep_rounds:
+                    arm.cpu_rounds.append(this_round)
                 await twin.sql("ANALYZE")
             rates = ", ".join(f"{arm.name} {arm.rates[-1]:,.1f}" for arm in arms)
             print(f"{label}, round {round_}: jobs/s {rates}", file=sys.stderr)

@@ -17,6 +17,8 @@ machine: these are measurements, not tests.
 ``--only peers`` runs the same no-op workload on Celery and Procrastinate, each in
 a virtualenv of its own, beside ``jobplane dev`` and the separate processes (bench/peers.py).
 ``--only metrics`` compares throughput with metrics off and on (bench/metrics.py).
+``--only trees --base-tree DIR`` compares this checkout with another, both running
+at once and loaded in turn (bench/trees.py).
 ``--only batch`` measures jobs accepted through BatchSubmitJobs and the drain
 of that backlog beside the single-job closed loop (bench/batch.py).
 ``--only blobs`` measures a blob's upload and download through jobplane
@@ -1384,6 +1386,7 @@ FIGURES = (
     "wal",
     "scaling",
     "pooling",
+    "trees",
 )
 
 
@@ -1419,7 +1422,7 @@ async def main(argv: list[str] | None = None) -> int:
         "--rounds",
         type=_rounds,
         default=None,
-        help="rounds of --only tracing, metrics and lifecycle, their arms loaded in turn "
+        help="rounds of --only tracing, metrics, lifecycle and trees, their arms loaded in turn "
         "(the cost is the median ratio; more rounds, less of a noisy machine's spread; "
         "default 8), and of pooling (default 3; needs make fleet-postgres)",
     )
@@ -1510,6 +1513,13 @@ async def main(argv: list[str] | None = None) -> int:
         "--blob-mib", type=int, default=256, help="MiB of the blob the blob figures move"
     )
     parser.add_argument(
+        "--base-tree",
+        type=Path,
+        default=None,
+        help="the checkout --only trees compares this one with (e.g. a git worktree "
+        "of the base commit)",
+    )
+    parser.add_argument(
         "--preload",
         type=int,
         default=0,
@@ -1596,6 +1606,10 @@ async def main(argv: list[str] | None = None) -> int:
             from bench.scaling import fig_scaling
 
             await fig_scaling(bench)
+        if args.only and "trees" in args.only:  # not by default: needs --base-tree
+            from bench.trees import fig_trees
+
+            await fig_trees(bench)
         if want("delayed"):  # last: its waiting jobs stay in the tables
             from bench.delayed import fig_delayed
 

@@ -7,11 +7,13 @@ no longer exists must not circle between our workers for ever.
 from __future__ import annotations
 
 import aio_pika
-from aio_pika.abc import AbstractIncomingMessage, AbstractQueue
+import aiormq
+from aio_pika.abc import AbstractChannel, AbstractIncomingMessage, AbstractQueue
 
 from jobplane.envelope import DEPLOYMENT_HEADER
 from jobplane.topology import Topology, declare
 from jobplane.workers.bounce import BOUNCES_HEADER, MAX_BOUNCES, Bounced, bounce_foreign
+from jobplane.workers.inbound import Delivery
 from tests.support.queues import ready_count
 from tests.support.stack import eventually
 
@@ -20,6 +22,15 @@ async def _next(queue: AbstractQueue) -> AbstractIncomingMessage:
     message = await queue.get(no_ack=False, fail=False, timeout=5)
     assert message is not None
     return message
+
+
+async def _delivery(channel: AbstractChannel, name: str) -> Delivery:
+    """The next message of queue ``name`` as the worker holds a delivery."""
+    raw = await channel.get_underlay_channel()
+    assert isinstance(raw, aiormq.Channel)
+    message = await raw.basic_get(name, no_ack=False, timeout=5)
+    assert isinstance(message.delivery, aiormq.spec.Basic.GetOk)
+    return Delivery(message, name)
 
 
 async def test_a_foreign_message_is_bounced_then_dead_lettered_at_the_cap(
@@ -47,12 +58,12 @@ async def test_a_foreign_message_is_bounced_then_dead_lettered_at_the_cap(
                 routing_key=name,
             )
 
-        young = await _next(queue)
+        young = await _delivery(channel, name)
         assert await bounce_foreign(channel, young, name, this_deployment="ours") == (
             Bounced.REQUEUED,
             4,
         )
-        old = await _next(queue)
+        old = await _delivery(channel, name)
         assert old.message_id == "old"
         assert await bounce_foreign(channel, old, name, this_deployment="ours") == (
             Bounced.DEAD_LETTERED,

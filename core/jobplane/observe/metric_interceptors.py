@@ -13,13 +13,12 @@ from collections.abc import Awaitable, Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from aio_pika.abc import AbstractIncomingMessage
-
     from jobplane.envelope import Envelope
     from jobplane.observe.metrics import Metrics
     from jobplane.store.attempts import Attempt, ClaimResult
     from jobplane.store.machine import Transition
     from jobplane.topology import Topology
+    from jobplane.workers.interceptors import Delivered
     from jobplane.workers.sweeper import SweepReport
 
 
@@ -51,7 +50,7 @@ class WorkerMetrics:
     async def claim(
         self,
         envelope: Envelope,
-        message: AbstractIncomingMessage,
+        message: Delivered,
         claim: Callable[[], Awaitable[ClaimResult]],
     ) -> ClaimResult:
         """The claim; one a flow limit refused counts as a throttled start (a claimed

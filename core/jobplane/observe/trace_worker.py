@@ -33,12 +33,11 @@ from jobplane.observe.trace_context import (
 )
 
 if TYPE_CHECKING:
-    from aio_pika.abc import AbstractIncomingMessage
-
     from jobplane.envelope import Envelope
     from jobplane.store.attempts import Attempt, ClaimResult
     from jobplane.store.machine import Transition
     from jobplane.topology import Topology
+    from jobplane.workers.interceptors import Delivered
 
 
 def delivered(headers: Mapping[str, Any] | None) -> contextlib.AbstractContextManager[object]:
@@ -66,7 +65,7 @@ def _attached(context: otel_context.Context, quiet: Mapping[str, str] | None) ->
 
 
 def claim_span(
-    envelope: Envelope, message: AbstractIncomingMessage
+    envelope: Envelope, message: Delivered
 ) -> contextlib.AbstractContextManager[Span | None]:
     """``job claim``: the consumer span of a delivery, around the fenced claim
     (none for a delivery of a trace that is not sampled)."""
@@ -181,7 +180,7 @@ class WorkerTracing:
     async def claim(
         self,
         envelope: Envelope,
-        message: AbstractIncomingMessage,
+        message: Delivered,
         claim: Callable[[], Awaitable[ClaimResult]],
     ) -> ClaimResult:
         """The claim inside :func:`claim_span`, what it found on the span."""

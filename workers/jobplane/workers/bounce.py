@@ -31,9 +31,10 @@ from typing import Any
 import aio_pika
 import aiormq
 import structlog
-from aio_pika.abc import AbstractChannel, AbstractIncomingMessage
+from aio_pika.abc import AbstractChannel
 
 from jobplane.envelope import DEPLOYMENT_HEADER
+from jobplane.workers.inbound import Delivery
 
 log = structlog.get_logger("jobplane.worker")
 
@@ -63,7 +64,7 @@ def bounce_delay(bounces: int) -> float:
     return min(0.005 * 2.0 ** min(bounces, 10), _MAX_DELAY)
 
 
-def bounces_of(message: AbstractIncomingMessage) -> int:
+def bounces_of(message: Delivery) -> int:
     """How many times ``message`` has been bounced."""
     headers = message.headers or {}
     return max(_count(headers.get(BOUNCES_HEADER)), _count(headers.get(_OLD_BOUNCES_HEADER)))
@@ -78,7 +79,7 @@ def _count(value: Any) -> int:
 
 async def bounce_foreign(
     channel: AbstractChannel,
-    message: AbstractIncomingMessage,
+    message: Delivery,
     queue: str | None,
     *,
     this_deployment: str | None,
@@ -115,7 +116,7 @@ async def bounce_foreign(
 
 async def publish_bounce(
     channel: AbstractChannel,
-    message: AbstractIncomingMessage,
+    message: Delivery,
     queue: str | None,
     *,
     timeout: float = 10.0,
@@ -131,19 +132,20 @@ async def publish_bounce(
     bounces = bounces_of(message)
     await asyncio.sleep(bounce_delay(bounces))
     headers = {k: v for k, v in (message.headers or {}).items() if k != _OLD_BOUNCES_HEADER}
+    properties = message.properties
     copy = aio_pika.Message(
         message.body,
         headers={**headers, BOUNCES_HEADER: bounces + 1},
-        content_type=message.content_type,
-        content_encoding=message.content_encoding,
-        delivery_mode=message.delivery_mode,
-        priority=message.priority,
-        correlation_id=message.correlation_id,
-        reply_to=message.reply_to,
-        message_id=message.message_id,
-        timestamp=message.timestamp,
-        type=message.type,
-        app_id=message.app_id,
+        content_type=properties.content_type,
+        content_encoding=properties.content_encoding,
+        delivery_mode=properties.delivery_mode,
+        priority=properties.priority,
+        correlation_id=properties.correlation_id,
+        reply_to=properties.reply_to,
+        message_id=properties.message_id,
+        timestamp=properties.timestamp,
+        type=properties.message_type,
+        app_id=properties.app_id,
         # user_id is left out: the broker checks it against our own login.
     )
     if queue is not None:

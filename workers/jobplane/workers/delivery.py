@@ -13,9 +13,8 @@ import asyncio
 from collections.abc import Awaitable
 from typing import Any
 
-import aio_pika
 import structlog
-from aio_pika.abc import AbstractChannel, AbstractIncomingMessage
+from aio_pika.abc import AbstractChannel
 from sqlalchemy.exc import DBAPIError
 
 from jobplane.batcher import Batcher
@@ -28,7 +27,9 @@ from jobplane.store.down import database_transient
 from jobplane.store.machine import Transition
 from jobplane.workers.attempt import AttemptRunner
 from jobplane.workers.bounce import Bounced, bounce_foreign
+from jobplane.workers.consumers import Consumers
 from jobplane.workers.group import Acks
+from jobplane.workers.inbound import Delivery
 from jobplane.workers.presence import Presence
 from jobplane.workers.priority import Slots, SlotsClosed
 from jobplane.workers.recording import Stopping
@@ -43,9 +44,7 @@ class Deliveries(AttemptRunner):
     # Set up by the worker.
     _presence: Presence
     _slots: Slots
-    #: Each consumer's priority class, by consumer tag.
-    _classes: dict[str, str]
-    _consumers: list[tuple[aio_pika.abc.AbstractQueue, str]]
+    _consumers: Consumers
     #: The deliveries being handled.
     _tasks: set[asyncio.Task[None]]
     _claims: Batcher[ClaimRequest, ClaimResult | None] | None
@@ -97,7 +96,7 @@ class Deliveries(AttemptRunner):
         )
         return claims, outcomes, Acks()
 
-    async def _on_message(self, message: AbstractIncomingMessage) -> None:
+    def _on_message(self, message: Delivery) -> None:
         # Our own task, not aiormq's: a channel that closes must not cancel a
         # handler mid-run (its outcome is still committed; only the ack is lost).
         if self._acks is not None:
@@ -106,7 +105,7 @@ class Deliveries(AttemptRunner):
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _handle_settled(self, message: AbstractIncomingMessage) -> None:
+    async def _handle_settled(self, message: Delivery) -> None:
         """:meth:`_handle`, and a nack for a message it left unsettled, whatever happened.
 
         An unsettled delivery holds a prefetch slot for the life of the
@@ -120,7 +119,7 @@ class Deliveries(AttemptRunner):
             if self._acks is not None:
                 self._acks.forget(message)
 
-    async def _handle_and_nack(self, message: AbstractIncomingMessage) -> None:
+    async def _handle_and_nack(self, message: Delivery) -> None:
         try:
             intercept = self._intercept
             if intercept is None:
@@ -148,11 +147,11 @@ class Deliveries(AttemptRunner):
             log.error("job.message.unsettled", message_id=message.message_id)
             await _settle(message.nack(requeue=True))
 
-    def _settled(self, message: AbstractIncomingMessage) -> bool:
+    def _settled(self, message: Delivery) -> bool:
         """Whether ``message`` was settled (by itself, or by a group's multiple ack)."""
-        return self._acks.settled(message) if self._acks is not None else message.processed
+        return message.processed
 
-    async def _ack(self, message: AbstractIncomingMessage) -> None:
+    async def _ack(self, message: Delivery) -> None:
         """Ack after the commit: with the others of this moment when grouping."""
         if self._acks is None:
             await _settle(message.ack())
@@ -164,24 +163,23 @@ class Deliveries(AttemptRunner):
         if running is not None:
             running.stop(StopCause.CANCEL_REQUESTED)
 
-    async def _handle(self, message: AbstractIncomingMessage) -> None:
+    async def _handle(self, message: Delivery) -> None:
         try:
             envelope = Envelope.decode(message.body)
         except EnvelopeError as exc:
             log.error("job.message.rejected", reason=str(exc), message_id=message.message_id)
             await _settle(message.reject(requeue=False))
             return
-        queue = next((q.name for q, tag in self._consumers if tag == message.consumer_tag), "")
         bound = log.bind(
             job=job_name(envelope.job_id),
             event_id=str(envelope.event_id),
             tenant_id=str(envelope.tenant_id),
             correlation_id=fingerprint(envelope.correlation_id),
-            queue=queue,
+            queue=message.queue,
             exchange=message.exchange,
             routing_key=message.routing_key,
             delivery_tag=message.delivery_tag,
-            redelivered=bool(message.redelivered),
+            redelivered=message.redelivered,
         )
         if message.redelivered:
             bound.info("broker.message.redelivered")
@@ -189,18 +187,15 @@ class Deliveries(AttemptRunner):
             await self._hand_back_job(envelope, message, bound)
             return
         # A slot before the claim: a job is claimed only when it can start.
-        priority = self._classes.get(message.consumer_tag or "", "")
         try:
-            async with self._slots.turn(priority):
+            async with self._slots.turn(message.priority):
                 await self._claim_and_run(envelope, message, bound)
         except SlotsClosed:
             await _settle(message.nack(requeue=True))
 
-    async def _claim_and_run(
-        self, envelope: Envelope, message: AbstractIncomingMessage, bound: Any
-    ) -> None:
+    async def _claim_and_run(self, envelope: Envelope, message: Delivery, bound: Any) -> None:
         try:
-            redelivered = bool(message.redelivered)
+            redelivered = message.redelivered
             intercept = self._intercept
             if intercept is None:
                 claim = await self._claim(envelope, redelivered=redelivered)
@@ -233,9 +228,7 @@ class Deliveries(AttemptRunner):
     def _deployment_id(self) -> str | None:
         return self._deployment.id if self._deployment is not None else None
 
-    async def _unknown_job(
-        self, message: AbstractIncomingMessage, envelope: Envelope, bound: Any
-    ) -> None:
+    async def _unknown_job(self, message: Delivery, envelope: Envelope, bound: Any) -> None:
         """No such job in our database: another deployment's message, or a stray."""
         # Decided after the lookup, not before: a deployment whose identity
         # changed (its database restored elsewhere) still runs its own jobs.
@@ -249,16 +242,16 @@ class Deliveries(AttemptRunner):
         """True for a message of another deployment sharing these queues."""
         return envelope.deployment not in (None, self._deployment_id)
 
-    async def _bounce(
-        self, message: AbstractIncomingMessage, envelope: Envelope, bound: Any
-    ) -> None:
+    async def _bounce(self, message: Delivery, envelope: Envelope, bound: Any) -> None:
         """A message of another deployment (no such job here): back to its queue
         (ADR-0006), or to the dead-letter queue after too many bounces."""
         assert self._bounce_channel is not None
-        queue = next((q.name for q, tag in self._consumers if tag == message.consumer_tag), None)
         try:
             done, bounces = await bounce_foreign(
-                self._bounce_channel, message, queue, this_deployment=self._deployment_id
+                self._bounce_channel,
+                message,
+                message.queue or None,
+                this_deployment=self._deployment_id,
             )
         except Exception as exc:
             bound.warning("job.message.bounce_failed", error=describe_error(exc))
@@ -310,9 +303,7 @@ class Deliveries(AttemptRunner):
             intercept.applied(Transition.CLAIM)
         return claim
 
-    async def _hand_back_job(
-        self, envelope: Envelope, message: AbstractIncomingMessage, bound: Any
-    ) -> None:
+    async def _hand_back_job(self, envelope: Envelope, message: Delivery, bound: Any) -> None:
         """Give the job back unclaimed: this worker has no handler for its type."""
         try:
             status, reason = await self._with_db_retry(

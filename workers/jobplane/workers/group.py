@@ -5,18 +5,19 @@ few frames as the broker allows.
 A :class:`~jobplane.batcher.Batcher` collects requests for at most ``window``
 seconds after the first (or until ``max_size`` of them), runs them as one
 group and hands each caller its own result. :func:`plan_acks` decides where one ``basic.ack`` with
-``multiple`` may settle many deliveries; :class:`Acks` applies it.
+``multiple`` may settle many deliveries; :class:`Acks` applies it, and writes
+a channel's acks of one moment (the multiple one and the single ones) to the
+connection as one write.
 """
 
 from __future__ import annotations
 
 from collections.abc import Collection
-from typing import Any
 
 import structlog
-from aio_pika.abc import AbstractIncomingMessage
 
 from jobplane.batcher import Batcher
+from jobplane.workers.inbound import Delivery, write_acks
 
 log = structlog.get_logger("jobplane.worker")
 
@@ -51,124 +52,82 @@ class Acks:
     """Acks deliveries after their commit: those of one moment together, by channel.
 
     Every delivery is registered at its arrival (:meth:`delivered`, in the
-    consumer callback, which aio-pika calls in delivery order), so the
-    outstanding deliveries of a channel are known when a group is acked. A
-    delivery a multiple ack settled is not marked processed by aio-pika:
-    :meth:`settled` says it is.
+    consumer callback, which runs in delivery order), so the outstanding
+    deliveries of a channel are known when a group is acked: a ``multiple``
+    ack never reaches below a delivery that is not in the group. A delivery
+    a multiple ack settled is marked processed like one acked alone.
     """
 
     def __init__(self) -> None:
-        # channel -> delivery tag -> message, for deliveries not acked by us;
-        # each message's channel as it was at its arrival; the channels, held
-        # while they have deliveries here (so that no other takes their id).
-        self._delivered: dict[int, dict[int, AbstractIncomingMessage]] = {}
-        self._arrived_on: dict[int, int] = {}
-        self._channels: dict[int, Any] = {}
-        # Messages a multiple ack of another message settled.
-        self._covered: set[int] = set()
-        self._batcher: Batcher[AbstractIncomingMessage, None] = Batcher(
+        # id(channel) -> delivery tag -> delivery, for deliveries not settled;
+        # each delivery holds its channel, so no other channel takes its id
+        # while it has deliveries here.
+        self._delivered: dict[int, dict[int, Delivery]] = {}
+        self._batcher: Batcher[Delivery, None] = Batcher(
             self._ack_group, window=0.0, max_size=1_000_000
         )
         #: How many basic.ack frames were sent with multiple=True, and without.
         self.multiple = 0
         self.single = 0
 
-    def delivered(self, message: AbstractIncomingMessage) -> None:
-        """``message`` arrived: it is outstanding on its channel until settled."""
-        try:
-            channel: Any = message.channel
-        except Exception:
-            return  # closed already: it is redelivered, never acked
-        if message.delivery_tag:
-            key = id(channel)
-            self._channels[key] = channel
-            self._arrived_on[id(message)] = key
-            self._delivered.setdefault(key, {})[message.delivery_tag] = message
+    def delivered(self, delivery: Delivery) -> None:
+        """``delivery`` arrived: it is outstanding on its channel until settled."""
+        if delivery.delivery_tag:
+            self._delivered.setdefault(id(delivery.channel), {})[delivery.delivery_tag] = delivery
 
-    def settled(self, message: AbstractIncomingMessage) -> bool:
-        """Whether ``message`` was acked, nacked or rejected (also by a multiple ack)."""
-        return message.processed or id(message) in self._covered
-
-    def forget(self, message: AbstractIncomingMessage) -> None:
-        """``message``'s handling ended: no more to know of it."""
-        self._covered.discard(id(message))
-        key = self._arrived_on.pop(id(message), None)
-        if key is None:
+    def forget(self, delivery: Delivery) -> None:
+        """``delivery``'s handling ended: no more to know of it."""
+        key = id(delivery.channel)
+        tags = self._delivered.get(key)
+        if tags is None:
             return
-        tags = self._delivered.get(key, {})
-        if tags.get(message.delivery_tag or 0) is message:
-            del tags[message.delivery_tag or 0]
+        if tags.get(delivery.delivery_tag) is delivery:
+            del tags[delivery.delivery_tag]
         if not tags:
-            self._delivered.pop(key, None)
-            self._channels.pop(key, None)
+            del self._delivered[key]
 
-    async def ack(self, message: AbstractIncomingMessage) -> None:
-        """Ack ``message`` with the others acked at this moment."""
-        await self._batcher.submit(message)
+    async def ack(self, delivery: Delivery) -> None:
+        """Ack ``delivery`` with the others acked at this moment."""
+        await self._batcher.submit(delivery)
 
-    async def _ack_group(self, messages: list[AbstractIncomingMessage]) -> list[None]:
-        by_channel: dict[int | None, list[AbstractIncomingMessage]] = {}
-        for message in messages:
-            key = self._arrived_on.get(id(message))
-            if key is not None and _channel_key(message) != key:
-                key = None  # its channel closed since: it cannot be acked
-            by_channel.setdefault(key, []).append(message)
-        for channel, group in by_channel.items():
-            known = self._delivered.get(channel) if channel is not None else None
-            if known is None or len(group) < 2:
-                for message in group:
-                    await self._ack_one(message)
-                continue
-            for tag, message in list(known.items()):
-                if self.settled(message):
-                    del known[tag]
-            # Only deliveries known outstanding on this channel take part in
-            # the plan; any other is acked alone.
-            to_ack: dict[int, AbstractIncomingMessage] = {}
-            for message in group:
-                tag = message.delivery_tag or 0
-                if known.get(tag) is message and not self.settled(message):
-                    to_ack[tag] = message
-                else:
-                    await self._ack_one(message)
-            upto, singles = plan_acks(known.keys(), to_ack.keys())
-            if upto is not None:
-                carrier = to_ack[upto]
-                try:
-                    await carrier.ack(multiple=True)
-                except Exception as exc:
-                    log.warning("job.message.settle_failed", error=str(exc))
-                else:
-                    self.multiple += 1
-                    for tag, message in to_ack.items():
-                        if tag <= upto:
-                            known.pop(tag, None)
-                            if message is not carrier:
-                                self._covered.add(id(message))
-            for tag in singles:
-                await self._ack_one(to_ack[tag])
-        return [None] * len(messages)
+    async def _ack_group(self, deliveries: list[Delivery]) -> list[None]:
+        by_channel: dict[int, list[Delivery]] = {}
+        for delivery in deliveries:
+            if not delivery.processed:
+                by_channel.setdefault(id(delivery.channel), []).append(delivery)
+        for key, group in by_channel.items():
+            await self._ack_channel(self._delivered.get(key, {}), group)
+        return [None] * len(deliveries)
 
-    async def _ack_one(self, message: AbstractIncomingMessage) -> None:
-        if self.settled(message):
-            return
+    async def _ack_channel(self, known: dict[int, Delivery], group: list[Delivery]) -> None:
+        """Ack ``group``, deliveries of one channel of which ``known`` are outstanding."""
+        for tag, delivery in list(known.items()):
+            if delivery.processed:
+                del known[tag]
+        to_ack = {d.delivery_tag: d for d in group}
+        # Only deliveries known outstanding take part in a multiple ack; any
+        # other is acked alone.
+        planned = [tag for tag, d in to_ack.items() if known.get(tag) is d]
+        upto, singles = plan_acks(known.keys(), planned) if len(planned) > 1 else (None, planned)
+        singles += [tag for tag in to_ack if known.get(tag) is not to_ack[tag]]
+        # Settled from here on, before the write (as Delivery.ack does). A
+        # group planned while this one waits to write may count these as
+        # settled and ack past them: its write is queued after this one's
+        # (the connection's write queue wakes its writers in order).
+        for tag, delivery in to_ack.items():
+            delivery.processed = True
+            if known.get(tag) is delivery:
+                del known[tag]
         try:
-            await message.ack()
+            await write_acks(group[0].channel, upto, singles)
         except Exception as exc:
             # A closed channel: the broker redelivers, the claim acks the copy.
             log.warning("job.message.settle_failed", error=str(exc))
-        else:
-            self.single += 1
+            return
+        if upto is not None:
+            self.multiple += 1
+        self.single += len(singles)
 
     async def stop(self, timeout: float | None = None) -> None:
         """Ack what is waiting now (see :meth:`Batcher.stop`)."""
         await self._batcher.stop(timeout)
-
-
-def _channel_key(message: AbstractIncomingMessage) -> int | None:
-    """The identity of the channel ``message`` came on (None: it is closed)."""
-    try:
-        channel: Any = message.channel
-    except Exception:
-        return None
-    return id(channel)

@@ -23,13 +23,27 @@ from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Se
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
-    from aio_pika.abc import AbstractIncomingMessage
-
     from jobplane.envelope import Envelope
     from jobplane.store.attempts import Attempt, ClaimResult
     from jobplane.store.machine import Transition
     from jobplane.topology import Topology
     from jobplane.workers.sweeper import SweepReport
+
+
+class Delivered(Protocol):
+    """A delivery as an interceptor sees it (the worker's
+    :class:`~jobplane.workers.inbound.Delivery`)."""
+
+    @property
+    def message_id(self) -> str | None: ...
+
+    @property
+    def routing_key(self) -> str: ...
+
+    @property
+    def headers(self) -> Mapping[str, Any] | None: ...
+
+    redelivered: bool
 
 
 class Run(Protocol):
@@ -66,7 +80,7 @@ class Interceptor(Protocol):
     async def claim(
         self,
         envelope: Envelope,
-        message: AbstractIncomingMessage,
+        message: Delivered,
         claim: Callable[[], Awaitable[ClaimResult]],
     ) -> ClaimResult:
         """Around the fenced claim of ``envelope``: awaits ``claim()`` and returns its result."""
@@ -135,7 +149,7 @@ class _Chain:
     async def claim(
         self,
         envelope: Envelope,
-        message: AbstractIncomingMessage,
+        message: Delivered,
         claim: Callable[[], Awaitable[ClaimResult]],
     ) -> ClaimResult:
         inner = claim
@@ -180,7 +194,7 @@ class _Chain:
 def _bound_claim(
     interceptor: Interceptor,
     envelope: Envelope,
-    message: AbstractIncomingMessage,
+    message: Delivered,
     inner: Callable[[], Awaitable[ClaimResult]],
 ) -> Callable[[], Awaitable[ClaimResult]]:
     return lambda: interceptor.claim(envelope, message, inner)

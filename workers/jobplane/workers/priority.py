@@ -36,11 +36,9 @@ import asyncio
 import collections
 import contextlib
 import math
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Iterable
 
-from aio_pika.abc import AbstractChannel, AbstractConnection, AbstractIncomingMessage, AbstractQueue
-
-from jobplane.topology import PRIORITIES, QueueSpec
+from jobplane.topology import PRIORITIES
 
 #: Share of the grants a class gets while others wait too.
 WEIGHTS = {"high": 4, "normal": 2, "low": 1}
@@ -204,35 +202,3 @@ class _Turn:
 
     async def __aexit__(self, *exc: object) -> None:
         self._slots._release(self._cls)
-
-
-async def consume(
-    connection: AbstractConnection,
-    queues: Sequence[QueueSpec],
-    slots: Slots,
-    on_message: Callable[[AbstractIncomingMessage], Awaitable[None]],
-    consumers: list[tuple[AbstractQueue, str]],
-    *,
-    prefetch: int | None = None,
-) -> dict[str, str]:
-    """Consume ``queues``, each with its class's prefetch (or ``prefetch`` for all).
-
-    A per-consumer prefetch is restored on reconnect only as its channel's
-    last ``basic.qos``: queues of one prefetch share a channel, one channel
-    for each. Appends to ``consumers`` as it goes (the caller cancels them);
-    returns the priority class of each consumer tag.
-    """
-    channels: dict[int, AbstractChannel] = {}
-    classes: dict[str, str] = {}
-    for spec in queues:
-        count = prefetch if prefetch is not None else slots.prefetch(spec.priority)
-        channel = channels.get(count)
-        if channel is None:
-            channel = channels[count] = await connection.channel()
-            await channel.set_qos(prefetch_count=count)
-        # Passive: the robust channel restores it passively on reconnect too.
-        queue = await channel.get_queue(spec.name)
-        tag = await queue.consume(on_message, no_ack=False)
-        consumers.append((queue, tag))
-        classes[tag] = slots.class_of(spec.priority)
-    return classes

@@ -22,7 +22,6 @@ import contextlib
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-import aio_pika
 import structlog
 from aio_pika.abc import AbstractConnection
 from sqlalchemy.ext.asyncio import AsyncEngine
@@ -39,12 +38,13 @@ from jobplane.store.down import until_database_up
 from jobplane.store.listen import Listener
 from jobplane.store.rows import CANCEL_CHANNEL
 from jobplane.topology import Ownership, Topology, ensure
+from jobplane.workers.consumers import Consumers
 from jobplane.workers.delivery import Deliveries
 from jobplane.workers.group import DEFAULT_GROUP_MAX, DEFAULT_GROUP_WINDOW
 from jobplane.workers.handlers import Registry
 from jobplane.workers.interceptors import Interceptor, chain
 from jobplane.workers.presence import Presence
-from jobplane.workers.priority import Slots, consume
+from jobplane.workers.priority import Slots
 from jobplane.workers.progress import ProgressFlusher
 from jobplane.workers.running import Running, StopCause
 from jobplane.workers.threads import HandlerThreads
@@ -113,7 +113,6 @@ class Worker(Deliveries, Lifecycle):
         self._prefetch = prefetch
         self._queues = queues or [q.name for q in topology.queues]
         self._slots = _slots(topology, self._queues, concurrency, reserve)
-        self._classes: dict[str, str] = {}
         self._progress = ProgressFlusher(self._store, window=progress_window)
         self._retry_base_delay = retry_base_delay
         self._faults = faults
@@ -121,7 +120,7 @@ class Worker(Deliveries, Lifecycle):
         self._cancels.on_notify(self._on_cancel_notification)
         self._connection: AbstractConnection | None = None
         self.ownership: Ownership | None = None
-        self._consumers: list[tuple[aio_pika.abc.AbstractQueue, str]] = []
+        self._consumers = Consumers(self._on_message)
         self._tasks: set[asyncio.Task[None]] = set()
         self._running: dict[str, Running] = {}
         self._presence = Presence(
@@ -216,20 +215,15 @@ class Worker(Deliveries, Lifecycle):
             # Registered before consuming: others park a job only when no live
             # worker handles its type, so a worker that consumes must be seen.
             await until_database_up(self._presence.start, log)
-            self._classes = await consume(
+            await self._consumers.start(
                 self._connection,
                 [self._topology.queue(name) for name in self._queues],
                 self._slots,
-                self._on_message,
-                self._consumers,
                 prefetch=self._prefetch,
             )
         except BaseException:
             # Whatever started is stopped: a failed start leaves nothing running.
-            for queue, tag in self._consumers:
-                with contextlib.suppress(Exception):
-                    await queue.cancel(tag)
-            self._consumers.clear()
+            await self._consumers.cancel()
             with contextlib.suppress(Exception):
                 await self._presence.stop()
             if self._connection is not None:
@@ -260,10 +254,7 @@ class Worker(Deliveries, Lifecycle):
     async def stop(self, grace: float = 10.0) -> None:
         """Stop consuming; give running handlers ``grace`` seconds, then cancel them."""
         self._stopping = True
-        for queue, tag in self._consumers:
-            with contextlib.suppress(Exception):
-                await queue.cancel(tag)
-        self._consumers.clear()
+        await self._consumers.cancel()
         self._slots.close()  # deliveries waiting for a slot go back to their queue
         await self._presence.stop()
         if self._tasks:
