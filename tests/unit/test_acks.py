@@ -31,6 +31,7 @@ from pamqp.header import ContentHeader
 
 from jobplane.workers.group import Acks
 from jobplane.workers.inbound import Delivery, ack_frame, write_acks
+from jobplane.workers.interceptors import Delivered
 
 #: How a job ends: committed and acked with its moment's group, committed and
 #: acked alone, nacked (its handler failed), rejected (a poison message).
@@ -338,3 +339,14 @@ async def test_acks_after_aiormq_answered_the_brokers_close_raise_and_write_noth
             break
         await asyncio.sleep(0)
     assert channel.is_closed
+
+
+def test_a_delivery_reads_what_an_interceptor_may_ask_of_it() -> None:
+    deliver = aiormq.spec.Basic.Deliver("ctag", 9, True, "jobs", "q.key")
+    properties = aiormq.spec.Basic.Properties(correlation_id="c-1", message_id="m-1")
+    header = ContentHeader(body_size=2, properties=properties)
+    message = DeliveredMessage(deliver, header, b"{}", Channel(1))  # type: ignore[arg-type]
+    delivered: Delivered = Delivery(message, "q", "normal")
+    assert (delivered.body, delivered.delivery_tag, delivered.exchange) == (b"{}", 9, "jobs")
+    assert (delivered.correlation_id, delivered.message_id) == ("c-1", "m-1")
+    assert (delivered.routing_key, delivered.redelivered) == ("q.key", True)

@@ -140,6 +140,10 @@ class Delivery:
         return self._message.header.properties.message_id
 
     @property
+    def correlation_id(self) -> str | None:
+        return self._message.header.properties.correlation_id
+
+    @property
     def exchange(self) -> str:
         return self._message.delivery.exchange or ""  # type: ignore[union-attr]
 
