@@ -57,6 +57,7 @@ from typing import TYPE_CHECKING, Any
 import asyncpg
 
 from bench import procstat
+from bench.targets import CELERY_TARGET, CPU_FLOOR_MS, PROCRASTINATE_TARGET
 from jobplane.store.engine import asyncpg_dsn
 from tests.support import services
 
@@ -69,7 +70,9 @@ REQUIREMENTS = ROOT / "bench" / "peer_apps"
 ARMS = ("celery", "procrastinate", "jobplane dev", "jobplane dev c8", "jobplane split")
 #: The jobplane arms, and the kind in their job types' names (bench/handlers.py).
 KINDS = {"jobplane dev": "dev", "jobplane dev c8": "dev8", "jobplane split": "split"}
-#: The worker slots of ``jobplane dev c64`` (and of the separate processes: ``--concurrency``).
+#: 64 worker slots, the default since ADR-0057 (so the ``jobplane dev`` and
+#: ``jobplane split`` arms' too, which pass no ``--concurrency``): what the
+#: ``c64`` variants of bench.peers_variants pass.
 DEV_WIDE_CONCURRENCY = 64
 #: The worker slots of ``jobplane dev c8``: dev's default before ADR-0057.
 DEV_NARROW_CONCURRENCY = 8
@@ -79,10 +82,6 @@ TIMEOUT = 600.0
 CELERY_PROCESSES = 2
 PROCRASTINATE_WORKERS = 2
 PROCRASTINATE_CONCURRENCY = 16
-#: The CPU per job jobplane aims at, whole machine.
-CPU_FLOOR_MS = 2.0
-#: The rate against Procrastinate the shipped defaults are to reach.
-PROCRASTINATE_TARGET = 1.5
 
 
 async def peer_python(name: str) -> Path:
@@ -638,7 +637,13 @@ async def fig_peers(bench: Bench) -> None:
     for arm in KINDS:
         key = arm.replace(" ", "_")
         targets = (
-            (f"peers_{key}_over_celery", "x jobs/s", ratio(arm, "celery", _rate), ">=", 4.0),
+            (
+                f"peers_{key}_over_celery",
+                "x jobs/s",
+                ratio(arm, "celery", _rate),
+                ">=",
+                CELERY_TARGET,
+            ),
             (
                 f"peers_{key}_over_procrastinate",
                 "x jobs/s",

@@ -6,11 +6,14 @@ the first variant.
 
 Variants (``--list``): ``c64``, the dev arm of ``--only peers`` before
 2026-12-07 (64 slots, no dashboard, bench.handlers on the default topology);
-``c8``/``c16`` (its slots: 8 is dev's default); ``ui`` (the dashboard on);
-``topology`` (builtin:dev and examples.reports' handlers); ``limits`` (the
-tenant limits at their defaults); ``defaults`` (all of these at dev's
-defaults: the ``jobplane dev`` arm); ``defaults_c64`` (the same with 64
-slots: the ``jobplane dev c64`` arm); ``procrastinate`` (that peer's arm).
+``c8``/``c16`` (its slots: 8 was dev's default before ADR-0057); ``ui`` (the
+dashboard on); ``topology`` (builtin:dev and examples.reports' handlers);
+``limits`` (the tenant limits at their defaults); ``defaults`` (all of these,
+with 8 slots: the ``jobplane dev c8`` arm, dev's defaults before ADR-0057);
+``defaults_c64`` (the same with 64 slots, dev's default since ADR-0057: the
+``jobplane dev`` arm); ``procrastinate`` (that peer's arm). Every variant
+passes its slots with ``--concurrency``, so none follows a change of the
+default.
 """
 
 from __future__ import annotations
@@ -30,12 +33,17 @@ from bench.run import Bench
 #: Each variant: what it changes from ``c64``.
 VARIANTS: dict[str, dict[str, Any]] = {
     "c64": {},
-    "c8": {"concurrency": None},
+    "c8": {"concurrency": peers.DEV_NARROW_CONCURRENCY},
     "c16": {"concurrency": 16},
     "ui": {"ui": True},
     "topology": {"topology": True},
     "limits": {"limits": True},
-    "defaults": {"concurrency": None, "ui": True, "topology": True, "limits": True},
+    "defaults": {
+        "concurrency": peers.DEV_NARROW_CONCURRENCY,
+        "ui": True,
+        "topology": True,
+        "limits": True,
+    },
     "defaults_c64": {"ui": True, "topology": True, "limits": True},
 }
 

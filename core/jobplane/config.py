@@ -106,6 +106,10 @@ DEFAULT_TENANT_SUBMIT_BURST = 10_000
 MAX_WORKER_LEASE = 3600.0
 
 
+#: The default of Settings.db_pool_size: a process's asyncpg pool at most.
+DEFAULT_DB_POOL_SIZE = 6
+
+
 @dataclass(frozen=True, slots=True)
 class Settings:
     """Everything a jobplane process reads from its environment."""
@@ -125,7 +129,7 @@ class Settings:
     # "Connections per process"): fixed pools, since opening and closing
     # connections under load costs Postgres a process each time. The hot
     # statements' asyncpg pool (ADR-0030; a worker's at most its concurrency)…
-    db_pool_size: int = 6
+    db_pool_size: int = DEFAULT_DB_POOL_SIZE
     # …and the SQLAlchemy engine's, for the rest (keys, listings, cancels,
     # sweeps, metrics): small, since the hot paths do not use it.
     db_engine_pool_size: int = 2

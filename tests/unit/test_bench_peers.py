@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from bench import dev_handlers, handlers
+from bench import dev_handlers, handlers, peers
 from bench.handlers import PEER_TYPES
 from bench.peers import KINDS, WARMUP_JOBS, Submitted, halves
+from bench.peers_variants import VARIANTS
 
 
 @pytest.mark.parametrize("kind", sorted(KINDS.values()))
@@ -38,3 +39,10 @@ def test_the_halves_of_a_closed_loop_that_outruns_its_drain() -> None:
 def test_a_drain_that_keeps_up_finishes_what_was_accepted() -> None:
     accepted, during = halves(WARMUP_JOBS, Submitted(0.0, 0.5), WARMUP_JOBS)
     assert accepted == during == pytest.approx(2 * WARMUP_JOBS)
+
+
+def test_every_variant_passes_its_slots_so_none_follows_the_default() -> None:
+    slots = {name: v.get("concurrency", peers.DEV_WIDE_CONCURRENCY) for name, v in VARIANTS.items()}
+    assert None not in slots.values()
+    assert slots["c8"] == slots["defaults"] == 8
+    assert slots["c64"] == slots["defaults_c64"] == 64

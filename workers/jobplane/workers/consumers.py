@@ -63,6 +63,9 @@ class Consumers:
         self._consumers: dict[str, Consumer] = {}
         self._channels: list[AbstractRobustChannel] = []
         self._restoring: dict[str, asyncio.Task[None]] = {}
+        #: Set by :meth:`cancel`: nothing is subscribed (again) from then on.
+        self._closed = False
+        self._stopping = asyncio.Event()
 
     def __bool__(self) -> bool:
         """Whether anything is consumed."""
@@ -107,12 +110,20 @@ class Consumers:
             await self._subscribe(consumer)
 
     async def cancel(self) -> None:
-        """Stop consuming (deliveries already received are the caller's to settle)."""
+        """Stop consuming (deliveries already received are the caller's to settle).
+
+        A restore in progress is not cancelled: cancelled inside an RPC,
+        aiormq closes the channel (504), and with it the acks of the handlers
+        still running. It is woken, sees the flag and ends; one already in
+        ``basic.consume`` registered its tag first, so it is cancelled below.
+        """
+        self._closed = True
+        self._stopping.set()
         consumers = list(self._consumers.values())
         self._consumers.clear()
-        for task in self._restoring.values():
-            task.cancel()
-        self._restoring.clear()
+        restoring = list(self._restoring.values())
+        if restoring:
+            await asyncio.wait(restoring, timeout=MAX_RETRY)
         for consumer in consumers:
             with contextlib.suppress(Exception):
                 raw = await _underlay(consumer.channel)
@@ -125,6 +136,10 @@ class Consumers:
 
     async def _subscribe(self, consumer: Consumer) -> None:
         raw = await _underlay(consumer.channel)
+        # Stopped meanwhile: subscribe nothing (checked with no await before
+        # basic_consume, which registers the tag at once for cancel to find).
+        if self._closed or self._consumers.get(consumer.tag) is not consumer:
+            return
         if consumer.tag in raw.consumers:
             return
         raw.on_consumer_cancel_callbacks.add(self._cancelled)
@@ -134,7 +149,21 @@ class Consumers:
 
     async def _deliver(self, consumer: Consumer, message: DeliveredMessage) -> None:
         # A coroutine: aiormq runs it in a task of its own without a wrapper.
-        self._on_delivery(Delivery(message, consumer.queue, consumer.priority))
+        delivery: Delivery | None = None
+        try:
+            delivery = Delivery(message, consumer.queue, consumer.priority)
+            self._on_delivery(delivery)
+        except Exception as exc:
+            # Unsettled, it would hold a prefetch slot for the channel's life.
+            log.error("broker.delivery.failed", queue=consumer.queue, error=str(exc), exc_info=exc)
+            try:
+                if delivery is not None:
+                    await delivery.nack(requeue=True)
+                else:
+                    tag: Any = message.delivery
+                    await message.channel.basic_nack(tag.delivery_tag, requeue=True, wait=False)
+            except Exception as nack_exc:
+                log.warning("job.message.settle_failed", error=str(nack_exc))
 
     async def _reopened(self, channel: AbstractRobustChannel) -> None:
         """``channel`` reopened (its prefetch and queues restored): consume again."""
@@ -153,7 +182,7 @@ class Consumers:
             self._restore_later(tag)
 
     def _restore_later(self, tag: str) -> None:
-        if tag not in self._restoring:
+        if not self._closed and tag not in self._restoring:
             task = asyncio.create_task(self._restore(tag))
             self._restoring[tag] = task
             task.add_done_callback(lambda _: self._restoring.pop(tag, None))
@@ -161,11 +190,17 @@ class Consumers:
     async def _restore(self, tag: str) -> None:
         pause = 0.5
         while (consumer := self._consumers.get(tag)) is not None:
-            await asyncio.sleep(pause)
+            # A pause that cancel() ends early, instead of cancelling the task.
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stopping.wait(), pause)
+            if self._closed:
+                return
             try:
                 raw = await _underlay(consumer.channel)
                 if raw.is_closed:
-                    continue  # the channel's reopening subscribes it
+                    # The channel's reopening subscribes it; look again later.
+                    pause = min(pause * 2, MAX_RETRY)
+                    continue
                 # Consuming a missing queue would close the channel: look first.
                 probe = await raw.connection.channel(publisher_confirms=False, timeout=5)
                 try:
@@ -178,7 +213,8 @@ class Consumers:
                 log.warning("broker.consumer.restore_failed", queue=consumer.queue, error=str(exc))
                 pause = min(pause * 2, MAX_RETRY)
             else:
-                log.info("broker.consumer.restored", queue=consumer.queue)
+                if not self._closed:
+                    log.info("broker.consumer.restored", queue=consumer.queue)
                 return
 
 

@@ -17,7 +17,7 @@ from collections.abc import Collection
 import structlog
 
 from jobplane.batcher import Batcher
-from jobplane.workers.inbound import Delivery, write_acks
+from jobplane.workers.inbound import Delivery, settle_lock, write_acks
 
 log = structlog.get_logger("jobplane.worker")
 
@@ -96,24 +96,32 @@ class Acks:
             if not delivery.processed:
                 by_channel.setdefault(id(delivery.channel), []).append(delivery)
         for key, group in by_channel.items():
-            await self._ack_channel(self._delivered.get(key, {}), group)
+            async with settle_lock(group[0].channel):
+                await self._ack_channel(self._delivered.get(key, {}), group)
         return [None] * len(deliveries)
 
     async def _ack_channel(self, known: dict[int, Delivery], group: list[Delivery]) -> None:
-        """Ack ``group``, deliveries of one channel of which ``known`` are outstanding."""
+        """Ack ``group``, deliveries of one channel of which ``known`` are outstanding.
+
+        The caller holds the channel's settle lock: what is processed now had
+        its frame queued before, what is not cannot be settled meanwhile.
+        """
         for tag, delivery in list(known.items()):
             if delivery.processed:
                 del known[tag]
-        to_ack = {d.delivery_tag: d for d in group}
+        # Settled since the group formed (a nack of a cancelled handler): not again.
+        to_ack = {d.delivery_tag: d for d in group if not d.processed}
+        if not to_ack:
+            return
         # Only deliveries known outstanding take part in a multiple ack; any
-        # other is acked alone.
+        # other is acked alone. An outstanding delivery whose nack or single
+        # ack waits for the lock is not in the group: the multiple ack stops
+        # below it.
         planned = [tag for tag, d in to_ack.items() if known.get(tag) is d]
         upto, singles = plan_acks(known.keys(), planned) if len(planned) > 1 else (None, planned)
         singles += [tag for tag in to_ack if known.get(tag) is not to_ack[tag]]
-        # Settled from here on, before the write (as Delivery.ack does). A
-        # group planned while this one waits to write may count these as
-        # settled and ack past them: its write is queued after this one's
-        # (the connection's write queue wakes its writers in order).
+        # Settled from here on, before the write (as Delivery.ack does): a
+        # handler cancelled in the write must not settle them again.
         for tag, delivery in to_ack.items():
             delivery.processed = True
             if known.get(tag) is delivery:

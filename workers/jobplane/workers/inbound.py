@@ -12,6 +12,15 @@ is at-least-once either way (a frame in the write queue of a connection
 that dies is lost as surely as one in the socket's buffer, and the broker
 redelivers both).
 
+Every settling write of a channel (a group's acks, a single ack, a nack, a
+reject) goes through the channel's :func:`settle_lock`, held from the
+decision (is it still unsettled? which tags may a ``multiple`` ack cover?)
+until its frame is in the connection's write queue. That queue is bounded
+and an ``asyncio.Queue`` lets a new writer overtake one waiting for room:
+without the lock, a ``multiple`` ack planned while a nack waited could
+reach the broker first and settle the nacked delivery, or an ack could
+reach it twice (and the broker close the channel).
+
 :func:`write_acks` writes the acks of many deliveries of one channel as one
 write: a ``multiple`` ack and single ones, encoded here (a method frame of
 21 bytes each; a unit test holds them to pamqp's encoding).
@@ -19,7 +28,9 @@ write: a ``multiple`` ack and single ones, encoded here (a method frame of
 
 from __future__ import annotations
 
+import asyncio
 import struct
+import weakref
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -39,18 +50,47 @@ def ack_frame(channel: int, delivery_tag: int, *, multiple: bool = False) -> byt
     )
 
 
+_settle_locks: weakref.WeakKeyDictionary[aiormq.Channel, asyncio.Lock] = weakref.WeakKeyDictionary()
+
+
+def settle_lock(channel: aiormq.Channel) -> asyncio.Lock:
+    """The lock that orders the settling writes of ``channel`` (first come, first written)."""
+    lock = _settle_locks.get(channel)
+    if lock is None:
+        lock = _settle_locks[channel] = asyncio.Lock()
+    return lock
+
+
+def closing(channel: aiormq.Channel) -> bool:
+    """Whether ``channel`` is closed or closing: no settling frame may go on it.
+
+    aiormq answers the broker's ``channel.close`` by queueing ``close-ok`` and
+    setting a private event, several loop turns before ``is_closed`` turns
+    true. A method queued after that ``close-ok`` is one on a closed channel,
+    which the broker answers by closing the connection. aiormq's own
+    ``basic_ack`` checks that event; aiormq 7.2 has no public way to read
+    it, so it is read as aiormq names it (a unit test holds a real aiormq
+    channel to it).
+    """
+    if channel.is_closed:
+        return True
+    event: asyncio.Event | None = getattr(channel, "_Channel__close_event", None)
+    return event is not None and event.is_set()
+
+
 async def write_acks(channel: aiormq.Channel, upto: int | None, singles: Iterable[int]) -> int:
     """Ack on ``channel``: every outstanding delivery up to ``upto`` (``multiple``;
     None: none) and each of ``singles``, in one write. Returns the frames written.
 
     Raises :class:`aiormq.exceptions.ChannelInvalidStateError` when the
-    channel is closed: none of them is acked (the broker redelivers them).
+    channel is closed or closing: none of them is acked (the broker
+    redelivers them). The caller holds the channel's :func:`settle_lock`.
     """
     frames = [] if upto is None else [ack_frame(channel.number, upto, multiple=True)]
     frames += [ack_frame(channel.number, tag) for tag in singles]
     if not frames:
         return 0
-    if channel.is_closed:
+    if closing(channel):
         raise aiormq.exceptions.ChannelInvalidStateError(f"{channel!r} closed")
     await channel.write_queue.put(ChannelFrame(payload=b"".join(frames), should_close=False))
     return len(frames)
@@ -100,6 +140,10 @@ class Delivery:
         return self._message.header.properties.message_id
 
     @property
+    def correlation_id(self) -> str | None:
+        return self._message.header.properties.correlation_id
+
+    @property
     def exchange(self) -> str:
         return self._message.delivery.exchange or ""  # type: ignore[union-attr]
 
@@ -107,21 +151,29 @@ class Delivery:
     def routing_key(self) -> str:
         return self._message.delivery.routing_key or ""  # type: ignore[union-attr]
 
-    # Each marks it processed before it writes: a handler cancelled meanwhile
-    # must not settle it a second time (the broker would close the channel).
-    # A write that fails leaves it on a closed channel, which nothing settles.
+    # Each settles it once: under the channel's settle lock, a delivery found
+    # settled (by a group's ack, or a nack of its cancelled handler) is left
+    # alone, and one found unsettled is marked processed before its frame is
+    # queued (a handler cancelled in the write must not settle it again). A
+    # write that fails leaves it on a closed channel, which nothing settles.
 
     async def ack(self) -> None:
         """Ack it alone."""
-        self.processed = True
-        await self.channel.basic_ack(self.delivery_tag, wait=False)
+        async with settle_lock(self.channel):
+            if not self.processed:
+                self.processed = True
+                await self.channel.basic_ack(self.delivery_tag, wait=False)
 
     async def nack(self, *, requeue: bool = True) -> None:
         """Nack it (back to its queue with ``requeue``)."""
-        self.processed = True
-        await self.channel.basic_nack(self.delivery_tag, requeue=requeue, wait=False)
+        async with settle_lock(self.channel):
+            if not self.processed:
+                self.processed = True
+                await self.channel.basic_nack(self.delivery_tag, requeue=requeue, wait=False)
 
     async def reject(self, *, requeue: bool = False) -> None:
         """Reject it (to the dead-letter exchange without ``requeue``)."""
-        self.processed = True
-        await self.channel.basic_reject(self.delivery_tag, requeue=requeue, wait=False)
+        async with settle_lock(self.channel):
+            if not self.processed:
+                self.processed = True
+                await self.channel.basic_reject(self.delivery_tag, requeue=requeue, wait=False)

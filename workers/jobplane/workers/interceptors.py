@@ -32,7 +32,20 @@ if TYPE_CHECKING:
 
 class Delivered(Protocol):
     """A delivery as an interceptor sees it (the worker's
-    :class:`~jobplane.workers.inbound.Delivery`)."""
+    :class:`~jobplane.workers.inbound.Delivery`): what an interceptor written
+    against aio-pika's ``IncomingMessage`` read of it most, each read from
+    the frames when asked for."""
+
+    @property
+    def body(self) -> bytes: ...
+
+    delivery_tag: int
+
+    @property
+    def exchange(self) -> str: ...
+
+    @property
+    def correlation_id(self) -> str | None: ...
 
     @property
     def message_id(self) -> str | None: ...

@@ -27,7 +27,7 @@ from aio_pika.abc import AbstractConnection
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from jobplane import broker
-from jobplane.config import DEFAULT_INLINE_BYTES, DEFAULT_WORKER_CONCURRENCY
+from jobplane.config import DEFAULT_DB_POOL_SIZE, DEFAULT_INLINE_BYTES, DEFAULT_WORKER_CONCURRENCY
 from jobplane.faults import NO_FAULTS, FaultPoints
 from jobplane.lifecycle import Lifecycle
 from jobplane.names import job_name
@@ -102,9 +102,11 @@ class Worker(Deliveries, Lifecycle):
         self._sync_threads = sync_threads or concurrency
         self._engine = engine
         # The attempts' statements run on asyncpg (ADR-0030): the caller's
-        # pool, or one of the worker's own, opened and closed with it.
+        # pool, or one of the worker's own, opened and closed with it, no
+        # larger than the settings' default pool (as the CLI's).
         self._owns_db = db is None
-        self._db = db or Database(database_url, size=worker_pool_size(concurrency))
+        size = min(DEFAULT_DB_POOL_SIZE, worker_pool_size(concurrency))
+        self._db = db or Database(database_url, size=size)
         self._store = AttemptStore(self._db, lease_seconds=lease_seconds)
         self._amqp_url = amqp_url
         self._topology = topology
