@@ -91,6 +91,12 @@ class Channel:
     async def put(self, frame: ChannelFrame) -> None:
         self.apply(frame)
 
+    def full(self) -> bool:
+        return False
+
+    def put_nowait(self, frame: ChannelFrame) -> None:
+        self.apply(frame)
+
     def apply(self, frame: ChannelFrame) -> None:
         self.writes.append(frame.payload)
         data = frame.payload
@@ -350,3 +356,26 @@ def test_a_delivery_reads_what_an_interceptor_may_ask_of_it() -> None:
     assert (delivered.body, delivered.delivery_tag, delivered.exchange) == (b"{}", 9, "jobs")
     assert (delivered.correlation_id, delivered.message_id) == ("c-1", "m-1")
     assert (delivered.routing_key, delivered.redelivered) == ("q.key", True)
+
+
+async def test_a_settle_waiting_for_room_on_a_dead_writer_ends_when_its_channel_closes() -> None:
+    """A write queue nobody drains (its connection's writer died while it was
+    full): a settle waiting for room must give up once the channel closes,
+    and so must the settles queued behind it on the channel's lock, instead
+    of holding the lock, and their handlers' slots, forever."""
+    channel = Channel(1, bound=1)
+    assert isinstance(channel.write_queue, asyncio.Queue)
+    channel.write_queue.put_nowait(None)  # full, and nothing takes from it
+    first, second = _delivery(channel, 1), _delivery(channel, 2)
+    waiting = [
+        asyncio.ensure_future(first.ack()),
+        asyncio.ensure_future(second.nack(requeue=True)),
+    ]
+    await asyncio.sleep(0.02)
+    assert not any(task.done() for task in waiting)
+    channel.is_closed = True
+    done, pending = await asyncio.wait(waiting, timeout=1)
+    assert not pending, "a settle still waits on a closed channel"
+    for task in done:
+        assert isinstance(task.exception(), aiormq.exceptions.ChannelInvalidStateError)
+    assert channel.write_queue.qsize() == 1

@@ -12,7 +12,9 @@ import asyncio
 from typing import Any
 
 import aiormq
-from aiormq.abc import DeliveredMessage
+import pamqp.commands
+import pamqp.frame
+from aiormq.abc import ChannelFrame, DeliveredMessage
 from pamqp.header import ContentHeader
 
 from jobplane.topology import QueueSpec
@@ -54,10 +56,20 @@ class Raw(aiormq.Channel):
                 self.closed_mid_rpc = True
                 raise
 
-    async def basic_nack(  # type: ignore[override]
-        self, delivery_tag: int, requeue: bool = True, wait: bool = True
-    ) -> None:
-        self.nacked.append((delivery_tag, requeue))
+    # The connection's write queue, as the settling writes use it (jobplane.workers.inbound).
+    number = 1
+
+    @property
+    def write_queue(self) -> Raw:  # type: ignore[override]
+        return self
+
+    def full(self) -> bool:
+        return False
+
+    def put_nowait(self, frame: ChannelFrame) -> None:
+        _, _, method = pamqp.frame.unmarshal(frame.payload)
+        assert isinstance(method, pamqp.commands.Basic.Nack)
+        self.nacked.append((method.delivery_tag, method.requeue))
 
     async def basic_cancel(self, consumer_tag: str) -> None:  # type: ignore[override]
         del self.consumers[consumer_tag]
@@ -173,3 +185,15 @@ async def test_a_delivery_the_worker_could_not_take_is_nacked_back_to_its_queue(
     message = DeliveredMessage(deliver, ContentHeader(), b"{}", robust.raw)
     await robust.raw.consumers[tag](message)
     assert robust.raw.nacked == [(7, True)]
+
+
+async def test_consumers_started_again_after_a_cancel_consume() -> None:
+    """A worker whose start failed and was cancelled, then started again, consumes."""
+    robust = Robust(Raw())
+    consumers = await _started(robust, queues=2)
+    await consumers.cancel()
+    assert not robust.raw.consumers
+    specs = [QueueSpec(f"q{i}", ("x",)) for i in range(2)]
+    await consumers.start(Connection(robust), specs, Slots(), prefetch=8)  # type: ignore[arg-type]
+    assert len(robust.raw.consumers) == 2
+    assert consumers

@@ -35,7 +35,7 @@ from aio_pika.abc import AbstractConnection, AbstractRobustChannel
 from aiormq.abc import DeliveredMessage
 
 from jobplane.topology import QueueSpec
-from jobplane.workers.inbound import Delivery
+from jobplane.workers.inbound import Delivery, nack, settle_lock
 from jobplane.workers.priority import Slots
 
 log = structlog.get_logger("jobplane.worker")
@@ -91,6 +91,9 @@ class Consumers:
         for each. On an error the consumers started so far stay (the caller
         cancels them).
         """
+        # Started again after a cancel (a worker's start that failed, retried).
+        self._closed = False
+        self._stopping = asyncio.Event()
         channels: dict[int, AbstractRobustChannel] = {}
         for spec in queues:
             count = prefetch if prefetch is not None else slots.prefetch(spec.priority)
@@ -161,7 +164,9 @@ class Consumers:
                     await delivery.nack(requeue=True)
                 else:
                     tag: Any = message.delivery
-                    await message.channel.basic_nack(tag.delivery_tag, requeue=True, wait=False)
+                    raw: Any = message.channel
+                    async with settle_lock(raw):
+                        await nack(raw, tag.delivery_tag, requeue=True)
             except Exception as nack_exc:
                 log.warning("job.message.settle_failed", error=str(nack_exc))
 

@@ -36,6 +36,7 @@ from typing import Any
 
 import aiormq
 from aiormq.abc import ChannelFrame, DeliveredMessage
+from pamqp import commands, frame
 
 # A basic.ack method frame: type 1, channel, size 13; class 60, method 80,
 # the delivery tag, the multiple bit; the frame end.
@@ -78,6 +79,40 @@ def closing(channel: aiormq.Channel) -> bool:
     return event is not None and event.is_set()
 
 
+#: How often a settling write waiting for room in a full write queue looks
+#: again whether its channel closed (seconds).
+ROOM_POLL = 0.002
+
+
+async def put_frames(channel: aiormq.Channel, payload: bytes) -> None:
+    """Queue ``payload`` (whole frames of ``channel``) on its connection's writer.
+
+    Never waits across a loop turn without looking at the channel again: it
+    queues only while the channel is open and there is room, checked and done
+    with no await between, and otherwise waits for room a moment at a time.
+    ``asyncio.Queue.put`` would wait for room however long it takes: on a
+    connection whose writer has died it waits forever (holding the channel's
+    settle lock, and with it every later settle), and a frame that finds room
+    after the broker closed the channel would follow the ``close-ok``, possibly
+    onto a channel reopened under the same number.
+
+    Raises :class:`aiormq.exceptions.ChannelInvalidStateError` when the
+    channel is closed or closing: nothing is queued.
+    """
+    queue = channel.write_queue
+    while True:
+        if closing(channel):
+            raise aiormq.exceptions.ChannelInvalidStateError(f"{channel!r} closed")
+        if not queue.full():
+            queue.put_nowait(ChannelFrame(payload=payload, should_close=False))
+            return
+        await asyncio.sleep(ROOM_POLL)
+
+
+def _method_frame(channel: aiormq.Channel, method: Any) -> bytes:
+    return frame.marshal(method, channel.number)
+
+
 async def write_acks(channel: aiormq.Channel, upto: int | None, singles: Iterable[int]) -> int:
     """Ack on ``channel``: every outstanding delivery up to ``upto`` (``multiple``;
     None: none) and each of ``singles``, in one write. Returns the frames written.
@@ -90,9 +125,7 @@ async def write_acks(channel: aiormq.Channel, upto: int | None, singles: Iterabl
     frames += [ack_frame(channel.number, tag) for tag in singles]
     if not frames:
         return 0
-    if closing(channel):
-        raise aiormq.exceptions.ChannelInvalidStateError(f"{channel!r} closed")
-    await channel.write_queue.put(ChannelFrame(payload=b"".join(frames), should_close=False))
+    await put_frames(channel, b"".join(frames))
     return len(frames)
 
 
@@ -162,18 +195,25 @@ class Delivery:
         async with settle_lock(self.channel):
             if not self.processed:
                 self.processed = True
-                await self.channel.basic_ack(self.delivery_tag, wait=False)
+                await put_frames(self.channel, ack_frame(self.channel.number, self.delivery_tag))
 
     async def nack(self, *, requeue: bool = True) -> None:
         """Nack it (back to its queue with ``requeue``)."""
         async with settle_lock(self.channel):
             if not self.processed:
                 self.processed = True
-                await self.channel.basic_nack(self.delivery_tag, requeue=requeue, wait=False)
+                await nack(self.channel, self.delivery_tag, requeue=requeue)
 
     async def reject(self, *, requeue: bool = False) -> None:
         """Reject it (to the dead-letter exchange without ``requeue``)."""
         async with settle_lock(self.channel):
             if not self.processed:
                 self.processed = True
-                await self.channel.basic_reject(self.delivery_tag, requeue=requeue, wait=False)
+                method = commands.Basic.Reject(self.delivery_tag, requeue=requeue)
+                await put_frames(self.channel, _method_frame(self.channel, method))
+
+
+async def nack(channel: aiormq.Channel, delivery_tag: int, *, requeue: bool = True) -> None:
+    """Nack ``delivery_tag`` on ``channel``; the caller holds its :func:`settle_lock`."""
+    method = commands.Basic.Nack(delivery_tag, multiple=False, requeue=requeue)
+    await put_frames(channel, _method_frame(channel, method))
