@@ -35,16 +35,7 @@ async def fig_batch(bench: Bench) -> None:
     single = await closed_loop_rate(bench, JOB_TYPE)
     # The jobs of this type already ended: other figures of the run (the peers')
     # leave jobs of other types, which wait_done does not count.
-    before = int(
-        (
-            await bench.sql(
-                "SELECT count(*) AS n FROM jobs WHERE tenant_id = $1 AND type = $2 "
-                "AND end_time IS NOT NULL",
-                bench.tenant,
-                JOB_TYPE,
-            )
-        )[0]["n"]
-    )
+    before = await bench.ended(JOB_TYPE)
     n, callers = bench.args.batch_jobs, bench.args.batch_callers
     clients = [AsyncClient(bench.address, bench.key) for _ in range(callers)]
     marker = (await bench.sql("SELECT clock_timestamp() AS t"))[0]["t"]

@@ -87,16 +87,7 @@ async def _submit_waiting(bench: Bench, n: int) -> None:
 
 async def _lags(bench: Bench, count: int) -> tuple[list[float], list[float]]:
     """Submit ``count`` jobs due over a few seconds; each one's publish and start lag (ms)."""
-    before = int(
-        (
-            await bench.sql(
-                "SELECT count(*) AS n FROM jobs WHERE tenant_id = $1 AND type = $2 "
-                "AND end_time IS NOT NULL",
-                bench.tenant,
-                JOB_TYPE,
-            )
-        )[0]["n"]
-    )
+    before = await bench.ended(JOB_TYPE)
     start = datetime.now(UTC) + timedelta(seconds=_LEAD_SECONDS)
     step = _SPREAD_SECONDS / max(1, count - 1)
     specs = [

@@ -348,19 +348,23 @@ class Bench:
         before, self.database_url = self.database_url, url
         return before
 
+    async def ended(self, job_type: str) -> int:
+        """The bench tenant's jobs of ``job_type`` (or of the bench's pipeline) that ended."""
+        column = "pipeline" if job_type == PIPELINE else "type"
+        # By tenant and type: an index range, not a scan of preloaded history.
+        rows = await self.sql(
+            "SELECT count(*) AS n FROM jobs"
+            f" WHERE tenant_id = $1 AND {column} = $2 AND end_time IS NOT NULL",
+            self.tenant,
+            job_type,
+        )
+        return int(rows[0]["n"])
+
     async def wait_done(self, count: int, job_type: str, timeout: float = 600) -> None:
         """Until ``count`` jobs of ``job_type`` (or of the bench's pipeline) have ended."""
-        column = "pipeline" if job_type == PIPELINE else "type"
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            # By tenant and type: an index range, not a scan of preloaded history.
-            rows = await self.sql(
-                "SELECT count(*) AS n FROM jobs"
-                f" WHERE tenant_id = $1 AND {column} = $2 AND end_time IS NOT NULL",
-                self.tenant,
-                job_type,
-            )
-            if rows[0]["n"] >= count:
+            if await self.ended(job_type) >= count:
                 return
             await asyncio.sleep(0.1)
         raise TimeoutError(f"{job_type}: not all {count} jobs ended")
