@@ -4,10 +4,13 @@ that reference says: the defaults a bare command line gets, the values it refuse
 from __future__ import annotations
 
 import argparse
+import importlib
 import importlib.util
 import re
+from collections.abc import Callable, Coroutine
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import pytest
 
@@ -273,3 +276,56 @@ def test_retention_days_take_a_number_or_none() -> None:
     for days, parsed in (("30", 30), ("0", 0), ("none", None), ("Off", None), ("FOREVER", None)):
         assert parser.parse_args(["tenants", "set-retention", "acme", days]).days == parsed
     assert parser.parse_args(["tenants", "set-weight", "acme", "7"]).weight == 7
+
+
+#: A command line of each process and operator command, and the body that runs it.
+_BODIES = (
+    (["migrate"], "jobplane.server.cli", "_migrate"),
+    (["serve"], "jobplane.server.cli", "_serve"),
+    (["ui"], "jobplane.server.cli", "_ui"),
+    (["topology", "apply"], "jobplane.server.cli", "_topology_apply"),
+    (["relay"], "jobplane.workers.cli", "_relay"),
+    (["sweep"], "jobplane.workers.cli", "_sweep"),
+    (["worker"], "jobplane.workers.cli", "_worker"),
+    (["dlq", "list"], "jobplane.workers.cli", "_dlq"),
+    (["dlq", "replay"], "jobplane.workers.cli", "_dlq"),
+    (["dlq", "purge"], "jobplane.workers.cli", "_dlq"),
+    (["keys", "create", "--worker"], "jobplane.server.admin", "_keys"),
+    (["keys", "list"], "jobplane.server.admin", "_keys"),
+    (["keys", "revoke", "key_1"], "jobplane.server.admin", "_keys"),
+    (["keys", "rotate", "key_1"], "jobplane.server.admin", "_keys"),
+    (["tenants", "list"], "jobplane.server.admin", "_tenants"),
+    (["tenants", "set-retention", "acme", "1"], "jobplane.server.admin", "_tenants"),
+    (["tenants", "set-weight", "acme", "1"], "jobplane.server.admin", "_tenants"),
+    (["tenants", "retention", "--all"], "jobplane.server.admin", "_tenants"),
+    (["tenants", "erase", "acme"], "jobplane.server.admin", "_tenants"),
+    (["workers"], "jobplane.server.admin", "_workers"),
+)
+
+
+def test_each_command_runs_its_own_body(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`args.func` of a command line runs that command's body, its exit code returned."""
+    ran: list[tuple[str, list[str]]] = []
+
+    def fake(body: str) -> Callable[[argparse.Namespace], Coroutine[Any, Any, int]]:
+        async def run(args: argparse.Namespace) -> int:
+            ran.append((body, args.argv))
+            return 3
+
+        return run
+
+    for _argv, module, body in _BODIES:
+        monkeypatch.setattr(importlib.import_module(module), body, fake(body))
+
+    def dev_command(args: argparse.Namespace) -> int:  # not a coroutine: dev runs its own loop
+        ran.append(("_dev_command", args.argv))
+        return 3
+
+    monkeypatch.setattr(importlib.import_module("jobplane.server.dev"), "_dev_command", dev_command)
+    parser = build_parser()
+    for argv, _module, body in (*_BODIES, (["dev"], "jobplane.server.dev", "_dev_command")):
+        ran.clear()
+        args = parser.parse_args(argv)
+        args.argv = argv
+        assert args.func(args) == 3
+        assert ran == [(body, argv)]
