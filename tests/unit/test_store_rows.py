@@ -13,14 +13,16 @@ from typing import Any
 
 from jobplane.schedule_spec import CatchUp, Overlap, Spec
 from jobplane.schedule_types import JobTemplate, Schedule
-from jobplane.store.rows import job_from_row, stage_from_row
+from jobplane.store.rows import event_from_row, job_from_row, stage_from_row
 from jobplane.store.schedules import schedule_from_row
 from jobplane.types import (
     BlobRef,
     DependencyFailurePolicy,
+    EventType,
     FanOut,
     Job,
     JobError,
+    JobEvent,
     JobState,
     Stage,
     StageState,
@@ -275,6 +277,34 @@ def test_a_stage_row_without_the_fan_out_columns_reads_their_defaults() -> None:
         0,
         False,
     )
+
+
+def test_a_job_event_row_reads_every_column_into_its_field() -> None:
+    row = {
+        "job_id": _ID,
+        "seq": "5",
+        "type": "progress",
+        "state": "running",
+        "progress": "0.5",
+        "message": "half",
+        "data": json.dumps({"step": 2}),
+        "event_time": _at(3),
+        "attempt": "2",
+        "stage": "resize",
+    }
+    assert event_from_row(row) == JobEvent(
+        name=f"jobs/{_ID}",
+        seq=5,
+        type=EventType.PROGRESS,
+        state=JobState.RUNNING,
+        progress=0.5,
+        message="half",
+        event_time=_at(3),
+        attempt=2,
+        data={"step": 2},
+        stage="resize",
+    )
+    assert event_from_row({**row, "stage": None}).stage == ""
 
 
 def _schedule_row(**changes: Any) -> dict[str, Any]:
