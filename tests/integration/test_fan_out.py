@@ -87,6 +87,8 @@ async def test_a_fan_out_spawns_children_and_the_join_gets_their_results_in_orde
     assert job.state is JobState.QUEUED and job.stage == "embed"
     assert job.waiting_code == WaitingCode.DEPENDENCIES
     assert "4 children" in job.waiting_reason
+    # The splitting stage's result says how many children it spawned.
+    assert job.stages[0].result == {"children": 4}
     assert [s.state for s in job.stages] == [
         StageState.SUCCEEDED,
         StageState.RUNNING,
@@ -350,3 +352,26 @@ async def test_retry_waits_for_children_asked_to_cancel_to_end(fbare: Stack) -> 
     assert retried.state is JobState.QUEUED and retried.fan_out is not None
     assert (retried.fan_out.children, retried.fan_out.ended) == (2, 0)
     assert {c.state for c in await _children(fbare, job)} == {JobState.QUEUED}
+
+
+async def test_retry_counts_a_child_that_succeeded_on_its_own_since_as_succeeded(
+    fbare: Stack,
+) -> None:
+    store = _store(fbare)
+    client = fbare.client()
+    job = await _split(fbare, store, "docs.ingest", 2)
+    a, b = await _children(fbare, job)
+    await _end(store, await _claim(fbare, store, a.id), False, i=0)
+    await _end(store, await _claim(fbare, store, b.id), True, i=1)
+    assert (await client.get(job.name)).state is JobState.FAILED
+    # The failed child, retried alone once its job had ended, succeeds.
+    await client.retry(a.name)
+    await _end(store, await _claim(fbare, store, a.id), True, i=0)
+    retried = await client.retry(job.name)
+    # Nothing to run again or wait for: the join is due at once.
+    assert retried.state is JobState.QUEUED and retried.stage == "index", retried
+    assert retried.waiting_code == ""
+    assert [(await client.get(c.name)).attempt for c in (a, b)] == [2, 1]
+    attempt = await _claim(fbare, store, job.id)
+    assert attempt.stage is not None and attempt.stage.results is not None
+    assert [r.result for r in attempt.stage.results] == [{"i": 0}, {"i": 1}]

@@ -120,6 +120,13 @@ async def test_a_sibling_held_when_fail_fast_decides_is_cancelled_by_the_sweeper
     assert (await client.get(c.name)).state is JobState.CANCELLED
     skipped = await client.get(b.name)
     assert skipped.state is JobState.RUNNING and not skipped.cancel_requested
+    # The job's own row held meanwhile: the pass skips it and counts nothing.
+    async with fbare.engine.connect() as holder:
+        transaction = await holder.begin()
+        await holder.execute(_HOLD, {"id": job.id})
+        assert await sweeps.settle_dependencies(limit=10) == 0
+        await transaction.rollback()
+    assert not (await client.get(b.name)).cancel_requested
     assert await sweeps.settle_dependencies(limit=10) == 1
     assert (await client.get(b.name)).cancel_requested
     assert await sweeps.settle_dependencies(limit=10) == 0

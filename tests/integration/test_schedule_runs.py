@@ -6,6 +6,7 @@ from __future__ import annotations
 from datetime import timedelta
 
 import pytest
+from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from jobplane.client import FailedPrecondition, InvalidArgument, JobState, Overlap
@@ -152,3 +153,31 @@ async def test_a_ticker_without_the_pipeline_refuses_the_run_in_last_error(
     assert report.refused == 1 and report.runs == 0
     seen = await client.get_schedule(schedule)
     assert "pipeline" in seen.last_error and seen.recent_runs == ()
+
+
+async def test_a_pipeline_run_naming_a_deleted_blob_is_refused_in_last_error(
+    engine: AsyncEngine,
+    database_url: str,
+    amqp_url: str,
+    aidj: Topology,  # noqa: F811
+    started: Started,
+) -> None:
+    stack = await started(
+        start_stack(engine, database_url, amqp_url, aidj, relay=False, worker=False)
+    )
+    pipeline = aidj.pipelines[0]
+    client = stack.client()
+    schedule = await client.create_schedule(pipeline.name, {"track": "t1"}, interval=60)
+    first = schedule.next_run_time
+    assert first is not None
+    # As if the blob the payload names were deleted after the schedule was written.
+    async with engine.begin() as conn:
+        await conn.execute(
+            text("UPDATE schedules SET payload = CAST(:payload AS jsonb) WHERE id = :id"),
+            {"payload": '{"input": "blobs/' + "a" * 64 + '"}', "id": schedule.id},
+        )
+    report = await tick_once(engine, now=first + timedelta(seconds=1), topology=aidj)
+    assert report.refused == 1 and report.runs == 0
+    seen = await client.get_schedule(schedule)
+    assert seen.last_error == "BLOB_NOT_FOUND: the payload references a blob that does not exist"
+    assert seen.recent_runs == ()
