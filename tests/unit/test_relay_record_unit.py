@@ -4,6 +4,7 @@ its envelope."""
 
 from __future__ import annotations
 
+import dataclasses
 import uuid
 
 import pytest
@@ -89,6 +90,17 @@ def test_a_line_names_a_dispatch_by_its_job_and_an_event_row_by_its_type() -> No
         uuid.uuid4(), OutboxKind.JOB_DISPATCH, tenant, "demo.echo", exchange="other", job_id=job
     )
     assert _dispatched(elsewhere, topology, None)["exchange"] == "other"
+    # A dispatch that names no job, of a type no queue takes: empty fields, not "None".
+    stray = OutboxRow(uuid.uuid4(), OutboxKind.JOB_DISPATCH, tenant, "nobody.takes.this")
+    assert _dispatched(stray, dataclasses.replace(topology, queues=()), None) == {
+        "job": "",
+        "event_id": str(stray.id),
+        "tenant_id": str(tenant),
+        "correlation_id": fingerprint(""),
+        "type": "nobody.takes.this",
+        "queue": "",
+        "exchange": topology.exchange,
+    }
 
 
 def test_an_outbox_rows_headers_and_envelope() -> None:
