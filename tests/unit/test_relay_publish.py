@@ -63,8 +63,16 @@ class _Exchange:
     name: str = "jobplane.jobs"
 
 
+class _Envelope:
+    """What the dispatches of a test carry."""
+
+    correlation_id = "order-17"
+
+
 def _envelope() -> Envelope:
-    return Envelope(uuid.uuid4(), uuid.uuid4(), uuid.uuid4(), "demo.echo", "order-17", "dep-a")
+    return Envelope(
+        uuid.uuid4(), uuid.uuid4(), uuid.uuid4(), "demo.echo", _Envelope.correlation_id, "dep-a"
+    )
 
 
 async def _dispatch(
@@ -128,24 +136,52 @@ async def test_a_dispatch_waits_for_its_confirm_no_longer_than_its_timeout(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     never: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-    with pytest.raises(TimeoutError):
-        await asyncio.wait_for(_dispatch(monkeypatch, never, timeout=0.05), 2.0)
+    waiting = asyncio.ensure_future(_dispatch(monkeypatch, never, timeout=0.05))
+    await asyncio.wait({waiting}, timeout=2.0)
+    if not waiting.done():
+        waiting.cancel()
+        pytest.fail("the dispatch waited past its timeout")
+    assert isinstance(waiting.exception(), TimeoutError)
+
+
+async def test_a_dispatch_too_long_to_check_at_a_glance_is_checked_then_sent(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    long_id = "order-" + "7" * 100
+    monkeypatch.setattr(_Envelope, "correlation_id", long_id)
+    channel, envelope = await _dispatch(monkeypatch, _ACK)
+    assert envelope.correlation_id == long_id
+    [(body, sent)] = channel.calls
+    assert body == envelope.encode() and sent["properties"].correlation_id == long_id
+    assert (sent["exchange"], sent["routing_key"]) == ("jobplane.jobs", "demo.echo")
+    # One AMQP cannot carry is refused before anything is sent.
+    monkeypatch.setattr(_Envelope, "correlation_id", "x" * 300)
+    with pytest.raises(Unpublishable) as refused:
+        await _dispatch(monkeypatch, _ACK)
+    assert str(refused.value) == "its correlation id is 300 bytes; AMQP carries at most 255"
 
 
 def _event() -> Event:
     return Event.new("artifact.created", {"n": 1}, tenant_id=uuid.uuid4(), correlation_id="c-9")
 
 
-async def _send(answer: Any, faults: FaultPoints | None = None) -> tuple[_Channel, Event]:
-    channel, event = _Channel(answer), _event()
+async def _send(
+    answer: Any,
+    faults: FaultPoints | None = None,
+    *,
+    event: Event | None = None,
+    traceparent: str = "00-a-b-01",
+    tracestate: str = "k=v",
+) -> tuple[_Channel, Event]:
+    channel, event = _Channel(answer), event or _event()
     await send_event(
         cast(aiormq.Channel, channel),
         "jobplane.events",
         "artifact.created",
         event,
         encode(event),
-        traceparent="00-a-b-01",
-        tracestate="k=v",
+        traceparent=traceparent,
+        tracestate=tracestate,
         faults=faults or FaultPoints([]),
     )
     return channel, event
@@ -174,6 +210,23 @@ async def test_an_event_the_broker_did_not_confirm_raises_what_it_did() -> None:
     with pytest.raises(Unpublishable) as refused:
         await _send(ValueError("header value too long"))
     assert str(refused.value) == "header value too long"
+
+
+async def test_an_event_too_long_to_check_at_a_glance_is_checked_then_sent() -> None:
+    # A trace context past the quick check's budget and a body past a dispatch's
+    # limit (an event may be far larger): checked against the event's limits, sent.
+    big = Event.new("artifact.created", {"blob": "x" * 100_000}, tenant_id=uuid.uuid4())
+    long = "0" * 1000
+    for context in ({"traceparent": long}, {"tracestate": long}):
+        channel, _event_sent = await _send(_ACK, event=big, **context)
+        [(body, sent)] = channel.calls
+        assert body == encode(big) and len(body) > 100_000
+        assert (sent["exchange"], sent["routing_key"]) == ("jobplane.events", "artifact.created")
+        assert long in sent["properties"].headers.values()
+    # Headers past one frame are refused before anything is sent.
+    for context in ({"traceparent": "0" * 5000}, {"tracestate": "0" * 5000}):
+        with pytest.raises(Unpublishable, match="exceed one frame"):
+            await _send(_ACK, **context)
 
 
 async def test_a_confirmed_event_passes_its_fault_point() -> None:
