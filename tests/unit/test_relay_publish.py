@@ -325,6 +325,17 @@ async def test_without_a_queue_a_copy_goes_where_the_original_was_published() ->
     _count, channel = await _bounce(_Delivery({}, exchange="", routing_key="jobs.low"), None)
     [(_copy, kwargs)] = channel.default_exchange.published
     assert kwargs["routing_key"] == "jobs.low"
+    # No routing key: the empty one, through either exchange.
+    _count, channel = await _bounce(_Delivery({}, routing_key=""), None)
+    assert channel.named["jobplane.jobs"].published[0][1]["routing_key"] == ""
+    _count, channel = await _bounce(_Delivery({}, exchange="", routing_key=""), None)
+    assert channel.default_exchange.published[0][1]["routing_key"] == ""
+
+
+async def test_a_copy_waits_ten_seconds_for_its_confirm_unless_told() -> None:
+    channel = _BounceChannel()
+    await publish_bounce(cast(AbstractChannel, channel), cast(Delivery, _Delivery({})), "q")
+    assert channel.default_exchange.published[0][1]["timeout"] == 10.0
 
 
 async def test_a_copy_the_broker_did_not_confirm_fails_the_bounce() -> None:
