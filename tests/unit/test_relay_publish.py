@@ -217,16 +217,16 @@ async def test_an_event_too_long_to_check_at_a_glance_is_checked_then_sent() -> 
     # limit (an event may be far larger): checked against the event's limits, sent.
     big = Event.new("artifact.created", {"blob": "x" * 100_000}, tenant_id=uuid.uuid4())
     long = "0" * 1000
-    for context in ({"traceparent": long}, {"tracestate": long}):
-        channel, _event_sent = await _send(_ACK, event=big, **context)
+    for parent, state in ((long, "k=v"), ("00-a-b-01", long)):
+        channel, _event_sent = await _send(_ACK, event=big, traceparent=parent, tracestate=state)
         [(body, sent)] = channel.calls
         assert body == encode(big) and len(body) > 100_000
         assert (sent["exchange"], sent["routing_key"]) == ("jobplane.events", "artifact.created")
         assert long in sent["properties"].headers.values()
     # Headers past one frame are refused before anything is sent.
-    for context in ({"traceparent": "0" * 5000}, {"tracestate": "0" * 5000}):
+    for parent, state in (("0" * 5000, "k=v"), ("00-a-b-01", "0" * 5000)):
         with pytest.raises(Unpublishable, match="exceed one frame"):
-            await _send(_ACK, **context)
+            await _send(_ACK, traceparent=parent, tracestate=state)
 
 
 async def test_a_confirmed_event_passes_its_fault_point() -> None:
