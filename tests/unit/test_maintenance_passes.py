@@ -44,6 +44,7 @@ class _Store:
         self.the_tenant = tenant
         self.calls: list[tuple[str, tuple[Any, ...], dict[str, Any]]] = []
         self.expired = [FIRST, SECOND]
+        self.expired_count = 5
         self.finished: list[DeletedJobs] = []
         self.events, self.rows = [7], [2]
         self.live: list[list[LiveJob]] = []
@@ -64,7 +65,7 @@ class _Store:
 
     async def count_expired_jobs(self, *args: Any, **kwargs: Any) -> int:
         self._note("count_expired_jobs", *args, **kwargs)
-        return 5
+        return self.expired_count
 
     async def delete_expired_jobs(self, *args: Any, **kwargs: Any) -> DeletedJobs:
         self._note("delete_expired_jobs", *args, **kwargs)
@@ -426,3 +427,18 @@ async def test_an_erasure_gives_way_to_an_earlier_one_and_waits_only_so_long(
     assert [job for _tenant, job, _why in setup.jobs.cancelled] == [later]
     # One report while it waits, not one per poll.
     assert [m for _f, m, _d in ctx.reports].count("waiting for 2 jobs to stop") == 1
+
+
+async def test_retention_progress_stops_at_nine_tenths_when_more_jobs_expired_than_counted(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    setup = _Setup(monkeypatch, 30)
+    # One job had expired when counted; two more ended past the horizon meanwhile.
+    setup.store.expired_count = 1
+    setup.store.expired = [DeletedJobs(jobs=1), DeletedJobs(jobs=2)]
+    ctx = setup.ctx({})
+    await _run(setup.maintenance().retention, ctx)
+    assert [(fraction, message) for fraction, message, _data in ctx.reports[1:3]] == [
+        (0.9, "1 of 1 jobs"),
+        (0.9, "3 of 1 jobs"),
+    ]

@@ -44,7 +44,7 @@ async def test_the_loop_backs_off_to_ten_seconds_and_restarts_after_a_closed_lin
     refused = ConnectionRefusedError("refused")
     missing = TopologyMissing("queue jobs.default is missing")
     deadlock, bug = _Deadlock("deadlock detected"), RuntimeError("a bug")
-    opens: list[Any] = [refused] * 7 + [link, missing, deadlock, bug, refused]
+    opens: list[Any] = [refused] * 7 + [link, missing, deadlock, deadlock, bug, refused]
 
     async def open_link() -> Any:
         answer = opens.pop(0)
@@ -61,7 +61,7 @@ async def test_the_loop_backs_off_to_ten_seconds_and_restarts_after_a_closed_lin
 
     async def sleep(delay: float) -> None:
         slept.append(delay)
-        if len(slept) == 12:
+        if len(slept) == 13:
             raise _Stop
         await real_sleep(0)
 
@@ -70,18 +70,25 @@ async def test_the_loop_backs_off_to_ten_seconds_and_restarts_after_a_closed_lin
     monkeypatch.setattr(asyncio, "sleep", sleep)
     with capture_logs() as logs, pytest.raises(_Stop):
         await relay._run()
-    assert slept == [0.5, 1.0, 2.0, 4.0, 8.0, 10.0, 10.0, 0.5, 1.0, 2.0, 4.0, 8.0]
+    assert slept == [0.5, 1.0, 2.0, 4.0, 8.0, 10.0, 10.0, 0.5, 1.0, 2.0, 4.0, 8.0, 10.0]
     down = ("broker.unavailable", "ConnectionRefusedError('refused')")
     assert [(line["event"], line["error"], line["retry_in"]) for line in logs] == [
         *[(*down, delay) for delay in slept[:7]],
         ("broker.unavailable", "the channel closed", 0.5),
         ("relay.topology.missing", "queue jobs.default is missing", 1.0),
         ("relay.db.error", describe_error(deadlock), 2.0),
-        ("relay.error", describe_error(bug), 4.0),
-        (*down, 8.0),
+        ("relay.db.error", describe_error(deadlock), 4.0),
+        ("relay.error", describe_error(bug), 8.0),
+        (*down, 10.0),
     ]
-    assert [line["log_level"] for line in logs[7:11]] == ["warning", "error", "warning", "error"]
-    assert logs[10]["exc_info"] is bug
-    assert relay.database_errors == 1
+    assert [line["log_level"] for line in logs[7:12]] == [
+        "warning",
+        "error",
+        "warning",
+        "warning",
+        "error",
+    ]
+    assert logs[11]["exc_info"] is bug
+    assert relay.database_errors == 2
     # The closed link was dropped: the next pass opens a new one.
     assert link.was_closed == 1 and relay._link is None
