@@ -4,7 +4,9 @@ its envelope."""
 
 from __future__ import annotations
 
+import dataclasses
 import uuid
+from typing import cast
 
 import pytest
 from sqlalchemy.exc import DBAPIError
@@ -14,6 +16,7 @@ from jobplane.logs import fingerprint
 from jobplane.names import job_name
 from jobplane.store.outbox import OutboxKind, OutboxRow, _headers
 from jobplane.topology import load_topology
+from jobplane.workers.interceptors import RelayInterceptor
 from jobplane.workers.relay_record import _dispatched, _refuses_the_row, _subject
 
 
@@ -23,6 +26,14 @@ class Driver(Exception):
     def __init__(self, state: str | None, attribute: str = "sqlstate") -> None:
         super().__init__(f"driver error {state}")
         setattr(self, attribute, state)
+
+
+class _Tracing:
+    """A relay interceptor's reading of a row's trace context."""
+
+    def trace_id(self, headers: dict[str, str]) -> str | None:
+        parent = headers.get("traceparent")
+        return None if parent is None else f"trace of {parent}"
 
 
 def _refusal(orig: BaseException) -> DBAPIError:
@@ -89,6 +100,29 @@ def test_a_line_names_a_dispatch_by_its_job_and_an_event_row_by_its_type() -> No
         uuid.uuid4(), OutboxKind.JOB_DISPATCH, tenant, "demo.echo", exchange="other", job_id=job
     )
     assert _dispatched(elsewhere, topology, None)["exchange"] == "other"
+    # With tracing handed over, the line names the trace of the row's own headers.
+    traced = OutboxRow(
+        uuid.uuid4(),
+        OutboxKind.JOB_DISPATCH,
+        tenant,
+        "demo.echo",
+        job_id=job,
+        headers={"traceparent": "00-t-s-01"},
+    )
+    tracing = cast(RelayInterceptor, _Tracing())
+    assert _dispatched(traced, topology, tracing)["trace_id"] == "trace of 00-t-s-01"
+    assert "trace_id" not in _dispatched(dispatch, topology, tracing)
+    # A dispatch that names no job, of a type no queue takes: empty fields, not "None".
+    stray = OutboxRow(uuid.uuid4(), OutboxKind.JOB_DISPATCH, tenant, "nobody.takes.this")
+    assert _dispatched(stray, dataclasses.replace(topology, queues=()), None) == {
+        "job": "",
+        "event_id": str(stray.id),
+        "tenant_id": str(tenant),
+        "correlation_id": fingerprint(""),
+        "type": "nobody.takes.this",
+        "queue": "",
+        "exchange": topology.exchange,
+    }
 
 
 def test_an_outbox_rows_headers_and_envelope() -> None:
