@@ -74,6 +74,7 @@ class Part:
 
     async def start(self) -> None:
         self.calls.append("start")
+        self.connected = True
 
     async def stop(self, *grace: float) -> None:
         self.calls.append(("stop", *grace))
@@ -115,6 +116,7 @@ class CommandRun:
         self.made: list[Part] = []
         self.ready: tuple[int, dict[str, Any]] | None = None
         self.metrics = ""
+        self.unready: tuple[int, dict[str, Any]] | None = None
         self.ops: list[Any] = []
         self.traced: list[str] = []
         self.maintenance: list[tuple[tuple[Any, ...], dict[str, Any]]] = []
@@ -178,6 +180,10 @@ class CommandRun:
             session.get(f"http://{ops.address}/readyz") as answer,
         ):
             self.ready = (answer.status, json.loads(await answer.read()))
+            for part in self.made:
+                part.connected = False  # as when the broker goes away
+            async with session.get(f"http://{ops.address}/readyz") as answer:
+                self.unready = (answer.status, json.loads(await answer.read()))
             async with session.get(f"http://{ops.address}/metrics") as scraped:
                 self.metrics = await scraped.text()
 

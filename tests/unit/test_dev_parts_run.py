@@ -119,6 +119,8 @@ def test_the_relay_part_runs_the_relay_and_the_sweeper(run: CommandRun) -> None:
         ["enter", "exit"],
     )
     assert run.traced == ["jobplane-dev"]
-    assert _not_ready(run)["relay"] == "no broker channel"
+    assert "relay" not in _not_ready(run)
+    assert run.unready is not None
+    assert run.unready[1]["not_ready"]["relay"] == "no broker channel"
     assert 'jobplane_db_pool_connections{state="size"} 6.0' in run.metrics
     assert run.args.stopped_in_order

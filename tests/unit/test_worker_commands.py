@@ -190,10 +190,10 @@ def test_relay_builds_its_relay_and_sweeper_from_the_options(run: CommandRun) ->
     assert sweeper.calls == ["enter", "exit"]
     assert run.traced == ["jobplane-relay"]
     assert 'jobplane_db_pool_connections{state="size"} 6.0' in run.metrics
-    assert run.ready is not None
-    status, body = run.ready
-    assert (status, sorted(body["not_ready"])) == (503, ["broker", "database"])
-    assert body["not_ready"]["broker"] == "no broker channel"
+    # Ready but for the database while the relay has its channel; not without it.
+    assert run.ready is not None and run.unready is not None
+    assert (run.ready[0], sorted(run.ready[1]["not_ready"])) == (503, ["database"])
+    assert run.unready[1]["not_ready"]["broker"] == "no broker channel"
 
 
 def test_relay_defaults_and_no_sweep(run: CommandRun) -> None:
