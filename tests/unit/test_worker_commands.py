@@ -221,6 +221,7 @@ def test_sweep_once_runs_one_pass_and_says_what_it_did(
     run: CommandRun, capsys: pytest.CaptureFixture[str]
 ) -> None:
     assert run([*_relay_argv("sweep"), "--once"]) == 0
+    assert run.args.interval == 5.0  # between passes of the loop, and their retries
     relay_kw = _check_relay(run.of("Relay"), [])
     sweeper = run.of("Sweeper")
     interceptors = sweeper.kwargs.pop("interceptors")
