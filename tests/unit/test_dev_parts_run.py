@@ -30,9 +30,12 @@ def _not_ready(run: CommandRun) -> dict[str, str]:
     return not_ready
 
 
-def test_worker_part_zero_runs_every_handler_on_every_queue(run: CommandRun) -> None:
+def test_worker_part_zero_runs_every_handler_on_every_queue(
+    run: CommandRun, capsys: pytest.CaptureFixture[str]
+) -> None:
     argv = ["dev", "--worker-part", "0", "--parent-pid", "4321", "--concurrency", "7"]
     assert run([*argv, "--handlers", f"{HERE}:registry"]) == 0
+    assert "ops.listening" not in capsys.readouterr().err  # warnings and errors only
     worker = run.of("Worker")
     engine, database_url, amqp_url, topology, handlers = worker.args
     assert engine.pool.size() == 6
@@ -97,8 +100,12 @@ def test_a_worker_part_that_cannot_load_its_handlers_exits_2(
     assert run.made == []
 
 
-def test_the_relay_part_runs_the_relay_and_the_sweeper(run: CommandRun) -> None:
+def test_the_relay_part_runs_the_relay_and_the_sweeper(
+    run: CommandRun, capsys: pytest.CaptureFixture[str]
+) -> None:
     assert run(["dev", "--relay-part", "--parent-pid", "4321"]) == 0
+    # A part logs warnings and errors only: the command's own lines say it is up.
+    assert "ops.listening" not in capsys.readouterr().err
     assert run.args.tenant == "dev"  # the key dev prints is the dev tenant's
     relay, sweeper = run.of("Relay"), run.of("Sweeper")
     engine, database_url, amqp_url, topology = relay.args
@@ -124,3 +131,8 @@ def test_the_relay_part_runs_the_relay_and_the_sweeper(run: CommandRun) -> None:
     assert run.unready[1]["not_ready"]["relay"] == "no broker channel"
     assert 'jobplane_db_pool_connections{state="size"} 6.0' in run.metrics
     assert run.args.stopped_in_order
+
+
+def test_the_relay_part_takes_its_metrics_listen_over_the_environment(run: CommandRun) -> None:
+    assert run(["dev", "--relay-part", "--metrics-listen", "off"]) == 0
+    assert (run.ops, run.of("Relay").kwargs["interceptors"]) == ([None], [])
