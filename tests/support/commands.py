@@ -182,8 +182,8 @@ class CommandRun:
             self.ready = (answer.status, json.loads(await answer.read()))
             for part in self.made:
                 part.connected = False  # as when the broker goes away
-            async with session.get(f"http://{ops.address}/readyz") as answer:
-                self.unready = (answer.status, json.loads(await answer.read()))
+            async with session.get(f"http://{ops.address}/readyz") as again:
+                self.unready = (again.status, json.loads(await again.read()))
             async with session.get(f"http://{ops.address}/metrics") as scraped:
                 self.metrics = await scraped.text()
 
