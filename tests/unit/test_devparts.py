@@ -53,6 +53,9 @@ def test_the_relay_parts_command_line_is_one_the_dev_parser_takes() -> None:
     args = build_parser().parse_args(command[3:])
     assert args.relay_part and args.worker_part is None
     assert (args.parent_pid, args.metrics_listen) == (77, "127.0.0.1:9466")
+    assert not args.metrics_fallback
+    fallback = relay_command(parent_pid=77, metrics_listen="127.0.0.1:9466", metrics_fallback=True)
+    assert build_parser().parse_args(fallback[3:]).metrics_fallback
 
 
 @given(st.integers(min_value=1, max_value=MOST))
