@@ -77,8 +77,10 @@ class Store:
         self._claim = claim
         self._hand_back = hand_back
         self.hand_backs: list[tuple[Envelope, float, float]] = []
+        self.claimed: list[Envelope] = []
 
     async def claim(self, envelope: Envelope, *, worker: str) -> ClaimResult:
+        self.claimed.append(envelope)
         if isinstance(self._claim, BaseException):
             raise self._claim
         assert isinstance(self._claim, ClaimResult)
@@ -134,14 +136,15 @@ def an_attempt() -> Attempt:
 async def test_a_redelivery_waiting_on_a_lease_while_stopping_goes_back_to_its_queue(
     intercepted: bool,
 ) -> None:
-    intercept = chain([Recording("a"), Recording("b")]) if intercepted else None
-    worker = deliveries(
-        Store(claim=ClaimResult(ClaimStatus.IN_FLIGHT)), intercept=intercept, stopping=True
-    )
+    seen = [Recording("a"), Recording("b")]
+    store = Store(claim=ClaimResult(ClaimStatus.IN_FLIGHT))
+    worker = deliveries(store, intercept=chain(seen) if intercepted else None, stopping=True)
     message, log = Message(redelivered=True), Log()
     await worker._claim_and_run(ENVELOPE, message, log)
     assert message.settled == [("nack", True)]
     assert worker.ran == [] and log.lines == []
+    assert store.claimed == [ENVELOPE]
+    assert [r.claims for r in seen] == ([[(ENVELOPE, message)]] * 2 if intercepted else [[], []])
 
 
 async def test_a_claimed_job_runs_then_is_acked_and_a_stopped_run_is_requeued() -> None:
