@@ -113,10 +113,12 @@ async def test_data_of_the_limit_exactly_is_kept() -> None:
 async def test_a_plain_handler_reports_progress_with_its_data() -> None:
     def plain(ctx: SyncJobContext) -> dict[str, Any]:
         ctx.progress(0.5, "half", {"rows": 3})
+        ctx.progress(0.75)
         return {}
 
     outcome = await run_handler(plain)
     assert outcome.status == "succeeded", outcome.error
     assert [(p.progress, p.message, p.data) for p in outcome.progress] == [
-        (0.5, "half", {"rows": 3})
+        (0.5, "half", {"rows": 3}),
+        (0.75, "", {}),
     ]
