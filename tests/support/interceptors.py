@@ -24,6 +24,8 @@ class Recording:
         self.seen = [] if seen is None else seen
         self.run = run
         self.contexts: list[contextvars.Context] = []
+        #: The (envelope, message) of each claim it saw.
+        self.claims: list[tuple[Any, Any]] = []
 
     def saw(self, what: str) -> None:
         self.seen.append(f"{self.name}.{what}")
@@ -49,6 +51,7 @@ class Recording:
     async def claim(
         self, envelope: Any, message: Any, claim: Callable[[], Awaitable[ClaimResult]]
     ) -> ClaimResult:
+        self.claims.append((envelope, message))
         with self._block("claim"):
             found = await claim()
             self.saw(f"claimed:{found.status.value}")

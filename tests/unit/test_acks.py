@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
+from typing import Any
 
 import aiormq
 import pamqp.frame
@@ -379,3 +380,32 @@ async def test_a_settle_waiting_for_room_on_a_dead_writer_ends_when_its_channel_
     for task in done:
         assert isinstance(task.exception(), aiormq.exceptions.ChannelInvalidStateError)
     assert channel.write_queue.qsize() == 1
+
+
+async def test_a_nack_and_a_reject_carry_the_requeue_asked_for_once() -> None:
+    channel = Channel(1, committed={5})
+    asked = [
+        ("nack", {}),
+        ("nack", {"requeue": False}),
+        ("reject", {}),
+        ("reject", {"requeue": True}),
+        ("ack", {}),
+    ]
+    for tag, (how, kwargs) in enumerate(asked, start=1):
+        channel.broker.outstanding.add(tag)
+        delivery = _delivery(channel, tag)
+        await getattr(delivery, how)(**kwargs)
+        assert delivery.processed
+        # Settled: a second settling of any kind writes nothing.
+        await delivery.nack(requeue=True)
+        await delivery.reject(requeue=False)
+        await delivery.ack()
+    frames: list[Any] = [pamqp.frame.unmarshal(write)[2] for write in channel.writes]
+    assert [(type(f).__name__, f.delivery_tag, getattr(f, "requeue", None)) for f in frames] == [
+        ("Nack", 1, True),
+        ("Nack", 2, False),
+        ("Reject", 3, False),
+        ("Reject", 4, True),
+        ("Ack", 5, None),
+    ]
+    assert all(not getattr(f, "multiple", False) for f in frames)

@@ -11,7 +11,7 @@ import pytest
 from jobplane.errors import InvalidArgument, PayloadTooLarge
 from jobplane.server.page_tokens import extra_filters, filter_key
 from jobplane.testing import MemoryChildren, run_handler, run_handler_sync
-from jobplane.topology import load_topology
+from jobplane.topology import QueueSpec, Topology, load_topology
 from jobplane.workers import JobContext, SubmitError, SyncJobContext
 from jobplane.workers.children import ChildRequest, check_key, child_job
 
@@ -120,3 +120,64 @@ def test_a_list_token_holds_to_its_parent() -> None:
         filter_key(None, "", extra_filters(None, None, None, "SCHEDULED", a)),
         filter_key(None, "", ""),
     }
+
+
+def test_each_refusal_of_a_child_request_names_its_field_and_why() -> None:
+    topology = Topology(queues=(QueueSpec("fan.work", ("fan.#",)),))
+    attempts = "max_attempts must be 0 (queue default) .. 100"
+    timeout = "timeout must be at least 0.001 and at most 604800 seconds"
+    correlation = "correlation_id must be at most 255 bytes in UTF-8 without control characters"
+    refusals: list[tuple[dict[str, Any], str, str]] = [
+        ({"key": ""}, "key", "key is required: it names the child among its parent's"),
+        ({"key": "k" * 201}, "key", "key is longer than 200 characters"),
+        (
+            {"type": "nobody.takes"},
+            "type",
+            "no queue of the topology takes job type 'nobody.takes'",
+        ),
+        ({"payload": []}, "payload", "payload must be a JSON object"),
+        (
+            {"payload": {"x": float("nan")}},
+            "payload",
+            "payload cannot be stored: $.x: nan is not a finite number",
+        ),
+        ({"payload": {"x": "y" * 100}}, "payload", "payload is larger than 64 bytes"),
+        ({"max_attempts": -1}, "max_attempts", attempts),
+        ({"max_attempts": 101}, "max_attempts", attempts),
+        ({"timeout_seconds": 0.0}, "timeout", timeout),
+        ({"timeout_seconds": 604800.5}, "timeout", timeout),
+        ({"correlation_id": "a\nb"}, "correlation_id", correlation),
+        ({"correlation_id": "x" * 256}, "correlation_id", correlation),
+    ]
+    for fields, name, message in refusals:
+        values: dict[str, Any] = {"key": "k", "type": "fan.leaf", "payload": {}, **fields}
+        with pytest.raises(InvalidArgument) as refused:
+            child_job(
+                topology, ChildRequest(**values), parent_correlation_id="p", max_payload_bytes=64
+            )
+        assert (refused.value.field, str(refused.value)) == (name, message), fields
+
+
+def test_a_child_request_at_each_limit_is_taken_as_asked() -> None:
+    topology = load_topology()
+    queue = topology.route("fan.leaf")
+    assert queue is not None
+
+    def job(**fields: Any) -> Any:
+        values: dict[str, Any] = {"key": "k", "type": "fan.leaf", "payload": {}, **fields}
+        return child_job(
+            topology, ChildRequest(**values), parent_correlation_id="p", max_payload_bytes=64
+        )
+
+    most = job(max_attempts=100, timeout_seconds=604800.0, correlation_id="x" * 255)
+    assert (most.max_attempts, most.timeout_seconds) == (100, 604800.0)
+    assert most.correlation_id == "x" * 255
+    least = job(max_attempts=1, timeout_seconds=0.001)
+    assert (least.max_attempts, least.timeout_seconds) == (1, 0.001)
+    default = job()
+    assert (default.max_attempts, default.timeout_seconds) == (
+        queue.max_attempts,
+        queue.timeout_seconds,
+    )
+    assert (default.type, default.queue, default.payload) == ("fan.leaf", queue.name, {})
+    assert (default.request_id, default.schedule_time) == ("", None)

@@ -77,16 +77,25 @@ class Raw(aiormq.Channel):
 
 
 class Probe:
-    """The connection under a channel: its probe channel finds every queue."""
+    """The connection under a channel: its probe channel finds every queue.
 
-    async def channel(self, **_: Any) -> Probe:
+    Records how each probe channel was opened, what it declared, and its closes.
+    """
+
+    def __init__(self) -> None:
+        self.opened: list[dict[str, Any]] = []
+        self.declared: list[tuple[tuple[Any, ...], dict[str, Any]]] = []
+        self.closed = 0
+
+    async def channel(self, **kwargs: Any) -> Probe:
+        self.opened.append(kwargs)
         return self
 
-    async def queue_declare(self, *_: Any, **__: Any) -> None:
-        pass
+    async def queue_declare(self, *args: Any, **kwargs: Any) -> None:
+        self.declared.append((args, kwargs))
 
     async def close(self) -> None:
-        pass
+        self.closed += 1
 
 
 class Robust:
@@ -197,3 +206,25 @@ async def test_consumers_started_again_after_a_cancel_consume() -> None:
     await consumers.start(Connection(robust), specs, Slots(), prefetch=8)  # type: ignore[arg-type]
     assert len(robust.raw.consumers) == 2
     assert consumers
+
+
+async def test_a_restore_looks_for_its_queue_on_a_probe_channel_it_closes() -> None:
+    """The probe declares passively on a channel of its own without publisher
+    confirms (nothing is published on it), each step bounded in time."""
+    robust = Robust(Raw())
+    consumers = await _started(robust, queues=1)
+    (tag,) = consumers.tags
+    raw = robust.raw
+    del raw.consumers[tag]  # the broker cancelled it (its queue deleted)
+    (cancelled,) = raw.on_consumer_cancel_callbacks
+    cancelled(aiormq.spec.Basic.Cancel(consumer_tag=tag))
+    for _ in range(200):
+        if raw.consumed.count(tag) == 2:
+            break
+        await asyncio.sleep(0.01)
+    assert raw.consumed.count(tag) == 2, "the restore did not consume again"
+    probe = raw.connection
+    assert probe.opened == [{"publisher_confirms": False, "timeout": 5}]
+    assert probe.declared == [(("q0",), {"passive": True, "timeout": 5})]
+    assert probe.closed == 1
+    await consumers.cancel()

@@ -181,8 +181,10 @@ def test_no_interceptor_is_none_and_one_is_itself() -> None:
 async def test_a_chain_calls_each_in_order_the_first_outermost() -> None:
     seen: list[str] = []
     first = Recording("a", seen)
-    both: Interceptor | None = chain([first, Recording("b", seen, run=False), Recording("c", seen)])
+    each = [first, Recording("b", seen, run=False), Recording("c", seen)]
+    both: Interceptor | None = chain(each)
     assert both is not None
+    envelope, message = object(), object()
     found = ClaimResult(ClaimStatus.CLAIMED, None)
 
     async def claim() -> ClaimResult:
@@ -191,7 +193,8 @@ async def test_a_chain_calls_each_in_order_the_first_outermost() -> None:
 
     both.known(lambda: (0, 2), Topology(queues=()), iter(["x", "y"]))
     with both.delivered({}):
-        assert await both.claim(object(), object(), claim) is found  # type: ignore[arg-type]
+        assert await both.claim(envelope, message, claim) is found  # type: ignore[arg-type]
+    assert [r.claims for r in each] == [[(envelope, message)]] * 3
     run = both.started(object())  # type: ignore[arg-type]
     assert run is not None
     assert run.context() is first.contexts[0]  # the first run that gives one
