@@ -15,14 +15,19 @@ from jobplane.schedule_types import SCHEDULE_LABEL, JobTemplate, Schedule
 from jobplane.server.schedules import ScheduleService
 from jobplane.store.engine import create_engine
 from jobplane.topology import QueueSpec, Topology
+from jobplane.topology.model import PipelineSpec, StageSpec
 
 
 @pytest.fixture
 async def service() -> AsyncIterator[ScheduleService]:
     """A service on an engine that never connects (these checks come first), with a
-    topology that routes only the demo types."""
+    topology that routes only the demo types, and a pipeline of them."""
     engine = create_engine("postgresql://unused@127.0.0.1:1/unused", pool_size=1)
-    topology = Topology(queues=(QueueSpec("only-demo", ("demo.*",)),))
+    stage = StageSpec("echo", "demo.echo", "only-demo", 3, 60.0)
+    topology = Topology(
+        queues=(QueueSpec("only-demo", ("demo.*",)),),
+        pipelines=(PipelineSpec("reports.build", (stage,)),),
+    )
     yield ScheduleService(engine, topology, max_payload_bytes=100)
     await engine.dispose()
 
@@ -38,6 +43,8 @@ def test_a_template_within_every_bound_passes(service: ScheduleService) -> None:
     for timeout in (0.001, 7 * 24 * 3600.0, None):
         service.check(_schedule(timeout_seconds=timeout, max_attempts=100, labels=labels))
     service.check(_schedule(max_attempts=0, payload={"n": 1}))
+    # A pipeline runs by its stages' routes, not one of its own.
+    service.check(_schedule(type="reports.build"))
 
 
 def test_each_bad_template_field_is_named_under_the_schedule(service: ScheduleService) -> None:
