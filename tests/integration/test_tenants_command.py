@@ -260,3 +260,19 @@ async def test_wait_exits_1_when_the_job_fails(engine: AsyncEngine, tenants: Any
         f"jobs/{job['id']} FAILED 50% half",
         "error: INTERNAL: disk full",
     ]
+
+
+async def test_the_commands_log_warnings_up_in_the_configured_format(
+    tenants: Any, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """No JOBPLANE_LOG_LEVEL: warnings and worse only; JOBPLANE_LOG_FORMAT is kept."""
+    import structlog
+
+    monkeypatch.delenv("JOBPLANE_LOG_LEVEL", raising=False)
+    monkeypatch.setenv("JOBPLANE_LOG_FORMAT", "json")
+    assert await tenants("list") == (0, "", "")
+    log = structlog.get_logger("jobplane.test")
+    log.info("not shown")
+    log.warning("shown", n=1)
+    (line,) = capsys.readouterr().err.splitlines()
+    assert json.loads(line)["event"] == "shown"
