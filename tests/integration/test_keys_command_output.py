@@ -16,6 +16,7 @@ import pytest
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from jobplane.cli import build_parser
+from jobplane.server import admin
 from jobplane.server.admin import _keys_command
 from jobplane.store.keys import KeyStore
 
@@ -111,6 +112,7 @@ async def test_list_shows_each_key_never_its_secret(
 
     out, err = await _run(keys, capsys, "list", "--tenant", "acme", "--json")
     assert err == ""
+    assert all(list(json.loads(line)) == sorted(json.loads(line)) for line in out.splitlines())
     assert [json.loads(line) for line in out.splitlines()] == [
         {
             "key_id": k.key_id,
@@ -157,3 +159,57 @@ async def test_revoke_and_rotate_say_what_ends_when(
     out, err = await _run(keys, capsys, "revoke", new.key_id)
     assert (out, err) == ("", f"revoked {new.key_id} (tenant 'acme')\n")
     assert not (await keys.get_key(new.key_id)).active
+
+
+async def test_a_refused_key_or_bad_seconds_is_one_line_and_changes_nothing(
+    engine: AsyncEngine,
+    database_url: str,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Exit 1 for a key that is not there or already revoked, 2 for SECONDS out of range.
+
+    The command's pool has one connection: a refused rotation must not wait on a second."""
+    monkeypatch.setenv("JOBPLANE_DATABASE_URL", database_url)
+    keys = KeyStore(engine)
+    key = await keys.create("acme")
+    gone = await keys.create("acme")
+    await keys.revoke(gone.key_id)
+    capsys.readouterr()
+
+    async def keys_command(*argv: str) -> tuple[int, str, str]:
+        code = await admin._keys(build_parser().parse_args(["keys", *argv]))
+        out, err = capsys.readouterr()
+        return code, out, err
+
+    limit = "3,153,600,000"
+    assert await keys_command("revoke", key.key_id, "--after", "soon") == (
+        2,
+        "",
+        f"error: --after must be a number of seconds from 0 to {limit}, got 'soon'\n",
+    )
+    assert await keys_command("rotate", key.key_id, "--grace", "-5") == (
+        2,
+        "",
+        f"error: --grace must be a number of seconds from 0 to {limit}, got '-5'\n",
+    )
+    assert await keys_command("revoke", "key_nothere") == (
+        1,
+        "",
+        "error: no API key 'key_nothere'\n",
+    )
+    assert await keys_command("rotate", "key_nothere") == (
+        1,
+        "",
+        "error: no API key 'key_nothere'\n",
+    )
+    assert await keys_command("rotate", gone.key_id) == (
+        1,
+        "",
+        f"error: API key {gone.key_id!r} is already revoked\n",
+    )
+    listed = await keys.list_keys("acme")
+    assert [(k.key_id, k.active, k.revoke_time is None) for k in listed] == [
+        (key.key_id, True, True),
+        (gone.key_id, False, False),
+    ]

@@ -323,13 +323,16 @@ class KeyStore:
             raise ValueError("grace must not be negative")
         async with self._engine.begin() as conn:
             row = (await conn.execute(_LOCK_ACTIVE, {"key_id": key_id})).first()
-            if row is None:
-                await self.get_key(key_id)  # KeyNotFound when there is no such key
-                raise KeyRevoked(f"API key {key_id!r} is already revoked")
-            tenant_id, tenant, scope = row
-            key, new_id = await self._insert_key(conn, tenant_id, KeyScope(scope))
-            await conn.execute(_REVOKE, {"key_id": key_id, "after": grace})
-            await conn.execute(_NOTIFY, {"key_id": key_id})
+            if row is not None:
+                tenant_id, tenant, scope = row
+                key, new_id = await self._insert_key(conn, tenant_id, KeyScope(scope))
+                await conn.execute(_REVOKE, {"key_id": key_id, "after": grace})
+                await conn.execute(_NOTIFY, {"key_id": key_id})
+        if row is None:
+            # After the transaction: the lookup needs a connection of its own,
+            # and the commands' pool has one.
+            await self.get_key(key_id)  # KeyNotFound when there is no such key
+            raise KeyRevoked(f"API key {key_id!r} is already revoked")
         self.forget(key_id)
         created = NewKey(
             key,

@@ -1,0 +1,196 @@
+"""JobService.list on a fake store: what each filter asks of the store, the page
+size's bounds, and page tokens that hold to the filters they were made for."""
+
+from __future__ import annotations
+
+import uuid
+from datetime import UTC, datetime, timedelta
+from typing import Any, cast
+
+import pytest
+
+from jobplane.errors import InvalidArgument
+from jobplane.server.service import JobService
+from jobplane.store.jobs import JobStore, ListCursor
+from jobplane.store.listen import Listener
+from jobplane.topology import load_topology
+from jobplane.types import Job, JobState
+
+_NOW = datetime(2026, 1, 1, tzinfo=UTC)
+_TENANT = uuid.UUID(int=1)
+
+
+def _job(n: int) -> Job:
+    return Job(
+        name=f"jobs/{uuid.UUID(int=1000 + n)}",
+        type="demo.echo",
+        state=JobState.QUEUED,
+        payload={},
+        result=None,
+        error=None,
+        progress=0.0,
+        progress_message="",
+        attempt=0,
+        max_attempts=3,
+        request_id="",
+        correlation_id="",
+        labels={},
+        create_time=_NOW - timedelta(seconds=n),
+        update_time=_NOW,
+    )
+
+
+class _Store:
+    """Answers ``list_jobs`` with ``jobs`` (as many as asked) and remembers each call."""
+
+    def __init__(self, count: int) -> None:
+        self.jobs = [_job(n) for n in range(count)]
+        self.calls: list[dict[str, Any]] = []
+
+    async def list_jobs(self, tenant: uuid.UUID, **kwargs: Any) -> list[Job]:
+        assert tenant == _TENANT
+        self.calls.append(kwargs)
+        return self.jobs[: kwargs["limit"]]
+
+    async def read_streams(self, *_: Any) -> list[Any]:
+        return []
+
+    async def queue_rates(self, tenant: uuid.UUID, **kwargs: Any) -> dict[str, Any]:
+        self.calls.append({"tenant": tenant, **kwargs})
+        return {"default": (3, 2, 1)}
+
+
+def _service(store: _Store) -> JobService:
+    return JobService(
+        cast(JobStore, store), Listener("postgresql://unused/db", "unused"), load_topology()
+    )
+
+
+async def test_filters_reach_the_store_and_a_full_page_has_a_token() -> None:
+    store = _Store(count=5)
+    service = _service(store)
+    parent = f"jobs/{uuid.UUID(int=7)}"
+    after, before = _NOW - timedelta(days=1), _NOW
+    page = await service.list(
+        _TENANT,
+        page_size=3,
+        page_token="",
+        state=JobState.QUEUED,
+        job_type="demo.echo",
+        labels={"team": "a"},
+        created_after=after,
+        created_before=before,
+        waiting_code="SCHEDULED",
+        parent=parent,
+    )
+    assert store.calls == [
+        {
+            "limit": 4,
+            "after": None,
+            "state": JobState.QUEUED,
+            "job_type": "demo.echo",
+            "labels": {"team": "a"},
+            "created_after": after,
+            "created_before": before,
+            "waiting_code": "SCHEDULED",
+            "parent": uuid.UUID(int=7),
+        }
+    ]
+    assert page.jobs == store.jobs[:3]
+    assert page.next_page_token
+
+    # The next page continues after the page's last job, under the same filters.
+    same: dict[str, Any] = {
+        "state": JobState.QUEUED,
+        "job_type": "demo.echo",
+        "labels": {"team": "a"},
+        "created_after": after,
+        "created_before": before,
+        "waiting_code": "SCHEDULED",
+        "parent": parent,
+    }
+    await service.list(_TENANT, page_size=3, page_token=page.next_page_token, **same)
+    last = store.jobs[2]
+    assert store.calls[-1]["after"] == ListCursor(last.create_time, uuid.UUID(last.id))
+    # A token holds to its filters: another parent, type or label refuses it.
+    changes: list[dict[str, Any]] = [
+        {"parent": ""},
+        {"job_type": "demo.other"},
+        {"labels": {"team": "b"}},
+    ]
+    for changed in changes:
+        with pytest.raises(InvalidArgument, match=r"^page_token was created for other filters"):
+            await service.list(
+                _TENANT, page_size=3, page_token=page.next_page_token, **{**same, **changed}
+            )
+
+
+async def test_no_filter_is_none_to_the_store_and_the_last_page_has_no_token() -> None:
+    store = _Store(count=2)
+    page = await _service(store).list(_TENANT, page_size=0, page_token="", state=None, job_type="")
+    assert store.calls == [
+        {
+            "limit": 51,  # the default page of 50, and one to know there is more
+            "after": None,
+            "state": None,
+            "job_type": None,
+            "labels": None,
+            "created_after": None,
+            "created_before": None,
+            "waiting_code": "",
+            "parent": None,
+        }
+    ]
+    assert (page.jobs, page.next_page_token) == (store.jobs, "")
+
+
+async def test_the_page_size_is_bounded() -> None:
+    store = _Store(count=0)
+    service = _service(store)
+    await service.list(_TENANT, page_size=5000, page_token="", state=None, job_type="")
+    assert store.calls[-1]["limit"] == 1001
+    with pytest.raises(InvalidArgument, match=r"^page_size must not be negative$") as refused:
+        await service.list(_TENANT, page_size=-1, page_token="", state=None, job_type="")
+    assert refused.value.field == "page_size"
+    bad = {"job_type": "Not A Type", "labels": {"": "x"}, "parent": "job/1"}
+    for key, value in bad.items():
+        arguments: dict[str, Any] = {"state": None, "job_type": "", key: value}
+        with pytest.raises(InvalidArgument):
+            await service.list(_TENANT, page_size=1, page_token="", **arguments)
+    with pytest.raises(InvalidArgument) as refused:
+        await service.list(
+            _TENANT,
+            page_size=1,
+            page_token="",
+            state=JobState.RUNNING,
+            job_type="",
+            waiting_code="SCHEDULED",
+        )
+    assert refused.value.field == "waiting_code"
+    assert len(store.calls) == 1
+
+
+async def test_a_token_after_a_job_continues_a_list_of_the_same_filters() -> None:
+    store = _Store(count=4)
+    service = _service(store)
+    parent = f"jobs/{uuid.UUID(int=7)}"
+    job = store.jobs[1]
+    filters: dict[str, Any] = {
+        "state": JobState.QUEUED,
+        "job_type": "demo.echo",
+        "waiting_code": "SCHEDULED",
+        "parent": parent,
+    }
+    token = service.page_token_after(job, **filters)
+    await service.list(_TENANT, page_size=2, page_token=token, **filters)
+    assert store.calls[-1]["after"] == ListCursor(job.create_time, uuid.UUID(job.id))
+    for changed in ({"parent": ""}, {"waiting_code": ""}, {"state": None}):
+        with pytest.raises(InvalidArgument, match="page_token"):
+            await service.list(_TENANT, page_size=2, page_token=token, **{**filters, **changed})
+
+
+async def test_queue_rates_read_a_bounded_scan_of_the_window() -> None:
+    store = _Store(count=0)
+    rates = await _service(store).queue_rates(_TENANT, window_seconds=60.0)
+    assert rates == {"default": (3, 2, 1)}
+    assert store.calls == [{"tenant": _TENANT, "window_seconds": 60.0, "scan": 100_000}]
