@@ -10,13 +10,13 @@ from typing import Any, cast
 
 import pytest
 import structlog
-from structlog.testing import capture_logs
 
 from jobplane.faults import FaultPoints, InjectedFault
 from jobplane.store.maintenance import DeletedJobs, LiveJob, Tenant
 from jobplane.workers import maintenance
 from jobplane.workers.handlers import JobContext, PermanentError, RetryableError
 from jobplane.workers.maintenance import Maintenance
+from tests.support.logs import capture_every_level
 
 CUTOFF = datetime(2026, 11, 7, 10, 30, tzinfo=UTC)
 FIRST = DeletedJobs(jobs=2, job_events=6, job_stages=1, outbox=2, job_blobs=1)
@@ -176,7 +176,7 @@ async def test_retention_deletes_jobs_events_rows_and_blobs_past_the_horizon(
     setup = _Setup(monkeypatch, 30)
     blobs = _Blobs(4)
     ctx = setup.ctx({})
-    with capture_logs() as logs:
+    with capture_every_level() as logs:
         result = await _run(setup.maintenance(blobs=cast(Any, blobs)).retention, ctx)
     tid, me = setup.tenant.id, ctx.job
     deleted = {**JOBS_DONE, "events": 7, "outbox": 4, "blobs": 4}
@@ -288,7 +288,7 @@ async def test_erasure_stops_the_tenants_jobs_then_deletes_all_it_has(
     blobs, index = _Blobs(3), _Index()
     ctx = setup.ctx({"confirm": "acme", "batch_size": 50})
     handler = setup.maintenance(blobs=cast(Any, blobs), index=index, poll_interval=0.01)
-    with capture_logs() as logs:
+    with capture_every_level() as logs:
         result = await _run(handler.erasure, ctx)
     tid, me = setup.tenant.id, ctx.job
     jobs = {"schedules": 2, "jobs": 4, "job_events": 4}
@@ -387,7 +387,7 @@ async def test_rows_written_during_an_erasure_make_it_go_again(
     setup = _Setup(monkeypatch, None)
     setup.store.rows_left = {"jobs": 1, "job_events": 0, "outbox": 3}
     ctx = setup.ctx({"confirm": "acme"})
-    with capture_logs() as logs, pytest.raises(RetryableError) as again:
+    with capture_every_level() as logs, pytest.raises(RetryableError) as again:
         await _run(setup.maintenance().erasure, ctx)
     assert (
         str(again.value) == "rows of the tenant were written during the erasure: jobs 1, outbox 3"

@@ -10,7 +10,6 @@ from typing import Any, cast
 import pytest
 import structlog
 from sqlalchemy.ext.asyncio import AsyncEngine
-from structlog.testing import capture_logs
 
 from jobplane.events.envelope import Event, encode
 from jobplane.store.event_feed import FeedBatch, FeedEvent
@@ -19,6 +18,7 @@ from jobplane.topology import load_topology
 from jobplane.workers import relay_feed
 from jobplane.workers.relay import Relay
 from jobplane.workers.relay_messages import PublishFailed, Unpublishable
+from tests.support.logs import capture_every_level
 
 
 class _Batch:
@@ -54,7 +54,7 @@ async def _settle(relay: Relay, batch: _Batch, results: list[Any]) -> Any:
 def logs(monkeypatch: pytest.MonkeyPatch) -> Any:
     # A logger not used before: a cached one would write past capture_logs.
     monkeypatch.setattr(relay_feed, "log", structlog.get_logger("jobplane.relay.settle"))
-    with capture_logs() as captured:
+    with capture_every_level() as captured:
         yield captured
 
 

@@ -9,12 +9,12 @@ from typing import Any, cast
 import pytest
 import structlog
 from sqlalchemy.ext.asyncio import AsyncEngine
-from structlog.testing import capture_logs
 
 from jobplane.logs import describe_error
 from jobplane.topology import TopologyMissing, load_topology
 from jobplane.workers import relay_link
 from jobplane.workers.relay import Relay
+from tests.support.logs import capture_every_level
 
 
 class _Deadlock(Exception):
@@ -68,7 +68,7 @@ async def test_the_loop_backs_off_to_ten_seconds_and_restarts_after_a_closed_lin
     relay._open = open_link  # type: ignore[method-assign]
     relay._pipeline = pipeline  # type: ignore[method-assign,assignment]
     monkeypatch.setattr(asyncio, "sleep", sleep)
-    with capture_logs() as logs, pytest.raises(_Stop):
+    with capture_every_level() as logs, pytest.raises(_Stop):
         await relay._run()
     assert slept == [0.5, 1.0, 2.0, 4.0, 8.0, 10.0, 10.0, 0.5, 1.0, 2.0, 4.0, 8.0, 10.0]
     down = ("broker.unavailable", "ConnectionRefusedError('refused')")

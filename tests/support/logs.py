@@ -1,0 +1,32 @@
+"""Log lines captured at every level, whatever an earlier test configured."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator, MutableMapping
+from contextlib import contextmanager
+from typing import Any
+
+import structlog
+from structlog.testing import capture_logs
+
+Lines = list[MutableMapping[str, Any]]
+
+
+@contextmanager
+def capture_every_level() -> Iterator[Lines]:
+    """``capture_logs`` with the level filter opened to DEBUG for its span.
+
+    ``jobplane.logs.configure`` (run by any command a test ran in process)
+    installs a level-filtering logger class; ``capture_logs`` swaps only the
+    processors, so a line below that level would never reach it. The code's
+    module logger must also be one not used before (a cached one keeps its
+    first configuration): tests patch ``module.log`` with a fresh one.
+    """
+    saved = structlog.get_config()
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.DEBUG))
+    try:
+        with capture_logs() as captured:
+            yield captured
+    finally:
+        structlog.configure(**saved)
