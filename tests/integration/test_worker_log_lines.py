@@ -10,7 +10,6 @@ fingerprint). tests/integration/test_observability.py reads them from a
 
 from __future__ import annotations
 
-import logging
 import uuid
 from collections.abc import Iterator, MutableMapping
 from dataclasses import replace
@@ -18,9 +17,7 @@ from typing import Any
 
 import aio_pika
 import pytest
-import structlog
 from sqlalchemy.ext.asyncio import AsyncEngine
-from structlog.testing import capture_logs
 
 from jobplane.envelope import Envelope
 from jobplane.logs import fingerprint
@@ -29,6 +26,7 @@ from jobplane.topology import Topology
 from jobplane.types import JobState
 from jobplane.workers import delivery
 from jobplane.workers.handlers import JobContext, PermanentError, Registry, RetryableError
+from tests.support.logs import module_lines
 from tests.support.stack import Stack, eventually, start_stack
 
 Lines = list[MutableMapping[str, Any]]
@@ -55,16 +53,8 @@ async def _bad(ctx: JobContext) -> dict[str, Any]:
 
 @pytest.fixture
 def lines(monkeypatch: pytest.MonkeyPatch) -> Iterator[Lines]:
-    # A logger not yet used, so that capture_logs sees its lines (every line
-    # of a delivery is bound from it), at every level.
-    monkeypatch.setattr(delivery, "log", structlog.get_logger("jobplane.worker"))
-    saved = structlog.get_config()
-    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.DEBUG))
-    try:
-        with capture_logs() as captured:
-            yield captured
-    finally:
-        structlog.configure(**saved)
+    with module_lines(monkeypatch, delivery, "jobplane.worker") as captured:
+        yield captured
 
 
 async def test_each_attempt_logs_its_lines_with_the_deliverys_ids(

@@ -5,8 +5,10 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator, MutableMapping
 from contextlib import contextmanager
+from types import ModuleType
 from typing import Any
 
+import pytest
 import structlog
 from structlog.testing import capture_logs
 
@@ -30,3 +32,16 @@ def capture_every_level() -> Iterator[Lines]:
             yield captured
     finally:
         structlog.configure(**saved)
+
+
+@contextmanager
+def module_lines(monkeypatch: pytest.MonkeyPatch, module: ModuleType, name: str) -> Iterator[Lines]:
+    """Every line ``module`` writes through its ``log`` in this span, at every level.
+
+    ``module.log`` becomes a logger of ``name`` not used before: one an
+    earlier test used is cached (``cache_logger_on_first_use``) and would
+    write past the capture.
+    """
+    monkeypatch.setattr(module, "log", structlog.get_logger(name))
+    with capture_every_level() as captured:
+        yield captured

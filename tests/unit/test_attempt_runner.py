@@ -7,7 +7,6 @@ what an interceptor sees) is checked without Postgres.
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import Sequence
 from typing import Any
 
@@ -18,6 +17,7 @@ from jobplane.workers import JobContext, Registry
 from jobplane.workers.attempt import AttemptRunner
 from jobplane.workers.interceptors import Interceptor, chain
 from jobplane.workers.progress import ProgressFlusher
+from tests.support.attempts import an_attempt
 from tests.support.interceptors import Recording
 
 
@@ -77,20 +77,8 @@ def runner(registry: Registry, intercept: Interceptor | None) -> tuple[Any, Stor
     return made, store
 
 
-def an_attempt(job_type: str, stage: StageRun | None = None) -> Attempt:
-    return Attempt(
-        job_id=uuid.uuid4(),
-        tenant_id=uuid.uuid4(),
-        type=job_type,
-        payload={},
-        attempt=1,
-        max_attempts=3,
-        retry_base=0,
-        lease_token=uuid.uuid4(),
-        correlation_id="",
-        request_id="r",
-        stage=stage,
-    )
+def attempt_of(job_type: str, stage: StageRun | None = None) -> Attempt:
+    return an_attempt(type=job_type, stage=stage)
 
 
 async def test_progress_still_pending_is_committed_with_the_outcome() -> None:
@@ -104,7 +92,7 @@ async def test_progress_still_pending_is_committed_with_the_outcome() -> None:
     for intercept in (None, chain([Recording("a"), Recording("b")])):
         run, store = runner(registry, intercept)
         log = Log()
-        await run._run(an_attempt("t.report"), log)
+        await run._run(attempt_of("t.report"), log)
         [(outcome, pending)] = store.finished
         assert outcome == ("succeeded", {"ok": True})
         assert [(p.progress, p.message, p.data) for p in pending] == [(0.5, "half", {"rows": 1})]
@@ -130,7 +118,7 @@ async def test_a_stage_returning_what_cannot_fan_out_fails_saying_why() -> None:
         fans_out=True,
     )
     run, store = runner(registry, None)
-    await run._run(an_attempt("t.split", stage), Log())
+    await run._run(attempt_of("t.split", stage), Log())
     [(outcome, _)] = store.finished
     assert outcome == (
         "failed",

@@ -3,42 +3,18 @@
 from __future__ import annotations
 
 import math
-import uuid
 from typing import Any
 
 import pytest
 
-from jobplane.store.attempts import Attempt, ProgressUpdate
 from jobplane.testing import run_handler
 from jobplane.workers import JobContext, SyncJobContext
 from jobplane.workers.context import MAX_PROGRESS_DATA_BYTES
+from tests.support.attempts import ProgressSink, progress_context
 
 
-class Sink:
-    """Every update the context queues, in order."""
-
-    def __init__(self) -> None:
-        self.updates: list[ProgressUpdate] = []
-
-    async def add(self, update: ProgressUpdate) -> None:
-        self.updates.append(update)
-
-
-def context() -> tuple[JobContext, Sink]:
-    sink = Sink()
-    attempt = Attempt(
-        job_id=uuid.uuid4(),
-        tenant_id=uuid.uuid4(),
-        type="t",
-        payload={},
-        attempt=1,
-        max_attempts=3,
-        retry_base=0,
-        lease_token=uuid.uuid4(),
-        correlation_id="",
-        request_id="r",
-    )
-    return JobContext(attempt, sink), sink
+def context() -> tuple[JobContext, ProgressSink]:
+    return progress_context()
 
 
 async def test_progress_is_queued_clamped_cut_and_with_a_copy_of_its_data() -> None:

@@ -7,19 +7,17 @@ with ``was`` (the state it was in).
 from __future__ import annotations
 
 import asyncio
-import logging
 import uuid
 from collections.abc import Iterator, MutableMapping
 from typing import Any
 
 import pytest
-import structlog
 from sqlalchemy.exc import DBAPIError
-from structlog.testing import capture_logs
 
 from jobplane.names import job_name
 from jobplane.workers import deadlines
 from jobplane.workers.deadlines import DeadlineLoop
+from tests.support.logs import module_lines
 
 Lines = list[MutableMapping[str, Any]]
 
@@ -57,16 +55,8 @@ def _loop(store: Store, *, limit: int = 2) -> DeadlineLoop:
 
 @pytest.fixture
 def lines(monkeypatch: pytest.MonkeyPatch) -> Iterator[Lines]:
-    # A logger not yet used, so that capture_logs sees its lines.
-    monkeypatch.setattr(deadlines, "log", structlog.get_logger("jobplane.sweeper"))
-    # A process started earlier in the run may have set a higher level.
-    saved = structlog.get_config()
-    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.DEBUG))
-    try:
-        with capture_logs() as captured:
-            yield captured
-    finally:
-        structlog.configure(**saved)
+    with module_lines(monkeypatch, deadlines, "jobplane.sweeper") as captured:
+        yield captured
 
 
 async def test_every_page_of_due_jobs_is_ended_and_each_job_logged(lines: Lines) -> None:

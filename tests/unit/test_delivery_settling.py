@@ -19,6 +19,7 @@ from jobplane.store.attempts import Attempt, ClaimResult, ClaimStatus, HandBack
 from jobplane.workers.delivery import Deliveries
 from jobplane.workers.interceptors import chain
 from jobplane.workers.recording import Stopping
+from tests.support.attempts import an_attempt
 from tests.support.interceptors import Recording
 
 
@@ -117,17 +118,12 @@ def deliveries(store: Store, *, intercept: Any = None, stopping: bool = False) -
     return made
 
 
-def an_attempt() -> Attempt:
-    return Attempt(
+def enveloped_attempt() -> Attempt:
+    return an_attempt(
         job_id=ENVELOPE.job_id,
         tenant_id=ENVELOPE.tenant_id,
         type="t.job",
-        payload={},
         attempt=2,
-        max_attempts=3,
-        retry_base=0,
-        lease_token=uuid.uuid4(),
-        correlation_id="",
         request_id="req-1",
     )
 
@@ -148,7 +144,7 @@ async def test_a_redelivery_waiting_on_a_lease_while_stopping_goes_back_to_its_q
 
 
 async def test_a_claimed_job_runs_then_is_acked_and_a_stopped_run_is_requeued() -> None:
-    attempt = an_attempt()
+    attempt = enveloped_attempt()
     worker = deliveries(Store(claim=ClaimResult(ClaimStatus.CLAIMED, attempt)))
     message, log = Message(), Log()
     await worker._claim_and_run(ENVELOPE, message, log)

@@ -5,12 +5,10 @@ from __future__ import annotations
 import asyncio
 import gc
 import math
-import uuid
 from typing import Any
 
 import pytest
 
-from jobplane.store.attempts import Attempt, ProgressUpdate
 from jobplane.workers.handlers import JobContext, PermanentError, RetryableError
 from jobplane.workers.outcome import (
     MAX_RETRY_DELAY,
@@ -21,6 +19,7 @@ from jobplane.workers.outcome import (
     invoke,
 )
 from jobplane.workers.values import MAX_JSON_DEPTH, clean_text, json_problem
+from tests.support.attempts import ProgressSink, progress_context
 
 
 def nested(levels: int) -> dict[str, Any]:
@@ -164,29 +163,8 @@ def test_a_traceback_keeps_its_last_bytes() -> None:
     assert failure.traceback.rstrip().endswith("RecursionError: maximum recursion depth exceeded")
 
 
-class Sink:
-    def __init__(self) -> None:
-        self.updates: list[ProgressUpdate] = []
-
-    async def add(self, update: ProgressUpdate) -> None:
-        self.updates.append(update)
-
-
-def context() -> tuple[JobContext, Sink]:
-    sink = Sink()
-    attempt = Attempt(
-        job_id=uuid.uuid4(),
-        tenant_id=uuid.uuid4(),
-        type="t",
-        payload={},
-        attempt=1,
-        max_attempts=1,
-        retry_base=0,
-        lease_token=uuid.uuid4(),
-        correlation_id="",
-        request_id="r",
-    )
-    return JobContext(attempt, sink), sink
+def context() -> tuple[JobContext, ProgressSink]:
+    return progress_context(max_attempts=1)
 
 
 async def test_invoke_turns_what_would_stop_the_loop_into_an_error() -> None:

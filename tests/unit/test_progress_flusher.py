@@ -11,6 +11,7 @@ from sqlalchemy.exc import DBAPIError
 
 from jobplane.store.attempts import Attempt, AttemptStore, LeaseLost, ProgressUpdate
 from jobplane.workers.progress import ProgressFlusher, ProgressRefused, ProgressWriter
+from tests.support.attempts import an_attempt
 
 Batch = tuple[Attempt, Sequence[ProgressUpdate]]
 
@@ -38,18 +39,7 @@ class FakeStore:
 
 
 def attempt() -> Attempt:
-    return Attempt(
-        job_id=uuid.uuid4(),
-        tenant_id=uuid.uuid4(),
-        type="t",
-        payload={},
-        attempt=1,
-        max_attempts=3,
-        retry_base=0,
-        lease_token=uuid.uuid4(),
-        correlation_id="",
-        request_id="r",
-    )
+    return an_attempt()
 
 
 class DriverError(Exception):

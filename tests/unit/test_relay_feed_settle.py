@@ -8,7 +8,6 @@ import uuid
 from typing import Any, cast
 
 import pytest
-import structlog
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from jobplane.events.envelope import Event, encode
@@ -18,7 +17,7 @@ from jobplane.topology import load_topology
 from jobplane.workers import relay_feed
 from jobplane.workers.relay import Relay
 from jobplane.workers.relay_messages import PublishFailed, Unpublishable
-from tests.support.logs import capture_every_level
+from tests.support.logs import module_lines
 
 
 class _Batch:
@@ -52,9 +51,7 @@ async def _settle(relay: Relay, batch: _Batch, results: list[Any]) -> Any:
 
 @pytest.fixture
 def logs(monkeypatch: pytest.MonkeyPatch) -> Any:
-    # A logger not used before: a cached one would write past capture_logs.
-    monkeypatch.setattr(relay_feed, "log", structlog.get_logger("jobplane.relay.settle"))
-    with capture_every_level() as captured:
+    with module_lines(monkeypatch, relay_feed, "jobplane.relay.settle") as captured:
         yield captured
 
 

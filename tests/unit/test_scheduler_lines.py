@@ -4,34 +4,25 @@ a pass did something, a warning when runs are late, and failures by kind."""
 from __future__ import annotations
 
 import asyncio
-import logging
 from collections.abc import Iterator, MutableMapping
 from typing import Any
 
 import pytest
-import structlog
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import create_async_engine
-from structlog.testing import capture_logs
 
 from jobplane.store.schedule_ticks import TickReport
 from jobplane.workers import scheduler as scheduler_module
 from jobplane.workers.scheduler import LATE_SECONDS, Scheduler
+from tests.support.logs import module_lines
 
 Lines = list[MutableMapping[str, Any]]
 
 
 @pytest.fixture
 def lines(monkeypatch: pytest.MonkeyPatch) -> Iterator[Lines]:
-    # A logger not yet used, so that capture_logs sees its lines.
-    monkeypatch.setattr(scheduler_module, "log", structlog.get_logger("jobplane.scheduler"))
-    saved = structlog.get_config()
-    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.DEBUG))
-    try:
-        with capture_logs() as captured:
-            yield captured
-    finally:
-        structlog.configure(**saved)
+    with module_lines(monkeypatch, scheduler_module, "jobplane.scheduler") as captured:
+        yield captured
 
 
 def _scheduler(

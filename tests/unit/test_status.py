@@ -3,36 +3,27 @@ its log lines, and the rich status :func:`to_grpc_status` builds."""
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterator, MutableMapping
 from typing import Any
 
 import grpc
 import pytest
-import structlog
 from google.rpc import error_details_pb2, status_pb2
 from sqlalchemy.exc import DBAPIError
-from structlog.testing import capture_logs
 
 from jobplane.errors import InternalError, InvalidArgument, JobNotFound, TenantLimitExceeded
 from jobplane.server import status as status_module
 from jobplane.server.status import DB_UNAVAILABLE, error_for, to_grpc_status
 from jobplane.store.down import PoolExhausted
+from tests.support.logs import module_lines
 
 Lines = list[MutableMapping[str, Any]]
 
 
 @pytest.fixture
 def lines(monkeypatch: pytest.MonkeyPatch) -> Iterator[Lines]:
-    # A logger not yet used, so that capture_logs sees its lines.
-    monkeypatch.setattr(status_module, "log", structlog.get_logger("jobplane.server"))
-    saved = structlog.get_config()
-    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.DEBUG))
-    try:
-        with capture_logs() as captured:
-            yield captured
-    finally:
-        structlog.configure(**saved)
+    with module_lines(monkeypatch, status_module, "jobplane.server") as captured:
+        yield captured
 
 
 def test_our_own_errors_are_answered_as_they_are(lines: Lines) -> None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import uuid
 from collections.abc import Iterator
 from importlib.metadata import entry_points
 from importlib.util import find_spec
@@ -25,7 +24,7 @@ from opentelemetry.trace import NonRecordingSpan, SpanContext, StatusCode, Trace
 from jobplane import process
 from jobplane.config import OTLP_GRPC_MODULE, ConfigError, Settings
 from jobplane.observe import trace_context, trace_server, trace_setup, tracing
-from jobplane.store.attempts import Attempt
+from tests.support.attempts import an_attempt
 
 _HEADER_VALUES = st.one_of(
     st.text(max_size=600),
@@ -299,18 +298,8 @@ def test_otlp_over_grpc_needs_the_grpc_exporter_only(monkeypatch: pytest.MonkeyP
 
 
 def test_a_failure_is_kept_by_its_type_never_its_message(on: InMemorySpanExporter) -> None:
-    attempt = Attempt(
-        job_id=uuid.uuid4(),
-        tenant_id=uuid.uuid4(),
-        type="reports.render",
-        payload={"secret": "s3cr3t"},
-        attempt=2,
-        max_attempts=3,
-        retry_base=0,
-        lease_token=uuid.uuid4(),
-        correlation_id="",
-        request_id="r",
-        queue="default",
+    attempt = an_attempt(
+        type="reports.render", payload={"secret": "s3cr3t"}, attempt=2, queue="default"
     )
     with pytest.raises(ValueError, match="s3cr3t"), tracing.outcome_span(attempt):
         raise ValueError("the payload was s3cr3t")
@@ -364,19 +353,7 @@ def test_an_unsampled_trace_makes_no_spans_and_carries_its_context(
         pass
     assert headers == row
     # The worker: no claim, run or outcome span; what it writes carries the trace on.
-    attempt = Attempt(
-        job_id=uuid.uuid4(),
-        tenant_id=uuid.uuid4(),
-        type="reports.render",
-        payload={},
-        attempt=1,
-        max_attempts=3,
-        retry_base=0,
-        lease_token=uuid.uuid4(),
-        correlation_id="",
-        request_id="r",
-        queue="default",
-    )
+    attempt = an_attempt(type="reports.render", queue="default")
     with tracing.delivered(headers):
         with tracing.claim_span(object(), object()) as claim:  # type: ignore[arg-type]
             assert claim is None

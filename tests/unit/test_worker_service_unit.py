@@ -3,13 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
-import logging
 import uuid
 from typing import Any
 
 import pytest
-import structlog
-from structlog.testing import capture_logs
 
 from jobplane.attempt_end import ADVANCED, CANCELLED, COMPLETED, FAILED, RETRY, completed
 from jobplane.blobs.reader import BlobInfo
@@ -43,6 +40,7 @@ from jobplane.types import BlobRef
 from jobplane.v1 import workers_pb2
 from jobplane.workers.handlers import PermanentError
 from jobplane.workers.outcome import MAX_ERROR_MESSAGE, MAX_RETRY_DELAY, check_result
+from tests.support.logs import module_lines
 
 Claim = workers_pb2.ClaimJobResponse
 
@@ -328,17 +326,8 @@ class _Metrics:
 
 @pytest.fixture
 def log_lines(monkeypatch: pytest.MonkeyPatch) -> Any:
-    # A logger not yet used: one used by an earlier test in this process is
-    # cached (cache_logger_on_first_use) and would write past capture_logs.
-    monkeypatch.setattr(protocol_module, "log", structlog.get_logger("jobplane.server"))
-    # A server started earlier in the process may have set a level above info.
-    saved = structlog.get_config()
-    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.DEBUG))
-    try:
-        with capture_logs() as lines:
-            yield lines
-    finally:
-        structlog.configure(**saved)
+    with module_lines(monkeypatch, protocol_module, "jobplane.server") as lines:
+        yield lines
 
 
 def _outcome_setup(**changes: Any) -> tuple[WorkerService, _Store, _Held, _Metrics, Fence]:
