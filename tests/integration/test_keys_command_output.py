@@ -9,6 +9,7 @@ one ends. tests/integration/test_keys.py runs the command itself.
 
 from __future__ import annotations
 
+import asyncio
 import json
 from datetime import datetime
 
@@ -178,7 +179,11 @@ async def test_a_refused_key_or_bad_seconds_is_one_line_and_changes_nothing(
     capsys.readouterr()
 
     async def keys_command(*argv: str) -> tuple[int, str, str]:
-        code = await admin._keys(build_parser().parse_args(["keys", *argv]))
+        # A command that waited on a second connection would sit out the pool's
+        # 30 s timeout: fail well before it.
+        code = await asyncio.wait_for(
+            admin._keys(build_parser().parse_args(["keys", *argv])), timeout=10
+        )
         out, err = capsys.readouterr()
         return code, out, err
 

@@ -323,16 +323,16 @@ class KeyStore:
             raise ValueError("grace must not be negative")
         async with self._engine.begin() as conn:
             row = (await conn.execute(_LOCK_ACTIVE, {"key_id": key_id})).first()
-            if row is not None:
-                tenant_id, tenant, scope = row
-                key, new_id = await self._insert_key(conn, tenant_id, KeyScope(scope))
-                await conn.execute(_REVOKE, {"key_id": key_id, "after": grace})
-                await conn.execute(_NOTIFY, {"key_id": key_id})
-        if row is None:
-            # After the transaction: the lookup needs a connection of its own,
-            # and the commands' pool has one.
-            await self.get_key(key_id)  # KeyNotFound when there is no such key
-            raise KeyRevoked(f"API key {key_id!r} is already revoked")
+            if row is None:
+                # On this transaction's connection: the commands' pool has one.
+                if (await conn.execute(_ONE, {"key_id": key_id})).first() is None:
+                    raise KeyNotFound(f"no API key {key_id!r}")
+                raise KeyRevoked(f"API key {key_id!r} is already revoked")
+            tenant_id, tenant, scope = row
+            key, new_id = await self._insert_key(conn, tenant_id, KeyScope(scope))
+            await conn.execute(_REVOKE, {"key_id": key_id, "after": grace})
+            await conn.execute(_NOTIFY, {"key_id": key_id})
+            old = (await conn.execute(_ONE, {"key_id": key_id})).mappings().one()
         self.forget(key_id)
         created = NewKey(
             key,
@@ -341,7 +341,7 @@ class KeyStore:
             None if tenant_id is None else uuid.UUID(str(tenant_id)),
             KeyScope(scope),
         )
-        return created, await self.get_key(key_id)
+        return created, _info(old)
 
     @staticmethod
     async def _insert_key(
