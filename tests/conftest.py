@@ -8,8 +8,10 @@ from collections.abc import AsyncIterator, Iterator
 from contextlib import AsyncExitStack
 
 import pytest
+import structlog
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from jobplane import logs
 from jobplane.blobs import BlobStore
 from jobplane.logs import configure
 from jobplane.store.db import Database
@@ -54,6 +56,16 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if "tests/unit" not in str(item.path):
             item.add_marker(pytest.mark.integration)
+
+
+@pytest.fixture(autouse=True)
+def _logging_as_it_was() -> Iterator[None]:
+    """A command run in the test process configures logging (JSON lines, a level,
+    job prefixes): the next test gets it back as it was."""
+    saved = structlog.get_config(), logs._json_lines, logs._prefixes
+    yield
+    config, logs._json_lines, logs._prefixes = saved
+    structlog.configure(**config)
 
 
 @pytest.fixture(scope="session")

@@ -21,6 +21,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from jobplane.cli import build_parser
 from jobplane.server import admin
+from jobplane.store.jobs import JobStore
 from jobplane.store.routes import sync_submit_rules
 from jobplane.topology import load_topology
 from jobplane.workers.maintenance import ERASURE, RETENTION
@@ -157,14 +158,18 @@ async def test_retention_submits_one_job_per_tenant_and_day(
     await _add_tenant(engine, "acme", retention_days=30)
     await _add_tenant(engine, "initech", retention_days=5)
 
+    before = datetime.now(UTC).strftime("%Y-%m-%d")
     code, out, err = await tenants("retention", "--all")
+    after = datetime.now(UTC).strftime("%Y-%m-%d")
     assert code == 0
     jobs = await _jobs(engine)
-    day = datetime.now(UTC).strftime("%Y-%m-%d")
-    assert [(j["tenant"], j["type"], j["payload"], j["request_id"]) for j in jobs] == [
-        ("acme", RETENTION, {}, f"{RETENTION}/{day}"),
-        ("initech", RETENTION, {}, f"{RETENTION}/{day}"),
+    # The request id is the day's (a run across midnight may see either).
+    days = {f"{RETENTION}/{before}", f"{RETENTION}/{after}"}
+    assert [(j["tenant"], j["type"], j["payload"]) for j in jobs] == [
+        ("acme", RETENTION, {}),
+        ("initech", RETENTION, {}),
     ]
+    assert {j["request_id"] for j in jobs} <= days
     assert out.splitlines() == [f"jobs/{j['id']}" for j in jobs]
     assert err.splitlines() == [
         f"submitted jobs/{j['id']} for tenant {j['tenant']!r}" for j in jobs
@@ -174,7 +179,8 @@ async def test_retention_submits_one_job_per_tenant_and_day(
     code, out, err = await tenants("retention", "initech", "globex")
     assert code == 0
     again = {j["tenant"]: j for j in await _jobs(engine)}
-    assert len(again) == 3 and again["globex"]["request_id"] == f"{RETENTION}/{day}"
+    days.add(f"{RETENTION}/{datetime.now(UTC):%Y-%m-%d}")
+    assert len(again) == 3 and again["globex"]["request_id"] in days
     assert out.splitlines() == [f"jobs/{again['initech']['id']}", f"jobs/{again['globex']['id']}"]
 
 
@@ -203,23 +209,38 @@ async def test_erase_wants_yes_and_submits_an_erasure_naming_the_tenant(
     assert len(await _jobs(engine)) == 2
 
 
-async def _end_jobs(engine: AsyncEngine, **columns: Any) -> None:
-    """Every job, once submitted, ends with ``columns`` (what a worker would write)."""
-    for _ in range(400):
-        if await _jobs(engine):
-            break
-        await asyncio.sleep(0.05)
-    await asyncio.sleep(0.6)  # the command has shown the queued job
+@pytest.fixture
+def shown(monkeypatch: pytest.MonkeyPatch) -> asyncio.Event:
+    """Set once ``--wait`` has read its job (and so shown it) the first time."""
+    event = asyncio.Event()
+    read = JobStore.get
+
+    async def get(self: JobStore, *args: Any, **kwargs: Any) -> Any:
+        job = await read(self, *args, **kwargs)
+        event.set()  # the command prints the line before it next waits
+        return job
+
+    monkeypatch.setattr(JobStore, "get", get)
+    return event
+
+
+async def _end_jobs(engine: AsyncEngine, shown: asyncio.Event, **columns: Any) -> None:
+    """Every job, once ``--wait`` has shown it queued, ends with ``columns``
+    (what a worker would write)."""
+    await asyncio.wait_for(shown.wait(), 20)
     sets = ", ".join(f"{column} = :{column}" for column in columns)
     async with engine.begin() as conn:
         await conn.execute(text(f"UPDATE jobs SET {sets}"), columns)
 
 
-async def test_wait_shows_progress_and_the_result(engine: AsyncEngine, tenants: Any) -> None:
+async def test_wait_shows_progress_and_the_result(
+    engine: AsyncEngine, tenants: Any, shown: asyncio.Event
+) -> None:
     await _add_tenant(engine, "acme", retention_days=30)
     ended = asyncio.create_task(
         _end_jobs(
             engine,
+            shown,
             state="succeeded",
             progress=1.0,
             progress_message="done",
@@ -238,11 +259,14 @@ async def test_wait_shows_progress_and_the_result(engine: AsyncEngine, tenants: 
     ]
 
 
-async def test_wait_exits_1_when_the_job_fails(engine: AsyncEngine, tenants: Any) -> None:
+async def test_wait_exits_1_when_the_job_fails(
+    engine: AsyncEngine, tenants: Any, shown: asyncio.Event
+) -> None:
     await _add_tenant(engine, "acme")
     ended = asyncio.create_task(
         _end_jobs(
             engine,
+            shown,
             state="failed",
             progress=0.5,
             progress_message="half",
