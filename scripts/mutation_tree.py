@@ -66,11 +66,11 @@ def build(stage: Path, root: Path = ROOT) -> None:
     for source, target in PARTS.items():
         shutil.copytree(root / source, stage / target, ignore=IGNORE, dirs_exist_ok=True)
     for name in REST:
-        source = root / name
-        if source.is_dir():
-            shutil.copytree(source, stage / name, ignore=IGNORE)
-        elif source.exists():
-            shutil.copy2(source, stage / name)
+        path = root / name
+        if path.is_dir():
+            shutil.copytree(path, stage / name, ignore=IGNORE)
+        elif path.exists():
+            shutil.copy2(path, stage / name)
 
 
 def main(argv: list[str]) -> int:
