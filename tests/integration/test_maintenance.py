@@ -288,17 +288,14 @@ async def test_erasure_leaves_nothing_of_the_tenant_and_touches_no_other(stack: 
 async def test_operator_commands_set_horizons_and_erase(
     stack: Stack, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from jobplane.cli import build_parser
-    from jobplane.server import admin
     from tests.integration.test_cli_and_sync import jobplane
+    from tests.support.commands import tenants_command
 
     monkeypatch.setenv("JOBPLANE_DATABASE_URL", stack.database_url)
 
     async def tenants(*argv: str) -> tuple[int, str, str]:
         """``jobplane tenants ...`` in this process (the subprocess is tried once, below)."""
-        code = await admin._tenants(build_parser().parse_args(["tenants", *argv]))
-        out, err = capsys.readouterr()
-        return code, out, err
+        return await tenants_command(capsys, *argv)
 
     await _start_worker(stack)
     await aged_jobs(stack.engine, stack.tenant_id, 3, age_days=40)

@@ -19,12 +19,11 @@ import pytest
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from jobplane.cli import build_parser
-from jobplane.server import admin
 from jobplane.store.jobs import JobStore
 from jobplane.store.routes import sync_submit_rules
 from jobplane.topology import load_topology
 from jobplane.workers.maintenance import ERASURE, RETENTION
+from tests.support.commands import tenants_command
 
 
 @pytest.fixture
@@ -42,9 +41,7 @@ async def tenants(
     capsys.readouterr()
 
     async def run(*argv: str) -> tuple[int, str, str]:
-        code = await admin._tenants(build_parser().parse_args(["tenants", *argv]))
-        out, err = capsys.readouterr()
-        return code, out, err
+        return await tenants_command(capsys, *argv)
 
     return run
 

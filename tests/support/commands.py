@@ -203,3 +203,14 @@ def armed(faults: FaultPoints) -> bool:
     except InjectedFault:
         return True
     return False
+
+
+async def tenants_command(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    """``jobplane tenants ARGV`` in this process: its exit status, stdout and stderr
+    (``JOBPLANE_DATABASE_URL`` names the database)."""
+    from jobplane.server import admin
+
+    capsys.readouterr()
+    code = await admin._tenants(build_parser().parse_args(["tenants", *argv]))
+    out, err = capsys.readouterr()
+    return code, out, err
