@@ -253,3 +253,15 @@ async def test_the_oldest_attempt_kept_is_let_go_past_ten_thousand() -> None:
     assert held.reads == 10_001
     await service.heartbeat(fences[0])
     assert held.reads == 10_002
+
+
+async def test_a_fan_out_whose_write_loses_the_lease_is_lease_lost() -> None:
+    service, store, held, metrics, fence = _fan_setup()
+    store.lost = "finish"
+    with pytest.raises(AttemptLeaseLost, match="attempt 1 does not hold the job"):
+        await service.complete(fence, {}, [], items=[{"page": 1}])
+    assert metrics.calls == []
+    held.attempts.clear()
+    with pytest.raises(AttemptLeaseLost):
+        await service.heartbeat(fence)
+    assert held.reads == 2

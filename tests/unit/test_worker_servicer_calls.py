@@ -7,7 +7,9 @@ tests/unit/test_gate_unit.py covers) over a WorkerService on fakes.
 
 from __future__ import annotations
 
+import time
 import uuid
+from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from types import SimpleNamespace
 from typing import Any
@@ -241,3 +243,23 @@ async def test_a_worker_registers_renews_and_stops_by_its_name() -> None:
     await _call(servicer, "RenewWorker", workers_pb2.RenewWorkerRequest(name=reply.name))
     await _call(servicer, "StopWorker", workers_pb2.StopWorkerRequest(name=reply.name))
     assert workers.calls[1:] == [("renew", worker_id), ("stop", worker_id)]
+
+
+@pytest.fixture
+def far_from_utc(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """The server's local zone nine hours from UTC."""
+    monkeypatch.setenv("TZ", "Asia/Tokyo")
+    time.tzset()
+    yield
+    monkeypatch.undo()
+    time.tzset()
+
+
+@pytest.mark.usefixtures("far_from_utc")
+async def test_lease_expire_times_are_utc_whatever_the_servers_zone() -> None:
+    attempt = _attempt()
+    reply = claim_to_pb(Claimed(ClaimResult(ClaimStatus.CLAIMED, attempt=attempt), 30.0, 5.0))
+    assert _near(reply.lease_expire_time, 30.0)
+    servicer, _store, _workers, ref = _servicer()
+    beat = await _call(servicer, "Heartbeat", workers_pb2.HeartbeatRequest(attempt=ref))
+    assert _near(beat.lease_expire_time, 30.0)
