@@ -104,6 +104,7 @@ def test_serve_builds_its_server_from_the_environment(
     # What its WorkerService leases and keeps inline; JOBPLANE_FAULTS reach its store.
     assert (server.workers._store.lease_seconds, server.workers._inline_bytes) == (45.0, 1000)
     assert armed(server.service._store._faults)
+    assert server.service._blobs is server.blobs
     # The LISTEN sessions go to the direct URL (past PgBouncer).
     direct = ENV["JOBPLANE_DATABASE_DIRECT_URL"]
     listeners = (server.hub, server.event_hub, server.key_events)
@@ -299,6 +300,7 @@ class Broker:
     """A broker connection that records what ``topology apply`` does with it."""
 
     def __init__(self, run: Runs, monkeypatch: pytest.MonkeyPatch, owner: str | None) -> None:
+        monkeypatch.setenv("JOBPLANE_TOPOLOGY", "builtin:ingest")
         self.calls = run.server.calls
         self.ours = Deployment("d-ours", "jp")
         self.owner = owner
@@ -331,7 +333,8 @@ class Broker:
 
 
 _DECLARED = (
-    "declared exchange jobplane.jobs and queues jobplane.default; events exchange jobplane.events\n"
+    "declared exchange jobplane.jobs and queues ingest.parse, ingest.chunk, ingest.embed, "
+    "ingest.index, jobplane.default; events exchange jobplane.events\n"
 )
 
 
@@ -344,7 +347,7 @@ def test_topology_apply_declares_and_records_this_deployment(
     assert names == ["connect", "declare", "deployment", "sync_submit_rules", "claim", "closed"]
     assert run.server.of("connect")[0] == (ENV["JOBPLANE_AMQP_URL"],)
     (channel, topology), _ = run.server.of("declare")
-    assert (channel, [q.name for q in topology.queues]) == ("the channel", ["jobplane.default"])
+    assert (channel, topology.queues[0].name) == ("the channel", "ingest.parse")
     ((engine,), _) = run.server.of("deployment")
     (synced, synced_topology), kw = run.server.of("sync_submit_rules")
     assert (synced, synced_topology, engine.pool.size()) == (engine, topology, 1)

@@ -14,6 +14,7 @@ from jobplane.server import JobplaneServer
 from jobplane.server.app import ServerTLS, _max_receive_bytes
 from jobplane.server.blob_servicer import MAX_CHUNK_BYTES
 from jobplane.server.limits import TenantLimits
+from jobplane.server.schedules import ScheduleService
 from jobplane.server.service import MAX_BATCH_REQUEST_BYTES, max_request_bytes
 from jobplane.store.engine import create_engine
 from jobplane.store.keys import KEYS_CHANNEL
@@ -46,6 +47,8 @@ def test_a_server_built_with_the_defaults(topology: Topology) -> None:
     ]
     assert server.limiter.limits == TenantLimits()
     assert server.blobs is None
+    # The dashboard's schedules page reads through its ScheduleService.
+    assert type(server.schedules) is ScheduleService
     assert server.max_receive_bytes == _max_receive_bytes(256 * 1024)
     assert server.service.max_schedule_seconds == DEFAULT_MAX_SCHEDULE_SECONDS
     assert not server.service.metrics.enabled
