@@ -160,7 +160,9 @@ def test_a_retry_is_due_after_its_delay_and_names_the_next_attempt(refund: bool,
     error = {"tb": "t", "code": "SLOW", "message": "timed out", "retryable": True}
     data = {"error": error, "delay_seconds": 1.235, "next_attempt": 3}
     assert outcome.cause == Cause("timed out", data)
-    assert type(store.retried(attempt, "S", "m", delay=2).params["delay"]) is float
+    plain = store.retried(attempt, "S", "m", delay=2)
+    assert type(plain.params["delay"]) is float
+    assert plain.params["refund"] == 0
 
 
 async def test_an_outcome_is_written_fenced_and_frees_what_its_job_held() -> None:

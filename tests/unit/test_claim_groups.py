@@ -79,6 +79,7 @@ async def test_parked_jobs_of_the_workers_types_and_queues_are_dispatched_again(
     assert applied.transition is Transition.UNPARK
     assert applied.params == {"types": ["a", "b"], "queues": ["q"], "limit": 500}
     assert applied.returning == ("id",)
+    assert machine.sessions == [((Transition.UNPARK,), False)]
     await store.unpark(["a"], ["q"], limit=3)
     assert machine.applied[-1].params["limit"] == 3
 
@@ -89,6 +90,8 @@ async def test_a_group_claims_each_request_with_the_binds_taken_at_its_request()
     requests = [store.claim_request(first, worker="w"), store.claim_request(second)]
     one: ClaimRequest = requests[0]
     assert one.envelope is first and one.worker == "w"
+    assert isinstance(one.lease_token, uuid.UUID)
+    assert one.lease_token != requests[1].lease_token
     assert one.binds["prepared"] is Transition.CLAIM
     assert one.binds["cause"] == Cause("attempt started", {"worker": "w"})
     assert one.binds["params"] == {
