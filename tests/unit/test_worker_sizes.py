@@ -30,7 +30,7 @@ def _worker(**kwargs: Any) -> Worker:
     ids=["concurrency", "group-max", "sync-threads"],
 )
 def test_a_size_below_one_is_refused_naming_it(kwargs: dict[str, Any], message: str) -> None:
-    with pytest.raises(ValueError) as refused:
+    with pytest.raises(ValueError, match=message) as refused:
         _worker(**kwargs)
     assert str(refused.value) == message
 
