@@ -207,3 +207,16 @@ async def test_a_page_holding_the_last_jobs_exactly_has_no_token() -> None:
     assert page.jobs == store.jobs[:2]
     last = store.jobs[1]
     assert page.next_page_token == service.page_token_after(last, state=None, job_type="")
+
+
+async def test_a_parent_that_is_no_job_name_is_refused_on_its_field() -> None:
+    store = _Store(count=0)
+    with pytest.raises(InvalidArgument) as refused:
+        await _service(store).list(
+            _TENANT, page_size=1, page_token="", state=None, job_type="", parent="job/1"
+        )
+    assert (refused.value.field, refused.value.message) == (
+        "parent",
+        "parent must look like jobs/{id}, got 'job/1'",
+    )
+    assert store.calls == []
