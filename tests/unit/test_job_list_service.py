@@ -194,3 +194,29 @@ async def test_queue_rates_read_a_bounded_scan_of_the_window() -> None:
     rates = await _service(store).queue_rates(_TENANT, window_seconds=60.0)
     assert rates == {"default": (3, 2, 1)}
     assert store.calls == [{"tenant": _TENANT, "window_seconds": 60.0, "scan": 100_000}]
+
+
+async def test_a_page_holding_the_last_jobs_exactly_has_no_token() -> None:
+    store = _Store(count=3)
+    service = _service(store)
+    page = await service.list(_TENANT, page_size=3, page_token="", state=None, job_type="")
+    assert (page.jobs, page.next_page_token) == (store.jobs, "")
+    await service.list(_TENANT, page_size=1000, page_token="", state=None, job_type="")
+    assert store.calls[-1]["limit"] == 1001
+    page = await service.list(_TENANT, page_size=2, page_token="", state=None, job_type="")
+    assert page.jobs == store.jobs[:2]
+    last = store.jobs[1]
+    assert page.next_page_token == service.page_token_after(last, state=None, job_type="")
+
+
+async def test_a_parent_that_is_no_job_name_is_refused_on_its_field() -> None:
+    store = _Store(count=0)
+    with pytest.raises(InvalidArgument) as refused:
+        await _service(store).list(
+            _TENANT, page_size=1, page_token="", state=None, job_type="", parent="job/1"
+        )
+    assert (refused.value.field, refused.value.message) == (
+        "parent",
+        "parent must look like jobs/{id}, got 'job/1'",
+    )
+    assert store.calls == []
