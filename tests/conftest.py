@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 from collections.abc import AsyncIterator, Iterator
 from contextlib import AsyncExitStack
@@ -16,6 +17,7 @@ from jobplane.blobs import BlobStore
 from jobplane.logs import configure
 from jobplane.store.db import Database
 from jobplane.store.engine import create_engine, migrate
+from jobplane.store.machine import MACHINE
 from jobplane.topology import Topology, load_topology
 from tests.support import services
 from tests.support.parts import Started
@@ -63,9 +65,28 @@ def _logging_as_it_was() -> Iterator[None]:
     """A command run in the test process configures logging (JSON lines, a level,
     job prefixes): the next test gets it back as it was."""
     saved = structlog.get_config(), logs._json_lines, logs._prefixes
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
     yield
     config, logs._json_lines, logs._prefixes = saved
     structlog.configure(**config)
+    for handler in root.handlers[:]:
+        if handler not in handlers and handler.get_name() == logs._HANDLER_NAME:
+            root.removeHandler(handler)  # configure()'s, not pytest's own
+    for handler in handlers:
+        if handler not in root.handlers:
+            root.addHandler(handler)
+    root.setLevel(level)
+
+
+@pytest.fixture(autouse=True)
+def _machine_as_it_was() -> Iterator[None]:
+    """A command run in the test process sets the shared state machine's
+    lifecycle events from its settings: the next test gets them back."""
+    was = MACHINE.lifecycle_events
+    yield
+    if MACHINE.lifecycle_events != was:
+        MACHINE.set_lifecycle_events(was)
 
 
 @pytest.fixture(scope="session")

@@ -9,6 +9,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import os
 from collections.abc import Callable, Coroutine, Iterator
 from types import ModuleType, SimpleNamespace
 from typing import Any
@@ -100,6 +101,15 @@ class Part:
 
     async def __aexit__(self, *_: object) -> None:
         self.calls.append("exit")
+
+
+def environment(monkeypatch: pytest.MonkeyPatch, values: dict[str, str]) -> None:
+    """Exactly ``values`` of jobplane's variables: none the shell running the tests
+    exported (``make dev``'s JOBPLANE_TOPOLOGY, a JSON log format) reaches a command."""
+    for name in [n for n in os.environ if n.startswith("JOBPLANE_")]:
+        monkeypatch.delenv(name)
+    for name, value in values.items():
+        monkeypatch.setenv(name, value)
 
 
 class CommandRun:

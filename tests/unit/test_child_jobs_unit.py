@@ -74,7 +74,7 @@ def test_a_child_may_be_scheduled_within_the_horizon() -> None:
     later = _child(type="fan.leaf", schedule_delay_seconds=60.0).schedule_time
     assert later is not None
     assert before + timedelta(seconds=60) <= later <= datetime.now(UTC) + timedelta(seconds=60)
-    at = datetime(2030, 1, 1, tzinfo=UTC)
+    at = datetime(datetime.now(UTC).year + 4, 1, 1, tzinfo=UTC)  # inside the 10-year horizon
     request = ChildRequest("k", "fan.leaf", {}, schedule_time=at)
     far = child_job(
         TOPOLOGY,

@@ -28,7 +28,7 @@ from jobplane.server import dev, devparts
 from jobplane.server.dashboard import Backend
 from jobplane.server.devparts import GRACE
 from jobplane.workers.relay import relay_in_flight
-from tests.support.commands import DEMOS, ENV, HERE, MAINTENANCE, CommandRun, armed
+from tests.support.commands import DEMOS, ENV, HERE, MAINTENANCE, CommandRun, armed, environment
 from tests.support.server_commands import PORT, ServerRun, readyz
 
 ADDRESS = f"127.0.0.1:{PORT}"
@@ -73,8 +73,7 @@ class DevRun:
     """``jobplane dev`` run in this process (``run(argv)``) and what it made."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        for name, value in {**ENV, "JOBPLANE_LISTEN": "127.0.0.1:0"}.items():
-            monkeypatch.setenv(name, value)
+        environment(monkeypatch, {**ENV, "JOBPLANE_LISTEN": "127.0.0.1:0"})
         self.command = CommandRun(monkeypatch, dev, {"dev": dev._dev})
         self.server = ServerRun(monkeypatch, self.command.ops, stop_at_serving=False)
         self.parts: list[Parts] = []

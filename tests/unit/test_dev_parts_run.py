@@ -12,13 +12,12 @@ from jobplane.blobs import BlobStore
 from jobplane.observe.metrics import RelayMetrics, WorkerMetrics
 from jobplane.server import dev, devparts
 from jobplane.server.devparts import GRACE, part_queues
-from tests.support.commands import DEMOS, ENV, HERE, MAINTENANCE, CommandRun, armed
+from tests.support.commands import DEMOS, ENV, HERE, MAINTENANCE, CommandRun, armed, environment
 
 
 @pytest.fixture
 def run(monkeypatch: pytest.MonkeyPatch) -> CommandRun:
-    for name, value in ENV.items():
-        monkeypatch.setenv(name, value)
+    environment(monkeypatch, ENV)
     return CommandRun(monkeypatch, devparts, {"dev": dev._dev})
 
 

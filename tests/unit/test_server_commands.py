@@ -24,7 +24,7 @@ from jobplane.store.deployment import Deployment
 from jobplane.store.keys import KEYS_CHANNEL
 from jobplane.store.rows import DOMAIN_EVENTS_CHANNEL, EVENTS_CHANNEL
 from jobplane.topology.on_broker import Ownership
-from tests.support.commands import ENV, CommandRun, armed
+from tests.support.commands import ENV, CommandRun, armed, environment
 from tests.support.server_commands import PORT, ServerRun
 
 SERVER_ENV = {
@@ -47,8 +47,7 @@ class Runs:
     """A command run in this process (``run(argv)``) and what it made (``.server``)."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        for name, value in {**ENV, **SERVER_ENV}.items():
-            monkeypatch.setenv(name, value)
+        environment(monkeypatch, {**ENV, **SERVER_ENV})
         self.command = CommandRun(
             monkeypatch,
             cli,

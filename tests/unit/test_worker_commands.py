@@ -25,13 +25,13 @@ from tests.support.commands import (
     CommandRun,
     Part,
     armed,
+    environment,
 )
 
 
 @pytest.fixture
 def run(monkeypatch: pytest.MonkeyPatch) -> CommandRun:
-    for name, value in ENV.items():
-        monkeypatch.setenv(name, value)
+    environment(monkeypatch, ENV)
     return CommandRun(
         monkeypatch, cli, {"worker": cli._worker, "relay": cli._relay, "sweep": cli._sweep}
     )
