@@ -199,7 +199,11 @@ async def test_a_limit_changed_by_a_sync_applies_without_a_restart(
     stack = await started(start_stack(engine, database_url, amqp_url, one, worker=False))
     await stack.start_worker(registry, concurrency=8)
     client = stack.client()
-    jobs = [await client.submit("live.op", {"i": i}) for i in range(3)]
+    # The first runs before the others are submitted: claims of concurrent
+    # deliveries commit in no set order, so which of three runs would be chance.
+    first = await client.submit("live.op", {"i": 0})
+    await eventually(functools.partial(_state_is, client, first, JobState.RUNNING))
+    jobs = [first, *[await client.submit("live.op", {"i": i}) for i in (1, 2)]]
     for job in jobs[1:]:
         await eventually(functools.partial(_code_is, client, job, "RATE_LIMITED"))
     held = await client.get(jobs[1].name)
