@@ -235,8 +235,8 @@ def test_bare_commands_parse_as_documented() -> None:
         (["worker", "--concurrency", "x"], "argument --concurrency: invalid int value: 'x'"),
         (["workers", "--dead-for", "soon"], "argument --dead-for: invalid float value: 'soon'"),
         (["relay", "--credit-horizon", "x"], "argument --credit-horizon: invalid float value: 'x'"),
-        (["dev", "--demo-steps", "x"], "argument --demo-steps: invalid int value: 'x'"),
-        (["dlq", "list", "--limit", "x"], "argument --limit: invalid int value: 'x'"),
+        (["dev", "--demo-steps", "x"], "argument --demo-steps: must be a whole number, got 'x'"),
+        (["dlq", "list", "--limit", "x"], "argument --limit: must be a whole number, got 'x'"),
         (
             ["tenants", "set-weight", "acme", "heavy"],
             "argument WEIGHT: WEIGHT must be a whole number, got 'heavy'",
@@ -257,6 +257,10 @@ def test_bare_commands_parse_as_documented() -> None:
         (["tenants", "retention"], "one of the arguments TENANT --all is required"),
         (["topology"], "the following arguments are required: topology"),
         (["keys", "revoke"], "the following arguments are required: KEY_ID"),
+        (["dlq", "list", "--limit", "0"], "argument --limit: must be 1 or more, got 0"),
+        (["dlq", "replay", "--limit", "-5"], "argument --limit: must be 1 or more, got -5"),
+        (["dlq", "list", "--limit", "all"], "argument --limit: must be a whole number, got 'all'"),
+        (["dev", "--demo-steps", "0"], "argument --demo-steps: must be 1 or more, got 0"),
     ],
     ids=lambda value: "-".join(value) if isinstance(value, list) else "",
 )
@@ -269,6 +273,12 @@ def test_a_bad_command_line_is_one_error_line_and_exit_2(
     last = capsys.readouterr().err.splitlines()[-1]
     prog = " ".join(["jobplane", *argv[: 2 if argv[0] in ("tenants", "keys", "dlq") else 1]])
     assert last == f"{prog}: error: {error}"
+
+
+def test_every_option_a_user_sees_says_what_it_does() -> None:
+    for words, rows in _sections().items():
+        for name, *_, help_text in rows:
+            assert help_text not in ("-", ""), f"jobplane {words} {name} has no help"
 
 
 def test_retention_days_take_a_number_or_none() -> None:

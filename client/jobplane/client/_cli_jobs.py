@@ -120,7 +120,12 @@ def _register_submit(subparsers: Subparsers, parents: Parents) -> None:
         "--payload-file", metavar="PATH", help="read the JSON payload from PATH ('-' for stdin)"
     )
     submit.add_argument("--request-id", metavar="ID", help="idempotency key (default: a new UUID)")
-    submit.add_argument("--correlation-id", metavar="ID", default="")
+    submit.add_argument(
+        "--correlation-id",
+        metavar="ID",
+        default="",
+        help="the chain of work it belongs to, carried on its events and logs",
+    )
     submit.add_argument(
         "--max-attempts", metavar="N", type=int, default=0, help="0: the queue's default"
     )

@@ -74,12 +74,28 @@ def _spec_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--start", type=datetime.fromisoformat, metavar="TIME", help="ISO time")
     parser.add_argument("--end", type=datetime.fromisoformat, metavar="TIME", help="ISO time")
     parser.add_argument("--jitter", type=float, metavar="SECONDS", help="random delay, at most")
-    parser.add_argument("--overlap", choices=[o.value for o in Overlap])
-    parser.add_argument("--catch-up", choices=[c.value for c in CatchUp])
-    parser.add_argument("--catch-up-limit", type=int, metavar="N")
-    parser.add_argument("--max-attempts", type=int, metavar="N")
-    parser.add_argument("--attempt-timeout", type=float, metavar="SECONDS")
-    parser.add_argument("--description")
+    parser.add_argument(
+        "--overlap",
+        choices=[o.value for o in Overlap],
+        help="a tick while a run is going: skip (the default), buffer_one (run it after), "
+        "allow_all (run anyway), cancel_other (cancel the running one, then run)",
+    )
+    parser.add_argument(
+        "--catch-up",
+        choices=[c.value for c in CatchUp],
+        help="ticks missed while nothing ticked: skip (the default), one (one run for all), "
+        "all (each, oldest first)",
+    )
+    parser.add_argument(
+        "--catch-up-limit", type=int, metavar="N", help="with all: the newest N (default 100)"
+    )
+    parser.add_argument(
+        "--max-attempts", type=int, metavar="N", help="each run's attempts (the queue's default)"
+    )
+    parser.add_argument(
+        "--attempt-timeout", type=float, metavar="SECONDS", help="each attempt's time limit"
+    )
+    parser.add_argument("--description", help="free text, shown with the schedule")
     parser.add_argument(
         "--label", action="append", default=[], metavar="KEY=VALUE", help="(repeatable)"
     )

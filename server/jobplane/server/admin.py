@@ -103,6 +103,9 @@ async def _tenants(args: argparse.Namespace) -> int:
         await engine.dispose()
 
 
+_TENANT_HELP = "the tenant's name (as `keys create --tenant` gave it)"
+
+
 def _retention_days(value: str) -> int | None:
     """DAYS of ``tenants set-retention``: a whole number of days, or ``none``."""
     if value.lower() in ("none", "off", "forever"):
@@ -422,25 +425,27 @@ def register_tenants(parser: argparse.ArgumentParser) -> None:
         "set-retention",
         help="keep the tenant's finished jobs and events DAYS days ('none': for ever)",
     )
-    set_retention.add_argument("tenant", metavar="TENANT")
-    set_retention.add_argument("days", metavar="DAYS", type=_retention_days)
+    set_retention.add_argument("tenant", metavar="TENANT", help=_TENANT_HELP)
+    set_retention.add_argument(
+        "days", metavar="DAYS", type=_retention_days, help="whole days, or none: for ever"
+    )
     set_weight = tenants.add_parser(
         "set-weight",
         help="the tenant's share of each queue's dispatches against the other tenants "
         "waiting there (1..1000, default 1; docs/flow-control.md)",
     )
-    set_weight.add_argument("tenant", metavar="TENANT")
-    set_weight.add_argument("weight", metavar="WEIGHT", type=_whole_number)
+    set_weight.add_argument("tenant", metavar="TENANT", help=_TENANT_HELP)
+    set_weight.add_argument("weight", metavar="WEIGHT", type=_whole_number, help="1..1000")
     retention = tenants.add_parser(
         "retention", help="submit maintenance.retention for tenants (at most one a day each)"
     )
     which = retention.add_mutually_exclusive_group(required=True)
-    which.add_argument("tenant", metavar="TENANT", nargs="*", default=[])
+    which.add_argument("tenant", metavar="TENANT", nargs="*", default=[], help=_TENANT_HELP)
     which.add_argument("--all", action="store_true", help="every tenant that has a horizon")
     erase = tenants.add_parser(
         "erase", help="submit maintenance.erasure: delete all of the tenant's data"
     )
-    erase.add_argument("tenant", metavar="TENANT")
+    erase.add_argument("tenant", metavar="TENANT", help=_TENANT_HELP)
     erase.add_argument("--yes", action="store_true", help="really erase it")
     for parser_ in (retention, erase):
         parser_.add_argument("--wait", action="store_true", help="show progress until it ends")

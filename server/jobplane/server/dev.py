@@ -52,7 +52,7 @@ from jobplane.server.devparts import (
     _with_ingest,
     resolve_processes,
 )
-from jobplane.workers.cli import _registry_or_none, _with_maintenance
+from jobplane.workers.cli import _registry_or_none, _with_maintenance, positive_count
 
 if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncEngine
@@ -424,7 +424,12 @@ def register(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--parent-pid", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--metrics-fallback", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--demo", action="store_true", help="submit a demo job and show it live")
-    parser.add_argument("--demo-steps", type=int, default=20)
+    parser.add_argument(
+        "--demo-steps",
+        type=positive_count,
+        default=20,
+        help="progress steps of the demo job, 150 ms each (default 20)",
+    )
     parser.add_argument("--ui-listen", help="the dashboard's host:port (off: none; 127.0.0.1:8080)")
     parser.add_argument(
         "--no-maintenance", action="store_true", help="do not run the maintenance jobs"

@@ -545,14 +545,29 @@ def register_worker(parser: argparse.ArgumentParser) -> None:
     _metrics_option(parser, "worker")
 
 
+def positive_count(value: str) -> int:
+    """A count option's value (``dlq --limit``, ``dev --demo-steps``): a whole number, 1 or more."""
+    try:
+        count = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a whole number, got {value!r}") from None
+    if count < 1:
+        raise argparse.ArgumentTypeError(f"must be 1 or more, got {count}")
+    return count
+
+
 def register_dlq(parser: argparse.ArgumentParser) -> None:
     """``jobplane dlq``'s subcommands and their arguments."""
     dlq = parser.add_subparsers(dest="dlq", required=True)
     dlq_list = dlq.add_parser("list", help="show failed messages (they stay queued)")
-    dlq_list.add_argument("--limit", type=int, default=100)
-    dlq_list.add_argument("--json", action="store_true")
+    dlq_list.add_argument(
+        "--limit", type=positive_count, default=100, help="show at most this many (default 100)"
+    )
+    dlq_list.add_argument("--json", action="store_true", help="one JSON object per message")
     dlq_replay = dlq.add_parser("replay", help="re-dispatch their jobs through the outbox")
-    dlq_replay.add_argument("--limit", type=int, default=100)
+    dlq_replay.add_argument(
+        "--limit", type=positive_count, default=100, help="replay at most this many (default 100)"
+    )
     dlq_purge = dlq.add_parser("purge", help="drop every failed message")
     dlq_purge.add_argument("--yes", action="store_true", help="really drop them")
     for parser_ in (dlq_list, dlq_replay, dlq_purge):
