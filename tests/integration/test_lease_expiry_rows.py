@@ -105,3 +105,27 @@ async def test_an_expired_lease_is_decided_oldest_first_and_written_as_decided(
         {"error": {"attempts_exhausted": True, "code": "LEASE_EXPIRED", "retryable": False}},
     )
     assert (await client.get(within_grace.name)).state is JobState.RUNNING
+
+
+async def test_a_decision_the_state_machine_refuses_is_not_counted(bare: Stack) -> None:
+    """A decision that does not fit the job (a failure while attempts are left, a
+    retry when none is) changes nothing: the job stays RUNNING, and the pass
+    reports what it changed, not what it was told."""
+    client = bare.client()
+    store = AttemptStore(bare.db, lease_seconds=30.0)
+    left = await client.submit("demo.echo", {}, max_attempts=3)
+    await _claim(bare, store, left)
+    last = await client.submit("demo.echo", {}, max_attempts=1)
+    await _claim(bare, store, last)
+    await _lease_ran_out(bare, left, "1 hour")
+    await _lease_ran_out(bare, last, "2 hours")
+
+    def backwards(lease: ExpiredLease) -> Decision:
+        if lease.max_attempts == 1:
+            return Retry("LEASE_EXPIRED", "its worker died", 0.0)
+        return Fail("LEASE_EXPIRED", "its worker died, last")
+
+    sweeps = SweepStore(bare.engine)
+    assert await sweeps.expire_leases(grace=60, limit=10, decide=backwards) == LeaseRepair()
+    for job in (left, last):
+        assert (await client.get(job.name)).state is JobState.RUNNING

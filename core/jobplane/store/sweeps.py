@@ -281,7 +281,7 @@ class SweepStore:
                         Cause(decision.message, {"error": {**error, "retryable": True}}),
                         returning=_ENDED,
                     )
-                    requeued += 1
+                    requeued += len(ended)
                 else:
                     ended = await self._machine.apply(
                         conn,
@@ -290,7 +290,7 @@ class SweepStore:
                         Cause(decision.message, {"error": {**error, "retryable": False}}),
                         returning=_ENDED,
                     )
-                    failed += 1
+                    failed += len(ended)
                 keys |= ended_keys(ended)
                 limited.extend(ended)
         # Their keys' slots are free: the oldest held jobs due again, after the commit.
