@@ -69,9 +69,11 @@ async def test_a_call_on_a_job_asks_the_store_for_the_named_job() -> None:
     store = _store()
     service = service_on(store)
     assert (await service.get(TENANT, _NAME)).name == _NAME
-    assert await service.milestones(TENANT, _NAME) == _MILESTONES
+    milestones: Any = await service.milestones(TENANT, _NAME)
+    assert milestones == ["started"]
     await service.milestones(TENANT, _NAME, limit=5)
-    assert await service.tree(TENANT, _NAME) == _TREE
+    tree: Any = await service.tree(TENANT, _NAME)
+    assert tree == "tree"
     assert await service.count_states(TENANT) == {JobState.QUEUED: 2}
     await service.count_states(TENANT, cap=3)
     assert store.calls == [
@@ -94,7 +96,8 @@ async def test_a_call_on_a_job_asks_the_store_for_the_named_job() -> None:
 async def test_recent_events_are_the_last_of_the_stream() -> None:
     store = _store()
     service = service_on(store)
-    assert await service.recent_events(TENANT, _job(last_seq=450)) == _EVENTS
+    recent: Any = await service.recent_events(TENANT, _job(last_seq=450))
+    assert recent == ["e1", "e2"]
     await service.recent_events(TENANT, _job(last_seq=450), limit=10)
     await service.recent_events(TENANT, _job(last_seq=3))
     assert store.calls == [
@@ -147,8 +150,10 @@ async def test_a_watch_starts_after_a_seq_not_negative() -> None:
     service = service_on(_store())
     feeds = _Feeds()
     service.feeds = cast(FeedHub, feeds)
-    assert [e async for e in service.watch(TENANT, _NAME, 0)] == _EVENTS
-    assert [e async for e in service.watch(TENANT, _NAME, 7)] == _EVENTS
+    watched: list[Any] = [e async for e in service.watch(TENANT, _NAME, 0)]
+    assert watched == ["e1", "e2"]
+    watched = [e async for e in service.watch(TENANT, _NAME, 7)]
+    assert watched == ["e1", "e2"]
     assert feeds.asked == [(TENANT, _ID, 0), (TENANT, _ID, 7)]
     with pytest.raises(InvalidArgument) as refused:
         _ = [e async for e in service.watch(TENANT, _NAME, -1)]
