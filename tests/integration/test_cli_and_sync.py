@@ -153,10 +153,9 @@ async def test_sync_client(stack: Stack) -> None:
 
 
 async def test_sweep_and_dlq_commands(stack: Stack, tmp_path: Path) -> None:
-    import aio_pika
-
     from jobplane.envelope import Envelope
     from tests.faults.cluster import topology_toml
+    from tests.support.queues import dead_letter
 
     path = tmp_path / "topology.toml"
     path.write_text(topology_toml(stack.topology))
@@ -167,11 +166,7 @@ async def test_sweep_and_dlq_commands(stack: Stack, tmp_path: Path) -> None:
     assert "leases: 0 requeued, 0 failed" in err
 
     stray = Envelope(uuid.uuid4(), uuid.uuid4(), stack.tenant_id, "demo.echo")
-    connection = await aio_pika.connect(stack.amqp_url)
-    async with connection:
-        channel = await connection.channel()
-        dlx = await channel.get_exchange(stack.topology.dead_letter_exchange)
-        await dlx.publish(aio_pika.Message(stray.encode(), message_id="m1"), "")
+    await dead_letter(stack.amqp_url, stack.topology, stray)
     code, out, _err = await jobplane(stack, "dlq", "list", "--json", env=env)
     assert code == 0
     listed = [json.loads(line) for line in out.splitlines()]

@@ -8,7 +8,6 @@ import json
 import uuid
 from pathlib import Path
 
-import aio_pika
 import pytest
 from sqlalchemy.ext.asyncio import AsyncEngine
 
@@ -18,6 +17,7 @@ from jobplane.topology import Topology
 from jobplane.workers.dlq import FailedQueue
 from tests.faults.cluster import topology_toml
 from tests.support.parts import Started
+from tests.support.queues import dead_letter
 from tests.support.stack import Stack, start_stack
 
 KEPT = "(no job to re-dispatch, or a live attempt holds it)"
@@ -30,19 +30,8 @@ async def _dlq(*argv: str) -> int:
     return code
 
 
-async def _failed(stack: Stack, amqp_url: str, *envelopes: Envelope) -> None:
-    """Dead-letter ``envelopes``, in order, as the broker would."""
-    await FailedQueue(amqp_url, stack.topology).list()  # declares the topology
-    connection = await aio_pika.connect(amqp_url)
-    async with connection:
-        channel = await connection.channel()
-        dlx = await channel.get_exchange(stack.topology.dead_letter_exchange)
-        for envelope in envelopes:
-            message = aio_pika.Message(envelope.encode(), message_id=str(envelope.event_id))
-            await dlx.publish(message, "")
-
-
-async def test_dlq_commands_list_replay_and_purge(
+@pytest.fixture
+async def stack(
     engine: AsyncEngine,
     database_url: str,
     amqp_url: str,
@@ -50,8 +39,9 @@ async def test_dlq_commands_list_replay_and_purge(
     started: Started,
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
-    capsys: pytest.CaptureFixture[str],
-) -> None:
+) -> Stack:
+    """A server with no relay and no worker, its topology in a file, and the ``jobplane``
+    variables (topology file, broker and database) pointing the commands at it."""
     stack = await started(
         start_stack(engine, database_url, amqp_url, topology, relay=False, worker=False)
     )
@@ -60,6 +50,12 @@ async def test_dlq_commands_list_replay_and_purge(
     monkeypatch.setenv("JOBPLANE_TOPOLOGY", str(path))
     monkeypatch.setenv("JOBPLANE_AMQP_URL", amqp_url)
     monkeypatch.setenv("JOBPLANE_DATABASE_URL", database_url)
+    return stack
+
+
+async def test_dlq_commands_list_replay_and_purge(
+    stack: Stack, amqp_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     client = stack.client()
     job = await client.submit("demo.echo", {"from": "dlq"})
     ended = await client.submit("demo.echo", {"from": "dlq, cancelled"})
@@ -68,7 +64,7 @@ async def test_dlq_commands_list_replay_and_purge(
     stray = Envelope(uuid.uuid4(), uuid.uuid4(), stack.tenant_id, "demo.echo")
     # A dispatch of the cancelled job from before its cancel.
     late = Envelope(uuid.uuid4(), uuid.UUID(ended.id), stack.tenant_id, "demo.echo")
-    await _failed(stack, amqp_url, await stack.envelope(job.id), late, stray)
+    await dead_letter(amqp_url, stack.topology, await stack.envelope(job.id), late, stray)
     capsys.readouterr()
 
     # Listed (reason and source queue unknown: dead-lettered by hand), left queued.
@@ -98,25 +94,10 @@ async def test_dlq_commands_list_replay_and_purge(
 
 
 async def test_dlq_replay_takes_at_most_its_limit(
-    engine: AsyncEngine,
-    database_url: str,
-    amqp_url: str,
-    topology: Topology,
-    started: Started,
-    tmp_path: Path,
-    monkeypatch: pytest.MonkeyPatch,
-    capsys: pytest.CaptureFixture[str],
+    stack: Stack, amqp_url: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    stack = await started(
-        start_stack(engine, database_url, amqp_url, topology, relay=False, worker=False)
-    )
-    path = tmp_path / "topology.toml"
-    path.write_text(topology_toml(stack.topology))
-    monkeypatch.setenv("JOBPLANE_TOPOLOGY", str(path))
-    monkeypatch.setenv("JOBPLANE_AMQP_URL", amqp_url)
-    monkeypatch.setenv("JOBPLANE_DATABASE_URL", database_url)
     strays = [Envelope(uuid.uuid4(), uuid.uuid4(), stack.tenant_id, "demo.echo") for _ in "ab"]
-    await _failed(stack, amqp_url, *strays)
+    await dead_letter(amqp_url, stack.topology, *strays)
     capsys.readouterr()
     assert await _dlq("replay", "--limit", "1") == 0
     assert capsys.readouterr().out.splitlines() == [f"kept      jobs/{strays[0].job_id} {KEPT}"]

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import uuid
 
-import aio_pika
 import pytest
 from sqlalchemy import text
 
@@ -24,6 +23,7 @@ from tests.integration.test_fan_out import (  # noqa: F401
     fans,
     fbare,
 )
+from tests.support.queues import dead_letter
 from tests.support.stack import Stack
 
 pytestmark = pytest.mark.integration
@@ -82,12 +82,7 @@ async def test_a_replay_drops_the_stale_message_of_a_job_waiting_for_its_childre
     # Its split stage's dispatch, dead-lettered (a crash loop, say).
     stale = Envelope(uuid.uuid4(), uuid.UUID(job.id), fbare.tenant_id, "docs.split")
     failed = FailedQueue(amqp_url, fbare.topology)
-    await failed.list()  # declares the topology
-    connection = await aio_pika.connect(amqp_url)
-    async with connection:
-        channel = await connection.channel()
-        dlx = await channel.get_exchange(fbare.topology.dead_letter_exchange)
-        await dlx.publish(aio_pika.Message(stale.encode(), message_id=str(stale.event_id)), "")
+    await dead_letter(amqp_url, fbare.topology, stale)
     report = await failed.replay(fbare.engine)
     assert report.waiting == [job.name]
     assert report.replayed == report.kept == report.finished == []

@@ -22,6 +22,7 @@ from jobplane.workers.dlq import FailedQueue
 from jobplane.workers.handlers import JobContext, Registry
 from jobplane.workers.sweeper import Sweeper
 from tests.support.parts import Started
+from tests.support.queues import dead_letter
 from tests.support.stack import Stack, eventually, start_stack
 
 
@@ -253,16 +254,8 @@ async def test_failed_queue_list_replay_purge(
     job = await client.submit("demo.echo", {"from": "dlq"})
     await stack.scalar("UPDATE outbox SET published_at = now() RETURNING 1")
     stray = Envelope(uuid.uuid4(), uuid.uuid4(), stack.tenant_id, "demo.echo")
-    connection = await aio_pika.connect(amqp_url)
-    async with connection:
-        channel = await connection.channel()
-        failed = FailedQueue(amqp_url, stack.topology)
-        await failed.list()  # declares the topology
-        dlx = await channel.get_exchange(stack.topology.dead_letter_exchange)
-        for envelope in (await stack.envelope(job.id), stray):
-            await dlx.publish(
-                aio_pika.Message(envelope.encode(), message_id=str(envelope.event_id)), ""
-            )
+    failed = FailedQueue(amqp_url, stack.topology)
+    await dead_letter(amqp_url, stack.topology, await stack.envelope(job.id), stray)
 
     listed = await failed.list()
     assert sorted(m.envelope.job_id for m in listed if m.envelope) == sorted(

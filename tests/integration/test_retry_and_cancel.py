@@ -17,18 +17,15 @@ from jobplane.store.db import Database
 from jobplane.store.jobs import JobStore, NewJob
 from jobplane.store.machine import NewStage
 from jobplane.types import Job, JobState
+from tests.support.rows import insert_tenant
 
 _QUEUE = "default"
 
 
 @pytest.fixture
 async def tenant(engine: AsyncEngine) -> uuid.UUID:
-    async with engine.begin() as conn:
-        found = await conn.execute(
-            text("INSERT INTO tenants (name) VALUES (:name) RETURNING id"),
-            {"name": f"retry-{uuid.uuid4().hex[:8]}"},
-        )
-        return uuid.UUID(str(found.scalar_one()))
+    """A tenant of the test database."""
+    return await insert_tenant(engine, "retry")
 
 
 def _stages() -> tuple[NewStage, ...]:

@@ -9,7 +9,7 @@ import pytest
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from jobplane.client import FailedPrecondition, InvalidArgument, JobState, Overlap
+from jobplane.client import FailedPrecondition, InvalidArgument, JobState, Overlap, Schedule
 from jobplane.schedule_types import SCHEDULE_LABEL
 from jobplane.store.schedule_ticks import tick_once
 from jobplane.topology import Topology
@@ -97,24 +97,30 @@ async def test_the_trigger_command_takes_an_overlap_policy(stack: Stack) -> None
     assert await _count(stack, schedule.name) == 2
 
 
-async def test_a_schedule_of_a_pipeline_submits_pipeline_jobs(
+@pytest.fixture
+async def aidj_stack(
     engine: AsyncEngine,
     database_url: str,
     amqp_url: str,
     aidj: Topology,  # noqa: F811
     started: Started,
-) -> None:
-    stack = await started(
+) -> Stack:
+    """A server alone on the seed's topology (its pipelines)."""
+    return await started(
         start_stack(engine, database_url, amqp_url, aidj, relay=False, worker=False)
     )
-    pipeline = aidj.pipelines[0]
+
+
+async def test_a_schedule_of_a_pipeline_submits_pipeline_jobs(aidj_stack: Stack) -> None:
+    stack, engine, topology = aidj_stack, aidj_stack.engine, aidj_stack.topology
+    pipeline = topology.pipelines[0]
     client = stack.client()
     schedule = await client.create_schedule(
         pipeline.name, {"track": "t1"}, interval=60, labels={"team": "dj"}
     )
     first = schedule.next_run_time
     assert first is not None
-    report = await tick_once(engine, now=first + timedelta(seconds=1), topology=aidj)
+    report = await tick_once(engine, now=first + timedelta(seconds=1), topology=topology)
     assert report.runs == 1 and report.refused == 0
     (ticked,) = (await client.get_schedule(schedule)).recent_runs
     job = await client.get(ticked)
@@ -128,56 +134,48 @@ async def test_a_schedule_of_a_pipeline_submits_pipeline_jobs(
     assert job.stage == direct.stage == pipeline.stages[0].name
     assert job.labels == {"team": "dj", SCHEDULE_LABEL: schedule.name}
     # The same tick again is the same job; a trigger is a pipeline job too.
-    again = await tick_once(engine, now=first + timedelta(seconds=1), topology=aidj)
+    again = await tick_once(engine, now=first + timedelta(seconds=1), topology=topology)
     assert again.runs == 0
     triggered = await client.trigger_schedule(schedule)
     assert triggered.type == pipeline.name and len(triggered.stages) == len(pipeline.stages)
 
 
-async def test_a_ticker_without_the_pipeline_refuses_the_run_in_last_error(
-    engine: AsyncEngine,
-    database_url: str,
-    amqp_url: str,
-    aidj: Topology,  # noqa: F811
-    started: Started,
-) -> None:
-    stack = await started(
-        start_stack(engine, database_url, amqp_url, aidj, relay=False, worker=False)
-    )
-    pipeline = aidj.pipelines[0]
+async def _refused_first_run(
+    stack: Stack, ticker: Topology, payload: str | None = None
+) -> Schedule:
+    """A schedule of the pipeline, every minute, whose first run a ticker on ``ticker``
+    refuses, as read after that tick; ``payload`` (JSON), when given, is written over the
+    schedule's own in its table first."""
     client = stack.client()
-    schedule = await client.create_schedule(pipeline.name, {"track": "t1"}, interval=60)
+    schedule = await client.create_schedule(
+        stack.topology.pipelines[0].name, {"track": "t1"}, interval=60
+    )
     first = schedule.next_run_time
     assert first is not None
-    report = await tick_once(engine, now=first + timedelta(seconds=1), topology=Topology())
+    if payload is not None:
+        async with stack.engine.begin() as conn:
+            await conn.execute(
+                text("UPDATE schedules SET payload = CAST(:payload AS jsonb) WHERE id = :id"),
+                {"payload": payload, "id": schedule.id},
+            )
+    report = await tick_once(stack.engine, now=first + timedelta(seconds=1), topology=ticker)
     assert report.refused == 1 and report.runs == 0
-    seen = await client.get_schedule(schedule)
+    return await client.get_schedule(schedule)
+
+
+async def test_a_ticker_without_the_pipeline_refuses_the_run_in_last_error(
+    aidj_stack: Stack,
+) -> None:
+    seen = await _refused_first_run(aidj_stack, Topology())
     assert "pipeline" in seen.last_error and seen.recent_runs == ()
 
 
 async def test_a_pipeline_run_naming_a_deleted_blob_is_refused_in_last_error(
-    engine: AsyncEngine,
-    database_url: str,
-    amqp_url: str,
-    aidj: Topology,  # noqa: F811
-    started: Started,
+    aidj_stack: Stack,
 ) -> None:
-    stack = await started(
-        start_stack(engine, database_url, amqp_url, aidj, relay=False, worker=False)
-    )
-    pipeline = aidj.pipelines[0]
-    client = stack.client()
-    schedule = await client.create_schedule(pipeline.name, {"track": "t1"}, interval=60)
-    first = schedule.next_run_time
-    assert first is not None
     # As if the blob the payload names were deleted after the schedule was written.
-    async with engine.begin() as conn:
-        await conn.execute(
-            text("UPDATE schedules SET payload = CAST(:payload AS jsonb) WHERE id = :id"),
-            {"payload": '{"input": "blobs/' + "a" * 64 + '"}', "id": schedule.id},
-        )
-    report = await tick_once(engine, now=first + timedelta(seconds=1), topology=aidj)
-    assert report.refused == 1 and report.runs == 0
-    seen = await client.get_schedule(schedule)
+    seen = await _refused_first_run(
+        aidj_stack, aidj_stack.topology, '{"input": "blobs/' + "a" * 64 + '"}'
+    )
     assert seen.last_error == "BLOB_NOT_FOUND: the payload references a blob that does not exist"
     assert seen.recent_runs == ()

@@ -47,6 +47,7 @@ from jobplane.store.machine import (
 )
 from jobplane.store.rows import dumps
 from jobplane.types import JobState
+from tests.support.rows import insert_tenant
 
 _QUEUE = "default"
 _LIVE_LEASE = "now() + interval '1 hour'"
@@ -69,12 +70,7 @@ class Placed:
 @pytest.fixture
 async def tenant(engine: AsyncEngine) -> uuid.UUID:
     """A tenant of the test database."""
-    async with engine.begin() as conn:
-        found = await conn.execute(
-            text("INSERT INTO tenants (name) VALUES (:name) RETURNING id"),
-            {"name": f"machine-{uuid.uuid4().hex[:8]}"},
-        )
-        return uuid.UUID(str(found.scalar_one()))
+    return await insert_tenant(engine, "machine")
 
 
 async def _place(

@@ -52,3 +52,13 @@ async def insert_job(
             },
         )
     return job_id, dispatch_id
+
+
+async def insert_tenant(engine: AsyncEngine, prefix: str) -> uuid.UUID:
+    """A tenant of its own, named ``prefix`` and a random suffix; returns its id."""
+    async with engine.begin() as conn:
+        found = await conn.execute(
+            text("INSERT INTO tenants (name) VALUES (:name) RETURNING id"),
+            {"name": f"{prefix}-{uuid.uuid4().hex[:8]}"},
+        )
+        return uuid.UUID(str(found.scalar_one()))

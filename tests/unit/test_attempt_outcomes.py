@@ -48,18 +48,16 @@ def test_a_plain_success_writes_its_result_and_any_result_blob() -> None:
     outcome = store.succeeded(attempt, {"ok": "é"}, emitted=emitted, result_blob=blob)
     assert outcome.transition is Transition.SUCCEED
     assert outcome.attempt is attempt
-    assert outcome.params == {
+    params = {
         **_fence(attempt),
         "result": '{"ok":"é"}',
         "result_blob": "abc",
         "result_blob_size": 42,
     }
-    assert outcome.cause == Cause("succeeded", emitted=emitted)
-    assert outcome.binds == {
-        "prepared": Transition.SUCCEED,
-        "params": outcome.params,
-        "cause": outcome.cause,
-    }
+    cause = Cause("succeeded", emitted=emitted)
+    assert outcome.params == params
+    assert outcome.cause == cause
+    assert outcome.binds == {"prepared": Transition.SUCCEED, "params": params, "cause": cause}
     plain = store.succeeded(attempt, {})
     assert plain.params["result_blob"] is None and plain.params["result_blob_size"] is None
     last = store.succeeded(an_attempt(stage=_stage(1, 2)), {})
@@ -243,7 +241,11 @@ async def test_many_outcomes_are_written_one_statement_a_transition_in_order() -
         Transition.CANCELLED,
         Transition.FAIL,
     ]
-    assert machine.applied[0].params == outcomes[0].binds
+    assert machine.applied[0].params == {
+        "prepared": Transition.CANCELLED,
+        "params": _fence(a),
+        "cause": Cause("cancelled"),
+    }
     assert {x.returning for x in machine.applied[:3]} == {ENDED}
     (release,) = machine.of(Transition.RELEASE)
     assert release.params == {"tenant_id": c.tenant_id, "key": "k2"}

@@ -84,6 +84,18 @@ async def test_parked_jobs_of_the_workers_types_and_queues_are_dispatched_again(
     assert machine.applied[-1].params["limit"] == 3
 
 
+def _claim_params(envelope: Envelope, lease_token: uuid.UUID) -> dict[str, Any]:
+    """What a claim of ``envelope`` binds, under ``lease_token``, on the 9 s lease."""
+    return {
+        "id": envelope.job_id,
+        "tenant_id": envelope.tenant_id,
+        "dispatch_id": envelope.event_id,
+        "type": "mail",
+        "lease_token": lease_token,
+        "lease_seconds": 9.0,
+    }
+
+
 async def test_a_group_claims_each_request_with_the_binds_taken_at_its_request() -> None:
     store, db, machine = _store()
     first, second = _envelope(), _envelope()
@@ -94,14 +106,7 @@ async def test_a_group_claims_each_request_with_the_binds_taken_at_its_request()
     assert one.lease_token != requests[1].lease_token
     assert one.binds["prepared"] is Transition.CLAIM
     assert one.binds["cause"] == Cause("attempt started", {"worker": "w"})
-    assert one.binds["params"] == {
-        "id": first.job_id,
-        "tenant_id": first.tenant_id,
-        "dispatch_id": first.event_id,
-        "type": "mail",
-        "lease_token": one.lease_token,
-        "lease_seconds": 9.0,
-    }
+    assert one.binds["params"] == _claim_params(first, one.lease_token)
     assert requests[1].binds["cause"] == Cause("attempt started", {})
     claimed = {
         "type": "mail",
@@ -124,7 +129,18 @@ async def test_a_group_claims_each_request_with_the_binds_taken_at_its_request()
     assert attempt is not None
     assert (attempt.job_id, attempt.lease_token) == (second.job_id, requests[1].lease_token)
     assert attempt.started_event_id is None
-    assert [a.params for a in machine.applied] == [r.binds for r in requests]
+    assert [a.params for a in machine.applied] == [
+        {
+            "prepared": Transition.CLAIM,
+            "params": _claim_params(first, one.lease_token),
+            "cause": Cause("attempt started", {"worker": "w"}),
+        },
+        {
+            "prepared": Transition.CLAIM,
+            "params": _claim_params(second, requests[1].lease_token),
+            "cause": Cause("attempt started", {}),
+        },
+    ]
     assert {a.returning for a in machine.applied} == {CLAIMED}
     assert db.opened == ["begin"]
 

@@ -24,6 +24,7 @@ from jobplane.server.servicer import EventServiceServicer
 from jobplane.store.events import Position, StoredEvent
 from jobplane.store.keys import KeyIdentity, KeyStore
 from jobplane.v1 import events_pb2
+from tests.support.servicer_context import Aborted, ServicerContext
 
 _KEY = "the-key"
 _SERVICE = "jobplane.v1.EventService"
@@ -63,22 +64,6 @@ class _Events:
         return StoredEvent(_EVENT, Position(1, 1))
 
 
-class _Aborted(Exception):
-    def __init__(self, status: grpc.Status) -> None:
-        self.status = status
-
-
-class _Context:
-    def __init__(self, metadata: tuple[tuple[str, Any], ...] = ()) -> None:
-        self.metadata = metadata
-
-    def invocation_metadata(self) -> tuple[tuple[str, Any], ...]:
-        return self.metadata
-
-    async def abort_with_status(self, status: grpc.Status) -> None:
-        raise _Aborted(status)
-
-
 async def _publish(
     request: events_pb2.PublishEventRequest,
     events: _Events,
@@ -94,12 +79,12 @@ async def _publish(
             return grpc.unary_unary_rpc_method_handler(servicer.PublishEvent)
 
         await gate.intercept_service(continuation, _Details())
-        return await servicer.PublishEvent(request, _Context(metadata))  # type: ignore[arg-type]
+        return await servicer.PublishEvent(request, ServicerContext(metadata))  # type: ignore[arg-type]
 
     return await asyncio.create_task(call())
 
 
-def _refusal(aborted: _Aborted) -> tuple[grpc.StatusCode, str, str | None]:
+def _refusal(aborted: Aborted) -> tuple[grpc.StatusCode, str, str | None]:
     (raw,) = (v for k, v in aborted.status.trailing_metadata if k == "grpc-status-details-bin")
     info = error_details_pb2.ErrorInfo()
     status_pb2.Status.FromString(raw).details[0].Unpack(info)
@@ -166,7 +151,7 @@ async def test_an_event_time_is_taken_from_1970_to_the_end_of_year_9999() -> Non
         request = events_pb2.PublishEventRequest(
             event_type="a.b", timestamp=timestamp_pb2.Timestamp(seconds=seconds, nanos=nanos)
         )
-        with pytest.raises(_Aborted) as aborted:
+        with pytest.raises(Aborted) as aborted:
             await _publish(request, events)
         assert _refusal(aborted.value) == (
             grpc.StatusCode.INVALID_ARGUMENT,
@@ -179,7 +164,7 @@ async def test_an_event_time_is_taken_from_1970_to_the_end_of_year_9999() -> Non
 
 async def test_a_refusal_of_the_service_is_the_callers_status() -> None:
     refusal = EventIdReused("event_id e-1 was used for another event", field="event_id")
-    with pytest.raises(_Aborted) as aborted:
+    with pytest.raises(Aborted) as aborted:
         await _publish(events_pb2.PublishEventRequest(event_id="e-1"), _Events(refusal))
     assert _refusal(aborted.value) == (
         refusal.code,

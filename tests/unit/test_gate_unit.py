@@ -24,6 +24,7 @@ from jobplane.store.keys import (
     _new_key,
     key_shaped,
 )
+from tests.support.servicer_context import Aborted, ServicerContext
 
 SERVICE = "jobplane.v1.JobService"
 GOOD = _new_key()
@@ -210,16 +211,6 @@ async def test_below_debug_a_unary_call_runs_the_servicers_own_handler(
     assert watch is not HANDLERS["WatchJob"]
 
 
-class Context:
-    """What a refusal handler uses of the call's context."""
-
-    def __init__(self) -> None:
-        self.status: grpc.Status | None = None
-
-    async def abort_with_status(self, status: grpc.Status) -> None:
-        self.status = status
-
-
 class WorkerKeys(Keys):
     """One known key, a worker's."""
 
@@ -231,10 +222,9 @@ class WorkerKeys(Keys):
 
 
 async def _refused_with(handler: Any) -> tuple[grpc.StatusCode, str]:
-    context = Context()
-    await handler.unary_unary(object(), context)
-    assert context.status is not None
-    return context.status.code, context.status.details
+    with pytest.raises(Aborted) as aborted:
+        await handler.unary_unary(object(), ServicerContext())
+    return aborted.value.status.code, aborted.value.status.details
 
 
 async def test_a_key_of_the_other_scope_is_refused_and_a_worker_key_served_as_a_worker(

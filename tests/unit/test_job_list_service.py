@@ -4,75 +4,38 @@ size's bounds, and page tokens that hold to the filters they were made for."""
 from __future__ import annotations
 
 import uuid
-from datetime import UTC, datetime, timedelta
-from typing import Any, cast
+from datetime import timedelta
+from typing import Any
 
 import pytest
 
 from jobplane.errors import InvalidArgument
-from jobplane.server.service import JobService
-from jobplane.store.jobs import JobStore, ListCursor
-from jobplane.store.listen import Listener
-from jobplane.topology import load_topology
-from jobplane.types import Job, JobState
-
-_NOW = datetime(2026, 1, 1, tzinfo=UTC)
-_TENANT = uuid.UUID(int=1)
+from jobplane.store.jobs import ListCursor
+from jobplane.types import JobState
+from tests.support.job_service import NOW, TENANT, JobStoreFake, service_on, stored_job
 
 
-def _job(n: int) -> Job:
-    return Job(
-        name=f"jobs/{uuid.UUID(int=1000 + n)}",
-        type="demo.echo",
-        state=JobState.QUEUED,
-        payload={},
-        result=None,
-        error=None,
-        progress=0.0,
-        progress_message="",
-        attempt=0,
-        max_attempts=3,
-        request_id="",
-        correlation_id="",
-        labels={},
-        create_time=_NOW - timedelta(seconds=n),
-        update_time=_NOW,
-    )
-
-
-class _Store:
-    """Answers ``list_jobs`` with ``jobs`` (as many as asked) and remembers each call."""
-
-    def __init__(self, count: int) -> None:
-        self.jobs = [_job(n) for n in range(count)]
-        self.calls: list[dict[str, Any]] = []
-
-    async def list_jobs(self, tenant: uuid.UUID, **kwargs: Any) -> list[Job]:
-        assert tenant == _TENANT
-        self.calls.append(kwargs)
-        return self.jobs[: kwargs["limit"]]
-
-    async def read_streams(self, *_: Any) -> list[Any]:
-        return []
-
-    async def queue_rates(self, tenant: uuid.UUID, **kwargs: Any) -> dict[str, Any]:
-        self.calls.append({"tenant": tenant, **kwargs})
-        return {"default": (3, 2, 1)}
-
-
-def _service(store: _Store) -> JobService:
-    return JobService(
-        cast(JobStore, store), Listener("postgresql://unused/db", "unused"), load_topology()
-    )
+def _store(count: int) -> JobStoreFake:
+    """Answers ``list_jobs`` with ``count`` jobs (as many as asked), newest first, and
+    remembers each call."""
+    jobs = [
+        stored_job(
+            f"jobs/{uuid.UUID(int=1000 + n)}",
+            max_attempts=3,
+            create_time=NOW - timedelta(seconds=n),
+        )
+        for n in range(count)
+    ]
+    return JobStoreFake(jobs=jobs, rates={"default": (3, 2, 1)})
 
 
 async def test_filters_reach_the_store_and_a_full_page_has_a_token() -> None:
-    store = _Store(count=5)
-    service = _service(store)
+    store = _store(5)
+    service = service_on(store)
     parent = f"jobs/{uuid.UUID(int=7)}"
-    after, before = _NOW - timedelta(days=1), _NOW
+    after, before = NOW - timedelta(days=1), NOW
     page = await service.list(
-        _TENANT,
+        TENANT,
         page_size=3,
         page_token="",
         state=JobState.QUEUED,
@@ -109,7 +72,7 @@ async def test_filters_reach_the_store_and_a_full_page_has_a_token() -> None:
         "waiting_code": "SCHEDULED",
         "parent": parent,
     }
-    await service.list(_TENANT, page_size=3, page_token=page.next_page_token, **same)
+    await service.list(TENANT, page_size=3, page_token=page.next_page_token, **same)
     last = store.jobs[2]
     assert store.calls[-1]["after"] == ListCursor(last.create_time, uuid.UUID(last.id))
     # A token holds to its filters: another parent, type or label refuses it.
@@ -121,13 +84,13 @@ async def test_filters_reach_the_store_and_a_full_page_has_a_token() -> None:
     for changed in changes:
         with pytest.raises(InvalidArgument, match=r"^page_token was created for other filters"):
             await service.list(
-                _TENANT, page_size=3, page_token=page.next_page_token, **{**same, **changed}
+                TENANT, page_size=3, page_token=page.next_page_token, **{**same, **changed}
             )
 
 
 async def test_no_filter_is_none_to_the_store_and_the_last_page_has_no_token() -> None:
-    store = _Store(count=2)
-    page = await _service(store).list(_TENANT, page_size=0, page_token="", state=None, job_type="")
+    store = _store(2)
+    page = await service_on(store).list(TENANT, page_size=0, page_token="", state=None, job_type="")
     assert store.calls == [
         {
             "limit": 51,  # the default page of 50, and one to know there is more
@@ -145,21 +108,21 @@ async def test_no_filter_is_none_to_the_store_and_the_last_page_has_no_token() -
 
 
 async def test_the_page_size_is_bounded() -> None:
-    store = _Store(count=0)
-    service = _service(store)
-    await service.list(_TENANT, page_size=5000, page_token="", state=None, job_type="")
+    store = _store(0)
+    service = service_on(store)
+    await service.list(TENANT, page_size=5000, page_token="", state=None, job_type="")
     assert store.calls[-1]["limit"] == 1001
     with pytest.raises(InvalidArgument, match=r"^page_size must not be negative$") as refused:
-        await service.list(_TENANT, page_size=-1, page_token="", state=None, job_type="")
+        await service.list(TENANT, page_size=-1, page_token="", state=None, job_type="")
     assert refused.value.field == "page_size"
     bad = {"job_type": "Not A Type", "labels": {"": "x"}, "parent": "job/1"}
     for key, value in bad.items():
         arguments: dict[str, Any] = {"state": None, "job_type": "", key: value}
         with pytest.raises(InvalidArgument):
-            await service.list(_TENANT, page_size=1, page_token="", **arguments)
+            await service.list(TENANT, page_size=1, page_token="", **arguments)
     with pytest.raises(InvalidArgument) as refused:
         await service.list(
-            _TENANT,
+            TENANT,
             page_size=1,
             page_token="",
             state=JobState.RUNNING,
@@ -171,8 +134,8 @@ async def test_the_page_size_is_bounded() -> None:
 
 
 async def test_a_token_after_a_job_continues_a_list_of_the_same_filters() -> None:
-    store = _Store(count=4)
-    service = _service(store)
+    store = _store(4)
+    service = service_on(store)
     parent = f"jobs/{uuid.UUID(int=7)}"
     job = store.jobs[1]
     filters: dict[str, Any] = {
@@ -182,38 +145,38 @@ async def test_a_token_after_a_job_continues_a_list_of_the_same_filters() -> Non
         "parent": parent,
     }
     token = service.page_token_after(job, **filters)
-    await service.list(_TENANT, page_size=2, page_token=token, **filters)
+    await service.list(TENANT, page_size=2, page_token=token, **filters)
     assert store.calls[-1]["after"] == ListCursor(job.create_time, uuid.UUID(job.id))
     for changed in ({"parent": ""}, {"waiting_code": ""}, {"state": None}):
         with pytest.raises(InvalidArgument, match="page_token"):
-            await service.list(_TENANT, page_size=2, page_token=token, **{**filters, **changed})
+            await service.list(TENANT, page_size=2, page_token=token, **{**filters, **changed})
 
 
 async def test_queue_rates_read_a_bounded_scan_of_the_window() -> None:
-    store = _Store(count=0)
-    rates = await _service(store).queue_rates(_TENANT, window_seconds=60.0)
+    store = _store(0)
+    rates = await service_on(store).queue_rates(TENANT, window_seconds=60.0)
     assert rates == {"default": (3, 2, 1)}
-    assert store.calls == [{"tenant": _TENANT, "window_seconds": 60.0, "scan": 100_000}]
+    assert store.calls == [{"tenant": TENANT, "window_seconds": 60.0, "scan": 100_000}]
 
 
 async def test_a_page_holding_the_last_jobs_exactly_has_no_token() -> None:
-    store = _Store(count=3)
-    service = _service(store)
-    page = await service.list(_TENANT, page_size=3, page_token="", state=None, job_type="")
+    store = _store(3)
+    service = service_on(store)
+    page = await service.list(TENANT, page_size=3, page_token="", state=None, job_type="")
     assert (page.jobs, page.next_page_token) == (store.jobs, "")
-    await service.list(_TENANT, page_size=1000, page_token="", state=None, job_type="")
+    await service.list(TENANT, page_size=1000, page_token="", state=None, job_type="")
     assert store.calls[-1]["limit"] == 1001
-    page = await service.list(_TENANT, page_size=2, page_token="", state=None, job_type="")
+    page = await service.list(TENANT, page_size=2, page_token="", state=None, job_type="")
     assert page.jobs == store.jobs[:2]
     last = store.jobs[1]
     assert page.next_page_token == service.page_token_after(last, state=None, job_type="")
 
 
 async def test_a_parent_that_is_no_job_name_is_refused_on_its_field() -> None:
-    store = _Store(count=0)
+    store = _store(0)
     with pytest.raises(InvalidArgument) as refused:
-        await _service(store).list(
-            _TENANT, page_size=1, page_token="", state=None, job_type="", parent="job/1"
+        await service_on(store).list(
+            TENANT, page_size=1, page_token="", state=None, job_type="", parent="job/1"
         )
     assert (refused.value.field, refused.value.message) == (
         "parent",

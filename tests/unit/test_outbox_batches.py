@@ -124,7 +124,19 @@ async def test_a_fair_claim_reads_each_dispatchs_queue_and_place() -> None:
     assert [r.queue for r in batch.rows] == ["bulk", ""]
     assert batch.slots == [FairSlot("bulk", tenant, 1.5, 2.0)]
     (binds,) = db.conn.ran(_FAIR_CLAIM_BOTH)
-    assert binds["skip"] == [] and binds == {**fair.round.binds(fair.credits, limit=10), "skip": []}
+    assert binds == {
+        "queues": ["bulk"],
+        "credits": [5],
+        "ranks": [0],
+        "vtimes": [0.0],
+        "cursors": [None],
+        "pass_queues": [],
+        "pass_tenants": [],
+        "pass_values": [],
+        "spare": 10,
+        "limit": 10,
+        "skip": [],
+    }
 
 
 async def test_one_row_is_claimed_alone_due_or_not() -> None:
@@ -216,7 +228,19 @@ def test_the_claim_statement_is_the_plain_or_the_fair_one() -> None:
     fair = FairClaim(FairRound(), {"q": (1, 0)})
     statement, binds = claim_statement(4, skip=skip, fair=fair)
     assert statement is _FAIR_CLAIM_BOTH
-    assert binds == {**fair.round.binds(fair.credits, limit=4), "skip": [str(skip[0])]}
+    assert binds == {
+        "queues": ["q"],
+        "credits": [1],
+        "ranks": [0],
+        "vtimes": [0.0],
+        "cursors": [None],
+        "pass_queues": [],
+        "pass_tenants": [],
+        "pass_values": [],
+        "spare": 4,
+        "limit": 4,
+        "skip": [str(skip[0])],
+    }
 
 
 def _machine(monkeypatch: pytest.MonkeyPatch) -> ScriptedMachine:
@@ -272,18 +296,26 @@ async def test_waiting_reasons_are_noted_on_the_jobs_still_waiting_for_those_dis
     assert changed == [noted]
     ids = [str(r.job_id) for r in (noted, cleared, kept, busy)]
     assert conn.ran(_LOCK_WAITING) == [{"ids": ids}]
-    assert [a.params["params"] for a in machine.of(Transition.WAIT)] == [
+    assert [a.params for a in machine.of(Transition.WAIT)] == [
         {
-            "id": noted.job_id,
-            "dispatch_id": noted.id,
-            "waiting_code": "UNROUTABLE",
-            "waiting_reason": "r" * 1000,
+            "prepared": Transition.WAIT,
+            "params": {
+                "id": noted.job_id,
+                "dispatch_id": noted.id,
+                "waiting_code": "UNROUTABLE",
+                "waiting_reason": "r" * 1000,
+            },
+            "cause": Cause(),
         },
         {
-            "id": cleared.job_id,
-            "dispatch_id": cleared.id,
-            "waiting_code": None,
-            "waiting_reason": None,
+            "prepared": Transition.WAIT,
+            "params": {
+                "id": cleared.job_id,
+                "dispatch_id": cleared.id,
+                "waiting_code": None,
+                "waiting_reason": None,
+            },
+            "cause": Cause(),
         },
     ]
     assert {a.params["prepared"] for a in machine.applied} == {Transition.WAIT}

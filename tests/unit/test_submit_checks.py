@@ -27,15 +27,12 @@ from jobplane.errors import (
     UnroutableJobType,
 )
 from jobplane.observe.metrics import Metrics
-from jobplane.server.service import JobService, SubmitRequest
+from jobplane.server.service import SubmitRequest
 from jobplane.store.job_submit import NewJob
-from jobplane.store.jobs import JobStore
-from jobplane.store.listen import Listener
 from jobplane.topology import parse_topology
-from jobplane.types import BlobRef, ConcurrencyMode, DependencyFailurePolicy, Job, JobState
+from jobplane.types import BlobRef, ConcurrencyMode, DependencyFailurePolicy
+from tests.support.job_service import NOW, TENANT, JobStoreFake, service_on
 
-_NOW = datetime(2026, 1, 1, tzinfo=UTC)
-_TENANT = uuid.UUID(int=1)
 _AFTER = uuid.UUID(int=7)
 
 # Two queues, neither taking every type, and a pipeline whose own name no
@@ -72,46 +69,6 @@ type = "reports.index"
 )
 
 
-def _job(new: NewJob, created: bool = True) -> tuple[Job, bool]:
-    job = Job(
-        name=f"jobs/{uuid.uuid4()}",
-        type=new.type,
-        state=JobState.QUEUED,
-        payload=new.payload,
-        result=None,
-        error=None,
-        progress=0.0,
-        progress_message="",
-        attempt=0,
-        max_attempts=new.max_attempts,
-        request_id=new.request_id,
-        correlation_id=new.correlation_id,
-        labels=new.labels,
-        create_time=_NOW,
-        update_time=_NOW,
-    )
-    return job, created
-
-
-class _Store:
-    """Takes every job; a request_id in ``known`` reads as a job stored before."""
-
-    def __init__(self, known: Sequence[str] = ()) -> None:
-        self.news: list[NewJob] = []
-        self.known = set(known)
-
-    async def submit_each(self, tenant: uuid.UUID, news: Sequence[NewJob]) -> list[Any]:
-        assert tenant == _TENANT
-        self.news.extend(news)
-        return [_job(n, n.request_id not in self.known) for n in news]
-
-    async def submit_many(self, tenant: uuid.UUID, news: Sequence[NewJob]) -> list[Any]:
-        return await self.submit_each(tenant, news)
-
-    async def read_streams(self, *_: Any) -> list[Any]:
-        return []
-
-
 class _Metrics:
     def __init__(self) -> None:
         self.submits: list[tuple[str, str]] = []
@@ -123,23 +80,14 @@ class _Metrics:
         pass
 
 
-def _service(store: _Store, **kwargs: Any) -> JobService:
-    return JobService(
-        cast(JobStore, store),
-        Listener("postgresql://unused/db", "unused"),
-        TOPOLOGY,
-        **kwargs,
-    )
-
-
 async def _accepted(request: SubmitRequest, **kwargs: Any) -> NewJob:
     """The job the store is asked to write for ``request``."""
-    store = _Store()
-    service = _service(store, **kwargs)
+    store = JobStoreFake()
+    service = service_on(store, TOPOLOGY, **kwargs)
     metrics = _Metrics()
     service.metrics = cast(Metrics, metrics)
     try:
-        job = await service.submit(_TENANT, request)
+        job = await service.submit(TENANT, request)
     finally:
         await service.close()
     (new,) = store.news
@@ -150,11 +98,11 @@ async def _accepted(request: SubmitRequest, **kwargs: Any) -> NewJob:
 
 async def _refused(request: SubmitRequest, **kwargs: Any) -> tuple[str | None, str]:
     """The field and message of the refusal of ``request``; nothing written."""
-    store = _Store()
-    service = _service(store, **kwargs)
+    store = JobStoreFake()
+    service = service_on(store, TOPOLOGY, **kwargs)
     try:
         with pytest.raises(InvalidArgument) as refused:
-            await service.submit(_TENANT, request)
+            await service.submit(TENANT, request)
     finally:
         await service.close()
     assert store.news == []
@@ -250,11 +198,11 @@ class _Blobs:
     """The tenant's blobs: any digest but ``0…0``, each of 5 bytes."""
 
     async def owned(self, tenant: uuid.UUID, digests: set[str]) -> set[str]:
-        assert tenant == _TENANT
+        assert tenant == TENANT
         return {d for d in digests if d != "0" * 64}
 
     async def stat(self, tenant: uuid.UUID, name: str) -> BlobInfo:
-        assert tenant == _TENANT
+        assert tenant == TENANT
         return BlobInfo(name=name, digest=name.removeprefix("blobs/"), size=5)
 
 
@@ -273,13 +221,15 @@ async def test_a_payload_by_reference_and_the_blobs_it_uses_go_with_the_job() ->
         f"the job references blobs/{'0' * 64}, which does not exist",
     )
     with pytest.raises(BlobsDisabled):
-        await _service(_Store()).submit(_TENANT, replace(gone, payload={"x": f"blobs/{a}"}))
+        await service_on(JobStoreFake(), TOPOLOGY).submit(
+            TENANT, replace(gone, payload={"x": f"blobs/{a}"})
+        )
 
 
 async def test_a_type_no_queue_takes_is_refused() -> None:
-    service = _service(_Store())
+    service = service_on(JobStoreFake(), TOPOLOGY)
     with pytest.raises(UnroutableJobType) as refused:
-        await service.submit(_TENANT, SubmitRequest("billing.charge", {}))
+        await service.submit(TENANT, SubmitRequest("billing.charge", {}))
     assert (refused.value.field, refused.value.message) == (
         "type",
         "no queue of the topology takes job type 'billing.charge'",
@@ -371,9 +321,9 @@ async def test_the_payload_is_taken_up_to_the_servers_limit() -> None:
     payload = {"s": "x" * 90}  # {"s":"…"} is 98 bytes
     new = await _accepted(SubmitRequest("reports.render", payload), max_payload_bytes=98)
     assert new.payload_json == f'{{"s":"{"x" * 90}"}}'
-    service = _service(_Store(), max_payload_bytes=97)
+    service = service_on(JobStoreFake(), TOPOLOGY, max_payload_bytes=97)
     with pytest.raises(PayloadTooLarge) as refused:
-        await service.submit(_TENANT, SubmitRequest("reports.render", payload))
+        await service.submit(TENANT, SubmitRequest("reports.render", payload))
     assert refused.value.field == "payload"
     assert refused.value.message == "payload is 98 bytes serialized; the limit is 97"
     assert await _refused(SubmitRequest("reports.render", {"a": ["b\x00"]})) == (
@@ -383,7 +333,7 @@ async def test_the_payload_is_taken_up_to_the_servers_limit() -> None:
 
 
 async def test_a_schedule_and_a_deadline_keep_to_the_servers_horizon() -> None:
-    at = _NOW + timedelta(days=3650)
+    at = NOW + timedelta(days=3650)
     new = await _accepted(
         SubmitRequest("reports.render", {}, schedule_time=at), max_schedule_seconds=4000 * 86400
     )
@@ -429,8 +379,8 @@ async def test_concurrency_and_after_are_checked_with_the_rest() -> None:
 
 
 async def test_a_batch_is_each_request_checked_and_written_at_once() -> None:
-    store = _Store(known=["old"])
-    service = _service(store)
+    store = JobStoreFake(known=["old"])
+    service = service_on(store, TOPOLOGY)
     metrics = _Metrics()
     service.metrics = cast(Metrics, metrics)
     requests = [
@@ -438,21 +388,21 @@ async def test_a_batch_is_each_request_checked_and_written_at_once() -> None:
         SubmitRequest("docs.parse", {"n": 1}),
         SubmitRequest("reports.render", {}),
     ]
-    jobs = await service.submit_many(_TENANT, requests)
+    jobs = await service.submit_many(TENANT, requests)
     assert [j.type for j in jobs] == ["reports.render", "docs.parse", "reports.render"]
     assert [n.queue for n in store.news] == ["jobs.reports", "jobs.docs", "jobs.reports"]
     assert jobs[0].request_id == "old"
     assert len({j.request_id for j in jobs}) == 3  # unset ones are not shared
     # The one the tenant had submitted before is not counted again.
     assert metrics.submits == [("docs.parse", "jobs.docs"), ("reports.render", "jobs.reports")]
-    jobs = await service.submit_many(_TENANT, [SubmitRequest("docs.parse", {})] * 1000)
+    jobs = await service.submit_many(TENANT, [SubmitRequest("docs.parse", {})] * 1000)
     assert len(jobs) == 1000
 
 
 async def _batch_refused(requests: Sequence[SubmitRequest]) -> JobplaneError:
-    store = _Store()
+    store = JobStoreFake()
     with pytest.raises(InvalidArgument) as refused:
-        await _service(store).submit_many(_TENANT, requests)
+        await service_on(store, TOPOLOGY).submit_many(TENANT, requests)
     assert store.news == []
     return refused.value
 

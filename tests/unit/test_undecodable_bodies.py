@@ -17,6 +17,7 @@ from jobplane.errors import shown
 from jobplane.server.decode import RefuseUndecodable
 from jobplane.v1 import jobs_pb2
 from tests.support.deep_json import deep_struct, wire_field
+from tests.support.servicer_context import Aborted, ServicerContext
 
 _PREFIX = "/jobplane.v1.JobService/"
 _SUBMIT = _PREFIX + "SubmitJob"
@@ -31,23 +32,13 @@ def _decoder_says() -> str:
     return str(refused.value)
 
 
-class _Aborted(Exception):
-    def __init__(self, status: grpc.Status) -> None:
-        self.status = status
-
-
-class _Context:
-    async def abort_with_status(self, status: grpc.Status) -> None:
-        raise _Aborted(status)
-
-
 class _Details(grpc.HandlerCallDetails):
     def __init__(self, method: str) -> None:
         self.method = method
         self.invocation_metadata = ()
 
 
-def _refusal(aborted: _Aborted) -> tuple[grpc.StatusCode, str, str, dict[str, str]]:
+def _refusal(aborted: Aborted) -> tuple[grpc.StatusCode, str, str, dict[str, str]]:
     """The code, message, reason and ErrorInfo metadata of a refusal."""
     (raw,) = (v for k, v in aborted.status.trailing_metadata if k == "grpc-status-details-bin")
     status = status_pb2.Status.FromString(raw)
@@ -86,15 +77,15 @@ async def test_a_decodable_body_reaches_the_servicer() -> None:
     body = jobs_pb2.SubmitJobRequest(type="a.b").SerializeToString()
     request = handler.request_deserializer(body)
     assert request == jobs_pb2.SubmitJobRequest(type="a.b")
-    assert await handler.unary_unary(request, _Context()) == "served a.b"
+    assert await handler.unary_unary(request, ServicerContext()) == "served a.b"
     assert handler.response_serializer is jobs_pb2.Job.SerializeToString
 
 
 async def test_a_body_that_is_not_protobuf_is_a_malformed_request_of_its_method() -> None:
     handler = await _guarded(_SUBMIT, _submit_handler())
     request = handler.request_deserializer(_NOT_PROTOBUF)
-    with pytest.raises(_Aborted) as aborted:
-        await handler.unary_unary(request, _Context())
+    with pytest.raises(Aborted) as aborted:
+        await handler.unary_unary(request, ServicerContext())
     code, message, reason, metadata = _refusal(aborted.value)
     assert (code, reason, metadata) == (
         grpc.StatusCode.INVALID_ARGUMENT,
@@ -108,8 +99,8 @@ async def test_a_json_value_too_deep_is_refused_on_its_field() -> None:
     handler = await _guarded(_SUBMIT, _submit_handler())
     body = jobs_pb2.SubmitJobRequest(type="a.b").SerializeToString()
     request = handler.request_deserializer(body + wire_field(2, deep_struct([True] * 60)))
-    with pytest.raises(_Aborted) as aborted:
-        await handler.unary_unary(request, _Context())
+    with pytest.raises(Aborted) as aborted:
+        await handler.unary_unary(request, ServicerContext())
     assert _refusal(aborted.value) == (
         grpc.StatusCode.INVALID_ARGUMENT,
         "payload is nested more than 32 objects or arrays deep",
@@ -130,15 +121,15 @@ async def test_a_stream_of_a_decodable_body_is_served_with_bytes_passed_through(
     request = handler.request_deserializer(
         jobs_pb2.WatchJobRequest(name="jobs/x").SerializeToString()
     )
-    responses = [r async for r in handler.unary_stream(request, _Context())]
+    responses = [r async for r in handler.unary_stream(request, ServicerContext())]
     assert [handler.response_serializer(r) for r in responses[:2]] == [
         b"encoded once",
         b"encoded:",
     ]
     assert responses[2] == "jobs/x"
     undecodable = handler.request_deserializer(_NOT_PROTOBUF)
-    with pytest.raises(_Aborted) as aborted:
-        _ = [r async for r in handler.unary_stream(undecodable, _Context())]
+    with pytest.raises(Aborted) as aborted:
+        _ = [r async for r in handler.unary_stream(undecodable, ServicerContext())]
     code, message, reason, _ = _refusal(aborted.value)
     assert (code, reason) == (grpc.StatusCode.INVALID_ARGUMENT, "MALFORMED_REQUEST")
     assert message.startswith("the body is not a valid request of WatchJob: ")

@@ -20,8 +20,14 @@ from jobplane.store.attempts import Attempt, LeaseLost, StageRun
 from jobplane.topology import load_topology, parse_topology
 from jobplane.workers.children import ChildRequest, fence_of
 from tests.support.logs import Lines, module_lines
-from tests.unit.test_worker_service_claims import Recorded
-from tests.unit.test_worker_service_unit import PENDING, _attempt, _Held, _service, _Store
+from tests.support.worker_service import (
+    PENDING,
+    AttemptStoreFake,
+    HeldAttemptsFake,
+    Recorded,
+    claimed_attempt,
+    worker_service_on,
+)
 
 TOPOLOGY = parse_topology(
     tomllib.loads(
@@ -49,7 +55,7 @@ type = "p.join"
 SPLIT = StageRun("p.run", "v1", "split", 0, 3, "v1", {}, fans_out=True)
 
 
-class _Fans(_Store):
+class _Fans(AttemptStoreFake):
     """AttemptStore.fanned_out and finish, recorded."""
 
     async def finish(self, outcome: Any, pending: Any = ()) -> None:
@@ -59,9 +65,13 @@ class _Fans(_Store):
         return SimpleNamespace(attempt=attempt, items=items)
 
 
-def _fan_setup(**options: Any) -> tuple[WorkerService, _Fans, _Held, Recorded, Fence]:
-    attempt, store, metrics = _attempt(type="p.split", queue="q", stage=SPLIT), _Fans(), Recorded()
-    held = _Held(attempt)
+def _fan_setup(**options: Any) -> tuple[WorkerService, _Fans, HeldAttemptsFake, Recorded, Fence]:
+    attempt, store, metrics = (
+        claimed_attempt(type="p.split", queue="q", stage=SPLIT),
+        _Fans(),
+        Recorded(),
+    )
+    held = HeldAttemptsFake(attempt)
     fakes: Any = (store, held, None)
     service = WorkerService(fakes[0], fakes[1], TOPOLOGY, workers=fakes[2], **options)
     service.metrics = metrics  # type: ignore[assignment]
@@ -120,8 +130,8 @@ async def test_a_fan_out_is_refused_before_anything_is_written_naming_what_is_wr
 
 async def test_items_are_for_a_stage_before_a_fan_out_only() -> None:
     for stage in (None, dataclasses.replace(SPLIT, fans_out=False)):
-        attempt, store = _attempt(stage=stage), _Store()
-        service = _service(store, _Held(attempt))
+        attempt, store = claimed_attempt(stage=stage), AttemptStoreFake()
+        service = worker_service_on(store, HeldAttemptsFake(attempt))
         fence = Fence(attempt.job_id, 1, attempt.lease_token)
         with pytest.raises(InvalidArgument) as refused:
             await service.complete(fence, {}, [], items=[{"page": 1}])
@@ -151,8 +161,10 @@ class _Children:
 
 
 def _child_setup(**options: Any) -> tuple[WorkerService, _Children, Recorded, Attempt, Fence]:
-    attempt, children, metrics = _attempt(correlation_id="order-17"), _Children(), Recorded()
-    service = _service(_Store(), _Held(attempt), children=children, **options)
+    attempt, children, metrics = claimed_attempt(correlation_id="order-17"), _Children(), Recorded()
+    service = worker_service_on(
+        AttemptStoreFake(), HeldAttemptsFake(attempt), children=children, **options
+    )
     service.metrics = metrics  # type: ignore[assignment]
     return service, children, metrics, attempt, Fence(attempt.job_id, 1, attempt.lease_token)
 
@@ -202,8 +214,8 @@ async def test_a_child_of_an_attempt_that_lost_its_lease_is_lease_lost() -> None
 
 
 async def test_a_server_without_a_child_store_refuses_children() -> None:
-    attempt = _attempt()
-    service = _service(_Store(), _Held(attempt))
+    attempt = claimed_attempt()
+    service = worker_service_on(AttemptStoreFake(), HeldAttemptsFake(attempt))
     request = ChildRequest(key="k", type="reports.render", payload={})
     with pytest.raises(FailedPrecondition) as refused:
         await service.submit_child(Fence(attempt.job_id, 1, attempt.lease_token), request)
@@ -229,7 +241,7 @@ class _Registry:
 
 async def test_a_registered_worker_labels_its_types_and_stops_by_its_id() -> None:
     registry, metrics = _Registry(), Recorded()
-    fakes: Any = (_Store(), _Held(), registry)
+    fakes: Any = (AttemptStoreFake(), HeldAttemptsFake(), registry)
     service = WorkerService(fakes[0], fakes[1], load_topology(), workers=fakes[2])
     service.metrics = metrics  # type: ignore[assignment]
     worker_id = await service.register(Registration(["a.b", "a.c"], ["jobplane.default"], 1))
@@ -240,9 +252,9 @@ async def test_a_registered_worker_labels_its_types_and_stops_by_its_id() -> Non
 
 
 async def test_the_oldest_attempt_kept_is_let_go_past_ten_thousand() -> None:
-    attempts = [_attempt(job_id=uuid.uuid4()) for _ in range(10_001)]
-    held = _Held(*attempts)
-    service = _service(_Store(), held)
+    attempts = [claimed_attempt(job_id=uuid.uuid4()) for _ in range(10_001)]
+    held = HeldAttemptsFake(*attempts)
+    service = worker_service_on(AttemptStoreFake(), held)
     fences = [Fence(a.job_id, 1, a.lease_token) for a in attempts]
     for fence in fences:
         await service.heartbeat(fence)

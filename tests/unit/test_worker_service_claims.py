@@ -18,40 +18,15 @@ from jobplane.server.worker_protocol import Claimed, Fence, WorkerService
 from jobplane.store.attempts import Attempt, ClaimResult, ClaimStatus, HandBack
 from jobplane.types import BlobRef, JobState
 from tests.support.logs import Lines, module_lines
-from tests.unit.test_worker_service_unit import _attempt, _Held, _service, _Store
+from tests.support.worker_service import (
+    ClaimsFake,
+    HeldAttemptsFake,
+    Recorded,
+    claimed_attempt,
+    worker_service_on,
+)
 
 CREATED = datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC)
-
-
-class Recorded:
-    """Every metric WorkerService counts, by name, in order."""
-
-    def __init__(self) -> None:
-        self.calls: list[tuple[str, tuple[Any, ...]]] = []
-
-    def __getattr__(self, name: str) -> Any:
-        return lambda *args: self.calls.append((name, args))
-
-
-class _Claims(_Store):
-    """AttemptStore.claim and hand_back answering what the test set; both recorded."""
-
-    def __init__(self, result: ClaimResult, lease_seconds: float = 30.0) -> None:
-        super().__init__()
-        self.result, self.lease_seconds = result, lease_seconds
-        self.claimed: list[Envelope] = []
-        self.handed_back: list[tuple[Envelope, float, float]] = []
-        self.hand_back_answer = (HandBack.HANDED_BACK, "")
-
-    async def claim(self, envelope: Envelope) -> ClaimResult:
-        self.claimed.append(envelope)
-        return self.result
-
-    async def hand_back(
-        self, envelope: Envelope, *, base_delay: float, max_delay: float
-    ) -> tuple[HandBack, str]:
-        self.handed_back.append((envelope, base_delay, max_delay))
-        return self.hand_back_answer
 
 
 def _envelope(attempt: Attempt, deployment: str | None = None) -> Envelope:
@@ -60,10 +35,10 @@ def _envelope(attempt: Attempt, deployment: str | None = None) -> Envelope:
 
 def _setup(
     result: ClaimResult, *, lease_seconds: float = 30.0, **options: Any
-) -> tuple[WorkerService, _Claims, _Held, Recorded]:
-    store = _Claims(result, lease_seconds)
-    held = _Held(*([result.attempt] if result.attempt else []))
-    service = _service(store, held, **options)
+) -> tuple[WorkerService, ClaimsFake, HeldAttemptsFake, Recorded]:
+    store = ClaimsFake(result, lease_seconds)
+    held = HeldAttemptsFake(*([result.attempt] if result.attempt else []))
+    service = worker_service_on(store, held, **options)
     metrics = Recorded()
     service.metrics = metrics  # type: ignore[assignment]
     return service, store, held, metrics
@@ -71,7 +46,7 @@ def _setup(
 
 @pytest.mark.parametrize(("lease", "poll"), [(30.0, 5.0), (9.0, 3.0)], ids=["capped", "third"])
 async def test_a_claim_starts_the_attempt_counts_it_and_keeps_it(lease: float, poll: float) -> None:
-    attempt = _attempt(attempt=2, create_time=CREATED)
+    attempt = claimed_attempt(attempt=2, create_time=CREATED)
     result = ClaimResult(ClaimStatus.CLAIMED, attempt=attempt)
     service, store, held, metrics = _setup(result, lease_seconds=lease)
     envelope = _envelope(attempt)
@@ -87,7 +62,7 @@ async def test_a_claim_starts_the_attempt_counts_it_and_keeps_it(lease: float, p
 
 
 async def test_a_held_claim_counts_the_limit_that_holds_it() -> None:
-    attempt = _attempt()
+    attempt = claimed_attempt()
     service, _store, _held, metrics = _setup(ClaimResult(ClaimStatus.HELD, limit="rate/pdf"))
     claimed = await service.claim(_envelope(attempt))
     assert claimed.result.status is ClaimStatus.HELD
@@ -112,7 +87,7 @@ async def test_a_held_claim_counts_the_limit_that_holds_it() -> None:
 async def test_a_missing_job_is_another_deployments_only_when_both_are_named_and_differ(
     status: ClaimStatus, ours: str | None, theirs: str | None, other: bool
 ) -> None:
-    attempt = _attempt()
+    attempt = claimed_attempt()
     service, store, _held, _metrics = _setup(ClaimResult(status))
     if ours is not None:
         service.deployment = ours
@@ -146,7 +121,7 @@ class _Blobs:
 
 def _by_reference(size: int = 12, **changes: Any) -> Attempt:
     ref = BlobRef("blobs/p1", "sha256:d", size)
-    return _attempt(payload={}, payload_blob=ref, create_time=CREATED, **changes)
+    return claimed_attempt(payload={}, payload_blob=ref, create_time=CREATED, **changes)
 
 
 @pytest.fixture

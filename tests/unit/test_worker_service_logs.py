@@ -30,7 +30,12 @@ from jobplane.server.worker_protocol import (
 )
 from jobplane.store.attempts import Attempt, ClaimResult, ClaimStatus
 from jobplane.topology import load_topology
-from tests.unit.test_worker_service_unit import _attempt, _Held, _service, _Store
+from tests.support.worker_service import (
+    AttemptStoreFake,
+    HeldAttemptsFake,
+    claimed_attempt,
+    worker_service_on,
+)
 
 Lines = list[MutableMapping[str, Any]]
 
@@ -67,7 +72,7 @@ def _line(lines: Lines, event: str) -> MutableMapping[str, Any]:
     return line
 
 
-class _Claims(_Store):
+class _Claims(AttemptStoreFake):
     """The claim of one attempt."""
 
     def __init__(self, attempt: Attempt) -> None:
@@ -78,10 +83,10 @@ class _Claims(_Store):
         return ClaimResult(ClaimStatus.CLAIMED, attempt=self.attempt)
 
 
-def _setup(**changes: Any) -> tuple[WorkerService, _Store, Attempt, Fence]:
-    attempt = _attempt(correlation_id="order-17", request_id="req-9", **changes)
+def _setup(**changes: Any) -> tuple[WorkerService, AttemptStoreFake, Attempt, Fence]:
+    attempt = claimed_attempt(correlation_id="order-17", request_id="req-9", **changes)
     store = _Claims(attempt)
-    service = _service(store, _Held(attempt))
+    service = worker_service_on(store, HeldAttemptsFake(attempt))
     return service, store, attempt, Fence(attempt.job_id, attempt.attempt, attempt.lease_token)
 
 
@@ -133,7 +138,7 @@ class _Registry:
         self.registered.append({"id": worker_id, **fields})
 
 
-class _Parked(_Store):
+class _Parked(AttemptStoreFake):
     """unpark hands out ``pages`` of counts, then 0."""
 
     def __init__(self, pages: list[int]) -> None:
@@ -147,7 +152,7 @@ class _Parked(_Store):
 
 async def test_a_registration_is_recorded_said_and_unparks_page_by_page(lines: Lines) -> None:
     store, registry = _Parked([500, 500, 3]), _Registry()
-    fakes: Any = (store, _Held(), registry)
+    fakes: Any = (store, HeldAttemptsFake(), registry)
     service = WorkerService(fakes[0], fakes[1], load_topology(), workers=fakes[2])
     worker_id = await service.register(
         Registration(types=["a.b"], queues=["jobplane.default"], concurrency=2, host="h", pid=7)

@@ -27,11 +27,8 @@ from jobplane.server.worker_protocol import (
 )
 from jobplane.server.worker_servicer import _stage_fields, claim_to_pb
 from jobplane.store.attempts import (
-    Attempt,
     ClaimResult,
     ClaimStatus,
-    LeaseLost,
-    ProgressUpdate,
     StageRun,
 )
 from jobplane.store.rows import dumps
@@ -41,26 +38,16 @@ from jobplane.v1 import workers_pb2
 from jobplane.workers.handlers import PermanentError
 from jobplane.workers.outcome import MAX_ERROR_MESSAGE, MAX_RETRY_DELAY, check_result
 from tests.support.logs import module_lines
+from tests.support.worker_service import (
+    PENDING,
+    AttemptStoreFake,
+    HeldAttemptsFake,
+    RenewalsFake,
+    claimed_attempt,
+    worker_service_on,
+)
 
 Claim = workers_pb2.ClaimJobResponse
-
-
-def _attempt(**changes: Any) -> Attempt:
-    attempt = Attempt(
-        job_id=uuid.uuid4(),
-        tenant_id=uuid.uuid4(),
-        type="reports.render",
-        payload={"a": 1},
-        attempt=1,
-        max_attempts=3,
-        retry_base=0,
-        lease_token=uuid.uuid4(),
-        correlation_id="c",
-        request_id="r",
-        timeout_seconds=60.0,
-        queue="jobplane.default",
-    )
-    return dataclasses.replace(attempt, **changes)
 
 
 def _field(call: Any) -> str | None:
@@ -117,7 +104,7 @@ def test_progress_reports_are_checked_one_by_one() -> None:
 
 
 def test_a_claimed_attempt_is_answered_whole() -> None:
-    attempt = _attempt()
+    attempt = claimed_attempt()
     reply = claim_to_pb(Claimed(ClaimResult(ClaimStatus.CLAIMED, attempt=attempt), 30.0, 5.0))
     assert reply.status == Claim.STATUS_CLAIMED
     assert reply.attempt.job == f"jobs/{attempt.job_id}"
@@ -145,7 +132,7 @@ def test_other_answers_say_only_what_to_do() -> None:
 
 
 def test_stage_fields_come_from_the_attempt_when_it_has_them() -> None:
-    assert _stage_fields(_attempt()) == ("", "", None)
+    assert _stage_fields(claimed_attempt()) == ("", "", None)
 
     @dataclasses.dataclass(frozen=True)
     class StageRun:
@@ -202,100 +189,26 @@ def test_worker_names() -> None:
         assert _field(lambda bad=bad: parse_worker_name(bad)) == "name"
 
 
-class _Store:
-    """The AttemptStore calls WorkerService makes, recorded; the lease can be lost at any."""
-
-    lease_seconds = 30.0
-
-    def __init__(self) -> None:
-        self.lost: str | None = None  # the write whose fence fails
-        self.cancel = False
-        self.calls: list[tuple[str, dict[str, Any]]] = []
-        self.fences: list[dict[str, Any]] = []
-        self.unparked: list[tuple[list[str], list[str]]] = []
-
-    def _write(self, name: str, attempt: Attempt, **args: Any) -> None:
-        self.fences.append(attempt.fence())  # what the real statement binds
-        if self.lost == name:
-            raise LeaseLost("moved on")
-        self.calls.append((name, args))
-
-    async def heartbeat(self, attempt: Attempt) -> bool:
-        self._write("heartbeat", attempt)
-        return self.cancel
-
-    async def write_progress(self, attempt: Attempt, updates: Any) -> bool:
-        self._write("write_progress", attempt, updates=updates)
-        return self.cancel
-
-    async def succeed(self, attempt: Attempt, result: Any, pending: Any = (), **kw: Any) -> None:
-        self._write("succeed", attempt, result=result, pending=pending, **kw)
-
-    async def fail(self, attempt: Attempt, code: str, message: str, **kw: Any) -> None:
-        self._write("fail", attempt, code=code, message=message, **kw)
-
-    async def schedule_retry(self, attempt: Attempt, code: str, message: str, **kw: Any) -> None:
-        self._write("schedule_retry", attempt, code=code, message=message, **kw)
-
-    async def cancelled(self, attempt: Attempt, pending: Any = ()) -> None:
-        self._write("cancelled", attempt, pending=pending)
-
-    async def unpark(self, types: Any, queues: Any) -> int:
-        self.unparked.append((list(types), list(queues)))
-        return 0
-
-
-class _Held:
-    """HeldAttempts over a dict; counts the reads."""
-
-    def __init__(self, *attempts: Attempt) -> None:
-        self.attempts = {(a.job_id, a.attempt, a.lease_token): a for a in attempts}
-        self.reads = 0
-
-    async def get(self, job_id: uuid.UUID, attempt: int, lease_token: uuid.UUID) -> Attempt | None:
-        self.reads += 1
-        return self.attempts.get((job_id, attempt, lease_token))
-
-
-class _Workers:
-    """WorkerStore.renew: the registration's types and queues, or None when it is gone."""
-
-    def __init__(self, found: tuple[list[str], list[str]] | None) -> None:
-        self.found = found
-        self.renewed: list[tuple[uuid.UUID, float]] = []
-
-    async def renew(self, worker_id: uuid.UUID, *, ttl: float) -> Any:
-        self.renewed.append((worker_id, ttl))
-        return self.found
-
-
-def _service(
-    store: _Store, held: _Held, workers: _Workers | None = None, **options: Any
-) -> WorkerService:
-    fakes: Any = (store, held, workers)
-    return WorkerService(fakes[0], fakes[1], load_topology(), workers=fakes[2], **options)
-
-
 async def test_a_renewal_extends_the_registration_and_unparks_what_it_runs() -> None:
-    store, worker_id = _Store(), uuid.uuid4()
-    workers = _Workers((["reports.render"], ["jobplane.default"]))
-    await _service(store, _Held(), workers).renew(worker_id)
+    store, worker_id = AttemptStoreFake(), uuid.uuid4()
+    workers = RenewalsFake((["reports.render"], ["jobplane.default"]))
+    await worker_service_on(store, HeldAttemptsFake(), workers).renew(worker_id)
     assert workers.renewed == [(worker_id, REGISTRATION_TTL)]
     assert store.unparked == [(["reports.render"], ["jobplane.default"])]
 
 
 async def test_renewing_a_worker_that_is_gone_names_it() -> None:
-    store, worker_id = _Store(), uuid.uuid4()
+    store, worker_id = AttemptStoreFake(), uuid.uuid4()
     with pytest.raises(WorkerNotFound) as refused:
-        await _service(store, _Held(), _Workers(None)).renew(worker_id)
+        await worker_service_on(store, HeldAttemptsFake(), RenewalsFake(None)).renew(worker_id)
     assert refused.value.message == f"{worker_name(worker_id)} is not registered, or stopped"
     assert store.unparked == []
 
 
 async def test_a_lease_lost_at_the_write_is_lease_lost_and_the_attempt_forgotten() -> None:
-    attempt, store = _attempt(), _Store()
-    held = _Held(attempt)
-    service = _service(store, held)
+    attempt, store = claimed_attempt(), AttemptStoreFake()
+    held = HeldAttemptsFake(attempt)
+    service = worker_service_on(store, held)
     fence = Fence(attempt.job_id, attempt.attempt, attempt.lease_token)
     assert await service.heartbeat(fence) is False
     assert await service.heartbeat(fence) is False
@@ -330,10 +243,12 @@ def log_lines(monkeypatch: pytest.MonkeyPatch) -> Any:
         yield lines
 
 
-def _outcome_setup(**changes: Any) -> tuple[WorkerService, _Store, _Held, _Metrics, Fence]:
-    attempt, store, metrics = _attempt(**changes), _Store(), _Metrics()
-    held = _Held(attempt)
-    service = _service(store, held)
+def _outcome_setup(
+    **changes: Any,
+) -> tuple[WorkerService, AttemptStoreFake, HeldAttemptsFake, _Metrics, Fence]:
+    attempt, store, metrics = claimed_attempt(**changes), AttemptStoreFake(), _Metrics()
+    held = HeldAttemptsFake(attempt)
+    service = worker_service_on(store, held)
     service.metrics = metrics  # type: ignore[assignment]
     return (
         service,
@@ -344,7 +259,7 @@ def _outcome_setup(**changes: Any) -> tuple[WorkerService, _Store, _Held, _Metri
     )
 
 
-async def _forgotten(service: WorkerService, held: _Held, fence: Fence) -> bool:
+async def _forgotten(service: WorkerService, held: HeldAttemptsFake, fence: Fence) -> bool:
     """Whether the outcome let go of the attempt: the next call reads it again."""
     reads = held.reads
     held.attempts.clear()
@@ -355,9 +270,6 @@ async def _forgotten(service: WorkerService, held: _Held, fence: Fence) -> bool:
 
 def _events(lines: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     return {line["event"]: line for line in lines}
-
-
-PENDING = [ProgressUpdate(0.5, "half", {})]
 
 
 async def test_a_retryable_failure_with_attempts_left_schedules_the_queues_backoff(
@@ -513,9 +425,16 @@ async def test_a_result_over_the_inline_limit_goes_to_a_blob_unless_a_stage_retu
         # A stage's result feeds the next stage: kept inline.
         (StageRun("p", "v1", "split", 0, 2, "v1", {}), large, False),
     ):
-        attempt, store, blobs, metrics = _attempt(stage=stage), _Store(), _Blobs(), _Metrics()
+        attempt, store, blobs, metrics = (
+            claimed_attempt(stage=stage),
+            AttemptStoreFake(),
+            _Blobs(),
+            _Metrics(),
+        )
         # A result of exactly the inline limit stays inline.
-        service = _service(store, _Held(attempt), blobs=blobs, inline_bytes=len(dumps(small)))
+        service = worker_service_on(
+            store, HeldAttemptsFake(attempt), blobs=blobs, inline_bytes=len(dumps(small))
+        )
         service.metrics = metrics  # type: ignore[assignment]
         await service.complete(Fence(attempt.job_id, 1, attempt.lease_token), result, [])
         body = dumps(result).encode()
@@ -541,7 +460,8 @@ async def test_progress_is_written_for_the_attempt_and_answers_the_cancel_flag()
     assert await service.progress(fence, PENDING) is True
     assert store.calls == [("write_progress", {"updates": PENDING})] * 2
     assert (
-        store.fences == [_attempt(job_id=fence.job_id, lease_token=fence.lease_token).fence()] * 2
+        store.fences
+        == [claimed_attempt(job_id=fence.job_id, lease_token=fence.lease_token).fence()] * 2
     )
     store.lost = "write_progress"
     with pytest.raises(AttemptLeaseLost, match="attempt 1 does not hold"):
@@ -586,8 +506,8 @@ async def test_a_retry_waits_the_backoff_of_the_attempts_own_queue() -> None:
     topology = parse_topology(
         {"queues": [{"name": "slow", "retry_base_delay": 40.0, "retry_max_delay": 600.0}]}
     )
-    attempt, store = _attempt(queue="slow"), _Store()
-    fakes: Any = (store, _Held(attempt))
+    attempt, store = claimed_attempt(queue="slow"), AttemptStoreFake()
+    fakes: Any = (store, HeldAttemptsFake(attempt))
     service = WorkerService(fakes[0], fakes[1], topology, workers=fakes[1])
     fence = Fence(attempt.job_id, attempt.attempt, attempt.lease_token)
     failed = await service.fail(fence, "X", "", retryable=True, delay=None, pending=[])

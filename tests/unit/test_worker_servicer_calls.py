@@ -32,8 +32,7 @@ from jobplane.topology import load_topology
 from jobplane.types import JobError, JobState
 from jobplane.v1 import workers_pb2
 from jobplane.workers.children import ChildRequest
-from tests.unit.test_worker_service_claims import _Claims
-from tests.unit.test_worker_service_unit import _attempt, _Held
+from tests.support.worker_service import ClaimsFake, HeldAttemptsFake, claimed_attempt
 
 Claim = workers_pb2.ClaimJobResponse
 
@@ -51,7 +50,7 @@ def test_a_claim_of_a_joining_stage_answers_its_stage_inputs_and_childrens_resul
     )
     stage = StageRun("p.run", "v1", "join", 2, 3, "v7", {"split": {"n": 2}}, results=results)
     # Past its budget (a fourth attempt of three): no attempt is left, never fewer.
-    attempt = _attempt(stage=stage, attempt=4, correlation_id="order-17", request_id="req-9")
+    attempt = claimed_attempt(stage=stage, attempt=4, correlation_id="order-17", request_id="req-9")
     reply = claim_to_pb(Claimed(ClaimResult(ClaimStatus.CLAIMED, attempt=attempt), 30.0, 5.0))
     assert (reply.type, reply.max_attempts, reply.attempts_left) == ("reports.render", 3, 0)
     assert (reply.correlation_id, reply.request_id) == ("order-17", "req-9")
@@ -73,7 +72,7 @@ def test_a_claim_of_a_joining_stage_answers_its_stage_inputs_and_childrens_resul
 def test_a_claim_says_whether_the_stage_fans_out_and_a_plain_job_neither() -> None:
     split = StageRun("p.run", "v1", "split", 0, 3, "v1", {}, fans_out=True)
     for stage, fans_out in ((split, True), (None, False)):
-        attempt = _attempt(stage=stage)
+        attempt = claimed_attempt(stage=stage)
         reply = claim_to_pb(Claimed(ClaimResult(ClaimStatus.CLAIMED, attempt=attempt), 9.0, 3.0))
         assert (reply.fans_out, list(reply.results)) == (fans_out, [])
         assert reply.lease_duration.ToTimedelta() == timedelta(seconds=9)
@@ -156,10 +155,10 @@ async def _call(servicer: WorkerServiceServicer, rpc: str, request: Any) -> Any:
     return await getattr(WorkerServiceServicer, rpc).__wrapped__(servicer, request)
 
 
-def _servicer() -> tuple[WorkerServiceServicer, _Claims, _Workers, Any]:
-    attempt = _attempt()
-    store, workers = _Claims(ClaimResult(ClaimStatus.CLAIMED, attempt=attempt)), _Workers()
-    fakes: Any = (store, _Held(attempt), workers)
+def _servicer() -> tuple[WorkerServiceServicer, ClaimsFake, _Workers, Any]:
+    attempt = claimed_attempt()
+    store, workers = ClaimsFake(ClaimResult(ClaimStatus.CLAIMED, attempt=attempt)), _Workers()
+    fakes: Any = (store, HeldAttemptsFake(attempt), workers)
     service = WorkerService(fakes[0], fakes[1], load_topology(), workers=fakes[2])
     ref = workers_pb2.AttemptRef(
         job=f"jobs/{attempt.job_id}", attempt=1, lease_token=str(attempt.lease_token)
@@ -257,7 +256,7 @@ def far_from_utc(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 
 @pytest.mark.usefixtures("far_from_utc")
 async def test_lease_expire_times_are_utc_whatever_the_servers_zone() -> None:
-    attempt = _attempt()
+    attempt = claimed_attempt()
     reply = claim_to_pb(Claimed(ClaimResult(ClaimStatus.CLAIMED, attempt=attempt), 30.0, 5.0))
     assert _near(reply.lease_expire_time, 30.0)
     servicer, _store, _workers, ref = _servicer()
