@@ -373,3 +373,11 @@ async def test_a_republished_dispatchs_line_names_the_jobs_trace(
         assert (await traced.sweep_once()).republished == 1
     (line,) = [e for e in logs if e["event"] == "sweeper.dispatch.republished"]
     assert line["trace_id"] == trace_id
+    # The line names the job and the dispatch made due again, and its count.
+    dispatch = await stack.scalar(
+        "SELECT CAST(id AS text) FROM outbox WHERE kind = 'job.dispatch' AND republish_count = 1"
+    )
+    job = await stack.scalar(
+        "SELECT CAST(job_id AS text) FROM outbox WHERE id = CAST(:id AS uuid)", id=dispatch
+    )
+    assert (line["job"], line["event_id"], line["republish"]) == (f"jobs/{job}", dispatch, 1)

@@ -4,6 +4,7 @@ child's request is checked as a worker checks it."""
 from __future__ import annotations
 
 import json
+from datetime import UTC, datetime
 from typing import Any
 
 import pytest
@@ -42,6 +43,60 @@ def test_a_plain_handler_submits_from_its_thread() -> None:
     outcome = run_handler_sync(plain, "fan.out")
     assert outcome.status == "succeeded"
     assert outcome.result == {"child": outcome.children[0].name}
+
+
+# A time already past is taken (the child runs at once): no horizon to stay within.
+_AT = datetime(2020, 1, 2, 3, 4, 5, tzinfo=UTC)
+_ASKED = [
+    ChildRequest(
+        key="at",
+        type="fan.leaf",
+        payload={"i": 1},
+        max_attempts=7,
+        timeout_seconds=90.5,
+        correlation_id="corr-1",
+        schedule_time=_AT,
+    ),
+    ChildRequest(key="later", type="fan.leaf", payload={}, schedule_delay_seconds=12.5),
+]
+
+
+async def test_every_option_of_ctx_submit_reaches_the_childs_request() -> None:
+    async def handler(ctx: JobContext) -> dict[str, Any]:
+        await ctx.submit(
+            "fan.leaf",
+            {"i": 1},
+            key="at",
+            max_attempts=7,
+            timeout=90.5,
+            correlation_id="corr-1",
+            schedule_time=_AT,
+        )
+        await ctx.submit("fan.leaf", key="later", schedule_delay=12.5)
+        return {}
+
+    kept = MemoryChildren()
+    assert (await run_handler(handler, "fan.out", children=kept)).status == "succeeded"
+    assert [child.request for child in kept.by_key.values()] == _ASKED
+
+
+def test_every_option_of_a_plain_handlers_submit_reaches_the_childs_request() -> None:
+    def plain(ctx: SyncJobContext) -> dict[str, Any]:
+        ctx.submit(
+            "fan.leaf",
+            {"i": 1},
+            key="at",
+            max_attempts=7,
+            timeout=90.5,
+            correlation_id="corr-1",
+            schedule_time=_AT,
+        )
+        ctx.submit("fan.leaf", key="later", schedule_delay=12.5)
+        return {}
+
+    kept = MemoryChildren()
+    assert run_handler_sync(plain, "fan.out", children=kept).status == "succeeded"
+    assert [child.request for child in kept.by_key.values()] == _ASKED
 
 
 @pytest.mark.parametrize(

@@ -4,20 +4,28 @@ call passes when repeated; the store runs such a transaction again itself."""
 
 from __future__ import annotations
 
-from typing import Any
+import uuid
+from datetime import UTC, datetime
+from typing import Any, cast
 
 import asyncpg
 import grpc
 import pytest
 import structlog
+from sqlalchemy.ext.asyncio import create_async_engine
 
 from jobplane.errors import Aborted, InvalidArgument
 from jobplane.server.status import error_for, to_grpc_status
-from jobplane.store.db import _wrapped
+from jobplane.store import jobs as jobs_module
+from jobplane.store.db import Database, _wrapped
 from jobplane.store.down import CONFLICT_TRIES, again_on_conflict
+from jobplane.store.jobs import JobStore
+from jobplane.types import Job, JobState
+from tests.support.logs import module_lines
 from tests.unit.test_database_full import _asyncpg_error, _through_sqlalchemy
 
 log = structlog.get_logger("tests")
+_TENANT, _JOB = uuid.UUID(int=1), uuid.UUID(int=2)
 
 
 @pytest.mark.parametrize("state", ["40P01", "40001"])  # deadlock, serialization failure
@@ -68,3 +76,58 @@ async def test_any_other_failure_is_raised_at_once(failure: Any) -> None:
     with pytest.raises(type(failure)):
         await again_on_conflict(op, log, "test")
     assert op.calls == 1
+
+
+def _stored(state: JobState) -> Job:
+    now = datetime(2026, 1, 1, tzinfo=UTC)
+    return Job(
+        name=f"jobs/{_JOB}",
+        type="demo.echo",
+        state=state,
+        payload={},
+        result=None,
+        error=None,
+        progress=0.0,
+        progress_message="",
+        attempt=1,
+        max_attempts=1,
+        request_id="r",
+        correlation_id="",
+        labels={},
+        create_time=now,
+        update_time=now,
+    )
+
+
+async def test_a_job_call_run_again_after_a_conflict_says_which_call_it_was(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # An engine never connected: each call's transaction is faked.
+    engine = create_async_engine("postgresql+asyncpg://nobody@127.0.0.1:1/none")
+    store = JobStore(engine, cast(Database, None))
+    running, queued = _stored(JobState.RUNNING), _stored(JobState.QUEUED)
+    cancel = _Flaky([_asyncpg_error("40P01")])
+    retry = _Flaky([_asyncpg_error("40001")])
+
+    async def cancelled(*args: Any) -> tuple[Job, Job, list[str]]:
+        await cancel()
+        return running, running, []
+
+    async def retried(*args: Any) -> Job:
+        await retry()
+        return queued
+
+    monkeypatch.setattr(store, "_cancel", cancelled)
+    monkeypatch.setattr(store, "_retry", retried)
+    with module_lines(monkeypatch, jobs_module, "jobplane.store") as lines:
+        assert await store.cancel(_TENANT, _JOB, "") is running
+        assert await store.retry(_TENANT, _JOB) is queued
+    assert (cancel.calls, retry.calls) == (2, 2)
+    assert [(line["event"], line["log_level"], line["what"]) for line in lines] == [
+        ("database.conflict.retry", "info", "cancel"),
+        ("database.conflict.retry", "info", "retry"),
+    ]
+    assert [line["error"] for line in lines] == [
+        f"asyncpg.exceptions.{name}: [message withheld: sqlstate={state}]"
+        for name, state in (("DeadlockDetectedError", "40P01"), ("SerializationError", "40001"))
+    ]

@@ -1,4 +1,5 @@
-"""How the worker settles a delivery it claimed or handed back, and what it logs.
+"""How the worker settles a delivery it claimed or handed back, or whose handling
+crashed, was cancelled or left it unsettled, and what it logs.
 
 A fake store answers the claim or the hand-back; a fake delivery records each
 ack, nack and reject with its ``requeue``.
@@ -6,7 +7,9 @@ ack, nack and reject with its ``requeue``.
 
 from __future__ import annotations
 
+import asyncio
 import uuid
+from collections.abc import Awaitable, Callable, Iterator
 from types import SimpleNamespace
 from typing import Any
 
@@ -16,11 +19,13 @@ from jobplane.envelope import Envelope
 from jobplane.faults import NO_FAULTS
 from jobplane.logs import fingerprint
 from jobplane.store.attempts import Attempt, ClaimResult, ClaimStatus, HandBack
+from jobplane.workers import delivery as delivery_module
 from jobplane.workers.delivery import Deliveries
 from jobplane.workers.interceptors import chain
 from jobplane.workers.recording import Stopping
 from tests.support.attempts import an_attempt
 from tests.support.interceptors import Recording
+from tests.support.logs import Lines, module_lines
 
 
 class Message:
@@ -31,6 +36,12 @@ class Message:
         self.settled: list[tuple[str, bool | None]] = []
         self.message_id = "m-1"
         self.queue = "q"
+        self.headers: dict[str, Any] = {}
+
+    @property
+    def processed(self) -> bool:
+        """Whether it was settled, as aio-pika's delivery says."""
+        return bool(self.settled)
 
     async def ack(self) -> None:
         self.settled.append(("ack", None))
@@ -213,3 +224,89 @@ async def test_a_hand_back_of_no_known_job_is_rejected_and_one_while_stopping_re
     await stopping._hand_back_job(ENVELOPE, message, log)
     assert message.settled == [("nack", True)]
     assert log.lines == []
+
+
+@pytest.fixture
+def lines(monkeypatch: pytest.MonkeyPatch) -> Iterator[Lines]:
+    with module_lines(monkeypatch, delivery_module, "jobplane.worker") as captured:
+        yield captured
+
+
+def handling(worker: Any, handle: Callable[[Message], Awaitable[None]]) -> Any:
+    """``worker`` with ``handle`` as what it does with a delivery."""
+    worker._handle = handle
+    return worker
+
+
+@pytest.mark.parametrize("intercepted", [False, True], ids=["plain", "intercepted"])
+async def test_a_delivery_its_handling_left_unsettled_is_requeued_and_said_so(
+    intercepted: bool, lines: Lines
+) -> None:
+    seen = [Recording("a")]
+    worker = deliveries(Store(), intercept=chain(seen) if intercepted else None)
+
+    async def settles(message: Message) -> None:
+        await message.ack()
+
+    async def leaves(message: Message) -> None:
+        return None
+
+    acked, left = Message(), Message()
+    await handling(worker, settles)._handle_and_nack(acked)
+    await handling(worker, leaves)._handle_and_nack(left)
+    assert (acked.settled, left.settled) == ([("ack", None)], [("nack", True)])
+    assert lines == [{"event": "job.message.unsettled", "log_level": "error", "message_id": "m-1"}]
+    if intercepted:
+        assert seen[0].seen == ["a.delivered>", "a.<delivered"] * 2
+
+
+async def test_a_crashed_handling_is_logged_and_its_delivery_requeued_unless_settled(
+    lines: Lines,
+) -> None:
+    bug = RuntimeError("a bug")
+
+    async def crashes(message: Message) -> None:
+        raise bug
+
+    async def acks_then_crashes(message: Message) -> None:
+        await message.ack()
+        raise bug
+
+    crashed, acked = Message(), Message()
+    await handling(deliveries(Store()), crashes)._handle_and_nack(crashed)
+    await handling(deliveries(Store()), acks_then_crashes)._handle_and_nack(acked)
+    assert (crashed.settled, acked.settled) == ([("nack", True)], [("ack", None)])
+    line = {
+        "event": "job.message.crashed",
+        "log_level": "error",
+        "message_id": "m-1",
+        "error": "RuntimeError: a bug",
+        "exc_info": bug,
+    }
+    assert lines == [line, line]
+
+
+@pytest.mark.parametrize(
+    ("ack_first", "settled"),
+    [(False, [("nack", True)]), (True, [("ack", None)])],
+    ids=["unsettled", "acked"],
+)
+async def test_a_cancelled_handling_requeues_its_delivery_unless_settled_and_stays_cancelled(
+    ack_first: bool, settled: list[tuple[str, bool | None]], lines: Lines
+) -> None:
+    started = asyncio.Event()
+
+    async def waits(message: Message) -> None:
+        if ack_first:
+            await message.ack()
+        started.set()
+        await asyncio.sleep(60)
+
+    message = Message()
+    task = asyncio.create_task(handling(deliveries(Store()), waits)._handle_and_nack(message))
+    await started.wait()
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert message.settled == settled
+    assert lines == []

@@ -115,6 +115,20 @@ def test_a_parts_command_line_is_one_the_dev_parser_takes() -> None:
         )[3:]
     )
     assert plain.handlers is None and not plain.no_maintenance and plain.ingest is None
+    assert not args.metrics_fallback and not plain.metrics_fallback
+    fallback = part_command(
+        2,
+        parent_pid=1,
+        metrics_listen="127.0.0.1:9467",
+        handlers=None,
+        concurrency=8,
+        no_maintenance=False,
+        ingest=(),
+        metrics_fallback=True,
+    )
+    taken = build_parser().parse_args(fallback[3:])
+    assert (taken.worker_part, taken.metrics_listen) == (2, "127.0.0.1:9467")
+    assert taken.metrics_fallback
 
 
 def test_dev_defaults_to_automatic_processes() -> None:

@@ -44,3 +44,19 @@ def test_deaths_are_counted_over_every_x_death_entry() -> None:
 def test_without_x_death_the_first_death_headers_say_why() -> None:
     failed = _described({"x-first-death-reason": "maxlen", "x-first-death-queue": "jobs.low"})
     assert (failed.reason, failed.source_queue, failed.deaths) == ("maxlen", "jobs.low", 1)
+
+
+def test_an_x_death_entry_without_a_count_is_one_death() -> None:
+    failed = _described(
+        {
+            "x-death": [
+                {"reason": "rejected", "queue": "jobs.default"},
+                "not an entry",
+                {"reason": "expired", "queue": "jobs.default.retry", "count": 4},
+                {"reason": "expired", "queue": "jobs.default.retry"},
+            ]
+        }
+    )
+    # Two entries without a count (one each), one of four; what is not a table is skipped.
+    assert (failed.reason, failed.source_queue, failed.deaths) == ("rejected", "jobs.default", 6)
+    assert _described({"x-death": [{"reason": "maxlen"}]}).deaths == 1

@@ -49,8 +49,13 @@ def test_reserve_and_prefetch() -> None:
     assert plain.reserve == 0 and plain.prefetch("low") == 8
     # A priority the worker does not consume counts as its lowest class.
     assert mixed.class_of("nonsense") == "low"
-    with pytest.raises(ValueError, match="reserve"):
-        Slots(4, ["high", "low"], reserve=4)
+    reserve = r"^reserve must be at least 0 and less than concurrency$"
+    for wrong in (4, -1):
+        with pytest.raises(ValueError, match=reserve):
+            Slots(4, ["high", "low"], reserve=wrong)
+    for too_few in (0, -1):
+        with pytest.raises(ValueError, match=r"^concurrency must be at least 1$"):
+            Slots(too_few, ["normal"])
 
 
 async def _hold(slots: Slots, priority: str, release: asyncio.Event, log: list[str]) -> None:

@@ -98,8 +98,9 @@ async def test_the_loop_says_what_failed_and_goes_on(
 ) -> None:
     transient = DBAPIError("SELECT ...", {}, ConnectionResetError("gone"))
     ticked = TickReport(runs=1, skipped=0, refused=0, failed=0, lag_seconds=0.0)
+    bug = RuntimeError("a bug")
     spent = asyncio.Event()
-    scheduler = _scheduler(monkeypatch, [transient, RuntimeError("a bug"), ticked], spent)
+    scheduler = _scheduler(monkeypatch, [transient, bug, ticked], spent)
     await scheduler.start()
     try:
         await asyncio.wait_for(spent.wait(), 5)
@@ -110,4 +111,11 @@ async def test_the_loop_says_what_failed_and_goes_on(
         ("scheduler.error", "error"),
         ("scheduler.ticked", "info"),
     ]
+    # Each failure line names the error; only the unexpected one carries its traceback.
+    assert lines[0] == {
+        "event": "scheduler.db.error",
+        "log_level": "warning",
+        "error": "sqlalchemy.exc.DBAPIError from ConnectionResetError: gone",
+    }
     assert lines[1]["error"] == "RuntimeError: a bug"
+    assert lines[1]["exc_info"] is bug

@@ -76,6 +76,28 @@ def logs_back() -> Iterator[None]:
     configure("warning")
 
 
+_DOWN = "asyncpg.exceptions.CannotConnectNowError: the database system is starting up"
+
+
+async def _each_kind_of_failed_pass() -> None:
+    """A failed drain and a failed sweep of every kind the loop tells apart."""
+    args = _args(once=False, interval=0.01)
+    drains: tuple[Exception, ...] = (
+        RuntimeError("a bug in a drain"),
+        ConnectionRefusedError("refused"),
+        asyncpg.CannotConnectNowError("the database system is starting up"),
+    )
+    for exc in drains:
+        await cli._drained(_Failing(exc), args)  # type: ignore[arg-type]
+    sweeps: tuple[Exception, ...] = (
+        asyncpg.CannotConnectNowError("the database system is starting up"),
+        asyncpg.DeadlockDetectedError("deadlock"),
+        RuntimeError("a bug in a sweep"),
+    )
+    for exc in sweeps:
+        await cli._swept(_Failing(exc), args, None)  # type: ignore[arg-type]
+
+
 @pytest.mark.usefixtures("logs_back")
 def test_a_failed_pass_is_logged_with_its_level_and_when_it_is_tried_again(
     monkeypatch: pytest.MonkeyPatch,
@@ -84,18 +106,37 @@ def test_a_failed_pass_is_logged_with_its_level_and_when_it_is_tried_again(
     json_logs = io.StringIO()
     monkeypatch.setattr(sys, "stderr", json_logs)
     configure("info", "json")
-
-    async def passes() -> None:
-        args = _args(once=False, interval=0.01)
-        await cli._drained(_Failing(RuntimeError("a bug in a drain")), args)  # type: ignore[arg-type]
-        await cli._drained(_Failing(ConnectionRefusedError("refused")), args)  # type: ignore[arg-type]
-        await cli._swept(_Failing(asyncpg.DeadlockDetectedError("deadlock")), args, None)  # type: ignore[arg-type]
-
-    asyncio.run(passes())
+    asyncio.run(_each_kind_of_failed_pass())
     lines = [json.loads(line) for line in json_logs.getvalue().splitlines()]
-    assert [(line["event"], line["level"], line["retry_in"]) for line in lines] == [
-        ("outbox.drain.failed", "error", 0.01),
-        ("broker.unavailable", "warning", 0.01),
-        ("sweeper.db.error", "warning", 0.01),
+    assert [(line["event"], line["level"], line["error"], line["retry_in"]) for line in lines] == [
+        ("outbox.drain.failed", "error", "RuntimeError: a bug in a drain", 0.01),
+        ("broker.unavailable", "warning", "ConnectionRefusedError('refused')", 0.01),
+        ("database.unavailable", "warning", _DOWN, 0.01),
+        ("database.unavailable", "warning", _DOWN, 0.01),
+        (
+            "sweeper.db.error",
+            "warning",
+            "asyncpg.exceptions.DeadlockDetectedError: [message withheld: sqlstate=40P01]",
+            0.01,
+        ),
+        ("sweeper.error", "error", "RuntimeError: a bug in a sweep", 0.01),
     ]
-    assert lines[0]["error"] == "RuntimeError: a bug in a drain"
+
+
+@pytest.mark.usefixtures("logs_back")
+def test_a_failed_pass_is_one_line_of_text_without_json_logs(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    text = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", text)
+    configure("info")
+    asyncio.run(_each_kind_of_failed_pass())
+    assert text.getvalue().splitlines() == [
+        "outbox not drained, trying again: RuntimeError: a bug in a drain",
+        "broker unavailable, outbox not drained: ConnectionRefusedError('refused')",
+        f"database unavailable, outbox not drained: {_DOWN}",
+        f"database unavailable, not swept: {_DOWN}",
+        "sweep failed, trying again: "
+        "asyncpg.exceptions.DeadlockDetectedError: [message withheld: sqlstate=40P01]",
+        "sweep failed, trying again: RuntimeError: a bug in a sweep",
+    ]

@@ -27,6 +27,7 @@ from jobplane.server.worker_protocol import (
     WorkerService,
     parse_worker_name,
 )
+from jobplane.server.worker_requests import check_reports
 from jobplane.store.attempts import ProgressUpdate
 from jobplane.store.rows import dumps
 from jobplane.topology import load_topology
@@ -92,9 +93,15 @@ def test_a_message_body_that_is_no_envelope_says_why_within_160_characters() -> 
     assert _refusal(lambda: _envelope(cut))[1].endswith("…(159 characters)")
 
 
-def test_progress_reports_are_refused_by_the_first_bad_one_with_what_is_wrong() -> None:
+# The service's check, and the request module's function it hands the reports to.
+@pytest.mark.parametrize(
+    "check", [WorkerService.reports, check_reports], ids=["service", "worker_requests"]
+)
+def test_progress_reports_are_refused_by_the_first_bad_one_with_what_is_wrong(
+    check: Callable[..., list[ProgressUpdate]],
+) -> None:
     def refused(reports: list[tuple[float, str, dict[str, Any]]], **options: Any) -> Any:
-        return _refusal(lambda: WorkerService.reports(reports, **options))
+        return _refusal(lambda: check(reports, **options))
 
     ok: tuple[float, str, dict[str, Any]] = (0.5, "", {})
     assert refused([], required=True) == ("reports", "reports needs at least one report")
