@@ -20,6 +20,7 @@ from jobplane.server.limits import TenantLimiter, TenantLimits
 from jobplane.store.keys import KeyIdentity, KeyStore
 from jobplane.v1 import blobs_pb2
 from tests.support.logs import module_lines
+from tests.support.servicer_context import Aborted, ServicerContext
 
 Lines = list[MutableMapping[str, Any]]
 
@@ -66,16 +67,6 @@ class _Broken:
         raise self._fail(tenant)
 
 
-class _Aborted(Exception):
-    def __init__(self, status: grpc.Status) -> None:
-        self.status = status
-
-
-class _Context:
-    async def abort_with_status(self, status: grpc.Status) -> None:
-        raise _Aborted(status)
-
-
 async def _upload(servicer: BlobServiceServicer, context: Any) -> Any:
     async def messages() -> AsyncIterator[blobs_pb2.UploadBlobRequest]:
         yield blobs_pb2.UploadBlobRequest(header=blobs_pb2.UploadBlobHeader(content_type="a/b"))
@@ -117,9 +108,9 @@ async def test_a_store_failure_is_internal_and_logged_naming_the_rpc(
 
         # The gate sets the caller's identity for the task that serves the call.
         await gate.intercept_service(continuation, _Details(rpc))
-        await _RPCS[rpc](servicer, _Context())
+        await _RPCS[rpc](servicer, ServicerContext())
 
-    with pytest.raises(_Aborted) as aborted:
+    with pytest.raises(Aborted) as aborted:
         await asyncio.create_task(call())
     assert aborted.value.status.code is grpc.StatusCode.INTERNAL
     assert "a bug" not in aborted.value.status.details  # nothing of the failure is told

@@ -5,7 +5,6 @@ call passes when repeated; the store runs such a transaction again itself."""
 from __future__ import annotations
 
 import uuid
-from datetime import UTC, datetime
 from typing import Any, cast
 
 import asyncpg
@@ -21,6 +20,7 @@ from jobplane.store.db import Database, _wrapped
 from jobplane.store.down import CONFLICT_TRIES, again_on_conflict
 from jobplane.store.jobs import JobStore
 from jobplane.types import Job, JobState
+from tests.support.job_service import stored_job
 from tests.support.logs import module_lines
 from tests.unit.test_database_full import _asyncpg_error, _through_sqlalchemy
 
@@ -79,24 +79,7 @@ async def test_any_other_failure_is_raised_at_once(failure: Any) -> None:
 
 
 def _stored(state: JobState) -> Job:
-    now = datetime(2026, 1, 1, tzinfo=UTC)
-    return Job(
-        name=f"jobs/{_JOB}",
-        type="demo.echo",
-        state=state,
-        payload={},
-        result=None,
-        error=None,
-        progress=0.0,
-        progress_message="",
-        attempt=1,
-        max_attempts=1,
-        request_id="r",
-        correlation_id="",
-        labels={},
-        create_time=now,
-        update_time=now,
-    )
+    return stored_job(f"jobs/{_JOB}", state=state, attempt=1, max_attempts=1, request_id="r")
 
 
 async def test_a_job_call_run_again_after_a_conflict_says_which_call_it_was(

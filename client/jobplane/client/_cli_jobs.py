@@ -124,7 +124,7 @@ def _register_submit(subparsers: Subparsers, parents: Parents) -> None:
         "--correlation-id",
         metavar="ID",
         default="",
-        help="the chain of work it belongs to, carried on its events and logs",
+        help="the chain of work it belongs to, carried on its events (logs show its fingerprint)",
     )
     submit.add_argument(
         "--max-attempts", metavar="N", type=int, default=0, help="0: the queue's default"

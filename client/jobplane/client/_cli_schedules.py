@@ -77,20 +77,26 @@ def _spec_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--overlap",
         choices=[o.value for o in Overlap],
-        help="a tick while a run is going: skip (the default), buffer_one (run it after), "
-        "allow_all (run anyway), cancel_other (cancel the running one, then run)",
+        help="a tick while a run is going: skip (create's default), buffer_one (run it "
+        "after), allow_all (run anyway), cancel_other (cancel the running one, then run)",
     )
     parser.add_argument(
         "--catch-up",
         choices=[c.value for c in CatchUp],
-        help="ticks missed while nothing ticked: skip (the default), one (one run for all), "
-        "all (each, oldest first)",
+        help="ticks missed while nothing ticked: skip (create's default), one (one run for "
+        "all), all (each, oldest first)",
     )
     parser.add_argument(
-        "--catch-up-limit", type=int, metavar="N", help="with all: the newest N (default 100)"
+        "--catch-up-limit",
+        type=int,
+        metavar="N",
+        help="with all: the newest N (create's default 100)",
     )
     parser.add_argument(
-        "--max-attempts", type=int, metavar="N", help="each run's attempts (the queue's default)"
+        "--max-attempts",
+        type=int,
+        metavar="N",
+        help="each run's attempts (create's default: the queue's)",
     )
     parser.add_argument(
         "--attempt-timeout", type=float, metavar="SECONDS", help="each attempt's time limit"

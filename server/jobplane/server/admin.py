@@ -103,7 +103,7 @@ async def _tenants(args: argparse.Namespace) -> int:
         await engine.dispose()
 
 
-_TENANT_HELP = "the tenant's name (as `keys create --tenant` gave it)"
+_TENANT_HELP = "a tenant's name, as keys create --tenant gave it"
 
 
 def _retention_days(value: str) -> int | None:

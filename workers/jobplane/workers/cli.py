@@ -566,7 +566,10 @@ def register_dlq(parser: argparse.ArgumentParser) -> None:
     dlq_list.add_argument("--json", action="store_true", help="one JSON object per message")
     dlq_replay = dlq.add_parser("replay", help="re-dispatch their jobs through the outbox")
     dlq_replay.add_argument(
-        "--limit", type=positive_count, default=100, help="replay at most this many (default 100)"
+        "--limit",
+        type=positive_count,
+        default=100,
+        help="take at most this many messages (default 100)",
     )
     dlq_purge = dlq.add_parser("purge", help="drop every failed message")
     dlq_purge.add_argument("--yes", action="store_true", help="really drop them")
