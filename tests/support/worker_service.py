@@ -10,7 +10,6 @@ the service on them. :class:`Recorded` records every metric counted.
 
 from __future__ import annotations
 
-import dataclasses
 import uuid
 from typing import Any
 
@@ -18,26 +17,20 @@ from jobplane.envelope import Envelope
 from jobplane.server.worker_protocol import WorkerService
 from jobplane.store.attempts import Attempt, ClaimResult, HandBack, LeaseLost, ProgressUpdate
 from jobplane.topology import load_topology
+from tests.support.attempts import an_attempt
 
 
 def claimed_attempt(**changes: Any) -> Attempt:
     """The first of three attempts of a ``reports.render`` job on the default queue,
     with fresh ids; ``changes`` replace any field."""
-    attempt = Attempt(
-        job_id=uuid.uuid4(),
-        tenant_id=uuid.uuid4(),
-        type="reports.render",
-        payload={"a": 1},
-        attempt=1,
-        max_attempts=3,
-        retry_base=0,
-        lease_token=uuid.uuid4(),
-        correlation_id="c",
-        request_id="r",
-        timeout_seconds=60.0,
-        queue="jobplane.default",
-    )
-    return dataclasses.replace(attempt, **changes)
+    defaults: dict[str, Any] = {
+        "type": "reports.render",
+        "payload": {"a": 1},
+        "correlation_id": "c",
+        "timeout_seconds": 60.0,
+        "queue": "jobplane.default",
+    }
+    return an_attempt(**{**defaults, **changes})
 
 
 class AttemptStoreFake:

@@ -61,18 +61,26 @@ _ASKED = [
 ]
 
 
+#: The calls of ``ctx.submit`` that ask for :data:`_ASKED`.
+_SUBMITS: list[tuple[tuple[Any, ...], dict[str, Any]]] = [
+    (
+        ("fan.leaf", {"i": 1}),
+        {
+            "key": "at",
+            "max_attempts": 7,
+            "timeout": 90.5,
+            "correlation_id": "corr-1",
+            "schedule_time": _AT,
+        },
+    ),
+    (("fan.leaf",), {"key": "later", "schedule_delay": 12.5}),
+]
+
+
 async def test_every_option_of_ctx_submit_reaches_the_childs_request() -> None:
     async def handler(ctx: JobContext) -> dict[str, Any]:
-        await ctx.submit(
-            "fan.leaf",
-            {"i": 1},
-            key="at",
-            max_attempts=7,
-            timeout=90.5,
-            correlation_id="corr-1",
-            schedule_time=_AT,
-        )
-        await ctx.submit("fan.leaf", key="later", schedule_delay=12.5)
+        for args, options in _SUBMITS:
+            await ctx.submit(*args, **options)
         return {}
 
     kept = MemoryChildren()
@@ -82,16 +90,8 @@ async def test_every_option_of_ctx_submit_reaches_the_childs_request() -> None:
 
 def test_every_option_of_a_plain_handlers_submit_reaches_the_childs_request() -> None:
     def plain(ctx: SyncJobContext) -> dict[str, Any]:
-        ctx.submit(
-            "fan.leaf",
-            {"i": 1},
-            key="at",
-            max_attempts=7,
-            timeout=90.5,
-            correlation_id="corr-1",
-            schedule_time=_AT,
-        )
-        ctx.submit("fan.leaf", key="later", schedule_delay=12.5)
+        for args, options in _SUBMITS:
+            ctx.submit(*args, **options)
         return {}
 
     kept = MemoryChildren()
