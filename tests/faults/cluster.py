@@ -14,6 +14,7 @@ its own), and judges a run by three properties:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import socket
@@ -90,9 +91,17 @@ def with_fan_pipeline(topology: Topology) -> Topology:
 
 def free_port() -> int:
     """A TCP port nothing listens on now."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+    return free_ports(1)[0]
+
+
+def free_ports(count: int) -> tuple[int, ...]:
+    """``count`` TCP ports nothing listens on now, all different: each is held while
+    the next is picked, so the kernel cannot hand out one of them twice."""
+    with contextlib.ExitStack() as held:
+        socks = [held.enter_context(socket.socket()) for _ in range(count)]
+        for sock in socks:
+            sock.bind(("127.0.0.1", 0))
+        return tuple(int(sock.getsockname()[1]) for sock in socks)
 
 
 def topology_toml(topology: Topology) -> str:
@@ -149,11 +158,17 @@ class Proc:
     """One `jobplane …` child process and its log."""
 
     def __init__(
-        self, cluster: Cluster, args: Sequence[str], faults: str = "", module: str = "jobplane"
+        self,
+        cluster: Cluster,
+        args: Sequence[str],
+        faults: str = "",
+        module: str = "jobplane",
+        env: dict[str, str] | None = None,
     ) -> None:
         self.cluster = cluster
         self.args = list(args)
         self.module = module
+        self.env = env or {}
         self.faults = faults
         self.process: asyncio.subprocess.Process | None = None
         name = args[0] if module == "jobplane" else module.rpartition(".")[2]
@@ -167,7 +182,7 @@ class Proc:
 
     async def start(self, *, ready: str | None = None) -> Proc:
         """Start (again) and wait until its log shows ``ready``."""
-        env = {**self.cluster.env, "JOBPLANE_FAULTS": self.faults}
+        env = {**self.cluster.env, **self.env, "JOBPLANE_FAULTS": self.faults}
         self.starts += 1
         offset = self.log.stat().st_size if self.log.exists() else 0
         with self.log.open("ab") as log:
@@ -225,11 +240,17 @@ class Cluster:
     topology: Topology
     workdir: Path
     key: str = ""
-    port: int = field(default_factory=free_port)
+    #: The server's gRPC port and its ops listener's, picked together so that they
+    #: differ (a default ops port taken by another run would otherwise fall back to
+    #: one the kernel picks, which can be the gRPC port freed a moment before).
+    port: int = 0
+    ops_port: int = 0
     procs: list[Proc] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        if not self.port:
+            self.port, self.ops_port = free_ports(2)
         path = self.workdir / "topology.toml"
         path.write_text(topology_toml(self.topology))
         self.env = {
@@ -283,7 +304,8 @@ class Cluster:
 
     async def server(self, *, faults: str = "") -> Proc:
         """Start `jobplane serve`."""
-        return await self._spawn(["serve"], "server.started", faults)
+        ops = {"JOBPLANE_METRICS_LISTEN": f"127.0.0.1:{self.ops_port}"} if self.ops_port else {}
+        return await self._spawn(["serve"], "server.started", faults, ops)
 
     async def relay(self, *args: str, faults: str = "") -> Proc:
         """Start `jobplane relay` (with a fast sweeper)."""
@@ -304,8 +326,10 @@ class Cluster:
         ]
         return await self._spawn(base, "worker.started", faults)
 
-    async def _spawn(self, args: list[str], ready: str, faults: str = "") -> Proc:
-        proc = Proc(self, args, faults)
+    async def _spawn(
+        self, args: list[str], ready: str, faults: str = "", env: dict[str, str] | None = None
+    ) -> Proc:
+        proc = Proc(self, args, faults, env=env)
         self.procs.append(proc)
         await proc.start(ready=ready)
         return proc
