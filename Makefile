@@ -52,8 +52,11 @@ dev: $(STAMP) services
 
 ## Everything CI runs: lint, types, unit + integration tests on real services;
 ## the slowest thirty tests are listed at the end, to keep the run short.
+## The tests run in TEST_WORKERS processes, a test file to one process (each makes
+## its own databases and vhost); TEST_WORKERS=0 runs them in this one.
+TEST_WORKERS ?= 2
 test: $(STAMP) services lint typecheck
-	$(BIN)/python -m pytest --durations=30 $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --durations=30 $(PYTEST_ARGS)
 
 ## Only the fault-injection suite (part of `make test` too).
 faults: $(STAMP) services
