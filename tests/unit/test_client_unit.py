@@ -43,6 +43,7 @@ from jobplane.client._retry import Backoff, EventCursor
 from jobplane.convert import event_to_pb
 from jobplane.errors import ERROR_DOMAIN, InvalidArgument
 from jobplane.v1 import jobs_pb2
+from tests.support.jobs import stored_job
 
 NOW = datetime(2025, 1, 2, 3, 4, 5, tzinfo=UTC)
 FAST = RetryPolicy(initial_delay=0.001, max_delay=0.01, max_elapsed=0.3, jitter=0)
@@ -99,19 +100,15 @@ def event(seq: int, kind: EventType = EventType.PROGRESS, **kw: Any) -> JobEvent
 
 
 def job(state: JobState = JobState.SUCCEEDED, last_seq: int = 5) -> Job:
-    return Job(
-        name="jobs/1",
+    return stored_job(
+        "jobs/1",
         type="demo.progress",
         state=state,
         payload={"steps": 5},
         result={"ok": True} if state is JobState.SUCCEEDED else None,
-        error=None,
         progress=1.0,
-        progress_message="",
         attempt=1,
-        max_attempts=3,
         request_id="r-1",
-        correlation_id="",
         labels={"team": "a"},
         create_time=NOW,
         update_time=NOW,

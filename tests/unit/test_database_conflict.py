@@ -20,7 +20,7 @@ from jobplane.store.db import Database, _wrapped
 from jobplane.store.down import CONFLICT_TRIES, again_on_conflict
 from jobplane.store.jobs import JobStore
 from jobplane.types import Job, JobState
-from tests.support.job_service import stored_job
+from tests.support.jobs import stored_job
 from tests.support.logs import module_lines
 from tests.unit.test_database_full import _asyncpg_error, _through_sqlalchemy
 
