@@ -7,7 +7,6 @@ import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
 
-import aio_pika
 import pytest
 from playwright.async_api import Browser, BrowserContext, Page, async_playwright
 
@@ -16,6 +15,7 @@ from jobplane.schedule_types import SCHEDULE_LABEL
 from jobplane.types import JobState
 from jobplane.workers.dlq import FailedQueue
 from tests.support.dashboard import UiStack, ui_stack
+from tests.support.queues import dead_letter
 
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_INSTALLED = CHROMIUM.exists()
@@ -138,12 +138,8 @@ async def test_replay_a_failed_message(page: Page, ui: UiStack) -> None:
     stack = ui.stack
     # A type no worker handles: the job waits, queued, for one.
     job = await stack.client().submit("nobody.runs.this", {"n": 1})
-    connection = await aio_pika.connect(stack.amqp_url)
-    async with connection:
-        channel = await connection.channel()
-        dlx = await channel.get_exchange(stack.topology.dead_letter_exchange)
-        envelope = Envelope(uuid.uuid4(), uuid.UUID(job.id), stack.tenant_id, job.type)
-        await dlx.publish(aio_pika.Message(envelope.encode(), message_id=job.id), "")
+    envelope = Envelope(uuid.uuid4(), uuid.UUID(job.id), stack.tenant_id, job.type)
+    await dead_letter(stack.amqp_url, stack.topology, envelope)
     await page.goto("/failed")
     row = page.locator(f"tr[data-job='{job.id}']")
     for _ in range(50):

@@ -9,18 +9,20 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
-import aio_pika
 import aiohttp
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from sqlalchemy import text
 
+from jobplane.envelope import Envelope
 from jobplane.errors import Unavailable
 from jobplane.server.dashboard.app import CSP, THROTTLE
 from jobplane.server.dashboard.session import SESSION_COOKIE
 from jobplane.types import JobState
+from jobplane.workers.dlq import FailedQueue
 from tests.support.dashboard import UiStack, browserless, csrf_token, form_token, sign_in, ui_stack
+from tests.support.queues import dead_letter
 from tests.support.stack import eventually
 
 pytestmark = pytest.mark.timeout(180)
@@ -289,9 +291,6 @@ async def test_bad_query_parameters_are_400_naming_the_field(ui: UiStack) -> Non
 
 
 async def test_failed_queue_shows_and_replays_only_the_tenants_messages(ui: UiStack) -> None:
-    from jobplane.envelope import Envelope
-    from jobplane.workers.dlq import FailedQueue
-
     stack = ui.stack
     ours = await stack.client().submit("nobody.handles.this", {"n": 1})
     other_key = await stack.new_key("initech")
@@ -300,13 +299,14 @@ async def test_failed_queue_shows_and_replays_only_the_tenants_messages(ui: UiSt
         str(await stack.scalar("SELECT tenant_id FROM jobs WHERE id = :id", id=theirs.id))
     )
     failed = FailedQueue(stack.amqp_url, stack.topology)
-    connection = await aio_pika.connect(stack.amqp_url)
-    async with connection:
-        channel = await connection.channel()
-        dlx = await channel.get_exchange(stack.topology.dead_letter_exchange)
-        for job, tenant in ((ours, stack.tenant_id), (theirs, other_tenant)):
-            envelope = Envelope(uuid.uuid4(), uuid.UUID(job.id), tenant, job.type)
-            await dlx.publish(aio_pika.Message(envelope.encode(), message_id=str(job.id)), "")
+    await dead_letter(
+        stack.amqp_url,
+        stack.topology,
+        *(
+            Envelope(uuid.uuid4(), uuid.UUID(job.id), tenant, job.type)
+            for job, tenant in ((ours, stack.tenant_id), (theirs, other_tenant))
+        ),
+    )
     async with browserless(ui.url, stack.key) as http:
 
         async def listed() -> bool:

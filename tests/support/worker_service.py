@@ -3,9 +3,10 @@
 :func:`claimed_attempt` is an attempt as the service holds it after a claim;
 :class:`AttemptStoreFake` records the writes WorkerService makes (its lease can
 be lost at any), :class:`ClaimsFake` adds the claim and hand-back answers the
-test sets, :class:`HeldAttemptsFake` holds attempts in a dict and
-:class:`RenewalsFake` answers a worker's renewal; :func:`worker_service_on` is
-the service on them. :class:`Recorded` records every metric counted.
+test sets, :class:`HeldAttemptsFake` holds attempts in a dict,
+:class:`RenewalsFake` answers a worker's renewal and :class:`WorkersFake` its
+registration and stop too; :func:`worker_service_on` is the service on them.
+:class:`Recorded` records every metric counted.
 """
 
 from __future__ import annotations
@@ -98,6 +99,27 @@ class RenewalsFake:
     async def renew(self, worker_id: uuid.UUID, *, ttl: float) -> Any:
         self.renewed.append((worker_id, ttl))
         return self.found
+
+
+class WorkersFake(RenewalsFake):
+    """WorkerStore's register, renew and stop, each call named in ``calls`` in
+    order; a renewal finds the registration (``found``: its types and queues)."""
+
+    def __init__(self, found: tuple[list[str], list[str]] | None = ([], [])) -> None:
+        super().__init__(found)
+        self.calls: list[tuple[str, uuid.UUID]] = []
+        self.registered: list[dict[str, Any]] = []
+
+    async def register(self, worker_id: uuid.UUID, **fields: Any) -> None:
+        self.calls.append(("register", worker_id))
+        self.registered.append(fields)
+
+    async def renew(self, worker_id: uuid.UUID, *, ttl: float) -> Any:
+        self.calls.append(("renew", worker_id))
+        return await super().renew(worker_id, ttl=ttl)
+
+    async def stop(self, worker_id: uuid.UUID) -> None:
+        self.calls.append(("stop", worker_id))
 
 
 def worker_service_on(

@@ -13,9 +13,7 @@ from typing import Any
 
 import grpc
 import pytest
-from google.protobuf import any_pb2, duration_pb2
-from google.rpc import code_pb2, error_details_pb2, status_pb2
-from grpc_status import rpc_status
+from google.rpc import code_pb2, error_details_pb2
 
 from jobplane.client import (
     AsyncClient,
@@ -41,41 +39,13 @@ from jobplane.client._cli_render import state_text
 from jobplane.client._errors import error_from_rpc, is_retryable, is_transient
 from jobplane.client._retry import Backoff, EventCursor
 from jobplane.convert import event_to_pb
-from jobplane.errors import ERROR_DOMAIN, InvalidArgument
+from jobplane.errors import InvalidArgument
 from jobplane.v1 import jobs_pb2
+from tests.support.jobs import stored_job
+from tests.support.rpc_errors import error_info, rpc_error, tenant_limit, unavailable
 
 NOW = datetime(2025, 1, 2, 3, 4, 5, tzinfo=UTC)
 FAST = RetryPolicy(initial_delay=0.001, max_delay=0.01, max_elapsed=0.3, jitter=0)
-
-
-def _packed(message: Any) -> any_pb2.Any:
-    packed = any_pb2.Any()
-    packed.Pack(message)
-    return packed
-
-
-def rpc_error(
-    code: grpc.StatusCode,
-    message: str,
-    *details: Any,
-    wire_message: str | None = None,
-) -> grpc.aio.AioRpcError:
-    """An AioRpcError as grpc raises it for a status with ``details``."""
-    trailing = grpc.aio.Metadata()
-    if details:
-        status = rpc_status.to_status(
-            status_pb2.Status(
-                code=code.value[0], message=message, details=[_packed(d) for d in details]
-            )
-        )
-        trailing = grpc.aio.Metadata(*status.trailing_metadata)
-    return grpc.aio.AioRpcError(
-        code, grpc.aio.Metadata(), trailing, details=wire_message or message
-    )
-
-
-def error_info(reason: str, domain: str = ERROR_DOMAIN, **metadata: str) -> Any:
-    return error_details_pb2.ErrorInfo(reason=reason, domain=domain, metadata=metadata)
 
 
 def event(seq: int, kind: EventType = EventType.PROGRESS, **kw: Any) -> JobEvent:
@@ -99,19 +69,15 @@ def event(seq: int, kind: EventType = EventType.PROGRESS, **kw: Any) -> JobEvent
 
 
 def job(state: JobState = JobState.SUCCEEDED, last_seq: int = 5) -> Job:
-    return Job(
-        name="jobs/1",
+    return stored_job(
+        "jobs/1",
         type="demo.progress",
         state=state,
         payload={"steps": 5},
         result={"ok": True} if state is JobState.SUCCEEDED else None,
-        error=None,
         progress=1.0,
-        progress_message="",
         attempt=1,
-        max_attempts=3,
         request_id="r-1",
-        correlation_id="",
         labels={"team": "a"},
         create_time=NOW,
         update_time=NOW,
@@ -366,10 +332,6 @@ class Script:
         return call
 
 
-def unavailable() -> grpc.aio.AioRpcError:
-    return rpc_error(grpc.StatusCode.UNAVAILABLE, "Socket closed")
-
-
 def scripted(monkeypatch: pytest.MonkeyPatch, script: Script, **kwargs: Any) -> AsyncClient:
     client = AsyncClient("127.0.0.1:1", "key", watch_retry=kwargs.pop("policy", FAST), **kwargs)
     monkeypatch.setattr(client, "_open_watch", script)
@@ -445,18 +407,6 @@ async def test_watch_gives_up_after_max_elapsed(monkeypatch: pytest.MonkeyPatch)
     assert isinstance(info.value.__cause__, grpc.aio.AioRpcError)
     assert len(script.after_seqs) > 2
     assert set(script.after_seqs[1:]) == {1}
-
-
-def tenant_limit(retry_delay: float) -> grpc.aio.AioRpcError:
-    """A watch refused because the tenant holds its streams on that server."""
-    delay = duration_pb2.Duration()
-    delay.FromNanoseconds(round(retry_delay * 1e9))
-    return rpc_error(
-        grpc.StatusCode.RESOURCE_EXHAUSTED,
-        "this tenant already has 3 watch streams open on this server; close some first",
-        error_info("TENANT_LIMIT_EXCEEDED", limit="watch_streams", max="3"),
-        error_details_pb2.RetryInfo(retry_delay=delay),
-    )
 
 
 async def test_watch_waits_out_a_tenant_stream_limit_and_resumes(

@@ -20,9 +20,9 @@ from jobplane.store.db import Database, _wrapped
 from jobplane.store.down import CONFLICT_TRIES, again_on_conflict
 from jobplane.store.jobs import JobStore
 from jobplane.types import Job, JobState
-from tests.support.job_service import stored_job
+from tests.support.db_errors import asyncpg_error, through_sqlalchemy
+from tests.support.jobs import stored_job
 from tests.support.logs import module_lines
-from tests.unit.test_database_full import _asyncpg_error, _through_sqlalchemy
 
 log = structlog.get_logger("tests")
 _TENANT, _JOB = uuid.UUID(int=1), uuid.UUID(int=2)
@@ -30,8 +30,8 @@ _TENANT, _JOB = uuid.UUID(int=1), uuid.UUID(int=2)
 
 @pytest.mark.parametrize("state", ["40P01", "40001"])  # deadlock, serialization failure
 def test_a_conflict_is_aborted_with_a_retry_delay(state: str) -> None:
-    raw = _asyncpg_error(state)
-    for error in (raw, _through_sqlalchemy(raw), _wrapped(raw, "SELECT 1", None)):
+    raw = asyncpg_error(state)
+    for error in (raw, through_sqlalchemy(raw), _wrapped(raw, "SELECT 1", None)):
         answer = error_for(error, "CancelJob")
         assert isinstance(answer, Aborted), repr(error)
         assert answer.code is grpc.StatusCode.ABORTED
@@ -40,7 +40,7 @@ def test_a_conflict_is_aborted_with_a_retry_delay(state: str) -> None:
 
 
 def test_a_deadlock_from_asyncpg_is_its_deadlock_class() -> None:
-    assert isinstance(_asyncpg_error("40P01"), asyncpg.DeadlockDetectedError)
+    assert isinstance(asyncpg_error("40P01"), asyncpg.DeadlockDetectedError)
 
 
 class _Flaky:
@@ -56,20 +56,20 @@ class _Flaky:
 
 
 async def test_a_transaction_runs_again_after_conflicts() -> None:
-    op = _Flaky([_through_sqlalchemy(_asyncpg_error("40P01")), _asyncpg_error("40001")])
+    op = _Flaky([through_sqlalchemy(asyncpg_error("40P01")), asyncpg_error("40001")])
     assert await again_on_conflict(op, log, "test") == "done"
     assert op.calls == 3
 
 
 async def test_a_conflict_every_time_is_raised_after_the_last_try() -> None:
-    op = _Flaky([_asyncpg_error("40P01") for _ in range(CONFLICT_TRIES)])
+    op = _Flaky([asyncpg_error("40P01") for _ in range(CONFLICT_TRIES)])
     with pytest.raises(asyncpg.DeadlockDetectedError):
         await again_on_conflict(op, log, "test")
     assert op.calls == CONFLICT_TRIES
 
 
 @pytest.mark.parametrize(
-    "failure", [_asyncpg_error("42P01"), InvalidArgument("no", field="x"), RuntimeError("bug")]
+    "failure", [asyncpg_error("42P01"), InvalidArgument("no", field="x"), RuntimeError("bug")]
 )
 async def test_any_other_failure_is_raised_at_once(failure: Any) -> None:
     op = _Flaky([failure])
@@ -89,8 +89,8 @@ async def test_a_job_call_run_again_after_a_conflict_says_which_call_it_was(
     engine = create_async_engine("postgresql+asyncpg://nobody@127.0.0.1:1/none")
     store = JobStore(engine, cast(Database, None))
     running, queued = _stored(JobState.RUNNING), _stored(JobState.QUEUED)
-    cancel = _Flaky([_asyncpg_error("40P01")])
-    retry = _Flaky([_asyncpg_error("40001")])
+    cancel = _Flaky([asyncpg_error("40P01")])
+    retry = _Flaky([asyncpg_error("40001")])
 
     async def cancelled(*args: Any) -> tuple[Job, Job, list[str]]:
         await cancel()

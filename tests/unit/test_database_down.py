@@ -7,15 +7,12 @@ import socket
 import asyncpg
 import grpc
 import pytest
-from sqlalchemy.dialects.postgresql.asyncpg import (
-    AsyncAdapt_asyncpg_connection,
-    PGDialect_asyncpg,
-)
 from sqlalchemy.exc import DBAPIError
 
 from jobplane.server.status import error_for
 from jobplane.store.db import Database, _wrapped
 from jobplane.store.down import database_down, database_transient, pool_exhausted
+from tests.support.db_errors import asyncpg_error, through_sqlalchemy
 
 # (SQLSTATE, down): a restart or failover refuses or ends sessions (57P01-57P03,
 # class 08); a statement refused for what it is stays refused.
@@ -30,31 +27,19 @@ CASES = [
 ]
 
 
-def _asyncpg_error(state: str) -> Exception:
-    """The exception asyncpg raises for an ErrorResponse with SQLSTATE ``state``."""
-    error = asyncpg.PostgresError.new({"C": state, "M": "message", "S": "FATAL"})
-    assert isinstance(error, Exception)
-    return error
-
-
-def _through_sqlalchemy(error: Exception) -> DBAPIError:
-    """``error`` as SQLAlchemy's asyncpg dialect translates and wraps it."""
-    dbapi = PGDialect_asyncpg.import_dbapi()  # type: ignore[no-untyped-call]
-    with pytest.raises(dbapi.Error) as translated:
-        AsyncAdapt_asyncpg_connection._handle_exception_no_connection(dbapi, error)
-    wrapped = DBAPIError.instance(None, None, translated.value, dbapi.Error)
-    assert isinstance(wrapped, DBAPIError)
-    return wrapped
+def _fatal(state: str) -> Exception:
+    """asyncpg's error for SQLSTATE ``state`` sent as FATAL, as one ending the session is."""
+    return asyncpg_error(state, severity="FATAL")
 
 
 def test_asyncpg_raises_cannot_connect_now_for_57p03() -> None:
-    assert isinstance(_asyncpg_error("57P03"), asyncpg.CannotConnectNowError)
+    assert isinstance(_fatal("57P03"), asyncpg.CannotConnectNowError)
 
 
 @pytest.mark.parametrize(("state", "down"), CASES)
 def test_each_path_of_a_database_error_reads_alike(state: str, down: bool) -> None:
-    raw = _asyncpg_error(state)
-    for error in (raw, _through_sqlalchemy(raw), _wrapped(raw, "SELECT 1", None)):
+    raw = _fatal(state)
+    for error in (raw, through_sqlalchemy(raw), _wrapped(raw, "SELECT 1", None)):
         assert database_down(error) is down, repr(error)
         if down:
             assert database_transient(error)
@@ -62,7 +47,7 @@ def test_each_path_of_a_database_error_reads_alike(state: str, down: bool) -> No
 
 @pytest.mark.parametrize("state", [state for state, down in CASES if down])
 def test_a_database_that_is_down_is_unavailable_to_callers(state: str) -> None:
-    for error in (_asyncpg_error(state), _through_sqlalchemy(_asyncpg_error(state))):
+    for error in (_fatal(state), through_sqlalchemy(_fatal(state))):
         assert error_for(error, "GetJob").code is grpc.StatusCode.UNAVAILABLE
 
 
@@ -93,7 +78,7 @@ def test_no_writable_host_of_a_multi_host_url_is_unavailable_not_internal() -> N
     # target_session_attrs=read-write while a failover has left no primary:
     # asyncpg raises an InternalClientError subclass, which must not be INTERNAL.
     raw = asyncpg.TargetServerAttributeNotMatched("None of the hosts match the target attribute")
-    for error in (raw, _through_sqlalchemy(raw), _wrapped(raw, "(connect)", None)):
+    for error in (raw, through_sqlalchemy(raw), _wrapped(raw, "(connect)", None)):
         assert database_down(error), repr(error)
         assert error_for(error, "SubmitJob").code is grpc.StatusCode.UNAVAILABLE
 
@@ -102,5 +87,5 @@ def test_no_writable_host_of_a_multi_host_url_is_unavailable_not_internal() -> N
 def test_a_demoted_or_shut_down_primary_is_unavailable_not_internal(state: str) -> None:
     # 25006: a statement on the old primary after it became a standby;
     # 57P01: its sessions ended by the switchover's shutdown.
-    for error in (_asyncpg_error(state), _through_sqlalchemy(_asyncpg_error(state))):
+    for error in (_fatal(state), through_sqlalchemy(_fatal(state))):
         assert error_for(error, "SubmitJob").code is grpc.StatusCode.UNAVAILABLE

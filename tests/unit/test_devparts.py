@@ -87,6 +87,21 @@ def test_parts_serve_metrics_after_the_commands_port() -> None:
     assert part_metrics(None, 0) == "off"
 
 
+def _plain_part(part: int, metrics_listen: str, *, metrics_fallback: bool = False) -> list[str]:
+    """Worker part ``part``'s command line without handlers, maintenance left on,
+    nothing to ingest."""
+    return part_command(
+        part,
+        parent_pid=1,
+        metrics_listen=metrics_listen,
+        handlers=None,
+        concurrency=8,
+        no_maintenance=False,
+        ingest=(),
+        metrics_fallback=metrics_fallback,
+    )
+
+
 def test_a_parts_command_line_is_one_the_dev_parser_takes() -> None:
     command = part_command(
         1,
@@ -103,29 +118,10 @@ def test_a_parts_command_line_is_one_the_dev_parser_takes() -> None:
     assert (args.worker_part, args.parent_pid, args.concurrency) == (1, 1234, 16)
     assert args.handlers == "pkg.mod:registry" and args.no_maintenance
     assert args.ingest == ["a.pdf", "b.md"] and args.metrics_listen == "off"
-    plain = build_parser().parse_args(
-        part_command(
-            0,
-            parent_pid=1,
-            metrics_listen="127.0.0.1:0",
-            handlers=None,
-            concurrency=8,
-            no_maintenance=False,
-            ingest=(),
-        )[3:]
-    )
+    plain = build_parser().parse_args(_plain_part(0, "127.0.0.1:0")[3:])
     assert plain.handlers is None and not plain.no_maintenance and plain.ingest is None
     assert not args.metrics_fallback and not plain.metrics_fallback
-    fallback = part_command(
-        2,
-        parent_pid=1,
-        metrics_listen="127.0.0.1:9467",
-        handlers=None,
-        concurrency=8,
-        no_maintenance=False,
-        ingest=(),
-        metrics_fallback=True,
-    )
+    fallback = _plain_part(2, "127.0.0.1:9467", metrics_fallback=True)
     taken = build_parser().parse_args(fallback[3:])
     assert (taken.worker_part, taken.metrics_listen) == (2, "127.0.0.1:9467")
     assert taken.metrics_fallback

@@ -35,7 +35,7 @@ from jobplane.client import (
 )
 from jobplane.events.convert import event_to_pb
 from jobplane.v1 import events_pb2
-from tests.unit.test_client_unit import error_info, rpc_error, tenant_limit, unavailable
+from tests.support.rpc_errors import error_info, rpc_error, tenant_limit, unavailable
 
 TENANT = uuid.UUID("7d3c9d2e-4a51-4c8e-9d7e-0d6f1f1b2a33")
 NOW = datetime(2026, 11, 30, 12, 0, 0, 123456, tzinfo=UTC)

@@ -13,7 +13,8 @@ import pytest
 from jobplane.errors import InvalidArgument, JobNotFound
 from jobplane.server.feeds import FeedHub
 from jobplane.types import Job, JobState
-from tests.support.job_service import TENANT, JobStoreFake, service_on, stored_job
+from tests.support.job_service import TENANT, JobStoreFake, service_on
+from tests.support.jobs import stored_job
 
 _ID = uuid.UUID(int=42)
 _NAME = f"jobs/{_ID}"

@@ -12,7 +12,8 @@ import pytest
 from jobplane.errors import InvalidArgument
 from jobplane.store.jobs import ListCursor
 from jobplane.types import JobState
-from tests.support.job_service import NOW, TENANT, JobStoreFake, service_on, stored_job
+from tests.support.job_service import TENANT, JobStoreFake, service_on
+from tests.support.jobs import NOW, stored_job
 
 
 def _store(count: int) -> JobStoreFake:

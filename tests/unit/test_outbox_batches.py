@@ -115,6 +115,24 @@ async def test_headers_read_from_jsonb_as_text_or_as_a_map(headers: Any) -> None
     assert batch.rows[0].headers == ({"k": "v"} if isinstance(headers, dict) else {})
 
 
+def _fair_binds(queue: str, credits: int, *, limit: int, skip: list[str]) -> dict[str, Any]:
+    """The binds of a fair claim of up to ``limit`` rows from one queue with
+    ``credits``, at the start of its round (no rank, time, cursor or pass yet)."""
+    return {
+        "queues": [queue],
+        "credits": [credits],
+        "ranks": [0],
+        "vtimes": [0.0],
+        "cursors": [None],
+        "pass_queues": [],
+        "pass_tenants": [],
+        "pass_values": [],
+        "spare": limit,
+        "limit": limit,
+        "skip": skip,
+    }
+
+
 async def test_a_fair_claim_reads_each_dispatchs_queue_and_place() -> None:
     tenant = uuid.uuid4()
     dispatch = _claimed(tenant_id=tenant, queue="bulk", start_tag="1.5", weight=2, part=0)
@@ -123,20 +141,7 @@ async def test_a_fair_claim_reads_each_dispatchs_queue_and_place() -> None:
     batch, db = await _claim([dispatch, event], fair=fair)
     assert [r.queue for r in batch.rows] == ["bulk", ""]
     assert batch.slots == [FairSlot("bulk", tenant, 1.5, 2.0)]
-    (binds,) = db.conn.ran(_FAIR_CLAIM_BOTH)
-    assert binds == {
-        "queues": ["bulk"],
-        "credits": [5],
-        "ranks": [0],
-        "vtimes": [0.0],
-        "cursors": [None],
-        "pass_queues": [],
-        "pass_tenants": [],
-        "pass_values": [],
-        "spare": 10,
-        "limit": 10,
-        "skip": [],
-    }
+    assert db.conn.ran(_FAIR_CLAIM_BOTH) == [_fair_binds("bulk", 5, limit=10, skip=[])]
 
 
 async def test_one_row_is_claimed_alone_due_or_not() -> None:
@@ -228,19 +233,7 @@ def test_the_claim_statement_is_the_plain_or_the_fair_one() -> None:
     fair = FairClaim(FairRound(), {"q": (1, 0)})
     statement, binds = claim_statement(4, skip=skip, fair=fair)
     assert statement is _FAIR_CLAIM_BOTH
-    assert binds == {
-        "queues": ["q"],
-        "credits": [1],
-        "ranks": [0],
-        "vtimes": [0.0],
-        "cursors": [None],
-        "pass_queues": [],
-        "pass_tenants": [],
-        "pass_values": [],
-        "spare": 4,
-        "limit": 4,
-        "skip": [str(skip[0])],
-    }
+    assert binds == _fair_binds("q", 1, limit=4, skip=[str(skip[0])])
 
 
 def _machine(monkeypatch: pytest.MonkeyPatch) -> ScriptedMachine:

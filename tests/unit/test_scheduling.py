@@ -13,18 +13,23 @@ from jobplane.errors import InvalidArgument
 from jobplane.scheduling import schedule_time_of, scheduled, time_from_timestamp
 from jobplane.types import Job, JobState
 from jobplane.v1 import jobs_pb2
+from tests.support.jobs import stored_job
 
 NOW = datetime(2026, 12, 6, 12, tzinfo=UTC)
 DAY = 86400.0
 
 
 def _job(state: JobState, at: datetime | None, code: str = "") -> Job:
-    return Job(
-        name="jobs/x", type="t", state=state, payload={}, result=None, error=None,
-        progress=0.0, progress_message="", attempt=0, max_attempts=3, request_id="r",
-        correlation_id="", labels={}, create_time=NOW, update_time=NOW,
-        waiting_code=code, schedule_time=at,
-    )  # fmt: skip
+    return stored_job(
+        "jobs/x",
+        type="t",
+        state=state,
+        request_id="r",
+        create_time=NOW,
+        update_time=NOW,
+        waiting_code=code,
+        schedule_time=at,
+    )
 
 
 def test_a_time_or_a_delay_gives_the_start() -> None:

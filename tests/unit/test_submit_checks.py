@@ -31,7 +31,8 @@ from jobplane.server.service import SubmitRequest
 from jobplane.store.job_submit import NewJob
 from jobplane.topology import parse_topology
 from jobplane.types import BlobRef, ConcurrencyMode, DependencyFailurePolicy
-from tests.support.job_service import NOW, TENANT, JobStoreFake, service_on
+from tests.support.job_service import TENANT, JobStoreFake, service_on
+from tests.support.jobs import NOW
 
 _AFTER = uuid.UUID(int=7)
 

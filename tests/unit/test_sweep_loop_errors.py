@@ -98,16 +98,22 @@ async def _each_kind_of_failed_pass() -> None:
         await cli._swept(_Failing(exc), args, None)  # type: ignore[arg-type]
 
 
+def _logged(monkeypatch: pytest.MonkeyPatch, fmt: str) -> str:
+    """What :func:`_each_kind_of_failed_pass` writes to stderr, logging at info in ``fmt``.
+
+    Called from the test's own body: the runner replaces stderr for each phase."""
+    stderr = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", stderr)
+    configure("info", fmt)
+    asyncio.run(_each_kind_of_failed_pass())
+    return stderr.getvalue()
+
+
 @pytest.mark.usefixtures("logs_back")
 def test_a_failed_pass_is_logged_with_its_level_and_when_it_is_tried_again(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    # JSON logs, in the test's own body: the runner replaces stderr for each phase.
-    json_logs = io.StringIO()
-    monkeypatch.setattr(sys, "stderr", json_logs)
-    configure("info", "json")
-    asyncio.run(_each_kind_of_failed_pass())
-    lines = [json.loads(line) for line in json_logs.getvalue().splitlines()]
+    lines = [json.loads(line) for line in _logged(monkeypatch, "json").splitlines()]
     assert [(line["event"], line["level"], line["error"], line["retry_in"]) for line in lines] == [
         ("outbox.drain.failed", "error", "RuntimeError: a bug in a drain", 0.01),
         ("broker.unavailable", "warning", "ConnectionRefusedError('refused')", 0.01),
@@ -127,11 +133,7 @@ def test_a_failed_pass_is_logged_with_its_level_and_when_it_is_tried_again(
 def test_a_failed_pass_is_one_line_of_text_without_json_logs(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    text = io.StringIO()
-    monkeypatch.setattr(sys, "stderr", text)
-    configure("info")
-    asyncio.run(_each_kind_of_failed_pass())
-    assert text.getvalue().splitlines() == [
+    assert _logged(monkeypatch, "console").splitlines() == [
         "outbox not drained, trying again: RuntimeError: a bug in a drain",
         "broker unavailable, outbox not drained: ConnectionRefusedError('refused')",
         f"database unavailable, outbox not drained: {_DOWN}",

@@ -20,7 +20,7 @@ from google.protobuf import duration_pb2, struct_pb2, timestamp_pb2
 from jobplane.envelope import Envelope
 from jobplane.errors import InvalidArgument
 from jobplane.fanout import ItemResult
-from jobplane.server.worker_protocol import Claimed, WorkerService, worker_name
+from jobplane.server.worker_protocol import Claimed, worker_name
 from jobplane.server.worker_servicer import (
     WorkerServiceServicer,
     _stage_fields,
@@ -28,11 +28,16 @@ from jobplane.server.worker_servicer import (
     claim_to_pb,
 )
 from jobplane.store.attempts import ClaimResult, ClaimStatus, HandBack, ProgressUpdate, StageRun
-from jobplane.topology import load_topology
 from jobplane.types import JobError, JobState
 from jobplane.v1 import workers_pb2
 from jobplane.workers.children import ChildRequest
-from tests.support.worker_service import ClaimsFake, HeldAttemptsFake, claimed_attempt
+from tests.support.worker_service import (
+    ClaimsFake,
+    HeldAttemptsFake,
+    WorkersFake,
+    claimed_attempt,
+    worker_service_on,
+)
 
 Claim = workers_pb2.ClaimJobResponse
 
@@ -134,32 +139,14 @@ def test_a_child_request_is_read_field_by_field() -> None:
 # -- the RPCs ---------------------------------------------------------------------
 
 
-class _Workers:
-    """WorkerStore's register, renew and stop, recorded."""
-
-    def __init__(self) -> None:
-        self.calls: list[tuple[str, uuid.UUID]] = []
-
-    async def register(self, worker_id: uuid.UUID, **_fields: Any) -> None:
-        self.calls.append(("register", worker_id))
-
-    async def renew(self, worker_id: uuid.UUID, *, ttl: float) -> Any:
-        self.calls.append(("renew", worker_id))
-        return [], []
-
-    async def stop(self, worker_id: uuid.UUID) -> None:
-        self.calls.append(("stop", worker_id))
-
-
 async def _call(servicer: WorkerServiceServicer, rpc: str, request: Any) -> Any:
     return await getattr(WorkerServiceServicer, rpc).__wrapped__(servicer, request)
 
 
-def _servicer() -> tuple[WorkerServiceServicer, ClaimsFake, _Workers, Any]:
+def _servicer() -> tuple[WorkerServiceServicer, ClaimsFake, WorkersFake, Any]:
     attempt = claimed_attempt()
-    store, workers = ClaimsFake(ClaimResult(ClaimStatus.CLAIMED, attempt=attempt)), _Workers()
-    fakes: Any = (store, HeldAttemptsFake(attempt), workers)
-    service = WorkerService(fakes[0], fakes[1], load_topology(), workers=fakes[2])
+    store, workers = ClaimsFake(ClaimResult(ClaimStatus.CLAIMED, attempt=attempt)), WorkersFake()
+    service = worker_service_on(store, HeldAttemptsFake(attempt), workers)
     ref = workers_pb2.AttemptRef(
         job=f"jobs/{attempt.job_id}", attempt=1, lease_token=str(attempt.lease_token)
     )
@@ -232,16 +219,28 @@ async def test_a_failure_answers_the_retry_it_scheduled() -> None:
 async def test_a_worker_registers_renews_and_stops_by_its_name() -> None:
     servicer, _store, workers, _ref = _servicer()
     request = workers_pb2.RegisterWorkerRequest(
-        types=["a.b"], queues=["jobplane.default"], concurrency=1
+        types=["a.b"], queues=["jobplane.default"], concurrency=1, host="h", pid=7, version="v9"
     )
     reply = await _call(servicer, "RegisterWorker", request)
-    ((_, worker_id),) = workers.calls
+    ((call, worker_id),) = workers.calls
+    assert call == "register"
+    (fields,) = workers.registered
+    assert fields == {
+        "host": "h",
+        "pid": 7,
+        "types": ["a.b"],
+        "queues": ["jobplane.default"],
+        "concurrency": 1,
+        "version": "v9",
+        "ttl": 16.0,
+    }
     assert reply.name == worker_name(worker_id)
     assert reply.ttl.ToTimedelta() == timedelta(seconds=16)
     assert reply.renew_interval.ToTimedelta() == timedelta(seconds=5)
     await _call(servicer, "RenewWorker", workers_pb2.RenewWorkerRequest(name=reply.name))
     await _call(servicer, "StopWorker", workers_pb2.StopWorkerRequest(name=reply.name))
     assert workers.calls[1:] == [("renew", worker_id), ("stop", worker_id)]
+    assert workers.renewed == [(worker_id, 16.0)]
 
 
 @pytest.fixture
