@@ -19,6 +19,8 @@ from jobplane.config import Settings
 from jobplane.store import machine
 from jobplane.store.machine import (
     RULES,
+    AnyConn,
+    Change,
     Phase,
     StateMachine,
     Transition,
@@ -197,3 +199,25 @@ def test_setting_lifecycle_events_recompiles_what_was_compiled() -> None:
     assert texts(switched) == on
     switched.set_lifecycle_events(False)
     assert texts(switched) == off
+
+
+async def test_a_function_registered_with_on_runs_its_transitions_in_a_transaction() -> None:
+    """``machine.on`` costs the transitions it names their autocommit and their
+    group commit (ADR-0010, ADR-0028), and only those."""
+
+    async def audit(conn: AnyConn, change: Change) -> None:
+        return None
+
+    machine_ = StateMachine()
+    hot = (Transition.CLAIM, Transition.SUCCEED, Transition.FAIL)
+    assert not any(machine_.in_transaction(t) for t in hot)
+    assert all(machine_.groupable(t) for t in hot)
+    machine_.on([Transition.SUCCEED], audit)
+    assert machine_.in_transaction(Transition.SUCCEED)
+    assert not machine_.groupable(Transition.SUCCEED)
+    with pytest.raises(ValueError, match="cannot be applied to many rows"):
+        await machine_.apply_many(None, Transition.SUCCEED, [{}])  # type: ignore[arg-type]
+    assert [machine_.in_transaction(t) for t in hot] == [False, True, False]
+    assert [machine_.groupable(t) for t in hot] == [True, False, True]
+    # The shared machine is not touched.
+    assert not machine.MACHINE.in_transaction(Transition.SUCCEED)
