@@ -14,10 +14,8 @@ its own), and judges a run by three properties:
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import signal
-import socket
 import sys
 import time
 import tomllib
@@ -33,6 +31,7 @@ from jobplane.client import AsyncClient, JobEvent
 from jobplane.store.engine import asyncpg_dsn
 from jobplane.topology import PipelineSpec, RateLimitSpec, StageSpec, Topology
 from tests.faults.handlers import PIPELINE_STAGES, SCHEMA
+from tests.support.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -89,21 +88,6 @@ def with_fan_pipeline(topology: Topology) -> Topology:
     return replace(topology, pipelines=(*topology.pipelines, *fans))
 
 
-def free_port() -> int:
-    """A TCP port nothing listens on now."""
-    return free_ports(1)[0]
-
-
-def free_ports(count: int) -> tuple[int, ...]:
-    """``count`` TCP ports nothing listens on now, all different: each is held while
-    the next is picked, so the kernel cannot hand out one of them twice."""
-    with contextlib.ExitStack() as held:
-        socks = [held.enter_context(socket.socket()) for _ in range(count)]
-        for sock in socks:
-            sock.bind(("127.0.0.1", 0))
-        return tuple(int(sock.getsockname()[1]) for sock in socks)
-
-
 def topology_toml(topology: Topology) -> str:
     """``topology`` as a TOML file the processes can load."""
     published = ", ".join(f'"{p}"' for p in topology.publish_lifecycle)
@@ -158,17 +142,11 @@ class Proc:
     """One `jobplane …` child process and its log."""
 
     def __init__(
-        self,
-        cluster: Cluster,
-        args: Sequence[str],
-        faults: str = "",
-        module: str = "jobplane",
-        env: dict[str, str] | None = None,
+        self, cluster: Cluster, args: Sequence[str], faults: str = "", module: str = "jobplane"
     ) -> None:
         self.cluster = cluster
         self.args = list(args)
         self.module = module
-        self.env = env or {}
         self.faults = faults
         self.process: asyncio.subprocess.Process | None = None
         name = args[0] if module == "jobplane" else module.rpartition(".")[2]
@@ -182,7 +160,7 @@ class Proc:
 
     async def start(self, *, ready: str | None = None) -> Proc:
         """Start (again) and wait until its log shows ``ready``."""
-        env = {**self.cluster.env, **self.env, "JOBPLANE_FAULTS": self.faults}
+        env = {**self.cluster.env, "JOBPLANE_FAULTS": self.faults}
         self.starts += 1
         offset = self.log.stat().st_size if self.log.exists() else 0
         with self.log.open("ab") as log:
@@ -240,17 +218,13 @@ class Cluster:
     topology: Topology
     workdir: Path
     key: str = ""
-    #: The server's gRPC port and its ops listener's, picked together so that they
-    #: differ (a default ops port taken by another run would otherwise fall back to
-    #: one the kernel picks, which can be the gRPC port freed a moment before).
-    port: int = 0
-    ops_port: int = 0
+    #: The server's gRPC port: below the kernel's ephemeral range, so that no
+    #: process's ops listener (on port 0) takes it before serve binds it.
+    port: int = field(default_factory=free_port)
     procs: list[Proc] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if not self.port:
-            self.port, self.ops_port = free_ports(2)
         path = self.workdir / "topology.toml"
         path.write_text(topology_toml(self.topology))
         self.env = {
@@ -304,8 +278,7 @@ class Cluster:
 
     async def server(self, *, faults: str = "") -> Proc:
         """Start `jobplane serve`."""
-        ops = {"JOBPLANE_METRICS_LISTEN": f"127.0.0.1:{self.ops_port}"} if self.ops_port else {}
-        return await self._spawn(["serve"], "server.started", faults, ops)
+        return await self._spawn(["serve"], "server.started", faults)
 
     async def relay(self, *args: str, faults: str = "") -> Proc:
         """Start `jobplane relay` (with a fast sweeper)."""
@@ -326,10 +299,8 @@ class Cluster:
         ]
         return await self._spawn(base, "worker.started", faults)
 
-    async def _spawn(
-        self, args: list[str], ready: str, faults: str = "", env: dict[str, str] | None = None
-    ) -> Proc:
-        proc = Proc(self, args, faults, env=env)
+    async def _spawn(self, args: list[str], ready: str, faults: str = "") -> Proc:
+        proc = Proc(self, args, faults)
         self.procs.append(proc)
         await proc.start(ready=ready)
         return proc

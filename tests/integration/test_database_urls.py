@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import socket
 import sys
 from collections.abc import AsyncIterator
 from urllib.parse import urlsplit
@@ -17,15 +16,13 @@ from jobplane.store.engine import create_engine
 from jobplane.topology import Topology
 from tests.support import services
 from tests.support.parts import Started
+from tests.support.ports import free_port
 from tests.support.stack import start_stack
 
 
 def _dead_port() -> int:
     """A loopback port nothing listens on (a host of the URL that is down)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-    return port
+    return free_port()
 
 
 async def _migrate(url: str) -> tuple[int, str]:

@@ -83,7 +83,8 @@ async def test_a_session_ended_mid_statement_is_down_and_replaced(database_url: 
             pid = None
             for _ in range(200):
                 pid = await killer.fetchval(
-                    "SELECT pid FROM pg_stat_activity WHERE query = 'SELECT pg_sleep(30)'"
+                    "SELECT pid FROM pg_stat_activity "
+                    "WHERE datname = current_database() AND query = 'SELECT pg_sleep(30)'"
                 )
                 if pid is not None:
                     break

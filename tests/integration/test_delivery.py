@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import socket
 import time
 import uuid
 from typing import Any
@@ -17,6 +16,7 @@ from jobplane.topology import Topology
 from jobplane.types import EventType
 from jobplane.workers.handlers import JobContext, Registry
 from tests.support.parts import Started
+from tests.support.ports import free_port
 from tests.support.proxy import CuttableProxy
 from tests.support.stack import Stack, eventually, start_stack
 
@@ -188,7 +188,7 @@ async def test_relay_keeps_rows_while_broker_is_unreachable(
 async def test_sdk_watch_survives_a_server_restart(
     engine: AsyncEngine, database_url: str, amqp_url: str, topology: Topology, started: Started
 ) -> None:
-    port = _free_port()
+    port = free_port()
     stack = await started(
         start_stack(engine, database_url, amqp_url, topology, listen=f"127.0.0.1:{port}")
     )
@@ -239,12 +239,6 @@ async def _queue_drained(stack: Stack) -> bool:
 
 async def _async(value: bool) -> bool:
     return value
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 async def test_relay_does_not_mark_a_returned_publish(

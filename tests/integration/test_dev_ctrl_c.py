@@ -24,7 +24,7 @@ import pytest
 
 from tests.support import services
 from tests.support.ingest import CORPUS
-from tests.support.s3 import free_port
+from tests.support.ports import free_port, free_ports
 
 ROOT = Path(__file__).resolve().parents[2]
 #: Everything gone this soon after one Ctrl-C. The README says two seconds, what
@@ -105,7 +105,7 @@ class Dev:
 
 @asynccontextmanager
 async def _dev(command: list[str], env: dict[str, str]) -> AsyncIterator[Dev]:
-    ports = [free_port() for _ in range(2)]
+    ports = list(free_ports(2))
     env = {
         **os.environ,
         "JOBPLANE_LISTEN": f"127.0.0.1:{ports[0]}",

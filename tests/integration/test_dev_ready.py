@@ -22,7 +22,7 @@ from jobplane import broker
 from jobplane.client import AsyncClient
 from jobplane.topology import declare, load_topology
 from tests.support import services
-from tests.support.s3 import free_port
+from tests.support.ports import free_port
 from tests.support.serve import interrupt
 
 EVENTS_EXCHANGE = "jobplane.events"

@@ -11,7 +11,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import sys
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -36,6 +35,7 @@ from jobplane.topology import Topology
 from tests.integration.test_cli_and_sync import jobplane
 from tests.support.event_api import STREAM_WAIT, all_published, bound_queue
 from tests.support.parts import Started
+from tests.support.ports import free_port
 from tests.support.proxy import CuttableProxy
 from tests.support.stack import Stack, eventually, start_stack
 
@@ -203,7 +203,7 @@ async def test_a_retried_publish_writes_once(
 async def test_subscribe_resumes_across_a_server_restart(
     engine: AsyncEngine, database_url: str, amqp_url: str, topology: Topology, started: Started
 ) -> None:
-    port = _free_port()
+    port = free_port()
     stack = await started(
         start_stack(
             engine,
@@ -435,9 +435,3 @@ async def _interrupt(process: asyncio.subprocess.Process) -> tuple[int, str]:
     _out, err = await asyncio.wait_for(process.communicate(), STREAM_WAIT)
     assert process.returncode is not None
     return process.returncode, err.decode()
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])

@@ -94,10 +94,10 @@ async def test_the_function_runs_after_each_transition_it_names_and_its_writes_c
         (Transition.CLAIM, job, JobState.QUEUED, JobState.RUNNING.value),
         (Transition.SUCCEED, job, JobState.RUNNING, JobState.SUCCEEDED.value),
     ]
-    state, last_seq = await _job(engine, job)
-    assert state == JobState.SUCCEEDED.value
+    # Events 1 (submitted), 2 (claimed), 3 (progress), 4 (succeeded).
+    assert await _job(engine, job) == (JobState.SUCCEEDED.value, 4)
     # Written on the transition's connection, with the row as the transition left it.
-    assert await _logged(engine) == [(job, "claim", 2), (job, "succeed", last_seq)]
+    assert await _logged(engine) == [(job, "claim", 2), (job, "succeed", 4)]
 
 
 async def test_a_function_that_raises_undoes_its_transition_and_reaches_the_caller(

@@ -75,6 +75,7 @@ async def dev(database_url: str, vhost_url: str) -> AsyncIterator[Dev]:
             "JOBPLANE_AMQP_URL": vhost_url,
             "JOBPLANE_LISTEN": "127.0.0.1:0",
             "JOBPLANE_METRICS_LISTEN": "127.0.0.1:0",
+            "JOBPLANE_UI_LISTEN": "off",  # not the default port another process may hold
             "JOBPLANE_LOG_FORMAT": "json",
             "JOBPLANE_LOG_LEVEL": "info",
             "JOBPLANE_LOG_JOB_PREFIX": PREFIX,

@@ -11,12 +11,13 @@ import struct
 import threading
 from typing import Literal
 
+from tests.support.ports import OWN_PORTS
+
 #: How an address in front of a service that is down answers a connection it
 #: accepted: a FIN at once, or a reset (RST).
 HangUp = Literal["close", "reset"]
 
 #: Where a proxy listens: below Linux's ephemeral ports (32768-60999 by default).
-_OWN_PORTS = (20000, 32000)
 
 
 def _hang_up(sock: socket.socket, how: HangUp) -> None:
@@ -52,7 +53,7 @@ class CuttableProxy:
             self._server = await asyncio.start_server(self._accept, "127.0.0.1", self.port)
             return
         for _ in range(100):
-            port = random.randrange(*_OWN_PORTS)
+            port = random.randrange(*OWN_PORTS)
             try:
                 self._server = await asyncio.start_server(self._accept, "127.0.0.1", port)
             except OSError as error:
@@ -61,7 +62,7 @@ class CuttableProxy:
                 continue
             self.port = port
             return
-        raise OSError(errno.EADDRINUSE, f"no free port in {_OWN_PORTS}")
+        raise OSError(errno.EADDRINUSE, f"no free port in {OWN_PORTS}")
 
     async def cut(self) -> None:
         """Close every connection and stop listening: the target is now unreachable."""

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import itertools
-import socket
 import subprocess
 import sys
 import time
@@ -14,16 +13,9 @@ from typing import Any
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from jobplane.blobs import BlobStore
+from tests.support.ports import free_port
 
 _buckets = itertools.count(1)
-
-
-def free_port() -> int:
-    """A TCP port nobody listens on now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 class MotoServer:
