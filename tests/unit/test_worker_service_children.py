@@ -17,7 +17,7 @@ from jobplane.names import job_name
 from jobplane.server import worker_protocol as protocol_module
 from jobplane.server.worker_protocol import Fence, Registration, WorkerService
 from jobplane.store.attempts import Attempt, LeaseLost, StageRun
-from jobplane.topology import load_topology, parse_topology
+from jobplane.topology import parse_topology
 from jobplane.workers.children import ChildRequest, fence_of
 from tests.support.logs import Lines, module_lines
 from tests.support.worker_service import (
@@ -25,6 +25,7 @@ from tests.support.worker_service import (
     AttemptStoreFake,
     HeldAttemptsFake,
     Recorded,
+    WorkersFake,
     claimed_attempt,
     worker_service_on,
 )
@@ -225,30 +226,15 @@ async def test_a_server_without_a_child_store_refuses_children() -> None:
 # -- workers and attempts kept -----------------------------------------------------
 
 
-class _Registry:
-    """WorkerStore.register and stop, recorded."""
-
-    def __init__(self) -> None:
-        self.registered: list[uuid.UUID] = []
-        self.stopped: list[uuid.UUID] = []
-
-    async def register(self, worker_id: uuid.UUID, **_fields: Any) -> None:
-        self.registered.append(worker_id)
-
-    async def stop(self, worker_id: uuid.UUID) -> None:
-        self.stopped.append(worker_id)
-
-
 async def test_a_registered_worker_labels_its_types_and_stops_by_its_id() -> None:
-    registry, metrics = _Registry(), Recorded()
-    fakes: Any = (AttemptStoreFake(), HeldAttemptsFake(), registry)
-    service = WorkerService(fakes[0], fakes[1], load_topology(), workers=fakes[2])
+    registry, metrics = WorkersFake(), Recorded()
+    service = worker_service_on(AttemptStoreFake(), HeldAttemptsFake(), registry)
     service.metrics = metrics  # type: ignore[assignment]
     worker_id = await service.register(Registration(["a.b", "a.c"], ["jobplane.default"], 1))
-    assert registry.registered == [worker_id]
+    assert registry.calls == [("register", worker_id)]
     assert metrics.calls == [("know_types", (["a.b", "a.c"],))]
     await service.stop_worker(worker_id)
-    assert registry.stopped == [worker_id]
+    assert registry.calls == [("register", worker_id), ("stop", worker_id)]
 
 
 async def test_the_oldest_attempt_kept_is_let_go_past_ten_thousand() -> None:

@@ -29,10 +29,10 @@ from jobplane.server.worker_protocol import (
     worker_name,
 )
 from jobplane.store.attempts import Attempt, ClaimResult, ClaimStatus
-from jobplane.topology import load_topology
 from tests.support.worker_service import (
     AttemptStoreFake,
     HeldAttemptsFake,
+    WorkersFake,
     claimed_attempt,
     worker_service_on,
 )
@@ -128,16 +128,6 @@ async def test_each_outcome_line_names_the_attempts_ids(lines: Lines) -> None:
     assert {k: line.get(k) for k in _ids(attempt)} == _ids(attempt)
 
 
-class _Registry:
-    """WorkerStore.register, recorded."""
-
-    def __init__(self) -> None:
-        self.registered: list[dict[str, Any]] = []
-
-    async def register(self, worker_id: uuid.UUID, **fields: Any) -> None:
-        self.registered.append({"id": worker_id, **fields})
-
-
 class _Parked(AttemptStoreFake):
     """unpark hands out ``pages`` of counts, then 0."""
 
@@ -151,15 +141,14 @@ class _Parked(AttemptStoreFake):
 
 
 async def test_a_registration_is_recorded_said_and_unparks_page_by_page(lines: Lines) -> None:
-    store, registry = _Parked([500, 500, 3]), _Registry()
-    fakes: Any = (store, HeldAttemptsFake(), registry)
-    service = WorkerService(fakes[0], fakes[1], load_topology(), workers=fakes[2])
+    store, registry = _Parked([500, 500, 3]), WorkersFake()
+    service = worker_service_on(store, HeldAttemptsFake(), registry)
     worker_id = await service.register(
         Registration(types=["a.b"], queues=["jobplane.default"], concurrency=2, host="h", pid=7)
     )
+    assert registry.calls == [("register", worker_id)]
     assert registry.registered == [
         {
-            "id": worker_id,
             "host": "h",
             "pid": 7,
             "types": ["a.b"],
