@@ -39,7 +39,9 @@ async def test_a_killed_worker_frees_its_slot_at_lease_expiry_and_the_held_job_r
 ) -> None:
     await cluster.server()
     await cluster.relay()
-    worker = await cluster.worker(lease=2.0)
+    # A lease long enough that a busy machine's late heartbeat cannot end the
+    # attempt before the kill: only the kill may free the slot.
+    worker = await cluster.worker(lease=6.0)
     async with cluster.client() as client:
         # Its one attempt runs for ten minutes: only the lease's expiry can end it.
         holder = await client.submit("fault.work", {"ms": 600_000}, max_attempts=1)
