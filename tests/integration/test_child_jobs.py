@@ -15,12 +15,13 @@ import grpc
 import pytest
 from sqlalchemy import text
 
+from jobplane import txn
 from jobplane.client import Job, JobState
 from jobplane.convert import struct_from_dict
 from jobplane.errors import ChildLimitReached, FailedPrecondition, RequestIdReused
 from jobplane.store import children as children_module
 from jobplane.store.attempts import Attempt, AttemptStore, ClaimStatus, LeaseLost
-from jobplane.store.children import ChildStore, ParentFence
+from jobplane.store.children import ChildStore, ParentFence, child_request_id
 from jobplane.v1 import workers_pb2, workers_pb2_grpc
 from jobplane.workers.children import ChildRequest, child_job, fence_of
 from jobplane.workers.handlers import JobContext, Registry, RetryableError
@@ -175,6 +176,28 @@ async def test_a_key_is_one_child_and_a_different_request_under_it_is_refused(
         await children.submit(fence_of(attempt), *_leaf(bare, "k", i=2))
     assert reused.value.field == "key"
     assert await _children_rows(bare, f"jobs/{attempt.job_id}") == 1
+
+
+async def test_a_key_whose_request_id_a_job_of_the_tenant_took_is_refused_by_key(
+    bare: Stack,
+) -> None:
+    """A job submitted in the tenant's own transaction (which, unlike the RPC, does not
+    refuse the system's request_id prefixes) took the request_id of the key's child."""
+    store = AttemptStore(bare.db, lease_seconds=30.0)
+    children = ChildStore(bare.db)
+    attempt = await _running(bare, store, await bare.client().submit("fan.out", {}))
+    async with bare.engine.begin() as conn:
+        other = await txn.submit_job(
+            conn, tenant="acme", type="fan.leaf", request_id=child_request_id(attempt.job_id, "k")
+        )
+    with pytest.raises(RequestIdReused) as reused:
+        await children.submit(fence_of(attempt), *_leaf(bare, "k"))
+    assert reused.value.field == "key"
+    assert str(reused.value) == (
+        f"the request_id of key 'k' was taken by a job that is not a child of jobs/{attempt.job_id}"
+    )
+    assert await _children_rows(bare, f"jobs/{attempt.job_id}") == 0
+    assert await bare.scalar("SELECT parent_id FROM jobs WHERE id = :id", id=other) is None
 
 
 async def test_past_the_cap_a_new_child_is_refused_and_a_known_key_still_answers(

@@ -16,8 +16,11 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from jobplane.client import Job
 from jobplane.store.attempts import AttemptStore, ClaimStatus, HandBack
+from jobplane.store.flow_sync import restart_limits
+from jobplane.store.machine import AnyConn, Change, StateMachine, Transition
 from jobplane.store.routes import sync_submit_rules
 from jobplane.topology import RateLimitSpec, Topology, load_topology
+from jobplane.types import JobState
 from tests.support import services
 from tests.support.parts import Started
 from tests.support.stack import Stack, start_stack
@@ -175,6 +178,36 @@ async def test_a_changed_rate_dispatches_its_throttled_jobs_again_now(
     assert dues == [None, None]
     assert await _claim(limited, store, second) is ClaimStatus.CLAIMED
     assert await _claim(limited, store, third) is ClaimStatus.CLAIMED
+
+
+@pytest.mark.parametrize("limits", [_SLOW])
+async def test_a_restarted_limit_runs_the_functions_after_redispatch_for_each_job(
+    engine: AsyncEngine, limited: Stack
+) -> None:
+    """With ``machine.on`` after REDISPATCH, the jobs go one by one, each through it."""
+    client = limited.client()
+    store = AttemptStore(limited.db, lease_seconds=30.0)
+    first, second, third = [await client.submit("slow.op", {}) for _ in range(3)]
+    assert await _claim(limited, store, first) is ClaimStatus.CLAIMED
+    assert await _claim(limited, store, second) is ClaimStatus.HELD
+    assert await _claim(limited, store, third) is ClaimStatus.HELD
+    seen: list[tuple[str, JobState | None, str]] = []
+
+    async def audit(conn: AnyConn, change: Change) -> None:
+        seen.append((str(change.row["id"]), change.from_state, change.row["state"]))
+
+    machine = StateMachine()
+    machine.on([Transition.REDISPATCH], audit)
+    async with engine.begin() as conn:
+        assert await restart_limits(conn, ["slow"], machine) == 2
+    queued = JobState.QUEUED
+    assert sorted(seen) == sorted((j.id, queued, queued.value) for j in (second, third))
+    async with engine.connect() as conn:
+        dues = [(await conn.execute(_DUE, {"id": j.id})).scalar_one() for j in (second, third)]
+    assert dues == [None, None]
+    # The bucket starts afresh: its one start of burst is the second's.
+    assert await _claim(limited, store, second) is ClaimStatus.CLAIMED
+    assert await _claim(limited, store, third) is ClaimStatus.HELD
 
 
 @pytest.mark.parametrize("limits", [_SLOW])

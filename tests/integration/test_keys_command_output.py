@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from datetime import datetime
 
 import pytest
+import structlog
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from jobplane.cli import build_parser
@@ -218,3 +220,26 @@ async def test_a_refused_key_or_bad_seconds_is_one_line_and_changes_nothing(
         (key.key_id, True, True),
         (gone.key_id, False, False),
     ]
+
+
+async def test_the_command_logs_warnings_up_in_the_configured_format(
+    database_url: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """No JOBPLANE_LOG_LEVEL: warnings and worse only, jobplane's and the drivers' alike,
+    each one JSON object a line with JOBPLANE_LOG_FORMAT=json."""
+    monkeypatch.setenv("JOBPLANE_DATABASE_URL", database_url)
+    monkeypatch.delenv("JOBPLANE_LOG_LEVEL", raising=False)
+    monkeypatch.setenv("JOBPLANE_LOG_FORMAT", "json")
+    capsys.readouterr()
+    assert await admin._keys(build_parser().parse_args(["keys", "list", "--json"])) == 0
+    assert capsys.readouterr() == ("", "")
+    log = structlog.get_logger("jobplane.test")
+    log.info("not shown")
+    log.warning("shown", n=1)
+    logging.getLogger("asyncpg").warning("a driver's warning")
+    lines = [json.loads(line) for line in capsys.readouterr().err.splitlines()]
+    assert [(line["logger"], line["event"], line["level"]) for line in lines] == [
+        ("jobplane.test", "shown", "warning"),
+        ("asyncpg", "a driver's warning", "warning"),
+    ]
+    assert lines[0]["n"] == 1

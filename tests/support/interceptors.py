@@ -64,7 +64,7 @@ class Recording:
         self.saw(f"grouped:{kind}:{size}")
 
     def submitted(self, job_type: str, queue: str, count: int) -> None:
-        self.saw(f"submitted:{job_type}:{count}")
+        self.saw(f"submitted:{job_type}:{queue}:{count}")
 
     def started(self, attempt: Any) -> RecordedRun | None:
         self.saw("started")

@@ -126,3 +126,24 @@ async def test_a_stage_returning_what_cannot_fan_out_fails_saying_why() -> None:
         "item 1 is a str: each item must be an object (the child's payload)",
         False,
     )
+
+
+async def test_an_interceptor_and_the_log_see_the_base_exception_the_handler_raised() -> None:
+    """SystemExit and the like are carried out of the handler's task wrapped: the
+    interceptor's run, the log line and the outcome name what the handler raised."""
+    registry = Registry()
+    stop = SystemExit(3)
+
+    @registry.handler("t.exits")
+    async def exits(ctx: JobContext) -> Any:
+        raise stop
+
+    seen = Recording("a")
+    run, store = runner(registry, seen)
+    log = Log()
+    await run._run(attempt_of("t.exits"), log)
+    [(outcome, _)] = store.finished
+    assert outcome == ("retried", "HANDLER_ERROR", "SystemExit: 3")
+    assert "a.run.ended:SystemExit" in seen.seen
+    [(event, fields)] = [line for line in log.lines if line[0] != "job.started"]
+    assert (event, fields["exc_info"]) == ("job.retry_scheduled", stop)

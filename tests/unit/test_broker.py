@@ -145,6 +145,23 @@ def test_the_longest_short_strings_are_publishable() -> None:
         check_publishable(*_parts(aio_pika.Message(big.body + b"x")), "jobplane.jobs", "demo.echo")
 
 
+def test_a_header_frame_of_the_smallest_frame_max_is_publishable_one_byte_more_is_not() -> None:
+    """4096 bytes, AMQP's smallest frame_max, counts the whole frame: any broker takes it."""
+
+    def padded(size: int) -> aio_pika.Message:
+        return _message(headers={"x": "h" * size})
+
+    def frame(message: aio_pika.Message) -> int:
+        return len(marshal(ContentHeader(0, len(message.body), message.properties), 1))
+
+    pad = 4096 - frame(padded(0))
+    assert frame(padded(pad)) == 4096
+    check_publishable(*_parts(padded(pad)), "jobplane.jobs", "demo.echo")
+    with pytest.raises(Unpublishable) as refused:
+        check_publishable(*_parts(padded(pad + 1)), "jobplane.jobs", "demo.echo")
+    assert str(refused.value) == "message properties of 4097 bytes exceed one frame"
+
+
 def _parts(message: aio_pika.Message) -> tuple[bytes, aiormq.spec.Basic.Properties]:
     return message.body, message.properties
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import uuid
 from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import replace
 from types import SimpleNamespace
 from typing import Any
 
@@ -20,6 +21,7 @@ from jobplane.faults import NO_FAULTS
 from jobplane.logs import fingerprint
 from jobplane.store.attempts import Attempt, ClaimResult, ClaimStatus, HandBack
 from jobplane.workers import delivery as delivery_module
+from jobplane.workers.bounce import Bounced, BounceFailed
 from jobplane.workers.delivery import Deliveries
 from jobplane.workers.interceptors import chain
 from jobplane.workers.recording import Stopping
@@ -224,6 +226,50 @@ async def test_a_hand_back_of_no_known_job_is_rejected_and_one_while_stopping_re
     await stopping._hand_back_job(ENVELOPE, message, log)
     assert message.settled == [("nack", True)]
     assert log.lines == []
+
+
+async def test_a_foreign_delivery_goes_back_to_its_queue_even_when_its_bounce_fails(
+    monkeypatch: pytest.MonkeyPatch, lines: Lines
+) -> None:
+    """No such job here and another deployment's: bounced; a bounce the broker did not
+    confirm leaves the original unsettled, so it is nacked back to its queue."""
+    bounced: list[tuple[Any, Message, str | None, str | None]] = []
+    answers: list[tuple[Bounced, int] | BaseException] = [
+        (Bounced.REQUEUED, 4),
+        BounceFailed("no confirm within 10 s"),
+    ]
+
+    async def bounce(
+        channel: Any, message: Message, queue: str | None, *, this_deployment: str | None
+    ) -> tuple[Bounced, int]:
+        bounced.append((channel, message, queue, this_deployment))
+        answer = answers.pop(0)
+        if isinstance(answer, BaseException):
+            raise answer
+        return answer
+
+    monkeypatch.setattr(delivery_module, "bounce_foreign", bounce)
+    worker = deliveries(Store(claim=ClaimResult(ClaimStatus.NOT_FOUND)))
+    channel = object()
+    worker._deployment, worker._bounce_channel = SimpleNamespace(id="ours"), channel
+    theirs = replace(ENVELOPE, deployment="theirs")
+    requeued, failed, log = Message(), Message(), Log()
+    await worker._claim_and_run(theirs, requeued, log)
+    await worker._claim_and_run(theirs, failed, log)
+    assert bounced == [(channel, requeued, "q", "ours"), (channel, failed, "q", "ours")]
+    # The copy went out and bounce_foreign settled the original itself.
+    assert requeued.settled == []
+    assert failed.settled == [("nack", True)]
+    assert worker.bounced == 1
+    assert log.lines == [
+        ("info", "job.message.bounced", {"owner": "theirs", "this": "ours", "bounces": 4}),
+        (
+            "warning",
+            "job.message.bounce_failed",
+            {"error": f"{BounceFailed.__module__}.BounceFailed: no confirm within 10 s"},
+        ),
+    ]
+    assert lines == []  # each settled as it should be: no settle failed
 
 
 @pytest.fixture

@@ -55,6 +55,14 @@ def test_several_patterns_match_when_any_does() -> None:
         assert (re.fullmatch(regex, "." + event_type) is not None) is expected
 
 
+def test_patterns_of_hashes_alone_match_every_type_with_no_regex() -> None:
+    """``#``, ``#.#``, ... take every type: the read filters on nothing (None), whatever
+    other patterns come with them."""
+    for patterns in (["#"], ["#.#"], ["#.#.#"], ["a.*", "#.#"], ["#.#", "job.started"]):
+        assert pattern_regex(patterns) is None, patterns
+    assert pattern_regex(["#.a"]) == r"^((\.[^.]+)*\.a)$"
+
+
 def test_a_bad_pattern_is_refused() -> None:
     for pattern in ["", "A", "a..b", "a*", "a.b#", "a b"]:
         with pytest.raises(EventError):

@@ -21,8 +21,9 @@ def test_work_runs_in_at_most_max_workers_named_threads() -> None:
             threads.submit(lambda: 1 / 0).result(timeout=10)
     finally:
         threads.shutdown()
-    with pytest.raises(RuntimeError):
+    with pytest.raises(RuntimeError) as refused:
         threads.submit(print)
+    assert str(refused.value) == "cannot submit to a pool that is shut down"
 
 
 def test_work_not_yet_taken_by_a_thread_can_be_cancelled() -> None:

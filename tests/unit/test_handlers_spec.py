@@ -192,6 +192,24 @@ def test_the_registry_takes_async_and_plain_functions_and_refuses_the_rest() -> 
     assert len(registry) == 6
 
 
+def test_a_refused_handler_is_named_by_its_module_and_name_or_a_question_mark() -> None:
+    """Code run by exec() with no ``__name__`` makes functions with no module."""
+    made: dict[str, Any] = {}
+    exec("def gen(ctx):\n    yield {}\n", made)
+    assert made["gen"].__module__ is None
+    tail = "handlers are `async def` or plain `def` functions taking the job's context"
+    refused_handlers: list[tuple[Any, str, str]] = [
+        (_sync_generator, f"{__name__}._sync_generator", "is a generator function"),
+        (made["gen"], "?.gen", "is a generator function"),
+        (42, "?.int", "is not callable"),
+    ]
+    for fn, name, why in refused_handlers:
+        with pytest.raises(TypeError) as refused:
+            Registry().add("b.refused", fn)
+        assert str(refused.value).startswith(f"the handler for 'b.refused' ({name}) {why}")
+        assert str(refused.value).endswith(tail)
+
+
 def test_the_sync_threads_setting() -> None:
     assert Settings.from_env({}).sync_threads is None  # the worker's concurrency
     assert Settings.from_env({"JOBPLANE_SYNC_THREADS": "3"}).sync_threads == 3

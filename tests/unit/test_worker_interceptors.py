@@ -203,6 +203,7 @@ async def test_a_chain_calls_each_in_order_the_first_outermost() -> None:
     with both.outcome(object()):  # type: ignore[arg-type]
         both.applied(Transition.SUCCEED)
     both.grouped("outcome", 3)
+    both.submitted("fan.leaf", "leaves", 4)  # a fan-out's children
     both.ended(object(), "completed", 1.0)  # type: ignore[arg-type]
     assert seen == [
         *(f"{n}.known:(0, 2):x,y" for n in "abc"),
@@ -220,5 +221,6 @@ async def test_a_chain_calls_each_in_order_the_first_outermost() -> None:
         *(f"{n}.applied:succeed" for n in "abc"),
         *(f"{n}.<outcome" for n in "cba"),
         *(f"{n}.grouped:outcome:3" for n in "abc"),
+        *(f"{n}.submitted:fan.leaf:leaves:4" for n in "abc"),
         *(f"{n}.ended:completed" for n in "abc"),
     ]

@@ -22,7 +22,7 @@ from jobplane.store.db import Database
 from jobplane.tasks import cancel_and_wait
 from jobplane.workers.children import WorkerChildren
 from jobplane.workers.handlers import JobContext, Registry, with_offloaded_payload
-from jobplane.workers.outcome import invoke
+from jobplane.workers.outcome import invoke, raised
 from jobplane.workers.progress import ProgressFlusher, ProgressWriter
 from jobplane.workers.recording import OutcomeRecording
 from jobplane.workers.running import Ended, Running, StopCause, spawned_and_returned
@@ -115,7 +115,7 @@ class AttemptRunner(OutcomeRecording):
                 await cancel_and_wait(heartbeat)
             self._running.pop(key, None)
             if run is not None:
-                run.ended(running.error)
+                run.ended(raised(running.error))
         pending = await writer.drain()
         if ended.returned and ctx._spawned:
             ended = spawned_and_returned(ended, ctx._spawned)

@@ -39,6 +39,11 @@ class Escaped(Exception):
         self.original = original
 
 
+def raised(error: BaseException | None) -> BaseException | None:
+    """What the handler raised, for an interceptor or a log line: an Escaped's original."""
+    return error.original if isinstance(error, Escaped) else error
+
+
 async def invoke(handler: Callable[[JobContext], Any], ctx: JobContext) -> Any:
     """Run ``handler(ctx)`` so that only an Exception or our own cancellation leaves it."""
     try:

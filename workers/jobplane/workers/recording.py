@@ -40,7 +40,7 @@ from jobplane.store.rows import check_payload_size, dumps
 from jobplane.topology import Topology
 from jobplane.types import BlobRef
 from jobplane.workers.interceptors import Interceptor
-from jobplane.workers.outcome import Escaped, Failure, check_result, describe
+from jobplane.workers.outcome import Failure, check_result, describe, raised
 from jobplane.workers.running import Ended, Running, StopCause
 
 if TYPE_CHECKING:
@@ -209,7 +209,7 @@ class OutcomeRecording:
             attempt.budget_attempt, attempt.max_attempts, failure, self._policy(attempt), cause
         )
         # The traceback goes to the log once, with the event that ends the attempt.
-        exc_info = _loggable(error)
+        exc_info = raised(error)
         if isinstance(decision, Retry):
             outcome = store.retried(
                 attempt,
@@ -310,9 +310,3 @@ class OutcomeRecording:
         intercept = self._intercept
         if intercept is not None:
             intercept.applied(outcome.transition)
-
-
-def _loggable(error: BaseException | None) -> BaseException | None:
-    if error is None:
-        return None
-    return error.original if isinstance(error, Escaped) else error
