@@ -28,8 +28,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from bench import procstat
-from tests.faults.cluster import free_port
 from tests.otlp_receiver import Receiver
+from tests.support.ports import free_port
 
 #: Arm name → the sampler's share (None: tracing off).
 ARMS: dict[str, float | None] = {"off": None, "nothing": 0.0, "one in ten": 0.1, "every": 1.0}

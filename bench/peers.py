@@ -435,7 +435,7 @@ class Peers:
             DEFAULT_TENANT_SUBMIT_BURST,
             DEFAULT_TENANT_SUBMITS_PER_SECOND,
         )
-        from tests.faults.cluster import free_port
+        from tests.support.ports import free_port
 
         bench = self.bench
         slots = () if concurrency is None else ("--concurrency", str(concurrency))

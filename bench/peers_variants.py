@@ -51,7 +51,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
 def _starter(bench: Bench, variant: dict[str, Any]) -> Callable[[], Coroutine[Any, Any, None]]:
     """How the dev arm starts in ``variant``."""
     from jobplane.config import DEFAULT_TENANT_MAX_STREAMS, DEFAULT_TENANT_SUBMITS_PER_SECOND
-    from tests.faults.cluster import free_port
+    from tests.support.ports import free_port
 
     async def start() -> None:
         env: dict[str, str] = {}

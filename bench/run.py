@@ -83,9 +83,9 @@ from jobplane.store.machine import MACHINE, Cause, Transition
 from jobplane.topics import EVENTS_EXCHANGE
 from jobplane.topology import load_topology
 from jobplane.v1 import events_pb2, events_pb2_grpc
-from tests.faults.cluster import free_port
 from tests.support import services
 from tests.support.plans import relay_claims
+from tests.support.ports import free_port
 from tests.support.s3 import MotoServer
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -57,7 +57,7 @@ from bench.scaling_report import (
 )
 from bench.wal import snapshot
 from jobplane.client import AsyncClient
-from tests.faults.cluster import free_port
+from tests.support.ports import free_port
 
 if TYPE_CHECKING:
     from bench.run import Bench

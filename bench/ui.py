@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import aiohttp
 
-from tests.faults.cluster import free_port
+from tests.support.ports import free_port
 
 if TYPE_CHECKING:
     from bench.run import Bench

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
 
-from jobplane.errors import BlobReferenceNotFound
+from jobplane.errors import BlobReferenceNotFound, JobplaneError
 from jobplane.server.service import JobService
 from jobplane.store.job_reads import StreamRead
 from jobplane.store.job_submit import NewJob
@@ -67,7 +67,7 @@ class JobStoreFake:
 
     async def submit_each(
         self, tenant: uuid.UUID, news: Sequence[NewJob]
-    ) -> list[tuple[Job, bool]]:
+    ) -> list[tuple[Job, bool] | JobplaneError]:
         assert tenant == TENANT
         self.statements.append(len(news))
         if self.delay:
@@ -82,6 +82,8 @@ class JobStoreFake:
 
     async def submit(self, tenant: uuid.UUID, new: NewJob) -> tuple[Job, bool]:
         (result,) = await self.submit_each(tenant, [new])
+        if isinstance(result, JobplaneError):  # as the store's submit: its one refusal
+            raise result
         return result
 
     async def get(self, tenant: uuid.UUID, job_id: uuid.UUID) -> Job:
