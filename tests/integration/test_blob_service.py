@@ -168,6 +168,32 @@ async def test_an_upload_that_does_not_start_with_its_header_is_refused(
     assert await _count(blob_stack, "blobs") == 0
 
 
+async def test_a_second_header_is_refused_with_the_reason(blob_stack: Stack) -> None:
+    """A header after the first message, before or after chunks, is refused, and
+    the caller is told the rule it broke."""
+    header = blobs_pb2.UploadBlobRequest(header=blobs_pb2.UploadBlobHeader())
+    chunk = blobs_pb2.UploadBlobRequest(chunk=b"abc")
+    for messages in ([header, header], [header, chunk, header, chunk]):
+
+        async def requests(
+            given: list[blobs_pb2.UploadBlobRequest] = messages,
+        ) -> AsyncIterator[blobs_pb2.UploadBlobRequest]:
+            for message in given:
+                yield message
+
+        async with grpc.aio.insecure_channel(blob_stack.server.address) as channel:
+            stub = blobs_pb2_grpc.BlobServiceStub(channel)
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                await stub.UploadBlob(
+                    requests(), metadata=(("authorization", f"Bearer {blob_stack.key}"),)
+                )
+        assert _reason(caught.value) == (grpc.StatusCode.INVALID_ARGUMENT, "header:InvalidArgument")
+        assert caught.value.details() == (
+            "only the first message of UploadBlob is a header; the rest are chunks"
+        )
+    assert await _count(blob_stack, "blobs") == 0
+
+
 async def test_a_bad_content_type_is_explained(blob_stack: Stack) -> None:
     header = blobs_pb2.UploadBlobHeader(content_type="x" * 1000)
     with pytest.raises(grpc.aio.AioRpcError) as caught:

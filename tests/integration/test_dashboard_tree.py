@@ -10,6 +10,7 @@ from html.parser import HTMLParser
 import pytest
 from sqlalchemy import text
 
+from jobplane.errors import JobNotFound
 from jobplane.store import job_tree
 from tests.support.dashboard import UiStack, browserless, ui_stack
 
@@ -113,6 +114,20 @@ async def test_another_tenants_jobs_never_appear_in_the_tree(ui: UiStack) -> Non
 async def test_a_job_alone_draws_no_tree(ui: UiStack) -> None:
     (alone,) = await _jobs(ui, 1)
     assert (await _tree_of(ui, alone)).parents == {}
+
+
+async def test_no_tree_for_a_job_the_tenant_does_not_have(ui: UiStack) -> None:
+    """A job gone (or never there) or another tenant's has no tree: JobNotFound,
+    as for the job itself."""
+    (ours,) = await _jobs(ui, 1)
+    other_key = await ui.stack.new_key("initech")
+    (theirs,) = await _jobs(ui, 1, other_key)
+    service = ui.stack.server.service
+    tree = await service.tree(ui.stack.tenant_id, f"jobs/{ours}")
+    assert (tree.root.id, tree.root.children, tree.above) == (ours, [], False)
+    for job in (str(uuid.uuid4()), theirs):
+        with pytest.raises(JobNotFound, match=rf"^jobs/{job} not found$"):
+            await service.tree(ui.stack.tenant_id, f"jobs/{job}")
 
 
 async def test_the_depth_bound_cuts_with_a_count_but_keeps_the_path(ui: UiStack) -> None:

@@ -34,7 +34,7 @@ from jobplane.workers.handlers import EmitError, JobContext, PermanentError, Reg
 from jobplane.workers.sweeper import lease_expired
 from tests.support.event_api import all_published, bound_queue, event_api
 from tests.support.events import take_all
-from tests.support.stack import Stack, start_stack
+from tests.support.stack import Stack, eventually, start_stack
 
 registry = Registry()
 # The first attempt of life.stale waits here until the test has taken its lease.
@@ -70,6 +70,12 @@ async def _stale(ctx: JobContext) -> dict[str, Any]:
         # Held until the job is another attempt's; then it returns as if done.
         await _stale_gate["release"].wait()
     return {"attempt": ctx.attempt}
+
+
+@registry.handler("life.waits")
+async def _waits(ctx: JobContext) -> dict[str, Any]:
+    await asyncio.sleep(3600)  # until cancelled
+    return {}
 
 
 @registry.handler("life.bad_emit")
@@ -238,6 +244,47 @@ async def test_a_failed_attempt_publishes_none_of_its_events(stack: Stack) -> No
     _check_chain(events, job_id, str(job_id))
     assert events[2].payload["error"] == {"code": "NOPE", "message": "no", "retryable": False}
     assert await stack.scalar("SELECT count(*) FROM events WHERE event_type LIKE 'thing.%'") == 0
+
+
+async def test_only_a_cancel_request_carries_its_reason(stack: Stack) -> None:
+    client = stack.client()
+    job = await client.submit("life.waits", {}, labels={"team": "a"})
+
+    async def running() -> bool:
+        return (await client.get(job.name)).state is JobState.RUNNING
+
+    await eventually(running)
+    await client.cancel(job.name, reason="no longer wanted")
+    done = await client.wait(job.name, timeout=30)
+    assert done.state is JobState.CANCELLED
+    job_id = uuid.UUID(str(parse_job_name(job.name)))
+    await all_published(stack)
+    events = await _subscribed(stack, 4, ["#"])
+    assert [e.event_type for e in events] == [
+        "job.queued",
+        "job.started",
+        "job.cancel_requested",
+        "job.cancelled",
+    ]
+    _check_chain(events, job_id, str(job_id))
+    queued, started, asked, cancelled = events
+    assert asked.payload == {
+        "name": f"jobs/{job_id}",
+        "job_id": str(job_id),
+        "type": "life.waits",
+        "queue": queued.payload["queue"],
+        "state": "running",
+        "attempt": 1,
+        "max_attempts": queued.payload["max_attempts"],
+        "labels": {"team": "a"},
+        "reason": "no longer wanted",
+    }
+    assert [e.payload.get("reason") for e in (queued, started, cancelled)] == [None] * 3
+    assert cancelled.payload["error"] == {
+        "code": "CANCELLED",
+        "message": "no longer wanted",
+        "retryable": False,
+    }
 
 
 async def test_an_attempt_that_lost_its_lease_publishes_none_of_its_events(

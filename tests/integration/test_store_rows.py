@@ -95,6 +95,13 @@ async def test_a_keys_record_is_read_back_whole(engine: AsyncEngine) -> None:
         KeyScope.WORKER,
         True,
     )
+    # The new keys say what they are, as their records do.
+    assert (tenant_key.tenant, tenant_key.scope) == ("acme", KeyScope.TENANT)
+    assert (worker_key.tenant, worker_key.tenant_id, worker_key.scope) == (
+        "",
+        None,
+        KeyScope.WORKER,
+    )
     assert (worker.prefix, worker.create_time) == stored[worker_key.key_id]
 
     # Used: the time of its use; revoked later: not active until then, then not.

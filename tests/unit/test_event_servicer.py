@@ -1,11 +1,13 @@
 """PublishEvent over the servicer, without a server: what of the request (and of
 the call's trace metadata) reaches the EventService, what the caller gets back,
-and the refusal of an event time AMQP cannot carry, at both ends of its range."""
+and the refusal of an event time AMQP cannot carry, at both ends of its range;
+and a SubscribeEvents stream that breaks."""
 
 from __future__ import annotations
 
 import asyncio
 import uuid
+from collections.abc import AsyncIterator, Sequence
 from datetime import UTC, datetime
 from typing import Any, cast
 
@@ -17,6 +19,7 @@ from google.rpc import error_details_pb2, status_pb2
 from jobplane.errors import EventIdReused
 from jobplane.events.convert import event_to_pb
 from jobplane.events.envelope import Event
+from jobplane.server import status as status_module
 from jobplane.server.auth import CallGate
 from jobplane.server.events import EventService, PublishRequest
 from jobplane.server.limits import TenantLimiter, TenantLimits
@@ -24,6 +27,7 @@ from jobplane.server.servicer import EventServiceServicer
 from jobplane.store.events import Position, StoredEvent
 from jobplane.store.keys import KeyIdentity, KeyStore
 from jobplane.v1 import events_pb2
+from tests.support.logs import module_lines
 from tests.support.servicer_context import Aborted, ServicerContext
 
 _KEY = "the-key"
@@ -45,8 +49,8 @@ class _Keys:
 
 
 class _Details(grpc.HandlerCallDetails):
-    def __init__(self) -> None:
-        self.method = f"/{_SERVICE}/PublishEvent"
+    def __init__(self, rpc: str = "PublishEvent") -> None:
+        self.method = f"/{_SERVICE}/{rpc}"
         self.invocation_metadata = (("authorization", f"Bearer {_KEY}"),)
 
 
@@ -171,3 +175,49 @@ async def test_a_refusal_of_the_service_is_the_callers_status() -> None:
         "event_id e-1 was used for another event",
         "event_id",
     )
+
+
+class _BrokenStream:
+    """A subscription that yields :data:`_EVENT`, then fails as a bug would."""
+
+    def __init__(self) -> None:
+        self.tenants: list[uuid.UUID] = []
+
+    async def subscribe(
+        self, tenant: uuid.UUID, patterns: Sequence[str], after_cursor: str, start: int
+    ) -> AsyncIterator[StoredEvent]:
+        self.tenants.append(tenant)
+        yield StoredEvent(_EVENT, Position(1, 1))
+        raise KeyError("a bug in the subscription")
+
+
+async def test_a_broken_subscription_is_internal_and_logged_naming_the_rpc(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    events = _BrokenStream()
+    servicer = EventServiceServicer(cast(EventService, events))
+    gate = CallGate(_SERVICE, cast(KeyStore, _Keys()), TenantLimiter(TenantLimits()))
+    received: list[events_pb2.SubscribeEventsResponse] = []
+
+    async def call() -> None:
+        async def continuation(_details: Any) -> Any:
+            return grpc.unary_stream_rpc_method_handler(servicer.SubscribeEvents)
+
+        await gate.intercept_service(continuation, _Details("SubscribeEvents"))
+        request = events_pb2.SubscribeEventsRequest(type_patterns=["#"])
+        stream = servicer.SubscribeEvents(request, ServicerContext())  # type: ignore[arg-type]
+        async for response in stream:
+            received.append(response)
+
+    with (
+        module_lines(monkeypatch, status_module, "jobplane.server") as lines,
+        pytest.raises(Aborted) as aborted,
+    ):
+        await asyncio.create_task(call())
+    assert aborted.value.status.code is grpc.StatusCode.INTERNAL
+    assert "a bug" not in aborted.value.status.details  # nothing of the failure is told
+    assert events.tenants == [_TENANT]
+    assert [r.event for r in received] == [event_to_pb(_EVENT)]
+    (line,) = (line for line in lines if line["event"] == "rpc.failed")
+    assert (line["log_level"], line["rpc"]) == ("error", "SubscribeEvents")
+    assert isinstance(line["exc_info"], KeyError)

@@ -88,3 +88,14 @@ async def test_a_trigger_refuses_the_overlap_of_a_tick(service: ScheduleService)
         "overlap_policy BUFFER_ONE is a tick's: a trigger runs now, is refused (SKIP) "
         "or cancels the earlier runs (CANCEL_OTHER)"
     )
+
+
+async def test_a_bad_schedule_id_is_refused_by_the_id_given(service: ScheduleService) -> None:
+    for given in ("Nightly", "9-lives", "a_b", "ends-"):
+        with pytest.raises(InvalidArgument) as refused:
+            await service.create(uuid.UUID(int=1), _schedule(), given)
+        assert refused.value.field == "schedule_id"
+        assert refused.value.message == (
+            f"schedule_id {given!r} must be 1 to 63 lowercase letters, digits "
+            "and '-', starting with a letter"
+        )

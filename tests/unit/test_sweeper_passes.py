@@ -1,8 +1,10 @@
 """One sweep's passes over a store faked at its seam: how an expired lease ends,
-when the lost-dispatch pass runs, and the lines and report operators see."""
+when the lost-dispatch pass runs, and the lines and report operators see; and
+the loops a started sweeper runs beside them."""
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from types import SimpleNamespace
 from typing import Any
@@ -22,6 +24,7 @@ from jobplane.store.sweeps import (
 )
 from jobplane.topology import QueueSpec, Topology
 from jobplane.workers import sweeper as sweeper_module
+from jobplane.workers.scheduler import Scheduler
 from jobplane.workers.sweeper import Sweeper, SweepReport
 from tests.support.logs import module_lines
 
@@ -71,6 +74,12 @@ class _Store(SweepStore):
 class _Deadlines:
     async def run_once(self) -> int:
         return 0
+
+    async def start(self) -> None:
+        pass
+
+    async def stop(self) -> None:
+        pass
 
 
 class _Interceptor:
@@ -199,3 +208,18 @@ async def test_a_sweeper_never_started_stops_quietly(monkeypatch: pytest.MonkeyP
     with module_lines(monkeypatch, sweeper_module, "jobplane.sweeper") as lines:
         await sweeper.stop()
     assert lines == []
+
+
+async def test_a_sweeper_ticks_schedules_unless_told_not_to() -> None:
+    assert isinstance(Sweeper(ENGINE).scheduler, Scheduler)
+    sweeper = Sweeper(ENGINE, schedules=False, interval=3600.0)
+    sweeper.deadlines = _Deadlines()  # type: ignore[assignment]
+    assert sweeper.scheduler is None
+    await sweeper.start()
+    try:
+        running = {task.get_name() for task in asyncio.all_tasks()}
+        assert "jobplane-sweeper" in running
+        assert "jobplane-scheduler" not in running
+    finally:
+        await sweeper.stop()
+    assert "jobplane-sweeper" not in {task.get_name() for task in asyncio.all_tasks()}
