@@ -18,7 +18,12 @@ from sqlalchemy import text
 from jobplane import txn
 from jobplane.client import Job, JobState
 from jobplane.convert import struct_from_dict
-from jobplane.errors import ChildLimitReached, FailedPrecondition, RequestIdReused
+from jobplane.errors import (
+    ChildLimitReached,
+    FailedPrecondition,
+    InvalidArgument,
+    RequestIdReused,
+)
 from jobplane.store import children as children_module
 from jobplane.store.attempts import Attempt, AttemptStore, ClaimStatus, LeaseLost
 from jobplane.store.children import ChildStore, ParentFence, child_request_id
@@ -181,14 +186,23 @@ async def test_a_key_is_one_child_and_a_different_request_under_it_is_refused(
 async def test_a_key_whose_request_id_a_job_of_the_tenant_took_is_refused_by_key(
     bare: Stack,
 ) -> None:
-    """A job submitted in the tenant's own transaction (which, unlike the RPC, does not
-    refuse the system's request_id prefixes) took the request_id of the key's child."""
+    """A job the tenant submitted in its own transaction before migration 0028 holds the
+    request_id of the key's child: ``jobplane.submit_job`` took the system's prefixes
+    until then, and refuses them now. The row is made as it wrote it, its request_id
+    set afterwards."""
     store = AttemptStore(bare.db, lease_seconds=30.0)
     children = ChildStore(bare.db)
     attempt = await _running(bare, store, await bare.client().submit("fan.out", {}))
+    request_id = child_request_id(attempt.job_id, "k")
     async with bare.engine.begin() as conn:
-        other = await txn.submit_job(
-            conn, tenant="acme", type="fan.leaf", request_id=child_request_id(attempt.job_id, "k")
+        with pytest.raises(InvalidArgument) as refused:
+            async with conn.begin_nested():
+                await txn.submit_job(conn, tenant="acme", type="fan.leaf", request_id=request_id)
+        assert refused.value.field == "request_id"
+        other = await txn.submit_job(conn, tenant="acme", type="fan.leaf", request_id="before")
+        await conn.execute(
+            text("UPDATE jobs SET request_id = :request_id WHERE id = :id"),
+            {"request_id": request_id, "id": other},
         )
     with pytest.raises(RequestIdReused) as reused:
         await children.submit(fence_of(attempt), *_leaf(bare, "k"))

@@ -344,6 +344,49 @@ async def test_refusals_carry_the_rpc_reasons(stack: Stack, conn: asyncpg.Connec
     assert await stack.scalar("SELECT count(*) FROM jobs") == 0
 
 
+_PARENT = "0190c0de-5a1e-7000-8000-00000000beef"
+
+
+@pytest.mark.parametrize("request_id", [f"fan:{_PARENT}:0:1:0", f"child:{_PARENT}:chunk-1"])
+async def test_the_systems_request_ids_are_refused_as_the_rpc_refuses_them(
+    stack: Stack, conn: asyncpg.Connection, request_id: str
+) -> None:
+    """A fan-out's child's and a child job's request_id: a job of the caller's with
+    one would be taken for that child, or make its submit fail."""
+    with pytest.raises(InvalidArgument) as refused:
+        async with conn.transaction():
+            await txn.submit_job(conn, tenant="acme", type="demo.echo", request_id=request_id)
+    with pytest.raises(InvalidArgument) as rpc:
+        await stack.client().submit("demo.echo", {}, request_id=request_id)
+    prefix = request_id.split(":", 1)[0]
+    assert str(refused.value) == (
+        f"request_id '{request_id}' starts with '{prefix}:', which is the system's "
+        "(its prefixes: fan:, child:)"
+    )
+    assert str(refused.value) == str(rpc.value)
+    assert refused.value.field == rpc.value.field == "request_id"
+    assert await stack.counts() == {"jobs": 0, "job_events": 0, "outbox": 0}
+    assert await stack.scalar("SELECT count(*) FROM events") == 0
+    assert await stack.scalar("SELECT count(*) FROM outbox") == 0
+
+
+async def test_a_request_id_with_fan_or_child_elsewhere_is_accepted(
+    stack: Stack, conn: asyncpg.Connection
+) -> None:
+    """Only the two prefixes, whole and in lowercase, are the system's; the RPC takes
+    the same ids, as the same jobs."""
+    ids = ["fan", "child", "fan-out:1", "children:1", "x:fan:1", "my-child:1", "Fan:1", " fan:1"]
+    for request_id in ids:
+        async with conn.transaction():
+            job_id = await txn.submit_job(
+                conn, tenant="acme", type="demo.echo", request_id=request_id
+            )
+        job = await stack.client().submit("demo.echo", {}, request_id=request_id)
+        assert job.name == job_name(job_id), request_id
+        assert job.request_id == request_id
+    assert await stack.scalar("SELECT count(*) FROM jobs") == len(ids)
+
+
 async def test_a_role_that_may_only_execute_the_function(stack: Stack, database_url: str) -> None:
     """The caller's role needs no right on jobplane's tables, only EXECUTE."""
     role = f"jp_caller_{uuid.uuid4().hex[:8]}"

@@ -164,6 +164,16 @@ BEGIN
         RAISE EXCEPTION 'INVALID_ARGUMENT: request_id has control characters'
             USING ERRCODE = 'JP001', COLUMN = 'request_id';
     END IF;
+    -- The request_ids of the jobs the system submits: a fan-out's children
+    -- (fan:{job}:{stage}:{attempt}:{item}) and child jobs (child:{job}:{key}).
+    -- A caller's job with one would be taken for that child, or make its
+    -- submit fail (0028).
+    IF starts_with(v_request_id, 'fan:') OR starts_with(v_request_id, 'child:') THEN
+        RAISE EXCEPTION 'INVALID_ARGUMENT: request_id % starts with %, which is the system''s '
+            '(its prefixes: fan:, child:)', quote_literal(left(v_request_id, 64)),
+            quote_literal(split_part(v_request_id, ':', 1) || ':')
+            USING ERRCODE = 'JP001', COLUMN = 'request_id';
+    END IF;
     -- The relay sends it as the AMQP correlation-id, a short string.
     IF octet_length(v_correlation_id) > 255 THEN
         RAISE EXCEPTION 'INVALID_ARGUMENT: correlation_id is longer than 255 bytes in UTF-8'
