@@ -153,30 +153,49 @@ def _command(argv: list[str]) -> str | None:
     return next((arg for arg in argv if not arg.startswith("-")), None)
 
 
+def _install_error(message: str) -> None:
+    """``error: message`` on stderr, or with ``JOBPLANE_LOG_FORMAT=json`` the
+    ``command.failed`` line of jobplane.process._error_line: that module needs
+    structlog, which the install may not have, so the line is made here."""
+    from jobplane.config_parse import requested_log_format
+
+    if requested_log_format() != "json":
+        print(f"error: {message}", file=sys.stderr)
+        return
+    import json
+    from datetime import UTC, datetime
+
+    line = {
+        "error": message,
+        "event": "command.failed",
+        "level": "error",
+        "logger": "jobplane.cli",
+        "timestamp": datetime.now(UTC).isoformat().replace("+00:00", "Z"),
+    }
+    print(json.dumps(line), file=sys.stderr)
+
+
 def client_main(argv: list[str]) -> int:
     """The command without the server install: the client commands only."""
     command = _command(argv)
     if command in WORKER_COMMANDS:
-        print(
-            f"error: jobplane {command}: this command needs the worker install: "
-            f"{WORKER_INSTALL} (or the server install: {SERVER_INSTALL})",
-            file=sys.stderr,
+        _install_error(
+            f"jobplane {command}: this command needs the worker install: "
+            f"{WORKER_INSTALL} (or the server install: {SERVER_INSTALL})"
         )
         return EXIT_USAGE
     if command in SERVER_COMMANDS:
-        print(
-            f"error: jobplane {command}: this command needs the server install: {SERVER_INSTALL}",
-            file=sys.stderr,
+        _install_error(
+            f"jobplane {command}: this command needs the server install: {SERVER_INSTALL}"
         )
         return EXIT_USAGE
     if argv == ["--version"]:
         print(f"jobplane {installed_version()}")
         return 0
     if find_spec("rich") is None:
-        print(
-            "error: the jobplane command needs the command-line install: "
-            f"{CLI_INSTALL} (client commands) or {SERVER_INSTALL} (everything)",
-            file=sys.stderr,
+        _install_error(
+            "the jobplane command needs the command-line install: "
+            f"{CLI_INSTALL} (client commands) or {SERVER_INSTALL} (everything)"
         )
         return EXIT_USAGE
     from jobplane.client.cli import register

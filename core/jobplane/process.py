@@ -129,10 +129,26 @@ def _say(event: str | None, text: str, *, level: str = "info", **fields: Any) ->
         getattr(structlog.get_logger("jobplane.cli"), level)(event, **fields)
 
 
+def _json_asked() -> bool:
+    """Whether JSON logs were configured or, the settings unread, asked for."""
+    return json_lines() or requested_log_format() == "json"
+
+
+def _answer(event: str, text: str, *, level: str = "info", **fields: Any) -> None:
+    """The command's answer on stderr: ``text``; with JSON logs, one ``event`` line
+    with ``fields`` (their text scrubbed). Shown whatever the log level: it is what
+    the operator asked for, not a log line. Never a secret: a key goes to stdout."""
+    if _json_asked():
+        values = {k: scrub(v) if isinstance(v, str) else v for k, v in fields.items()}
+        print(json_line(event, level, **values), file=sys.stderr, flush=True)
+    else:
+        print(text, file=sys.stderr, flush=True)
+
+
 def _error_line(message: str) -> None:
     """``error: message`` on stderr: a ``command.failed`` JSON line when JSON logs were
     asked for (the settings may be what failed, so asked of the environment)."""
-    if json_lines() or requested_log_format() == "json":
+    if _json_asked():
         print(json_line("command.failed", "error", error=scrub(message)), file=sys.stderr)
     else:
         print(f"error: {message}", file=sys.stderr)

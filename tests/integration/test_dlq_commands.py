@@ -16,6 +16,7 @@ from jobplane.envelope import Envelope
 from jobplane.topology import Topology
 from jobplane.workers.dlq import FailedQueue
 from tests.faults.cluster import topology_toml
+from tests.support.logs import assert_answers
 from tests.support.parts import Started
 from tests.support.queues import dead_letter
 from tests.support.stack import Stack, start_stack
@@ -101,3 +102,29 @@ async def test_dlq_replay_takes_at_most_its_limit(
     capsys.readouterr()
     assert await _dlq("replay", "--limit", "1") == 0
     assert capsys.readouterr().out.splitlines() == [f"kept      jobs/{strays[0].job_id} {KEPT}"]
+
+
+@pytest.mark.parametrize("fmt", ["console", "json"])
+async def test_purge_answers_in_one_line_each(
+    stack: Stack,
+    amqp_url: str,
+    fmt: str,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """With JOBPLANE_LOG_FORMAT=json, one JSON object a line: the refusal and the count."""
+    monkeypatch.setenv("JOBPLANE_LOG_FORMAT", fmt)
+    monkeypatch.delenv("JOBPLANE_LOG_LEVEL", raising=False)
+    stray = Envelope(uuid.uuid4(), uuid.uuid4(), stack.tenant_id, "demo.echo")
+    await dead_letter(amqp_url, stack.topology, stray)
+    capsys.readouterr()
+    assert await _dlq("purge") == 2
+    refused = "purge drops every failed message; add --yes"
+    assert_answers(
+        capsys.readouterr().err, fmt, [("command.failed", f"error: {refused}", {"error": refused})]
+    )
+    assert await _dlq("purge", "--yes") == 0
+    said = capsys.readouterr()
+    assert said.out == ""
+    assert_answers(said.err, fmt, [("dlq.purged", "purged 1 messages", {"messages": 1})])
+    assert await FailedQueue(amqp_url, stack.topology).list() == []

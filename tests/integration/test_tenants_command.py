@@ -24,6 +24,7 @@ from jobplane.store.routes import sync_submit_rules
 from jobplane.topology import load_topology
 from jobplane.workers.maintenance import ERASURE, RETENTION
 from tests.support.commands import tenants_command
+from tests.support.logs import assert_answers
 
 
 @pytest.fixture
@@ -256,9 +257,16 @@ async def test_wait_shows_progress_and_the_result(
     ]
 
 
+@pytest.mark.parametrize("fmt", ["console", "json"])
 async def test_wait_exits_1_when_the_job_fails(
-    engine: AsyncEngine, tenants: Any, shown: asyncio.Event
+    engine: AsyncEngine,
+    tenants: Any,
+    shown: asyncio.Event,
+    fmt: str,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    """Each line its JSON object with JOBPLANE_LOG_FORMAT=json: the progress too."""
+    monkeypatch.setenv("JOBPLANE_LOG_FORMAT", fmt)
     await _add_tenant(engine, "acme")
     ended = asyncio.create_task(
         _end_jobs(
@@ -276,11 +284,29 @@ async def test_wait_exits_1_when_the_job_fails(
     (job,) = await _jobs(engine)
     assert code == 1
     assert out == f"jobs/{job['id']}\n"
-    assert err.splitlines()[1:] == [
-        f"jobs/{job['id']} QUEUED 0% ",
-        f"jobs/{job['id']} FAILED 50% half",
-        "error: INTERNAL: disk full",
-    ]
+    job_id = str(job["id"])
+    assert_answers(
+        err,
+        fmt,
+        [
+            (
+                "maintenance.submitted",
+                f"submitted jobs/{job_id} for tenant 'acme'",
+                {"job_id": job_id, "tenant": "acme"},
+            ),
+            (
+                "maintenance.progress",
+                f"jobs/{job_id} QUEUED 0% ",
+                {"job_id": job_id, "state": "QUEUED", "progress": 0.0, "progress_message": ""},
+            ),
+            (
+                "maintenance.progress",
+                f"jobs/{job_id} FAILED 50% half",
+                {"job_id": job_id, "state": "FAILED", "progress": 0.5, "progress_message": "half"},
+            ),
+            ("command.failed", "error: INTERNAL: disk full", {"error": "INTERNAL: disk full"}),
+        ],
+    )
 
 
 async def test_the_commands_log_warnings_up_in_the_configured_format(

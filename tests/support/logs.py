@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Iterator, MutableMapping
 from contextlib import contextmanager
@@ -45,3 +46,27 @@ def module_lines(monkeypatch: pytest.MonkeyPatch, module: ModuleType, name: str)
     monkeypatch.setattr(module, "log", structlog.get_logger(name))
     with capture_every_level() as captured:
         yield captured
+
+
+#: A command's answer or error as its stderr line says it: the event, the line in
+#: text, and the fields of its JSON line (with JOBPLANE_LOG_FORMAT=json).
+Answer = tuple[str, str, dict[str, Any]]
+
+
+#: The answers not said at info.
+_ANSWER_LEVELS = {"command.failed": "error", "topology.owner_unrecorded": "warning"}
+
+
+def assert_answers(err: str, fmt: str, answers: list[Answer]) -> None:
+    """``err`` is the lines of ``answers``: their text with ``fmt`` "console", else
+    one JSON object each with its event, a level, a timestamp and its fields."""
+    if fmt == "console":
+        assert err == "".join(f"{text}\n" for _, text, _ in answers)
+        return
+    lines = [json.loads(line) for line in err.splitlines()]
+    assert [line["event"] for line in lines] == [event for event, _, _ in answers]
+    for line, (event, _, fields) in zip(lines, answers, strict=True):
+        assert line["level"] == _ANSWER_LEVELS.get(event, "info"), event
+        assert line["logger"] == "jobplane.cli"
+        assert line["timestamp"].endswith("Z")
+        assert {k: line.get(k, "(missing)") for k in fields} == fields, event

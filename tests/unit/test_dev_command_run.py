@@ -29,6 +29,7 @@ from jobplane.server.dashboard import Backend
 from jobplane.server.devparts import GRACE
 from jobplane.workers.relay import relay_in_flight
 from tests.support.commands import DEMOS, ENV, HERE, MAINTENANCE, CommandRun, armed, environment
+from tests.support.logs import assert_answers
 from tests.support.server_commands import PORT, ServerRun, readyz
 
 ADDRESS = f"127.0.0.1:{PORT}"
@@ -292,6 +293,19 @@ def test_a_second_ctrl_c_kills_the_parts_and_exits_130(
     run.server.signals[0]["again"]()
     assert (exits, run.parts[0].calls[-1]) == ([130], "kill")
     assert capsys.readouterr().err == "\nstopping at once\n"
+
+
+def test_a_second_ctrl_c_says_so_in_json_with_json_logs(
+    run: DevRun, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("JOBPLANE_LOG_FORMAT", "json")
+    assert run(["dev", "--processes", "2", "--ui-listen", "off"]) == 0
+    capsys.readouterr()
+    exits: list[int] = []
+    monkeypatch.setattr(os, "_exit", exits.append)
+    run.server.signals[0]["again"]()
+    assert (exits, run.parts[0].calls[-1]) == ([130], "kill")
+    assert_answers(capsys.readouterr().err, "json", [("dev.stopping_at_once", "", {})])
 
 
 def test_dev_says_it_is_up_in_json_with_json_logs(

@@ -205,3 +205,36 @@ def test_the_worker_path_imports_no_optional_library() -> None:
     loaded = set(json.loads(out))
     optional = ("aioboto3", "botocore", "prometheus_client", "aiohttp", "opentelemetry.sdk")
     assert sorted(m for m in loaded if m.startswith(optional)) == []
+
+
+@pytest.mark.parametrize(
+    ("argv", "start"),
+    [
+        (["serve"], "jobplane serve: this command needs the server install: pip install"),
+        (["worker"], "jobplane worker: this command needs the worker install: pip install"),
+        (["get", "jobs/x"], "the jobplane command needs the command-line install: pip install"),
+    ],
+)
+def test_an_install_missing_is_one_json_line_with_json_logs(
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    argv: list[str],
+    start: str,
+) -> None:
+    """The line jobplane.logs.json_line makes, ``command.failed`` with the error."""
+    from importlib.util import find_spec
+
+    from jobplane.logs import json_line
+
+    monkeypatch.setenv("JOBPLANE_LOG_FORMAT", "json")
+    monkeypatch.setattr(
+        console, "find_spec", lambda name: None if name == "rich" else find_spec(name)
+    )
+    assert console.client_main(argv) == 2
+    (line,) = [json.loads(line) for line in capsys.readouterr().err.splitlines()]
+    assert line["error"].startswith(start)
+    shape = json.loads(json_line("command.failed", "error", error=line["error"]))
+    assert {k: v for k, v in line.items() if k != "timestamp"} == {
+        k: v for k, v in shape.items() if k != "timestamp"
+    }
+    assert line["timestamp"].endswith("Z")

@@ -25,6 +25,7 @@ from jobplane.store.keys import KEYS_CHANNEL
 from jobplane.store.rows import DOMAIN_EVENTS_CHANNEL, EVENTS_CHANNEL
 from jobplane.topology.on_broker import Ownership
 from tests.support.commands import ENV, CommandRun, armed, environment
+from tests.support.logs import Answer, assert_answers
 from tests.support.server_commands import PORT, ServerRun
 
 SERVER_ENV = {
@@ -396,3 +397,99 @@ def test_topology_apply_without_postgres_leaves_the_owner_to_others(
         "owner not recorded (Postgres: Connect call failed ('127.0.0.1', 1)); "
         "the first relay or worker records it\n"
     )
+
+
+_QUEUES = ["ingest.parse", "ingest.chunk", "ingest.embed", "ingest.index", "jobplane.default"]
+_DECLARED_JSON: Answer = (
+    "topology.declared",
+    _DECLARED.rstrip("\n"),
+    {"exchange": "jobplane.jobs", "queues": _QUEUES, "events_exchange": "jobplane.events"},
+)
+
+
+@pytest.mark.parametrize(
+    ("argv", "owner", "reachable", "status", "answers"),
+    [
+        (
+            ["migrate"],
+            None,
+            True,
+            0,
+            [
+                ("database.migrated", "database is at the latest migration", {}),
+                ("submit_rules.synced", "routes of jobplane.submit_job are the topology's", {}),
+            ],
+        ),
+        (
+            ["topology", "apply"],
+            None,
+            True,
+            0,
+            [
+                _DECLARED_JSON,
+                (
+                    "topology.owned",
+                    "owner: deployment d-ours (database 'jp')",
+                    {"deployment": "d-ours", "database": "jp"},
+                ),
+            ],
+        ),
+        (
+            ["topology", "apply"],
+            None,
+            False,
+            0,
+            [
+                _DECLARED_JSON,
+                (
+                    "topology.owner_unrecorded",
+                    "owner not recorded (Postgres: refused); the first relay or worker records it",
+                    {"error": "refused"},
+                ),
+            ],
+        ),
+        (
+            ["topology", "apply"],
+            "d-theirs",
+            True,
+            1,
+            [
+                _DECLARED_JSON,
+                (
+                    "command.failed",
+                    "",
+                    {
+                        "error": "this topology is owned by deployment d-theirs (database "
+                        "'other_db'), not by this one, d-ours (database 'jp'): both would consume "
+                        "the same queues. Give each its own vhost or topology names, or run "
+                        "`jobplane topology apply --take-ownership` if the other deployment is "
+                        "gone"
+                    },
+                ),
+            ],
+        ),
+    ],
+)
+def test_migrate_and_topology_apply_answer_in_json_with_json_logs(
+    run: Runs,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    argv: list[str],
+    owner: str | None,
+    reachable: bool,
+    status: int,
+    answers: list[Answer],
+) -> None:
+    """Each line one JSON object, shown at the default level of the command (warning)."""
+    monkeypatch.setenv("JOBPLANE_LOG_FORMAT", "json")
+    monkeypatch.delenv("JOBPLANE_LOG_LEVEL", raising=False)
+    if argv[0] == "topology":
+        Broker(run, monkeypatch, owner=owner)
+    if not reachable:
+
+        async def unreachable(engine: Any) -> Deployment:
+            raise OSError("refused")
+
+        monkeypatch.setattr("jobplane.store.deployment.this_deployment", unreachable)
+    assert run(argv) == status
+    assert_answers(capsys.readouterr().err, "json", answers)

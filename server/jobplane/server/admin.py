@@ -12,13 +12,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import sys
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
 from jobplane.config import Settings
 from jobplane.logs import configure
-from jobplane.process import _async
+from jobplane.process import _answer, _async, _error_line
 
 if TYPE_CHECKING:
     import uuid
@@ -39,10 +38,10 @@ async def _keys(args: argparse.Namespace) -> int:
     try:
         return await _keys_command(KeyStore(engine), args)
     except (KeyNotFound, KeyRevoked) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        _error_line(str(exc))
         return 1
     except ValueError as exc:  # a tenant name, --grace or --after out of range
-        print(f"error: {exc}", file=sys.stderr)
+        _error_line(str(exc))
         return 2
     finally:
         await engine.dispose()
@@ -53,12 +52,23 @@ async def _keys_command(keys: KeyStore, args: argparse.Namespace) -> int:
         if args.worker:
             created = await keys.create_worker()
             print(created.key)
-            print(f"created worker key {created.key_id} (WorkerService only)", file=sys.stderr)
+            _answer(
+                "key.created",
+                f"created worker key {created.key_id} (WorkerService only)",
+                key_id=created.key_id,
+                scope="worker",
+            )
             return 0
         created = await keys.create(args.tenant)
         # stdout carries the secret alone, for `$(jobplane keys create ...)`.
         print(created.key)
-        print(f"created {created.key_id} for tenant {created.tenant!r}", file=sys.stderr)
+        _answer(
+            "key.created",
+            f"created {created.key_id} for tenant {created.tenant!r}",
+            key_id=created.key_id,
+            tenant=created.tenant,
+            scope="tenant",
+        )
         return 0
     if args.keys == "list":
         listed = await keys.list_keys(args.tenant)
@@ -70,17 +80,28 @@ async def _keys_command(keys: KeyStore, args: argparse.Namespace) -> int:
         return 0
     if args.keys == "revoke":
         info = await keys.revoke(args.key_id, after=_key_seconds(args.after, "--after"))
+        ends_at = info.revoke_time.isoformat() if info.revoke_time else None
+        fields: dict[str, Any] = {"key_id": info.key_id, "tenant": info.tenant, "ends_at": ends_at}
         if info.active and info.revoke_time is not None:
             ends = info.revoke_time.isoformat(timespec="seconds")
-            print(f"{info.key_id} (tenant {info.tenant!r}) ends at {ends}", file=sys.stderr)
+            _answer(
+                "key.revoking", f"{info.key_id} (tenant {info.tenant!r}) ends at {ends}", **fields
+            )
         else:
-            print(f"revoked {info.key_id} (tenant {info.tenant!r})", file=sys.stderr)
+            _answer("key.revoked", f"revoked {info.key_id} (tenant {info.tenant!r})", **fields)
         return 0
     created, old = await keys.rotate(args.key_id, grace=_key_seconds(args.grace, "--grace"))
     print(created.key)
     ends = old.revoke_time.isoformat(timespec="seconds") if old.revoke_time else "-"
     owner = "worker key" if not created.tenant else f"for tenant {created.tenant!r}"
-    print(f"created {created.key_id} {owner}; {old.key_id} ends at {ends}", file=sys.stderr)
+    _answer(
+        "key.rotated",
+        f"created {created.key_id} {owner}; {old.key_id} ends at {ends}",
+        key_id=created.key_id,
+        tenant=created.tenant,
+        old_key_id=old.key_id,
+        ends_at=old.revoke_time.isoformat() if old.revoke_time else None,
+    )
     return 0
 
 
@@ -94,10 +115,10 @@ async def _tenants(args: argparse.Namespace) -> int:
     try:
         return await _tenants_command(engine, args)
     except TenantNotFound as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        _error_line(str(exc))
         return 1
     except (JobplaneError, ValueError) as exc:  # a horizon out of range, a route missing
-        print(f"error: {exc}", file=sys.stderr)
+        _error_line(str(exc))
         return 2
     finally:
         await engine.dispose()
@@ -126,17 +147,23 @@ def _whole_number(value: str) -> int:
         raise argparse.ArgumentTypeError(f"WEIGHT must be a whole number, got {value!r}") from None
 
 
-async def _retention_schedule(engine: AsyncEngine, tenant_id: uuid.UUID) -> None:
+async def _retention_schedule(engine: AsyncEngine, tenant: str, tenant_id: uuid.UUID) -> None:
     """Give the tenant its built-in retention schedule, or take it (ADR-0041)."""
     from jobplane.server.schedule_builtin import sync_retention_schedules
     from jobplane.topology import load_topology
 
     topology = load_topology(Settings.from_env().topology_path)
     done = await sync_retention_schedules(engine, topology, tenant_id)
+    schedule = {"schedule": "schedules/jobplane-retention", "tenant": tenant}
     if done.created:
-        print("schedules/jobplane-retention runs maintenance.retention daily", file=sys.stderr)
+        _answer(
+            "schedule.created",
+            "schedules/jobplane-retention runs maintenance.retention daily",
+            **schedule,
+            type="maintenance.retention",
+        )
     if done.removed:
-        print("schedules/jobplane-retention deleted: no horizon", file=sys.stderr)
+        _answer("schedule.deleted", "schedules/jobplane-retention deleted: no horizon", **schedule)
 
 
 async def _tenants_command(engine: AsyncEngine, args: argparse.Namespace) -> int:
@@ -168,17 +195,24 @@ async def _tenants_command(engine: AsyncEngine, args: argparse.Namespace) -> int
         return 0
     if args.tenants == "set-weight":
         tenant = await store.set_weight(args.tenant, args.weight)
-        print(
+        _answer(
+            "tenant.weight.set",
             f"tenant {tenant.name!r}: dispatch weight {tenant.dispatch_weight} "
             "(from the relays' next claim)",
-            file=sys.stderr,
+            tenant=tenant.name,
+            dispatch_weight=tenant.dispatch_weight,
         )
         return 0
     if args.tenants == "set-retention":
         tenant = await store.set_retention(args.tenant, args.days)
         kept = "for ever" if tenant.retention_days is None else f"{tenant.retention_days} days"
-        print(f"tenant {tenant.name!r}: finished jobs and events are kept {kept}", file=sys.stderr)
-        await _retention_schedule(engine, tenant.id)
+        _answer(
+            "tenant.retention.set",
+            f"tenant {tenant.name!r}: finished jobs and events are kept {kept}",
+            tenant=tenant.name,
+            retention_days=tenant.retention_days,
+        )
+        await _retention_schedule(engine, tenant.name, tenant.id)
         return 0
     if args.tenants == "retention":
         if args.all:
@@ -186,7 +220,7 @@ async def _tenants_command(engine: AsyncEngine, args: argparse.Namespace) -> int
         else:
             names = [(await store.tenant_named(name)).name for name in args.tenant]
         if not names:
-            print("no tenant has a retention horizon", file=sys.stderr)
+            _answer("tenant.retention.none", "no tenant has a retention horizon")
             return 0
         # One run per tenant and day: a cron that fires twice submits once.
         day = datetime.now(UTC).strftime("%Y-%m-%d")
@@ -196,10 +230,9 @@ async def _tenants_command(engine: AsyncEngine, args: argparse.Namespace) -> int
         ]
     else:  # erase
         if not args.yes:
-            print(
-                f"error: erasing deletes every job, event, blob and index point of tenant "
-                f"{args.tenant!r}; add --yes",
-                file=sys.stderr,
+            _error_line(
+                "erasing deletes every job, event, blob and index point of tenant "
+                f"{args.tenant!r}; add --yes"
             )
             return 2
         tenant = await store.tenant_named(args.tenant)
@@ -211,7 +244,12 @@ async def _tenants_command(engine: AsyncEngine, args: argparse.Namespace) -> int
         ]
     for name, job_id in jobs:
         print(f"jobs/{job_id}")
-        print(f"submitted jobs/{job_id} for tenant {name!r}", file=sys.stderr)
+        _answer(
+            "maintenance.submitted",
+            f"submitted jobs/{job_id} for tenant {name!r}",
+            job_id=str(job_id),
+            tenant=name,
+        )
     if not args.wait:
         return 0
     failed = 0
@@ -253,13 +291,20 @@ async def _follow_maintenance(jobs: JobStore, tenant_id: Any, job_id: Any) -> bo
         job = await jobs.get(tenant_id, job_id)
         line = f"jobs/{job_id} {job.state.name} {job.progress:.0%} {job.progress_message}"
         if line != said:
-            print(line, file=sys.stderr)
+            _answer(
+                "maintenance.progress",
+                line,
+                job_id=str(job_id),
+                state=job.state.name,
+                progress=job.progress,
+                progress_message=job.progress_message,
+            )
             said = line
         if job.state.terminal:
             if job.result is not None:
                 print(json.dumps(job.result, sort_keys=True))
             if job.error is not None:
-                print(f"error: {job.error.code}: {job.error.message}", file=sys.stderr)
+                _error_line(f"{job.error.code}: {job.error.message}")
             return job.state is JobState.SUCCEEDED
         await asyncio.sleep(0.5)
 
@@ -322,9 +367,10 @@ def _print_keys(listed: list[KeyInfo]) -> None:
             "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
         )
     if any(info.active and info.revoke_time for info in listed):
-        print(
+        _answer(
+            "key.list.ending_later",
             "* still valid until then (rotated with a grace period or revoked for later)",
-            file=sys.stderr,
+            key_ids=[i.key_id for i in listed if i.active and i.revoke_time],
         )
 
 
@@ -362,7 +408,7 @@ async def _workers(args: argparse.Namespace) -> int:
             )
         return 0
     if not workers:
-        print("no live workers", file=sys.stderr)
+        _answer("workers.none", "no live workers")
         return 0
     print(f"{'ID':<36}  {'STATUS':<7}  {'HOST:PID':<24}  {'CONC':>4}  {'LAST BEAT':<20}  TYPES")
     for w in workers:

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import sys
 from contextlib import AsyncExitStack
 from typing import TYPE_CHECKING, Any
 
 from jobplane.config import ConfigError, ListenAddress, Settings, parse_listen
 from jobplane.faults import FaultPoints
 from jobplane.process import (
+    _answer,
     _async,
     _blob_store,
     _cancelled,
@@ -52,7 +52,7 @@ async def _migrate(_args: argparse.Namespace) -> int:
 
     settings, topology = _settings_and_topology()
     await migrate(settings.direct_url)
-    print("database is at the latest migration", file=sys.stderr)
+    _answer("database.migrated", "database is at the latest migration")
     engine = create_engine(settings.database_url, pool_size=1)
     try:
         await sync_submit_rules(
@@ -64,7 +64,7 @@ async def _migrate(_args: argparse.Namespace) -> int:
         )
     finally:
         await engine.dispose()
-    print("routes of jobplane.submit_job are the topology's", file=sys.stderr)
+    _answer("submit_rules.synced", "routes of jobplane.submit_job are the topology's")
     return 0
 
 
@@ -270,10 +270,13 @@ async def _topology_apply(args: argparse.Namespace) -> int:
         channel = await connection.channel()
         await declare(channel, topology)
         names = ", ".join(q.name for q in topology.queues)
-        print(
+        _answer(
+            "topology.declared",
             f"declared exchange {topology.exchange} and queues {names}; "
             f"events exchange {topology.events_exchange}",
-            file=sys.stderr,
+            exchange=topology.exchange,
+            queues=[q.name for q in topology.queues],
+            events_exchange=topology.events_exchange,
         )
         # The owner is this deployment's database; an operator applying the
         # topology from where Postgres is out of reach leaves the record to
@@ -289,10 +292,12 @@ async def _topology_apply(args: argparse.Namespace) -> int:
                 max_schedule_seconds=settings.max_schedule_seconds,
             )
         except (DBAPIError, OSError) as exc:
-            print(
+            _answer(
+                "topology.owner_unrecorded",
                 f"owner not recorded (Postgres: {_first_line(exc)}); "
                 "the first relay or worker records it",
-                file=sys.stderr,
+                level="warning",
+                error=_first_line(exc),
             )
             return 0
         finally:
@@ -301,15 +306,19 @@ async def _topology_apply(args: argparse.Namespace) -> int:
             connection, topology, deployment, take_over=args.take_ownership
         )
     if ownership.conflict:
-        print(
-            f"error: this topology is owned by deployment {ownership.describe_owner()}, not by "
+        _error_line(
+            f"this topology is owned by deployment {ownership.describe_owner()}, not by "
             f"this one, {deployment}: both would consume the same queues. Give each its own "
             "vhost or topology names, or run `jobplane topology apply --take-ownership` if the "
-            "other deployment is gone",
-            file=sys.stderr,
+            "other deployment is gone"
         )
         return 1
-    print(f"owner: deployment {deployment}", file=sys.stderr)
+    _answer(
+        "topology.owned",
+        f"owner: deployment {deployment}",
+        deployment=deployment.id,
+        database=deployment.database,
+    )
     return 0
 
 

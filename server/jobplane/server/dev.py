@@ -23,6 +23,7 @@ from jobplane.errors import JobplaneError
 from jobplane.faults import FaultPoints
 from jobplane.logs import json_line, json_lines
 from jobplane.process import (
+    _answer,
     _blob_store,
     _cancelled,
     _database,
@@ -343,7 +344,8 @@ class _AtOnce:
     parts: Any = None
 
     def __call__(self) -> None:
-        print("\nstopping at once", file=sys.stderr, flush=True)
+        # The text's blank line ends the terminal's "^C" line.
+        _answer("dev.stopping_at_once", "\nstopping at once")
         if self.parts is not None:
             self.parts.kill()
         os._exit(130)

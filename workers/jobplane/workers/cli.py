@@ -15,13 +15,13 @@ import argparse
 import asyncio
 import contextlib
 import json
-import sys
 from contextlib import AsyncExitStack
 from typing import TYPE_CHECKING, Any
 
 from jobplane.config import DEFAULT_WORKER_CONCURRENCY, Settings
 from jobplane.faults import FaultPoints
 from jobplane.process import (
+    _answer,
     _async,
     _blob_store,
     _database,
@@ -421,9 +421,10 @@ async def _dlq(args: argparse.Namespace) -> int:
             print(f"kept      {name} (no job to re-dispatch, or a live attempt holds it)")
         return 0
     if not args.yes:
-        print("error: purge drops every failed message; add --yes", file=sys.stderr)
+        _error_line("purge drops every failed message; add --yes")
         return 2
-    print(f"purged {await failed.purge()} messages", file=sys.stderr)
+    purged = await failed.purge()
+    _answer("dlq.purged", f"purged {purged} messages", messages=purged)
     return 0
 
 
