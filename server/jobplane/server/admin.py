@@ -26,6 +26,7 @@ if TYPE_CHECKING:
 
     from jobplane.store.jobs import JobStore
     from jobplane.store.keys import KeyInfo, KeyStore
+    from jobplane.store.maintenance import MaintenanceStore
 
 
 async def _keys(args: argparse.Namespace) -> int:
@@ -175,44 +176,10 @@ async def _tenants_command(engine: AsyncEngine, args: argparse.Namespace) -> int
 
     store = MaintenanceStore(engine)
     if args.tenants == "list":
-        for tenant in await store.tenants():
-            if args.json:
-                print(
-                    json.dumps(
-                        {
-                            "id": str(tenant.id),
-                            "name": tenant.name,
-                            "retention_days": tenant.retention_days,
-                            "dispatch_weight": tenant.dispatch_weight,
-                        },
-                        sort_keys=True,
-                    )
-                )
-            else:
-                days = "-" if tenant.retention_days is None else f"{tenant.retention_days}d"
-                weight = f"w{tenant.dispatch_weight}"
-                print(f"{tenant.name:<40}  {days:>7}  {weight:>5}  {tenant.id}")
+        await _tenants_list(store, as_json=args.json)
         return 0
-    if args.tenants == "set-weight":
-        tenant = await store.set_weight(args.tenant, args.weight)
-        _answer(
-            "tenant.weight.set",
-            f"tenant {tenant.name!r}: dispatch weight {tenant.dispatch_weight} "
-            "(from the relays' next claim)",
-            tenant=tenant.name,
-            dispatch_weight=tenant.dispatch_weight,
-        )
-        return 0
-    if args.tenants == "set-retention":
-        tenant = await store.set_retention(args.tenant, args.days)
-        kept = "for ever" if tenant.retention_days is None else f"{tenant.retention_days} days"
-        _answer(
-            "tenant.retention.set",
-            f"tenant {tenant.name!r}: finished jobs and events are kept {kept}",
-            tenant=tenant.name,
-            retention_days=tenant.retention_days,
-        )
-        await _retention_schedule(engine, tenant.name, tenant.id)
+    if args.tenants in ("set-weight", "set-retention"):
+        await _tenant_set(engine, store, args)
         return 0
     if args.tenants == "retention":
         if args.all:
@@ -256,6 +223,52 @@ async def _tenants_command(engine: AsyncEngine, args: argparse.Namespace) -> int
     for name, job_id in jobs:
         failed += not await _wait_maintenance(engine, name, job_id)
     return 1 if failed else 0
+
+
+async def _tenants_list(store: MaintenanceStore, *, as_json: bool) -> None:
+    """``tenants list``: a line each (a JSON object with ``--json``)."""
+    for tenant in await store.tenants():
+        if as_json:
+            print(
+                json.dumps(
+                    {
+                        "id": str(tenant.id),
+                        "name": tenant.name,
+                        "retention_days": tenant.retention_days,
+                        "dispatch_weight": tenant.dispatch_weight,
+                    },
+                    sort_keys=True,
+                )
+            )
+        else:
+            days = "-" if tenant.retention_days is None else f"{tenant.retention_days}d"
+            weight = f"w{tenant.dispatch_weight}"
+            print(f"{tenant.name:<40}  {days:>7}  {weight:>5}  {tenant.id}")
+
+
+async def _tenant_set(
+    engine: AsyncEngine, store: MaintenanceStore, args: argparse.Namespace
+) -> None:
+    """``tenants set-weight`` and ``tenants set-retention``."""
+    if args.tenants == "set-weight":
+        tenant = await store.set_weight(args.tenant, args.weight)
+        _answer(
+            "tenant.weight.set",
+            f"tenant {tenant.name!r}: dispatch weight {tenant.dispatch_weight} "
+            "(from the relays' next claim)",
+            tenant=tenant.name,
+            dispatch_weight=tenant.dispatch_weight,
+        )
+        return
+    tenant = await store.set_retention(args.tenant, args.days)
+    kept = "for ever" if tenant.retention_days is None else f"{tenant.retention_days} days"
+    _answer(
+        "tenant.retention.set",
+        f"tenant {tenant.name!r}: finished jobs and events are kept {kept}",
+        tenant=tenant.name,
+        retention_days=tenant.retention_days,
+    )
+    await _retention_schedule(engine, tenant.name, tenant.id)
 
 
 async def _submit_maintenance(
