@@ -297,6 +297,37 @@ async def test_the_timer_rereads_when_a_notification_was_lost(log: Log, listener
     assert got == [1, 2]
 
 
+@pytest.mark.parametrize("draw", [0.75, 1.25])
+async def test_the_timer_waits_its_setting_within_a_quarter(
+    log: Log, listener: Listener, monkeypatch: pytest.MonkeyPatch, draw: float
+) -> None:
+    drawn: list[tuple[float, float]] = []
+    slept: list[float] = []
+
+    def uniform(low: float, high: float) -> float:
+        drawn.append((low, high))
+        return draw
+
+    real_sleep = asyncio.sleep
+
+    async def sleep(seconds: float) -> None:
+        if seconds == 0:  # a yield to the loop, not the timer
+            return await real_sleep(0)
+        slept.append(seconds)
+        await asyncio.Event().wait()  # the timer's first wait is enough
+
+    monkeypatch.setattr(feeds._JITTER, "uniform", uniform)
+    monkeypatch.setattr(asyncio, "sleep", sleep)
+    hub = FeedHub(log.read, listener, recheck_seconds=40)
+    job = uuid.uuid4()
+    log.add(job)
+    task = asyncio.create_task(collect(hub.watch(TENANT, job, 0), []))
+    await settle()
+    assert (drawn, slept) == ([(0.75, 1.25)], [40 * draw])
+    task.cancel()
+    await hub.stop()
+
+
 async def test_jobs_changing_together_are_read_in_one_statement(
     log: Log, listener: Listener
 ) -> None:
