@@ -52,3 +52,26 @@ async def test_until_database_up_waits_out_an_outage_with_a_growing_backoff(
     with pytest.raises(KeyError):
         await until_database_up(bug, log)
     assert len(slept) == 4  # a failure that is not the database's is raised at once
+
+
+async def test_a_long_outage_is_retried_at_most_every_ten_seconds(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    slept: list[float] = []
+
+    async def sleep(seconds: float) -> None:
+        slept.append(seconds)
+
+    monkeypatch.setattr(down, "asyncio", SimpleNamespace(sleep=sleep))
+    tries = 0
+
+    async def op() -> str:
+        nonlocal tries
+        tries += 1
+        if tries <= 8:
+            raise ConnectionRefusedError(111, "refused")
+        return "up"
+
+    with capture_logs():
+        assert await until_database_up(op, structlog.get_logger("test")) == "up"
+    assert slept == [0.5, 1.0, 2.0, 4.0, 8.0, 10.0, 10.0, 10.0]
