@@ -14,10 +14,14 @@ from typing import Any
 import aiormq
 import pamqp.commands
 import pamqp.frame
+import pytest
+import structlog
 from aiormq.abc import ChannelFrame, DeliveredMessage
 from pamqp.header import ContentHeader
+from structlog.testing import capture_logs
 
 from jobplane.topology import QueueSpec
+from jobplane.workers import consumers as consumers_module
 from jobplane.workers.consumers import Consumers
 
 
@@ -194,6 +198,28 @@ async def test_a_delivery_the_worker_could_not_take_is_nacked_back_to_its_queue(
     message = DeliveredMessage(deliver, ContentHeader(), b"{}", robust.raw)
     await robust.raw.consumers[tag](message)
     assert robust.raw.nacked == [(7, True)]
+
+
+class Refusing(Raw):
+    """A channel whose connection went away: no settling frame can be written."""
+
+    def put_nowait(self, frame: ChannelFrame) -> None:
+        raise ConnectionResetError("connection reset by peer")
+
+
+async def test_a_nack_that_cannot_be_written_is_logged_with_its_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(consumers_module, "log", structlog.get_logger("jobplane.worker"))
+    robust = Robust(Refusing())
+    consumers = await _started(robust, queues=1, on_delivery=_refused)
+    (tag,) = consumers.tags
+    deliver = aiormq.spec.Basic.Deliver(tag, 7, False, "jobs", "q0")
+    message = DeliveredMessage(deliver, ContentHeader(), b"{}", robust.raw)
+    with capture_logs() as lines:
+        await robust.raw.consumers[tag](message)
+    (line,) = [entry for entry in lines if entry["event"] == "job.message.settle_failed"]
+    assert line["error"] == "connection reset by peer"
 
 
 async def test_consumers_started_again_after_a_cancel_consume() -> None:
