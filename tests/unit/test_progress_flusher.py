@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import uuid
+import weakref
 from collections.abc import Sequence
 
 import pytest
@@ -257,4 +259,21 @@ async def test_a_failure_while_writing_one_by_one_keeps_the_rest_queued(
     assert writers[0].take() == []
     assert [u.progress for u in writers[1].take()] == [0.1]
     assert [u.progress for u in writers[2].take()] == [0.2]
+    await shared.stop()
+
+
+async def test_a_drained_writer_is_not_kept_by_the_flusher() -> None:
+    # Its reports went to its outcome: the flusher holds on to nothing of an
+    # attempt that ended, even while its window has not ended yet.
+    store = FakeStore()
+    shared = flusher(store, window=60)
+    writer = ProgressWriter(shared, attempt())
+    await writer.add(update(0.1))
+    assert [u.progress for u in await writer.drain()] == [0.1]
+    gone = weakref.ref(writer)
+    del writer
+    gc.collect()
+    assert gone() is None
+    await shared.flush()
+    assert store.writes == []
     await shared.stop()
