@@ -69,6 +69,7 @@ async def test_shutdown_gives_grace_then_requeues_without_spending_an_attempt(
     interrupted = await client.get(job.name)
     assert interrupted.state is JobState.QUEUED
     assert interrupted.error is not None and interrupted.error.code == "WORKER_SHUTDOWN"
+    assert interrupted.error.message == "the worker shut down during the attempt"
 
     # max_attempts is 1, yet the job runs again: the interrupted attempt was refunded.
     await stack.start_worker()
