@@ -211,6 +211,26 @@ def test_a_dispatch_is_what_aio_pika_sent_and_a_quick_yes_is_never_wrong(
         check_publishable(body, ours, "jobplane.jobs", job_type)
 
 
+def test_a_usual_dispatch_is_a_quick_yes_and_a_header_not_a_string_takes_the_exact_check() -> None:
+    ids = (uuid.uuid4(), uuid.uuid4(), uuid.uuid4())
+    envelope = Envelope(*ids, "demo.echo", "order-7", deployment="0123456789abcdef")
+    body = envelope.encode()
+    trace = {"traceparent": f"00-{'a' * 32}-{'b' * 16}-01"}
+    usual = dispatch_properties(envelope, trace)
+    # Every header a string, every string short: no frame encoded to know it fits.
+    assert fits_at_once("demo.echo", body, usual, max_body=MAX_ENVELOPE_BYTES)
+    # A header of another kind (a number, a table, bytes) is judged only by encoding
+    # it: bytes, say, AMQP's field tables cannot carry.
+    others: tuple[Any, ...] = (7, {"nested": "table"}, b"raw")
+    for other in others:
+        odd = dispatch_properties(envelope, trace)
+        odd.headers = {**(usual.headers or {}), "x-extra": other}
+        assert not fits_at_once("demo.echo", body, odd, max_body=MAX_ENVELOPE_BYTES), other
+    check_publishable(body, usual, "jobplane.jobs", "demo.echo")
+    with pytest.raises(Unpublishable, match="x-extra error: Unknown type"):
+        check_publishable(body, odd, "jobplane.jobs", "demo.echo")
+
+
 def test_bounce_delay_grows_and_never_holds_a_delivery_long() -> None:
     delays = [bounce_delay(bounces) for bounces in range(2000)]
     assert delays[0] < 0.01 and delays == sorted(delays)

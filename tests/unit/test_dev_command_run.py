@@ -342,6 +342,22 @@ def test_a_ctrl_c_during_the_start_starts_nothing_more(
     assert capsys.readouterr().out == ""
 
 
+def test_a_ctrl_c_while_the_parts_start_stops_them_and_ends_with_0(
+    run: DevRun, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    class StoppedWhileStarting(Parts):
+        async def start(self) -> None:
+            await super().start()
+            run.server.stop.set()
+
+    monkeypatch.setattr(devparts, "Parts", lambda *a: StoppedWhileStarting(run, *a))
+    assert run(["dev", "--processes", "3"]) == 0
+    # The parts stopped with the start's stack; the server never started.
+    (parts,) = run.parts
+    assert (parts.calls, run.server.servers) == (["start", "stop"], [])
+    assert capsys.readouterr().out == ""
+
+
 def test_dev_ends_with_a_broker_error_that_waiting_does_not_mend(
     run: DevRun, monkeypatch: pytest.MonkeyPatch
 ) -> None:

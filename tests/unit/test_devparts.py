@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import argparse
 import asyncio
+import signal
 import sys
+import time
+from contextlib import AsyncExitStack
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, cast
 
 import pytest
 from hypothesis import given
@@ -12,6 +18,7 @@ from hypothesis import strategies as st
 
 from jobplane.cli import build_parser
 from jobplane.config import ListenAddress
+from jobplane.server import devparts
 from jobplane.server.devparts import (
     GRACE,
     MOST,
@@ -167,3 +174,79 @@ async def test_a_part_exiting_on_its_own_ends_the_command_with_1(
 ) -> None:
     assert await _until_stopped_or_part_exit(asyncio.Event(), _ExitedAtOnce()) == 1
     assert "worker part 0 exited (status 0)" in capsys.readouterr().err
+
+
+class _Made:
+    """Stands in for :class:`Parts` in ``_dev_parts``: the command lines it was given."""
+
+    def __init__(self, commands: list[list[str]], names: list[str]) -> None:
+        self.commands, self.names = commands, names
+
+    async def start(self) -> None:
+        pass
+
+    async def stop(self) -> None:
+        pass
+
+    def not_ready(self) -> str | None:
+        return None
+
+
+@pytest.mark.parametrize("fallback", [True, False, None], ids=["default", "asked", "off"])
+async def test_parts_give_up_a_taken_metrics_port_only_when_the_commands_was_a_default(
+    monkeypatch: pytest.MonkeyPatch, fallback: bool | None
+) -> None:
+    monkeypatch.setattr(devparts, "Parts", _Made)
+    checks: list[str] = []
+    ops = (
+        None
+        if fallback is None
+        else SimpleNamespace(
+            listen=ListenAddress("127.0.0.1", 9464),
+            fallback=fallback,
+            add_check=lambda name, _check: checks.append(name),
+        )
+    )
+    args = argparse.Namespace(handlers=None, concurrency=4, no_maintenance=False, ingest=None)
+    async with AsyncExitStack() as stack:
+        made = await devparts._dev_parts(stack, args, Layout(4), cast(Any, ops))
+    assert made.names == ["worker part 0", "worker part 1", "relay part"]
+    flags = [c[c.index("--metrics-listen") + 1] for c in made.commands]
+    if fallback is None:
+        assert flags == ["off"] * 3
+    else:
+        assert flags == ["127.0.0.1:9465", "127.0.0.1:9466", "127.0.0.1:9467"]
+        assert checks == ["parts"]
+    assert ["--metrics-fallback" in c for c in made.commands] == [bool(fallback)] * 3
+
+
+class _Stubborn:
+    """A part's process that ignores SIGTERM: it ends only when killed."""
+
+    def __init__(self) -> None:
+        self.returncode: int | None = None
+        self.signals: list[int] = []
+        self._ended = asyncio.Event()
+
+    def send_signal(self, signum: int) -> None:
+        self.signals.append(signum)
+
+    def kill(self) -> None:
+        self.signals.append(signal.SIGKILL)
+        self.returncode = -signal.SIGKILL
+        self._ended.set()
+
+    async def wait(self) -> int:
+        await self._ended.wait()
+        assert self.returncode is not None
+        return self.returncode
+
+
+async def test_a_part_that_ignores_the_stop_is_killed_after_the_grace() -> None:
+    stubborn = _Stubborn()
+    parts = Parts([["part"]], ["worker part 0"], grace=0.05, _procs=[cast(Any, stubborn)])
+    started = time.monotonic()
+    await asyncio.wait_for(parts.stop(), timeout=5)
+    assert stubborn.signals == [signal.SIGTERM, signal.SIGKILL]
+    assert 0.05 <= time.monotonic() - started < 5
+    assert parts.not_ready() == "worker part 0 exited (status -9)"

@@ -1,6 +1,7 @@
 """What the relay's event feed says when the database fails under a pass: a
 ``relay.db.error`` warning naming the feed and the error, counted, and the
-loop goes on (it tries again after a pause, with the broker link kept)."""
+loop goes on (it tries again after a pause, with the broker link kept); the
+pauses double up to ten seconds while the passes fail."""
 
 from __future__ import annotations
 
@@ -9,13 +10,16 @@ from typing import Any, cast
 
 import aiormq
 import pytest
+import structlog
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from jobplane.topology import load_topology
 from jobplane.workers import relay_feed
 from jobplane.workers.relay import Relay
+from jobplane.workers.relay_feed import FeedPass
 from jobplane.workers.relay_link import Link
-from tests.support.logs import module_lines
+from tests.support.db_errors import asyncpg_error, through_sqlalchemy
+from tests.support.logs import capture_every_level, module_lines
 
 # Nothing listens on port 1: every connection the feed's pass makes is refused.
 _DOWN = "postgresql://jobplane@127.0.0.1:1/jobplane"
@@ -83,3 +87,48 @@ async def test_a_database_down_under_a_feed_pass_is_logged_with_the_feed_and_cou
     # Each pass that failed says so alike and counts once; nothing else was said.
     assert all(line == first for line in said)
     assert relay.database_errors == len(said)
+
+
+class _Stop(Exception):
+    """Ends the test's run of the feed loop."""
+
+
+async def test_the_feed_backs_off_to_ten_seconds_and_starts_again_after_a_pass(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(relay_feed, "log", structlog.get_logger("jobplane.relay.feed_backoff"))
+    relay = Relay(
+        cast(AsyncEngine, None), _DOWN, "amqp://unused", load_topology(), poll_seconds=0.001
+    )
+    relay._link = cast(Link, _Link())
+    refused = through_sqlalchemy(asyncpg_error("57P03", "the database system is starting up"))
+    passes: list[Any] = [refused] * 7 + [FeedPass(published=3)] + [refused] * 3
+
+    async def publish_events_once(channel: Any) -> FeedPass:
+        answer = passes.pop(0)
+        if isinstance(answer, BaseException):
+            raise answer
+        return cast(FeedPass, answer)
+
+    slept: list[float] = []
+    real_sleep = asyncio.sleep
+    feed_task = asyncio.current_task()  # the loop runs in this test's task
+
+    async def sleep(delay: float) -> None:
+        if asyncio.current_task() is not feed_task:  # another test's leftover task
+            return await real_sleep(delay)
+        slept.append(delay)
+        if not passes:
+            raise _Stop
+        await real_sleep(0)
+
+    relay.publish_events_once = publish_events_once  # type: ignore[method-assign]
+    monkeypatch.setattr(asyncio, "sleep", sleep)
+    with capture_every_level() as lines, pytest.raises(_Stop):
+        await relay._run_feed()
+    # Doubling from half a second to ten; the pass that published starts it again
+    # (its own short linger for more commits between).
+    linger = relay_feed._FEED_LINGER_SECONDS
+    assert slept == [0.5, 1.0, 2.0, 4.0, 8.0, 10.0, 10.0, linger, 0.5, 1.0, 2.0]
+    assert [line["event"] for line in lines] == ["relay.db.error"] * 10
+    assert relay.database_errors == 10
