@@ -213,9 +213,14 @@ class Parts:
     _procs: list[asyncio.subprocess.Process] = field(default_factory=list)
 
     async def start(self) -> None:
-        """Start every part (their output goes where the command's does)."""
+        """Start every part (their output goes where the command's does), each in a
+        session of its own: a Ctrl-C at the terminal reaches ``jobplane dev``
+        alone, which stops the parts (:meth:`stop`). Sent to a part still starting
+        its interpreter, a SIGINT would end it with a Python traceback."""
         for command in self.commands:
-            self._procs.append(await asyncio.create_subprocess_exec(*command))
+            self._procs.append(
+                await asyncio.create_subprocess_exec(*command, start_new_session=True)
+            )
 
     @property
     def pids(self) -> list[int]:
