@@ -112,10 +112,9 @@ async def _dev_in(
     from jobplane.topology import apply
     from jobplane.topology import log as topology_log
 
-    # One Ctrl-C (a SIGINT to this process; the parts, each in a session of
-    # its own, are stopped by it) stops every phase (the start, the demo, the
-    # ingestion, serving) in order and within jobplane.server.devparts.GRACE a
-    # part; a second stops at once.
+    # One Ctrl-C (a SIGINT to every process of the group) stops every phase
+    # (the start, the demo, the ingestion, serving) in order and within
+    # jobplane.server.devparts.GRACE a part; a second stops at once.
     at_once = _AtOnce()
     stop = stack.enter_context(_stop_signals(settle=False, again=at_once))
     metrics, ops = _ops(settings, args, engine)

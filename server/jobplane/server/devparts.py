@@ -213,14 +213,9 @@ class Parts:
     _procs: list[asyncio.subprocess.Process] = field(default_factory=list)
 
     async def start(self) -> None:
-        """Start every part (their output goes where the command's does), each in a
-        session of its own: a Ctrl-C at the terminal reaches ``jobplane dev``
-        alone, which stops the parts (:meth:`stop`). Sent to a part still starting
-        its interpreter, a SIGINT would end it with a Python traceback."""
+        """Start every part (their output goes where the command's does)."""
         for command in self.commands:
-            self._procs.append(
-                await asyncio.create_subprocess_exec(*command, start_new_session=True)
-            )
+            self._procs.append(await asyncio.create_subprocess_exec(*command))
 
     @property
     def pids(self) -> list[int]:
