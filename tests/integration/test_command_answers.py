@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import uuid
 from collections.abc import Awaitable, Callable
+from datetime import UTC, datetime
 from typing import Any
 
 import pytest
@@ -83,9 +84,11 @@ async def test_keys_answer_each_in_one_line(
     fields = {"key_id": worker.key_id, "scope": "worker"}
     assert_answers(err, fmt, [("key.created", created, fields)])
 
+    asked = datetime.now(UTC)
     code, out, err = await command("keys", "revoke", worker.key_id, "--after", "3600")
     ends_at = (await keys.get_key(worker.key_id)).revoke_time
     assert code == 0 and ends_at is not None
+    assert _seconds_after(asked, ends_at) == pytest.approx(3600, abs=5)
     ends = ends_at.isoformat(timespec="seconds")
     said = f"{worker.key_id} (tenant '') ends at {ends}"
     fields = {"key_id": worker.key_id, "tenant": "", "ends_at": ends_at.isoformat()}
@@ -98,10 +101,12 @@ async def test_keys_answer_each_in_one_line(
     assert_answers(err, fmt, [("key.list.ending_later", note, {"key_ids": [worker.key_id]})])
     assert (await command("keys", "list", "--json"))[2] == ""
 
+    asked = datetime.now(UTC)
     code, out, err = await command("keys", "rotate", acme.key_id, "--grace", "60")
     (new,) = [k for k in await keys.list_keys("acme") if k.key_id != acme.key_id]
     old_ends = (await keys.get_key(acme.key_id)).revoke_time
     assert code == 0 and old_ends is not None and out.startswith(new.prefix)
+    assert _seconds_after(asked, old_ends) == pytest.approx(60, abs=5)
     assert out.strip() not in err
     said = (
         f"created {new.key_id} for tenant 'acme'; {acme.key_id} ends at "
@@ -219,3 +224,8 @@ async def test_tenants_and_workers_answer_each_in_one_line(
     said = f"submitted jobs/{job_id} for tenant 'acme'"
     fields = {"job_id": job_id, "tenant": "acme"}
     assert_answers(err, fmt, [("maintenance.submitted", said, fields)])
+
+
+def _seconds_after(asked: datetime, ends: datetime) -> float:
+    """How long after ``asked`` (the command's start) ``ends`` is."""
+    return (ends - asked).total_seconds()

@@ -1,4 +1,4 @@
-"""The wheel of this tree, built once per test run, and what its metadata says."""
+"""The wheel of this tree, built once per test process, and what its metadata says."""
 
 from __future__ import annotations
 

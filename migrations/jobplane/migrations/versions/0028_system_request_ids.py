@@ -2,7 +2,7 @@
 
 A request_id that starts with ``fan:`` (a fan-out's children,
 ``fan:{job}:{stage}:{attempt}:{item}``, ADR-0047) or ``child:`` (child jobs,
-``child:{job}:{key}``, ADR-0046) is refused with SubmitJob's message:
+``child:{job}:{key}``, ADR-0046) is refused in SubmitJob's words:
 SQLSTATE ``JP001``, column ``request_id``. A caller's job with one would be
 taken for that child, or make its submit fail. Jobs written before keep
 their request_ids. Its signature does not change: replaced in place, its
