@@ -5,33 +5,16 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from importlib import resources
 
 import pytest
 from alembic import command
-from alembic.config import Config
-from alembic.script import ScriptDirectory
 from sqlalchemy import text
 
 from jobplane.store.engine import create_engine, migrate
 from tests.support import services
+from tests.support.migrations import alembic_config, revision_before
 
-
-def _config(url: str = "") -> Config:
-    config = Config()
-    config.set_main_option("script_location", str(resources.files("jobplane.migrations")))
-    config.set_main_option("sqlalchemy.url", url.replace("%", "%%"))
-    return config
-
-
-def _revision_before(revision: str) -> str:
-    """The revision ``revision`` follows, whichever that is in the chain."""
-    script = ScriptDirectory.from_config(_config()).get_revision(revision)
-    assert script is not None and isinstance(script.down_revision, str)
-    return script.down_revision
-
-
-_BEFORE = _revision_before("0027")
+_BEFORE = revision_before("0027")
 _STATE = """
 SELECT jsonb_build_object(
     'column', (SELECT column_default FROM information_schema.columns
@@ -85,7 +68,7 @@ async def test_0027_marks_lifecycle_rows_keeps_the_types_and_undoes_both(
         database_before,
         "SELECT jsonb_agg(jsonb_build_array(patterns, event_types)) FROM lifecycle_publish",
     ) == [[[], []]]
-    await asyncio.to_thread(command.downgrade, _config(database_before), _BEFORE)
+    await asyncio.to_thread(command.downgrade, alembic_config(database_before), _BEFORE)
     assert await _query(database_before, _STATE) == before
     await migrate(database_before, revision="0027", create=False)
     assert (await _query(database_before, _STATE)) == {

@@ -5,17 +5,15 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from importlib import resources
 
 import pytest
 from alembic import command
-from alembic.config import Config
-from alembic.script import ScriptDirectory
 from sqlalchemy import text
 
 from jobplane.store import sweeps
 from jobplane.store.engine import create_engine, migrate
 from tests.support import services
+from tests.support.migrations import alembic_config, revision_before
 
 _INDEXES = """
 SELECT coalesce(array_agg(indexrelid::regclass::text ORDER BY 1), '{}')
@@ -24,21 +22,7 @@ FROM pg_index WHERE indrelid = 'jobs'::regclass AND indisvalid
 _OPTIONS = "SELECT coalesce(reloptions, '{}') FROM pg_class WHERE oid = 'jobs'::regclass"
 
 
-def _config(url: str = "") -> Config:
-    config = Config()
-    config.set_main_option("script_location", str(resources.files("jobplane.migrations")))
-    config.set_main_option("sqlalchemy.url", url.replace("%", "%%"))
-    return config
-
-
-def _revision_before(revision: str) -> str:
-    """The revision ``revision`` follows, whichever that is in the chain."""
-    script = ScriptDirectory.from_config(_config()).get_revision(revision)
-    assert script is not None and isinstance(script.down_revision, str)
-    return script.down_revision
-
-
-_BEFORE = _revision_before("0026")
+_BEFORE = revision_before("0026")
 
 
 @pytest.fixture
@@ -48,7 +32,7 @@ async def database_before(run_id: str) -> AsyncIterator[str]:
 
 
 def _downgrade(url: str, revision: str) -> None:
-    command.downgrade(_config(url), revision)
+    command.downgrade(alembic_config(url), revision)
 
 
 async def _schema(url: str) -> tuple[set[str], list[str]]:

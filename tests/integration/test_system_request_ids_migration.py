@@ -7,18 +7,16 @@ from __future__ import annotations
 import asyncio
 import uuid
 from collections.abc import AsyncIterator
-from importlib import resources
 
 import asyncpg
 import pytest
 from alembic import command
-from alembic.config import Config
-from alembic.script import ScriptDirectory
 
 from jobplane.store.engine import asyncpg_dsn, create_engine, migrate
 from jobplane.store.routes import sync_submit_rules
 from jobplane.topology import QueueSpec, Topology
 from tests.support import services
+from tests.support.migrations import alembic_config, revision_before
 
 _FUNCTION = (
     "jobplane.submit_job(text, text, jsonb, text, text, integer, jsonb, double precision, "
@@ -28,21 +26,7 @@ _SUBMIT = "SELECT jobplane.submit_job('acme', 'demo.echo', request_id => $1)"
 _PARENT = "0190c0de-5a1e-7000-8000-00000000beef"
 
 
-def _config(url: str = "") -> Config:
-    config = Config()
-    config.set_main_option("script_location", str(resources.files("jobplane.migrations")))
-    config.set_main_option("sqlalchemy.url", url.replace("%", "%%"))
-    return config
-
-
-def _revision_before(revision: str) -> str:
-    """The revision ``revision`` follows, whichever that is in the chain."""
-    script = ScriptDirectory.from_config(_config()).get_revision(revision)
-    assert script is not None and isinstance(script.down_revision, str)
-    return script.down_revision
-
-
-_BEFORE = _revision_before("0028")
+_BEFORE = revision_before("0028")
 
 
 @pytest.fixture
@@ -113,7 +97,7 @@ async def test_0028_refuses_the_systems_request_ids_keeps_old_jobs_and_grants_an
         assert await _fetch(url, can, role, _FUNCTION) is True
         assert await _fetch(url, definition, _FUNCTION) != before
 
-        await asyncio.to_thread(command.downgrade, _config(url), _BEFORE)
+        await asyncio.to_thread(command.downgrade, alembic_config(url), _BEFORE)
         assert await _fetch(url, definition, _FUNCTION) == before
         assert await _submit(url, f"child:{_PARENT}:other") is None
         assert await _fetch(url, can, role, _FUNCTION) is True
