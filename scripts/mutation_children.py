@@ -15,16 +15,26 @@ mutant switched on; this script runs, for each such mutant of the sample that
 mutmut did not kill, the test files that start the process its function runs
 in (:data:`CHILD_TESTS`), with the mutant on. A failing test kills it.
 
+**A second look** at every other mutant of the sample mutmut did not kill:
+mutmut's first pass links a function only to the tests that called it while
+it watched, so code that runs once per process and is cached (the state
+machine's statements, built at first use and kept) is linked to whichever
+tests happened to build it first. The test files that import the mutant's
+module (:func:`importers`, at most :data:`SECOND_LOOK_FILES` of them, those
+that name it most first) are run with the mutant on, as for a child's.
+
 The verdicts are kept in ``mutants/children.json`` (name → "killed" or
 "survived") and read by scripts/mutation_sample.py's report, so a stopped run
-resumes and the rate counts them.
+resumes and the rate counts them (the report says how many it added).
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Sequence
@@ -70,6 +80,53 @@ def tests_for(name: str) -> tuple[str, ...]:
     return ()
 
 
+#: The most test files a second look runs for one mutant.
+SECOND_LOOK_FILES = 3
+#: Where a second look finds the test files (in-process tests: the children's
+#: are :data:`CHILD_TESTS`'s).
+SECOND_LOOK_DIRS = ("tests/unit", "tests/integration")
+
+
+def importers(module: str, root: Path = Path(".")) -> tuple[str, ...]:
+    """The test files under ``root`` that import ``module`` (dotted), or a name it
+    defines from its package, those that name it most first; at most
+    :data:`SECOND_LOOK_FILES`. ``root`` holds ``src/`` and ``tests/``."""
+    package, _, leaf = module.rpartition(".")
+    names = {leaf, *defined(root / "src" / Path(*module.split(".")).with_suffix(".py"))}
+    direct = re.compile(rf"^\s*(?:from|import)\s+{re.escape(module)}\b", re.MULTILINE)
+    from_package = re.compile(
+        rf"^from\s+{re.escape(package)}\s+import\s+(\([^)]*\)|[^\n]*)", re.MULTILINE
+    )
+    found: list[tuple[int, str]] = []
+    for folder in SECOND_LOOK_DIRS:
+        for path in sorted((root / folder).glob("test_*.py")):
+            source = path.read_text(encoding="utf-8")
+            imported = {
+                word
+                for listing in from_package.findall(source)
+                for word in re.findall(r"\w+", listing)
+            }
+            if direct.search(source) or imported & names:
+                mentions = sum(source.count(name) for name in names & (imported | {leaf}))
+                found.append((-mentions, f"{folder}/{path.name}"))
+    return tuple(name for _, name in sorted(found)[:SECOND_LOOK_FILES])
+
+
+def defined(path: Path) -> set[str]:
+    """The public names a module's top level defines (none when it is not a file)."""
+    if not path.is_file():
+        return set()
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    found: set[str] = set()
+    for node in tree.body:
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            found.add(node.name)
+        elif isinstance(node, ast.Assign | ast.AnnAssign):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            found |= {t.id for t in targets if isinstance(t, ast.Name)}
+    return {name for name in found if not name.startswith("_")}
+
+
 def load() -> dict[str, str]:
     """The verdicts so far."""
     return dict(json.loads(VERDICTS.read_text())) if VERDICTS.exists() else {}
@@ -104,16 +161,18 @@ def main(argv: Sequence[str]) -> int:
     pool = [n for n in status if not args.patterns or any(fnmatch(n, p) for p in args.patterns)]
     names = mutation_sample.draw(pool, args.size, args.seed)
     verdicts = load()
-    clean: dict[tuple[str, ...], bool] = {}
+    clean: dict[str, bool] = {}
     for name in names:
-        files = tests_for(name)
-        if not files or name in verdicts or status.get(name) in mutation_sample.CAUGHT:
+        if name in verdicts or status.get(name) in mutation_sample.CAUGHT:
             continue
-        if files not in clean:
-            # A test that fails unmutated would kill every mutant.
-            clean[files] = judge(NO_MUTANT, files) == "survived"
-        if not clean[files]:
-            print(f"  failing without a mutant, not judged: {name}", flush=True)
+        files = tests_for(name) or importers(mutation_sample.module_of(name), Path("mutants"))
+        for file in files:
+            if file not in clean:
+                # A test that fails unmutated would kill every mutant.
+                clean[file] = judge(NO_MUTANT, [file]) == "survived"
+        files = tuple(f for f in files if clean[f])
+        if not files:
+            print(f"  no test file passing without a mutant, not judged: {name}", flush=True)
             continue
         verdicts[name] = judge(name, files)
         VERDICTS.write_text(json.dumps(verdicts, indent=1, sort_keys=True))

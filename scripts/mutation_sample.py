@@ -134,12 +134,23 @@ def generate(jobs: int) -> None:
     print(f"mutants: {stats.mutated} files mutated, {stats.unmodified} unchanged since last time")
 
 
-def report(sample: Sequence[str], status: dict[str, str], population: int) -> list[str]:
-    """Lines summarising the sample: counts, the rate with its interval, survivors."""
+def report(
+    sample: Sequence[str],
+    status: dict[str, str],
+    population: int,
+    mutmuts: dict[str, str] | None = None,
+) -> list[str]:
+    """Lines summarising the sample: counts, the rate with its interval, survivors.
+
+    ``mutmuts``: mutmut's own statuses, when ``status`` holds the verdicts of
+    scripts/mutation_children.py too (a line says how many those caught)."""
     counts = Counter(status.get(name, "not checked") for name in sample)
     tried = sum(n for s, n in counts.items() if s not in UNTRIED)
     caught = sum(counts[s] for s in CAUGHT)
     lines = [f"{s:>12}: {n}" for s, n in sorted(counts.items())]
+    if mutmuts is not None:
+        later = [n for n in sample if status.get(n) in CAUGHT and mutmuts.get(n) not in CAUGHT]
+        lines.append(f"{'of them':>12}: {len(later)} killed by tests mutmut did not run")
     lines.append(f"{'sample':>12}: {len(sample)} of {population} mutants ({tried} tried)")
     if tried:
         low, high = wilson(caught, tried)
@@ -178,7 +189,7 @@ def main(argv: Sequence[str]) -> int:
         # mutmut skips mutants it already tried, so a stopped run resumes.
         subprocess.run([str(mutmut), "run", "--max-children", str(args.jobs), *sample], check=True)
         status = outcomes(mutmut)
-    print("\n".join(report(sample, with_children(status), len(names))))
+    print("\n".join(report(sample, with_children(status), len(names), status)))
     return 0
 
 

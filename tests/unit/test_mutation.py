@@ -243,3 +243,53 @@ def test_children_verdicts_count_in_the_sample(
         "m.x_f__mutmut_2": "killed",
         "m.x_f__mutmut_3": "survived",
     }
+
+
+def test_the_report_says_how_many_the_later_verdicts_killed(sample: ModuleType) -> None:
+    names = ["m.x_f__mutmut_1", "m.x_f__mutmut_2", "m.x_f__mutmut_3"]
+    mutmuts = {names[0]: "killed", names[1]: "survived", names[2]: "no tests"}
+    merged = {**mutmuts, names[1]: "killed"}
+    lines = sample.report(names, merged, 3, mutmuts)
+    assert "     of them: 1 killed by tests mutmut did not run" in lines
+    assert "   kill rate: 2/3 = 66.7% (95% CI 20.8% to 93.9%, Wilson)" in lines
+    assert not any("of them" in line for line in sample.report(names, merged, 3))
+
+
+def test_a_second_look_runs_the_test_files_that_import_the_module(
+    children: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    module = tmp_path / "src" / "jobplane" / "store" / "machine" / "lifecycle.py"
+    module.parent.mkdir(parents=True)
+    module.write_text("MAX = 1\n_HIDDEN = 2\n\ndef event_id(): ...\n\nclass Feed: ...\n")
+    files = {
+        # The module itself, by its dotted name.
+        "unit/test_direct.py": "import jobplane.store.machine.lifecycle\n",
+        # A name it defines, from its package, in a parenthesised list.
+        "integration/test_names.py": (
+            "from jobplane.store.machine import (\n    MACHINE,\n    event_id,\n)\n"
+            "event_id(); event_id(); event_id()\n"
+        ),
+        # The module from its package.
+        "unit/test_leaf.py": "from jobplane.store.machine import lifecycle\nlifecycle.MAX\n",
+        # Neither: a private name, another module of that name, a mention only.
+        "unit/test_private.py": "from jobplane.store.machine import _HIDDEN\n",
+        "unit/test_other.py": "from jobplane.server import lifecycle\n",
+        "unit/test_text.py": "# jobplane.store.machine.lifecycle's events\nMAX = 1\n",
+        "unit/helper.py": "import jobplane.store.machine.lifecycle\n",
+    }
+    for name, source in files.items():
+        path = tmp_path / "tests" / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(source)
+    # Those that name it most first (the cap out of the way).
+    monkeypatch.setattr(children, "SECOND_LOOK_FILES", 10)
+    found = children.importers("jobplane.store.machine.lifecycle", tmp_path)
+    assert found == (
+        "tests/integration/test_names.py",
+        "tests/unit/test_leaf.py",
+        "tests/unit/test_direct.py",
+    )
+    assert children.importers("jobplane.store.nothing", tmp_path) == ()
+    # No more than the cap.
+    monkeypatch.setattr(children, "SECOND_LOOK_FILES", 2)
+    assert children.importers("jobplane.store.machine.lifecycle", tmp_path) == found[:2]
