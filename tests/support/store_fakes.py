@@ -42,6 +42,8 @@ class ScriptedConn:
         #: Every call: (method, statement, binds).
         self.calls: list[tuple[str, Any, dict[str, Any]]] = []
         self._answers: dict[int, list[Any]] = {}
+        #: How many transactions are open on it now.
+        self.depth = 0
 
     def answer(self, statement: Any, *answers: Any) -> None:
         """Queue ``answers`` for the next calls of ``statement``."""
@@ -67,6 +69,14 @@ class ScriptedConn:
 
     async def execute(self, statement: Any, binds: Any = None) -> _Result:
         return _Result(self._next("execute", statement, binds, []))
+
+    @asynccontextmanager
+    async def transaction(self) -> AsyncIterator[ScriptedConn]:
+        self.depth += 1
+        try:
+            yield self
+        finally:
+            self.depth -= 1
 
 
 def _check_conn(conn: Any) -> None:
@@ -109,6 +119,8 @@ class ScriptedMachine:
 
     def __init__(self, *, groupable: bool = True) -> None:
         self.applied: list[Applied] = []
+        #: Each application's transition and how many transactions were open.
+        self.depths: list[tuple[Transition, int]] = []
         #: Every session: (its transitions, many).
         self.sessions: list[tuple[tuple[Transition, ...], bool]] = []
         self._answers: dict[Transition, list[list[Any]]] = {}
@@ -138,6 +150,7 @@ class ScriptedMachine:
     ) -> list[Any]:
         _check_conn(conn)
         self.applied.append(Applied(transition, dict(params), cause, returning))
+        self.depths.append((transition, conn.depth))
         queue = self._answers.get(transition)
         return queue.pop(0) if queue else []
 

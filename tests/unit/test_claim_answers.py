@@ -18,6 +18,7 @@ from jobplane.envelope import Envelope
 from jobplane.store.attempts import AttemptStore, ClaimResult, ClaimStatus
 from jobplane.store.claims import _STAGES, CLAIMED, INSPECT, StageRun
 from jobplane.store.machine import Cause, Transition, lifecycle_event_id
+from jobplane.store.machine.flow import ENDED_KEYS
 from jobplane.types import JobState
 from tests.support.store_fakes import FakeDb, ScriptedMachine
 
@@ -180,15 +181,21 @@ async def test_a_running_job_changed_under_the_claim_is_in_flight_without_a_leas
 async def test_a_queued_job_its_key_or_limit_holds_is_held(flow_key: Any, limit: str) -> None:
     envelope = _envelope()
     held = {"id": envelope.job_id, "waiting_code": "THROTTLED", "flow_key": flow_key}
+    held |= {"tenant_id": envelope.tenant_id, "concurrency_key": None}
     found = _found(envelope, JobState.QUEUED)
-    result, _, machine = await _claim_finding(envelope, found, HOLD=[[held]])
+    result, db, machine = await _claim_finding(envelope, found, HOLD=[[held]])
     assert result == ClaimResult(
         ClaimStatus.HELD, state=JobState.QUEUED, waiting_code="THROTTLED", limit=limit
     )
     (hold,) = machine.of(Transition.HOLD)
     assert hold.cause == Cause("held")
-    assert hold.returning == ("id", "waiting_code", "flow_key")
+    assert hold.returning == ("id", "waiting_code", "flow_key", "tenant_id", "concurrency_key")
     assert hold.params == machine.of(Transition.CLAIM)[0].params
+    # Held for a running budget: the budget is released after the hold, for an
+    # older job held while the slot was promised to this one (ADR-0059); a
+    # start rate's reservation holds no slot.
+    released = [{"keys": [flow_key]}] if limit == "queue/bulk" else []
+    assert db.conn.ran(ENDED_KEYS) == released
 
 
 async def test_a_key_freed_between_claim_and_hold_is_claimed_again() -> None:
@@ -208,7 +215,7 @@ async def test_a_key_freed_between_claim_and_hold_is_claimed_again() -> None:
         "stage": None,
         "create_time": LEASE_END,
     }
-    result, _, machine = await _claim_finding(envelope, found, CLAIM=[[], [claimed]])
+    result, db, machine = await _claim_finding(envelope, found, CLAIM=[[], [claimed]])
     assert result.status is ClaimStatus.CLAIMED
     attempt = result.attempt
     assert attempt is not None
@@ -218,6 +225,10 @@ async def test_a_key_freed_between_claim_and_hold_is_claimed_again() -> None:
     assert attempt.payload == {"to": "a"} and attempt.create_time == LEASE_END
     assert attempt.stage is None
     assert len(machine.of(Transition.CLAIM)) == 2
+    # The claim after the first in a transaction: the key's lock its guard takes
+    # is held to the end, through the hold that follows if it is refused.
+    assert machine.depths == [(Transition.CLAIM, 0), (Transition.HOLD, 0), (Transition.CLAIM, 1)]
+    assert db.conn.depth == 0
 
 
 async def test_a_claim_its_key_keeps_refusing_gives_up_in_flight_after_three_tries() -> None:
@@ -228,6 +239,7 @@ async def test_a_claim_its_key_keeps_refusing_gives_up_in_flight_after_three_tri
     assert len(machine.of(Transition.CLAIM)) == 3
     assert len(machine.of(Transition.HOLD)) == 3
     assert len(db.conn.ran(INSPECT)) == 3
+    assert [depth for _, depth in machine.depths] == [0, 0, 1, 1, 1, 1]
 
 
 async def test_a_claim_without_a_worker_names_none() -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Mapping, Sequence
+from contextlib import nullcontext
 from typing import Any
 
 import structlog
@@ -34,7 +35,7 @@ from jobplane.store.claims import (
 )
 from jobplane.store.concurrency import ended_keys, release_key
 from jobplane.store.db import Conn, Database
-from jobplane.store.flow import ended_limits, limit_keys, release_limit
+from jobplane.store.flow import ended_limits, held_limits, limit_keys, release_limit
 from jobplane.store.machine import (
     HEARTBEAT,
     MACHINE,
@@ -77,10 +78,13 @@ _ID: Returning = ("id",)
 _ENDED: Returning = ("id", "tenant_id", "concurrency_key", "flow_slots")
 # A refused claim's job held (no dispatch) or throttled (due at its reserved start).
 _HOLDS = (Transition.HOLD, Transition.THROTTLE)
-# A hold: what holds the job (for the throttled-starts count).
-_HELD: Returning = ("id", "waiting_code", "flow_key")
+# A hold: what holds the job (for the throttled-starts count), and its key.
+_HELD: Returning = ("id", "waiting_code", "flow_key", "tenant_id", "concurrency_key")
 # A claim its key refused is tried again while the hold finds the key free:
-# a slot freed between the two statements.
+# a slot freed between the two statements. The tries after the first run in
+# one transaction, which holds the key's lock from its first claim's guard on:
+# under it the key's count only falls (an end takes no lock), so the claim after
+# a hold that found the slot free takes it.
 _CLAIM_TRIES = 3
 
 
@@ -113,21 +117,27 @@ class AttemptStore:
             self._db, Transition.CLAIM, Transition.EXHAUST, Transition.DEADLINE, *_HOLDS
         )
         ended: list[Any] = []
-        result = ClaimResult(ClaimStatus.IN_FLIGHT, state=JobState.QUEUED)
+        holds: list[Any] = []
         async with scope as conn:
-            for _ in range(_CLAIM_TRIES):
+
+            async def once() -> ClaimResult | None:
                 rows = await machine.apply(
                     conn, Transition.CLAIM, params, claim_cause(worker), returning=CLAIMED
                 )
                 if rows:
                     return await self._claimed(conn, envelope, token, rows[0])
-                refused = await self._refused(conn, envelope, params, ended)
-                if refused is not None:
-                    result = refused
-                    break
-        # Ended at its claim by its deadline: what it held or was promised is free.
+                return await self._refused(conn, envelope, params, ended, holds)
+
+            result = await once()
+            async with conn.transaction() if result is None else nullcontext():
+                for _ in range(_CLAIM_TRIES - 1):
+                    result = result or await once()
+        # Ended at its claim by its deadline, or held (ADR-0059): what it held or
+        # was promised is free, for the oldest job waiting.
         await self.release_ended(ended)
-        return result
+        await self.release_keys(ended_keys(holds))
+        await self.release_limits(held_limits(holds))
+        return result or ClaimResult(ClaimStatus.IN_FLIGHT, state=JobState.QUEUED)
 
     def claim_request(self, envelope: Envelope, *, worker: str = "") -> ClaimRequest:
         """A claim of ``envelope`` for :meth:`claim_many`, its binds taken here and now."""
@@ -198,11 +208,17 @@ class AttemptStore:
         return ClaimResult(ClaimStatus.CLAIMED, attempt=attempt)
 
     async def _refused(
-        self, conn: Conn, envelope: Envelope, params: Mapping[str, Any], ended: list[Any]
+        self,
+        conn: Conn,
+        envelope: Envelope,
+        params: Mapping[str, Any],
+        ended: list[Any],
+        holds: list[Any],
     ) -> ClaimResult | None:
         """Why the claim was refused; None when its key was full and is no longer
         (claim again). A job past its deadline is ended now (DEADLINE), its row
-        added to ``ended``: FINISHED, the message acked."""
+        added to ``ended``: FINISHED, the message acked. A job held is added to
+        ``holds``."""
         found = await conn.fetchrow(INSPECT, params)
         if found is None:
             return ClaimResult(ClaimStatus.NOT_FOUND)
@@ -244,6 +260,7 @@ class AttemptStore:
             )
             if not held:
                 return None
+            holds.extend(held)
             return ClaimResult(
                 ClaimStatus.HELD,
                 state=state,

@@ -25,6 +25,13 @@ def ended_limits(rows: Iterable[Row | None]) -> list[str]:
     return sorted({str(k) for row in rows if row is not None for k in row["flow_slots"] or ()})
 
 
+def held_limits(rows: Iterable[Row]) -> list[str]:
+    """The budgets whose running slots hold these held jobs (a start rate's
+    reservation, ``…@rate``, is no slot: its job has a dispatch due)."""
+    keys = {str(row["flow_key"]) for row in rows if row["flow_key"] is not None}
+    return sorted(key for key in keys if not key.endswith("@rate"))
+
+
 async def limit_keys(conn: AnyConn, ended: Sequence[str]) -> list[str]:
     """Of the budgets ``ended``, those with held jobs."""
     if not ended:

@@ -1,0 +1,146 @@
+"""A concurrency key's claims racing its ends and holds: no job dropped, no key
+left with jobs held and nothing to release them (ADR-0040)."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections import Counter
+from dataclasses import replace
+from typing import Any
+
+import pytest
+from sqlalchemy import text
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from jobplane.client import Job
+from jobplane.envelope import Envelope
+from jobplane.store.attempts import AttemptStore, ClaimResult, ClaimStatus
+from jobplane.topology import Topology
+from jobplane.types import JobState
+from tests.support.parts import Started
+from tests.support.stack import Stack, start_stack
+
+_DUE = text(
+    "SELECT id, dispatch_id, type FROM jobs WHERE state = 'queued' AND dispatch_id IS NOT NULL"
+)
+
+
+async def _claim(stack: Stack, store: AttemptStore, job: Job) -> ClaimResult:
+    return await store.claim(await stack.envelope(job.id))
+
+
+async def _dispatched(stack: Stack, job: Job) -> bool:
+    found = await stack.scalar("SELECT dispatch_id FROM jobs WHERE id = :id", id=job.id)
+    return found is not None
+
+
+async def _per_tenant(
+    engine: AsyncEngine, database_url: str, amqp_url: str, topology: Topology, started: Started
+) -> Stack:
+    """A server alone whose first queue runs one job per tenant at once."""
+    queue = replace(topology.queues[0], max_running_per_tenant=1)
+    spec = replace(topology, queues=(queue, *topology.queues[1:]))
+    return await started(
+        start_stack(engine, database_url, amqp_url, spec, relay=False, worker=False)
+    )
+
+
+@pytest.mark.parametrize("limit", ["concurrency key", "queue budget"])
+async def test_a_job_made_due_then_held_for_an_older_one_hands_its_slot_on(
+    limit: str,
+    engine: AsyncEngine,
+    database_url: str,
+    amqp_url: str,
+    topology: Topology,
+    started: Started,
+) -> None:
+    options: dict[str, Any] = {}
+    if limit == "queue budget":
+        stack = await _per_tenant(engine, database_url, amqp_url, topology, started)
+        job_type = "cross.op"
+    else:
+        stack = await started(
+            start_stack(engine, database_url, amqp_url, topology, relay=False, worker=False)
+        )
+        job_type, options = "demo.echo", {"concurrency_key": "k"}
+    # Oldest first: first, older, due, last. One may run at once.
+    client = stack.client()
+    store = AttemptStore(stack.db, lease_seconds=30.0)
+    first, older, due, last = [await client.submit(job_type, {"i": i}, **options) for i in range(4)]
+    running = await _claim(stack, store, last)
+    assert (await _claim(stack, store, due)).status is ClaimStatus.HELD
+    assert running.attempt is not None
+    await store.succeed(running.attempt, {})
+    # `due` is made due; `first`, which never waited, is older and starts first.
+    assert await _dispatched(stack, due)
+    running = await _claim(stack, store, first)
+    assert running.status is ClaimStatus.CLAIMED and running.attempt is not None
+    # `older` is held; when `first` ends, its slot is `due`'s, promised already.
+    assert (await _claim(stack, store, older)).status is ClaimStatus.HELD
+    await store.succeed(running.attempt, {})
+    assert not await _dispatched(stack, older)
+    # `due` is refused for `older`, which waits ahead of it, and is held: the
+    # slot it was promised goes to `older` rather than to nobody.
+    assert (await _claim(stack, store, due)).status is ClaimStatus.HELD
+    assert await _dispatched(stack, older)
+    assert (await _claim(stack, store, older)).status is ClaimStatus.CLAIMED
+    assert not await _dispatched(stack, due)
+
+
+async def test_claims_racing_a_keys_ends_are_held_or_claimed_never_dropped(bare: Stack) -> None:
+    """Eight claimers at the deliveries of a limit-one key, each job retried three
+    times (a new delivery racing the key's held ones), ends as quick as can be."""
+    client = bare.client()
+    store = AttemptStore(bare.db, lease_seconds=30.0)
+    jobs = [
+        await client.submit(
+            "demo.echo", {"i": i}, concurrency_key="k", concurrency_limit=1, max_attempts=10
+        )
+        for i in range(40)
+    ]
+    deliveries: asyncio.Queue[Envelope] = asyncio.Queue()
+    delivered: set[uuid.UUID] = set()
+    seen: Counter[ClaimStatus] = Counter()
+    dropped: list[uuid.UUID] = []
+
+    async def relay() -> None:
+        while True:
+            async with bare.engine.connect() as conn:
+                for job_id, dispatch_id, job_type in await conn.execute(_DUE):
+                    if dispatch_id not in delivered:
+                        delivered.add(dispatch_id)
+                        envelope = Envelope(dispatch_id, job_id, bare.tenant_id, job_type)
+                        deliveries.put_nowait(envelope)
+            await asyncio.sleep(0.002)
+
+    async def claimer() -> None:
+        while True:
+            envelope = await deliveries.get()
+            claim = await store.claim(envelope)
+            seen[claim.status] += 1
+            if claim.attempt is not None and claim.attempt.attempt < 4:
+                await store.schedule_retry(claim.attempt, "AGAIN", "again", delay=0)
+            elif claim.attempt is not None:
+                await store.succeed(claim.attempt, {})
+            elif claim.status is ClaimStatus.IN_FLIGHT and claim.state is JobState.QUEUED:
+                # A worker acks this delivery: the job's only one.
+                dropped.append(envelope.job_id)
+
+    tasks = [asyncio.create_task(relay())] + [asyncio.create_task(claimer()) for _ in range(8)]
+    ids = [job.id for job in jobs]
+    try:
+        for _ in range(400):
+            succeeded = await bare.scalar(
+                "SELECT count(*) FROM jobs WHERE state = 'succeeded' AND id = ANY(:ids)", ids=ids
+            )
+            if succeeded == len(jobs) or dropped:
+                break
+            await asyncio.sleep(0.05)
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    assert not dropped, seen
+    assert succeeded == len(jobs), seen
+    assert seen[ClaimStatus.HELD] > 0 and seen[ClaimStatus.CLAIMED] == 4 * len(jobs)
