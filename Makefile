@@ -52,10 +52,10 @@ dev: $(STAMP) services
 
 ## Everything CI runs: lint, types, unit + integration tests on real services;
 ## the slowest thirty tests are listed at the end, to keep the run short.
-## TEST_WORKERS=2 runs the tests in two processes, a test file to one (each makes
-## its own databases and vhost): about 14 minutes instead of 26 (ADR-0058). The
-## default stays one process until a stall seen once under that load is understood.
-TEST_WORKERS ?= 0
+## The tests run in two processes, a test file to one (each makes its own
+## databases and vhost): about 14 minutes instead of 26 (ADR-0058).
+## TEST_WORKERS=0 runs them in this one process.
+TEST_WORKERS ?= 2
 test: $(STAMP) services lint typecheck
 	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --durations=30 $(PYTEST_ARGS)
 
