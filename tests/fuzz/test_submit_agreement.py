@@ -206,7 +206,12 @@ _REQUESTS = st.builds(
     Request,
     type=_mostly(_VALID_TYPES, _TYPES),
     payload=_mostly(st.dictionaries(texts(12), _TREES, max_size=5), _PAYLOADS),
-    request_id=_mostly(st.uuids().map(str), st.one_of(st.just(""), texts())),
+    request_id=_mostly(
+        st.uuids().map(str),
+        # The system's own prefixes (refused), and texts that only look like them.
+        st.one_of(st.just(""), texts(), st.sampled_from(["fan:", "child:", "fan", "Fan:"]))
+        | st.tuples(st.sampled_from(["fan:", "child:"]), texts(12)).map("".join),
+    ),
     correlation_id=_mostly(st.from_regex(r"[a-z0-9-]{0,40}", fullmatch=True), texts()),
     max_attempts=_mostly(
         st.integers(0, 100), integers(-(2**31), 2**31 - 1) | st.sampled_from([101, -1])
