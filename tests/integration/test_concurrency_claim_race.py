@@ -88,6 +88,40 @@ async def test_a_job_made_due_then_held_for_an_older_one_hands_its_slot_on(
     assert not await _dispatched(stack, due)
 
 
+async def test_a_job_made_due_for_a_budget_then_held_for_its_key_frees_the_budget(
+    engine: AsyncEngine, database_url: str, amqp_url: str, topology: Topology, started: Started
+) -> None:
+    """A queue budget of one on `cross.*`; a key of one shared with `other.*`."""
+    budget = replace(
+        topology.queues[0], bindings=("cross.#",), max_running_per_tenant=1, log_prefix="c"
+    )
+    other = replace(topology.queues[0], name=f"{topology.queues[0].name}.other")
+    other = replace(other, bindings=("other.#",))
+    spec = replace(topology, queues=(budget, other))
+    stack = await started(
+        start_stack(engine, database_url, amqp_url, spec, relay=False, worker=False)
+    )
+    client = stack.client()
+    store = AttemptStore(stack.db, lease_seconds=30.0)
+    running = await client.submit("cross.op", {})
+    keyed = await client.submit("cross.op", {}, concurrency_key="k")
+    plain = await client.submit("cross.op", {})
+    elsewhere = await client.submit("other.op", {}, concurrency_key="k")
+    first = await _claim(stack, store, running)
+    assert first.attempt is not None
+    # Both wait for the budget; its end makes the older, `keyed`, due.
+    assert (await _claim(stack, store, keyed)).status is ClaimStatus.HELD
+    assert (await _claim(stack, store, plain)).status is ClaimStatus.HELD
+    await store.succeed(first.attempt, {})
+    assert await _dispatched(stack, keyed) and not await _dispatched(stack, plain)
+    # The key is taken on the other queue: `keyed` is held for it, and the
+    # budget's slot it was promised goes to `plain`.
+    assert (await _claim(stack, store, elsewhere)).status is ClaimStatus.CLAIMED
+    assert (await _claim(stack, store, keyed)).status is ClaimStatus.HELD
+    assert await _dispatched(stack, plain)
+    assert (await _claim(stack, store, plain)).status is ClaimStatus.CLAIMED
+
+
 async def test_claims_racing_a_keys_ends_are_held_or_claimed_never_dropped(bare: Stack) -> None:
     """Eight claimers at the deliveries of a limit-one key, each job retried three
     times (a new delivery racing the key's held ones), ends as quick as can be."""

@@ -41,7 +41,9 @@ def _found(envelope: Envelope, state: JobState, **changes: Any) -> dict[str, Any
         "lease_expires_at": LEASE_END,
         "lease_expired": False,
         "exhausted": False,
+        "tenant_id": envelope.tenant_id,
         "concurrency_key": None,
+        "flow_key": None,
         "past_deadline": False,
     }
     return {**row, **changes}

@@ -83,8 +83,8 @@ _HELD: Returning = ("id", "waiting_code", "flow_key", "tenant_id", "concurrency_
 # A claim its key refused is tried again while the hold finds the key free:
 # a slot freed between the two statements. The tries after the first run in
 # one transaction, which holds the key's lock from its first claim's guard on:
-# under it the key's count only falls (an end takes no lock), so the claim after
-# a hold that found the slot free takes it.
+# what raises the key's count takes the lock, so a claim after a hold in it that
+# found the slot free takes it (ADR-0059).
 _CLAIM_TRIES = 3
 
 
@@ -218,7 +218,8 @@ class AttemptStore:
         """Why the claim was refused; None when its key was full and is no longer
         (claim again). A job past its deadline is ended now (DEADLINE), its row
         added to ``ended``: FINISHED, the message acked. A job held is added to
-        ``holds``."""
+        ``holds``, as held and as found: the budget it was made due for is free
+        too, whatever holds it now."""
         found = await conn.fetchrow(INSPECT, params)
         if found is None:
             return ClaimResult(ClaimStatus.NOT_FOUND)
@@ -260,7 +261,7 @@ class AttemptStore:
             )
             if not held:
                 return None
-            holds.extend(held)
+            holds.extend((*held, found))  # its key and budget, now and as it came
             return ClaimResult(
                 ClaimStatus.HELD,
                 state=state,

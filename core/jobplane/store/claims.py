@@ -181,8 +181,8 @@ _CHILDREN = text(
 INSPECT = text(
     """
     SELECT state, dispatch_id, type, lease_expires_at, lease_expires_at < now() AS lease_expired,
-           attempt - retry_base >= max_attempts AS exhausted, concurrency_key,
-           coalesce(deadline <= now(), false) AS past_deadline
+           attempt - retry_base >= max_attempts AS exhausted, tenant_id, concurrency_key,
+           flow_key, coalesce(deadline <= now(), false) AS past_deadline
     FROM jobs WHERE id = :id AND tenant_id = :tenant_id
     """
 )
