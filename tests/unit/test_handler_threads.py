@@ -6,6 +6,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 
@@ -24,6 +25,28 @@ def test_work_runs_in_at_most_max_workers_named_threads() -> None:
     with pytest.raises(RuntimeError) as refused:
         threads.submit(print)
     assert str(refused.value) == "cannot submit to a pool that is shut down"
+
+
+def test_an_idle_thread_takes_one_piece_of_work_and_a_second_gets_a_thread() -> None:
+    """Work runs at once while fewer than max_workers threads are busy: an idle
+    thread is counted as taken once, so the next piece starts a thread of its own."""
+    threads = HandlerThreads(2, thread_name_prefix="t")
+    release = threading.Event()
+    try:
+        assert threads.submit(threading.current_thread).result(timeout=10).name == "t_0"
+        deadline = time.monotonic() + 10
+        while threads._idle != 1:  # t_0 back at the queue
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        busy = threads.submit(release.wait, 10)
+        # Runs beside `busy` (a second thread starts for it): it is what releases
+        # `busy`, which would otherwise hold the one thread for ten seconds.
+        beside = threads.submit(release.set)
+        assert beside.result(timeout=5) is None
+        assert busy.result(timeout=10) is True
+    finally:
+        release.set()
+        threads.shutdown()
 
 
 def test_work_not_yet_taken_by_a_thread_can_be_cancelled() -> None:
