@@ -86,6 +86,10 @@ async def test_a_queued_job_is_cancelled_at_once_with_the_reason_given_or_the_de
     with pytest.raises(JobNotFound) as missing:
         await store.cancel(uuid.uuid4(), told, "not yours")
     assert missing.value.message == f"jobs/{told} not found"
+    # Its stream is not another tenant's to read either, and says which job.
+    with pytest.raises(JobNotFound) as unread:
+        await store.read_stream(uuid.uuid4(), told, 0, 10)
+    assert unread.value.message == f"jobs/{told} not found"
 
 
 async def test_a_running_job_is_asked_to_cancel_once(

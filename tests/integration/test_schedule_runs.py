@@ -179,3 +179,25 @@ async def test_a_pipeline_run_naming_a_deleted_blob_is_refused_in_last_error(
     )
     assert seen.last_error == "BLOB_NOT_FOUND: the payload references a blob that does not exist"
     assert seen.recent_runs == ()
+
+
+async def test_a_held_tick_of_a_pipeline_runs_as_a_pipeline_job(aidj_stack: Stack) -> None:
+    stack, engine, topology = aidj_stack, aidj_stack.engine, aidj_stack.topology
+    pipeline = topology.pipelines[0]
+    client = stack.client()
+    schedule = await client.create_schedule(
+        pipeline.name, {"track": "t1"}, interval=10, overlap=Overlap.BUFFER_ONE
+    )
+    first = schedule.next_run_time
+    assert first is not None
+    for k in range(2):  # the first run stays QUEUED (no worker): the second tick is held
+        await tick_once(engine, now=first + timedelta(seconds=10 * k + 1), topology=topology)
+    (running,) = (await client.get_schedule(schedule)).recent_runs
+    await client.cancel(running)
+    # The run has ended: the held tick runs, a job of the pipeline as any run is.
+    await tick_once(engine, now=first + timedelta(seconds=12), topology=topology)
+    seen = await client.get_schedule(schedule)
+    assert seen.last_error == "" and seen.runs == 2
+    held = await client.get(next(run for run in seen.recent_runs if run != running))
+    assert held.type == pipeline.name and held.stage == pipeline.stages[0].name
+    assert [s.name for s in held.stages] == [s.name for s in pipeline.stages]

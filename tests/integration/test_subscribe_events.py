@@ -288,3 +288,16 @@ async def test_subscriptions_count_against_the_tenants_streams(
 
 async def _held(server: JobplaneServer, tenant: Any) -> bool:
     return server.limiter.streams(tenant) == 1
+
+
+async def test_a_published_event_wakes_a_waiting_stream_long_before_its_recheck(
+    stack: Stack, api: EventApi
+) -> None:
+    # Without a wake-up, a waiting stream would read again only after a minute.
+    stack.server.events._recheck_seconds = 60.0
+    stream = api.subscribe(["#"])
+    first = await publish_all(api, ["a.first"])
+    assert ids(await stream.take(1)) == first  # the stream has read, and waits
+    second = await publish_all(api, ["a.second"])
+    assert ids(await stream.take(1)) == second
+    stream.cancel()

@@ -94,3 +94,29 @@ async def test_the_loop_says_what_failed_and_goes_on(lines: Lines) -> None:
     assert events == [("sweeper.db.error", "warning"), ("sweeper.deadlines.error", "error")]
     assert lines[1]["error"] == "RuntimeError: a bug"
     assert len(store.limits) == 3
+
+
+class _Due(Store):
+    """A deadline due at once, every time the loop asks."""
+
+    async def seconds_until_next(self) -> float | None:
+        return 0.0
+
+
+async def test_the_next_deadline_wakes_the_loop_before_its_poll(lines: Lines) -> None:
+    store = _Due([], [])
+    engine: Any = None
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(deadlines, "DeadlineStore", lambda _engine: store)
+        loop = DeadlineLoop(engine, poll=60.0, limit=2)
+    await loop.start()
+    try:
+        for _ in range(100):
+            if len(store.limits) >= 3:
+                break
+            await asyncio.sleep(0.05)
+    finally:
+        await loop.stop()
+    # Looked again at the deadline (at least _MIN_SLEEP later), not a minute later.
+    assert len(store.limits) >= 3
+    assert lines == []

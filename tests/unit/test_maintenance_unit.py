@@ -9,6 +9,7 @@ import pytest
 from jobplane.store.maintenance import Tenant
 from jobplane.workers import maintenance
 from jobplane.workers.handlers import PermanentError
+from tests.support.logs import module_lines
 
 
 class _Deadlock(Exception):
@@ -53,7 +54,9 @@ def test_batch_sizes_and_unknown_fields() -> None:
         maintenance._only({"tenant": "globex"}, frozenset({"batch_size"}))
 
 
-async def test_a_deadlocked_statement_is_tried_again_and_a_refused_one_is_not() -> None:
+async def test_a_deadlocked_statement_is_tried_again_and_a_refused_one_is_not(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     calls = []
 
     async def deadlocks_twice() -> int:
@@ -62,8 +65,15 @@ async def test_a_deadlocked_statement_is_tried_again_and_a_refused_one_is_not() 
             raise _Deadlock("deadlock detected")
         return 7
 
-    assert await maintenance._again_if_transient(deadlocks_twice) == 7
+    with module_lines(monkeypatch, maintenance, "jobplane.maintenance.retries") as lines:
+        assert await maintenance._again_if_transient(deadlocks_twice) == 7
     assert len(calls) == 3
+    # Tried again soon (a deadlock is over once Postgres has ended one side),
+    # a little later each time.
+    assert [(line["event"], line["delay"]) for line in lines] == [
+        ("maintenance.batch.retry", 0.1),
+        ("maintenance.batch.retry", 0.2),
+    ]
 
     refusals = []
 
