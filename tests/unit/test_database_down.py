@@ -89,3 +89,15 @@ def test_a_demoted_or_shut_down_primary_is_unavailable_not_internal(state: str) 
     # 57P01: its sessions ended by the switchover's shutdown.
     for error in (_fatal(state), through_sqlalchemy(_fatal(state))):
         assert error_for(error, "SubmitJob").code is grpc.StatusCode.UNAVAILABLE
+
+
+@pytest.mark.timeout(10)
+def test_an_exception_chain_that_loops_is_read_once() -> None:
+    """A chain back to itself (an exception raised again while handling one that
+    it caused) is read to its end once: an answer, not a loop."""
+    first, second = RuntimeError("first"), ValueError("second")
+    first.__cause__, second.__context__ = second, first
+    assert database_down(first) is False
+    down = ConnectionResetError("reset")
+    first.__cause__, second.__cause__, down.__context__ = second, down, first
+    assert database_down(first) is True
