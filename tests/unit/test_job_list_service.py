@@ -76,11 +76,18 @@ async def test_filters_reach_the_store_and_a_full_page_has_a_token() -> None:
     await service.list(TENANT, page_size=3, page_token=page.next_page_token, **same)
     last = store.jobs[2]
     assert store.calls[-1]["after"] == ListCursor(last.create_time, uuid.UUID(last.id))
-    # A token holds to its filters: another parent, type or label refuses it.
+    # A token holds to its filters: another parent, type, label, time bound,
+    # waiting code or state refuses it.
     changes: list[dict[str, Any]] = [
         {"parent": ""},
         {"job_type": "demo.other"},
         {"labels": {"team": "b"}},
+        {"created_after": after - timedelta(seconds=1)},
+        {"created_after": None},
+        {"created_before": before + timedelta(seconds=1)},
+        {"created_before": None},
+        {"waiting_code": ""},
+        {"state": None, "waiting_code": ""},
     ]
     for changed in changes:
         with pytest.raises(InvalidArgument, match=r"^page_token was created for other filters"):
