@@ -23,6 +23,7 @@ from jobplane.store.attempts import Attempt, ClaimResult, ClaimStatus, HandBack
 from jobplane.workers import delivery as delivery_module
 from jobplane.workers.bounce import Bounced, BounceFailed
 from jobplane.workers.delivery import Deliveries
+from jobplane.workers.group import Acks
 from jobplane.workers.interceptors import chain
 from jobplane.workers.recording import Stopping
 from tests.support.attempts import an_attempt
@@ -356,3 +357,38 @@ async def test_a_cancelled_handling_requeues_its_delivery_unless_settled_and_sta
         await task
     assert message.settled == settled
     assert lines == []
+
+
+async def test_a_handled_delivery_is_forgotten_by_the_ack_groups_and_none_are_needed() -> None:
+    """Once its handling ends, a delivery is no longer outstanding on its channel
+    (a later multiple ack may reach past it); a worker acking alone has no groups."""
+
+    async def settles(message: Message) -> None:
+        await message.ack()
+
+    grouped = handling(deliveries(Store()), settles)
+    grouped._acks = Acks()
+    message = Message()
+    message.delivery_tag, message.channel = 7, object()  # type: ignore[attr-defined]
+    grouped._acks.delivered(message)
+    await grouped._handle_settled(message)
+    assert message.settled == [("ack", None)] and grouped._acks._delivered == {}
+    alone, other = handling(deliveries(Store()), settles), Message()
+    await alone._handle_settled(other)
+    assert other.settled == [("ack", None)]
+
+
+async def test_a_message_that_is_no_envelope_is_rejected_to_the_dead_letters_and_said_so(
+    lines: Lines,
+) -> None:
+    message = Message()
+    message.body = b"not json"  # type: ignore[attr-defined]
+    await deliveries(Store())._handle(message)
+    assert message.settled == [("reject", False)]
+    (line,) = lines
+    assert (line["event"], line["log_level"], line["message_id"]) == (
+        "job.message.rejected",
+        "error",
+        "m-1",
+    )
+    assert line["reason"] and set(line) == {"event", "log_level", "message_id", "reason"}
