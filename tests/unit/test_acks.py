@@ -296,6 +296,12 @@ def test_in_order_ends_go_as_one_multiple_ack() -> None:
     assert channels[1].writes[0] == ack_frame(1, 5, multiple=True)
 
 
+def test_one_delivery_of_a_moment_is_acked_alone() -> None:
+    # One to ack: a plain ack, as the broker sees most (multiple=False).
+    channels = asyncio.run(_run([Job(1, 0, 1, GROUP)]))
+    assert channels[1].writes == [ack_frame(1, 1)]
+
+
 def test_acks_around_a_running_delivery_go_in_one_write_and_spare_it() -> None:
     # Tag 3 still runs: 1-2 as one multiple ack, 4 and 5 alone, in one write.
     jobs = [Job(1, 0, None if i == 2 else 1, GROUP) for i in range(5)]
