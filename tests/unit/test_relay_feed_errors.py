@@ -132,3 +132,38 @@ async def test_the_feed_backs_off_to_ten_seconds_and_starts_again_after_a_pass(
     assert slept == [0.5, 1.0, 2.0, 4.0, 8.0, 10.0, 10.0, linger, 0.5, 1.0, 2.0]
     assert [line["event"] for line in lines] == ["relay.db.error"] * 10
     assert relay.database_errors == 10
+
+
+async def test_a_bug_under_a_feed_pass_is_an_error_naming_the_feed_and_the_loop_goes_on(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(relay_feed, "log", structlog.get_logger("jobplane.relay.feed_bug"))
+    relay = Relay(cast(AsyncEngine, None), _DOWN, "amqp://unused", load_topology())
+    relay._link = cast(Link, _Link())
+    bug = RuntimeError("a bug")
+
+    async def publish_events_once(channel: Any) -> FeedPass:
+        raise bug
+
+    feed_task = asyncio.current_task()
+    real_sleep = asyncio.sleep
+
+    async def sleep(delay: float) -> None:
+        if asyncio.current_task() is not feed_task:
+            return await real_sleep(delay)
+        raise _Stop  # the pause after the failed pass: the loop went on
+
+    relay.publish_events_once = publish_events_once  # type: ignore[method-assign]
+    monkeypatch.setattr(asyncio, "sleep", sleep)
+    with capture_every_level() as lines, pytest.raises(_Stop):
+        await relay._run_feed()
+    assert [dict(line) for line in lines] == [
+        {
+            "event": "relay.error",
+            "log_level": "error",
+            "feed": "events",
+            "error": "RuntimeError: a bug",
+            "exc_info": bug,
+        }
+    ]
+    assert relay.database_errors == 0
