@@ -127,6 +127,26 @@ def defined(path: Path) -> set[str]:
     return {name for name in found if not name.startswith("_")}
 
 
+def to_judge(
+    names: Sequence[str], status: dict[str, str], verdicts: dict[str, str], root: Path
+) -> list[tuple[str, tuple[str, ...]]]:
+    """The mutants of ``names`` to run test files against, and those files: a
+    child's (:data:`CHILD_TESTS`), or for a mutant mutmut tried and did not kill,
+    a second look's (:func:`importers` under ``root``). One already judged, one
+    mutmut killed, and one it has not tried yet (its own choice of tests comes
+    first) are left out."""
+    chosen = []
+    for name in names:
+        if name in verdicts or status.get(name) in mutation_sample.CAUGHT:
+            continue
+        files = tests_for(name)
+        if not files and status.get(name) not in mutation_sample.UNTRIED:
+            files = importers(mutation_sample.module_of(name), root)
+        if files:
+            chosen.append((name, files))
+    return chosen
+
+
 def load() -> dict[str, str]:
     """The verdicts so far."""
     return dict(json.loads(VERDICTS.read_text())) if VERDICTS.exists() else {}
@@ -162,19 +182,16 @@ def main(argv: Sequence[str]) -> int:
     names = mutation_sample.draw(pool, args.size, args.seed)
     verdicts = load()
     clean: dict[str, bool] = {}
-    for name in names:
-        if name in verdicts or status.get(name) in mutation_sample.CAUGHT:
-            continue
-        files = tests_for(name) or importers(mutation_sample.module_of(name), Path("mutants"))
+    for name, files in to_judge(names, status, verdicts, Path("mutants")):
         for file in files:
             if file not in clean:
                 # A test that fails unmutated would kill every mutant.
                 clean[file] = judge(NO_MUTANT, [file]) == "survived"
-        files = tuple(f for f in files if clean[f])
-        if not files:
+        passing = [f for f in files if clean[f]]
+        if not passing:
             print(f"  no test file passing without a mutant, not judged: {name}", flush=True)
             continue
-        verdicts[name] = judge(name, files)
+        verdicts[name] = judge(name, passing)
         VERDICTS.write_text(json.dumps(verdicts, indent=1, sort_keys=True))
         print(f"{verdicts[name]:>9}: {name}", flush=True)
     return 0

@@ -293,3 +293,21 @@ def test_a_second_look_runs_the_test_files_that_import_the_module(
     # No more than the cap.
     monkeypatch.setattr(children, "SECOND_LOOK_FILES", 2)
     assert children.importers("jobplane.store.machine.lifecycle", tmp_path) == found[:2]
+
+
+def test_a_second_look_is_for_what_mutmut_tried_and_did_not_kill(
+    children: ModuleType, tmp_path: Path
+) -> None:
+    (tmp_path / "tests" / "unit").mkdir(parents=True)
+    (tmp_path / "tests" / "unit" / "test_m.py").write_text("from jobplane.store import m\n")
+    names = [f"jobplane.store.m.x_f__mutmut_{i}" for i in range(1, 7)]
+    kinds = ["survived", "no tests", "killed", "timeout", "not checked", "survived"]
+    status = dict(zip(names, kinds, strict=True))
+    verdicts = {names[5]: "survived"}  # judged on an earlier run
+    chosen = children.to_judge(names, status, verdicts, tmp_path)
+    assert chosen == [(n, ("tests/unit/test_m.py",)) for n in names[:2]]
+    # A child's mutant is judged by the tests that start its process, tried or not.
+    child = "jobplane.server.admin.x__workers__mutmut_13"
+    assert children.to_judge([child], {child: "not checked"}, {}, tmp_path) == [
+        (child, ("tests/integration/test_mixed_workers.py",))
+    ]
