@@ -53,7 +53,7 @@ dev: $(STAMP) services
 ## Everything CI runs: lint, types, unit + integration tests on real services;
 ## the slowest thirty tests are listed at the end, to keep the run short.
 ## TEST_WORKERS=2 runs the tests in two processes, a test file to one (each makes
-## its own databases and vhost): about 16 minutes instead of 26 (ADR-0058). The
+## its own databases and vhost): 15 to 20 minutes instead of 26 (ADR-0058). The
 ## default stays one process while a Ctrl-C test of `jobplane dev` can fail under
 ## that load (a part killed by the Ctrl-C while its interpreter starts).
 TEST_WORKERS ?= 0

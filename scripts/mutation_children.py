@@ -15,7 +15,8 @@ mutant switched on; this script runs, for each such mutant of the sample that
 mutmut did not kill, the test files that start the process its function runs
 in (:data:`CHILD_TESTS`), with the mutant on. A failing test kills it.
 
-**A second look** at every other mutant of the sample mutmut did not kill:
+**A second look** at every other mutant of the sample mutmut tried (or found
+no tests for) and did not kill:
 mutmut's first pass links a function only to the tests that called it while
 it watched, so code that runs once per process and is cached (the state
 machine's statements, built at first use and kept) is linked to whichever
@@ -87,29 +88,32 @@ SECOND_LOOK_FILES = 3
 SECOND_LOOK_DIRS = ("tests/unit", "tests/integration")
 
 
-def importers(module: str, root: Path = Path(".")) -> tuple[str, ...]:
+def importers(module: str, root: Path) -> tuple[str, ...]:
     """The test files under ``root`` that import ``module`` (dotted), or a name it
-    defines from its package, those that name it most first; at most
-    :data:`SECOND_LOOK_FILES`. ``root`` holds ``src/`` and ``tests/``."""
+    defines from its package, those that name it most first (unit tests first
+    among equals); at most :data:`SECOND_LOOK_FILES`. ``root`` holds ``src/``
+    and ``tests/``."""
     package, _, leaf = module.rpartition(".")
     names = {leaf, *defined(root / "src" / Path(*module.split(".")).with_suffix(".py"))}
-    direct = re.compile(rf"^\s*(?:from|import)\s+{re.escape(module)}\b", re.MULTILINE)
-    from_package = re.compile(
-        rf"^from\s+{re.escape(package)}\s+import\s+(\([^)]*\)|[^\n]*)", re.MULTILINE
-    )
-    found: list[tuple[int, str]] = []
-    for folder in SECOND_LOOK_DIRS:
+    direct = re.compile(rf"^\s*import\s+{re.escape(module)}\b", re.MULTILINE)
+    listing = r"\s+import\s+(\([^)]*\)|[^\n]*)"
+    from_module = re.compile(rf"^\s*from\s+{re.escape(module)}{listing}", re.MULTILINE)
+    from_package = re.compile(rf"^\s*from\s+{re.escape(package)}{listing}", re.MULTILINE)
+    found: list[tuple[int, int, str]] = []
+    for rank, folder in enumerate(SECOND_LOOK_DIRS):
         for path in sorted((root / folder).glob("test_*.py")):
             source = path.read_text(encoding="utf-8")
-            imported = {
-                word
-                for listing in from_package.findall(source)
-                for word in re.findall(r"\w+", listing)
-            }
-            if direct.search(source) or imported & names:
-                mentions = sum(source.count(name) for name in names & (imported | {leaf}))
-                found.append((-mentions, f"{folder}/{path.name}"))
-    return tuple(name for _, name in sorted(found)[:SECOND_LOOK_FILES])
+            words = {w for found_list in from_package.findall(source) for w in _words(found_list)}
+            ours = {w for found_list in from_module.findall(source) for w in _words(found_list)}
+            if direct.search(source) or ours or words & names:
+                named = (names & words) | ours | {leaf}
+                mentions = sum(len(re.findall(rf"\b{re.escape(n)}\b", source)) for n in named)
+                found.append((-mentions, rank, f"{folder}/{path.name}"))
+    return tuple(name for *_, name in sorted(found)[:SECOND_LOOK_FILES])
+
+
+def _words(listing: str) -> set[str]:
+    return set(re.findall(r"\w+", listing))
 
 
 def defined(path: Path) -> set[str]:
@@ -130,11 +134,12 @@ def defined(path: Path) -> set[str]:
 def to_judge(
     names: Sequence[str], status: dict[str, str], verdicts: dict[str, str], root: Path
 ) -> list[tuple[str, tuple[str, ...]]]:
-    """The mutants of ``names`` to run test files against, and those files: a
-    child's (:data:`CHILD_TESTS`), or for a mutant mutmut tried and did not kill,
-    a second look's (:func:`importers` under ``root``). One already judged, one
-    mutmut killed, and one it has not tried yet (its own choice of tests comes
-    first) are left out."""
+    """The mutants of ``names`` to run test files against, and those files: for
+    a child's mutant, tried or not, :data:`CHILD_TESTS`'s; for another that
+    mutmut tried, or found no tests for, and did not kill, a second look's
+    (:func:`importers` under ``root``). One already judged and one mutmut
+    killed are left out, and so is one it has not tried yet, but for a
+    child's (its own choice of tests comes first)."""
     chosen = []
     for name in names:
         if name in verdicts or status.get(name) in mutation_sample.CAUGHT:
@@ -181,15 +186,17 @@ def main(argv: Sequence[str]) -> int:
     pool = [n for n in status if not args.patterns or any(fnmatch(n, p) for p in args.patterns)]
     names = mutation_sample.draw(pool, args.size, args.seed)
     verdicts = load()
-    clean: dict[str, bool] = {}
+    clean: dict[tuple[str, ...], bool] = {}
     for name, files in to_judge(names, status, verdicts, Path("mutants")):
-        for file in files:
-            if file not in clean:
+        for each in [(file,) for file in files]:
+            if each not in clean:
                 # A test that fails unmutated would kill every mutant.
-                clean[file] = judge(NO_MUTANT, [file]) == "survived"
-        passing = [f for f in files if clean[f]]
-        if not passing:
-            print(f"  no test file passing without a mutant, not judged: {name}", flush=True)
+                clean[each] = judge(NO_MUTANT, each) == "survived"
+        passing = tuple(f for f in files if clean[(f,)])
+        if passing not in clean:  # together, as they are judged
+            clean[passing] = bool(passing) and judge(NO_MUTANT, passing) == "survived"
+        if not clean[passing]:
+            print(f"  no test files passing without a mutant, not judged: {name}", flush=True)
             continue
         verdicts[name] = judge(name, passing)
         VERDICTS.write_text(json.dumps(verdicts, indent=1, sort_keys=True))

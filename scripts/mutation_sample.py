@@ -35,7 +35,7 @@ from fnmatch import fnmatch
 from pathlib import Path
 
 CAUGHT = frozenset({"killed", "timeout"})
-UNTRIED = frozenset({"not checked", "skipped"})
+UNTRIED = frozenset({"not checked", "skipped", "check was interrupted by user"})
 # mutmut names a mutant `module.x_function__mutmut_N` or
 # `module.xǁClassǁmethod__mutmut_N`.
 _MODULE = re.compile(r"^(?P<module>.+?)\.x[_ǁ]")

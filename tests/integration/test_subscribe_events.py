@@ -296,8 +296,10 @@ async def test_a_published_event_wakes_a_waiting_stream_long_before_its_recheck(
     # Without a wake-up, a waiting stream would read again only after a minute.
     stack.server.events._recheck_seconds = 60.0
     stream = api.subscribe(["#"])
-    first = await publish_all(api, ["a.first"])
-    assert ids(await stream.take(1)) == first  # the stream has read, and waits
-    second = await publish_all(api, ["a.second"])
-    assert ids(await stream.take(1)) == second
-    stream.cancel()
+    try:
+        first = await publish_all(api, ["a.first"])
+        assert ids(await stream.take(1)) == first  # the stream has read, and waits
+        second = await publish_all(api, ["a.second"])
+        assert ids(await stream.take(1)) == second
+    finally:
+        stream.cancel()

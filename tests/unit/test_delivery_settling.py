@@ -374,6 +374,7 @@ async def test_a_handled_delivery_is_forgotten_by_the_ack_groups_and_none_are_ne
     await grouped._handle_settled(message)
     assert message.settled == [("ack", None)] and grouped._acks._delivered == {}
     alone, other = handling(deliveries(Store()), settles), Message()
+    assert alone._acks is None
     await alone._handle_settled(other)
     assert other.settled == [("ack", None)]
 

@@ -87,13 +87,17 @@ async def test_filters_reach_the_store_and_a_full_page_has_a_token() -> None:
         {"created_before": before + timedelta(seconds=1)},
         {"created_before": None},
         {"waiting_code": ""},
-        {"state": None, "waiting_code": ""},
     ]
     for changed in changes:
         with pytest.raises(InvalidArgument, match=r"^page_token was created for other filters"):
             await service.list(
                 TENANT, page_size=3, page_token=page.next_page_token, **{**same, **changed}
             )
+    # The state alone (no waiting code, which needs QUEUED).
+    plain = {**same, "waiting_code": ""}
+    token = (await service.list(TENANT, page_size=3, page_token="", **plain)).next_page_token
+    with pytest.raises(InvalidArgument, match=r"^page_token was created for other filters"):
+        await service.list(TENANT, page_size=3, page_token=token, **{**plain, "state": None})
 
 
 async def test_no_filter_is_none_to_the_store_and_the_last_page_has_no_token() -> None:

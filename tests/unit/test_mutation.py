@@ -271,6 +271,11 @@ def test_a_second_look_runs_the_test_files_that_import_the_module(
         ),
         # The module from its package.
         "unit/test_leaf.py": "from jobplane.store.machine import lifecycle\nlifecycle.MAX\n",
+        # Names from the module itself, indented; a longer name is no mention.
+        "unit/test_from_module.py": (
+            "def test():\n    from jobplane.store.machine.lifecycle import MAX\n"
+            "    MAX, MAX_ATTEMPTS\n"
+        ),
         # Neither: a private name, another module of that name, a mention only.
         "unit/test_private.py": "from jobplane.store.machine import _HIDDEN\n",
         "unit/test_other.py": "from jobplane.server import lifecycle\n",
@@ -286,6 +291,7 @@ def test_a_second_look_runs_the_test_files_that_import_the_module(
     found = children.importers("jobplane.store.machine.lifecycle", tmp_path)
     assert found == (
         "tests/integration/test_names.py",
+        "tests/unit/test_from_module.py",
         "tests/unit/test_leaf.py",
         "tests/unit/test_direct.py",
     )

@@ -162,7 +162,7 @@ def test_a_traceback_keeps_its_last_bytes() -> None:
     assert len(failure.traceback) <= MAX_TRACEBACK
     assert failure.traceback.rstrip().endswith("RecursionError: maximum recursion depth exceeded")
 
-    # Longer than the bound (Python folds the repeated frames above): cut at its start.
+    # A traceback longer than the bound (the one above is folded short): cut at its start.
     long = describe(_raised(ValueError("x" * MAX_TRACEBACK + " the end")))
     assert len(long.traceback) <= MAX_TRACEBACK
     assert long.traceback.startswith("…") and long.traceback.rstrip().endswith("x the end")

@@ -71,8 +71,10 @@ def _row() -> OutboxRow:
 
 async def test_a_row_another_relay_took_meanwhile_is_left_alone() -> None:
     empty = _Batch([])
-    recording = _Recording(_Store(empty))
+    store = _Store(empty)
+    recording = _Recording(store)
     recorded = await recording._record_each([RowOutcome(_row(), Fate.CONFIRMED)])
+    assert store.answers == []  # the row was claimed, and found taken
     assert recorded == Recorded()
     assert empty.writes == [] and recording.published == 0
 
