@@ -19,7 +19,7 @@ from jobplane.store.attempts import AttemptStore, ClaimResult, ClaimStatus
 from jobplane.topology import Topology
 from jobplane.types import JobState
 from tests.support.parts import Started
-from tests.support.stack import Stack, start_stack
+from tests.support.stack import Stack, one_running_per_tenant, start_stack
 
 _DUE = text(
     "SELECT id, dispatch_id, type FROM jobs WHERE state = 'queued' AND dispatch_id IS NOT NULL"
@@ -35,17 +35,6 @@ async def _dispatched(stack: Stack, job: Job) -> bool:
     return found is not None
 
 
-async def _per_tenant(
-    engine: AsyncEngine, database_url: str, amqp_url: str, topology: Topology, started: Started
-) -> Stack:
-    """A server alone whose first queue runs one job per tenant at once."""
-    queue = replace(topology.queues[0], max_running_per_tenant=1)
-    spec = replace(topology, queues=(queue, *topology.queues[1:]))
-    return await started(
-        start_stack(engine, database_url, amqp_url, spec, relay=False, worker=False)
-    )
-
-
 @pytest.mark.parametrize("limit", ["concurrency key", "queue budget"])
 async def test_a_job_made_due_then_held_for_an_older_one_hands_its_slot_on(
     limit: str,
@@ -57,7 +46,7 @@ async def test_a_job_made_due_then_held_for_an_older_one_hands_its_slot_on(
 ) -> None:
     options: dict[str, Any] = {}
     if limit == "queue budget":
-        stack = await _per_tenant(engine, database_url, amqp_url, topology, started)
+        stack = await one_running_per_tenant(engine, database_url, amqp_url, topology, started)
         job_type = "cross.op"
     else:
         stack = await started(

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from dataclasses import replace
 from typing import Any
 
 from sqlalchemy import text
@@ -16,7 +15,7 @@ from jobplane.envelope import Envelope
 from jobplane.store.attempts import AttemptStore, ClaimStatus
 from jobplane.topology import Topology
 from tests.support.parts import Started
-from tests.support.stack import Stack, start_stack
+from tests.support.stack import one_running_per_tenant
 
 _ROW = text("SELECT dispatch_id, tenant_id, type FROM jobs WHERE id = :id")
 
@@ -36,20 +35,10 @@ async def _claim_group(store: AttemptStore, engine: AsyncEngine, ids: list[str])
     ]
 
 
-async def _per_tenant(
-    engine: AsyncEngine, database_url: str, amqp_url: str, topology: Topology, started: Started
-) -> Stack:
-    queue = replace(topology.queues[0], max_running_per_tenant=1)
-    spec = replace(topology, queues=(queue, *topology.queues[1:]))
-    return await started(
-        start_stack(engine, database_url, amqp_url, spec, relay=False, worker=False)
-    )
-
-
 async def test_a_claim_group_and_a_claim_alone_do_not_deadlock(
     engine: AsyncEngine, database_url: str, amqp_url: str, topology: Topology, started: Started
 ) -> None:
-    stack = await _per_tenant(engine, database_url, amqp_url, topology, started)
+    stack = await one_running_per_tenant(engine, database_url, amqp_url, topology, started)
     client = stack.client()
     plain = await client.submit("cross.op", {})
     keyed, alone_keyed = [await client.submit("cross.op", {}, concurrency_key="k") for _ in "ab"]
@@ -75,7 +64,7 @@ async def test_a_claim_group_and_a_claim_alone_do_not_deadlock(
 async def test_a_group_decides_a_limit_only_for_its_own_rows(
     engine: AsyncEngine, database_url: str, amqp_url: str, topology: Topology, started: Started
 ) -> None:
-    stack = await _per_tenant(engine, database_url, amqp_url, topology, started)
+    stack = await one_running_per_tenant(engine, database_url, amqp_url, topology, started)
     client = stack.client()
     mine = [await client.submit("own.op", {}) for _ in range(2)]
     store = AttemptStore(stack.db, lease_seconds=30.0)

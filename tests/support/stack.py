@@ -6,7 +6,7 @@ import asyncio
 import time
 import uuid
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from sqlalchemy import text
@@ -23,6 +23,7 @@ from jobplane.workers.demo import registry as demo_registry
 from jobplane.workers.handlers import Registry
 from jobplane.workers.relay import Relay
 from jobplane.workers.runtime import Worker
+from tests.support.parts import Started
 
 
 @dataclass
@@ -175,3 +176,14 @@ async def eventually(
         if time.monotonic() > deadline:
             raise AssertionError(f"condition not met within {timeout}s")
         await asyncio.sleep(interval)
+
+
+async def one_running_per_tenant(
+    engine: AsyncEngine, database_url: str, amqp_url: str, topology: Topology, started: Started
+) -> Stack:
+    """A server alone whose first queue runs one job per tenant at once."""
+    queue = replace(topology.queues[0], max_running_per_tenant=1)
+    spec = replace(topology, queues=(queue, *topology.queues[1:]))
+    return await started(
+        start_stack(engine, database_url, amqp_url, spec, relay=False, worker=False)
+    )
